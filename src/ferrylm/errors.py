@@ -1,0 +1,76 @@
+"""Typed errors raised inside ferrylm.
+
+Each error carries the numbers that explain it. Only the HTTP edge (``server/errors.py``) maps them to status
+codes and OpenAI-style error JSON ``{"error": {"message", "type", "param", "code"}}``; inside the engine and the
+model code they are ordinary exceptions.
+"""
+
+from __future__ import annotations
+
+
+class FerryError(Exception):
+    """Base class. ``code`` is the OpenAI-style machine-readable code, ``param`` the offending field (or None)."""
+
+    code: str = "internal_error"
+    param: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        if param is not None:
+            self.param = param
+        if code is not None:
+            self.code = code
+
+
+class InvalidRequest(FerryError):
+    """The client sent something we cannot serve (bad value, bad type, template error). HTTP 400."""
+
+    code = "invalid_request"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """Prompt (+ max_tokens) does not fit the model context or the KV pool. HTTP 400.
+
+    The message must start with "This model's maximum context length is N tokens." (clients such as LiteLLM
+    detect overflow by that wording).
+    """
+
+    code = "context_length_exceeded"
+
+
+class ModelNotFound(FerryError):
+    """The request names a model this server does not serve. HTTP 404."""
+
+    code = "model_not_found"
+    param = "model"
+
+
+class ModelLoadError(FerryError):
+    """``--model`` names something that is not a loadable model (missing path, missing config.json, ...)."""
+
+    code = "model_load_error"
+
+
+class UnsupportedArchitecture(ModelLoadError):
+    """config.json names an architecture ferrylm does not implement."""
+
+    code = "unsupported_architecture"
+
+
+class EngineUnavailable(FerryError):
+    """The engine process is dead, restarting or not ready. HTTP 503 + Retry-After."""
+
+    code = "engine_unavailable"
+
+
+class QueueTimeout(FerryError):
+    """A request waited in the queue longer than ``--queue-timeout`` seconds. HTTP 503."""
+
+    code = "queue_timeout"
+
+
+class InsufficientMemory(FerryError):
+    """A request could not be served within device memory even after every recovery step. HTTP 503."""
+
+    code = "insufficient_memory"

@@ -1,0 +1,66 @@
+"""The ExpertExecutor interface: where routed experts live and run.
+
+The MoE block in ``models/moe.py`` owns the router; it hands the executor the tokens, their chosen expert ids
+and their (already normalised) routing weights, and gets back the weighted sum of the chosen experts' outputs.
+Backends (resident now; offload / cpu / hybrid later) differ only in where the expert bytes are when the GEMMs
+run, never in the result.
+
+Expert math (Mixtral / Qwen-MoE SwiGLU expert, Jiang et al. 2024 "Mixtral of Experts"):
+``expert_e(x) = W_down[e] @ (silu(W_gate[e] @ x) * (W_up[e] @ x))``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LayerExperts:
+    """All routed experts of one MoE layer, stacked.
+
+    Attributes:
+        gate: ``[E, I, H]`` gate projection (HF ``w1`` / ``gate_proj``).
+        up:   ``[E, I, H]`` up projection   (HF ``w3`` / ``up_proj``).
+        down: ``[E, H, I]`` down projection (HF ``w2`` / ``down_proj``).
+    ``E`` experts, ``H`` hidden size, ``I`` expert intermediate size.
+    """
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate.shape[0]
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert (gate + up + down)."""
+        per = self.gate[0].numel() + self.up[0].numel() + self.down[0].numel()
+        return per * self.gate.element_size()
+
+
+class ExpertExecutor(ABC):
+    """Computes ``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` for every token t of a step, for one layer."""
+
+    @abstractmethod
+    def run(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+            topk_weights: torch.Tensor) -> torch.Tensor:
+        """Run the chosen experts.
+
+        Args:
+            layer_idx: decoder layer index (the executor maps it to its own MoE-layer storage).
+            hidden: ``[T, H]`` input activations.
+            topk_ids: ``[T, k]`` int64 expert ids in ``[0, E)``.
+            topk_weights: ``[T, k]`` routing weights (same dtype as ``hidden`` or float32).
+
+        Returns:
+            ``[T, H]`` in ``hidden``'s dtype.
+        """
+
+    def stats(self) -> dict:
+        """Counters for the engine's stats (hits, misses, bytes copied ...). Empty for backends without any."""
+        return {}
