@@ -108,3 +108,59 @@ class ModelConfig:
         except (OSError, json.JSONDecodeError) as e:
             raise ModelLoadError(f"cannot read {p}: {e}") from None
         return cls.from_dict(d)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine process is shaped (serve flags that reach the engine).
+
+    Attributes:
+        device: ``"cpu"``, ``"cuda"`` or ``"auto"`` (cuda when available).
+        dtype: ``"auto"`` (float32 on CPU, bfloat16 on CUDA), ``"float32"``, ``"bfloat16"``, ``"float16"``.
+        page_size: tokens per KV page (``--page-size``).
+        num_pages / num_tokens: explicit KV pool size (``--num-pages`` wins over ``--num-tokens``); both None →
+            sized from free memory (``kv_memory_fraction`` of available memory).
+        max_running_requests: requests decoded together (``--max-running-requests``).
+        max_prefill_length: tokens per step budget (``--max-prefill-length``); None → 2048 on CPU, 8192 on GPU.
+        max_model_len: context limit in tokens (None → the model config's ``max_position_embeddings``).
+        moe_backend: expert backend name (``--moe-backend``).
+        check_invariants: check KV/scheduler invariants after every step (tests; ``--debug-invariants``).
+        kv_memory_fraction: share of free memory given to the KV pool when no explicit size is set.
+        seed: global seed for unseeded sampling.
+    """
+
+    device: str = "auto"
+    dtype: str = "auto"
+    page_size: int = 16
+    num_pages: int | None = None
+    num_tokens: int | None = None
+    max_running_requests: int = 16
+    max_prefill_length: int | None = None
+    max_model_len: int | None = None
+    moe_backend: str = "auto"
+    check_invariants: bool = False
+    kv_memory_fraction: float = 0.05
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+        return asdict(self)
+
+    def validate(self) -> "EngineConfig":
+        """Raise ValueError naming the flag when a value is out of range."""
+        checks = [
+            (self.page_size >= 1, "--page-size must be >= 1"),
+            (self.num_pages is None or self.num_pages >= 1, "--num-pages must be >= 1"),
+            (self.num_tokens is None or self.num_tokens >= 1, "--num-tokens must be >= 1"),
+            (self.max_running_requests >= 1, "--max-running-requests must be >= 1"),
+            (self.max_prefill_length is None or self.max_prefill_length >= 1, "--max-prefill-length must be >= 1"),
+            (self.max_model_len is None or self.max_model_len >= 2, "--max-model-len must be >= 2"),
+            (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+             f"--device must be auto, cpu or cuda[:N], got {self.device!r}"),
+            (self.dtype in ("auto", "float32", "bfloat16", "float16"),
+             f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+        return self

@@ -1,0 +1,109 @@
+"""``ferry`` command line: argument parsing into config objects, then hand-off. No serving logic here."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ferrylm.config import EngineConfig
+
+DEFAULT_MODEL = "smollm2-moe"
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="built-in name (smollm2-moe, smollm2-135m), a local HF folder, or a local .gguf file "
+                        f"(default: {DEFAULT_MODEL})")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
+    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 "
+                                                   "| float16")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens (default: model's)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: 16)")
+    p.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (wins over --num-tokens)")
+    p.add_argument("--num-tokens", type=int, default=None, help="KV pool size in tokens")
+    p.add_argument("--max-running-requests", type=int, default=16, help="requests decoded together (default: 16)")
+    p.add_argument("--max-prefill-length", "--max-extend-length", "--chunked-prefill-size", type=int,
+                   dest="max_prefill_length", default=None,
+                   help="token budget per step (default: 2048 on CPU, 8192 on GPU)")
+    p.add_argument("--moe-backend", default="auto", choices=["auto", "resident", "fused"],
+                   help="where routed experts live and run (default: auto)")
+    p.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling (default: 0)")
+    p.add_argument("--debug-invariants", action="store_true", help="check KV/scheduler invariants every step")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    """Build and validate the EngineConfig. Raises ValueError naming the flag."""
+    return EngineConfig(device=a.device, dtype=a.dtype, page_size=a.page_size, num_pages=a.num_pages,
+                        num_tokens=a.num_tokens, max_running_requests=a.max_running_requests,
+                        max_prefill_length=a.max_prefill_length, max_model_len=a.max_model_len,
+                        moe_backend="resident" if a.moe_backend == "fused" else a.moe_backend,
+                        check_invariants=a.debug_invariants, seed=a.seed).validate()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ferry", description="ferrylm: serve MoE LLMs larger than your GPU")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    s.add_argument("--served-model-name", default=None, help="model id clients use (default: the model's name)")
+    s.add_argument("--api-key", default=None, help="require this bearer key on /v1/* (env FERRYLM_API_KEY)")
+    s.add_argument("--max-engine-restarts", type=int, default=3,
+                   help="engine restarts allowed within 10 minutes before the server exits non-zero (default: 3)")
+
+    g = sub.add_parser("generate", help="print a completion without a server")
+    _add_model_args(g)
+    g.add_argument("prompt", nargs="?", default=None, help="prompt text")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine_config = engine_config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.command == "serve":
+        from ferrylm.server.launch import serve
+
+        return serve(args, engine_config)
+    if args.command == "generate":
+        return _generate(args, engine_config)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:
+    from ferrylm.engine.sampling_params import SamplingParams
+    from ferrylm.errors import ModelLoadError
+    from ferrylm.llm import LLM
+
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    try:
+        llm = LLM(args.model, engine_config=engine_config)
+    except ModelLoadError as e:
+        print(f"ferry generate: {e.message}", file=sys.stderr)
+        return 2
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k)
+    if args.chat:
+        out = llm.chat([[{"role": "user", "content": prompt}]], params)[0]
+    else:
+        out = llm.generate([prompt], params)[0]
+    print(out.outputs[0].text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Paged KV cache: one pool of fixed-size pages per layer, a free-list allocator, and paged attention.
+
+Layout (PagedAttention, Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving with
+PagedAttention"): the K and V caches of every layer are ``[num_pages * page_size, num_kv_heads, head_dim]``
+tensors allocated once at boot. A request owns a *page table* (list of page ids); token ``i`` of the request lives
+in slot ``page_table[i // page_size] * page_size + i % page_size``. The allocator hands out whole pages.
+
+This module holds the correct torch implementation used on CPU and CUDA; a fused GPU kernel can replace
+:meth:`PagedAttention.attend` later without changing the contract.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from ferrylm.models.attention import causal_attention
+
+
+class OutOfPages(Exception):
+    """The allocator has fewer free pages than asked for (the scheduler preempts or waits)."""
+
+
+class PageAllocator:
+    """Free-list allocator of page ids ``0 .. num_pages - 1``.
+
+    O(1) allocate/free per page. Invariant (checked by :meth:`check`): every page is either free or owned, never
+    both, never twice.
+    """
+
+    def __init__(self, num_pages: int):
+        if num_pages < 1:
+            raise ValueError(f"the KV pool needs at least one page, got {num_pages}")
+        self.num_pages = num_pages
+        self._free: deque[int] = deque(range(num_pages))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` pages. Raises OutOfPages (allocating nothing) when fewer than ``n`` are free."""
+        if n > len(self._free):
+            raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
+        return [self._free.popleft() for _ in range(n)]
+
+    def free(self, pages: list[int]) -> None:
+        """Return pages to the free list."""
+        self._free.extend(pages)
+
+    def check(self, owned: list[list[int]]) -> None:
+        """Assert the invariants given every owner's page table. Raises AssertionError with the violation."""
+        seen: set[int] = set()
+        for table in owned:
+            for p in table:
+                assert 0 <= p < self.num_pages, f"page {p} out of range"
+                assert p not in seen, f"page {p} owned twice"
+                seen.add(p)
+        free = set(self._free)
+        assert len(free) == len(self._free), "a page is on the free list twice"
+        assert not (free & seen), f"pages both free and owned: {sorted(free & seen)[:8]}"
+        assert len(free) + len(seen) == self.num_pages, (
+            f"free {len(free)} + used {len(seen)} != total {self.num_pages} (leaked pages)")
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    """Pages that hold ``num_tokens`` tokens (ceil division)."""
+    return -(-num_tokens // page_size)
+
+
+class KVPool:
+    """The K/V tensors of every layer: ``k[layer]``, ``v[layer]`` each ``[num_pages * page_size, Hkv, D]``.
+
+    Memory: ``2 * num_layers * num_pages * page_size * num_kv_heads * head_dim * dtype_bytes`` bytes.
+    """
+
+    def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        self.num_pages = num_pages
+        self.page_size = page_size
+        slots = num_pages * page_size
+        self.k = [torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.allocator = PageAllocator(num_pages)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the whole pool holds."""
+        return self.num_pages * self.page_size
+
+    @staticmethod
+    def bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """K + V bytes of one token across all layers."""
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class SeqSlice:
+    """One sequence's part of a step: ``q_len`` new tokens after ``ctx_len`` cached ones.
+
+    ``q_start`` is the offset of its first new token in the flattened batch; ``slots`` (``[ctx_len + q_len]``
+    int64, on the pool's device) are the cache slots of all its tokens, new ones last.
+    """
+
+    q_start: int
+    q_len: int
+    ctx_len: int
+    slots: torch.Tensor
+
+
+def slots_for(page_table: list[int], start: int, end: int, page_size: int) -> list[int]:
+    """Cache slots of token positions ``start .. end - 1`` under ``page_table``."""
+    return [page_table[i // page_size] * page_size + i % page_size for i in range(start, end)]
+
+
+class PagedAttention:
+    """AttentionBackend over a :class:`KVPool` for one step's batch.
+
+    Built by the engine per step. ``attend`` writes the step's new K/V into their slots, then computes causal
+    attention per sequence over the gathered cached + new K/V. Decode sequences (``q_len == 1``) are batched in
+    one padded SDPA call; prefill chunks run one SDPA call each.
+    """
+
+    def __init__(self, pool: KVPool, seqs: list[SeqSlice], device: torch.device | str):
+        self.pool = pool
+        self.seqs = seqs
+        self.new_slots = torch.cat([s.slots[s.ctx_len:] for s in seqs]) if seqs else torch.empty(0, dtype=torch.long)
+        self.new_slots = self.new_slots.to(device)
+        self.decode = [s for s in seqs if s.q_len == 1 and s.ctx_len > 0]
+        self.prefill = [s for s in seqs if not (s.q_len == 1 and s.ctx_len > 0)]
+        if self.decode:
+            lens = torch.tensor([s.ctx_len + 1 for s in self.decode], device=device)
+            max_len = int(lens.max())
+            pad = torch.zeros(len(self.decode), max_len, dtype=torch.long, device=device)
+            for i, s in enumerate(self.decode):
+                pad[i, : s.ctx_len + 1] = s.slots
+            self.decode_slots = pad                                               # [B, L]
+            self.decode_mask = torch.arange(max_len, device=device)[None, :] < lens[:, None]  # [B, L]
+            self.decode_q_idx = torch.tensor([s.q_start for s in self.decode], device=device)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """See :class:`ferrylm.models.attention.AttentionBackend`. Shapes ``q [T,Hq,D]``, ``k/v [T,Hkv,D]``."""
+        kc, vc = self.pool.k[layer_idx], self.pool.v[layer_idx]
+        kc.index_copy_(0, self.new_slots, k.to(kc.dtype))
+        vc.index_copy_(0, self.new_slots, v.to(vc.dtype))
+        out = torch.empty_like(q)
+        for s in self.prefill:
+            ks, vs = kc[s.slots], vc[s.slots]
+            qs = q[s.q_start: s.q_start + s.q_len]
+            out[s.q_start: s.q_start + s.q_len] = causal_attention(qs, ks.to(q.dtype), vs.to(q.dtype), scale,
+                                                                   q_offset=s.ctx_len)
+        if self.decode:
+            out[self.decode_q_idx] = self._decode(q, kc, vc, scale)
+        return out
+
+    def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float) -> torch.Tensor:
+        qd = q[self.decode_q_idx]                                   # [B, Hq, D]
+        kd = kc[self.decode_slots].to(q.dtype)                      # [B, L, Hkv, D]
+        vd = vc[self.decode_slots].to(q.dtype)
+        group = qd.shape[1] // kd.shape[2]
+        if group > 1:
+            kd = kd.repeat_interleave(group, dim=2)
+            vd = vd.repeat_interleave(group, dim=2)
+        mask = self.decode_mask[:, None, None, :]                   # [B, 1, 1, L]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qd[:, :, None, :], kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=mask, scale=scale)
+        return o[:, :, 0, :]                                        # [B, Hq, D]

@@ -1,0 +1,77 @@
+"""A request's state inside the engine: token counters that catch up (vLLM v1's request model).
+
+``num_computed_tokens`` counts tokens whose K/V are in the cache; the request needs computing while it is behind
+``num_tokens`` (prompt + generated so far). Chunked prefill and preemption-by-recompute both fall out of that:
+a chunk advances the counter part of the way; a preempted request resets it to 0 and keeps its tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ferrylm.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated.
+
+    Attributes:
+        request_id: unique id (string).
+        prompt_token_ids: the prompt.
+        params: sampling parameters (``max_tokens`` already resolved to an int by admission).
+        output_token_ids: tokens generated so far.
+        num_computed_tokens: tokens whose K/V are cached (0 .. num_tokens).
+        page_table: KV pages owned, in order.
+        generator: per-request torch.Generator when ``params.seed`` is set.
+        arrival_time: ``time.monotonic()`` at arrival (seconds).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    page_table: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def token_at(self, i: int) -> int:
+        """Token id at absolute position ``i``."""
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids at positions ``start .. end - 1``."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n: end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]

@@ -1,0 +1,121 @@
+"""Batched token sampling with per-request parameters.
+
+Order of operations (as in vLLM / HF ``generate``): penalties on raw logits → logprobs of the raw distribution
+(for ``logprobs``) → temperature → top-k → top-p → min-p → sample (greedy rows take argmax). Rows with a seed draw
+from their own ``torch.Generator`` so a request's samples do not depend on its batch mates.
+
+- Presence/frequency penalties: OpenAI API reference, over generated tokens: ``l -= presence * [count > 0] +
+  frequency * count``.
+- Repetition penalty: Keskar et al. 2019 (CTRL), over prompt + generated tokens: positive logits divided by the
+  penalty, negative ones multiplied.
+- Top-p: Holtzman et al. 2020 (nucleus sampling). Min-p: Nguyen et al. 2024.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ferrylm.engine.outputs import TokenLogprob
+from ferrylm.engine.request import Request
+
+
+@dataclass
+class SampleResult:
+    """``token_ids [B]`` chosen tokens; ``logprobs`` one TokenLogprob per row (None for rows not asking)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+def _apply_penalties(logits: torch.Tensor, reqs: list[Request], eos_ids: tuple[int, ...]) -> torch.Tensor:
+    B, V = logits.shape
+    dev = logits.device
+    for i, r in enumerate(reqs):
+        p = r.params
+        if p.min_tokens and r.num_output_tokens < p.min_tokens:
+            ban = [t for t in (*eos_ids, *p.stop_token_ids) if 0 <= t < V]
+            if ban:
+                logits[i, ban] = float("-inf")
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(r.prompt_token_ids + r.output_token_ids, device=dev).unique()
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+            counts = torch.bincount(torch.tensor(r.output_token_ids, device=dev), minlength=V)[:V].to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def sample(logits: torch.Tensor, reqs: list[Request], eos_ids: tuple[int, ...] = ()) -> SampleResult:
+    """Pick one token per row.
+
+    Args:
+        logits: ``[B, V]`` float32 next-token logits, row i for ``reqs[i]``. Modified in place.
+        reqs: the B requests (their params, generated tokens and generators are read).
+        eos_ids: EOS ids banned before ``min_tokens`` outputs.
+
+    Returns:
+        SampleResult with B token ids and, per row, logprobs when ``params.logprobs`` is not None.
+    """
+    B, V = logits.shape
+    dev = logits.device
+    logits = _apply_penalties(logits, reqs, eos_ids)
+    want_lp = [r.params.logprobs is not None for r in reqs]
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+
+    temps = torch.tensor([r.params.temperature for r in reqs], device=dev, dtype=logits.dtype)
+    greedy = temps == 0
+    chosen = torch.argmax(logits, dim=-1)
+    if not bool(greedy.all()):
+        scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+        scaled = _top_k_top_p_min_p(scaled, reqs)
+        probs = torch.softmax(scaled, dim=-1)
+        sampled = _draw(probs, reqs)
+        chosen = torch.where(greedy, chosen, sampled)
+    token_ids = chosen.tolist()
+
+    lps: list[TokenLogprob | None] = [None] * B
+    if raw_logprobs is not None:
+        k_max = max((r.params.logprobs or 0) for r in reqs)
+        top_v, top_i = raw_logprobs.topk(max(k_max, 1), dim=-1)
+        tok_lp = raw_logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        for i, r in enumerate(reqs):
+            if want_lp[i]:
+                k = r.params.logprobs or 0
+                lps[i] = TokenLogprob(token_ids[i], tok_lp[i], list(zip(top_i[i][:k], top_v[i][:k])))
+    return SampleResult(token_ids, lps)
+
+
+def _top_k_top_p_min_p(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    B, V = logits.shape
+    dev = logits.device
+    top_k = torch.tensor([r.params.top_k if r.params.top_k and r.params.top_k > 0 else V for r in reqs],
+                         device=dev).clamp(max=V)
+    top_p = torch.tensor([r.params.top_p for r in reqs], device=dev, dtype=logits.dtype)
+    min_p = torch.tensor([r.params.min_p for r in reqs], device=dev, dtype=logits.dtype)
+    if bool((top_k < V).any()) or bool((top_p < 1).any()):
+        sorted_l, idx = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(V, device=dev)[None, :]
+        drop = ranks >= top_k[:, None]
+        probs = torch.softmax(sorted_l.masked_fill(drop, float("-inf")), dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+        drop |= before >= top_p[:, None]       # keep the smallest prefix whose mass reaches top_p (>= 1 token)
+        sorted_l = sorted_l.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(1, idx, sorted_l)
+    if bool((min_p > 0).any()):
+        probs = torch.softmax(logits, dim=-1)
+        thresh = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        logits = logits.masked_fill(probs < thresh, float("-inf"))
+    return logits
+
+
+def _draw(probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """One multinomial draw per row; seeded rows use their own generator."""
+    out = torch.multinomial(probs, 1)[:, 0]
+    for i, r in enumerate(reqs):
+        if r.generator is not None:
+            out[i] = torch.multinomial(probs[i], 1, generator=r.generator)[0]
+    return out

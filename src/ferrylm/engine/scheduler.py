@@ -1,0 +1,177 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step builds one batch under two limits: at most ``max_running_requests`` running requests, and at most
+``max_prefill_length`` new tokens (decode tokens count one each). The plan is built in named sub-steps:
+
+1. ``_schedule_running``: every running request gets its next tokens (1 for decode, a chunk of the rest of its
+   prompt otherwise). When the pool is out of pages, the newest running request is preempted (pages freed,
+   requeued at the front of the waiting queue, recomputed later) — the scheduler never crashes for lack of pages.
+   A request alone in the pool that still cannot grow ends with finish reason "length" instead of thrashing.
+2. ``_schedule_waiting``: waiting requests in arrival order join while slots, budget and free pages allow. A
+   request that does not fit the free pages *now* is skipped, not waited on, so it never blocks smaller requests
+   behind it (no head-of-line deadlock). Requests that can never fit were rejected at admission.
+
+Design after vLLM v1's token-budget scheduler (request counters catching up), split into sub-steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ferrylm.engine.kv_cache import PageAllocator, pages_needed
+from ferrylm.engine.request import Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits: ``max_running_requests`` (requests), ``max_prefill_length`` (tokens per step), ``page_size``."""
+
+    max_running_requests: int
+    max_prefill_length: int
+    page_size: int
+
+
+@dataclass
+class ScheduledSeq:
+    """``request`` computes tokens ``start .. start + num_tokens - 1`` this step; ``sample`` when the chunk
+    reaches the end of its known tokens (so a next token is produced)."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def sample(self) -> bool:
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class Batch:
+    """One step's plan. ``truncated``: requests ended with "length" because the whole KV pool cannot hold their
+    next token (they were alone and still short of pages)."""
+
+    seqs: list[ScheduledSeq]
+    preempted: list[Request]
+    truncated: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the page tables (through the allocator)."""
+
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator):
+        self.config = config
+        self.allocator = allocator
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # --- queue operations -------------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Mark finished and free its pages at once. Safe to call on a waiting or running request."""
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+        elif req.status == Status.WAITING:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- planning ---------------------------------------------------------------------------------------------
+    def schedule(self) -> Batch:
+        """Plan the next step. The returned seqs own the pages they need for this step."""
+        budget = self.config.max_prefill_length
+        seqs, preempted, truncated, budget = self._schedule_running(budget)
+        seqs += self._schedule_waiting(budget)
+        return Batch(seqs=seqs, preempted=preempted, truncated=truncated)
+
+    def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], list[Request], list[Request], int]:
+        seqs: list[ScheduledSeq] = []
+        preempted: list[Request] = []
+        truncated: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self._grow(req, req.num_computed_tokens + n):
+                if len(self.running) == 1:
+                    # Alone and still short of pages: the whole pool cannot hold this request's next token.
+                    # Preempting it would recompute forever; end it with "length" (the pool is its context).
+                    self.finish(req, "length")
+                    truncated.append(req)
+                    break
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != Status.RUNNING:
+                break  # req was preempted (newest) or truncated; everything after it is gone too
+            seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
+            budget -= n
+            i += 1
+        return seqs, preempted, truncated, budget
+
+    def _schedule_waiting(self, budget: int) -> list[ScheduledSeq]:
+        seqs: list[ScheduledSeq] = []
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+            req = self.waiting.popleft()
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._grow(req, req.num_computed_tokens + n):
+                skipped.append(req)  # does not fit the free pages now; let smaller ones behind it run
+                continue
+            req.status = Status.RUNNING
+            self.running.append(req)
+            seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+        return seqs
+
+    # --- pages ------------------------------------------------------------------------------------------------
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        """Give ``req`` pages for ``num_tokens`` tokens. False (nothing allocated) when the pool is short."""
+        need = pages_needed(num_tokens, self.config.page_size) - len(req.page_table)
+        if need <= 0:
+            return True
+        if need > self.allocator.num_free:
+            return False
+        req.page_table.extend(self.allocator.allocate(need))
+        return True
+
+    def _release(self, req: Request) -> None:
+        if req.page_table:
+            self.allocator.free(req.page_table)
+            req.page_table = []
+
+    def _preempt(self, req: Request) -> None:
+        """Free ``req``'s pages and requeue it first in line; it recomputes prompt + output later."""
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def check_invariants(self) -> None:
+        """Assert: no page owned twice; free + used = total; every running request's table covers its
+        computed tokens. Raises AssertionError."""
+        owners = self.running + [r for r in self.waiting if r.page_table]
+        self.allocator.check([r.page_table for r in owners])
+        for r in self.running:
+            have = len(r.page_table) * self.config.page_size
+            assert have >= r.num_computed_tokens, (
+                f"{r.request_id}: {have} slots < {r.num_computed_tokens} computed tokens")
+        assert len(self.running) <= self.config.max_running_requests
