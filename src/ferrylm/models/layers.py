@@ -1,0 +1,279 @@
+"""Building blocks shared by the decoder families: RMSNorm, rotary position embedding, GQA attention, SwiGLU MLP.
+
+All activations use the flattened batch layout of ``models/attention.py``: dim 0 is the step's ``T`` tokens.
+Module attribute names follow the Hugging Face checkpoint names (``q_proj``, ``gate_proj`` ...) so that the
+loader can place tensors by name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ferrylm.errors import ModelLoadError
+from ferrylm.models.attention import AttentionBackend
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization").
+
+    ``y = w * x / sqrt(mean(x^2) + eps)`` over the last dim. The statistic is computed in float32 and the
+    normalised activations are cast back to the input dtype before the weight multiply (the order the
+    reference checkpoints were trained with).
+
+    Args:
+        hidden_size: size ``H`` of the normalised (last) dim.
+        eps: added to the mean square for stability.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., H]`` -> ``[..., H]`` in ``x``'s dtype (times the weight's dtype)."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+# --- rotary position embedding --------------------------------------------------------------------------------
+
+
+def _base_inv_freq(dim: int, theta: float) -> torch.Tensor:
+    """``theta ** (-2i / dim)`` for ``i = 0 .. dim/2 - 1`` in float32 (Su et al. 2021, "RoFormer", eq. 15)."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    return 1.0 / (theta ** exponents)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: Mapping[str, Any], original_max: int) -> torch.Tensor:
+    """Llama 3.1 frequency scaling (Meta's Llama 3.1 reference, ``apply_scaling`` in ``llama/model.py``).
+
+    Wavelengths shorter than ``original_max / high_freq_factor`` are kept, longer than
+    ``original_max / low_freq_factor`` divided by ``factor``; in between, a linear blend in ``original_max /
+    wavelength``.
+    """
+    factor = float(params["factor"])
+    low = float(params.get("low_freq_factor", 1.0))
+    high = float(params.get("high_freq_factor", 4.0))
+    low_freq_wavelen = original_max / low
+    high_freq_wavelen = original_max / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(in_band, blended, scaled)
+
+
+def _yarn_inv_freq(dim: int, theta: float, params: Mapping[str, Any], original_max: int,
+                   max_positions: int) -> tuple[torch.Tensor, float]:
+    """YaRN "NTK-by-parts" interpolation (Peng et al. 2023, "YaRN: Efficient Context Window Extension", §3.2-3.4).
+
+    Dims that rotate more than ``beta_fast`` times over the original context are extrapolated (kept), dims that
+    rotate fewer than ``beta_slow`` times are interpolated (divided by ``factor``), with a linear ramp between.
+    Returns the frequencies and the attention factor ``0.1 ln(factor) + 1`` (or the configured value) that
+    scales cos/sin.
+    """
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else max_positions / original_max
+    beta_fast = float(params.get("beta_fast") or 32)
+    beta_slow = float(params.get("beta_slow") or 1)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:  # dim index whose wavelength fits `rotations` times
+        return dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    idx = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((idx - lo) / (hi - lo)).clamp(0, 1)  # 1 = interpolate (slow dims), 0 = keep (fast dims)
+    wavelength_base = theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+    extrapolated = 1.0 / wavelength_base
+    interpolated = 1.0 / (factor * wavelength_base)
+    keep = 1 - ramp
+    return interpolated * (1 - keep) + extrapolated * keep, float(attention_factor)
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: Mapping[str, Any] | None, *, max_positions: int,
+                     original_max_positions: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies of RoPE with the config's ``rope_scaling`` applied.
+
+    Args:
+        head_dim: rotated dims ``D`` (even).
+        theta: RoPE base (config ``rope_theta``).
+        scaling: the config's ``rope_scaling`` / ``rope_parameters`` dict (``rope_type`` or legacy ``type``), or
+            None for plain RoPE. Supported types: ``SUPPORTED_ROPE_TYPES``.
+        max_positions: the model context (``max_position_embeddings``).
+        original_max_positions: pre-extension context for llama3 / yarn when the config states it outside the
+            scaling dict; otherwise the dict's ``original_max_position_embeddings``, else ``max_positions``.
+
+    Returns:
+        ``(inv_freq [D/2] float32, attention_factor)``; cos/sin are multiplied by ``attention_factor``.
+
+    Raises:
+        ModelLoadError: unsupported rope type (e.g. ``dynamic``, whose frequencies depend on the current sequence
+            length and so cannot be cached, or ``longrope``), or partial rotary embedding.
+    """
+    if head_dim % 2:
+        raise ModelLoadError(f"RoPE needs an even head_dim, got {head_dim}")
+    params = dict(scaling or {})
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ModelLoadError("partial rotary embedding (partial_rotary_factor != 1) is not supported")
+    original_max = int(original_max_positions or params.get("original_max_position_embeddings") or max_positions)
+    if rope_type == "default":
+        return _base_inv_freq(head_dim, theta), 1.0
+    if rope_type == "linear":  # position interpolation (Chen et al. 2023)
+        return _base_inv_freq(head_dim, theta) / float(params["factor"]), 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(_base_inv_freq(head_dim, theta), params, original_max), 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, params, original_max, max_positions)
+    raise ModelLoadError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+def config_rope_frequencies(config) -> tuple[torch.Tensor, float]:
+    """:func:`rope_frequencies` for a :class:`~ferrylm.config.ModelConfig` (``head_dim``, ``rope_theta``,
+    ``rope_scaling``, ``max_position_embeddings``, top-level ``original_max_position_embeddings`` and
+    ``partial_rotary_factor`` from ``raw``). Raises ModelLoadError like :func:`rope_frequencies`."""
+    raw = config.raw or {}
+    if float(raw.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise ModelLoadError("partial rotary embedding (partial_rotary_factor != 1) is not supported")
+    return rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling,
+                            max_positions=config.max_position_embeddings,
+                            original_max_positions=raw.get("original_max_position_embeddings"))
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, H, D]`` by per-token angles (Su et al. 2021), "half-split" pairing.
+
+    Dim ``i`` is paired with dim ``i + D/2`` (the Hugging Face / GPT-NeoX layout, not interleaved pairs):
+    ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)``. ``cos``/``sin`` are ``[T, D/2]`` in ``x``'s dtype.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE with cos/sin tables precomputed once for positions ``0 .. max_positions - 1``.
+
+    The tables are float32 non-persistent buffers ``[max_positions, D/2]`` (already multiplied by the scaling's
+    attention factor); lookups gather rows by absolute position and cast to the activations' dtype.
+
+    Args:
+        head_dim: rotated dims ``D``.
+        max_positions: table length; positions must lie in ``[0, max_positions)``.
+        inv_freq: ``[D/2]`` inverse frequencies (see :func:`rope_frequencies`).
+        attention_factor: multiplier of cos/sin (YaRN), 1.0 otherwise.
+        device: where the tables live (explicit, so that a model built under ``torch.device("meta")`` still gets
+            real tables).
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, inv_freq: torch.Tensor, attention_factor: float = 1.0,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        pos = torch.arange(max_positions, dtype=torch.float32, device=device)
+        angles = torch.outer(pos, inv_freq.to(device=device, dtype=torch.float32))  # [P, D/2] radians
+        self.register_buffer("cos_table", angles.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin_table", angles.sin() * attention_factor, persistent=False)
+
+    @classmethod
+    def from_config(cls, config, device: torch.device | str | None = None) -> "RotaryEmbedding":
+        """Build from a :class:`~ferrylm.config.ModelConfig` (``head_dim``, ``rope_theta``, ``rope_scaling``,
+        ``max_position_embeddings``). Raises ModelLoadError for unsupported scaling (see :func:`rope_frequencies`).
+        """
+        inv_freq, factor = config_rope_frequencies(config)
+        return cls(config.head_dim, config.max_position_embeddings, inv_freq, factor, device=device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` at absolute ``positions [T]`` (int64)."""
+        cos = self.cos_table[positions].to(q.dtype)
+        sin = self.sin_table[positions].to(q.dtype)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+# --- attention and MLP ------------------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention (Ainslie et al. 2023, "GQA") with RoPE; K/V storage is the backend's job.
+
+    Args:
+        layer_idx: decoder layer index passed to ``attn.attend``.
+        hidden_size: model width ``H``.
+        num_heads, num_kv_heads: query and key/value heads (``num_heads % num_kv_heads == 0``).
+        head_dim: per-head width ``D``; the softmax scale is ``D ** -0.5``.
+        rotary: the model's shared :class:`RotaryEmbedding`.
+        qkv_bias: biases on q/k/v projections (Llama ``attention_bias``, Qwen2).
+        o_bias: bias on the output projection (Llama ``attention_bias``).
+
+    Raises:
+        ValueError: heads not divisible.
+    """
+
+    def __init__(self, layer_idx: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 rotary: RotaryEmbedding, *, qkv_bias: bool = False, o_bias: bool = False):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.rotary = rotary
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """``hidden [T, H]`` at absolute ``positions [T]`` -> ``[T, H]``; K/V go through ``attn``."""
+        t = hidden.shape[0]
+        q = self.q_proj(hidden).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = attn.attend(self.layer_idx, q, k, v, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class SwiGLUMLP(nn.Module):
+    """Dense gated MLP ``down(silu(gate(x)) * up(x))`` (Shazeer 2020, "GLU Variants Improve Transformer").
+
+    Args:
+        hidden_size: ``H``; intermediate_size: ``I``; bias: biases on all three projections (Llama ``mlp_bias``).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]`` -> ``[T, H]``."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,141 @@
+"""Llama-family decoder (Touvron et al. 2023, "LLaMA"): pre-norm blocks of GQA attention + SwiGLU MLP.
+
+The generic pieces here (DecoderLayer, DecoderStack, the causal-LM wrapper) are reused by the MoE families,
+which only swap the per-layer MLP. Module names mirror the HF checkpoint names (``model.layers.N.self_attn.q_proj``
+...) so the loader places tensors by name.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ferrylm.config import ModelConfig
+from ferrylm.errors import ModelLoadError
+from ferrylm.experts.executor import ExpertExecutor
+from ferrylm.models.attention import AttentionBackend
+from ferrylm.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLUMLP, config_rope_frequencies
+
+
+def check_decoder_config(config: ModelConfig) -> None:
+    """Raise ModelLoadError when ``config`` asks for something this decoder does not compute (activation,
+    head layout, RoPE type). Cheap: builds no tensors beyond the ``[D/2]`` RoPE frequencies."""
+    act = config.raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"hidden_act {act!r} is not supported (only 'silu')")
+    if config.num_heads % config.num_kv_heads:
+        raise ModelLoadError(f"num_attention_heads {config.num_heads} is not a multiple of "
+                             f"num_key_value_heads {config.num_kv_heads}")
+    config_rope_frequencies(config)
+
+
+class DecoderLayer(nn.Module):
+    """``h = x + attn(norm1(x)); y = h + mlp(norm2(h))`` (pre-norm residual block).
+
+    Args:
+        config: model config; layer_idx: 0-based; rotary: the model's shared RoPE; mlp: dense MLP or MoE block
+            (any module mapping ``[T, H] -> [T, H]``).
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, mlp: nn.Module):
+        super().__init__()
+        bias = bool(config.raw.get("attention_bias", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(layer_idx, config.hidden_size, config.num_heads, config.num_kv_heads,
+                                   config.head_dim, rotary, qkv_bias=bias, o_bias=bias)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """``x [T, H]`` -> ``[T, H]``."""
+        h = x + self.self_attn(positions, self.input_layernorm(x), attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderStack(nn.Module):
+    """Embedding, decoder layers, final norm (HF ``model.*``).
+
+    Args:
+        config: model config.
+        mlps: one MLP module per layer.
+        device: where the RoPE tables are built (see :class:`RotaryEmbedding`).
+    """
+
+    def __init__(self, config: ModelConfig, mlps: list[nn.Module], device: torch.device | str | None = None):
+        super().__init__()
+        self.rotary = RotaryEmbedding.from_config(config, device=device)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary, mlp) for i, mlp in enumerate(mlps))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """``input_ids [T]``, ``positions [T]`` -> normed hidden ``[T, H]``."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, attn)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Dense Llama causal LM.
+
+    Args:
+        config: model config (``ModelConfig``).
+        executor: routed-expert executor; unused by dense models (the MoE subclasses require it).
+        device: where the RoPE tables are built; parameters follow the ambient device (the loader builds on
+            ``meta`` and assigns checkpoint tensors).
+
+    Raises:
+        ModelLoadError: unsupported config (activation, head layout, RoPE type).
+
+    Class attributes used by the loader:
+        hf_renames: ``(old, new)`` substrings mapping checkpoint names onto module names.
+    """
+
+    hf_renames: tuple[tuple[str, str], ...] = ()
+
+    def __init__(self, config: ModelConfig, *, executor: ExpertExecutor | None = None,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        self.check_config(config)
+        self.config = config
+        mlps = [self._build_mlp(config, i, executor) for i in range(config.num_layers)]
+        self.model = DecoderStack(config, mlps, device=device)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+                                                                         bias=False)
+
+    @classmethod
+    def check_config(cls, config: ModelConfig) -> None:
+        """Raise ModelLoadError when this class cannot compute ``config`` (called before weights are read)."""
+        check_decoder_config(config)
+
+    @classmethod
+    def moe_layer_indices(cls, config: ModelConfig) -> tuple[int, ...]:
+        """Decoder layers whose MLP is a routed MoE block (none for dense Llama)."""
+        return ()
+
+    def _build_mlp(self, config: ModelConfig, layer_idx: int, executor: ExpertExecutor | None) -> nn.Module:
+        return SwiGLUMLP(config.hidden_size, config.intermediate_size, bias=bool(config.raw.get("mlp_bias", False)))
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """Run the decoder over a flattened batch.
+
+        Args:
+            input_ids: ``[T]`` int64 token ids of all sequences' new tokens, concatenated.
+            positions: ``[T]`` int64 absolute position of each token in its sequence.
+            attn: stores K/V and computes causal attention per layer.
+
+        Returns:
+            ``[T, H]`` final-normed hidden states.
+        """
+        return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, H]`` -> ``[N, V]`` float32 logits (tied to the embedding when ``tie_word_embeddings``)."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,230 @@
+"""Load a Hugging Face model folder (config.json + safetensors) into a ferrylm model and an expert executor.
+
+Steps: read config.json → pick the class from the registry and check the config → stream every tensor of the
+checkpoint, routed experts into preallocated ``[E, …]`` stacks, everything else into a name → tensor dict →
+build the executor → build the model on the ``meta`` device and assign the tensors. Every checkpoint tensor
+must find a place and every parameter / expert slot must be filled, else ModelLoadError names the tensor.
+Only tensors are read: no code from the folder is ever imported or run.
+
+Expert layouts accepted (per MoE layer N, block named ``block_sparse_moe`` or ``mlp``):
+  * per expert: ``model.layers.N.<block>.experts.E.{w1,w3,w2}.weight`` (Mixtral) or
+    ``….experts.E.{gate_proj,up_proj,down_proj}.weight`` (Qwen-MoE), each ``[I, H]`` / ``[I, H]`` / ``[H, I]``.
+  * fused (transformers v5 in-memory layout, written by ``save_pretrained(save_original_format=False)``):
+    ``….experts.gate_up_proj [E, 2I, H]`` (gate rows first, then up) and ``….experts.down_proj [E, H, I]``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from ferrylm.config import ModelConfig
+from ferrylm.errors import ModelLoadError
+from ferrylm.experts import build_executor, check_backend
+from ferrylm.experts.executor import ExpertExecutor, LayerExperts
+from ferrylm.models.registry import get_model_class
+
+_PER_EXPERT = re.compile(
+    r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+    r"(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)$")
+_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+_PART_NAMES = {"gate": "w1 / gate_proj", "up": "w3 / up_proj", "down": "w2 / down_proj"}
+
+
+@dataclass
+class LoadedModel:
+    """A loaded model. ``executor`` runs the routed experts (None for dense models)."""
+
+    model: nn.Module
+    config: ModelConfig
+    executor: ExpertExecutor | None
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files holding the weights.
+
+    ``model.safetensors.index.json`` present → the files its ``weight_map`` names (so stray extra files such as
+    ``consolidated.safetensors`` are not read twice); else ``model.safetensors``; else every ``*.safetensors``.
+
+    Raises:
+        ModelLoadError: no safetensors weights, an unreadable index, or a shard the index names is missing.
+    """
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"cannot read {index}: {e!r}") from None
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{index.name} names shard {f.name}, which is missing from {model_dir}")
+        return files
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir} holds no *.safetensors weights (.bin / .pt checkpoints are not read)")
+    return files
+
+
+class ExpertAssembler:
+    """Collects routed-expert tensors into preallocated per-layer stacks and tracks which slots are filled.
+
+    Args:
+        layers: decoder layers that hold routed experts.
+        num_experts, hidden_size, intermediate_size: ``E``, ``H``, ``I``.
+        device, dtype: where and how the stacks are stored.
+    """
+
+    def __init__(self, layers: tuple[int, ...], num_experts: int, hidden_size: int, intermediate_size: int,
+                 device: torch.device, dtype: torch.dtype):
+        e, h, i = num_experts, hidden_size, intermediate_size
+        self.shapes = {"gate": (i, h), "up": (i, h), "down": (h, i)}
+        self.num_experts = e
+        self.stacks = {n: LayerExperts(gate=torch.empty(e, i, h, device=device, dtype=dtype),
+                                       up=torch.empty(e, i, h, device=device, dtype=dtype),
+                                       down=torch.empty(e, h, i, device=device, dtype=dtype)) for n in layers}
+        self.filled: dict[tuple[int, str], set[int]] = {(n, p): set() for n in layers for p in self.shapes}
+
+    def add(self, name: str, tensor: torch.Tensor) -> bool:
+        """Place ``tensor`` if ``name`` is a routed-expert tensor; return False if it is not one.
+
+        Raises:
+            ModelLoadError: expert tensor of a non-MoE layer, expert id out of range, wrong shape, duplicate.
+        """
+        m = _PER_EXPERT.match(name)
+        if m:
+            layer, expert, part = int(m[1]), int(m[2]), _PART[m[3]]
+            self._put(name, layer, part, [expert], tensor[None])
+            return True
+        m = _FUSED.match(name)
+        if not m:
+            return False
+        layer, experts = int(m[1]), list(range(self.num_experts))
+        if m[2] == "down_proj":
+            self._put(name, layer, "down", experts, tensor)
+            return True
+        i = self.shapes["gate"][0]
+        if tensor.ndim != 3 or tensor.shape[1] != 2 * i:
+            raise ModelLoadError(f"{name}: expected shape [{self.num_experts}, {2 * i}, {self.shapes['gate'][1]}] "
+                                 f"(gate rows then up rows), got {list(tensor.shape)}")
+        self._put(name, layer, "gate", experts, tensor[:, :i])
+        self._put(name, layer, "up", experts, tensor[:, i:])
+        return True
+
+    def _put(self, name: str, layer: int, part: str, experts: list[int], tensor: torch.Tensor) -> None:
+        stack = self.stacks.get(layer)
+        if stack is None:
+            raise ModelLoadError(f"checkpoint tensor {name!r}: layer {layer} has no routed experts")
+        if experts[-1] >= self.num_experts:
+            raise ModelLoadError(f"checkpoint tensor {name!r}: expert {experts[-1]} out of range "
+                                 f"(num_local_experts={self.num_experts})")
+        want = (len(experts), *self.shapes[part])
+        if tuple(tensor.shape) != want:
+            raise ModelLoadError(f"checkpoint tensor {name!r}: expected shape {list(want)}, got "
+                                 f"{list(tensor.shape)}")
+        done = self.filled[(layer, part)]
+        if done.intersection(experts):
+            raise ModelLoadError(f"checkpoint tensor {name!r} duplicates expert weights already loaded")
+        getattr(stack, part)[experts[0]:experts[-1] + 1].copy_(tensor)
+        done.update(experts)
+
+    def finish(self) -> dict[int, LayerExperts]:
+        """The completed stacks. Raises ModelLoadError naming the first missing expert tensor."""
+        for (layer, part), done in sorted(self.filled.items()):
+            missing = sorted(set(range(self.num_experts)) - done)
+            if missing:
+                raise ModelLoadError(f"checkpoint lacks routed expert weights: model.layers.{layer} expert "
+                                     f"{missing[0]} {part} projection ({_PART_NAMES[part]})")
+        return self.stacks
+
+
+def _module_name(name: str, model_cls: type, config: ModelConfig) -> str | None:
+    """Map a checkpoint name onto the model's state-dict name; None for tensors that are deliberately skipped
+    (cached RoPE frequencies; ``lm_head.weight`` of a tied model)."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    if config.tie_word_embeddings and name == "lm_head.weight":
+        return None
+    for old, new in model_cls.hf_renames:
+        name = name.replace(old, new)
+    return name
+
+
+def _assign(model: nn.Module, tensors: dict[str, torch.Tensor], origin: dict[str, str]) -> None:
+    """Assign ``tensors`` onto the meta-built ``model``; every parameter filled, nothing left over."""
+    expected = model.state_dict()
+    for key, t in tensors.items():
+        if key not in expected:
+            raise ModelLoadError(f"checkpoint tensor {origin[key]!r} has no place in "
+                                 f"{type(model).__name__}")
+        if tuple(t.shape) != tuple(expected[key].shape):
+            raise ModelLoadError(f"checkpoint tensor {origin[key]!r}: expected shape "
+                                 f"{list(expected[key].shape)}, got {list(t.shape)}")
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks tensor {missing[0]!r}"
+                             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    model.load_state_dict(tensors, strict=True, assign=True)
+
+
+def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+               moe_backend: str = "resident") -> LoadedModel:
+    """Load the HF model folder ``model_dir``.
+
+    Args:
+        model_dir: folder with ``config.json`` and safetensors weights (single file or sharded with an index).
+        device: where weights (and, for the resident backend, experts) are placed.
+        dtype: floating-point tensors are cast to it.
+        moe_backend: expert backend name (see ``ferrylm.experts.MOE_BACKENDS``); ignored for dense models.
+
+    Returns:
+        :class:`LoadedModel` with the model in eval mode, gradients off.
+
+    Raises:
+        ModelLoadError: missing/unreadable files, unsupported config, a checkpoint tensor without a place, a
+            parameter or expert without a tensor, a shape mismatch (the message names the tensor).
+        UnsupportedArchitecture: ``architectures[0]`` is not registered (message lists the supported ones).
+        ValueError: unknown ``moe_backend``.
+    """
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_folder(model_dir)
+    model_cls = get_model_class(config.architecture)
+    model_cls.check_config(config)
+    check_backend(moe_backend)
+    device = torch.device(device)
+    moe_layers = model_cls.moe_layer_indices(config)
+    experts = ExpertAssembler(moe_layers, config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                              device, dtype) if moe_layers else None
+
+    tensors: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                if experts is not None and experts.add(name, t):
+                    continue
+                key = _module_name(name, model_cls, config)
+                if key is None:
+                    continue
+                if key in tensors:
+                    raise ModelLoadError(f"checkpoint tensor {name!r} appears twice (also as {origin[key]!r})")
+                tensors[key] = t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
+                origin[key] = name
+
+    executor = build_executor(moe_backend, experts.finish(), device) if experts is not None else None
+    with torch.device("meta"):
+        model = model_cls(config, executor=executor, device=device)
+    _assign(model, tensors, origin)
+    model.requires_grad_(False)
+    model.eval()
+    return LoadedModel(model=model, config=config, executor=executor)

@@ -1,0 +1,32 @@
+"""Architecture name (config.json ``architectures[0]``) -> model class, imported lazily on first use."""
+
+from __future__ import annotations
+
+import importlib
+
+from ferrylm.errors import UnsupportedArchitecture
+
+# NOTE: values are "module:Class" so that importing the registry does not import torch-heavy model code.
+MODEL_REGISTRY: dict[str, str] = {
+    "LlamaForCausalLM": "ferrylm.models.llama:LlamaForCausalLM",
+    "MixtralForCausalLM": "ferrylm.models.mixtral:MixtralForCausalLM",
+}
+
+
+def supported_architectures() -> tuple[str, ...]:
+    """Sorted names of the architectures ferrylm implements."""
+    return tuple(sorted(MODEL_REGISTRY))
+
+
+def get_model_class(architecture: str) -> type:
+    """Import and return the class for ``architecture``.
+
+    Raises:
+        UnsupportedArchitecture: the name is not registered (the message lists the supported ones).
+    """
+    target = MODEL_REGISTRY.get(architecture)
+    if target is None:
+        raise UnsupportedArchitecture(
+            f"architecture {architecture!r} is not supported; supported: {', '.join(supported_architectures())}")
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,95 @@
+"""Helpers for tests/models: tiny random checkpoints written by transformers' own ``save_pretrained``, plus the in-memory reference model.
+
+Each case is built once per session. Parameters are re-drawn with a larger spread than transformers' default
+init (std 0.02), so that logits, RoPE and routing decisions are far from degenerate and a wrong formula shows.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+
+_COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+
+CASES: dict[str, tuple[str, dict]] = {
+    "llama": ("llama", dict(vocab_size=160, intermediate_size=128,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "llama_llama3": ("llama", dict(vocab_size=160, intermediate_size=128, max_position_embeddings=512,
+                                   rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 64})),
+    "llama_linear": ("llama", dict(vocab_size=160, intermediate_size=128,
+                                   rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
+    "llama_yarn": ("llama", dict(vocab_size=160, intermediate_size=128,
+                                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                  "original_max_position_embeddings": 64})),
+    # tied embeddings, q/k/v/o + MLP biases, head_dim (32) != hidden / heads (16), 3 layers
+    "llama_tied_bias": ("llama", dict(vocab_size=192, intermediate_size=96, num_hidden_layers=3, head_dim=32,
+                                      tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),
+    "mixtral": ("mixtral", dict(vocab_size=128, intermediate_size=96, num_local_experts=8, num_experts_per_tok=2,
+                                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "mixtral_tied": ("mixtral", dict(vocab_size=200, intermediate_size=48, num_hidden_layers=3,
+                                     num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=True,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+}
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    reference: torch.nn.Module  # transformers model holding the same weights (float32, eval)
+    vocab_size: int
+
+
+def _randomize_(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".gate.weight"):  # router: decisive, well-separated top-k choices
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def build_checkpoint(case: str, path: Path, seed: int = 0) -> Checkpoint:
+    family, overrides = CASES[case]
+    config_cls = transformers.LlamaConfig if family == "llama" else transformers.MixtralConfig
+    cfg = config_cls(**{**_COMMON, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    _randomize_(model, seed)
+    model.eval()
+    model.save_pretrained(path)
+    return Checkpoint(path=path, reference=model, vocab_size=cfg.vocab_size)
+
+
+def copy_config(src: Path, dst: Path, **updates) -> Path:
+    """Copy ``src/config.json`` to ``dst`` (created), applying top-level ``updates``."""
+    dst.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(updates)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def reference_logits(ckpt: Checkpoint, ids: torch.Tensor) -> torch.Tensor:
+    """Full-sequence float32 logits ``[T, V]`` from transformers."""
+    with torch.no_grad():
+        return ckpt.reference(input_ids=ids[None]).logits[0].float()
+
+
+def token_ids(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
