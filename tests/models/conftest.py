@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hf_checkpoints import Checkpoint, build_checkpoint
+from tests.models.hf_checkpoints import Checkpoint, build_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hf_checkpoints import copy_checkpoint, copy_config
+from tests.models.hf_checkpoints import copy_checkpoint, copy_config
 from safetensors.torch import load_file, save_file
 
 from ferrylm.errors import ModelLoadError, UnsupportedArchitecture

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_checkpoints import CASES, copy_config, reference_logits, token_ids
+from tests.models.hf_checkpoints import CASES, copy_config, reference_logits, token_ids
 from safetensors.torch import load_file, save_file
 
 from ferrylm.models.attention import DenseCausalAttention, causal_attention

@@ -1,0 +1,134 @@
+"""Offline API: ``LLM(model).generate(prompts, SamplingParams)`` runs an in-process engine over many prompts.
+
+The same engine as ``ferry serve`` (continuous batching, paged KV), without the HTTP layer or a second process.
+Text is produced with the frontend's incremental detokenizer and stop-string logic, so results match the server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ferrylm.config import EngineConfig
+from ferrylm.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    """One choice: ``text``, ``token_ids`` generated, ``finish_reason`` ("stop" | "length")."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list | None = None
+
+
+@dataclass
+class RequestOutput:
+    """All choices of one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+
+class LLM:
+    """An in-process engine.
+
+    Args:
+        model: built-in name, HF folder or .gguf file (as ``--model``).
+        engine_config: an EngineConfig (default: EngineConfig()).
+
+    Raises:
+        ModelLoadError: the model cannot be resolved or loaded.
+    """
+
+    def __init__(self, model: str = "smollm2-moe", *, engine_config: EngineConfig | None = None, **overrides):
+        from ferrylm.engine.factory import build_engine
+        from ferrylm.models.resolve import resolve_model
+        from ferrylm.server.tokenizer import TextCodec
+
+        cfg = engine_config or EngineConfig()
+        if overrides:
+            from dataclasses import replace
+
+            cfg = replace(cfg, **overrides)
+        self.resolved = resolve_model(model)
+        self.codec = TextCodec.from_pretrained(self.resolved.path)
+        self.engine = build_engine(self.resolved.path, cfg)
+        self._counter = 0
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (strings are tokenized with the model's tokenizer; lists are token ids).
+
+        Returns one RequestOutput per prompt, in order. Raises InvalidRequest / ContextLengthExceeded when a
+        prompt cannot be served.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        encoded = []
+        for p in prompts:
+            if isinstance(p, str):
+                encoded.append((p, self.codec.encode(p)))
+            else:
+                encoded.append((None, [int(t) for t in p]))
+        return self._run(encoded, params or SamplingParams())
+
+    def chat(self, conversations: Sequence[list[dict]], params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Like :meth:`generate` with each conversation rendered by the model's chat template."""
+        encoded = [(None, self.codec.apply_chat_template(c, add_generation_prompt=True)) for c in conversations]
+        return self._run(encoded, params or SamplingParams())
+
+    def _run(self, encoded: list[tuple[str | None, list[int]]], params: SamplingParams) -> list[RequestOutput]:
+        from copy import deepcopy
+
+        from ferrylm.engine.outputs import EngineOutput
+        from ferrylm.errors import ContextLengthExceeded, InvalidRequest
+        from ferrylm.server.tokenizer import TextStream
+
+        params.validate()
+        results: list[RequestOutput] = []
+        streams: dict[str, tuple[CompletionOutput, TextStream]] = {}
+        for text, ids in encoded:
+            self._counter += 1
+            ro = RequestOutput(f"offline-{self._counter}", text, ids)
+            results.append(ro)
+            for i in range(params.n):
+                rid = f"{ro.request_id}-{i}"
+                p = deepcopy(params)
+                p.n = 1
+                if p.seed is not None:
+                    p.seed += i
+                co = CompletionOutput(i, "", [], None)
+                ro.outputs.append(co)
+                streams[rid] = (co, TextStream(self.codec, ids, stop=p.stop,
+                                               include_stop_str_in_output=p.include_stop_str_in_output,
+                                               skip_special_tokens=p.skip_special_tokens))
+                self.engine.add_request(rid, ids, p)
+        while self.engine.has_work():
+            for out in self.engine.step():
+                out: EngineOutput
+                co, ts = streams[out.request_id]
+                if out.error_code:
+                    cls = ContextLengthExceeded if out.error_code == "context_length_exceeded" else InvalidRequest
+                    for rid in streams:
+                        self.engine.abort(rid)
+                    self.engine.step()
+                    raise cls(out.error_message or out.error_code)
+                if co.finish_reason is not None:
+                    continue
+                co.token_ids.extend(out.new_token_ids)
+                if out.logprobs:
+                    co.logprobs = (co.logprobs or []) + out.logprobs
+                ts.add(out.new_token_ids)
+                if ts.stopped:
+                    co.finish_reason = "stop"
+                    self.engine.abort(out.request_id)
+                elif out.finish_reason is not None:
+                    ts.finish()
+                    co.finish_reason = out.finish_reason
+                co.text = ts.text
+        return results
