@@ -1,0 +1,784 @@
+"""The OpenAI-compatible HTTP app: routes, request lifecycle, streaming.
+
+Lifecycle of a completion request (chat or legacy):
+
+1. request id (``x-request-id`` echoed, else generated) → API key → JSON (NaN/Infinity rejected) → pydantic model
+   → model name → :func:`to_sampling_params` (validated).
+2. tokenize (chat template or prompt) → context check (``ContextLengthExceeded``, 400) → default ``max_tokens``.
+3. engine health pre-check (503) → one engine request per choice (``{id}-{i}`` when there are several).
+4. wait for the first engine event BEFORE sending headers, so that errors raised at admission (engine
+   unavailable, queue timeout, insufficient memory) are real HTTP statuses, not stream events.
+5. stream SSE chunks / collect the full response. A stop string, a client disconnect, or leaving early for any
+   reason aborts the engine request(s).
+
+This module must not import torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.responses import StreamingResponse
+from starlette.types import Message, Receive, Scope, Send
+
+from ferrylm.engine.outputs import EngineOutput, TokenLogprob
+from ferrylm.engine.sampling_params import SamplingParams
+from ferrylm.errors import (ContextLengthExceeded, EngineUnavailable, FerryError, InsufficientMemory,
+                            InvalidRequest, ModelNotFound, QueueTimeout)
+from ferrylm.server.engine_client import EngineClient
+from ferrylm.server.errors import (REQUEST_ID_KEY, Unauthorized, error_payload, error_response,
+                                   install_exception_handlers, request_id_of, retry_after_for)
+from ferrylm.server.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk,
+                                     ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamChoice,
+                                     ChatMessage, ChatResponseMessage, CompletionChoice, CompletionRequest,
+                                     CompletionResponse, DeltaMessage, DetokenizeRequest, ModelCard, ModelList,
+                                     TokenizeRequest, UsageInfo, chat_logprobs, chunk_json, completion_logprobs,
+                                     parse_request, to_sampling_params)
+from ferrylm.server.tokenizer import TextCodec, TextStream
+
+logger = logging.getLogger("ferrylm.server")
+
+T = TypeVar("T")
+
+
+def _version() -> str:
+    import ferrylm
+
+    if getattr(ferrylm, "__version__", None):
+        return str(ferrylm.__version__)
+    try:
+        from importlib.metadata import version
+
+        return version("ferrylm")
+    except Exception:  # noqa: BLE001 - not installed (running from a source tree)
+        return "unknown"
+
+
+__version__ = _version()
+
+MAX_PROMPTS_PER_REQUEST = 64     # completions: a list of prompts
+CLEANUP_TIMEOUT_S = 5.0          # bound on aclose()/abort() during cleanup
+_DONE = "data: [DONE]\n\n"
+_ENGINE_ERRORS: dict[str, type[FerryError]] = {
+    "insufficient_memory": InsufficientMemory, "context_length_exceeded": ContextLengthExceeded,
+    "queue_timeout": QueueTimeout, "engine_unavailable": EngineUnavailable, "invalid_request": InvalidRequest,
+}
+
+
+def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *,
+               api_key: str | None = None) -> FastAPI:
+    """Build the FastAPI app serving ``engine`` under the name ``served_model_name``.
+
+    Args:
+        engine: the :class:`EngineClient` (supervisor in production, a fake in tests).
+        codec: tokenizer/chat template/detokenizer for the served model.
+        served_model_name: the model id clients must send (a missing ``model`` field is accepted too).
+        api_key: when set, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need ``Authorization: Bearer KEY`` or
+            ``x-api-key: KEY``; ``/health`` and ``/version`` stay open.
+    """
+    server = _Server(engine, codec, served_model_name, api_key)
+    app = FastAPI(title="ferrylm", version=__version__, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.server = server
+    install_exception_handlers(app)
+    app.add_middleware(RequestIdMiddleware)
+
+    app.add_api_route("/v1/models", server.list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", server.get_model, methods=["GET"])
+    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
+    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/version", server.version, methods=["GET"])
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
+    return app
+
+
+class RequestIdMiddleware:
+    """Pure-ASGI middleware: puts the request id in ``scope[REQUEST_ID_KEY]`` and on every response's
+    ``x-request-id`` header. A client-supplied ``x-request-id`` (printable ASCII, <= 200 chars) is reused."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = ""
+        for k, v in scope.get("headers", ()):
+            if k == b"x-request-id":
+                rid = v.decode("latin-1").strip()
+                break
+        if not (0 < len(rid) <= 200 and rid.isascii() and rid.isprintable()):
+            rid = uuid.uuid4().hex
+        scope[REQUEST_ID_KEY] = rid
+        raw = rid.encode("latin-1")
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", ()) if h[0].lower() != b"x-request-id"]
+                headers.append((b"x-request-id", raw))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# generation: one engine request per choice, merged into one event queue
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected before the response was complete."""
+
+
+@dataclass
+class _Choice:
+    index: int
+    engine_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    text: TextStream
+    text_skip_ids: frozenset[int]   # EOS / stop token ids whose text is not emitted when they end the output
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    engine_done: bool = False       # the engine reported this request finished (no abort needed)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Event:
+    index: int
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    offsets: list[int] | None = None
+    finish_reason: str | None = None
+    error: BaseException | None = None
+
+
+def _engine_error(code: str, message: str | None) -> FerryError:
+    cls = _ENGINE_ERRORS.get(code, FerryError)
+    return cls(message or f"engine error: {code}", code=code)
+
+
+async def _cleanup(aw: Awaitable[Any], what: str, rid: str) -> None:
+    """Await ``aw`` shielded from cancellation and bounded in time; log (never raise) its failure."""
+    with anyio.move_on_after(CLEANUP_TIMEOUT_S, shield=True) as scope:
+        try:
+            await aw
+        except Exception as e:  # noqa: BLE001 - cleanup must not mask the original outcome
+            logger.warning("[%s] %s failed: %r", rid, what, e)
+    if scope.cancelled_caught:
+        logger.warning("[%s] %s timed out after %.0f s", rid, what, CLEANUP_TIMEOUT_S)
+
+
+class _Generation:
+    """Runs the choices of one HTTP request on the engine, each in its own task, and merges their events.
+
+    ``next_event()`` returns events in arrival order, raises the first error, and returns None once every
+    choice has finished. ``close()`` cancels what is still running; each choice's task then closes its engine
+    iterator and calls ``engine.abort`` unless the engine reported the request finished.
+    """
+
+    def __init__(self, engine: EngineClient, rid: str, choices: list[_Choice]):
+        self.engine = engine
+        self.rid = rid
+        self.choices = choices
+        self._queue: asyncio.Queue[_Event] = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._open = len(choices)
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._run(ch), name=f"ferrylm-{ch.engine_id}") for ch in self.choices]
+
+    async def next_event(self) -> _Event | None:
+        if self._open == 0:
+            return None
+        ev = await self._queue.get()
+        if ev.error is not None:
+            raise ev.error
+        if ev.finish_reason is not None:
+            self._open -= 1
+        return ev
+
+    async def drain(self) -> None:
+        while await self.next_event() is not None:
+            pass
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            if not t.done():
+                t.cancel()
+        if self._tasks:
+            await _cleanup(asyncio.gather(*self._tasks, return_exceptions=True), "closing choices", self.rid)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(ch.num_tokens for ch in self.choices)
+
+    async def _run(self, ch: _Choice) -> None:
+        agen: Any = None
+        try:
+            agen = self.engine.generate(ch.engine_id, ch.prompt_ids, ch.params)  # may raise before iterating
+            async for out in agen:
+                ev = self._on_output(ch, out)
+                if ev is not None:
+                    self._queue.put_nowait(ev)
+                if ch.finish_reason is not None:
+                    break
+            if ch.finish_reason is None:
+                raise EngineUnavailable("the engine ended the request without finishing it")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported to the consumer, which maps it to HTTP
+            if not isinstance(e, FerryError):
+                logger.error("[%s] choice %d failed: %r", self.rid, ch.index, e, exc_info=e)
+            self._queue.put_nowait(_Event(ch.index, error=e))
+        finally:
+            aclose = getattr(agen, "aclose", None) if agen is not None else None
+            if aclose is not None:
+                await _cleanup(aclose(), f"closing {ch.engine_id}", self.rid)
+            if not ch.engine_done:
+                logger.debug("[%s] aborting %s", self.rid, ch.engine_id)
+                await _cleanup(self.engine.abort(ch.engine_id), f"abort {ch.engine_id}", self.rid)
+
+    def _on_output(self, ch: _Choice, out: EngineOutput) -> _Event | None:
+        if out.error_code:
+            ch.engine_done = True
+            raise _engine_error(out.error_code, out.error_message)
+        if out.finish_reason == "abort":
+            ch.engine_done = True
+            raise EngineUnavailable("the engine aborted the request")
+        ids = list(out.new_token_ids)
+        ch.num_tokens += len(ids)
+        text_ids = ids
+        if (out.finish_reason == "stop" and ids and ids[-1] in ch.text_skip_ids
+                and not ch.params.include_stop_str_in_output):
+            text_ids = ids[:-1]   # the EOS / stop token counts as generated, its text is not emitted
+        delta, offsets = ch.text.add(text_ids)
+        offsets += [len(ch.text.detok.text)] * (len(ids) - len(text_ids))
+        finish = None
+        if ch.text.stopped:
+            finish = "stop"
+        elif out.finish_reason is not None:
+            delta += ch.text.finish()
+            finish = "stop" if ch.text.stopped else out.finish_reason
+        if out.finish_reason is not None:
+            ch.engine_done = True
+        ch.finish_reason = finish
+        lps = out.logprobs if ch.params.logprobs is not None and out.logprobs else None
+        if lps:
+            ch.logprobs.extend(lps)
+            ch.offsets.extend(offsets)
+        if not delta and finish is None and not lps:
+            return None
+        return _Event(ch.index, delta, lps, offsets if lps else None, finish)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _race_disconnect(request: Request, aw: Awaitable[T]) -> T:
+    """Await ``aw``; raise :class:`_ClientGone` (cancelling ``aw``) if the client disconnects first."""
+    work = asyncio.ensure_future(aw)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done() and watch.exception() is not None:  # receive() failed: just wait for the work
+            await asyncio.wait({work})
+        if work.done():
+            return work.result()
+        raise _ClientGone()
+    finally:
+        for t in (work, watch):
+            if not t.done():
+                t.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(work, watch, return_exceptions=True)
+
+
+class _SSEResponse(StreamingResponse):
+    """A streaming response that always watches for the client going away and always closes its body
+    iterator (so the generator's cleanup, which aborts engine requests, runs promptly)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = self.body_iterator
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the server could not write: the client is gone
+                        logger.info("[%s] client went away during the stream", scope.get(REQUEST_ID_KEY))
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                if not tg.cancel_scope.cancel_called:
+                    logger.info("[%s] client disconnected during the stream; engine request aborted",
+                                scope.get(REQUEST_ID_KEY))
+                tg.cancel_scope.cancel()
+        finally:
+            aclose = getattr(body, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+
+
+def _sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the server
+# ---------------------------------------------------------------------------------------------------------
+
+
+async def _read_json(request: Request) -> Any:
+    """The request body as JSON. Raises InvalidRequest for an empty body, bad JSON, NaN or Infinity."""
+    body = await request.body()
+    if not body.strip():
+        raise InvalidRequest("request body is empty; expected a JSON object")
+
+    def reject(name: str) -> Any:
+        raise InvalidRequest(f"invalid JSON: {name} is not a valid JSON number")
+
+    try:
+        return json.loads(body, parse_constant=reject)
+    except (ValueError, RecursionError) as e:
+        raise InvalidRequest(f"invalid JSON body: {e}") from None
+
+
+def _template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as the chat template wants them: content parts joined into one string, ``developer`` →
+    ``system``. Raises InvalidRequest for non-text content parts."""
+    out = []
+    for i, m in enumerate(messages):
+        d: dict[str, Any] = dict(m.model_extra or {})
+        d["role"] = "system" if m.role == "developer" else m.role
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type not in ("text", "input_text") or part.text is None:
+                    raise InvalidRequest(f"content part type {part.type!r} is not supported; only text parts are",
+                                         param=f"messages.{i}.content.{j}")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        d["content"] = content if content is not None else ""
+        for k in ("name", "tool_call_id", "tool_calls"):
+            v = getattr(m, k)
+            if v is not None:
+                d[k] = v
+        out.append(d)
+    return out
+
+
+class _Server:
+    """Route handlers and the state they share."""
+
+    def __init__(self, engine: EngineClient, codec: TextCodec, served_model_name: str, api_key: str | None):
+        self.engine = engine
+        self.codec = codec
+        self.served_model_name = served_model_name
+        self.api_key = api_key or None
+        self.created = int(time.time())
+
+    # ---- helpers -----------------------------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.model_info.max_model_len)
+
+    @property
+    def context_limit(self) -> int:
+        """Tokens one request may span: the model context, or the KV pool when that is smaller."""
+        info = self.engine.model_info
+        limit = int(info.max_model_len)
+        if info.kv_pool_tokens and 0 < info.kv_pool_tokens < limit:
+            limit = int(info.kv_pool_tokens)
+        return limit
+
+    def _check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        want = self.api_key.encode()
+        candidates = []
+        auth = request.headers.get("authorization", "")
+        if auth[:7].lower() == "bearer ":
+            candidates.append(auth[7:].strip())
+        if "x-api-key" in request.headers:
+            candidates.append(request.headers["x-api-key"].strip())
+        if not any(hmac.compare_digest(c.encode(), want) for c in candidates if c):
+            raise Unauthorized("invalid or missing API key; send 'Authorization: Bearer <key>' or 'x-api-key'")
+
+    def _check_model(self, name: str | None) -> str:
+        if not name or name == self.served_model_name:
+            return self.served_model_name
+        info_name = getattr(self.engine.model_info, "name", "")
+        if info_name and name == info_name:
+            return self.served_model_name
+        raise ModelNotFound(f"The model '{name}' does not exist; this server serves '{self.served_model_name}'",
+                            param="model")
+
+    def _check_ready(self) -> None:
+        try:
+            h = self.engine.health()
+        except Exception as e:  # noqa: BLE001
+            raise EngineUnavailable(f"engine health unknown: {e}") from e
+        if not h.ready:
+            raise EngineUnavailable(f"engine is {h.status}" + (f": {h.detail}" if h.detail else ""))
+
+    def _check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        vocab = self.codec.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is out of range [0, {vocab})", param=param)
+
+    def _fit_context(self, prompt_ids: list[int], params: SamplingParams, *, default_max: int | None,
+                     what: str, prompt_param: str, max_param: str) -> int:
+        """Check that the prompt plus the completion fit the context; return the request's max_tokens.
+
+        ``default_max`` None means "the rest of the context" (chat); otherwise it is clipped to the rest.
+        Raises ContextLengthExceeded (400) with the wording clients detect, InvalidRequest for empty prompts.
+        """
+        limit = self.context_limit
+        p = len(prompt_ids)
+        if p == 0:
+            raise InvalidRequest(f"the {what} resulted in an empty prompt", param=prompt_param)
+        if p >= limit:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {limit} tokens. However, your {what} resulted in {p} "
+                f"tokens, which leaves no room for the completion. Please reduce the length of the {what}.",
+                param=prompt_param)
+        if params.max_tokens is None:
+            return limit - p if default_max is None else min(default_max, limit - p)
+        if p + params.max_tokens > limit:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{p + params.max_tokens} tokens ({p} in the {what}, {params.max_tokens} in the completion). "
+                f"Please reduce the length of the {what} or completion.", param=max_param)
+        return params.max_tokens
+
+    def _make_choices(self, base_id: str, prompts: list[list[int]], max_tokens: list[int],
+                      params: SamplingParams) -> list[_Choice]:
+        n = params.n
+        total = len(prompts) * n
+        skip_ids = frozenset(self.engine.model_info.eos_token_ids) | frozenset(self.codec.eos_token_ids) | \
+            frozenset(params.stop_token_ids)
+        choices = []
+        for pi, ids in enumerate(prompts):
+            for i in range(n):
+                idx = pi * n + i
+                p = dataclasses.replace(params, n=1, max_tokens=max_tokens[pi],
+                                        seed=None if params.seed is None else params.seed + i,
+                                        stop=list(params.stop), stop_token_ids=list(params.stop_token_ids))
+                p.validate()
+                text = TextStream(self.codec, ids, stop=p.stop, skip_special_tokens=p.skip_special_tokens,
+                                  include_stop_str_in_output=p.include_stop_str_in_output)
+                choices.append(_Choice(idx, base_id if total == 1 else f"{base_id}-{idx}", ids, p, text,
+                                       skip_ids))
+        return choices
+
+    async def _start(self, request: Request, rid: str, gen: _Generation, stream: bool) -> _Event | None:
+        """Start the engine requests; for a stream wait for the first event (before headers), otherwise for
+        all of them. Client disconnect → _ClientGone. On any failure the generation is closed."""
+        gen.start()
+        try:
+            if stream:
+                return await _race_disconnect(request, gen.next_event())
+            await _race_disconnect(request, gen.drain())
+            return None
+        except BaseException:
+            await gen.close()
+            raise
+
+    async def _handle(self, request: Request, work: Any) -> Response:
+        rid = request_id_of(request) or uuid.uuid4().hex
+        t0 = time.monotonic()
+        try:
+            self._check_auth(request)
+            return await work(request, rid)
+        except _ClientGone:
+            logger.info("[%s] client disconnected after %.3f s; engine request aborted", rid,
+                        time.monotonic() - t0)
+            return Response(status_code=499)
+        except Exception as e:  # noqa: BLE001 - every error leaves in the OpenAI shape
+            return error_response(e, rid)
+
+    def _log_request(self, rid: str, kind: str, req: Any, prompts: list[list[int]], max_tokens: list[int],
+                     params: SamplingParams) -> None:
+        unknown = req.unknown_fields()
+        if unknown:
+            logger.debug("[%s] ignoring unknown fields: %s", rid, unknown)
+        logger.info("[%s] %s prompt_tokens=%s max_tokens=%s n=%d stream=%s", rid, kind,
+                    [len(p) for p in prompts], max_tokens, params.n, bool(req.stream))
+
+    # ---- routes ------------------------------------------------------------------------------------------
+    async def list_models(self, request: Request) -> Response:
+        async def work(request: Request, rid: str) -> Response:
+            return JSONResponse(ModelList(data=[self._model_card()]).model_dump())
+        return await self._handle(request, work)
+
+    async def get_model(self, request: Request, model_id: str) -> Response:
+        async def work(request: Request, rid: str) -> Response:
+            self._check_model(model_id)
+            return JSONResponse(self._model_card().model_dump())
+        return await self._handle(request, work)
+
+    def _model_card(self) -> ModelCard:
+        info = self.engine.model_info
+        return ModelCard(id=self.served_model_name, created=self.created, root=info.path or None,
+                         max_model_len=int(info.max_model_len))
+
+    async def health(self, request: Request) -> Response:
+        """200 ``{"status": "ready"}``; else 503 ``{"status": <state>, "detail": ...}`` with Retry-After."""
+        try:
+            h = self.engine.health()
+        except Exception as e:  # noqa: BLE001
+            return JSONResponse({"status": "unknown", "detail": repr(e)}, status_code=503,
+                                headers={"Retry-After": "5"})
+        if h.ready:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": h.status, "detail": h.detail}, status_code=503,
+                            headers={"Retry-After": str(retry_after_for(EngineUnavailable("")) or 5)})
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": __version__})
+
+    async def tokenize(self, request: Request) -> Response:
+        async def work(request: Request, rid: str) -> Response:
+            req = parse_request(TokenizeRequest, await _read_json(request))
+            self._check_model(req.model)
+            if req.messages is not None:
+                ids = self.codec.apply_chat_template(_template_messages(req.messages),
+                                                     add_generation_prompt=req.add_generation_prompt is not False,
+                                                     **(req.chat_template_kwargs or {}))
+            elif req.prompt is not None:
+                ids = self.codec.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+            else:
+                raise InvalidRequest("either 'prompt' or 'messages' is required", param="prompt")
+            return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len})
+        return await self._handle(request, work)
+
+    async def detokenize(self, request: Request) -> Response:
+        async def work(request: Request, rid: str) -> Response:
+            req = parse_request(DetokenizeRequest, await _read_json(request))
+            self._check_model(req.model)
+            self._check_token_ids(req.tokens, "tokens")
+            return JSONResponse({"prompt": self.codec.decode(req.tokens, skip_special_tokens=False)})
+        return await self._handle(request, work)
+
+    async def chat_completions(self, request: Request) -> Response:
+        """POST /v1/chat/completions (stream and non-stream)."""
+        return await self._handle(request, self._chat)
+
+    async def completions(self, request: Request) -> Response:
+        """POST /v1/completions (stream and non-stream)."""
+        return await self._handle(request, self._completion)
+
+    # ---- chat --------------------------------------------------------------------------------------------
+    async def _chat(self, request: Request, rid: str) -> Response:
+        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await _read_json(request))
+        model = self._check_model(req.model)
+        params = to_sampling_params(req)
+        self._check_token_ids(params.stop_token_ids, "stop_token_ids")
+        prompt_ids = self.codec.apply_chat_template(
+            _template_messages(req.messages), add_generation_prompt=req.add_generation_prompt is not False,
+            **(req.chat_template_kwargs or {}))
+        max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = self._fit_context(prompt_ids, params, default_max=None, what="messages",
+                                       prompt_param="messages", max_param=max_param)
+        self._log_request(rid, "chat", req, [prompt_ids], [max_tokens], params)
+        self._check_ready()
+        base_id = f"chatcmpl-{uuid.uuid4().hex}"
+        gen = _Generation(self.engine, rid, self._make_choices(base_id, [prompt_ids], [max_tokens], params))
+        created = int(time.time())
+        first = await self._start(request, rid, gen, bool(req.stream))
+        if req.stream:
+            assert first is not None
+            return _SSEResponse(self._chat_stream(rid, gen, first, base_id, created, model, len(prompt_ids),
+                                                  req.include_usage), headers=_SSE_HEADERS)
+        await gen.close()
+        choices = []
+        for ch in gen.choices:
+            lp = None
+            if ch.params.logprobs is not None:
+                lp = ChatChoiceLogprobs(content=chat_logprobs(ch.logprobs, self.codec))
+            choices.append(ChatCompletionChoice(index=ch.index, message=ChatResponseMessage(content=ch.text.text),
+                                                logprobs=lp, finish_reason=ch.finish_reason))
+        usage = UsageInfo.of(len(prompt_ids), gen.completion_tokens)
+        self._log_done(rid, gen, usage)
+        resp = ChatCompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage)
+        return Response(resp.model_dump_json(), media_type="application/json")
+
+    async def _chat_stream(self, rid: str, gen: _Generation, first: _Event, base_id: str, created: int,
+                           model: str, prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+        def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+            c = ChatCompletionChunk(id=base_id, created=created, model=model, choices=choices, usage=usage)
+            return _sse(chunk_json(c, include_usage=include_usage))
+
+        pending: dict[int, list[TokenLogprob]] = {}
+        try:
+            for ch in gen.choices:
+                yield chunk([ChatCompletionStreamChoice(index=ch.index,
+                                                        delta=DeltaMessage(role="assistant", content=""))])
+            ev: _Event | None = first
+            while ev is not None:
+                lps = pending.setdefault(ev.index, [])
+                lps.extend(ev.logprobs or ())
+                if ev.text or ev.finish_reason is not None:
+                    logprobs = None
+                    if gen.choices[ev.index].params.logprobs is not None:
+                        logprobs = ChatChoiceLogprobs(content=chat_logprobs(lps, self.codec))
+                    delta = DeltaMessage(content=ev.text) if ev.text else DeltaMessage()
+                    yield chunk([ChatCompletionStreamChoice(index=ev.index, delta=delta, logprobs=logprobs,
+                                                            finish_reason=ev.finish_reason)])
+                    pending[ev.index] = []
+                ev = await gen.next_event()
+            usage = UsageInfo.of(prompt_tokens, gen.completion_tokens)
+            if include_usage:
+                yield chunk([], usage)
+            self._log_done(rid, gen, usage)
+            yield _DONE
+        except Exception as e:  # noqa: BLE001 - after the headers an error can only be an event
+            yield self._stream_error(rid, e)
+            yield _DONE
+        finally:
+            await gen.close()
+
+    # ---- completions -------------------------------------------------------------------------------------
+    def _completion_prompts(self, req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+        """Token ids and echo text of each prompt. Raises InvalidRequest for empty or out-of-vocab prompts."""
+        p = req.prompt
+        if isinstance(p, str):
+            items: list[Any] = [p]
+        elif not p:
+            raise InvalidRequest("'prompt' must not be empty", param="prompt")
+        elif isinstance(p[0], int):
+            items = [p]
+        else:
+            items = list(p)
+        if len(items) > MAX_PROMPTS_PER_REQUEST:
+            raise InvalidRequest(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {len(items)}",
+                                 param="prompt")
+        ids_list, texts = [], []
+        for item in items:
+            if isinstance(item, str):
+                ids_list.append(self.codec.encode(item))
+                texts.append(item)
+            else:
+                ids = [int(t) for t in item]
+                self._check_token_ids(ids, "prompt")
+                ids_list.append(ids)
+                texts.append(self.codec.decode(ids, skip_special_tokens=False) if req.echo else "")
+        return ids_list, texts
+
+    async def _completion(self, request: Request, rid: str) -> Response:
+        req: CompletionRequest = parse_request(CompletionRequest, await _read_json(request))
+        model = self._check_model(req.model)
+        params = to_sampling_params(req)
+        self._check_token_ids(params.stop_token_ids, "stop_token_ids")
+        if req.suffix:
+            raise InvalidRequest("'suffix' is not supported", param="suffix")
+        if req.echo and params.logprobs is not None:
+            raise InvalidRequest("'echo' together with 'logprobs' is not supported (no prompt logprobs)",
+                                 param="echo")
+        prompts, echo_texts = self._completion_prompts(req)
+        max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = [self._fit_context(ids, params, default_max=16, what="prompt", prompt_param="prompt",
+                                        max_param=max_param) for ids in prompts]
+        self._log_request(rid, "completion", req, prompts, max_tokens, params)
+        self._check_ready()
+        base_id = f"cmpl-{uuid.uuid4().hex}"
+        gen = _Generation(self.engine, rid, self._make_choices(base_id, prompts, max_tokens, params))
+        echo = [echo_texts[ch.index // params.n] if req.echo else "" for ch in gen.choices]
+        prompt_tokens = sum(len(p) for p in prompts)
+        created = int(time.time())
+        first = await self._start(request, rid, gen, bool(req.stream))
+        if req.stream:
+            assert first is not None
+            return _SSEResponse(self._completion_stream(rid, gen, first, base_id, created, model, prompt_tokens,
+                                                        echo, req.include_usage), headers=_SSE_HEADERS)
+        await gen.close()
+        choices = []
+        for ch in gen.choices:
+            lp = None
+            if ch.params.logprobs is not None:
+                lp = completion_logprobs(ch.logprobs, [o + len(echo[ch.index]) for o in ch.offsets], self.codec,
+                                         ch.params.logprobs)
+            choices.append(CompletionChoice(index=ch.index, text=echo[ch.index] + ch.text.text, logprobs=lp,
+                                            finish_reason=ch.finish_reason))
+        usage = UsageInfo.of(prompt_tokens, gen.completion_tokens)
+        self._log_done(rid, gen, usage)
+        resp = CompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage)
+        return Response(resp.model_dump_json(), media_type="application/json")
+
+    async def _completion_stream(self, rid: str, gen: _Generation, first: _Event, base_id: str, created: int,
+                                 model: str, prompt_tokens: int, echo: list[str],
+                                 include_usage: bool) -> AsyncIterator[str]:
+        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+            c = CompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage)
+            return _sse(chunk_json(c, include_usage=include_usage))
+
+        pending: dict[int, tuple[list[TokenLogprob], list[int]]] = {}
+        try:
+            for ch in gen.choices:
+                if echo[ch.index]:
+                    yield chunk([CompletionChoice(index=ch.index, text=echo[ch.index])])
+            ev: _Event | None = first
+            while ev is not None:
+                lps, offs = pending.setdefault(ev.index, ([], []))
+                lps.extend(ev.logprobs or ())
+                offs.extend(o + len(echo[ev.index]) for o in (ev.offsets or ()))
+                if ev.text or ev.finish_reason is not None:
+                    params = gen.choices[ev.index].params
+                    logprobs = None
+                    if params.logprobs is not None:
+                        logprobs = completion_logprobs(lps, offs, self.codec, params.logprobs)
+                    yield chunk([CompletionChoice(index=ev.index, text=ev.text, logprobs=logprobs,
+                                                  finish_reason=ev.finish_reason)])
+                    pending[ev.index] = ([], [])
+                ev = await gen.next_event()
+            usage = UsageInfo.of(prompt_tokens, gen.completion_tokens)
+            if include_usage:
+                yield chunk([], usage)
+            self._log_done(rid, gen, usage)
+            yield _DONE
+        except Exception as e:  # noqa: BLE001
+            yield self._stream_error(rid, e)
+            yield _DONE
+        finally:
+            await gen.close()
+
+    # ---- shared ------------------------------------------------------------------------------------------
+    def _stream_error(self, rid: str, e: Exception) -> str:
+        if isinstance(e, FerryError):
+            logger.warning("[%s] error after the stream started: %s: %s", rid, type(e).__name__, e)
+        else:
+            logger.error("[%s] unexpected error after the stream started: %r", rid, e, exc_info=e)
+        return _sse(json.dumps(error_payload(e)))
+
+    def _log_done(self, rid: str, gen: _Generation, usage: UsageInfo) -> None:
+        logger.info("[%s] done finish=%s prompt_tokens=%d completion_tokens=%d", rid,
+                    [ch.finish_reason for ch in gen.choices], usage.prompt_tokens, usage.completion_tokens)
+
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
