@@ -29,6 +29,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-backend", default="auto", choices=["auto", "resident", "fused"],
                    help="where routed experts live and run (default: auto)")
     p.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling (default: 0)")
+    p.add_argument("--queue-timeout", type=float, default=None,
+                   help="seconds a request may wait for its first step before 503 queue_timeout (default: off)")
     p.add_argument("--debug-invariants", action="store_true", help="check KV/scheduler invariants every step")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
@@ -39,7 +41,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         num_tokens=a.num_tokens, max_running_requests=a.max_running_requests,
                         max_prefill_length=a.max_prefill_length, max_model_len=a.max_model_len,
                         moe_backend="resident" if a.moe_backend == "fused" else a.moe_backend,
-                        check_invariants=a.debug_invariants, seed=a.seed).validate()
+                        check_invariants=a.debug_invariants, seed=a.seed,
+                        queue_timeout=a.queue_timeout).validate()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -127,6 +127,8 @@ class EngineConfig:
         check_invariants: check KV/scheduler invariants after every step (tests; ``--debug-invariants``).
         kv_memory_fraction: share of free memory given to the KV pool when no explicit size is set.
         seed: global seed for unseeded sampling.
+        queue_timeout: seconds a request may wait before its first step; then 503 ``queue_timeout``
+            (``--queue-timeout``; None = wait as long as needed).
     """
 
     device: str = "auto"
@@ -141,6 +143,7 @@ class EngineConfig:
     check_invariants: bool = False
     kv_memory_fraction: float = 0.05
     seed: int = 0
+    queue_timeout: float | None = None
 
     def to_dict(self) -> dict:
         from dataclasses import asdict
@@ -155,6 +158,7 @@ class EngineConfig:
             (self.max_running_requests >= 1, "--max-running-requests must be >= 1"),
             (self.max_prefill_length is None or self.max_prefill_length >= 1, "--max-prefill-length must be >= 1"),
             (self.max_model_len is None or self.max_model_len >= 2, "--max-model-len must be >= 2"),
+            (self.queue_timeout is None or self.queue_timeout > 0, "--queue-timeout must be > 0 seconds"),
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"--device must be auto, cpu or cuda[:N], got {self.device!r}"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"),

@@ -155,3 +155,24 @@ def test_random_traffic_invariants(data):
         for rid, plen, mt in step_reqs:
             if plen + 1 > pool or plen + mt > 64:
                 assert ended[rid] == "context_length_exceeded"
+
+
+def test_queue_timeout_fails_only_the_waiting_request(monkeypatch):
+    import time as _time
+
+    cfg = fake_config()
+    ec = EngineConfig(device="cpu", page_size=4, num_pages=8, max_running_requests=1, max_prefill_length=64,
+                      check_invariants=True, queue_timeout=5.0)
+    eng = Engine(FakeModel(cfg), cfg, ec, device=torch.device("cpu"), dtype=torch.float32)
+    clock = [1000.0]
+    monkeypatch.setattr(_time, "monotonic", lambda: clock[0])
+    eng.add_request("running", [1, 2, 3], greedy(30))
+    eng.step()
+    eng.add_request("queued", [1, 2, 3], greedy(3))  # max_running_requests=1: must wait
+    eng.step()
+    clock[0] += 6.0
+    outs = {o.request_id: o for o in eng.step()}
+    assert outs["queued"].error_code == "queue_timeout" and "--queue-timeout 5" in outs["queued"].error_message
+    assert "running" in eng.requests
+    done = run_all(eng)
+    assert done["running"][-1].finish_reason == "length"

@@ -153,7 +153,7 @@ class Engine:
         if params.seed is not None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed % (2**63))
-        req = Request(request_id, list(prompt_token_ids), params, generator=gen)
+        req = Request(request_id, list(prompt_token_ids), params, generator=gen, arrival_time=time.monotonic())
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -180,6 +180,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[EngineOutput]:
         """Run one batch (if any) and return every output produced since the last call."""
+        self._expire_waiting()
         batch = self.scheduler.schedule()
         for r in batch.truncated:
             log.warning("request %s ended at %d tokens: the KV pool (%d tokens) cannot hold more",
@@ -195,6 +196,21 @@ class Engine:
             self.scheduler.check_invariants()
         out, self._pending = self._pending, []
         return out
+
+    def _expire_waiting(self) -> None:
+        """Fail requests that waited longer than ``queue_timeout`` without being scheduled (503 queue_timeout).
+        A preempted request (it has produced tokens) is not expired: it already started."""
+        limit = self.config.queue_timeout
+        if limit is None or not self.scheduler.waiting:
+            return
+        now = time.monotonic()
+        for r in [r for r in self.scheduler.waiting if not r.output_token_ids and now - r.arrival_time > limit]:
+            self.scheduler.finish(r, "abort")
+            self.requests.pop(r.request_id, None)
+            self._pending.append(EngineOutput(
+                r.request_id, [], error_code="queue_timeout", num_prompt_tokens=r.num_prompt_tokens,
+                error_message=f"the request waited {now - r.arrival_time:.1f} s in the queue, longer than "
+                              f"--queue-timeout {limit:g} s ({self.num_running} running, {self.num_waiting} waiting)"))
 
     def _run(self, batch: Batch) -> None:
         ps = self.limits.page_size

@@ -1,0 +1,92 @@
+"""Sampler: per-request parameters inside one batch."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ferrylm.engine.request import Request
+from ferrylm.engine.sampler import sample
+from ferrylm.engine.sampling_params import SamplingParams
+
+
+def req(prompt=(5,), out=(), seed=None, **kw) -> Request:
+    r = Request("r", list(prompt), SamplingParams(**kw), output_token_ids=list(out))
+    if seed is not None:
+        r.generator = torch.Generator().manual_seed(seed)
+    return r
+
+
+LOGITS = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+
+
+def batch(*rows):
+    return LOGITS.repeat(len(rows), 1).clone(), list(rows)
+
+
+def test_greedy_and_top_k_1_take_argmax():
+    logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 0.0, 1.0]])
+    res = sample(logits.clone(), [req(temperature=0.0), req(temperature=1.0, top_k=1)])
+    assert res.token_ids == [1, 0]
+
+
+def test_seeded_row_is_independent_of_batch_mates():
+    alone = [sample(*batch(req(seed=7, temperature=1.0))).token_ids[0]]
+    r = req(seed=7, temperature=1.0)
+    mixed = sample(*batch(req(temperature=1.0), r, req(temperature=0.0))).token_ids[1]
+    assert [mixed] == alone
+    draws = [sample(*batch(req(seed=s, temperature=1.0))).token_ids[0] for s in range(40)]
+    assert len(set(draws)) > 1  # different seeds do sample different tokens
+
+
+def test_top_p_and_min_p_restrict_support():
+    seen_p, seen_min = set(), set()
+    for i in range(300):
+        r1 = req(temperature=1.0, top_p=0.7)
+        r1.generator = torch.Generator().manual_seed(i)
+        r2 = req(temperature=1.0, min_p=0.35)  # keeps p >= 0.35 * 0.5 = 0.175: tokens 0, 1
+        r2.generator = torch.Generator().manual_seed(10_000 + i)
+        t = sample(*batch(r1, r2)).token_ids
+        seen_p.add(t[0])
+        seen_min.add(t[1])
+    assert seen_p == {0, 1}      # 0.5 + 0.3 reaches 0.7; tokens 2 and 3 are cut
+    assert seen_min == {0, 1}
+
+
+def test_temperature_flattens_distribution():
+    counts = [0, 0, 0, 0]
+    for i in range(400):
+        r = req(temperature=5.0, seed=i)
+        counts[sample(*batch(r)).token_ids[0]] += 1
+    assert counts[3] > 40  # p(3) is 0.05 at T=1, ~0.19 at T=5
+
+
+def test_penalties():
+    logits = torch.tensor([[2.0, 1.9, 0.0, 0.0]])
+    # repetition penalty over the prompt: token 0 (positive logit) is divided by 2 → token 1 wins
+    assert sample(logits.clone(), [req(prompt=(0,), temperature=0.0, repetition_penalty=2.0)]).token_ids == [1]
+    # frequency penalty over generated tokens: 2 occurrences x 0.1 = 0.2 → token 1 wins
+    assert sample(logits.clone(), [req(out=(0, 0), temperature=0.0, frequency_penalty=0.1)]).token_ids == [1]
+    # presence penalty is per distinct token
+    assert sample(logits.clone(), [req(out=(0, 0), temperature=0.0, presence_penalty=0.05)]).token_ids == [0]
+    assert sample(logits.clone(), [req(out=(0,), temperature=0.0, presence_penalty=0.2)]).token_ids == [1]
+
+
+def test_min_tokens_bans_eos_and_stop_ids():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0]])
+    r = req(temperature=0.0, min_tokens=2, stop_token_ids=[1])
+    assert sample(logits.clone(), [r], eos_ids=(0,)).token_ids == [2]
+    r = req(out=(3, 3), temperature=0.0, min_tokens=2, stop_token_ids=[1])
+    assert sample(logits.clone(), [r], eos_ids=(0,)).token_ids == [0]
+
+
+def test_logprobs_match_log_softmax():
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.5]])
+    res = sample(logits.clone(), [req(temperature=0.0, logprobs=2)])
+    lp = res.logprobs[0]
+    ref = torch.log_softmax(logits, -1)[0]
+    assert lp.token_id == 2 and math.isclose(lp.logprob, ref[2].item(), rel_tol=1e-6)
+    assert [t for t, _ in lp.top] == [2, 1]
+    assert math.isclose(lp.top[1][1], ref[1].item(), rel_tol=1e-6)
+    assert sample(logits.clone(), [req(temperature=0.0)]).logprobs == [None]
