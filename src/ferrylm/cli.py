@@ -58,6 +58,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-engine-restarts", type=int, default=3,
                    help="engine restarts allowed within 10 minutes before the server exits non-zero (default: 3)")
 
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    bs = bsub.add_parser("serve", help="load generator against a running server (TTFT, ITL, throughput)")
+    bs.add_argument("--host", default="127.0.0.1")
+    bs.add_argument("--port", type=int, default=8000)
+    bs.add_argument("--model", default=None, help="model id (default: the server's first model)")
+    bs.add_argument("--concurrency", type=int, default=1, help="requests in flight")
+    bs.add_argument("--num-prompts", type=int, default=32)
+    bs.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+    bs.add_argument("--output-len", type=int, default=64, help="generated tokens per request (ignore_eos)")
+    bs.add_argument("--random-lengths", action="store_true", help="lengths uniform in [0.5x, 1.5x]")
+    bs.add_argument("--vocab-upper", type=int, default=1000, help="prompt token ids are drawn from [1, N)")
+    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--api-key", default=None)
+    bs.add_argument("--output-json", default=None, help="write the summary here")
+    bs.add_argument("--log-level", default="WARNING")
+
     g = sub.add_parser("generate", help="print a completion without a server")
     _add_model_args(g)
     g.add_argument("prompt", nargs="?", default=None, help="prompt text")
@@ -73,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "bench":
+        return _bench(args)
     try:
         engine_config = engine_config_from_args(args)
     except ValueError as e:
@@ -85,6 +104,33 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args, engine_config)
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    from ferrylm.bench.serve import BenchConfig, format_summary, run_bench
+
+    for flag, v in (("--concurrency", args.concurrency), ("--num-prompts", args.num_prompts),
+                    ("--input-len", args.input_len), ("--output-len", args.output_len)):
+        if v < 1:
+            print(f"ferry bench serve: {flag} must be >= 1", file=sys.stderr)
+            return 2
+    cfg = BenchConfig(base_url=f"http://{args.host}:{args.port}", model=args.model, concurrency=args.concurrency,
+                      num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+                      random_lengths=args.random_lengths, vocab_upper=args.vocab_upper, seed=args.seed,
+                      api_key=args.api_key)
+    try:
+        summary = asyncio.run(run_bench(cfg, progress=sys.stderr.isatty()))
+    except Exception as e:  # connection refused and the like: one line, not a traceback
+        print(f"ferry bench serve: cannot benchmark {cfg.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(format_summary(summary))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0 if summary["failed"] == 0 else 1
 
 
 def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:

@@ -113,3 +113,18 @@ def test_generate_cli_without_server():
     r = _run_cli("generate", "--chat", "--max-tokens", "16", "What is the capital of France?", timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "Paris" in r.stdout
+
+
+def test_bench_serve_against_live_server(default_server, tmp_path):
+    out = tmp_path / "bench.json"
+    r = _run_cli("bench", "serve", "--port", str(default_server.port), "--concurrency", "2", "--num-prompts", "2",
+                 "--input-len", "8", "--output-len", "4", "--output-json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    import json
+
+    s = json.loads(out.read_text())
+    assert s["completed"] == 2 and s["failed"] == 0
+    assert s["total_output_tokens"] == 8
+    assert s["request_throughput"] > 0 and s["output_throughput"] > 0
+    assert 0 < s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"]
+    assert s["itl_ms"]["p50"] > 0

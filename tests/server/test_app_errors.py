@@ -129,11 +129,17 @@ async def test_completions_context_too_long_is_400(client: httpx.AsyncClient) ->
 
 
 async def test_kv_pool_smaller_than_context_limits_requests(codec) -> None:
+    eng = FakeEngine(codec, max_model_len=256, kv_pool_tokens=10)
+    async with make_client(create_app(eng, codec, SERVED)) as c:
+        # the prompt alone (12 tokens) cannot fit the 10-token pool: rejected at once, naming pool and flag
+        err = assert_error(await post(c, {"model": SERVED, "messages": MSGS}), 400, code="context_length_exceeded")
+        assert err["message"].startswith("This model's maximum context length is 256 tokens.")
+        assert "10 tokens" in err["message"] and "--num-tokens" in err["message"]
     eng = FakeEngine(codec, max_model_len=256, kv_pool_tokens=40)
     async with make_client(create_app(eng, codec, SERVED)) as c:
-        err = assert_error(await post(c, {"model": SERVED, "messages": MSGS, "max_tokens": 100}), 400,
-                           code="context_length_exceeded")
-    assert err["message"].startswith("This model's maximum context length is 40 tokens.")
+        # fits the pool: served (the engine ends it with "length" if the pool cannot hold more)
+        r = await post(c, {"model": SERVED, "messages": MSGS, "max_tokens": 100})
+        assert r.status_code == 200, r.text
 
 
 async def test_out_of_vocab_prompt_ids_are_400(client: httpx.AsyncClient) -> None:

@@ -407,15 +407,6 @@ class _Server:
     def max_model_len(self) -> int:
         return int(self.engine.model_info.max_model_len)
 
-    @property
-    def context_limit(self) -> int:
-        """Tokens one request may span: the model context, or the KV pool when that is smaller."""
-        info = self.engine.model_info
-        limit = int(info.max_model_len)
-        if info.kv_pool_tokens and 0 < info.kv_pool_tokens < limit:
-            limit = int(info.kv_pool_tokens)
-        return limit
-
     def _check_auth(self, request: Request) -> None:
         if self.api_key is None:
             return
@@ -454,22 +445,33 @@ class _Server:
 
     def _fit_context(self, prompt_ids: list[int], params: SamplingParams, *, default_max: int | None,
                      what: str, prompt_param: str, max_param: str) -> int:
-        """Check that the prompt plus the completion fit the context; return the request's max_tokens.
+        """Check that the request can ever run; return its max_tokens.
 
-        ``default_max`` None means "the rest of the context" (chat); otherwise it is clipped to the rest.
+        Rules (the engine applies the same ones): prompt + 1 token must fit the whole KV pool; prompt + max_tokens
+        must fit the model context (``--max-model-len``). ``default_max`` None means "the rest of the context"
+        (chat; bounded by the pool too, so the request can finish); otherwise it is clipped to the rest.
         Raises ContextLengthExceeded (400) with the wording clients detect, InvalidRequest for empty prompts.
         """
-        limit = self.context_limit
+        info = self.engine.model_info
+        limit = int(info.max_model_len)
+        pool = int(info.kv_pool_tokens or 0)
         p = len(prompt_ids)
         if p == 0:
             raise InvalidRequest(f"the {what} resulted in an empty prompt", param=prompt_param)
+        if pool and p + 1 > pool:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {limit} tokens. However, your {what} resulted in {p} "
+                f"tokens, and the KV cache pool holds only {pool} tokens (the prompt plus one generated token must "
+                f"fit). Shorten the {what}, or start the server with a larger --num-tokens / --num-pages.",
+                param=prompt_param)
         if p >= limit:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {limit} tokens. However, your {what} resulted in {p} "
-                f"tokens, which leaves no room for the completion. Please reduce the length of the {what}.",
-                param=prompt_param)
+                f"tokens, which leaves no room for the completion. Please reduce the length of the {what} "
+                f"(or raise --max-model-len up to the model's limit).", param=prompt_param)
+        room = min(limit, pool) - p if pool else limit - p
         if params.max_tokens is None:
-            return limit - p if default_max is None else min(default_max, limit - p)
+            return room if default_max is None else max(1, min(default_max, room))
         if p + params.max_tokens > limit:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {limit} tokens. However, you requested "

@@ -1,0 +1,165 @@
+"""``ferry bench serve``: a load generator against a running OpenAI-compatible server.
+
+Sends ``--num-prompts`` streaming completions with ``--concurrency`` in flight, each a random token-id prompt of
+``--input-len`` tokens asking for exactly ``--output-len`` tokens (``ignore_eos``), and reports request
+throughput (req/s), output throughput (tok/s), time to first token (TTFT) and inter-token latency (ITL)
+percentiles — the metrics of vLLM's ``benchmark_serving``. ITL is the gap between consecutive streamed chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+
+@dataclass
+class RequestResult:
+    """One request: ``ok``; ``ttft`` and ``latency`` in seconds; ``itls`` chunk gaps in seconds;
+    ``output_tokens`` from the server's usage."""
+
+    ok: bool
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass
+class BenchConfig:
+    base_url: str
+    model: str | None
+    concurrency: int
+    num_prompts: int
+    input_len: int
+    output_len: int
+    random_lengths: bool = False
+    vocab_upper: int = 1000
+    seed: int = 0
+    api_key: str | None = None
+
+
+def percentiles(values: list[float], ps=(50, 90, 99)) -> dict[str, float]:
+    """Nearest-rank percentiles (``p50``, ``p90``, ``p99``) and the mean; zeros for an empty list."""
+    if not values:
+        return {**{f"p{p}": 0.0 for p in ps}, "mean": 0.0}
+    s = sorted(values)
+    out = {f"p{p}": s[min(len(s) - 1, max(0, int(round(p / 100 * len(s) + 0.5)) - 1))] for p in ps}
+    out["mean"] = sum(s) / len(s)
+    return out
+
+
+def make_prompts(cfg: BenchConfig) -> list[tuple[list[int], int]]:
+    """``(prompt token ids, max_tokens)`` per request; lengths uniform in [0.5x, 1.5x] with --random-lengths."""
+    rng = random.Random(cfg.seed)
+    out = []
+    for _ in range(cfg.num_prompts):
+        il, ol = cfg.input_len, cfg.output_len
+        if cfg.random_lengths:
+            il = rng.randint(max(1, il // 2), max(1, il * 3 // 2))
+            ol = rng.randint(max(1, ol // 2), max(1, ol * 3 // 2))
+        out.append(([rng.randrange(1, cfg.vocab_upper) for _ in range(il)], ol))
+    return out
+
+
+async def _one(client: httpx.AsyncClient, cfg: BenchConfig, model: str, prompt: list[int], max_tokens: int
+               ) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    last = None
+    res = RequestResult(ok=False)
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res.error = str(chunk["error"])
+                    return res
+                now = time.perf_counter()
+                if chunk.get("choices"):
+                    if last is None:
+                        res.ttft = now - t0
+                    else:
+                        res.itls.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+        res.latency = time.perf_counter() - t0
+        res.ok = True
+    except httpx.HTTPError as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
+    """Run the benchmark; return the summary dict (see module docstring for the keys)."""
+    from tqdm import tqdm
+
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    limits = httpx.Limits(max_connections=cfg.concurrency + 4)
+    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=None, limits=limits) as client:
+        model = cfg.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+        prompts = make_prompts(cfg)
+        sem = asyncio.Semaphore(cfg.concurrency)
+        bar = tqdm(total=len(prompts), desc=f"bench c={cfg.concurrency}", disable=not progress, unit="req")
+
+        async def guarded(p, m):
+            async with sem:
+                r = await _one(client, cfg, model, p, m)
+                bar.update(1)
+                return r
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(guarded(p, m) for p, m in prompts))
+        duration = time.perf_counter() - t0
+        bar.close()
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    ms = lambda xs: {k: v * 1000 for k, v in percentiles(xs).items()}  # noqa: E731
+    return {
+        "model": model, "concurrency": cfg.concurrency, "num_prompts": cfg.num_prompts,
+        "input_len": cfg.input_len, "output_len": cfg.output_len, "random_lengths": cfg.random_lengths,
+        "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_throughput": out_tokens / duration if duration else 0.0,
+        "total_input_tokens": sum(r.prompt_tokens for r in ok), "total_output_tokens": out_tokens,
+        "ttft_ms": ms([r.ttft for r in ok]),
+        "itl_ms": ms([x for r in ok for x in r.itls]),
+        "e2e_latency_ms": ms([r.latency for r in ok]),
+        "config": asdict(cfg) | {"api_key": None},
+    }
+
+
+def format_summary(s: dict) -> str:
+    """Human-readable table of :func:`run_bench`'s summary."""
+    lines = [
+        f"model {s['model']}  concurrency {s['concurrency']}  prompts {s['completed']}/{s['num_prompts']} ok"
+        f"  input {s['input_len']}  output {s['output_len']}",
+        f"duration            {s['duration_s']:.2f} s",
+        f"request throughput  {s['request_throughput']:.3f} req/s",
+        f"output throughput   {s['output_throughput']:.1f} tok/s",
+    ]
+    for key in ("ttft_ms", "itl_ms", "e2e_latency_ms"):
+        d = s[key]
+        lines.append(f"{key:<19} p50 {d['p50']:.1f}  p90 {d['p90']:.1f}  p99 {d['p99']:.1f}  mean {d['mean']:.1f}")
+    if s["failed"]:
+        lines.append(f"FAILED {s['failed']}: {s['errors']}")
+    return "\n".join(lines)
