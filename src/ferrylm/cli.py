@@ -57,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None, help="require this bearer key on /v1/* (env FERRYLM_API_KEY)")
     s.add_argument("--max-engine-restarts", type=int, default=3,
                    help="engine restarts allowed within 10 minutes before the server exits non-zero (default: 3)")
+    s.add_argument("--watchdog-timeout", type=float, default=120.0,
+                   help="seconds with requests running but no completed engine step (or no engine heartbeat) "
+                        "before the engine's stacks are logged and it is restarted; 0 = off (default: 120)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are "
+                        "answered with an error and the server exits (default: 30)")
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
@@ -74,6 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--api-key", default=None)
     bs.add_argument("--output-json", default=None, help="write the summary here")
     bs.add_argument("--log-level", default="WARNING")
+
+    bh = bsub.add_parser("hf", help="the bench-serve prompts through transformers generate (reference speed)")
+    bh.add_argument("--model", default=DEFAULT_MODEL)
+    bh.add_argument("--batch", type=int, default=1)
+    bh.add_argument("--num-prompts", type=int, default=32)
+    bh.add_argument("--input-len", type=int, default=128)
+    bh.add_argument("--output-len", type=int, default=64)
+    bh.add_argument("--vocab-upper", type=int, default=1000)
+    bh.add_argument("--seed", type=int, default=0)
+    bh.add_argument("--dtype", default="float32")
+    bh.add_argument("--log-level", default="WARNING")
 
     g = sub.add_parser("generate", help="print a completion without a server")
     _add_model_args(g)
@@ -109,6 +126,19 @@ def main(argv: list[str] | None = None) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import asyncio
     import json
+
+    if args.bench_command == "hf":
+        from ferrylm.bench.hf_baseline import run_hf_baseline
+        from ferrylm.bench.serve import BenchConfig
+        from ferrylm.models.resolve import resolve_model
+
+        cfg = BenchConfig(base_url="", model=None, concurrency=args.batch, num_prompts=args.num_prompts,
+                          input_len=args.input_len, output_len=args.output_len, vocab_upper=args.vocab_upper,
+                          seed=args.seed)
+        res = run_hf_baseline(str(resolve_model(args.model).path), cfg, args.batch, args.dtype)
+        print(f"transformers generate  batch {res['batch']}  prompts {res['num_prompts']}  "
+              f"output throughput {res['output_throughput']:.1f} tok/s  ({res['duration_s']:.1f} s)")
+        return 0
 
     from ferrylm.bench.serve import BenchConfig, format_summary, run_bench
 
