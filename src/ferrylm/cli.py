@@ -13,8 +13,12 @@ DEFAULT_MODEL = "smollm2-moe"
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="built-in name (smollm2-moe, smollm2-135m), a local HF folder, or a local .gguf file "
+                   help="built-in name (smollm2-moe, smollm2-135m), a local HF folder, a local .gguf file, or "
+                        "synthetic:<preset>[:layers=N][:skew=A][:seed=S] (see `ferry models`) "
                         f"(default: {DEFAULT_MODEL})")
+    p.add_argument("--tokenizer", default=None, metavar="FOLDER",
+                   help="tokenizer folder for a synthetic: model (without it a synthetic model takes and prints "
+                        "token ids; serving needs one)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 "
                                                    "| float16")
@@ -92,9 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     bh.add_argument("--dtype", default="float32")
     bh.add_argument("--log-level", default="WARNING")
 
+    sub.add_parser("models", help="list built-in models, synthetic presets and supported architectures")
+
     g = sub.add_parser("generate", help="print a completion without a server")
     _add_model_args(g)
-    g.add_argument("prompt", nargs="?", default=None, help="prompt text")
+    g.add_argument("prompt", nargs="?", default=None,
+                   help="prompt text (default: stdin); for a synthetic model without --tokenizer, token ids such "
+                        "as '1 2 3' (default: a fixed 16-token prompt)")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -106,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "models":
+        from ferrylm.models.catalog import describe_models
+
+        print(describe_models())
+        return 0
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "bench":
         return _bench(args)
@@ -113,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         engine_config = engine_config_from_args(args)
     except ValueError as e:
         parser.error(str(e))
+    tokenizer_error = _apply_tokenizer_flag(args)
+    if tokenizer_error:
+        parser.error(tokenizer_error)
     if args.command == "serve":
         from ferrylm.server.launch import serve
 
@@ -163,12 +179,40 @@ def _bench(args: argparse.Namespace) -> int:
     return 0 if summary["failed"] == 0 else 1
 
 
+def _apply_tokenizer_flag(args: argparse.Namespace) -> str | None:
+    """Fold ``--tokenizer`` into a synthetic ``--model`` spec (``:tokenizer=<abs path>``, so every reader of the
+    spec sees it); return an error message, or None."""
+    from ferrylm.errors import ModelLoadError
+    from ferrylm.models.synthetic import is_synthetic_spec, with_tokenizer
+
+    try:
+        args.model = with_tokenizer(args.model, args.tokenizer)
+    except ModelLoadError as e:
+        return e.message
+    if args.command == "serve" and is_synthetic_spec(args.model) and ":tokenizer=" not in args.model:
+        return f"serving {args.model} needs --tokenizer FOLDER (the HTTP API speaks text)"
+    return None
+
+
 def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     from ferrylm.engine.sampling_params import SamplingParams
     from ferrylm.errors import ModelLoadError
     from ferrylm.llm import LLM
+    from ferrylm.models.synthetic import is_synthetic_spec
 
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    ids_only = is_synthetic_spec(args.model) and ":tokenizer=" not in args.model  # token ids in and out
+    if ids_only:
+        if args.chat:
+            print("ferry generate: --chat needs a tokenizer (--tokenizer FOLDER)", file=sys.stderr)
+            return 2
+        try:
+            prompt = [int(t) for t in (args.prompt or "").replace(",", " ").split()]
+        except ValueError:
+            print(f"ferry generate: {args.model} has no tokenizer: the prompt must be token ids such as '1 2 3'",
+                  file=sys.stderr)
+            return 2
+    else:
+        prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     try:
         llm = LLM(args.model, engine_config=engine_config)
     except ModelLoadError as e:
@@ -176,6 +220,17 @@ def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         return 2
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k)
+    if ids_only:
+        from ferrylm.models.synthetic import default_prompt_ids
+
+        vocab = llm.engine.mcfg.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            print(f"ferry generate: token ids must lie in [0, {vocab})", file=sys.stderr)
+            return 2
+        ids = prompt or default_prompt_ids(vocab)
+        out = llm.generate([ids], params)[0]
+        print(" ".join(str(t) for t in out.outputs[0].token_ids))
+        return 0
     if args.chat:
         out = llm.chat([[{"role": "user", "content": prompt}]], params)[0]
     else:

@@ -64,6 +64,13 @@ class EngineUnavailable(FerryError):
     code = "engine_unavailable"
 
 
+class EngineStalled(EngineUnavailable):
+    """The engine stopped making progress (no completed step or no heartbeat for ``--watchdog-timeout``
+    seconds); the watchdog killed and is restarting it. HTTP 503 + Retry-After."""
+
+    code = "engine_stalled"
+
+
 class QueueTimeout(FerryError):
     """A request waited in the queue longer than ``--queue-timeout`` seconds. HTTP 503."""
 

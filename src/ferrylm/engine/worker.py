@@ -1,20 +1,30 @@
 """The engine process: the Engine wrapped with IPC, heartbeats and a parent-death watch.
 
 Started by the frontend's Supervisor with multiprocessing "spawn". Its loop: drain messages → step → send
-outputs. A heartbeat thread (own socket) reports about every 0.5 s whether the loop is busy or idle; a watch
-thread exits the process within ~0.5 s when the parent (frontend) dies, so no orphan keeps memory or sockets.
+outputs. A heartbeat thread (own socket) reports about every 0.5 s, busy or idle, the engine's stats and
+``last_step_age`` (seconds the current loop iteration has been running while requests are running: a stuck step
+makes it grow). Liveness of the frontend: Linux ``PR_SET_PDEATHSIG`` kills the engine the moment the frontend
+dies, and a watch thread (any OS) exits the process within ~0.5 s, so no orphan keeps memory, GPU or sockets.
+``faulthandler`` prints every thread's Python stack to stderr (the server log) on a fatal signal and on
+``SIGUSR1`` (the supervisor's watchdog sends it before killing a stalled engine).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+import signal
+import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass
 
 HEARTBEAT_INTERVAL_S = 0.5
+# Fault injection (tests): when this env var names a file and the file exists, the engine loop removes it and
+# hangs before its next step (heartbeats continue), as a deadlocked kernel would. Off (one env read) otherwise.
+FAULT_STALL_FILE_ENV = "FERRYLM_FAULT_STALL_FILE"
 
 
 @dataclass
@@ -33,11 +43,41 @@ class EngineSpec:
     log_level: str = "INFO"
 
 
-def _watch_parent(parent_pid: int) -> None:
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: ask the kernel to SIGKILL us when the parent dies (works even if this process is stuck in C code
+    holding the GIL). Best effort; the watch thread covers other systems.
+
+    NOTE: the kernel means the parent *thread* that started us: the Supervisor spawns from its event-loop thread,
+    which lives as long as the server."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except Exception:  # pragma: no cover - exotic libc
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+def _watch_parent(parent_pid: int, ipc_dir: str | None) -> None:
     while True:
         if os.getppid() != parent_pid:
+            if ipc_dir:
+                shutil.rmtree(ipc_dir, ignore_errors=True)  # the frontend cannot clean up after itself any more
             os._exit(0)
         time.sleep(0.5)
+
+
+def _ipc_dir(addr: str) -> str | None:
+    """The private directory of an ``ipc://<dir>/<name>`` address (None for other transports)."""
+    return os.path.dirname(addr[len("ipc://"):]) if addr.startswith("ipc://") else None
 
 
 def _heartbeat_loop(ctx, addr: str, state: dict, stop: threading.Event) -> None:
@@ -51,7 +91,10 @@ def _heartbeat_loop(ctx, addr: str, state: dict, stop: threading.Event) -> None:
     while not stop.wait(HEARTBEAT_INTERVAL_S):
         engine = state.get("engine")
         stats = engine.stats() if engine is not None else {}
-        age = time.monotonic() - engine.last_step_time if engine is not None and engine.num_running else 0.0
+        # NOTE: measured from the start of the loop iteration, not from the engine's last step: after an idle
+        # spell the last step is old although nothing is stuck.
+        busy = engine is not None and engine.num_running > 0
+        age = time.monotonic() - state.get("iteration_start", time.monotonic()) if busy else 0.0
         try:
             sock.send(ipc.encode(ipc.Heartbeat(stats=stats, last_step_age=age)), zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -59,18 +102,36 @@ def _heartbeat_loop(ctx, addr: str, state: dict, stop: threading.Event) -> None:
     sock.close()
 
 
+def _fault_stall(path: str) -> None:
+    try:
+        os.remove(path)  # once: the restarted engine must not hang again
+    except OSError:
+        return
+    logging.getLogger("ferrylm.engine").warning("fault injection (%s): the engine loop hangs now",
+                                                FAULT_STALL_FILE_ENV)
+    while True:
+        time.sleep(3600)
+
+
 def engine_main(spec_dict: dict) -> None:
-    """Entry point of the engine process (``spawn`` target). Exits 0 on Shutdown or parent death, 1 on a fatal
-    error after reporting it."""
+    """Entry point of the engine process (``spawn`` target). Exits 0 on Shutdown, 1 on a fatal error after
+    reporting it; on the parent's death it is SIGKILLed (Linux) or exits 0 (watch thread)."""
     spec = EngineSpec(**spec_dict)
+    _die_with_parent(spec.parent_pid)
+    threading.Thread(target=_watch_parent, args=(spec.parent_pid, _ipc_dir(spec.in_addr)), daemon=True,
+                     name="parent-watch").start()
     try:
         import setproctitle
 
         setproctitle.setproctitle("ferrylm-engine")
     except Exception:  # pragma: no cover - cosmetic
         pass
+    import faulthandler
+
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    if hasattr(faulthandler, "register"):  # not on Windows
+        faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s")
-    threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True, name="parent-watch").start()
 
     import zmq
 
@@ -86,8 +147,19 @@ def engine_main(spec_dict: dict) -> None:
     push.connect(spec.out_addr)
     state: dict = {}
     stop = threading.Event()
-    threading.Thread(target=_heartbeat_loop, args=(ctx, spec.out_addr, state, stop), daemon=True,
-                     name="heartbeat").start()
+    heartbeat = threading.Thread(target=_heartbeat_loop, args=(ctx, spec.out_addr, state, stop), daemon=True,
+                                 name="heartbeat")
+    heartbeat.start()
+
+    def close_ipc() -> None:
+        # NOTE: ctx.term() blocks until every socket of the context is closed, the heartbeat thread's included.
+        stop.set()
+        heartbeat.join(timeout=2 * HEARTBEAT_INTERVAL_S)
+        pull.close(linger=0)
+        push.close()  # linger 1 s: the last message still goes out
+        if not heartbeat.is_alive():
+            ctx.term()
+
     log = logging.getLogger("ferrylm.engine")
     try:
         from ferrylm.engine.factory import build_engine
@@ -96,9 +168,7 @@ def engine_main(spec_dict: dict) -> None:
     except Exception as e:
         log.error("engine failed to start: %s", e)
         push.send(ipc.encode(ipc.Fatal(f"{type(e).__name__}: {e}")))
-        stop.set()
-        push.close()
-        ctx.term()
+        close_ipc()
         os._exit(1)
     state["engine"] = engine
     lim = engine.limits
@@ -109,7 +179,9 @@ def engine_main(spec_dict: dict) -> None:
                                     "device": str(engine.device), "pid": os.getpid()})))
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
+    stall_file = os.environ.get(FAULT_STALL_FILE_ENV)
     while True:
+        state["iteration_start"] = time.monotonic()
         timeout = 0 if engine.has_work() else int(HEARTBEAT_INTERVAL_S * 1000)
         if poller.poll(timeout):
             while True:
@@ -123,12 +195,17 @@ def engine_main(spec_dict: dict) -> None:
                     for rid in msg.request_ids:
                         engine.abort(rid)
                 elif isinstance(msg, ipc.Shutdown):
-                    log.info("engine shutting down")
-                    stop.set()
-                    push.close()
-                    ctx.term()
-                    return
+                    log.info("engine shutting down (%d requests still running)", engine.num_running)
+                    close_ipc()
+                    # NOTE: skip the interpreter's teardown (seconds of freeing tensors, atexit hooks): the OS
+                    # reclaims memory at once and the frontend is waiting on our exit.
+                    logging.shutdown()
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(0)
         if engine.has_work():
+            if stall_file and os.path.exists(stall_file):
+                _fault_stall(stall_file)
             try:
                 outs = engine.step()
             except Exception:
@@ -136,6 +213,7 @@ def engine_main(spec_dict: dict) -> None:
                 # supervisor answers every in-flight request and restarts the engine.
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 push.send(ipc.encode(ipc.Fatal("engine step failed; see the engine log")))
+                close_ipc()
                 os._exit(1)
             if outs:
                 push.send(ipc.encode(ipc.Outputs(outs)))

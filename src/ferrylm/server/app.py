@@ -69,6 +69,7 @@ __version__ = _version()
 
 MAX_PROMPTS_PER_REQUEST = 64     # completions: a list of prompts
 CLEANUP_TIMEOUT_S = 5.0          # bound on aclose()/abort() during cleanup
+HEALTH_GENERATE_TIMEOUT_S = 5.0  # default bound on GET /health/generate (``?timeout=`` overrides, up to 60 s)
 _DONE = "data: [DONE]\n\n"
 _ENGINE_ERRORS: dict[str, type[FerryError]] = {
     "insufficient_memory": InsufficientMemory, "context_length_exceeded": ContextLengthExceeded,
@@ -99,6 +100,7 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/health/generate", server.health_generate, methods=["GET"])
     app.add_api_route("/version", server.version, methods=["GET"])
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
@@ -557,10 +559,53 @@ class _Server:
         except Exception as e:  # noqa: BLE001
             return JSONResponse({"status": "unknown", "detail": repr(e)}, status_code=503,
                                 headers={"Retry-After": "5"})
+        extra = dict(h.extra or {})  # engine_pid, restarts, heartbeat_age_s ... (supervisor)
         if h.ready:
-            return JSONResponse({"status": "ready"})
-        return JSONResponse({"status": h.status, "detail": h.detail}, status_code=503,
+            return JSONResponse({"status": "ready", **extra})
+        return JSONResponse({"status": h.status, "detail": h.detail, **extra}, status_code=503,
                             headers={"Retry-After": str(retry_after_for(EngineUnavailable("")) or 5)})
+
+    async def health_generate(self, request: Request) -> Response:
+        """Readiness probe that proves a token can be produced: one greedy token through the engine within
+        ``?timeout=`` seconds (default 5). 200 ``{"status": "ok", "latency_s", ...}``; otherwise 503 with the
+        engine's status, ``timeout`` or the error code."""
+        try:
+            timeout = min(max(float(request.query_params.get("timeout", HEALTH_GENERATE_TIMEOUT_S)), 0.1), 60.0)
+        except ValueError:
+            timeout = HEALTH_GENERATE_TIMEOUT_S
+        unavailable = {"Retry-After": str(retry_after_for(EngineUnavailable("")) or 5)}
+        h = self.engine.health()
+        if not h.ready:
+            return JSONResponse({"status": h.status, "detail": h.detail}, status_code=503, headers=unavailable)
+        rid = f"health-{uuid.uuid4().hex}"
+        prompt = self.codec.encode("ping") or [0]
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        t0 = time.monotonic()
+        agen = self.engine.generate(rid, prompt, params)
+
+        async def one_token() -> int:
+            n = 0
+            async for out in agen:
+                n += len(out.new_token_ids)
+                if out.finished:
+                    break
+            return n
+
+        try:
+            n = await asyncio.wait_for(one_token(), timeout)
+        except asyncio.TimeoutError:
+            logger.warning("[%s] /health/generate: no token within %g s", rid, timeout)
+            return JSONResponse({"status": "timeout", "detail": f"no token within {timeout:g} s"},
+                                status_code=503, headers=unavailable)
+        except FerryError as e:
+            return JSONResponse({"status": "error", "code": e.code, "detail": e.message}, status_code=503,
+                                headers=unavailable)
+        finally:
+            aclose = getattr(agen, "aclose", None)
+            if aclose is not None:
+                await _cleanup(aclose(), "closing the probe", rid)
+        return JSONResponse({"status": "ok", "tokens": n, "latency_s": round(time.monotonic() - t0, 4)},
+                            status_code=200 if n >= 1 else 503)
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": __version__})

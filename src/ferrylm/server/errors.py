@@ -9,6 +9,7 @@ InvalidRequest, ContextLengthExceeded                  400
 Unauthorized (this module)                             401
 ModelNotFound, unknown route                           404
 EngineUnavailable, QueueTimeout, InsufficientMemory    503     ``Retry-After`` (seconds)
+EngineStalled (an EngineUnavailable; watchdog)         503     ``Retry-After`` (seconds)
 anything else                                          500     logged with the request id
 =====================================================  ======  ==========================
 
@@ -25,15 +26,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ferrylm.errors import (EngineUnavailable, FerryError, InsufficientMemory, InvalidRequest, ModelNotFound,
-                            QueueTimeout)
+from ferrylm.errors import (EngineStalled, EngineUnavailable, FerryError, InsufficientMemory, InvalidRequest,
+                            ModelNotFound, QueueTimeout)
 
 logger = logging.getLogger("ferrylm.server")
 
 REQUEST_ID_KEY = "ferrylm.request_id"  # where the request-id middleware puts the id in the ASGI scope
 
 # Seconds a client should wait before retrying; an exception may override with a ``retry_after`` attribute.
-RETRY_AFTER_S: dict[type, int] = {EngineUnavailable: 5, QueueTimeout: 2, InsufficientMemory: 2}
+RETRY_AFTER_S: dict[type, int] = {EngineStalled: 5, EngineUnavailable: 5, QueueTimeout: 2,
+                                  InsufficientMemory: 2}
 
 
 class Unauthorized(FerryError):
@@ -57,6 +59,7 @@ _STATUS: list[tuple[type, int]] = [
     (Unauthorized, 401),
     (ModelNotFound, 404),
     (RouteNotFound, 404),
+    (EngineStalled, 503),
     (EngineUnavailable, 503),
     (QueueTimeout, 503),
     (InsufficientMemory, 503),

@@ -1,14 +1,27 @@
 """``ferry serve``: check the port, resolve the model, start the supervisor and uvicorn, exit with a status
-a service manager understands (0 after a clean shutdown, 1 when the engine is dead for good, 2 for bad flags)."""
+a service manager understands (0 after a clean shutdown, 1 when the engine is dead for good, 2 for bad flags or
+a port in use, 128+N after a second signal N).
+
+Shutdown (our own signal handlers; uvicorn's are switched off because they re-raise the signal after a graceful
+exit, which turns exit 0 into "killed by SIGTERM"):
+
+1. first SIGTERM/SIGINT: new requests get 503 ``engine_unavailable`` and /health 503 ``draining``; running
+   requests continue for up to ``--shutdown-timeout`` seconds; those still running then get an error (stream: an
+   error event, then ``[DONE]``); uvicorn closes the listener and connections; the engine is stopped; exit 0.
+2. a second signal: SIGKILL the engine, remove the IPC dir, exit 128+N at once.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
+import time
 
 from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.errors import ModelLoadError
@@ -27,8 +40,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
+    return sock  # NOTE: not inheritable: the engine (spawned, fds closed) must never hold the port
 
 
 def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
@@ -37,6 +49,14 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         print(f"ferry serve: {msg}", file=sys.stderr)
         return 2
 
+    watchdog_timeout = float(getattr(args, "watchdog_timeout", 120.0))
+    shutdown_timeout = float(getattr(args, "shutdown_timeout", 30.0))
+    if watchdog_timeout < 0:
+        return fail("--watchdog-timeout must be >= 0 seconds (0 turns the watchdog off)")
+    if shutdown_timeout < 0:
+        return fail("--shutdown-timeout must be >= 0 seconds")
+    if args.max_engine_restarts < 0:
+        return fail("--max-engine-restarts must be >= 0")
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
@@ -60,9 +80,20 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
 
     import uvicorn
 
+    from ferrylm.errors import EngineUnavailable
     from ferrylm.server.app import create_app
     from ferrylm.server.engine_client import ModelInfo
     from ferrylm.server.supervisor import Supervisor
+
+    class Server(uvicorn.Server):
+        """uvicorn without its signal handling (ours drains first, then sets ``should_exit``)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # uvicorn >= 0.29
+            yield
+
+        def install_signal_handlers(self) -> None:  # older uvicorn
+            pass
 
     name = args.served_model_name or resolved.name
     max_len = engine_config.max_model_len or mcfg.max_position_embeddings
@@ -79,20 +110,57 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
             srv.should_exit = True
 
     sup = Supervisor(str(resolved.path), engine_config.to_dict(), info, max_restarts=args.max_engine_restarts,
-                     on_fatal=on_fatal, log_level=args.log_level)
+                     on_fatal=on_fatal, log_level=args.log_level, watchdog_timeout=watchdog_timeout)
     api_key = args.api_key or os.environ.get("FERRYLM_API_KEY") or None
     app = create_app(sup, codec, name, api_key=api_key)
-    config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False, timeout_graceful_shutdown=30)
-    server = uvicorn.Server(config)
+    # uvicorn's own graceful wait only covers the HTTP tail after our drain (the last bytes of answered streams)
+    config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False, timeout_graceful_shutdown=5)
+    server = Server(config)
     server_box["server"] = server
+    signals_seen: list[int] = []
+
+    async def drain_and_stop() -> None:
+        t0 = time.monotonic()
+        n = sup.num_in_flight
+        log.info("shutting down: refusing new requests; waiting up to %g s for %d running requests",
+                 shutdown_timeout, n)
+        left = await sup.drain(shutdown_timeout)
+        if left:
+            log.warning("shutting down: %d requests still running after --shutdown-timeout %g s; answering them "
+                        "with an error", left, shutdown_timeout)
+            sup.fail_in_flight(EngineUnavailable(
+                f"the server is shutting down; the request did not finish within --shutdown-timeout "
+                f"{shutdown_timeout:g} s"))
+            await sup.drain(2.0)  # the error events go out
+        log.info("shutting down: drained in %.2f s; stopping", time.monotonic() - t0)
+        server.should_exit = True
+
+    def on_signal(sig: int) -> None:
+        signals_seen.append(sig)
+        name_ = signal.Signals(sig).name
+        if len(signals_seen) > 1:
+            log.warning("second signal (%s): exiting now", name_)
+            sup.kill_now()
+            logging.shutdown()
+            os._exit(128 + sig)
+        log.info("received %s: graceful shutdown (send it again to exit at once)", name_)
+        sup.begin_drain()
+        server_box["drain"] = asyncio.get_running_loop().create_task(drain_and_stop())  # keep a reference
 
     async def main() -> None:
-        await sup.start()
-        log.info("serving %s (%s) on http://%s:%d", name, resolved.path, args.host, args.port)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal, sig)
         try:
-            await server.serve(sockets=[sock])
+            await sup.start()
+            log.info("serving %s (%s) on http://%s:%d", name, resolved.path, args.host, args.port)
+            try:
+                await server.serve(sockets=[sock])
+            finally:
+                await sup.close()
         finally:
-            await sup.close()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
 
     asyncio.run(main())
     sock.close()

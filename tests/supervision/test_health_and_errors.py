@@ -1,0 +1,118 @@
+"""Supervision pieces that need no engine process: /health and /health/generate, the stall / unavailable error
+codes on both response shapes, the supervisor's health states, stale IPC dir sweeping. Fast (fake engine)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ferrylm.engine.sampling_params import SamplingParams
+from ferrylm.errors import EngineStalled, EngineUnavailable
+from ferrylm.server.app import create_app
+from ferrylm.server.engine_client import HealthState, ModelInfo
+from ferrylm.server.errors import status_for
+from ferrylm.server.supervisor import Supervisor, describe_exit, sweep_stale_ipc_dirs
+from tests.server.conftest import SERVED, FakeEngine, assert_error, endless, make_client, parse_sse
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+CHAT = "/v1/chat/completions"
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+class ExtraHealthEngine(FakeEngine):
+    def health(self) -> HealthState:
+        return HealthState(self.health_status, "", {"engine_pid": 4242, "restarts": 1})
+
+
+@pytest.mark.parametrize("exc", [EngineStalled("the engine stalled"), EngineUnavailable("the engine died")])
+async def test_engine_death_codes_in_both_shapes(codec, exc) -> None:
+    # mid-stream: an error event with the code, then [DONE]
+    eng = FakeEngine(codec, fail_at=3, fail_exc=exc)
+    async with make_client(create_app(eng, codec, SERVED)) as c:
+        r = await c.post(CHAT, json={"model": SERVED, "messages": MSGS, "stream": True})
+        assert r.status_code == 200
+        events = parse_sse(r.text)
+        assert events[-2]["error"]["code"] == exc.code and events[-2]["error"]["type"] == "service_unavailable_error"
+        # non-stream: 503 with the code and Retry-After
+        r = await c.post(CHAT, json={"model": SERVED, "messages": MSGS})
+        assert_error(r, 503, code=exc.code)
+        assert r.headers["retry-after"] == "5"
+    assert status_for(EngineStalled("x")) == 503 and EngineStalled.code == "engine_stalled"
+
+
+async def test_health_carries_engine_facts(codec) -> None:
+    async with make_client(create_app(ExtraHealthEngine(codec), codec, SERVED)) as c:
+        assert (await c.get("/health")).json() == {"status": "ready", "engine_pid": 4242, "restarts": 1}
+    async with make_client(create_app(ExtraHealthEngine(codec, health_status="stalled"), codec, SERVED)) as c:
+        r = await c.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "stalled" and r.json()["engine_pid"] == 4242
+        assert r.headers["retry-after"] == "5"
+
+
+async def test_health_generate(codec) -> None:
+    eng = FakeEngine(codec)
+    async with make_client(create_app(eng, codec, SERVED)) as c:
+        r = await c.get("/health/generate")
+        assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["tokens"] == 1
+    _, _, params = eng.requests[0]
+    assert params.max_tokens == 1 and params.temperature == 0.0
+    async with make_client(create_app(FakeEngine(codec, health_status="restarting"), codec, SERVED)) as c:
+        r = await c.get("/health/generate")
+        assert r.status_code == 503 and r.json()["status"] == "restarting"
+    slow = FakeEngine(codec, script=endless(codec), delay=30.0)
+    async with make_client(create_app(slow, codec, SERVED)) as c:
+        r = await c.get("/health/generate?timeout=0.2")
+        assert r.status_code == 503 and r.json()["status"] == "timeout"
+    assert slow.closed_early  # the probe left the engine request (the supervisor aborts it then)
+    failing = FakeEngine(codec, start_exc=EngineStalled("stuck"))
+    async with make_client(create_app(failing, codec, SERVED)) as c:
+        r = await c.get("/health/generate")
+        assert r.status_code == 503 and r.json()["code"] == "engine_stalled"
+
+
+async def test_supervisor_health_states(tmp_path) -> None:
+    sup = Supervisor(str(tmp_path), {}, ModelInfo("m", str(tmp_path), 128), watchdog_timeout=5)
+    try:
+        assert sup.health().status == "loading"
+        sup.state = "ready"
+        sup.last_heartbeat = time.monotonic()
+        assert sup.health().ready
+        sup.last_heartbeat -= 6  # no heartbeat for 6 s (> 5 s)
+        h = sup.health()
+        assert h.status == "stalled" and "heartbeat" in h.detail and "engine_pid" in h.extra
+        sup.last_heartbeat += 6
+        sup.begin_drain()
+        assert sup.health().status == "draining"
+        with pytest.raises(EngineUnavailable, match="shutting down"):
+            async for _ in sup.generate("r1", [1, 2], SamplingParams()):
+                pass
+        assert await sup.drain(0.1) == 0
+    finally:
+        await sup.close()
+    assert not os.path.exists(sup._dir)
+
+
+def test_describe_exit() -> None:
+    assert describe_exit(-9) == "killed by SIGKILL" and describe_exit(1) == "exit code 1"
+    assert describe_exit(None) == "exit code unknown"
+
+
+def test_sweep_removes_only_dead_servers_ipc_dirs(tmp_path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"ferrylm-{dead.pid}-abc123"
+    stale.mkdir()
+    (stale / "in-1").touch()
+    (stale / "out-1").touch()
+    foreign = tmp_path / f"ferrylm-{dead.pid}-other1"
+    foreign.mkdir()
+    (foreign / "notes.txt").touch()
+    alive = tmp_path / f"ferrylm-{os.getpid()}-mine99"
+    alive.mkdir()
+    assert sweep_stale_ipc_dirs(str(tmp_path)) == 1
+    assert not stale.exists() and foreign.exists() and alive.exists()
