@@ -128,3 +128,32 @@ def test_bench_serve_against_live_server(default_server, tmp_path):
     assert s["request_throughput"] > 0 and s["output_throughput"] > 0
     assert 0 < s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"]
     assert s["itl_ms"]["p50"] > 0
+
+
+def test_disconnect_mid_stream_frees_pages(default_server):
+    import time
+
+    url = f"{default_server.base_url}/v1/completions"
+    body = {"model": "smollm2-moe", "prompt": "Count from one to one thousand:", "max_tokens": 2000,
+            "ignore_eos": True, "stream": True, "temperature": 0}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", url, json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(x.startswith("data: ") for x in got)
+            used_while_streaming = None
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not used_while_streaming:
+                used_while_streaming = httpx.get(f"{default_server.base_url}/health").json()["engine"].get(
+                    "kv_pages_used")
+                time.sleep(0.1)
+            assert used_while_streaming, "the running request holds KV pages"
+        # leaving the block closes the connection mid-stream
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 5:
+        eng = httpx.get(f"{default_server.base_url}/health").json()["engine"]
+        if eng["kv_pages_used"] == 0 and eng["num_running"] == 0:
+            break
+        time.sleep(0.1)
+    assert eng["kv_pages_used"] == 0 and eng["num_running"] == 0, eng

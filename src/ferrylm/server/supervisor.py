@@ -409,7 +409,7 @@ class Supervisor:
         hb_age = now - self.last_heartbeat if self.last_heartbeat else None
         extra = {"engine_pid": self.engine_pid, "restarts": self.num_restarts,
                  "heartbeat_age_s": None if hb_age is None else round(hb_age, 2),
-                 "in_flight": len(self._streams)}
+                 "in_flight": len(self._streams), "engine": dict(self.last_stats)}
         if self._draining:
             return HealthState("draining", "the server is shutting down", extra)
         if self.state == "ready" and hb_age is not None and hb_age > self.heartbeat_stale_s:
