@@ -38,7 +38,48 @@ CASES: dict[str, tuple[str, dict]] = {
     "mixtral_tied": ("mixtral", dict(vocab_size=200, intermediate_size=48, num_hidden_layers=3,
                                      num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=True,
                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # layer 0 dense (mlp_only_layers), layers 1-2 MoE; renormalised top-3; head_dim 32 != 64 / 4
+    "qwen3_moe": ("qwen3_moe", dict(vocab_size=160, intermediate_size=96, moe_intermediate_size=48,
+                                    num_hidden_layers=3, head_dim=32, num_experts=8, num_experts_per_tok=3,
+                                    norm_topk_prob=True, mlp_only_layers=[0], decoder_sparse_step=1,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # decoder_sparse_step 2: layers 1 and 3 MoE, 0 and 2 dense; raw top-2 softmax weights (no renormalisation)
+    "qwen3_moe_step2": ("qwen3_moe", dict(vocab_size=128, intermediate_size=80, moe_intermediate_size=32,
+                                          num_hidden_layers=4, head_dim=16, num_experts=6, num_experts_per_tok=2,
+                                          norm_topk_prob=False, decoder_sparse_step=2,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # shared expert with sigmoid gate, qkv bias, raw top-2 weights
+    "qwen2_moe": ("qwen2_moe", dict(vocab_size=160, intermediate_size=96, moe_intermediate_size=40,
+                                    shared_expert_intermediate_size=80, num_experts=8, num_experts_per_tok=2,
+                                    norm_topk_prob=False,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # renormalised top-4, layer 1 dense, tied embeddings
+    "qwen2_moe_mixed": ("qwen2_moe", dict(vocab_size=144, intermediate_size=72, moe_intermediate_size=24,
+                                          shared_expert_intermediate_size=56, num_hidden_layers=3, num_experts=6,
+                                          num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[1],
+                                          tie_word_embeddings=True,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "olmoe": ("olmoe", dict(vocab_size=160, intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+                            norm_topk_prob=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # clip_qkv small enough to clamp a good share of q/k/v entries; renormalised top-3; MHA (4 kv heads)
+    "olmoe_clip": ("olmoe", dict(vocab_size=128, intermediate_size=32, num_key_value_heads=4, num_experts=6,
+                                 num_experts_per_tok=3, norm_topk_prob=True, clip_qkv=0.8,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "qwen2": ("qwen2", dict(vocab_size=160, intermediate_size=96,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "qwen3": ("qwen3", dict(vocab_size=160, intermediate_size=96, head_dim=32, tie_word_embeddings=True,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
 }
+
+CONFIG_CLASSES = {
+    "llama": "LlamaConfig", "mixtral": "MixtralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+    "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig", "olmoe": "OlmoeConfig",
+}
+MOE_FAMILIES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"})
+
+
+def is_moe_case(case: str) -> bool:
+    return CASES[case][0] in MOE_FAMILIES
 
 
 @dataclass
@@ -62,7 +103,7 @@ def _randomize_(model: torch.nn.Module, seed: int) -> None:
 
 def build_checkpoint(case: str, path: Path, seed: int = 0) -> Checkpoint:
     family, overrides = CASES[case]
-    config_cls = transformers.LlamaConfig if family == "llama" else transformers.MixtralConfig
+    config_cls = getattr(transformers, CONFIG_CLASSES[family])
     cfg = config_cls(**{**_COMMON, **overrides})
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     _randomize_(model, seed)

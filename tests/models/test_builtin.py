@@ -327,7 +327,7 @@ def test_resolve_errors(tmp_path, cache_dir):
 
     msg = _one_line_error("HuggingFaceTB/SmolLM2-135M-Instruct")
     assert "neither a local path nor a built-in name" in msg and "smollm2-moe" in msg
-    assert _one_line_error("synthetic:qwen3-30b-a3b") == "synthetic models are not implemented yet"
+    assert "unknown synthetic preset 'qwen9'" in _one_line_error("synthetic:qwen9")
 
 
 def test_missing_package_message(monkeypatch):

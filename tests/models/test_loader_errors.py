@@ -25,7 +25,8 @@ def test_unsupported_architecture_lists_supported(checkpoints, tmp_path):
     with pytest.raises(UnsupportedArchitecture) as e:
         load_model(folder)
     assert "GPT2LMHeadModel" in e.value.message
-    for arch in ("LlamaForCausalLM", "MixtralForCausalLM"):
+    for arch in ("LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                 "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"):
         assert arch in e.value.message and arch in supported_architectures()
     assert e.value.code == "unsupported_architecture"
     with pytest.raises(UnsupportedArchitecture):
@@ -97,3 +98,25 @@ def test_unsupported_rope_type(checkpoints, tmp_path, rope):
 def test_unknown_moe_backend(checkpoints):
     with pytest.raises(ValueError, match="resident"):
         load_model(checkpoints("mixtral").path, moe_backend="bogus")
+
+
+def test_qwen_moe_config_errors(checkpoints, tmp_path):
+    src = checkpoints("qwen3_moe").path
+    with pytest.raises(ModelLoadError, match="decoder_sparse_step must be >= 1"):
+        load_model(copy_config(src, tmp_path / "step0", decoder_sparse_step=0))
+    with pytest.raises(ModelLoadError, match=r"layers \[0\] are dense .* intermediate_size is 0"):
+        load_model(copy_config(src, tmp_path / "nodense", intermediate_size=0))
+    with pytest.raises(ModelLoadError, match="num_experts >= num_experts_per_tok"):
+        load_model(copy_config(src, tmp_path / "topk", num_experts_per_tok=9))
+
+
+def test_dense_layer_of_a_mixed_moe_checkpoint_cannot_hold_experts(checkpoints, tmp_path):
+    """Layer 0 of the qwen3_moe case is dense (mlp_only_layers): routed-expert tensors there have no place."""
+    folder = copy_checkpoint(checkpoints("qwen3_moe").path, tmp_path / "m")
+
+    def add(t):
+        t["model.layers.0.mlp.experts.0.gate_proj.weight"] = t["model.layers.1.mlp.experts.0.gate_proj.weight"].clone()
+
+    _edit_tensors(folder, add)
+    with pytest.raises(ModelLoadError, match="layer 0 has no routed experts"):
+        load_model(folder)

@@ -94,6 +94,6 @@ def test_build_executor_names():
     layers = {0: _experts()}
     for name in ("resident", "fused"):
         assert isinstance(build_executor(name, layers, "cpu"), ResidentExecutor)
-    assert set(MOE_BACKENDS) == {"resident", "fused"}
-    with pytest.raises(ValueError, match="fused, resident"):
+    assert {"resident", "fused"} <= set(MOE_BACKENDS)  # more backends arrive with the offload work (experts/)
+    with pytest.raises(ValueError, match="unknown MoE backend 'offlod'"):
         build_executor("offlod", layers, "cpu")

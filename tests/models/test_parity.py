@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.models.hf_checkpoints import CASES, copy_config, reference_logits, token_ids
+from tests.models.hf_checkpoints import CASES, copy_config, is_moe_case, reference_logits, token_ids
 from safetensors.torch import load_file, save_file
 
 from ferrylm.models.attention import DenseCausalAttention, causal_attention
@@ -39,7 +39,7 @@ def full_logits(model, ids: torch.Tensor) -> torch.Tensor:
 def test_full_sequence_logits_match_transformers(checkpoints, case):
     ckpt = checkpoints(case)
     loaded = load_model(ckpt.path)
-    assert (loaded.executor is not None) == case.startswith("mixtral")
+    assert (loaded.executor is not None) == is_moe_case(case)
     assert loaded.model.num_layers == loaded.config.num_layers
     ids = token_ids(40, ckpt.vocab_size)
     ours = full_logits(loaded.model, ids)
@@ -48,7 +48,7 @@ def test_full_sequence_logits_match_transformers(checkpoints, case):
     assert (ours - ref).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("case", ["llama", "llama_llama3", "mixtral"])
+@pytest.mark.parametrize("case", ["llama", "llama_llama3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe_clip"])
 def test_chunked_prefill_and_decode_match_full_sequence(checkpoints, case):
     ckpt = checkpoints(case)
     model = load_model(ckpt.path).model
@@ -111,3 +111,18 @@ def test_bfloat16_load(checkpoints):
     ours = full_logits(loaded.model, ids)
     assert ours.dtype == torch.float32
     assert (ours - reference_logits(ckpt, ids)).abs().max().item() < 0.25
+
+
+@pytest.mark.parametrize("case,moe_layers", [("qwen3_moe", [1, 2]), ("qwen3_moe_step2", [1, 3]),
+                                             ("qwen2_moe_mixed", [0, 2]), ("olmoe", [0, 1])])
+def test_dense_and_moe_layers_follow_the_config(checkpoints, case, moe_layers):
+    """mlp_only_layers / decoder_sparse_step pick the same layers as transformers; shared experts only in Qwen2-MoE."""
+    from ferrylm.models.moe import SparseMoeBlock
+
+    ckpt = checkpoints(case)
+    loaded = load_model(ckpt.path)
+    assert sorted(loaded.executor.layers) == moe_layers
+    for i, (ours, ref) in enumerate(zip(loaded.model.model.layers, ckpt.reference.model.layers)):
+        assert isinstance(ours.mlp, SparseMoeBlock) == (i in moe_layers) == ("Sparse" in type(ref.mlp).__name__)
+        if i in moe_layers:
+            assert (ours.mlp.shared_expert is not None) == case.startswith("qwen2_moe")

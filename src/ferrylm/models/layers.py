@@ -1,4 +1,5 @@
-"""Building blocks shared by the decoder families: RMSNorm, rotary position embedding, GQA attention, SwiGLU MLP.
+"""Building blocks shared by the decoder families: RMSNorm, rotary position embedding, GQA attention (optional q/k
+RMSNorm per head or over the projection, optional q/k/v clamp), SwiGLU MLP.
 
 All activations use the flattened batch layout of ``models/attention.py``: dim 0 is the step's ``T`` tokens.
 Module attribute names follow the Hugging Face checkpoint names (``q_proj``, ``gate_proj`` ...) so that the
@@ -19,6 +20,7 @@ from ferrylm.errors import ModelLoadError
 from ferrylm.models.attention import AttentionBackend
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+QK_NORM_MODES = (None, "head", "proj")
 
 
 class RMSNorm(nn.Module):
@@ -231,16 +233,27 @@ class Attention(nn.Module):
         rotary: the model's shared :class:`RotaryEmbedding`.
         qkv_bias: biases on q/k/v projections (Llama ``attention_bias``, Qwen2).
         o_bias: bias on the output projection (Llama ``attention_bias``).
+        qk_norm: RMSNorm of queries and keys before RoPE (weights ``q_norm`` / ``k_norm``):
+            ``None`` (Llama, Qwen2); ``"head"``: over each head's ``D`` dims, one ``[D]`` weight shared by all
+            heads (Qwen3, Yang et al. 2025, "Qwen3 Technical Report"); ``"proj"``: over the whole projection,
+            weights ``[Hq * D]`` / ``[Hkv * D]`` (Muennighoff et al. 2024, "OLMoE: Open Mixture-of-Experts
+            Language Models").
+        norm_eps: epsilon of the q/k norms.
+        clip_qkv: clamp q, k and v to ``[-clip_qkv, clip_qkv]`` after the projections (and after a ``"proj"``
+            norm), as OLMoE's ``clip_qkv``; None = no clamp.
 
     Raises:
-        ValueError: heads not divisible.
+        ValueError: heads not divisible; unknown ``qk_norm``.
     """
 
     def __init__(self, layer_idx: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 rotary: RotaryEmbedding, *, qkv_bias: bool = False, o_bias: bool = False):
+                 rotary: RotaryEmbedding, *, qkv_bias: bool = False, o_bias: bool = False,
+                 qk_norm: str | None = None, norm_eps: float = 1e-6, clip_qkv: float | None = None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        if qk_norm not in QK_NORM_MODES:
+            raise ValueError(f"qk_norm must be one of {QK_NORM_MODES}, got {qk_norm!r}")
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
@@ -248,14 +261,34 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.qk_norm = qk_norm
+        self.clip_qkv = None if clip_qkv is None else float(clip_qkv)
+        if qk_norm == "head":
+            self.q_norm = RMSNorm(head_dim, norm_eps)
+            self.k_norm = RMSNorm(head_dim, norm_eps)
+        elif qk_norm == "proj":
+            self.q_norm = RMSNorm(num_heads * head_dim, norm_eps)
+            self.k_norm = RMSNorm(num_kv_heads * head_dim, norm_eps)
         self.rotary = rotary
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        """``hidden [T, H]`` at absolute ``positions [T]`` -> ``[T, H]``; K/V go through ``attn``."""
+        """``hidden [T, H]`` at absolute ``positions [T]`` -> ``[T, H]``; K/V go through ``attn``.
+
+        Order (as the reference implementations): project → ``"proj"`` q/k norm → clamp → split heads →
+        ``"head"`` q/k norm → RoPE → attention → output projection.
+        """
         t = hidden.shape[0]
-        q = self.q_proj(hidden).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        if self.qk_norm == "proj":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = attn.attend(self.layer_idx, q, k, v, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))

@@ -7,6 +7,9 @@ which only swap the per-layer MLP. Module names mirror the HF checkpoint names (
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +19,8 @@ from ferrylm.errors import ModelLoadError
 from ferrylm.experts.executor import ExpertExecutor
 from ferrylm.models.attention import AttentionBackend
 from ferrylm.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLUMLP, config_rope_frequencies
+
+log = logging.getLogger("ferrylm.models")
 
 
 def check_decoder_config(config: ModelConfig) -> None:
@@ -30,20 +35,48 @@ def check_decoder_config(config: ModelConfig) -> None:
     config_rope_frequencies(config)
 
 
+def sliding_window_in_use(config: ModelConfig) -> int | None:
+    """The sliding-window width the reference applies to some layer, or None when attention is full everywhere.
+
+    Reads Mistral/Mixtral ``sliding_window`` (always on when set) and Qwen's ``use_sliding_window`` switch
+    (``sliding_window`` counts only when it is true). A window no shorter than the context changes nothing.
+    """
+    raw = config.raw
+    window = raw.get("sliding_window")
+    if "use_sliding_window" in raw and not raw.get("use_sliding_window"):
+        return None
+    if not window or int(window) >= config.max_position_embeddings:
+        return None
+    return int(window)
+
+
+def warn_sliding_window(config: ModelConfig) -> None:
+    """Log that a configured sliding window is ignored (attention here is full causal everywhere)."""
+    window = sliding_window_in_use(config)
+    if window is not None:
+        # NOTE: attention here is full causal; outputs differ from the reference past `window` tokens.
+        log.warning("%s: sliding_window=%d is ignored (full attention); contexts longer than it will differ",
+                    config.architecture, window)
+
+
 class DecoderLayer(nn.Module):
     """``h = x + attn(norm1(x)); y = h + mlp(norm2(h))`` (pre-norm residual block).
 
     Args:
         config: model config; layer_idx: 0-based; rotary: the model's shared RoPE; mlp: dense MLP or MoE block
             (any module mapping ``[T, H] -> [T, H]``).
+        attention_kwargs: keyword arguments of :class:`~ferrylm.models.layers.Attention` (biases, q/k norm,
+            clamp); default: Llama's (``attention_bias`` on q/k/v/o).
     """
 
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, mlp: nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, mlp: nn.Module,
+                 attention_kwargs: dict[str, Any] | None = None):
         super().__init__()
-        bias = bool(config.raw.get("attention_bias", False))
+        if attention_kwargs is None:
+            attention_kwargs = LlamaForCausalLM.attention_kwargs(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(layer_idx, config.hidden_size, config.num_heads, config.num_kv_heads,
-                                   config.head_dim, rotary, qkv_bias=bias, o_bias=bias)
+                                   config.head_dim, rotary, **attention_kwargs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
@@ -60,13 +93,16 @@ class DecoderStack(nn.Module):
         config: model config.
         mlps: one MLP module per layer.
         device: where the RoPE tables are built (see :class:`RotaryEmbedding`).
+        attention_kwargs: passed to every :class:`DecoderLayer`.
     """
 
-    def __init__(self, config: ModelConfig, mlps: list[nn.Module], device: torch.device | str | None = None):
+    def __init__(self, config: ModelConfig, mlps: list[nn.Module], device: torch.device | str | None = None,
+                 attention_kwargs: dict[str, Any] | None = None):
         super().__init__()
         self.rotary = RotaryEmbedding.from_config(config, device=device)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary, mlp) for i, mlp in enumerate(mlps))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary, mlp, attention_kwargs)
+                                    for i, mlp in enumerate(mlps))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
@@ -101,7 +137,7 @@ class LlamaForCausalLM(nn.Module):
         self.check_config(config)
         self.config = config
         mlps = [self._build_mlp(config, i, executor) for i in range(config.num_layers)]
-        self.model = DecoderStack(config, mlps, device=device)
+        self.model = DecoderStack(config, mlps, device=device, attention_kwargs=self.attention_kwargs(config))
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                          bias=False)
 
@@ -114,6 +150,13 @@ class LlamaForCausalLM(nn.Module):
     def moe_layer_indices(cls, config: ModelConfig) -> tuple[int, ...]:
         """Decoder layers whose MLP is a routed MoE block (none for dense Llama)."""
         return ()
+
+    @classmethod
+    def attention_kwargs(cls, config: ModelConfig) -> dict[str, Any]:
+        """Keyword arguments of every layer's :class:`~ferrylm.models.layers.Attention`. Llama: config
+        ``attention_bias`` puts biases on q/k/v and o; no q/k norm."""
+        bias = bool(config.raw.get("attention_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias}
 
     def _build_mlp(self, config: ModelConfig, layer_idx: int, executor: ExpertExecutor | None) -> nn.Module:
         return SwiGLUMLP(config.hidden_size, config.intermediate_size, bias=bool(config.raw.get("mlp_bias", False)))

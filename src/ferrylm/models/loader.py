@@ -4,7 +4,8 @@ Steps: read config.json → pick the class from the registry and check the confi
 checkpoint, routed experts into preallocated ``[E, …]`` stacks, everything else into a name → tensor dict →
 build the executor → build the model on the ``meta`` device and assign the tensors. Every checkpoint tensor
 must find a place and every parameter / expert slot must be filled, else ModelLoadError names the tensor.
-Only tensors are read: no code from the folder is ever imported or run.
+Only tensors are read: no code from the folder is ever imported or run. A synthetic model folder (config.json with
+a ``ferrylm_synthetic`` recipe, see ``models/synthetic.py``) has no weights: its model is built in memory instead.
 
 Expert layouts accepted (per MoE layer N, block named ``block_sparse_moe`` or ``mlp``):
   * per expert: ``model.layers.N.<block>.experts.E.{w1,w3,w2}.weight`` (Mixtral) or
@@ -26,7 +27,7 @@ from torch import nn
 
 from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
-from ferrylm.experts import build_executor, check_backend
+from ferrylm.experts import ExpertOptions, build_executor, check_backend, expert_home
 from ferrylm.experts.executor import ExpertExecutor, LayerExperts
 from ferrylm.models.registry import get_model_class
 
@@ -82,16 +83,19 @@ class ExpertAssembler:
         layers: decoder layers that hold routed experts.
         num_experts, hidden_size, intermediate_size: ``E``, ``H``, ``I``.
         device, dtype: where and how the stacks are stored.
+        pin_memory: allocate the stacks in page-locked host memory (``device`` must be the CPU).
     """
 
     def __init__(self, layers: tuple[int, ...], num_experts: int, hidden_size: int, intermediate_size: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, pin_memory: bool = False):
         e, h, i = num_experts, hidden_size, intermediate_size
         self.shapes = {"gate": (i, h), "up": (i, h), "down": (h, i)}
         self.num_experts = e
-        self.stacks = {n: LayerExperts(gate=torch.empty(e, i, h, device=device, dtype=dtype),
-                                       up=torch.empty(e, i, h, device=device, dtype=dtype),
-                                       down=torch.empty(e, h, i, device=device, dtype=dtype)) for n in layers}
+
+        def empty(*shape: int) -> torch.Tensor:
+            return torch.empty(*shape, device=device, dtype=dtype, pin_memory=pin_memory)
+
+        self.stacks = {n: LayerExperts(gate=empty(e, i, h), up=empty(e, i, h), down=empty(e, h, i)) for n in layers}
         self.filled: dict[tuple[int, str], set[int]] = {(n, p): set() for n in layers for p in self.shapes}
 
     def add(self, name: str, tensor: torch.Tensor) -> bool:
@@ -177,14 +181,21 @@ def _assign(model: nn.Module, tensors: dict[str, torch.Tensor], origin: dict[str
 
 
 def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-               moe_backend: str = "resident") -> LoadedModel:
-    """Load the HF model folder ``model_dir``.
+               moe_backend: str | ExpertOptions = "resident", expert_device: torch.device | str | None = None,
+               pin_experts: bool = False) -> LoadedModel:
+    """Load the HF model folder ``model_dir`` (or build the synthetic model a synthetic folder describes).
 
     Args:
-        model_dir: folder with ``config.json`` and safetensors weights (single file or sharded with an index).
+        model_dir: folder with ``config.json`` and safetensors weights (single file or sharded with an index), or
+            a synthetic model folder (:func:`ferrylm.models.synthetic.materialize`).
         device: where weights (and, for the resident backend, experts) are placed.
         dtype: floating-point tensors are cast to it.
-        moe_backend: expert backend name (see ``ferrylm.experts.MOE_BACKENDS``); ignored for dense models.
+        moe_backend: expert backend name (see ``ferrylm.experts.MOE_BACKENDS``) or ``ExpertOptions``; ignored for
+            dense models.
+        expert_device: where the routed-expert stacks are assembled (default: ``device`` for the resident
+            backend, host memory for the offloading ones, see ``ferrylm.experts.expert_home``); the resident
+            backend then moves them to ``device``.
+        pin_experts: assemble CPU expert stacks in page-locked memory (only when CUDA is available).
 
     Returns:
         :class:`LoadedModel` with the model in eval mode, gradients off.
@@ -195,15 +206,25 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
         UnsupportedArchitecture: ``architectures[0]`` is not registered (message lists the supported ones).
         ValueError: unknown ``moe_backend``.
     """
+    from ferrylm.models.synthetic import is_synthetic_folder
+
     model_dir = Path(model_dir)
+    if is_synthetic_folder(model_dir):
+        from ferrylm.models.synthetic import spec_from_folder
+        from ferrylm.models.synthetic_build import build_synthetic
+
+        return build_synthetic(spec_from_folder(model_dir), device=device, dtype=dtype, moe_backend=moe_backend,
+                               expert_device=expert_device, pin_experts=pin_experts)
     config = ModelConfig.from_folder(model_dir)
     model_cls = get_model_class(config.architecture)
     model_cls.check_config(config)
     check_backend(moe_backend)
     device = torch.device(device)
+    exp_dev = expert_home(moe_backend, device) if expert_device is None else torch.device(expert_device)
+    pin = bool(pin_experts and exp_dev.type == "cpu" and torch.cuda.is_available())
     moe_layers = model_cls.moe_layer_indices(config)
     experts = ExpertAssembler(moe_layers, config.num_experts, config.hidden_size, config.moe_intermediate_size,
-                              device, dtype) if moe_layers else None
+                              exp_dev, dtype, pin_memory=pin) if moe_layers else None
 
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}

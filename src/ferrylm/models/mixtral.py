@@ -6,18 +6,13 @@ block ``block_sparse_moe`` (original layout) or ``mlp`` (transformers v5 fused l
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
 from ferrylm.config import ModelConfig
-from ferrylm.errors import ModelLoadError
 from ferrylm.experts.executor import ExpertExecutor
-from ferrylm.models.llama import LlamaForCausalLM
-from ferrylm.models.moe import SparseMoeBlock
-
-log = logging.getLogger("ferrylm.models")
+from ferrylm.models.llama import LlamaForCausalLM, warn_sliding_window
+from ferrylm.models.moe import SparseMoeBlock, check_moe_config, router_has_bias
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
@@ -38,19 +33,13 @@ class MixtralForCausalLM(LlamaForCausalLM):
                  device: torch.device | str | None = None):
         if executor is None:
             raise ValueError("MixtralForCausalLM needs an ExpertExecutor")
-        window = config.raw.get("sliding_window")
-        if window and window < config.max_position_embeddings:
-            # NOTE: attention here is full causal; outputs differ from the reference past `window` tokens.
-            log.warning("sliding_window=%d is ignored (full attention); contexts longer than it will differ",
-                        window)
+        warn_sliding_window(config)
         super().__init__(config, executor=executor, device=device)
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:
         """Raise ModelLoadError when ``config`` is not a computable Mixtral config."""
-        if not config.is_moe or not 1 <= config.num_experts_per_tok <= config.num_experts:
-            raise ModelLoadError("MixtralForCausalLM config needs num_local_experts >= num_experts_per_tok >= 1, "
-                                 f"got {config.num_experts} and {config.num_experts_per_tok}")
+        check_moe_config(config, "MixtralForCausalLM")
         super().check_config(config)
 
     @classmethod
@@ -60,4 +49,4 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     def _build_mlp(self, config: ModelConfig, layer_idx: int, executor: ExpertExecutor | None) -> nn.Module:
         return SparseMoeBlock(layer_idx, config.hidden_size, config.num_experts, config.num_experts_per_tok,
-                              executor, renormalize=True)
+                              executor, renormalize=True, router_bias=router_has_bias(config))

@@ -1,9 +1,13 @@
 """The sparse MoE block: the router lives here, the routed experts live behind an :class:`ExpertExecutor`.
 
 Routing (Shazeer et al. 2017 top-k gating; Mixtral: Jiang et al. 2024, "Mixtral of Experts", eq. 1-2):
-``p = softmax(W_gate x)`` in float32, keep the ``k`` largest (``torch.topk``, so ties break as the reference
+``p = softmax(W_gate x [+ b])`` in float32, keep the ``k`` largest (``torch.topk``, so ties break as the reference
 implementation does), optionally renormalise the kept probabilities to sum to 1, then
 ``y = sum_j p_j * expert_{id_j}(x)``.
+
+Shared experts (Qwen1.5-MoE / Qwen2-MoE): a dense SwiGLU MLP every token passes through, scaled by a learned
+sigmoid gate, added to the routed sum: ``y += sigmoid(w_s . x) * shared_expert(x)``. It is an ordinary module of
+the model (the executor only ever sees routed experts).
 """
 
 from __future__ import annotations
@@ -11,7 +15,45 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ferrylm.config import ModelConfig
+from ferrylm.errors import ModelLoadError
 from ferrylm.experts.executor import ExpertExecutor
+from ferrylm.models.synthetic import ROUTER_BIAS_KEY
+
+
+def router_has_bias(config: ModelConfig) -> bool:
+    """True when ``config`` asks for router biases (see ``ROUTER_BIAS_KEY``)."""
+    return bool(config.raw.get(ROUTER_BIAS_KEY, False))
+
+
+def sparse_layer_indices(config: ModelConfig) -> tuple[int, ...]:
+    """MoE layers of a Qwen-MoE style config: layer ``i`` is sparse when ``i`` is not in ``mlp_only_layers``,
+    there are experts, and ``(i + 1) % decoder_sparse_step == 0`` (the rule of transformers'
+    ``Qwen2MoeDecoderLayer`` / ``Qwen3MoeDecoderLayer``); the others use a dense MLP of ``intermediate_size``.
+
+    Raises:
+        ModelLoadError: ``decoder_sparse_step`` < 1.
+    """
+    raw = config.raw
+    value = raw.get("decoder_sparse_step", 1)
+    step = 1 if value is None else int(value)
+    if step < 1:
+        raise ModelLoadError(f"decoder_sparse_step must be >= 1, got {raw.get('decoder_sparse_step')!r}")
+    dense = {int(i) for i in (raw.get("mlp_only_layers") or [])}
+    if not config.is_moe:
+        return ()
+    return tuple(i for i in range(config.num_layers) if i not in dense and (i + 1) % step == 0)
+
+
+def check_moe_config(config: ModelConfig, architecture: str) -> None:
+    """Raise ModelLoadError unless ``config`` has ``num_experts >= num_experts_per_tok >= 1`` and a positive
+    expert width."""
+    if not config.is_moe or not 1 <= config.num_experts_per_tok <= config.num_experts:
+        raise ModelLoadError(f"{architecture} config needs num_experts >= num_experts_per_tok >= 1, "
+                             f"got {config.num_experts} and {config.num_experts_per_tok}")
+    if config.moe_intermediate_size < 1:
+        raise ModelLoadError(f"{architecture} config needs a positive expert width (moe_intermediate_size / "
+                             f"intermediate_size), got {config.moe_intermediate_size}")
 
 
 def softmax_topk(router_logits: torch.Tensor, top_k: int, *, renormalize: bool
@@ -21,7 +63,7 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, *, renormalize: bool
     Args:
         router_logits: ``[T, E]`` raw router scores (any float dtype).
         top_k: experts per token ``k`` (``1 <= k <= E``).
-        renormalize: divide the kept probabilities by their sum (Mixtral: always; Qwen-MoE: config
+        renormalize: divide the kept probabilities by their sum (Mixtral: always; Qwen-MoE and OLMoE: config
             ``norm_topk_prob``).
 
     Returns:
@@ -35,7 +77,8 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, *, renormalize: bool
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + routed experts of one decoder layer (Mixtral ``block_sparse_moe`` / ``mlp``).
+    """Router + routed experts (+ optional gated shared expert) of one decoder layer (HF ``mlp`` /
+    ``block_sparse_moe``).
 
     Args:
         layer_idx: decoder layer index (passed to the executor).
@@ -44,26 +87,41 @@ class SparseMoeBlock(nn.Module):
         top_k: experts per token.
         executor: runs the chosen experts (holds their weights).
         renormalize: renormalise the top-k weights (see :func:`softmax_topk`).
+        router_bias: the router has a bias ``gate.bias [E]`` (synthetic skew; see ``ROUTER_BIAS_KEY``).
+        shared_expert: a dense module ``[T, H] -> [T, H]`` every token goes through (Qwen2-MoE
+            ``shared_expert``); it comes with the gate ``shared_expert_gate.weight [1, H]``.
 
     The router weight is ``gate.weight [E, H]`` (HF name ``gate``); it stays in the model, not in the executor.
+
+    Raises:
+        ValueError: ``top_k`` outside ``[1, E]``.
     """
 
     def __init__(self, layer_idx: int, hidden_size: int, num_experts: int, top_k: int,
-                 executor: ExpertExecutor, *, renormalize: bool = True):
+                 executor: ExpertExecutor, *, renormalize: bool = True, router_bias: bool = False,
+                 shared_expert: nn.Module | None = None):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
         self.layer_idx = layer_idx
+        self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.gate = nn.Linear(hidden_size, num_experts, bias=router_bias)
         self.executor = executor
+        executor.register_router(layer_idx, self.route)  # lets an offloading executor predict this layer's experts
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden [T, H]`` -> ``(topk_ids [T, k] int64, topk_weights [T, k] float32)``."""
         return softmax_topk(self.gate(hidden), self.top_k, renormalize=self.renormalize)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [T, H]`` -> ``[T, H]``, the routing-weighted sum of the chosen experts' outputs."""
+        """``hidden [T, H]`` -> ``[T, H]``: the routing-weighted sum of the chosen experts' outputs, plus the
+        sigmoid-gated shared expert when there is one."""
         ids, weights = self.route(hidden)
-        return self.executor.run(self.layer_idx, hidden, ids, weights)
+        out = self.executor.run(self.layer_idx, hidden, ids, weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        return out

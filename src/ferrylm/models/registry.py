@@ -10,6 +10,11 @@ from ferrylm.errors import UnsupportedArchitecture
 MODEL_REGISTRY: dict[str, str] = {
     "LlamaForCausalLM": "ferrylm.models.llama:LlamaForCausalLM",
     "MixtralForCausalLM": "ferrylm.models.mixtral:MixtralForCausalLM",
+    "OlmoeForCausalLM": "ferrylm.models.olmoe:OlmoeForCausalLM",
+    "Qwen2ForCausalLM": "ferrylm.models.qwen2:Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM": "ferrylm.models.qwen2_moe:Qwen2MoeForCausalLM",
+    "Qwen3ForCausalLM": "ferrylm.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "ferrylm.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 

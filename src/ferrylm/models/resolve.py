@@ -1,4 +1,5 @@
-"""``--model`` resolution: a built-in name, a local HF folder or a local ``.gguf`` file -> one HF folder.
+"""``--model`` resolution: a built-in name, a ``synthetic:`` spec, a local HF folder or a local ``.gguf`` file -> one
+model folder.
 
 Nothing is ever downloaded: a hub id such as ``HuggingFaceTB/SmolLM2-135M-Instruct`` is refused with the list of
 built-in names. Every refusal is a :class:`ModelLoadError` with one line naming what is missing.
@@ -13,6 +14,7 @@ from typing import Literal
 from ferrylm.errors import ModelLoadError
 
 SYNTHETIC_PREFIX = "synthetic:"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
 @dataclass(frozen=True)
@@ -20,15 +22,27 @@ class ResolvedModel:
     """What ``--model`` named.
 
     Attributes:
-        name: the served model name: the built-in name, the folder's name, or the GGUF file's name without
-            ``.gguf``.
-        path: the HF folder to load (config.json + *.safetensors + tokenizer).
-        source: ``"builtin"``, ``"folder"`` or ``"gguf"``.
+        name: the served model name: the built-in name, the folder's name, the GGUF file's name without
+            ``.gguf``, or the canonical synthetic spec (``synthetic:qwen3-30b-a3b:layers=2``, tokenizer left out).
+        path: the folder to load: an HF folder (config.json + *.safetensors + tokenizer), or for ``synthetic``
+            a folder holding only config.json with the recipe (and the tokenizer files when one was named; see
+            :mod:`ferrylm.models.synthetic`).
+        source: ``"builtin"``, ``"folder"``, ``"gguf"`` or ``"synthetic"``.
     """
 
     name: str
     path: Path
-    source: Literal["builtin", "folder", "gguf"]
+    source: Literal["builtin", "folder", "gguf", "synthetic"]
+
+    @property
+    def has_tokenizer(self) -> bool:
+        """False only for a synthetic model without a tokenizer (token ids in, token ids out)."""
+        return has_tokenizer(self.path)
+
+
+def has_tokenizer(path: Path) -> bool:
+    """True when ``path`` holds tokenizer.json, tokenizer.model or tokenizer_config.json."""
+    return any((Path(path) / n).is_file() for n in TOKENIZER_FILES)
 
 
 def check_model_folder(path: Path, spec: str) -> None:
@@ -38,7 +52,7 @@ def check_model_folder(path: Path, spec: str) -> None:
         raise ModelLoadError(f"--model {spec} is not a model folder: config.json is missing")
     if not any(path.glob("*.safetensors")):
         raise ModelLoadError(f"--model {spec} is not a model folder: no *.safetensors weights")
-    if not any((path / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+    if not has_tokenizer(path):
         raise ModelLoadError(f"--model {spec} is not a model folder: no tokenizer "
                              f"(tokenizer.json, tokenizer.model or tokenizer_config.json)")
 
@@ -50,19 +64,25 @@ def _looks_like_path(spec: str) -> bool:
 def resolve_model(spec: str, *, progress: bool = True) -> ResolvedModel:
     """Turn a ``--model`` value into a loadable HF folder.
 
-    Accepts, in this order: a built-in name (:func:`ferrylm.models.builtin.builtin_names`; converted into the cache
-    on first use), an existing local folder (checked by :func:`check_model_folder`), or an existing local ``.gguf``
-    file (Llama architecture; converted into the cache like the built-in, keyed by its size and mtime).
+    Accepts, in this order: a ``synthetic:`` spec (:func:`ferrylm.models.synthetic.parse_synthetic_spec`; a small
+    recipe folder is written into the cache, no weights), a built-in name
+    (:func:`ferrylm.models.builtin.builtin_names`; converted into the cache on first use), an existing local folder
+    (checked by :func:`check_model_folder`), or an existing local ``.gguf`` file (Llama architecture; converted
+    into the cache like the built-in, keyed by its size and mtime).
 
     Raises:
-        ModelLoadError: ``synthetic:`` specs (not implemented yet); a missing path; a folder lacking config.json,
-            weights or tokenizer; a file that is not ``.gguf``; a name that is neither a path nor a built-in
-            (hub ids included: nothing is downloaded); a GGUF that cannot be converted.
+        ModelLoadError: a bad ``synthetic:`` spec (unknown preset or option, a tokenizer that does not fit); a
+            missing path; a folder lacking config.json, weights or tokenizer; a file that is not ``.gguf``; a
+            name that is neither a path nor a built-in (hub ids included: nothing is downloaded); a GGUF that
+            cannot be converted.
     """
     from ferrylm.models import builtin
 
     if spec.startswith(SYNTHETIC_PREFIX):
-        raise ModelLoadError("synthetic models are not implemented yet")
+        from ferrylm.models.synthetic import materialize, parse_synthetic_spec
+
+        parsed = parse_synthetic_spec(spec)
+        return ResolvedModel(parsed.name, materialize(parsed, builtin.cache_dir() / "synthetic"), "synthetic")
     if spec in builtin.builtin_names():
         return ResolvedModel(spec, builtin.ensure_builtin(spec, progress=progress), "builtin")
     if not spec.strip():
