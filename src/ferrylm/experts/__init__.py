@@ -1,40 +1,128 @@
-"""Where routed experts live and run. ``build_executor`` picks a backend by its ``--moe-backend`` name."""
+"""Where routed experts live and run. ``build_executor`` picks a backend by its ``--moe-backend`` name.
+
+Rooms: ``executor.py`` (the interface), ``resident.py`` (all experts on the device), ``banks.py`` (host expert
+rows, pinned), ``cache.py`` (slot cache bookkeeping, LRU), ``transfer.py`` (copy stream / copy thread),
+``stream.py`` (prefill double buffer), ``cached.py`` (the base of the offloading backends), ``offload.py``,
+``cpu.py`` + ``cpu_pool.py``, ``hybrid.py``, ``auto.py`` (the choice), ``bandwidth.py`` (measured rates),
+``stats.py`` (counters), ``options.py`` (knobs).
+"""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from ferrylm.experts.executor import ExpertExecutor, LayerExperts
+from ferrylm.experts.options import CACHED_BACKENDS, MOE_BACKENDS, Bandwidths, ExpertOptions
 
-# NOTE: names accepted by build_executor; "fused" is the vLLM/SGLang spelling of "resident".
-MOE_BACKENDS: tuple[str, ...] = ("fused", "resident")
+log = logging.getLogger("ferrylm.experts")
 
 
-def check_backend(backend: str) -> str:
-    """Return ``backend`` if it names a known MoE backend, else raise ValueError listing the valid names."""
+def backend_name(backend: str | ExpertOptions) -> str:
+    """The backend name of a ``--moe-backend`` value or :class:`ExpertOptions` (``fused`` -> ``resident``)."""
+    name = backend.backend if isinstance(backend, ExpertOptions) else backend
+    return "resident" if name == "fused" else name
+
+
+def check_backend(backend: str | ExpertOptions) -> str:
+    """Return ``backend`` if it names a known MoE backend (or is valid :class:`ExpertOptions`), else raise
+    ValueError listing the valid names."""
+    if isinstance(backend, ExpertOptions):
+        backend.validate()
+        return backend.backend
     if backend not in MOE_BACKENDS:
         raise ValueError(f"unknown MoE backend {backend!r}; valid: {', '.join(MOE_BACKENDS)}")
     return backend
 
 
-def build_executor(backend: str, layers: dict[int, LayerExperts], device: torch.device | str) -> ExpertExecutor:
+def expert_home(backend: str | ExpertOptions, device: torch.device | str) -> torch.device:
+    """Where a loader should assemble the routed experts: on ``device`` for the resident backend, in host memory
+    for every other (the offloading backends bank them there; ``auto`` moves them if it picks resident)."""
+    return torch.device(device) if backend_name(backend) == "resident" else torch.device("cpu")
+
+
+def _resolve_auto(layers: dict[int, LayerExperts], device: torch.device, options: ExpertOptions) -> str:
+    """``auto`` without a planned budget: resident on the CPU or when the experts fit in free device memory (minus
+    1 GiB of headroom); otherwise :func:`ferrylm.experts.auto.choose_backend`."""
+    if device.type != "cuda":
+        return "resident"
+    from ferrylm.experts.auto import choose_backend
+    from ferrylm.experts.banks import ExpertLayout
+    from ferrylm.experts.bandwidth import measure_bandwidths
+
+    first = next(iter(layers.values()))
+    layout = ExpertLayout.of(first)
+    free = torch.cuda.mem_get_info(device)[0] - (1 << 30)
+    choice = choose_backend(
+        expert_bytes_total=len(layers) * first.num_experts * layout.nbytes, budget_bytes=free,
+        expert_bytes=layout.nbytes, num_layers=len(layers), num_experts=first.num_experts,
+        top_k=1, stream_bytes=2 * first.num_experts * layout.nbytes if options.stream_prefill else 0,
+        bandwidths=options.bandwidths or (lambda: measure_bandwidths(device, layout)))
+    log.info("--moe-backend auto -> %s (%s)", choice.backend, choice.reason)
+    return choice.backend
+
+
+def build_executor(backend: str | ExpertOptions, layers: dict[int, LayerExperts],
+                   device: torch.device | str) -> ExpertExecutor:
     """Build the executor for ``--moe-backend backend``.
 
     Args:
-        backend: one of ``MOE_BACKENDS``.
-        layers: decoder layer index -> stacked expert weights (moved to ``device`` if elsewhere).
+        backend: one of ``MOE_BACKENDS``, or :class:`ExpertOptions` carrying the name and the cache knobs.
+        layers: decoder layer index -> stacked expert weights. The resident backend moves them to ``device``;
+            the others pack them into host banks (the given objects are rewritten to views of the banks).
         device: the compute device.
 
     Raises:
-        ValueError: unknown backend name (the message lists the valid ones).
+        ValueError: unknown backend name (the message lists the valid ones) or an out-of-range option.
     """
-    check_backend(backend)
-    from ferrylm.experts.resident import ResidentExecutor
-
+    options = backend if isinstance(backend, ExpertOptions) else ExpertOptions(backend=check_backend(backend))
+    options.validate()
     dev = torch.device(device)
-    placed = {i: LayerExperts(gate=le.gate.to(dev), up=le.up.to(dev), down=le.down.to(dev))
-              for i, le in layers.items()}
-    return ResidentExecutor(placed)
+    name = backend_name(options)
+    if name == "auto":
+        name = _resolve_auto(layers, dev, options)
+    if name == "resident":
+        from ferrylm.experts.resident import ResidentExecutor
+
+        placed = {i: LayerExperts(gate=le.gate.to(dev), up=le.up.to(dev), down=le.down.to(dev))
+                  for i, le in layers.items()}
+        return ResidentExecutor(placed)
+    from ferrylm.experts.banks import HostBanks
+
+    return build_from_banks(name, HostBanks.from_layers(layers), dev, options)
 
 
-__all__ = ["MOE_BACKENDS", "ExpertExecutor", "LayerExperts", "build_executor", "check_backend"]
+def build_from_banks(name: str, banks, device: torch.device | str, options: ExpertOptions | None = None
+                     ) -> ExpertExecutor:
+    """An executor of backend ``name`` over existing :class:`~ferrylm.experts.banks.HostBanks` (several
+    executors may share one bank, e.g. ``ferry bench decode --moe-backend all``). ``resident`` copies every
+    expert to ``device``.
+
+    Raises:
+        ValueError: ``name`` is not a concrete backend (``auto`` is resolved by the caller).
+    """
+    dev = torch.device(device)
+    options = options or ExpertOptions(backend=name)
+    name = backend_name(name)
+    if name == "resident":
+        from ferrylm.experts.resident import ResidentExecutor
+
+        placed = {}
+        for i in banks.layers:
+            le = banks.layer_experts(i)
+            placed[i] = LayerExperts(gate=le.gate.to(dev), up=le.up.to(dev), down=le.down.to(dev))
+        return ResidentExecutor(placed)
+    if name not in CACHED_BACKENDS:
+        raise ValueError(f"cannot build backend {name!r} from banks; valid: resident, {', '.join(CACHED_BACKENDS)}")
+    if name == "offload":
+        from ferrylm.experts.offload import OffloadExecutor as cls
+    elif name == "cpu":
+        from ferrylm.experts.cpu import CpuExecutor as cls
+    else:
+        from ferrylm.experts.hybrid import HybridExecutor as cls
+    return cls(banks, dev, options)
+
+
+__all__ = ["MOE_BACKENDS", "Bandwidths", "ExpertExecutor", "ExpertOptions", "LayerExperts", "backend_name",
+           "build_executor", "build_from_banks", "check_backend", "expert_home"]

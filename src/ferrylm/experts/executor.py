@@ -2,8 +2,8 @@
 
 The MoE block in ``models/moe.py`` owns the router; it hands the executor the tokens, their chosen expert ids
 and their (already normalised) routing weights, and gets back the weighted sum of the chosen experts' outputs.
-Backends (resident now; offload / cpu / hybrid later) differ only in where the expert bytes are when the GEMMs
-run, never in the result.
+Backends (resident, offload, cpu, hybrid; ``auto`` picks one) differ only in where the expert bytes are when the
+GEMMs run, never in the result.
 
 Expert math (Mixtral / Qwen-MoE SwiGLU expert, Jiang et al. 2024 "Mixtral of Experts"):
 ``expert_e(x) = W_down[e] @ (silu(W_gate[e] @ x) * (W_up[e] @ x))``.
@@ -12,6 +12,7 @@ Expert math (Mixtral / Qwen-MoE SwiGLU expert, Jiang et al. 2024 "Mixtral of Exp
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,3 +65,12 @@ class ExpertExecutor(ABC):
     def stats(self) -> dict:
         """Counters for the engine's stats (hits, misses, bytes copied ...). Empty for backends without any."""
         return {}
+
+    def register_router(self, layer_idx: int, route: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+                        ) -> None:
+        """Tell the executor how layer ``layer_idx`` routes: ``route(hidden [T, H]) -> (topk_ids [T, k],
+        topk_weights [T, k])``. The MoE block calls this once; backends that prefetch apply layer L+1's router to
+        layer L's hidden state (Eliseev & Mazur 2023). Default: ignored."""
+
+    def close(self) -> None:
+        """Release threads and device memory held by the executor. Default: nothing to release."""

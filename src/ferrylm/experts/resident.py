@@ -1,84 +1,41 @@
 """The resident backend: every routed expert of every MoE layer sits on the compute device.
 
-Tokens are grouped by expert (a stable sort of the flattened ``[T * k]`` assignments), each active expert runs
-one SwiGLU over its contiguous group, and the weighted results are added back into their tokens' rows. There is
-no per-token Python loop; the loop is over active experts only, after one host sync for the per-expert counts.
+Tokens are grouped by expert (a stable sort of the flattened ``[T * k]`` assignments); decode steps run the active
+experts as batched GEMMs, larger steps one GEMM chain per active expert over its contiguous group; the weighted
+results are summed per token (:mod:`ferrylm.experts.work`, shared with every other backend). There is no per-token
+Python loop, and one host sync per layer for the per-expert counts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 
 from ferrylm.experts.executor import ExpertExecutor, LayerExperts
+from ferrylm.experts.stats import ExpertStats
+from ferrylm.experts.work import ExpertGroups, LayerWork, group_by_expert, swiglu_expert
 
-
-@dataclass
-class ExpertGroups:
-    """Token → expert assignments sorted by expert.
-
-    Attributes:
-        token_idx: ``[T * k]`` int64 token row of each assignment, grouped by expert (ascending expert id; within
-            an expert, ascending token order).
-        weights: ``[T * k]`` routing weight of each assignment, same order.
-        counts: assignments per expert, a host list of length ``E``; expert ``e`` owns the slice
-            ``[sum(counts[:e]), sum(counts[:e + 1]))``.
-    """
-
-    token_idx: torch.Tensor
-    weights: torch.Tensor
-    counts: list[int]
-
-
-def group_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> ExpertGroups:
-    """Sort a step's ``[T, k]`` assignments by expert id (one device→host sync for the counts).
-
-    Raises:
-        ValueError: an id is ``>= num_experts``; RuntimeError (from ``torch.bincount``): a negative id.
-    """
-    k = topk_ids.shape[1]
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()  # negative ids make bincount raise
-    if len(counts) > num_experts:
-        raise ValueError(f"expert id {len(counts) - 1} out of range: the layer has {num_experts} experts")
-    return ExpertGroups(token_idx=order // k, weights=topk_weights.reshape(-1)[order], counts=counts)
-
-
-def swiglu_expert(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """One expert, ``down @ (silu(gate @ x) * (up @ x))`` for ``x [N, H]``; ``gate``/``up`` ``[I, H]``,
-    ``down`` ``[H, I]`` -> ``[N, H]`` (Jiang et al. 2024, "Mixtral of Experts", eq. 3)."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+__all__ = ["ExpertGroups", "ResidentExecutor", "group_by_expert", "run_grouped", "swiglu_expert"]
 
 
 def run_grouped(experts: LayerExperts, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor) -> torch.Tensor:
-    """``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` with one GEMM chain per active expert.
+                topk_weights: torch.Tensor, groups: ExpertGroups | None = None) -> torch.Tensor:
+    """``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` for one layer whose experts are all on ``hidden``'s device.
 
     Args:
         experts: the layer's stacked weights, on ``hidden``'s device.
         hidden: ``[T, H]``; topk_ids: ``[T, k]`` int64; topk_weights: ``[T, k]``.
+        groups: the assignments already grouped (:func:`group_by_expert`), or None to group them here.
 
     Returns:
-        ``[T, H]`` in ``hidden``'s dtype. Each expert's output is weighted in float32 and added in the
-        activation dtype, experts in ascending id order (deterministic: no index repeats within one add).
+        ``[T, H]`` in ``hidden``'s dtype (see :class:`~ferrylm.experts.work.LayerWork` for the summation order).
     """
-    out = torch.zeros_like(hidden)
     if hidden.shape[0] == 0:
-        return out
-    groups = group_by_expert(topk_ids, topk_weights, experts.num_experts)
-    start = 0
-    for e, n in enumerate(groups.counts):
-        if n == 0:
-            continue
-        rows = groups.token_idx[start:start + n]
-        y = swiglu_expert(hidden[rows], experts.gate[e], experts.up[e], experts.down[e])
-        w = groups.weights[start:start + n, None].float()
-        out.index_add_(0, rows, (y.float() * w).to(out.dtype))
-        start += n
-    return out
+        return torch.zeros_like(hidden)
+    if groups is None:
+        groups = group_by_expert(topk_ids, topk_weights, experts.num_experts)
+    work = LayerWork(-1, hidden, topk_ids, groups)
+    work.compute(work.needed, experts, work.needed)
+    return work.combine()
 
 
 class ResidentExecutor(ExpertExecutor):
@@ -88,8 +45,11 @@ class ResidentExecutor(ExpertExecutor):
         layers: decoder layer index -> that layer's :class:`LayerExperts` (already on the compute device).
     """
 
+    name = "resident"
+
     def __init__(self, layers: dict[int, LayerExperts]):
         self.layers = dict(layers)
+        self.counters = ExpertStats(tuple(sorted(self.layers)))
 
     def run(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
             topk_weights: torch.Tensor) -> torch.Tensor:
@@ -97,4 +57,22 @@ class ResidentExecutor(ExpertExecutor):
         experts = self.layers.get(layer_idx)
         if experts is None:
             raise KeyError(f"layer {layer_idx} has no routed experts (MoE layers: {sorted(self.layers)})")
-        return run_grouped(experts, hidden, topk_ids, topk_weights)
+        if self.counters.starts_step(layer_idx):
+            self.counters.open_step(hidden.shape[0])
+        if hidden.shape[0] == 0:
+            return torch.zeros_like(hidden)
+        groups = group_by_expert(topk_ids, topk_weights, experts.num_experts)
+        active = sum(1 for n in groups.counts if n)
+        self.counters.step.needed += active
+        self.counters.step.hits += active
+        return run_grouped(experts, hidden, topk_ids, topk_weights, groups)
+
+    def close(self) -> None:
+        """Drop the device copies of the experts."""
+        self.layers = {}
+
+    def stats(self) -> dict:
+        """Steps, tokens and experts used (every one a hit: all are resident)."""
+        d = self.counters.snapshot({}, {})
+        d.update(backend=self.name, num_slots=0)
+        return d

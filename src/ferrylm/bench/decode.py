@@ -1,0 +1,309 @@
+"""``ferry bench decode``: decode speed of the MoE backends, side by side in one process.
+
+For each backend: one warm-up request, then ``--batch`` requests of ``--prompt-len`` random prompt tokens decoding
+``--tokens`` tokens each (EOS ignored; greedy, or ``--temperature`` sampling seeded per request). NOTE: greedy
+decoding of a random-weight ``synthetic:`` model soon repeats itself, so each layer keeps routing to the same
+experts and the hit rate climbs to ~99 %; sampling (``--temperature 1``) keeps the routing moving. Decode time runs
+from the end of the step that finished every prefill to the last token. Printed per backend: tok/s, hit rate, bytes
+over PCIe per token (expert copies plus CPU-expert activations), CPU expert bytes per token, the roofline tok/s for
+the measured hit rate, achieved / roofline, and a checksum of the generated token ids (equal checksums: identical
+tokens).
+
+Roofline (per decode step of ``B`` tokens; ``S`` bytes per expert; per-step averages of the executor's counters;
+``W`` the non-expert weight bytes a step reads, i.e. every weight but the embedding table, which is read in full
+only when tied to the output layer):
+  * resident: ``t >= (W + needed * S) / B_hbm``
+  * offload:  ``t >= (W + needed * S) / B_hbm + (misses + prefetch_hits) * S / B_pcie``
+  * cpu:      ``t >= (W + hits * S) / B_hbm + cpu_experts * S / B_cpu``
+  * hybrid:   ``t >= (W + (needed - cpu_experts) * S) / B_hbm + max(fetched_needed * S / B_pcie,
+    cpu_experts * S / B_cpu)`` (the two sides run concurrently)
+and roofline tok/s = ``B / t``. Rates are measured at start (:func:`ferrylm.experts.bandwidth.measure_bandwidths`).
+
+All backends share one host copy of the experts (:class:`~ferrylm.experts.banks.HostBanks`) and one engine; the
+expert executor is swapped between runs. ``--gpu-memory-limit`` caps the offloading backends (the caching
+allocator is capped too, so exceeding it fails loudly); ``resident`` runs without the cap, last. On CUDA the cuDNN
+SDPA backend is switched off for the run (see the NOTE in :func:`run_decode_bench`).
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ferrylm.errors import FerryError
+from ferrylm.experts import ExpertOptions, backend_name, build_from_banks
+from ferrylm.experts.options import Bandwidths
+
+log = logging.getLogger("ferrylm.bench")
+
+BACKEND_ORDER = ("offload", "cpu", "hybrid", "resident")
+_COUNTERS = ("steps", "tokens", "needed", "hits", "misses", "prefetched", "prefetch_hits", "prefetch_wasted",
+             "fetched", "streamed", "bytes_copied", "bytes_activations", "cpu_experts", "cpu_expert_time_s",
+             "copy_time_s", "copy_exposed_s")
+
+
+def swap_executor(model, executor):
+    """Point every MoE block of ``model`` (a module with ``executor``, ``layer_idx`` and ``route``) at
+    ``executor`` and register their routers with it. Returns ``model``."""
+    for m in model.modules():
+        if hasattr(m, "executor") and hasattr(m, "route") and hasattr(m, "layer_idx"):
+            m.executor = executor
+            executor.register_router(m.layer_idx, m.route)
+    return model
+
+
+@dataclass
+class DecodeResult:
+    """One backend's run (rates in tokens/s, bytes per generated token)."""
+
+    backend: str
+    tok_s: float = 0.0
+    decode_s: float = 0.0
+    tokens: int = 0
+    hit_rate: float = 0.0
+    pcie_bytes_per_token: float = 0.0
+    cpu_bytes_per_token: float = 0.0
+    roofline_tok_s: float = 0.0
+    achieved_over_roofline: float = 0.0
+    checksum: str = ""
+    num_slots: int = 0
+    counters: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+def non_expert_step_bytes(model) -> int:
+    """``W`` of the module docstring: bytes of the model's parameters (routed experts are not parameters), less the
+    embedding table unless the output layer is tied to it."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if embed is not None and getattr(model, "lm_head", None) is not None:
+        total -= embed.weight.numel() * embed.weight.element_size()
+    return total
+
+
+def roofline_seconds(backend: str, per_step: dict, expert_bytes: int, base_bytes: int, bw: Bandwidths) -> float:
+    """Lower bound on one decode step's seconds (module docstring); ``per_step`` holds per-step averages."""
+    s = expert_bytes
+    needed, hits, misses = per_step["needed"], per_step["hits"], per_step["misses"]
+    cpu, pf = per_step["cpu_experts"], per_step["prefetch_hits"]
+    if backend == "resident":
+        return (base_bytes + needed * s) / bw.hbm
+    if backend == "offload":
+        return (base_bytes + needed * s) / bw.hbm + (misses + pf) * s / bw.pcie
+    if backend == "cpu":
+        return (base_bytes + hits * s) / bw.hbm + cpu * s / bw.cpu
+    fetched = misses - cpu + pf
+    return (base_bytes + (needed - cpu) * s) / bw.hbm + max(fetched * s / bw.pcie, cpu * s / bw.cpu)
+
+
+def _counters(ex) -> dict:
+    sync = getattr(ex, "sync_stats", None)
+    if sync is not None:
+        sync()
+    st = ex.stats()
+    return {k: st.get(k, 0) for k in _COUNTERS}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _generate(engine, prompts: list[list[int]], new_tokens: int, tag: str, ex, device, temperature: float = 0.0):
+    """Run ``prompts`` to ``new_tokens + 1`` tokens each (greedy, or sampled with a per-prompt seed so equal logits
+    still give equal tokens). Returns (token lists, decode seconds, counters at the end of prefill, counters at
+    the end)."""
+    from ferrylm.engine.sampling_params import SamplingParams
+
+    outs: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        rid = f"{tag}-{i}"
+        outs[rid] = []
+        engine.add_request(rid, p, SamplingParams(temperature=temperature, seed=i, max_tokens=new_tokens + 1,
+                                                  ignore_eos=True))
+    t0 = c0 = None
+    while engine.has_work():
+        for o in engine.step():
+            if o.error_code is not None:
+                raise RuntimeError(f"request {o.request_id} failed: {o.error_code}: {o.error_message}")
+            outs[o.request_id].extend(o.new_token_ids)
+        if t0 is None and all(outs.values()):
+            _sync(device)
+            c0, t0 = _counters(ex), time.perf_counter()
+    _sync(device)
+    t1 = time.perf_counter()
+    return list(outs.values()), t1 - t0, c0, _counters(ex)
+
+
+def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: int, tokens: int,
+                     prompt_len: int, prefetch: bool | None = None, temperature: float = 0.0,
+                     progress=print) -> dict:
+    """Run the benchmark (see the module docstring). ``engine_config``: an EngineConfig carrying ``device``,
+    ``dtype``, ``moe_cache_size``, ``moe_cpu_threads``, ``gpu_memory_limit`` and the KV settings.
+
+    Returns:
+        ``{"model", "device", "batch", "tokens", "bandwidths" (bytes/s), "expert_bytes", "non_expert_bytes",
+        "results": [DecodeResult as dict, ...]}``.
+    """
+    from ferrylm.config import EngineConfig
+    from ferrylm.engine.engine import Engine, resolve_device, resolve_dtype
+    from ferrylm.engine.factory import apply_memory_limit, expert_budget
+    from ferrylm.experts.bandwidth import measure_bandwidths
+    from ferrylm.experts.cpu_pool import CpuExpertPool
+    from ferrylm.models.loader import load_model
+    from ferrylm.models.resolve import resolve_model
+    from ferrylm.models.synthetic import is_synthetic_folder
+
+    ec = engine_config
+    device = resolve_device(ec.device)
+    dtype = resolve_dtype(ec.dtype, device)
+    if device.type == "cuda":
+        # NOTE: cuDNN SDPA builds a new plan for every new KV length, ~7 ms per decode attention call on the H200
+        # machine (torch 2.11), which swamps what this bench measures; the other SDPA kernels have no such cost.
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    path = resolve_model(model).path
+    if ec.dtype == "auto" and is_synthetic_folder(path):
+        dtype = torch.bfloat16
+    t = time.perf_counter()
+    loaded = load_model(path, device=device, dtype=dtype, moe_backend=ExpertOptions("offload"), expert_device="cpu")
+    if loaded.executor is None:
+        raise ValueError(f"{model} is not a MoE model")
+    banks = loaded.executor.banks
+    loaded.executor.close()
+    progress(f"loaded {model} in {time.perf_counter() - t:.1f} s: {len(banks.layers)} MoE layers x "
+             f"{banks.num_experts} experts x {banks.expert_bytes / 2**20:.2f} MiB = {banks.total_bytes / 2**30:.2f} "
+             f"GiB of experts in {'pinned' if banks.pinned else 'pageable'} host memory")
+    pool = CpuExpertPool(banks.layout, ec.moe_cpu_threads)
+    bw = measure_bandwidths(device, banks.layout, pinned=banks.pinned, pool=pool)
+    pool.close()
+    progress("bandwidths GB/s: " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in bw.as_dict().items())
+             + f" (cpu: {torch.get_num_threads()} threads)")
+
+    page = ec.page_size
+    pages = batch * -(-(prompt_len + tokens + 8) // page) + 4
+    cfg = EngineConfig(device=str(device), dtype=str(dtype).removeprefix("torch."), page_size=page, num_pages=pages,
+                       max_running_requests=batch, max_prefill_length=max(64, batch * prompt_len),
+                       moe_backend="resident")
+    engine = Engine(loaded.model, loaded.config, cfg, device=device, dtype=dtype)
+    base = non_expert_step_bytes(loaded.model)
+    g = torch.Generator().manual_seed(ec.seed)
+    upper = min(loaded.config.vocab_size, 1000)
+    prompts = [torch.randint(1, upper, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    warm = [torch.randint(1, upper, (prompt_len,), generator=g).tolist()]
+
+    results = []
+    for name in backends:
+        res = DecodeResult(backend=name)
+        ex = None
+        try:
+            if name == "resident":
+                if device.type == "cuda":
+                    torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
+                ex = build_from_banks("resident", banks, device)
+            else:
+                apply_memory_limit(device, ec.gpu_memory_limit)
+                ex = build_from_banks(name, banks, device, ExpertOptions(
+                    backend=name, cache_size=ec.moe_cache_size, cpu_threads=ec.moe_cpu_threads,
+                    prefetch=prefetch, bandwidths=bw))
+                res.num_slots = ex.reserve(expert_budget(device, ec.gpu_memory_limit))
+            swap_executor(loaded.model, ex)
+            _generate(engine, warm, 4, f"{name}-warm", ex, device)
+            toks, secs, c0, c1 = _generate(engine, prompts, tokens, name, ex, device, temperature)
+        except (RuntimeError, ValueError, FerryError) as e:  # OOM under the cap, a backend that cannot fit
+            res.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            progress(f"{name}: {res.error}")
+            results.append(res)
+            ex = _release(ex, device)
+            continue
+        diff = {k: c1[k] - c0[k] for k in _COUNTERS}
+        steps = max(1, diff["steps"])
+        n = batch * tokens
+        res.tokens, res.decode_s, res.tok_s = n, secs, n / secs
+        res.hit_rate = diff["hits"] / diff["needed"] if diff["needed"] else 1.0
+        res.pcie_bytes_per_token = (diff["bytes_copied"] + diff["bytes_activations"]) / n
+        res.cpu_bytes_per_token = diff["cpu_experts"] * banks.expert_bytes / n
+        per_step = {k: diff[k] / steps for k in ("needed", "hits", "misses", "cpu_experts", "prefetch_hits")}
+        roof = roofline_seconds(name, per_step, banks.expert_bytes, base, bw)
+        res.roofline_tok_s = batch / roof
+        res.achieved_over_roofline = res.tok_s / res.roofline_tok_s
+        res.checksum = hashlib.sha256(json.dumps(toks).encode()).hexdigest()[:12]
+        res.counters = diff
+        results.append(res)
+        progress(format_row(res))
+        ex = _release(ex, device)
+    return {"model": model, "device": str(device), "dtype": str(dtype).removeprefix("torch."), "batch": batch,
+            "tokens": tokens, "temperature": temperature, "prompt_len": prompt_len,
+            "gpu_memory_limit_gib": ec.gpu_memory_limit,
+            "bandwidths": bw.as_dict(), "expert_bytes": banks.expert_bytes, "non_expert_bytes": base,
+            "results": [asdict(r) for r in results]}
+
+
+def _release(ex, device: torch.device):
+    if ex is not None:
+        ex.close()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return None
+
+
+HEADER = (f"{'backend':<9} {'tok/s':>8} {'hit%':>6} {'PCIe MB/tok':>12} {'CPU MB/tok':>11} {'slots':>6} "
+          f"{'roofline':>9} {'ach/roof':>9} {'exposed':>8}  checksum")
+
+
+def format_row(r: DecodeResult) -> str:
+    if r.error:
+        return f"{r.backend:<9} {'-':>8}  {r.error}"
+    c = r.counters
+    exposed = c.get("copy_exposed_s", 0.0) / r.decode_s if r.decode_s else 0.0
+    return (f"{r.backend:<9} {r.tok_s:8.2f} {100 * r.hit_rate:6.1f} {r.pcie_bytes_per_token / 1e6:12.1f} "
+            f"{r.cpu_bytes_per_token / 1e6:11.1f} {r.num_slots:6d} {r.roofline_tok_s:9.2f} "
+            f"{r.achieved_over_roofline:9.2f} {100 * exposed:7.0f}%  {r.checksum}")
+
+
+def format_table(summary: dict) -> str:
+    bw = summary["bandwidths"]
+    lines = [f"model {summary['model']}  device {summary['device']} {summary['dtype']}  batch {summary['batch']}  "
+             f"tokens {summary['tokens']}  gpu limit {summary['gpu_memory_limit_gib']} GiB",
+             "measured GB/s: " + "  ".join(f"{k} {v / 1e9:.1f}" for k, v in bw.items()), HEADER]
+    lines += [format_row(DecodeResult(**r)) for r in summary["results"]]
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    """``ferry bench decode`` (arguments: the serve model flags plus ``--batch``, ``--tokens``, ``--prompt-len``,
+    ``--no-prefetch``, ``--output-json``)."""
+    from ferrylm.cli import engine_config_from_args
+
+    for flag, v in (("--batch", args.batch), ("--tokens", args.tokens), ("--prompt-len", args.prompt_len)):
+        if v < 1:
+            print(f"ferry bench decode: {flag} must be >= 1", file=sys.stderr)
+            return 2
+    if args.moe_backend == "all":
+        backends = list(BACKEND_ORDER)
+    elif backend_name(args.moe_backend) == "auto":
+        print("ferry bench decode: pick a backend or 'all' (auto is decided by `ferry serve`)", file=sys.stderr)
+        return 2
+    else:
+        backends = [backend_name(args.moe_backend)]
+    try:
+        ec = engine_config_from_args(args)
+    except ValueError as e:
+        print(f"ferry bench decode: {e}", file=sys.stderr)
+        return 2
+    summary = run_decode_bench(model=args.model, backends=backends, engine_config=ec, batch=args.batch,
+                               tokens=args.tokens, prompt_len=args.prompt_len,
+                               prefetch=False if args.no_prefetch else None, temperature=args.temperature,
+                               progress=lambda s: print(s, file=sys.stderr, flush=True))
+    print(format_table(summary))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0 if all(r["error"] is None for r in summary["results"]) else 1

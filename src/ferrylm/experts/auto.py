@@ -1,0 +1,79 @@
+"""``--moe-backend auto``: resident when every expert fits the device budget; otherwise the offloading backend with
+the lowest predicted decode step time from the measured bandwidths.
+
+Prediction (batch ``B``, ``L`` MoE layers of ``E`` experts, top-``k``, ``N`` cache slots, ``S`` bytes per expert):
+a layer needs ``d = E * (1 - (1 - k/E)^B)`` distinct experts (uniform routing); with the cache holding a uniform
+share, a fraction ``h = min(1, N / (L * E))`` of them hits, so a step misses ``m = L * d * (1 - h)`` experts.
+Then ``t_offload = m S / B_pcie``, ``t_cpu = m S / B_cpu`` and ``t_hybrid = m S / (B_pcie + B_cpu_eff)`` (both
+sides busy until the end; see :mod:`ferrylm.experts.hybrid`). Skewed routing raises ``h`` for every backend alike.
+A later issue validates this choice against real timings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ferrylm.experts.hybrid import cpu_effective_rate
+from ferrylm.experts.options import Bandwidths
+
+OFFLOADING = ("offload", "hybrid", "cpu")  # tie order: the simpler mechanism first
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """The decision: ``backend``, a one-line ``reason``, and ``predicted`` seconds per decode step by backend."""
+
+    backend: str
+    reason: str
+    predicted: dict[str, float]
+
+
+def expected_misses(*, num_layers: int, num_experts: int, top_k: int, slots: int, batch: int = 1) -> float:
+    """``m`` of the module docstring: experts a decode step of ``batch`` tokens misses."""
+    distinct = num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+    hit = min(1.0, slots / float(num_layers * num_experts))
+    return num_layers * distinct * (1.0 - hit)
+
+
+def predict_step_times(misses: float, expert_bytes: int, bw: Bandwidths) -> dict[str, float]:
+    """Seconds per step for each offloading backend (module docstring)."""
+    b = misses * expert_bytes
+    return {"offload": b / bw.pcie, "hybrid": b / (bw.pcie + cpu_effective_rate(bw)), "cpu": b / bw.cpu}
+
+
+def choose_backend(*, expert_bytes_total: int, budget_bytes: int | None, expert_bytes: int, num_layers: int,
+                   num_experts: int, top_k: int, stream_bytes: int, bandwidths, batch: int = 1) -> AutoChoice:
+    """Pick the backend.
+
+    Args:
+        expert_bytes_total: all routed experts' bytes. budget_bytes: device bytes left for experts (None: no
+            limit, everything fits). expert_bytes: one expert. stream_bytes: the prefill double buffer.
+        bandwidths: a :class:`Bandwidths` or a zero-argument callable measuring them (only called when the
+            experts do not fit).
+    """
+    if budget_bytes is None or expert_bytes_total <= budget_bytes:
+        return AutoChoice("resident", "every routed expert fits in the device budget", {})
+    bw = bandwidths() if callable(bandwidths) else bandwidths
+    slots = max(0, (budget_bytes - stream_bytes) // expert_bytes)
+    m = expected_misses(num_layers=num_layers, num_experts=num_experts, top_k=top_k, slots=slots, batch=batch)
+    times = predict_step_times(m, expert_bytes, bw)
+    if slots < 1:
+        times.pop("offload")
+    best = min(times, key=lambda k: (times[k], OFFLOADING.index(k)))
+    return AutoChoice(best, f"experts need {expert_bytes_total / 2**30:.1f} GiB, {budget_bytes / 2**30:.1f} GiB "
+                            f"left: {slots} slots, ~{m:.0f} misses/step; predicted ms/step "
+                      + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in times.items()), times)
+
+
+def estimate_non_expert_bytes(config, moe_layers: tuple[int, ...], dtype_bytes: int) -> int:
+    """Bytes of every weight except the routed experts, from a :class:`~ferrylm.config.ModelConfig`: embedding
+    (and an untied ``lm_head``), attention projections, dense MLPs of non-MoE layers, routers and shared experts.
+    Norms and biases are left out (under 0.1 %)."""
+    h, v = config.hidden_size, config.vocab_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    n = v * h * (1 if config.tie_word_embeddings else 2)
+    n += config.num_layers * (2 * h * q + 2 * h * kv)
+    n += (config.num_layers - len(moe_layers)) * 3 * h * config.intermediate_size
+    shared = int(config.raw.get("shared_expert_intermediate_size") or 0)
+    n += len(moe_layers) * (config.num_experts * h + 3 * h * shared + (h if shared else 0))
+    return n * dtype_bytes

@@ -1,0 +1,249 @@
+"""Bookkeeping of the device slot cache: which ``(layer, expert)`` sits in which of ``N`` slots.
+
+The slots themselves (one ``[N, S]`` tensor on the compute device, shared by all MoE layers) belong to the
+executor; this module only decides. Pure Python, no tensors, so the policy is cheap to property-test.
+
+Rules:
+  * An expert the current layer still needs is *pinned*; eviction never picks a pinned expert
+    (:class:`CacheFull` when every occupied slot is pinned and no slot is free).
+  * Among unpinned experts the :class:`EvictionPolicy` picks the victim. :class:`LRUPolicy` is plain least
+    recently used over all layers. :class:`LayerLRUPolicy` (the executors' default) is LRU within per-layer fair
+    shares, like the per-layer LRU caches of Eliseev & Mazur 2023 ("Fast Inference of Mixture-of-Experts Language
+    Models with Offloading", §3.1): layers are visited in a fixed cycle every step, and one global LRU over a cache
+    smaller than the per-step working set evicts each expert just before its layer comes round again (hit rate 0
+    when routing repeats); with shares, every layer keeps its most recent ``N / L`` experts.
+  * :meth:`SlotCache.lookup` counts a hit or a miss for the expert's layer (per-layer counters).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Container, Iterable
+
+Key = tuple[int, int]  # (decoder layer index, expert id)
+
+
+class CacheFull(RuntimeError):
+    """No slot can be given out: every slot holds a pinned expert (or the cache has no slots)."""
+
+
+class EvictionPolicy(ABC):
+    """Orders the cached keys by how cheaply each can go. The cache tells it every insert / use / removal."""
+
+    @abstractmethod
+    def insert(self, key: Key) -> None:
+        """``key`` entered the cache."""
+
+    @abstractmethod
+    def touch(self, key: Key) -> None:
+        """``key`` was used (a hit)."""
+
+    @abstractmethod
+    def remove(self, key: Key) -> None:
+        """``key`` left the cache."""
+
+    @abstractmethod
+    def victim(self, pinned: Container[Key], incoming: Key | None = None) -> Key | None:
+        """The key to evict next to make room for ``incoming``, never one in ``pinned``; None when every cached
+        key is pinned."""
+
+    @abstractmethod
+    def keys(self) -> list[Key]:
+        """Every key the policy tracks (for invariant checks)."""
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used first. ``insert``/``touch``/``remove`` are O(1); ``victim`` skips pinned keys from
+    the old end, O(number of pinned keys) (at most one layer's needs)."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Key, None] = OrderedDict()  # oldest first
+
+    def insert(self, key: Key) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def touch(self, key: Key) -> None:
+        self._order.move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        del self._order[key]
+
+    def victim(self, pinned: Container[Key], incoming: Key | None = None) -> Key | None:
+        for key in self._order:
+            if key not in pinned:
+                return key
+        return None
+
+    def keys(self) -> list[Key]:
+        return list(self._order)
+
+
+class LayerLRUPolicy(LRUPolicy):
+    """LRU within per-layer shares of ``quota`` slots (see the module docstring).
+
+    Victim for an expert of layer ``l``: the least recently used unpinned expert of layer ``l`` when ``l`` already
+    holds ``quota`` or more; else the least recently used unpinned expert of a layer holding more than ``quota``;
+    else the global least recently used unpinned expert.
+
+    Args:
+        quota: slots per layer, ``max(1, N // num_moe_layers)`` for ``N`` slots.
+    """
+
+    def __init__(self, quota: int) -> None:
+        super().__init__()
+        self.quota = max(1, quota)
+        self._layers: dict[int, OrderedDict[Key, None]] = {}
+
+    def insert(self, key: Key) -> None:
+        super().insert(key)
+        own = self._layers.setdefault(key[0], OrderedDict())
+        own[key] = None
+        own.move_to_end(key)
+
+    def touch(self, key: Key) -> None:
+        super().touch(key)
+        self._layers[key[0]].move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        super().remove(key)
+        del self._layers[key[0]][key]
+
+    def victim(self, pinned: Container[Key], incoming: Key | None = None) -> Key | None:
+        if incoming is not None:
+            own = self._layers.get(incoming[0], ())
+            if len(own) >= self.quota:
+                for key in own:
+                    if key not in pinned:
+                        return key
+        for key in self._order:
+            if key not in pinned and len(self._layers[key[0]]) > self.quota:
+                return key
+        return super().victim(pinned)
+
+
+class SlotCache:
+    """``num_slots`` slots shared by all MoE layers; maps ``(layer, expert)`` to a slot index.
+
+    Args:
+        num_slots: ``N >= 0`` (0 is allowed for a backend that never caches, e.g. ``cpu`` with no room).
+        policy: eviction order (default :class:`LRUPolicy`).
+
+    Raises:
+        ValueError: ``num_slots < 0``.
+    """
+
+    def __init__(self, num_slots: int, policy: EvictionPolicy | None = None):
+        if num_slots < 0:
+            raise ValueError(f"the expert cache needs >= 0 slots, got {num_slots}")
+        self.num_slots = num_slots
+        self.policy = policy or LRUPolicy()
+        self._slot_of: dict[Key, int] = {}
+        self._key_of: list[Key | None] = [None] * num_slots
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._pinned: set[Key] = set()
+        self.hits: dict[int, int] = {}
+        self.misses: dict[int, int] = {}
+        self.evictions = 0
+
+    # --- queries ----------------------------------------------------------------------------------------------
+    def __contains__(self, key: Key) -> bool:
+        return key in self._slot_of
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def slot_of(self, key: Key) -> int | None:
+        """The slot holding ``key`` or None (no counting, no recency update)."""
+        return self._slot_of.get(key)
+
+    def key_of(self, slot: int) -> Key | None:
+        return self._key_of[slot]
+
+    @property
+    def pinned(self) -> frozenset[Key]:
+        return frozenset(self._pinned)
+
+    def evictable(self) -> int:
+        """Slots that :meth:`admit` can still hand out now: free ones plus those holding unpinned experts."""
+        return len(self._free) + len(self._slot_of) - len(self._pinned)
+
+    def lookup(self, key: Key) -> int | None:
+        """The slot of ``key`` (a hit: recency updated) or None (a miss). Counts either for ``key[0]``'s layer."""
+        slot = self._slot_of.get(key)
+        layer = key[0]
+        if slot is None:
+            self.misses[layer] = self.misses.get(layer, 0) + 1
+            return None
+        self.hits[layer] = self.hits.get(layer, 0) + 1
+        self.policy.touch(key)
+        return slot
+
+    # --- changes ----------------------------------------------------------------------------------------------
+    def touch(self, key: Key) -> None:
+        """Mark ``key`` (cached) as just used without counting a hit (e.g. it was predicted again)."""
+        if key in self._slot_of:
+            self.policy.touch(key)
+
+    def pin(self, key: Key) -> None:
+        """Protect the cached ``key`` from eviction until :meth:`unpin`. Raises KeyError if not cached."""
+        if key not in self._slot_of:
+            raise KeyError(f"cannot pin {key}: not cached")
+        self._pinned.add(key)
+
+    def unpin(self, key: Key) -> None:
+        self._pinned.discard(key)
+
+    def unpin_all(self, keys: Iterable[Key] | None = None) -> None:
+        """Unpin ``keys`` (default: every pinned key)."""
+        if keys is None:
+            self._pinned.clear()
+        else:
+            self._pinned.difference_update(keys)
+
+    def admit(self, key: Key) -> tuple[int, Key | None]:
+        """Give ``key`` a slot: a free one, else the policy's unpinned victim's (evicted).
+
+        Returns:
+            ``(slot, evicted_key or None)``; the caller then fills the slot. ``key`` is not pinned.
+
+        Raises:
+            ValueError: ``key`` is already cached. CacheFull: no free slot and every cached key is pinned.
+        """
+        if key in self._slot_of:
+            raise ValueError(f"{key} is already cached in slot {self._slot_of[key]}")
+        evicted = None
+        if self._free:
+            slot = self._free.pop()
+        else:
+            evicted = self.policy.victim(self._pinned, key)
+            if evicted is None:
+                raise CacheFull(f"all {self.num_slots} expert slots hold experts pinned for this step")
+            slot = self._slot_of.pop(evicted)
+            self.policy.remove(evicted)
+            self.evictions += 1
+        self._slot_of[key] = slot
+        self._key_of[slot] = key
+        self.policy.insert(key)
+        return slot, evicted
+
+    def evict(self, key: Key) -> int:
+        """Drop the unpinned ``key``; return its freed slot. Raises KeyError (not cached) / ValueError (pinned)."""
+        if key in self._pinned:
+            raise ValueError(f"cannot evict {key}: pinned for this step")
+        slot = self._slot_of.pop(key)
+        self.policy.remove(key)
+        self._key_of[slot] = None
+        self._free.append(slot)
+        return slot
+
+    def check(self) -> None:
+        """Raise AssertionError when the bookkeeping is inconsistent (tests; cheap enough for debug runs)."""
+        assert len(self._slot_of) + len(self._free) == self.num_slots, "slots lost or double-counted"
+        assert len(set(self._free)) == len(self._free), "a free slot listed twice"
+        for key, slot in self._slot_of.items():
+            assert self._key_of[slot] == key, f"slot {slot} maps back to {self._key_of[slot]}, not {key}"
+            assert slot not in self._free, f"slot {slot} is both free and holds {key}"
+        assert set(self.policy.keys()) == set(self._slot_of), "policy and cache disagree on the cached keys"
+        assert self._pinned <= set(self._slot_of), "a pinned key is not cached"

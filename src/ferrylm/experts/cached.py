@@ -1,0 +1,375 @@
+"""The common base of the offloading backends (offload, cpu, hybrid): host banks + a device slot cache.
+
+Per MoE layer and step (:meth:`CachedExecutor.run`):
+  1. group the step's assignments by expert (one device->host sync for the per-expert counts);
+  2. large chunks (prefill) go through the two-layer double buffer (:mod:`ferrylm.experts.stream`);
+  3. otherwise each needed expert is a cache hit (pinned for this layer; never evicted while pinned) or a miss,
+     and the backend's :meth:`CachedExecutor._dispatch` decides where each miss is computed;
+  4. the weighted outputs are summed per token as the resident backend sums them (:mod:`ferrylm.experts.work`),
+     so the backends agree to the last bit wherever their expert kernels do.
+
+Device memory (``reserve``): ``N`` slots of one expert row each (``[N, S]``, one tensor shared by all layers) plus,
+with prefill streaming, two layer buffers. ``--moe-cache-size`` fixes ``N``; otherwise ``N`` fills the budget.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from ferrylm.errors import InsufficientMemory
+from ferrylm.experts.banks import HostBanks
+from ferrylm.experts.cache import Key, LayerLRUPolicy, LRUPolicy, SlotCache
+from ferrylm.experts.cpu_pool import CpuExpertPool, CpuJob
+from ferrylm.experts.executor import ExpertExecutor
+from ferrylm.experts.options import Bandwidths, ExpertOptions
+from ferrylm.experts.stats import ExpertStats
+from ferrylm.experts.stream import LayerStreamer
+from ferrylm.experts.transfer import make_copy_engine
+from ferrylm.experts.work import LayerWork, group_by_expert
+from ferrylm.faults import NO_FAULTS
+
+log = logging.getLogger("ferrylm.experts")
+
+Router = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class CachedExecutor(ExpertExecutor):
+    """Host banks + device slot cache + copy engine; subclasses implement :meth:`_dispatch`.
+
+    Args:
+        banks: all routed experts in host memory.
+        device: the compute device (the slot cache lives there; on the CPU it is host memory).
+        options: see :class:`~ferrylm.experts.options.ExpertOptions`.
+
+    Class attributes: ``name`` (backend name), ``default_prefetch``, ``uses_cpu`` (owns a CPU expert pool),
+    ``min_slots`` (slots it cannot work without), ``faults`` (the fault injector, point ``expert_fetch`` at demand
+    fetches and prefill staging; the engine sets it).
+    """
+
+    name = "cached"
+    default_prefetch = False
+    uses_cpu = False
+    min_slots = 0
+    faults = NO_FAULTS
+
+    def __init__(self, banks: HostBanks, device: torch.device | str, options: ExpertOptions):
+        self.banks = banks
+        self.device = torch.device(device)
+        self.options = options
+        self.layout = banks.layout
+        self.num_experts = banks.num_experts
+        layers = banks.layers
+        self._next = dict(zip(layers, layers[1:]))
+        self._routers: dict[int, Router] = {}
+        self.copier = make_copy_engine(self.device)
+        self.cpu_pool = CpuExpertPool(self.layout, options.cpu_threads) if self.uses_cpu else None
+        self.prefetch = self.default_prefetch if options.prefetch is None else bool(options.prefetch)
+        self._bandwidths = options.bandwidths
+        self.counters = ExpertStats(layers)
+        self.cache: SlotCache | None = None
+        self.slots: torch.Tensor | None = None
+        self._slot_view = None
+        self.streamer: LayerStreamer | None = None
+        self._ready: dict[int, object] = {}     # slot -> copy fence still to wait for
+        self._last_use: dict[int, object] = {}  # slot -> compute fence of its last read
+        self._prefetched: set[Key] = set()      # prefetched and not yet used
+        self._copy_mark = (0.0, 0.0)
+
+    # --- memory -----------------------------------------------------------------------------------------------
+    def stream_bytes(self) -> int:
+        """Device bytes of the prefill double buffer (0 when streaming is off)."""
+        return 2 * self.num_experts * self.layout.nbytes if self.options.stream_prefill else 0
+
+    def plan_slots(self, budget_bytes: int | None) -> int:
+        """Slots for ``budget_bytes`` of device memory (None: no budget): as many as fit after the stream buffers,
+        at most ``--moe-cache-size`` when given, at most every expert. (The memory plan checks an explicit
+        ``--moe-cache-size`` against the device and reports it; here the budget simply wins.)
+
+        Raises:
+            InsufficientMemory: the budget cannot hold the backend's minimum slots.
+        """
+        total = len(self.banks.layers) * self.num_experts
+        per = self.layout.nbytes
+        fixed = self.stream_bytes()
+        n = total if self.options.cache_size is None else min(self.options.cache_size, total)
+        if budget_bytes is not None:
+            n = min(n, max(0, (budget_bytes - fixed) // per))
+        if n < self.min_slots:
+            raise InsufficientMemory(
+                f"the {self.name} backend needs >= {self.min_slots} expert slot(s) of {per / 2**20:.1f} MiB "
+                f"(+ {fixed / 2**30:.2f} GiB prefill buffers) but the device budget for experts is "
+                f"{(budget_bytes or 0) / 2**30:.2f} GiB")
+        return int(n)
+
+    def reserve(self, budget_bytes: int | None = None) -> int:
+        """Allocate the slot cache (and stream buffers) within ``budget_bytes`` and warm it; returns ``N``.
+        Called by the engine factory once the weights and KV pool are placed; otherwise on the first run with
+        no budget. Re-reserving drops the cache first."""
+        self._drop_device_memory()
+        n = self.plan_slots(budget_bytes)
+        self.slots = torch.empty(n, self.layout.numel, dtype=self.layout.dtype, device=self.device)
+        self._slot_view = self.layout.layer_views(self.slots)  # gate/up [N, I, H], down [N, H, I] views
+        policy = LRUPolicy() if self.options.cache_policy == "lru" else LayerLRUPolicy(n // len(self.banks.layers))
+        self.cache = SlotCache(n, policy)
+        if self.options.stream_prefill:
+            self.streamer = LayerStreamer(self.banks, self.device, self.copier)
+        self._warm_fill()
+        log.info("%s experts: %d slots x %.1f MiB = %.2f GiB on %s (of %d experts)%s", self.name, n,
+                 self.layout.nbytes / 2**20, n * self.layout.nbytes / 2**30, self.device,
+                 len(self.banks.layers) * self.num_experts,
+                 f", prefill buffers {self.streamer.nbytes / 2**30:.2f} GiB" if self.streamer else "")
+        return n
+
+    def _warm_fill(self) -> None:
+        """Fill the empty cache layer-round-robin (expert 0 of every layer, then expert 1 ...), so the first steps
+        are not all misses and every layer gets an equal share; not counted in the stats."""
+        layers = self.banks.layers
+        for i in range(self.cache.num_slots):
+            layer, e = layers[i % len(layers)], i // len(layers)
+            slot, _ = self.cache.admit((layer, e))
+            self.copier.copy(self.slots[slot], self.banks.row(layer, e))
+        self.copier.synchronize()
+        self.copier.harvest()
+        self._copy_mark = (self.copier.copy_time_s, self.copier.exposed_s)
+
+    def _drop_device_memory(self) -> None:
+        self.copier.synchronize()
+        self.slots = None
+        self._slot_view = None
+        self.cache = None
+        self.streamer = None
+        self._ready.clear()
+        self._last_use.clear()
+        self._prefetched.clear()
+
+    def close(self) -> None:
+        self._drop_device_memory()
+        self.copier.close()
+        if self.cpu_pool is not None:
+            self.cpu_pool.close()
+
+    # --- hooks ------------------------------------------------------------------------------------------------
+    def register_router(self, layer_idx: int, route: Router) -> None:
+        self._routers[layer_idx] = route
+
+    def bandwidths(self) -> Bandwidths:
+        """The measured rates (measured once, on first need, unless given in the options)."""
+        if self._bandwidths is None:
+            from ferrylm.experts.bandwidth import measure_bandwidths
+
+            self._bandwidths = measure_bandwidths(self.device, self.layout, pinned=self.banks.pinned,
+                                                  pool=self.cpu_pool)
+            log.info("measured bandwidths (GB/s): %s",
+                     {k: round(v / 1e9, 1) for k, v in self._bandwidths.as_dict().items()})
+        return self._bandwidths
+
+    # --- the step ---------------------------------------------------------------------------------------------
+    def run(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+            topk_weights: torch.Tensor) -> torch.Tensor:
+        """See :meth:`ExpertExecutor.run`. Raises KeyError for a layer without experts."""
+        if layer_idx not in self.banks:
+            raise KeyError(f"layer {layer_idx} has no routed experts (MoE layers: {list(self.banks.layers)})")
+        if self.cache is None:
+            self.reserve(None)
+        t = hidden.shape[0]
+        if self.counters.starts_step(layer_idx):
+            self._fold_copy_times()
+            self.counters.open_step(t)
+        if t == 0:
+            return torch.zeros_like(hidden)
+        work = LayerWork(layer_idx, hidden, topk_ids, group_by_expert(topk_ids, topk_weights, self.num_experts))
+        try:
+            if self._streams(t, topk_ids.shape[1]):
+                self._run_streamed(work)
+            else:
+                self._run_cached(work)
+        finally:
+            self.cache.unpin_all()
+        return work.combine()
+
+    def _streams(self, num_tokens: int, top_k: int) -> bool:
+        if self.streamer is None:
+            return False
+        if self.options.stream_min_tokens is not None:
+            return num_tokens >= self.options.stream_min_tokens
+        return num_tokens * top_k >= self.num_experts
+
+    def _classify(self, work: LayerWork) -> tuple[list[tuple[int, int]], list[int]]:
+        """Split the needed experts into pinned hits ``(expert, slot)`` and misses; count them."""
+        hits, misses = [], []
+        step = self.counters.step
+        for e in work.needed:
+            key = (work.layer, e)
+            slot = self.cache.lookup(key)
+            if slot is None:
+                misses.append(e)
+                continue
+            self.cache.pin(key)
+            hits.append((e, slot))
+            if key in self._prefetched:
+                self._prefetched.discard(key)
+                step.prefetch_hits += 1
+        step.needed += len(work.needed)
+        step.hits += len(hits)
+        step.misses += len(misses)
+        return hits, misses
+
+    def _run_cached(self, work: LayerWork) -> None:
+        hits, misses = self._classify(work)
+        self._dispatch(work, hits, misses)
+
+    def _dispatch(self, work: LayerWork, hits: list[tuple[int, int]], misses: list[int]) -> None:
+        """Compute every needed expert into ``work.parts``: ``hits`` are pinned in their slots; ``misses`` are
+        not cached."""
+        raise NotImplementedError
+
+    # --- building blocks for the backends ---------------------------------------------------------------------
+    def _fetch(self, layer: int, experts: list[int], *, prefetch: bool = False) -> list[tuple[int, int]]:
+        """Admit ``experts`` of ``layer`` into slots (evicting unpinned LRU ones) and enqueue their copies.
+        Demand fetches are pinned; prefetches are not. Returns ``(expert, slot)`` pairs."""
+        if self.faults.enabled and experts and not prefetch:
+            self.faults.check("expert_fetch", nbytes=len(experts) * self.layout.nbytes)
+        step = self.counters.step
+        items = []
+        for e in experts:
+            key = (layer, e)
+            slot, evicted = self.cache.admit(key)
+            if evicted is not None and evicted in self._prefetched:
+                self._prefetched.discard(evicted)
+                step.prefetch_wasted += 1
+            self.copier.copy(self.slots[slot], self.banks.row(layer, e), after=self._last_use.pop(slot, None))
+            items.append((e, slot))
+            if prefetch:
+                self._prefetched.add(key)
+            else:
+                self.cache.pin(key)
+        if items:
+            fence = self.copier.fence()
+            for _, slot in items:
+                self._ready[slot] = fence
+            step.bytes_copied += len(items) * self.layout.nbytes
+            if prefetch:
+                step.prefetched += len(items)
+            else:
+                step.fetched += len(items)
+        return items
+
+    def _wait_slots(self, items: list[tuple[int, int]]) -> None:
+        seen = set()
+        for _, slot in items:
+            fence = self._ready.pop(slot, None)
+            if fence is not None and id(fence) not in seen:
+                seen.add(id(fence))
+                self.copier.wait(fence)
+
+    def _compute_slots(self, work: LayerWork, items: list[tuple[int, int]]) -> None:
+        """Compute ``(expert, slot)`` items on the device (after their copies landed), then unpin them."""
+        if not items:
+            return
+        items = sorted(items)
+        self._wait_slots(items)
+        work.compute([e for e, _ in items], self._slot_view, [slot for _, slot in items])
+        fence = self.copier.compute_fence()
+        for e, slot in items:
+            if fence is not None:
+                self._last_use[slot] = fence
+            self.cache.unpin((work.layer, e))
+
+    def _maybe_prefetch(self, work: LayerWork) -> None:
+        """Predict the next MoE layer's experts by applying its router to this layer's hidden state (Eliseev &
+        Mazur 2023, §3.2) and copy the uncached ones into slots no pinned or just-predicted expert occupies."""
+        nxt = self._next.get(work.layer)
+        route = self._routers.get(nxt) if nxt is not None else None
+        if not self.prefetch or route is None or work.hidden.shape[0] > self.options.prefetch_max_tokens:
+            return
+        ids, _ = route(work.hidden)
+        todo, kept = [], 0
+        for e in torch.unique(ids).tolist():
+            key = (nxt, int(e))
+            if key in self.cache:
+                self.cache.touch(key)
+                kept += 1
+            else:
+                todo.append(int(e))
+        room = self.cache.evictable() - kept
+        if room > 0 and todo:
+            self._fetch(nxt, todo[:room], prefetch=True)
+
+    def _submit_cpu(self, work: LayerWork, experts: list[int]):
+        """Start the CPU job for ``experts`` (activations go to the host). Returns a handle for
+        :meth:`_collect_cpu`, or None when ``experts`` is empty."""
+        if not experts:
+            return None
+        idx = torch.cat([work.rows(e) for e in experts])
+        x = work.hidden[idx].to("cpu")
+        w = torch.cat([work.weights(e) for e in experts]).float().to("cpu")
+        items, start = [], 0
+        for e in experts:
+            n = work.spans[e][1]
+            items.append((e, self.banks.row(work.layer, e), start, n))
+            start += n
+        step = self.counters.step
+        step.cpu_experts += len(experts)
+        if self.device.type != "cpu":
+            step.bytes_activations += 2 * x.numel() * x.element_size()
+        return experts, self.cpu_pool.submit(CpuJob(x=x, weights=w, items=items, out_dtype=work.hidden.dtype))
+
+    def _collect_cpu(self, work: LayerWork, handle) -> None:
+        """Wait for the CPU job and place its outputs (moved to the device) into ``work.parts``."""
+        if handle is None:
+            return
+        experts, future = handle
+        outs, seconds = future.result()
+        self.counters.step.cpu_expert_time_s += seconds
+        if self.device.type != "cpu":
+            sizes = [o.shape[0] for o in outs]
+            outs = torch.cat(outs).to(self.device).split(sizes)
+        for e, y in zip(experts, outs):
+            work.parts[e] = y
+
+    def _run_streamed(self, work: LayerWork) -> None:
+        """Prefill: hits from their slots, everything else from the layer buffer; start copying the next MoE
+        layer (minus its cache hits) into the other buffer before computing."""
+        hits, rest = self._classify(work)
+        if self.faults.enabled and rest:
+            self.faults.check("expert_fetch", nbytes=len(rest) * self.layout.nbytes)
+        step = self.counters.step
+        idx, copied = self.streamer.acquire(work.layer, rest)
+        nxt = self._next.get(work.layer)
+        if nxt is not None:
+            copied += self.streamer.prefetch(nxt, [e for e in range(self.num_experts) if (nxt, e) not in self.cache])
+        step.streamed += copied
+        step.bytes_copied += copied * self.layout.nbytes
+        self._compute_slots(work, hits)
+        if rest:
+            self.copier.wait(self.streamer.ready[idx])
+            work.compute(rest, self.layout.layer_views(self.streamer.buffers[idx]), rest)
+            self.streamer.done_reading(idx, self.copier.compute_fence())
+
+    # --- stats ------------------------------------------------------------------------------------------------
+    def _fold_copy_times(self) -> None:
+        self.copier.harvest()
+        ct, ex = self.copier.copy_time_s, self.copier.exposed_s
+        self.counters.step.copy_time_s += ct - self._copy_mark[0]
+        self.counters.step.copy_exposed_s += ex - self._copy_mark[1]
+        self._copy_mark = (ct, ex)
+
+    def sync_stats(self) -> None:
+        """Fold finished copy timings into the current step now (call from the thread that runs the model;
+        otherwise they are folded at each step boundary)."""
+        self._fold_copy_times()
+
+    def stats(self) -> dict:
+        """Counters (see :class:`~ferrylm.experts.stats.Counters`), the last step's, per-layer hits and misses,
+        and the cache shape (``num_slots``, ``expert_bytes``, ``pinned`` banks). Read-only, so the engine's
+        heartbeat thread may call it while a step runs; copy timings lag by up to one step
+        (:meth:`sync_stats`)."""
+        cache = self.cache
+        d = self.counters.snapshot(cache.hits if cache else {}, cache.misses if cache else {})
+        d.update(backend=self.name, num_slots=cache.num_slots if cache else 0, expert_bytes=self.layout.nbytes,
+                 pinned=self.banks.pinned, prefetch=self.prefetch,
+                 cpu_threads=self.cpu_pool.threads if self.cpu_pool else 0)
+        return d

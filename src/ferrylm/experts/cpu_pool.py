@@ -1,0 +1,98 @@
+"""The CPU expert pool: computes experts straight from the host banks, beside the device.
+
+One coordinator thread takes a layer's CPU share as one job and runs its experts one after another; each expert's
+GEMMs run on torch's intra-op thread pool, which is sized to ``--moe-cpu-threads`` (default: physical cores, as
+torch does by default). The coordinator releases the GIL inside every kernel, so the calling thread keeps launching
+device work meanwhile. (Python threads that each ran whole experts with torch ops would oversubscribe the cores:
+every such thread gets its own OpenMP team of the full size.)
+
+Kernel: ``gate | up`` are one ``[2I, H]`` block of the expert row, so an expert is two matmuls,
+``y = down @ (silu(g) * u)`` with ``[g; u] = [gate; up] @ x`` (Jiang et al. 2024, "Mixtral of Experts", eq. 3).
+In bfloat16, torch dispatches these CPU matmuls to oneDNN, which accumulates in float32 (and uses AMX tiles where
+the CPU has them).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ferrylm.experts.banks import ExpertLayout
+
+log = logging.getLogger("ferrylm.experts")
+
+
+def physical_cores() -> int:
+    """Physical CPU cores (logical ones when psutil cannot tell)."""
+    import os
+
+    try:
+        import psutil
+
+        n = psutil.cpu_count(logical=False)
+    except Exception:  # noqa: BLE001 - psutil missing or unsupported platform
+        n = None
+    return int(n or os.cpu_count() or 1)
+
+
+def cpu_expert(x: torch.Tensor, row: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    """One expert on the CPU: ``x [N, H]`` and the expert's ``row [S]`` -> ``[N, H]`` in ``row``'s dtype."""
+    i, h = layout.inter, layout.hidden
+    gu = F.linear(x, row[:2 * i * h].view(2 * i, h))
+    return F.linear(F.silu(gu[:, :i]) * gu[:, i:], row[2 * i * h:].view(h, i))
+
+
+@dataclass
+class CpuJob:
+    """A layer's CPU share.
+
+    Attributes:
+        x: ``[M, H]`` host activations: the rows of every assignment of the job's experts, grouped by expert.
+        weights: ``[M]`` float32 routing weights, same order.
+        items: ``(expert id, host row [S], start, count)`` per expert; rows ``start : start + count`` of ``x``.
+        out_dtype: dtype of the returned contributions.
+    """
+
+    x: torch.Tensor
+    weights: torch.Tensor
+    items: list[tuple[int, torch.Tensor, int, int]]
+    out_dtype: torch.dtype
+
+
+class CpuExpertPool:
+    """Runs :class:`CpuJob` s on a coordinator thread (see the module docstring).
+
+    Args:
+        threads: intra-op threads for the expert GEMMs; None keeps torch's setting (physical cores by default).
+            NOTE: torch's intra-op pool is process-wide; setting it here sets it for the whole engine process.
+    """
+
+    def __init__(self, layout: ExpertLayout, threads: int | None = None):
+        self.layout = layout
+        if threads is not None and threads != torch.get_num_threads():
+            log.info("CPU experts: torch intra-op threads %d -> %d (--moe-cpu-threads)", torch.get_num_threads(),
+                     threads)
+            torch.set_num_threads(threads)
+        self.threads = torch.get_num_threads()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferrylm-cpu-experts")
+
+    def _run(self, job: CpuJob) -> tuple[list[torch.Tensor], float]:
+        t0 = time.perf_counter()
+        outs = []
+        with torch.inference_mode():
+            for _, row, start, n in job.items:
+                y = cpu_expert(job.x[start:start + n], row, self.layout)
+                outs.append((y.float() * job.weights[start:start + n, None]).to(job.out_dtype))
+        return outs, time.perf_counter() - t0
+
+    def submit(self, job: CpuJob) -> Future:
+        """Start ``job``; the future gives ``(per-expert weighted outputs [count, H] list, seconds)``."""
+        return self._pool.submit(self._run, job)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

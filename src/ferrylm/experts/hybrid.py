@@ -1,0 +1,48 @@
+"""The ``hybrid`` backend: per layer, part of the misses is fetched to the device and the rest is computed on the
+CPU at the same time, split so that both sides finish together.
+
+Split (bytes model, per layer and step; ``m`` misses of ``S`` bytes each): fetching ``n`` takes
+``n * S / B_pcie``; computing the other ``m - n`` on the CPU takes ``(m - n) * S / B_cpu_eff``, where the CPU's
+effective rate ``B_cpu_eff = min(B_cpu, B_host - B_pcie)`` accounts for the DMA reading the same host memory as the
+CPU. ``n`` is the integer in ``[0, m]`` minimising the larger of the two (ties: fetch more, since fetched experts
+stay cached). With a CPU that is host-bandwidth bound (``B_cpu >= B_host - B_pcie``) the continuous optimum is
+``n* = m * B_pcie / B_host``, FreeToken's q* policy. The misses with the most tokens are the ones fetched (the
+device is far faster at multi-token GEMMs); fetches never exceed the unpinned slots, the overflow goes to the CPU.
+"""
+
+from __future__ import annotations
+
+from ferrylm.experts.cached import CachedExecutor
+from ferrylm.experts.work import LayerWork
+from ferrylm.experts.options import Bandwidths
+
+
+def cpu_effective_rate(bw: Bandwidths) -> float:
+    """``min(B_cpu, B_host - B_pcie)`` bytes/s, floored at 5 % of ``B_cpu`` (a host rate measured below the
+    PCIe rate would otherwise make it zero or negative)."""
+    return max(min(bw.cpu, bw.host - bw.pcie), 0.05 * bw.cpu)
+
+
+def split_misses(m: int, bw: Bandwidths) -> int:
+    """How many of ``m`` misses to fetch (the rest go to the CPU); see the module docstring."""
+    if m <= 0:
+        return 0
+    cpu = cpu_effective_rate(bw)
+    return min(range(m + 1), key=lambda n: (max(n / bw.pcie, (m - n) / cpu), -n))
+
+
+class HybridExecutor(CachedExecutor):
+    """See the module docstring and :class:`~ferrylm.experts.cached.CachedExecutor` (arguments)."""
+
+    name = "hybrid"
+    uses_cpu = True
+    min_slots = 0
+
+    def _dispatch(self, work: LayerWork, hits: list[tuple[int, int]], misses: list[int]) -> None:
+        n = min(split_misses(len(misses), self.bandwidths()), self.cache.evictable()) if misses else 0
+        by_load = sorted(misses, key=lambda e: -work.spans[e][1])
+        fetched = self._fetch(work.layer, by_load[:n])
+        handle = self._submit_cpu(work, sorted(by_load[n:]))
+        self._maybe_prefetch(work)
+        self._compute_slots(work, hits + fetched)
+        self._collect_cpu(work, handle)

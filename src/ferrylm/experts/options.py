@@ -1,0 +1,75 @@
+"""How the expert executor is shaped: backend name plus the knobs of the caching backends (no torch import)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# NOTE: names accepted by build_executor; "fused" is the vLLM/SGLang spelling of "resident".
+MOE_BACKENDS: tuple[str, ...] = ("auto", "cpu", "fused", "hybrid", "offload", "resident")
+CACHED_BACKENDS: tuple[str, ...] = ("cpu", "hybrid", "offload")
+
+
+@dataclass(frozen=True)
+class Bandwidths:
+    """Measured rates, bytes per second.
+
+    Attributes:
+        pcie: host->device copy of pinned (or, if the banks are pageable, pageable) memory; on ``--device cpu``
+            a memcpy.
+        host: host memory read (a large reduction over host memory).
+        cpu: CPU expert rate: expert weight bytes processed per second by the CPU expert kernel for one token.
+        hbm: device memory copy rate, read + write bytes per second (for the resident roofline).
+    """
+
+    pcie: float
+    host: float
+    cpu: float
+    hbm: float
+
+    def as_dict(self) -> dict:
+        return {"pcie": self.pcie, "host": self.host, "cpu": self.cpu, "hbm": self.hbm}
+
+
+@dataclass(frozen=True)
+class ExpertOptions:
+    """Knobs of the expert executor (``--moe-*`` flags).
+
+    Attributes:
+        backend: one of ``MOE_BACKENDS``.
+        cache_size: device expert slots (``--moe-cache-size``); None = as many as the device budget allows
+            (all experts when there is no budget, e.g. ``--device cpu``).
+        cpu_threads: threads of the CPU expert pool (``--moe-cpu-threads``); None = physical cores.
+        prefetch: copy layer L+1's predicted experts while layer L runs; None = backend default (on for
+            ``offload``, off for ``hybrid`` whose split assumes an idle copy engine, n/a for ``cpu``).
+        stream_prefill: stream whole expert layers through a two-layer double buffer for large chunks.
+        stream_min_tokens: stream when a step has at least this many tokens; None = when
+            ``tokens * top_k >= num_experts`` (a chunk that is expected to touch most experts).
+        prefetch_max_tokens: no prefetch for steps with more tokens than this (they need most experts anyway).
+        bandwidths: measured rates for the hybrid split and ``auto``; None = measured on first need.
+        cache_policy: ``"layer-lru"`` (LRU within per-layer shares, default) or ``"lru"`` (one LRU over all
+            layers); see :mod:`ferrylm.experts.cache`.
+    """
+
+    backend: str = "resident"
+    cache_size: int | None = None
+    cpu_threads: int | None = None
+    prefetch: bool | None = None
+    stream_prefill: bool = True
+    stream_min_tokens: int | None = None
+    prefetch_max_tokens: int = 64
+    bandwidths: Bandwidths | None = None
+    cache_policy: str = "layer-lru"
+
+    def validate(self) -> "ExpertOptions":
+        """Raise ValueError naming the flag when a value is out of range or the backend is unknown."""
+        if self.backend not in MOE_BACKENDS:
+            raise ValueError(f"unknown MoE backend {self.backend!r}; valid: {', '.join(MOE_BACKENDS)}")
+        if self.cache_size is not None and self.cache_size < 0:
+            raise ValueError(f"--moe-cache-size must be >= 0, got {self.cache_size}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"--moe-cpu-threads must be >= 1, got {self.cpu_threads}")
+        if self.cache_policy not in ("layer-lru", "lru"):
+            raise ValueError(f"cache_policy must be 'layer-lru' or 'lru', got {self.cache_policy!r}")
+        if self.stream_min_tokens is not None and self.stream_min_tokens < 1:
+            raise ValueError(f"stream_min_tokens must be >= 1, got {self.stream_min_tokens}")
+        return self

@@ -1,0 +1,19 @@
+"""Fixtures for tests/experts: tiny random checkpoints (built once per session) and their resident references."""
+
+from __future__ import annotations
+
+import pytest
+from tests.models.hf_checkpoints import Checkpoint, build_checkpoint
+
+
+@pytest.fixture(scope="session")
+def expert_checkpoints(tmp_path_factory):
+    """``expert_checkpoints(case) -> Checkpoint``, each built on first use and shared for the session."""
+    cache: dict[str, Checkpoint] = {}
+
+    def get(case: str) -> Checkpoint:
+        if case not in cache:
+            cache[case] = build_checkpoint(case, tmp_path_factory.mktemp(case), seed=len(cache) + 11)
+        return cache[case]
+
+    return get

@@ -1,0 +1,90 @@
+"""The backends through the engine (factory flags, continuous batching, Engine.stats()) and `ferry bench decode`
+end to end on a tiny checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from tests.models.hf_checkpoints import token_ids
+
+from ferrylm.cli import build_parser, engine_config_from_args, main
+from ferrylm.config import EngineConfig
+from ferrylm.engine.factory import build_engine
+from ferrylm.engine.sampling_params import SamplingParams
+
+NEW = 10
+
+
+def _generate(engine, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, params)
+    out = {rid: [] for rid in prompts}
+    for _ in range(200):
+        if not engine.has_work():
+            break
+        for o in engine.step():
+            assert o.error_code is None, o.error_message
+            out[o.request_id].extend(o.new_token_ids)
+    return out
+
+
+def _config(**kw) -> EngineConfig:
+    # 4-token pages, 8-token step budget: chunked prefills run beside decodes (steps of 1..8 tokens)
+    return EngineConfig(device="cpu", check_invariants=True, num_pages=32, page_size=4, max_prefill_length=8,
+                        max_running_requests=2, **kw)
+
+
+def test_engine_backends_match_resident_and_report_stats(expert_checkpoints):
+    ckpt = expert_checkpoints("mixtral")
+    prompts = {"a": token_ids(11, ckpt.vocab_size, seed=21).tolist(),
+               "b": token_ids(17, ckpt.vocab_size, seed=22).tolist()}
+    resident = build_engine(ckpt.path, _config(moe_backend="auto"))  # auto on the CPU -> resident
+    assert resident.stats()["experts"]["backend"] == "resident"
+    ref = _generate(resident, prompts)
+    assert resident.stats()["experts"]["needed"] > 0
+    for backend in ("offload", "cpu", "hybrid"):
+        engine = build_engine(ckpt.path, _config(moe_backend=backend, moe_cache_size=3, moe_cpu_threads=None))
+        assert _generate(engine, prompts) == ref, backend
+        st = engine.stats()["experts"]
+        assert st["backend"] == backend and st["num_slots"] == 3
+        assert st["hits"] + st["misses"] == st["needed"] > 0 and 0.0 <= st["hit_rate"] <= 1.0
+        assert st["steps"] >= engine.num_steps and st["last_step"]["steps"] == 1  # + the boot warmup
+        for key in ("bytes_copied", "cpu_expert_time_s", "copy_time_s", "copy_exposed_s", "copy_hidden_s"):
+            assert st[key] >= 0
+        assert len(st["layer_hits"]) == len(st["layers"]) == 2
+        engine.expert_executor.close()
+
+
+def test_cli_moe_flags_reach_the_engine_config():
+    a = build_parser().parse_args(["serve", "--moe-backend", "hybrid", "--moe-cache-size", "12",
+                                   "--moe-cpu-threads", "3", "--gpu-memory-limit", "24"])
+    ec = engine_config_from_args(a)
+    assert (ec.moe_backend, ec.moe_cache_size, ec.moe_cpu_threads, ec.gpu_memory_limit) == ("hybrid", 12, 3, 24.0)
+    with pytest.raises(ValueError, match="--moe-cpu-threads"):
+        engine_config_from_args(build_parser().parse_args(["serve", "--moe-cpu-threads", "0"]))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--moe-backend", "all"])  # only bench decode takes "all"
+
+
+def test_bench_decode_all_backends_agree(expert_checkpoints, tmp_path, capsys):
+    ckpt = expert_checkpoints("qwen3_moe")
+    folder = shutil.copytree(ckpt.path, tmp_path / "model")
+    (folder / "tokenizer_config.json").write_text("{}")  # a model folder needs a tokenizer; the bench uses ids
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "decode", "--model", str(folder), "--device", "cpu", "--moe-backend", "all", "--batch", "2",
+               "--tokens", "6", "--prompt-len", "5", "--moe-cache-size", "4", "--output-json", str(out)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    res = json.loads(out.read_text())
+    rows = {r["backend"]: r for r in res["results"]}
+    assert set(rows) == {"offload", "cpu", "hybrid", "resident"}
+    assert len({r["checksum"] for r in rows.values()}) == 1, table  # identical tokens everywhere
+    assert rows["resident"]["hit_rate"] == 1.0 and rows["resident"]["pcie_bytes_per_token"] == 0
+    assert rows["cpu"]["counters"]["fetched"] == 0 and rows["cpu"]["cpu_bytes_per_token"] > 0
+    for r in rows.values():
+        assert r["tokens"] == 12 and r["tok_s"] > 0 and r["roofline_tok_s"] > 0 and r["error"] is None
+        assert r["counters"]["steps"] == 6 and r["backend"] in table
+    assert all(v > 0 for v in res["bandwidths"].values())
