@@ -11,7 +11,10 @@ from ferrylm.config import EngineConfig
 DEFAULT_MODEL = "smollm2-moe"
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+MOE_BACKEND_CHOICES = ["auto", "resident", "fused", "offload", "cpu", "hybrid"]
+
+
+def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] = ()) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="built-in name (smollm2-moe, smollm2-135m), a local HF folder, a local .gguf file, or "
                         "synthetic:<preset>[:layers=N][:skew=A][:seed=S] (see `ferry models`) "
@@ -30,8 +33,28 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-length", "--max-extend-length", "--chunked-prefill-size", type=int,
                    dest="max_prefill_length", default=None,
                    help="token budget per step (default: 2048 on CPU, 8192 on GPU)")
-    p.add_argument("--moe-backend", default="auto", choices=["auto", "resident", "fused"],
-                   help="where routed experts live and run (default: auto)")
+    p.add_argument("--moe-backend", default="auto", choices=MOE_BACKEND_CHOICES + list(extra_backends),
+                   help="where routed experts live and run: resident (= fused) all on the device; offload: a "
+                        "device expert cache fed over PCIe; cpu: cache misses computed on the CPU; hybrid: misses "
+                        "split between both; auto: resident if it fits, else the fastest predicted (default: auto)")
+    p.add_argument("--moe-cache-size", type=int, default=None, metavar="N",
+                   help="device expert slots for offload/cpu/hybrid (default: as many as the memory allows)")
+    p.add_argument("--moe-cpu-threads", type=int, default=None, metavar="N",
+                   help="threads computing experts on the CPU (default: physical cores)")
+    p.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GiB",
+                   help="device memory ferrylm may use, in GiB (default: what is free)")
+    p.add_argument("--memory-ratio", type=float, default=0.9, metavar="R",
+                   help="share of the device memory free at boot the memory plan may use (default: 0.9)")
+    p.add_argument("--memory-reserve", type=float, default=None, metavar="GiB",
+                   help="GiB of device memory the plan never hands out (default: max(1 GiB, 5%% of total))")
+    p.add_argument("--kv-reserve-tokens", type=int, default=None, metavar="N",
+                   help="KV pool floor in tokens (default: min(context, 512); with --moe-cache-auto the KV pool "
+                        "gets the model context)")
+    p.add_argument("--moe-cache-auto", action="store_true",
+                   help="give the device memory the KV floor leaves to expert slots (offload/cpu/hybrid)")
+    p.add_argument("--faults", default=None, metavar="SPEC",
+                   help="fault injection for tests, e.g. prefill_workspace:times=1 (see ferrylm/faults.py; env "
+                        "FERRYLM_FAULTS adds rules)")
     p.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling (default: 0)")
     p.add_argument("--queue-timeout", type=float, default=None,
                    help="seconds a request may wait for its first step before 503 queue_timeout (default: off)")
@@ -46,7 +69,11 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         max_prefill_length=a.max_prefill_length, max_model_len=a.max_model_len,
                         moe_backend="resident" if a.moe_backend == "fused" else a.moe_backend,
                         check_invariants=a.debug_invariants, seed=a.seed,
-                        queue_timeout=a.queue_timeout).validate()
+                        queue_timeout=a.queue_timeout, moe_cache_size=a.moe_cache_size,
+                        moe_cpu_threads=a.moe_cpu_threads, gpu_memory_limit=a.gpu_memory_limit,
+                        memory_ratio=a.memory_ratio, memory_reserve=a.memory_reserve,
+                        kv_reserve_tokens=a.kv_reserve_tokens, moe_cache_auto=a.moe_cache_auto,
+                        faults=a.faults).validate()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,6 +111,17 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--api-key", default=None)
     bs.add_argument("--output-json", default=None, help="write the summary here")
     bs.add_argument("--log-level", default="WARNING")
+
+    bd = bsub.add_parser("decode", help="decode speed of the MoE backends: tok/s, hit rate, PCIe bytes/token, "
+                                        "measured bandwidths, roofline")
+    _add_model_args(bd, extra_backends=("all",))
+    bd.add_argument("--batch", type=int, default=1, help="sequences decoded together (default: 1)")
+    bd.add_argument("--tokens", type=int, default=128, help="decode tokens per sequence (default: 128)")
+    bd.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per sequence (default: 16)")
+    bd.add_argument("--no-prefetch", action="store_true", help="offload: no next-layer prefetch")
+    bd.add_argument("--temperature", type=float, default=0.0,
+                    help="0 = greedy (default); > 0 samples, seeded per request (varied routing on synthetic models)")
+    bd.add_argument("--output-json", default=None, help="write the results here")
 
     bh = bsub.add_parser("hf", help="the bench-serve prompts through transformers generate (reference speed)")
     bh.add_argument("--model", default=DEFAULT_MODEL)
@@ -143,6 +181,10 @@ def _bench(args: argparse.Namespace) -> int:
     import asyncio
     import json
 
+    if args.bench_command == "decode":
+        from ferrylm.bench.decode import main as bench_decode
+
+        return bench_decode(args)
     if args.bench_command == "hf":
         from ferrylm.bench.hf_baseline import run_hf_baseline
         from ferrylm.bench.serve import BenchConfig

@@ -119,13 +119,23 @@ class EngineConfig:
         dtype: ``"auto"`` (float32 on CPU, bfloat16 on CUDA), ``"float32"``, ``"bfloat16"``, ``"float16"``.
         page_size: tokens per KV page (``--page-size``).
         num_pages / num_tokens: explicit KV pool size (``--num-pages`` wins over ``--num-tokens``); both None →
-            sized from free memory (``kv_memory_fraction`` of available memory).
+            sized by the memory plan (``memory/plan.py``).
         max_running_requests: requests decoded together (``--max-running-requests``).
         max_prefill_length: tokens per step budget (``--max-prefill-length``); None → 2048 on CPU, 8192 on GPU.
         max_model_len: context limit in tokens (None → the model config's ``max_position_embeddings``).
-        moe_backend: expert backend name (``--moe-backend``).
+        moe_backend: expert backend name (``--moe-backend``: auto, resident, offload, cpu, hybrid).
+        moe_cache_size: device expert slots (``--moe-cache-size``); None = as many as the device budget allows.
+        moe_cpu_threads: CPU expert threads (``--moe-cpu-threads``); None = physical cores.
+        gpu_memory_limit: GiB of device memory ferrylm may use (``--gpu-memory-limit``); None = what is free.
+        memory_ratio: share of the memory free at boot the memory plan may use (``--memory-ratio``, 0 < r <= 1).
+        memory_reserve: GiB the plan never hands out (``--memory-reserve``); None = max(1 GiB, 5% of total).
+        kv_reserve_tokens: KV pool floor in tokens (``--kv-reserve-tokens``); None = min(context, 512) as the
+            boot minimum and, with ``moe_cache_auto``, the model context as the KV share.
+        moe_cache_auto: give what the KV floor leaves to expert slots (``--moe-cache-auto``).
+        faults: fault-injection spec (``--faults``, see ``ferrylm/faults.py``; env ``FERRYLM_FAULTS`` adds to it).
         check_invariants: check KV/scheduler invariants after every step (tests; ``--debug-invariants``).
-        kv_memory_fraction: share of free memory given to the KV pool when no explicit size is set.
+        kv_memory_fraction: on the CPU, the most of the free host memory the automatic KV pool may take (host RAM
+            is shared with everything else; on a GPU the memory plan gives the KV pool what the experts leave).
         seed: global seed for unseeded sampling.
         queue_timeout: seconds a request may wait before its first step; then 503 ``queue_timeout``
             (``--queue-timeout``; None = wait as long as needed).
@@ -140,6 +150,14 @@ class EngineConfig:
     max_prefill_length: int | None = None
     max_model_len: int | None = None
     moe_backend: str = "auto"
+    moe_cache_size: int | None = None
+    moe_cpu_threads: int | None = None
+    gpu_memory_limit: float | None = None
+    memory_ratio: float = 0.9
+    memory_reserve: float | None = None
+    kv_reserve_tokens: int | None = None
+    moe_cache_auto: bool = False
+    faults: str | None = None
     check_invariants: bool = False
     kv_memory_fraction: float = 0.05
     seed: int = 0
@@ -159,6 +177,14 @@ class EngineConfig:
             (self.max_prefill_length is None or self.max_prefill_length >= 1, "--max-prefill-length must be >= 1"),
             (self.max_model_len is None or self.max_model_len >= 2, "--max-model-len must be >= 2"),
             (self.queue_timeout is None or self.queue_timeout > 0, "--queue-timeout must be > 0 seconds"),
+            (self.moe_cache_size is None or self.moe_cache_size >= 0, "--moe-cache-size must be >= 0"),
+            (self.moe_cpu_threads is None or self.moe_cpu_threads >= 1, "--moe-cpu-threads must be >= 1"),
+            (self.gpu_memory_limit is None or self.gpu_memory_limit > 0, "--gpu-memory-limit must be > 0 GiB"),
+            (0 < self.memory_ratio <= 1, f"--memory-ratio must be in (0, 1], got {self.memory_ratio}"),
+            (self.memory_reserve is None or self.memory_reserve >= 0, "--memory-reserve must be >= 0 GiB"),
+            (self.kv_reserve_tokens is None or self.kv_reserve_tokens >= 1, "--kv-reserve-tokens must be >= 1"),
+            (not (self.moe_cache_auto and self.moe_cache_size is not None),
+             "--moe-cache-auto and --moe-cache-size exclude each other"),
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"--device must be auto, cpu or cuda[:N], got {self.device!r}"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"),
@@ -167,4 +193,11 @@ class EngineConfig:
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
+        if self.faults:
+            from ferrylm.faults import parse_rules
+
+            try:
+                parse_rules(self.faults)
+            except ValueError as e:
+                raise ValueError(f"--faults: {e}") from None
         return self

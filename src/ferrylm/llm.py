@@ -38,8 +38,11 @@ class LLM:
     """An in-process engine.
 
     Args:
-        model: built-in name, HF folder or .gguf file (as ``--model``).
+        model: built-in name, HF folder, .gguf file or ``synthetic:`` spec (as ``--model``).
         engine_config: an EngineConfig (default: EngineConfig()).
+
+    A synthetic model without a tokenizer has ``codec`` None: prompts must be token-id lists, outputs have token
+    ids and empty text.
 
     Raises:
         ModelLoadError: the model cannot be resolved or loaded.
@@ -56,7 +59,7 @@ class LLM:
 
             cfg = replace(cfg, **overrides)
         self.resolved = resolve_model(model)
-        self.codec = TextCodec.from_pretrained(self.resolved.path)
+        self.codec = TextCodec.from_pretrained(self.resolved.path) if self.resolved.has_tokenizer else None
         self.engine = build_engine(self.resolved.path, cfg)
         self._counter = 0
 
@@ -72,15 +75,24 @@ class LLM:
         encoded = []
         for p in prompts:
             if isinstance(p, str):
-                encoded.append((p, self.codec.encode(p)))
+                encoded.append((p, self._require_codec().encode(p)))
             else:
                 encoded.append((None, [int(t) for t in p]))
         return self._run(encoded, params or SamplingParams())
 
     def chat(self, conversations: Sequence[list[dict]], params: SamplingParams | None = None) -> list[RequestOutput]:
         """Like :meth:`generate` with each conversation rendered by the model's chat template."""
-        encoded = [(None, self.codec.apply_chat_template(c, add_generation_prompt=True)) for c in conversations]
+        codec = self._require_codec()
+        encoded = [(None, codec.apply_chat_template(c, add_generation_prompt=True)) for c in conversations]
         return self._run(encoded, params or SamplingParams())
+
+    def _require_codec(self):
+        from ferrylm.errors import InvalidRequest
+
+        if self.codec is None:
+            raise InvalidRequest(f"model {self.resolved.name} has no tokenizer: pass token ids, or name a "
+                                 f"tokenizer folder (--tokenizer / :tokenizer=FOLDER)", param="prompt")
+        return self.codec
 
     def _run(self, encoded: list[tuple[str | None, list[int]]], params: SamplingParams) -> list[RequestOutput]:
         from copy import deepcopy
@@ -90,8 +102,11 @@ class LLM:
         from ferrylm.server.tokenizer import TextStream
 
         params.validate()
+        if self.codec is None and params.stop:
+            raise InvalidRequest("stop strings need a tokenizer; this model has none (use stop_token_ids)",
+                                 param="stop")
         results: list[RequestOutput] = []
-        streams: dict[str, tuple[CompletionOutput, TextStream]] = {}
+        streams: dict[str, tuple[CompletionOutput, TextStream | None]] = {}
         for text, ids in encoded:
             self._counter += 1
             ro = RequestOutput(f"offline-{self._counter}", text, ids)
@@ -104,9 +119,9 @@ class LLM:
                     p.seed += i
                 co = CompletionOutput(i, "", [], None)
                 ro.outputs.append(co)
-                streams[rid] = (co, TextStream(self.codec, ids, stop=p.stop,
-                                               include_stop_str_in_output=p.include_stop_str_in_output,
-                                               skip_special_tokens=p.skip_special_tokens))
+                streams[rid] = (co, None if self.codec is None else TextStream(
+                    self.codec, ids, stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output,
+                    skip_special_tokens=p.skip_special_tokens))
                 self.engine.add_request(rid, ids, p)
         while self.engine.has_work():
             for out in self.engine.step():
@@ -123,6 +138,9 @@ class LLM:
                 co.token_ids.extend(out.new_token_ids)
                 if out.logprobs:
                     co.logprobs = (co.logprobs or []) + out.logprobs
+                if ts is None:  # token ids only
+                    co.finish_reason = out.finish_reason
+                    continue
                 ts.add(out.new_token_ids)
                 if ts.stopped:
                     co.finish_reason = "stop"

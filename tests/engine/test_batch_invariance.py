@@ -26,7 +26,8 @@ def engine_for(ckpt, **kw) -> Engine:
 
 def generate(engine: Engine, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
     for rid, p in prompts.items():
-        engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        # min_tokens (EOS banned, as HF min_new_tokens does), not ignore_eos (which would emit EOS)
+        engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens))
     out: dict[str, list[int]] = {rid: [] for rid in prompts}
     for _ in range(5000):
         if not engine.has_work():

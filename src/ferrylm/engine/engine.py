@@ -1,6 +1,12 @@
 """The engine core: admit requests, and per step schedule → forward → sample → report.
 
 Pure (no I/O): ``engine/worker.py`` wraps it in a process with IPC, and ``llm.py`` drives it in-process.
+
+OOM containment (``memory/guard.py``): every allocation failure inside a step (scheduling, forward, logits,
+sampling) is caught at the step boundary; the step's requests keep their counters (``num_computed_tokens``
+advances and sampled tokens are appended only after the whole step succeeded, so K/V a failed forward wrote past
+the computed tokens is simply overwritten later) and the guard's ladder retries, halves the prefill chunk, shrinks
+the expert cache, preempts, or fails only that step's requests with ``insufficient_memory``.
 """
 
 from __future__ import annotations
@@ -17,8 +23,11 @@ from ferrylm.engine.outputs import EngineOutput
 from ferrylm.engine.request import Request, Status
 from ferrylm.engine.sampler import sample
 from ferrylm.engine.sampling_params import SamplingParams
-from ferrylm.engine.scheduler import Batch, Scheduler, SchedulerConfig
+from ferrylm.engine.scheduler import Batch, ScheduledSeq, Scheduler, SchedulerConfig
 from ferrylm.errors import ContextLengthExceeded, FerryError
+from ferrylm.faults import NO_FAULTS, FaultInjector
+from ferrylm.memory.guard import OomGuard, StepRecovery, elastic_cache_of, is_oom
+from ferrylm.memory.plan import MemoryPlan, gib
 
 log = logging.getLogger("ferrylm.engine")
 
@@ -52,29 +61,50 @@ class EngineLimits:
         return self.num_pages * self.page_size
 
 
+def default_prefill_length(cfg: EngineConfig, device: torch.device) -> int:
+    """``--max-prefill-length`` or its default: 2048 tokens on the CPU, 8192 on a GPU."""
+    return cfg.max_prefill_length or (2048 if device.type == "cpu" else 8192)
+
+
+def limits_with_pages(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, num_pages: int) -> EngineLimits:
+    """The engine's limits with a KV pool of ``num_pages`` pages (the other sizes from the flags)."""
+    return EngineLimits(max_model_len=cfg.max_model_len or mcfg.max_position_embeddings, num_pages=num_pages,
+                        page_size=cfg.page_size, max_prefill_length=default_prefill_length(cfg, device),
+                        max_running_requests=cfg.max_running_requests)
+
+
 def plan_limits(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> EngineLimits:
-    """Size the KV pool and the step budget. Explicit sizes win; otherwise ``kv_memory_fraction`` of available
-    memory (host RAM on CPU, free device memory on CUDA), capped at what ``max_running_requests`` requests of full
-    context could use. The memory-plan issue replaces the default with a measured plan."""
-    max_model_len = cfg.max_model_len or mcfg.max_position_embeddings
-    prefill = cfg.max_prefill_length or (2048 if device.type == "cpu" else 8192)
+    """Limits for an Engine built without the boot plan (tests, tools): explicit ``--num-pages`` /
+    ``--num-tokens`` win; otherwise :func:`ferrylm.memory.plan.plan_memory` over a reading taken now (the weights
+    are already in it; no workspace is measured). The engine factory uses the measured plan instead.
+
+    Raises:
+        MemoryPlanError: the pool cannot get its minimum.
+    """
+    from ferrylm.memory.plan import PlanInputs, plan_memory
+    from ferrylm.memory.probe import read_memory
+
     if cfg.num_pages is not None:
-        num_pages = cfg.num_pages
-    elif cfg.num_tokens is not None:
-        num_pages = -(-cfg.num_tokens // cfg.page_size)
-    else:
-        per_tok = KVPool.bytes_per_token(num_layers=mcfg.num_layers, num_kv_heads=mcfg.num_kv_heads,
-                                         head_dim=mcfg.head_dim, dtype=dtype)
-        if device.type == "cuda":
-            free = torch.cuda.mem_get_info(device)[0]
-        else:
-            import psutil
-            free = psutil.virtual_memory().available
-        want = cfg.max_running_requests * max_model_len
-        tokens = max(cfg.page_size, min(want, int(free * cfg.kv_memory_fraction) // per_tok))
-        num_pages = -(-tokens // cfg.page_size)
-    return EngineLimits(max_model_len=max_model_len, num_pages=num_pages, page_size=cfg.page_size,
-                        max_prefill_length=prefill, max_running_requests=cfg.max_running_requests)
+        return limits_with_pages(cfg, mcfg, device, cfg.num_pages)
+    if cfg.num_tokens is not None:
+        return limits_with_pages(cfg, mcfg, device, -(-cfg.num_tokens // cfg.page_size))
+    lim = limits_with_pages(cfg, mcfg, device, 0)
+    reading = read_memory(device)
+    per_tok = KVPool.bytes_per_token(num_layers=mcfg.num_layers, num_kv_heads=mcfg.num_kv_heads,
+                                     head_dim=mcfg.head_dim, dtype=dtype)
+    plan = plan_memory(PlanInputs(
+        kind=reading.kind, total_bytes=reading.total_bytes, free_at_boot_bytes=reading.free_bytes,
+        memory_ratio=cfg.memory_ratio, gpu_memory_limit_bytes=_gib_to_bytes(cfg.gpu_memory_limit),
+        memory_reserve_bytes=_gib_to_bytes(cfg.memory_reserve), weights_bytes=0, workspace_bytes=0,
+        workspace_source="not measured", kv_bytes_per_token=per_tok, page_size=cfg.page_size,
+        max_model_len=lim.max_model_len, max_running_requests=lim.max_running_requests,
+        max_prefill_length=lim.max_prefill_length, kv_reserve_tokens=cfg.kv_reserve_tokens,
+        host_kv_fraction=cfg.kv_memory_fraction if device.type == "cpu" else None))
+    return limits_with_pages(cfg, mcfg, device, plan.kv_pages)
+
+
+def _gib_to_bytes(v: float | None) -> int | None:
+    return None if v is None else int(v * (1 << 30))
 
 
 class Engine:
@@ -86,11 +116,22 @@ class Engine:
         model_config: its ModelConfig.
         config: EngineConfig; ``limits`` (derived sizes) may be passed to skip :func:`plan_limits`.
         device, dtype: where the KV pool lives and its dtype.
+        expert_executor: the model's routed-expert executor, whose ``stats()`` join the engine's (None: dense).
+        faults: the fault injector (default: off).
+        guard: the OOM guard (default: one over the executor's elastic cache, the configured prefill budget).
+        memory_plan: the boot memory plan (``memory/plan.py``), reported in stats and at ``GET /v1/memory``.
     """
 
     def __init__(self, model, model_config: ModelConfig, config: EngineConfig, *, device: torch.device,
-                 dtype: torch.dtype, limits: EngineLimits | None = None):
+                 dtype: torch.dtype, limits: EngineLimits | None = None, expert_executor=None,
+                 faults: FaultInjector = NO_FAULTS, guard: OomGuard | None = None,
+                 memory_plan: MemoryPlan | None = None):
         self.model = model
+        self.expert_executor = expert_executor
+        self.faults = faults
+        self.memory_plan = memory_plan
+        if expert_executor is not None and hasattr(expert_executor, "faults"):
+            expert_executor.faults = faults  # point expert_fetch
         self.mcfg = model_config
         self.config = config
         self.device = device
@@ -100,13 +141,17 @@ class Engine:
                            head_dim=model_config.head_dim, dtype=dtype, device=device)
         self.scheduler = Scheduler(SchedulerConfig(self.limits.max_running_requests,
                                                    self.limits.max_prefill_length, self.limits.page_size),
-                                   self.pool.allocator)
+                                   self.pool.allocator, faults)
+        self.guard = guard or OomGuard(device, elastic_cache_of(expert_executor),
+                                       prefill_limit=self.limits.max_prefill_length,
+                                       reserve_bytes=memory_plan.reserve_bytes if memory_plan else 0)
         self.requests: dict[str, Request] = {}
         self.eos_ids = tuple(model_config.eos_token_ids)
         self._pending: list[EngineOutput] = []
         self.num_steps = 0
         self.last_step_time = time.monotonic()
-        if self.limits.pool_tokens < self.limits.max_model_len:
+        self._bytes_per_elem = torch.empty((), dtype=dtype).element_size()
+        if limits is None and self.limits.pool_tokens < self.limits.max_model_len:
             log.warning("the KV pool holds %d tokens, fewer than the model context of %d tokens: long requests "
                         "will be rejected; raise --num-tokens/--num-pages or lower --max-model-len",
                         self.limits.pool_tokens, self.limits.max_model_len)
@@ -179,23 +224,180 @@ class Engine:
     # --- the step ---------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[EngineOutput]:
-        """Run one batch (if any) and return every output produced since the last call."""
+        """Run one batch (if any) and return every output produced since the last call. An allocation failure
+        never leaves this method (see the module docstring); any other error does (the worker then exits)."""
         self._expire_waiting()
-        batch = self.scheduler.schedule()
-        for r in batch.truncated:
-            log.warning("request %s ended at %d tokens: the KV pool (%d tokens) cannot hold more",
-                        r.request_id, r.num_tokens, self.limits.pool_tokens)
-            self.requests.pop(r.request_id, None)
-            self._pending.append(EngineOutput(r.request_id, [], finish_reason="length",
-                                              num_prompt_tokens=r.num_prompt_tokens))
+        self.guard.tick()
+        batch = self._schedule_guarded()
+        self._end_truncated(batch.truncated)
         if batch.seqs:
-            self._run(batch)
+            self._run_guarded(batch.seqs)
             self.num_steps += 1
             self.last_step_time = time.monotonic()
         if self.config.check_invariants:
             self.scheduler.check_invariants()
         out, self._pending = self._pending, []
         return out
+
+    def _end_truncated(self, truncated: list[Request]) -> None:
+        for r in truncated:
+            log.warning("request %s ended at %d tokens: the KV pool (%d tokens) cannot hold more",
+                        r.request_id, r.num_tokens, self.limits.pool_tokens)
+            self.requests.pop(r.request_id, None)
+            self._pending.append(EngineOutput(r.request_id, [], finish_reason="length",
+                                              num_prompt_tokens=r.num_prompt_tokens))
+
+    # --- OOM containment --------------------------------------------------------------------------------------
+    def _schedule_guarded(self) -> Batch:
+        """``scheduler.schedule()``; an allocation failure while a request's pages are allocated is retried,
+        then the budget halved, then that request failed (the others are scheduled)."""
+        st: StepRecovery | None = None
+        while True:
+            try:
+                return self.scheduler.schedule()
+            except Exception as e:
+                if not is_oom(e):
+                    raise
+                st = st or self.guard.begin()
+                self.guard.note_oom(st, e)
+            req, self.scheduler.growing = self.scheduler.growing, None
+            if req is None:
+                raise RuntimeError(f"allocation failure while scheduling, not pinned on a request: {st.message}")
+            self.guard.release()
+            chunk = min(req.num_tokens - req.num_computed_tokens, self.scheduler.prefill_budget)
+            action = self.guard.next_action(st, prefill_tokens=chunk, num_seqs=1)
+            detail = ""
+            if action == "halve":
+                self.scheduler.set_prefill_budget(self.guard.halved(chunk))
+                detail = f" to {self.scheduler.prefill_budget} tokens"
+            self._log_recovery(action + detail, st, "scheduling", chunk, [req])
+            if action == "fail":
+                self._fail_oom([req], st, "scheduling", chunk)
+                st = None
+
+    def _run_guarded(self, seqs: list[ScheduledSeq]) -> None:
+        """Run the step's sequences; on an allocation failure climb the guard's ladder until the (possibly
+        smaller) step succeeds or its requests are failed."""
+        st: StepRecovery | None = None
+        while seqs:
+            try:
+                self._run(Batch(seqs=seqs, preempted=[], truncated=[]))
+                break
+            except Exception as e:
+                if not is_oom(e):
+                    raise
+                st = st or self.guard.begin()
+                self.guard.note_oom(st, e)
+            # NOTE: outside the except block: the exception, its traceback and the step's tensors are unreachable
+            self.guard.release()
+            prefill = sum(s.num_tokens for s in seqs if s.num_tokens > 1)
+            tokens = sum(s.num_tokens for s in seqs)
+            phase = "prefill" if _has_prefill(seqs) else "decode"
+            action = self.guard.next_action(st, prefill_tokens=prefill, num_seqs=len(seqs))
+            reqs, detail = [s.request for s in seqs], ""
+            if action == "halve":
+                n = self.guard.halved(prefill)
+                self.scheduler.set_prefill_budget(n + sum(1 for s in seqs if s.num_tokens == 1))
+                seqs = _trim_prefill(seqs, n)
+                detail = f": prefill chunk {prefill} -> {n} tokens"
+            elif action == "preempt":
+                victims = self._preemption_victims(seqs)
+                for r in victims:
+                    self.scheduler.preempt(r)
+                seqs = [s for s in seqs if s.request not in victims]
+                detail = f" {len(victims)} request(s) {[r.request_id for r in victims]}"
+            self._log_recovery(action + detail, st, phase, tokens, reqs)
+            if action == "fail":
+                self._fail_oom([s.request for s in seqs], st, phase, tokens)
+                seqs = []
+        if st is None:
+            budget = self.guard.step_succeeded()
+            if budget is not None:
+                self.scheduler.set_prefill_budget(budget)
+
+    def _preemption_victims(self, seqs: list[ScheduledSeq]) -> list[Request]:
+        """A step with a prefill chunk keeps its first prefill request and preempts every other; a decode-only
+        step preempts its newest request (the last admitted)."""
+        order = {id(r): i for i, r in enumerate(self.scheduler.running)}
+        reqs = [s.request for s in seqs]
+        prefills = [s.request for s in seqs if s.num_tokens > 1 or s.start == 0]
+        if prefills:
+            return [r for r in reqs if r is not prefills[0]]
+        return [max(reqs, key=lambda r: order.get(id(r), -1))]
+
+    def _fail_oom(self, reqs: list[Request], st: StepRecovery, phase: str, tokens: int) -> None:
+        """End ``reqs`` with ``insufficient_memory`` (HTTP 503 + Retry-After at the edge), freeing their pages."""
+        free = self.guard.read_free_now()
+        msg = (f"out of memory: a {phase} step of {tokens} tokens for {len(reqs)} request(s) could not be computed "
+               f"(failed allocation: {gib(st.oom_bytes) if st.oom_bytes else 'size unknown'}; "
+               f"{gib(free) + ' free' if free is not None else 'free memory unknown'} on {self.device}, reserve "
+               f"{gib(self.guard.reserve_bytes)}; tried: {', '.join(st.actions)}). Retry later or send a shorter "
+               f"prompt.")
+        for r in reqs:
+            if r.status != Status.FINISHED:
+                self.scheduler.finish(r, "abort")
+            self.requests.pop(r.request_id, None)
+            self._pending.append(EngineOutput(r.request_id, [], error_code="insufficient_memory", error_message=msg,
+                                              num_prompt_tokens=r.num_prompt_tokens))
+        self.guard.count_failed(len(reqs))
+        log.error("OOM: failed %d request(s) %s: %s", len(reqs), [r.request_id for r in reqs], msg)
+
+    def _log_recovery(self, action: str, st: StepRecovery, phase: str, tokens: int, reqs: list[Request]) -> None:
+        log.warning("OOM in a %s step of %d tokens (%d requests; failed allocation %s: %s); recovery %d: %s "
+                    "(prefill budget now %d tokens, expert slots %d)", phase, tokens, len(reqs),
+                    gib(st.oom_bytes) if st.oom_bytes else "size unknown", st.message, len(st.actions), action,
+                    self.scheduler.prefill_budget, self.guard.cache.num_slots)
+
+    # --- warmup -----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def warmup(self, prefill_tokens: int, decode_seqs: int) -> None:
+        """Run the forward paths whose memory the plan measures: prefill steps of ``prefill_tokens`` new tokens
+        in all (split over requests no longer than the context) through every layer, then one decode step of
+        ``decode_seqs`` requests. No guard and no fault injection: a failure here raises (a boot error). Leaves
+        the engine empty, its counters at zero.
+
+        Raises:
+            RuntimeError: a warmup request was rejected or the pool could not hold the warmup (a sizing bug).
+            torch.OutOfMemoryError: the warmup does not fit the device.
+        """
+        faults = self.faults
+        self.faults = self.scheduler.faults = NO_FAULTS
+        ex = self.expert_executor
+        if ex is not None and hasattr(ex, "faults"):
+            ex.faults = NO_FAULTS
+        try:
+            vocab = self.mcfg.vocab_size
+            per = max(1, min(prefill_tokens, self.limits.max_model_len - 1, self.limits.pool_tokens - 1))
+            n_pref = max(1, min(self.limits.max_running_requests, -(-prefill_tokens // per)))
+            greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+            for i in range(n_pref):
+                self.add_request(f"warmup-prefill-{i}", [(i + j) % vocab for j in range(per)], greedy)
+            self._warmup_drain()
+            two = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+            for i in range(max(1, decode_seqs)):
+                self.add_request(f"warmup-decode-{i}", [(i + 1) % vocab, (i + 2) % vocab], two)
+            self._warmup_drain()
+        finally:
+            self.faults = self.scheduler.faults = faults
+            if ex is not None and hasattr(ex, "faults"):
+                ex.faults = faults
+        bad = [o for o in self._pending if o.error_code]
+        self._pending = []
+        self.num_steps = 0
+        self.scheduler.num_preemptions = 0
+        if bad:
+            raise RuntimeError(f"warmup request rejected: {bad[0].error_code}: {bad[0].error_message}")
+
+    def _warmup_drain(self) -> None:
+        for _ in range(10_000):
+            if not self.scheduler.has_work():
+                return
+            batch = self.scheduler.schedule()
+            self._end_truncated(batch.truncated)
+            if not batch.seqs:
+                break
+            self._run(batch)
+        raise RuntimeError("warmup did not finish: the KV pool cannot hold the warmup requests")
 
     def _expire_waiting(self) -> None:
         """Fail requests that waited longer than ``queue_timeout`` without being scheduled (503 queue_timeout).
@@ -225,20 +427,31 @@ class Engine:
             seqs.append(SeqSlice(q_start=q_start, q_len=s.num_tokens, ctx_len=s.start, slots=slots.to(self.device)))
             pos.append(torch.arange(s.start, end))
             q_start += s.num_tokens
+        faults = self.faults
+        if faults.enabled:
+            prefill = _has_prefill(batch.seqs)
+            faults.set_step(max(s.request.num_prompt_tokens for s in batch.seqs), "prefill" if prefill else "decode")
+            if prefill:
+                faults.check("prefill_workspace", nbytes=8 * q_start * self.mcfg.hidden_size * self._bytes_per_elem)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.cat(pos).to(self.device)
-        hidden = self.model(input_ids, positions, PagedAttention(self.pool, seqs, self.device))
+        hidden = self.model(input_ids, positions, PagedAttention(self.pool, seqs, self.device, faults=faults))
+        to_sample = [(s, seqs[i]) for i, s in enumerate(batch.seqs) if s.sample]
+        res = None
+        if to_sample:
+            if faults.enabled:
+                faults.check("logits", nbytes=4 * len(to_sample) * self.mcfg.vocab_size)
+            last = torch.tensor([sl.q_start + sl.q_len - 1 for _, sl in to_sample], device=self.device)
+            logits = self.model.compute_logits(hidden[last]).float()
+            res = sample(logits, [s.request for s, _ in to_sample], self.eos_ids)
+        # NOTE: counters advance and tokens are appended only here, after every allocation of the step succeeded
+        # (the OOM guard retries a failed step from the same counters).
         for s in batch.seqs:
             s.request.num_computed_tokens += s.num_tokens
-        to_sample = [(s, seqs[i]) for i, s in enumerate(batch.seqs) if s.sample]
-        if not to_sample:
-            return
-        last = torch.tensor([sl.q_start + sl.q_len - 1 for _, sl in to_sample], device=self.device)
-        logits = self.model.compute_logits(hidden[last]).float()
-        reqs = [s.request for s, _ in to_sample]
-        res = sample(logits, reqs, self.eos_ids)
-        for i, r in enumerate(reqs):
-            self._append_token(r, res.token_ids[i], None if res.logprobs[i] is None else [res.logprobs[i]])
+        if res is not None:
+            for i, (s, _) in enumerate(to_sample):
+                self._append_token(s.request, res.token_ids[i],
+                                   None if res.logprobs[i] is None else [res.logprobs[i]])
 
     def _append_token(self, r: Request, tok: int, logprobs) -> None:
         r.output_token_ids.append(tok)
@@ -257,7 +470,34 @@ class Engine:
                                           num_prompt_tokens=r.num_prompt_tokens))
 
     def stats(self) -> dict:
-        """Live figures for heartbeats and /metrics."""
-        return {"num_running": self.num_running, "num_waiting": self.num_waiting,
-                "kv_pages_used": self.pool.allocator.num_used, "kv_pages_total": self.pool.num_pages,
-                "num_preemptions": self.scheduler.num_preemptions, "num_steps": self.num_steps}
+        """Live figures for heartbeats and /metrics (``experts``: the expert executor's counters, when MoE)."""
+        d = {"num_running": self.num_running, "num_waiting": self.num_waiting,
+             "kv_pages_used": self.pool.allocator.num_used, "kv_pages_total": self.pool.num_pages,
+             "num_preemptions": self.scheduler.num_preemptions, "num_steps": self.num_steps}
+        g = self.guard.stats()
+        d["oom_recoveries"] = g.pop("oom_recoveries")
+        d["memory"] = g
+        if self.expert_executor is not None:
+            d["experts"] = self.expert_executor.stats()
+        return d
+
+
+def _has_prefill(seqs: list[ScheduledSeq]) -> bool:
+    """A step computes part of a prompt (a chunk of several tokens, or a request's first token)."""
+    return any(s.num_tokens > 1 or s.start == 0 for s in seqs)
+
+
+def _trim_prefill(seqs: list[ScheduledSeq], limit: int) -> list[ScheduledSeq]:
+    """The step with its prefill chunks (sequences of more than one token) cut to ``limit`` tokens in all, in
+    order; decode sequences are kept. A chunk cut short no longer samples (its request just progresses less)."""
+    out: list[ScheduledSeq] = []
+    left = limit
+    for s in seqs:
+        if s.num_tokens <= 1:
+            out.append(s)
+            continue
+        n = min(s.num_tokens, left)
+        if n > 0:
+            out.append(ScheduledSeq(s.request, s.start, n))
+            left -= n
+    return out

@@ -3,35 +3,233 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from ferrylm.config import EngineConfig
-from ferrylm.engine.engine import Engine, resolve_device, resolve_dtype
+from ferrylm.config import EngineConfig, ModelConfig
+from ferrylm.engine.engine import Engine, EngineLimits, limits_with_pages, resolve_device, resolve_dtype
+from ferrylm.engine.kv_cache import KVPool
+from ferrylm.experts import ExpertOptions, backend_name
 
 log = logging.getLogger("ferrylm.engine")
 
+# NOTE: device memory kept free for activations until the memory plan measures the workspace (memory-plan issue).
+WORKSPACE_RESERVE = 1 << 30
+
+
+def expert_options(config: EngineConfig) -> ExpertOptions:
+    """The ``--moe-*`` flags as :class:`ExpertOptions` (``fused`` -> ``resident``)."""
+    return ExpertOptions(backend=backend_name(config.moe_backend), cache_size=config.moe_cache_size,
+                         cpu_threads=config.moe_cpu_threads).validate()
+
+
+def apply_memory_limit(device: torch.device, gpu_memory_limit: float | None) -> None:
+    """Cap this process's CUDA caching allocator at ``gpu_memory_limit`` GiB (``--gpu-memory-limit``), so a
+    run measured under the cap cannot exceed it silently. No-op on the CPU or without a limit."""
+    if device.type != "cuda" or gpu_memory_limit is None:
+        return
+    device = _indexed(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_memory_limit * 2**30 / total), device)
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` -> ``cuda:<current>`` (the allocator's per-device calls need an index)."""
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def expert_budget(device: torch.device, gpu_memory_limit: float | None) -> int | None:
+    """Device bytes the expert cache may take now that weights and the KV pool are placed: the limit (or the
+    free memory) minus what is allocated and ``WORKSPACE_RESERVE``. None on the CPU (no budget: host memory)."""
+    if device.type != "cuda":
+        return None
+    device = _indexed(device)
+    if gpu_memory_limit is not None:
+        return int(gpu_memory_limit * 2**30) - torch.cuda.memory_allocated(device) - WORKSPACE_RESERVE
+    return torch.cuda.mem_get_info(device)[0] - WORKSPACE_RESERVE
+
+
+def resolve_auto(model_path: str | Path, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                 options: ExpertOptions) -> ExpertOptions:
+    """Replace ``auto`` by a concrete backend (:func:`ferrylm.experts.auto.choose_backend`) from the model's
+    shapes, the device budget and, only when the experts do not fit, measured bandwidths."""
+    if backend_name(options) != "auto":
+        return options
+    mcfg = ModelConfig.from_folder(model_path)
+    if device.type != "cuda" or not mcfg.is_moe:
+        return replace(options, backend="resident")
+    from ferrylm.experts.auto import choose_backend, estimate_non_expert_bytes
+    from ferrylm.experts.banks import ExpertLayout, probe_pinning
+    from ferrylm.experts.bandwidth import measure_bandwidths
+    from ferrylm.models.registry import get_model_class
+
+    moe_layers = get_model_class(mcfg.architecture).moe_layer_indices(mcfg)
+    layout = ExpertLayout(mcfg.hidden_size, mcfg.moe_intermediate_size, dtype)
+    cap = (int(config.gpu_memory_limit * 2**30) if config.gpu_memory_limit is not None
+           else torch.cuda.mem_get_info(device)[0])
+    kv = 0 if (config.num_pages or config.num_tokens) else int(cap * config.kv_memory_fraction)
+    budget = cap - estimate_non_expert_bytes(mcfg, moe_layers, layout.nbytes // layout.numel) - kv - WORKSPACE_RESERVE
+    measured: list = []
+
+    def measure():
+        measured.append(measure_bandwidths(device, layout, pinned=probe_pinning() is None))
+        return measured[0]
+
+    choice = choose_backend(expert_bytes_total=len(moe_layers) * mcfg.num_experts * layout.nbytes,
+                            budget_bytes=budget, expert_bytes=layout.nbytes, num_layers=len(moe_layers),
+                            num_experts=mcfg.num_experts, top_k=mcfg.num_experts_per_tok,
+                            stream_bytes=2 * mcfg.num_experts * layout.nbytes if options.stream_prefill else 0,
+                            bandwidths=measure)
+    log.info("--moe-backend auto -> %s: %s", choice.backend, choice.reason)
+    return replace(options, backend=choice.backend, bandwidths=measured[0] if measured else options.bandwidths)
+
 
 def build_engine(model_path: str | Path, config: EngineConfig) -> Engine:
-    """Load the model at ``model_path`` (a HF folder) and size the engine.
+    """Load the model at ``model_path`` (a HF folder) and size the engine with the memory plan.
+
+    Boot sequence: read the device's free/total memory (and who else holds it) → load the weights (measured) →
+    warm up with a minimal expert cache and a small KV pool: a prefill at the maximum chunk through every layer
+    and a decode step at the maximum batch (its peak is the workspace; on the CPU a short warmup runs and the
+    workspace is estimated) → :func:`ferrylm.memory.plan.plan_memory` → the KV pool and the expert slots at their
+    planned sizes → on CUDA the warmup again, so the allocator keeps the workspace blocks. The plan is logged as
+    a table and kept on the engine (``engine.memory_plan``).
 
     Raises:
         ModelLoadError / UnsupportedArchitecture: the folder cannot be served.
         ValueError: a config value is out of range (message names the flag).
+        MemoryPlanError: the plan does not fit (message: the figures, who holds the memory, the flag to change).
+        InsufficientMemory: the budget cannot hold the expert slots the backend needs.
     """
+    from ferrylm.faults import FaultInjector
+    from ferrylm.memory.guard import is_oom
+    from ferrylm.memory.plan import PlanInputs, boot_failure, check_budget, expert_needs, plan_memory
+    from ferrylm.memory.probe import bytes_in_use, other_processes, read_memory
     from ferrylm.models.loader import load_model
+    from ferrylm.models.synthetic import is_synthetic_folder
 
     config.validate()
+    faults = FaultInjector.from_config(config.faults)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    backend = "resident" if config.moe_backend == "auto" else config.moe_backend
+    if config.dtype == "auto" and is_synthetic_folder(model_path):  # load_model builds it; bf16 halves its bytes
+        dtype = torch.bfloat16
+    apply_memory_limit(device, config.gpu_memory_limit)
+    boot = read_memory(device)
+    gib_bytes = (lambda v: None if v is None else int(v * (1 << 30)))
+    inputs = PlanInputs(
+        kind=boot.kind, total_bytes=boot.total_bytes, free_at_boot_bytes=boot.free_bytes,
+        memory_ratio=config.memory_ratio, gpu_memory_limit_bytes=gib_bytes(config.gpu_memory_limit),
+        memory_reserve_bytes=gib_bytes(config.memory_reserve), weights_bytes=0, workspace_bytes=0,
+        workspace_source="not measured yet", kv_bytes_per_token=1, page_size=config.page_size, max_model_len=1,
+        max_running_requests=config.max_running_requests, max_prefill_length=1, num_pages=config.num_pages,
+        num_tokens=config.num_tokens, moe_cache_size=config.moe_cache_size, moe_cache_auto=config.moe_cache_auto,
+        kv_reserve_tokens=config.kv_reserve_tokens,
+        host_kv_fraction=config.kv_memory_fraction if device.type == "cpu" else None,
+        other_processes=tuple(other_processes(device)))
+    check_budget(inputs)
+    in_use = bytes_in_use(device)
+    options = resolve_auto(model_path, config, device, dtype, expert_options(config))
     torch.manual_seed(config.seed)
-    loaded = load_model(model_path, device=device, dtype=dtype, moe_backend=backend)
-    engine = Engine(loaded.model, loaded.config, config, device=device, dtype=dtype)
+    try:
+        loaded = load_model(model_path, device=device, dtype=dtype, moe_backend=options)
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        what = f"loading the weights ran out of memory ({str(e).splitlines()[0][:200]})"
+        del e
+        raise boot_failure(inputs, what, smaller="the model size: --moe-backend offload keeps the experts off "
+                                                 "the device") from None
+    weights = max(0, bytes_in_use(device) - in_use)
+    mcfg, executor = loaded.config, loaded.executor
+    needs = expert_needs(executor)
+    base = limits_with_pages(config, mcfg, device, 0)
+    inputs = replace(inputs, weights_bytes=weights, experts=needs, max_model_len=base.max_model_len,
+                     max_prefill_length=base.max_prefill_length,
+                     kv_bytes_per_token=KVPool.bytes_per_token(num_layers=mcfg.num_layers,
+                                                               num_kv_heads=mcfg.num_kv_heads,
+                                                               head_dim=mcfg.head_dim, dtype=dtype))
+    plan_memory(inputs)  # preflight: sizes that cannot fit even without a workspace fail now, before the warmup
+    if needs is not None:  # the warmup's expert cache: the explicit size, else the backend's minimum
+        warm_slots = (min(config.moe_cache_size, needs.total_experts) if config.moe_cache_size is not None
+                      else max(1, needs.min_slots))
+        executor.reserve(needs.bytes_for(warm_slots))
+    workspace, source = _measure_workspace(loaded, config, device, dtype, base, weights)
+    plan = plan_memory(replace(inputs, workspace_bytes=workspace, workspace_source=source))
+    if needs is not None:
+        executor.reserve(plan.expert_bytes)
+    engine = Engine(loaded.model, mcfg, config, device=device, dtype=dtype,
+                    limits=replace(base, num_pages=plan.kv_pages), expert_executor=executor, faults=faults,
+                    memory_plan=plan)
+    if device.type == "cuda":
+        try:  # the allocator keeps these blocks: request-time steps reuse them
+            engine.warmup(base.max_prefill_length, base.max_running_requests)
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            what = (f"the warmup after placing the KV pool ({plan.kv_tokens} tokens) and the expert slots "
+                    f"({plan.expert_slots}) ran out of memory ({str(e).splitlines()[0][:200]})")
+            del e, engine
+            raise boot_failure(replace(inputs, workspace_bytes=workspace), what,
+                               smaller="--num-tokens / --moe-cache-size, or raise --memory-reserve") from None
+    log.info("memory plan (%s):\n%s", device, plan.format_table())
+    for w in plan.warnings:
+        log.warning("memory plan: %s", w)
+    if faults.enabled:
+        log.warning("fault injection is ON: %s", faults)
     lim = engine.limits
     log.info("engine ready: device=%s dtype=%s max_model_len=%d kv_pool=%d pages x %d tokens = %d tokens, "
-             "max_running_requests=%d, max_prefill_length=%d", device, str(dtype).removeprefix("torch."),
-             lim.max_model_len, lim.num_pages, lim.page_size, lim.pool_tokens, lim.max_running_requests,
-             lim.max_prefill_length)
+             "max_running_requests=%d, max_prefill_length=%d, moe_backend=%s", device,
+             str(dtype).removeprefix("torch."), lim.max_model_len, lim.num_pages, lim.page_size, lim.pool_tokens,
+             lim.max_running_requests, lim.max_prefill_length, backend_name(options))
     return engine
+
+
+# NOTE: on the CPU no peak can be measured; a short warmup still runs every path, the workspace is estimated.
+CPU_WARMUP_PREFILL = 64
+CPU_WARMUP_DECODE = 4
+
+
+def _measure_workspace(loaded, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                       base: EngineLimits, weights: int) -> tuple[int, str]:
+    """Warm up a throwaway engine with a pool just large enough and return ``(workspace bytes, "measured" |
+    "estimated")``. Raises MemoryPlanError when the warmup itself runs out of memory."""
+    from ferrylm.memory.guard import is_oom
+    from ferrylm.memory.plan import MemoryPlanError, gib
+    from ferrylm.memory.probe import estimate_workspace, free_bytes, measure_peak, release_cached
+
+    mcfg = loaded.config
+    prefill, decode = base.max_prefill_length, base.max_running_requests
+    if device.type != "cuda":
+        prefill, decode = min(prefill, CPU_WARMUP_PREFILL), min(decode, CPU_WARMUP_DECODE)
+    per = max(1, min(prefill, base.max_model_len - 1))
+    n_pref = max(1, min(base.max_running_requests, -(-prefill // per)))
+    ps = base.page_size
+    pages = n_pref * -(-(per + 1) // ps) + max(1, decode) * -(-3 // ps) + 1
+    warm = Engine(loaded.model, mcfg, config, device=device, dtype=dtype, limits=replace(base, num_pages=pages),
+                  expert_executor=loaded.executor)
+    try:
+        peak = measure_peak(device, lambda: warm.warmup(prefill, decode))
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        msg = str(e).split("\n")[0][:200]
+        del e, warm
+        release_cached(device)
+        raise MemoryPlanError(
+            f"memory plan does not fit: the warmup (a prefill of {prefill} tokens, a decode of {decode} requests) "
+            f"ran out of memory after the weights ({gib(weights)}) were loaded ({msg}); {gib(free_bytes(device))} "
+            f"free now. To fix: lower --max-prefill-length / --max-running-requests, or free device memory, or "
+            f"--moe-backend offload.") from None
+    del warm
+    release_cached(device)
+    if peak is not None:
+        return peak, "measured"
+    est = estimate_workspace(hidden_size=mcfg.hidden_size, intermediate_size=mcfg.moe_intermediate_size
+                             if mcfg.is_moe else mcfg.intermediate_size, num_heads=mcfg.num_heads,
+                             num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim, vocab_size=mcfg.vocab_size,
+                             num_experts_per_tok=mcfg.num_experts_per_tok, prefill_tokens=base.max_prefill_length,
+                             decode_seqs=base.max_running_requests, max_model_len=base.max_model_len,
+                             dtype_bytes=torch.empty((), dtype=dtype).element_size())
+    return est, "estimated"

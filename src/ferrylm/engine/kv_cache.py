@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ferrylm.faults import NO_FAULTS, FaultInjector
 from ferrylm.models.attention import causal_attention
 
 
@@ -124,12 +125,15 @@ class PagedAttention:
 
     Built by the engine per step. ``attend`` writes the step's new K/V into their slots, then computes causal
     attention per sequence over the gathered cached + new K/V. Decode sequences (``q_len == 1``) are batched in
-    one padded SDPA call; prefill chunks run one SDPA call each.
+    one padded SDPA call; prefill chunks run one SDPA call each. ``faults``: point ``attention_scratch``, checked
+    before each gather (after the K/V write, as a real failure there would leave it).
     """
 
-    def __init__(self, pool: KVPool, seqs: list[SeqSlice], device: torch.device | str):
+    def __init__(self, pool: KVPool, seqs: list[SeqSlice], device: torch.device | str,
+                 faults: FaultInjector = NO_FAULTS):
         self.pool = pool
         self.seqs = seqs
+        self.faults = faults
         self.new_slots = torch.cat([s.slots[s.ctx_len:] for s in seqs]) if seqs else torch.empty(0, dtype=torch.long)
         self.new_slots = self.new_slots.to(device)
         self.decode = [s for s in seqs if s.q_len == 1 and s.ctx_len > 0]
@@ -151,12 +155,19 @@ class PagedAttention:
         kc.index_copy_(0, self.new_slots, k.to(kc.dtype))
         vc.index_copy_(0, self.new_slots, v.to(vc.dtype))
         out = torch.empty_like(q)
+        faults = self.faults
         for s in self.prefill:
+            if faults.enabled:
+                faults.check("attention_scratch", nbytes=2 * s.slots.numel() * k.shape[1] * k.shape[2]
+                             * kc.element_size() + 4 * q.shape[1] * s.q_len * s.slots.numel())
             ks, vs = kc[s.slots], vc[s.slots]
             qs = q[s.q_start: s.q_start + s.q_len]
             out[s.q_start: s.q_start + s.q_len] = causal_attention(qs, ks.to(q.dtype), vs.to(q.dtype), scale,
                                                                    q_offset=s.ctx_len)
         if self.decode:
+            if faults.enabled:
+                faults.check("attention_scratch", nbytes=2 * self.decode_slots.numel() * k.shape[1] * k.shape[2]
+                             * kc.element_size())
             out[self.decode_q_idx] = self._decode(q, kc, vc, scale)
         return out
 

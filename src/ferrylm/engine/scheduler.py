@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from ferrylm.engine.kv_cache import PageAllocator, pages_needed
 from ferrylm.engine.request import Request, Status
+from ferrylm.faults import NO_FAULTS, FaultInjector
 
 
 @dataclass(frozen=True)
@@ -61,14 +62,22 @@ class Batch:
 
 
 class Scheduler:
-    """Owns the waiting and running queues and the page tables (through the allocator)."""
+    """Owns the waiting and running queues and the page tables (through the allocator).
 
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator):
+    ``prefill_budget`` (tokens per step) starts at ``config.max_prefill_length``; the OOM guard lowers it for a
+    while (:meth:`set_prefill_budget`). ``faults``: the fault injector (point ``kv_page_alloc``). ``growing``: the
+    request whose pages are being allocated (set while :meth:`_grow` runs, so an allocation failure there can be
+    pinned on it)."""
+
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, faults: FaultInjector = NO_FAULTS):
         self.config = config
         self.allocator = allocator
+        self.faults = faults
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefill_budget = config.max_prefill_length
+        self.growing: Request | None = None
 
     # --- queue operations -------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -88,10 +97,18 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def set_prefill_budget(self, tokens: int) -> None:
+        """Set the per-step token budget (tokens, 1 .. ``config.max_prefill_length``) until set again."""
+        self.prefill_budget = max(1, min(int(tokens), self.config.max_prefill_length))
+
+    def preempt(self, req: Request) -> None:
+        """Preempt the running ``req`` now (pages freed, requeued first, recomputed later)."""
+        self._preempt(req)
+
     # --- planning ---------------------------------------------------------------------------------------------
     def schedule(self) -> Batch:
         """Plan the next step. The returned seqs own the pages they need for this step."""
-        budget = self.config.max_prefill_length
+        budget = self.prefill_budget
         seqs, preempted, truncated, budget = self._schedule_running(budget)
         seqs += self._schedule_waiting(budget)
         return Batch(seqs=seqs, preempted=preempted, truncated=truncated)
@@ -126,17 +143,22 @@ class Scheduler:
     def _schedule_waiting(self, budget: int) -> list[ScheduledSeq]:
         seqs: list[ScheduledSeq] = []
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
-            req = self.waiting.popleft()
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._grow(req, req.num_computed_tokens + n):
-                skipped.append(req)  # does not fit the free pages now; let smaller ones behind it run
-                continue
-            req.status = Status.RUNNING
-            self.running.append(req)
-            seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
-            budget -= n
-        self.waiting.extendleft(reversed(skipped))
+        try:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+                req = self.waiting[0]
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                # NOTE: popped only after _grow returns: an allocation failure raised inside it leaves req queued
+                ok = self._grow(req, req.num_computed_tokens + n)
+                self.waiting.popleft()
+                if not ok:
+                    skipped.append(req)  # does not fit the free pages now; let smaller ones behind it run
+                    continue
+                req.status = Status.RUNNING
+                self.running.append(req)
+                seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
+                budget -= n
+        finally:
+            self.waiting.extendleft(reversed(skipped))
         return seqs
 
     # --- pages ------------------------------------------------------------------------------------------------
@@ -147,6 +169,10 @@ class Scheduler:
             return True
         if need > self.allocator.num_free:
             return False
+        if self.faults.enabled:
+            self.growing = req
+            self.faults.check("kv_page_alloc", prompt_tokens=req.num_prompt_tokens)
+            self.growing = None
         req.page_table.extend(self.allocator.allocate(need))
         return True
 

@@ -22,8 +22,9 @@ import traceback
 from dataclasses import dataclass
 
 HEARTBEAT_INTERVAL_S = 0.5
-# Fault injection (tests): when this env var names a file and the file exists, the engine loop removes it and
-# hangs before its next step (heartbeats continue), as a deadlocked kernel would. Off (one env read) otherwise.
+# Fault injection (tests): the ``engine_stall`` point of ferrylm/faults.py. With ``engine_stall:file=PATH`` (or the
+# older env variable below naming PATH), when PATH exists the engine loop removes it and hangs before its next step
+# (heartbeats continue), as a deadlocked kernel would. Off (one attribute test per step) otherwise.
 FAULT_STALL_FILE_ENV = "FERRYLM_FAULT_STALL_FILE"
 
 
@@ -102,13 +103,8 @@ def _heartbeat_loop(ctx, addr: str, state: dict, stop: threading.Event) -> None:
     sock.close()
 
 
-def _fault_stall(path: str) -> None:
-    try:
-        os.remove(path)  # once: the restarted engine must not hang again
-    except OSError:
-        return
-    logging.getLogger("ferrylm.engine").warning("fault injection (%s): the engine loop hangs now",
-                                                FAULT_STALL_FILE_ENV)
+def _fault_stall() -> None:
+    logging.getLogger("ferrylm.engine").warning("fault injection (engine_stall): the engine loop hangs now")
     while True:
         time.sleep(3600)
 
@@ -172,14 +168,16 @@ def engine_main(spec_dict: dict) -> None:
         os._exit(1)
     state["engine"] = engine
     lim = engine.limits
+    plan = engine.memory_plan
     push.send(ipc.encode(ipc.Ready({"max_model_len": lim.max_model_len, "kv_pool_tokens": lim.pool_tokens,
                                     "page_size": lim.page_size, "num_pages": lim.num_pages,
                                     "max_running_requests": lim.max_running_requests,
                                     "max_prefill_length": lim.max_prefill_length,
-                                    "device": str(engine.device), "pid": os.getpid()})))
+                                    "device": str(engine.device), "pid": os.getpid(),
+                                    "memory_plan": plan.to_dict() if plan is not None else None})))
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
-    stall_file = os.environ.get(FAULT_STALL_FILE_ENV)
+    faults = engine.faults
     while True:
         state["iteration_start"] = time.monotonic()
         timeout = 0 if engine.has_work() else int(HEARTBEAT_INTERVAL_S * 1000)
@@ -204,8 +202,8 @@ def engine_main(spec_dict: dict) -> None:
                     sys.stderr.flush()
                     os._exit(0)
         if engine.has_work():
-            if stall_file and os.path.exists(stall_file):
-                _fault_stall(stall_file)
+            if faults.enabled and faults.should_stall():
+                _fault_stall()
             try:
                 outs = engine.step()
             except Exception:

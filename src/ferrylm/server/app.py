@@ -99,6 +99,7 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
     app.add_api_route("/v1/models/{model_id:path}", server.get_model, methods=["GET"])
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
+    app.add_api_route("/v1/memory", server.memory, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/health/generate", server.health_generate, methods=["GET"])
     app.add_api_route("/version", server.version, methods=["GET"])
@@ -246,6 +247,10 @@ class _Generation:
                 raise EngineUnavailable("the engine ended the request without finishing it")
         except asyncio.CancelledError:
             raise
+        except MemoryError as e:  # a frontend allocation (detokenizer ...) failed: this request only, 503
+            logger.error("[%s] choice %d: out of host memory in the frontend: %s", self.rid, ch.index, e)
+            self._queue.put_nowait(_Event(ch.index, error=InsufficientMemory(
+                f"out of memory in the server while producing the text of this request ({e}); retry later")))
         except Exception as e:  # noqa: BLE001 - reported to the consumer, which maps it to HTTP
             if not isinstance(e, FerryError):
                 logger.error("[%s] choice %d failed: %r", self.rid, ch.index, e, exc_info=e)
@@ -551,6 +556,17 @@ class _Server:
         info = self.engine.model_info
         return ModelCard(id=self.served_model_name, created=self.created, root=info.path or None,
                          max_model_len=int(info.max_model_len))
+
+    async def memory(self, request: Request) -> Response:
+        """GET /v1/memory: the engine's memory plan (bytes, pages, tokens, slots) and live figures (free memory
+        now, expert slots now, OOM recoveries so far). 503 before the engine reported its plan."""
+        async def work(request: Request, rid: str) -> Response:
+            get = getattr(self.engine, "memory", None)
+            info = get() if callable(get) else None
+            if info is None:
+                raise EngineUnavailable("the engine has not reported its memory plan yet")
+            return JSONResponse(info)
+        return await self._handle(request, work)
 
     async def health(self, request: Request) -> Response:
         """200 ``{"status": "ready"}``; else 503 ``{"status": <state>, "detail": ...}`` with Retry-After."""

@@ -77,6 +77,16 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     except ModelLoadError as e:
         sock.close()
         return fail(e.message)
+    from ferrylm.faults import FRONTEND_POINTS, FaultInjector
+
+    try:
+        faults = FaultInjector.from_config(engine_config.faults)
+    except ValueError as e:
+        sock.close()
+        return fail(str(e))
+    if any(p in FRONTEND_POINTS for p in faults.rules):
+        codec.faults = faults  # the frontend's own points (the engine builds its own injector from the same spec)
+        log.warning("fault injection is ON in the frontend: %s", faults)
 
     import uvicorn
 

@@ -145,6 +145,7 @@ class Supervisor:
         self.engine_pid: int | None = None
         self.num_restarts = 0
         self.last_stats: dict = {}
+        self.memory_plan: dict | None = None  # the engine's boot memory plan (from its Ready message)
         self.last_heartbeat = 0.0
         self._last_progress = 0.0     # frontend clock: last moment the engine was known to make progress
         self._restart_times: deque[float] = deque()
@@ -374,10 +375,11 @@ class Supervisor:
                 info = msg.info
                 self.model_info.max_model_len = info["max_model_len"]
                 self.model_info.kv_pool_tokens = info["kv_pool_tokens"]
+                self.memory_plan = info.get("memory_plan")
                 self._last_progress = now
                 self.state = "ready"
                 self.detail = ""
-                log.info("engine ready: %s", info)
+                log.info("engine ready: %s", {k: v for k, v in info.items() if k != "memory_plan"})
             elif isinstance(msg, ipc.Fatal):
                 log.error("engine reported a fatal error: %s", msg.message)
                 if self.state == "loading":  # the first start failed: restarting would fail the same way
@@ -415,6 +417,17 @@ class Supervisor:
         if self.state == "ready" and hb_age is not None and hb_age > self.heartbeat_stale_s:
             return HealthState("stalled", f"no heartbeat from the engine for {hb_age:.1f} s", extra)
         return HealthState(self.state, self.detail, extra)
+
+    def memory(self) -> dict | None:
+        """``GET /v1/memory``: the current engine's boot plan and its live figures (from the last heartbeat:
+        free memory now, expert slots now, prefill budget, OOM recoveries by action), or None before the first
+        Ready."""
+        if self.memory_plan is None:
+            return None
+        stats = self.last_stats
+        return {"engine_pid": self.engine_pid, "state": self.state, "plan": self.memory_plan,
+                "live": dict(stats.get("memory") or {}), "oom_recoveries": dict(stats.get("oom_recoveries") or {}),
+                "kv_pages_used": stats.get("kv_pages_used"), "kv_pages_total": stats.get("kv_pages_total")}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[EngineOutput]:

@@ -23,6 +23,7 @@ from functools import lru_cache
 from typing import Any, Callable, Iterable, Sequence
 
 from ferrylm.errors import InvalidRequest, ModelLoadError
+from ferrylm.faults import NO_FAULTS, FaultInjector
 
 logger = logging.getLogger(__name__)
 
@@ -87,11 +88,16 @@ class TextCodec:
         name_or_path: for logs.
 
     All methods are synchronous and cheap enough for the event loop for ordinary prompt sizes.
+
+    Attributes:
+        faults: the frontend's fault injector (point ``detokenize``), handed to every detokenizer; off unless
+            the server sets it (``server/launch.py``).
     """
 
     def __init__(self, tokenizer: Any, name_or_path: str = ""):
         self.tokenizer = tokenizer
         self.name_or_path = name_or_path
+        self.faults = NO_FAULTS
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         decoder = getattr(self._backend, "decoder", None) if self._backend is not None else None
         self._byte_level = type(decoder).__name__ == "ByteLevel"
@@ -195,7 +201,8 @@ class TextCodec:
 
     def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         """A fresh :class:`IncrementalDetokenizer` whose context is the tail of ``prompt_ids``."""
-        return IncrementalDetokenizer(self.decode, prompt_ids, skip_special_tokens=skip_special_tokens)
+        return IncrementalDetokenizer(self.decode, prompt_ids, skip_special_tokens=skip_special_tokens,
+                                      faults=self.faults)
 
 
 class IncrementalDetokenizer:
@@ -213,6 +220,7 @@ class IncrementalDetokenizer:
         decode: ``decode(ids, skip_special_tokens) -> str``.
         prompt_ids: the prompt; its last :attr:`CONTEXT` tokens seed the window (their text is never emitted).
         skip_special_tokens: drop special tokens from the text.
+        faults: fault injector (point ``detokenize``: :meth:`step` raises MemoryError when it fires).
     """
 
     CONTEXT = 5          # prompt tokens used as the initial decode context
@@ -220,8 +228,10 @@ class IncrementalDetokenizer:
     _TRIM_AT = 1024      # drop emitted tokens before ``prefix`` once this many accumulate
 
     def __init__(self, decode: Callable[[Sequence[int], bool], str], prompt_ids: Sequence[int] = (),
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, faults: FaultInjector = NO_FAULTS):
         self._decode = decode
+        self._faults = faults
+        self._prompt_len = len(prompt_ids)
         self._skip = skip_special_tokens
         self._tokens: list[int] = list(prompt_ids[-self.CONTEXT:]) if self.CONTEXT else []
         self._prefix = 0
@@ -230,7 +240,14 @@ class IncrementalDetokenizer:
         self.num_tokens = 0     # generated tokens fed so far
 
     def step(self, token_ids: Iterable[int]) -> str:
-        """Feed new token ids; return the newly complete text ('' when it is held back)."""
+        """Feed new token ids; return the newly complete text ('' when it is held back).
+
+        Raises:
+            MemoryError: a host allocation failed (or the ``detokenize`` fault fired); the caller fails only
+                this request (503 ``insufficient_memory``).
+        """
+        if self._faults.enabled:
+            self._faults.check_host("detokenize", prompt_tokens=self._prompt_len)
         for t in token_ids:
             self._tokens.append(int(t))
             self.num_tokens += 1

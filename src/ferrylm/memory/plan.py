@@ -1,0 +1,377 @@
+"""The memory plan: how much of the device this engine may use, and how it is split.
+
+Figures (bytes unless named otherwise), in the order the plan takes them:
+
+1. ``free_at_boot`` and ``total`` of the device (CUDA driver figures, or host RAM on the CPU), read before the
+   weights load; ``others`` = ``total - free_at_boot`` is memory someone else (or the CUDA context) holds.
+2. ``budget = min(free_at_boot * memory_ratio - reserve, gpu_memory_limit)``; ``reserve`` (``--memory-reserve``,
+   default ``max(1 GiB, 5% of total)``) is never handed out: it is the room the OOM guard and the driver live in.
+3. minus ``weights`` (measured after loading) and ``workspace`` (the peak extra memory of a warmup prefill at the
+   maximum chunk and a decode step at the maximum batch; measured on CUDA, estimated on the CPU) leaves ``R``.
+4. ``R`` is split between the KV pool (pages of ``page_size`` tokens) and expert slots (offloading backends):
+   explicit ``--num-pages`` / ``--num-tokens`` / ``--moe-cache-size`` always win, and one that does not fit is a
+   boot error with the numbers. Otherwise ``--moe-cache-auto`` gives the KV pool its floor (``--kv-reserve-tokens``,
+   default the model context) and the rest to expert slots (and what all experts do not need back to the KV
+   pool); without it the KV pool takes what it can use (``max_running_requests * max_model_len`` tokens at most)
+   and expert slots the rest. The KV pool must hold at least ``--kv-reserve-tokens`` tokens (default
+   ``min(max_model_len, 512)``), else the boot fails.
+5. ``headroom`` = budget - weights - workspace - KV - experts (never negative).
+
+A plan that cannot work raises :class:`MemoryPlanError` naming the numbers, the other processes holding device
+memory (when nvidia-ml-py sees them) and the flag to change. It never suggests raising ``--memory-ratio`` when the
+memory is held by someone else.
+
+Pure: :func:`plan_memory` takes readings as data, so tests feed it fake figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from ferrylm.errors import FerryError
+from ferrylm.memory.probe import GiB, MiB, ProcessUsage
+
+DEFAULT_MIN_KV_TOKENS = 512
+
+
+class MemoryPlanError(FerryError):
+    """The memory plan cannot work on this device with these flags (a boot error; the message has the numbers
+    and the flag to change)."""
+
+    code = "insufficient_memory"
+
+
+def default_reserve(total_bytes: int) -> int:
+    """``max(1 GiB, 5% of total)`` bytes."""
+    return max(GiB, int(0.05 * total_bytes))
+
+
+def gib(n: float) -> str:
+    """``n`` bytes as ``"1.23 GiB"`` (or MiB below 1 GiB)."""
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class ExpertNeeds:
+    """What an offloading expert backend needs from the plan: ``slot_bytes`` per expert slot, ``fixed_bytes``
+    (prefill stream buffers), ``total_experts`` (slots that would hold every routed expert), ``min_slots``, and
+    ``backend`` (name, for messages)."""
+
+    slot_bytes: int
+    fixed_bytes: int
+    total_experts: int
+    min_slots: int
+    backend: str = "offload"
+
+    def bytes_for(self, slots: int) -> int:
+        return slots * self.slot_bytes + self.fixed_bytes
+
+
+def expert_needs(executor) -> ExpertNeeds | None:
+    """The :class:`ExpertNeeds` of an executor with a device slot cache (duck-typed on ``plan_slots`` /
+    ``layout`` / ``banks``), or None (resident or dense: experts are weights)."""
+    if executor is None or not hasattr(executor, "plan_slots") or not hasattr(executor, "layout"):
+        return None
+    banks = executor.banks
+    return ExpertNeeds(slot_bytes=int(executor.layout.nbytes), fixed_bytes=int(executor.stream_bytes()),
+                       total_experts=len(banks.layers) * int(executor.num_experts),
+                       min_slots=int(getattr(executor, "min_slots", 0)), backend=str(getattr(executor, "name", "?")))
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything :func:`plan_memory` needs (bytes, tokens, requests).
+
+    Attributes:
+        kind: ``"cuda"`` or ``"host"``. total_bytes, free_at_boot_bytes: the reading before loading.
+        memory_ratio: share of free memory the plan may use (``--memory-ratio``, 0 < r <= 1).
+        gpu_memory_limit_bytes: hard cap on what the plan hands out (``--gpu-memory-limit``), or None.
+        memory_reserve_bytes: ``--memory-reserve`` or None (default :func:`default_reserve`).
+        weights_bytes: model weights on the device (experts included for the resident backend).
+        workspace_bytes: peak extra memory of a forward at the max chunk / max batch; ``workspace_source``
+            ``"measured"`` or ``"estimated"``.
+        kv_bytes_per_token: K+V bytes of one token over all layers. page_size: tokens per page.
+        max_model_len, max_running_requests, max_prefill_length: the engine's limits (tokens, requests, tokens).
+        num_pages, num_tokens: explicit KV pool size (pages win) or None.
+        moe_cache_size: explicit expert slots or None. moe_cache_auto: the rest goes to expert slots.
+        kv_reserve_tokens: KV floor (tokens) or None.
+        experts: the slot cache's needs, or None (no slot cache).
+        host_kv_fraction: on the host, the automatic KV pool takes at most this share of free memory (host RAM
+            is shared with everything else); None on CUDA.
+        other_processes: other processes holding device memory (for messages).
+    """
+
+    kind: str
+    total_bytes: int
+    free_at_boot_bytes: int
+    memory_ratio: float
+    gpu_memory_limit_bytes: int | None
+    memory_reserve_bytes: int | None
+    weights_bytes: int
+    workspace_bytes: int
+    workspace_source: str
+    kv_bytes_per_token: int
+    page_size: int
+    max_model_len: int
+    max_running_requests: int
+    max_prefill_length: int
+    num_pages: int | None = None
+    num_tokens: int | None = None
+    moe_cache_size: int | None = None
+    moe_cache_auto: bool = False
+    kv_reserve_tokens: int | None = None
+    experts: ExpertNeeds | None = None
+    host_kv_fraction: float | None = None
+    other_processes: tuple[ProcessUsage, ...] = ()
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The plan (bytes, pages, tokens, slots). ``binding``: what set the budget (``"limit"`` for
+    ``--gpu-memory-limit``, else the free-memory formula); ``warnings``: things the operator should know (logged
+    at boot)."""
+
+    kind: str
+    total_bytes: int
+    free_at_boot_bytes: int
+    memory_ratio: float
+    gpu_memory_limit_bytes: int | None
+    reserve_bytes: int
+    budget_bytes: int
+    weights_bytes: int
+    workspace_bytes: int
+    workspace_source: str
+    kv_pages: int
+    page_size: int
+    kv_tokens: int
+    kv_bytes: int
+    kv_bytes_per_token: int
+    expert_slots: int
+    expert_slot_bytes: int
+    expert_bytes: int
+    expert_total: int
+    headroom_bytes: int
+    max_model_len: int
+    binding: str
+    other_processes: tuple[ProcessUsage, ...] = ()
+    warnings: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict:
+        """JSON-ready (``GET /v1/memory``)."""
+        d = asdict(self)
+        d["other_processes"] = [asdict(p) for p in self.other_processes]
+        d["warnings"] = list(self.warnings)
+        return d
+
+    def format_table(self) -> str:
+        """The plan as an aligned text table (logged at boot)."""
+        dev = "device" if self.kind == "cuda" else "host"
+        rows = [
+            (f"{dev} total", gib(self.total_bytes), ""),
+            ("free at boot", gib(self.free_at_boot_bytes),
+             f"{gib(self.total_bytes - self.free_at_boot_bytes)} held by others" if self.kind == "cuda" else ""),
+            ("memory ratio / limit", f"{self.memory_ratio:g}",
+             "no limit" if self.gpu_memory_limit_bytes is None else f"limit {gib(self.gpu_memory_limit_bytes)}"),
+            ("reserve (never handed out)", gib(self.reserve_bytes), ""),
+            ("budget", gib(self.budget_bytes),
+             "set by --gpu-memory-limit" if self.binding == "limit" else self.binding),
+            ("weights", gib(self.weights_bytes), ""),
+            ("workspace", gib(self.workspace_bytes), self.workspace_source),
+            ("KV pool", gib(self.kv_bytes), f"{self.kv_pages} pages x {self.page_size} = {self.kv_tokens} tokens"),
+            ("expert slots", gib(self.expert_bytes),
+             f"{self.expert_slots} of {self.expert_total} x {gib(self.expert_slot_bytes)}" if self.expert_total
+             else "none (experts resident or dense model)"),
+            ("headroom", gib(self.headroom_bytes), ""),
+        ]
+        w0 = max(len(r[0]) for r in rows)
+        w1 = max(len(r[1]) for r in rows)
+        return "\n".join(f"  {a:<{w0}}  {b:>{w1}}  {c}".rstrip() for a, b, c in rows)
+
+
+def _pages(tokens: int, page_size: int) -> int:
+    return max(0, tokens // page_size)
+
+
+def plan_memory(p: PlanInputs) -> MemoryPlan:
+    """Size the KV pool and the expert slots (see the module docstring).
+
+    Raises:
+        MemoryPlanError: the weights, workspace or an explicit size do not fit, or the KV pool would be smaller
+            than its floor. The message gives the figures and the flag to change.
+    """
+    reserve, budget, binding = _budget(p)
+    err = _Explainer(p, reserve, budget, binding)
+    rest = budget - p.weights_bytes - p.workspace_bytes
+    if rest <= 0:
+        err.fail(f"the weights ({gib(p.weights_bytes)}) and the workspace ({gib(p.workspace_bytes)}, "
+                 f"{p.workspace_source}) need {gib(p.weights_bytes + p.workspace_bytes)}",
+                 smaller="--max-prefill-length / --max-running-requests (workspace), --moe-backend offload "
+                         "(experts off the device)")
+    per_tok = p.kv_bytes_per_token
+    ps = p.page_size
+    want_tokens = p.max_running_requests * p.max_model_len
+    min_kv = p.kv_reserve_tokens if p.kv_reserve_tokens is not None else min(p.max_model_len, DEFAULT_MIN_KV_TOKENS)
+    min_kv = -(-min_kv // ps) * ps
+    ex = p.experts
+    warnings: list[str] = []
+
+    # --- explicit sizes -------------------------------------------------------------------------------------
+    kv_explicit = None
+    if p.num_pages is not None:
+        kv_explicit = p.num_pages * ps
+    elif p.num_tokens is not None:
+        kv_explicit = -(-p.num_tokens // ps) * ps
+    slots_explicit = None
+    if ex is not None and p.moe_cache_size is not None:
+        slots_explicit = min(p.moe_cache_size, ex.total_experts)
+    min_expert_bytes = ex.bytes_for(ex.min_slots) if ex is not None else 0
+
+    if kv_explicit is not None and kv_explicit * per_tok + (
+            ex.bytes_for(slots_explicit) if slots_explicit is not None else min_expert_bytes) > rest:
+        what = f"--num-pages/--num-tokens {kv_explicit} tokens need {gib(kv_explicit * per_tok)}"
+        if slots_explicit is not None:
+            what += f" and --moe-cache-size {slots_explicit} needs {gib(ex.bytes_for(slots_explicit))}"
+        elif ex is not None:
+            what += f" and the {ex.backend} backend needs at least {gib(min_expert_bytes)} of expert slots"
+        err.fail(what, left=rest, smaller="--num-tokens / --num-pages" +
+                 (" / --moe-cache-size" if slots_explicit is not None else ""))
+    if slots_explicit is not None and ex.bytes_for(slots_explicit) > rest:
+        err.fail(f"--moe-cache-size {slots_explicit} needs {gib(ex.bytes_for(slots_explicit))} "
+                 f"({slots_explicit} x {gib(ex.slot_bytes)} + {gib(ex.fixed_bytes)} prefill buffers)",
+                 left=rest, smaller="--moe-cache-size")
+
+    # --- KV tokens --------------------------------------------------------------------------------------------
+    if kv_explicit is not None:
+        kv_tokens = kv_explicit
+    else:
+        expert_floor = ex.bytes_for(slots_explicit) if slots_explicit is not None else min_expert_bytes
+        kv_room = rest - expert_floor
+        if p.host_kv_fraction is not None:
+            kv_room = min(kv_room, int(p.free_at_boot_bytes * p.host_kv_fraction))
+        room_tokens = max(0, kv_room // per_tok)
+        if ex is not None and slots_explicit is None and p.moe_cache_auto:
+            floor = p.kv_reserve_tokens if p.kv_reserve_tokens is not None else p.max_model_len
+            kv_tokens = min(room_tokens, max(floor, min_kv))
+        else:
+            kv_tokens = min(room_tokens, max(want_tokens, min_kv))
+        kv_tokens = _pages(kv_tokens, ps) * ps
+        if kv_tokens < min_kv:
+            flag = "--kv-reserve-tokens" if p.kv_reserve_tokens is not None else "the default KV floor"
+            err.fail(f"the KV pool would hold {kv_tokens} tokens ({gib(kv_tokens * per_tok)}), fewer than "
+                     f"{flag} ({min_kv} tokens, {gib(min_kv * per_tok)})"
+                     + (f" after {gib(expert_floor)} of expert slots" if expert_floor else ""),
+                     left=rest, smaller="--kv-reserve-tokens" + (" / --moe-cache-size" if slots_explicit else ""))
+    kv_bytes = kv_tokens * per_tok
+
+    # --- expert slots -----------------------------------------------------------------------------------------
+    slots = 0
+    expert_bytes = 0
+    if ex is not None:
+        if slots_explicit is not None:
+            slots = slots_explicit
+        else:
+            room = rest - kv_bytes - ex.fixed_bytes
+            slots = min(ex.total_experts, max(0, room // ex.slot_bytes))
+            if slots < ex.min_slots:
+                err.fail(f"the {ex.backend} backend needs >= {ex.min_slots} expert slot(s) of "
+                         f"{gib(ex.slot_bytes)} + {gib(ex.fixed_bytes)} prefill buffers after a KV pool of "
+                         f"{kv_tokens} tokens ({gib(kv_bytes)})", left=rest,
+                         smaller="--num-tokens / --kv-reserve-tokens")
+        expert_bytes = ex.bytes_for(slots)
+        if (kv_explicit is None and p.moe_cache_auto and slots == ex.total_experts):
+            # every expert fits: what they leave goes back to the KV pool (up to what it can use)
+            room_tokens = (rest - expert_bytes) // per_tok
+            if p.host_kv_fraction is not None:
+                room_tokens = min(room_tokens, int(p.free_at_boot_bytes * p.host_kv_fraction) // per_tok)
+            kv_tokens = max(kv_tokens, _pages(min(room_tokens, want_tokens), ps) * ps)
+            kv_bytes = kv_tokens * per_tok
+
+    if ex is not None and slots_explicit is None and not p.moe_cache_auto and slots < ex.total_experts // 10 \
+            and kv_tokens > min_kv:
+        warnings.append(f"the expert cache holds {slots} of {ex.total_experts} experts while the KV pool takes "
+                        f"{kv_tokens} tokens: --moe-cache-auto gives the memory beyond the KV floor "
+                        f"(--kv-reserve-tokens) to expert slots")
+    headroom = max(0, budget - p.weights_bytes - p.workspace_bytes - kv_bytes - expert_bytes)
+    if kv_tokens < p.max_model_len:
+        warnings.append(f"the KV pool holds {kv_tokens} tokens, fewer than the model context of {p.max_model_len} "
+                        f"tokens: longer requests are rejected (raise --num-tokens or lower --max-model-len)")
+    return MemoryPlan(
+        kind=p.kind, total_bytes=p.total_bytes, free_at_boot_bytes=p.free_at_boot_bytes,
+        memory_ratio=p.memory_ratio, gpu_memory_limit_bytes=p.gpu_memory_limit_bytes, reserve_bytes=reserve,
+        budget_bytes=budget, weights_bytes=p.weights_bytes, workspace_bytes=p.workspace_bytes,
+        workspace_source=p.workspace_source, kv_pages=kv_tokens // ps, page_size=ps, kv_tokens=kv_tokens,
+        kv_bytes=kv_bytes, kv_bytes_per_token=per_tok, expert_slots=slots,
+        expert_slot_bytes=ex.slot_bytes if ex else 0, expert_bytes=expert_bytes,
+        expert_total=ex.total_experts if ex else 0, headroom_bytes=headroom, max_model_len=p.max_model_len,
+        binding=binding, other_processes=tuple(p.other_processes), warnings=tuple(warnings))
+
+
+def _budget(p: PlanInputs) -> tuple[int, int, str]:
+    """``(reserve, budget, binding)`` bytes: see the module docstring, step 2."""
+    reserve = p.memory_reserve_bytes if p.memory_reserve_bytes is not None else default_reserve(p.total_bytes)
+    budget, binding = int(p.free_at_boot_bytes * p.memory_ratio) - reserve, "free at boot x ratio - reserve"
+    if p.gpu_memory_limit_bytes is not None and p.gpu_memory_limit_bytes < budget:
+        budget, binding = p.gpu_memory_limit_bytes, "limit"
+    return reserve, budget, binding
+
+
+def check_budget(p: PlanInputs) -> None:
+    """Before the weights load: fail at once when the reading leaves no budget at all.
+
+    Raises:
+        MemoryPlanError: ``free_at_boot * memory_ratio - reserve`` (or the limit) is not positive.
+    """
+    reserve, budget, binding = _budget(p)
+    if budget <= 0:
+        _Explainer(p, reserve, budget, binding).fail("nothing is left for the weights")
+
+
+def boot_failure(p: PlanInputs, what: str, smaller: str = "") -> MemoryPlanError:
+    """The boot error for a failure outside :func:`plan_memory` (e.g. the weights did not load): ``what``
+    happened, the budget's derivation, who holds the memory, what to change."""
+    reserve, budget, binding = _budget(p)
+    try:
+        _Explainer(p, reserve, budget, binding).fail(what, smaller=smaller)
+    except MemoryPlanError as e:
+        return e
+    raise AssertionError("unreachable")
+
+
+class _Explainer:
+    """Builds the boot error: the shortfall, the budget's derivation, who holds the memory, what to change."""
+
+    def __init__(self, p: PlanInputs, reserve: int, budget: int, binding: str):
+        self.p, self.reserve, self.budget, self.binding = p, reserve, budget, binding
+
+    def fail(self, what: str, *, left: int | None = None, smaller: str = "") -> None:
+        p = self.p
+        dev = "GPU" if p.kind == "cuda" else "host"
+        held = p.total_bytes - p.free_at_boot_bytes
+        parts = [f"memory plan does not fit: {what}"]
+        if left is not None:
+            parts.append(f"but only {gib(max(0, left))} are left after the weights ({gib(p.weights_bytes)}) and "
+                         f"the workspace ({gib(p.workspace_bytes)})")
+        budget_why = (f"budget {gib(self.budget)} = {gib(p.free_at_boot_bytes)} free at boot of "
+                      f"{gib(p.total_bytes)} {dev} total x --memory-ratio {p.memory_ratio:g} - --memory-reserve "
+                      f"{gib(self.reserve)}")
+        if self.binding == "limit":
+            budget_why = f"budget {gib(self.budget)} = --gpu-memory-limit"
+        parts.append(budget_why)
+        others_hold = p.kind == "cuda" and (bool(p.other_processes) or held > max(GiB, p.total_bytes // 10))
+        fixes: list[str] = []
+        if others_hold:
+            who = "; ".join(u.describe() for u in p.other_processes[:5]) or "processes nvidia-ml-py cannot list"
+            parts.append(f"{gib(held)} of the {dev} is held by others ({who})")
+            fixes.append("free that memory (stop those processes) or use another GPU")
+        elif p.kind == "host":
+            parts.append(f"{gib(held)} of host memory is in use by others")
+            fixes.append("free host memory")
+        if self.binding == "limit":
+            fixes.append("raise --gpu-memory-limit")
+        elif not others_hold and p.memory_ratio < 0.98:
+            fixes.append(f"raise --memory-ratio (now {p.memory_ratio:g})")
+        if self.reserve > GiB:
+            fixes.append(f"lower --memory-reserve (now {gib(self.reserve)})")
+        if smaller:
+            fixes.append(f"lower {smaller}")
+        raise MemoryPlanError("; ".join(parts) + ". To fix: " + ", or ".join(fixes) + ".")

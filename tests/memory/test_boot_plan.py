@@ -1,0 +1,53 @@
+"""The boot plan through the real engine factory on the CPU: the warmup runs, the plan is logged and kept, the
+engine is left clean; an infeasible plan is a boot error with the numbers."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from ferrylm.config import EngineConfig
+from ferrylm.engine.factory import build_engine
+from ferrylm.memory.plan import MemoryPlanError
+from tests.memory.conftest import SHORT, run
+
+
+def test_factory_plan_on_cpu(mixtral_dir, caplog):
+    caplog.set_level(logging.INFO, logger="ferrylm.engine")
+    eng = build_engine(mixtral_dir, EngineConfig(device="cpu", max_prefill_length=64, max_running_requests=4,
+                                                 faults="logits:times=1"))
+    plan = eng.memory_plan
+    assert plan.kind == "host" and plan.workspace_source == "estimated" and plan.weights_bytes > 0
+    assert plan.kv_tokens == eng.limits.pool_tokens == 4 * 256          # max_running x context, host-capped
+    assert plan.reserve_bytes >= 1 << 30 and plan.headroom_bytes >= 0
+    json.dumps(plan.to_dict())
+    assert "memory plan (cpu)" in caplog.text and "free at boot" in caplog.text
+    assert "fault injection is ON" in caplog.text
+    assert eng.num_steps == 0 and not eng.has_work() and eng.faults.fired("logits") == 0   # warmup: no faults
+    res = run(eng, {"a": SHORT})
+    assert res["a"]["error"] is None and eng.stats()["oom_recoveries"] == {"retry": 1}
+    assert eng.stats()["memory"]["free_bytes"] > 0
+
+
+def test_factory_infeasible_plan_is_a_boot_error(mixtral_dir):
+    with pytest.raises(MemoryPlanError) as ei:
+        build_engine(mixtral_dir, EngineConfig(device="cpu", memory_reserve=100_000.0))
+    msg = str(ei.value)
+    assert msg.startswith("memory plan does not fit") and "--memory-reserve" in msg and "To fix:" in msg
+    with pytest.raises(MemoryPlanError, match="--num-tokens"):
+        build_engine(mixtral_dir, EngineConfig(device="cpu", num_tokens=10**12))
+
+
+@pytest.mark.parametrize("kw, slots", [({"moe_cache_auto": True}, 16), ({"moe_cache_size": 4}, 4)])
+def test_factory_sizes_the_expert_cache(mixtral_dir, kw, slots):
+    eng = build_engine(mixtral_dir, EngineConfig(device="cpu", moe_backend="offload", max_prefill_length=64,
+                                                 max_running_requests=2, **kw))
+    try:
+        plan = eng.memory_plan
+        assert plan.expert_total == 16 and plan.expert_slots == slots == eng.expert_executor.cache.num_slots
+        assert plan.expert_bytes == slots * plan.expert_slot_bytes + eng.expert_executor.stream_bytes()
+        assert run(eng, {"a": SHORT})["a"]["error"] is None
+    finally:
+        eng.expert_executor.close()

@@ -1,0 +1,173 @@
+"""The memory plan with fake readings: explicit sizes win, the reserve is never handed out, infeasible plans fail
+at boot with the numbers, the processes holding the memory and the right flag."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ferrylm.memory.plan import ExpertNeeds, MemoryPlanError, PlanInputs, default_reserve, plan_memory
+from ferrylm.memory.probe import GiB, MiB, ProcessUsage
+
+PER_TOK = 128 * 1024   # K+V bytes per token (a mid-size model)
+
+
+def inputs(**kw) -> PlanInputs:
+    base = dict(kind="cuda", total_bytes=80 * GiB, free_at_boot_bytes=79 * GiB, memory_ratio=0.9,
+                gpu_memory_limit_bytes=None, memory_reserve_bytes=None, weights_bytes=10 * GiB,
+                workspace_bytes=2 * GiB, workspace_source="measured", kv_bytes_per_token=PER_TOK, page_size=16,
+                max_model_len=32768, max_running_requests=16, max_prefill_length=8192)
+    base.update(kw)
+    return PlanInputs(**base)
+
+
+EXPERTS = ExpertNeeds(slot_bytes=64 * MiB, fixed_bytes=2 * GiB, total_experts=48 * 128, min_slots=1)
+
+
+def handed_out(p) -> int:
+    return p.weights_bytes + p.workspace_bytes + p.kv_bytes + p.expert_bytes
+
+
+def test_default_plan_budget_and_table():
+    p = plan_memory(inputs())
+    assert p.reserve_bytes == default_reserve(80 * GiB) == 4 * GiB
+    assert p.budget_bytes == int(79 * GiB * 0.9) - 4 * GiB
+    assert p.kv_tokens == p.kv_pages * 16 and p.kv_bytes == p.kv_tokens * PER_TOK
+    assert handed_out(p) + p.headroom_bytes == p.budget_bytes
+    assert p.kv_tokens <= 16 * 32768
+    table = p.format_table()
+    for row in ("device total", "free at boot", "reserve", "weights", "workspace", "KV pool", "expert slots",
+                "headroom"):
+        assert row in table
+    json.dumps(p.to_dict())  # served at /v1/memory
+
+
+def test_small_reserve_default_is_one_gib():
+    assert default_reserve(8 * GiB) == GiB
+
+
+def test_explicit_kv_sizes_win():
+    p = plan_memory(inputs(num_tokens=1000))
+    assert p.kv_tokens == 1008 and p.kv_pages == 63            # rounded up to whole pages
+    p = plan_memory(inputs(num_pages=10, num_tokens=100000))   # pages win over tokens
+    assert p.kv_pages == 10
+    p = plan_memory(inputs(num_tokens=1000, experts=EXPERTS))  # experts take the rest
+    assert p.kv_tokens == 1008
+    assert p.expert_slots == min(EXPERTS.total_experts,
+                                 (p.budget_bytes - 12 * GiB - p.kv_bytes - 2 * GiB) // (64 * MiB))
+
+
+def test_explicit_cache_size_wins_and_kv_takes_the_rest():
+    p = plan_memory(inputs(moe_cache_size=100, experts=EXPERTS))
+    assert p.expert_slots == 100 and p.expert_bytes == 100 * 64 * MiB + 2 * GiB
+    assert p.kv_tokens > 0 and handed_out(p) <= p.budget_bytes
+
+
+def test_moe_cache_auto_gives_kv_its_floor_and_experts_the_rest():
+    p = plan_memory(inputs(moe_cache_auto=True, kv_reserve_tokens=20000, experts=EXPERTS))
+    assert p.kv_tokens == 20000
+    assert p.expert_slots == (p.budget_bytes - 12 * GiB - 20000 * PER_TOK - 2 * GiB) // (64 * MiB)
+    # every expert fits: what they leave goes back to the KV pool
+    few = ExpertNeeds(slot_bytes=64 * MiB, fixed_bytes=0, total_experts=10, min_slots=1)
+    p = plan_memory(inputs(moe_cache_auto=True, kv_reserve_tokens=20000, experts=few))
+    room = (p.budget_bytes - 12 * GiB - 10 * 64 * MiB) // PER_TOK
+    assert p.expert_slots == 10 and p.kv_tokens == room // 16 * 16 > 20000
+
+
+@settings(max_examples=200, deadline=None)
+@given(total=st.integers(8, 200), free_pct=st.integers(10, 100), ratio=st.floats(0.3, 1.0),
+       weights=st.integers(0, 40), ws=st.integers(0, 8), reserve=st.one_of(st.none(), st.integers(0, 8)),
+       limit=st.one_of(st.none(), st.integers(4, 200)), auto=st.booleans(), experts=st.booleans(),
+       kv_explicit=st.one_of(st.none(), st.integers(16, 200_000)))
+def test_the_reserve_is_never_handed_out(total, free_pct, ratio, weights, ws, reserve, limit, auto, experts,
+                                         kv_explicit):
+    free = total * GiB * free_pct // 100
+    try:
+        p = plan_memory(inputs(total_bytes=total * GiB, free_at_boot_bytes=free, memory_ratio=ratio,
+                               weights_bytes=weights * GiB // 4, workspace_bytes=ws * GiB // 8,
+                               memory_reserve_bytes=None if reserve is None else reserve * GiB // 4,
+                               gpu_memory_limit_bytes=None if limit is None else limit * GiB,
+                               moe_cache_auto=auto, experts=EXPERTS if experts else None, num_tokens=kv_explicit))
+    except MemoryPlanError as e:
+        assert "To fix:" in str(e)
+        return
+    assert handed_out(p) <= int(free * ratio) - p.reserve_bytes
+    assert handed_out(p) + p.headroom_bytes <= p.budget_bytes
+    if limit is not None:
+        assert handed_out(p) <= limit * GiB
+    assert (kv_explicit is not None or p.kv_tokens >= 512) and p.headroom_bytes >= 0
+
+
+def test_explicit_kv_that_does_not_fit_fails_with_numbers():
+    with pytest.raises(MemoryPlanError) as ei:
+        plan_memory(inputs(num_tokens=500_000))
+    msg = str(ei.value)
+    assert "--num-tokens" in msg and "500000 tokens need 61.04 GiB" in msg
+    assert "only" in msg and "free at boot" in msg and "raise --memory-ratio" in msg
+
+
+def test_explicit_cache_that_does_not_fit_fails():
+    with pytest.raises(MemoryPlanError, match="--moe-cache-size 2000 needs 127.00 GiB"):
+        plan_memory(inputs(moe_cache_size=2000, experts=EXPERTS))
+
+
+def test_memory_held_by_others_names_them_and_never_says_raise_memory_ratio():
+    others = (ProcessUsage(4242, "python grab.py", 70 * GiB),)
+    with pytest.raises(MemoryPlanError) as ei:
+        plan_memory(inputs(free_at_boot_bytes=9 * GiB, other_processes=others))
+    msg = str(ei.value)
+    assert "pid 4242 (python grab.py) 70.00 GiB" in msg and "held by others" in msg
+    assert "free that memory" in msg and "--memory-ratio (now" not in msg and "raise --memory-ratio" not in msg
+    assert "weights (10.00 GiB)" in msg and "9.00 GiB free at boot of 80.00 GiB" in msg
+
+
+def test_held_by_others_without_nvml_still_not_ratio():
+    with pytest.raises(MemoryPlanError) as ei:
+        plan_memory(inputs(free_at_boot_bytes=9 * GiB))
+    assert "processes nvidia-ml-py cannot list" in str(ei.value) and "raise --memory-ratio" not in str(ei.value)
+
+
+def test_limit_binding_names_the_limit():
+    p = plan_memory(inputs(gpu_memory_limit_bytes=30 * GiB))
+    assert p.budget_bytes == 30 * GiB and p.binding == "limit"
+    with pytest.raises(MemoryPlanError, match="raise --gpu-memory-limit"):
+        plan_memory(inputs(gpu_memory_limit_bytes=11 * GiB))
+
+
+def test_kv_floor_and_context_warning():
+    with pytest.raises(MemoryPlanError, match="--kv-reserve-tokens"):
+        plan_memory(inputs(kv_reserve_tokens=10_000_000))
+    p = plan_memory(inputs(num_tokens=4096))
+    assert any("fewer than the model context of 32768" in w for w in p.warnings)
+
+
+def test_host_plan_caps_the_automatic_kv_pool():
+    p = plan_memory(inputs(kind="host", total_bytes=24 * GiB, free_at_boot_bytes=20 * GiB, weights_bytes=GiB,
+                           workspace_bytes=0, host_kv_fraction=0.05))
+    assert p.kv_bytes <= GiB and p.kv_tokens >= 512
+
+
+def test_boot_checks_before_the_weights_load():
+    from ferrylm.memory.plan import boot_failure, check_budget
+
+    others = (ProcessUsage(77, "trainer", 78 * GiB),)
+    with pytest.raises(MemoryPlanError, match="nothing is left for the weights.*pid 77 \\(trainer\\)"):
+        check_budget(inputs(free_at_boot_bytes=GiB, other_processes=others))
+    check_budget(inputs())
+    e = boot_failure(inputs(free_at_boot_bytes=5 * GiB, other_processes=others),
+                     "loading the weights ran out of memory (CUDA out of memory)", smaller="the model size")
+    assert "loading the weights ran out of memory" in str(e) and "pid 77" in str(e)
+    assert "raise --memory-ratio" not in str(e) and "lower the model size" in str(e)
+
+
+def test_kv_first_default_warns_about_a_starved_expert_cache():
+    p = plan_memory(inputs(experts=EXPERTS, max_running_requests=64))
+    assert p.expert_slots < EXPERTS.total_experts // 10 and any("--moe-cache-auto" in w for w in p.warnings)
+
+
+def test_kv_floor_above_what_requests_can_use_is_honoured():
+    p = plan_memory(inputs(max_running_requests=1, max_model_len=256, kv_reserve_tokens=4096))
+    assert p.kv_tokens == 4096
