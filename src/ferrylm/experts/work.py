@@ -6,9 +6,9 @@ Expert (Jiang et al. 2024, "Mixtral of Experts", eq. 3): ``expert_e(x) = W_down[
 One layer's step (:class:`LayerWork`):
   1. :func:`group_by_expert` sorts the ``[T, k]`` assignments by expert (one device->host sync for the counts);
   2. experts are computed in batches from any weight source (resident stacks, cache slots, a prefill buffer):
-     steps of at most ``SMALL_STEP_TOKENS`` tokens (decode) gather the batch's weights and run three batched
-     GEMMs with the tokens padded per expert (a few kernels per layer instead of a few per expert); larger steps
-     run one GEMM chain per expert over its contiguous token group;
+     on CUDA, steps of at most ``SMALL_STEP_TOKENS`` tokens (decode) gather the batch's weights and run three
+     batched GEMMs with the tokens padded per expert (a few kernels per layer instead of a few per expert);
+     larger steps, and every step on the CPU, run one GEMM chain per expert over its contiguous token group;
   3. each expert's output is weighted (float32 product, stored in the activation dtype) and
      :meth:`LayerWork.combine` places every contribution at ``(token, rank of its expert among the token's
      experts)`` and sums the ``k`` of each token in float32, in ascending expert order: deterministic, and
@@ -85,7 +85,7 @@ class LayerWork:
 
     Attributes:
         spans: expert -> ``(start, count)`` of its assignments (experts with count > 0 only).
-        needed: those experts, ascending. small: the step runs batched GEMMs (``T <= SMALL_STEP_TOKENS``).
+        needed: those experts, ascending. small: the step runs batched GEMMs (``T <= SMALL_STEP_TOKENS``, on CUDA).
         parts: expert -> weighted output ``[count, H]`` in hidden's dtype, filled by :meth:`compute` or a backend.
     """
 
@@ -101,7 +101,10 @@ class LayerWork:
                 self.spans[e] = (start, n)
             start += n
         self.needed = list(self.spans)
-        self.small = hidden.shape[0] <= SMALL_STEP_TOKENS
+        # NOTE: batched GEMMs gather the active experts' weights (an extra read + write of every active expert).
+        # On a GPU that costs microseconds of HBM time and saves launches; on a CPU it doubles the memory traffic
+        # of a memory-bound decode (measured: 128 -> 207 ms per step on the built-in MoE), so CPUs loop.
+        self.small = hidden.shape[0] <= SMALL_STEP_TOKENS and hidden.is_cuda
         self.parts: dict[int, torch.Tensor] = {}
 
     def rows(self, e: int) -> torch.Tensor:
