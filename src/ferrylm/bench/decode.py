@@ -164,10 +164,6 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
     ec = engine_config
     device = resolve_device(ec.device)
     dtype = resolve_dtype(ec.dtype, device)
-    if device.type == "cuda":
-        # NOTE: cuDNN SDPA builds a new plan for every new KV length, ~7 ms per decode attention call on the H200
-        # machine (torch 2.11), which swamps what this bench measures; the other SDPA kernels have no such cost.
-        torch.backends.cuda.enable_cudnn_sdp(False)
     path = resolve_model(model).path
     if ec.dtype == "auto" and is_synthetic_folder(path):
         dtype = torch.bfloat16
