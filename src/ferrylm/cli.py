@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     s.add_argument("--served-model-name", default=None, help="model id clients use (default: the model's name)")
     s.add_argument("--api-key", default=None, help="require this bearer key on /v1/* (env FERRYLM_API_KEY)")
+    s.add_argument("--max-request-bytes", type=int, default=8 << 20, metavar="N",
+                   help="refuse request bodies larger than N bytes with 413 (default: 8 MiB)")
+    s.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help="comma-separated CORS origins ('*' for any); CORS is off when not set")
     s.add_argument("--max-engine-restarts", type=int, default=3,
                    help="engine restarts allowed within 10 minutes before the server exits non-zero (default: 3)")
     s.add_argument("--watchdog-timeout", type=float, default=120.0,

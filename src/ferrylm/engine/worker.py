@@ -114,6 +114,11 @@ def engine_main(spec_dict: dict) -> None:
     reporting it; on the parent's death it is SIGKILLed (Linux) or exits 0 (watch thread)."""
     spec = EngineSpec(**spec_dict)
     _die_with_parent(spec.parent_pid)
+    # NOTE: the frontend owns the engine's life (Shutdown message, SIGKILL, PDEATHSIG = SIGKILL). A terminal's
+    # Ctrl-C, or a service manager's SIGTERM to the whole group, must not kill the engine under a draining frontend
+    # (its in-flight requests would get "engine exited" instead of finishing).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(spec.parent_pid, _ipc_dir(spec.in_addr)), daemon=True,
                      name="parent-watch").start()
     try:

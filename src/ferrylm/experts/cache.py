@@ -1,7 +1,9 @@
 """Bookkeeping of the device slot cache: which ``(layer, expert)`` sits in which of ``N`` slots.
 
-The slots themselves (one ``[N, S]`` tensor on the compute device, shared by all MoE layers) belong to the
-executor; this module only decides. Pure Python, no tensors, so the policy is cheap to property-test.
+The slots themselves (device blocks of a few ``[S]`` rows each, shared by all MoE layers) belong to the
+executor; this module only decides. Slot ids are arbitrary non-negative ints (the executor derives them from its
+blocks); the set of slots can change between steps (:meth:`SlotCache.add_slots`, :meth:`SlotCache.remove_slots`:
+the elastic cache of the OOM guard). Pure Python, no tensors, so the policy is cheap to property-test.
 
 Rules:
   * An expert the current layer still needs is *pinned*; eviction never picks a pinned expert
@@ -140,7 +142,8 @@ class SlotCache:
         self.num_slots = num_slots
         self.policy = policy or LRUPolicy()
         self._slot_of: dict[Key, int] = {}
-        self._key_of: list[Key | None] = [None] * num_slots
+        self._slots: set[int] = set(range(num_slots))               # every slot id that exists now
+        self._key_of: dict[int, Key] = {}                            # occupied slot -> key
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._pinned: set[Key] = set()
         self.hits: dict[int, int] = {}
@@ -159,7 +162,13 @@ class SlotCache:
         return self._slot_of.get(key)
 
     def key_of(self, slot: int) -> Key | None:
-        return self._key_of[slot]
+        """The key in ``slot``, or None (free, or no such slot)."""
+        return self._key_of.get(slot)
+
+    @property
+    def slot_ids(self) -> frozenset[int]:
+        """Every slot id that exists now (``len == num_slots``)."""
+        return frozenset(self._slots)
 
     @property
     def pinned(self) -> frozenset[Key]:
@@ -234,14 +243,58 @@ class SlotCache:
             raise ValueError(f"cannot evict {key}: pinned for this step")
         slot = self._slot_of.pop(key)
         self.policy.remove(key)
-        self._key_of[slot] = None
+        del self._key_of[slot]
         self._free.append(slot)
         return slot
+
+    def add_slots(self, slots: Iterable[int]) -> None:
+        """New empty slots (ids not in use) join the free list; the lowest id is handed out first.
+
+        Raises:
+            ValueError: an id already exists, is negative, or is listed twice (nothing changes then).
+        """
+        new = list(slots)
+        if len(set(new)) != len(new) or any(s < 0 or s in self._slots for s in new):
+            raise ValueError(f"slot ids {new} clash with the existing slots or each other")
+        self._slots.update(new)
+        self._free.extend(sorted(new, reverse=True))
+        self._free.sort(reverse=True)
+        self.num_slots += len(new)
+
+    def remove_slots(self, slots: Iterable[int]) -> list[Key]:
+        """Take ``slots`` out of the cache; the experts in them are evicted (not counted in ``evictions``).
+
+        Returns:
+            the evicted keys.
+
+        Raises:
+            KeyError: an id is not a slot. ValueError: a slot holds a pinned expert (nothing changes then).
+        """
+        gone = set(slots)
+        missing = gone - self._slots
+        if missing:
+            raise KeyError(f"no such slots: {sorted(missing)}")
+        keys = [self._key_of[s] for s in gone if s in self._key_of]
+        pinned = [k for k in keys if k in self._pinned]
+        if pinned:
+            raise ValueError(f"cannot remove slots holding experts pinned for this step: {pinned}")
+        for k in keys:
+            del self._slot_of[k]
+            self.policy.remove(k)
+        for s in gone:
+            self._key_of.pop(s, None)
+        self._free = [s for s in self._free if s not in gone]
+        self._slots -= gone
+        self.num_slots -= len(gone)
+        return keys
 
     def check(self) -> None:
         """Raise AssertionError when the bookkeeping is inconsistent (tests; cheap enough for debug runs)."""
         assert len(self._slot_of) + len(self._free) == self.num_slots, "slots lost or double-counted"
+        assert len(self._slots) == self.num_slots, "num_slots differs from the slot ids"
         assert len(set(self._free)) == len(self._free), "a free slot listed twice"
+        assert set(self._free) | set(self._slot_of.values()) == self._slots, "a slot id is unknown or lost"
+        assert set(self._key_of) == set(self._slot_of.values()), "occupied slots disagree"
         for key, slot in self._slot_of.items():
             assert self._key_of[slot] == key, f"slot {slot} maps back to {self._key_of[slot]}, not {key}"
             assert slot not in self._free, f"slot {slot} is both free and holds {key}"

@@ -8,8 +8,14 @@ Per MoE layer and step (:meth:`CachedExecutor.run`):
   4. the weighted outputs are summed per token as the resident backend sums them (:mod:`ferrylm.experts.work`),
      so the backends agree to the last bit wherever their expert kernels do.
 
-Device memory (``reserve``): ``N`` slots of one expert row each (``[N, S]``, one tensor shared by all layers) plus,
-with prefill streaming, two layer buffers. ``--moe-cache-size`` fixes ``N``; otherwise ``N`` fills the budget.
+Device memory (``reserve``): ``N`` slots of one expert row each, shared by all layers, plus, with prefill
+streaming, two layer buffers. ``--moe-cache-size`` fixes ``N``; otherwise ``N`` fills the budget.
+
+Elastic slots: the slots live in separately freeable *blocks* (``[b, S]`` tensors of ``block_slots`` slots, the
+last one possibly smaller); slot id ``s`` is row ``s % block_slots`` of block ``s // block_slots``. Between steps
+the OOM guard (``memory/guard.py``) may :meth:`CachedExecutor.shrink_slots` (whole blocks dropped, their experts
+evicted, nothing copied, so shrinking needs no extra memory) and later :meth:`CachedExecutor.grow_slots` (new
+blocks, their slots free).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from ferrylm.faults import NO_FAULTS
 
 log = logging.getLogger("ferrylm.experts")
 
+MAX_BLOCK_SLOTS = 4  # automatic block size cap (slots): the granularity at which the OOM guard can free memory
+
 Router = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -50,6 +58,7 @@ class CachedExecutor(ExpertExecutor):
     """
 
     name = "cached"
+    block_slots: int | None = None  # slots per block; None: max(1, min(MAX_BLOCK_SLOTS, N // 8)) at reserve
     default_prefetch = False
     uses_cpu = False
     min_slots = 0
@@ -70,8 +79,9 @@ class CachedExecutor(ExpertExecutor):
         self._bandwidths = options.bandwidths
         self.counters = ExpertStats(layers)
         self.cache: SlotCache | None = None
-        self.slots: torch.Tensor | None = None
-        self._slot_view = None
+        self._blocks: dict[int, torch.Tensor] = {}  # block id -> [b, S] slot rows on the device
+        self._block_views: dict = {}                 # block id -> LayerExperts views of the block
+        self._block_size = 1                         # slots per block (fixed at reserve)
         self.streamer: LayerStreamer | None = None
         self._ready: dict[int, object] = {}     # slot -> copy fence still to wait for
         self._last_use: dict[int, object] = {}  # slot -> compute fence of its last read
@@ -110,8 +120,10 @@ class CachedExecutor(ExpertExecutor):
         no budget. Re-reserving drops the cache first."""
         self._drop_device_memory()
         n = self.plan_slots(budget_bytes)
-        self.slots = torch.empty(n, self.layout.numel, dtype=self.layout.dtype, device=self.device)
-        self._slot_view = self.layout.layer_views(self.slots)  # gate/up [N, I, H], down [N, H, I] views
+        b = self.block_slots if self.block_slots else max(1, min(MAX_BLOCK_SLOTS, n // 8))
+        self._block_size = int(b)
+        for blk in range(-(-n // b)):
+            self._new_block(blk, min(b, n - blk * b))
         policy = LRUPolicy() if self.options.cache_policy == "lru" else LayerLRUPolicy(n // len(self.banks.layers))
         self.cache = SlotCache(n, policy)
         if self.options.stream_prefill:
@@ -123,6 +135,122 @@ class CachedExecutor(ExpertExecutor):
                  f", prefill buffers {self.streamer.nbytes / 2**30:.2f} GiB" if self.streamer else "")
         return n
 
+    # --- slot blocks --------------------------------------------------------------------------------------------
+    def _new_block(self, blk: int, size: int) -> None:
+        """Allocate block ``blk`` of ``size`` slots (raises torch.OutOfMemoryError when the device is full)."""
+        t = torch.empty(size, self.layout.numel, dtype=self.layout.dtype, device=self.device)
+        self._blocks[blk] = t
+        self._block_views[blk] = self.layout.layer_views(t)  # gate/up [b, I, H], down [b, H, I] views
+
+    def _block_slot_ids(self, blk: int) -> list[int]:
+        return [blk * self._block_size + i for i in range(self._blocks[blk].shape[0])]
+
+    def _slot_row(self, slot: int) -> torch.Tensor:
+        """The ``[S]`` device row of ``slot``."""
+        return self._blocks[slot // self._block_size][slot % self._block_size]
+
+    def slot_storage_bytes(self) -> int:
+        """Device bytes held by the slot blocks now (the stream buffers not included)."""
+        return sum(t.nbytes for t in list(self._blocks.values()))  # list(): stats() may read from another thread
+
+    def _set_quota(self) -> None:
+        policy = self.cache.policy
+        if isinstance(policy, LayerLRUPolicy):
+            policy.quota = max(1, self.cache.num_slots // len(self.banks.layers))
+
+    def shrink_slots(self, n: int) -> int:
+        """Give up at least ``n`` slots (rounded up to whole blocks) and release their device memory; for the OOM
+        guard, between steps. The blocks whose residents were least recently used go first (empty blocks before
+        all); their experts are evicted, nothing is copied. Never goes below ``min_slots`` (a block that would
+        cross it is skipped, so fewer than ``n`` slots may go). Refuses (returns 0) while any expert is pinned,
+        i.e. inside a step. Never raises (an unexpected error is logged and 0 returned).
+
+        Args:
+            n: slots wanted back (slots).
+
+        Returns:
+            device bytes actually released by dropped blocks (0: nothing could go). On CUDA the memory returns to
+            the caching allocator (reused by the retried step; ``torch.cuda.empty_cache`` hands it to the driver).
+        """
+        try:
+            cache = self.cache
+            if cache is None or n <= 0 or cache.num_slots <= self.min_slots:
+                return 0
+            if cache.pinned:
+                log.warning("expert cache shrink refused: %d experts pinned (called inside a step)",
+                            len(cache.pinned))
+                return 0
+            rank = {k: i for i, k in enumerate(cache.policy.keys())}  # LRU policies: oldest first
+
+            def age(blk: int) -> tuple:
+                ranks = [rank.get(cache.key_of(s), -1) for s in self._block_slot_ids(blk)
+                         if cache.key_of(s) is not None]
+                return (max(ranks, default=-1), len(ranks), -blk)
+
+            drop, count, left = [], 0, cache.num_slots
+            for blk in sorted(self._blocks, key=age):
+                if count >= n:
+                    break
+                size = self._blocks[blk].shape[0]
+                if left - size < self.min_slots:
+                    continue
+                drop.append(blk)
+                count += size
+                left -= size
+            if not drop:
+                return 0
+            self.copier.synchronize()  # no queued copy may still write into a block about to go
+            slots = [s for blk in drop for s in self._block_slot_ids(blk)]
+            evicted = cache.remove_slots(slots)
+            for k in evicted:
+                self._prefetched.discard(k)
+            for s in slots:
+                self._ready.pop(s, None)
+                self._last_use.pop(s, None)
+            freed = 0
+            for blk in drop:
+                self._block_views.pop(blk, None)
+                freed += self._blocks.pop(blk).nbytes
+            self._set_quota()
+            log.warning("%s experts: cache shrunk by %d slots in %d blocks (%.1f MiB released, %d experts "
+                        "evicted), %d slots left", self.name, count, len(drop), freed / 2**20, len(evicted),
+                        cache.num_slots)
+            return freed
+        except Exception:  # noqa: BLE001 - the OOM ladder must go on to its next rung
+            log.exception("%s experts: shrinking the slot cache failed", self.name)
+            return 0
+
+    def grow_slots(self, n: int) -> int:
+        """Add up to ``n`` empty slots (slots) in new blocks of ``block_slots``, never more slots than experts;
+        stops at the first allocation failure (torch.OutOfMemoryError / MemoryError, logged) and keeps what was
+        added. Call between steps.
+
+        Returns:
+            slots added (0 when nothing fits, the cache is not reserved, or every expert already has a slot).
+        """
+        cache = self.cache
+        if cache is None or n <= 0:
+            return 0
+        n = min(n, len(self.banks.layers) * self.num_experts - cache.num_slots)
+        added = 0
+        blk = 0
+        while added < n:
+            while blk in self._blocks:
+                blk += 1
+            size = min(self._block_size, n - added)
+            try:
+                self._new_block(blk, size)
+            except (torch.OutOfMemoryError, MemoryError) as e:
+                log.info("%s experts: growing the slot cache stopped after %d of %d slots: %s", self.name, added,
+                         n, str(e).split("\n")[0][:200])
+                break
+            cache.add_slots(self._block_slot_ids(blk))
+            added += size
+        if added:
+            self._set_quota()
+            log.info("%s experts: cache grew by %d slots, %d slots now", self.name, added, cache.num_slots)
+        return added
+
     def _warm_fill(self) -> None:
         """Fill the empty cache layer-round-robin (expert 0 of every layer, then expert 1 ...), so the first steps
         are not all misses and every layer gets an equal share; not counted in the stats."""
@@ -130,15 +258,15 @@ class CachedExecutor(ExpertExecutor):
         for i in range(self.cache.num_slots):
             layer, e = layers[i % len(layers)], i // len(layers)
             slot, _ = self.cache.admit((layer, e))
-            self.copier.copy(self.slots[slot], self.banks.row(layer, e))
+            self.copier.copy(self._slot_row(slot), self.banks.row(layer, e))
         self.copier.synchronize()
         self.copier.harvest()
         self._copy_mark = (self.copier.copy_time_s, self.copier.exposed_s)
 
     def _drop_device_memory(self) -> None:
         self.copier.synchronize()
-        self.slots = None
-        self._slot_view = None
+        self._blocks.clear()
+        self._block_views.clear()
         self.cache = None
         self.streamer = None
         self._ready.clear()
@@ -229,27 +357,41 @@ class CachedExecutor(ExpertExecutor):
     # --- building blocks for the backends ---------------------------------------------------------------------
     def _fetch(self, layer: int, experts: list[int], *, prefetch: bool = False) -> list[tuple[int, int]]:
         """Admit ``experts`` of ``layer`` into slots (evicting unpinned LRU ones) and enqueue their copies.
-        Demand fetches are pinned; prefetches are not. Returns ``(expert, slot)`` pairs."""
-        if self.faults.enabled and experts and not prefetch:
-            self.faults.check("expert_fetch", nbytes=len(experts) * self.layout.nbytes)
+        Demand fetches are pinned; prefetches are not. Returns ``(expert, slot)`` pairs.
+
+        Raises whatever admitting or queuing raises (CacheFull, an injected or real OOM at ``expert_fetch``, a
+        copy error); the expert being admitted is then evicted again, so the cache never maps an expert to a slot
+        whose copy was never queued, and the copies already queued are fenced as usual."""
+        check = self.faults.enabled and bool(experts) and not prefetch
         step = self.counters.step
         items = []
-        for e in experts:
-            key = (layer, e)
-            slot, evicted = self.cache.admit(key)
-            if evicted is not None and evicted in self._prefetched:
-                self._prefetched.discard(evicted)
-                step.prefetch_wasted += 1
-            self.copier.copy(self.slots[slot], self.banks.row(layer, e), after=self._last_use.pop(slot, None))
-            items.append((e, slot))
-            if prefetch:
-                self._prefetched.add(key)
-            else:
-                self.cache.pin(key)
+        try:
+            for e in experts:
+                key = (layer, e)
+                slot, evicted = self.cache.admit(key)
+                try:
+                    if evicted is not None and evicted in self._prefetched:
+                        self._prefetched.discard(evicted)
+                        step.prefetch_wasted += 1
+                    if check:  # the staging of this fetch: checked once per fetch, after its first admit
+                        check = False
+                        self.faults.check("expert_fetch", nbytes=len(experts) * self.layout.nbytes)
+                    self.copier.copy(self._slot_row(slot), self.banks.row(layer, e),
+                                     after=self._last_use.pop(slot, None))
+                except BaseException:
+                    self.cache.evict(key)  # admitted, never copied: must not look cached
+                    raise
+                items.append((e, slot))
+                if prefetch:
+                    self._prefetched.add(key)
+                else:
+                    self.cache.pin(key)
+        finally:
+            if items:
+                fence = self.copier.fence()
+                for _, slot in items:
+                    self._ready[slot] = fence
         if items:
-            fence = self.copier.fence()
-            for _, slot in items:
-                self._ready[slot] = fence
             step.bytes_copied += len(items) * self.layout.nbytes
             if prefetch:
                 step.prefetched += len(items)
@@ -271,7 +413,18 @@ class CachedExecutor(ExpertExecutor):
             return
         items = sorted(items)
         self._wait_slots(items)
-        work.compute([e for e, _ in items], self._slot_view, [slot for _, slot in items])
+        b = self._block_size
+        blocks = {slot // b for _, slot in items}
+        if len(blocks) == 1:
+            blk = blocks.pop()
+            work.compute([e for e, _ in items], self._block_views[blk], [slot % b for _, slot in items])
+        elif work.small:  # one batched call across blocks (as the resident backend computes the layer)
+            rows = torch.stack([self._slot_row(slot) for _, slot in items])
+            work.compute([e for e, _ in items], self.layout.layer_views(rows), list(range(len(items))))
+        else:  # per-expert loop: one call per block, no gather
+            for blk in sorted(blocks):
+                mine = [(e, slot % b) for e, slot in items if slot // b == blk]
+                work.compute([e for e, _ in mine], self._block_views[blk], [o for _, o in mine])
         fence = self.copier.compute_fence()
         for e, slot in items:
             if fence is not None:
@@ -370,6 +523,7 @@ class CachedExecutor(ExpertExecutor):
         cache = self.cache
         d = self.counters.snapshot(cache.hits if cache else {}, cache.misses if cache else {})
         d.update(backend=self.name, num_slots=cache.num_slots if cache else 0, expert_bytes=self.layout.nbytes,
+                 slot_blocks=len(self._blocks), slot_bytes=self.slot_storage_bytes(),
                  pinned=self.banks.pinned, prefetch=self.prefetch,
                  cpu_threads=self.cpu_pool.threads if self.cpu_pool else 0)
         return d

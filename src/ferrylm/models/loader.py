@@ -180,6 +180,17 @@ def _assign(model: nn.Module, tensors: dict[str, torch.Tensor], origin: dict[str
     model.load_state_dict(tensors, strict=True, assign=True)
 
 
+def _progress(total: int, desc: str):
+    """A tqdm byte counter on stderr, or None when stderr is not a terminal (logs and tests stay quiet)."""
+    import sys
+
+    if not sys.stderr.isatty():
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False)
+
+
 def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                moe_backend: str | ExpertOptions = "resident", expert_device: torch.device | str | None = None,
                pin_experts: bool = False) -> LoadedModel:
@@ -228,10 +239,14 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
 
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
-    for path in checkpoint_files(model_dir):
+    files = checkpoint_files(model_dir)
+    bar = _progress(sum(p.stat().st_size for p in files), f"loading {model_dir.name}")
+    for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 t = f.get_tensor(name)
+                if bar is not None:
+                    bar.update(t.numel() * t.element_size())
                 if experts is not None and experts.add(name, t):
                     continue
                 key = _module_name(name, model_cls, config)
@@ -242,6 +257,8 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
                 tensors[key] = t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
                 origin[key] = name
 
+    if bar is not None:
+        bar.close()
     executor = build_executor(moe_backend, experts.finish(), device) if experts is not None else None
     with torch.device("meta"):
         model = model_cls(config, executor=executor, device=device)

@@ -45,6 +45,8 @@ from ferrylm.server.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, C
                                      CompletionResponse, DeltaMessage, DetokenizeRequest, ModelCard, ModelList,
                                      TokenizeRequest, UsageInfo, chat_logprobs, chunk_json, completion_logprobs,
                                      parse_request, to_sampling_params)
+from ferrylm.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from ferrylm.server.metrics import Metrics
 from ferrylm.server.tokenizer import TextCodec, TextStream
 
 logger = logging.getLogger("ferrylm.server")
@@ -70,6 +72,8 @@ __version__ = _version()
 MAX_PROMPTS_PER_REQUEST = 64     # completions: a list of prompts
 CLEANUP_TIMEOUT_S = 5.0          # bound on aclose()/abort() during cleanup
 HEALTH_GENERATE_TIMEOUT_S = 5.0  # default bound on GET /health/generate (``?timeout=`` overrides, up to 60 s)
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # --max-request-bytes: larger bodies get 413 in the OpenAI error shape
+ARRIVAL_KEY = "ferrylm.arrival"  # scope key: time.monotonic() when the request reached the app
 _DONE = "data: [DONE]\n\n"
 _ENGINE_ERRORS: dict[str, type[FerryError]] = {
     "insufficient_memory": InsufficientMemory, "context_length_exceeded": ContextLengthExceeded,
@@ -77,8 +81,15 @@ _ENGINE_ERRORS: dict[str, type[FerryError]] = {
 }
 
 
+class RequestTooLarge(InvalidRequest):
+    """The request body is larger than ``--max-request-bytes``. HTTP 413 (OpenAI error shape)."""
+
+    code = "request_too_large"
+
+
 def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *,
-               api_key: str | None = None) -> FastAPI:
+               api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               allowed_origins: Sequence[str] | None = None) -> FastAPI:
     """Build the FastAPI app serving ``engine`` under the name ``served_model_name``.
 
     Args:
@@ -86,26 +97,81 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
         codec: tokenizer/chat template/detokenizer for the served model.
         served_model_name: the model id clients must send (a missing ``model`` field is accepted too).
         api_key: when set, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need ``Authorization: Bearer KEY`` or
-            ``x-api-key: KEY``; ``/health`` and ``/version`` stay open.
+            ``x-api-key: KEY``; ``/health``, ``/metrics`` and ``/version`` stay open.
+        max_request_bytes: larger request bodies are refused with 413 (``request_too_large``, OpenAI shape).
+        allowed_origins: CORS origins (``--allowed-origins``); None or empty = no CORS middleware at all.
     """
-    server = _Server(engine, codec, served_model_name, api_key)
+    server = _Server(engine, codec, served_model_name, api_key, max_request_bytes)
     app = FastAPI(title="ferrylm", version=__version__, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url="/openapi.json")
     app.state.server = server
+    app.state.metrics = server.metrics
     install_exception_handlers(app)
+    if allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"], expose_headers=["x-request-id"])
     app.add_middleware(RequestIdMiddleware)
 
-    app.add_api_route("/v1/models", server.list_models, methods=["GET"])
-    app.add_api_route("/v1/models/{model_id:path}", server.get_model, methods=["GET"])
-    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
-    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
-    app.add_api_route("/v1/memory", server.memory, methods=["GET"])
+    from ferrylm.server import protocol as pr
+
+    def doc(req: type | None, resp: type | None, *, stream: bool = False) -> dict:
+        """openapi_extra for a route that parses its body itself: the body and 200 schemas (components)."""
+        extra: dict[str, Any] = {}
+        if req is not None:
+            extra["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{req.__name__}"}}}}
+        if resp is not None:
+            content: dict[str, Any] = {"application/json": {"schema": {"$ref": f"#/components/schemas/{resp.__name__}"}}}
+            if stream:
+                content["text/event-stream"] = {"schema": {"type": "string"}}
+            extra["responses"] = {"200": {"description": "OK", "content": content}}
+        return extra
+
+    v1 = {"responses": _ERROR_RESPONSES}
+    app.add_api_route("/v1/models", server.list_models, methods=["GET"], openapi_extra=doc(None, pr.ModelList),
+                      **v1)
+    app.add_api_route("/v1/models/{model_id:path}", server.get_model, methods=["GET"],
+                      openapi_extra=doc(None, pr.ModelCard), **v1)
+    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"],
+                      openapi_extra=doc(pr.ChatCompletionRequest, pr.ChatCompletionResponse, stream=True), **v1)
+    app.add_api_route("/v1/completions", server.completions, methods=["POST"],
+                      openapi_extra=doc(pr.CompletionRequest, pr.CompletionResponse, stream=True), **v1)
+    app.add_api_route("/v1/memory", server.memory, methods=["GET"], **v1)
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/health/generate", server.health_generate, methods=["GET"])
+    app.add_api_route("/metrics", server.metrics_route, methods=["GET"])
     app.add_api_route("/version", server.version, methods=["GET"])
-    app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
-    app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"], openapi_extra=doc(pr.TokenizeRequest, None),
+                      **v1)
+    app.add_api_route("/detokenize", server.detokenize, methods=["POST"],
+                      openapi_extra=doc(pr.DetokenizeRequest, None), **v1)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+            from pydantic.json_schema import models_json_schema
+
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            models = [(m, "validation") for m in (pr.ChatCompletionRequest, pr.CompletionRequest,
+                                                  pr.TokenizeRequest, pr.DetokenizeRequest)]
+            models += [(m, "serialization") for m in (pr.ChatCompletionResponse, pr.CompletionResponse,
+                                                      pr.ModelCard, pr.ModelList, pr.ErrorResponse)]
+            _, top = models_json_schema(models, ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(top.get("$defs", {}))
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"description": what, "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    for code, what in ((400, "invalid request"), (401, "missing or wrong API key"), (404, "unknown model"),
+                       (413, "request body too large"), (503, "engine unavailable / overloaded"))}
 
 
 class RequestIdMiddleware:
@@ -127,6 +193,7 @@ class RequestIdMiddleware:
         if not (0 < len(rid) <= 200 and rid.isascii() and rid.isprintable()):
             rid = uuid.uuid4().hex
         scope[REQUEST_ID_KEY] = rid
+        scope.setdefault(ARRIVAL_KEY, time.monotonic())
         raw = rid.encode("latin-1")
 
         async def send_with_id(message: Message) -> None:
@@ -161,6 +228,8 @@ class _Choice:
     engine_done: bool = False       # the engine reported this request finished (no abort needed)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
+    first_token_time: float | None = None   # time.monotonic() of the first output with tokens
+    last_token_time: float | None = None
 
 
 @dataclass
@@ -197,10 +266,13 @@ class _Generation:
     iterator and calls ``engine.abort`` unless the engine reported the request finished.
     """
 
-    def __init__(self, engine: EngineClient, rid: str, choices: list[_Choice]):
+    def __init__(self, engine: EngineClient, rid: str, choices: list[_Choice], *, metrics: Metrics | None = None,
+                 arrival: float | None = None):
         self.engine = engine
         self.rid = rid
         self.choices = choices
+        self.metrics = metrics
+        self.arrival = time.monotonic() if arrival is None else arrival
         self._queue: asyncio.Queue[_Event] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._open = len(choices)
@@ -232,6 +304,31 @@ class _Generation:
     @property
     def completion_tokens(self) -> int:
         return sum(ch.num_tokens for ch in self.choices)
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from the request's arrival to the first token of any choice (None before one)."""
+        times = [ch.first_token_time for ch in self.choices if ch.first_token_time is not None]
+        return min(times) - self.arrival if times else None
+
+    @property
+    def last_token_time(self) -> float | None:
+        times = [ch.last_token_time for ch in self.choices if ch.last_token_time is not None]
+        return max(times) if times else None
+
+    def _observe(self, ch: _Choice, n: int) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        if ch.first_token_time is None:
+            ch.first_token_time = now
+            if m is not None:
+                m.ttft.observe(now - self.arrival)
+                m.prompt_tokens.inc(len(ch.prompt_ids))
+        elif m is not None and ch.last_token_time is not None:
+            m.itl.observe(now - ch.last_token_time)
+        ch.last_token_time = now
+        if m is not None:
+            m.generation_tokens.inc(n)
 
     async def _run(self, ch: _Choice) -> None:
         agen: Any = None
@@ -272,6 +369,8 @@ class _Generation:
             raise EngineUnavailable("the engine aborted the request")
         ids = list(out.new_token_ids)
         ch.num_tokens += len(ids)
+        if ids:
+            self._observe(ch, len(ids))
         text_ids = ids
         if (out.finish_reason == "stop" and ids and ids[-1] in ch.text_skip_ids
                 and not ch.params.include_stop_str_in_output):
@@ -287,6 +386,8 @@ class _Generation:
         if out.finish_reason is not None:
             ch.engine_done = True
         ch.finish_reason = finish
+        if finish is not None and self.metrics is not None:
+            self.metrics.success.labels(finish).inc()
         lps = out.logprobs if ch.params.logprobs is not None and out.logprobs else None
         if lps:
             ch.logprobs.extend(lps)
@@ -359,9 +460,30 @@ def _sse(data: str) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
+async def _read_body(request: Request, limit: int | None) -> bytes:
+    """The body, refused (RequestTooLarge, 413) as soon as it is known to exceed ``limit`` bytes: by its
+    Content-Length before reading, or while reading a chunked body."""
+    if not limit:
+        return await request.body()
+    too_large = RequestTooLarge(f"the request body exceeds the server's limit of {limit} bytes "
+                                f"(--max-request-bytes)")
+    cl = request.headers.get("content-length")
+    if cl is not None and cl.strip().isdigit() and int(cl) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _read_json(request: Request) -> Any:
-    """The request body as JSON. Raises InvalidRequest for an empty body, bad JSON, NaN or Infinity."""
-    body = await request.body()
+    """The request body as JSON. Raises InvalidRequest for an empty body, bad JSON, NaN or Infinity, and
+    RequestTooLarge (413) past ``--max-request-bytes``."""
+    server = getattr(request.app.state, "server", None)
+    body = await _read_body(request, getattr(server, "max_request_bytes", None))
     if not body.strip():
         raise InvalidRequest("request body is empty; expected a JSON object")
 
@@ -402,12 +524,15 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict]:
 class _Server:
     """Route handlers and the state they share."""
 
-    def __init__(self, engine: EngineClient, codec: TextCodec, served_model_name: str, api_key: str | None):
+    def __init__(self, engine: EngineClient, codec: TextCodec, served_model_name: str, api_key: str | None,
+                 max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES):
         self.engine = engine
         self.codec = codec
         self.served_model_name = served_model_name
         self.api_key = api_key or None
+        self.max_request_bytes = max_request_bytes or None
         self.created = int(time.time())
+        self.metrics = Metrics(engine)
 
     # ---- helpers -----------------------------------------------------------------------------------------
     @property
@@ -528,9 +653,25 @@ class _Server:
         except _ClientGone:
             logger.info("[%s] client disconnected after %.3f s; engine request aborted", rid,
                         time.monotonic() - t0)
+            self.metrics.errors.labels("client_disconnected").inc()
             return Response(status_code=499)
         except Exception as e:  # noqa: BLE001 - every error leaves in the OpenAI shape
-            return error_response(e, rid)
+            resp = error_response(e, rid)
+            if isinstance(e, RequestTooLarge):
+                resp.status_code = 413
+            code = self._count_error(e)
+            logger.info("[%s] done error=%s status=%d after %.3f s", rid, code, resp.status_code,
+                        time.monotonic() - t0)
+            return resp
+
+    def _count_error(self, e: BaseException) -> str:
+        code = str(error_payload(e)["error"].get("code") or "unknown")
+        self.metrics.errors.labels(code).inc()
+        return code
+
+    async def metrics_route(self, request: Request) -> Response:
+        """GET /metrics: Prometheus text format (open, like /health)."""
+        return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     def _log_request(self, rid: str, kind: str, req: Any, prompts: list[list[int]], max_tokens: list[int],
                      params: SamplingParams) -> None:
@@ -672,7 +813,8 @@ class _Server:
         self._log_request(rid, "chat", req, [prompt_ids], [max_tokens], params)
         self._check_ready()
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = _Generation(self.engine, rid, self._make_choices(base_id, [prompt_ids], [max_tokens], params))
+        gen = _Generation(self.engine, rid, self._make_choices(base_id, [prompt_ids], [max_tokens], params),
+                          metrics=self.metrics, arrival=request.scope.get(ARRIVAL_KEY))
         created = int(time.time())
         first = await self._start(request, rid, gen, bool(req.stream))
         if req.stream:
@@ -771,7 +913,8 @@ class _Server:
         self._log_request(rid, "completion", req, prompts, max_tokens, params)
         self._check_ready()
         base_id = f"cmpl-{uuid.uuid4().hex}"
-        gen = _Generation(self.engine, rid, self._make_choices(base_id, prompts, max_tokens, params))
+        gen = _Generation(self.engine, rid, self._make_choices(base_id, prompts, max_tokens, params),
+                          metrics=self.metrics, arrival=request.scope.get(ARRIVAL_KEY))
         echo = [echo_texts[ch.index // params.n] if req.echo else "" for ch in gen.choices]
         prompt_tokens = sum(len(p) for p in prompts)
         created = int(time.time())
@@ -833,6 +976,8 @@ class _Server:
 
     # ---- shared ------------------------------------------------------------------------------------------
     def _stream_error(self, rid: str, e: Exception) -> str:
+        code = self._count_error(e)
+        logger.info("[%s] done error=%s (after the stream started)", rid, code)
         if isinstance(e, FerryError):
             logger.warning("[%s] error after the stream started: %s: %s", rid, type(e).__name__, e)
         else:
@@ -840,8 +985,19 @@ class _Server:
         return _sse(json.dumps(error_payload(e)))
 
     def _log_done(self, rid: str, gen: _Generation, usage: UsageInfo) -> None:
-        logger.info("[%s] done finish=%s prompt_tokens=%d completion_tokens=%d", rid,
-                    [ch.finish_reason for ch in gen.choices], usage.prompt_tokens, usage.completion_tokens)
+        """The one line per finished request (and its end-to-end latency)."""
+        now = time.monotonic()
+        e2e = now - gen.arrival
+        self.metrics.e2e.observe(e2e)
+        ttft = gen.ttft
+        first = min((ch.first_token_time for ch in gen.choices if ch.first_token_time is not None), default=None)
+        last = gen.last_token_time
+        decode_s = (last - first) if first is not None and last is not None else 0.0
+        n = usage.completion_tokens
+        tps = (n - len(gen.choices)) / decode_s if decode_s > 0 and n > len(gen.choices) else 0.0
+        logger.info("[%s] done finish=%s prompt_tokens=%d completion_tokens=%d ttft=%s e2e=%.3fs tok/s=%.1f",
+                    rid, ",".join(str(ch.finish_reason) for ch in gen.choices), usage.prompt_tokens, n,
+                    "-" if ttft is None else f"{ttft:.3f}s", e2e, tps)
 
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -55,6 +55,8 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         return fail("--watchdog-timeout must be >= 0 seconds (0 turns the watchdog off)")
     if shutdown_timeout < 0:
         return fail("--shutdown-timeout must be >= 0 seconds")
+    if int(getattr(args, "max_request_bytes", 1)) < 1:
+        return fail("--max-request-bytes must be >= 1")
     if args.max_engine_restarts < 0:
         return fail("--max-engine-restarts must be >= 0")
     try:
@@ -122,7 +124,9 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     sup = Supervisor(str(resolved.path), engine_config.to_dict(), info, max_restarts=args.max_engine_restarts,
                      on_fatal=on_fatal, log_level=args.log_level, watchdog_timeout=watchdog_timeout)
     api_key = args.api_key or os.environ.get("FERRYLM_API_KEY") or None
-    app = create_app(sup, codec, name, api_key=api_key)
+    origins = [o.strip() for o in (getattr(args, "allowed_origins", None) or "").split(",") if o.strip()]
+    app = create_app(sup, codec, name, api_key=api_key,
+                     max_request_bytes=int(getattr(args, "max_request_bytes", 8 << 20)), allowed_origins=origins)
     # uvicorn's own graceful wait only covers the HTTP tail after our drain (the last bytes of answered streams)
     config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False, timeout_graceful_shutdown=5)
     server = Server(config)
