@@ -6,25 +6,10 @@ from __future__ import annotations
 import torch
 
 from ferrylm.experts import Bandwidths, ExpertOptions
-from ferrylm.models.attention import causal_attention
+from ferrylm.models.attention import SequenceCacheAttention
 
 # Bandwidths for the hybrid split in tests: B_cpu_eff = min(1, 3 - 1) = 1 = B_pcie, so half the misses are fetched.
 TEST_BANDWIDTHS = Bandwidths(pcie=1.0, host=3.0, cpu=1.0, hbm=10.0)
-
-
-class ListKVCache:
-    """AttentionBackend for one sequence: K/V appended per layer, causal attention over everything cached."""
-
-    def __init__(self):
-        self.k: dict[int, list[torch.Tensor]] = {}
-        self.v: dict[int, list[torch.Tensor]] = {}
-
-    def attend(self, layer_idx, q, k, v, scale):
-        ks, vs = self.k.setdefault(layer_idx, []), self.v.setdefault(layer_idx, [])
-        offset = sum(t.shape[0] for t in ks)
-        ks.append(k)
-        vs.append(v)
-        return causal_attention(q, torch.cat(ks), torch.cat(vs), scale, q_offset=offset)
 
 
 def greedy_trace(model, prompt: list[int], new_tokens: int, chunks: tuple[int, ...] = (7,)
@@ -34,7 +19,7 @@ def greedy_trace(model, prompt: list[int], new_tokens: int, chunks: tuple[int, .
     Returns:
         (generated ids, the logits ``[V]`` each generated id was taken from).
     """
-    cache = ListKVCache()
+    cache = SequenceCacheAttention()
     bounds = [0, *[c for c in chunks if 0 < c < len(prompt)], len(prompt)]
     logits = None
     with torch.inference_mode():

@@ -8,28 +8,15 @@ import torch
 from tests.experts.helpers import options
 from tests.models.hf_checkpoints import build_checkpoint, token_ids
 
+from ferrylm.models.attention import SequenceCacheAttention
 from ferrylm.models.loader import load_model
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-class _KV:
-    def __init__(self):
-        self.k, self.v = {}, {}
-
-    def attend(self, layer_idx, q, k, v, scale):
-        from ferrylm.models.attention import causal_attention
-
-        ks, vs = self.k.setdefault(layer_idx, []), self.v.setdefault(layer_idx, [])
-        off = sum(t.shape[0] for t in ks)
-        ks.append(k)
-        vs.append(v)
-        return causal_attention(q, torch.cat(ks), torch.cat(vs), scale, q_offset=off)
-
-
 def _trace(model, prompt, n):
-    kv, out, logits_all = _KV(), [], []
+    kv, out, logits_all = SequenceCacheAttention(), [], []
     with torch.inference_mode():
         h = model(torch.tensor(prompt, device="cuda"), torch.arange(len(prompt), device="cuda"), kv)
         logits = model.compute_logits(h[-1:])[0]

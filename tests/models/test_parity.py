@@ -8,25 +8,10 @@ import torch
 from tests.models.hf_checkpoints import CASES, copy_config, is_moe_case, reference_logits, token_ids
 from safetensors.torch import load_file, save_file
 
-from ferrylm.models.attention import DenseCausalAttention, causal_attention
+from ferrylm.models.attention import DenseCausalAttention, SequenceCacheAttention
 from ferrylm.models.loader import load_model
 
 TOL = 1e-4
-
-
-class ListKVCache:
-    """Test-local AttentionBackend for one sequence: K/V appended to a per-layer list, causal over the cache."""
-
-    def __init__(self):
-        self.k: dict[int, list[torch.Tensor]] = {}
-        self.v: dict[int, list[torch.Tensor]] = {}
-
-    def attend(self, layer_idx, q, k, v, scale):
-        ks, vs = self.k.setdefault(layer_idx, []), self.v.setdefault(layer_idx, [])
-        offset = sum(t.shape[0] for t in ks)
-        ks.append(k)
-        vs.append(v)
-        return causal_attention(q, torch.cat(ks), torch.cat(vs), scale, q_offset=offset)
 
 
 def full_logits(model, ids: torch.Tensor) -> torch.Tensor:
@@ -54,7 +39,7 @@ def test_chunked_prefill_and_decode_match_full_sequence(checkpoints, case):
     model = load_model(ckpt.path).model
     ids = token_ids(24, ckpt.vocab_size, seed=3)
     full = full_logits(model, ids)
-    cache, pieces = ListKVCache(), []
+    cache, pieces = SequenceCacheAttention(), []
     bounds = [(0, 7), (7, 12)] + [(t, t + 1) for t in range(12, 24)]  # prompt, a chunk, then 1-token steps
     with torch.no_grad():
         for lo, hi in bounds:

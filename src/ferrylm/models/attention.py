@@ -74,3 +74,25 @@ class DenseCausalAttention:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
         return causal_attention(q, k, v, scale)
+
+
+class SequenceCacheAttention:
+    """One sequence with a growing K/V cache (per layer, concatenated), no pages. The reference for chunked
+    prefill + decode in tests: feed a prompt in chunks, then one token per call, positions continuing.
+
+    Memory: grows by ``2 * T * Hkv * D`` elements per layer per call (``T`` new tokens); each call re-concatenates
+    the cache, so it is O(length^2) over a sequence — a reference, not a serving path.
+    """
+
+    def __init__(self):
+        self.k: dict[int, list[torch.Tensor]] = {}
+        self.v: dict[int, list[torch.Tensor]] = {}
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """See :class:`AttentionBackend`; the new ``k``/``v`` ``[T, Hkv, D]`` follow everything cached."""
+        ks, vs = self.k.setdefault(layer_idx, []), self.v.setdefault(layer_idx, [])
+        offset = sum(t.shape[0] for t in ks)
+        ks.append(k)
+        vs.append(v)
+        return causal_attention(q, torch.cat(ks), torch.cat(vs), scale, q_offset=offset)

@@ -191,6 +191,23 @@ def _progress(total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False)
 
 
+def placement(config: ModelConfig, device: torch.device | str, moe_backend: str | ExpertOptions,
+              expert_device: torch.device | str | None, pin_experts: bool) -> tuple[type, torch.device,
+                                                                                  torch.device, bool]:
+    """Shared by :func:`load_model` and the synthetic builder: check the config against its model class and the
+    backend name, and decide where routed experts are assembled.
+
+    Returns ``(model class, compute device, expert device, pin)``; ``pin`` is True only for CPU expert stacks when
+    CUDA is available. Raises UnsupportedArchitecture / ModelLoadError (config) or ValueError (backend).
+    """
+    model_cls = get_model_class(config.architecture)
+    model_cls.check_config(config)
+    check_backend(moe_backend)
+    device = torch.device(device)
+    exp_dev = expert_home(moe_backend, device) if expert_device is None else torch.device(expert_device)
+    return model_cls, device, exp_dev, bool(pin_experts and exp_dev.type == "cpu" and torch.cuda.is_available())
+
+
 def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                moe_backend: str | ExpertOptions = "resident", expert_device: torch.device | str | None = None,
                pin_experts: bool = False) -> LoadedModel:
@@ -227,12 +244,7 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
         return build_synthetic(spec_from_folder(model_dir), device=device, dtype=dtype, moe_backend=moe_backend,
                                expert_device=expert_device, pin_experts=pin_experts)
     config = ModelConfig.from_folder(model_dir)
-    model_cls = get_model_class(config.architecture)
-    model_cls.check_config(config)
-    check_backend(moe_backend)
-    device = torch.device(device)
-    exp_dev = expert_home(moe_backend, device) if expert_device is None else torch.device(expert_device)
-    pin = bool(pin_experts and exp_dev.type == "cpu" and torch.cuda.is_available())
+    model_cls, device, exp_dev, pin = placement(config, device, moe_backend, expert_device, pin_experts)
     moe_layers = model_cls.moe_layer_indices(config)
     experts = ExpertAssembler(moe_layers, config.num_experts, config.hidden_size, config.moe_intermediate_size,
                               exp_dev, dtype, pin_memory=pin) if moe_layers else None

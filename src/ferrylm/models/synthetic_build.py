@@ -42,10 +42,9 @@ import random
 import torch
 
 from ferrylm.config import ModelConfig
-from ferrylm.experts import ExpertOptions, build_executor, check_backend, expert_home
+from ferrylm.experts import ExpertOptions, build_executor
 from ferrylm.experts.executor import LayerExperts
-from ferrylm.models.loader import LoadedModel
-from ferrylm.models.registry import get_model_class
+from ferrylm.models.loader import LoadedModel, placement
 from ferrylm.models.synthetic import SyntheticSpec, parse_synthetic_spec, synthetic_config
 
 log = logging.getLogger("ferrylm.models")
@@ -221,12 +220,7 @@ def build_synthetic(spec: SyntheticSpec | str, *, device: torch.device | str = "
     if isinstance(spec, str):
         spec = parse_synthetic_spec(spec)
     config = ModelConfig.from_dict(synthetic_config(spec))
-    model_cls = get_model_class(config.architecture)
-    model_cls.check_config(config)
-    check_backend(moe_backend)
-    device = torch.device(device)
-    exp_dev = expert_home(moe_backend, device) if expert_device is None else torch.device(expert_device)
-    pin = bool(pin_experts and exp_dev.type == "cpu" and torch.cuda.is_available())
+    model_cls, device, exp_dev, pin = placement(config, device, moe_backend, expert_device, pin_experts)
     if pin_experts and not pin:
         log.info("pin_experts ignored: experts are on %s or CUDA is unavailable", exp_dev)
     pool = SeededPool(spec.seed)
