@@ -102,3 +102,27 @@ def test_builtin_moe_all_backends_equal_resident():
         got = greedy_trace(swap_executor(loaded.model, ex), prompt, 2, chunks=(4,))
         _assert_same(ref, got, f"smollm2-moe/{backend}/{size} slots")
         ex.close()
+
+
+@pytest.mark.parametrize("backend", ("resident",) + BACKENDS)
+@pytest.mark.parametrize("case", FAMILY_CASES)
+def test_batched_decode_path_equals_resident(expert_checkpoints, case, backend, monkeypatch):
+    """The decode path the GPU runs (host-planned indices, one copy of them per layer, batched GEMMs over gathered
+    expert weights, slots across several blocks) run on the CPU: same tokens and logits as the per-expert path."""
+    from ferrylm.experts.work import LayerWork
+
+    ckpt = expert_checkpoints(case)
+    ref = _resident(case, ckpt)
+    monkeypatch.setattr(LayerWork, "batch_on_cpu", True)
+    k = _top_k(ckpt)
+    if backend == "resident":
+        loaded = load_model(ckpt.path)
+    else:
+        loaded = load_model(ckpt.path, moe_backend=options(backend, 2 * k + 1, stream_prefill=False))
+        loaded.executor.block_slots = 2  # items of one layer land in several blocks
+        loaded.executor.reserve(None)
+    got = greedy_trace(loaded.model, _prompt(ckpt), NEW_TOKENS)
+    _assert_same(ref, got, f"{case}/{backend}/batched")
+    if loaded.executor is not None and backend != "resident":
+        _check_stats(loaded.executor)
+        loaded.executor.close()

@@ -142,13 +142,16 @@ class PagedAttention:
         self.decode = [s for s in seqs if s.q_len == 1 and s.ctx_len > 0]
         self.prefill = [s for s in seqs if not (s.q_len == 1 and s.ctx_len > 0)]
         if self.decode:
-            lens = torch.tensor([s.ctx_len + 1 for s in self.decode], device=device)
-            max_len = int(lens.max())
+            host_lens = [s.ctx_len + 1 for s in self.decode]
+            max_len = max(host_lens)  # from the host list: no device->host sync
+            lens = torch.tensor(host_lens).to(device, non_blocking=True)
             pad = torch.zeros(len(self.decode), max_len, dtype=torch.long, device=device)
             for i, s in enumerate(self.decode):
                 pad[i, : s.ctx_len + 1] = s.slots
             self.decode_slots = pad                                               # [B, L]
-            self.decode_mask = torch.arange(max_len, device=device)[None, :] < lens[:, None]  # [B, L]
+            # no mask when every sequence has the same length (batch 1 always): SDPA may then pick flash attention
+            same = len({s.ctx_len for s in self.decode}) == 1
+            self.decode_mask = None if same else torch.arange(max_len, device=device)[None, :] < lens[:, None]
             self.decode_q_idx = torch.tensor([s.q_start for s in self.decode], device=device)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -191,10 +194,11 @@ class PagedAttention:
         kd = kc[self.decode_slots].to(q.dtype)                      # [B, L, Hkv, D]
         vd = vc[self.decode_slots].to(q.dtype)
         group = qd.shape[1] // kd.shape[2]
-        if group > 1:
+        mask = None if self.decode_mask is None else self.decode_mask[:, None, None, :]  # [B, 1, 1, L]
+        if group > 1 and mask is not None:  # masked GQA: expand the K/V heads (enable_gqa needs no mask on CUDA)
             kd = kd.repeat_interleave(group, dim=2)
             vd = vd.repeat_interleave(group, dim=2)
-        mask = self.decode_mask[:, None, None, :]                   # [B, 1, 1, L]
         o = torch.nn.functional.scaled_dot_product_attention(
-            qd[:, :, None, :], kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=mask, scale=scale)
+            qd[:, :, None, :], kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=mask, scale=scale,
+            enable_gqa=group > 1 and mask is None)
         return o[:, :, 0, :]                                        # [B, Hq, D]

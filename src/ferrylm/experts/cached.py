@@ -34,7 +34,7 @@ from ferrylm.experts.options import Bandwidths, ExpertOptions
 from ferrylm.experts.stats import ExpertStats
 from ferrylm.experts.stream import LayerStreamer
 from ferrylm.experts.transfer import make_copy_engine
-from ferrylm.experts.work import LayerWork, group_by_expert
+from ferrylm.experts.work import LayerWork, group_by_expert, is_small_step
 from ferrylm.faults import NO_FAULTS
 
 log = logging.getLogger("ferrylm.experts")
@@ -308,15 +308,40 @@ class CachedExecutor(ExpertExecutor):
             self.counters.open_step(t)
         if t == 0:
             return torch.zeros_like(hidden)
-        work = LayerWork(layer_idx, hidden, topk_ids, group_by_expert(topk_ids, topk_weights, self.num_experts))
+        streams = self._streams(t, topk_ids.shape[1])
+        if not streams and is_small_step(t):
+            work = self._plan_small(layer_idx, hidden, topk_ids, topk_weights)
+        else:
+            work = LayerWork(layer_idx, hidden, topk_ids, group_by_expert(topk_ids, topk_weights, self.num_experts))
         try:
-            if self._streams(t, topk_ids.shape[1]):
+            if streams:
                 self._run_streamed(work)
             else:
                 self._run_cached(work)
         finally:
             self.cache.unpin_all()
         return work.combine()
+
+    def _plan_small(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor) -> LayerWork:
+        """Read the step's expert ids to the host (ONE device->host sync per layer; with prefetch on, the next
+        layer's predicted ids, computed first, come along in the same read) and plan the layer on the host.
+
+        Raises:
+            ValueError: an expert id outside ``[0, E)``.
+        """
+        t = hidden.shape[0]
+        nxt = self._next.get(layer_idx)
+        route = self._routers.get(nxt) if nxt is not None and self.prefetch else None
+        pred = route(hidden)[0] if route is not None and t <= self.options.prefetch_max_tokens else None
+        host = (torch.cat([topk_ids, pred]) if pred is not None else topk_ids).tolist()
+        ids = host[:t]
+        flat = [e for row in ids for e in row]
+        if min(flat) < 0 or max(flat) >= self.num_experts:
+            raise ValueError(f"expert id out of range: the layer has {self.num_experts} experts, got {flat}")
+        work = LayerWork.from_host_ids(layer_idx, hidden, topk_ids, topk_weights, ids)
+        work.predicted = sorted({e for row in host[t:] for e in row}) if pred is not None else None
+        return work
 
     def _streams(self, num_tokens: int, top_k: int) -> bool:
         if self.streamer is None:
@@ -366,26 +391,8 @@ class CachedExecutor(ExpertExecutor):
         step = self.counters.step
         items = []
         try:
-            for e in experts:
-                key = (layer, e)
-                slot, evicted = self.cache.admit(key)
-                try:
-                    if evicted is not None and evicted in self._prefetched:
-                        self._prefetched.discard(evicted)
-                        step.prefetch_wasted += 1
-                    if check:  # the staging of this fetch: checked once per fetch, after its first admit
-                        check = False
-                        self.faults.check("expert_fetch", nbytes=len(experts) * self.layout.nbytes)
-                    self.copier.copy(self._slot_row(slot), self.banks.row(layer, e),
-                                     after=self._last_use.pop(slot, None))
-                except BaseException:
-                    self.cache.evict(key)  # admitted, never copied: must not look cached
-                    raise
-                items.append((e, slot))
-                if prefetch:
-                    self._prefetched.add(key)
-                else:
-                    self.cache.pin(key)
+            with self.copier.batch():
+                self._fetch_each(layer, experts, prefetch, check, items)
         finally:
             if items:
                 fence = self.copier.fence()
@@ -398,6 +405,31 @@ class CachedExecutor(ExpertExecutor):
             else:
                 step.fetched += len(items)
         return items
+
+    def _fetch_each(self, layer: int, experts: list[int], prefetch: bool, check: bool,
+                    items: list[tuple[int, int]]) -> None:
+        """Admit and enqueue one by one, appending ``(expert, slot)`` to ``items`` (see :meth:`_fetch`)."""
+        step = self.counters.step
+        for e in experts:
+            key = (layer, e)
+            slot, evicted = self.cache.admit(key)
+            try:
+                if evicted is not None and evicted in self._prefetched:
+                    self._prefetched.discard(evicted)
+                    step.prefetch_wasted += 1
+                if check:  # the staging of this fetch: checked once per fetch, after its first admit
+                    check = False
+                    self.faults.check("expert_fetch", nbytes=len(experts) * self.layout.nbytes)
+                self.copier.copy(self._slot_row(slot), self.banks.row(layer, e),
+                                 after=self._last_use.pop(slot, None))
+            except BaseException:
+                self.cache.evict(key)  # admitted, never copied: must not look cached
+                raise
+            items.append((e, slot))
+            if prefetch:
+                self._prefetched.add(key)
+            else:
+                self.cache.pin(key)
 
     def _wait_slots(self, items: list[tuple[int, int]]) -> None:
         seen = set()
@@ -418,13 +450,13 @@ class CachedExecutor(ExpertExecutor):
         if len(blocks) == 1:
             blk = blocks.pop()
             work.compute([e for e, _ in items], self._block_views[blk], [slot % b for _, slot in items])
-        elif work.small:  # one batched call across blocks (as the resident backend computes the layer)
+        elif work.batched:  # one batched call across blocks (as the resident backend computes the layer)
             rows = torch.stack([self._slot_row(slot) for _, slot in items])
-            work.compute([e for e, _ in items], self.layout.layer_views(rows), list(range(len(items))))
-        else:  # per-expert loop: one call per block, no gather
-            for blk in sorted(blocks):
-                mine = [(e, slot % b) for e, slot in items if slot // b == blk]
-                work.compute([e for e, _ in mine], self._block_views[blk], [o for _, o in mine])
+            work.compute([e for e, _ in items], self.layout.layer_views(rows), None)
+        else:  # one GEMM chain per expert, straight from its slot (no gather)
+            views = [self._block_views[slot // b] for _, slot in items]
+            work.compute_each([e for e, _ in items], [(v.gate[slot % b], v.up[slot % b], v.down[slot % b])
+                                                      for v, (_, slot) in zip(views, items)])
         fence = self.copier.compute_fence()
         for e, slot in items:
             if fence is not None:
@@ -438,27 +470,33 @@ class CachedExecutor(ExpertExecutor):
         route = self._routers.get(nxt) if nxt is not None else None
         if not self.prefetch or route is None or work.hidden.shape[0] > self.options.prefetch_max_tokens:
             return
-        ids, _ = route(work.hidden)
+        predicted = work.predicted
+        if predicted is None:
+            predicted = torch.unique(route(work.hidden)[0]).tolist()
         todo, kept = [], 0
-        for e in torch.unique(ids).tolist():
+        for e in predicted:
             key = (nxt, int(e))
             if key in self.cache:
                 self.cache.touch(key)
                 kept += 1
             else:
                 todo.append(int(e))
+        todo = self._prefetch_share(todo)
         room = self.cache.evictable() - kept
         if room > 0 and todo:
             self._fetch(nxt, todo[:room], prefetch=True)
+
+    def _prefetch_share(self, predicted_misses: list[int]) -> list[int]:
+        """Which of the next layer's predicted misses to prefetch (default: all of them)."""
+        return predicted_misses
 
     def _submit_cpu(self, work: LayerWork, experts: list[int]):
         """Start the CPU job for ``experts`` (activations go to the host). Returns a handle for
         :meth:`_collect_cpu`, or None when ``experts`` is empty."""
         if not experts:
             return None
-        idx = torch.cat([work.rows(e) for e in experts])
-        x = work.hidden[idx].to("cpu")
-        w = torch.cat([work.weights(e) for e in experts]).float().to("cpu")
+        x, w = work.gather_inputs(experts)
+        x, w = x.to("cpu"), w.to("cpu")
         items, start = [], 0
         for e in experts:
             n = work.spans[e][1]
@@ -477,11 +515,8 @@ class CachedExecutor(ExpertExecutor):
         experts, future = handle
         outs, seconds = future.result()
         self.counters.step.cpu_expert_time_s += seconds
-        if self.device.type != "cpu":
-            sizes = [o.shape[0] for o in outs]
-            outs = torch.cat(outs).to(self.device).split(sizes)
-        for e, y in zip(experts, outs):
-            work.parts[e] = y
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        work.put(experts, out.to(self.device) if self.device.type != "cpu" else out)
 
     def _run_streamed(self, work: LayerWork) -> None:
         """Prefill: hits from their slots, everything else from the layer buffer; start copying the next MoE

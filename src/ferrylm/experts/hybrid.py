@@ -8,6 +8,10 @@ CPU. ``n`` is the integer in ``[0, m]`` minimising the larger of the two (ties: 
 stay cached). With a CPU that is host-bandwidth bound (``B_cpu >= B_host - B_pcie``) the continuous optimum is
 ``n* = m * B_pcie / B_host``, FreeToken's q* policy. The misses with the most tokens are the ones fetched (the
 device is far faster at multi-token GEMMs); fetches never exceed the unpinned slots, the overflow goes to the CPU.
+
+Prefetch (on by default, as for ``offload``): of the next layer's predicted misses (Eliseev & Mazur 2023), the
+same split decides how many to copy ahead; the others are left to the CPU when that layer runs, so PCIe and the
+CPU share the predicted work too, instead of the copy stream taking all of it.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ class HybridExecutor(CachedExecutor):
     name = "hybrid"
     uses_cpu = True
     min_slots = 0
+    default_prefetch = True
+
+    def _prefetch_share(self, predicted_misses: list[int]) -> list[int]:
+        return predicted_misses[:split_misses(len(predicted_misses), self.bandwidths())]
 
     def _dispatch(self, work: LayerWork, hits: list[tuple[int, int]], misses: list[int]) -> None:
         n = min(split_misses(len(misses), self.bandwidths()), self.cache.evictable()) if misses else 0

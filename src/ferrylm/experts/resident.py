@@ -1,9 +1,10 @@
 """The resident backend: every routed expert of every MoE layer sits on the compute device.
 
-Tokens are grouped by expert (a stable sort of the flattened ``[T * k]`` assignments); decode steps run the active
-experts as batched GEMMs, larger steps one GEMM chain per active expert over its contiguous group; the weighted
+Decode steps are planned on the host from the step's expert ids (one device->host read per layer) and, on CUDA, run
+the active experts as batched GEMMs; larger steps group the tokens by expert on the device (a stable sort of the
+flattened ``[T * k]`` assignments, one sync for the counts) and run one GEMM chain per active expert; the weighted
 results are summed per token (:mod:`ferrylm.experts.work`, shared with every other backend). There is no per-token
-Python loop, and one host sync per layer for the per-expert counts.
+Python loop on the device.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 
 from ferrylm.experts.executor import ExpertExecutor, LayerExperts
 from ferrylm.experts.stats import ExpertStats
-from ferrylm.experts.work import ExpertGroups, LayerWork, group_by_expert, swiglu_expert
+from ferrylm.experts.work import ExpertGroups, LayerWork, group_by_expert, is_small_step, swiglu_expert
 
 __all__ = ["ExpertGroups", "ResidentExecutor", "group_by_expert", "run_grouped", "swiglu_expert"]
 
@@ -31,11 +32,24 @@ def run_grouped(experts: LayerExperts, hidden: torch.Tensor, topk_ids: torch.Ten
     """
     if hidden.shape[0] == 0:
         return torch.zeros_like(hidden)
-    if groups is None:
-        groups = group_by_expert(topk_ids, topk_weights, experts.num_experts)
-    work = LayerWork(-1, hidden, topk_ids, groups)
+    return _work(experts, hidden, topk_ids, topk_weights, groups).combine()
+
+
+def _work(experts: LayerExperts, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+          groups: ExpertGroups | None = None, layer: int = -1) -> LayerWork:
+    if hidden.shape[0] == 0:
+        raise ValueError("empty step")
+    if groups is None and is_small_step(hidden.shape[0]):
+        ids = topk_ids.tolist()
+        if max(max(r) for r in ids) >= experts.num_experts or min(min(r) for r in ids) < 0:
+            raise ValueError(f"expert id out of range: the layer has {experts.num_experts} experts")
+        work = LayerWork.from_host_ids(layer, hidden, topk_ids, topk_weights, ids)
+    else:
+        if groups is None:
+            groups = group_by_expert(topk_ids, topk_weights, experts.num_experts)
+        work = LayerWork(layer, hidden, topk_ids, groups)
     work.compute(work.needed, experts, work.needed)
-    return work.combine()
+    return work
 
 
 class ResidentExecutor(ExpertExecutor):
@@ -61,11 +75,10 @@ class ResidentExecutor(ExpertExecutor):
             self.counters.open_step(hidden.shape[0])
         if hidden.shape[0] == 0:
             return torch.zeros_like(hidden)
-        groups = group_by_expert(topk_ids, topk_weights, experts.num_experts)
-        active = sum(1 for n in groups.counts if n)
-        self.counters.step.needed += active
-        self.counters.step.hits += active
-        return run_grouped(experts, hidden, topk_ids, topk_weights, groups)
+        work = _work(experts, hidden, topk_ids, topk_weights, layer=layer_idx)
+        self.counters.step.needed += len(work.needed)
+        self.counters.step.hits += len(work.needed)
+        return work.combine()
 
     def close(self) -> None:
         """Drop the device copies of the experts."""

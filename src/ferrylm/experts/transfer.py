@@ -16,6 +16,7 @@ Timing (seconds): CUDA engines time copy batches and stalls with CUDA events and
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -46,6 +47,11 @@ class CopyEngine(ABC):
     @abstractmethod
     def compute_fence(self):
         """A fence for the compute enqueued so far (None when compute is synchronous)."""
+
+    def batch(self):
+        """Context manager around several :meth:`copy` calls: enters the copy stream once instead of once per
+        copy (a few microseconds of host time each on CUDA). Default: nothing to enter."""
+        return contextlib.nullcontext()
 
     def harvest(self) -> None:
         """Fold finished timings into ``copy_time_s`` / ``exposed_s``."""
@@ -108,13 +114,26 @@ class CudaCopyEngine(CopyEngine):
         self.stream = torch.cuda.Stream(device=device)
         self._batch_start: torch.cuda.Event | None = None
         self._spans: list[tuple[torch.cuda.Event, torch.cuda.Event, bool]] = []  # (start, end, is_stall)
+        self._entered = False  # inside batch(): the copy stream is already current
 
     @staticmethod
     def _event(timing: bool = False) -> torch.cuda.Event:
         return torch.cuda.Event(enable_timing=timing)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> None:
+    @contextlib.contextmanager
+    def batch(self):
+        if self._entered:
+            yield
+            return
         with torch.cuda.stream(self.stream):
+            self._entered = True
+            try:
+                yield
+            finally:
+                self._entered = False
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> None:
+        with self.batch():
             if after is not None:
                 self.stream.wait_event(after)
             if self._batch_start is None:

@@ -3,16 +3,22 @@
 Expert (Jiang et al. 2024, "Mixtral of Experts", eq. 3): ``expert_e(x) = W_down[e] @ (silu(W_gate[e] @ x) *
 (W_up[e] @ x))``; the layer output is ``sum_j w[t, j] * expert_{ids[t, j]}(x[t])``.
 
-One layer's step (:class:`LayerWork`):
-  1. :func:`group_by_expert` sorts the ``[T, k]`` assignments by expert (one device->host sync for the counts);
-  2. experts are computed in batches from any weight source (resident stacks, cache slots, a prefill buffer):
-     on CUDA, steps of at most ``SMALL_STEP_TOKENS`` tokens (decode) gather the batch's weights and run three
-     batched GEMMs with the tokens padded per expert (a few kernels per layer instead of a few per expert);
-     larger steps, and every step on the CPU, run one GEMM chain per expert over its contiguous token group;
-  3. each expert's output is weighted (float32 product, stored in the activation dtype) and
-     :meth:`LayerWork.combine` places every contribution at ``(token, rank of its expert among the token's
-     experts)`` and sums the ``k`` of each token in float32, in ascending expert order: deterministic, and
-     independent of which backend computed which expert where.
+One layer's step (:class:`LayerWork`), in one of two modes:
+
+* small steps (at most ``SMALL_STEP_TOKENS`` tokens: decode) are planned on the host. The executor reads the
+  step's ``[T, k]`` expert ids to the host once (one device->host sync per layer, which it needs anyway to decide
+  what to copy; :meth:`LayerWork.from_host_ids`), and every index the device needs (token rows, assignment
+  positions, where each contribution goes) is built in Python from those few ints and sent in ONE host->device
+  copy per compute call (``non_blocking``: no stream sync). On CUDA the chosen experts run as three batched GEMMs
+  with the tokens padded per expert (a few kernels per layer instead of a few per expert); on a CPU one GEMM
+  chain per expert (gathering weights would double a memory-bound decode's traffic).
+* large steps (prefill chunks): :func:`group_by_expert` sorts the assignments by expert on the device (one sync
+  for the counts) and one GEMM chain runs per expert over its contiguous token group.
+
+In both modes each expert's output is weighted (float32 product, stored in the activation dtype) and
+:meth:`LayerWork.combine` places every contribution at ``(token, rank of its expert among the token's experts)``
+and sums the ``k`` of each token in float32, in ascending expert order: deterministic, and independent of which
+backend computed which expert where.
 """
 
 from __future__ import annotations
@@ -24,8 +30,13 @@ import torch.nn.functional as F
 
 from ferrylm.experts.executor import LayerExperts
 
-# NOTE: steps with at most this many tokens (decode) run their experts as batched GEMMs.
+# NOTE: steps with at most this many tokens (decode) are planned on the host and, on CUDA, run batched GEMMs.
 SMALL_STEP_TOKENS = 8
+
+
+def is_small_step(num_tokens: int) -> bool:
+    """True when a step of ``num_tokens`` tokens is planned on the host (:meth:`LayerWork.from_host_ids`)."""
+    return 0 < num_tokens <= SMALL_STEP_TOKENS
 
 
 @dataclass
@@ -79,69 +90,213 @@ def swiglu_batched(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: 
 class LayerWork:
     """One layer's step: the activations, the assignments grouped by expert, the per-expert contributions.
 
+    Build with ``LayerWork(layer, hidden, topk_ids, groups)`` (large steps; ``groups`` from
+    :func:`group_by_expert`) or :meth:`LayerWork.from_host_ids` (small steps, planned on the host).
+
     Args:
         layer: decoder layer index. hidden: ``[T, H]``. topk_ids: ``[T, k]``. groups: from
             :func:`group_by_expert`.
 
     Attributes:
-        spans: expert -> ``(start, count)`` of its assignments (experts with count > 0 only).
-        needed: those experts, ascending. small: the step runs batched GEMMs (``T <= SMALL_STEP_TOKENS``, on CUDA).
-        parts: expert -> weighted output ``[count, H]`` in hidden's dtype, filled by :meth:`compute` or a backend.
+        spans: expert -> ``(start, count)`` of its assignments in grouped order (experts with count > 0 only).
+        needed: those experts, ascending. small: planned on the host (``T <= SMALL_STEP_TOKENS``).
+        batched: small and on CUDA: :meth:`compute` runs batched GEMMs.
+    Class attribute ``batch_on_cpu`` (default False): run the batched (CUDA) path on the CPU too; tests set it to
+    check the code the GPU runs, on CI machines without one.
+
+    Attributes (continued):
+        predicted: the next MoE layer's predicted experts (ascending), when the executor read them to the host
+            together with this layer's ids (prefetch); None otherwise.
     """
 
-    def __init__(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, groups: ExpertGroups):
+    batch_on_cpu = False
+
+    def __init__(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, groups: ExpertGroups | None,
+                 *, topk_weights: torch.Tensor | None = None, ids_host: list[list[int]] | None = None):
         self.layer = layer
         self.hidden = hidden
         self.topk_ids = topk_ids
         self.groups = groups
         self.spans: dict[int, tuple[int, int]] = {}
-        start = 0
-        for e, n in enumerate(groups.counts):
-            if n:
-                self.spans[e] = (start, n)
-            start += n
+        self.small = ids_host is not None
+        self.batched = self.small and (hidden.is_cuda or self.batch_on_cpu)
+        self.parts: dict[int, torch.Tensor] = {}  # large mode: expert -> weighted output [count, H]
+        self.predicted: list[int] | None = None
+        if self.small:
+            self._init_small(topk_weights, ids_host)
+        else:
+            start = 0
+            for e, n in enumerate(groups.counts):
+                if n:
+                    self.spans[e] = (start, n)
+                start += n
         self.needed = list(self.spans)
-        # NOTE: batched GEMMs gather the active experts' weights (an extra read + write of every active expert).
-        # On a GPU that costs microseconds of HBM time and saves launches; on a CPU it doubles the memory traffic
-        # of a memory-bound decode (measured: 128 -> 207 ms per step on the built-in MoE), so CPUs loop.
-        self.small = hidden.shape[0] <= SMALL_STEP_TOKENS and hidden.is_cuda
-        self.parts: dict[int, torch.Tensor] = {}
 
+    @classmethod
+    def from_host_ids(cls, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      ids_host: list[list[int]]) -> "LayerWork":
+        """A small step planned on the host.
+
+        Args:
+            ids_host: ``topk_ids.tolist()`` (``T`` lists of ``k`` distinct ids), read by the caller.
+
+        Raises:
+            ValueError: an id outside ``[0, E)`` is not checked here; the executor checks ranges.
+        """
+        return cls(layer, hidden, topk_ids, None, topk_weights=topk_weights, ids_host=ids_host)
+
+    # --- small mode -----------------------------------------------------------------------------------------
+    def _init_small(self, topk_weights: torch.Tensor, ids_host: list[list[int]]) -> None:
+        self.topk_weights = topk_weights
+        self.k = len(ids_host[0]) if ids_host else self.topk_ids.shape[1]
+        self.ids_host = ids_host
+        pos: dict[int, list[int]] = {}
+        for t, row in enumerate(ids_host):
+            for j, e in enumerate(row):
+                pos.setdefault(e, []).append(t * self.k + j)
+        self._pos = {e: pos[e] for e in sorted(pos)}  # expert -> flat assignment positions, ascending
+        start = 0
+        for e, p in self._pos.items():
+            self.spans[e] = (start, len(p))
+            start += len(p)
+        self._chunks: list[torch.Tensor] = []   # computed outputs, rows concatenated
+        self._rows = 0                          # rows in _chunks so far
+        self._row_of: dict[int, int] = {}       # expert -> row of its first contribution in cat(_chunks)
+        self._src: torch.Tensor | None = None   # device gather index for combine, when known at compute time
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.int64)
+        return t.to(self.hidden.device, non_blocking=True) if self.hidden.is_cuda else t
+
+    def _src_host(self) -> list[int]:
+        """For each dense position ``t * k + r`` (``r``: rank of the expert among token ``t``'s, ascending id), the
+        row of that contribution in ``cat(_chunks)``."""
+        k = self.k
+        src = []
+        for t, row in enumerate(self.ids_host):
+            for e in sorted(row):
+                src.append(self._row_of[e] + self._pos[e].index(t * k + row.index(e)))
+        return src
+
+    def _add_chunk(self, experts: list[int], out: torch.Tensor, stride: int) -> None:
+        """Record ``out`` (``[len(experts) * stride, H]``): expert ``experts[i]``'s rows start at ``i * stride``."""
+        for i, e in enumerate(experts):
+            self._row_of[e] = self._rows + i * stride
+        self._chunks.append(out)
+        self._rows += out.shape[0]
+
+    def gather_inputs(self, experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token rows and routing weights of ``experts``' assignments, grouped by expert (ascending within):
+        ``(x [N, H] in hidden's dtype, w [N] float32)`` on hidden's device, ``N = sum of their counts``."""
+        if not experts:
+            return self.hidden[:0], torch.zeros(0, device=self.hidden.device)
+        if not self.small:
+            idx = torch.cat([self.rows(e) for e in experts])
+            return self.hidden[idx], torch.cat([self.weights(e) for e in experts]).float()
+        flat = [a for e in experts for a in self._pos[e]]
+        idx = self._to_device([a // self.k for a in flat] + flat)
+        n = len(flat)
+        return self.hidden[idx[:n]], self.topk_weights.reshape(-1)[idx[n:]].float()
+
+    # --- both modes -----------------------------------------------------------------------------------------
     def rows(self, e: int) -> torch.Tensor:
+        """Large mode: ``[count]`` token rows of expert ``e``'s assignments (device)."""
         start, n = self.spans[e]
         return self.groups.token_idx[start:start + n]
 
     def weights(self, e: int) -> torch.Tensor:
+        """Large mode: ``[count]`` routing weights of expert ``e``'s assignments (device)."""
         start, n = self.spans[e]
         return self.groups.weights[start:start + n]
 
     def _weigh(self, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return (y.float() * w.float()[..., None]).to(self.hidden.dtype)
+        # y [.., H] in the activation dtype times float32 weights promotes to float32: one kernel, not two
+        return (y * w.float()[..., None]).to(self.hidden.dtype)
 
-    def compute(self, experts: list[int], source: LayerExperts, rows: list[int]) -> None:
-        """Compute ``experts`` (ascending) on the device; expert ``experts[i]``'s weights are row ``rows[i]`` of
-        ``source`` (``gate/up [X, I, H]``, ``down [X, H, I]``: resident stacks, slot or buffer views)."""
+    def put(self, experts: list[int], out: torch.Tensor) -> None:
+        """Record externally computed weighted outputs (the CPU pool's): ``out [N, H]`` holds ``experts``'
+        contributions grouped by expert in :meth:`gather_inputs` order."""
         if not experts:
             return
         if not self.small:
-            for e, r in zip(experts, rows):
-                y = swiglu_expert(self.hidden[self.rows(e)], source.gate[r], source.up[r], source.down[r])
-                self.parts[e] = self._weigh(y, self.weights(e))
+            sizes = [self.spans[e][1] for e in experts]
+            for e, y in zip(experts, out.split(sizes)):
+                self.parts[e] = y
             return
-        dev = self.hidden.device
-        idx = torch.tensor(rows, device=dev)
-        counts = [self.spans[e][1] for e in experts]
-        nmax = max(counts)
-        starts = torch.tensor([self.spans[e][0] for e in experts], device=dev)
-        offs = torch.arange(nmax, device=dev)
-        last = torch.tensor(counts, device=dev) - 1
-        pos = starts[:, None] + torch.minimum(offs[None, :], last[:, None])  # pad by repeating the last row
-        x = self.hidden[self.groups.token_idx[pos]]  # [m, nmax, H]
-        y = swiglu_batched(x, source.gate.index_select(0, idx), source.up.index_select(0, idx),
-                           source.down.index_select(0, idx))
-        out = self._weigh(y, self.groups.weights[pos])
-        for i, (e, n) in enumerate(zip(experts, counts)):
-            self.parts[e] = out[i, :n]
+        for e in experts:
+            self._row_of[e] = self._rows
+            self._rows += self.spans[e][1]
+        self._chunks.append(out)
+
+    def compute_each(self, experts: list[int], weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+                     ) -> None:
+        """Compute ``experts`` (ascending) one GEMM chain each, expert ``experts[i]`` with ``weights[i] = (gate
+        [I, H], up [I, H], down [H, I])`` (any device tensors, e.g. views of different slot blocks)."""
+        if not experts:
+            return
+        if not self.small:
+            for e, (g, u, d) in zip(experts, weights):
+                self.parts[e] = self._weigh(swiglu_expert(self.hidden[self.rows(e)], g, u, d), self.weights(e))
+            return
+        x, w = self.gather_inputs(experts)
+        outs, start = [], 0
+        for e, (g, u, d) in zip(experts, weights):
+            n = self.spans[e][1]
+            outs.append(self._weigh(swiglu_expert(x[start:start + n], g, u, d), w[start:start + n]))
+            start += n
+        self.put(experts, torch.cat(outs) if len(outs) > 1 else outs[0])
+
+    def compute(self, experts: list[int], source: LayerExperts, rows: list[int] | None) -> None:
+        """Compute ``experts`` (ascending) on the device; expert ``experts[i]``'s weights are row ``rows[i]`` of
+        ``source`` (``gate/up [X, I, H]``, ``down [X, H, I]``: resident stacks, slot or buffer views), or row ``i``
+        when ``rows`` is None (``source`` holds exactly those experts, in order)."""
+        if not experts:
+            return
+        if rows is None:
+            rows = list(range(len(experts)))
+            whole = True
+        else:
+            whole = False
+        if not self.small:
+            self.compute_each(experts, [(source.gate[r], source.up[r], source.down[r]) for r in rows])
+            return
+        k = self.k
+        if not self.batched:  # CPU: one GEMM chain per expert, no weight gather
+            self.compute_each(experts, [(source.gate[r], source.up[r], source.down[r]) for r in rows])
+            return
+        m = len(experts)
+        nmax = max(self.spans[e][1] for e in experts)
+        gp = []
+        for e in experts:
+            p = self._pos[e]
+            gp.extend(p + [p[-1]] * (nmax - len(p)))  # pad by repeating the last assignment
+        # every index the device needs, in ONE non-blocking copy: token rows | assignment positions | weight rows
+        # (| combine's gather, when this call computes every needed expert of the layer)
+        values = [a // k for a in gp] + gp + ([] if whole else list(rows))
+        final = not self._chunks and m == len(self.needed)
+        if final:
+            for i, e in enumerate(experts):
+                self._row_of[e] = i * nmax
+            values += self._src_host()
+        idx = self._to_device(values)
+        n = m * nmax
+        x = self.hidden[idx[:n]].view(m, nmax, -1)
+        w = self.topk_weights.reshape(-1)[idx[n:2 * n]].view(m, nmax)
+        if whole:
+            gate, up, down = source.gate, source.up, source.down
+            tail = 2 * n
+        else:
+            ridx = idx[2 * n:2 * n + m]
+            gate, up, down = (source.gate.index_select(0, ridx), source.up.index_select(0, ridx),
+                              source.down.index_select(0, ridx))
+            tail = 2 * n + m
+        out = self._weigh(swiglu_batched(x, gate, up, down), w).view(n, -1)
+        if final:
+            self._src = idx[tail:]
+            self._chunks.append(out)
+            self._rows = n
+        else:
+            self._add_chunk(experts, out, nmax)
 
     def combine(self) -> torch.Tensor:
         """``[T, H]``: the contributions summed per token in float32, experts in ascending id (module docstring).
@@ -149,10 +304,18 @@ class LayerWork:
         Raises:
             RuntimeError: an expert with assignments produced no output (a backend bug).
         """
+        t, k = self.topk_ids.shape
+        if self.small:
+            missing = [e for e in self.needed if e not in self._row_of]
+            if missing:
+                raise RuntimeError(f"layer {self.layer}: experts {missing} were never computed")
+            src = self._src if self._src is not None else self._to_device(self._src_host())
+            rows = torch.cat(self._chunks) if len(self._chunks) > 1 else self._chunks[0]
+            dense = rows.index_select(0, src)
+            return dense.view(t, k, -1).sum(1, dtype=torch.float32).to(self.hidden.dtype)
         missing = [e for e in self.needed if e not in self.parts]
         if missing:
             raise RuntimeError(f"layer {self.layer}: experts {missing} were never computed")
-        t, k = self.topk_ids.shape
         rank = torch.argsort(torch.argsort(self.topk_ids, dim=1, stable=True), dim=1, stable=True)
         pos = self.groups.token_idx * k + rank.reshape(-1)[self.groups.order]
         parts = torch.cat([self.parts[e] for e in self.needed]) if len(self.needed) > 1 else self.parts[self.needed[0]]
