@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--temperature", type=float, default=0.0,
                     help="0 = greedy (default); > 0 samples, seeded per request (varied routing on synthetic models)")
     bd.add_argument("--output-json", default=None, help="write the results here")
+    bd.add_argument("--profile-steps", type=int, default=0,
+                    help="after each backend's run, decode N more tokens under torch.profiler and print the "
+                         "top ops by host and device time (default: 0 = off)")
 
     bh = bsub.add_parser("hf", help="the bench-serve prompts through transformers generate (reference speed)")
     bh.add_argument("--model", default=DEFAULT_MODEL)
@@ -137,6 +140,28 @@ def build_parser() -> argparse.ArgumentParser:
     bh.add_argument("--seed", type=int, default=0)
     bh.add_argument("--dtype", default="float32")
     bh.add_argument("--log-level", default="WARNING")
+
+    ba = bsub.add_parser("accelerate", help="baseline: the same synthetic model and GPU cap through transformers + "
+                                            "accelerate offload (device_map with max_memory), greedy decode tok/s "
+                                            "(needs pip install 'ferrylm[bench]')")
+    ba.add_argument("--model", required=True, metavar="SPEC", help="synthetic:<preset>[:layers=N][:seed=S]")
+    ba.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GiB",
+                    help="device memory the baseline may use, in GiB: accelerate gets it less --reserve for "
+                         "weights, the caching allocator is capped at it (default: no cap, nothing offloaded)")
+    ba.add_argument("--reserve", type=float, default=1.0, metavar="GiB",
+                    help="part of --gpu-memory-limit kept out of accelerate's weight budget for the KV cache and "
+                         "activations (default: 1)")
+    ba.add_argument("--cpu-memory-limit", type=float, default=None, metavar="GiB",
+                    help="host memory accelerate may place weights in (default: unbounded)")
+    ba.add_argument("--batch", type=int, default=1, help="sequences decoded together (default: 1)")
+    ba.add_argument("--tokens", type=int, default=32, help="timed decode steps after the prefill (default: 32)")
+    ba.add_argument("--prompt-tokens", "--prompt-len", dest="prompt_tokens", type=int, default=16,
+                    help="prompt tokens per sequence (default: 16)")
+    ba.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ba.add_argument("--device", default="auto", help="auto | cuda[:N] | cpu (default: auto)")
+    ba.add_argument("--seed", type=int, default=0, help="prompt seed, as ferry bench decode --seed (default: 0)")
+    ba.add_argument("--output-json", default=None, help="write the result (with the token ids) here")
+    ba.add_argument("--log-level", default="WARNING")
 
     sub.add_parser("models", help="list built-in models, synthetic presets and supported architectures")
 
@@ -189,6 +214,10 @@ def _bench(args: argparse.Namespace) -> int:
         from ferrylm.bench.decode import main as bench_decode
 
         return bench_decode(args)
+    if args.bench_command == "accelerate":
+        from ferrylm.bench.accelerate_offload import main as bench_accelerate
+
+        return bench_accelerate(args)
     if args.bench_command == "hf":
         from ferrylm.bench.hf_baseline import run_hf_baseline
         from ferrylm.bench.serve import BenchConfig

@@ -88,3 +88,15 @@ def test_bench_decode_all_backends_agree(expert_checkpoints, tmp_path, capsys):
         assert r["tokens"] == 12 and r["tok_s"] > 0 and r["roofline_tok_s"] > 0 and r["error"] is None
         assert r["counters"]["steps"] == 6 and r["backend"] in table
     assert all(v > 0 for v in res["bandwidths"].values())
+
+
+def test_bench_decode_profile_reports_decode_steps_only(expert_checkpoints, tmp_path, capsys):
+    ckpt = expert_checkpoints("qwen3_moe")
+    folder = shutil.copytree(ckpt.path, tmp_path / "model")
+    (folder / "tokenizer_config.json").write_text("{}")
+    rc = main(["bench", "decode", "--model", str(folder), "--device", "cpu", "--moe-backend", "offload",
+               "--tokens", "3", "--prompt-len", "5", "--moe-cache-size", "4", "--profile-steps", "2"])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "--- profile offload-profile: 2 decode steps, batch 1 ---" in err  # the prefill step is not profiled
+    assert "aten::" in err and "Self CPU time total" in err

@@ -144,9 +144,12 @@ def _generate(engine, prompts: list[list[int]], new_tokens: int, tag: str, ex, d
 
 def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: int, tokens: int,
                      prompt_len: int, prefetch: bool | None = None, temperature: float = 0.0,
-                     progress=print) -> dict:
+                     profile_steps: int = 0, progress=print) -> dict:
     """Run the benchmark (see the module docstring). ``engine_config``: an EngineConfig carrying ``device``,
     ``dtype``, ``moe_cache_size``, ``moe_cpu_threads``, ``gpu_memory_limit`` and the KV settings.
+    ``profile_steps`` > 0: after each backend's timed run, decode that many more tokens under ``torch.profiler``
+    and print (through ``progress``) the ops with the most host time and the most device time, and the count of
+    device kernels per decode step.
 
     Returns:
         ``{"model", "device", "batch", "tokens", "bandwidths" (bytes/s), "expert_bytes", "non_expert_bytes",
@@ -233,12 +236,47 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
         res.counters = diff
         results.append(res)
         progress(format_row(res))
+        if profile_steps > 0:
+            progress(profile_decode(engine, prompts, profile_steps, f"{name}-profile", ex, device, temperature))
         ex = _release(ex, device)
     return {"model": model, "device": str(device), "dtype": str(dtype).removeprefix("torch."), "batch": batch,
             "tokens": tokens, "temperature": temperature, "prompt_len": prompt_len,
             "gpu_memory_limit_gib": ec.gpu_memory_limit,
             "bandwidths": bw.as_dict(), "expert_bytes": banks.expert_bytes, "non_expert_bytes": base,
             "results": [asdict(r) for r in results]}
+
+
+def profile_decode(engine, prompts: list[list[int]], steps: int, tag: str, ex, device: torch.device,
+                   temperature: float) -> str:
+    """Prefill ``prompts``, then decode ``steps`` tokens per prompt under ``torch.profiler`` (decode steps only).
+    Returns a text report: top ops by self host time and by self device time, and device kernels per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ferrylm.engine.sampling_params import SamplingParams
+
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, SamplingParams(temperature=temperature, seed=i, max_tokens=steps + 1,
+                                                           ignore_eos=True))
+    got = {f"{tag}-{i}": 0 for i in range(len(prompts))}
+    while engine.has_work() and not all(got.values()):  # prefill (chunked prefill may take several steps)
+        for o in engine.step():
+            got[o.request_id] += len(o.new_token_ids)
+    _sync(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    n = 0
+    with profile(activities=acts) as prof:
+        while engine.has_work():
+            engine.step()
+            n += 1
+        _sync(device)
+    avg = prof.key_averages()
+    lines = [f"--- profile {tag}: {n} decode steps, batch {len(prompts)} ---",
+             avg.table(sort_by="self_cpu_time_total", row_limit=30)]
+    if device.type == "cuda":
+        lines.append(avg.table(sort_by="self_device_time_total", row_limit=15))
+        kernels = sum(e.count for e in avg if e.device_type == torch.autograd.DeviceType.CUDA)
+        lines.append(f"device kernels + copies: {kernels} total, {kernels / max(1, n):.0f} per decode step")
+    return "\n".join(lines)
 
 
 def _release(ex, device: torch.device):
@@ -297,7 +335,7 @@ def main(args) -> int:
     summary = run_decode_bench(model=args.model, backends=backends, engine_config=ec, batch=args.batch,
                                tokens=args.tokens, prompt_len=args.prompt_len,
                                prefetch=False if args.no_prefetch else None, temperature=args.temperature,
-                               progress=lambda s: print(s, file=sys.stderr, flush=True))
+                               profile_steps=args.profile_steps, progress=lambda s: print(s, file=sys.stderr, flush=True))
     print(format_table(summary))
     if args.output_json:
         with open(args.output_json, "w") as f:
