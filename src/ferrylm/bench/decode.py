@@ -51,11 +51,11 @@ _COUNTERS = ("steps", "tokens", "needed", "hits", "misses", "prefetched", "prefe
 
 def swap_executor(model, executor):
     """Point every MoE block of ``model`` (a module with ``executor``, ``layer_idx`` and ``route``) at
-    ``executor`` and register their routers with it. Returns ``model``."""
+    ``executor`` and register their expert predictors with it. Returns ``model``."""
     for m in model.modules():
         if hasattr(m, "executor") and hasattr(m, "route") and hasattr(m, "layer_idx"):
             m.executor = executor
-            executor.register_router(m.layer_idx, m.route)
+            executor.register_router(m.layer_idx, m.predict_experts)
     return model
 
 

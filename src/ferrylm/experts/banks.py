@@ -121,6 +121,7 @@ class HostBanks:
         if not packed:
             raise ValueError("HostBanks needs at least one MoE layer")
         self.packed = dict(sorted(packed.items()))
+        self._row_views: dict[int, tuple[torch.Tensor, ...]] = {}
         self.layout = layout
         self.pinned = pinned
         self.num_experts = next(iter(self.packed.values())).shape[0]
@@ -201,7 +202,10 @@ class HostBanks:
 
     def row(self, layer: int, expert: int) -> torch.Tensor:
         """Expert ``expert`` of ``layer`` as one ``[S]`` row (a view)."""
-        return self.packed[layer][expert]
+        views = self._row_views.get(layer)
+        if views is None:  # one unbind per layer instead of one select per copy (host time on the hot path)
+            views = self._row_views[layer] = self.packed[layer].unbind(0)
+        return views[expert]
 
     def layer_experts(self, layer: int) -> LayerExperts:
         """``layer``'s experts as stacked views (for the resident path)."""

@@ -41,7 +41,7 @@ log = logging.getLogger("ferrylm.experts")
 
 MAX_BLOCK_SLOTS = 4  # automatic block size cap (slots): the granularity at which the OOM guard can free memory
 
-Router = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+Router = Callable[[torch.Tensor], torch.Tensor]  # hidden [T, H] -> predicted topk_ids [T, k]
 
 
 class CachedExecutor(ExpertExecutor):
@@ -81,6 +81,7 @@ class CachedExecutor(ExpertExecutor):
         self.cache: SlotCache | None = None
         self._blocks: dict[int, torch.Tensor] = {}  # block id -> [b, S] slot rows on the device
         self._block_views: dict = {}                 # block id -> LayerExperts views of the block
+        self._row_of: dict[int, torch.Tensor] = {}   # slot -> its [S] row (a view of its block)
         self._block_size = 1                         # slots per block (fixed at reserve)
         self.streamer: LayerStreamer | None = None
         self._ready: dict[int, object] = {}     # slot -> copy fence still to wait for
@@ -141,13 +142,15 @@ class CachedExecutor(ExpertExecutor):
         t = torch.empty(size, self.layout.numel, dtype=self.layout.dtype, device=self.device)
         self._blocks[blk] = t
         self._block_views[blk] = self.layout.layer_views(t)  # gate/up [b, I, H], down [b, H, I] views
+        for i, row in enumerate(t.unbind(0)):  # slot -> [S] row view, made once (not one select per use)
+            self._row_of[blk * self._block_size + i] = row
 
     def _block_slot_ids(self, blk: int) -> list[int]:
         return [blk * self._block_size + i for i in range(self._blocks[blk].shape[0])]
 
     def _slot_row(self, slot: int) -> torch.Tensor:
         """The ``[S]`` device row of ``slot``."""
-        return self._blocks[slot // self._block_size][slot % self._block_size]
+        return self._row_of[slot]
 
     def slot_storage_bytes(self) -> int:
         """Device bytes held by the slot blocks now (the stream buffers not included)."""
@@ -208,6 +211,8 @@ class CachedExecutor(ExpertExecutor):
                 self._ready.pop(s, None)
                 self._last_use.pop(s, None)
             freed = 0
+            for s in slots:
+                self._row_of.pop(s, None)
             for blk in drop:
                 self._block_views.pop(blk, None)
                 freed += self._blocks.pop(blk).nbytes
@@ -267,6 +272,7 @@ class CachedExecutor(ExpertExecutor):
         self.copier.synchronize()
         self._blocks.clear()
         self._block_views.clear()
+        self._row_of.clear()
         self.cache = None
         self.streamer = None
         self._ready.clear()
@@ -333,7 +339,7 @@ class CachedExecutor(ExpertExecutor):
         t = hidden.shape[0]
         nxt = self._next.get(layer_idx)
         route = self._routers.get(nxt) if nxt is not None and self.prefetch else None
-        pred = route(hidden)[0] if route is not None and t <= self.options.prefetch_max_tokens else None
+        pred = route(hidden) if route is not None and t <= self.options.prefetch_max_tokens else None
         host = (torch.cat([topk_ids, pred]) if pred is not None else topk_ids).tolist()
         ids = host[:t]
         flat = [e for row in ids for e in row]
@@ -472,7 +478,7 @@ class CachedExecutor(ExpertExecutor):
             return
         predicted = work.predicted
         if predicted is None:
-            predicted = torch.unique(route(work.hidden)[0]).tolist()
+            predicted = torch.unique(route(work.hidden)).tolist()
         todo, kept = [], 0
         for e in predicted:
             key = (nxt, int(e))

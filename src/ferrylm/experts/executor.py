@@ -66,11 +66,10 @@ class ExpertExecutor(ABC):
         """Counters for the engine's stats (hits, misses, bytes copied ...). Empty for backends without any."""
         return {}
 
-    def register_router(self, layer_idx: int, route: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-                        ) -> None:
-        """Tell the executor how layer ``layer_idx`` routes: ``route(hidden [T, H]) -> (topk_ids [T, k],
-        topk_weights [T, k])``. The MoE block calls this once; backends that prefetch apply layer L+1's router to
-        layer L's hidden state (Eliseev & Mazur 2023). Default: ignored."""
+    def register_router(self, layer_idx: int, route: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Tell the executor how layer ``layer_idx`` routes: ``route(hidden [T, H]) -> topk_ids [T, k]`` (the
+        experts the layer would choose for those activations). The MoE block calls this once; backends that
+        prefetch apply layer L+1's router to layer L's hidden state (Eliseev & Mazur 2023). Default: ignored."""
 
     def close(self) -> None:
         """Release threads and device memory held by the executor. Default: nothing to release."""

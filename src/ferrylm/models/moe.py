@@ -109,13 +109,19 @@ class SparseMoeBlock(nn.Module):
         self.renormalize = renormalize
         self.gate = nn.Linear(hidden_size, num_experts, bias=router_bias)
         self.executor = executor
-        executor.register_router(layer_idx, self.route)  # lets an offloading executor predict this layer's experts
+        executor.register_router(layer_idx, self.predict_experts)  # an offloading executor may predict this layer
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden [T, H]`` -> ``(topk_ids [T, k] int64, topk_weights [T, k] float32)``."""
         return softmax_topk(self.gate(hidden), self.top_k, renormalize=self.renormalize)
+
+    def predict_experts(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [T, H]`` -> ``[T, k]`` int64: the experts :meth:`route` would choose (top-k of the logits;
+        softmax is monotonic, so only exact float ties may order differently), without the weights: two kernels,
+        for prefetch prediction (Eliseev & Mazur 2023)."""
+        return torch.topk(self.gate(hidden), self.top_k, dim=-1).indices
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [T, H]`` -> ``[T, H]``: the routing-weighted sum of the chosen experts' outputs, plus the
