@@ -487,14 +487,9 @@ class CachedExecutor(ExpertExecutor):
                 kept += 1
             else:
                 todo.append(int(e))
-        todo = self._prefetch_share(todo)
         room = self.cache.evictable() - kept
         if room > 0 and todo:
             self._fetch(nxt, todo[:room], prefetch=True)
-
-    def _prefetch_share(self, predicted_misses: list[int]) -> list[int]:
-        """Which of the next layer's predicted misses to prefetch (default: all of them)."""
-        return predicted_misses
 
     def _submit_cpu(self, work: LayerWork, experts: list[int]):
         """Start the CPU job for ``experts`` (activations go to the host). Returns a handle for
