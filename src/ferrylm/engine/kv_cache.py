@@ -104,6 +104,11 @@ class KVPool:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``, without dispatching a no-op ``.to`` (host time on the per-layer hot path)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
 @dataclass
 class SeqSlice:
     """One sequence's part of a step: ``q_len`` new tokens after ``ctx_len`` cached ones.
@@ -153,6 +158,8 @@ class PagedAttention:
             same = len({s.ctx_len for s in self.decode}) == 1
             self.decode_mask = None if same else torch.arange(max_len, device=device)[None, :] < lens[:, None]
             self.decode_q_idx = torch.tensor([s.q_start for s in self.decode], device=device)
+        # a step of decodes only, in batch order: attention output is the decode output, no scatter
+        self.decode_only = not self.prefill and [s.q_start for s in self.decode] == list(range(len(self.decode)))
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
@@ -170,10 +177,15 @@ class PagedAttention:
     def _attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 scale: float) -> torch.Tensor:
         kc, vc = self.pool.k[layer_idx], self.pool.v[layer_idx]
-        kc.index_copy_(0, self.new_slots, k.to(kc.dtype))
-        vc.index_copy_(0, self.new_slots, v.to(vc.dtype))
-        out = torch.empty_like(q)
+        kc.index_copy_(0, self.new_slots, _as(k, kc.dtype))
+        vc.index_copy_(0, self.new_slots, _as(v, vc.dtype))
         faults = self.faults
+        if self.decode_only:
+            if faults.enabled:
+                faults.check("attention_scratch", nbytes=2 * self.decode_slots.numel() * k.shape[1] * k.shape[2]
+                             * kc.element_size())
+            return self._decode(q, kc, vc, scale)
+        out = torch.empty_like(q)
         for s in self.prefill:
             if faults.enabled:
                 faults.check("attention_scratch", nbytes=2 * s.slots.numel() * k.shape[1] * k.shape[2]
@@ -190,9 +202,9 @@ class PagedAttention:
         return out
 
     def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float) -> torch.Tensor:
-        qd = q[self.decode_q_idx]                                   # [B, Hq, D]
-        kd = kc[self.decode_slots].to(q.dtype)                      # [B, L, Hkv, D]
-        vd = vc[self.decode_slots].to(q.dtype)
+        qd = q if self.decode_only else q[self.decode_q_idx]       # [B, Hq, D]
+        kd = _as(kc[self.decode_slots], q.dtype)                    # [B, L, Hkv, D]
+        vd = _as(vc[self.decode_slots], q.dtype)
         group = qd.shape[1] // kd.shape[2]
         mask = None if self.decode_mask is None else self.decode_mask[:, None, None, :]  # [B, 1, 1, L]
         if group > 1 and mask is not None:  # masked GQA: expand the K/V heads (enable_gqa needs no mask on CUDA)

@@ -211,7 +211,8 @@ class LayerWork:
 
     def _weigh(self, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # y [.., H] in the activation dtype times float32 weights promotes to float32: one kernel, not two
-        return (y * w.float()[..., None]).to(self.hidden.dtype)
+        w = w if w.dtype == torch.float32 else w.float()
+        return (y * w[..., None]).to(self.hidden.dtype)
 
     def put(self, experts: list[int], out: torch.Tensor) -> None:
         """Record externally computed weighted outputs (the CPU pool's): ``out [N, H]`` holds ``experts``'

@@ -228,13 +228,22 @@ class RotaryEmbedding(nn.Module):
         The cos/sin rows of a ``positions`` tensor are looked up once and reused by every layer of the forward
         (the same tensor object is passed to each layer; keyed by the tensor's identity and the dtype: callers
         never modify a positions tensor in place)."""
-        key = (id(positions), q.dtype, q.device)
-        if self._rows is None or self._rows[0] != key or self._rows[1] is not positions:
-            cos = self.cos_table[positions].to(q.dtype)
-            sin = self.sin_table[positions].to(q.dtype)
-            self._rows = (key, positions, torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
-        cos_full, sin_signed = self._rows[2], self._rows[3]
+        cos_full, sin_signed = self._tables(positions, q.dtype)
         return apply_rotary_full(q, cos_full, sin_signed), apply_rotary_full(k, cos_full, sin_signed)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [T, H, D]`` (e.g. queries and keys side by side) at ``positions [T]``: as :meth:`forward`
+        on each part, in one pass (four kernels)."""
+        return apply_rotary_full(x, *self._tables(positions, x.dtype))
+
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos_full, sin_signed)`` ``[T, D]`` for ``positions``, cached for the last positions tensor."""
+        key = (id(positions), dtype)
+        if self._rows is None or self._rows[0] != key or self._rows[1] is not positions:
+            cos = self.cos_table[positions].to(dtype)
+            sin = self.sin_table[positions].to(dtype)
+            self._rows = (key, positions, torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
+        return self._rows[2], self._rows[3]
 
 
 # --- attention and MLP ------------------------------------------------------------------------------------------
@@ -288,6 +297,51 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(num_heads * head_dim, norm_eps)
             self.k_norm = RMSNorm(num_kv_heads * head_dim, norm_eps)
         self.rotary = rotary
+        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused (weight, bias), see below
+        self._qk_norm_weight: torch.Tensor | None = None                   # [Hq + Hkv, D] for "head" norm
+        self._fused_from: tuple = ()
+
+    def fuse_projections(self) -> None:
+        """Serve q, k and v from ONE matrix multiply (vLLM's QKVParallelLinear idea): concatenate the three
+        weights ``[(Hq + 2 Hkv) * D, H]`` (and biases), then re-point ``q_proj`` / ``k_proj`` / ``v_proj`` at views
+        of it, so no memory is added and the state dict keeps its names. With a per-head q/k norm, its two ``[D]``
+        weights are laid out per head ``[Hq + Hkv, D]`` so queries and keys are normalised (and rotated) together.
+        Call once after loading (the loader does); idempotent. Results equal the separate projections (each
+        output element is the same dot product)."""
+        if self._qkv is not None:
+            return
+        with torch.no_grad():
+            w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+            b = (torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+                 if self.q_proj.bias is not None else None)
+            nq, nk = self.q_proj.weight.shape[0], self.k_proj.weight.shape[0]
+            for i, (proj, lo, hi) in enumerate(((self.q_proj, 0, nq), (self.k_proj, nq, nq + nk),
+                                                 (self.v_proj, nq + nk, nq + 2 * nk))):
+                proj.weight = nn.Parameter(w[lo:hi], requires_grad=False)
+                if b is not None:
+                    proj.bias = nn.Parameter(b[lo:hi], requires_grad=False)
+            if self.qk_norm == "head":
+                self._qk_norm_weight = torch.cat([self.q_norm.weight.expand(self.num_heads, -1),
+                                                  self.k_norm.weight.expand(self.num_kv_heads, -1)])
+        self._qkv = (w, b)
+        self._fused_from = self._fusion_inputs()
+
+    def _fusion_inputs(self) -> tuple:
+        """The parameter objects the fused tensors are views of (identity says whether they still are)."""
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm == "head" else ()
+        return (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.q_proj.bias) + norms
+
+    def _fused_valid(self) -> bool:
+        return self._qkv is not None and all(a is b for a, b in zip(self._fusion_inputs(), self._fused_from))
+
+    def _apply(self, fn, recurse=True):
+        """``.to()`` / ``.float()`` / ``.cuda()`` convert each parameter on its own: fuse again afterwards."""
+        fused = self._qkv is not None
+        self._qkv, self._qk_norm_weight = None, None
+        out = super()._apply(fn, recurse)
+        if fused:
+            self.fuse_projections()
+        return out
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """``hidden [T, H]`` at absolute ``positions [T]`` -> ``[T, H]``; K/V go through ``attn``.
@@ -296,7 +350,14 @@ class Attention(nn.Module):
         ``"head"`` q/k norm → RoPE → attention → output projection.
         """
         t = hidden.shape[0]
-        q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        fused = self._fused_valid()  # False if a parameter was replaced since (e.g. load_state_dict(assign=True))
+        if fused and self.qk_norm != "proj" and self.clip_qkv is None:
+            return self._forward_fused(positions, hidden, attn)
+        if fused:
+            nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = F.linear(hidden, *self._qkv).split([nq, nk, nk], dim=-1)
+        else:
+            q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
         if self.qk_norm == "proj":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -310,6 +371,18 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         out = attn.attend(self.layer_idx, q, k, v, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+    def _forward_fused(self, positions: torch.Tensor, hidden: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """:meth:`forward` after :meth:`fuse_projections` (no ``"proj"`` norm, no clamp): one projection, then
+        queries and keys normalised per head and rotated side by side ``[T, Hq + Hkv, D]``."""
+        t, hq, hk, d = hidden.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(hidden, *self._qkv).view(t, hq + 2 * hk, d)
+        qk, v = qkv[:, :hq + hk], qkv[:, hq + hk:]
+        if self._qk_norm_weight is not None:  # RMSNorm.forward over each head, both weights at once
+            qk = self._qk_norm_weight * F.rms_norm(qk, (d,), eps=self.q_norm.eps)
+        qk = self.rotary.rotate(positions, qk)
+        out = attn.attend(self.layer_idx, qk[:, :hq], qk[:, hq:], v, self.scale)
+        return self.o_proj(out.reshape(t, hq * d))
 
 
 class SwiGLUMLP(nn.Module):

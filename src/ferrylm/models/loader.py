@@ -208,6 +208,17 @@ def placement(config: ModelConfig, device: torch.device | str, moe_backend: str 
     return model_cls, device, exp_dev, bool(pin_experts and exp_dev.type == "cpu" and torch.cuda.is_available())
 
 
+def prepare_for_inference(model: torch.nn.Module) -> torch.nn.Module:
+    """Inference-only layout changes after the weights are in place: every attention layer's q/k/v projections
+    become one matrix multiply (:meth:`~ferrylm.models.layers.Attention.fuse_projections`). Returns ``model``."""
+    from ferrylm.models.layers import Attention
+
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.fuse_projections()
+    return model
+
+
 def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                moe_backend: str | ExpertOptions = "resident", expert_device: torch.device | str | None = None,
                pin_experts: bool = False) -> LoadedModel:
@@ -277,4 +288,5 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
     _assign(model, tensors, origin)
     model.requires_grad_(False)
     model.eval()
+    prepare_for_inference(model)
     return LoadedModel(model=model, config=config, executor=executor)

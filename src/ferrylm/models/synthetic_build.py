@@ -46,7 +46,7 @@ import torch
 from ferrylm.config import ModelConfig
 from ferrylm.experts import ExpertOptions, build_executor
 from ferrylm.experts.executor import LayerExperts
-from ferrylm.models.loader import LoadedModel, placement
+from ferrylm.models.loader import LoadedModel, placement, prepare_for_inference
 from ferrylm.models.synthetic import SyntheticSpec, parse_synthetic_spec, synthetic_config
 
 log = logging.getLogger("ferrylm.models")
@@ -260,6 +260,7 @@ def build_synthetic(spec: SyntheticSpec | str, *, device: torch.device | str = "
     model.load_state_dict(tensors, strict=True, assign=True)
     model.requires_grad_(False)
     model.eval()
+    prepare_for_inference(model)
     log.info("built %s: %d layers (%d MoE), %s on %s, experts on %s", spec.name, config.num_layers, len(stacks),
              str(dtype).removeprefix("torch."), device, exp_dev)
     return LoadedModel(model=model, config=config, executor=executor)
