@@ -26,6 +26,7 @@ def test_metrics_live(default_server) -> None:
     time.sleep(1.2)   # one heartbeat or two
     after = httpx.get(f"{base}/metrics", timeout=10).text
     for name in ("ferrylm:time_to_first_token_seconds_count", "ferrylm:e2e_request_latency_seconds_count",
+                 "ferrylm:request_queue_time_seconds_count",
                  "ferrylm:generation_tokens_total", "ferrylm:prompt_tokens_total"):
         assert (sample(after, name) or 0) > (sample(before, name) or 0), name
     assert (sample(after, "ferrylm:request_success_total", '{finished_reason="length"}') or 0) >= 1

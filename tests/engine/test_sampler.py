@@ -90,3 +90,20 @@ def test_logprobs_match_log_softmax():
     assert [t for t, _ in lp.top] == [2, 1]
     assert math.isclose(lp.top[1][1], ref[1].item(), rel_tol=1e-6)
     assert sample(logits.clone(), [req(temperature=0.0)]).logprobs == [None]
+
+
+def test_extreme_parameters_never_fail_the_batch():
+    """Found by the fuzzer: one request's temperature 1e308 / top_p 1e-308 made the probabilities NaN and
+    torch.multinomial raised, which killed the engine with every request in flight. Such a row now takes its
+    argmax; its batch mates are unaffected; reported logprobs stay finite numbers."""
+    mate = req(seed=7, temperature=1.0)
+    alone = sample(*batch(req(seed=7, temperature=1.0))).token_ids[0]
+    rows = [req(temperature=1e308, top_p=1e-308), req(temperature=1e-40, seed=1, logprobs=2),
+            req(prompt=(1,), out=(0, 1), repetition_penalty=1e-30, logprobs=1), req(top_p=1e-45, seed=2),
+            req(min_tokens=3, stop_token_ids=[0, 1, 2, 3], logprobs=3), mate]
+    res = sample(*batch(*rows), eos_ids=(0,))
+    assert res.token_ids[-1] == alone
+    assert res.token_ids[1] == 0 and res.token_ids[3] == 0   # the limit of temperature -> 0 / top_p -> 0: argmax
+    for lp in res.logprobs:
+        if lp is not None:
+            assert math.isfinite(lp.logprob) and all(math.isfinite(v) for _, v in lp.top)

@@ -88,13 +88,14 @@ class FakeEngine:
     Each request emits ``script(request_id, prompt_ids, params)`` one token per step (default: SCRIPT_TEXT then
     EOS), finishing with "stop" on EOS or "length" at max_tokens. Knobs: ``start_exc`` (raised before the first
     output), ``fail_at``/``fail_exc`` (raised before output number ``fail_at``), ``delay`` (seconds per step),
-    ``health_status``. Records ``requests``, ``aborts`` (explicit abort calls) and ``closed_early`` (iteration
-    left before the request finished).
+    ``health_status``, ``queue_time`` (sent on the first output, as the engine does). Records ``requests``,
+    ``aborts`` (explicit abort calls) and ``closed_early`` (iteration left before the request finished).
     """
 
     def __init__(self, codec: TextCodec, *, max_model_len: int = 256, kv_pool_tokens: int = 0,
                  script: Script | None = None, delay: float = 0.0, start_exc: BaseException | None = None,
-                 fail_at: int | None = None, fail_exc: BaseException | None = None, health_status: str = "ready"):
+                 fail_at: int | None = None, fail_exc: BaseException | None = None, health_status: str = "ready",
+                 queue_time: float | None = 0.0):
         self.codec = codec
         self.eos = codec.eos_token_ids[0]
         self.model_info = ModelInfo(name="fake", path="/models/fake", max_model_len=max_model_len,
@@ -105,6 +106,7 @@ class FakeEngine:
         self.fail_at = fail_at
         self.fail_exc = fail_exc
         self.health_status = health_status
+        self.queue_time = queue_time
         self.requests: list[tuple[str, list[int], SamplingParams]] = []
         self.aborts: list[str] = []
         self.closed_early: list[str] = []
@@ -138,7 +140,8 @@ class FakeEngine:
                     top = [(tok, -0.25), ((tok + 1) % self.codec.vocab_size, -1.5), (0, -3.0)][:params.logprobs]
                     lps = [TokenLogprob(tok, -0.25, top)]
                 finished = finish is not None
-                yield EngineOutput(request_id, [tok], finish, lps, num_prompt_tokens=len(prompt_token_ids))
+                yield EngineOutput(request_id, [tok], finish, lps, num_prompt_tokens=len(prompt_token_ids),
+                                   queue_time=self.queue_time if i == 0 else None)
                 if finished:
                     return
         finally:

@@ -99,7 +99,12 @@ async def test_unknown_route_is_404(client: httpx.AsyncClient) -> None:
 
 
 async def test_wrong_method_is_405_in_openai_shape(client: httpx.AsyncClient) -> None:
-    assert_error(await client.get(CHAT), 405)
+    r = await client.get(CHAT)
+    assert_error(r, 405)
+    assert r.headers["allow"] == "POST"   # RFC 9110 (found by the fuzzer: the handler dropped it)
+    r = await client.request("TRACE", "/v1/models")
+    assert_error(r, 405)
+    assert r.headers["allow"] == "GET"
 
 
 async def test_context_too_long_with_max_tokens_is_400(client: httpx.AsyncClient) -> None:
@@ -252,3 +257,75 @@ async def test_generate_raising_before_returning_an_iterator_is_503(codec) -> No
         for stream in (False, True):
             r = await post(c, {"model": SERVED, "messages": MSGS, "stream": stream})
             assert_error(r, 503, code="engine_unavailable")
+
+
+@pytest.mark.parametrize("path", [CHAT, "/tokenize"])
+async def test_chat_template_kwargs_named_like_our_own_arguments(client: httpx.AsyncClient, path: str) -> None:
+    """Found by the fuzzer: ``chat_template_kwargs: {"messages": ...}`` was a TypeError (500) where the server
+    passes its own ``messages`` / ``add_generation_prompt`` / ``tools``. Reserved names are ignored."""
+    for kwargs in ({"messages": [{"role": "user", "content": "other"}]}, {"add_generation_prompt": False},
+                   {"tools": [1]}, {"conversation": 0}, {"self": 1, "": None}):
+        r = await post(client, {"model": SERVED, "messages": MSGS, "max_tokens": 2, "chat_template_kwargs": kwargs},
+                       path)
+        if "self" in kwargs:   # not reserved: reaches the template call, which refuses it
+            assert r.status_code in (200, 400), r.text
+        else:
+            assert r.status_code == 200, (kwargs, r.text)
+
+
+@pytest.mark.parametrize("path,body,param", [
+    (CHAT, {"messages": MSGS, "max_tokens": "3"}, "max_tokens"),
+    (CHAT, {"messages": MSGS, "max_tokens": 3.0}, "max_tokens"),
+    (CHAT, {"messages": MSGS, "stream": "true"}, "stream"),
+    (CHAT, {"messages": MSGS, "add_generation_prompt": 0}, "add_generation_prompt"),
+    ("/v1/completions", {"prompt": [[False]]}, "prompt"),
+    ("/v1/completions", {"prompt": [True, 5]}, "prompt"),
+    ("/detokenize", {"tokens": [True]}, "tokens"),
+])
+async def test_json_types_are_the_schema_types(client: httpx.AsyncClient, path: str, body: dict, param: str) -> None:
+    """Found by the fuzzer: pydantic's lax mode read "3" / 3.0 as an int, 0 as false and false as token id 0,
+    which the schema does not allow (nor does OpenAI's API)."""
+    err = assert_error(await post(client, {"model": SERVED, **body}, path), 400)
+    assert err["param"].startswith(param), err
+
+
+async def test_lone_surrogate_is_400(client: httpx.AsyncClient) -> None:
+    """Found by the fuzzer: a JSON ``\\ud800`` escape reached the tokenizer (TypeError, 500)."""
+    for path, body in ((CHAT, b'{"messages": [{"role": "user", "content": "a\\ud800"}]}'),
+                       ("/tokenize", b'{"prompt": "\\udfff"}'), ("/v1/completions", b'{"prompt": "x", "\\udc00": 1}')):
+        err = assert_error(await client.post(path, content=body), 400)
+        assert "surrogate" in err["message"]
+    r = await client.post(CHAT, content='{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}], "max_tokens": 1}')
+    assert r.status_code == 200   # an escaped pair is one character
+
+
+async def test_text_part_without_text_is_400(client: httpx.AsyncClient) -> None:
+    body = {"model": SERVED, "messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}
+    assert_error(await post(client, body), 400, param="messages.0.content.0.text")
+
+
+async def test_extreme_integers_reach_the_engine_in_range(codec) -> None:
+    """Found by the fuzzer: top_k = 2**70 passed validation and then overflowed msgpack on the way to the engine
+    (500). A seed at the top of its range with n = 2 made choice 1's seed out of range (400)."""
+    from ferrylm.engine import ipc
+
+    eng = FakeEngine(codec)
+    async with make_client(create_app(eng, codec, SERVED)) as c:
+        for top_k in (2**70, -2**70):
+            r = await post(c, {"model": SERVED, "messages": MSGS, "max_tokens": 1, "top_k": top_k})
+            assert r.status_code == 200, r.text
+        r = await post(c, {"model": SERVED, "messages": MSGS, "max_tokens": 1, "n": 2, "seed": 2**64 - 1})
+        assert r.status_code == 200, r.text
+    assert [p.top_k for _, _, p in eng.requests[:2]] == [2**31 - 1, -1]
+    assert [p.seed for _, _, p in eng.requests[2:]] == [2**64 - 1, 0]
+    for rid, ids, p in eng.requests:
+        ipc.decode(ipc.encode(ipc.AddRequest(rid, ids, p.to_dict())))
+
+
+async def test_health_generate_timeout_must_be_a_number(client: httpx.AsyncClient) -> None:
+    """``?timeout=nan`` went through min/max unchanged into the event loop's timers."""
+    for bad in ("nan", "inf", "1e400", "soon"):
+        assert_error(await client.get("/health/generate", params={"timeout": bad}), 400, param="timeout")
+    for ok in ("0", "-3", "2.5", "1e9"):
+        r = await client.get("/health/generate", params={"timeout": ok})
+        assert r.status_code == 200, r.text

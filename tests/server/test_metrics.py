@@ -3,6 +3,7 @@ figures (heartbeat stats, memory plan, restarts) appear and stay monotonic acros
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import pytest
@@ -134,3 +135,87 @@ async def test_done_log_line(codec, caplog) -> None:
     for part in ("finish=length", "prompt_tokens=", "completion_tokens=4", "ttft=", "tok/s="):
         assert part in line, line
     assert any(m.startswith("[req-43] done error=model_not_found") for m in done), done
+
+
+async def test_queue_time_one_sample_per_finished_request(codec) -> None:
+    eng = FakeEngine(codec, queue_time=0.125)   # the engine sends the queue time once, on the first output
+    async with make_client(create_app(eng, codec, SERVED)) as c:
+        t0 = (await c.get("/metrics")).text
+        assert sample(t0, "ferrylm:request_queue_time_seconds_count") == 0
+        for extra in ({}, {"stream": True, "max_tokens": 3}, {"max_tokens": 1}):
+            assert (await c.post(CHAT, json={"model": SERVED, "messages": MSGS, **extra})).status_code == 200
+        assert (await c.post(CHAT, json={"model": SERVED, "messages": MSGS, "top_p": 7})).status_code == 400
+        t = (await c.get("/metrics")).text
+    finished = sum(sample(t, "ferrylm:request_success_total", f'{{finished_reason="{r}"}}') for r in ("stop", "length"))
+    assert finished == 3
+    assert sample(t, "ferrylm:request_queue_time_seconds_count") == finished
+    assert sample(t, "ferrylm:request_queue_time_seconds_sum") == pytest.approx(3 * 0.125)
+    assert sample(t, "ferrylm:request_queue_time_seconds_bucket", '{le="0.3"}') == 3
+
+
+class _InProcessEngine(FakeEngine):
+    """The real :class:`Engine` (fake model, CPU) behind the engine-client interface, every output through the
+    IPC codec (msgpack) as between the two processes."""
+
+    def __init__(self, codec, core):
+        super().__init__(codec, max_model_len=core.limits.max_model_len)
+        self.core = core
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.seen: list = []
+        self._driver: asyncio.Task | None = None
+
+    async def _drive(self) -> None:
+        from ferrylm.engine import ipc
+
+        while self.core.has_work():
+            for o in ipc.decode(ipc.encode(ipc.Outputs(self.core.step()))).outputs:
+                self.seen.append(o)
+                self.queues[o.request_id].put_nowait(o)
+            await asyncio.sleep(0)
+
+    async def abort(self, request_id: str) -> None:
+        self.core.abort(request_id)
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        from ferrylm.engine.sampling_params import SamplingParams
+
+        q = self.queues[request_id] = asyncio.Queue()
+        self.core.add_request(request_id, list(prompt_token_ids), SamplingParams.from_dict(params.to_dict()))
+        if self._driver is None or self._driver.done():
+            self._driver = asyncio.create_task(self._drive())
+        while True:
+            out = await q.get()
+            yield out
+            if out.finished:
+                return
+
+
+async def test_queue_time_is_measured_by_the_engine(codec) -> None:
+    """A request queued behind a long one (one running request, 2-token prefill budget) reports a positive queue
+    time; each engine request sends exactly one. Fails if the engine never sets the field."""
+    import torch
+
+    from ferrylm.config import EngineConfig
+    from ferrylm.engine.engine import Engine
+    from tests.engine.fake_model import FakeModel, fake_config
+
+    cfg = fake_config(vocab=codec.vocab_size, max_len=256, eos=codec.eos_token_ids[0])
+    ec = EngineConfig(device="cpu", page_size=4, num_pages=64, max_running_requests=1, max_prefill_length=2,
+                      check_invariants=True)
+    core = Engine(FakeModel(cfg), cfg, ec, device=torch.device("cpu"), dtype=torch.float32)
+    eng = _InProcessEngine(codec, core)
+    body = {"model": SERVED, "messages": MSGS, "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+    async with make_client(create_app(eng, codec, SERVED)) as c:
+        rs = await asyncio.gather(*(c.post(CHAT, json=body) for _ in range(2)))
+        assert [r.status_code for r in rs] == [200, 200], [r.text for r in rs]
+        t = (await c.get("/metrics")).text
+    sent = {}
+    for o in eng.seen:
+        if o.queue_time is not None:
+            assert o.request_id not in sent, "queue time sent twice"
+            sent[o.request_id] = o.queue_time
+    assert len(sent) == 2 and all(v >= 0 for v in sent.values()), sent
+    first, second = sorted(sent.values())
+    assert second > 0   # waited for the whole first request (prefill in 2-token chunks + 4 tokens)
+    assert sample(t, "ferrylm:request_queue_time_seconds_count") == 2
+    assert sample(t, "ferrylm:request_queue_time_seconds_sum") == pytest.approx(first + second)

@@ -245,7 +245,7 @@ class Engine:
                         r.request_id, r.num_tokens, self.limits.pool_tokens)
             self.requests.pop(r.request_id, None)
             self._pending.append(EngineOutput(r.request_id, [], finish_reason="length",
-                                              num_prompt_tokens=r.num_prompt_tokens))
+                                              num_prompt_tokens=r.num_prompt_tokens, queue_time=r.take_queue_time()))
 
     # --- OOM containment --------------------------------------------------------------------------------------
     def _schedule_guarded(self) -> Batch:
@@ -338,7 +338,7 @@ class Engine:
                 self.scheduler.finish(r, "abort")
             self.requests.pop(r.request_id, None)
             self._pending.append(EngineOutput(r.request_id, [], error_code="insufficient_memory", error_message=msg,
-                                              num_prompt_tokens=r.num_prompt_tokens))
+                                              num_prompt_tokens=r.num_prompt_tokens, queue_time=r.take_queue_time()))
         self.guard.count_failed(len(reqs))
         log.error("OOM: failed %d request(s) %s: %s", len(reqs), [r.request_id for r in reqs], msg)
 
@@ -467,7 +467,7 @@ class Engine:
             self.scheduler.finish(r, reason)
             self.requests.pop(r.request_id, None)
         self._pending.append(EngineOutput(r.request_id, [tok], finish_reason=reason, logprobs=logprobs,
-                                          num_prompt_tokens=r.num_prompt_tokens))
+                                          num_prompt_tokens=r.num_prompt_tokens, queue_time=r.take_queue_time()))
 
     def stats(self) -> dict:
         """Live figures for heartbeats and /metrics (``experts``: the expert executor's counters, when MoE)."""

@@ -31,6 +31,9 @@ class EngineOutput:
         error_code / error_message: set when the engine failed this request (e.g. ``insufficient_memory``,
             ``context_length_exceeded``); the output is then terminal.
         num_prompt_tokens: prompt length as the engine counted it (for usage).
+        queue_time: seconds (the engine's monotonic clock) from the engine receiving the request to its first
+            scheduling (first prefill chunk); set once, on the request's first output after it was scheduled
+            (None on every other output and for a request never scheduled).
     """
 
     request_id: str
@@ -40,6 +43,7 @@ class EngineOutput:
     error_code: str | None = None
     error_message: str | None = None
     num_prompt_tokens: int = 0
+    queue_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -55,4 +59,5 @@ class EngineOutput:
             lps = [TokenLogprob(lp["token_id"], lp["logprob"], [tuple(x) for x in lp.get("top", [])]) for lp in lps]
         return cls(request_id=d["request_id"], new_token_ids=list(d["new_token_ids"]),
                    finish_reason=d.get("finish_reason"), logprobs=lps, error_code=d.get("error_code"),
-                   error_message=d.get("error_message"), num_prompt_tokens=d.get("num_prompt_tokens", 0))
+                   error_message=d.get("error_message"), num_prompt_tokens=d.get("num_prompt_tokens", 0),
+                   queue_time=d.get("queue_time"))

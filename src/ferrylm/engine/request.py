@@ -35,6 +35,8 @@ class Request:
         page_table: KV pages owned, in order.
         generator: per-request torch.Generator when ``params.seed`` is set.
         arrival_time: ``time.monotonic()`` at arrival (seconds).
+        first_scheduled_time: ``time.monotonic()`` when the scheduler first gave it a step (None before).
+        queue_time_reported: its queue time went out on an output already.
     """
 
     request_id: str
@@ -48,6 +50,15 @@ class Request:
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    queue_time_reported: bool = False
+
+    def take_queue_time(self) -> float | None:
+        """Seconds from arrival to the first scheduling, the first time it is asked after that; else None."""
+        if self.first_scheduled_time is None or self.queue_time_reported:
+            return None
+        self.queue_time_reported = True
+        return max(0.0, self.first_scheduled_time - self.arrival_time)
 
     @property
     def num_prompt_tokens(self) -> int:

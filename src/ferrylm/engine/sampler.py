@@ -21,6 +21,9 @@ from ferrylm.engine.outputs import TokenLogprob
 from ferrylm.engine.request import Request
 
 
+LOGPROB_FLOOR = -9999.0   # reported for tokens of probability 0 (OpenAI's value)
+
+
 @dataclass
 class SampleResult:
     """``token_ids [B]`` chosen tokens; ``logprobs`` one TokenLogprob per row (None for rows not asking)."""
@@ -63,7 +66,9 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_ids: tuple[int, ...] =
     dev = logits.device
     logits = _apply_penalties(logits, reqs, eos_ids)
     want_lp = [r.params.logprobs is not None for r in reqs]
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+    raw_logprobs = None
+    if any(want_lp):   # -inf (banned) and NaN (overflowed penalties) as OpenAI's floor, so the JSON stays numbers
+        raw_logprobs = torch.log_softmax(logits, dim=-1).nan_to_num_(nan=LOGPROB_FLOOR).clamp_(min=LOGPROB_FLOOR)
 
     temps = torch.tensor([r.params.temperature for r in reqs], device=dev, dtype=logits.dtype)
     greedy = temps == 0
@@ -72,6 +77,11 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_ids: tuple[int, ...] =
         scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
         scaled = _top_k_top_p_min_p(scaled, reqs)
         probs = torch.softmax(scaled, dim=-1)
+        # A row that is no distribution (every token banned, or an overflow to inf/NaN from an extreme temperature
+        # or penalty) takes its argmax: one request's parameters must never fail the whole step.
+        ok = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
+        if not bool(ok.all()):
+            probs = torch.where(ok[:, None], probs, torch.nn.functional.one_hot(chosen, V).to(probs.dtype))
         sampled = _draw(probs, reqs)
         chosen = torch.where(greedy, chosen, sampled)
     token_ids = chosen.tolist()
@@ -103,6 +113,7 @@ def _top_k_top_p_min_p(logits: torch.Tensor, reqs: list[Request]) -> torch.Tenso
         probs = torch.softmax(sorted_l.masked_fill(drop, float("-inf")), dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
         drop |= before >= top_p[:, None]       # keep the smallest prefix whose mass reaches top_p (>= 1 token)
+        drop[:, 0] = False                     # ... even when top_p rounds to 0 in the logits' dtype
         sorted_l = sorted_l.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, idx, sorted_l)
     if bool((min_p > 0).any()):

@@ -53,6 +53,7 @@ class SamplingParams:
     MAX_N = 16
     MAX_LOGPROBS = 20
     MAX_STOP = 16
+    MAX_TOP_K = 2**31 - 1
 
     @property
     def greedy(self) -> bool:
@@ -80,8 +81,10 @@ class SamplingParams:
         if self.repetition_penalty <= 0:
             raise InvalidRequest(f"'repetition_penalty' must be > 0, got {self.repetition_penalty}",
                                  param="repetition_penalty")
-        if self.top_k is None:
+        if self.top_k is None or self.top_k <= 0:
             self.top_k = -1
+        elif self.top_k > self.MAX_TOP_K:
+            self.top_k = self.MAX_TOP_K   # same meaning (no vocabulary is that large); fits the IPC's int64
         if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidRequest(f"'max_tokens' must be at least 1, got {self.max_tokens}", param="max_tokens")
         if self.min_tokens < 0:

@@ -16,6 +16,7 @@ Design after vLLM v1's token-budget scheduler (request counters catching up), sp
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -154,6 +155,8 @@ class Scheduler:
                     skipped.append(req)  # does not fit the free pages now; let smaller ones behind it run
                     continue
                 req.status = Status.RUNNING
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = time.monotonic()
                 self.running.append(req)
                 seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
                 budget -= n

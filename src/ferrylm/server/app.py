@@ -21,6 +21,8 @@ import dataclasses
 import hmac
 import json
 import logging
+import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -28,7 +30,7 @@ from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
@@ -47,7 +49,7 @@ from ferrylm.server.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, C
                                      parse_request, to_sampling_params)
 from ferrylm.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ferrylm.server.metrics import Metrics
-from ferrylm.server.tokenizer import TextCodec, TextStream
+from ferrylm.server.tokenizer import TextCodec, TextStream, client_template_kwargs
 
 logger = logging.getLogger("ferrylm.server")
 
@@ -124,8 +126,13 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
                 "schema": {"$ref": f"#/components/schemas/{req.__name__}"}}}}
         if resp is not None:
             content: dict[str, Any] = {"application/json": {"schema": {"$ref": f"#/components/schemas/{resp.__name__}"}}}
-            if stream:
-                content["text/event-stream"] = {"schema": {"type": "string"}}
+            if stream:   # OpenAPI < 3.2: `schema` describes one event
+                content["text/event-stream"] = {"schema": {
+                    "type": "object", "required": ["data"], "properties": {
+                        "data": {"type": "string", "description": "one chunk as JSON (object "
+                                 "chat.completion.chunk or text_completion), an error object {\"error\": ...}, "
+                                 "or the final [DONE]"},
+                        "event": {"type": "string"}}}}
             extra["responses"] = {"200": {"description": "OK", "content": content}}
         return extra
 
@@ -139,9 +146,13 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
     app.add_api_route("/v1/completions", server.completions, methods=["POST"],
                       openapi_extra=doc(pr.CompletionRequest, pr.CompletionResponse, stream=True), **v1)
     app.add_api_route("/v1/memory", server.memory, methods=["GET"], **v1)
-    app.add_api_route("/health", server.health, methods=["GET"])
-    app.add_api_route("/health/generate", server.health_generate, methods=["GET"])
-    app.add_api_route("/metrics", server.metrics_route, methods=["GET"])
+    app.add_api_route("/health", server.health, methods=["GET"], responses=_HEALTH_RESPONSES)
+    app.add_api_route("/health/generate", server.health_generate, methods=["GET"],
+                      responses={**_HEALTH_RESPONSES, 400: _ERROR_RESPONSES[400]}, openapi_extra={"parameters": [
+                          {"name": "timeout", "in": "query", "required": False, "description":
+                           "seconds to wait for the token (default 5; clamped to 0.1 .. 60)",
+                           "schema": {"type": "number"}}]})
+    app.add_api_route("/metrics", server.metrics_route, methods=["GET"], response_class=PlainTextResponse)
     app.add_api_route("/version", server.version, methods=["GET"])
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"], openapi_extra=doc(pr.TokenizeRequest, None),
                       **v1)
@@ -160,6 +171,13 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
                                                       pr.ModelCard, pr.ModelList, pr.ErrorResponse)]
             _, top = models_json_schema(models, ref_template="#/components/schemas/{model}")
             schema.setdefault("components", {}).setdefault("schemas", {}).update(top.get("$defs", {}))
+            # FastAPI documents a 422 for every route with parameters; this server answers validation errors
+            # with 400 in the OpenAI shape (server/errors.py) and never with 422.
+            for ops in schema.get("paths", {}).values():
+                for op in ops.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema["components"]["schemas"].pop(name, None)
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -172,6 +190,14 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
     for code, what in ((400, "invalid request"), (401, "missing or wrong API key"), (404, "unknown model"),
                        (413, "request body too large"), (503, "engine unavailable / overloaded"))}
+
+
+_HEALTH_BODY = {"type": "object", "required": ["status"], "additionalProperties": True,
+                "properties": {"status": {"type": "string"}, "detail": {"type": "string"}}}
+_HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "ready", "content": {"application/json": {"schema": _HEALTH_BODY}}},
+    503: {"description": "not ready: loading, restarting, stalled, dead, draining (Retry-After)",
+          "content": {"application/json": {"schema": _HEALTH_BODY}}}}
 
 
 class RequestIdMiddleware:
@@ -361,6 +387,8 @@ class _Generation:
                 await _cleanup(self.engine.abort(ch.engine_id), f"abort {ch.engine_id}", self.rid)
 
     def _on_output(self, ch: _Choice, out: EngineOutput) -> _Event | None:
+        if out.queue_time is not None and self.metrics is not None:
+            self.metrics.queue_time.observe(max(0.0, out.queue_time))
         if out.error_code:
             ch.engine_done = True
             raise _engine_error(out.error_code, out.error_message)
@@ -491,9 +519,32 @@ async def _read_json(request: Request) -> Any:
         raise InvalidRequest(f"invalid JSON: {name} is not a valid JSON number")
 
     try:
-        return json.loads(body, parse_constant=reject)
+        data = json.loads(body, parse_constant=reject)
     except (ValueError, RecursionError) as e:
         raise InvalidRequest(f"invalid JSON body: {e}") from None
+    _reject_lone_surrogates(data)
+    return data
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _reject_lone_surrogates(data: Any) -> None:
+    """JSON may escape a lone UTF-16 surrogate (``"\\ud800"``); Python keeps it in the string, and no tokenizer
+    or UTF-8 encoder can take it. Raises InvalidRequest (400) naming the first one found, in keys or values."""
+    stack = [data]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            m = None if x.isascii() else _SURROGATE.search(x)
+            if m is not None:
+                raise InvalidRequest(f"invalid JSON body: a string holds a lone UTF-16 surrogate (an unpaired "
+                                     f"\\u{ord(m.group()):04x} escape), which is not valid Unicode")
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
 
 
 def _template_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -507,9 +558,12 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict]:
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
-                if part.type not in ("text", "input_text") or part.text is None:
+                if part.type not in ("text", "input_text"):
                     raise InvalidRequest(f"content part type {part.type!r} is not supported; only text parts are",
                                          param=f"messages.{i}.content.{j}")
+                if part.text is None:
+                    raise InvalidRequest(f"content part of type {part.type!r} has no 'text'",
+                                         param=f"messages.{i}.content.{j}.text")
                 texts.append(part.text)
             content = "\n".join(texts)
         d["content"] = content if content is not None else ""
@@ -519,6 +573,13 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict]:
                 d[k] = v
         out.append(d)
     return out
+
+
+def _choice_seed(seed: int, i: int) -> int:
+    """Choice ``i``'s seed: ``seed + i``, wrapped into the valid range [-2**63, 2**64) (a client's seed near the top
+    of the range must not make choice 1 out of range)."""
+    s = seed + i
+    return s - 2**64 if s >= 2**64 else s
 
 
 class _Server:
@@ -622,7 +683,7 @@ class _Server:
             for i in range(n):
                 idx = pi * n + i
                 p = dataclasses.replace(params, n=1, max_tokens=max_tokens[pi],
-                                        seed=None if params.seed is None else params.seed + i,
+                                        seed=None if params.seed is None else _choice_seed(params.seed, i),
                                         stop=list(params.stop), stop_token_ids=list(params.stop_token_ids))
                 p.validate()
                 text = TextStream(self.codec, ids, stop=p.stop, skip_special_tokens=p.skip_special_tokens,
@@ -726,10 +787,15 @@ class _Server:
         """Readiness probe that proves a token can be produced: one greedy token through the engine within
         ``?timeout=`` seconds (default 5). 200 ``{"status": "ok", "latency_s", ...}``; otherwise 503 with the
         engine's status, ``timeout`` or the error code."""
+        raw = request.query_params.get("timeout")
         try:
-            timeout = min(max(float(request.query_params.get("timeout", HEALTH_GENERATE_TIMEOUT_S)), 0.1), 60.0)
+            timeout = HEALTH_GENERATE_TIMEOUT_S if raw is None else float(raw)
         except ValueError:
-            timeout = HEALTH_GENERATE_TIMEOUT_S
+            timeout = math.nan
+        if not math.isfinite(timeout):   # NaN would pass min/max and reach the event loop's timer heap
+            return error_response(InvalidRequest(f"'timeout' must be a number of seconds, got {raw!r}",
+                                                 param="timeout"), request_id_of(request))
+        timeout = min(max(timeout, 0.1), 60.0)
         unavailable = {"Retry-After": str(retry_after_for(EngineUnavailable("")) or 5)}
         h = self.engine.health()
         if not h.ready:
@@ -774,7 +840,7 @@ class _Server:
             if req.messages is not None:
                 ids = self.codec.apply_chat_template(_template_messages(req.messages),
                                                      add_generation_prompt=req.add_generation_prompt is not False,
-                                                     **(req.chat_template_kwargs or {}))
+                                                     **client_template_kwargs(req.chat_template_kwargs))
             elif req.prompt is not None:
                 ids = self.codec.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
             else:
@@ -806,7 +872,7 @@ class _Server:
         self._check_token_ids(params.stop_token_ids, "stop_token_ids")
         prompt_ids = self.codec.apply_chat_template(
             _template_messages(req.messages), add_generation_prompt=req.add_generation_prompt is not False,
-            **(req.chat_template_kwargs or {}))
+            **client_template_kwargs(req.chat_template_kwargs))
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._fit_context(prompt_ids, params, default_max=None, what="messages",
                                        prompt_param="messages", max_param=max_param)

@@ -157,12 +157,13 @@ def install_exception_handlers(app: FastAPI) -> None:
                                 status=405, code="method_not_allowed")
         elif exc.status_code < 500:
             err = InvalidRequest(str(exc.detail))
-            resp = error_response(err, request_id_of(request))
-            resp.status_code = exc.status_code
-            return resp
         else:
             err = FerryError(str(exc.detail))
-        return error_response(err, request_id_of(request))
+        resp = error_response(err, request_id_of(request))
+        resp.status_code = exc.status_code
+        for k, v in (exc.headers or {}).items():   # e.g. the 405's Allow (RFC 9110 requires it)
+            resp.headers[k] = v
+        return resp
 
     async def on_any(request: Request, exc: Exception) -> JSONResponse:
         return error_response(exc, request_id_of(request))

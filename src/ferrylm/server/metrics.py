@@ -3,7 +3,9 @@
 Two sources, one registry per app (never prometheus_client's global default registry):
 
 - request-level figures, observed by the HTTP layer (``server/app.py``) as requests run: TTFT, inter-token
-  latency, end-to-end latency, prompt / generation tokens, finished requests by reason, errors by code.
+  latency, end-to-end latency, prompt / generation tokens, finished requests by reason, errors by code, and the
+  queue time, which the engine measures on its own clock (arrival → first scheduled) and sends on the request's
+  first output (``EngineOutput.queue_time``).
 - engine figures, read at scrape time from the engine client (the supervisor): the latest heartbeat stats
   (``Engine.stats()``, every ~0.5 s over the existing IPC), the boot memory plan from the engine's Ready
   message, and the supervisor's restart count. No second metrics server, nothing in the engine process.
@@ -180,6 +182,10 @@ class Metrics:
                              buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram(P + "e2e_request_latency_seconds",
                              "Time from the request's arrival to its last token", buckets=E2E_BUCKETS, registry=r)
+        self.queue_time = Histogram(P + "request_queue_time_seconds",
+                                    "Time from the engine receiving the request to its first scheduling "
+                                    "(first prefill chunk), per engine request (choice)",
+                                    buckets=E2E_BUCKETS, registry=r)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens prefilled (counted at the first token)",
                                      registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated", registry=r)

@@ -23,7 +23,9 @@ from ferrylm.errors import InvalidRequest
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # strict: a field's JSON type is the one the schema states, as with OpenAI's API (no "3" or 3.0 for an int,
+    # no 0 / "true" for a bool, no false as a token id); an int is still a valid float.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Request):

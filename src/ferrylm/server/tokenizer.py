@@ -29,13 +29,24 @@ logger = logging.getLogger(__name__)
 
 REPLACEMENT_CHAR = "\ufffd"
 
-# chat_template_kwargs a client may not override: they change what apply_chat_template returns or inject a
-# template of the client's choosing.
+# chat_template_kwargs a client may not override: they change what apply_chat_template returns, replace the
+# conversation, or inject a template of the client's choosing.
 _RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
-    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs",
 })
+
+
+def client_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """A request's ``chat_template_kwargs`` without the reserved names (ignored, logged at debug), safe to pass
+    as ``**kwargs`` next to :meth:`TextCodec.apply_chat_template`'s own arguments."""
+    if not kwargs:
+        return {}
+    out = {k: v for k, v in kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS}
+    if len(out) < len(kwargs):
+        logger.debug("ignoring reserved chat_template_kwargs: %s", sorted(set(kwargs) - set(out)))
+    return out
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -140,7 +151,7 @@ class TextCodec:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
     # ---- text in -----------------------------------------------------------------------------------------
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+    def render_chat(self, messages: list[dict], /, add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, **chat_template_kwargs: Any) -> str:
         """Render ``messages`` with the tokenizer's chat template and return the prompt text.
 
@@ -164,7 +175,7 @@ class TextCodec:
             raise InvalidRequest("chat template did not render to text", param="messages")
         return text
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: list[dict], /, add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, **chat_template_kwargs: Any) -> list[int]:
         """Render ``messages`` with the chat template and tokenize the result (no extra special tokens: the
         template writes its own BOS). Raises InvalidRequest like :meth:`render_chat`."""
