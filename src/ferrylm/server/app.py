@@ -25,19 +25,15 @@ import math
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
+from typing import Any, AsyncIterator, Sequence, TypeVar
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from ferrylm.engine.outputs import EngineOutput, TokenLogprob
+from ferrylm.engine.outputs import TokenLogprob
 from ferrylm.engine.sampling_params import SamplingParams
-from ferrylm.errors import (ContextLengthExceeded, EngineUnavailable, FerryError, InsufficientMemory,
-                            InvalidRequest, ModelNotFound, QueueTimeout)
+from ferrylm.errors import ContextLengthExceeded, EngineUnavailable, FerryError, InvalidRequest, ModelNotFound
 from ferrylm.server.engine_client import EngineClient
 from ferrylm.server.errors import (REQUEST_ID_KEY, Unauthorized, error_payload, error_response,
                                    install_exception_handlers, request_id_of, retry_after_for)
@@ -47,6 +43,8 @@ from ferrylm.server.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, C
                                      CompletionResponse, DeltaMessage, DetokenizeRequest, ModelCard, ModelList,
                                      TokenizeRequest, UsageInfo, chat_logprobs, chunk_json, completion_logprobs,
                                      parse_request, to_sampling_params)
+from ferrylm.server.generation import (ClientGone, Choice, Event, Generation, SSEResponse, cleanup, race_disconnect,
+                                      sse_event)
 from ferrylm.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ferrylm.server.metrics import Metrics
 from ferrylm.server.tokenizer import TextCodec, TextStream, client_template_kwargs
@@ -72,15 +70,10 @@ def _version() -> str:
 __version__ = _version()
 
 MAX_PROMPTS_PER_REQUEST = 64     # completions: a list of prompts
-CLEANUP_TIMEOUT_S = 5.0          # bound on aclose()/abort() during cleanup
 HEALTH_GENERATE_TIMEOUT_S = 5.0  # default bound on GET /health/generate (``?timeout=`` overrides, up to 60 s)
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # --max-request-bytes: larger bodies get 413 in the OpenAI error shape
 ARRIVAL_KEY = "ferrylm.arrival"  # scope key: time.monotonic() when the request reached the app
 _DONE = "data: [DONE]\n\n"
-_ENGINE_ERRORS: dict[str, type[FerryError]] = {
-    "insufficient_memory": InsufficientMemory, "context_length_exceeded": ContextLengthExceeded,
-    "queue_timeout": QueueTimeout, "engine_unavailable": EngineUnavailable, "invalid_request": InvalidRequest,
-}
 
 
 class RequestTooLarge(InvalidRequest):
@@ -230,257 +223,6 @@ class RequestIdMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# generation: one engine request per choice, merged into one event queue
-# ---------------------------------------------------------------------------------------------------------
-
-
-class _ClientGone(Exception):
-    """The HTTP client disconnected before the response was complete."""
-
-
-@dataclass
-class _Choice:
-    index: int
-    engine_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    text: TextStream
-    text_skip_ids: frozenset[int]   # EOS / stop token ids whose text is not emitted when they end the output
-    num_tokens: int = 0
-    finish_reason: str | None = None
-    engine_done: bool = False       # the engine reported this request finished (no abort needed)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
-    first_token_time: float | None = None   # time.monotonic() of the first output with tokens
-    last_token_time: float | None = None
-
-
-@dataclass
-class _Event:
-    index: int
-    text: str = ""
-    logprobs: list[TokenLogprob] | None = None
-    offsets: list[int] | None = None
-    finish_reason: str | None = None
-    error: BaseException | None = None
-
-
-def _engine_error(code: str, message: str | None) -> FerryError:
-    cls = _ENGINE_ERRORS.get(code, FerryError)
-    return cls(message or f"engine error: {code}", code=code)
-
-
-async def _cleanup(aw: Awaitable[Any], what: str, rid: str) -> None:
-    """Await ``aw`` shielded from cancellation and bounded in time; log (never raise) its failure."""
-    with anyio.move_on_after(CLEANUP_TIMEOUT_S, shield=True) as scope:
-        try:
-            await aw
-        except Exception as e:  # noqa: BLE001 - cleanup must not mask the original outcome
-            logger.warning("[%s] %s failed: %r", rid, what, e)
-    if scope.cancelled_caught:
-        logger.warning("[%s] %s timed out after %.0f s", rid, what, CLEANUP_TIMEOUT_S)
-
-
-class _Generation:
-    """Runs the choices of one HTTP request on the engine, each in its own task, and merges their events.
-
-    ``next_event()`` returns events in arrival order, raises the first error, and returns None once every
-    choice has finished. ``close()`` cancels what is still running; each choice's task then closes its engine
-    iterator and calls ``engine.abort`` unless the engine reported the request finished.
-    """
-
-    def __init__(self, engine: EngineClient, rid: str, choices: list[_Choice], *, metrics: Metrics | None = None,
-                 arrival: float | None = None):
-        self.engine = engine
-        self.rid = rid
-        self.choices = choices
-        self.metrics = metrics
-        self.arrival = time.monotonic() if arrival is None else arrival
-        self._queue: asyncio.Queue[_Event] = asyncio.Queue()
-        self._tasks: list[asyncio.Task] = []
-        self._open = len(choices)
-
-    def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._run(ch), name=f"ferrylm-{ch.engine_id}") for ch in self.choices]
-
-    async def next_event(self) -> _Event | None:
-        if self._open == 0:
-            return None
-        ev = await self._queue.get()
-        if ev.error is not None:
-            raise ev.error
-        if ev.finish_reason is not None:
-            self._open -= 1
-        return ev
-
-    async def drain(self) -> None:
-        while await self.next_event() is not None:
-            pass
-
-    async def close(self) -> None:
-        for t in self._tasks:
-            if not t.done():
-                t.cancel()
-        if self._tasks:
-            await _cleanup(asyncio.gather(*self._tasks, return_exceptions=True), "closing choices", self.rid)
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(ch.num_tokens for ch in self.choices)
-
-    @property
-    def ttft(self) -> float | None:
-        """Seconds from the request's arrival to the first token of any choice (None before one)."""
-        times = [ch.first_token_time for ch in self.choices if ch.first_token_time is not None]
-        return min(times) - self.arrival if times else None
-
-    @property
-    def last_token_time(self) -> float | None:
-        times = [ch.last_token_time for ch in self.choices if ch.last_token_time is not None]
-        return max(times) if times else None
-
-    def _observe(self, ch: _Choice, n: int) -> None:
-        now = time.monotonic()
-        m = self.metrics
-        if ch.first_token_time is None:
-            ch.first_token_time = now
-            if m is not None:
-                m.ttft.observe(now - self.arrival)
-                m.prompt_tokens.inc(len(ch.prompt_ids))
-        elif m is not None and ch.last_token_time is not None:
-            m.itl.observe(now - ch.last_token_time)
-        ch.last_token_time = now
-        if m is not None:
-            m.generation_tokens.inc(n)
-
-    async def _run(self, ch: _Choice) -> None:
-        agen: Any = None
-        try:
-            agen = self.engine.generate(ch.engine_id, ch.prompt_ids, ch.params)  # may raise before iterating
-            async for out in agen:
-                ev = self._on_output(ch, out)
-                if ev is not None:
-                    self._queue.put_nowait(ev)
-                if ch.finish_reason is not None:
-                    break
-            if ch.finish_reason is None:
-                raise EngineUnavailable("the engine ended the request without finishing it")
-        except asyncio.CancelledError:
-            raise
-        except MemoryError as e:  # a frontend allocation (detokenizer ...) failed: this request only, 503
-            logger.error("[%s] choice %d: out of host memory in the frontend: %s", self.rid, ch.index, e)
-            self._queue.put_nowait(_Event(ch.index, error=InsufficientMemory(
-                f"out of memory in the server while producing the text of this request ({e}); retry later")))
-        except Exception as e:  # noqa: BLE001 - reported to the consumer, which maps it to HTTP
-            if not isinstance(e, FerryError):
-                logger.error("[%s] choice %d failed: %r", self.rid, ch.index, e, exc_info=e)
-            self._queue.put_nowait(_Event(ch.index, error=e))
-        finally:
-            aclose = getattr(agen, "aclose", None) if agen is not None else None
-            if aclose is not None:
-                await _cleanup(aclose(), f"closing {ch.engine_id}", self.rid)
-            if not ch.engine_done:
-                logger.debug("[%s] aborting %s", self.rid, ch.engine_id)
-                await _cleanup(self.engine.abort(ch.engine_id), f"abort {ch.engine_id}", self.rid)
-
-    def _on_output(self, ch: _Choice, out: EngineOutput) -> _Event | None:
-        if out.queue_time is not None and self.metrics is not None:
-            self.metrics.queue_time.observe(max(0.0, out.queue_time))
-        if out.error_code:
-            ch.engine_done = True
-            raise _engine_error(out.error_code, out.error_message)
-        if out.finish_reason == "abort":
-            ch.engine_done = True
-            raise EngineUnavailable("the engine aborted the request")
-        ids = list(out.new_token_ids)
-        ch.num_tokens += len(ids)
-        if ids:
-            self._observe(ch, len(ids))
-        text_ids = ids
-        if (out.finish_reason == "stop" and ids and ids[-1] in ch.text_skip_ids
-                and not ch.params.include_stop_str_in_output):
-            text_ids = ids[:-1]   # the EOS / stop token counts as generated, its text is not emitted
-        delta, offsets = ch.text.add(text_ids)
-        offsets += [len(ch.text.detok.text)] * (len(ids) - len(text_ids))
-        finish = None
-        if ch.text.stopped:
-            finish = "stop"
-        elif out.finish_reason is not None:
-            delta += ch.text.finish()
-            finish = "stop" if ch.text.stopped else out.finish_reason
-        if out.finish_reason is not None:
-            ch.engine_done = True
-        ch.finish_reason = finish
-        if finish is not None and self.metrics is not None:
-            self.metrics.success.labels(finish).inc()
-        lps = out.logprobs if ch.params.logprobs is not None and out.logprobs else None
-        if lps:
-            ch.logprobs.extend(lps)
-            ch.offsets.extend(offsets)
-        if not delta and finish is None and not lps:
-            return None
-        return _Event(ch.index, delta, lps, offsets if lps else None, finish)
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            return
-
-
-async def _race_disconnect(request: Request, aw: Awaitable[T]) -> T:
-    """Await ``aw``; raise :class:`_ClientGone` (cancelling ``aw``) if the client disconnects first."""
-    work = asyncio.ensure_future(aw)
-    watch = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done() and watch.exception() is not None:  # receive() failed: just wait for the work
-            await asyncio.wait({work})
-        if work.done():
-            return work.result()
-        raise _ClientGone()
-    finally:
-        for t in (work, watch):
-            if not t.done():
-                t.cancel()
-        with anyio.CancelScope(shield=True):
-            await asyncio.gather(work, watch, return_exceptions=True)
-
-
-class _SSEResponse(StreamingResponse):
-    """A streaming response that always watches for the client going away and always closes its body
-    iterator (so the generator's cleanup, which aborts engine requests, runs promptly)."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = self.body_iterator
-        try:
-            async with anyio.create_task_group() as tg:
-                async def stream() -> None:
-                    try:
-                        await self.stream_response(send)
-                    except OSError:  # the server could not write: the client is gone
-                        logger.info("[%s] client went away during the stream", scope.get(REQUEST_ID_KEY))
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                if not tg.cancel_scope.cancel_called:
-                    logger.info("[%s] client disconnected during the stream; engine request aborted",
-                                scope.get(REQUEST_ID_KEY))
-                tg.cancel_scope.cancel()
-        finally:
-            aclose = getattr(body, "aclose", None)
-            if aclose is not None:
-                with anyio.CancelScope(shield=True):
-                    await aclose()
-
-
-def _sse(data: str) -> str:
-    return f"data: {data}\n\n"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -673,7 +415,7 @@ class _Server:
         return params.max_tokens
 
     def _make_choices(self, base_id: str, prompts: list[list[int]], max_tokens: list[int],
-                      params: SamplingParams) -> list[_Choice]:
+                      params: SamplingParams) -> list[Choice]:
         n = params.n
         total = len(prompts) * n
         skip_ids = frozenset(self.engine.model_info.eos_token_ids) | frozenset(self.codec.eos_token_ids) | \
@@ -688,18 +430,18 @@ class _Server:
                 p.validate()
                 text = TextStream(self.codec, ids, stop=p.stop, skip_special_tokens=p.skip_special_tokens,
                                   include_stop_str_in_output=p.include_stop_str_in_output)
-                choices.append(_Choice(idx, base_id if total == 1 else f"{base_id}-{idx}", ids, p, text,
+                choices.append(Choice(idx, base_id if total == 1 else f"{base_id}-{idx}", ids, p, text,
                                        skip_ids))
         return choices
 
-    async def _start(self, request: Request, rid: str, gen: _Generation, stream: bool) -> _Event | None:
+    async def _start(self, request: Request, rid: str, gen: Generation, stream: bool) -> Event | None:
         """Start the engine requests; for a stream wait for the first event (before headers), otherwise for
-        all of them. Client disconnect → _ClientGone. On any failure the generation is closed."""
+        all of them. Client disconnect → ClientGone. On any failure the generation is closed."""
         gen.start()
         try:
             if stream:
-                return await _race_disconnect(request, gen.next_event())
-            await _race_disconnect(request, gen.drain())
+                return await race_disconnect(request, gen.next_event())
+            await race_disconnect(request, gen.drain())
             return None
         except BaseException:
             await gen.close()
@@ -711,7 +453,7 @@ class _Server:
         try:
             self._check_auth(request)
             return await work(request, rid)
-        except _ClientGone:
+        except ClientGone:
             logger.info("[%s] client disconnected after %.3f s; engine request aborted", rid,
                         time.monotonic() - t0)
             self.metrics.errors.labels("client_disconnected").inc()
@@ -826,7 +568,7 @@ class _Server:
         finally:
             aclose = getattr(agen, "aclose", None)
             if aclose is not None:
-                await _cleanup(aclose(), "closing the probe", rid)
+                await cleanup(aclose(), "closing the probe", rid)
         return JSONResponse({"status": "ok", "tokens": n, "latency_s": round(time.monotonic() - t0, 4)},
                             status_code=200 if n >= 1 else 503)
 
@@ -879,13 +621,13 @@ class _Server:
         self._log_request(rid, "chat", req, [prompt_ids], [max_tokens], params)
         self._check_ready()
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = _Generation(self.engine, rid, self._make_choices(base_id, [prompt_ids], [max_tokens], params),
+        gen = Generation(self.engine, rid, self._make_choices(base_id, [prompt_ids], [max_tokens], params),
                           metrics=self.metrics, arrival=request.scope.get(ARRIVAL_KEY))
         created = int(time.time())
         first = await self._start(request, rid, gen, bool(req.stream))
         if req.stream:
             assert first is not None
-            return _SSEResponse(self._chat_stream(rid, gen, first, base_id, created, model, len(prompt_ids),
+            return SSEResponse(self._chat_stream(rid, gen, first, base_id, created, model, len(prompt_ids),
                                                   req.include_usage), headers=_SSE_HEADERS)
         await gen.close()
         choices = []
@@ -900,18 +642,18 @@ class _Server:
         resp = ChatCompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage)
         return Response(resp.model_dump_json(), media_type="application/json")
 
-    async def _chat_stream(self, rid: str, gen: _Generation, first: _Event, base_id: str, created: int,
+    async def _chat_stream(self, rid: str, gen: Generation, first: Event, base_id: str, created: int,
                            model: str, prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
         def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
             c = ChatCompletionChunk(id=base_id, created=created, model=model, choices=choices, usage=usage)
-            return _sse(chunk_json(c, include_usage=include_usage))
+            return sse_event(chunk_json(c, include_usage=include_usage))
 
         pending: dict[int, list[TokenLogprob]] = {}
         try:
             for ch in gen.choices:
                 yield chunk([ChatCompletionStreamChoice(index=ch.index,
                                                         delta=DeltaMessage(role="assistant", content=""))])
-            ev: _Event | None = first
+            ev: Event | None = first
             while ev is not None:
                 lps = pending.setdefault(ev.index, [])
                 lps.extend(ev.logprobs or ())
@@ -979,7 +721,7 @@ class _Server:
         self._log_request(rid, "completion", req, prompts, max_tokens, params)
         self._check_ready()
         base_id = f"cmpl-{uuid.uuid4().hex}"
-        gen = _Generation(self.engine, rid, self._make_choices(base_id, prompts, max_tokens, params),
+        gen = Generation(self.engine, rid, self._make_choices(base_id, prompts, max_tokens, params),
                           metrics=self.metrics, arrival=request.scope.get(ARRIVAL_KEY))
         echo = [echo_texts[ch.index // params.n] if req.echo else "" for ch in gen.choices]
         prompt_tokens = sum(len(p) for p in prompts)
@@ -987,7 +729,7 @@ class _Server:
         first = await self._start(request, rid, gen, bool(req.stream))
         if req.stream:
             assert first is not None
-            return _SSEResponse(self._completion_stream(rid, gen, first, base_id, created, model, prompt_tokens,
+            return SSEResponse(self._completion_stream(rid, gen, first, base_id, created, model, prompt_tokens,
                                                         echo, req.include_usage), headers=_SSE_HEADERS)
         await gen.close()
         choices = []
@@ -1003,19 +745,19 @@ class _Server:
         resp = CompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage)
         return Response(resp.model_dump_json(), media_type="application/json")
 
-    async def _completion_stream(self, rid: str, gen: _Generation, first: _Event, base_id: str, created: int,
+    async def _completion_stream(self, rid: str, gen: Generation, first: Event, base_id: str, created: int,
                                  model: str, prompt_tokens: int, echo: list[str],
                                  include_usage: bool) -> AsyncIterator[str]:
         def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
             c = CompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage)
-            return _sse(chunk_json(c, include_usage=include_usage))
+            return sse_event(chunk_json(c, include_usage=include_usage))
 
         pending: dict[int, tuple[list[TokenLogprob], list[int]]] = {}
         try:
             for ch in gen.choices:
                 if echo[ch.index]:
                     yield chunk([CompletionChoice(index=ch.index, text=echo[ch.index])])
-            ev: _Event | None = first
+            ev: Event | None = first
             while ev is not None:
                 lps, offs = pending.setdefault(ev.index, ([], []))
                 lps.extend(ev.logprobs or ())
@@ -1048,9 +790,9 @@ class _Server:
             logger.warning("[%s] error after the stream started: %s: %s", rid, type(e).__name__, e)
         else:
             logger.error("[%s] unexpected error after the stream started: %r", rid, e, exc_info=e)
-        return _sse(json.dumps(error_payload(e)))
+        return sse_event(json.dumps(error_payload(e)))
 
-    def _log_done(self, rid: str, gen: _Generation, usage: UsageInfo) -> None:
+    def _log_done(self, rid: str, gen: Generation, usage: UsageInfo) -> None:
         """The one line per finished request (and its end-to-end latency)."""
         now = time.monotonic()
         e2e = now - gen.arrival

@@ -1,0 +1,291 @@
+"""One HTTP request's generation: its choices run as engine requests, their outputs merged into events, and the
+SSE plumbing that streams them (disconnect watching, always closing the body iterator so engine requests are
+aborted promptly).
+
+:class:`Generation` runs each choice (:class:`Choice`) in its own task and merges their :class:`Event` s;
+:func:`race_disconnect` races work against the client going away (:class:`ClientGone`); :func:`cleanup` awaits an
+abort / close shielded and bounded (``CLEANUP_TIMEOUT_S``); :func:`engine_error` maps an engine error code to the
+typed error the server edge turns into HTTP (``ENGINE_ERRORS``).
+
+This module must not import torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, TypeVar
+
+import anyio
+from fastapi import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from ferrylm.engine.outputs import EngineOutput, TokenLogprob
+from ferrylm.engine.sampling_params import SamplingParams
+from ferrylm.errors import (ContextLengthExceeded, EngineUnavailable, FerryError, InsufficientMemory,
+                            InvalidRequest, QueueTimeout)
+from ferrylm.server.engine_client import EngineClient
+from ferrylm.server.errors import REQUEST_ID_KEY
+from ferrylm.server.metrics import Metrics
+from ferrylm.server.tokenizer import TextStream
+
+logger = logging.getLogger("ferrylm.server")
+
+T = TypeVar("T")
+
+CLEANUP_TIMEOUT_S = 5.0  # bound on aclose()/abort() during cleanup
+ENGINE_ERRORS: dict[str, type[FerryError]] = {
+    "insufficient_memory": InsufficientMemory, "context_length_exceeded": ContextLengthExceeded,
+    "queue_timeout": QueueTimeout, "engine_unavailable": EngineUnavailable, "invalid_request": InvalidRequest,
+}
+
+
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the response was complete."""
+
+
+@dataclass
+class Choice:
+    index: int
+    engine_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    text: TextStream
+    text_skip_ids: frozenset[int]   # EOS / stop token ids whose text is not emitted when they end the output
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    engine_done: bool = False       # the engine reported this request finished (no abort needed)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    first_token_time: float | None = None   # time.monotonic() of the first output with tokens
+    last_token_time: float | None = None
+
+
+@dataclass
+class Event:
+    index: int
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    offsets: list[int] | None = None
+    finish_reason: str | None = None
+    error: BaseException | None = None
+
+
+def engine_error(code: str, message: str | None) -> FerryError:
+    cls = ENGINE_ERRORS.get(code, FerryError)
+    return cls(message or f"engine error: {code}", code=code)
+
+
+async def cleanup(aw: Awaitable[Any], what: str, rid: str) -> None:
+    """Await ``aw`` shielded from cancellation and bounded in time; log (never raise) its failure."""
+    with anyio.move_on_after(CLEANUP_TIMEOUT_S, shield=True) as scope:
+        try:
+            await aw
+        except Exception as e:  # noqa: BLE001 - cleanup must not mask the original outcome
+            logger.warning("[%s] %s failed: %r", rid, what, e)
+    if scope.cancelled_caught:
+        logger.warning("[%s] %s timed out after %.0f s", rid, what, CLEANUP_TIMEOUT_S)
+
+
+class Generation:
+    """Runs the choices of one HTTP request on the engine, each in its own task, and merges their events.
+
+    ``next_event()`` returns events in arrival order, raises the first error, and returns None once every
+    choice has finished. ``close()`` cancels what is still running; each choice's task then closes its engine
+    iterator and calls ``engine.abort`` unless the engine reported the request finished.
+    """
+
+    def __init__(self, engine: EngineClient, rid: str, choices: list[Choice], *, metrics: Metrics | None = None,
+                 arrival: float | None = None):
+        self.engine = engine
+        self.rid = rid
+        self.choices = choices
+        self.metrics = metrics
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._open = len(choices)
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._run(ch), name=f"ferrylm-{ch.engine_id}") for ch in self.choices]
+
+    async def next_event(self) -> Event | None:
+        if self._open == 0:
+            return None
+        ev = await self._queue.get()
+        if ev.error is not None:
+            raise ev.error
+        if ev.finish_reason is not None:
+            self._open -= 1
+        return ev
+
+    async def drain(self) -> None:
+        while await self.next_event() is not None:
+            pass
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            if not t.done():
+                t.cancel()
+        if self._tasks:
+            await cleanup(asyncio.gather(*self._tasks, return_exceptions=True), "closing choices", self.rid)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(ch.num_tokens for ch in self.choices)
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from the request's arrival to the first token of any choice (None before one)."""
+        times = [ch.first_token_time for ch in self.choices if ch.first_token_time is not None]
+        return min(times) - self.arrival if times else None
+
+    @property
+    def last_token_time(self) -> float | None:
+        times = [ch.last_token_time for ch in self.choices if ch.last_token_time is not None]
+        return max(times) if times else None
+
+    def _observe(self, ch: Choice, n: int) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        if ch.first_token_time is None:
+            ch.first_token_time = now
+            if m is not None:
+                m.ttft.observe(now - self.arrival)
+                m.prompt_tokens.inc(len(ch.prompt_ids))
+        elif m is not None and ch.last_token_time is not None:
+            m.itl.observe(now - ch.last_token_time)
+        ch.last_token_time = now
+        if m is not None:
+            m.generation_tokens.inc(n)
+
+    async def _run(self, ch: Choice) -> None:
+        agen: Any = None
+        try:
+            agen = self.engine.generate(ch.engine_id, ch.prompt_ids, ch.params)  # may raise before iterating
+            async for out in agen:
+                ev = self._on_output(ch, out)
+                if ev is not None:
+                    self._queue.put_nowait(ev)
+                if ch.finish_reason is not None:
+                    break
+            if ch.finish_reason is None:
+                raise EngineUnavailable("the engine ended the request without finishing it")
+        except asyncio.CancelledError:
+            raise
+        except MemoryError as e:  # a frontend allocation (detokenizer ...) failed: this request only, 503
+            logger.error("[%s] choice %d: out of host memory in the frontend: %s", self.rid, ch.index, e)
+            self._queue.put_nowait(Event(ch.index, error=InsufficientMemory(
+                f"out of memory in the server while producing the text of this request ({e}); retry later")))
+        except Exception as e:  # noqa: BLE001 - reported to the consumer, which maps it to HTTP
+            if not isinstance(e, FerryError):
+                logger.error("[%s] choice %d failed: %r", self.rid, ch.index, e, exc_info=e)
+            self._queue.put_nowait(Event(ch.index, error=e))
+        finally:
+            aclose = getattr(agen, "aclose", None) if agen is not None else None
+            if aclose is not None:
+                await cleanup(aclose(), f"closing {ch.engine_id}", self.rid)
+            if not ch.engine_done:
+                logger.debug("[%s] aborting %s", self.rid, ch.engine_id)
+                await cleanup(self.engine.abort(ch.engine_id), f"abort {ch.engine_id}", self.rid)
+
+    def _on_output(self, ch: Choice, out: EngineOutput) -> Event | None:
+        if out.queue_time is not None and self.metrics is not None:
+            self.metrics.queue_time.observe(max(0.0, out.queue_time))
+        if out.error_code:
+            ch.engine_done = True
+            raise engine_error(out.error_code, out.error_message)
+        if out.finish_reason == "abort":
+            ch.engine_done = True
+            raise EngineUnavailable("the engine aborted the request")
+        ids = list(out.new_token_ids)
+        ch.num_tokens += len(ids)
+        if ids:
+            self._observe(ch, len(ids))
+        text_ids = ids
+        if (out.finish_reason == "stop" and ids and ids[-1] in ch.text_skip_ids
+                and not ch.params.include_stop_str_in_output):
+            text_ids = ids[:-1]   # the EOS / stop token counts as generated, its text is not emitted
+        delta, offsets = ch.text.add(text_ids)
+        offsets += [len(ch.text.detok.text)] * (len(ids) - len(text_ids))
+        finish = None
+        if ch.text.stopped:
+            finish = "stop"
+        elif out.finish_reason is not None:
+            delta += ch.text.finish()
+            finish = "stop" if ch.text.stopped else out.finish_reason
+        if out.finish_reason is not None:
+            ch.engine_done = True
+        ch.finish_reason = finish
+        if finish is not None and self.metrics is not None:
+            self.metrics.success.labels(finish).inc()
+        lps = out.logprobs if ch.params.logprobs is not None and out.logprobs else None
+        if lps:
+            ch.logprobs.extend(lps)
+            ch.offsets.extend(offsets)
+        if not delta and finish is None and not lps:
+            return None
+        return Event(ch.index, delta, lps, offsets if lps else None, finish)
+
+
+async def wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def race_disconnect(request: Request, aw: Awaitable[T]) -> T:
+    """Await ``aw``; raise :class:`ClientGone` (cancelling ``aw``) if the client disconnects first."""
+    work = asyncio.ensure_future(aw)
+    watch = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done() and watch.exception() is not None:  # receive() failed: just wait for the work
+            await asyncio.wait({work})
+        if work.done():
+            return work.result()
+        raise ClientGone()
+    finally:
+        for t in (work, watch):
+            if not t.done():
+                t.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(work, watch, return_exceptions=True)
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that always watches for the client going away and always closes its body
+    iterator (so the generator's cleanup, which aborts engine requests, runs promptly)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = self.body_iterator
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the server could not write: the client is gone
+                        logger.info("[%s] client went away during the stream", scope.get(REQUEST_ID_KEY))
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                if not tg.cancel_scope.cancel_called:
+                    logger.info("[%s] client disconnected during the stream; engine request aborted",
+                                scope.get(REQUEST_ID_KEY))
+                tg.cancel_scope.cancel()
+        finally:
+            aclose = getattr(body, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+
+
+def sse_event(data: str) -> str:
+    return f"data: {data}\n\n"
