@@ -14,6 +14,17 @@ DEFAULT_MODEL = "smollm2-moe"
 MOE_BACKEND_CHOICES = ["auto", "resident", "fused", "offload", "cpu", "hybrid"]
 
 
+def port_number(value: str) -> int:
+    """argparse type for ``--port``: an integer in 1..65535 (argparse names the flag in its error)."""
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {value!r}: expected an integer in 1..65535") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is out of range 1..65535")
+    return port
+
+
 def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] = ()) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="built-in name (smollm2-moe, smollm2-135m), a local HF folder, a local .gguf file, or "
@@ -83,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
     _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    s.add_argument("--port", type=port_number, default=8000, help="port (default: 8000)")
     s.add_argument("--served-model-name", default=None, help="model id clients use (default: the model's name)")
     s.add_argument("--api-key", default=None, help="require this bearer key on /v1/* (env FERRYLM_API_KEY)")
     s.add_argument("--max-request-bytes", type=int, default=8 << 20, metavar="N",
@@ -103,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = b.add_subparsers(dest="bench_command", required=True)
     bs = bsub.add_parser("serve", help="load generator against a running server (TTFT, ITL, throughput)")
     bs.add_argument("--host", default="127.0.0.1")
-    bs.add_argument("--port", type=int, default=8000)
+    bs.add_argument("--port", type=port_number, default=8000)
     bs.add_argument("--model", default=None, help="model id (default: the server's first model)")
     bs.add_argument("--concurrency", type=int, default=1, help="requests in flight")
     bs.add_argument("--num-prompts", type=int, default=32)
@@ -119,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     bd = bsub.add_parser("decode", help="decode speed of the MoE backends: tok/s, hit rate, PCIe bytes/token, "
                                         "measured bandwidths, roofline")
     _add_model_args(bd, extra_backends=("all",))
+    bd.set_defaults(moe_backend="all")  # auto is decided by `ferry serve`; the bench compares backends
     bd.add_argument("--batch", type=int, default=1, help="sequences decoded together (default: 1)")
     bd.add_argument("--tokens", type=int, default=128, help="decode tokens per sequence (default: 128)")
     bd.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per sequence (default: 16)")
@@ -292,6 +304,9 @@ def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         llm = LLM(args.model, engine_config=engine_config)
     except ModelLoadError as e:
         print(f"ferry generate: {e.message}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # a flag out of range or a device that is not there (the message names the flag)
+        print(f"ferry generate: {e}", file=sys.stderr)
         return 2
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k)

@@ -7,6 +7,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from tests.models.hf_checkpoints import token_ids
 
 from ferrylm.cli import build_parser, engine_config_from_args, main
@@ -100,3 +101,23 @@ def test_bench_decode_profile_reports_decode_steps_only(expert_checkpoints, tmp_
     err = capsys.readouterr().err
     assert "--- profile offload-profile: 2 decode steps, batch 1 ---" in err  # the prefill step is not profiled
     assert "aten::" in err and "Self CPU time total" in err
+
+
+def test_cli_bad_values_are_clear_errors_naming_the_flag(capsys):
+    for argv, flag in ((["serve", "--port", "99999"], "--port"), (["serve", "--port", "-1"], "--port"),
+                       (["bench", "serve", "--port", "0"], "--port")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and flag in capsys.readouterr().err
+    # bench decode: a bad synthetic spec and an absent device are messages with exit 2, not tracebacks
+    assert main(["bench", "decode", "--model", "synthetic:nope", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown synthetic preset 'nope'" in err and "Traceback" not in err
+    if not torch.cuda.is_available():
+        assert main(["bench", "decode", "--model", "synthetic:qwen3-30b-a3b:layers=1", "--device", "cuda"]) == 2
+        assert "--device cuda: CUDA is not available" in capsys.readouterr().err
+
+
+def test_bench_decode_defaults_to_all_backends():
+    args = build_parser().parse_args(["bench", "decode"])
+    assert args.moe_backend == "all"

@@ -329,3 +329,30 @@ async def test_health_generate_timeout_must_be_a_number(client: httpx.AsyncClien
     for ok in ("0", "-3", "2.5", "1e9"):
         r = await client.get("/health/generate", params={"timeout": ok})
         assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("limit", [None, 1 << 20])
+async def test_client_leaving_while_sending_the_body_is_an_abort_not_a_500(engine, codec, caplog, limit) -> None:
+    """A body cut short by a disconnect (Content-Length promised more) is a client abort: status 499, counted as
+    client_disconnected, no traceback, no internal_error."""
+    app = create_app(engine, codec, SERVED, max_request_bytes=limit)
+    messages = [{"type": "http.request", "body": b'{"model": "', "more_body": True}, {"type": "http.disconnect"}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": CHAT, "raw_path": CHAT.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")],
+             "client": ("127.0.0.1", 1234), "server": ("127.0.0.1", 8000)}
+    with caplog.at_level("INFO", logger="ferrylm"):
+        await app(scope, receive, send)
+    start = [m for m in sent if m["type"] == "http.response.start"]
+    assert start and start[0]["status"] == 499
+    assert "Traceback" not in caplog.text and "unexpected error" not in caplog.text
+    text = app.state.server.metrics.render().decode()
+    assert 'code="internal_error"' not in text and 'code="client_disconnected"} 1.0' in text

@@ -323,7 +323,8 @@ def main(args) -> int:
     if args.moe_backend == "all":
         backends = list(BACKEND_ORDER)
     elif backend_name(args.moe_backend) == "auto":
-        print("ferry bench decode: pick a backend or 'all' (auto is decided by `ferry serve`)", file=sys.stderr)
+        print("ferry bench decode: --moe-backend auto is decided by `ferry serve`; pick a backend or 'all' "
+              "(the default)", file=sys.stderr)
         return 2
     else:
         backends = [backend_name(args.moe_backend)]
@@ -332,10 +333,15 @@ def main(args) -> int:
     except ValueError as e:
         print(f"ferry bench decode: {e}", file=sys.stderr)
         return 2
-    summary = run_decode_bench(model=args.model, backends=backends, engine_config=ec, batch=args.batch,
-                               tokens=args.tokens, prompt_len=args.prompt_len,
-                               prefetch=False if args.no_prefetch else None, temperature=args.temperature,
-                               profile_steps=args.profile_steps, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    try:
+        summary = run_decode_bench(model=args.model, backends=backends, engine_config=ec, batch=args.batch,
+                                   tokens=args.tokens, prompt_len=args.prompt_len,
+                                   prefetch=False if args.no_prefetch else None, temperature=args.temperature,
+                                   profile_steps=args.profile_steps,
+                                   progress=lambda s: print(s, file=sys.stderr, flush=True))
+    except (FerryError, ValueError) as e:  # a bad --model spec or folder, a device that is not there
+        print(f"ferry bench decode: {e}", file=sys.stderr)
+        return 2
     print(format_table(summary))
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -33,10 +33,18 @@ log = logging.getLogger("ferrylm.engine")
 
 
 def resolve_device(name: str) -> torch.device:
-    """``"auto"`` → cuda when available, else cpu."""
+    """``"auto"`` → cuda when available, else cpu.
+
+    Raises:
+        ValueError: a CUDA device is asked for but torch has no CUDA device (message names ``--device``).
+    """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available here (torch {torch.__version__}, "
+                         f"{'no CUDA build' if torch.version.cuda is None else 'no visible GPU'}); use --device cpu")
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -28,6 +28,7 @@ import uuid
 from typing import Any, AsyncIterator, Sequence, TypeVar
 
 from fastapi import FastAPI, Request
+from starlette.requests import ClientDisconnect
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
@@ -234,18 +235,24 @@ async def _read_body(request: Request, limit: int | None) -> bytes:
     """The body, refused (RequestTooLarge, 413) as soon as it is known to exceed ``limit`` bytes: by its
     Content-Length before reading, or while reading a chunked body."""
     if not limit:
-        return await request.body()
+        try:
+            return await request.body()
+        except ClientDisconnect:
+            raise ClientGone() from None
     too_large = RequestTooLarge(f"the request body exceeds the server's limit of {limit} bytes "
                                 f"(--max-request-bytes)")
     cl = request.headers.get("content-length")
     if cl is not None and cl.strip().isdigit() and int(cl) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone() from None  # the client left while sending its body: an abort, not a server error
     return b"".join(chunks)
 
 
