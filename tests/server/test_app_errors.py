@@ -356,3 +356,26 @@ async def test_client_leaving_while_sending_the_body_is_an_abort_not_a_500(engin
     assert "Traceback" not in caplog.text and "unexpected error" not in caplog.text
     text = app.state.server.metrics.render().decode()
     assert 'code="internal_error"' not in text and 'code="client_disconnected"} 1.0' in text
+
+
+async def test_tokenization_runs_off_the_event_loop(engine, codec, monkeypatch) -> None:
+    """A slow tokenization (a multi-MB prompt) must not stall /health: it runs in a worker thread."""
+    import asyncio
+    import time
+
+    slow = codec.encode
+
+    def encode(text, *a, **kw):
+        time.sleep(1.0)  # blocks its thread, as a huge prompt does
+        return slow(text, *a, **kw)
+
+    monkeypatch.setattr(codec, "encode", encode)
+    async with make_client(create_app(engine, codec, SERVED)) as c:
+        t0 = time.monotonic()
+        big = asyncio.create_task(c.post("/v1/completions", json={"model": SERVED, "prompt": "hello",
+                                                                  "max_tokens": 1}))
+        await asyncio.sleep(0.2)  # the completion is now tokenizing (a blocked loop would stall right here)
+        health = await c.get("/health")
+        waited = time.monotonic() - t0
+        assert health.status_code == 200 and waited < 0.8, waited
+        assert (await big).status_code == 200

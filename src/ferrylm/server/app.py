@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -27,9 +28,10 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Sequence, TypeVar
 
+import anyio
 from fastapi import FastAPI, Request
-from starlette.requests import ClientDisconnect
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.requests import ClientDisconnect
 from starlette.types import Message, Receive, Scope, Send
 
 from ferrylm.engine.outputs import TokenLogprob
@@ -229,6 +231,13 @@ class RequestIdMiddleware:
 # ---------------------------------------------------------------------------------------------------------
 # the server
 # ---------------------------------------------------------------------------------------------------------
+
+
+async def _off_loop(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` (tokenization, chat templates) in a worker thread, so that a multi-megabyte
+    prompt does not stall the event loop, /health or other streams (the tokenizers library releases the GIL while
+    it encodes). Exceptions propagate unchanged."""
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
 
 
 async def _read_body(request: Request, limit: int | None) -> bytes:
@@ -587,11 +596,12 @@ class _Server:
             req = parse_request(TokenizeRequest, await _read_json(request))
             self._check_model(req.model)
             if req.messages is not None:
-                ids = self.codec.apply_chat_template(_template_messages(req.messages),
-                                                     add_generation_prompt=req.add_generation_prompt is not False,
-                                                     **client_template_kwargs(req.chat_template_kwargs))
+                ids = await _off_loop(self.codec.apply_chat_template, _template_messages(req.messages),
+                                      add_generation_prompt=req.add_generation_prompt is not False,
+                                      **client_template_kwargs(req.chat_template_kwargs))
             elif req.prompt is not None:
-                ids = self.codec.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+                ids = await _off_loop(self.codec.encode, req.prompt,
+                                      add_special_tokens=req.add_special_tokens is not False)
             else:
                 raise InvalidRequest("either 'prompt' or 'messages' is required", param="prompt")
             return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len})
@@ -619,8 +629,9 @@ class _Server:
         model = self._check_model(req.model)
         params = to_sampling_params(req)
         self._check_token_ids(params.stop_token_ids, "stop_token_ids")
-        prompt_ids = self.codec.apply_chat_template(
-            _template_messages(req.messages), add_generation_prompt=req.add_generation_prompt is not False,
+        prompt_ids = await _off_loop(
+            self.codec.apply_chat_template, _template_messages(req.messages),
+            add_generation_prompt=req.add_generation_prompt is not False,
             **client_template_kwargs(req.chat_template_kwargs))
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._fit_context(prompt_ids, params, default_max=None, what="messages",
@@ -721,7 +732,7 @@ class _Server:
         if req.echo and params.logprobs is not None:
             raise InvalidRequest("'echo' together with 'logprobs' is not supported (no prompt logprobs)",
                                  param="echo")
-        prompts, echo_texts = self._completion_prompts(req)
+        prompts, echo_texts = await _off_loop(self._completion_prompts, req)
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = [self._fit_context(ids, params, default_max=16, what="prompt", prompt_param="prompt",
                                         max_param=max_param) for ids in prompts]
