@@ -57,3 +57,17 @@ def test_fusion_survives_dtype_move_and_falls_back_when_replaced():
         b.load_state_dict(new)
         ref = b(pos, x, DenseCausalAttention())
     assert torch.equal(after, ref) and not torch.equal(after, fused)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_equals_the_two_half_formula(dtype):
+    """apply_rotary_full == (x1 cos - x2 sin, x2 cos + x1 sin), bit for bit (RoFormer, half-split pairing)."""
+    from ferrylm.models.layers import apply_rotary_full
+
+    x = torch.randn(5, 3, 16, dtype=dtype)
+    ang = torch.randn(5, 8)
+    c, s = ang.cos().to(dtype)[:, None, :], ang.sin().to(dtype)[:, None, :]
+    x1, x2 = x[..., :8], x[..., 8:]
+    ref = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    got = apply_rotary_full(x, torch.cat((c, c), -1)[:, 0], torch.cat((-s, s), -1)[:, 0])
+    assert torch.equal(got, ref)

@@ -97,3 +97,14 @@ def test_build_executor_names():
     assert {"resident", "fused"} <= set(MOE_BACKENDS)  # more backends arrive with the offload work (experts/)
     with pytest.raises(ValueError, match="unknown MoE backend 'offlod'"):
         build_executor("offlod", layers, "cpu")
+
+
+def test_host_planned_step_rejects_out_of_range_ids():
+    from ferrylm.experts.work import LayerWork
+
+    h, ids, w = torch.zeros(1, 4), torch.tensor([[1, 5]]), torch.ones(1, 2)
+    with pytest.raises(ValueError, match="5 experts"):
+        LayerWork.from_host_ids(0, h, ids, w, ids.tolist(), num_experts=5)
+    with pytest.raises(ValueError, match="out of range"):
+        LayerWork.from_host_ids(0, h, -ids, w, (-ids).tolist(), num_experts=8)
+    assert LayerWork.from_host_ids(0, h, ids, w, ids.tolist(), num_experts=6).needed == [1, 5]

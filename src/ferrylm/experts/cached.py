@@ -341,11 +341,7 @@ class CachedExecutor(ExpertExecutor):
         route = self._routers.get(nxt) if nxt is not None and self.prefetch else None
         pred = route(hidden) if route is not None and t <= self.options.prefetch_max_tokens else None
         host = (torch.cat([topk_ids, pred]) if pred is not None else topk_ids).tolist()
-        ids = host[:t]
-        flat = [e for row in ids for e in row]
-        if min(flat) < 0 or max(flat) >= self.num_experts:
-            raise ValueError(f"expert id out of range: the layer has {self.num_experts} experts, got {flat}")
-        work = LayerWork.from_host_ids(layer_idx, hidden, topk_ids, topk_weights, ids)
+        work = LayerWork.from_host_ids(layer_idx, hidden, topk_ids, topk_weights, host[:t], self.num_experts)
         work.predicted = sorted({e for row in host[t:] for e in row}) if pred is not None else None
         return work
 

@@ -40,10 +40,8 @@ def _work(experts: LayerExperts, hidden: torch.Tensor, topk_ids: torch.Tensor, t
     if hidden.shape[0] == 0:
         raise ValueError("empty step")
     if groups is None and is_small_step(hidden.shape[0]):
-        ids = topk_ids.tolist()
-        if max(max(r) for r in ids) >= experts.num_experts or min(min(r) for r in ids) < 0:
-            raise ValueError(f"expert id out of range: the layer has {experts.num_experts} experts")
-        work = LayerWork.from_host_ids(layer, hidden, topk_ids, topk_weights, ids)
+        work = LayerWork.from_host_ids(layer, hidden, topk_ids, topk_weights, topk_ids.tolist(),
+                                       experts.num_experts)
     else:
         if groups is None:
             groups = group_by_expert(topk_ids, topk_weights, experts.num_experts)

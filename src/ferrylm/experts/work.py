@@ -134,15 +134,21 @@ class LayerWork:
 
     @classmethod
     def from_host_ids(cls, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                      ids_host: list[list[int]]) -> "LayerWork":
+                      ids_host: list[list[int]], num_experts: int) -> "LayerWork":
         """A small step planned on the host.
 
         Args:
-            ids_host: ``topk_ids.tolist()`` (``T`` lists of ``k`` distinct ids), read by the caller.
+            hidden: ``[T, H]``. topk_ids / topk_weights: ``[T, k]`` on hidden's device.
+            ids_host: ``topk_ids.tolist()`` (``T`` lists of ``k`` distinct ids), read by the caller (its one
+                device->host sync for the layer).
+            num_experts: ``E``, the layer's experts.
 
         Raises:
-            ValueError: an id outside ``[0, E)`` is not checked here; the executor checks ranges.
+            ValueError: an id outside ``[0, E)``.
         """
+        flat = [e for row in ids_host for e in row]
+        if flat and (min(flat) < 0 or max(flat) >= num_experts):
+            raise ValueError(f"expert id out of range: the layer has {num_experts} experts, got {flat}")
         return cls(layer, hidden, topk_ids, None, topk_weights=topk_weights, ids_host=ids_host)
 
     # --- small mode -----------------------------------------------------------------------------------------
@@ -151,9 +157,12 @@ class LayerWork:
         self.k = len(ids_host[0]) if ids_host else self.topk_ids.shape[1]
         self.ids_host = ids_host
         pos: dict[int, list[int]] = {}
+        self._nth: list[int] = []  # flat assignment position -> its index among its expert's assignments
         for t, row in enumerate(ids_host):
             for j, e in enumerate(row):
-                pos.setdefault(e, []).append(t * self.k + j)
+                p = pos.setdefault(e, [])
+                self._nth.append(len(p))
+                p.append(t * self.k + j)
         self._pos = {e: pos[e] for e in sorted(pos)}  # expert -> flat assignment positions, ascending
         start = 0
         for e, p in self._pos.items():
@@ -171,12 +180,9 @@ class LayerWork:
     def _src_host(self) -> list[int]:
         """For each dense position ``t * k + r`` (``r``: rank of the expert among token ``t``'s, ascending id), the
         row of that contribution in ``cat(_chunks)``."""
-        k = self.k
-        src = []
-        for t, row in enumerate(self.ids_host):
-            for e in sorted(row):
-                src.append(self._row_of[e] + self._pos[e].index(t * k + row.index(e)))
-        return src
+        k, nth, row_of = self.k, self._nth, self._row_of
+        return [row_of[e] + nth[t * k + j] for t, row in enumerate(self.ids_host)
+                for e, j in sorted((e, j) for j, e in enumerate(row))]
 
     def _add_chunk(self, experts: list[int], out: torch.Tensor, stride: int) -> None:
         """Record ``out`` (``[len(experts) * stride, H]``): expert ``experts[i]``'s rows start at ``i * stride``."""

@@ -166,22 +166,12 @@ def config_rope_frequencies(config) -> tuple[torch.Tensor, float]:
                             original_max_positions=raw.get("original_max_position_embeddings"))
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, H, D]`` by per-token angles (Su et al. 2021), "half-split" pairing.
-
-    Dim ``i`` is paired with dim ``i + D/2`` (the Hugging Face / GPT-NeoX layout, not interleaved pairs):
-    ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)``. ``cos``/``sin`` are ``[T, D/2]`` in ``x``'s dtype.
-    """
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-
-
 def apply_rotary_full(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """:func:`apply_rotary` in four kernels: ``x * [cos, cos] + [x2, x1] * [-sin, sin]`` for ``x [T, H, D]``,
-    ``cos_full``/``sin_signed`` ``[T, D]`` (see :meth:`RotaryEmbedding.forward`). Bit-identical to
-    :func:`apply_rotary`: the same products, each rounded once, and ``a - b == a + (-b)``."""
+    """Rotate ``x [T, H, D]`` by per-token angles (Su et al. 2021, "RoFormer"), "half-split" pairing: dim ``i``
+    with dim ``i + D/2`` (the Hugging Face / GPT-NeoX layout), ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)``,
+    computed in four kernels as ``x * [cos, cos] + [x2, x1] * [-sin, sin]``; ``cos_full`` / ``sin_signed`` are
+    ``[T, D]`` in ``x``'s dtype (:meth:`RotaryEmbedding._tables`). Bit-identical to the two-half formula: the same
+    products, each rounded once, and ``a - b == a + (-b)``."""
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
     return x * cos_full[:, None, :] + swapped * sin_signed[:, None, :]
