@@ -69,6 +69,13 @@ def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] 
     p.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling (default: 0)")
     p.add_argument("--queue-timeout", type=float, default=None,
                    help="seconds a request may wait for its first step before 503 queue_timeout (default: off)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run decode steps without CUDA graphs (default: decode steps of up to "
+                        "--cuda-graph-max-batch sequences are captured in CUDA graphs on a CUDA device)")
+    p.add_argument("--cuda-graph-max-batch", type=int, default=16, metavar="N",
+                   help="largest decode batch run through CUDA graphs (default: 16)")
+    p.add_argument("--cuda-graph-max-len", type=int, default=8192, metavar="TOKENS",
+                   help="longest sequence run through CUDA graphs; longer ones decode eagerly (default: 8192)")
     p.add_argument("--debug-invariants", action="store_true", help="check KV/scheduler invariants every step")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
@@ -84,7 +91,9 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         moe_cpu_threads=a.moe_cpu_threads, gpu_memory_limit=a.gpu_memory_limit,
                         memory_ratio=a.memory_ratio, memory_reserve=a.memory_reserve,
                         kv_reserve_tokens=a.kv_reserve_tokens, moe_cache_auto=a.moe_cache_auto,
-                        faults=a.faults).validate()
+                        faults=a.faults, decode_graphs="off" if a.enforce_eager else "auto",
+                        cuda_graph_max_batch=a.cuda_graph_max_batch,
+                        cuda_graph_max_len=a.cuda_graph_max_len).validate()
 
 
 def build_parser() -> argparse.ArgumentParser:

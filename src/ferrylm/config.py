@@ -139,6 +139,11 @@ class EngineConfig:
         seed: global seed for unseeded sampling.
         queue_timeout: seconds a request may wait before its first step; then 503 ``queue_timeout``
             (``--queue-timeout``; None = wait as long as needed).
+        decode_graphs: ``auto`` (CUDA graphs for decode steps on a CUDA device), ``off`` (``--enforce-eager``),
+            ``eager`` (the same piecewise decode path without capture: tests), ``cuda``
+            (``engine/decode_graph.py``).
+        cuda_graph_max_batch: largest decode batch run through CUDA graphs (``--cuda-graph-max-batch``).
+        cuda_graph_max_len: longest sequence (tokens) run through CUDA graphs (``--cuda-graph-max-len``).
     """
 
     device: str = "auto"
@@ -162,6 +167,9 @@ class EngineConfig:
     kv_memory_fraction: float = 0.05
     seed: int = 0
     queue_timeout: float | None = None
+    decode_graphs: str = "auto"
+    cuda_graph_max_batch: int = 16
+    cuda_graph_max_len: int = 8192
 
     def to_dict(self) -> dict:
         from dataclasses import asdict
@@ -187,6 +195,10 @@ class EngineConfig:
              "--moe-cache-auto and --moe-cache-size exclude each other"),
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"--device must be auto, cpu or cuda[:N], got {self.device!r}"),
+            (self.decode_graphs in ("auto", "off", "eager", "cuda"),
+             f"decode_graphs must be auto, off, eager or cuda, got {self.decode_graphs!r}"),
+            (self.cuda_graph_max_batch >= 1, "--cuda-graph-max-batch must be >= 1"),
+            (self.cuda_graph_max_len >= 1, "--cuda-graph-max-len must be >= 1 token"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"),
         ]

@@ -189,13 +189,15 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
     pages = batch * -(-(prompt_len + tokens + 8) // page) + 4
     cfg = EngineConfig(device=str(device), dtype=str(dtype).removeprefix("torch."), page_size=page, num_pages=pages,
                        max_running_requests=batch, max_prefill_length=max(64, batch * prompt_len),
-                       moe_backend="resident")
+                       moe_backend="resident", decode_graphs=ec.decode_graphs,
+                       cuda_graph_max_batch=ec.cuda_graph_max_batch, cuda_graph_max_len=ec.cuda_graph_max_len)
     engine = Engine(loaded.model, loaded.config, cfg, device=device, dtype=dtype)
     base = non_expert_step_bytes(loaded.model)
     g = torch.Generator().manual_seed(ec.seed)
     upper = min(loaded.config.vocab_size, 1000)
     prompts = [torch.randint(1, upper, (prompt_len,), generator=g).tolist() for _ in range(batch)]
-    warm = [torch.randint(1, upper, (prompt_len,), generator=g).tolist()]
+    # as many warm-up prompts as the batch: decode graphs for the batch size are captured before the timed run
+    warm = [torch.randint(1, upper, (prompt_len,), generator=g).tolist() for _ in range(batch)]
 
     results = []
     for name in backends:
@@ -213,6 +215,8 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
                     prefetch=prefetch, bandwidths=bw))
                 res.num_slots = ex.reserve(expert_budget(device, ec.gpu_memory_limit))
             swap_executor(loaded.model, ex)
+            if engine.decode_graphs is not None:
+                engine.decode_graphs.reset()  # the graphs capture the executor's prefetch prediction
             _generate(engine, warm, 4, f"{name}-warm", ex, device)
             toks, secs, c0, c1 = _generate(engine, prompts, tokens, name, ex, device, temperature)
         except (RuntimeError, ValueError, FerryError) as e:  # OOM under the cap, a backend that cannot fit
@@ -242,6 +246,7 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
     return {"model": model, "device": str(device), "dtype": str(dtype).removeprefix("torch."), "batch": batch,
             "tokens": tokens, "temperature": temperature, "prompt_len": prompt_len,
             "gpu_memory_limit_gib": ec.gpu_memory_limit,
+            "decode_graphs": engine.decode_graphs.mode if engine.decode_graphs is not None else "off",
             "bandwidths": bw.as_dict(), "expert_bytes": banks.expert_bytes, "non_expert_bytes": base,
             "results": [asdict(r) for r in results]}
 
@@ -305,7 +310,8 @@ def format_row(r: DecodeResult) -> str:
 def format_table(summary: dict) -> str:
     bw = summary["bandwidths"]
     lines = [f"model {summary['model']}  device {summary['device']} {summary['dtype']}  batch {summary['batch']}  "
-             f"tokens {summary['tokens']}  gpu limit {summary['gpu_memory_limit_gib']} GiB",
+             f"tokens {summary['tokens']}  gpu limit {summary['gpu_memory_limit_gib']} GiB  "
+             f"decode graphs {summary.get('decode_graphs', 'off')}",
              "measured GB/s: " + "  ".join(f"{k} {v / 1e9:.1f}" for k, v in bw.items()), HEADER]
     lines += [format_row(DecodeResult(**r)) for r in summary["results"]]
     return "\n".join(lines)

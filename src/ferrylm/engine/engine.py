@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ferrylm.config import EngineConfig, ModelConfig
+from ferrylm.engine.decode_graph import DecodeGraphConfig, DecodeGraphRunner
 from ferrylm.engine.kv_cache import KVPool, PagedAttention, SeqSlice
 from ferrylm.engine.outputs import EngineOutput
 from ferrylm.engine.request import Request, Status
@@ -153,6 +154,7 @@ class Engine:
         self.guard = guard or OomGuard(device, elastic_cache_of(expert_executor),
                                        prefill_limit=self.limits.max_prefill_length,
                                        reserve_bytes=memory_plan.reserve_bytes if memory_plan else 0)
+        self.decode_graphs = _decode_graphs(model, self.pool, device, dtype, config)
         self.requests: dict[str, Request] = {}
         self.eos_ids = tuple(model_config.eos_token_ids)
         self._pending: list[EngineOutput] = []
@@ -423,6 +425,21 @@ class Engine:
                               f"--queue-timeout {limit:g} s ({self.num_running} running, {self.num_waiting} waiting)"))
 
     def _run(self, batch: Batch) -> None:
+        faults = self.faults
+        hidden, rows = None, None
+        graphs = self.decode_graphs
+        if graphs is not None and not faults.enabled and not _has_prefill(batch.seqs) \
+                and graphs.accepts(len(batch.seqs), max(s.start + 1 for s in batch.seqs)):
+            hidden = graphs.run([s.request.tokens(s.start, s.start + 1)[0] for s in batch.seqs],
+                                [s.start for s in batch.seqs], [s.request.page_table for s in batch.seqs],
+                                self.limits.page_size)
+            rows = [i for i, s in enumerate(batch.seqs) if s.sample]
+        else:
+            hidden, rows = self._forward(batch)
+        self._finish_step(batch, hidden, rows)
+
+    def _forward(self, batch: Batch) -> tuple[torch.Tensor, list[int]]:
+        """The plain forward of a step: ``(hidden [T, H], the rows to sample: each sampling sequence's last)``."""
         ps = self.limits.page_size
         ids, pos, seqs = [], [], []
         q_start = 0
@@ -444,20 +461,26 @@ class Engine:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.cat(pos).to(self.device)
         hidden = self.model(input_ids, positions, PagedAttention(self.pool, seqs, self.device, faults=faults))
-        to_sample = [(s, seqs[i]) for i, s in enumerate(batch.seqs) if s.sample]
+        return hidden, [sl.q_start + sl.q_len - 1 for s, sl in zip(batch.seqs, seqs) if s.sample]
+
+    def _finish_step(self, batch: Batch, hidden: torch.Tensor, rows: list[int]) -> None:
+        """Sample the sequences that sample (``hidden`` row ``rows[i]`` for the i-th of them), then advance every
+        sequence's counters and append the tokens."""
+        faults = self.faults
+        to_sample = [s for s in batch.seqs if s.sample]
         res = None
         if to_sample:
             if faults.enabled:
                 faults.check("logits", nbytes=4 * len(to_sample) * self.mcfg.vocab_size)
-            last = torch.tensor([sl.q_start + sl.q_len - 1 for _, sl in to_sample], device=self.device)
-            logits = self.model.compute_logits(hidden[last]).float()
-            res = sample(logits, [s.request for s, _ in to_sample], self.eos_ids)
+            sel = hidden if rows == list(range(hidden.shape[0])) else hidden[torch.tensor(rows, device=hidden.device)]
+            logits = self.model.compute_logits(sel).float()
+            res = sample(logits, [s.request for s in to_sample], self.eos_ids)
         # NOTE: counters advance and tokens are appended only here, after every allocation of the step succeeded
         # (the OOM guard retries a failed step from the same counters).
         for s in batch.seqs:
             s.request.num_computed_tokens += s.num_tokens
         if res is not None:
-            for i, (s, _) in enumerate(to_sample):
+            for i, s in enumerate(to_sample):
                 self._append_token(s.request, res.token_ids[i],
                                    None if res.logprobs[i] is None else [res.logprobs[i]])
 
@@ -487,7 +510,20 @@ class Engine:
         d["memory"] = g
         if self.expert_executor is not None:
             d["experts"] = self.expert_executor.stats()
+        if self.decode_graphs is not None:
+            d["decode_graphs"] = self.decode_graphs.stats()
         return d
+
+
+def _decode_graphs(model, pool: KVPool, device: torch.device, dtype: torch.dtype,
+                   config: EngineConfig) -> DecodeGraphRunner | None:
+    """The decode graph runner of ``config`` (``--enforce-eager`` / ``decode_graphs``), or None when off or when
+    ``model`` is not a ferrylm decoder stack (a test double)."""
+    cfg = DecodeGraphConfig(mode=config.decode_graphs, max_batch=config.cuda_graph_max_batch,
+                            max_kv_len=config.cuda_graph_max_len)
+    if cfg.resolved(device) == "off" or not hasattr(getattr(model, "model", None), "layers"):
+        return None
+    return DecodeGraphRunner(model, pool, device, cfg, dtype)
 
 
 def _has_prefill(seqs: list[ScheduledSeq]) -> bool:

@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ferrylm.faults import NO_FAULTS, FaultInjector
 from ferrylm.models.attention import causal_attention
 
-_CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class OutOfPages(Exception):
@@ -170,7 +170,7 @@ class PagedAttention:
         cost.
         """
         if q.is_cuda:
-            with sdpa_kernel(_CUDA_SDPA_BACKENDS):
+            with sdpa_kernel(CUDA_SDPA_BACKENDS):
                 return self._attend(layer_idx, q, k, v, scale)
         return self._attend(layer_idx, q, k, v, scale)
 

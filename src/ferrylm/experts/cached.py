@@ -301,9 +301,23 @@ class CachedExecutor(ExpertExecutor):
         return self._bandwidths
 
     # --- the step ---------------------------------------------------------------------------------------------
+    def next_layer_predictor(self, layer_idx: int, num_tokens: int) -> Router | None:
+        """See :meth:`ExpertExecutor.next_layer_predictor`: the next MoE layer's router when prefetch is on, the
+        layer has a successor and the step is small enough to be planned on the host."""
+        nxt = self._next.get(layer_idx)
+        if not self.prefetch or nxt is None or not is_small_step(num_tokens) \
+                or num_tokens > self.options.prefetch_max_tokens:
+            return None
+        return self._routers.get(nxt)
+
     def run(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
             topk_weights: torch.Tensor) -> torch.Tensor:
         """See :meth:`ExpertExecutor.run`. Raises KeyError for a layer without experts."""
+        return self.run_planned(layer_idx, hidden, topk_ids, topk_weights, None)
+
+    def run_planned(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    ids_and_predicted: torch.Tensor | None) -> torch.Tensor:
+        """See :meth:`ExpertExecutor.run_planned`. Raises KeyError for a layer without experts."""
         if layer_idx not in self.banks:
             raise KeyError(f"layer {layer_idx} has no routed experts (MoE layers: {list(self.banks.layers)})")
         if self.cache is None:
@@ -316,7 +330,7 @@ class CachedExecutor(ExpertExecutor):
             return torch.zeros_like(hidden)
         streams = self._streams(t, topk_ids.shape[1])
         if not streams and is_small_step(t):
-            work = self._plan_small(layer_idx, hidden, topk_ids, topk_weights)
+            work = self._plan_small(layer_idx, hidden, topk_ids, topk_weights, ids_and_predicted)
         else:
             work = LayerWork(layer_idx, hidden, topk_ids, group_by_expert(topk_ids, topk_weights, self.num_experts))
         try:
@@ -329,18 +343,23 @@ class CachedExecutor(ExpertExecutor):
         return work.combine()
 
     def _plan_small(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                    topk_weights: torch.Tensor) -> LayerWork:
+                    topk_weights: torch.Tensor, ids_and_predicted: torch.Tensor | None = None) -> LayerWork:
         """Read the step's expert ids to the host (ONE device->host sync per layer; with prefetch on, the next
-        layer's predicted ids, computed first, come along in the same read) and plan the layer on the host.
+        layer's predicted ids, computed first or given in ``ids_and_predicted``, come along in the same read) and
+        plan the layer on the host.
 
         Raises:
             ValueError: an expert id outside ``[0, E)``.
         """
         t = hidden.shape[0]
-        nxt = self._next.get(layer_idx)
-        route = self._routers.get(nxt) if nxt is not None and self.prefetch else None
-        pred = route(hidden) if route is not None and t <= self.options.prefetch_max_tokens else None
-        host = (torch.cat([topk_ids, pred]) if pred is not None else topk_ids).tolist()
+        pred = None
+        if ids_and_predicted is not None and ids_and_predicted.shape[0] > t:
+            host = ids_and_predicted.tolist()
+            pred = True
+        else:
+            route = self.next_layer_predictor(layer_idx, t)
+            pred = route(hidden) if route is not None else None
+            host = (torch.cat([topk_ids, pred]) if pred is not None else topk_ids).tolist()
         work = LayerWork.from_host_ids(layer_idx, hidden, topk_ids, topk_weights, host[:t], self.num_experts)
         work.predicted = sorted({e for row in host[t:] for e in row}) if pred is not None else None
         return work

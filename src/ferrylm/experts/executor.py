@@ -62,6 +62,20 @@ class ExpertExecutor(ABC):
             ``[T, H]`` in ``hidden``'s dtype.
         """
 
+    def next_layer_predictor(self, layer_idx: int, num_tokens: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The router whose prediction this executor would compute from layer ``layer_idx``'s input for a step of
+        ``num_tokens`` tokens (the next MoE layer's, with prefetch on), or None. A caller that computes it ahead
+        (the decode graphs compute it inside the layer's graph) passes the result to :meth:`run_planned`.
+        Default: None."""
+        return None
+
+    def run_planned(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    ids_and_predicted: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`run` with the next layer's predicted experts already computed: ``ids_and_predicted`` is
+        ``[2T, k]`` int64, ``topk_ids`` followed by the rows :meth:`next_layer_predictor` returns (or None: as
+        :meth:`run`). Default: the prediction is ignored."""
+        return self.run(layer_idx, hidden, topk_ids, topk_weights)
+
     def stats(self) -> dict:
         """Counters for the engine's stats (hits, misses, bytes copied ...). Empty for backends without any."""
         return {}

@@ -226,6 +226,23 @@ class RotaryEmbedding(nn.Module):
         on each part, in one pass (four kernels)."""
         return apply_rotary_full(x, *self._tables(positions, x.dtype))
 
+    def fill_tables(self, positions: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor) -> None:
+        """Write the ``[T, D]`` rows of ``positions [T]`` into the caller's buffers ``cos_full`` / ``sin_signed``
+        (their dtype), in place: the values :meth:`_tables` computes. For CUDA graphs, whose tensors must keep
+        their addresses (see :meth:`bind_tables`)."""
+        half = self.head_dim // 2
+        cos, sin = self.cos_table[positions], self.sin_table[positions]
+        cos_full[:, :half].copy_(cos)
+        cos_full[:, half:].copy_(cos)
+        sin_signed[:, :half].copy_(-sin)
+        sin_signed[:, half:].copy_(sin)
+
+    def bind_tables(self, positions: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor) -> None:
+        """Make ``cos_full`` / ``sin_signed`` ``[T, D]`` the rows every layer uses for the ``positions`` tensor
+        (the lookup cache of :meth:`_tables`), so that no layer looks them up again. The caller keeps them
+        filled (:meth:`fill_tables`)."""
+        self._rows = ((id(positions), cos_full.dtype), positions, cos_full, sin_signed)
+
     def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos_full, sin_signed)`` ``[T, D]`` for ``positions``, cached for the last positions tensor."""
         key = (id(positions), dtype)

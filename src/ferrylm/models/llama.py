@@ -82,8 +82,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``."""
-        h = x + self.self_attn(positions, self.input_layernorm(x), attn)
+        h = self.attention_residual(positions, x, attn)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def attention_residual(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """The first half of :meth:`forward`: ``x + attention(input_layernorm(x))``, ``[T, H]`` -> ``[T, H]`` (the
+        decode graphs of ``engine/decode_graph.py`` run the halves apart)."""
+        return x + self.self_attn(positions, self.input_layernorm(x), attn)
 
 
 class DecoderStack(nn.Module):

@@ -133,6 +133,12 @@ class SparseMoeBlock(nn.Module):
         sigmoid-gated shared expert when there is one."""
         ids, weights = self.route(hidden)
         out = self.executor.run(self.layer_idx, hidden, ids, weights)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
-        return out
+        shared = self.shared_output(hidden)
+        return out if shared is None else out + shared
+
+    def shared_output(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``hidden [T, H]`` -> the gated shared expert's ``[T, H]`` term ``sigmoid(w_s . x) * shared(x)``, or None
+        without a shared expert."""
+        if self.shared_expert is None:
+            return None
+        return torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)

@@ -1,0 +1,405 @@
+"""Piecewise CUDA graphs for decode steps.
+
+A decode step of a MoE model on the GPU is bound by the host: ~45 small kernels per layer (norms, q/k/v, RoPE, the
+KV write, attention, the router), each costing more host time to launch than the GPU takes to run it. Capturing them
+in CUDA graphs turns each run of kernels into one launch (the idea of vLLM's and SGLang's CUDA graphs; piecewise, as
+vLLM's piecewise capture, because the routed experts cannot be captured: which experts are missing, what to copy and
+where is decided on the host from the router's output every layer).
+
+One decode step is cut at every MoE layer's experts. Piece ``j`` runs, inside one graph:
+  * its input: the token embedding (piece 0) or ``resid + moe_out (+ shared)`` of the previous MoE layer;
+  * every dense decoder layer up to the next MoE layer (whole);
+  * that MoE layer's attention half (``DecoderLayer.attention_residual``), its post-attention norm, its router
+    (top-k ids and weights), its shared expert, and the next MoE layer's predicted experts when the executor
+    prefetches (``ExpertExecutor.next_layer_predictor``).
+Between two pieces the executor runs eagerly (``ExpertExecutor.run_planned``) and its output is copied into the one
+static ``moe_out`` buffer the next piece reads. The last piece ends with the final norm.
+
+Graphs need fixed shapes and addresses. They are keyed by the batch size ``B`` (exact: padding tokens would route
+to experts and cost real copies) and a KV-length bucket ``L`` (powers of two from ``MIN_KV_BUCKET`` tokens):
+attention gathers each sequence's first ``L`` cache slots through a static ``[B, L]`` slot table and masks the slots
+past the sequence's length. GQA attention runs with the query heads of one KV head as that head's query rows
+(``[B, Hkv, G, D]`` against ``[B, Hkv, L, D]``), so K/V are never expanded. The step's inputs (token ids, positions,
+lengths, slot table) reach the device in one host->device copy into a static buffer; RoPE rows are written into
+static buffers in piece 0 and bound to the model's rotary module (``RotaryEmbedding.bind_tables``).
+
+The first step of a key runs the pieces eagerly (warm-up: cuBLAS handles, kernels chosen) and then captures them;
+later steps of that key replay. Mode ``eager`` runs the same pieces without capture (CPU tests, debugging), so the
+piece logic is checked in CI. Graphs of all keys share one memory pool; a capture that runs out of memory disables
+the graphs for that key (the step runs eagerly) and is logged: graphs are an optimisation, never a failure.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from ferrylm.engine.kv_cache import CUDA_SDPA_BACKENDS, KVPool
+from ferrylm.memory.guard import is_oom
+
+log = logging.getLogger("ferrylm.engine")
+
+MIN_KV_BUCKET = 256     # tokens: the smallest KV-length bucket
+GRAPH_MODES = ("auto", "off", "eager", "cuda")
+
+
+@dataclass(frozen=True)
+class DecodeGraphConfig:
+    """How decode steps are run.
+
+    Attributes:
+        mode: ``auto`` (CUDA graphs on a CUDA device, off elsewhere), ``off`` (the plain eager forward; serve flag
+            ``--enforce-eager``), ``eager`` (the piecewise path without capture: tests, debugging), ``cuda``
+            (CUDA graphs; needs a CUDA device).
+        max_batch: largest decode batch run through graphs (sequences); larger batches run the plain forward.
+        max_kv_len: largest KV-length bucket (tokens); longer sequences run the plain forward.
+    """
+
+    mode: str = "auto"
+    max_batch: int = 16
+    max_kv_len: int = 8192
+
+    def resolved(self, device: torch.device) -> str:
+        """``off``, ``eager`` or ``cuda`` for ``device``. Raises ValueError for an unknown mode or ``cuda`` on a
+        device that is not CUDA."""
+        if self.mode not in GRAPH_MODES:
+            raise ValueError(f"decode graph mode must be one of {GRAPH_MODES}, got {self.mode!r}")
+        if self.mode == "auto":
+            return "cuda" if device.type == "cuda" else "off"
+        if self.mode == "cuda" and device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device (use --enforce-eager on this device)")
+        return self.mode
+
+
+def kv_bucket(num_tokens: int) -> int:
+    """The KV-length bucket (tokens) of a sequence holding ``num_tokens`` tokens: the smallest power of two
+    ``>= max(num_tokens, MIN_KV_BUCKET)``."""
+    b = MIN_KV_BUCKET
+    while b < num_tokens:
+        b *= 2
+    return b
+
+
+class StaticDecodeAttention:
+    """AttentionBackend of a decode step with fixed shapes: ``B`` sequences of one new token each, attending over
+    the first ``L`` slots of a static slot table.
+
+    Args:
+        pool: the KV pool (``k``/``v`` ``[num_slots, Hkv, D]`` per layer).
+        slot_table: ``[B, L]`` int64 cache slots of each sequence's positions ``0 .. L-1`` (past its length: any
+            valid slot, masked).
+        new_slots: ``[B]`` int64 slot of each new token.
+        mask: ``[B, L]`` bool, True where the slot holds one of the sequence's tokens (new one included).
+    """
+
+    def __init__(self, pool: KVPool, slot_table: torch.Tensor, new_slots: torch.Tensor, mask: torch.Tensor):
+        self.pool = pool
+        self.slot_table = slot_table
+        self.new_slots = new_slots
+        self.mask = mask[:, None, None, :]  # [B, 1, 1, L]: broadcast over KV heads and query rows
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """``q [B, Hq, D]``, ``k/v [B, Hkv, D]`` -> ``[B, Hq, D]`` (see ``models/attention.py``). Query head ``h``
+        reads KV head ``h // G``, ``G = Hq // Hkv``."""
+        kc, vc = self.pool.k[layer_idx], self.pool.v[layer_idx]
+        kc.index_copy_(0, self.new_slots, k if k.dtype == kc.dtype else k.to(kc.dtype))
+        vc.index_copy_(0, self.new_slots, v if v.dtype == vc.dtype else v.to(vc.dtype))
+        b, hq, d = q.shape
+        hkv = k.shape[1]
+        kd = kc[self.slot_table].transpose(1, 2)  # [B, Hkv, L, D]
+        vd = vc[self.slot_table].transpose(1, 2)
+        if kd.dtype != q.dtype:
+            kd, vd = kd.to(q.dtype), vd.to(q.dtype)
+        qg = q.view(b, hkv, hq // hkv, d)         # the G query heads of a KV head as its query rows
+        o = torch.nn.functional.scaled_dot_product_attention(qg, kd, vd, attn_mask=self.mask, scale=scale)
+        return o.reshape(b, hq, d)
+
+
+@dataclass
+class _Piece:
+    """One graph's worth of a decode step: dense layers ``dense`` (whole), then MoE layer ``moe`` (its attention
+    half and router; None for the last piece)."""
+
+    dense: list[int]
+    moe: int | None
+
+
+@dataclass
+class _Keyed:
+    """Static buffers, piece outputs and graphs of one ``(B, L)`` key."""
+
+    batch: int
+    kv_len: int
+    packed: torch.Tensor                 # [B * (3 + L)] int64: ids | positions | lengths | slot table
+    cos: torch.Tensor                    # [B, D] RoPE rows (activation dtype)
+    sin: torch.Tensor
+    moe_out: torch.Tensor                # [B, H] the last MoE layer's routed output (written between pieces)
+    outputs: list[dict] = field(default_factory=list)   # per piece: the tensors it produced
+    graphs: list | None = None
+    broken: bool = False                 # a capture failed: run this key eagerly
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.packed[:self.batch]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.packed[self.batch:2 * self.batch]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.packed[2 * self.batch:3 * self.batch]
+
+    @property
+    def slot_table(self) -> torch.Tensor:
+        return self.packed[3 * self.batch:].view(self.batch, self.kv_len)
+
+
+class DecodeGraphRunner:
+    """Runs decode-only steps of a ferrylm decoder (``LlamaForCausalLM`` and its subclasses) piecewise, with the
+    pieces captured in CUDA graphs (module docstring).
+
+    Args:
+        model: the model (``model.model`` a ``DecoderStack``: ``embed_tokens``, ``layers``, ``norm``, ``rotary``;
+            MoE layers' ``mlp`` a ``SparseMoeBlock``).
+        pool: the engine's KV pool.
+        device: the compute device.
+        config: :class:`DecodeGraphConfig`.
+        dtype: activation dtype.
+
+    Raises:
+        ValueError: see :meth:`DecodeGraphConfig.resolved`.
+    """
+
+    def __init__(self, model, pool: KVPool, device: torch.device, config: DecodeGraphConfig, dtype: torch.dtype):
+        from ferrylm.models.moe import SparseMoeBlock
+
+        self.mode = config.resolved(device)
+        self.config = config
+        self.model = model
+        self.stack = model.model
+        self.pool = pool
+        self.device = device
+        self.dtype = dtype
+        self._keys: dict[tuple[int, int], _Keyed] = {}
+        self._pool_handle = None
+        self.steps = 0      # decode steps run here (eager pieces or replays)
+        self.captures = 0
+        self.replays = 0
+        pieces, dense = [], []
+        for i, layer in enumerate(self.stack.layers):
+            if isinstance(layer.mlp, SparseMoeBlock):
+                pieces.append(_Piece(dense, i))
+                dense = []
+            else:
+                dense.append(i)
+        pieces.append(_Piece(dense, None))
+        self.pieces = pieces
+        self._sig = self._signature()
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    def accepts(self, batch: int, max_tokens: int) -> bool:
+        """True when a decode step of ``batch`` sequences, the longest holding ``max_tokens`` tokens (its new one
+        included), runs here."""
+        return (self.enabled and 1 <= batch <= self.config.max_batch and max_tokens <= self.config.max_kv_len
+                and not self._keys_broken(batch, max_tokens))
+
+    def _keys_broken(self, batch: int, max_tokens: int) -> bool:
+        k = self._keys.get((batch, kv_bucket(max_tokens)))
+        return k is not None and k.broken
+
+    def stats(self) -> dict:
+        """``mode``, graph ``keys`` ``[batch, KV bucket]`` captured now, ``steps`` run here, ``captures`` and
+        ``replays`` so far."""
+        return {"mode": self.mode, "keys": sorted([k[0], k[1]] for k, v in self._keys.items() if v.graphs),
+                "steps": self.steps, "captures": self.captures, "replays": self.replays}
+
+    # --- the step -----------------------------------------------------------------------------------------------
+    def run(self, token_ids: list[int], positions: list[int], page_tables: list[list[int]],
+            page_size: int) -> torch.Tensor:
+        """Decode one new token per sequence.
+
+        Args:
+            token_ids: ``[B]`` the new token of each sequence.
+            positions: ``[B]`` its position (= tokens already cached).
+            page_tables: each sequence's KV pages (covering ``positions[b] + 1`` tokens).
+            page_size: tokens per page.
+
+        Returns:
+            ``[B, H]`` final-normed hidden states (a static buffer: read it before the next step).
+        """
+        b = len(token_ids)
+        self.steps += 1
+        lens = [p + 1 for p in positions]
+        key = self._key(b, kv_bucket(max(lens)))
+        L = key.kv_len
+        table: list[int] = []
+        for pt, n in zip(page_tables, lens):
+            slots = [pt[i // page_size] * page_size + i % page_size for i in range(n)]
+            table.extend(slots + [slots[0]] * (L - n))
+        host = torch.tensor(list(token_ids) + list(positions) + lens + table, dtype=torch.int64)
+        key.packed.copy_(host, non_blocking=False)
+        if self._stale():
+            self.reset()
+        if key.graphs is not None:
+            return self._replay(key)
+        out = self._run_pieces(key)
+        if self.mode == "cuda" and not key.broken:
+            self._capture(key)
+        return out
+
+    def _key(self, batch: int, kv_len: int) -> _Keyed:
+        k = self._keys.get((batch, kv_len))
+        if k is None:
+            cfg = self.stack.rotary
+            h = self.stack.embed_tokens.weight.shape[1]
+            k = _Keyed(batch=batch, kv_len=kv_len,
+                       packed=torch.zeros(batch * (3 + kv_len), dtype=torch.int64, device=self.device),
+                       cos=torch.zeros(batch, cfg.head_dim, dtype=self.dtype, device=self.device),
+                       sin=torch.zeros(batch, cfg.head_dim, dtype=self.dtype, device=self.device),
+                       moe_out=torch.zeros(batch, h, dtype=self.dtype, device=self.device))
+            self._keys[(batch, kv_len)] = k
+        return k
+
+    def _run_pieces(self, key: _Keyed) -> torch.Tensor:
+        """Run every piece eagerly (the executor between them); records each piece's outputs in ``key``."""
+        key.outputs = []
+        for j in range(len(self.pieces)):
+            key.outputs.append(self._piece(key, j))
+            self._experts(key, j)
+        return key.outputs[-1]["hidden"]
+
+    def _replay(self, key: _Keyed) -> torch.Tensor:
+        for j, g in enumerate(key.graphs):
+            g.replay()
+            self._experts(key, j)
+        self.replays += 1
+        return key.outputs[-1]["hidden"]
+
+    def _experts(self, key: _Keyed, j: int) -> None:
+        """The routed experts of piece ``j``'s MoE layer, eagerly, into ``key.moe_out``."""
+        piece = self.pieces[j]
+        if piece.moe is None:
+            return
+        o = key.outputs[j]
+        mlp = self.stack.layers[piece.moe].mlp
+        out = mlp.executor.run_planned(piece.moe, o["normed"], o["ids"], o["weights"], o.get("planned"))
+        key.moe_out.copy_(out)
+
+    def _piece(self, key: _Keyed, j: int) -> dict:
+        """The kernels of piece ``j`` on ``key``'s static buffers (captured as one graph). Returns its outputs."""
+        stack, piece = self.stack, self.pieces[j]
+        pos = key.positions
+        if j == 0:
+            stack.rotary.fill_tables(pos, key.cos, key.sin)
+            x = stack.embed_tokens(key.ids)
+        else:
+            prev = key.outputs[j - 1]
+            shared = prev.get("shared")  # the order of SparseMoeBlock.forward: resid + (routed + shared)
+            x = prev["resid"] + (key.moe_out if shared is None else key.moe_out + shared)
+        stack.rotary.bind_tables(pos, key.cos, key.sin)
+        ar = torch.arange(key.kv_len, device=self.device)
+        mask = ar[None, :] < key.lengths[:, None]
+        new_slots = key.slot_table.gather(1, (key.lengths - 1)[:, None])[:, 0]
+        attn = StaticDecodeAttention(self.pool, key.slot_table, new_slots, mask)
+        with _sdpa_context(self.device):
+            for i in piece.dense:
+                x = stack.layers[i](pos, x, attn)
+            if piece.moe is None:
+                return {"hidden": stack.norm(x)}
+            layer = stack.layers[piece.moe]
+            h = layer.attention_residual(pos, x, attn)
+        normed = layer.post_attention_layernorm(h)
+        mlp = layer.mlp
+        ids, weights = mlp.route(normed)
+        out = {"resid": h, "normed": normed, "ids": ids, "weights": weights, "shared": mlp.shared_output(normed)}
+        predict = mlp.executor.next_layer_predictor(piece.moe, key.batch)
+        if predict is not None:
+            out["planned"] = torch.cat([ids, predict(normed)])
+        return out
+
+    # --- capture ------------------------------------------------------------------------------------------------
+    def _capture(self, key: _Keyed) -> None:
+        """Capture ``key``'s pieces (after an eager run of them on the same buffers). On failure (out of memory,
+        an operation that cannot be captured) the key runs eagerly from now on; the failure is logged."""
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        if self._pool_handle is None:
+            self._pool_handle = torch.cuda.graph_pool_handle()
+        graphs = []
+        key.outputs = []  # piece j of the capture reads piece j-1's captured outputs
+        try:
+            for j in range(len(self.pieces)):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self._pool_handle, capture_error_mode="thread_local"):
+                    key.outputs.append(self._piece(key, j))
+                graphs.append(g)
+        except Exception as e:  # noqa: BLE001 - graphs are an optimisation: fall back to the eager pieces
+            key.broken = True
+            key.outputs = []
+            del graphs
+            oom = is_oom(e)
+            if not oom:  # not a shortage: something this runner cannot capture; no more captures in this process
+                self.mode = "off"
+            log.warning("decode CUDA graphs for batch %d, KV bucket %d tokens disabled (%s: %s); %s",
+                        key.batch, key.kv_len, "out of memory" if oom else type(e).__name__,
+                        str(e).split("\n")[0][:200], "those steps run eagerly" if oom else "all steps run eagerly")
+            self._check_rng()
+            return
+        key.graphs = graphs
+        self.captures += 1
+        log.info("captured decode CUDA graphs: batch %d, KV bucket %d tokens, %d pieces, +%.1f MiB", key.batch,
+                 key.kv_len, len(graphs), (torch.cuda.memory_allocated(self.device) - before) / 2**20)
+
+    def _check_rng(self) -> None:
+        """After a failed capture: a capture that failed before its end leaves the CUDA generator in capture state
+        (torch 2.11: every later random draw raises). Probe it; if it is broken, raise, so the engine process
+        exits and is restarted (a sampler that fails every request is worse than a restart).
+
+        Raises:
+            RuntimeError: the generator no longer draws."""
+        try:
+            torch.cuda.synchronize(self.device)
+            torch.rand(1, device=self.device)
+        except RuntimeError as e:
+            raise RuntimeError(f"a failed CUDA graph capture left the CUDA random generator unusable ({e}); "
+                               f"the engine must restart (run with --enforce-eager if this repeats)") from e
+
+    def _signature(self) -> tuple:
+        """What the graphs depend on besides the model's weights: the KV pool's memory and the executor (its
+        prediction is captured)."""
+        first = next((p.moe for p in self.pieces if p.moe is not None), None)
+        ex = None if first is None else self.stack.layers[first].mlp.executor
+        return (self.pool.k[0].data_ptr() if self.pool.k else 0, id(ex))
+
+    def _stale(self) -> bool:
+        return self._signature() != self._sig
+
+    def reset(self) -> None:
+        """Drop every key's graphs and buffers (they are captured again on use), e.g. after the MoE blocks were
+        pointed at another executor."""
+        self._keys.clear()
+        self._pool_handle = None  # a fresh pool: the old one goes with its graphs (reusing its handle asserts)
+        self._sig = self._signature()
+
+    def close(self) -> None:
+        """Drop every graph and static buffer."""
+        self._keys.clear()
+        self._pool_handle = None
+
+
+def _sdpa_context(device: torch.device):
+    """On CUDA, SDPA without the cuDNN kernel (see ``kv_cache.PagedAttention.attend``); elsewhere nothing."""
+    if device.type == "cuda":
+        from torch.nn.attention import sdpa_kernel
+
+        return sdpa_kernel(CUDA_SDPA_BACKENDS)
+    import contextlib
+
+    return contextlib.nullcontext()
