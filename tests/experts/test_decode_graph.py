@@ -66,14 +66,23 @@ def test_piecewise_decode_matches_the_plain_forward(expert_checkpoints, case):
     assert st["keys"] == [] and st["captures"] == 0     # eager mode never captures
 
 
-def test_offload_prefetch_predicted_inside_the_piece(expert_checkpoints):
+@pytest.mark.parametrize("slots", [3, 12])
+def test_offload_staged_experts_and_prediction_inside_the_piece(expert_checkpoints, slots):
     """Offload with prefetch: the next layer's prediction computed in the piece reaches the executor
-    (run_planned), prefetches happen, and the tokens equal the plain forward's."""
+    (run_planned), prefetches happen; the expert GEMMs are staged into the next piece (ExpertStage), except for
+    layers computed in waves (3 slots, 4 experts needed), which go through the stage's extra buffer; the tokens
+    equal the plain forward's."""
     ckpt = expert_checkpoints("mixtral")
     prompts = {"a": token_ids(7, ckpt.vocab_size, seed=4).tolist(), "b": token_ids(13, ckpt.vocab_size, seed=5).tolist()}
-    engine = _compare(ckpt.path, prompts, 10, moe_backend="offload", moe_cache_size=3)
+    engine = _compare(ckpt.path, prompts, 10, moe_backend="offload", moe_cache_size=slots)
     ex = engine.stats()["experts"]
     assert ex["backend"] == "offload" and ex["prefetched"] > 0 and ex["prefetch_hits"] > 0
+    st = engine.stats()["decode_graphs"]
+    assert st["staged_layers"] > 0
+    if slots == 12:  # a layer needs 4 experts at most: never in waves, all staged
+        assert st["unstaged_layers"] == 0
+    else:            # two tokens choosing 4 distinct experts of a layer do not fit 3 slots: waves, eager
+        assert st["unstaged_layers"] > 0
 
 
 def test_kv_bucket_change_and_fallbacks(expert_checkpoints, tmp_path):

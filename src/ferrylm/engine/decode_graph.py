@@ -37,11 +37,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ferrylm.engine.kv_cache import CUDA_SDPA_BACKENDS, KVPool
+from ferrylm.experts.work import ExpertStage, staged_moe_output
 from ferrylm.memory.guard import is_oom
 
 log = logging.getLogger("ferrylm.engine")
 
 MIN_KV_BUCKET = 256     # tokens: the smallest KV-length bucket
+STAGE_MAX_BYTES = 128 << 20  # bytes: expert staging rows of one batch size at most (else its experts run eagerly)
 GRAPH_MODES = ("auto", "off", "eager", "cuda")
 
 
@@ -137,6 +139,8 @@ class _Keyed:
     cos: torch.Tensor                    # [B, D] RoPE rows (activation dtype)
     sin: torch.Tensor
     moe_out: torch.Tensor                # [B, H] the last MoE layer's routed output (written between pieces)
+    stage: ExpertStage | None = None     # staged expert GEMMs (computed in the next piece), see below
+    extra_dirty: bool = False            # stage.extra holds an eager output (zero it before the next staged layer)
     outputs: list[dict] = field(default_factory=list)   # per piece: the tensors it produced
     graphs: list | None = None
     broken: bool = False                 # a capture failed: run this key eagerly
@@ -185,10 +189,14 @@ class DecodeGraphRunner:
         self.device = device
         self.dtype = dtype
         self._keys: dict[tuple[int, int], _Keyed] = {}
+        self._stages: dict[int, ExpertStage] = {}  # batch size -> its expert stage (shared by its KV buckets)
         self._pool_handle = None
+        self._layout = None  # the staged experts' ExpertLayout
         self.steps = 0      # decode steps run here (eager pieces or replays)
         self.captures = 0
         self.replays = 0
+        self.staged_layers = 0    # MoE layer steps whose expert GEMMs ran in the next piece (ExpertStage)
+        self.unstaged_layers = 0  # ... that a staging executor computed eagerly instead (e.g. in waves)
         pieces, dense = [], []
         for i, layer in enumerate(self.stack.layers):
             if isinstance(layer.mlp, SparseMoeBlock):
@@ -216,9 +224,10 @@ class DecodeGraphRunner:
 
     def stats(self) -> dict:
         """``mode``, graph ``keys`` ``[batch, KV bucket]`` captured now, ``steps`` run here, ``captures`` and
-        ``replays`` so far."""
+        ``replays`` so far, MoE layer steps ``staged_layers`` / ``unstaged_layers``."""
         return {"mode": self.mode, "keys": sorted([k[0], k[1]] for k, v in self._keys.items() if v.graphs),
-                "steps": self.steps, "captures": self.captures, "replays": self.replays}
+                "steps": self.steps, "captures": self.captures, "replays": self.replays,
+                "staged_layers": self.staged_layers, "unstaged_layers": self.unstaged_layers}
 
     # --- the step -----------------------------------------------------------------------------------------------
     def run(self, token_ids: list[int], positions: list[int], page_tables: list[list[int]],
@@ -264,8 +273,35 @@ class DecodeGraphRunner:
                        cos=torch.zeros(batch, cfg.head_dim, dtype=self.dtype, device=self.device),
                        sin=torch.zeros(batch, cfg.head_dim, dtype=self.dtype, device=self.device),
                        moe_out=torch.zeros(batch, h, dtype=self.dtype, device=self.device))
+            k.stage = self._stage_for(batch)
             self._keys[(batch, kv_len)] = k
         return k
+
+    def _first_moe(self):
+        first = next((p.moe for p in self.pieces if p.moe is not None), None)
+        return None if first is None else self.stack.layers[first].mlp
+
+    def _stage_for(self, batch: int) -> ExpertStage | None:
+        """The expert stage of ``batch`` when the executor stages (offload) and its rows fit ``STAGE_MAX_BYTES``;
+        else None (the experts' output reaches the next piece through ``moe_out``)."""
+        if batch in self._stages:
+            return self._stages[batch]
+        mlp = self._first_moe()
+        stage = None
+        if mlp is not None and mlp.executor.stages:
+            layout = mlp.executor.layout
+            m = min(batch * mlp.top_k, mlp.num_experts)
+            if m * layout.nbytes <= STAGE_MAX_BYTES:
+                dev, k = self.device, mlp.top_k
+                stage = ExpertStage(
+                    rows=torch.zeros(m, layout.numel, dtype=layout.dtype, device=dev),
+                    index=torch.tensor([0] * (2 * m * batch) + [0] * (batch * k), dtype=torch.int64, device=dev),
+                    extra=torch.zeros(batch, self.stack.embed_tokens.weight.shape[1], dtype=self.dtype, device=dev),
+                    tokens=batch, top_k=k, n=batch)
+                stage.index.copy_(torch.tensor(stage.padding_index()))
+                self._layout = layout
+        self._stages[batch] = stage
+        return stage
 
     def _run_pieces(self, key: _Keyed) -> torch.Tensor:
         """Run every piece eagerly (the executor between them); records each piece's outputs in ``key``."""
@@ -289,8 +325,24 @@ class DecodeGraphRunner:
             return
         o = key.outputs[j]
         mlp = self.stack.layers[piece.moe].mlp
-        out = mlp.executor.run_planned(piece.moe, o["normed"], o["ids"], o["weights"], o.get("planned"))
-        key.moe_out.copy_(out)
+        stage = key.stage
+        if stage is None:
+            key.moe_out.copy_(mlp.executor.run_planned(piece.moe, o["normed"], o["ids"], o["weights"],
+                                                       o.get("planned")))
+            return
+        out = mlp.executor.run_staged(piece.moe, o["normed"], o["ids"], o["weights"], o.get("planned"), stage)
+        if out is None:  # staged: the next piece computes the experts; extra must be zero
+            self.staged_layers += 1
+            if key.extra_dirty:
+                stage.extra.zero_()
+                key.extra_dirty = False
+            return
+        # computed eagerly (e.g. in waves): make the staged sum exactly zero and carry the output in extra
+        self.unstaged_layers += 1
+        stage.rows.zero_()
+        stage.index.copy_(torch.tensor(stage.padding_index()))
+        stage.extra.copy_(out)
+        key.extra_dirty = True
 
     def _piece(self, key: _Keyed, j: int) -> dict:
         """The kernels of piece ``j`` on ``key``'s static buffers (captured as one graph). Returns its outputs."""
@@ -301,8 +353,10 @@ class DecodeGraphRunner:
             x = stack.embed_tokens(key.ids)
         else:
             prev = key.outputs[j - 1]
+            routed = key.moe_out if key.stage is None else \
+                staged_moe_output(key.stage, self._layout, prev["normed"], prev["weights"])
             shared = prev.get("shared")  # the order of SparseMoeBlock.forward: resid + (routed + shared)
-            x = prev["resid"] + (key.moe_out if shared is None else key.moe_out + shared)
+            x = prev["resid"] + (routed if shared is None else routed + shared)
         stack.rotary.bind_tables(pos, key.cos, key.sin)
         ar = torch.arange(key.kv_len, device=self.device)
         mask = ar[None, :] < key.lengths[:, None]
@@ -385,12 +439,14 @@ class DecodeGraphRunner:
         """Drop every key's graphs and buffers (they are captured again on use), e.g. after the MoE blocks were
         pointed at another executor."""
         self._keys.clear()
+        self._stages.clear()
         self._pool_handle = None  # a fresh pool: the old one goes with its graphs (reusing its handle asserts)
         self._sig = self._signature()
 
     def close(self) -> None:
         """Drop every graph and static buffer."""
         self._keys.clear()
+        self._stages.clear()
         self._pool_handle = None
 
 

@@ -88,6 +88,7 @@ class CachedExecutor(ExpertExecutor):
         self._last_use: dict[int, object] = {}  # slot -> compute fence of its last read
         self._prefetched: set[Key] = set()      # prefetched and not yet used
         self._copy_mark = (0.0, 0.0)
+        self._stage = None                      # the ExpertStage of the current run_staged call
 
     # --- memory -----------------------------------------------------------------------------------------------
     def stream_bytes(self) -> int:
@@ -315,9 +316,20 @@ class CachedExecutor(ExpertExecutor):
         """See :meth:`ExpertExecutor.run`. Raises KeyError for a layer without experts."""
         return self.run_planned(layer_idx, hidden, topk_ids, topk_weights, None)
 
+    def run_staged(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   ids_and_predicted: torch.Tensor | None, stage) -> torch.Tensor | None:
+        """See :meth:`ExpertExecutor.run_staged` (backends with ``stages``: the layer's experts, once resident, are
+        stacked into ``stage.rows`` instead of computed)."""
+        self._stage = stage if self.stages else None
+        try:
+            return self.run_planned(layer_idx, hidden, topk_ids, topk_weights, ids_and_predicted)
+        finally:
+            self._stage = None
+
     def run_planned(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                    ids_and_predicted: torch.Tensor | None) -> torch.Tensor:
-        """See :meth:`ExpertExecutor.run_planned`. Raises KeyError for a layer without experts."""
+                    ids_and_predicted: torch.Tensor | None) -> torch.Tensor | None:
+        """See :meth:`ExpertExecutor.run_planned`; None when the step was staged (:meth:`run_staged`). Raises
+        KeyError for a layer without experts."""
         if layer_idx not in self.banks:
             raise KeyError(f"layer {layer_idx} has no routed experts (MoE layers: {list(self.banks.layers)})")
         if self.cache is None:
@@ -340,7 +352,7 @@ class CachedExecutor(ExpertExecutor):
                 self._run_cached(work)
         finally:
             self.cache.unpin_all()
-        return work.combine()
+        return None if work.staged else work.combine()
 
     def _plan_small(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                     topk_weights: torch.Tensor, ids_and_predicted: torch.Tensor | None = None) -> LayerWork:
@@ -468,7 +480,11 @@ class CachedExecutor(ExpertExecutor):
         self._wait_slots(items)
         b = self._block_size
         blocks = {slot // b for _, slot in items}
-        if len(blocks) == 1:
+        experts = [e for e, _ in items]
+        if work.can_stage(experts, self._stage):  # the caller's graph computes them from the stage
+            torch.stack([self._slot_row(slot) for _, slot in items], out=self._stage.rows[:len(items)])
+            work.stage_into(experts, self._stage)
+        elif len(blocks) == 1:
             blk = blocks.pop()
             work.compute([e for e, _ in items], self._block_views[blk], [slot % b for _, slot in items])
         elif work.batched:  # one batched call across blocks (as the resident backend computes the layer)

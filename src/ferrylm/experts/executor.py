@@ -76,6 +76,17 @@ class ExpertExecutor(ABC):
         :meth:`run`). Default: the prediction is ignored."""
         return self.run(layer_idx, hidden, topk_ids, topk_weights)
 
+    #: whether :meth:`run_staged` can hand a small step's expert GEMMs to the caller's graph
+    stages = False
+
+    def run_staged(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   ids_and_predicted: torch.Tensor | None, stage) -> torch.Tensor | None:
+        """:meth:`run_planned`, except that an executor with ``stages`` may instead put the step's expert rows and
+        index into ``stage`` (:class:`~ferrylm.experts.work.ExpertStage`) and return None: the caller then computes
+        :func:`~ferrylm.experts.work.staged_moe_output` (inside a CUDA graph). Default: computes and returns the
+        output."""
+        return self.run_planned(layer_idx, hidden, topk_ids, topk_weights, ids_and_predicted)
+
     def stats(self) -> dict:
         """Counters for the engine's stats (hits, misses, bytes copied ...). Empty for backends without any."""
         return {}

@@ -20,6 +20,7 @@ class OffloadExecutor(CachedExecutor):
     name = "offload"
     default_prefetch = True
     min_slots = 1
+    stages = True  # a layer computed in one batch (no waves) can be handed to the decode graph
 
     def _dispatch(self, work: LayerWork, hits: list[tuple[int, int]], misses: list[int]) -> None:
         pending = list(misses)

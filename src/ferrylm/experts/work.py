@@ -87,6 +87,41 @@ def swiglu_batched(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: 
     return torch.bmm(F.silu(g) * u, down.transpose(1, 2))
 
 
+@dataclass
+class ExpertStage:
+    """Static buffers through which an executor hands one small step's routed-expert GEMMs to a CUDA graph (the
+    next decode graph computes them: ``engine/decode_graph.py``), so no kernel of the expert math is launched from
+    the host.
+
+    Attributes:
+        rows: ``[M, S]`` expert rows (``M`` experts at most, :class:`~ferrylm.experts.banks.ExpertLayout` rows).
+        index: ``[2 * M * n + T * k]`` int64: per staged row ``i`` and token slot ``c < n``, the token row
+            (``[M * n]``), then the flat assignment position of its routing weight (``[M * n]``; ``T * k`` = the
+            zero weight of a padding slot), then for each token ``t`` and rank ``r`` (ascending expert id) the row
+            ``i * n + c`` of that contribution (``[T * k]``).
+        extra: ``[T, H]`` added to the staged sum (an eagerly computed output when the step could not be staged;
+            zeros otherwise).
+        tokens: ``T``; top_k: ``k``; n: token slots per staged expert (``T``).
+    """
+
+    rows: torch.Tensor
+    index: torch.Tensor
+    extra: torch.Tensor
+    tokens: int
+    top_k: int
+    n: int
+
+    @property
+    def max_experts(self) -> int:
+        return self.rows.shape[0]
+
+    def padding_index(self) -> list[int]:
+        """An index under which the staged sum is exactly zero (every weight the zero one), for
+        :meth:`LayerWork.stage_into`'s fallback."""
+        mn = self.max_experts * self.n
+        return [0] * mn + [self.tokens * self.top_k] * mn + [0] * (self.tokens * self.top_k)
+
+
 class LayerWork:
     """One layer's step: the activations, the assignments grouped by expert, the per-expert contributions.
 
@@ -122,6 +157,7 @@ class LayerWork:
         self.batched = self.small and (hidden.is_cuda or self.batch_on_cpu)
         self.parts: dict[int, torch.Tensor] = {}  # large mode: expert -> weighted output [count, H]
         self.predicted: list[int] | None = None
+        self.staged = False  # small mode: the GEMMs were handed to a graph (stage_into)
         if self.small:
             self._init_small(topk_weights, ids_host)
         else:
@@ -305,6 +341,28 @@ class LayerWork:
         else:
             self._add_chunk(experts, out, nmax)
 
+    def can_stage(self, experts: list[int], stage: ExpertStage | None) -> bool:
+        """True when ``experts`` (ascending) are every expert of this small step and fit ``stage``."""
+        return (stage is not None and self.small and not self._chunks and len(experts) == len(self.needed)
+                and len(experts) <= stage.max_experts and stage.tokens == self.hidden.shape[0]
+                and stage.top_k == self.k and all(self.spans[e][1] <= stage.n for e in experts))
+
+    def stage_into(self, experts: list[int], stage: ExpertStage) -> None:
+        """Write the step's index into ``stage.index`` (one host->device copy) for ``experts`` (ascending, every
+        needed expert, :meth:`can_stage`), whose rows the caller put in ``stage.rows[:len(experts)]`` in that order.
+        The graph's computation is :meth:`compute` + :meth:`combine` with ``nmax = stage.n`` and ``stage.rows`` as
+        the source (padding slots weigh zero)."""
+        n, mn, pad_w = stage.n, stage.max_experts * stage.n, stage.tokens * stage.top_k
+        tok, pos = [0] * mn, [pad_w] * mn
+        for i, e in enumerate(experts):
+            self._row_of[e] = i * n
+            for c, a in enumerate(self._pos[e]):
+                tok[i * n + c] = a // self.k
+                pos[i * n + c] = a
+        stage.index.copy_(torch.tensor(tok + pos + self._src_host(), dtype=torch.int64),
+                          non_blocking=stage.index.is_cuda)
+        self.staged = True
+
     def combine(self) -> torch.Tensor:
         """``[T, H]``: the contributions summed per token in float32, experts in ascending id (module docstring).
 
@@ -329,3 +387,22 @@ class LayerWork:
         dense = torch.empty(t * k, self.hidden.shape[1], dtype=parts.dtype, device=parts.device)
         dense.index_copy_(0, pos, parts)
         return dense.view(t, k, -1).sum(1, dtype=torch.float32).to(self.hidden.dtype)
+
+
+def staged_moe_output(stage: ExpertStage, layout, hidden: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """The computation a :class:`ExpertStage` describes, with fixed shapes (captured in a CUDA graph):
+    ``hidden [T, H]``, ``topk_weights [T, k]`` float32 -> ``[T, H]`` = the staged experts' weighted outputs summed per
+    token in float32 in ascending expert order (as :meth:`LayerWork.combine`), plus ``stage.extra``.
+    ``layout``: the rows' :class:`~ferrylm.experts.banks.ExpertLayout`."""
+    m, n, t, k = stage.max_experts, stage.n, stage.tokens, stage.top_k
+    mn = m * n
+    idx = stage.index
+    x = hidden[idx[:mn]].view(m, n, -1)
+    w_all = torch.cat([topk_weights.reshape(-1).float(), topk_weights.new_zeros(1, dtype=torch.float32)])
+    w = w_all[idx[mn:2 * mn]].view(m, n)
+    src = layout.layer_views(stage.rows)
+    y = swiglu_batched(x, src.gate, src.up, src.down)
+    y = (y * w[..., None]).to(hidden.dtype).view(mn, -1)
+    dense = y.index_select(0, idx[2 * mn:])
+    out = dense.view(t, k, -1).sum(1, dtype=torch.float32).to(hidden.dtype)
+    return out + stage.extra
