@@ -85,6 +85,16 @@ def test_offload_staged_experts_and_prediction_inside_the_piece(expert_checkpoin
         assert st["unstaged_layers"] > 0
 
 
+def test_hybrid_stages_layers_without_cpu_work(expert_checkpoints):
+    """Hybrid: layers whose misses were all prefetched are staged into the next piece; layers with CPU work are
+    computed eagerly and reach the piece through the stage's extra buffer; the tokens equal the plain forward's."""
+    ckpt = expert_checkpoints("mixtral")
+    prompts = {"a": token_ids(7, ckpt.vocab_size, seed=4).tolist(), "b": token_ids(13, ckpt.vocab_size, seed=5).tolist()}
+    engine = _compare(ckpt.path, prompts, 10, moe_backend="hybrid", moe_cache_size=3)
+    ex, st = engine.stats()["experts"], engine.stats()["decode_graphs"]
+    assert ex["cpu_experts"] > 0 and st["staged_layers"] > 0 and st["unstaged_layers"] > 0
+
+
 def test_kv_bucket_change_and_fallbacks(expert_checkpoints, tmp_path):
     """A sequence crossing the first KV bucket (256 -> 512 tokens) keeps matching; batches larger than
     --cuda-graph-max-batch and sequences longer than --cuda-graph-max-len take the plain forward."""

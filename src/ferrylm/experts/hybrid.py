@@ -44,6 +44,7 @@ class HybridExecutor(CachedExecutor):
     uses_cpu = True
     min_slots = 0
     default_prefetch = True
+    stages = True  # a layer without CPU work (every miss predicted and prefetched) goes to the decode graph
 
     def _dispatch(self, work: LayerWork, hits: list[tuple[int, int]], misses: list[int]) -> None:
         n = min(split_misses(len(misses), self.bandwidths()), self.cache.evictable()) if misses else 0
