@@ -15,6 +15,14 @@ One decode step is cut at every MoE layer's experts. Piece ``j`` runs, inside on
 Between two pieces the executor runs eagerly (``ExpertExecutor.run_planned``) and its output is copied into the one
 static ``moe_out`` buffer the next piece reads. The last piece ends with the final norm.
 
+Executors with ``stages`` (offload, hybrid) go further (``ExpertExecutor.run_staged``): once a layer's experts are
+resident they stack the experts' slot rows into a static :class:`~ferrylm.experts.work.ExpertStage` and copy one
+index, and the NEXT piece computes the expert GEMMs, the weighting and the per-token sum
+(:func:`~ferrylm.experts.work.staged_moe_output`) inside its graph; so between two graph launches the host only
+plans, issues copies and stacks rows. A layer the executor computes itself (waves, CPU work) reaches the piece
+through the stage's ``extra`` buffer, the staged sum made exactly zero. Stages exist for batch sizes whose
+``min(B * k, E)`` expert rows fit ``STAGE_MAX_BYTES``.
+
 Graphs need fixed shapes and addresses. They are keyed by the batch size ``B`` (exact: padding tokens would route
 to experts and cost real copies) and a KV-length bucket ``L`` (powers of two from ``MIN_KV_BUCKET`` tokens):
 attention gathers each sequence's first ``L`` cache slots through a static ``[B, L]`` slot table and masks the slots
@@ -195,6 +203,7 @@ class DecodeGraphRunner:
         self.steps = 0      # decode steps run here (eager pieces or replays)
         self.captures = 0
         self.replays = 0
+        self.graph_bytes = 0      # device bytes the captures added (graph pool), measured at each capture
         self.staged_layers = 0    # MoE layer steps whose expert GEMMs ran in the next piece (ExpertStage)
         self.unstaged_layers = 0  # ... that a staging executor computed eagerly instead (e.g. in waves)
         pieces, dense = [], []
@@ -224,10 +233,16 @@ class DecodeGraphRunner:
 
     def stats(self) -> dict:
         """``mode``, graph ``keys`` ``[batch, KV bucket]`` captured now, ``steps`` run here, ``captures`` and
-        ``replays`` so far, MoE layer steps ``staged_layers`` / ``unstaged_layers``."""
+        ``replays`` so far, MoE layer steps ``staged_layers`` / ``unstaged_layers``, device bytes of the graph pool
+        (``graph_bytes``, measured at capture) and of the expert stages (``stage_bytes``). Neither is part of the
+        boot memory plan: they are allocated on first use of a key (bounded by ``STAGE_MAX_BYTES`` per batch size
+        for the stages); a capture that runs out of memory leaves its key eager."""
         return {"mode": self.mode, "keys": sorted([k[0], k[1]] for k, v in self._keys.items() if v.graphs),
                 "steps": self.steps, "captures": self.captures, "replays": self.replays,
-                "staged_layers": self.staged_layers, "unstaged_layers": self.unstaged_layers}
+                "staged_layers": self.staged_layers, "unstaged_layers": self.unstaged_layers,
+                "graph_bytes": self.graph_bytes,
+                "stage_bytes": sum(st.rows.nbytes + st.index.nbytes + st.extra.nbytes
+                                   for st in list(self._stages.values()) if st is not None)}
 
     # --- the step -----------------------------------------------------------------------------------------------
     def run(self, token_ids: list[int], positions: list[int], page_tables: list[list[int]],
@@ -408,8 +423,11 @@ class DecodeGraphRunner:
             return
         key.graphs = graphs
         self.captures += 1
-        log.info("captured decode CUDA graphs: batch %d, KV bucket %d tokens, %d pieces, +%.1f MiB", key.batch,
-                 key.kv_len, len(graphs), (torch.cuda.memory_allocated(self.device) - before) / 2**20)
+        added = torch.cuda.memory_allocated(self.device) - before
+        self.graph_bytes += max(0, added)
+        log.info("captured decode CUDA graphs: batch %d, KV bucket %d tokens, %d pieces, +%.1f MiB%s", key.batch,
+                 key.kv_len, len(graphs), added / 2**20,
+                 f", expert stage {key.stage.rows.nbytes / 2**20:.1f} MiB" if key.stage is not None else "")
 
     def _check_rng(self) -> None:
         """After a failed capture: a capture that failed before its end leaves the CUDA generator in capture state
