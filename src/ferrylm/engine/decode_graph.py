@@ -237,7 +237,8 @@ class DecodeGraphRunner:
         (``graph_bytes``, measured at capture) and of the expert stages (``stage_bytes``). Neither is part of the
         boot memory plan: they are allocated on first use of a key (bounded by ``STAGE_MAX_BYTES`` per batch size
         for the stages); a capture that runs out of memory leaves its key eager."""
-        return {"mode": self.mode, "keys": sorted([k[0], k[1]] for k, v in self._keys.items() if v.graphs),
+        keys = list(self._keys.items())  # stats() may run on the heartbeat thread while a step adds a key
+        return {"mode": self.mode, "keys": sorted([k[0], k[1]] for k, v in keys if v.graphs),
                 "steps": self.steps, "captures": self.captures, "replays": self.replays,
                 "staged_layers": self.staged_layers, "unstaged_layers": self.unstaged_layers,
                 "graph_bytes": self.graph_bytes,
