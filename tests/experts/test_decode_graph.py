@@ -95,6 +95,32 @@ def test_hybrid_stages_layers_without_cpu_work(expert_checkpoints):
     assert ex["cpu_experts"] > 0 and st["staged_layers"] > 0 and st["unstaged_layers"] > 0
 
 
+@pytest.mark.parametrize("backend", ["offload", "hybrid"])
+def test_eager_layers_then_a_kv_bucket_change(expert_checkpoints, tmp_path, monkeypatch, backend):
+    """A layer computed eagerly (waves, CPU work; forced here for the last MoE layer) leaves its output in the
+    stage's extra buffer, which the KV buckets of one batch size share: the first staged layer after a bucket
+    change must clear it (a regression: the flag lived on the bucket and a stale output was added to the
+    residual from the bucket change on)."""
+    from ferrylm.experts.cached import CachedExecutor
+
+    staged = CachedExecutor.run_staged
+
+    def last_layer_eager(self, layer_idx, hidden, ids, weights, planned, stage):
+        if layer_idx == max(self.banks.layers):  # as if this layer ran in waves
+            return self.run_planned(layer_idx, hidden, ids, weights, planned)
+        return staged(self, layer_idx, hidden, ids, weights, planned, stage)
+
+    monkeypatch.setattr(CachedExecutor, "run_staged", last_layer_eager)
+    ckpt = expert_checkpoints("mixtral")
+    path = copy_checkpoint(ckpt.path, tmp_path / "long")
+    copy_config(ckpt.path, path, max_position_embeddings=1024)
+    prompts = {"a": token_ids(MIN_KV_BUCKET - 3, ckpt.vocab_size, seed=4).tolist(),
+               "b": token_ids(9, ckpt.vocab_size, seed=5).tolist()}
+    engine = _compare(path, prompts, 12, max_prefill_length=512, moe_backend=backend, moe_cache_size=12)
+    st = engine.stats()["decode_graphs"]
+    assert st["staged_layers"] > 0 and st["unstaged_layers"] > 0
+
+
 def test_kv_bucket_change_and_fallbacks(expert_checkpoints, tmp_path):
     """A sequence crossing the first KV bucket (256 -> 512 tokens) keeps matching; batches larger than
     --cuda-graph-max-batch and sequences longer than --cuda-graph-max-len take the plain forward."""
@@ -132,3 +158,28 @@ def test_modes_and_flags():
         engine_config_from_args(build_parser().parse_args(["serve", "--cuda-graph-max-batch", "0"]))
     with pytest.raises(ValueError, match="decode_graphs"):
         EngineConfig(decode_graphs="sometimes").validate()
+
+
+def test_allocation_failure_in_the_graph_path_falls_back_to_the_plain_forward(expert_checkpoints, monkeypatch):
+    """An allocation failure while a new key's buffers are made (or its first run) costs nothing but the graphs of
+    that key: the step runs the plain forward, the tokens are the plain forward's, the key stays disabled."""
+    import torch
+
+    from ferrylm.engine.decode_graph import DecodeGraphRunner
+
+    ckpt = expert_checkpoints("qwen3_moe")
+    prompts = {"a": token_ids(9, ckpt.vocab_size, seed=1).tolist()}
+    ref, _ = _generate(build_engine(ckpt.path, _config("off")), prompts, 6)
+    calls = []
+
+    def out_of_memory(self, batch, kv_len):
+        calls.append((batch, kv_len))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    monkeypatch.setattr(DecodeGraphRunner, "_key", out_of_memory)
+    engine = build_engine(ckpt.path, _config("eager"))
+    got, _ = _generate(engine, prompts, 6)
+    assert got == ref
+    assert (1, 256) in calls and len(calls) == len(set(calls))  # each key failed once, then was disabled ...
+    assert not engine.decode_graphs.accepts(1, 12)     # ... for its batch size and KV bucket
+    assert engine.decode_graphs.accepts(2, 12)

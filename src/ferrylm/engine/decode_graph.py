@@ -25,10 +25,10 @@ through the stage's ``extra`` buffer, the staged sum made exactly zero. Stages e
 
 Graphs need fixed shapes and addresses. They are keyed by the batch size ``B`` (exact: padding tokens would route
 to experts and cost real copies) and a KV-length bucket ``L`` (powers of two from ``MIN_KV_BUCKET`` tokens):
-attention gathers each sequence's first ``L`` cache slots through a static ``[B, L]`` slot table and masks the slots
-past the sequence's length. GQA attention runs with the query heads of one KV head as that head's query rows
+attention gathers each sequence's first ``L`` cache slots through a ``[B, L]`` slot table (expanded inside the graph
+from the sequences' page tables, padded with their first page) and masks the slots past the sequence's length. GQA attention runs with the query heads of one KV head as that head's query rows
 (``[B, Hkv, G, D]`` against ``[B, Hkv, L, D]``), so K/V are never expanded. The step's inputs (token ids, positions,
-lengths, slot table) reach the device in one host->device copy into a static buffer; RoPE rows are written into
+lengths, page tables) reach the device in one host->device copy into a static buffer; RoPE rows are written into
 static buffers in piece 0 and bound to the model's rotary module (``RotaryEmbedding.bind_tables``).
 
 The first step of a key runs the pieces eagerly (warm-up: cuBLAS handles, kernels chosen) and then captures them;
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ferrylm.engine.kv_cache import CUDA_SDPA_BACKENDS, KVPool
-from ferrylm.experts.work import ExpertStage, staged_moe_output
+from ferrylm.experts.work import SMALL_STEP_TOKENS, ExpertStage, is_small_step, staged_moe_output
 from ferrylm.memory.guard import is_oom
 
 log = logging.getLogger("ferrylm.engine")
@@ -143,12 +143,12 @@ class _Keyed:
 
     batch: int
     kv_len: int
-    packed: torch.Tensor                 # [B * (3 + L)] int64: ids | positions | lengths | slot table
+    pages: int                           # page-table columns: ceil(L / page_size)
+    packed: torch.Tensor                 # [B * (3 + pages)] int64: ids | positions | lengths | page tables
     cos: torch.Tensor                    # [B, D] RoPE rows (activation dtype)
     sin: torch.Tensor
     moe_out: torch.Tensor                # [B, H] the last MoE layer's routed output (written between pieces)
     stage: ExpertStage | None = None     # staged expert GEMMs (computed in the next piece), see below
-    extra_dirty: bool = False            # stage.extra holds an eager output (zero it before the next staged layer)
     outputs: list[dict] = field(default_factory=list)   # per piece: the tensors it produced
     graphs: list | None = None
     broken: bool = False                 # a capture failed: run this key eagerly
@@ -166,8 +166,9 @@ class _Keyed:
         return self.packed[2 * self.batch:3 * self.batch]
 
     @property
-    def slot_table(self) -> torch.Tensor:
-        return self.packed[3 * self.batch:].view(self.batch, self.kv_len)
+    def page_table(self) -> torch.Tensor:
+        """``[B, pages]`` each sequence's pages, padded with its first page."""
+        return self.packed[3 * self.batch:].view(self.batch, self.pages)
 
 
 class DecodeGraphRunner:
@@ -181,12 +182,14 @@ class DecodeGraphRunner:
         device: the compute device.
         config: :class:`DecodeGraphConfig`.
         dtype: activation dtype.
+        page_size: tokens per KV page.
 
     Raises:
         ValueError: see :meth:`DecodeGraphConfig.resolved`.
     """
 
-    def __init__(self, model, pool: KVPool, device: torch.device, config: DecodeGraphConfig, dtype: torch.dtype):
+    def __init__(self, model, pool: KVPool, device: torch.device, config: DecodeGraphConfig, dtype: torch.dtype,
+                 page_size: int):
         from ferrylm.models.moe import SparseMoeBlock
 
         self.mode = config.resolved(device)
@@ -196,14 +199,17 @@ class DecodeGraphRunner:
         self.pool = pool
         self.device = device
         self.dtype = dtype
+        self.page_size = page_size
         self._keys: dict[tuple[int, int], _Keyed] = {}
-        self._stages: dict[int, ExpertStage] = {}  # batch size -> its expert stage (shared by its KV buckets)
+        self._stages: dict[int, ExpertStage | None] = {}  # batch size -> its stage (shared by its KV buckets)
+        self._stage_rows: torch.Tensor | None = None       # the rows every batch size's stage views
+        self._broken: set[tuple[int, int]] = set()         # keys disabled after an allocation failure
         self._pool_handle = None
         self._layout = None  # the staged experts' ExpertLayout
         self.steps = 0      # decode steps run here (eager pieces or replays)
         self.captures = 0
         self.replays = 0
-        self.graph_bytes = 0      # device bytes the captures added (graph pool), measured at each capture
+        self.graph_bytes = 0      # device bytes the captures reserved (graph pool), measured at each capture
         self.staged_layers = 0    # MoE layer steps whose expert GEMMs ran in the next piece (ExpertStage)
         self.unstaged_layers = 0  # ... that a staging executor computed eagerly instead (e.g. in waves)
         pieces, dense = [], []
@@ -228,50 +234,52 @@ class DecodeGraphRunner:
                 and not self._keys_broken(batch, max_tokens))
 
     def _keys_broken(self, batch: int, max_tokens: int) -> bool:
-        k = self._keys.get((batch, kv_bucket(max_tokens)))
-        return k is not None and k.broken
+        kv = kv_bucket(max_tokens)
+        k = self._keys.get((batch, kv))
+        return (batch, kv) in self._broken or (k is not None and k.broken)
 
     def stats(self) -> dict:
         """``mode``, graph ``keys`` ``[batch, KV bucket]`` captured now, ``steps`` run here, ``captures`` and
         ``replays`` so far, MoE layer steps ``staged_layers`` / ``unstaged_layers``, device bytes of the graph pool
         (``graph_bytes``, measured at capture) and of the expert stages (``stage_bytes``). Neither is part of the
-        boot memory plan: they are allocated on first use of a key (bounded by ``STAGE_MAX_BYTES`` per batch size
-        for the stages); a capture that runs out of memory leaves its key eager."""
+        boot memory plan: they are allocated on first use of a key (the stages' rows: one buffer of at most
+        ``STAGE_MAX_BYTES``); a capture that runs out of memory leaves its key eager."""
         keys = list(self._keys.items())  # stats() may run on the heartbeat thread while a step adds a key
         return {"mode": self.mode, "keys": sorted([k[0], k[1]] for k, v in keys if v.graphs),
                 "steps": self.steps, "captures": self.captures, "replays": self.replays,
                 "staged_layers": self.staged_layers, "unstaged_layers": self.unstaged_layers,
                 "graph_bytes": self.graph_bytes,
-                "stage_bytes": sum(st.rows.nbytes + st.index.nbytes + st.extra.nbytes
-                                   for st in list(self._stages.values()) if st is not None)}
+                "stage_bytes": (0 if self._stage_rows is None else self._stage_rows.nbytes)
+                + sum(st.index.nbytes + st.extra.nbytes for st in list(self._stages.values()) if st is not None)}
 
     # --- the step -----------------------------------------------------------------------------------------------
-    def run(self, token_ids: list[int], positions: list[int], page_tables: list[list[int]],
-            page_size: int) -> torch.Tensor:
+    def run(self, token_ids: list[int], positions: list[int], page_tables: list[list[int]]) -> torch.Tensor:
         """Decode one new token per sequence.
 
         Args:
             token_ids: ``[B]`` the new token of each sequence.
             positions: ``[B]`` its position (= tokens already cached).
             page_tables: each sequence's KV pages (covering ``positions[b] + 1`` tokens).
-            page_size: tokens per page.
 
         Returns:
             ``[B, H]`` final-normed hidden states (a static buffer: read it before the next step).
+
+        Raises:
+            torch.OutOfMemoryError (or another allocation failure) while a new key's buffers are made or its
+            first, eager run needs memory: the caller may mark the key broken (:meth:`disable`) and run the plain
+            forward instead.
         """
+        if self._stale():  # before any key is looked up: no graph of the old signature may run
+            self.reset()
         b = len(token_ids)
         self.steps += 1
         lens = [p + 1 for p in positions]
         key = self._key(b, kv_bucket(max(lens)))
-        L = key.kv_len
         table: list[int] = []
-        for pt, n in zip(page_tables, lens):
-            slots = [pt[i // page_size] * page_size + i % page_size for i in range(n)]
-            table.extend(slots + [slots[0]] * (L - n))
+        for pt in page_tables:  # page tables padded with their first page (those slots are masked)
+            table.extend(pt[:key.pages] + [pt[0]] * (key.pages - len(pt)))
         host = torch.tensor(list(token_ids) + list(positions) + lens + table, dtype=torch.int64)
         key.packed.copy_(host, non_blocking=False)
-        if self._stale():
-            self.reset()
         if key.graphs is not None:
             return self._replay(key)
         out = self._run_pieces(key)
@@ -279,18 +287,30 @@ class DecodeGraphRunner:
             self._capture(key)
         return out
 
+    def disable(self, batch: int, max_tokens: int) -> None:
+        """Run decode steps of ``batch`` sequences in the KV bucket of ``max_tokens`` with the plain forward from
+        now on (after :meth:`run` raised an allocation failure for them)."""
+        kv = kv_bucket(max_tokens)
+        self._broken.add((batch, kv))
+        key = self._keys.pop((batch, kv), None)
+        if key is not None:
+            key.graphs, key.outputs = None, []
+        log.warning("decode graphs for batch %d, KV bucket %d tokens disabled after an allocation failure; those "
+                    "steps run the plain forward", batch, kv)
+
     def _key(self, batch: int, kv_len: int) -> _Keyed:
         k = self._keys.get((batch, kv_len))
         if k is None:
             cfg = self.stack.rotary
             h = self.stack.embed_tokens.weight.shape[1]
-            k = _Keyed(batch=batch, kv_len=kv_len,
-                       packed=torch.zeros(batch * (3 + kv_len), dtype=torch.int64, device=self.device),
+            pages = -(-kv_len // self.page_size)
+            k = _Keyed(batch=batch, kv_len=kv_len, pages=pages,
+                       packed=torch.zeros(batch * (3 + pages), dtype=torch.int64, device=self.device),
                        cos=torch.zeros(batch, cfg.head_dim, dtype=self.dtype, device=self.device),
                        sin=torch.zeros(batch, cfg.head_dim, dtype=self.dtype, device=self.device),
                        moe_out=torch.zeros(batch, h, dtype=self.dtype, device=self.device))
+            self._keys[(batch, kv_len)] = k  # before the stage: a failure there still marks the key
             k.stage = self._stage_for(batch)
-            self._keys[(batch, kv_len)] = k
         return k
 
     def _first_moe(self):
@@ -298,24 +318,30 @@ class DecodeGraphRunner:
         return None if first is None else self.stack.layers[first].mlp
 
     def _stage_for(self, batch: int) -> ExpertStage | None:
-        """The expert stage of ``batch`` when the executor stages (offload) and its rows fit ``STAGE_MAX_BYTES``;
-        else None (the experts' output reaches the next piece through ``moe_out``)."""
+        """The expert stage of ``batch`` when the executor stages (offload, hybrid), the step is planned on the host
+        (``is_small_step``) and its ``min(B * k, E)`` rows fit the shared rows buffer (at most
+        ``STAGE_MAX_BYTES``, allocated once for the largest batch that can stage); else None (the experts' output
+        reaches the next piece through ``moe_out``)."""
         if batch in self._stages:
             return self._stages[batch]
         mlp = self._first_moe()
         stage = None
-        if mlp is not None and mlp.executor.stages:
-            layout = mlp.executor.layout
-            m = min(batch * mlp.top_k, mlp.num_experts)
-            if m * layout.nbytes <= STAGE_MAX_BYTES:
-                dev, k = self.device, mlp.top_k
+        if mlp is not None and mlp.executor.stages and is_small_step(batch):
+            layout, k, e = mlp.executor.layout, mlp.top_k, mlp.num_experts
+            cap = min(SMALL_STEP_TOKENS * k, e, STAGE_MAX_BYTES // layout.nbytes)
+            m = min(batch * k, e)
+            if m <= cap:
+                dev = self.device
+                if self._stage_rows is None:
+                    self._stage_rows = torch.zeros(cap, layout.numel, dtype=layout.dtype, device=dev)
+                    self._layout = layout
                 stage = ExpertStage(
-                    rows=torch.zeros(m, layout.numel, dtype=layout.dtype, device=dev),
-                    index=torch.tensor([0] * (2 * m * batch) + [0] * (batch * k), dtype=torch.int64, device=dev),
+                    rows=self._stage_rows[:m],
+                    index=torch.zeros(2 * m * batch + batch * k, dtype=torch.int64, device=dev),
                     extra=torch.zeros(batch, self.stack.embed_tokens.weight.shape[1], dtype=self.dtype, device=dev),
                     tokens=batch, top_k=k, n=batch)
-                stage.index.copy_(torch.tensor(stage.padding_index()))
-                self._layout = layout
+                stage.pad_index = torch.tensor(stage.padding_index(), dtype=torch.int64).to(dev)
+                stage.index.copy_(stage.pad_index)
         self._stages[batch] = stage
         return stage
 
@@ -349,16 +375,18 @@ class DecodeGraphRunner:
         out = mlp.executor.run_staged(piece.moe, o["normed"], o["ids"], o["weights"], o.get("planned"), stage)
         if out is None:  # staged: the next piece computes the experts; extra must be zero
             self.staged_layers += 1
-            if key.extra_dirty:
+            if stage.extra_dirty:  # (the stage is shared by the batch's KV buckets: the flag lives on it)
                 stage.extra.zero_()
-                key.extra_dirty = False
+                stage.extra_dirty = False
             return
-        # computed eagerly (e.g. in waves): make the staged sum exactly zero and carry the output in extra
+        # computed eagerly (waves, CPU work): make the staged sum exactly zero and carry the output in extra. The
+        # padding index gathers only row 0 of the staged products, weighted by the zero weight: row 0 zeroed
+        # makes that product exactly 0 whatever the other rows hold.
         self.unstaged_layers += 1
-        stage.rows.zero_()
-        stage.index.copy_(torch.tensor(stage.padding_index()))
+        stage.rows[0].zero_()
+        stage.index.copy_(stage.pad_index)
         stage.extra.copy_(out)
-        key.extra_dirty = True
+        stage.extra_dirty = True
 
     def _piece(self, key: _Keyed, j: int) -> dict:
         """The kernels of piece ``j`` on ``key``'s static buffers (captured as one graph). Returns its outputs."""
@@ -374,10 +402,13 @@ class DecodeGraphRunner:
             shared = prev.get("shared")  # the order of SparseMoeBlock.forward: resid + (routed + shared)
             x = prev["resid"] + (routed if shared is None else routed + shared)
         stack.rotary.bind_tables(pos, key.cos, key.sin)
+        ps = self.page_size
+        slot_table = (key.page_table[:, :, None] * ps + torch.arange(ps, device=self.device)).view(key.batch, -1)
+        slot_table = slot_table[:, :key.kv_len]
         ar = torch.arange(key.kv_len, device=self.device)
         mask = ar[None, :] < key.lengths[:, None]
-        new_slots = key.slot_table.gather(1, (key.lengths - 1)[:, None])[:, 0]
-        attn = StaticDecodeAttention(self.pool, key.slot_table, new_slots, mask)
+        new_slots = slot_table.gather(1, (key.lengths - 1)[:, None])[:, 0]
+        attn = StaticDecodeAttention(self.pool, slot_table, new_slots, mask)
         with _sdpa_context(self.device):
             for i in piece.dense:
                 x = stack.layers[i](pos, x, attn)
@@ -399,7 +430,7 @@ class DecodeGraphRunner:
         """Capture ``key``'s pieces (after an eager run of them on the same buffers). On failure (out of memory,
         an operation that cannot be captured) the key runs eagerly from now on; the failure is logged."""
         torch.cuda.synchronize(self.device)
-        before = torch.cuda.memory_allocated(self.device)
+        before = torch.cuda.memory_reserved(self.device)
         if self._pool_handle is None:
             self._pool_handle = torch.cuda.graph_pool_handle()
         graphs = []
@@ -415,8 +446,9 @@ class DecodeGraphRunner:
             key.outputs = []
             del graphs
             oom = is_oom(e)
-            if not oom:  # not a shortage: something this runner cannot capture; no more captures in this process
+            if not oom:  # not a shortage: something this runner cannot capture; no more graphs in this process
                 self.mode = "off"
+                self.reset()
             log.warning("decode CUDA graphs for batch %d, KV bucket %d tokens disabled (%s: %s); %s",
                         key.batch, key.kv_len, "out of memory" if oom else type(e).__name__,
                         str(e).split("\n")[0][:200], "those steps run eagerly" if oom else "all steps run eagerly")
@@ -424,7 +456,7 @@ class DecodeGraphRunner:
             return
         key.graphs = graphs
         self.captures += 1
-        added = torch.cuda.memory_allocated(self.device) - before
+        added = torch.cuda.memory_reserved(self.device) - before
         self.graph_bytes += max(0, added)
         log.info("captured decode CUDA graphs: batch %d, KV bucket %d tokens, %d pieces, +%.1f MiB%s", key.batch,
                  key.kv_len, len(graphs), added / 2**20,
@@ -446,27 +478,28 @@ class DecodeGraphRunner:
 
     def _signature(self) -> tuple:
         """What the graphs depend on besides the model's weights: the KV pool's memory and the executor (its
-        prediction is captured)."""
-        first = next((p.moe for p in self.pieces if p.moe is not None), None)
-        ex = None if first is None else self.stack.layers[first].mlp.executor
-        return (self.pool.k[0].data_ptr() if self.pool.k else 0, id(ex))
+        prediction and staging are captured); the executor object itself, not its id (ids are reused)."""
+        mlp = self._first_moe()
+        return (tuple(t.data_ptr() for t in self.pool.k) + tuple(t.data_ptr() for t in self.pool.v),
+                None if mlp is None else mlp.executor)
 
     def _stale(self) -> bool:
-        return self._signature() != self._sig
+        ptrs, ex = self._signature()
+        return ptrs != self._sig[0] or ex is not self._sig[1]
 
     def reset(self) -> None:
         """Drop every key's graphs and buffers (they are captured again on use), e.g. after the MoE blocks were
         pointed at another executor."""
         self._keys.clear()
         self._stages.clear()
+        self._stage_rows = None
+        self.stack.rotary._rows = None  # no binding to the dropped buffers
         self._pool_handle = None  # a fresh pool: the old one goes with its graphs (reusing its handle asserts)
         self._sig = self._signature()
 
     def close(self) -> None:
         """Drop every graph and static buffer."""
-        self._keys.clear()
-        self._stages.clear()
-        self._pool_handle = None
+        self.reset()
 
 
 def _sdpa_context(device: torch.device):

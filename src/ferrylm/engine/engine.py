@@ -428,13 +428,21 @@ class Engine:
         faults = self.faults
         hidden, rows = None, None
         graphs = self.decode_graphs
+        longest = max(s.start + 1 for s in batch.seqs)
         if graphs is not None and not faults.enabled and not _has_prefill(batch.seqs) \
-                and graphs.accepts(len(batch.seqs), max(s.start + 1 for s in batch.seqs)):
-            hidden = graphs.run([s.request.tokens(s.start, s.start + 1)[0] for s in batch.seqs],
-                                [s.start for s in batch.seqs], [s.request.page_table for s in batch.seqs],
-                                self.limits.page_size)
-            rows = [i for i, s in enumerate(batch.seqs) if s.sample]
-        else:
+                and graphs.accepts(len(batch.seqs), longest):
+            failed = False
+            try:
+                hidden = graphs.run([s.request.tokens(s.start, s.start + 1)[0] for s in batch.seqs],
+                                    [s.start for s in batch.seqs], [s.request.page_table for s in batch.seqs])
+                rows = [i for i, s in enumerate(batch.seqs) if s.sample]
+            except Exception as e:  # a new key's buffers or first run did not fit: plain forward from now on
+                if not is_oom(e):
+                    raise
+                failed = True
+            if failed:  # outside the except block: the failure's frames and tensors are gone
+                graphs.disable(len(batch.seqs), longest)
+        if hidden is None:
             hidden, rows = self._forward(batch)
         self._finish_step(batch, hidden, rows)
 
@@ -523,7 +531,7 @@ def _decode_graphs(model, pool: KVPool, device: torch.device, dtype: torch.dtype
                             max_kv_len=config.cuda_graph_max_len)
     if cfg.resolved(device) == "off" or not hasattr(getattr(model, "model", None), "layers"):
         return None
-    return DecodeGraphRunner(model, pool, device, cfg, dtype)
+    return DecodeGraphRunner(model, pool, device, cfg, dtype, pool.page_size)
 
 
 def _has_prefill(seqs: list[ScheduledSeq]) -> bool:

@@ -100,7 +100,7 @@ class ExpertStage:
             zero weight of a padding slot), then for each token ``t`` and rank ``r`` (ascending expert id) the row
             ``i * n + c`` of that contribution (``[T * k]``).
         extra: ``[T, H]`` added to the staged sum (an eagerly computed output when the step could not be staged;
-            zeros otherwise).
+            zeros otherwise; ``extra_dirty`` says which).
         tokens: ``T``; top_k: ``k``; n: token slots per staged expert (``T``).
     """
 
@@ -110,6 +110,8 @@ class ExpertStage:
     tokens: int
     top_k: int
     n: int
+    pad_index: torch.Tensor | None = None  # padding_index() on the index's device, for the fallback
+    extra_dirty: bool = False              # extra holds an eager output: zero it before the next staged layer
 
     @property
     def max_experts(self) -> int:
