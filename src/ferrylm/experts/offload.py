@@ -1,7 +1,9 @@
 """The ``offload`` backend: every expert a step needs is made resident in the slot cache, then computed on the device.
 
 Misses are copied host->device on the dedicated copy stream, then the layer's experts compute in one batch (so the
-result equals the resident backend's bit for bit). When one layer needs more experts than there are unpinned slots,
+result equals the resident backend's bit for bit; under decode CUDA graphs the batch is staged into the next graph,
+whose GEMM shapes are padded to ``min(B * k, E)`` experts and ``B`` tokens: equal to rounding, and the same tokens
+in every H200 run so far). When one layer needs more experts than there are unpinned slots,
 the layer runs in waves (fetch what fits, compute, unpin, repeat), so any cache of at least one slot is correct.
 With prefetch on (the default), layer L+1's likely experts start copying while layer L computes: layer L+1's router
 applied to layer L's hidden state (Eliseev & Mazur 2023, "Fast Inference of Mixture-of-Experts Language Models with
