@@ -107,3 +107,17 @@ def test_extreme_parameters_never_fail_the_batch():
     for lp in res.logprobs:
         if lp is not None:
             assert math.isfinite(lp.logprob) and all(math.isfinite(v) for _, v in lp.top)
+
+
+def test_logit_bias_is_added_before_sampling():
+    """OpenAI logit_bias: +100 makes a token certain, -100 removes it, for greedy and sampled rows; ids past the
+    vocabulary are skipped (the frontend rejects them)."""
+    logits, _ = batch(None, None)
+    res = sample(logits.clone(), [req(temperature=0.0, logit_bias=[[3, 100.0]]),
+                                  req(temperature=1.0, logit_bias=[[0, -100.0], [1, -100.0], [2, -100.0], [99, 5.0]],
+                                      seed=1)])
+    assert res.token_ids == [3, 3]
+    res = sample(logits[:1].clone(), [req(temperature=0.0, logit_bias=[[0, -1.0]], logprobs=1)])
+    expected = torch.log_softmax(LOGITS - torch.tensor([1.0, 0, 0, 0]), -1)
+    assert res.token_ids == [1] and math.isclose(res.logprobs[0].logprob, float(expected[1]), abs_tol=1e-6)
+

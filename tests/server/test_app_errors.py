@@ -379,3 +379,19 @@ async def test_tokenization_runs_off_the_event_loop(engine, codec, monkeypatch) 
         waited = time.monotonic() - t0
         assert health.status_code == 200 and waited < 0.8, waited
         assert (await big).status_code == 200
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"messages": MSGS, "logit_bias": {"999999999": 5}}, "logit_bias", "out of range"),
+    ({"messages": MSGS, "logit_bias": {"abc": 5}}, "logit_bias", "token ids"),
+    ({"messages": MSGS, "logit_bias": {"3": 101}}, "logit_bias", "[-100, 100]"),
+    ({"messages": MSGS, "top_logprobs": 3}, "top_logprobs", "'logprobs': true"),
+    ({"messages": MSGS, "logprobs": True, "top_logprobs": 50}, "top_logprobs", "'top_logprobs' must be in"),
+    ({"messages": [{"role": "user"}]}, "messages", "no 'content'"),
+])
+async def test_found_by_the_fresh_clone_trial(client: httpx.AsyncClient, body: dict, param: str, words: str) -> None:
+    """The fresh-clone trial (2026-11-30) found logit_bias silently ignored, top_logprobs without logprobs and a
+    user message without content answered 200, and a top_logprobs error naming 'logprobs'."""
+    err = assert_error(await post(client, {"model": SERVED, **body}), 400)
+    assert err["param"] == param and words in err["message"], err
+

@@ -34,7 +34,14 @@ def test_stop_string_becomes_a_list() -> None:
 def test_chat_logprobs_map_to_top_logprobs_count() -> None:
     assert to_sampling_params(chat(logprobs=True, top_logprobs=3)).logprobs == 3
     assert to_sampling_params(chat(logprobs=True)).logprobs == 0
-    assert to_sampling_params(chat(logprobs=False, top_logprobs=3)).logprobs is None
+    assert to_sampling_params(chat(logprobs=False)).logprobs is None
+    with pytest.raises(InvalidRequest, match="needs 'logprobs'"):  # vLLM's rule
+        to_sampling_params(chat(logprobs=False, top_logprobs=3))
+
+
+def test_logit_bias_maps_to_sorted_pairs() -> None:
+    assert to_sampling_params(chat(logit_bias={"17": -100, "3": 2.5})).logit_bias == [[3, 2.5], [17, -100.0]]
+    assert to_sampling_params(chat()).logit_bias == []
 
 
 def test_completions_logprobs_is_the_count() -> None:

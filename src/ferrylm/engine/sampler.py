@@ -1,6 +1,6 @@
 """Batched token sampling with per-request parameters.
 
-Order of operations (as in vLLM / HF ``generate``): penalties on raw logits → logprobs of the raw distribution
+Order of operations (as in vLLM / HF ``generate``): ``logit_bias`` added, penalties on the logits → logprobs of the raw distribution
 (for ``logprobs``) → temperature → top-k → top-p → min-p → sample (greedy rows take argmax). Rows with a seed draw
 from their own ``torch.Generator`` so a request's samples do not depend on its batch mates.
 
@@ -37,6 +37,11 @@ def _apply_penalties(logits: torch.Tensor, reqs: list[Request], eos_ids: tuple[i
     dev = logits.device
     for i, r in enumerate(reqs):
         p = r.params
+        if p.logit_bias:  # OpenAI logit_bias: added to the logits before sampling ([[token id, bias], ...])
+            toks = [int(t) for t, _ in p.logit_bias if 0 <= int(t) < V]
+            if toks:
+                logits[i, toks] += torch.tensor([b for t, b in p.logit_bias if 0 <= int(t) < V], device=dev,
+                                                dtype=logits.dtype)
         if p.min_tokens and r.num_output_tokens < p.min_tokens:
             ban = [t for t in (*eos_ids, *p.stop_token_ids) if 0 <= t < V]
             if ban:

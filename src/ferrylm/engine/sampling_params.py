@@ -27,6 +27,8 @@ class SamplingParams:
     - penalties: ``presence_penalty`` / ``frequency_penalty`` (OpenAI, over generated tokens) and
       ``repetition_penalty`` (CTRL, Keskar et al. 2019, over prompt + generated tokens; 1.0 = off).
     - ``logprobs``: None = off, k >= 0 = return the sampled token's logprob and the top-k alternatives.
+    - ``logit_bias``: ``[[token id, bias], ...]`` added to the logits before everything else (OpenAI's
+      ``logit_bias``; bias in [-100, 100]); ids outside the vocabulary are rejected by the frontend.
 
     Raises:
         InvalidRequest: from :meth:`validate` when a value is out of range (names the field in ``param``).
@@ -49,11 +51,13 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    logit_bias: list[list[float]] = field(default_factory=list)
 
     MAX_N = 16
     MAX_LOGPROBS = 20
     MAX_STOP = 16
     MAX_TOP_K = 2**31 - 1
+    MAX_LOGIT_BIAS = 1024  # entries
 
     @property
     def greedy(self) -> bool:
@@ -101,6 +105,15 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
             raise InvalidRequest(f"'logprobs' must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}",
                                  param="logprobs")
+        if len(self.logit_bias) > self.MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"at most {self.MAX_LOGIT_BIAS} 'logit_bias' entries are allowed, got "
+                                 f"{len(self.logit_bias)}", param="logit_bias")
+        for tok, bias in self.logit_bias:
+            if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+                raise InvalidRequest(f"'logit_bias' keys must be token ids >= 0, got {tok!r}", param="logit_bias")
+            if not isinstance(bias, (int, float)) or not math.isfinite(bias) or not -100 <= bias <= 100:
+                raise InvalidRequest(f"'logit_bias' values must be in [-100, 100], got {bias!r} for token {tok}",
+                                     param="logit_bias")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise InvalidRequest("'seed' is out of range", param="seed")
         return self

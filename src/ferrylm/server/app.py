@@ -629,6 +629,7 @@ class _Server:
         model = self._check_model(req.model)
         params = to_sampling_params(req)
         self._check_token_ids(params.stop_token_ids, "stop_token_ids")
+        self._check_token_ids([int(t) for t, _ in params.logit_bias], "logit_bias")
         prompt_ids = await _off_loop(
             self.codec.apply_chat_template, _template_messages(req.messages),
             add_generation_prompt=req.add_generation_prompt is not False,
@@ -727,6 +728,7 @@ class _Server:
         model = self._check_model(req.model)
         params = to_sampling_params(req)
         self._check_token_ids(params.stop_token_ids, "stop_token_ids")
+        self._check_token_ids([int(t) for t, _ in params.logit_bias], "logit_bias")
         if req.suffix:
             raise InvalidRequest("'suffix' is not supported", param="suffix")
         if req.echo and params.logprobs is not None:

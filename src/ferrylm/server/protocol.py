@@ -64,6 +64,7 @@ class _SamplingRequest(_Request):
     stream_options: Optional[StreamOptions] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
     # vLLM / SGLang extras (the SDK sends them through extra_body)
     top_k: Optional[int] = None
     min_p: Optional[float] = None
@@ -168,6 +169,22 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
+def _logit_bias(bias: dict[str, float] | None) -> list[list[float]]:
+    """OpenAI ``logit_bias`` (token id as a string -> bias) as ``[[token id, bias], ...]`` sorted by id.
+
+    Raises:
+        InvalidRequest: a key that is not a token id (``param: logit_bias``).
+    """
+    out = []
+    for k, v in (bias or {}).items():
+        try:
+            tok = int(k)
+        except ValueError:
+            raise InvalidRequest(f"'logit_bias' keys must be token ids, got {k!r}", param="logit_bias") from None
+        out.append([tok, float(v)])
+    return sorted(out)
+
+
 def to_sampling_params(req: _SamplingRequest) -> SamplingParams:
     """Map a chat or completions request onto :class:`SamplingParams` and validate it.
 
@@ -183,6 +200,11 @@ def to_sampling_params(req: _SamplingRequest) -> SamplingParams:
         return default if v is None else v
 
     if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        for i, m in enumerate(req.messages):
+            if m.role in ("system", "developer", "user") and m.content is None:
+                raise InvalidRequest(f"messages[{i}] ({m.role}) has no 'content'", param="messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         logprobs_param = "top_logprobs"
     else:
@@ -208,14 +230,17 @@ def to_sampling_params(req: _SamplingRequest) -> SamplingParams:
         frequency_penalty=float(num(req.frequency_penalty, 0.0)),
         repetition_penalty=float(num(req.repetition_penalty, 1.0)),
         logprobs=logprobs,
+        logit_bias=_logit_bias(req.logit_bias),
     )
     try:
         params.validate()
     except InvalidRequest as e:
         if e.param == "max_tokens" and req.max_completion_tokens is not None:
             e.param = "max_completion_tokens"
-        elif e.param == "logprobs":
+        elif e.param == "logprobs" and logprobs_param != "logprobs":
             e.param = logprobs_param
+            e.message = e.message.replace("'logprobs'", f"'{logprobs_param}'")
+            e.args = (e.message,)
         raise
     return params
 
