@@ -31,7 +31,8 @@ def engine_with_stats(codec) -> FakeEngine:
     eng.last_stats = {"num_running": 2, "num_waiting": 1, "kv_pages_used": 25, "kv_pages_total": 100,
                       "num_preemptions": 3, "oom_recoveries": {"halve_chunk": 2},
                       "memory": {"free_bytes": 1000, "expert_slots": 12, "prefill_budget": 512},
-                      "experts": {"hits": 40, "misses": 10, "bytes_copied": 4096}}
+                      "experts": {"hits": 40, "misses": 10, "bytes_copied": 4096},
+                      "decode_graphs": {"steps": 30, "replays": 29, "graph_bytes": 1 << 20, "stage_bytes": 512}}
     eng.memory_plan = {"total_bytes": 10_000, "budget_bytes": 8000, "kv_bytes": 3000, "expert_bytes": 2000,
                        "weights_bytes": 2500, "kv_pages": 100, "kv_tokens": 1600, "expert_slots": 12,
                        "expert_total": 64}
@@ -82,6 +83,9 @@ async def test_metrics_move_over_a_scripted_run(codec) -> None:
     assert sample(t1, "ferrylm:memory_plan_expert_slots") == 12
     assert sample(t1, "ferrylm:expert_cache_slots") == 12
     assert sample(t1, "ferrylm:memory_free_bytes") == 1000
+    assert sample(t1, "ferrylm:decode_graph_steps_total") == 30
+    assert sample(t1, "ferrylm:decode_graph_replays_total") == 29
+    assert sample(t1, "ferrylm:decode_graph_memory_bytes") == (1 << 20) + 512
 
 
 async def test_engine_counters_stay_monotonic_across_a_restart(codec) -> None:

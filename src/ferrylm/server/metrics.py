@@ -45,6 +45,8 @@ _ENGINE_COUNTERS = {
     "expert_cache_hits": ("experts", "hits"),
     "expert_cache_misses": ("experts", "misses"),
     "expert_bytes_copied": ("experts", "bytes_copied"),
+    "decode_graph_steps": ("decode_graphs", "steps"),
+    "decode_graph_replays": ("decode_graphs", "replays"),
 }
 
 
@@ -52,6 +54,14 @@ def _num(v: Any) -> float | None:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         return None
     return float(v)
+
+
+def _graph_bytes(d: Any) -> float | None:
+    """``graph_bytes + stage_bytes`` of the engine's ``decode_graphs`` stats, or None without them."""
+    if not isinstance(d, dict):
+        return None
+    a, b = _num(d.get("graph_bytes")), _num(d.get("stage_bytes"))
+    return None if a is None and b is None else (a or 0.0) + (b or 0.0)
 
 
 def _get(d: Any, path: tuple[str, ...]) -> Any:
@@ -120,7 +130,9 @@ class EngineCollector:
         helps = {"num_preemptions": "Requests preempted by the scheduler (KV pages short)",
                  "expert_cache_hits": "Needed (layer, expert) pairs found in the device expert cache",
                  "expert_cache_misses": "Needed (layer, expert) pairs not in the device expert cache",
-                 "expert_bytes_copied": "Expert bytes copied host to device (demand, prefetch, streaming)"}
+                 "expert_bytes_copied": "Expert bytes copied host to device (demand, prefetch, streaming)",
+                 "decode_graph_steps": "Decode steps run through the piecewise decode path (CUDA graphs)",
+                 "decode_graph_replays": "Decode steps replayed from captured CUDA graphs"}
         for name, path in _ENGINE_COUNTERS.items():
             v = _num(_get(stats, path))
             c = CounterMetricFamily(P + name, helps[name])
@@ -141,7 +153,9 @@ class EngineCollector:
                  mem.get("free_bytes")),
                 ("expert_cache_slots", "Expert slots in the device cache now", mem.get("expert_slots")),
                 ("prefill_budget_tokens", "Prefill tokens per step now (lowered by OOM recoveries)",
-                 mem.get("prefill_budget"))):
+                 mem.get("prefill_budget")),
+                ("decode_graph_memory_bytes", "Device memory held by decode CUDA graphs and expert stages (outside "
+                 "the boot memory plan)", _graph_bytes(stats.get("decode_graphs")))):
             v = _num(v)
             if v is not None:
                 g = GaugeMetricFamily(P + name, help_)
