@@ -75,6 +75,7 @@ class DecodeResult:
     checksum: str = ""
     num_slots: int = 0
     counters: dict = field(default_factory=dict)
+    decode_graphs: dict = field(default_factory=dict)  # the engine's decode graph stats after this backend's run
     error: str | None = None
 
 
@@ -238,6 +239,8 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
         res.achieved_over_roofline = res.tok_s / res.roofline_tok_s
         res.checksum = hashlib.sha256(json.dumps(toks).encode()).hexdigest()[:12]
         res.counters = diff
+        if engine.decode_graphs is not None:
+            res.decode_graphs = engine.decode_graphs.stats()
         results.append(res)
         progress(format_row(res))
         if profile_steps > 0:
