@@ -214,3 +214,39 @@ class PagedAttention:
             qd[:, :, None, :], kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=mask, scale=scale,
             enable_gqa=group > 1 and mask is None)
         return o[:, :, 0, :]                                        # [B, Hq, D]
+
+
+class StaticDecodeAttention:
+    """AttentionBackend of a decode step with fixed shapes (the decode CUDA graphs, ``engine/decode_graph.py``):
+    ``B`` sequences of one new token each, attending over the first ``L`` slots of a ``[B, L]`` slot table.
+
+    Args:
+        pool: the KV pool (``k``/``v`` ``[num_slots, Hkv, D]`` per layer).
+        slot_table: ``[B, L]`` int64 cache slots of each sequence's positions ``0 .. L-1`` (past its length: any
+            valid slot, masked).
+        new_slots: ``[B]`` int64 slot of each new token.
+        mask: ``[B, L]`` bool, True where the slot holds one of the sequence's tokens (new one included).
+    """
+
+    def __init__(self, pool: KVPool, slot_table: torch.Tensor, new_slots: torch.Tensor, mask: torch.Tensor):
+        self.pool = pool
+        self.slot_table = slot_table
+        self.new_slots = new_slots
+        self.mask = mask[:, None, None, :]  # [B, 1, 1, L]: broadcast over KV heads and query rows
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """``q [B, Hq, D]``, ``k/v [B, Hkv, D]`` -> ``[B, Hq, D]`` (see ``models/attention.py``). Query head ``h``
+        reads KV head ``h // G``, ``G = Hq // Hkv``."""
+        kc, vc = self.pool.k[layer_idx], self.pool.v[layer_idx]
+        kc.index_copy_(0, self.new_slots, k if k.dtype == kc.dtype else k.to(kc.dtype))
+        vc.index_copy_(0, self.new_slots, v if v.dtype == vc.dtype else v.to(vc.dtype))
+        b, hq, d = q.shape
+        hkv = k.shape[1]
+        kd = kc[self.slot_table].transpose(1, 2)  # [B, Hkv, L, D]
+        vd = vc[self.slot_table].transpose(1, 2)
+        if kd.dtype != q.dtype:
+            kd, vd = kd.to(q.dtype), vd.to(q.dtype)
+        qg = q.view(b, hkv, hq // hkv, d)         # the G query heads of a KV head as its query rows
+        o = torch.nn.functional.scaled_dot_product_attention(qg, kd, vd, attn_mask=self.mask, scale=scale)
+        return o.reshape(b, hq, d)
