@@ -14,6 +14,8 @@ from typing import Any
 from ferrylm.errors import ModelLoadError
 
 
+DECODE_GRAPH_MODES = ("auto", "off", "eager", "cuda")  # EngineConfig.decode_graphs, see engine/decode_graph.py
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The architecture facts the engine and the model code need, read from a HF ``config.json``.
@@ -195,8 +197,8 @@ class EngineConfig:
              "--moe-cache-auto and --moe-cache-size exclude each other"),
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"--device must be auto, cpu or cuda[:N], got {self.device!r}"),
-            (self.decode_graphs in ("auto", "off", "eager", "cuda"),
-             f"decode_graphs must be auto, off, eager or cuda, got {self.decode_graphs!r}"),
+            (self.decode_graphs in DECODE_GRAPH_MODES,
+             f"decode_graphs must be one of {', '.join(DECODE_GRAPH_MODES)}, got {self.decode_graphs!r}"),
             (self.cuda_graph_max_batch >= 1, "--cuda-graph-max-batch must be >= 1"),
             (self.cuda_graph_max_len >= 1, "--cuda-graph-max-len must be >= 1 token"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"),

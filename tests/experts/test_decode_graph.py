@@ -69,7 +69,7 @@ def test_piecewise_decode_matches_the_plain_forward(expert_checkpoints, case):
 @pytest.mark.parametrize("slots", [3, 12])
 def test_offload_staged_experts_and_prediction_inside_the_piece(expert_checkpoints, slots):
     """Offload with prefetch: the next layer's prediction computed in the piece reaches the executor
-    (run_planned), prefetches happen; the expert GEMMs are staged into the next piece (ExpertStage), except for
+    (run with ids_and_predicted), prefetches happen; the expert GEMMs are staged into the next piece (ExpertStage), except for
     layers computed in waves (3 slots, 4 experts needed), which go through the stage's extra buffer; the tokens
     equal the plain forward's."""
     ckpt = expert_checkpoints("mixtral")
@@ -103,14 +103,14 @@ def test_eager_layers_then_a_kv_bucket_change(expert_checkpoints, tmp_path, monk
     residual from the bucket change on)."""
     from ferrylm.experts.cached import CachedExecutor
 
-    staged = CachedExecutor.run_staged
+    run = CachedExecutor.run
 
-    def last_layer_eager(self, layer_idx, hidden, ids, weights, planned, stage):
+    def last_layer_eager(self, layer_idx, hidden, ids, weights, *, ids_and_predicted=None, stage=None):
         if layer_idx == max(self.banks.layers):  # as if this layer ran in waves
-            return self.run_planned(layer_idx, hidden, ids, weights, planned)
-        return staged(self, layer_idx, hidden, ids, weights, planned, stage)
+            stage = None
+        return run(self, layer_idx, hidden, ids, weights, ids_and_predicted=ids_and_predicted, stage=stage)
 
-    monkeypatch.setattr(CachedExecutor, "run_staged", last_layer_eager)
+    monkeypatch.setattr(CachedExecutor, "run", last_layer_eager)
     ckpt = expert_checkpoints("mixtral")
     path = copy_checkpoint(ckpt.path, tmp_path / "long")
     copy_config(ckpt.path, path, max_position_embeddings=1024)

@@ -12,10 +12,10 @@ One decode step is cut at every MoE layer's experts. Piece ``j`` runs, inside on
   * that MoE layer's attention half (``DecoderLayer.attention_residual``), its post-attention norm, its router
     (top-k ids and weights), its shared expert, and the next MoE layer's predicted experts when the executor
     prefetches (``ExpertExecutor.next_layer_predictor``).
-Between two pieces the executor runs eagerly (``ExpertExecutor.run_planned``) and its output is copied into the one
+Between two pieces the executor runs eagerly (``ExpertExecutor.run`` with the piece's prediction) and its output is copied into the one
 static ``moe_out`` buffer the next piece reads. The last piece ends with the final norm.
 
-Executors with ``stages`` (offload, hybrid) go further (``ExpertExecutor.run_staged``): once a layer's experts are
+Executors with ``stages`` (offload, hybrid) go further (``ExpertExecutor.run`` with a ``stage``): once a layer's experts are
 resident they stack the experts' slot rows into a static :class:`~ferrylm.experts.work.ExpertStage` and copy one
 index, and the NEXT piece computes the expert GEMMs, the weighting and the per-token sum
 (:func:`~ferrylm.experts.work.staged_moe_output`) inside its graph; so between two graph launches the host only
@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ferrylm.engine.kv_cache import CUDA_SDPA_BACKENDS, KVPool, StaticDecodeAttention
+from ferrylm.config import DECODE_GRAPH_MODES
+from ferrylm.engine.kv_cache import KVPool, StaticDecodeAttention
 from ferrylm.experts.work import SMALL_STEP_TOKENS, ExpertStage, is_small_step, staged_moe_output
 from ferrylm.memory.guard import is_oom
 
@@ -52,7 +53,6 @@ log = logging.getLogger("ferrylm.engine")
 
 MIN_KV_BUCKET = 256     # tokens: the smallest KV-length bucket
 STAGE_MAX_BYTES = 128 << 20  # bytes: expert staging rows of one batch size at most (else its experts run eagerly)
-GRAPH_MODES = ("auto", "off", "eager", "cuda")
 
 
 @dataclass(frozen=True)
@@ -74,8 +74,8 @@ class DecodeGraphConfig:
     def resolved(self, device: torch.device) -> str:
         """``off``, ``eager`` or ``cuda`` for ``device``. Raises ValueError for an unknown mode or ``cuda`` on a
         device that is not CUDA."""
-        if self.mode not in GRAPH_MODES:
-            raise ValueError(f"decode graph mode must be one of {GRAPH_MODES}, got {self.mode!r}")
+        if self.mode not in DECODE_GRAPH_MODES:
+            raise ValueError(f"decode graph mode must be one of {DECODE_GRAPH_MODES}, got {self.mode!r}")
         if self.mode == "auto":
             return "cuda" if device.type == "cuda" else "off"
         if self.mode == "cuda" and device.type != "cuda":
@@ -115,7 +115,6 @@ class _Keyed:
     stage: ExpertStage | None = None     # staged expert GEMMs (computed in the next piece), see below
     outputs: list[dict] = field(default_factory=list)   # per piece: the tensors it produced
     graphs: list | None = None
-    broken: bool = False                 # a capture failed: run this key eagerly
 
     @property
     def ids(self) -> torch.Tensor:
@@ -169,7 +168,6 @@ class DecodeGraphRunner:
         self._stage_rows: torch.Tensor | None = None       # the rows every batch size's stage views
         self._broken: set[tuple[int, int]] = set()         # keys disabled after an allocation failure
         self._pool_handle = None
-        self._layout = None  # the staged experts' ExpertLayout
         self.steps = 0      # decode steps run here (eager pieces or replays)
         self.captures = 0
         self.replays = 0
@@ -185,6 +183,8 @@ class DecodeGraphRunner:
                 dense.append(i)
         pieces.append(_Piece(dense, None))
         self.pieces = pieces
+        first = next((p.moe for p in pieces if p.moe is not None), None)
+        self._moe0 = None if first is None else self.stack.layers[first].mlp  # the first MoE block (its executor)
         self._sig = self._signature()
 
     @property
@@ -198,9 +198,7 @@ class DecodeGraphRunner:
                 and not self._keys_broken(batch, max_tokens))
 
     def _keys_broken(self, batch: int, max_tokens: int) -> bool:
-        kv = kv_bucket(max_tokens)
-        k = self._keys.get((batch, kv))
-        return (batch, kv) in self._broken or (k is not None and k.broken)
+        return (batch, kv_bucket(max_tokens)) in self._broken
 
     def stats(self) -> dict:
         """``mode``, graph ``keys`` ``[batch, KV bucket]`` captured now, ``steps`` run here, ``captures`` and
@@ -236,7 +234,6 @@ class DecodeGraphRunner:
         if self._stale():  # before any key is looked up: no graph of the old signature may run
             self.reset()
         b = len(token_ids)
-        self.steps += 1
         lens = [p + 1 for p in positions]
         key = self._key(b, kv_bucket(max(lens)))
         table: list[int] = []
@@ -245,20 +242,20 @@ class DecodeGraphRunner:
         host = torch.tensor(list(token_ids) + list(positions) + lens + table, dtype=torch.int64)
         key.packed.copy_(host, non_blocking=False)
         if key.graphs is not None:
-            return self._replay(key)
-        out = self._run_pieces(key)
-        if self.mode == "cuda" and not key.broken:
-            self._capture(key)
+            out = self._replay(key)
+        else:
+            out = self._run_pieces(key)
+            if self.mode == "cuda":
+                self._capture(key)
+        self.steps += 1
         return out
 
     def disable(self, batch: int, max_tokens: int) -> None:
         """Run decode steps of ``batch`` sequences in the KV bucket of ``max_tokens`` with the plain forward from
-        now on (after :meth:`run` raised an allocation failure for them)."""
+        now on (after :meth:`run` raised an allocation failure for them, or their capture ran out of memory)."""
         kv = kv_bucket(max_tokens)
         self._broken.add((batch, kv))
-        key = self._keys.pop((batch, kv), None)
-        if key is not None:
-            key.graphs, key.outputs = None, []
+        self._keys.pop((batch, kv), None)
         log.warning("decode graphs for batch %d, KV bucket %d tokens disabled after an allocation failure; those "
                     "steps run the plain forward", batch, kv)
 
@@ -277,10 +274,6 @@ class DecodeGraphRunner:
             k.stage = self._stage_for(batch)
         return k
 
-    def _first_moe(self):
-        first = next((p.moe for p in self.pieces if p.moe is not None), None)
-        return None if first is None else self.stack.layers[first].mlp
-
     def _stage_for(self, batch: int) -> ExpertStage | None:
         """The expert stage of ``batch`` when the executor stages (offload, hybrid), the step is planned on the host
         (``is_small_step``) and its ``min(B * k, E)`` rows fit the shared rows buffer (at most
@@ -288,24 +281,17 @@ class DecodeGraphRunner:
         reaches the next piece through ``moe_out``)."""
         if batch in self._stages:
             return self._stages[batch]
-        mlp = self._first_moe()
+        mlp = self._moe0
         stage = None
         if mlp is not None and mlp.executor.stages and is_small_step(batch):
             layout, k, e = mlp.executor.layout, mlp.top_k, mlp.num_experts
             cap = min(SMALL_STEP_TOKENS * k, e, STAGE_MAX_BYTES // layout.nbytes)
             m = min(batch * k, e)
             if m <= cap:
-                dev = self.device
                 if self._stage_rows is None:
-                    self._stage_rows = torch.zeros(cap, layout.numel, dtype=layout.dtype, device=dev)
-                    self._layout = layout
-                stage = ExpertStage(
-                    rows=self._stage_rows[:m],
-                    index=torch.zeros(2 * m * batch + batch * k, dtype=torch.int64, device=dev),
-                    extra=torch.zeros(batch, self.stack.embed_tokens.weight.shape[1], dtype=self.dtype, device=dev),
-                    tokens=batch, top_k=k, n=batch)
-                stage.pad_index = torch.tensor(stage.padding_index(), dtype=torch.int64).to(dev)
-                stage.index.copy_(stage.pad_index)
+                    self._stage_rows = torch.zeros(cap, layout.numel, dtype=layout.dtype, device=self.device)
+                stage = ExpertStage.create(self._stage_rows[:m], layout, batch, k,
+                                           self.stack.embed_tokens.weight.shape[1], self.dtype)
         self._stages[batch] = stage
         return stage
 
@@ -330,69 +316,66 @@ class DecodeGraphRunner:
         if piece.moe is None:
             return
         o = key.outputs[j]
-        mlp = self.stack.layers[piece.moe].mlp
         stage = key.stage
+        out = self.stack.layers[piece.moe].mlp.executor.run(piece.moe, o["normed"], o["ids"], o["weights"],
+                                                            ids_and_predicted=o.get("planned"), stage=stage)
         if stage is None:
-            key.moe_out.copy_(mlp.executor.run_planned(piece.moe, o["normed"], o["ids"], o["weights"],
-                                                       o.get("planned")))
-            return
-        out = mlp.executor.run_staged(piece.moe, o["normed"], o["ids"], o["weights"], o.get("planned"), stage)
-        if out is None:  # staged: the next piece computes the experts; extra must be zero
+            key.moe_out.copy_(out)
+        elif out is None:  # staged: the next piece computes the experts
             self.staged_layers += 1
-            if stage.extra_dirty:  # (the stage is shared by the batch's KV buckets: the flag lives on it)
-                stage.extra.zero_()
-                stage.extra_dirty = False
-            return
-        # computed eagerly (waves, CPU work): make the staged sum exactly zero and carry the output in extra. The
-        # padding index gathers only row 0 of the staged products, weighted by the zero weight: row 0 zeroed
-        # makes that product exactly 0 whatever the other rows hold.
-        self.unstaged_layers += 1
-        stage.rows[0].zero_()
-        stage.index.copy_(stage.pad_index)
-        stage.extra.copy_(out)
-        stage.extra_dirty = True
+            stage.set_staged()
+        else:              # computed eagerly (waves, CPU work)
+            self.unstaged_layers += 1
+            stage.set_eager(out)
 
     def _piece(self, key: _Keyed, j: int) -> dict:
         """The kernels of piece ``j`` on ``key``'s static buffers (captured as one graph). Returns its outputs."""
         stack, piece = self.stack, self.pieces[j]
         pos = key.positions
-        if j == 0:
+        out: dict = {}
+        if j == 0:  # the step's RoPE rows and attention indices, once: every later piece reads them
             stack.rotary.fill_tables(pos, key.cos, key.sin)
             x = stack.embed_tokens(key.ids)
+            out["attn"] = attn = self._attention(key)
         else:
             prev = key.outputs[j - 1]
             routed = key.moe_out if key.stage is None else \
-                staged_moe_output(key.stage, self._layout, prev["normed"], prev["weights"])
+                staged_moe_output(key.stage, prev["normed"], prev["weights"])
             shared = prev.get("shared")  # the order of SparseMoeBlock.forward: resid + (routed + shared)
             x = prev["resid"] + (routed if shared is None else routed + shared)
+            attn = key.outputs[0]["attn"]
         stack.rotary.bind_tables(pos, key.cos, key.sin)
-        ps = self.page_size
-        slot_table = (key.page_table[:, :, None] * ps + torch.arange(ps, device=self.device)).view(key.batch, -1)
-        slot_table = slot_table[:, :key.kv_len]
-        ar = torch.arange(key.kv_len, device=self.device)
-        mask = ar[None, :] < key.lengths[:, None]
-        new_slots = slot_table.gather(1, (key.lengths - 1)[:, None])[:, 0]
-        attn = StaticDecodeAttention(self.pool, slot_table, new_slots, mask)
-        with _sdpa_context(self.device):
-            for i in piece.dense:
-                x = stack.layers[i](pos, x, attn)
-            if piece.moe is None:
-                return {"hidden": stack.norm(x)}
-            layer = stack.layers[piece.moe]
-            h = layer.attention_residual(pos, x, attn)
+        for i in piece.dense:
+            x = stack.layers[i](pos, x, attn)
+        if piece.moe is None:
+            out["hidden"] = stack.norm(x)
+            return out
+        layer = stack.layers[piece.moe]
+        h = layer.attention_residual(pos, x, attn)
         normed = layer.post_attention_layernorm(h)
         mlp = layer.mlp
         ids, weights = mlp.route(normed)
-        out = {"resid": h, "normed": normed, "ids": ids, "weights": weights, "shared": mlp.shared_output(normed)}
+        out.update(resid=h, normed=normed, ids=ids, weights=weights, shared=mlp.shared_output(normed))
         predict = mlp.executor.next_layer_predictor(piece.moe, key.batch)
         if predict is not None:
             out["planned"] = torch.cat([ids, predict(normed)])
         return out
 
+    def _attention(self, key: _Keyed) -> StaticDecodeAttention:
+        """The step's attention backend from ``key``'s page tables and lengths: slot table ``[B, L]`` (each page
+        expanded to its slots), the new tokens' slots, the ``[B, L]`` mask of held positions."""
+        ps = self.page_size
+        slot_table = (key.page_table[:, :, None] * ps + torch.arange(ps, device=self.device)).view(key.batch, -1)
+        slot_table = slot_table[:, :key.kv_len]
+        mask = torch.arange(key.kv_len, device=self.device)[None, :] < key.lengths[:, None]
+        new_slots = slot_table.gather(1, (key.lengths - 1)[:, None])[:, 0]
+        return StaticDecodeAttention(self.pool, slot_table, new_slots, mask)
+
     # --- capture ------------------------------------------------------------------------------------------------
     def _capture(self, key: _Keyed) -> None:
-        """Capture ``key``'s pieces (after an eager run of them on the same buffers). On failure (out of memory,
-        an operation that cannot be captured) the key runs eagerly from now on; the failure is logged."""
+        """Capture ``key``'s pieces (after an eager run of them on the same buffers). On failure the failure is
+        logged and: out of memory, the key takes the plain forward from now on (:meth:`disable`); anything else,
+        graphs are off for the process."""
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_reserved(self.device)
         if self._pool_handle is None:
@@ -405,17 +388,15 @@ class DecodeGraphRunner:
                 with torch.cuda.graph(g, pool=self._pool_handle, capture_error_mode="thread_local"):
                     key.outputs.append(self._piece(key, j))
                 graphs.append(g)
-        except Exception as e:  # noqa: BLE001 - graphs are an optimisation: fall back to the eager pieces
-            key.broken = True
-            key.outputs = []
-            del graphs
+        except Exception as e:  # noqa: BLE001 - graphs are an optimisation: fall back to the plain forward
             oom = is_oom(e)
-            if not oom:  # not a shortage: something this runner cannot capture; no more graphs in this process
+            log.warning("decode CUDA graph capture for batch %d, KV bucket %d tokens failed (%s: %s)", key.batch,
+                        key.kv_len, "out of memory" if oom else type(e).__name__, str(e).split("\n")[0][:200])
+            if oom:
+                self.disable(key.batch, key.kv_len)
+            else:  # not a shortage: something this runner cannot capture; no more graphs in this process
                 self.mode = "off"
                 self.reset()
-            log.warning("decode CUDA graphs for batch %d, KV bucket %d tokens disabled (%s: %s); %s",
-                        key.batch, key.kv_len, "out of memory" if oom else type(e).__name__,
-                        str(e).split("\n")[0][:200], "those steps run eagerly" if oom else "all steps run eagerly")
             self._check_rng()
             return
         key.graphs = graphs
@@ -441,15 +422,13 @@ class DecodeGraphRunner:
                                f"the engine must restart (run with --enforce-eager if this repeats)") from e
 
     def _signature(self) -> tuple:
-        """What the graphs depend on besides the model's weights: the KV pool's memory and the executor (its
-        prediction and staging are captured); the executor object itself, not its id (ids are reused)."""
-        mlp = self._first_moe()
-        return (tuple(t.data_ptr() for t in self.pool.k) + tuple(t.data_ptr() for t in self.pool.v),
-                None if mlp is None else mlp.executor)
+        """What the graphs depend on besides the model's weights: the KV pool's tensor lists (made once by
+        ``KVPool``; new lists mean new memory) and the executor (its prediction and staging are captured): the
+        objects themselves, compared by identity (ids are reused)."""
+        return self.pool.k, self.pool.v, (None if self._moe0 is None else self._moe0.executor)
 
     def _stale(self) -> bool:
-        ptrs, ex = self._signature()
-        return ptrs != self._sig[0] or ex is not self._sig[1]
+        return any(a is not b for a, b in zip(self._signature(), self._sig))
 
     def reset(self) -> None:
         """Drop every key's graphs and buffers (they are captured again on use), e.g. after the MoE blocks were
@@ -465,13 +444,3 @@ class DecodeGraphRunner:
         """Drop every graph and static buffer."""
         self.reset()
 
-
-def _sdpa_context(device: torch.device):
-    """On CUDA, SDPA without the cuDNN kernel (see ``kv_cache.PagedAttention.attend``); elsewhere nothing."""
-    if device.type == "cuda":
-        from torch.nn.attention import sdpa_kernel
-
-        return sdpa_kernel(CUDA_SDPA_BACKENDS)
-    import contextlib
-
-    return contextlib.nullcontext()

@@ -11,6 +11,8 @@ This module holds the correct torch implementation used on CPU and CUDA; a fused
 
 from __future__ import annotations
 
+import contextlib
+
 from collections import deque
 from dataclasses import dataclass
 
@@ -237,16 +239,16 @@ class StaticDecodeAttention:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
         """``q [B, Hq, D]``, ``k/v [B, Hkv, D]`` -> ``[B, Hq, D]`` (see ``models/attention.py``). Query head ``h``
-        reads KV head ``h // G``, ``G = Hq // Hkv``."""
+        reads KV head ``h // G``, ``G = Hq // Hkv``. On CUDA without the cuDNN kernel, as
+        :meth:`PagedAttention.attend`."""
         kc, vc = self.pool.k[layer_idx], self.pool.v[layer_idx]
-        kc.index_copy_(0, self.new_slots, k if k.dtype == kc.dtype else k.to(kc.dtype))
-        vc.index_copy_(0, self.new_slots, v if v.dtype == vc.dtype else v.to(vc.dtype))
+        kc.index_copy_(0, self.new_slots, _as(k, kc.dtype))
+        vc.index_copy_(0, self.new_slots, _as(v, vc.dtype))
         b, hq, d = q.shape
         hkv = k.shape[1]
-        kd = kc[self.slot_table].transpose(1, 2)  # [B, Hkv, L, D]
-        vd = vc[self.slot_table].transpose(1, 2)
-        if kd.dtype != q.dtype:
-            kd, vd = kd.to(q.dtype), vd.to(q.dtype)
-        qg = q.view(b, hkv, hq // hkv, d)         # the G query heads of a KV head as its query rows
-        o = torch.nn.functional.scaled_dot_product_attention(qg, kd, vd, attn_mask=self.mask, scale=scale)
+        kd = _as(kc[self.slot_table], q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = _as(vc[self.slot_table], q.dtype).transpose(1, 2)
+        qg = q.view(b, hkv, hq // hkv, d)                        # the G query heads of a KV head as its query rows
+        with sdpa_kernel(CUDA_SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
+            o = torch.nn.functional.scaled_dot_product_attention(qg, kd, vd, attn_mask=self.mask, scale=scale)
         return o.reshape(b, hq, d)

@@ -88,7 +88,6 @@ class CachedExecutor(ExpertExecutor):
         self._last_use: dict[int, object] = {}  # slot -> compute fence of its last read
         self._prefetched: set[Key] = set()      # prefetched and not yet used
         self._copy_mark = (0.0, 0.0)
-        self._stage = None                      # the ExpertStage of the current run_staged call
 
     # --- memory -----------------------------------------------------------------------------------------------
     def stream_bytes(self) -> int:
@@ -311,25 +310,10 @@ class CachedExecutor(ExpertExecutor):
             return None
         return self._routers.get(nxt)
 
-    def run(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
-            topk_weights: torch.Tensor) -> torch.Tensor:
-        """See :meth:`ExpertExecutor.run`. Raises KeyError for a layer without experts."""
-        return self.run_planned(layer_idx, hidden, topk_ids, topk_weights, None)
-
-    def run_staged(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                   ids_and_predicted: torch.Tensor | None, stage) -> torch.Tensor | None:
-        """See :meth:`ExpertExecutor.run_staged` (backends with ``stages``: the layer's experts, once resident, are
-        stacked into ``stage.rows`` instead of computed)."""
-        self._stage = stage if self.stages else None
-        try:
-            return self.run_planned(layer_idx, hidden, topk_ids, topk_weights, ids_and_predicted)
-        finally:
-            self._stage = None
-
-    def run_planned(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                    ids_and_predicted: torch.Tensor | None) -> torch.Tensor | None:
-        """See :meth:`ExpertExecutor.run_planned`; None when the step was staged (:meth:`run_staged`). Raises
-        KeyError for a layer without experts."""
+    def run(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+            ids_and_predicted: torch.Tensor | None = None, stage=None) -> torch.Tensor | None:
+        """See :meth:`ExpertExecutor.run` (backends with ``stages``: a small step's experts, once resident, are
+        stacked into ``stage.rows`` instead of computed). Raises KeyError for a layer without experts."""
         if layer_idx not in self.banks:
             raise KeyError(f"layer {layer_idx} has no routed experts (MoE layers: {list(self.banks.layers)})")
         if self.cache is None:
@@ -343,6 +327,7 @@ class CachedExecutor(ExpertExecutor):
         streams = self._streams(t, topk_ids.shape[1])
         if not streams and is_small_step(t):
             work = self._plan_small(layer_idx, hidden, topk_ids, topk_weights, ids_and_predicted)
+            work.stage = stage if self.stages else None
         else:
             work = LayerWork(layer_idx, hidden, topk_ids, group_by_expert(topk_ids, topk_weights, self.num_experts))
         try:
@@ -364,16 +349,12 @@ class CachedExecutor(ExpertExecutor):
             ValueError: an expert id outside ``[0, E)``.
         """
         t = hidden.shape[0]
-        pred = None
-        if ids_and_predicted is not None and ids_and_predicted.shape[0] > t:
-            host = ids_and_predicted.tolist()
-            pred = True
-        else:
+        if ids_and_predicted is None or ids_and_predicted.shape[0] <= t:
             route = self.next_layer_predictor(layer_idx, t)
-            pred = route(hidden) if route is not None else None
-            host = (torch.cat([topk_ids, pred]) if pred is not None else topk_ids).tolist()
+            ids_and_predicted = topk_ids if route is None else torch.cat([topk_ids, route(hidden)])
+        host = ids_and_predicted.tolist()
         work = LayerWork.from_host_ids(layer_idx, hidden, topk_ids, topk_weights, host[:t], self.num_experts)
-        work.predicted = sorted({e for row in host[t:] for e in row}) if pred is not None else None
+        work.predicted = sorted({e for row in host[t:] for e in row}) if len(host) > t else None
         return work
 
     def _streams(self, num_tokens: int, top_k: int) -> bool:
@@ -481,9 +462,9 @@ class CachedExecutor(ExpertExecutor):
         b = self._block_size
         blocks = {slot // b for _, slot in items}
         experts = [e for e, _ in items]
-        if work.can_stage(experts, self._stage):  # the caller's graph computes them from the stage
-            torch.stack([self._slot_row(slot) for _, slot in items], out=self._stage.rows[:len(items)])
-            work.stage_into(experts, self._stage)
+        if work.can_stage(experts):  # the caller's graph computes them from the stage
+            torch.stack([self._slot_row(slot) for _, slot in items], out=work.stage.rows[:len(items)])
+            work.stage_into(experts)
         elif len(blocks) == 1:
             blk = blocks.pop()
             work.compute([e for e, _ in items], self._block_views[blk], [slot % b for _, slot in items])

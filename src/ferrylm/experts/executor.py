@@ -47,9 +47,12 @@ class LayerExperts:
 class ExpertExecutor(ABC):
     """Computes ``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` for every token t of a step, for one layer."""
 
+    #: whether :meth:`run` can hand a small step's expert GEMMs to the caller's graph (its ``stage`` argument)
+    stages = False
+
     @abstractmethod
-    def run(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
-            topk_weights: torch.Tensor) -> torch.Tensor:
+    def run(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+            ids_and_predicted: torch.Tensor | None = None, stage=None) -> torch.Tensor | None:
         """Run the chosen experts.
 
         Args:
@@ -57,35 +60,23 @@ class ExpertExecutor(ABC):
             hidden: ``[T, H]`` input activations.
             topk_ids: ``[T, k]`` int64 expert ids in ``[0, E)``.
             topk_weights: ``[T, k]`` routing weights (same dtype as ``hidden`` or float32).
+            ids_and_predicted: ``[2T, k]`` int64, ``topk_ids`` followed by the next layer's predicted ids, when the
+                caller computed them ahead with :meth:`next_layer_predictor`'s router (the decode graphs do, inside
+                the layer's graph); None: an executor that prefetches predicts itself. Others ignore it.
+            stage: an :class:`~ferrylm.experts.work.ExpertStage` (decode graphs): an executor with ``stages`` may
+                put the step's expert rows and index there instead of computing them, and return None; the caller
+                then computes :func:`~ferrylm.experts.work.staged_moe_output` (inside a CUDA graph). Others ignore
+                it.
 
         Returns:
-            ``[T, H]`` in ``hidden``'s dtype.
+            ``[T, H]`` in ``hidden``'s dtype; None only when the step was staged into ``stage``.
         """
 
     def next_layer_predictor(self, layer_idx: int, num_tokens: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """The router whose prediction this executor would compute from layer ``layer_idx``'s input for a step of
         ``num_tokens`` tokens (the next MoE layer's, with prefetch on), or None. A caller that computes it ahead
-        (the decode graphs compute it inside the layer's graph) passes the result to :meth:`run_planned`.
-        Default: None."""
+        passes the result to :meth:`run` as ``ids_and_predicted``. Default: None."""
         return None
-
-    def run_planned(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                    ids_and_predicted: torch.Tensor | None) -> torch.Tensor:
-        """:meth:`run` with the next layer's predicted experts already computed: ``ids_and_predicted`` is
-        ``[2T, k]`` int64, ``topk_ids`` followed by the rows :meth:`next_layer_predictor` returns (or None: as
-        :meth:`run`). Default: the prediction is ignored."""
-        return self.run(layer_idx, hidden, topk_ids, topk_weights)
-
-    #: whether :meth:`run_staged` can hand a small step's expert GEMMs to the caller's graph
-    stages = False
-
-    def run_staged(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                   ids_and_predicted: torch.Tensor | None, stage) -> torch.Tensor | None:
-        """:meth:`run_planned`, except that an executor with ``stages`` may instead put the step's expert rows and
-        index into ``stage`` (:class:`~ferrylm.experts.work.ExpertStage`) and return None: the caller then computes
-        :func:`~ferrylm.experts.work.staged_moe_output` (inside a CUDA graph). Default: computes and returns the
-        output."""
-        return self.run_planned(layer_idx, hidden, topk_ids, topk_weights, ids_and_predicted)
 
     def stats(self) -> dict:
         """Counters for the engine's stats (hits, misses, bytes copied ...). Empty for backends without any."""

@@ -63,9 +63,10 @@ class ResidentExecutor(ExpertExecutor):
         self.layers = dict(layers)
         self.counters = ExpertStats(tuple(sorted(self.layers)))
 
-    def run(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
-            topk_weights: torch.Tensor) -> torch.Tensor:
-        """See :meth:`ExpertExecutor.run`. Raises KeyError for a layer without experts."""
+    def run(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+            ids_and_predicted: torch.Tensor | None = None, stage=None) -> torch.Tensor:
+        """See :meth:`ExpertExecutor.run` (no prefetch, no staging: both keywords are ignored). Raises KeyError for
+        a layer without experts."""
         experts = self.layers.get(layer_idx)
         if experts is None:
             raise KeyError(f"layer {layer_idx} has no routed experts (MoE layers: {sorted(self.layers)})")

@@ -101,27 +101,52 @@ class ExpertStage:
             ``i * n + c`` of that contribution (``[T * k]``).
         extra: ``[T, H]`` added to the staged sum (an eagerly computed output when the step could not be staged;
             zeros otherwise; ``extra_dirty`` says which).
+        pad_index: an ``index`` under which the staged sum is exactly zero (every weight the zero one, every
+            contribution read from row 0; see :meth:`set_eager`).
+        layout: the rows' :class:`~ferrylm.experts.banks.ExpertLayout`.
         tokens: ``T``; top_k: ``k``; n: token slots per staged expert (``T``).
     """
 
     rows: torch.Tensor
     index: torch.Tensor
     extra: torch.Tensor
+    pad_index: torch.Tensor
+    layout: object
     tokens: int
     top_k: int
     n: int
-    pad_index: torch.Tensor | None = None  # padding_index() on the index's device, for the fallback
-    extra_dirty: bool = False              # extra holds an eager output: zero it before the next staged layer
+    extra_dirty: bool = False  # extra holds an eager output: zero it before the next staged layer
+
+    @classmethod
+    def create(cls, rows: torch.Tensor, layout, tokens: int, top_k: int, hidden_size: int,
+               dtype: torch.dtype) -> "ExpertStage":
+        """A stage over ``rows [M, S]`` (the caller's buffer) for steps of ``tokens`` tokens, ``top_k`` experts each,
+        activations ``[tokens, hidden_size]`` in ``dtype``; its index starts as the padding index. Allocates the
+        index and ``extra`` on ``rows``' device (raises torch.OutOfMemoryError when they do not fit)."""
+        mn, tk = rows.shape[0] * tokens, tokens * top_k
+        pad = torch.tensor([0] * mn + [tk] * mn + [0] * tk, dtype=torch.int64).to(rows.device)
+        return cls(rows=rows, index=pad.clone(), extra=torch.zeros(tokens, hidden_size, dtype=dtype,
+                                                                   device=rows.device),
+                   pad_index=pad, layout=layout, tokens=tokens, top_k=top_k, n=tokens)
 
     @property
     def max_experts(self) -> int:
         return self.rows.shape[0]
 
-    def padding_index(self) -> list[int]:
-        """An index under which the staged sum is exactly zero (every weight the zero one), for
-        :meth:`LayerWork.stage_into`'s fallback."""
-        mn = self.max_experts * self.n
-        return [0] * mn + [self.tokens * self.top_k] * mn + [0] * (self.tokens * self.top_k)
+    def set_eager(self, out: torch.Tensor) -> None:
+        """The step was computed eagerly (``out [T, H]``): make the staged sum exactly zero and carry ``out`` in
+        ``extra``. The padding index reads only row 0 of the staged products, with the zero weight; row 0 zeroed
+        makes that product exactly 0 whatever the other rows hold (no inf * 0)."""
+        self.rows[0].zero_()
+        self.index.copy_(self.pad_index)
+        self.extra.copy_(out)
+        self.extra_dirty = True
+
+    def set_staged(self) -> None:
+        """The step was staged (:meth:`LayerWork.stage_into`): ``extra`` must be zero."""
+        if self.extra_dirty:
+            self.extra.zero_()
+            self.extra_dirty = False
 
 
 class LayerWork:
@@ -159,7 +184,8 @@ class LayerWork:
         self.batched = self.small and (hidden.is_cuda or self.batch_on_cpu)
         self.parts: dict[int, torch.Tensor] = {}  # large mode: expert -> weighted output [count, H]
         self.predicted: list[int] | None = None
-        self.staged = False  # small mode: the GEMMs were handed to a graph (stage_into)
+        self.stage: ExpertStage | None = None  # small mode: where the GEMMs may be handed to a graph
+        self.staged = False  # the GEMMs were handed to ``stage`` (stage_into)
         if self.small:
             self._init_small(topk_weights, ids_host)
         else:
@@ -254,9 +280,7 @@ class LayerWork:
         return self.groups.weights[start:start + n]
 
     def _weigh(self, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # y [.., H] in the activation dtype times float32 weights promotes to float32: one kernel, not two
-        w = w if w.dtype == torch.float32 else w.float()
-        return (y * w[..., None]).to(self.hidden.dtype)
+        return weigh(y, w, self.hidden.dtype)
 
     def put(self, experts: list[int], out: torch.Tensor) -> None:
         """Record externally computed weighted outputs (the CPU pool's): ``out [N, H]`` holds ``experts``'
@@ -343,17 +367,19 @@ class LayerWork:
         else:
             self._add_chunk(experts, out, nmax)
 
-    def can_stage(self, experts: list[int], stage: ExpertStage | None) -> bool:
-        """True when ``experts`` (ascending) are every expert of this small step and fit ``stage``."""
-        return (stage is not None and self.small and not self._chunks and len(experts) == len(self.needed)
+    def can_stage(self, experts: list[int]) -> bool:
+        """True when this small step has a ``stage`` and ``experts`` (ascending) are all its experts and fit it."""
+        stage = self.stage
+        return (stage is not None and not self._chunks and len(experts) == len(self.needed)
                 and len(experts) <= stage.max_experts and stage.tokens == self.hidden.shape[0]
                 and stage.top_k == self.k and all(self.spans[e][1] <= stage.n for e in experts))
 
-    def stage_into(self, experts: list[int], stage: ExpertStage) -> None:
+    def stage_into(self, experts: list[int]) -> None:
         """Write the step's index into ``stage.index`` (one host->device copy) for ``experts`` (ascending, every
         needed expert, :meth:`can_stage`), whose rows the caller put in ``stage.rows[:len(experts)]`` in that order.
         The graph's computation is :meth:`compute` + :meth:`combine` with ``nmax = stage.n`` and ``stage.rows`` as
         the source (padding slots weigh zero)."""
+        stage = self.stage
         n, mn, pad_w = stage.n, stage.max_experts * stage.n, stage.tokens * stage.top_k
         tok, pos = [0] * mn, [pad_w] * mn
         for i, e in enumerate(experts):
@@ -378,8 +404,7 @@ class LayerWork:
                 raise RuntimeError(f"layer {self.layer}: experts {missing} were never computed")
             src = self._src if self._src is not None else self._to_device(self._src_host())
             rows = torch.cat(self._chunks) if len(self._chunks) > 1 else self._chunks[0]
-            dense = rows.index_select(0, src)
-            return dense.view(t, k, -1).sum(1, dtype=torch.float32).to(self.hidden.dtype)
+            return sum_per_token(rows, src, t, k)
         missing = [e for e in self.needed if e not in self.parts]
         if missing:
             raise RuntimeError(f"layer {self.layer}: experts {missing} were never computed")
@@ -388,23 +413,34 @@ class LayerWork:
         parts = torch.cat([self.parts[e] for e in self.needed]) if len(self.needed) > 1 else self.parts[self.needed[0]]
         dense = torch.empty(t * k, self.hidden.shape[1], dtype=parts.dtype, device=parts.device)
         dense.index_copy_(0, pos, parts)
-        return dense.view(t, k, -1).sum(1, dtype=torch.float32).to(self.hidden.dtype)
+        return dense.view(t, k, -1).sum(1, dtype=torch.float32).to(parts.dtype)
 
 
-def staged_moe_output(stage: ExpertStage, layout, hidden: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+def weigh(y: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``y [..., H]`` (activation dtype) times routing weights ``w [...]`` as a float32 product, stored in ``dtype``
+    (one kernel: the product promotes to float32)."""
+    w = w if w.dtype == torch.float32 else w.float()
+    return (y * w[..., None]).to(dtype)
+
+
+def sum_per_token(rows: torch.Tensor, src: torch.Tensor, t: int, k: int) -> torch.Tensor:
+    """``rows [R, H]`` weighted contributions; ``src [t * k]`` the row of token ``i``'s ``r``-th contribution at
+    ``i * k + r`` (ascending expert id) -> ``[t, H]``: the ``k`` summed in float32 in that order, in ``rows``'
+    dtype (:meth:`LayerWork.combine`)."""
+    return rows.index_select(0, src).view(t, k, -1).sum(1, dtype=torch.float32).to(rows.dtype)
+
+
+def staged_moe_output(stage: ExpertStage, hidden: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """The computation a :class:`ExpertStage` describes, with fixed shapes (captured in a CUDA graph):
     ``hidden [T, H]``, ``topk_weights [T, k]`` float32 -> ``[T, H]`` = the staged experts' weighted outputs summed per
-    token in float32 in ascending expert order (as :meth:`LayerWork.combine`), plus ``stage.extra``.
-    ``layout``: the rows' :class:`~ferrylm.experts.banks.ExpertLayout`."""
+    token in float32 in ascending expert order (as :meth:`LayerWork.compute` + :meth:`LayerWork.combine`), plus
+    ``stage.extra``."""
     m, n, t, k = stage.max_experts, stage.n, stage.tokens, stage.top_k
     mn = m * n
     idx = stage.index
     x = hidden[idx[:mn]].view(m, n, -1)
     w_all = torch.cat([topk_weights.reshape(-1).float(), topk_weights.new_zeros(1, dtype=torch.float32)])
     w = w_all[idx[mn:2 * mn]].view(m, n)
-    src = layout.layer_views(stage.rows)
-    y = swiglu_batched(x, src.gate, src.up, src.down)
-    y = (y * w[..., None]).to(hidden.dtype).view(mn, -1)
-    dense = y.index_select(0, idx[2 * mn:])
-    out = dense.view(t, k, -1).sum(1, dtype=torch.float32).to(hidden.dtype)
-    return out + stage.extra
+    src = stage.layout.layer_views(stage.rows)
+    y = weigh(swiglu_batched(x, src.gate, src.up, src.down), w, hidden.dtype).view(mn, -1)
+    return sum_per_token(y, idx[2 * mn:], t, k) + stage.extra
