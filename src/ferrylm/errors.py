@@ -81,3 +81,14 @@ class InsufficientMemory(FerryError):
     """A request could not be served within device memory even after every recovery step. HTTP 503."""
 
     code = "insufficient_memory"
+
+
+def error_from_code(code: str | None, message: str | None) -> FerryError:
+    """The typed error for an engine output's ``error_code`` (``context_length_exceeded``, ``invalid_request``,
+    ``insufficient_memory``, ``queue_timeout``, ``engine_unavailable``, ``engine_stalled``; any other code:
+    :class:`EngineUnavailable` carrying it), with the engine's ``message``."""
+    cls = {"context_length_exceeded": ContextLengthExceeded, "invalid_request": InvalidRequest,
+           "insufficient_memory": InsufficientMemory, "queue_timeout": QueueTimeout,
+           "engine_unavailable": EngineUnavailable, "engine_stalled": EngineStalled}.get(code or "", EngineUnavailable)
+    return cls(message or code or "engine error", code=code)
+

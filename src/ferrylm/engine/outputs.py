@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+LOGPROB_FLOOR = -9999.0  # the logprob reported for tokens of probability 0 (OpenAI's value; JSON has no -inf)
+
 
 @dataclass
 class TokenLogprob:

@@ -17,11 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ferrylm.engine.outputs import TokenLogprob
+from ferrylm.engine.outputs import LOGPROB_FLOOR, TokenLogprob
 from ferrylm.engine.request import Request
 
 
-LOGPROB_FLOOR = -9999.0   # reported for tokens of probability 0 (OpenAI's value)
 
 
 @dataclass

@@ -26,7 +26,7 @@ import math
 import re
 import time
 import uuid
-from typing import Any, AsyncIterator, Sequence, TypeVar
+from typing import Any, AsyncIterator, Sequence
 
 import anyio
 from fastapi import FastAPI, Request
@@ -53,9 +53,6 @@ from ferrylm.server.metrics import Metrics
 from ferrylm.server.tokenizer import TextCodec, TextStream, client_template_kwargs
 
 logger = logging.getLogger("ferrylm.server")
-
-T = TypeVar("T")
-
 
 def _version() -> str:
     import ferrylm
@@ -307,12 +304,15 @@ def _reject_lone_surrogates(data: Any) -> None:
 
 def _template_messages(messages: list[ChatMessage]) -> list[dict]:
     """Messages as the chat template wants them: content parts joined into one string, ``developer`` →
-    ``system``. Raises InvalidRequest for non-text content parts."""
+    ``system``. Raises InvalidRequest for non-text content parts and for a system / user message without content
+    (an assistant message may have none: tool calls)."""
     out = []
     for i, m in enumerate(messages):
         d: dict[str, Any] = dict(m.model_extra or {})
         d["role"] = "system" if m.role == "developer" else m.role
         content = m.content
+        if content is None and m.role in ("system", "developer", "user"):
+            raise InvalidRequest(f"messages[{i}] ({m.role}) has no 'content'", param="messages")
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
@@ -387,6 +387,11 @@ class _Server:
             raise EngineUnavailable(f"engine health unknown: {e}") from e
         if not h.ready:
             raise EngineUnavailable(f"engine is {h.status}" + (f": {h.detail}" if h.detail else ""))
+
+    def _check_param_ids(self, params: SamplingParams) -> None:
+        """Raise InvalidRequest when ``stop_token_ids`` or ``logit_bias`` names a token outside the vocabulary."""
+        self._check_token_ids(params.stop_token_ids, "stop_token_ids")
+        self._check_token_ids([int(t) for t, _ in params.logit_bias], "logit_bias")
 
     def _check_token_ids(self, ids: Sequence[int], param: str) -> None:
         vocab = self.codec.vocab_size
@@ -628,8 +633,7 @@ class _Server:
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await _read_json(request))
         model = self._check_model(req.model)
         params = to_sampling_params(req)
-        self._check_token_ids(params.stop_token_ids, "stop_token_ids")
-        self._check_token_ids([int(t) for t, _ in params.logit_bias], "logit_bias")
+        self._check_param_ids(params)
         prompt_ids = await _off_loop(
             self.codec.apply_chat_template, _template_messages(req.messages),
             add_generation_prompt=req.add_generation_prompt is not False,
@@ -727,8 +731,7 @@ class _Server:
         req: CompletionRequest = parse_request(CompletionRequest, await _read_json(request))
         model = self._check_model(req.model)
         params = to_sampling_params(req)
-        self._check_token_ids(params.stop_token_ids, "stop_token_ids")
-        self._check_token_ids([int(t) for t, _ in params.logit_bias], "logit_bias")
+        self._check_param_ids(params)
         if req.suffix:
             raise InvalidRequest("'suffix' is not supported", param="suffix")
         if req.echo and params.logprobs is not None:

@@ -4,8 +4,8 @@ aborted promptly).
 
 :class:`Generation` runs each choice (:class:`Choice`) in its own task and merges their :class:`Event` s;
 :func:`race_disconnect` races work against the client going away (:class:`ClientGone`); :func:`cleanup` awaits an
-abort / close shielded and bounded (``CLEANUP_TIMEOUT_S``); :func:`engine_error` maps an engine error code to the
-typed error the server edge turns into HTTP (``ENGINE_ERRORS``).
+abort / close shielded and bounded (``CLEANUP_TIMEOUT_S``); engine error codes become typed errors through
+:func:`ferrylm.errors.error_from_code`, as in the supervisor.
 
 This module must not import torch.
 """
@@ -25,8 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from ferrylm.engine.outputs import EngineOutput, TokenLogprob
 from ferrylm.engine.sampling_params import SamplingParams
-from ferrylm.errors import (ContextLengthExceeded, EngineUnavailable, FerryError, InsufficientMemory,
-                            InvalidRequest, QueueTimeout)
+from ferrylm.errors import EngineUnavailable, FerryError, InsufficientMemory, error_from_code
 from ferrylm.server.engine_client import EngineClient
 from ferrylm.server.errors import REQUEST_ID_KEY
 from ferrylm.server.metrics import Metrics
@@ -37,12 +36,6 @@ logger = logging.getLogger("ferrylm.server")
 T = TypeVar("T")
 
 CLEANUP_TIMEOUT_S = 5.0  # bound on aclose()/abort() during cleanup
-ENGINE_ERRORS: dict[str, type[FerryError]] = {
-    "insufficient_memory": InsufficientMemory, "context_length_exceeded": ContextLengthExceeded,
-    "queue_timeout": QueueTimeout, "engine_unavailable": EngineUnavailable, "invalid_request": InvalidRequest,
-}
-
-
 
 
 class ClientGone(Exception):
@@ -51,6 +44,10 @@ class ClientGone(Exception):
 
 @dataclass
 class Choice:
+    """One choice (``n`` > 1: one of several) of a request: its engine request, detokenizer and what it produced
+    so far. ``offsets``: character offset of each emitted token's text in the choice's text (completions
+    logprobs); times are ``time.monotonic()`` seconds."""
+
     index: int
     engine_id: str
     prompt_ids: list[int]
@@ -68,17 +65,15 @@ class Choice:
 
 @dataclass
 class Event:
+    """What one engine output of choice ``index`` adds: new ``text`` (with its ``logprobs`` / character
+    ``offsets`` when asked), a ``finish_reason``, or an ``error`` that ends the choice."""
+
     index: int
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
     offsets: list[int] | None = None
     finish_reason: str | None = None
     error: BaseException | None = None
-
-
-def engine_error(code: str, message: str | None) -> FerryError:
-    cls = ENGINE_ERRORS.get(code, FerryError)
-    return cls(message or f"engine error: {code}", code=code)
 
 
 async def cleanup(aw: Awaitable[Any], what: str, rid: str) -> None:
@@ -199,7 +194,7 @@ class Generation:
             self.metrics.queue_time.observe(max(0.0, out.queue_time))
         if out.error_code:
             ch.engine_done = True
-            raise engine_error(out.error_code, out.error_message)
+            raise error_from_code(out.error_code, out.error_message)
         if out.finish_reason == "abort":
             ch.engine_done = True
             raise EngineUnavailable("the engine aborted the request")

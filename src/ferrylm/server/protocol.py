@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
 
-from ferrylm.engine.outputs import TokenLogprob
+from ferrylm.engine.outputs import LOGPROB_FLOOR, TokenLogprob
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.errors import InvalidRequest
 
@@ -173,16 +173,19 @@ def _logit_bias(bias: dict[str, float] | None) -> list[list[float]]:
     """OpenAI ``logit_bias`` (token id as a string -> bias) as ``[[token id, bias], ...]`` sorted by id.
 
     Raises:
-        InvalidRequest: a key that is not a token id (``param: logit_bias``).
+        InvalidRequest: a key that is not a token id, or two keys for one id (``"1"`` and ``"01"``)
+            (``param: logit_bias``).
     """
-    out = []
+    out: dict[int, float] = {}
     for k, v in (bias or {}).items():
         try:
             tok = int(k)
         except ValueError:
             raise InvalidRequest(f"'logit_bias' keys must be token ids, got {k!r}", param="logit_bias") from None
-        out.append([tok, float(v)])
-    return sorted(out)
+        if tok in out:
+            raise InvalidRequest(f"'logit_bias' names token {tok} twice", param="logit_bias")
+        out[tok] = float(v)
+    return [[t, out[t]] for t in sorted(out)]
 
 
 def to_sampling_params(req: _SamplingRequest) -> SamplingParams:
@@ -202,14 +205,12 @@ def to_sampling_params(req: _SamplingRequest) -> SamplingParams:
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        for i, m in enumerate(req.messages):
-            if m.role in ("system", "developer", "user") and m.content is None:
-                raise InvalidRequest(f"messages[{i}] ({m.role}) has no 'content'", param="messages")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= SamplingParams.MAX_LOGPROBS:
+            raise InvalidRequest(f"'top_logprobs' must be in [0, {SamplingParams.MAX_LOGPROBS}], got "
+                                 f"{req.top_logprobs}", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        logprobs_param = "top_logprobs"
     else:
         logprobs = req.logprobs  # type: ignore[attr-defined]
-        logprobs_param = "logprobs"
     if req.stop_token_ids is not None and any(t < 0 for t in req.stop_token_ids):
         raise InvalidRequest("'stop_token_ids' must be non-negative token ids", param="stop_token_ids")
     params = SamplingParams(
@@ -237,10 +238,6 @@ def to_sampling_params(req: _SamplingRequest) -> SamplingParams:
     except InvalidRequest as e:
         if e.param == "max_tokens" and req.max_completion_tokens is not None:
             e.param = "max_completion_tokens"
-        elif e.param == "logprobs" and logprobs_param != "logprobs":
-            e.param = logprobs_param
-            e.message = e.message.replace("'logprobs'", f"'{logprobs_param}'")
-            e.args = (e.message,)
         raise
     return params
 
@@ -384,11 +381,10 @@ def chunk_json(model: BaseModel, *, include_usage: bool) -> str:
 # logprobs formatting
 # ---------------------------------------------------------------------------------------------------------
 
-_MIN_LOGPROB = -9999.0  # JSON has no -inf
-
-
 def _finite(lp: float) -> float:
-    return float(lp) if math.isfinite(lp) else _MIN_LOGPROB
+    """``lp`` as a JSON number: the sampler already floors logprobs; a non-finite value (a test double's, an older
+    engine's) becomes ``LOGPROB_FLOOR``."""
+    return float(lp) if math.isfinite(lp) else LOGPROB_FLOOR
 
 
 def chat_logprobs(entries: list[TokenLogprob], codec: Any) -> list[ChatTokenLogprob]:

@@ -39,8 +39,7 @@ from ferrylm.engine import ipc
 from ferrylm.engine.outputs import EngineOutput
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.engine.worker import STACK_DUMP_SIGNAL, EngineSpec, engine_main
-from ferrylm.errors import (ContextLengthExceeded, EngineStalled, EngineUnavailable, FerryError,
-                            InsufficientMemory, InvalidRequest, QueueTimeout)
+from ferrylm.errors import EngineStalled, EngineUnavailable, FerryError, InvalidRequest, error_from_code
 from ferrylm.server.engine_client import HealthState, ModelInfo
 
 log = logging.getLogger("ferrylm.supervisor")
@@ -50,20 +49,9 @@ WATCHDOG_TICK_S = 0.25        # how often the progress watchdog looks
 STACK_DUMP_WAIT_S = 0.5       # time the engine gets to write its stacks before SIGKILL
 _IPC_PREFIX = "ferrylm-"
 
-_ERROR_TYPES: dict[str, type[FerryError]] = {
-    "context_length_exceeded": ContextLengthExceeded,
-    "invalid_request": InvalidRequest,
-    "insufficient_memory": InsufficientMemory,
-    "queue_timeout": QueueTimeout,
-    "engine_unavailable": EngineUnavailable,
-    "engine_stalled": EngineStalled,
-}
-
-
 def error_from_output(out: EngineOutput) -> FerryError:
-    """Map an engine error output to the typed error the HTTP edge understands."""
-    cls = _ERROR_TYPES.get(out.error_code or "", EngineUnavailable)
-    return cls(out.error_message or out.error_code or "engine error", code=out.error_code)
+    """Map an engine error output to the typed error the HTTP edge understands (:func:`error_from_code`)."""
+    return error_from_code(out.error_code, out.error_message)
 
 
 def describe_exit(code: int | None) -> str:
