@@ -69,7 +69,7 @@ def test_offloaded_tokens_equal_resident_and_hf_generate():
     assert off.token_ids == ref.token_ids and off.checksum == ref.checksum
     assert off.tok_s > 0 and off.decode_s > 0
 
-    prompts, _ = ao.bench_prompts(TINY["vocab_size"], BATCH, PROMPT, seed=0)
+    prompts, _ = ao.bench_prompt_tensors(TINY["vocab_size"], BATCH, PROMPT, seed=0)
     with torch.no_grad():
         out = net.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
                            max_new_tokens=1 + TOKENS, min_new_tokens=1 + TOKENS, pad_token_id=0)

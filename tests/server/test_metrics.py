@@ -218,7 +218,7 @@ async def test_queue_time_is_measured_by_the_engine(codec) -> None:
         if o.queue_time is not None:
             assert o.request_id not in sent, "queue time sent twice"
             sent[o.request_id] = o.queue_time
-    assert len(sent) == 2 and all(v >= 0 for v in sent.values()), sent
+    assert len(sent) == 2, sent
     first, second = sorted(sent.values())
     assert second > 0   # waited for the whole first request (prefill in 2-token chunks + 4 tokens)
     assert sample(t, "ferrylm:request_queue_time_seconds_count") == 2

@@ -11,8 +11,9 @@ How the model is made (peak host RAM ~ the offloaded bytes, never the model twic
    the largest offloaded block, to load it at forward time; ``--reserve`` (default 1 GiB) is left out of its budget
    for the KV cache and activations.
 3. Every parameter is allocated directly on its device and filled with seeded random values (norms 1, biases 0,
-   embeddings N(0, 1), every other matrix N(0, 1/fan_in) — the scales of ferrylm's synthetic models, not its
-   values); on CUDA the offloaded ones are drawn on the GPU and copied into (pageable) host tensors.
+   embeddings N(0, 1), every other matrix N(0, 1/fan_in): ferrylm's synthetic scales without its residual
+   scaling and router normalisation — the values change nothing that accelerate moves, and tokens are not compared
+   with ferrylm's); on CUDA the offloaded ones are drawn on the GPU and copied into (pageable) host tensors.
 4. ``accelerate.dispatch_model(model, device_map, main_device)`` attaches accelerate's hooks: an offloaded module's
    weights stay in host memory and are copied to the GPU at the start of each of its forwards and dropped after
    it (accelerate's CPU offload; copies are synchronous, from pageable memory, as accelerate does them).
@@ -36,13 +37,14 @@ forward. That exercises the mechanism (and the tokens) in CI; speed means nothin
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from ferrylm.bench.common import bench_prompts, sync, token_checksum
 
 GPU = "gpu"  # device-map value for "on the main device" before it is resolved to a CUDA index
 GiB = 2**30
@@ -91,7 +93,8 @@ def _bytes(t) -> int:
 
 
 def module_for(name: str, device_map: dict[str, Any]) -> str:
-    """The device-map key that covers parameter / module ``name`` (the longest matching prefix)."""
+    """The device-map key that covers parameter / module ``name`` (the longest matching prefix; ``""`` covers all).
+    Raises KeyError when none does."""
     best = None
     for k in device_map:
         if k == "" or name == k or name.startswith(k + "."):
@@ -201,10 +204,6 @@ def greedy_decode(model, prompts, tokens: int, device, step_times: list[float] |
     decode seconds)."""
     import torch
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     with torch.no_grad():
         ids = prompts.to(device)
         t0 = time.perf_counter()
@@ -212,7 +211,7 @@ def greedy_decode(model, prompts, tokens: int, device, step_times: list[float] |
         nxt = out.logits[:, -1].argmax(-1)
         past = out.past_key_values
         got = [nxt.cpu()]
-        sync()
+        sync(device)
         t1 = time.perf_counter()
         every = max(1, tokens // 8)
         for i in range(tokens):
@@ -225,20 +224,18 @@ def greedy_decode(model, prompts, tokens: int, device, step_times: list[float] |
                 step_times.append(time.perf_counter() - ts)
             if progress is not None and (i + 1) % every == 0:
                 progress(f"  step {i + 1}/{tokens}: {1000 * (time.perf_counter() - ts):.0f} ms")
-        sync()
+        sync(device)
         t2 = time.perf_counter()
     return torch.stack(got, dim=1), t1 - t0, t2 - t1
 
 
-def bench_prompts(vocab_size: int, batch: int, prompt_tokens: int, seed: int):
-    """``batch`` prompts and one warm-up prompt: the ids ``ferry bench decode --seed seed`` uses."""
+def bench_prompt_tensors(vocab_size: int, batch: int, prompt_tokens: int, seed: int):
+    """``(prompts [batch, prompt_tokens], warm [1, prompt_tokens])`` int64: the ids ``ferry bench decode --seed
+    seed`` uses (:func:`ferrylm.bench.common.bench_prompts`)."""
     import torch
 
-    g = torch.Generator().manual_seed(seed)
-    upper = min(vocab_size, 1000)
-    prompts = [torch.randint(1, upper, (prompt_tokens,), generator=g) for _ in range(batch)]
-    warm = torch.randint(1, upper, (prompt_tokens,), generator=g)
-    return torch.stack(prompts), warm[None]
+    prompts, warm = bench_prompts(vocab_size, batch, prompt_tokens, seed)
+    return torch.tensor(prompts), torch.tensor(warm)
 
 
 def _ranges(idx: list[int]) -> str:
@@ -310,6 +307,12 @@ def granularity_line(pl: dict) -> str:
 
 @dataclass
 class AccelerateResult:
+    """One ``ferry bench accelerate`` run. Units: ``tok_s`` generated tokens per second over all prompts;
+    ``ms_per_token`` milliseconds per decode step (one token per prompt); ``*_s`` seconds; ``*_bytes`` bytes;
+    ``*_gib`` GiB. ``h2d_bytes_per_step`` is derived, not measured: the bytes of every offloaded module (accelerate
+    copies each of them once per forward), and ``h2d_gb_s_effective`` those bytes over the decode time.
+    ``placement``: :func:`describe_placement`."""
+
     model: str
     device: str
     dtype: str
@@ -344,8 +347,14 @@ def run_accelerate_bench(*, model, device: str = "auto", dtype: str = "bfloat16"
                          reserve: float = 1.0, cpu_memory_limit: float | None = None, progress=print,
                          keep_model: bool = False) -> AccelerateResult | tuple[AccelerateResult, Any]:
     """Run the baseline (module docstring). ``model``: a ``synthetic:`` spec string or a
-    :class:`~ferrylm.models.synthetic.SyntheticSpec`. ``gpu_memory_limit`` None = no offload (all on the device).
-    ``keep_model`` also returns the dispatched model (tests)."""
+    :class:`~ferrylm.models.synthetic.SyntheticSpec`. ``gpu_memory_limit``, ``reserve``, ``cpu_memory_limit``: GiB
+    (``gpu_memory_limit`` None = no offload, all on the device). ``batch`` prompts of ``prompt_tokens`` ids, then
+    ``tokens`` greedy decode steps. ``keep_model`` also returns the dispatched model (tests).
+
+    Raises:
+        MissingAccelerate: accelerate is not installed. ModelLoadError / ValueError: a bad spec.
+        RuntimeError: the placement would need disk offload (host budget too small); torch.OutOfMemoryError: the
+            placement does not fit after all."""
     accelerate = require_accelerate()
     import psutil
     import torch
@@ -391,7 +400,7 @@ def run_accelerate_bench(*, model, device: str = "auto", dtype: str = "bfloat16"
     res.experts_implementation = str(getattr(net.config, "_experts_implementation", ""))
     progress(f"built and dispatched in {res.build_s:.1f} s; warm-up ...")
 
-    prompts, warm = bench_prompts(cfg.vocab_size, batch, prompt_tokens, seed)
+    prompts, warm = bench_prompt_tensors(cfg.vocab_size, batch, prompt_tokens, seed)
     greedy_decode(net, warm, 2, main)
     progress(f"decoding {batch} x {tokens} tokens ...")
     steps: list[float] = []
@@ -407,7 +416,7 @@ def run_accelerate_bench(*, model, device: str = "auto", dtype: str = "bfloat16"
         res.peak_gpu_allocated_bytes = torch.cuda.max_memory_allocated(main)
     res.host_rss_bytes = psutil.Process().memory_info().rss
     res.token_ids = ids.tolist()
-    res.checksum = hashlib.sha256(json.dumps(res.token_ids).encode()).hexdigest()[:12]
+    res.checksum = token_checksum(res.token_ids)
     return (res, net) if keep_model else res
 
 

@@ -28,7 +28,6 @@ SDPA backend is switched off for the run (see the NOTE in :func:`run_decode_benc
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import logging
 import sys
@@ -37,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ferrylm.bench.common import bench_prompts, sync, token_checksum
 from ferrylm.errors import FerryError
 from ferrylm.experts import ExpertOptions, backend_name, build_from_banks
 from ferrylm.experts.options import Bandwidths
@@ -50,10 +50,10 @@ _COUNTERS = ("steps", "tokens", "needed", "hits", "misses", "prefetched", "prefe
 
 
 def swap_executor(model, executor):
-    """Point every MoE block of ``model`` (a module with ``executor``, ``layer_idx`` and ``route``) at
+    """Point every MoE block of ``model`` (a module with ``executor``, ``layer_idx`` and ``predict_experts``) at
     ``executor`` and register their expert predictors with it. Returns ``model``."""
     for m in model.modules():
-        if hasattr(m, "executor") and hasattr(m, "route") and hasattr(m, "layer_idx"):
+        if hasattr(m, "executor") and hasattr(m, "predict_experts") and hasattr(m, "layer_idx"):
             m.executor = executor
             executor.register_router(m.layer_idx, m.predict_experts)
     return model
@@ -112,15 +112,17 @@ def _counters(ex) -> dict:
     return {k: st.get(k, 0) for k in _COUNTERS}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _generate(engine, prompts: list[list[int]], new_tokens: int, tag: str, ex, device, temperature: float = 0.0):
+def _generate(engine, prompts: list[list[int]], new_tokens: int, tag: str, ex, device, temperature: float = 0.0,
+              decode_context=None):
     """Run ``prompts`` to ``new_tokens + 1`` tokens each (greedy, or sampled with a per-prompt seed so equal logits
-    still give equal tokens). Returns (token lists, decode seconds, counters at the end of prefill, counters at
-    the end)."""
+    still give equal tokens); ``decode_context`` (e.g. a profiler) is entered once every prompt has its first token
+    and left after the last step. Returns (token lists, decode seconds, counters at the end of prefill, counters at
+    the end).
+
+    Raises:
+        RuntimeError: a request ended with an error."""
+    import contextlib
+
     from ferrylm.engine.sampling_params import SamplingParams
 
     outs: dict[str, list[int]] = {}
@@ -130,16 +132,19 @@ def _generate(engine, prompts: list[list[int]], new_tokens: int, tag: str, ex, d
         engine.add_request(rid, p, SamplingParams(temperature=temperature, seed=i, max_tokens=new_tokens + 1,
                                                   ignore_eos=True))
     t0 = c0 = None
-    while engine.has_work():
-        for o in engine.step():
-            if o.error_code is not None:
-                raise RuntimeError(f"request {o.request_id} failed: {o.error_code}: {o.error_message}")
-            outs[o.request_id].extend(o.new_token_ids)
-        if t0 is None and all(outs.values()):
-            _sync(device)
-            c0, t0 = _counters(ex), time.perf_counter()
-    _sync(device)
-    t1 = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        while engine.has_work():
+            for o in engine.step():
+                if o.error_code is not None:
+                    raise RuntimeError(f"request {o.request_id} failed: {o.error_code}: {o.error_message}")
+                outs[o.request_id].extend(o.new_token_ids)
+            if t0 is None and all(outs.values()):
+                sync(device)
+                if decode_context is not None:
+                    stack.enter_context(decode_context)
+                c0, t0 = _counters(ex), time.perf_counter()
+        sync(device)
+        t1 = time.perf_counter()
     return list(outs.values()), t1 - t0, c0, _counters(ex)
 
 
@@ -194,11 +199,8 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
                        cuda_graph_max_batch=ec.cuda_graph_max_batch, cuda_graph_max_len=ec.cuda_graph_max_len)
     engine = Engine(loaded.model, loaded.config, cfg, device=device, dtype=dtype)
     base = non_expert_step_bytes(loaded.model)
-    g = torch.Generator().manual_seed(ec.seed)
-    upper = min(loaded.config.vocab_size, 1000)
-    prompts = [torch.randint(1, upper, (prompt_len,), generator=g).tolist() for _ in range(batch)]
     # as many warm-up prompts as the batch: decode graphs for the batch size are captured before the timed run
-    warm = [torch.randint(1, upper, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    prompts, warm = bench_prompts(loaded.config.vocab_size, batch, prompt_len, ec.seed, num_warm=batch)
 
     results = []
     for name in backends:
@@ -237,7 +239,7 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
         roof = roofline_seconds(name, per_step, banks.expert_bytes, base, bw)
         res.roofline_tok_s = batch / roof
         res.achieved_over_roofline = res.tok_s / res.roofline_tok_s
-        res.checksum = hashlib.sha256(json.dumps(toks).encode()).hexdigest()[:12]
+        res.checksum = token_checksum(toks)
         res.counters = diff
         if engine.decode_graphs is not None:
             res.decode_graphs = engine.decode_graphs.stats()
@@ -260,23 +262,10 @@ def profile_decode(engine, prompts: list[list[int]], steps: int, tag: str, ex, d
     Returns a text report: top ops by self host time and by self device time, and device kernels per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    from ferrylm.engine.sampling_params import SamplingParams
-
-    for i, p in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", p, SamplingParams(temperature=temperature, seed=i, max_tokens=steps + 1,
-                                                           ignore_eos=True))
-    got = {f"{tag}-{i}": 0 for i in range(len(prompts))}
-    while engine.has_work() and not all(got.values()):  # prefill (chunked prefill may take several steps)
-        for o in engine.step():
-            got[o.request_id] += len(o.new_token_ids)
-    _sync(device)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    n = 0
-    with profile(activities=acts) as prof:
-        while engine.has_work():
-            engine.step()
-            n += 1
-        _sync(device)
+    prof = profile(activities=acts)
+    _generate(engine, prompts, steps, tag, ex, device, temperature, decode_context=prof)
+    n = steps  # one token per prompt per decode step
     avg = prof.key_averages()
     lines = [f"--- profile {tag}: {n} decode steps, batch {len(prompts)} ---",
              avg.table(sort_by="self_cpu_time_total", row_limit=30)]

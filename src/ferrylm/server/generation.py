@@ -191,7 +191,7 @@ class Generation:
 
     def _on_output(self, ch: Choice, out: EngineOutput) -> Event | None:
         if out.queue_time is not None and self.metrics is not None:
-            self.metrics.queue_time.observe(max(0.0, out.queue_time))
+            self.metrics.queue_time.observe(out.queue_time)  # >= 0: Request.take_queue_time
         if out.error_code:
             ch.engine_done = True
             raise error_from_code(out.error_code, out.error_message)
