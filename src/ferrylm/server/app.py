@@ -23,7 +23,6 @@ import hmac
 import json
 import logging
 import math
-import re
 import time
 import uuid
 from typing import Any, AsyncIterator, Sequence
@@ -31,14 +30,12 @@ from typing import Any, AsyncIterator, Sequence
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from starlette.requests import ClientDisconnect
-from starlette.types import Message, Receive, Scope, Send
 
 from ferrylm.engine.outputs import TokenLogprob
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.errors import ContextLengthExceeded, EngineUnavailable, FerryError, InvalidRequest, ModelNotFound
 from ferrylm.server.engine_client import EngineClient
-from ferrylm.server.errors import (REQUEST_ID_KEY, Unauthorized, error_payload, error_response,
+from ferrylm.server.errors import (Unauthorized, error_payload, error_response,
                                    install_exception_handlers, request_id_of, retry_after_for)
 from ferrylm.server.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk,
                                      ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamChoice,
@@ -50,6 +47,8 @@ from ferrylm.server.generation import (ClientGone, Choice, Event, Generation, SS
                                       sse_event)
 from ferrylm.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ferrylm.server.metrics import Metrics
+from ferrylm.server.openapi import ERROR_RESPONSES, HEALTH_RESPONSES, install_openapi, route_doc
+from ferrylm.server.request_io import ARRIVAL_KEY, RequestIdMiddleware, RequestTooLarge, read_json
 from ferrylm.server.tokenizer import TextCodec, TextStream, client_template_kwargs
 
 logger = logging.getLogger("ferrylm.server")
@@ -72,14 +71,7 @@ __version__ = _version()
 MAX_PROMPTS_PER_REQUEST = 64     # completions: a list of prompts
 HEALTH_GENERATE_TIMEOUT_S = 5.0  # default bound on GET /health/generate (``?timeout=`` overrides, up to 60 s)
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # --max-request-bytes: larger bodies get 413 in the OpenAI error shape
-ARRIVAL_KEY = "ferrylm.arrival"  # scope key: time.monotonic() when the request reached the app
 _DONE = "data: [DONE]\n\n"
-
-
-class RequestTooLarge(InvalidRequest):
-    """The request body is larger than ``--max-request-bytes``. HTTP 413 (OpenAI error shape)."""
-
-    code = "request_too_large"
 
 
 def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *,
@@ -111,25 +103,8 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
 
     from ferrylm.server import protocol as pr
 
-    def doc(req: type | None, resp: type | None, *, stream: bool = False) -> dict:
-        """openapi_extra for a route that parses its body itself: the body and 200 schemas (components)."""
-        extra: dict[str, Any] = {}
-        if req is not None:
-            extra["requestBody"] = {"required": True, "content": {"application/json": {
-                "schema": {"$ref": f"#/components/schemas/{req.__name__}"}}}}
-        if resp is not None:
-            content: dict[str, Any] = {"application/json": {"schema": {"$ref": f"#/components/schemas/{resp.__name__}"}}}
-            if stream:   # OpenAPI < 3.2: `schema` describes one event
-                content["text/event-stream"] = {"schema": {
-                    "type": "object", "required": ["data"], "properties": {
-                        "data": {"type": "string", "description": "one chunk as JSON (object "
-                                 "chat.completion.chunk or text_completion), an error object {\"error\": ...}, "
-                                 "or the final [DONE]"},
-                        "event": {"type": "string"}}}}
-            extra["responses"] = {"200": {"description": "OK", "content": content}}
-        return extra
-
-    v1 = {"responses": _ERROR_RESPONSES}
+    doc = route_doc
+    v1 = {"responses": ERROR_RESPONSES}
     app.add_api_route("/v1/models", server.list_models, methods=["GET"], openapi_extra=doc(None, pr.ModelList),
                       **v1)
     app.add_api_route("/v1/models/{model_id:path}", server.get_model, methods=["GET"],
@@ -139,9 +114,9 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
     app.add_api_route("/v1/completions", server.completions, methods=["POST"],
                       openapi_extra=doc(pr.CompletionRequest, pr.CompletionResponse, stream=True), **v1)
     app.add_api_route("/v1/memory", server.memory, methods=["GET"], **v1)
-    app.add_api_route("/health", server.health, methods=["GET"], responses=_HEALTH_RESPONSES)
+    app.add_api_route("/health", server.health, methods=["GET"], responses=HEALTH_RESPONSES)
     app.add_api_route("/health/generate", server.health_generate, methods=["GET"],
-                      responses={**_HEALTH_RESPONSES, 400: _ERROR_RESPONSES[400]}, openapi_extra={"parameters": [
+                      responses={**HEALTH_RESPONSES, 400: ERROR_RESPONSES[400]}, openapi_extra={"parameters": [
                           {"name": "timeout", "in": "query", "required": False, "description":
                            "seconds to wait for the token (default 5; clamped to 0.1 .. 60)",
                            "schema": {"type": "number"}}]})
@@ -152,77 +127,8 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"],
                       openapi_extra=doc(pr.DetokenizeRequest, None), **v1)
 
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            from fastapi.openapi.utils import get_openapi
-            from pydantic.json_schema import models_json_schema
-
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            models = [(m, "validation") for m in (pr.ChatCompletionRequest, pr.CompletionRequest,
-                                                  pr.TokenizeRequest, pr.DetokenizeRequest)]
-            models += [(m, "serialization") for m in (pr.ChatCompletionResponse, pr.CompletionResponse,
-                                                      pr.ModelCard, pr.ModelList, pr.ErrorResponse)]
-            _, top = models_json_schema(models, ref_template="#/components/schemas/{model}")
-            schema.setdefault("components", {}).setdefault("schemas", {}).update(top.get("$defs", {}))
-            # FastAPI documents a 422 for every route with parameters; this server answers validation errors
-            # with 400 in the OpenAI shape (server/errors.py) and never with 422.
-            for ops in schema.get("paths", {}).values():
-                for op in ops.values():
-                    op.get("responses", {}).pop("422", None)
-            for name in ("HTTPValidationError", "ValidationError"):
-                schema["components"]["schemas"].pop(name, None)
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
+    install_openapi(app)
     return app
-
-
-_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"description": what, "content": {"application/json": {
-        "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
-    for code, what in ((400, "invalid request"), (401, "missing or wrong API key"), (404, "unknown model"),
-                       (413, "request body too large"), (503, "engine unavailable / overloaded"))}
-
-
-_HEALTH_BODY = {"type": "object", "required": ["status"], "additionalProperties": True,
-                "properties": {"status": {"type": "string"}, "detail": {"type": "string"}}}
-_HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"description": "ready", "content": {"application/json": {"schema": _HEALTH_BODY}}},
-    503: {"description": "not ready: loading, restarting, stalled, dead, draining (Retry-After)",
-          "content": {"application/json": {"schema": _HEALTH_BODY}}}}
-
-
-class RequestIdMiddleware:
-    """Pure-ASGI middleware: puts the request id in ``scope[REQUEST_ID_KEY]`` and on every response's
-    ``x-request-id`` header. A client-supplied ``x-request-id`` (printable ASCII, <= 200 chars) is reused."""
-
-    def __init__(self, app: Any):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        rid = ""
-        for k, v in scope.get("headers", ()):
-            if k == b"x-request-id":
-                rid = v.decode("latin-1").strip()
-                break
-        if not (0 < len(rid) <= 200 and rid.isascii() and rid.isprintable()):
-            rid = uuid.uuid4().hex
-        scope[REQUEST_ID_KEY] = rid
-        scope.setdefault(ARRIVAL_KEY, time.monotonic())
-        raw = rid.encode("latin-1")
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = [h for h in message.get("headers", ()) if h[0].lower() != b"x-request-id"]
-                headers.append((b"x-request-id", raw))
-                message = {**message, "headers": headers}
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -235,71 +141,6 @@ async def _off_loop(fn: Any, *args: Any, **kwargs: Any) -> Any:
     prompt does not stall the event loop, /health or other streams (the tokenizers library releases the GIL while
     it encodes). Exceptions propagate unchanged."""
     return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
-
-
-async def _read_body(request: Request, limit: int | None) -> bytes:
-    """The body, refused (RequestTooLarge, 413) as soon as it is known to exceed ``limit`` bytes: by its
-    Content-Length before reading, or while reading a chunked body."""
-    if not limit:
-        try:
-            return await request.body()
-        except ClientDisconnect:
-            raise ClientGone() from None
-    too_large = RequestTooLarge(f"the request body exceeds the server's limit of {limit} bytes "
-                                f"(--max-request-bytes)")
-    cl = request.headers.get("content-length")
-    if cl is not None and cl.strip().isdigit() and int(cl) > limit:
-        raise too_large
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise ClientGone() from None  # the client left while sending its body: an abort, not a server error
-    return b"".join(chunks)
-
-
-async def _read_json(request: Request) -> Any:
-    """The request body as JSON. Raises InvalidRequest for an empty body, bad JSON, NaN or Infinity, and
-    RequestTooLarge (413) past ``--max-request-bytes``."""
-    server = getattr(request.app.state, "server", None)
-    body = await _read_body(request, getattr(server, "max_request_bytes", None))
-    if not body.strip():
-        raise InvalidRequest("request body is empty; expected a JSON object")
-
-    def reject(name: str) -> Any:
-        raise InvalidRequest(f"invalid JSON: {name} is not a valid JSON number")
-
-    try:
-        data = json.loads(body, parse_constant=reject)
-    except (ValueError, RecursionError) as e:
-        raise InvalidRequest(f"invalid JSON body: {e}") from None
-    _reject_lone_surrogates(data)
-    return data
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _reject_lone_surrogates(data: Any) -> None:
-    """JSON may escape a lone UTF-16 surrogate (``"\\ud800"``); Python keeps it in the string, and no tokenizer
-    or UTF-8 encoder can take it. Raises InvalidRequest (400) naming the first one found, in keys or values."""
-    stack = [data]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, str):
-            m = None if x.isascii() else _SURROGATE.search(x)
-            if m is not None:
-                raise InvalidRequest(f"invalid JSON body: a string holds a lone UTF-16 surrogate (an unpaired "
-                                     f"\\u{ord(m.group()):04x} escape), which is not valid Unicode")
-        elif isinstance(x, dict):
-            stack.extend(x.keys())
-            stack.extend(x.values())
-        elif isinstance(x, list):
-            stack.extend(x)
 
 
 def _template_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -598,7 +439,7 @@ class _Server:
 
     async def tokenize(self, request: Request) -> Response:
         async def work(request: Request, rid: str) -> Response:
-            req = parse_request(TokenizeRequest, await _read_json(request))
+            req = parse_request(TokenizeRequest, await read_json(request))
             self._check_model(req.model)
             if req.messages is not None:
                 ids = await _off_loop(self.codec.apply_chat_template, _template_messages(req.messages),
@@ -614,7 +455,7 @@ class _Server:
 
     async def detokenize(self, request: Request) -> Response:
         async def work(request: Request, rid: str) -> Response:
-            req = parse_request(DetokenizeRequest, await _read_json(request))
+            req = parse_request(DetokenizeRequest, await read_json(request))
             self._check_model(req.model)
             self._check_token_ids(req.tokens, "tokens")
             return JSONResponse({"prompt": self.codec.decode(req.tokens, skip_special_tokens=False)})
@@ -630,7 +471,7 @@ class _Server:
 
     # ---- chat --------------------------------------------------------------------------------------------
     async def _chat(self, request: Request, rid: str) -> Response:
-        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await _read_json(request))
+        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await read_json(request))
         model = self._check_model(req.model)
         params = to_sampling_params(req)
         self._check_param_ids(params)
@@ -728,7 +569,7 @@ class _Server:
         return ids_list, texts
 
     async def _completion(self, request: Request, rid: str) -> Response:
-        req: CompletionRequest = parse_request(CompletionRequest, await _read_json(request))
+        req: CompletionRequest = parse_request(CompletionRequest, await read_json(request))
         model = self._check_model(req.model)
         params = to_sampling_params(req)
         self._check_param_ids(params)

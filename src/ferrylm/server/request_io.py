@@ -1,0 +1,126 @@
+"""What a request brings, read safely: its id (``x-request-id``), its arrival time, its body as JSON (size limit,
+NaN / Infinity and lone surrogates refused).
+
+This module must not import torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from typing import Any
+
+from fastapi import Request
+from starlette.requests import ClientDisconnect
+from starlette.types import Message, Receive, Scope, Send
+
+from ferrylm.errors import InvalidRequest
+from ferrylm.server.errors import REQUEST_ID_KEY
+from ferrylm.server.generation import ClientGone
+
+ARRIVAL_KEY = "ferrylm.arrival"  # scope key: time.monotonic() when the request reached the app
+
+
+class RequestTooLarge(InvalidRequest):
+    """The request body is larger than ``--max-request-bytes``. HTTP 413 (OpenAI error shape)."""
+
+    code = "request_too_large"
+
+
+class RequestIdMiddleware:
+    """Pure-ASGI middleware: puts the request id in ``scope[REQUEST_ID_KEY]`` and on every response's
+    ``x-request-id`` header. A client-supplied ``x-request-id`` (printable ASCII, <= 200 chars) is reused."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = ""
+        for k, v in scope.get("headers", ()):
+            if k == b"x-request-id":
+                rid = v.decode("latin-1").strip()
+                break
+        if not (0 < len(rid) <= 200 and rid.isascii() and rid.isprintable()):
+            rid = uuid.uuid4().hex
+        scope[REQUEST_ID_KEY] = rid
+        scope.setdefault(ARRIVAL_KEY, time.monotonic())
+        raw = rid.encode("latin-1")
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", ()) if h[0].lower() != b"x-request-id"]
+                headers.append((b"x-request-id", raw))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+async def read_body(request: Request, limit: int | None) -> bytes:
+    """The body, refused (RequestTooLarge, 413) as soon as it is known to exceed ``limit`` bytes: by its
+    Content-Length before reading, or while reading a chunked body."""
+    if not limit:
+        try:
+            return await request.body()
+        except ClientDisconnect:
+            raise ClientGone() from None
+    too_large = RequestTooLarge(f"the request body exceeds the server's limit of {limit} bytes "
+                                f"(--max-request-bytes)")
+    cl = request.headers.get("content-length")
+    if cl is not None and cl.strip().isdigit() and int(cl) > limit:
+        raise too_large
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone() from None  # the client left while sending its body: an abort, not a server error
+    return b"".join(chunks)
+
+
+async def read_json(request: Request) -> Any:
+    """The request body as JSON. Raises InvalidRequest for an empty body, bad JSON, NaN or Infinity, and
+    RequestTooLarge (413) past ``--max-request-bytes``."""
+    server = getattr(request.app.state, "server", None)
+    body = await read_body(request, getattr(server, "max_request_bytes", None))
+    if not body.strip():
+        raise InvalidRequest("request body is empty; expected a JSON object")
+
+    def reject(name: str) -> Any:
+        raise InvalidRequest(f"invalid JSON: {name} is not a valid JSON number")
+
+    try:
+        data = json.loads(body, parse_constant=reject)
+    except (ValueError, RecursionError) as e:
+        raise InvalidRequest(f"invalid JSON body: {e}") from None
+    reject_lone_surrogates(data)
+    return data
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def reject_lone_surrogates(data: Any) -> None:
+    """JSON may escape a lone UTF-16 surrogate (``"\\ud800"``); Python keeps it in the string, and no tokenizer
+    or UTF-8 encoder can take it. Raises InvalidRequest (400) naming the first one found, in keys or values."""
+    stack = [data]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            m = None if x.isascii() else _SURROGATE.search(x)
+            if m is not None:
+                raise InvalidRequest(f"invalid JSON body: a string holds a lone UTF-16 surrogate (an unpaired "
+                                     f"\\u{ord(m.group()):04x} escape), which is not valid Unicode")
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
