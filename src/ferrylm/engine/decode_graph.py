@@ -436,7 +436,7 @@ class DecodeGraphRunner:
         self._keys.clear()
         self._stages.clear()
         self._stage_rows = None
-        self.stack.rotary._rows = None  # no binding to the dropped buffers
+        self.stack.rotary.clear_tables()  # no binding to the dropped buffers
         self._pool_handle = None  # a fresh pool: the old one goes with its graphs (reusing its handle asserts)
         self._sig = self._signature()
 

@@ -243,6 +243,10 @@ class RotaryEmbedding(nn.Module):
         filled (:meth:`fill_tables`)."""
         self._rows = ((id(positions), cos_full.dtype), positions, cos_full, sin_signed)
 
+    def clear_tables(self) -> None:
+        """Forget the cached / bound rows (the next lookup computes them)."""
+        self._rows = None
+
     def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos_full, sin_signed)`` ``[T, D]`` for ``positions``, cached for the last positions tensor."""
         key = (id(positions), dtype)
