@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from ferrylm.config import EngineConfig
+from ferrylm.config import CPU_KERNELS, EngineConfig
 
 DEFAULT_MODEL = "smollm2-moe"
 
@@ -52,6 +52,9 @@ def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] 
                    help="device expert slots for offload/cpu/hybrid (default: as many as the memory allows)")
     p.add_argument("--moe-cpu-threads", type=int, default=None, metavar="N",
                    help="threads computing experts on the CPU (default: physical cores)")
+    p.add_argument("--moe-cpu-kernel", default="auto", choices=list(CPU_KERNELS),
+                   help="CPU expert kernel: native (compiled on first use with the host C compiler; decode), "
+                        "torch (oneDNN matmuls), auto: native when it builds (default: auto)")
     p.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GiB",
                    help="device memory ferrylm may use, in GiB (default: what is free)")
     p.add_argument("--memory-ratio", type=float, default=0.9, metavar="R",
@@ -88,7 +91,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         moe_backend="resident" if a.moe_backend == "fused" else a.moe_backend,
                         check_invariants=a.debug_invariants, seed=a.seed,
                         queue_timeout=a.queue_timeout, moe_cache_size=a.moe_cache_size,
-                        moe_cpu_threads=a.moe_cpu_threads, gpu_memory_limit=a.gpu_memory_limit,
+                        moe_cpu_threads=a.moe_cpu_threads, moe_cpu_kernel=a.moe_cpu_kernel,
+                        gpu_memory_limit=a.gpu_memory_limit,
                         memory_ratio=a.memory_ratio, memory_reserve=a.memory_reserve,
                         kv_reserve_tokens=a.kv_reserve_tokens, moe_cache_auto=a.moe_cache_auto,
                         faults=a.faults, decode_graphs="off" if a.enforce_eager else "auto",

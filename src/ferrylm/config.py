@@ -14,6 +14,8 @@ from typing import Any
 from ferrylm.errors import ModelLoadError
 
 
+# --moe-cpu-kernel (ferrylm/experts/cpu_kernel.py): auto = native when it builds, else torch
+CPU_KERNELS = ("auto", "native", "torch")
 DECODE_GRAPH_MODES = ("auto", "off", "eager", "cuda")  # EngineConfig.decode_graphs, see engine/decode_graph.py
 
 @dataclass(frozen=True)
@@ -128,6 +130,7 @@ class EngineConfig:
         moe_backend: expert backend name (``--moe-backend``: auto, resident, offload, cpu, hybrid).
         moe_cache_size: device expert slots (``--moe-cache-size``); None = as many as the device budget allows.
         moe_cpu_threads: CPU expert threads (``--moe-cpu-threads``); None = physical cores.
+        moe_cpu_kernel: CPU expert kernel (``--moe-cpu-kernel``: auto, native, torch).
         gpu_memory_limit: GiB of device memory ferrylm may use (``--gpu-memory-limit``); None = what is free.
         memory_ratio: share of the memory free at boot the memory plan may use (``--memory-ratio``, 0 < r <= 1).
         memory_reserve: GiB the plan never hands out (``--memory-reserve``); None = max(1 GiB, 5% of total).
@@ -159,6 +162,7 @@ class EngineConfig:
     moe_backend: str = "auto"
     moe_cache_size: int | None = None
     moe_cpu_threads: int | None = None
+    moe_cpu_kernel: str = "auto"
     gpu_memory_limit: float | None = None
     memory_ratio: float = 0.9
     memory_reserve: float | None = None
@@ -189,6 +193,8 @@ class EngineConfig:
             (self.queue_timeout is None or self.queue_timeout > 0, "--queue-timeout must be > 0 seconds"),
             (self.moe_cache_size is None or self.moe_cache_size >= 0, "--moe-cache-size must be >= 0"),
             (self.moe_cpu_threads is None or self.moe_cpu_threads >= 1, "--moe-cpu-threads must be >= 1"),
+            (self.moe_cpu_kernel in CPU_KERNELS,
+             f"--moe-cpu-kernel must be one of {', '.join(CPU_KERNELS)}, got {self.moe_cpu_kernel!r}"),
             (self.gpu_memory_limit is None or self.gpu_memory_limit > 0, "--gpu-memory-limit must be > 0 GiB"),
             (0 < self.memory_ratio <= 1, f"--memory-ratio must be in (0, 1], got {self.memory_ratio}"),
             (self.memory_reserve is None or self.memory_reserve >= 0, "--memory-reserve must be >= 0 GiB"),

@@ -117,3 +117,13 @@ def test_offload_needs_a_slot_and_budget_is_checked():
     assert ex2.reserve(11 * per) == 3 and ex2.reserve(None) == 4  # the budget wins, then --moe-cache-size
     ex.close()
     ex2.close()
+
+
+def test_measure_bandwidths_on_the_cpu_reports_rates_and_cpu_job_latency():
+    from ferrylm.experts.bandwidth import measure_bandwidths
+
+    layout = ExpertLayout(hidden=64, inter=32, dtype=torch.float32)
+    bw = measure_bandwidths("cpu", layout, size_bytes=1 << 20, num_experts=2, reps=1)
+    assert all(v > 0 and v != float("inf") for v in bw.as_dict().values())
+    assert set(bw.as_dict()) == {"pcie", "host", "cpu", "hbm"}
+    assert 0.0 <= bw.cpu_latency < 5.0  # seconds: a one-expert job's round trip beyond its bytes

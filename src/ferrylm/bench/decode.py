@@ -76,6 +76,7 @@ class DecodeResult:
     num_slots: int = 0
     counters: dict = field(default_factory=dict)
     decode_graphs: dict = field(default_factory=dict)  # the engine's decode graph stats after this backend's run
+    cpu_share: dict | None = None  # hybrid: per step size, the CPU share its tuner uses / settled on
     error: str | None = None
 
 
@@ -185,11 +186,12 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
     progress(f"loaded {model} in {time.perf_counter() - t:.1f} s: {len(banks.layers)} MoE layers x "
              f"{banks.num_experts} experts x {banks.expert_bytes / 2**20:.2f} MiB = {banks.total_bytes / 2**30:.2f} "
              f"GiB of experts in {'pinned' if banks.pinned else 'pageable'} host memory")
-    pool = CpuExpertPool(banks.layout, ec.moe_cpu_threads)
+    pool = CpuExpertPool(banks.layout, ec.moe_cpu_threads, ec.moe_cpu_kernel)
     bw = measure_bandwidths(device, banks.layout, pinned=banks.pinned, pool=pool)
     pool.close()
     progress("bandwidths GB/s: " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in bw.as_dict().items())
-             + f" (cpu: {torch.get_num_threads()} threads)")
+             + f" (cpu: {pool.kernel_name} kernel, {torch.get_num_threads()} threads; CPU job latency "
+               f"{bw.cpu_latency * 1e6:.0f} us)")
 
     page = ec.page_size
     pages = batch * -(-(prompt_len + tokens + 8) // page) + 4
@@ -215,7 +217,7 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
                 apply_memory_limit(device, ec.gpu_memory_limit)
                 ex = build_from_banks(name, banks, device, ExpertOptions(
                     backend=name, cache_size=ec.moe_cache_size, cpu_threads=ec.moe_cpu_threads,
-                    prefetch=prefetch, bandwidths=bw))
+                    cpu_kernel=ec.moe_cpu_kernel, prefetch=prefetch, bandwidths=bw))
                 res.num_slots = ex.reserve(expert_budget(device, ec.gpu_memory_limit))
             swap_executor(loaded.model, ex)
             if engine.decode_graphs is not None:
@@ -243,6 +245,7 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
         res.counters = diff
         if engine.decode_graphs is not None:
             res.decode_graphs = engine.decode_graphs.stats()
+        res.cpu_share = ex.stats().get("cpu_share")
         results.append(res)
         progress(format_row(res))
         if profile_steps > 0:
@@ -252,7 +255,8 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
             "tokens": tokens, "temperature": temperature, "prompt_len": prompt_len,
             "gpu_memory_limit_gib": ec.gpu_memory_limit,
             "decode_graphs": engine.decode_graphs.mode if engine.decode_graphs is not None else "off",
-            "bandwidths": bw.as_dict(), "expert_bytes": banks.expert_bytes, "non_expert_bytes": base,
+            "bandwidths": bw.as_dict(), "cpu_latency_s": bw.cpu_latency, "cpu_kernel": pool.kernel_name,
+            "expert_bytes": banks.expert_bytes, "non_expert_bytes": base,
             "results": [asdict(r) for r in results]}
 
 

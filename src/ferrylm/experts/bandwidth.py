@@ -33,7 +33,8 @@ def measure_bandwidths(device: torch.device | str, layout: ExpertLayout, *, pinn
                        pool: CpuExpertPool | None = None, size_bytes: int | None = None,
                        num_experts: int | None = None, reps: int = 3) -> Bandwidths:
     """Measure ``pcie`` (host->device, from pinned memory when ``pinned``), ``host`` (read), ``hbm`` (device
-    copy, read + write) and ``cpu`` (the CPU expert kernel on one token over ``num_experts`` distinct experts).
+    copy, read + write), ``cpu`` (the CPU expert kernel on one token over ``num_experts`` distinct experts) and
+    ``cpu_latency`` (a one-expert job from device activations back to the device, minus its bytes at ``cpu``).
 
     Args:
         device: the compute device. layout: expert shape and dtype for the CPU probe.
@@ -67,6 +68,18 @@ def measure_bandwidths(device: torch.device | str, layout: ExpertLayout, *, pinn
     x = torch.full((n, layout.hidden), 1e-2, dtype=layout.dtype)
     job = CpuJob(x=x, weights=torch.ones(n), items=[(e, rows[e], e, 1) for e in range(n)], out_dtype=layout.dtype)
     t_cpu = _best(lambda: pool.submit(job).result(), lambda: None, reps)
+    cpu = n * layout.nbytes / t_cpu
+
+    # one expert, one token, from device activations back to the device (what a layer's CPU share waits on)
+    x_dev = x[:1].to(device)
+
+    def round_trip() -> None:
+        one = CpuJob(x=x_dev.to("cpu"), weights=torch.ones(1), items=[(0, rows[0], 0, 1)], out_dtype=layout.dtype)
+        outs, _ = pool.submit(one).result()
+        outs[0].to(device)
+
+    t_one = _best(round_trip, sync, max(reps, 5))
     if own:
         pool.close()
-    return Bandwidths(pcie=size / t_pcie, host=size / t_host, cpu=n * layout.nbytes / t_cpu, hbm=2 * size / t_hbm)
+    return Bandwidths(pcie=size / t_pcie, host=size / t_host, cpu=cpu, hbm=2 * size / t_hbm,
+                      cpu_latency=max(0.0, t_one - layout.nbytes / cpu))

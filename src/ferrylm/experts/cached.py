@@ -74,7 +74,8 @@ class CachedExecutor(ExpertExecutor):
         self._next = dict(zip(layers, layers[1:]))
         self._routers: dict[int, Router] = {}
         self.copier = make_copy_engine(self.device)
-        self.cpu_pool = CpuExpertPool(self.layout, options.cpu_threads) if self.uses_cpu else None
+        self.cpu_pool = (CpuExpertPool(self.layout, options.cpu_threads, options.cpu_kernel) if self.uses_cpu
+                         else None)
         self.prefetch = self.default_prefetch if options.prefetch is None else bool(options.prefetch)
         self._bandwidths = options.bandwidths
         self.counters = ExpertStats(layers)
@@ -296,8 +297,9 @@ class CachedExecutor(ExpertExecutor):
 
             self._bandwidths = measure_bandwidths(self.device, self.layout, pinned=self.banks.pinned,
                                                   pool=self.cpu_pool)
-            log.info("measured bandwidths (GB/s): %s",
-                     {k: round(v / 1e9, 1) for k, v in self._bandwidths.as_dict().items()})
+            log.info("measured bandwidths (GB/s): %s; CPU job latency %.0f us",
+                     {k: round(v / 1e9, 1) for k, v in self._bandwidths.as_dict().items()},
+                     self._bandwidths.cpu_latency * 1e6)
         return self._bandwidths
 
     # --- the step ---------------------------------------------------------------------------------------------
@@ -484,10 +486,20 @@ class CachedExecutor(ExpertExecutor):
     def _maybe_prefetch(self, work: LayerWork) -> None:
         """Predict the next MoE layer's experts by applying its router to this layer's hidden state (Eliseev &
         Mazur 2023, §3.2) and copy the uncached ones into slots no pinned or just-predicted expert occupies."""
+        plan = self._prefetch_plan(work)
+        if plan is not None:
+            nxt, todo, room = plan
+            if todo and room:
+                self._fetch(nxt, todo[:room], prefetch=True)
+
+    def _prefetch_plan(self, work: LayerWork) -> tuple[int, list[int], int] | None:
+        """``(next MoE layer, its predicted experts not cached, evictable slots left for them)``, or None when
+        there is nothing to predict (prefetch off, last layer, a large step). The predicted experts already
+        cached are touched (kept from eviction by the copies that follow)."""
         nxt = self._next.get(work.layer)
         route = self._routers.get(nxt) if nxt is not None else None
         if not self.prefetch or route is None or work.hidden.shape[0] > self.options.prefetch_max_tokens:
-            return
+            return None
         predicted = work.predicted
         if predicted is None:
             predicted = torch.unique(route(work.hidden)).tolist()
@@ -499,9 +511,7 @@ class CachedExecutor(ExpertExecutor):
                 kept += 1
             else:
                 todo.append(int(e))
-        room = self.cache.evictable() - kept
-        if room > 0 and todo:
-            self._fetch(nxt, todo[:room], prefetch=True)
+        return nxt, todo, max(0, self.cache.evictable() - kept)
 
     def _submit_cpu(self, work: LayerWork, experts: list[int]):
         """Start the CPU job for ``experts`` (activations go to the host). Returns a handle for
@@ -573,5 +583,6 @@ class CachedExecutor(ExpertExecutor):
         d.update(backend=self.name, num_slots=cache.num_slots if cache else 0, expert_bytes=self.layout.nbytes,
                  slot_blocks=len(self._blocks), slot_bytes=self.slot_storage_bytes(),
                  pinned=self.banks.pinned, prefetch=self.prefetch,
-                 cpu_threads=self.cpu_pool.threads if self.cpu_pool else 0)
+                 cpu_threads=self.cpu_pool.threads if self.cpu_pool else 0,
+                 cpu_kernel=self.cpu_pool.kernel_name if self.cpu_pool else None)
         return d

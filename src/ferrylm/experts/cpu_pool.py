@@ -1,15 +1,17 @@
 """The CPU expert pool: computes experts straight from the host banks, beside the device.
 
-One coordinator thread takes a layer's CPU share as one job and runs its experts one after another; each expert's
-GEMMs run on torch's intra-op thread pool, which is sized to ``--moe-cpu-threads`` (default: physical cores, as
-torch does by default). The coordinator releases the GIL inside every kernel, so the calling thread keeps launching
-device work meanwhile. (Python threads that each ran whole experts with torch ops would oversubscribe the cores:
-every such thread gets its own OpenMP team of the full size.)
+One coordinator thread takes a layer's CPU share as one job. The coordinator releases the GIL inside every
+kernel, so the calling thread keeps launching device work meanwhile. (Python threads that each ran whole experts
+with torch ops would oversubscribe the cores: every such thread gets its own OpenMP team of the full size.)
 
-Kernel: ``gate | up`` are one ``[2I, H]`` block of the expert row, so an expert is two matmuls,
-``y = down @ (silu(g) * u)`` with ``[g; u] = [gate; up] @ x`` (Jiang et al. 2024, "Mixtral of Experts", eq. 3).
-In bfloat16, torch dispatches these CPU matmuls to oneDNN, which accumulates in float32 (and uses AMX tiles where
-the CPU has them).
+Kernels (``--moe-cpu-kernel``):
+- native (:mod:`ferrylm.experts.cpu_kernel`), when every expert of the job has at most ``NATIVE_MAX_TOKENS``
+  tokens (decode): the whole job in one call, one OpenMP region of ``--moe-cpu-threads`` threads.
+- torch otherwise: the experts one after another, each two matmuls on torch's intra-op pool (sized to
+  ``--moe-cpu-threads``, default physical cores). ``gate | up`` are one ``[2I, H]`` block of the expert row, so an
+  expert is ``y = down @ (silu(g) * u)`` with ``[g; u] = [gate; up] @ x`` (Jiang et al. 2024, "Mixtral of
+  Experts", eq. 3). In bfloat16 torch dispatches these CPU matmuls to oneDNN, which accumulates in float32 (and
+  uses AMX tiles where the CPU has them).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrylm.experts.banks import ExpertLayout
+from ferrylm.experts.cpu_kernel import NATIVE_MAX_TOKENS, NativeExpertKernel, load_kernel
 
 log = logging.getLogger("ferrylm.experts")
 
@@ -68,30 +71,44 @@ class CpuExpertPool:
     """Runs :class:`CpuJob` s on a coordinator thread (see the module docstring).
 
     Args:
-        threads: intra-op threads for the expert GEMMs; None keeps torch's setting (physical cores by default).
+        threads: threads for the expert kernels; None keeps torch's setting (physical cores by default).
             NOTE: torch's intra-op pool is process-wide; setting it here sets it for the whole engine process.
+        kernel: ``--moe-cpu-kernel`` (see :mod:`ferrylm.experts.cpu_kernel`).
+
+    Raises:
+        ValueError: ``kernel`` unknown, or ``native`` for experts in a dtype it does not read.
+        KernelBuildError: ``kernel="native"`` and the build failed.
     """
 
-    def __init__(self, layout: ExpertLayout, threads: int | None = None):
+    def __init__(self, layout: ExpertLayout, threads: int | None = None, kernel: str = "auto"):
         self.layout = layout
         if threads is not None and threads != torch.get_num_threads():
             log.info("CPU experts: torch intra-op threads %d -> %d (--moe-cpu-threads)", torch.get_num_threads(),
                      threads)
             torch.set_num_threads(threads)
         self.threads = torch.get_num_threads()
+        if kernel == "native" and not NativeExpertKernel.supports(layout.dtype):
+            raise ValueError(f"--moe-cpu-kernel native reads bfloat16 or float32 experts, not {layout.dtype}")
+        self.native = load_kernel(kernel) if NativeExpertKernel.supports(layout.dtype) else None
+        self.kernel_name = f"native-{self.native.isa}" if self.native else "torch"
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferrylm-cpu-experts")
 
     def _run(self, job: CpuJob) -> tuple[list[torch.Tensor], float]:
         t0 = time.perf_counter()
         outs = []
         with torch.inference_mode():
+            if self.native is not None and max(n for *_, n in job.items) <= NATIVE_MAX_TOKENS:
+                y = self.native.run(job.x, job.weights, [row for _, row, _, _ in job.items],
+                                    [n for *_, n in job.items], self.layout.hidden, self.layout.inter, self.threads)
+                return [y.to(job.out_dtype)], time.perf_counter() - t0
             for _, row, start, n in job.items:
                 y = cpu_expert(job.x[start:start + n], row, self.layout)
                 outs.append((y.float() * job.weights[start:start + n, None]).to(job.out_dtype))
         return outs, time.perf_counter() - t0
 
     def submit(self, job: CpuJob) -> Future:
-        """Start ``job``; the future gives ``(per-expert weighted outputs [count, H] list, seconds)``."""
+        """Start ``job``; the future gives ``(weighted outputs, seconds)``: a list of ``[count, H]`` tensors whose
+        concatenation is ``[M, H]`` in the job's row order (one tensor per expert, or one for the whole job)."""
         return self._pool.submit(self._run, job)
 
     def close(self) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ferrylm.config import CPU_KERNELS
+
 # NOTE: names accepted by build_executor; "fused" is the vLLM/SGLang spelling of "resident".
 MOE_BACKENDS: tuple[str, ...] = ("auto", "cpu", "fused", "hybrid", "offload", "resident")
 CACHED_BACKENDS: tuple[str, ...] = ("cpu", "hybrid", "offload")
@@ -19,14 +21,18 @@ class Bandwidths:
         host: host memory read (a large reduction over host memory).
         cpu: CPU expert rate: expert weight bytes processed per second by the CPU expert kernel for one token.
         hbm: device memory copy rate, read + write bytes per second (for the resident roofline).
+        cpu_latency: seconds a CPU expert job costs besides its expert bytes (activations to the host, the pool's
+            wake-up, the output back to the device); the hybrid split's fixed cost of a CPU share.
     """
 
     pcie: float
     host: float
     cpu: float
     hbm: float
+    cpu_latency: float = 0.0
 
     def as_dict(self) -> dict:
+        """The four rates (bytes per second)."""
         return {"pcie": self.pcie, "host": self.host, "cpu": self.cpu, "hbm": self.hbm}
 
 
@@ -39,6 +45,7 @@ class ExpertOptions:
         cache_size: device expert slots (``--moe-cache-size``); None = as many as the device budget allows
             (all experts when there is no budget, e.g. ``--device cpu``).
         cpu_threads: threads of the CPU expert pool (``--moe-cpu-threads``); None = physical cores.
+        cpu_kernel: the CPU expert kernel (``--moe-cpu-kernel``, one of ``CPU_KERNELS``).
         prefetch: copy layer L+1's predicted experts while layer L runs; None = backend default (on for
             ``offload``, off for ``hybrid`` whose split assumes an idle copy engine, n/a for ``cpu``).
         stream_prefill: stream whole expert layers through a two-layer double buffer for large chunks.
@@ -53,6 +60,7 @@ class ExpertOptions:
     backend: str = "resident"
     cache_size: int | None = None
     cpu_threads: int | None = None
+    cpu_kernel: str = "auto"
     prefetch: bool | None = None
     stream_prefill: bool = True
     stream_min_tokens: int | None = None
@@ -68,6 +76,8 @@ class ExpertOptions:
             raise ValueError(f"--moe-cache-size must be >= 0, got {self.cache_size}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"--moe-cpu-threads must be >= 1, got {self.cpu_threads}")
+        if self.cpu_kernel not in CPU_KERNELS:
+            raise ValueError(f"--moe-cpu-kernel must be one of {', '.join(CPU_KERNELS)}, got {self.cpu_kernel!r}")
         if self.cache_policy not in ("layer-lru", "lru"):
             raise ValueError(f"cache_policy must be 'layer-lru' or 'lru', got {self.cache_policy!r}")
         if self.stream_min_tokens is not None and self.stream_min_tokens < 1:

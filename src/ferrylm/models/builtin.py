@@ -20,11 +20,11 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
 
+from ferrylm.cachedir import cache_root
 from ferrylm.errors import ModelLoadError
 from ferrylm.models import gguf_convert
 from ferrylm.models.gguf_convert import TensorEntry, build_atomically, convert_gguf, source_key
@@ -53,12 +53,7 @@ def builtin_names() -> list[str]:
 
 def cache_dir() -> Path:
     """Folder holding converted models: ``$FERRYLM_CACHE_DIR/models`` or the XDG user cache ``ferrylm/models``."""
-    root = os.environ.get("FERRYLM_CACHE_DIR")
-    if not root:
-        import platformdirs
-
-        root = platformdirs.user_cache_dir("ferrylm")
-    return Path(root).expanduser() / "models"
+    return cache_root() / "models"
 
 
 def find_builtin_gguf() -> Path:
