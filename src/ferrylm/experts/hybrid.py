@@ -1,30 +1,38 @@
 """The ``hybrid`` backend: per layer, part of the misses is fetched to the device and the rest is computed on the
 CPU at the same time, split so that both sides finish together.
 
-Split (bytes model, per layer and step; ``m`` misses of ``S`` bytes each): fetching ``n`` takes
-``n * S / B_pcie``; computing the other ``m - n`` on the CPU takes ``(m - n) * S / B_cpu_eff``, where the CPU's
-effective rate ``B_cpu_eff = min(B_cpu, B_host - B_pcie)`` accounts for the DMA reading the same host memory as the
-CPU. ``n`` is the integer in ``[0, m]`` minimising the larger of the two (ties: fetch more, since fetched experts
-stay cached). With a CPU that is host-bandwidth bound (``B_cpu >= B_host - B_pcie``) the continuous optimum is
-``n* = m * B_pcie / B_host``, FreeToken's q* policy. The misses with the most tokens are the ones fetched (the
-device is far faster at multi-token GEMMs); fetches never exceed the unpinned slots, the overflow goes to the CPU.
+Decode (prefetch on, the default): the next layer's predicted misses (its router applied to this layer's hidden
+state; Eliseev & Mazur 2023) are split when they are predicted. ``n`` of the ``m`` are copied ahead on the copy
+stream, as ``offload`` does; the other ``m - n`` are *planned* for the CPU: when the next layer runs, those of its
+misses go to the CPU pool instead of the PCIe link. A wrong guess costs nothing on the CPU side (an expert planned
+but not routed is simply not computed), unlike a wasted copy.
 
-Prefetch (on by default, as for ``offload``): every predicted miss of the next layer is copied ahead (Eliseev &
-Mazur 2023), so the split above applies to the misses the prediction got wrong. NOTE: splitting the predicted
-misses too (measured on the H200, 2026-11-30) turned ~65 of them per step into demand misses, on the critical path
-of their layer, because the per-layer split of one or two misses picks the copy: the prefetch is off the critical
-path while the copy stream has slack (it was busy 62 % of the time), so it should take all the predicted work.
-Measured again with decode CUDA graphs (H200, 2026-11-30, docs/BENCHMARKS.md): planning the split-off predicted
-misses for the CPU at the next layer (none fetched on demand) ran at 9.0 tok/s against 19.0 for prefetching them
-all: a CPU expert costs ~1 ms of the layer's critical path at batch 1 (the CPU can only start once the layer's
-router has run, and the next layer waits for it), a prefetched one ~0.17 ms of copy time off it.
+How many of the predicted misses go to the CPU (the *share*, per layer) is measured, not modelled: a CPU expert
+sits on its layer's critical path while a prefetched copy overlaps the layers before, so the answer depends on
+the layer's GPU time and on how much host memory bandwidth the CPU keeps while the DMA reads the same DRAM.
+:class:`~ferrylm.experts.share_tuner.ShareTuner` times the decode steps at share 0 (``offload``'s policy), 1, 2,
+... and keeps the fastest, per step size. Measured on the H200 host (docs/BENCHMARKS.md, session 5): share 1 cost
++0.65 ms per layer (a CPU expert took 0.69 ms in place, against 0.3-0.5 ms alone), so the tuner settles on 0
+there; a host with more memory bandwidth per PCIe byte is where a share pays. The native kernel
+(:mod:`ferrylm.experts.cpu_kernel`) is what gives the CPU a chance at all: with torch matmuls a CPU expert cost
+~1 ms (9.0 vs 19.0 tok/s).
+
+Misses nobody predicted (and every miss without prefetch) are split at the layer itself by the measured rates
+(:func:`split_misses`): fetch ``n`` of the ``m``, minimising ``max(n * S / B_pcie, (m - n) * S / B_cpu_eff)`` with
+``B_cpu_eff = min(B_cpu, B_host - B_pcie)`` (the DMA reads the same host memory as the CPU). When the CPU is
+host-bandwidth bound the continuous optimum is ``n* = m * B_pcie / B_host``, FreeToken's q* policy. The misses
+with the most tokens are the ones fetched (the device is far faster at multi-token GEMMs), and fetches never
+exceed the unpinned slots (the overflow goes to the CPU).
 """
 
 from __future__ import annotations
 
+import time
+
 from ferrylm.experts.cached import CachedExecutor
-from ferrylm.experts.work import LayerWork
 from ferrylm.experts.options import Bandwidths
+from ferrylm.experts.share_tuner import ShareTuner
+from ferrylm.experts.work import LayerWork
 
 
 def cpu_effective_rate(bw: Bandwidths) -> float:
@@ -34,7 +42,9 @@ def cpu_effective_rate(bw: Bandwidths) -> float:
 
 
 def split_misses(m: int, bw: Bandwidths) -> int:
-    """How many of ``m`` misses to fetch (the rest go to the CPU); see the module docstring."""
+    """How many of ``m`` misses to fetch (the rest go to the CPU): the ``n`` in ``[0, m]`` minimising
+    ``max(n / B_pcie, (m - n) / B_cpu_eff)`` (both sides finish together), ties to the larger ``n`` (fetched
+    experts stay cached)."""
     if m <= 0:
         return 0
     cpu = cpu_effective_rate(bw)
@@ -48,13 +58,57 @@ class HybridExecutor(CachedExecutor):
     uses_cpu = True
     min_slots = 0
     default_prefetch = True
-    stages = True  # a layer without CPU work (every miss predicted and prefetched) goes to the decode graph
+    stages = True  # a layer without CPU work goes to the decode graph
+    tuner_args: dict = {}  # ShareTuner arguments (tests shorten the windows)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._planned: dict[int, set[int]] = {}  # layer -> predicted misses planned for the CPU
+        self._tuners: dict[int, ShareTuner] = {}  # step tokens -> its CPU share tuner
+        self._step_start: float | None = None
+        self._first, self._last = self.banks.layers[0], self.banks.layers[-1]
 
     def _dispatch(self, work: LayerWork, hits: list[tuple[int, int]], misses: list[int]) -> None:
-        n = min(split_misses(len(misses), self.bandwidths()), self.cache.evictable()) if misses else 0
-        by_load = sorted(misses, key=lambda e: -work.spans[e][1])
+        if work.layer == self._first:
+            self._step_start = time.perf_counter()
+        self._dispatch_layer(work, hits, misses)
+        if work.layer == self._last and self._step_start is not None:
+            tuner = self._tuners.get(work.hidden.shape[0])
+            if tuner is not None:  # a step that planned CPU shares: time it
+                tuner.step_done(time.perf_counter() - self._step_start)
+            self._step_start = None
+
+    def _dispatch_layer(self, work: LayerWork, hits: list[tuple[int, int]], misses: list[int]) -> None:
+        planned = self._planned.pop(work.layer, set())
+        to_cpu = [e for e in misses if e in planned]
+        rest = [e for e in misses if e not in planned]
+        n = min(split_misses(len(rest), self.bandwidths()), self.cache.evictable()) if rest else 0
+        by_load = sorted(rest, key=lambda e: -work.spans[e][1])
         fetched = self._fetch(work.layer, by_load[:n])
-        handle = self._submit_cpu(work, sorted(by_load[n:]))
+        handle = self._submit_cpu(work, sorted(to_cpu + by_load[n:]))
         self._maybe_prefetch(work)
         self._compute_slots(work, hits + fetched)
         self._collect_cpu(work, handle)
+
+    def _maybe_prefetch(self, work: LayerWork) -> None:
+        """Plan the tuner's share of the next layer's predicted misses for the CPU and copy the others."""
+        plan = self._prefetch_plan(work)
+        if plan is None:
+            self._planned.pop(self._next.get(work.layer), None)
+            return
+        nxt, todo, room = plan
+        tokens = work.hidden.shape[0]
+        tuner = self._tuners.get(tokens)
+        if tuner is None:
+            tuner = self._tuners[tokens] = ShareTuner(**self.tuner_args)
+        n = min(max(0, len(todo) - tuner.share), room)
+        self._planned[nxt] = set(todo[n:])
+        if n:
+            self._fetch(nxt, todo[:n], prefetch=True)
+
+    def stats(self) -> dict:
+        """:meth:`CachedExecutor.stats` plus ``cpu_share``: per step size (tokens), the CPU share in use and the
+        one the last climb settled on (None while the first climb runs)."""
+        d = super().stats()
+        d["cpu_share"] = {t: {"share": tu.share, "settled": tu.settled} for t, tu in list(self._tuners.items())}
+        return d
