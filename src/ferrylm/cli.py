@@ -55,6 +55,9 @@ def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] 
     p.add_argument("--moe-cpu-kernel", default="auto", choices=list(CPU_KERNELS),
                    help="CPU expert kernel: native (compiled on first use with the host C compiler; decode), "
                         "torch (oneDNN matmuls), auto: native when it builds (default: auto)")
+    p.add_argument("--moe-cpu-share", type=int, default=None, metavar="N",
+                   help="hybrid: of each layer's predicted expert misses, N are computed on the CPU instead of "
+                        "copied (default: chosen by timing decode steps)")
     p.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GiB",
                    help="device memory ferrylm may use, in GiB (default: what is free)")
     p.add_argument("--memory-ratio", type=float, default=0.9, metavar="R",
@@ -92,7 +95,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         check_invariants=a.debug_invariants, seed=a.seed,
                         queue_timeout=a.queue_timeout, moe_cache_size=a.moe_cache_size,
                         moe_cpu_threads=a.moe_cpu_threads, moe_cpu_kernel=a.moe_cpu_kernel,
-                        gpu_memory_limit=a.gpu_memory_limit,
+                        moe_cpu_share=a.moe_cpu_share, gpu_memory_limit=a.gpu_memory_limit,
                         memory_ratio=a.memory_ratio, memory_reserve=a.memory_reserve,
                         kv_reserve_tokens=a.kv_reserve_tokens, moe_cache_auto=a.moe_cache_auto,
                         faults=a.faults, decode_graphs="off" if a.enforce_eager else "auto",
@@ -154,6 +157,26 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--profile-steps", type=int, default=0,
                     help="after each backend's run, decode N more tokens under torch.profiler and print the "
                          "top ops by host and device time (default: 0 = off)")
+
+    bc = bsub.add_parser("cpu-experts", help="CPU expert jobs (one token per expert, as at decode) timed per "
+                                             "kernel, threads and experts per job")
+    bc.add_argument("--hidden", type=int, default=2048, help="hidden size H (default: 2048, Qwen3-30B-A3B)")
+    bc.add_argument("--inter", type=int, default=768, help="expert intermediate size I (default: 768)")
+    bc.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    bc.add_argument("--kernels", default="torch,native", help="comma list of --moe-cpu-kernel values "
+                                                                "(default: torch,native)")
+    bc.add_argument("--threads", default=None, help="comma list of thread counts (default: physical cores)")
+    bc.add_argument("--experts", default="1,2,4", help="comma list of experts per job (default: 1,2,4)")
+    bc.add_argument("--jobs", type=int, default=100, help="timed jobs per configuration (default: 100)")
+    bc.add_argument("--gap-ms", type=float, default=0.5,
+                    help="calling thread busy between jobs, as between layers (default: 0.5)")
+    bc.add_argument("--dma", default="auto", choices=["auto", "on", "off"],
+                    help="pinned host->device copies during the jobs, as the prefetch does (default: auto = on "
+                         "with CUDA)")
+    bc.add_argument("--bank-experts", type=int, default=64,
+                    help="distinct experts the jobs cycle through, beyond the CPU caches (default: 64)")
+    bc.add_argument("--output-json", default=None, help="write the rows here")
+    bc.add_argument("--log-level", default="WARNING")
 
     bh = bsub.add_parser("hf", help="the bench-serve prompts through transformers generate (reference speed)")
     bh.add_argument("--model", default=DEFAULT_MODEL)
@@ -239,6 +262,10 @@ def _bench(args: argparse.Namespace) -> int:
         from ferrylm.bench.decode import main as bench_decode
 
         return bench_decode(args)
+    if args.bench_command == "cpu-experts":
+        from ferrylm.bench.cpu_experts import main as bench_cpu_experts
+
+        return bench_cpu_experts(args)
     if args.bench_command == "accelerate":
         from ferrylm.bench.accelerate_offload import main as bench_accelerate
 

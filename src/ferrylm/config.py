@@ -131,6 +131,8 @@ class EngineConfig:
         moe_cache_size: device expert slots (``--moe-cache-size``); None = as many as the device budget allows.
         moe_cpu_threads: CPU expert threads (``--moe-cpu-threads``); None = physical cores.
         moe_cpu_kernel: CPU expert kernel (``--moe-cpu-kernel``: auto, native, torch).
+        moe_cpu_share: hybrid: predicted misses per layer planned for the CPU (``--moe-cpu-share``); None = tuned
+            by timing decode steps.
         gpu_memory_limit: GiB of device memory ferrylm may use (``--gpu-memory-limit``); None = what is free.
         memory_ratio: share of the memory free at boot the memory plan may use (``--memory-ratio``, 0 < r <= 1).
         memory_reserve: GiB the plan never hands out (``--memory-reserve``); None = max(1 GiB, 5% of total).
@@ -163,6 +165,7 @@ class EngineConfig:
     moe_cache_size: int | None = None
     moe_cpu_threads: int | None = None
     moe_cpu_kernel: str = "auto"
+    moe_cpu_share: int | None = None
     gpu_memory_limit: float | None = None
     memory_ratio: float = 0.9
     memory_reserve: float | None = None
@@ -193,6 +196,7 @@ class EngineConfig:
             (self.queue_timeout is None or self.queue_timeout > 0, "--queue-timeout must be > 0 seconds"),
             (self.moe_cache_size is None or self.moe_cache_size >= 0, "--moe-cache-size must be >= 0"),
             (self.moe_cpu_threads is None or self.moe_cpu_threads >= 1, "--moe-cpu-threads must be >= 1"),
+            (self.moe_cpu_share is None or self.moe_cpu_share >= 0, "--moe-cpu-share must be >= 0"),
             (self.moe_cpu_kernel in CPU_KERNELS,
              f"--moe-cpu-kernel must be one of {', '.join(CPU_KERNELS)}, got {self.moe_cpu_kernel!r}"),
             (self.gpu_memory_limit is None or self.gpu_memory_limit > 0, "--gpu-memory-limit must be > 0 GiB"),

@@ -128,28 +128,15 @@ def test_batched_decode_path_equals_resident(expert_checkpoints, case, backend, 
         loaded.executor.close()
 
 
-class _FixedShare:
-    """A ShareTuner stand-in that always plans ``share`` CPU experts per layer."""
-
-    def __init__(self, share: int):
-        self.share = self.settled = share
-
-    def step_done(self, seconds: float) -> None:
-        pass
-
-
 @pytest.mark.parametrize("share", [1, 3])
 @pytest.mark.parametrize("case", FAMILY_CASES)
-def test_hybrid_planned_cpu_share_equals_resident(expert_checkpoints, case, share, monkeypatch):
-    """The hybrid's planned CPU share: ``share`` of each layer's predicted misses computed on the CPU at the next
-    layer instead of prefetched (3: more than a layer has, so all of them)."""
-    from ferrylm.experts import hybrid
-
-    monkeypatch.setattr(hybrid, "ShareTuner", lambda **kw: _FixedShare(share))
+def test_hybrid_planned_cpu_share_equals_resident(expert_checkpoints, case, share):
+    """The hybrid's planned CPU share (``--moe-cpu-share``): ``share`` of each layer's predicted misses computed on
+    the CPU at the next layer instead of prefetched (3: more than a layer has, so all of them)."""
     ckpt = expert_checkpoints(case)
     ref = _resident(case, ckpt)
     k = _top_k(ckpt)
-    loaded = load_model(ckpt.path, moe_backend=options("hybrid", k + 1, stream_prefill=False))
+    loaded = load_model(ckpt.path, moe_backend=options("hybrid", k + 1, stream_prefill=False, cpu_share=share))
     ex = loaded.executor
     got = greedy_trace(loaded.model, _prompt(ckpt), NEW_TOKENS)
     _assert_same(ref, got, f"{case}/hybrid with {share} planned CPU experts per layer")

@@ -128,3 +128,35 @@ def test_compile_error_is_reported(tmp_path, monkeypatch):
 def test_native_refuses_float16_experts():
     with pytest.raises(ValueError, match="--moe-cpu-kernel native reads bfloat16 or float32"):
         CpuExpertPool(ExpertLayout(hidden=H, inter=I, dtype=torch.float16), kernel="native")
+
+
+def test_bench_cpu_experts_times_every_configuration(tmp_path, capsys):
+    import json
+
+    from ferrylm.cli import main
+
+    out = tmp_path / "ce.json"
+    rc = main(["bench", "cpu-experts", "--hidden", "64", "--inter", "32", "--kernels", "torch,auto",
+               "--threads", "1,2", "--experts", "1,3", "--jobs", "3", "--gap-ms", "0", "--bank-experts", "8",
+               "--output-json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["threads"], r["experts"]) for r in rows] == [(1, 1), (1, 3), (2, 1), (2, 3)] * 2
+    assert rows[0]["kernel"] == "torch" and rows[-1]["kernel"] != ""
+    assert all(0 < r["median_s"] <= r["p90_s"] and r["gb_s"] > 0 for r in rows)
+    printed = capsys.readouterr().out
+    assert printed.count("experts/job") == 8
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--experts", "0"], "--experts takes a comma-separated list of integers >= 1"),
+    (["--threads", "two"], "--threads takes"),
+    (["--jobs", "0"], "--jobs must be >= 1"),
+    (["--experts", "4", "--bank-experts", "2"], "--bank-experts must be >= 4"),
+    (["--kernels", "fast"], "--kernels takes a comma-separated list of auto, native, torch"),
+])
+def test_bench_cpu_experts_bad_flags(flags, message, capsys):
+    from ferrylm.cli import main
+
+    assert main(["bench", "cpu-experts", "--hidden", "16", "--inter", "8", "--jobs", "1"] + flags) == 2
+    assert message in capsys.readouterr().err

@@ -61,11 +61,23 @@ def test_engine_backends_match_resident_and_report_stats(expert_checkpoints):
 
 def test_cli_moe_flags_reach_the_engine_config():
     a = build_parser().parse_args(["serve", "--moe-backend", "hybrid", "--moe-cache-size", "12",
-                                   "--moe-cpu-threads", "3", "--gpu-memory-limit", "24"])
+                                   "--moe-cpu-threads", "3", "--gpu-memory-limit", "24", "--moe-cpu-kernel", "torch",
+                                   "--moe-cpu-share", "2"])
     ec = engine_config_from_args(a)
     assert (ec.moe_backend, ec.moe_cache_size, ec.moe_cpu_threads, ec.gpu_memory_limit) == ("hybrid", 12, 3, 24.0)
+    assert (ec.moe_cpu_kernel, ec.moe_cpu_share) == ("torch", 2)
+    from ferrylm.engine.factory import expert_options
+
+    opts = expert_options(ec)
+    assert (opts.cpu_kernel, opts.cpu_share, opts.cpu_threads) == ("torch", 2, 3)
+    assert (engine_config_from_args(build_parser().parse_args(["serve"])).moe_cpu_kernel,
+            engine_config_from_args(build_parser().parse_args(["serve"])).moe_cpu_share) == ("auto", None)
     with pytest.raises(ValueError, match="--moe-cpu-threads"):
         engine_config_from_args(build_parser().parse_args(["serve", "--moe-cpu-threads", "0"]))
+    with pytest.raises(ValueError, match="--moe-cpu-share must be >= 0"):
+        engine_config_from_args(build_parser().parse_args(["serve", "--moe-cpu-share", "-1"]))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--moe-cpu-kernel", "fast"])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--moe-backend", "all"])  # only bench decode takes "all"
 

@@ -22,7 +22,8 @@ WORKSPACE_RESERVE = 1 << 30
 def expert_options(config: EngineConfig) -> ExpertOptions:
     """The ``--moe-*`` flags as :class:`ExpertOptions` (``fused`` -> ``resident``)."""
     return ExpertOptions(backend=backend_name(config.moe_backend), cache_size=config.moe_cache_size,
-                         cpu_threads=config.moe_cpu_threads, cpu_kernel=config.moe_cpu_kernel).validate()
+                         cpu_threads=config.moe_cpu_threads, cpu_kernel=config.moe_cpu_kernel,
+                         cpu_share=config.moe_cpu_share).validate()
 
 
 def apply_memory_limit(device: torch.device, gpu_memory_limit: float | None) -> None:

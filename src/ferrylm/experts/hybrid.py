@@ -33,7 +33,7 @@ import time
 
 from ferrylm.experts.cached import CachedExecutor
 from ferrylm.experts.options import Bandwidths
-from ferrylm.experts.share_tuner import ShareTuner
+from ferrylm.experts.share_tuner import FixedShare, ShareTuner
 from ferrylm.experts.work import LayerWork
 
 
@@ -108,7 +108,8 @@ class HybridExecutor(CachedExecutor):
         tokens = work.hidden.shape[0]
         tuner = self._tuners.get(tokens)
         if tuner is None:
-            tuner = self._tuners[tokens] = ShareTuner(**self.tuner_args)
+            fixed = self.options.cpu_share
+            tuner = self._tuners[tokens] = ShareTuner(**self.tuner_args) if fixed is None else FixedShare(fixed)
         n = min(max(0, len(todo) - tuner.share), room)
         self._planned[nxt] = set(todo[n:])
         if n:

@@ -46,6 +46,8 @@ class ExpertOptions:
             (all experts when there is no budget, e.g. ``--device cpu``).
         cpu_threads: threads of the CPU expert pool (``--moe-cpu-threads``); None = physical cores.
         cpu_kernel: the CPU expert kernel (``--moe-cpu-kernel``, one of ``CPU_KERNELS``).
+        cpu_share: hybrid: predicted misses per layer planned for the CPU (``--moe-cpu-share``); None = chosen by
+            timing decode steps (:mod:`ferrylm.experts.share_tuner`).
         prefetch: copy layer L+1's predicted experts while layer L runs; None = backend default (on for
             ``offload``, off for ``hybrid`` whose split assumes an idle copy engine, n/a for ``cpu``).
         stream_prefill: stream whole expert layers through a two-layer double buffer for large chunks.
@@ -61,6 +63,7 @@ class ExpertOptions:
     cache_size: int | None = None
     cpu_threads: int | None = None
     cpu_kernel: str = "auto"
+    cpu_share: int | None = None
     prefetch: bool | None = None
     stream_prefill: bool = True
     stream_min_tokens: int | None = None
@@ -76,6 +79,8 @@ class ExpertOptions:
             raise ValueError(f"--moe-cache-size must be >= 0, got {self.cache_size}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"--moe-cpu-threads must be >= 1, got {self.cpu_threads}")
+        if self.cpu_share is not None and self.cpu_share < 0:
+            raise ValueError(f"--moe-cpu-share must be >= 0, got {self.cpu_share}")
         if self.cpu_kernel not in CPU_KERNELS:
             raise ValueError(f"--moe-cpu-kernel must be one of {', '.join(CPU_KERNELS)}, got {self.cpu_kernel!r}")
         if self.cache_policy not in ("layer-lru", "lru"):

@@ -79,3 +79,17 @@ class ShareTuner:
         if not self.trials or len(self._times) < self.early:
             return False
         return min(self._times) > (1 + self.early_margin) * min(self.trials.values())
+
+
+@dataclass
+class FixedShare:
+    """The share given by ``--moe-cpu-share`` (no tuning): the :class:`ShareTuner` interface, ``share`` fixed."""
+
+    share: int
+
+    @property
+    def settled(self) -> int:
+        return self.share
+
+    def step_done(self, seconds: float) -> None:
+        """Ignored: the share is fixed."""
