@@ -197,6 +197,8 @@ class EngineConfig:
             (self.moe_cache_size is None or self.moe_cache_size >= 0, "--moe-cache-size must be >= 0"),
             (self.moe_cpu_threads is None or self.moe_cpu_threads >= 1, "--moe-cpu-threads must be >= 1"),
             (self.moe_cpu_share is None or self.moe_cpu_share >= 0, "--moe-cpu-share must be >= 0"),
+            (self.moe_cpu_share is None or self.moe_backend in ("hybrid", "auto", "all"),
+             f"--moe-cpu-share applies to --moe-backend hybrid, not {self.moe_backend}"),
             (self.moe_cpu_kernel in CPU_KERNELS,
              f"--moe-cpu-kernel must be one of {', '.join(CPU_KERNELS)}, got {self.moe_cpu_kernel!r}"),
             (self.gpu_memory_limit is None or self.gpu_memory_limit > 0, "--gpu-memory-limit must be > 0 GiB"),

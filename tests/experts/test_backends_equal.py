@@ -71,7 +71,10 @@ def test_backend_equals_resident(expert_checkpoints, case, backend, stream):
     ref = _resident(case, ckpt)
     k = _top_k(ckpt)
     for size in (max(1, k - 1), k + 1):
-        loaded = load_model(ckpt.path, moe_backend=options(backend, size, stream_prefill=stream))
+        # hybrid, small cache: no prefetch, so every step splits its misses by the bandwidths (the CPU takes half)
+        split = backend == "hybrid" and size < k
+        kw = {"prefetch": False} if split else {}
+        loaded = load_model(ckpt.path, moe_backend=options(backend, size, stream_prefill=stream, **kw))
         ex = loaded.executor
         assert ex.name == backend and all(t.device.type == "cpu" for t in ex.banks.packed.values())
         got = greedy_trace(loaded.model, _prompt(ckpt), NEW_TOKENS)
@@ -82,8 +85,11 @@ def test_backend_equals_resident(expert_checkpoints, case, backend, stream):
             assert s["fetched"] > 0 and s["cpu_experts"] == 0
         elif backend == "cpu":
             assert s["fetched"] == 0 and s["prefetched"] == 0 and s["cpu_experts"] > 0
-        else:
-            assert s["fetched"] > 0 and s["cpu_experts"] > 0
+        elif split:
+            assert s["fetched"] > 0 and s["cpu_experts"] > 0 and s["prefetched"] == 0
+        else:  # prefetching: the tuner starts at share 0; misses are copied (the CPU takes only the overflow)
+            assert s["fetched"] + s["prefetched"] > 0
+            assert 1 in s["cpu_share"]  # the decode steps (1 token) are tuned
         assert (s["streamed"] > 0) == stream
         ex.close()
 
@@ -146,3 +152,31 @@ def test_hybrid_planned_cpu_share_equals_resident(expert_checkpoints, case, shar
     if share == 3:
         assert s["prefetched"] == 0  # every predicted miss was planned for the CPU
     ex.close()
+
+
+def test_hybrid_times_each_prefetching_step_once(expert_checkpoints, monkeypatch):
+    """The tuner hooks: one ``step_done`` per step, with that step's share in use, keyed by the step's size."""
+    from ferrylm.experts import hybrid
+
+    made: dict[int, list] = {}
+
+    class Spy:
+        def __init__(self):
+            self.share, self.settled, self.seconds = 0, None, []
+            made.setdefault(len(made), self.seconds)
+
+        def step_done(self, seconds: float) -> None:
+            assert seconds > 0
+            self.seconds.append(seconds)
+            self.share = 1 - self.share  # alternate 0 / 1: both policies run within the trace
+
+    monkeypatch.setattr(hybrid, "ShareTuner", Spy)
+    ckpt = expert_checkpoints("qwen3_moe")
+    ref = _resident("qwen3_moe", ckpt)
+    loaded = load_model(ckpt.path, moe_backend=options("hybrid", _top_k(ckpt) + 1, stream_prefill=False))
+    got = greedy_trace(loaded.model, _prompt(ckpt), NEW_TOKENS)
+    _assert_same(ref, got, "qwen3_moe/hybrid with alternating shares")
+    s = loaded.executor.stats()
+    assert sorted(s["cpu_share"]) == [1, 5, 7]  # the two prefill chunks (7 + 5 tokens) and the decode steps
+    assert sorted(len(v) for v in made.values()) == [1, 1, NEW_TOKENS]
+    loaded.executor.close()

@@ -13,7 +13,7 @@ from ferrylm.experts.banks import ExpertLayout
 from ferrylm.experts.cpu_kernel import KernelBuildError, NativeExpertKernel, load_kernel
 from ferrylm.experts.cpu_pool import CpuExpertPool, CpuJob
 
-H, I = 80, 40  # not multiples of 16: the vector loops' scalar tails run too
+H, I = 83, 37  # not multiples of 8 or 16: the vector loops' scalar tails run in both passes
 
 
 @pytest.fixture(scope="module")
@@ -43,22 +43,48 @@ def test_matches_float64_reference(kernel, dtype, counts):
     m = sum(counts)
     x = torch.randn(m, H, generator=g).to(dtype)
     w = torch.rand(m, generator=g)
+    starts = [sum(counts[:e]) for e in range(len(counts))]
     for threads in (1, 3):
-        out = kernel.run(x, w, rows, counts, H, I, threads)
+        out = kernel.run(x, w, rows, starts, counts, H, I, threads)
         assert out.shape == (m, H) and out.dtype == torch.float32
         ref = reference(x, w, rows, counts)
         # float32 accumulation of exactly widened weights: float32 rounding only
         assert (out.double() - ref).abs().max().item() < 1e-5 * max(1.0, ref.abs().max().item())
 
 
-def test_rejects_bad_arguments(kernel):
+def test_spans_in_any_order_and_rows_nobody_owns(kernel):
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randn(3 * I * H, generator=g) * 0.2 for _ in range(2)]
+    x, w = torch.randn(6, H, generator=g), torch.rand(6, generator=g)
+    out = kernel.run(x, w, rows, [4, 0], [2, 3], H, I, 2)  # expert 0 owns rows 4-5, expert 1 rows 0-2; 3 is free
+    ref = reference(torch.cat([x[4:6], x[0:3]]), torch.cat([w[4:6], w[0:3]]), rows, [2, 3])
+    assert torch.allclose(out[4:6].double(), ref[:2], atol=1e-5) and torch.allclose(out[0:3].double(), ref[2:],
+                                                                                       atol=1e-5)
+    assert not out[3].any()
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda k, r: k.run(torch.zeros(2, H), torch.ones(2), r, [0], [1], H, I, 1), None),  # a row nobody owns: fine
+    (lambda k, r: k.run(torch.zeros(2, H), torch.ones(2), r, [0, 0], [1], H, I, 1), "one of each per expert"),
+    (lambda k, r: k.run(torch.zeros(1, 8), torch.ones(1), r, [0], [1], H, I, 1), "x must be"),
+    (lambda k, r: k.run(torch.zeros(3, H), torch.ones(1), r, [0], [1], H, I, 1), "weights"),
+    (lambda k, r: k.run(torch.zeros(2, H), torch.ones(2), r, [1], [2], H, I, 1), "within the 2 rows"),
+    (lambda k, r: k.run(torch.zeros(2, H), torch.ones(2), r, [0], [-1], H, I, 1), "within"),
+    (lambda k, r: k.run(torch.zeros(2, H), torch.ones(2), r * 2, [0, 0], [2, 1], H, I, 1), "not overlap"),
+    (lambda k, r: k.run(torch.zeros(1, H), torch.ones(1), r, [0], [1], H, I, 0), "threads must be >= 1"),
+    (lambda k, r: k.run(torch.zeros(1, H), torch.ones(1), [torch.zeros(3 * I * H, dtype=torch.float16)], [0], [1],
+                        H, I, 1), "contiguous"),
+    (lambda k, r: k.run(torch.zeros(1, H), torch.ones(1), [torch.zeros(2, 3 * I * H)[:, 0]], [0], [1], H, I, 1),
+     "contiguous"),
+    (lambda k, r: k.run(torch.zeros(1, H, device="meta"), torch.ones(1), r, [0], [1], H, I, 1), "host tensors"),
+])
+def test_rejects_bad_arguments(kernel, call, match):
     rows = [torch.zeros(3 * I * H)]
-    with pytest.raises(ValueError, match="counts"):
-        kernel.run(torch.zeros(2, H), torch.ones(2), rows, [1], H, I, 1)
-    with pytest.raises(ValueError, match="contiguous"):
-        kernel.run(torch.zeros(1, H), torch.ones(1), [torch.zeros(3 * I * H, dtype=torch.float16)], [1], H, I, 1)
-    with pytest.raises(ValueError, match="contiguous"):
-        kernel.run(torch.zeros(1, H), torch.ones(1), [torch.zeros(2, 3 * I * H)[:, 0]], [1], H, I, 1)
+    if match is None:
+        assert call(kernel, rows).shape == (2, H)
+        return
+    with pytest.raises(ValueError, match=match):
+        call(kernel, rows)
 
 
 def test_build_is_cached(tmp_path):
@@ -117,7 +143,8 @@ def test_build_failure_auto_falls_back_native_raises(tmp_path, monkeypatch, capl
 
 def test_compile_error_is_reported(tmp_path, monkeypatch):
     cc = tmp_path / "cc"
-    cc.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo fake 1.0; exit 0; }\necho 'boom: bad flag' >&2\nexit 3\n")
+    cc.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo fake 1.0; exit 0; }\n"
+                  "echo 'boom: bad flag' >&2\nexit 3\n")
     cc.chmod(0o755)
     monkeypatch.setenv("CC", str(cc))
     with pytest.raises(KernelBuildError, match="failed \\(3\\): boom: bad flag"):
@@ -160,3 +187,40 @@ def test_bench_cpu_experts_bad_flags(flags, message, capsys):
 
     assert main(["bench", "cpu-experts", "--hidden", "16", "--inter", "8", "--jobs", "1"] + flags) == 2
     assert message in capsys.readouterr().err
+
+
+def test_unwritable_cache_builds_uncached_with_a_warning(tmp_path, kernel, caplog):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")  # <root>/kernels cannot be created under a file
+    with caplog.at_level(logging.WARNING, logger="ferrylm.experts"):
+        k = NativeExpertKernel.build(blocker)
+    assert "cannot write the kernel cache" in caplog.text
+    assert not str(k.path).startswith(str(blocker)) and k.isa == kernel.isa
+    rows = [torch.ones(3 * I * H) * 0.01]
+    out = k.run(torch.ones(1, H), torch.ones(1), rows, [0], [1], H, I, 1)
+    assert torch.allclose(out.double(), reference(torch.ones(1, H), torch.ones(1), rows, [1]), atol=1e-6)
+
+
+def test_compiler_command_with_arguments(tmp_path, kernel, monkeypatch):
+    monkeypatch.delenv("CC", raising=False)
+    plain = NativeExpertKernel.build(tmp_path)
+    monkeypatch.setenv("CC", "env cc")  # a wrapper plus the compiler, as "ccache gcc"
+    wrapped = NativeExpertKernel.build(tmp_path)
+    assert wrapped.path.parent == plain.path.parent == tmp_path / "kernels"
+    assert wrapped.path != plain.path  # the compile command is part of the cache key
+
+
+def test_pool_falls_back_to_torch_when_spans_do_not_tile_x(kernel):
+    layout = ExpertLayout(hidden=H, inter=I, dtype=torch.float32)
+    bank = torch.randn(2, layout.numel) * 0.2
+    x, w = torch.randn(3, H), torch.rand(3)
+    job = CpuJob(x=x, weights=w, items=[(0, bank[0], 2, 1), (1, bank[1], 0, 2)], out_dtype=torch.float32)
+    assert not CpuExpertPool._native_fits(job)
+    pool = CpuExpertPool(layout, kernel="native")
+    try:
+        outs, _ = pool.submit(job).result()
+    finally:
+        pool.close()
+    assert [o.shape[0] for o in outs] == [1, 2]  # the torch path: one output per item, in item order
+    ref = reference(torch.cat([x[2:3], x[0:2]]), torch.cat([w[2:3], w[0:2]]), [bank[0], bank[1]], [1, 2])
+    assert torch.allclose(torch.cat(outs).double(), ref, atol=1e-5)

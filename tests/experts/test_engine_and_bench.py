@@ -76,6 +76,9 @@ def test_cli_moe_flags_reach_the_engine_config():
         engine_config_from_args(build_parser().parse_args(["serve", "--moe-cpu-threads", "0"]))
     with pytest.raises(ValueError, match="--moe-cpu-share must be >= 0"):
         engine_config_from_args(build_parser().parse_args(["serve", "--moe-cpu-share", "-1"]))
+    with pytest.raises(ValueError, match="--moe-cpu-share applies to --moe-backend hybrid, not offload"):
+        engine_config_from_args(build_parser().parse_args(["serve", "--moe-backend", "offload",
+                                                           "--moe-cpu-share", "1"]))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--moe-cpu-kernel", "fast"])
     with pytest.raises(SystemExit):

@@ -217,7 +217,8 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
                 apply_memory_limit(device, ec.gpu_memory_limit)
                 ex = build_from_banks(name, banks, device, ExpertOptions(
                     backend=name, cache_size=ec.moe_cache_size, cpu_threads=ec.moe_cpu_threads,
-                    cpu_kernel=ec.moe_cpu_kernel, cpu_share=ec.moe_cpu_share, prefetch=prefetch, bandwidths=bw))
+                    cpu_kernel=ec.moe_cpu_kernel, cpu_share=ec.moe_cpu_share if name == "hybrid" else None,
+                    prefetch=prefetch, bandwidths=bw))
                 res.num_slots = ex.reserve(expert_budget(device, ec.gpu_memory_limit))
             swap_executor(loaded.model, ex)
             if engine.decode_graphs is not None:

@@ -60,7 +60,7 @@ def resolve_auto(model_path: str | Path, config: EngineConfig, device: torch.dev
         return options
     mcfg = ModelConfig.from_folder(model_path)
     if device.type != "cuda" or not mcfg.is_moe:
-        return replace(options, backend="resident")
+        return replace(options, backend="resident", cpu_share=None)
     from ferrylm.experts.auto import choose_backend, estimate_non_expert_bytes
     from ferrylm.experts.banks import ExpertLayout, probe_pinning
     from ferrylm.experts.bandwidth import measure_bandwidths
@@ -84,7 +84,8 @@ def resolve_auto(model_path: str | Path, config: EngineConfig, device: torch.dev
                             stream_bytes=2 * mcfg.num_experts * layout.nbytes if options.stream_prefill else 0,
                             bandwidths=measure)
     log.info("--moe-backend auto -> %s: %s", choice.backend, choice.reason)
-    return replace(options, backend=choice.backend, bandwidths=measured[0] if measured else options.bandwidths)
+    return replace(options, backend=choice.backend, bandwidths=measured[0] if measured else options.bandwidths,
+                   cpu_share=options.cpu_share if choice.backend == "hybrid" else None)
 
 
 def build_engine(model_path: str | Path, config: EngineConfig) -> Engine:

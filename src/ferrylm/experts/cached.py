@@ -21,6 +21,7 @@ blocks, their slots free).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -356,7 +357,9 @@ class CachedExecutor(ExpertExecutor):
             ids_and_predicted = topk_ids if route is None else torch.cat([topk_ids, route(hidden)])
         host = ids_and_predicted.tolist()
         work = LayerWork.from_host_ids(layer_idx, hidden, topk_ids, topk_weights, host[:t], self.num_experts)
-        work.predicted = sorted({e for row in host[t:] for e in row}) if len(host) > t else None
+        if len(host) > t:
+            load = Counter(e for row in host[t:] for e in row)
+            work.predicted = {e: load[e] for e in sorted(load)}
         return work
 
     def _streams(self, num_tokens: int, top_k: int) -> bool:

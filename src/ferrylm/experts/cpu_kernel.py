@@ -6,9 +6,11 @@ on the H200 host (13-23 GB/s) against a DRAM that reads at ~90 GB/s. The native 
 CPU share in one OpenMP region (see the C file's header for the arithmetic).
 
 Build: the host C compiler (``$CC``, default ``cc``) with ``-O3 -march=native -fopenmp``, into
-``<cache root>/kernels/expert_gemv-<key>.so`` where the key hashes the source, the compiler's version and the
-CPU's feature flags (so a cache folder shared between machines never hands one a binary for another). The build
-takes about a second and is written atomically, so concurrent processes may race on it safely.
+``<cache root>/kernels/expert_gemv-<key>.so`` where the key hashes the source, the compile command, the compiler's
+version and the CPU's feature flags from ``/proc/cpuinfo`` (so a cache folder shared between machines does not
+hand one a binary built for another's instruction set; where ``/proc/cpuinfo`` is missing only the processor
+name is hashed). The build takes about a second and is written atomically, so concurrent processes may race on it
+safely; a cache folder that cannot be written gives an uncached build in a temporary folder.
 
 ``--moe-cpu-kernel``: ``auto`` (native when it builds, else torch with a warning), ``native`` (fail when it does
 not build), ``torch``.
@@ -21,6 +23,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -37,6 +40,7 @@ log = logging.getLogger("ferrylm.experts")
 # NOTE: the kernel reads each weight row once per 4 tokens; from ~8 tokens per expert oneDNN's blocked GEMM
 # (one read of the weights for all tokens) is the better kernel, so the pool uses torch above this.
 NATIVE_MAX_TOKENS = 8
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _ISA = {0: "scalar", 1: "avx2", 2: "avx512"}
 _WDTYPE = {torch.bfloat16: 0, torch.float32: 1}
 
@@ -60,11 +64,26 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def _compiler_version(cc: str) -> str:
+def _compiler_version(cc: list[str]) -> str:
     try:
-        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        return subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
-        raise KernelBuildError(f"no C compiler {cc!r} ({e}); set $CC or use --moe-cpu-kernel torch") from e
+        raise KernelBuildError(f"no C compiler {' '.join(cc)!r} ({e}); set $CC or use --moe-cpu-kernel torch") from e
+
+
+def _compile(cc: list[str], src: str, folder: Path) -> Path:
+    """Compile ``src`` in ``folder``; returns the library's path. Raises KernelBuildError (the compiler failed) or
+    OSError (``folder`` not writable)."""
+    c_file, out = folder / "expert_gemv.c", folder / "expert_gemv.so"
+    c_file.write_text(src)
+    cmd = [*cc, *CFLAGS, str(c_file), "-o", str(out), "-lm"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"{' '.join(cmd)}: {e}") from e
+    if r.returncode != 0:
+        raise KernelBuildError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()[-2000:]}")
+    return out
 
 
 @dataclass
@@ -81,31 +100,35 @@ class NativeExpertKernel:
 
     @classmethod
     def build(cls, root: Path | None = None, cc: str | None = None) -> "NativeExpertKernel":
-        """Compile (or reuse the cached build) and load.
+        """Compile (or reuse the cached build) and load. ``cc``: the compiler command (default ``$CC``, else
+        ``cc``; split like a shell word list, so ``"ccache gcc"`` works). When the cache folder cannot be written,
+        the kernel is built in a temporary folder (a warning says so) and not cached.
 
         Raises:
             KernelBuildError: no compiler, the compile failed, or the library does not load.
         """
-        cc = cc or os.environ.get("CC", "cc")
+        cc_cmd = shlex.split(cc or os.environ.get("CC") or "cc")
         src = _source()
-        key = hashlib.sha256("\0".join([src, _compiler_version(cc), _cpu_flags()]).encode()).hexdigest()[:16]
+        key = hashlib.sha256("\0".join([src, " ".join(cc_cmd + CFLAGS), _compiler_version(cc_cmd),
+                                         _cpu_flags()]).encode()).hexdigest()[:16]
         folder = (root or cache_root()) / "kernels"
         lib_path = folder / f"expert_gemv-{key}.so"
-        if not lib_path.exists():
+        if lib_path.exists():
+            return cls._load(lib_path)
+        try:
             folder.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=folder) as tmp:
-                c_file, out = Path(tmp) / "expert_gemv.c", Path(tmp) / "expert_gemv.so"
-                c_file.write_text(src)
-                cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(c_file), "-o", str(out),
-                       "-lm"]
-                try:
-                    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-                except (OSError, subprocess.SubprocessError) as e:
-                    raise KernelBuildError(f"{' '.join(cmd)}: {e}") from e
-                if r.returncode != 0:
-                    raise KernelBuildError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()[-2000:]}")
-                os.replace(out, lib_path)
-            log.info("CPU experts: built the native kernel %s", lib_path)
+                os.replace(_compile(cc_cmd, src, Path(tmp)), lib_path)
+        except OSError as e:
+            log.warning("CPU experts: cannot write the kernel cache %s (%s); building the native kernel in a "
+                        "temporary folder (set $FERRYLM_CACHE_DIR to a writable folder to keep it)", folder, e)
+            with tempfile.TemporaryDirectory(prefix="ferrylm-kernel-") as tmp:
+                return cls._load(_compile(cc_cmd, src, Path(tmp)))  # Linux: the loaded library outlives its file
+        log.info("CPU experts: built the native kernel %s", lib_path)
+        return cls._load(lib_path)
+
+    @classmethod
+    def _load(cls, lib_path: Path) -> "NativeExpertKernel":
         try:
             lib = ctypes.CDLL(str(lib_path))
         except OSError as e:
@@ -123,39 +146,50 @@ class NativeExpertKernel:
         """Weight dtypes the kernel reads: bfloat16 and float32."""
         return dtype in _WDTYPE
 
-    def run(self, x: torch.Tensor, weights: torch.Tensor, rows: list[torch.Tensor], counts: list[int],
-            hidden: int, inter: int, threads: int) -> torch.Tensor:
+    def run(self, x: torch.Tensor, weights: torch.Tensor, rows: list[torch.Tensor], starts: list[int],
+            counts: list[int], hidden: int, inter: int, threads: int) -> torch.Tensor:
         """A layer's CPU share in one call.
 
         Args:
-            x: ``[M, H]`` host activations grouped by expert (any float dtype; widened to float32).
-            weights: ``[M]`` routing weights, same order.
+            x: ``[M, H]`` host activations (any float dtype; widened to float32).
+            weights: ``[M]`` host routing weights, same order.
             rows: one ``[S]`` host row per expert (``S = 3 * I * H``: gate|up ``[2I, H]`` then down ``[H, I]``),
                 contiguous, all bfloat16 or all float32.
-            counts: tokens per expert, summing to ``M``; expert ``e`` owns the next ``counts[e]`` rows of ``x``.
-            hidden, inter: ``H`` and ``I``. threads: OpenMP threads for the call.
+            starts, counts: expert ``e`` owns rows ``starts[e] : starts[e] + counts[e]`` of ``x`` (within ``M``).
+            hidden, inter: ``H`` and ``I``. threads: OpenMP threads for the call (>= 1).
 
         Returns:
-            ``[M, H]`` float32: ``w_m * down_e @ (silu(g) * u)`` per row (see the C file's header).
+            ``[M, H]`` float32: ``w_m * down_e @ (silu(g) * u)`` for every row an expert owns (see the C file's
+            header); rows no expert owns are zero.
 
         Raises:
-            ValueError: mismatched shapes, a non-contiguous row, or an unsupported weight dtype.
+            ValueError: a tensor not on the CPU, mismatched shapes or spans, a non-contiguous row, an unsupported
+                weight dtype, ``threads < 1``.
         """
+        k = len(rows)
+        if not rows or len(starts) != k or len(counts) != k:
+            raise ValueError(f"{k} rows, {len(starts)} starts and {len(counts)} counts: one of each per expert")
+        if x.dim() != 2 or x.shape[1] != hidden or weights.dim() != 1 or weights.shape[0] != x.shape[0]:
+            raise ValueError(f"x must be [M, {hidden}] and weights [M], got {list(x.shape)} and "
+                             f"{list(weights.shape)}")
         m = int(x.shape[0])
-        if len(rows) != len(counts) or sum(counts) != m or not rows:
-            raise ValueError(f"{len(rows)} rows, counts {counts} for {m} token rows")
+        spans = sorted(zip(starts, counts))
+        if any(c < 0 or s < 0 or s + c > m for s, c in spans) or any(
+                s0 + c0 > s1 for (s0, c0), (s1, _) in zip(spans, spans[1:])):
+            raise ValueError(f"expert spans (starts {starts}, counts {counts}) must lie within the {m} rows of x "
+                             f"and not overlap")
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
         dt = rows[0].dtype
         if dt not in _WDTYPE or any(r.dtype != dt or not r.is_contiguous() or r.numel() != 3 * hidden * inter
                                     for r in rows):
             raise ValueError("expert rows must be contiguous [3*I*H] tensors, all bfloat16 or all float32")
+        if any(t.device.type != "cpu" for t in (x, weights, *rows)):
+            raise ValueError("the native kernel reads host tensors; got a tensor on another device")
         xf = x.to(torch.float32).contiguous()
         wf = weights.to(torch.float32).contiguous()
         scratch = torch.empty(m, 2 * inter, dtype=torch.float32)
-        out = torch.empty(m, hidden, dtype=torch.float32)
-        k = len(rows)
-        starts = [0] * k
-        for e in range(1, k):
-            starts[e] = starts[e - 1] + counts[e - 1]
+        out = torch.zeros(m, hidden, dtype=torch.float32)
         ptrs = (ctypes.c_void_p * k)(*[r.data_ptr() for r in rows])
         rc = self._lib.ferry_expert_gemv(_WDTYPE[dt], int(threads), k, ptrs, (ctypes.c_int64 * k)(*starts),
                                          (ctypes.c_int64 * k)(*counts), hidden, inter, xf.data_ptr(),

@@ -97,14 +97,26 @@ class CpuExpertPool:
         t0 = time.perf_counter()
         outs = []
         with torch.inference_mode():
-            if self.native is not None and max(n for *_, n in job.items) <= NATIVE_MAX_TOKENS:
+            if self.native is not None and self._native_fits(job):
                 y = self.native.run(job.x, job.weights, [row for _, row, _, _ in job.items],
-                                    [n for *_, n in job.items], self.layout.hidden, self.layout.inter, self.threads)
+                                    [s for _, _, s, _ in job.items], [n for *_, n in job.items], self.layout.hidden,
+                                    self.layout.inter, self.threads)
                 return [y.to(job.out_dtype)], time.perf_counter() - t0
             for _, row, start, n in job.items:
                 y = cpu_expert(job.x[start:start + n], row, self.layout)
                 outs.append((y.float() * job.weights[start:start + n, None]).to(job.out_dtype))
         return outs, time.perf_counter() - t0
+
+    @staticmethod
+    def _native_fits(job: CpuJob) -> bool:
+        """Decode-sized experts (at most ``NATIVE_MAX_TOKENS`` tokens each) whose spans tile ``job.x`` in item
+        order (so the kernel's ``[M, H]`` output is the items' outputs concatenated, as the torch path returns)."""
+        pos = 0
+        for *_, start, n in job.items:
+            if start != pos or n > NATIVE_MAX_TOKENS:
+                return False
+            pos += n
+        return pos == job.x.shape[0]
 
     def submit(self, job: CpuJob) -> Future:
         """Start ``job``; the future gives ``(weighted outputs, seconds)``: a list of ``[count, H]`` tensors whose

@@ -1,30 +1,30 @@
-"""The ``hybrid`` backend: per layer, part of the misses is fetched to the device and the rest is computed on the
-CPU at the same time, split so that both sides finish together.
+"""The ``hybrid`` backend: a layer's expert misses are split between copies to the device and computation on the
+CPU, running at the same time.
 
 Decode (prefetch on, the default): the next layer's predicted misses (its router applied to this layer's hidden
-state; Eliseev & Mazur 2023) are split when they are predicted. ``n`` of the ``m`` are copied ahead on the copy
-stream, as ``offload`` does; the other ``m - n`` are *planned* for the CPU: when the next layer runs, those of its
-misses go to the CPU pool instead of the PCIe link. A wrong guess costs nothing on the CPU side (an expert planned
-but not routed is simply not computed), unlike a wasted copy.
+state; Eliseev & Mazur 2023) are split when they are predicted. The *share* of them predicted for the fewest
+tokens is *planned* for the CPU; the others are copied ahead on the copy stream, as ``offload`` does. When the
+next layer runs, its misses among the planned ones go to the CPU pool instead of the PCIe link. A wrong guess costs
+nothing on the CPU side (an expert planned but not routed is simply not computed), unlike a wasted copy. Misses
+nobody predicted, and predicted ones beyond the free slots, are fetched when the layer needs them, whatever the
+share, so that the tuner compares shares and nothing else.
 
-How many of the predicted misses go to the CPU (the *share*, per layer) is measured, not modelled: a CPU expert
-sits on its layer's critical path while a prefetched copy overlaps the layers before, so the answer depends on
-the layer's GPU time and on how much host memory bandwidth the CPU keeps while the DMA reads the same DRAM.
-:class:`~ferrylm.experts.share_tuner.ShareTuner` times the decode steps at share 0 (``offload``'s policy), 1, 2,
-... and keeps the fastest, per step size. Measured on the H200 host (docs/BENCHMARKS.md, session 5): share 1 cost
-+0.65 ms per layer (a CPU expert took 0.69 ms in place, against 0.3-0.5 ms alone), so the tuner settles on 0
-there; a host with more memory bandwidth per PCIe byte is where a share pays. The native kernel
+The share (experts per layer) is measured, not modelled: a CPU expert sits on its layer's critical path while a
+prefetched copy overlaps the layers before, so the answer depends on the layer's GPU time and on how much host
+memory bandwidth the CPU keeps while the DMA reads the same DRAM. :class:`~ferrylm.experts.share_tuner.ShareTuner`
+times the decode steps at share 0 (``offload``'s policy), 1, 2, ... and keeps the fastest, per step size
+(``--moe-cpu-share N`` fixes it instead). Measured on the H200 host (docs/BENCHMARKS.md, session 5): share 1 cost
++0.5-0.65 ms per layer (a one-expert CPU job took 0.54-0.71 ms in place, against 0.3-0.5 ms alone), so the tuner
+settles on 0 there; a host with more memory bandwidth per PCIe byte is where a share pays. The native kernel
 (:mod:`ferrylm.experts.cpu_kernel`) is what gives the CPU a chance at all: with torch matmuls a CPU expert cost
 ~1 ms (9.0 vs 19.0 tok/s).
 
-Misses nobody predicted are fetched while the tuner's share is 0 (it measured that CPU work on the critical path
-does not pay; on the H200 host such a CPU expert took 0.65 ms against ~0.17 ms for its copy). Otherwise, and for
-every miss of a step without prefetch (large steps, ``prefetch`` off), they are split at the layer by the measured
-rates (:func:`split_misses`): fetch ``n`` of the ``m``, minimising ``max(n * S / B_pcie, (m - n) * S / B_cpu_eff)``
-with ``B_cpu_eff = min(B_cpu, B_host - B_pcie)`` (the DMA reads the same host memory as the CPU). When the CPU is
-host-bandwidth bound the continuous optimum is ``n* = m * B_pcie / B_host``, FreeToken's q* policy. The misses with
-the most tokens are the ones fetched (the device is far faster at multi-token GEMMs), and fetches never exceed the
-unpinned slots (the overflow goes to the CPU).
+Steps without prefetch (large steps, ``prefetch`` off) split their misses at the layer by the measured rates
+(:func:`split_misses`): fetch ``n`` of the ``m``, minimising ``max(n * S / B_pcie, (m - n) * S / B_cpu_eff)`` with
+``B_cpu_eff = min(B_cpu, B_host - B_pcie)`` (the DMA reads the same host memory as the CPU), both sides finishing
+together. When the CPU is host-bandwidth bound the continuous optimum is ``n* = m * B_pcie / B_host``, FreeToken's
+q* policy. The misses with the most tokens are the ones fetched (the device is far faster at multi-token GEMMs),
+and fetches never exceed the unpinned slots (the overflow goes to the CPU).
 """
 
 from __future__ import annotations
@@ -61,7 +61,6 @@ class HybridExecutor(CachedExecutor):
     min_slots = 0
     default_prefetch = True
     stages = True  # a layer without CPU work goes to the decode graph
-    tuner_args: dict = {}  # ShareTuner arguments (tests shorten the windows)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -84,10 +83,9 @@ class HybridExecutor(CachedExecutor):
         planned = self._planned.pop(work.layer, set())
         to_cpu = [e for e in misses if e in planned]
         rest = [e for e in misses if e not in planned]
-        tuner = self._tuners.get(work.hidden.shape[0])
         if not rest:
             n = 0
-        elif tuner is not None and tuner.share == 0:  # measured: CPU work on the critical path does not pay
+        elif self._prefetching(work.hidden.shape[0]):  # the planned share is the CPU's part
             n = min(len(rest), self.cache.evictable())
         else:
             n = min(split_misses(len(rest), self.bandwidths()), self.cache.evictable())
@@ -97,6 +95,10 @@ class HybridExecutor(CachedExecutor):
         self._maybe_prefetch(work)
         self._compute_slots(work, hits + fetched)
         self._collect_cpu(work, handle)
+
+    def _prefetching(self, tokens: int) -> bool:
+        """Steps of ``tokens`` tokens predict and prefetch the next layer's experts (see ``_prefetch_plan``)."""
+        return self.prefetch and bool(self._routers) and tokens <= self.options.prefetch_max_tokens
 
     def _maybe_prefetch(self, work: LayerWork) -> None:
         """Plan the tuner's share of the next layer's predicted misses for the CPU and copy the others."""
@@ -109,11 +111,14 @@ class HybridExecutor(CachedExecutor):
         tuner = self._tuners.get(tokens)
         if tuner is None:
             fixed = self.options.cpu_share
-            tuner = self._tuners[tokens] = ShareTuner(**self.tuner_args) if fixed is None else FixedShare(fixed)
-        n = min(max(0, len(todo) - tuner.share), room)
-        self._planned[nxt] = set(todo[n:])
-        if n:
-            self._fetch(nxt, todo[:n], prefetch=True)
+            tuner = self._tuners[tokens] = ShareTuner() if fixed is None else FixedShare(fixed)
+        load = work.predicted or {}
+        by_load = sorted(todo, key=lambda e: -load.get(e, 0))  # stable: ascending id among equal loads
+        keep = len(by_load) - min(tuner.share, len(by_load))
+        self._planned[nxt] = set(by_load[keep:])  # the least loaded go to the CPU
+        fetch = by_load[:keep][:room]  # predicted misses beyond the free slots are fetched when needed
+        if fetch:
+            self._fetch(nxt, fetch, prefetch=True)
 
     def stats(self) -> dict:
         """:meth:`CachedExecutor.stats` plus ``cpu_share``: per step size (tokens), the CPU share in use and the

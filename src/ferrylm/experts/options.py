@@ -22,7 +22,7 @@ class Bandwidths:
         cpu: CPU expert rate: expert weight bytes processed per second by the CPU expert kernel for one token.
         hbm: device memory copy rate, read + write bytes per second (for the resident roofline).
         cpu_latency: seconds a CPU expert job costs besides its expert bytes (activations to the host, the pool's
-            wake-up, the output back to the device); the hybrid split's fixed cost of a CPU share.
+            wake-up, the output back to the device); reported by ``ferry bench decode`` and the logs.
     """
 
     pcie: float
@@ -49,12 +49,13 @@ class ExpertOptions:
         cpu_share: hybrid: predicted misses per layer planned for the CPU (``--moe-cpu-share``); None = chosen by
             timing decode steps (:mod:`ferrylm.experts.share_tuner`).
         prefetch: copy layer L+1's predicted experts while layer L runs; None = backend default (on for
-            ``offload``, off for ``hybrid`` whose split assumes an idle copy engine, n/a for ``cpu``).
+            ``offload`` and ``hybrid``, n/a for ``cpu``).
         stream_prefill: stream whole expert layers through a two-layer double buffer for large chunks.
         stream_min_tokens: stream when a step has at least this many tokens; None = when
             ``tokens * top_k >= num_experts`` (a chunk that is expected to touch most experts).
         prefetch_max_tokens: no prefetch for steps with more tokens than this (they need most experts anyway).
-        bandwidths: measured rates for the hybrid split and ``auto``; None = measured on first need.
+        bandwidths: measured rates for the hybrid split of steps without prefetch and for ``auto``; None =
+            measured on first need.
         cache_policy: ``"layer-lru"`` (LRU within per-layer shares, default) or ``"lru"`` (one LRU over all
             layers); see :mod:`ferrylm.experts.cache`.
     """
@@ -81,6 +82,8 @@ class ExpertOptions:
             raise ValueError(f"--moe-cpu-threads must be >= 1, got {self.cpu_threads}")
         if self.cpu_share is not None and self.cpu_share < 0:
             raise ValueError(f"--moe-cpu-share must be >= 0, got {self.cpu_share}")
+        if self.cpu_share is not None and self.backend not in ("hybrid", "auto"):
+            raise ValueError(f"--moe-cpu-share applies to --moe-backend hybrid, not {self.backend}")
         if self.cpu_kernel not in CPU_KERNELS:
             raise ValueError(f"--moe-cpu-kernel must be one of {', '.join(CPU_KERNELS)}, got {self.cpu_kernel!r}")
         if self.cache_policy not in ("layer-lru", "lru"):

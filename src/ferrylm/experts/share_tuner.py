@@ -89,6 +89,7 @@ class FixedShare:
 
     @property
     def settled(self) -> int:
+        """Always ``share``."""
         return self.share
 
     def step_done(self, seconds: float) -> None:

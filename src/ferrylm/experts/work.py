@@ -167,8 +167,8 @@ class LayerWork:
     check the code the GPU runs, on CI machines without one.
 
     Attributes (continued):
-        predicted: the next MoE layer's predicted experts (ascending), when the executor read them to the host
-            together with this layer's ids (prefetch); None otherwise.
+        predicted: the next MoE layer's predicted experts (ascending) -> the tokens predicted to route to each,
+            when the executor read them to the host together with this layer's ids (prefetch); None otherwise.
     """
 
     batch_on_cpu = False
@@ -183,7 +183,7 @@ class LayerWork:
         self.small = ids_host is not None
         self.batched = self.small and (hidden.is_cuda or self.batch_on_cpu)
         self.parts: dict[int, torch.Tensor] = {}  # large mode: expert -> weighted output [count, H]
-        self.predicted: list[int] | None = None
+        self.predicted: dict[int, int] | None = None
         self.stage: ExpertStage | None = None  # small mode: where the GEMMs may be handed to a graph
         self.staged = False  # the GEMMs were handed to ``stage`` (stage_into)
         if self.small:
