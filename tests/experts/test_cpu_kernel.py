@@ -224,3 +224,37 @@ def test_pool_falls_back_to_torch_when_spans_do_not_tile_x(kernel):
     assert [o.shape[0] for o in outs] == [1, 2]  # the torch path: one output per item, in item order
     ref = reference(torch.cat([x[2:3], x[0:2]]), torch.cat([w[2:3], w[0:2]]), [bank[0], bank[1]], [1, 2])
     assert torch.allclose(torch.cat(outs).double(), ref, atol=1e-5)
+
+
+def test_a_compiler_that_writes_nothing_falls_back(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "true")  # exits 0, writes no library
+    with pytest.raises(KernelBuildError, match="wrote no library"):
+        NativeExpertKernel.build(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="ferrylm.experts"):
+        assert load_kernel("auto", tmp_path) is None
+    assert not list((tmp_path / "kernels").glob("*.so"))
+
+
+def test_a_broken_cached_library_is_removed(tmp_path, kernel, monkeypatch):
+    monkeypatch.delenv("CC", raising=False)
+    good = NativeExpertKernel.build(tmp_path / "a")
+    broken = tmp_path / "b" / "kernels" / good.path.name  # the same cache key in another cache folder
+    broken.parent.mkdir(parents=True)
+    broken.write_bytes(b"not an ELF file")  # (never overwrite a loaded library in place: it is mapped)
+    with pytest.raises(KernelBuildError, match="cannot load"):
+        NativeExpertKernel.build(tmp_path / "b")
+    assert not broken.exists()
+    assert NativeExpertKernel.build(tmp_path / "b").path == broken  # rebuilt
+
+
+def test_more_threads_than_cpus_warns(caplog):
+    import os
+
+    layout = ExpertLayout(hidden=H, inter=I, dtype=torch.float32)
+    before = torch.get_num_threads()
+    try:
+        with caplog.at_level(logging.WARNING, logger="ferrylm.experts"):
+            CpuExpertPool(layout, threads=(os.cpu_count() or 1) + 3, kernel="torch").close()
+        assert "oversubscribed" in caplog.text and "--moe-cpu-threads" in caplog.text
+    finally:
+        torch.set_num_threads(before)

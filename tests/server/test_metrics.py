@@ -31,7 +31,7 @@ def engine_with_stats(codec) -> FakeEngine:
     eng.last_stats = {"num_running": 2, "num_waiting": 1, "kv_pages_used": 25, "kv_pages_total": 100,
                       "num_preemptions": 3, "oom_recoveries": {"halve_chunk": 2},
                       "memory": {"free_bytes": 1000, "expert_slots": 12, "prefill_budget": 512},
-                      "experts": {"hits": 40, "misses": 10, "bytes_copied": 4096},
+                      "experts": {"hits": 40, "misses": 10, "bytes_copied": 4096, "cpu_experts": 7},
                       "decode_graphs": {"steps": 30, "replays": 29, "graph_bytes": 1 << 20, "stage_bytes": 512}}
     eng.memory_plan = {"total_bytes": 10_000, "budget_bytes": 8000, "kv_bytes": 3000, "expert_bytes": 2000,
                        "weights_bytes": 2500, "kv_pages": 100, "kv_tokens": 1600, "expert_slots": 12,
@@ -74,6 +74,7 @@ async def test_metrics_move_over_a_scripted_run(codec) -> None:
     assert sample(t1, "ferrylm:expert_cache_hits_total") == 40
     assert sample(t1, "ferrylm:expert_cache_misses_total") == 10
     assert sample(t1, "ferrylm:expert_bytes_copied_total") == 4096
+    assert sample(t1, "ferrylm:expert_cpu_computed_total") == 7
     assert sample(t1, "ferrylm:oom_recoveries_total", '{action="halve_chunk"}') == 2
     assert sample(t1, "ferrylm:engine_restarts_total") == 0
     assert sample(t1, "ferrylm:engine_ready") == 1

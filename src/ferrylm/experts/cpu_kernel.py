@@ -83,6 +83,8 @@ def _compile(cc: list[str], src: str, folder: Path) -> Path:
         raise KernelBuildError(f"{' '.join(cmd)}: {e}") from e
     if r.returncode != 0:
         raise KernelBuildError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()[-2000:]}")
+    if not out.is_file():
+        raise KernelBuildError(f"{' '.join(cmd)} exited 0 but wrote no library")
     return out
 
 
@@ -114,7 +116,11 @@ class NativeExpertKernel:
         folder = (root or cache_root()) / "kernels"
         lib_path = folder / f"expert_gemv-{key}.so"
         if lib_path.exists():
-            return cls._load(lib_path)
+            try:
+                return cls._load(lib_path)
+            except KernelBuildError:
+                lib_path.unlink(missing_ok=True)  # a broken cached build: the next process rebuilds it
+                raise
         try:
             folder.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=folder) as tmp:

@@ -17,6 +17,7 @@ Kernels (``--moe-cpu-kernel``):
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,8 +33,6 @@ log = logging.getLogger("ferrylm.experts")
 
 def physical_cores() -> int:
     """Physical CPU cores (logical ones when psutil cannot tell)."""
-    import os
-
     try:
         import psutil
 
@@ -87,6 +86,9 @@ class CpuExpertPool:
                      threads)
             torch.set_num_threads(threads)
         self.threads = torch.get_num_threads()
+        if self.threads > (os.cpu_count() or self.threads):
+            log.warning("CPU experts: %d threads on %d CPUs (--moe-cpu-threads): the expert kernels will be "
+                        "oversubscribed and slow", self.threads, os.cpu_count())
         if kernel == "native" and not NativeExpertKernel.supports(layout.dtype):
             raise ValueError(f"--moe-cpu-kernel native reads bfloat16 or float32 experts, not {layout.dtype}")
         self.native = load_kernel(kernel) if NativeExpertKernel.supports(layout.dtype) else None
