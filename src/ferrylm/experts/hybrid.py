@@ -65,7 +65,7 @@ class HybridExecutor(CachedExecutor):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._planned: dict[int, set[int]] = {}  # layer -> predicted misses planned for the CPU
-        self._tuners: dict[int, ShareTuner] = {}  # step tokens -> its CPU share tuner
+        self._tuners: dict[int, ShareTuner | FixedShare] = {}  # step tokens -> its CPU share chooser
         self._step_start: float | None = None
         self._first, self._last = self.banks.layers[0], self.banks.layers[-1]
 
