@@ -47,7 +47,9 @@ def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] 
     p.add_argument("--moe-backend", default="auto", choices=MOE_BACKEND_CHOICES + list(extra_backends),
                    help="where routed experts live and run: resident (= fused) all on the device; offload: a "
                         "device expert cache fed over PCIe; cpu: cache misses computed on the CPU; hybrid: misses "
-                        "split between both; auto: resident if it fits, else the fastest predicted (default: auto)")
+                        "split between both; auto: resident if it fits, else the fastest predicted"
+                        + ("; all: every backend side by side (default: all)" if "all" in extra_backends
+                           else " (default: auto)"))
     p.add_argument("--moe-cache-size", type=int, default=None, metavar="N",
                    help="device expert slots for offload/cpu/hybrid (default: as many as the memory allows)")
     p.add_argument("--moe-cpu-threads", type=int, default=None, metavar="N",
@@ -324,6 +326,7 @@ def _apply_tokenizer_flag(args: argparse.Namespace) -> str | None:
 def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     from ferrylm.engine.sampling_params import SamplingParams
     from ferrylm.errors import ModelLoadError
+    from ferrylm.experts.cpu_kernel import KernelBuildError
     from ferrylm.llm import LLM
     from ferrylm.models.synthetic import is_synthetic_spec
 
@@ -342,7 +345,7 @@ def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     try:
         llm = LLM(args.model, engine_config=engine_config)
-    except ModelLoadError as e:
+    except (ModelLoadError, KernelBuildError) as e:
         print(f"ferry generate: {e.message}", file=sys.stderr)
         return 2
     except ValueError as e:  # a flag out of range or a device that is not there (the message names the flag)

@@ -179,7 +179,7 @@ def test_bench_cpu_experts_times_every_configuration(tmp_path, capsys):
     (["--experts", "0"], "--experts takes a comma-separated list of integers >= 1"),
     (["--threads", "two"], "--threads takes"),
     (["--jobs", "0"], "--jobs must be >= 1"),
-    (["--experts", "4", "--bank-experts", "2"], "--bank-experts must be >= 4"),
+    (["--experts", "4", "--bank-experts", "2"], "--bank-experts (2) must be >= the largest --experts value (4)"),
     (["--kernels", "fast"], "--kernels takes a comma-separated list of auto, native, torch"),
 ])
 def test_bench_cpu_experts_bad_flags(flags, message, capsys):
@@ -235,16 +235,19 @@ def test_a_compiler_that_writes_nothing_falls_back(tmp_path, monkeypatch, caplog
     assert not list((tmp_path / "kernels").glob("*.so"))
 
 
-def test_a_broken_cached_library_is_removed(tmp_path, kernel, monkeypatch):
+def test_a_broken_cached_library_is_rebuilt(tmp_path, kernel, monkeypatch, caplog):
     monkeypatch.delenv("CC", raising=False)
     good = NativeExpertKernel.build(tmp_path / "a")
     broken = tmp_path / "b" / "kernels" / good.path.name  # the same cache key in another cache folder
     broken.parent.mkdir(parents=True)
     broken.write_bytes(b"not an ELF file")  # (never overwrite a loaded library in place: it is mapped)
-    with pytest.raises(KernelBuildError, match="cannot load"):
-        NativeExpertKernel.build(tmp_path / "b")
-    assert not broken.exists()
-    assert NativeExpertKernel.build(tmp_path / "b").path == broken  # rebuilt
+    with caplog.at_level(logging.WARNING, logger="ferrylm.experts"):
+        rebuilt = NativeExpertKernel.build(tmp_path / "b")
+    assert "does not load" in caplog.text and "rebuilding" in caplog.text
+    assert rebuilt.path == broken and broken.read_bytes()[:4] == b"\x7fELF"
+    rows = [torch.ones(3 * I * H) * 0.01]
+    out = rebuilt.run(torch.ones(1, H), torch.ones(1), rows, [0], [1], H, I, 1)
+    assert torch.allclose(out.double(), reference(torch.ones(1, H), torch.ones(1), rows, [1]), atol=1e-6)
 
 
 def test_more_threads_than_cpus_warns(caplog):
@@ -255,6 +258,14 @@ def test_more_threads_than_cpus_warns(caplog):
     try:
         with caplog.at_level(logging.WARNING, logger="ferrylm.experts"):
             CpuExpertPool(layout, threads=(os.cpu_count() or 1) + 3, kernel="torch").close()
-        assert "oversubscribed" in caplog.text and "--moe-cpu-threads" in caplog.text
+        assert "oversubscribed" in caplog.text and "--moe-cpu-threads" in caplog.text and "process-wide" in caplog.text
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_bench_cpu_experts_dma_on_needs_cuda(capsys):
+    from ferrylm.cli import main
+
+    assert main(["bench", "cpu-experts", "--hidden", "16", "--inter", "8", "--jobs", "1", "--dma", "on"]) == 2
+    assert "--dma on needs a CUDA device" in capsys.readouterr().err

@@ -136,3 +136,30 @@ def test_cli_bad_values_are_clear_errors_naming_the_flag(capsys):
 def test_bench_decode_defaults_to_all_backends():
     args = build_parser().parse_args(["bench", "decode"])
     assert args.moe_backend == "all"
+
+
+def test_bench_decode_native_kernel_without_compiler_is_one_line(expert_checkpoints, tmp_path, monkeypatch, capsys):
+    ckpt = expert_checkpoints("qwen3_moe")
+    folder = shutil.copytree(ckpt.path, tmp_path / "model")
+    (folder / "tokenizer_config.json").write_text("{}")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path / "cache"))
+    rc = main(["bench", "decode", "--model", str(folder), "--device", "cpu", "--moe-backend", "cpu", "--tokens", "2",
+               "--moe-cache-size", "4", "--moe-cpu-kernel", "native"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "ferry bench decode: no C compiler" in err and "--moe-cpu-kernel torch" in err
+    assert "Traceback" not in err
+
+
+def test_auto_backend_drops_cpu_share_with_a_warning(expert_checkpoints, caplog):
+    import logging
+
+    from ferrylm.engine.factory import expert_options, resolve_auto
+
+    ckpt = expert_checkpoints("qwen3_moe")
+    cfg = _config(moe_backend="auto", moe_cpu_share=1)
+    with caplog.at_level(logging.WARNING, logger="ferrylm.engine"):
+        opts = resolve_auto(ckpt.path, cfg, torch.device("cpu"), torch.float32, expert_options(cfg))
+    assert (opts.backend, opts.cpu_share) == ("resident", None)
+    assert "--moe-cpu-share 1 ignored: --moe-backend auto chose resident" in caplog.text

@@ -137,10 +137,14 @@ def main(args) -> int:
         if not kernels or any(k not in CPU_KERNELS for k in kernels):
             raise ValueError(f"--kernels takes a comma-separated list of {', '.join(CPU_KERNELS)}, got "
                              f"{args.kernels!r}")
-        for flag, v, low in (("--jobs", args.jobs, 1), ("--hidden", args.hidden, 1), ("--inter", args.inter, 1),
-                             ("--bank-experts", args.bank_experts, max(experts))):
+        for flag, v, low in (("--jobs", args.jobs, 1), ("--hidden", args.hidden, 1), ("--inter", args.inter, 1)):
             if v < low:
                 raise ValueError(f"{flag} must be >= {low}, got {v}")
+        if args.bank_experts < max(experts):
+            raise ValueError(f"--bank-experts ({args.bank_experts}) must be >= the largest --experts value "
+                             f"({max(experts)})")
+        if args.dma == "on" and not torch.cuda.is_available():
+            raise ValueError("--dma on needs a CUDA device (the copies go host -> device); use --dma off or auto")
         if args.gap_ms < 0:
             raise ValueError(f"--gap-ms must be >= 0, got {args.gap_ms}")
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]

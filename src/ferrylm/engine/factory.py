@@ -60,6 +60,8 @@ def resolve_auto(model_path: str | Path, config: EngineConfig, device: torch.dev
         return options
     mcfg = ModelConfig.from_folder(model_path)
     if device.type != "cuda" or not mcfg.is_moe:
+        if options.cpu_share is not None:
+            log.warning("--moe-cpu-share %d ignored: --moe-backend auto chose resident", options.cpu_share)
         return replace(options, backend="resident", cpu_share=None)
     from ferrylm.experts.auto import choose_backend, estimate_non_expert_bytes
     from ferrylm.experts.banks import ExpertLayout, probe_pinning
@@ -84,6 +86,8 @@ def resolve_auto(model_path: str | Path, config: EngineConfig, device: torch.dev
                             stream_bytes=2 * mcfg.num_experts * layout.nbytes if options.stream_prefill else 0,
                             bandwidths=measure)
     log.info("--moe-backend auto -> %s: %s", choice.backend, choice.reason)
+    if options.cpu_share is not None and choice.backend != "hybrid":
+        log.warning("--moe-cpu-share %d ignored: --moe-backend auto chose %s", options.cpu_share, choice.backend)
     return replace(options, backend=choice.backend, bandwidths=measured[0] if measured else options.bandwidths,
                    cpu_share=options.cpu_share if choice.backend == "hybrid" else None)
 

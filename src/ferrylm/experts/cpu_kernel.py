@@ -34,6 +34,7 @@ import torch
 
 from ferrylm.cachedir import cache_root
 from ferrylm.config import CPU_KERNELS
+from ferrylm.errors import FerryError
 
 log = logging.getLogger("ferrylm.experts")
 
@@ -45,8 +46,11 @@ _ISA = {0: "scalar", 1: "avx2", 2: "avx512"}
 _WDTYPE = {torch.bfloat16: 0, torch.float32: 1}
 
 
-class KernelBuildError(RuntimeError):
+class KernelBuildError(FerryError):
     """The native kernel could not be compiled or loaded (message: the command and the compiler's output)."""
+
+    code = "cpu_kernel_unavailable"
+    param = "--moe-cpu-kernel"
 
 
 def _source() -> str:
@@ -118,9 +122,9 @@ class NativeExpertKernel:
         if lib_path.exists():
             try:
                 return cls._load(lib_path)
-            except KernelBuildError:
-                lib_path.unlink(missing_ok=True)  # a broken cached build: the next process rebuilds it
-                raise
+            except KernelBuildError as e:  # a broken cached build (truncated, overwritten): build it again
+                log.warning("CPU experts: the cached native kernel does not load (%s); rebuilding it", e)
+                lib_path.unlink(missing_ok=True)
         try:
             folder.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=folder) as tmp:

@@ -87,8 +87,9 @@ class CpuExpertPool:
             torch.set_num_threads(threads)
         self.threads = torch.get_num_threads()
         if self.threads > (os.cpu_count() or self.threads):
-            log.warning("CPU experts: %d threads on %d CPUs (--moe-cpu-threads): the expert kernels will be "
-                        "oversubscribed and slow", self.threads, os.cpu_count())
+            log.warning("CPU experts: %d threads on %d CPUs (--moe-cpu-threads): torch's intra-op pool is "
+                        "process-wide, so every CPU op (not only the experts) will be oversubscribed and slow",
+                        self.threads, os.cpu_count())
         if kernel == "native" and not NativeExpertKernel.supports(layout.dtype):
             raise ValueError(f"--moe-cpu-kernel native reads bfloat16 or float32 experts, not {layout.dtype}")
         self.native = load_kernel(kernel) if NativeExpertKernel.supports(layout.dtype) else None
