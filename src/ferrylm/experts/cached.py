@@ -308,10 +308,14 @@ class CachedExecutor(ExpertExecutor):
         """See :meth:`ExpertExecutor.next_layer_predictor`: the next MoE layer's router when prefetch is on, the
         layer has a successor and the step is small enough to be planned on the host."""
         nxt = self._next.get(layer_idx)
-        if not self.prefetch or nxt is None or not is_small_step(num_tokens) \
-                or num_tokens > self.options.prefetch_max_tokens:
+        if nxt is None or not is_small_step(num_tokens) or not self.prefetches(num_tokens):
             return None
         return self._routers.get(nxt)
+
+    def prefetches(self, num_tokens: int) -> bool:
+        """Steps of ``num_tokens`` tokens predict and prefetch the next MoE layer's experts: prefetch is on,
+        routers are registered, and the step has at most ``prefetch_max_tokens`` tokens."""
+        return self.prefetch and bool(self._routers) and num_tokens <= self.options.prefetch_max_tokens
 
     def run(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
             ids_and_predicted: torch.Tensor | None = None, stage=None) -> torch.Tensor | None:
@@ -501,7 +505,7 @@ class CachedExecutor(ExpertExecutor):
         cached are touched (kept from eviction by the copies that follow)."""
         nxt = self._next.get(work.layer)
         route = self._routers.get(nxt) if nxt is not None else None
-        if not self.prefetch or route is None or work.hidden.shape[0] > self.options.prefetch_max_tokens:
+        if route is None or not self.prefetches(work.hidden.shape[0]):
             return None
         predicted = work.predicted
         if predicted is None:

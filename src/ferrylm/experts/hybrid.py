@@ -85,7 +85,7 @@ class HybridExecutor(CachedExecutor):
         rest = [e for e in misses if e not in planned]
         if not rest:
             n = 0
-        elif self._prefetching(work.hidden.shape[0]):  # the planned share is the CPU's part
+        elif self.prefetches(work.hidden.shape[0]):  # the planned share is the CPU's part
             n = min(len(rest), self.cache.evictable())
         else:
             n = min(split_misses(len(rest), self.bandwidths()), self.cache.evictable())
@@ -95,10 +95,6 @@ class HybridExecutor(CachedExecutor):
         self._maybe_prefetch(work)
         self._compute_slots(work, hits + fetched)
         self._collect_cpu(work, handle)
-
-    def _prefetching(self, tokens: int) -> bool:
-        """Steps of ``tokens`` tokens predict and prefetch the next layer's experts (see ``_prefetch_plan``)."""
-        return self.prefetch and bool(self._routers) and tokens <= self.options.prefetch_max_tokens
 
     def _maybe_prefetch(self, work: LayerWork) -> None:
         """Plan the tuner's share of the next layer's predicted misses for the CPU and copy the others."""

@@ -32,56 +32,58 @@ static inline float bf16_to_f32(uint16_t v) {
     return f;
 }
 
+/* One vector abstraction per instruction set: VW lanes of float32, the weight loads widen bf16 exactly. */
 #if defined(__AVX512F__)
-static inline __m512 load16_bf16(const uint16_t *p) {
+#define VW 16
+typedef __m512 vf;
+static inline vf vzero(void) { return _mm512_setzero_ps(); }
+static inline vf vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+static inline vf vload_bf16(const uint16_t *p) {
     __m256i v = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
-static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
-#define DEF_DOT(NAME, WT, LOADW)                                                                             \
-static void NAME(const WT *w, const float *x, int64_t ldx, int nt, int64_t n, float *res) {                  \
-    __m512 acc[TB];                                                                                           \
-    for (int t = 0; t < TB; t++) acc[t] = _mm512_setzero_ps();                                                \
-    int64_t j = 0;                                                                                            \
-    for (; j + 16 <= n; j += 16) {                                                                            \
-        __m512 wv = LOADW(w + j);                                                                             \
-        for (int t = 0; t < nt; t++) acc[t] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + t * ldx + j), acc[t]); \
-    }                                                                                                         \
-    for (int t = 0; t < nt; t++) {                                                                            \
-        float s = _mm512_reduce_add_ps(acc[t]);                                                               \
-        for (int64_t q = j; q < n; q++) s += WCVT(w[q]) * x[t * ldx + q];                                     \
-        res[t] = s;                                                                                           \
-    }                                                                                                         \
-}
 #elif defined(__AVX2__) && defined(__FMA__)
-static inline __m256 load8_bf16(const uint16_t *p) {
-    __m128i v = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
-static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
-static inline float hsum256(__m256 v) {
+#define VW 8
+typedef __m256 vf;
+static inline vf vzero(void) { return _mm256_setzero_ps(); }
+static inline vf vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(vf v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     return _mm_cvtss_f32(s);
 }
-#define DEF_DOT(NAME, WT, LOADW)                                                                             \
+static inline vf vload_bf16(const uint16_t *p) {
+    __m128i v = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+#else
+#define VW 0  /* scalar only */
+#endif
+
+/* res[t] = w[0:n] . x[t * ldx : t * ldx + n] for t < nt (nt <= TB): the vector loop over whole VW-lane blocks,
+ * then the scalar tail. WT: the weight element type, WCVT: its exact widening, VLOADW: its vector load. */
+#if VW
+#define DEF_DOT(NAME, WT, WCVT, VLOADW)                                                                      \
 static void NAME(const WT *w, const float *x, int64_t ldx, int nt, int64_t n, float *res) {                  \
-    __m256 acc[TB];                                                                                           \
-    for (int t = 0; t < TB; t++) acc[t] = _mm256_setzero_ps();                                                \
+    vf acc[TB];                                                                                               \
+    for (int t = 0; t < TB; t++) acc[t] = vzero();                                                            \
     int64_t j = 0;                                                                                            \
-    for (; j + 8 <= n; j += 8) {                                                                              \
-        __m256 wv = LOADW(w + j);                                                                             \
-        for (int t = 0; t < nt; t++) acc[t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * ldx + j), acc[t]); \
+    for (; j + VW <= n; j += VW) {                                                                            \
+        vf wv = VLOADW(w + j);                                                                                \
+        for (int t = 0; t < nt; t++) acc[t] = vfma(wv, vload(x + t * ldx + j), acc[t]);                       \
     }                                                                                                         \
     for (int t = 0; t < nt; t++) {                                                                            \
-        float s = hsum256(acc[t]);                                                                            \
+        float s = vsum(acc[t]);                                                                               \
         for (int64_t q = j; q < n; q++) s += WCVT(w[q]) * x[t * ldx + q];                                     \
         res[t] = s;                                                                                           \
     }                                                                                                         \
 }
 #else
-#define DEF_DOT(NAME, WT, LOADW)                                                                             \
+#define DEF_DOT(NAME, WT, WCVT, VLOADW)                                                                      \
 static void NAME(const WT *w, const float *x, int64_t ldx, int nt, int64_t n, float *res) {                  \
     for (int t = 0; t < nt; t++) {                                                                            \
         float s = 0.0f;                                                                                       \
@@ -91,24 +93,9 @@ static void NAME(const WT *w, const float *x, int64_t ldx, int nt, int64_t n, fl
 }
 #endif
 
-#define WCVT(v) bf16_to_f32(v)
-#if defined(__AVX512F__)
-DEF_DOT(dot_bf16, uint16_t, load16_bf16)
-#elif defined(__AVX2__) && defined(__FMA__)
-DEF_DOT(dot_bf16, uint16_t, load8_bf16)
-#else
-DEF_DOT(dot_bf16, uint16_t, _)
-#endif
-#undef WCVT
-#define WCVT(v) (v)
-#if defined(__AVX512F__)
-DEF_DOT(dot_f32, float, load16_f32)
-#elif defined(__AVX2__) && defined(__FMA__)
-DEF_DOT(dot_f32, float, load8_f32)
-#else
-DEF_DOT(dot_f32, float, _)
-#endif
-#undef WCVT
+#define F32_ID(v) (v)
+DEF_DOT(dot_bf16, uint16_t, bf16_to_f32, vload_bf16)
+DEF_DOT(dot_f32, float, F32_ID, vload)
 
 /* rows [r0, r1) of matrix `mat` ([R, n] row-major, element size by wdtype) dotted with `nx` token vectors
  * (x, stride ldx); result for row r, token t goes to y[t * ldy + r] (times scale[t] when scale != NULL). */
@@ -175,12 +162,4 @@ int ferry_expert_gemv(int wdtype, int nthreads, int k, const void *const *rows, 
 }
 
 /* The compiled instruction set, for logs: 2 = AVX-512F, 1 = AVX2+FMA, 0 = scalar. */
-int ferry_isa(void) {
-#if defined(__AVX512F__)
-    return 2;
-#elif defined(__AVX2__) && defined(__FMA__)
-    return 1;
-#else
-    return 0;
-#endif
-}
+int ferry_isa(void) { return VW == 16 ? 2 : VW == 8 ? 1 : 0; }
