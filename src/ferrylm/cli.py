@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from ferrylm.config import CPU_KERNELS, EngineConfig
+from ferrylm.config import ATTENTION_BACKENDS, CPU_KERNELS, EngineConfig
 
 DEFAULT_MODEL = "smollm2-moe"
 
@@ -80,8 +80,11 @@ def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] 
     p.add_argument("--enforce-eager", action="store_true",
                    help="run decode steps without CUDA graphs (default: decode steps of up to "
                         "--cuda-graph-max-batch sequences are captured in CUDA graphs on a CUDA device)")
-    p.add_argument("--cuda-graph-max-batch", type=int, default=16, metavar="N",
-                   help="largest decode batch run through CUDA graphs (default: 16)")
+    p.add_argument("--cuda-graph-max-batch", type=int, default=None, metavar="N",
+                   help="largest decode batch run through CUDA graphs (default: --max-running-requests)")
+    p.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
+                   help="attention kernels: triton (reads the paged KV pool in place; CUDA), torch (gathers, SDPA; "
+                        "the CPU path), auto: triton on CUDA (default: auto)")
     p.add_argument("--cuda-graph-max-len", type=int, default=8192, metavar="TOKENS",
                    help="longest sequence run through CUDA graphs; longer ones decode eagerly (default: 8192)")
     p.add_argument("--debug-invariants", action="store_true", help="check KV/scheduler invariants every step")
@@ -102,7 +105,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         kv_reserve_tokens=a.kv_reserve_tokens, moe_cache_auto=a.moe_cache_auto,
                         faults=a.faults, decode_graphs="off" if a.enforce_eager else "auto",
                         cuda_graph_max_batch=a.cuda_graph_max_batch,
-                        cuda_graph_max_len=a.cuda_graph_max_len).validate()
+                        cuda_graph_max_len=a.cuda_graph_max_len,
+                        attention_backend=a.attention_backend).validate()
 
 
 def build_parser() -> argparse.ArgumentParser:
