@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "measured bandwidths, roofline")
     _add_model_args(bd, extra_backends=("all",))
     bd.set_defaults(moe_backend="all")  # auto is decided by `ferry serve`; the bench compares backends
-    bd.add_argument("--batch", type=int, default=1, help="sequences decoded together (default: 1)")
+    bd.add_argument("--batch", default="1", help="sequences decoded together; a comma list runs each size over the "
+                                                 "same loaded model, e.g. 1,16,64 (default: 1)")
     bd.add_argument("--tokens", type=int, default=128, help="decode tokens per sequence (default: 128)")
     bd.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per sequence (default: 16)")
     bd.add_argument("--no-prefetch", action="store_true", help="offload: no next-layer prefetch")
@@ -183,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="distinct experts the jobs cycle through, beyond the CPU caches (default: 64)")
     bc.add_argument("--output-json", default=None, help="write the rows here")
     bc.add_argument("--log-level", default="WARNING")
+
+    bk = bsub.add_parser("kernels", help="GPU kernel candidates side by side: paged attention (Triton vs torch), "
+                                         "fused MoE (Triton vs torch._grouped_mm vs the torch path)")
+    bk.add_argument("--output-json", default=None, help="write the rows here")
+    bk.add_argument("--log-level", default="WARNING")
 
     bh = bsub.add_parser("hf", help="the bench-serve prompts through transformers generate (reference speed)")
     bh.add_argument("--model", default=DEFAULT_MODEL)
@@ -272,6 +278,10 @@ def _bench(args: argparse.Namespace) -> int:
         from ferrylm.bench.cpu_experts import main as bench_cpu_experts
 
         return bench_cpu_experts(args)
+    if args.bench_command == "kernels":
+        from ferrylm.bench.kernels import main as bench_kernels
+
+        return bench_kernels(args)
     if args.bench_command == "accelerate":
         from ferrylm.bench.accelerate_offload import main as bench_accelerate
 

@@ -89,13 +89,13 @@ class StepGraphs:
         return self.mode == "cuda"
 
     def size_for(self, batch: int) -> int | None:
-        """The captured size a decode step of ``batch`` sequences replays, capturing it first when it was disabled
-        and its retry time has come; None when it runs eagerly."""
+        """The captured size a decode step of ``batch`` sequences replays, capturing it first when it was not captured
+        yet (or was disabled and its retry time has come); None when it runs eagerly."""
         if not self.enabled or batch > self.sizes[-1]:
             return None
         size = next(s for s in self.sizes if s >= batch)
         if size not in self._graphs:
-            if time.monotonic() < self._retry_at.get(size, float("inf")):
+            if time.monotonic() < self._retry_at.get(size, 0.0):
                 return None
             self._capture(size)
         return size if size in self._graphs else None

@@ -65,22 +65,38 @@ class ModelRunner:
         self.eos_ids = eos_ids
         self.faults: FaultInjector = NO_FAULTS
         self.attention = resolve_backend(config.attention_backend, device)
+        self.max_model_len = max_model_len
         self.staging = Staging(device)
         self.step_graphs: StepGraphs | None = None
         self.piecewise: DecodeGraphRunner | None = None
-        graph_mode = DecodeGraphConfig(mode=config.decode_graphs).resolved(device)
-        is_stack = hasattr(getattr(model, "model", None), "layers")
-        max_batch = config.cuda_graph_max_batch or config.max_running_requests
-        if graph_mode == "cuda" and is_stack and self.attention == "triton" and self._graph_safe():
-            self.step_graphs = StepGraphs(model, pool, device, max_batch, max_model_len,
-                                          on_replay=getattr(expert_executor, "count_replayed_step", None))
-        elif graph_mode != "off" and is_stack:
-            self.piecewise = DecodeGraphRunner(model, pool, device, DecodeGraphConfig(
-                mode=config.decode_graphs, max_batch=max_batch, max_kv_len=config.cuda_graph_max_len), dtype,
-                pool.page_size)
+        self._graph_mode = DecodeGraphConfig(mode=config.decode_graphs).resolved(device)
+        stack = getattr(model, "model", None)
+        self._is_stack = hasattr(stack, "layers")
+        self._moe0 = next((layer.mlp for layer in getattr(stack, "layers", [])
+                           if hasattr(layer.mlp, "executor")), None)  # the first MoE block: its executor
+        self._configure(self._model_executor())
 
-    def _graph_safe(self) -> bool:
-        return self.executor is None or bool(getattr(self.executor, "graph_safe", False))
+    def _model_executor(self):
+        """The executor the model's MoE blocks call now (benches swap it), else the one given."""
+        return self._moe0.executor if self._moe0 is not None else self.executor
+
+    def _configure(self, executor) -> None:
+        """Choose the graph path for ``executor``: whole-step graphs when it is ``graph_safe`` (or the model is
+        dense), else the piecewise runner; drop the graphs of the previous executor."""
+        self.close()
+        self.executor = executor
+        self.step_graphs = self.piecewise = None
+        if self._graph_mode == "off" or not self._is_stack:
+            return
+        max_batch = self.config.cuda_graph_max_batch or self.config.max_running_requests
+        safe = executor is None or bool(getattr(executor, "graph_safe", False))
+        if self._graph_mode == "cuda" and self.attention == "triton" and safe:
+            self.step_graphs = StepGraphs(self.model, self.pool, self.device, max_batch, self.max_model_len,
+                                          on_replay=getattr(executor, "count_replayed_step", None))
+        else:
+            self.piecewise = DecodeGraphRunner(self.model, self.pool, self.device, DecodeGraphConfig(
+                mode=self.config.decode_graphs, max_batch=max_batch, max_kv_len=self.config.cuda_graph_max_len),
+                self.dtype, self.pool.page_size)
 
     def capture_graphs(self) -> None:
         """Capture the whole-step graphs now (boot, after the KV pool and the warmup). No-op without them."""
@@ -104,6 +120,8 @@ class ModelRunner:
             Allocation failures (``torch.OutOfMemoryError`` ...) from the forward, the logits or sampling: the
             engine's OOM guard handles them; the step's counters have not advanced.
         """
+        if self._moe0 is not None and self._moe0.executor is not self.executor:
+            self._configure(self._moe0.executor)  # the executor was swapped: its graphs are stale
         faults = self.faults
         logits = None
         decode = not has_prefill(seqs)

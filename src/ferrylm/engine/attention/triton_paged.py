@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ferrylm.triton_util import dot_precision
+
 MAX_SEQS_LOG2 = 16  # binary-search rounds: batches of up to 65536 sequences (one compiled variant)
 
 
@@ -90,7 +92,8 @@ def _paged_attention_kernel(
         stride_qt, stride_qh, stride_ot, stride_oh, stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h,
         stride_bt, page_size,
         G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, LOG2_SEQS: tl.constexpr):
+        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, LOG2_SEQS: tl.constexpr,
+        PRECISION: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -138,7 +141,7 @@ def _paged_attention_kernel(
         slot = page * page_size + n % page_size
         k = tl.load(k_cache_ptr + slot[None, :] * stride_kc_slot + kvh * stride_kc_h + d[:, None],
                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)            # [D, N]
-        qk = tl.dot(q, k.to(q.dtype)) * qk_scale                              # [M, N] fp32
+        qk = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale                              # [M, N] fp32
         visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
         qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -148,7 +151,7 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + slot[:, None] * stride_vc_slot + kvh * stride_vc_h + d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)            # [N, D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m_i = m_new
 
     if NUM_SPLITS == 1:
@@ -234,7 +237,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_table.stride(0), page_size,
         G=g, G_PAD=g_pad, HEAD_DIM=dim, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        LOG2_SEQS=MAX_SEQS_LOG2, num_warps=4, num_stages=2)
+        LOG2_SEQS=MAX_SEQS_LOG2, PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=2)
     if num_splits > 1:
         _merge_splits_kernel[(t * hq,)](part_o, part_ml, out, hq, out.stride(0), out.stride(1),
                                         HEAD_DIM=dim, D_PAD=d_pad, NUM_SPLITS=num_splits)

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ferrylm.triton_util import dot_precision
+
 
 @dataclass(frozen=True)
 class MoeTiles:
@@ -94,7 +96,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
 def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr,
                     num_assign, N, K, top_k,
                     stride_xt, stride_ge, stride_gn, stride_gk, stride_ue, stride_un, stride_uk, stride_ht,
-                    HAS_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    HAS_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
@@ -119,8 +122,8 @@ def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr
         a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc_g = tl.dot(a, bg.to(a.dtype), acc_g)
-        acc_u = tl.dot(a, bu.to(a.dtype), acc_u)
+        acc_g = tl.dot(a, bg.to(a.dtype), acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, bu.to(a.dtype), acc_u, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K * stride_gk
         u_ptrs += BLOCK_K * stride_uk
@@ -136,7 +139,8 @@ def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr
 def _down_kernel(h_ptr, wd_ptr, out_ptr, w_ptr, dest_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr,
                  num_assign, N, K,
                  stride_ht, stride_de, stride_dn, stride_dk, stride_ot,
-                 HAS_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 HAS_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
@@ -158,7 +162,7 @@ def _down_kernel(h_ptr, wd_ptr, out_ptr, w_ptr, dest_ptr, sorted_ptr, bexp_ptr, 
         k_ok = k + k0 < K
         a = tl.load(h_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(d_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, b.to(a.dtype), acc)
+        acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
         h_ptrs += BLOCK_K
         d_ptrs += BLOCK_K * stride_dk
     out_ty = out_ptr.dtype.element_ty
@@ -220,7 +224,7 @@ def fused_moe(hidden: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: 
         hidden.stride(0), gate.stride(0), gate.stride(1), gate.stride(2), up.stride(0), up.stride(1),
         up.stride(2), inter_act.stride(0),
         HAS_SLOTS=slot_of is not None, BLOCK_M=gu_tiles.block_m, BLOCK_N=gu_tiles.block_n,
-        BLOCK_K=gu_tiles.block_k, num_warps=gu_tiles.num_warps, num_stages=gu_tiles.num_stages)
+        BLOCK_K=gu_tiles.block_k, PRECISION=dot_precision(hidden.dtype), num_warps=gu_tiles.num_warps, num_stages=gu_tiles.num_stages)
     rows = torch.empty(n, hdim, dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1)
     if weights.dtype != torch.float32:
@@ -230,5 +234,5 @@ def fused_moe(hidden: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: 
         n, hdim, inter,
         inter_act.stride(0), down.stride(0), down.stride(1), down.stride(2), rows.stride(0),
         HAS_SLOTS=slot_of is not None, BLOCK_M=d_tiles.block_m, BLOCK_N=d_tiles.block_n,
-        BLOCK_K=d_tiles.block_k, num_warps=d_tiles.num_warps, num_stages=d_tiles.num_stages)
+        BLOCK_K=d_tiles.block_k, PRECISION=dot_precision(hidden.dtype), num_warps=d_tiles.num_warps, num_stages=d_tiles.num_stages)
     return rows.view(t, k, hdim).sum(1, dtype=torch.float32).to(hidden.dtype)
