@@ -64,3 +64,21 @@ def test_moe_align_groups_by_expert_in_padded_blocks():
         assert all(int(flat[a]) == int(block_expert[b]) for a in real)
         assert real == sorted(real) and real
     assert sorted(a for a in sorted_ids.tolist() if a < flat.numel()) == list(range(flat.numel()))
+
+
+@pytest.mark.parametrize("t,e,k,bm", [(1, 128, 8, 16), (3, 16, 4, 16), (16, 128, 8, 16), (9, 5, 2, 4),
+                                      (40, 64, 6, 16)])
+def test_small_align_kernel_equals_the_torch_grouping(t, e, k, bm):
+    m = load_kernels("ferrylm.experts.kernels.fused_moe")
+    dev = kernel_device()
+    gen = torch.Generator().manual_seed(t * 31 + e)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(dev)
+    used = torch.full((), 5, dtype=torch.int64, device=dev)
+    s1, b1, n1, dest = m.align_small(ids, e, bm, used)
+    s2, b2, n2, counts = m.moe_align(ids, e, bm)
+    assert int(n1) == int(n2)
+    n = int(n1)
+    assert torch.equal(s1[:n].cpu(), s2[:n].cpu())
+    assert torch.equal(b1[:n // bm].cpu(), b2[:n // bm].cpu())
+    assert torch.equal(dest.cpu(), m.expert_rank_rows(ids).cpu())
+    assert int(used) == 5 + int((counts > 0).sum())

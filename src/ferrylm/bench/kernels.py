@@ -23,9 +23,21 @@ import torch
 
 
 def _bench(fn, reps: int = 50) -> float:
+    """Median ms of eager calls (host launch time included)."""
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median"))
+
+
+def _bench_graph(fn, reps: int = 50) -> float | None:
+    """Median ms of ``fn`` replayed as a CUDA graph (device time, as in a captured decode step)."""
+    import triton.testing
+
+    try:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=reps, return_mode="median"))
+    except Exception:  # noqa: BLE001 - not capturable (a host sync): reported as None
+        torch.cuda.synchronize()
+        return None
 
 
 def _peak(fn) -> int:
@@ -94,8 +106,9 @@ def attention_rows(dev, hq=32, hkv=4, d=128, ps=16) -> list[dict]:
                                           max_query_len=1, num_splits=splits)
             kv_bytes = 2 * b * L * hkv * d * 2
             ms = _bench(tri)
+            gms = _bench_graph(tri)
             rows.append({"op": "attention decode", "batch": b, "kv_len": L, "impl": f"triton paged, {splits} splits",
-                         "ms": ms, "gbs": kv_bytes / ms / 1e6})
+                         "ms": ms, "graph_ms": gms, "gbs": kv_bytes / (gms or ms) / 1e6})
             pool = KVPool.__new__(KVPool)
             pool.k, pool.v, pool.page_size = [kc], [vc], ps
             seqs = []
@@ -130,7 +143,7 @@ def moe_rows(dev, e=128, k=8, h=2048, i=768) -> list[dict]:
         wbytes = used * ebytes
         flops = 2 * t * k * 3 * h * i
         ref = run_grouped(LayerExperts(gate, up, down), x, ids, w)
-        cands = [("triton fused", lambda: fused_moe(x, gate, up, down, ids, w))]
+        cands = [("triton fused", lambda: fused_moe(x, gate, up, down, ids, w), True)]
         if hasattr(torch, "_grouped_mm"):
             def grouped():
                 order = torch.argsort(ids.reshape(-1), stable=True)
@@ -143,19 +156,22 @@ def moe_rows(dev, e=128, k=8, h=2048, i=768) -> list[dict]:
                 y = torch._grouped_mm(hh, w2, offs=offs) * w.reshape(-1)[order, None].to(dt)
                 out = torch.zeros(t * k, h, device=dev, dtype=dt).index_copy_(0, order, y)
                 return out.view(t, k, h).sum(1, dtype=torch.float32).to(dt)
-            cands.append(("torch._grouped_mm", grouped))
+            cands.append(("torch._grouped_mm", grouped, True))
         if t <= 4096:
-            cands.append(("torch host-planned (old)", lambda: run_grouped(LayerExperts(gate, up, down), x, ids, w)))
-        for name, fn in cands:
+            cands.append(("torch host-planned (old)", lambda: run_grouped(LayerExperts(gate, up, down), x, ids, w),
+                          False))
+        for name, fn, graphable in cands:
             try:
                 out = fn()
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                 ms = _bench(fn)
+                gms = _bench_graph(fn) if graphable and t <= 256 else None
             except Exception as ex:  # noqa: BLE001 - a candidate this torch cannot run is reported, not fatal
                 rows.append({"op": "moe layer", "tokens": t, "impl": name, "error": f"{type(ex).__name__}: {ex}"[:200]})
                 continue
+            best = gms or ms
             rows.append({"op": "moe layer", "tokens": t, "experts_used": used, "impl": name, "ms": ms,
-                         "gbs": wbytes / ms / 1e6, "tflops": flops / ms / 1e9, "rel_err": err})
+                         "graph_ms": gms, "gbs": wbytes / best / 1e6, "tflops": flops / best / 1e9, "rel_err": err})
         del x
     # decode tile sweep: which tiles stream the weights fastest at one and sixteen tokens
     from ferrylm.experts.kernels.fused_moe import MoeTiles
@@ -166,9 +182,9 @@ def moe_rows(dev, e=128, k=8, h=2048, i=768) -> list[dict]:
         for bn1, bk1, bn2, bk2, nw in ((32, 128, 64, 128, 4), (64, 128, 64, 128, 4), (32, 256, 32, 256, 4),
                                        (16, 256, 32, 256, 2), (64, 64, 128, 64, 4), (32, 128, 32, 128, 2)):
             tiles = (MoeTiles(16, bn1, bk1, nw, 4), MoeTiles(16, bn2, bk2, nw, 4))
-            ms = _bench(lambda: fused_moe(x, gate, up, down, ids, w, tiles=tiles))
-            rows.append({"op": "moe tiles", "tokens": t, "impl": f"gu {bn1}x{bk1} d {bn2}x{bk2} w{nw}", "ms": ms,
-                         "gbs": used * ebytes / ms / 1e6})
+            gms = _bench_graph(lambda: fused_moe(x, gate, up, down, ids, w, tiles=tiles))
+            rows.append({"op": "moe tiles", "tokens": t, "impl": f"gu {bn1}x{bk1} d {bn2}x{bk2} w{nw}",
+                         "graph_ms": gms, "gbs": used * ebytes / gms / 1e6 if gms else None})
     return rows
 
 

@@ -139,6 +139,7 @@ class StepGraphs:
         hidden = self.model(v["input_ids"], v["positions"], TritonPagedAttention(self.pool, cap.meta))
         return self.model.compute_logits(hidden)
 
+    @torch.inference_mode()
     def _capture(self, size: int) -> None:
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_reserved(self.device)

@@ -18,6 +18,7 @@ from torch import nn
 
 from ferrylm.errors import ModelLoadError
 from ferrylm.models.attention import AttentionBackend
+from ferrylm.triton_util import use_triton
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 QK_NORM_MODES = (None, "head", "proj")
@@ -42,6 +43,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., H]`` -> ``[..., H]`` in ``x``'s dtype (times the weight's dtype)."""
+        if use_triton(x) and x.dtype == self.weight.dtype:  # one kernel (models/kernels/norm_rope.py)
+            from ferrylm.models.kernels.norm_rope import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         # F.rms_norm without a weight computes in float32 (opmath) and returns x's dtype: exactly the float32
         # statistic + cast above, in one fused kernel on CUDA instead of seven
         return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
@@ -389,6 +394,13 @@ class Attention(nn.Module):
         t, hq, hk, d = hidden.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = F.linear(hidden, *self._qkv).view(t, hq + 2 * hk, d)
         qk, v = qkv[:, :hq + hk], qkv[:, hq + hk:]
+        if use_triton(qkv) and d & (d - 1) == 0:  # per-head norm + RoPE in one kernel (models/kernels/norm_rope.py)
+            from ferrylm.models.kernels.norm_rope import norm_rope
+
+            eps = self.q_norm.eps if self._qk_norm_weight is not None else 0.0
+            qk = norm_rope(qk, positions, self.rotary.cos_table, self.rotary.sin_table, self._qk_norm_weight, eps)
+            out = attn.attend(self.layer_idx, qk[:, :hq], qk[:, hq:], v, self.scale)
+            return self.o_proj(out.reshape(t, hq * d))
         if self._qk_norm_weight is not None:  # RMSNorm.forward over each head, both weights at once
             qk = self._qk_norm_weight * F.rms_norm(qk, (d,), eps=self.q_norm.eps)
         qk = self.rotary.rotate(positions, qk)

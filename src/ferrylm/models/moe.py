@@ -19,6 +19,7 @@ from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.executor import ExpertExecutor
 from ferrylm.models.synthetic import ROUTER_BIAS_KEY
+from ferrylm.triton_util import use_triton
 
 
 def router_has_bias(config: ModelConfig) -> bool:
@@ -120,7 +121,12 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden [T, H]`` -> ``(topk_ids [T, k] int64, topk_weights [T, k] float32)``."""
-        return softmax_topk(self.gate(hidden), self.top_k, renormalize=self.renormalize)
+        logits = self.gate(hidden)
+        if use_triton(logits) and self.top_k & (self.top_k - 1) == 0:  # one kernel (models/kernels/norm_rope.py)
+            from ferrylm.models.kernels.norm_rope import topk_softmax
+
+            return topk_softmax(logits, self.top_k, renormalize=self.renormalize)
+        return softmax_topk(logits, self.top_k, renormalize=self.renormalize)
 
     def predict_experts(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [T, H]`` -> ``[T, k]`` int64: the experts :meth:`route` would choose (top-k of the logits;

@@ -92,6 +92,83 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_ids, block_expert, pad_end[-1:], counts
 
 
+# NOTE: steps of at most this many assignments (T * k) are grouped by one single-program kernel (decode: a few
+# dozen kernels of torch ops per layer would cost more than the layer's GEMMs); larger ones by torch ops.
+ALIGN_SMALL_MAX = 1024
+
+
+@triton.jit
+def _align_small_kernel(ids_ptr, sorted_ptr, bexp_ptr, npad_ptr, dest_ptr, used_ptr,
+                        N, K, E, P, NUM_BLOCKS,
+                        BLOCK_M: tl.constexpr, N_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                        CHUNK: tl.constexpr, FILL: tl.constexpr, HAS_USED: tl.constexpr):
+    """:func:`moe_align` + :func:`expert_rank_rows` + the distinct-expert count of a small step in ONE program:
+    counts by histogram, padded group offsets by prefix sum, each assignment's rank within its expert by comparing it
+    with the earlier ones (``[CHUNK, N_PAD]`` at a time), each block's expert by comparing its start with the group
+    ends, each assignment's rank among its token's ``k`` experts."""
+    n = tl.arange(0, N_PAD)
+    n_ok = n < N
+    ids_all = tl.load(ids_ptr + n, mask=n_ok, other=E).to(tl.int32)  # padding lanes count in bin E (dropped)
+    counts = tl.histogram(ids_all, E_PAD)                              # [E_PAD]
+    e = tl.arange(0, E_PAD)
+    counts = tl.where(e < E, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, 0)
+    pad_start = pad_end - padded
+    tl.store(npad_ptr, tl.sum(padded, 0).to(tl.int64))
+    if HAS_USED:
+        tl.store(used_ptr, tl.load(used_ptr) + tl.sum((counts > 0).to(tl.int64), 0))
+    for p0 in range(0, P, FILL):                                       # every row starts as padding (sentinel N)
+        p = p0 + tl.arange(0, FILL)
+        tl.store(sorted_ptr + p, tl.full([FILL], 0, tl.int32) + N, mask=p < P)
+    for b0 in range(0, NUM_BLOCKS, CHUNK):                             # the expert of each block of rows
+        b = b0 + tl.arange(0, CHUNK)
+        owner = tl.sum((pad_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), 1)
+        tl.store(bexp_ptr + b, tl.minimum(owner, E - 1), mask=b < NUM_BLOCKS)
+    tl.debug_barrier()                                                 # the fill lands before the scatter below
+    for i0 in range(0, N, CHUNK):
+        i = i0 + tl.arange(0, CHUNK)
+        i_ok = i < N
+        ids_i = tl.load(ids_ptr + i, mask=i_ok, other=E).to(tl.int32)
+        earlier = (ids_all[None, :] == ids_i[:, None]) & (n[None, :] < i[:, None])
+        rank = tl.sum(earlier.to(tl.int32), 1)
+        start = tl.sum(tl.where(e[None, :] == ids_i[:, None], pad_start[None, :], 0), 1)
+        tl.store(sorted_ptr + start + rank, i.to(tl.int32), mask=i_ok)
+        tok = i // K
+        j = tl.arange(0, K_PAD)
+        mates = tl.load(ids_ptr + tok[:, None] * K + j[None, :], mask=i_ok[:, None] & (j[None, :] < K),
+                        other=E).to(tl.int32)
+        below = tl.sum((mates < ids_i[:, None]).to(tl.int32), 1)
+        tl.store(dest_ptr + i, (tok * K + below).to(tl.int64), mask=i_ok)
+
+
+def align_small(topk_ids: torch.Tensor, num_experts: int, block_m: int, used_experts: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`moe_align` and :func:`expert_rank_rows` in one kernel, for ``T * k <= ALIGN_SMALL_MAX``.
+
+    Returns:
+        ``(sorted_ids [P] int32, block_expert [P / block_m] int32, num_padded [1] int64, dest_rows [T * k] int64)``
+        as :func:`moe_align`'s first three and :func:`expert_rank_rows`; adds the step's distinct experts to
+        ``used_experts`` when given.
+    """
+    t, k = topk_ids.shape
+    n = t * k
+    dev = topk_ids.device
+    rows = -(-(n + min(n, num_experts) * (block_m - 1)) // block_m) * block_m
+    sorted_ids = torch.empty(rows, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int64, device=dev)
+    dest = torch.empty(n, dtype=torch.int64, device=dev)
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    _align_small_kernel[(1,)](ids, sorted_ids, block_expert, num_padded, dest,
+                              used_experts if used_experts is not None else num_padded,
+                              n, k, num_experts, rows, rows // block_m,
+                              BLOCK_M=block_m, N_PAD=triton.next_power_of_2(n),
+                              E_PAD=triton.next_power_of_2(num_experts + 1), K_PAD=triton.next_power_of_2(k),
+                              CHUNK=32, FILL=256, HAS_USED=used_experts is not None, num_warps=4)
+    return sorted_ids, block_expert, num_padded, dest
+
+
 @triton.jit
 def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr,
                     num_assign, N, K, top_k,
@@ -210,9 +287,14 @@ def fused_moe(hidden: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: 
         return torch.zeros_like(hidden)
     n = t * k
     gu_tiles, d_tiles = tiles or pick_tiles(n, num_experts)
-    sorted_ids, block_expert, num_padded, counts = moe_align(topk_ids, num_experts, gu_tiles.block_m)
-    if used_experts is not None:
-        used_experts += (counts > 0).sum()
+    if n <= ALIGN_SMALL_MAX:
+        sorted_ids, block_expert, num_padded, dest = align_small(topk_ids, num_experts, gu_tiles.block_m,
+                                                                 used_experts)
+    else:
+        sorted_ids, block_expert, num_padded, counts = moe_align(topk_ids, num_experts, gu_tiles.block_m)
+        dest = expert_rank_rows(topk_ids)
+        if used_experts is not None:
+            used_experts += (counts > 0).sum()
     if d_tiles.block_m != gu_tiles.block_m:
         raise ValueError("both GEMMs must use the same block_m (one alignment)")
     inter_act = torch.empty(n, inter, dtype=hidden.dtype, device=hidden.device)
@@ -230,9 +312,10 @@ def fused_moe(hidden: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: 
     if weights.dtype != torch.float32:
         weights = weights.float()
     _down_kernel[(blocks, triton.cdiv(hdim, d_tiles.block_n))](
-        inter_act, down, rows, weights, expert_rank_rows(topk_ids), sorted_ids, block_expert, num_padded, slots,
+        inter_act, down, rows, weights, dest, sorted_ids, block_expert, num_padded, slots,
         n, hdim, inter,
         inter_act.stride(0), down.stride(0), down.stride(1), down.stride(2), rows.stride(0),
         HAS_SLOTS=slot_of is not None, BLOCK_M=d_tiles.block_m, BLOCK_N=d_tiles.block_n,
         BLOCK_K=d_tiles.block_k, PRECISION=dot_precision(hidden.dtype), num_warps=d_tiles.num_warps, num_stages=d_tiles.num_stages)
-    return rows.view(t, k, hdim).sum(1, dtype=torch.float32).to(hidden.dtype)
+    # one kernel: a 16-bit sum accumulates in float32 and rounds once, as sum(dtype=float32).to(dtype) does
+    return rows.view(t, k, hdim).sum(1)
