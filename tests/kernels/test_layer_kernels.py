@@ -63,7 +63,11 @@ def test_topk_softmax_matches_reference(renorm, e, topk):
     logits = torch.randn(9, e, generator=g).to(dev, _dtype(dev))
     ids, w = k.topk_softmax(logits, topk, renormalize=renorm)
     rids, rw = softmax_topk(logits, topk, renormalize=renorm)
-    assert torch.equal(ids.cpu(), rids.cpu())
+    # bfloat16 logits tie often; among equal logits the order of ids is free, so compare the chosen logits
+    assert torch.equal(logits.gather(1, ids), logits.gather(1, rids))
+    assert all(len(set(r)) == topk for r in ids.tolist())
+    if logits.dtype == torch.float32:
+        assert torch.equal(ids.cpu(), rids.cpu())
     torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="power-of-two"):
         k.topk_softmax(logits, 3, renormalize=renorm)

@@ -389,6 +389,10 @@ class Engine:
             for i in range(n_pref):
                 self.add_request(f"warmup-prefill-{i}", [(i + j) % vocab for j in range(per)], greedy)
             self._warmup_drain()
+            # short prompts too: kernels whose tiles depend on the step size are compiled now, not at request time
+            for n in sorted({min(n, per) for n in (24, 100)}):
+                self.add_request(f"warmup-short-{n}", [(7 + j) % vocab for j in range(n)], greedy)
+                self._warmup_drain()
             two = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
             for i in range(max(1, decode_seqs)):
                 self.add_request(f"warmup-decode-{i}", [(i + 1) % vocab, (i + 2) % vocab], two)

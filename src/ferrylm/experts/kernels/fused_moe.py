@@ -93,7 +93,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 
 # NOTE: steps of at most this many assignments (T * k) are grouped by one single-program kernel (decode: a few
-# dozen kernels of torch ops per layer would cost more than the layer's GEMMs); larger ones by torch ops.
+# dozen kernels of torch ops per layer would cost more than the layer's GEMMs); larger ones by torch ops. A power of
+# two: the kernel's lane count, fixed so that every step size runs one compiled variant (no JIT compile at request
+# time); its cost grows with the real count only.
 ALIGN_SMALL_MAX = 1024
 
 
@@ -163,7 +165,7 @@ def align_small(topk_ids: torch.Tensor, num_experts: int, block_m: int, used_exp
     _align_small_kernel[(1,)](ids, sorted_ids, block_expert, num_padded, dest,
                               used_experts if used_experts is not None else num_padded,
                               n, k, num_experts, rows, rows // block_m,
-                              BLOCK_M=block_m, N_PAD=triton.next_power_of_2(n),
+                              BLOCK_M=block_m, N_PAD=ALIGN_SMALL_MAX,  # one compiled variant per tile
                               E_PAD=triton.next_power_of_2(num_experts + 1), K_PAD=triton.next_power_of_2(k),
                               CHUNK=32, FILL=256, HAS_USED=used_experts is not None, num_warps=4)
     return sorted_ids, block_expert, num_padded, dest
