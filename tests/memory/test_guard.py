@@ -113,7 +113,8 @@ def test_shrink_the_expert_cache_then_grow_back(offload_model, reference):
     now, free = [100.0], [0]
     cache = FakeSlots(8)
     guard = OomGuard(torch.device("cpu"), cache, prefill_limit=256, reserve_bytes=1 << 20,
-                     config=GuardConfig(grow_interval_s=5.0), read_free=lambda: free[0], clock=lambda: now[0])
+                     config=GuardConfig(grow_interval_s=5.0, shrink_margin_bytes=0), read_free=lambda: free[0],
+                     clock=lambda: now[0])
     eng = make_engine(offload_model, "attention_scratch:times=2:bytes=2097152", guard=guard)
     res = run(eng, {"short": SHORT})             # 20 tokens (<= the floor): retry, then shrink 2 slots (2 MiB)
     assert res["short"]["tokens"] == reference["short"]
@@ -126,6 +127,20 @@ def test_shrink_the_expert_cache_then_grow_back(offload_model, reference):
     now[0] += 10
     guard.tick()
     assert cache.num_slots == 8 and guard.shrunk_slots == 0 and guard.recoveries["grow"] == 1
+
+
+def test_a_large_cache_gives_back_the_planned_workspace_before_the_chunk_is_halved(offload_model, reference):
+    """Field report (issue 15): halving the chunk first and shrinking the cache a few slots at a time kept the engine
+    at the edge of OOM. Now one shrink returns the workspace + margin and the chunk keeps its size."""
+    cache = FakeSlots(400)
+    guard = OomGuard(torch.device("cpu"), cache, prefill_limit=256,
+                     config=GuardConfig(workspace_bytes=100 << 20, shrink_margin_bytes=28 << 20))
+    eng = make_engine(offload_model, "prefill_workspace:times=2:bytes=1048576", guard=guard)
+    res = run(eng, {"long": LONG})              # a 200-token prefill fails twice: retry, then ONE shrink
+    assert res["long"]["tokens"] == reference["long"]
+    assert eng.stats()["oom_recoveries"] == {"retry": 1, "shrink": 1}
+    assert cache.calls == [("shrink", 128)]     # (100 + 28) MiB of 1 MiB slots, not the 1 MiB that failed
+    assert eng.scheduler.prefill_budget == 256  # the chunk was not halved
 
 
 def test_unexpected_errors_are_not_swallowed(offload_model):

@@ -163,9 +163,27 @@ def test_boot_checks_before_the_weights_load():
     assert "raise --memory-ratio" not in str(e) and "lower the model size" in str(e)
 
 
-def test_kv_first_default_warns_about_a_starved_expert_cache():
+def test_default_kv_floor_is_the_context_when_the_experts_keep_a_tenth():
+    """Issue 15: with an expert cache the KV pool gets a floor and the experts the rest by default (the KV pool no
+    longer takes max_running_requests x context and leaves the experts one slot)."""
     p = plan_memory(inputs(experts=EXPERTS, max_running_requests=64))
-    assert p.expert_slots < EXPERTS.total_experts // 10 and any("--moe-cache-auto" in w for w in p.warnings)
+    assert p.kv_tokens == 32768                                  # the model context, not 64 x 32768
+    assert p.expert_slots >= EXPERTS.total_experts // 10
+    assert p.expert_slots == (p.budget_bytes - 12 * GiB - p.kv_bytes - 2 * GiB) // (64 * MiB)
+
+
+def test_default_kv_floor_falls_back_to_a_chunk_plus_short_requests_on_a_small_budget():
+    from ferrylm.memory.plan import SHORT_REQUEST_TOKENS
+
+    # 24 GiB: the context (4 GiB of KV) would leave the experts fewer than a tenth of the slots
+    small = dict(gpu_memory_limit_bytes=24 * GiB, weights_bytes=3 * GiB, workspace_bytes=GiB,
+                 max_model_len=32768, experts=EXPERTS)
+    p = plan_memory(inputs(**small))
+    assert p.kv_tokens == 8192 + 16 * SHORT_REQUEST_TOKENS
+    assert p.expert_slots == (24 * GiB - 4 * GiB - p.kv_bytes - 2 * GiB) // (64 * MiB)
+    assert p.expert_slots > (24 * GiB - 4 * GiB - 32768 * PER_TOK - 2 * GiB) // (64 * MiB)
+    # an explicit floor wins either way
+    assert plan_memory(inputs(kv_reserve_tokens=20000, **small)).kv_tokens == 20000
 
 
 def test_kv_floor_above_what_requests_can_use_is_honoured():

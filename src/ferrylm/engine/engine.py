@@ -26,7 +26,7 @@ from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.engine.scheduler import Batch, ScheduledSeq, Scheduler, SchedulerConfig
 from ferrylm.errors import ContextLengthExceeded, FerryError
 from ferrylm.faults import NO_FAULTS, FaultInjector
-from ferrylm.memory.guard import OomGuard, StepRecovery, elastic_cache_of, is_oom
+from ferrylm.memory.guard import GuardConfig, OomGuard, StepRecovery, elastic_cache_of, is_oom
 from ferrylm.memory.plan import MemoryPlan, gib
 
 log = logging.getLogger("ferrylm.engine")
@@ -152,7 +152,9 @@ class Engine:
                                    self.pool.allocator, faults)
         self.guard = guard or OomGuard(device, elastic_cache_of(expert_executor),
                                        prefill_limit=self.limits.max_prefill_length,
-                                       reserve_bytes=memory_plan.reserve_bytes if memory_plan else 0)
+                                       reserve_bytes=memory_plan.reserve_bytes if memory_plan else 0,
+                                       config=GuardConfig(workspace_bytes=memory_plan.workspace_bytes
+                                                          if memory_plan else 0))
         self.eos_ids = tuple(model_config.eos_token_ids)
         self.runner = ModelRunner(model, self.pool, device, dtype, config, self.limits.max_model_len,
                                   expert_executor, self.eos_ids)

@@ -156,18 +156,27 @@ def build_engine(model_path: str | Path, config: EngineConfig) -> Engine:
                      kv_bytes_per_token=KVPool.bytes_per_token(num_layers=mcfg.num_layers,
                                                                num_kv_heads=mcfg.num_kv_heads,
                                                                head_dim=mcfg.head_dim, dtype=dtype))
-    plan_memory(inputs)  # preflight: sizes that cannot fit even without a workspace fail now, before the warmup
+    if needs is not None and needs.backend in ("offload", "hybrid"):
+        # the GPU computes every expert it routes to: a decode step of R sequences needs up to R * k of a layer
+        needs = replace(needs, min_slots=max(needs.min_slots, min(config.max_running_requests * mcfg.num_experts_per_tok,
+                                                                   mcfg.num_experts)))
+        inputs = replace(inputs, experts=needs)
+        executor.min_slots = needs.min_slots
+    explicit_chunk = config.max_prefill_length is not None
+    floor = base.max_prefill_length if explicit_chunk else min(base.max_prefill_length, MIN_PREFILL_CHUNK)
+    # preflight: sizes that cannot fit even without a workspace, at the smallest chunk, fail now, before the warmup
+    plan_memory(replace(inputs, max_prefill_length=floor))
     if needs is not None:  # the warmup's expert cache: the explicit size, else the backend's minimum
         warm_slots = (min(config.moe_cache_size, needs.total_experts) if config.moe_cache_size is not None
                       else max(1, needs.min_slots))
         executor.reserve(needs.bytes_for(warm_slots))
-    workspace, source, graph_bytes = _measure_workspace(loaded, config, device, dtype, base, weights)
-    plan = plan_memory(replace(inputs, workspace_bytes=workspace, workspace_source=source, graph_bytes=graph_bytes))
+    plan, base = _plan_with_chunk(loaded, config, device, dtype, base, weights, inputs, floor)
     if needs is not None:
         executor.reserve(plan.expert_bytes)
     engine = Engine(loaded.model, mcfg, config, device=device, dtype=dtype,
                     limits=replace(base, num_pages=plan.kv_pages), expert_executor=executor, faults=faults,
                     memory_plan=plan)
+    workspace = plan.workspace_bytes
     if device.type == "cuda":
         try:  # the allocator keeps these blocks: request-time steps reuse them
             engine.warmup(base.max_prefill_length, base.max_running_requests)
@@ -191,6 +200,42 @@ def build_engine(model_path: str | Path, config: EngineConfig) -> Engine:
              str(dtype).removeprefix("torch."), lim.max_model_len, lim.num_pages, lim.page_size, lim.pool_tokens,
              lim.max_running_requests, lim.max_prefill_length, backend_name(options))
     return engine
+
+
+MIN_PREFILL_CHUNK = 1024  # tokens: the plan lowers a default chunk that does not fit down to this, no further
+
+
+def _plan_with_chunk(loaded, config: EngineConfig, device: torch.device, dtype: torch.dtype, base: EngineLimits,
+                     weights: int, inputs, floor: int):
+    """Measure the workspace at the prefill chunk and plan; when the plan does not fit and the chunk is the default
+    (no ``--max-prefill-length``), halve the chunk and measure again, down to ``floor`` tokens. An explicit chunk is
+    never changed. Returns ``(plan, limits with the chunk used)``; the plan's table says when the chunk was lowered.
+
+    Raises:
+        MemoryPlanError: the plan does not fit at the floor (or at the explicit chunk).
+    """
+    from ferrylm.memory.plan import MemoryPlanError, plan_memory
+
+    chunk, first = base.max_prefill_length, base.max_prefill_length
+    while True:
+        limits = replace(base, max_prefill_length=chunk)
+        try:
+            workspace, source, graph_bytes = _measure_workspace(loaded, config, device, dtype, limits, weights)
+            plan = plan_memory(replace(inputs, max_prefill_length=chunk, workspace_bytes=workspace,
+                                       workspace_source=source, graph_bytes=graph_bytes))
+        except MemoryPlanError as e:
+            if chunk <= floor:
+                raise
+            lower = max(floor, chunk // 2)
+            log.warning("memory plan: a prefill chunk of %d tokens does not fit (%s); trying %d tokens", chunk,
+                        str(e).split(". To fix")[0][:300], lower)
+            chunk = lower
+            continue
+        if chunk < first:
+            plan = replace(plan, prefill_note=f"lowered from {first}: the default chunk did not fit")
+            log.warning("memory plan: prefill chunk lowered from %d to %d tokens to fit (set --max-prefill-length to "
+                        "choose it)", first, chunk)
+        return plan, limits
 
 
 # NOTE: on the CPU no peak can be measured; a short warmup still runs every path, the workspace is estimated.

@@ -8,10 +8,14 @@ the ladder is:
 
 0. ``retry`` once at the same size (a fragmented allocator often succeeds once its cache is released; an injected
    fault that fires once is survived here too);
-1. ``halve``: the prefill tokens of the step halved, down to ``prefill_floor`` (128) tokens; the scheduler's
+1. ``shrink``: when the expert slot cache can spare it, it gives back in ONE move the headroom the plan promised:
+   the planned workspace (``workspace_bytes``) plus ``shrink_margin_bytes``, at least the failed allocation
+   (doubling on a second try within the step); it grows back when free memory returns (:meth:`OomGuard.tick`).
+   This comes before halving the chunk: with experts off the device each prefill chunk streams every expert
+   layer across PCIe once, so a halved chunk doubles that cost for the rest of the prompt, and a cache shrunk by a
+   few slots at a time keeps the engine at the edge of OOM, paying a failure and a retry every step;
+2. ``halve``: the prefill tokens of the step halved, down to ``prefill_floor`` (128) tokens; the scheduler's
    per-step budget stays lowered and is doubled back every ``restore_after_steps`` clean steps;
-2. ``shrink``: the expert slot cache gives up enough slots to cover the failed allocation (doubling on a second
-   try within the step); it grows back when free memory returns (:meth:`OomGuard.tick`);
 3. ``preempt``: the other requests of the step are preempted (requeued, recomputed later); a decode-only step
    preempts only its newest request, and repeats;
 4. ``fail``: the requests still in the step end with ``insufficient_memory`` (HTTP 503 + Retry-After at the
@@ -156,6 +160,8 @@ class GuardConfig:
         grow_interval_s: seconds between attempts to grow a shrunk expert cache back (and after the last OOM).
         free_refresh_s: seconds between free-memory readings for the live figures.
         max_shrinks_per_step: expert-cache shrinks tried within one failing step.
+        workspace_bytes: the plan's workspace (bytes): what one shrink gives back at least.
+        shrink_margin_bytes: added to it (bytes).
     """
 
     prefill_floor: int = 128
@@ -163,6 +169,8 @@ class GuardConfig:
     grow_interval_s: float = 5.0
     free_refresh_s: float = 1.0
     max_shrinks_per_step: int = 2
+    workspace_bytes: int = 0
+    shrink_margin_bytes: int = 256 << 20
 
 
 @dataclass
@@ -238,11 +246,10 @@ class OomGuard:
         if not st.retried:
             st.retried = True
             return self._count(st, "retry")
-        if prefill_tokens > self.config.prefill_floor:
-            return self._count(st, "halve")
         if st.shrinks < self.config.max_shrinks_per_step and self.cache.num_slots > self.cache.min_slots:
             per = max(1, self.cache.slot_bytes)
-            want = max(1, -(-(st.oom_bytes or per) // per)) * (2 ** st.shrinks)
+            want_bytes = max(st.oom_bytes or per, self.config.workspace_bytes + self.config.shrink_margin_bytes)
+            want = -(-want_bytes // per) * (2 ** st.shrinks)
             want = min(want, self.cache.num_slots - self.cache.min_slots)
             st.shrinks += 1
             freed = self.cache.shrink(want)
@@ -250,10 +257,13 @@ class OomGuard:
                 n = max(1, freed // per)
                 self.shrunk_slots += n
                 self._last_grow_try = self._clock()
-                log.warning("OOM recovery: expert cache shrunk by %d slots (%s freed, %d slots left) to cover a "
-                            "failed allocation of %s", n, gib(freed), self.cache.num_slots,
+                log.warning("OOM recovery: expert cache shrunk by %d slots (%s freed, %d slots left) to give back "
+                            "the planned workspace %s + margin (failed allocation: %s)", n, gib(freed),
+                            self.cache.num_slots, gib(self.config.workspace_bytes),
                             gib(st.oom_bytes) if st.oom_bytes else "unknown size")
                 return self._count(st, "shrink")
+        if prefill_tokens > self.config.prefill_floor:
+            return self._count(st, "halve")
         if num_seqs > 1:
             return self._count(st, "preempt")
         return self._count(st, "fail")

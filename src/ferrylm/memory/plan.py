@@ -10,11 +10,14 @@ Figures (bytes unless named otherwise), in the order the plan takes them:
    maximum chunk and a decode step at the maximum batch; measured on CUDA, estimated on the CPU) leaves ``R``.
 4. ``R`` is split between the KV pool (pages of ``page_size`` tokens) and expert slots (offloading backends):
    explicit ``--num-pages`` / ``--num-tokens`` / ``--moe-cache-size`` always win, and one that does not fit is a
-   boot error with the numbers. Otherwise ``--moe-cache-auto`` gives the KV pool its floor (``--kv-reserve-tokens``,
-   default the model context) and the rest to expert slots (and what all experts do not need back to the KV
-   pool); without it the KV pool takes what it can use (``max_running_requests * max_model_len`` tokens at most)
-   and expert slots the rest. The KV pool must hold at least ``--kv-reserve-tokens`` tokens (default
-   ``min(max_model_len, 512)``), else the boot fails.
+   boot error with the numbers. Otherwise, with an expert cache, the KV pool gets its floor and expert slots the
+   rest (and what all experts do not need goes back to the KV pool). The floor is ``--kv-reserve-tokens``, or by
+   default the model context when the slots left after it are at least a tenth of all experts (and the backend's
+   minimum), else one full prefill chunk plus ``max_running_requests`` short requests of ``SHORT_REQUEST_TOKENS``.
+   Without an expert cache (resident, dense) the KV pool takes what it can use (``max_running_requests *
+   max_model_len`` tokens at most). The KV pool must hold at least ``--kv-reserve-tokens`` tokens (default
+   ``min(max_model_len, 512)``), else the boot fails. Expert slots are never fewer than the backend's
+   ``min_slots`` (the engine sets it to what one layer of a full decode step can need: ``min(R * k, E)``).
 5. ``headroom`` = budget - weights - workspace - KV - experts (never negative).
 
 A plan that cannot work raises :class:`MemoryPlanError` naming the numbers, the other processes holding device
@@ -32,6 +35,7 @@ from ferrylm.errors import FerryError
 from ferrylm.memory.probe import GiB, MiB, ProcessUsage
 
 DEFAULT_MIN_KV_TOKENS = 512
+SHORT_REQUEST_TOKENS = 256  # tokens per running request in the default KV floor beside one full prefill chunk
 
 
 class MemoryPlanError(FerryError):
@@ -159,6 +163,8 @@ class MemoryPlan:
     other_processes: tuple[ProcessUsage, ...] = ()
     warnings: tuple[str, ...] = field(default=())
     graph_bytes: int = 0
+    max_prefill_length: int = 0
+    prefill_note: str = ""
 
     def to_dict(self) -> dict:
         """JSON-ready (``GET /v1/memory``)."""
@@ -182,6 +188,7 @@ class MemoryPlan:
             ("weights", gib(self.weights_bytes), ""),
             ("workspace", gib(self.workspace_bytes), self.workspace_source),
             ("CUDA graphs", gib(self.graph_bytes), "measured at capture" if self.graph_bytes else "none"),
+            ("prefill chunk", f"{self.max_prefill_length} tok", self.prefill_note or "workspace measured at it"),
             ("KV pool", gib(self.kv_bytes), f"{self.kv_pages} pages x {self.page_size} = {self.kv_tokens} tokens"),
             ("expert slots", gib(self.expert_bytes),
              f"{self.expert_slots} of {self.expert_total} x {gib(self.expert_slot_bytes)}" if self.expert_total
@@ -255,9 +262,8 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
         if p.host_kv_fraction is not None:
             kv_room = min(kv_room, int(p.free_at_boot_bytes * p.host_kv_fraction))
         room_tokens = max(0, kv_room // per_tok)
-        if ex is not None and slots_explicit is None and p.moe_cache_auto:
-            floor = p.kv_reserve_tokens if p.kv_reserve_tokens is not None else p.max_model_len
-            kv_tokens = min(room_tokens, max(floor, min_kv))
+        if ex is not None and slots_explicit is None:
+            kv_tokens = min(room_tokens, kv_floor_tokens(p, rest, min_kv))
         else:
             kv_tokens = min(room_tokens, max(want_tokens, min_kv))
         kv_tokens = _pages(kv_tokens, ps) * ps
@@ -284,7 +290,7 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
                          f"{kv_tokens} tokens ({gib(kv_bytes)})", left=rest,
                          smaller="--num-tokens / --kv-reserve-tokens")
         expert_bytes = ex.bytes_for(slots)
-        if (kv_explicit is None and p.moe_cache_auto and slots == ex.total_experts):
+        if kv_explicit is None and slots == ex.total_experts:
             # every expert fits: what they leave goes back to the KV pool (up to what it can use)
             room_tokens = (rest - expert_bytes) // per_tok
             if p.host_kv_fraction is not None:
@@ -292,11 +298,6 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
             kv_tokens = max(kv_tokens, _pages(min(room_tokens, want_tokens), ps) * ps)
             kv_bytes = kv_tokens * per_tok
 
-    if ex is not None and slots_explicit is None and not p.moe_cache_auto and slots < ex.total_experts // 10 \
-            and kv_tokens > min_kv:
-        warnings.append(f"the expert cache holds {slots} of {ex.total_experts} experts while the KV pool takes "
-                        f"{kv_tokens} tokens: --moe-cache-auto gives the memory beyond the KV floor "
-                        f"(--kv-reserve-tokens) to expert slots")
     headroom = max(0, budget - p.weights_bytes - p.workspace_bytes - p.graph_bytes - kv_bytes - expert_bytes)
     if kv_tokens < p.max_model_len:
         warnings.append(f"the KV pool holds {kv_tokens} tokens, fewer than the model context of {p.max_model_len} "
@@ -310,7 +311,22 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
         expert_slot_bytes=ex.slot_bytes if ex else 0, expert_bytes=expert_bytes,
         expert_total=ex.total_experts if ex else 0, headroom_bytes=headroom, max_model_len=p.max_model_len,
         binding=binding, other_processes=tuple(p.other_processes), warnings=tuple(warnings),
-        graph_bytes=p.graph_bytes)
+        graph_bytes=p.graph_bytes, max_prefill_length=p.max_prefill_length)
+
+
+def kv_floor_tokens(p: PlanInputs, rest: int, min_kv: int) -> int:
+    """The KV pool's share when an expert cache takes the rest (module docstring, step 4), in tokens: the explicit
+    ``--kv-reserve-tokens``; else the model context if the slots left after it (``rest`` bytes less its KV and the
+    prefill buffers) are at least a tenth of all experts and the backend's minimum; else one full chunk plus
+    ``max_running_requests`` short requests. Never below ``min_kv``."""
+    if p.kv_reserve_tokens is not None:
+        return max(p.kv_reserve_tokens, min_kv)
+    ex = p.experts
+    want = p.max_running_requests * p.max_model_len
+    short = max(min_kv, min(want, p.max_prefill_length + p.max_running_requests * SHORT_REQUEST_TOKENS))
+    context = max(short, p.max_model_len)
+    slots_left = (rest - context * p.kv_bytes_per_token - ex.fixed_bytes) // max(1, ex.slot_bytes)
+    return context if slots_left >= max(ex.min_slots, ex.total_experts // 10) else short
 
 
 def _budget(p: PlanInputs) -> tuple[int, int, str]:
