@@ -107,8 +107,35 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, model: str, prompt: 
     return res
 
 
+_EXPERT_COUNTERS = ("steps", "tokens", "needed", "hits", "misses", "bytes_copied", "cpu_experts")
+
+
+async def server_snapshot(client: httpx.AsyncClient) -> dict:
+    """What the server says about itself: ``server`` (backend, attention backend, dtype, limits, the engine config it
+    was started with, from ``GET /v1/memory``), ``plan`` (the memory plan's sizes) and ``experts`` (the expert
+    counters of its last heartbeat, ``GET /health``). Missing parts are empty (an older or non-ferrylm server)."""
+    out: dict = {"server": {}, "plan": {}, "experts": {}}
+    try:
+        mem = (await client.get("/v1/memory")).json()
+        out["server"] = mem.get("server") or {}
+        plan = mem.get("plan") or {}
+        out["plan"] = {k: plan.get(k) for k in ("gpu_memory_limit_bytes", "budget_bytes", "weights_bytes",
+                                                "workspace_bytes", "graph_bytes", "kv_tokens", "expert_slots",
+                                                "expert_total", "max_prefill_length", "prefill_note")}
+    except (httpx.HTTPError, ValueError):
+        pass
+    try:
+        eng = ((await client.get("/health")).json().get("engine") or {}).get("experts") or {}
+        out["experts"] = {k: eng.get(k, 0) for k in _EXPERT_COUNTERS}
+    except (httpx.HTTPError, ValueError, AttributeError):
+        pass
+    return out
+
+
 async def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
-    """Run the benchmark; return the summary dict (see module docstring for the keys)."""
+    """Run the benchmark; return the summary dict (see module docstring for the keys; ``server`` is
+    :func:`server_snapshot` before the run, ``experts`` the expert counters the server advanced during it, with the
+    hit rate and the expert bytes copied per output token)."""
     from tqdm import tqdm
 
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
@@ -125,10 +152,13 @@ async def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
                 bar.update(1)
                 return r
 
+        before = await server_snapshot(client)
         t0 = time.perf_counter()
         results = await asyncio.gather(*(guarded(p, m) for p, m in prompts))
         duration = time.perf_counter() - t0
         bar.close()
+        await asyncio.sleep(1.0)  # one heartbeat: the counters of the last steps
+        after = await server_snapshot(client)
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     ms = lambda xs: {k: v * 1000 for k, v in percentiles(xs).items()}  # noqa: E731
@@ -145,7 +175,19 @@ async def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         "itl_ms": ms([x for r in ok for x in r.itls]),
         "e2e_latency_ms": ms([r.latency for r in ok]),
         "config": asdict(cfg) | {"api_key": None},
+        "server": {**before["server"], "plan": before["plan"]},
+        "experts": _expert_delta(before["experts"], after["experts"], out_tokens),
     }
+
+
+def _expert_delta(a: dict, b: dict, out_tokens: int) -> dict:
+    """Counters advanced between two snapshots, the hit rate, and bytes copied per output token."""
+    if not a or not b:
+        return {}
+    d = {k: b.get(k, 0) - a.get(k, 0) for k in _EXPERT_COUNTERS}
+    d["hit_rate"] = d["hits"] / d["needed"] if d["needed"] else 1.0
+    d["bytes_copied_per_output_token"] = d["bytes_copied"] / out_tokens if out_tokens else 0.0
+    return d
 
 
 def format_summary(s: dict) -> str:
@@ -160,6 +202,17 @@ def format_summary(s: dict) -> str:
     for key in ("ttft_ms", "itl_ms", "e2e_latency_ms"):
         d = s[key]
         lines.append(f"{key:<19} p50 {d['p50']:.1f}  p90 {d['p90']:.1f}  p99 {d['p99']:.1f}  mean {d['mean']:.1f}")
+    srv = s.get("server") or {}
+    if srv:
+        plan = srv.get("plan") or {}
+        lim = plan.get("gpu_memory_limit_bytes")
+        lines.append(f"server: {srv.get('moe_backend')} experts, {srv.get('attention_backend')} attention, "
+                     f"limit {'none' if lim is None else f'{lim / 2**30:g} GiB'}, chunk {plan.get('max_prefill_length')}"
+                     f", KV {plan.get('kv_tokens')} tokens, slots {plan.get('expert_slots')}/{plan.get('expert_total')}")
+    ex = s.get("experts") or {}
+    if ex.get("needed"):
+        lines.append(f"experts: hit rate {100 * ex['hit_rate']:.1f} %, "
+                     f"{ex['bytes_copied_per_output_token'] / 1e6:.1f} MB copied per output token")
     if s["failed"]:
         lines.append(f"FAILED {s['failed']}: {s['errors']}")
     return "\n".join(lines)

@@ -170,6 +170,13 @@ class Engine:
                         self.limits.pool_tokens, self.limits.max_model_len)
 
     @property
+    def expert_backend(self) -> str:
+        """The routed experts' backend as built (``auto`` resolved), or ``"dense"``."""
+        if self.expert_executor is None:
+            return "dense"
+        return str(getattr(self.expert_executor, "name", type(self.expert_executor).__name__))
+
+    @property
     def decode_graphs(self):
         """The piecewise decode graph runner (offloading executors), or None."""
         return self.runner.piecewise

@@ -179,6 +179,9 @@ def engine_main(spec_dict: dict) -> None:
                                     "max_running_requests": lim.max_running_requests,
                                     "max_prefill_length": lim.max_prefill_length,
                                     "device": str(engine.device), "pid": os.getpid(),
+                                    "moe_backend": engine.expert_backend, "attention_backend": engine.runner.attention,
+                                    "dtype": str(engine.pool.k[0].dtype).removeprefix("torch.") if engine.pool.k
+                                    else None, "engine_config": engine.config.to_dict(),
                                     "memory_plan": plan.to_dict() if plan is not None else None})))
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)

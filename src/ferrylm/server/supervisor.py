@@ -364,6 +364,7 @@ class Supervisor:
                 self.model_info.max_model_len = info["max_model_len"]
                 self.model_info.kv_pool_tokens = info["kv_pool_tokens"]
                 self.memory_plan = info.get("memory_plan")
+                self.engine_info = {k: v for k, v in info.items() if k != "memory_plan"}
                 self._last_progress = now
                 self.state = "ready"
                 self.detail = ""
@@ -414,6 +415,7 @@ class Supervisor:
             return None
         stats = self.last_stats
         return {"engine_pid": self.engine_pid, "state": self.state, "plan": self.memory_plan,
+                "server": dict(getattr(self, "engine_info", {}) or {}),
                 "live": dict(stats.get("memory") or {}), "oom_recoveries": dict(stats.get("oom_recoveries") or {}),
                 "kv_pages_used": stats.get("kv_pages_used"), "kv_pages_total": stats.get("kv_pages_total")}
 
