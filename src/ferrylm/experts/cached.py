@@ -36,6 +36,7 @@ from ferrylm.experts.stats import ExpertStats
 from ferrylm.experts.stream import LayerStreamer
 from ferrylm.experts.transfer import make_copy_engine
 from ferrylm.experts.work import LayerWork, group_by_expert, is_small_step
+from ferrylm.triton_util import use_triton
 from ferrylm.faults import NO_FAULTS
 
 log = logging.getLogger("ferrylm.experts")
@@ -336,7 +337,8 @@ class CachedExecutor(ExpertExecutor):
             work = self._plan_small(layer_idx, hidden, topk_ids, topk_weights, ids_and_predicted)
             work.stage = stage if self.stages else None
         else:
-            work = LayerWork(layer_idx, hidden, topk_ids, group_by_expert(topk_ids, topk_weights, self.num_experts))
+            work = LayerWork(layer_idx, hidden, topk_ids, group_by_expert(topk_ids, topk_weights, self.num_experts),
+                             topk_weights=topk_weights)
         try:
             if streams:
                 self._run_streamed(work)
@@ -561,11 +563,37 @@ class CachedExecutor(ExpertExecutor):
             copied += self.streamer.prefetch(nxt, [e for e in range(self.num_experts) if (nxt, e) not in self.cache])
         step.streamed += copied
         step.bytes_copied += copied * self.layout.nbytes
+        if use_triton(work.hidden):
+            self._run_streamed_fused(work, hits, idx, rest)
+            return
         self._compute_slots(work, hits)
         if rest:
             self.copier.wait(self.streamer.ready[idx])
             work.compute(rest, self.layout.layer_views(self.streamer.buffers[idx]), rest)
             self.streamer.done_reading(idx, self.copier.compute_fence())
+
+    def _run_streamed_fused(self, work: LayerWork, hits: list[tuple[int, int]], idx: int, rest: list[int]) -> None:
+        """The streamed layer on CUDA: the cache hits join the layer buffer by device-to-device copies (a few
+        microseconds each, against a PCIe copy), then ONE fused MoE call computes the whole layer from the buffer
+        (``experts/kernels/fused_moe.py``) instead of a GEMM chain per expert."""
+        from ferrylm.experts.kernels.fused_moe import fused_moe
+
+        buf = self.streamer.buffers[idx]
+        if rest:
+            self.copier.wait(self.streamer.ready[idx])
+        items = sorted(hits)
+        self._wait_slots(items)
+        for e, slot in items:
+            buf[e].copy_(self._slot_row(slot))
+        self.streamer.have[idx].update(e for e, _ in items)
+        v = self.layout.layer_views(buf)
+        work.output = fused_moe(work.hidden, v.gate, v.up, v.down, work.topk_ids, work.topk_weights)
+        fence = self.copier.compute_fence()
+        for e, slot in items:
+            if fence is not None:
+                self._last_use[slot] = fence
+            self.cache.unpin((work.layer, e))
+        self.streamer.done_reading(idx, fence)
 
     # --- stats ------------------------------------------------------------------------------------------------
     def _fold_copy_times(self) -> None:

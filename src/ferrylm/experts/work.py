@@ -186,6 +186,8 @@ class LayerWork:
         self.predicted: dict[int, int] | None = None
         self.stage: ExpertStage | None = None  # small mode: where the GEMMs may be handed to a graph
         self.staged = False  # the GEMMs were handed to ``stage`` (stage_into)
+        self.topk_weights = topk_weights  # [T, k] (large mode: kept for a fused computation of the whole layer)
+        self.output: torch.Tensor | None = None  # the whole layer computed at once (fused kernel): combine() = it
         if self.small:
             self._init_small(topk_weights, ids_host)
         else:
@@ -397,6 +399,8 @@ class LayerWork:
         Raises:
             RuntimeError: an expert with assignments produced no output (a backend bug).
         """
+        if self.output is not None:
+            return self.output
         t, k = self.topk_ids.shape
         if self.small:
             missing = [e for e in self.needed if e not in self._row_of]
