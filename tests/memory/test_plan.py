@@ -131,8 +131,14 @@ def test_held_by_others_without_nvml_still_not_ratio():
 
 
 def test_limit_binding_names_the_limit():
+    from ferrylm.memory.plan import limit_reserve
+
     p = plan_memory(inputs(gpu_memory_limit_bytes=30 * GiB))
-    assert p.budget_bytes == 30 * GiB and p.binding == "limit"
+    # the allocator is capped at the limit: the plan keeps a reserve inside it (fragmentation, lazy buffers)
+    assert p.budget_bytes == 30 * GiB - limit_reserve(30 * GiB) == 30 * GiB - int(1.5 * GiB)
+    assert p.binding == "limit" and p.reserve_bytes == int(1.5 * GiB)
+    assert "--gpu-memory-limit - reserve" in p.format_table()
+    assert plan_memory(inputs(gpu_memory_limit_bytes=30 * GiB, memory_reserve_bytes=GiB)).budget_bytes == 29 * GiB
     with pytest.raises(MemoryPlanError, match="raise --gpu-memory-limit"):
         plan_memory(inputs(gpu_memory_limit_bytes=11 * GiB))
 
@@ -180,8 +186,8 @@ def test_default_kv_floor_falls_back_to_a_chunk_plus_short_requests_on_a_small_b
                  max_model_len=32768, experts=EXPERTS)
     p = plan_memory(inputs(**small))
     assert p.kv_tokens == 8192 + 16 * SHORT_REQUEST_TOKENS
-    assert p.expert_slots == (24 * GiB - 4 * GiB - p.kv_bytes - 2 * GiB) // (64 * MiB)
-    assert p.expert_slots > (24 * GiB - 4 * GiB - 32768 * PER_TOK - 2 * GiB) // (64 * MiB)
+    assert p.expert_slots == (p.budget_bytes - 4 * GiB - p.kv_bytes - 2 * GiB) // (64 * MiB)
+    assert p.expert_slots > (p.budget_bytes - 4 * GiB - 32768 * PER_TOK - 2 * GiB) // (64 * MiB)
     # an explicit floor wins either way
     assert plan_memory(inputs(kv_reserve_tokens=20000, **small)).kv_tokens == 20000
 

@@ -157,11 +157,11 @@ def build_engine(model_path: str | Path, config: EngineConfig) -> Engine:
                                                                num_kv_heads=mcfg.num_kv_heads,
                                                                head_dim=mcfg.head_dim, dtype=dtype))
     if needs is not None and needs.backend in ("offload", "hybrid"):
-        # the GPU computes every expert it routes to: a decode step of R sequences needs up to R * k of a layer
-        needs = replace(needs, min_slots=max(needs.min_slots, min(config.max_running_requests * mcfg.num_experts_per_tok,
-                                                                   mcfg.num_experts)))
+        # the GPU computes every expert it routes to: a decode step of R sequences needs up to R * k of a layer at
+        # once, the floor of an automatically sized cache (an explicit --moe-cache-size below it runs in waves)
+        needs = replace(needs, step_slots=min(config.max_running_requests * mcfg.num_experts_per_tok,
+                                              mcfg.num_experts))
         inputs = replace(inputs, experts=needs)
-        executor.min_slots = needs.min_slots
     explicit_chunk = config.max_prefill_length is not None
     floor = base.max_prefill_length if explicit_chunk else min(base.max_prefill_length, MIN_PREFILL_CHUNK)
     # preflight: sizes that cannot fit even without a workspace, at the smallest chunk, fail now, before the warmup

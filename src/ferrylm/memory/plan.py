@@ -4,8 +4,9 @@ Figures (bytes unless named otherwise), in the order the plan takes them:
 
 1. ``free_at_boot`` and ``total`` of the device (CUDA driver figures, or host RAM on the CPU), read before the
    weights load; ``others`` = ``total - free_at_boot`` is memory someone else (or the CUDA context) holds.
-2. ``budget = min(free_at_boot * memory_ratio - reserve, gpu_memory_limit)``; ``reserve`` (``--memory-reserve``,
-   default ``max(1 GiB, 5% of total)``) is never handed out: it is the room the OOM guard and the driver live in.
+2. ``budget = min(free_at_boot * memory_ratio - reserve, gpu_memory_limit - limit_reserve)``; ``reserve``
+   (``--memory-reserve``, default ``max(1 GiB, 5% of total)``; under a limit ``max(512 MiB, 5% of the limit)``) is
+   never handed out: it is the room the OOM guard, allocator fragmentation and the driver live in.
 3. minus ``weights`` (measured after loading) and ``workspace`` (the peak extra memory of a warmup prefill at the
    maximum chunk and a decode step at the maximum batch; measured on CUDA, estimated on the CPU) leaves ``R``.
 4. ``R`` is split between the KV pool (pages of ``page_size`` tokens) and expert slots (offloading backends):
@@ -66,6 +67,7 @@ class ExpertNeeds:
     total_experts: int
     min_slots: int
     backend: str = "offload"
+    step_slots: int = 0  # an automatically sized cache holds at least this many (one layer of a full decode step)
 
     def bytes_for(self, slots: int) -> int:
         return slots * self.slot_bytes + self.fixed_bytes
@@ -184,7 +186,7 @@ class MemoryPlan:
              "no limit" if self.gpu_memory_limit_bytes is None else f"limit {gib(self.gpu_memory_limit_bytes)}"),
             ("reserve (never handed out)", gib(self.reserve_bytes), ""),
             ("budget", gib(self.budget_bytes),
-             "set by --gpu-memory-limit" if self.binding == "limit" else self.binding),
+             "--gpu-memory-limit - reserve" if self.binding == "limit" else self.binding),
             ("weights", gib(self.weights_bytes), ""),
             ("workspace", gib(self.workspace_bytes), self.workspace_source),
             ("CUDA graphs", gib(self.graph_bytes), "measured at capture" if self.graph_bytes else "none"),
@@ -284,8 +286,9 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
         else:
             room = rest - kv_bytes - ex.fixed_bytes
             slots = min(ex.total_experts, max(0, room // ex.slot_bytes))
-            if slots < ex.min_slots:
-                err.fail(f"the {ex.backend} backend needs >= {ex.min_slots} expert slot(s) of "
+            need = min(ex.total_experts, max(ex.min_slots, ex.step_slots))
+            if slots < need:
+                err.fail(f"the {ex.backend} backend needs >= {need} expert slot(s) of "
                          f"{gib(ex.slot_bytes)} + {gib(ex.fixed_bytes)} prefill buffers after a KV pool of "
                          f"{kv_tokens} tokens ({gib(kv_bytes)})", left=rest,
                          smaller="--num-tokens / --kv-reserve-tokens")
@@ -329,12 +332,22 @@ def kv_floor_tokens(p: PlanInputs, rest: int, min_kv: int) -> int:
     return context if slots_left >= max(ex.min_slots, ex.total_experts // 10) else short
 
 
+def limit_reserve(limit_bytes: int) -> int:
+    """Under ``--gpu-memory-limit`` (the allocator is capped at the limit): ``max(512 MiB, 5% of the limit)`` bytes
+    kept out of the plan, for what the plan cannot see (allocator fragmentation, the lazily allocated piecewise graph
+    buffers): a plan that hands out the whole limit fails its own warmup (measured on the H200 machine at 24 GiB)."""
+    return max(GiB // 2, limit_bytes // 20)
+
+
 def _budget(p: PlanInputs) -> tuple[int, int, str]:
     """``(reserve, budget, binding)`` bytes: see the module docstring, step 2."""
     reserve = p.memory_reserve_bytes if p.memory_reserve_bytes is not None else default_reserve(p.total_bytes)
     budget, binding = int(p.free_at_boot_bytes * p.memory_ratio) - reserve, "free at boot x ratio - reserve"
-    if p.gpu_memory_limit_bytes is not None and p.gpu_memory_limit_bytes < budget:
-        budget, binding = p.gpu_memory_limit_bytes, "limit"
+    if p.gpu_memory_limit_bytes is not None:
+        lim_reserve = (p.memory_reserve_bytes if p.memory_reserve_bytes is not None
+                       else limit_reserve(p.gpu_memory_limit_bytes))
+        if p.gpu_memory_limit_bytes - lim_reserve < budget:
+            reserve, budget, binding = lim_reserve, p.gpu_memory_limit_bytes - lim_reserve, "limit"
     return reserve, budget, binding
 
 
@@ -378,7 +391,8 @@ class _Explainer:
                       f"{gib(p.total_bytes)} {dev} total x --memory-ratio {p.memory_ratio:g} - --memory-reserve "
                       f"{gib(self.reserve)}")
         if self.binding == "limit":
-            budget_why = f"budget {gib(self.budget)} = --gpu-memory-limit"
+            budget_why = (f"budget {gib(self.budget)} = --gpu-memory-limit {gib(p.gpu_memory_limit_bytes)} - reserve "
+                          f"{gib(self.reserve)}")
         parts.append(budget_why)
         others_hold = p.kind == "cuda" and (bool(p.other_processes) or held > max(GiB, p.total_bytes // 10))
         fixes: list[str] = []
