@@ -151,10 +151,13 @@ class NativeExpertKernel:
         lib.ferry_isa.restype = ctypes.c_int
         return cls(path=lib_path, isa=_ISA.get(lib.ferry_isa(), "?"), _lib=lib)
 
+    SUPPORTED = "bfloat16 or float32 experts"
+
     @staticmethod
-    def supports(dtype: torch.dtype) -> bool:
-        """Weight dtypes the kernel reads: bfloat16 and float32."""
-        return dtype in _WDTYPE
+    def supports(layout) -> bool:
+        """Whether the kernel reads experts of ``layout`` (an :class:`~ferrylm.experts.banks.ExpertLayout`):
+        plain bfloat16 and float32 rows."""
+        return layout.quant is None and layout.dtype in _WDTYPE
 
     def run(self, x: torch.Tensor, weights: torch.Tensor, rows: list[torch.Tensor], starts: list[int],
             counts: list[int], hidden: int, inter: int, threads: int) -> torch.Tensor:
