@@ -46,3 +46,23 @@ def reader_for(config: dict):
         raise ModelLoadError(f"quantization_config quant_method {method!r} is not supported; supported: "
                              f"{', '.join(SUPPORTED_METHODS)} (and .gguf files: Q8_0, Q4_K, Q6_K experts)")
     return cls(qcfg)
+
+
+def planned_expert_quant(config: dict):
+    """The routed experts' :class:`~ferrylm.experts.quantized.ExpertQuant` a model folder's config.json promises,
+    before loading (a synthetic recipe's ``quant``, or the checkpoint reader's guess); None for plain experts.
+
+    Raises:
+        ModelLoadError: an unsupported quantization method (as :func:`reader_for`).
+    """
+    from ferrylm.models.synthetic import RECIPE_KEY
+
+    recipe = config.get(RECIPE_KEY)
+    if isinstance(recipe, dict):
+        if not recipe.get("quant"):
+            return None
+        from ferrylm.models.quant.synthetic import SYNTHETIC_FORMATS
+
+        return SYNTHETIC_FORMATS[recipe["quant"]]
+    reader = reader_for(config)
+    return reader.planned() if reader is not None else None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ferrylm.errors import ModelLoadError
-from ferrylm.experts.quantized import QuantTensor
+from ferrylm.experts.quantized import ExpertQuant, QuantFormat, QuantTensor
 
 
 class QuantReader:
@@ -47,6 +47,12 @@ class QuantReader:
     def dequantize(self, prefix: str, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """The module's plain weight ``[N, K]`` in ``dtype`` (quantized linears outside the routed experts)."""
         return self.decode(prefix, parts, dtype).dequantize(dtype)
+
+    def planned(self):
+        """The :class:`~ferrylm.experts.quantized.ExpertQuant` the routed experts will most likely have, from the
+        config alone (for sizing before the weights load; the loaded formats may differ in a scale dtype), or
+        None when it cannot be told."""
+        return None
 
     def gate_up_rows(self, prefix: str) -> str:
         """How a fused ``gate_up_proj`` module of this format orders its rows: ``"halves"`` (gate rows, then up
@@ -95,3 +101,8 @@ def e8m0_to_bf16(e: torch.Tensor) -> torch.Tensor:
     bits = torch.where(e == 0, torch.tensor(0x0040, dtype=torch.int16), bits)
     bits = torch.where(e == 255, torch.tensor(0x7FC0, dtype=torch.int16), bits)
     return bits.view(torch.bfloat16)
+
+
+def same(fmt: QuantFormat) -> ExpertQuant:
+    """One format for both projections."""
+    return ExpertQuant(fmt, fmt)

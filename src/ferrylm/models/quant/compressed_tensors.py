@@ -27,7 +27,7 @@ import torch
 
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.quantized import QuantFormat, QuantTensor
-from ferrylm.models.quant.base import QuantReader, e8m0_to_bf16, expect_shape, int32_bytes, need, nibbles
+from ferrylm.models.quant.base import QuantReader, e8m0_to_bf16, expect_shape, int32_bytes, need, nibbles, same
 
 FORMATS = ("pack-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -73,6 +73,17 @@ class CompressedTensorsReader(QuantReader):
         elif not (self.type == "float" and self.bits == 4 and self.symmetric):
             raise ModelLoadError(f"compressed-tensors {self.format} with {self.type} {self.bits}-bit weights is "
                                  f"not supported")
+
+    def planned(self):
+        if self.format.startswith("nvfp4"):
+            return same(QuantFormat("fp4", 16, torch.float8_e4m3fn, row_scale=True))
+        if self.format.startswith("mxfp4"):
+            return same(QuantFormat("fp4", 32, torch.bfloat16))
+        group = int(self.group_size or 128)  # channel strategy: one group per row, K unknown here
+        kind = "int4" if self.bits == 4 else "int8"
+        if self.symmetric:
+            return same(QuantFormat(kind, group, torch.bfloat16))
+        return same(QuantFormat(kind, group, torch.float32, mins=True))
 
     def decode(self, prefix: str, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> QuantTensor:
         if self.format == "pack-quantized":

@@ -16,7 +16,7 @@ import torch
 
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.quantized import QuantFormat, QuantTensor
-from ferrylm.models.quant.base import QuantReader, expect_shape, need
+from ferrylm.models.quant.base import QuantReader, expect_shape, need, same
 
 
 class Fp8BlockReader(QuantReader):
@@ -35,6 +35,9 @@ class Fp8BlockReader(QuantReader):
         if fmt != "e4m3":
             raise ModelLoadError(f"FP8 format {fmt!r} is not supported (only e4m3)")
         self.bn, self.bk = int(block[0]), int(block[1])
+
+    def planned(self):
+        return same(QuantFormat("fp8", self.bk, torch.float32))
 
     def _parts(self, prefix: str, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         w = need(parts, prefix, ".weight", (torch.float8_e4m3fn,))

@@ -22,7 +22,7 @@ import torch
 
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.quantized import QuantFormat, QuantTensor
-from ferrylm.models.quant.base import QuantReader, expect_shape, int32_bytes, need, nibbles
+from ferrylm.models.quant.base import QuantReader, expect_shape, int32_bytes, need, nibbles, same
 
 
 class GptqReader(QuantReader):
@@ -41,6 +41,9 @@ class GptqReader(QuantReader):
         if fmt not in ("gptq", "gptq_v2"):
             raise ModelLoadError(f"GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
         self.zero_offset = 1 if fmt == "gptq" else 0
+
+    def planned(self):
+        return same(QuantFormat("int4", self.group_size if self.group_size > 0 else 128, torch.float32, mins=True))
 
     def decode(self, prefix: str, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> QuantTensor:
         qw = need(parts, prefix, ".qweight", (torch.int32,))

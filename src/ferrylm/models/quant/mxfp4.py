@@ -22,7 +22,7 @@ import torch
 
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.quantized import QuantFormat, QuantTensor
-from ferrylm.models.quant.base import QuantReader, e8m0_to_bf16, expect_shape, need
+from ferrylm.models.quant.base import QuantReader, e8m0_to_bf16, expect_shape, need, same
 
 
 class Mxfp4BlocksReader(QuantReader):
@@ -34,6 +34,9 @@ class Mxfp4BlocksReader(QuantReader):
 
     def __init__(self, qcfg: dict):
         pass
+
+    def planned(self):
+        return same(QuantFormat("fp4", 32, torch.bfloat16))
 
     def gate_up_rows(self, prefix: str) -> str:
         return "interleaved"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ferrylm.errors import ModelLoadError
-from ferrylm.experts.quantized import QuantFormat, QuantTensor
+from ferrylm.experts.quantized import ExpertQuant, QuantFormat, QuantTensor
 from ferrylm.models.quant.base import QuantReader, need
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -42,6 +42,9 @@ class NativeReader(QuantReader):
     def __init__(self, qcfg: dict):
         self.gate_up = format_from_json(qcfg.get("gate_up") or {}, "gate_up")
         self.down = format_from_json(qcfg.get("down") or {}, "down")
+
+    def planned(self):
+        return ExpertQuant(self.gate_up, self.down)
 
     def decode(self, prefix: str, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> QuantTensor:
         fmt = self.down if prefix.endswith("down_proj") else self.gate_up

@@ -1,6 +1,6 @@
 """Random quantized expert stacks for ``synthetic:<preset>:quant=Q``, made directly in the stored format.
 
-Nothing is quantized: a 16 MiB pool of valid codes per format is drawn once (seeded), and every ``data`` tensor is
+Nothing is quantized: an 8 MiB pool of valid codes per format is drawn once (seeded), and every ``data`` tensor is
 filled with windows of it at seeded random offsets (a memory copy, so a 48-layer qwen3-30b-a3b in int4 builds at
 copy speed). The scale of every group is one constant chosen so that the dequantized weights have the requested
 standard deviation (the same init scale the plain synthetic model uses), so logits stay of the usual size.
@@ -20,7 +20,8 @@ import torch
 
 from ferrylm.experts.quantized import E2M1_VALUES, ExpertQuant, QuantFormat, QuantTensor, empty_quant
 
-POOL_BYTES = 1 << 24
+POOL_BYTES = 1 << 23
+_CACHE: dict[tuple[int, str, int], tuple[torch.Tensor, float]] = {}  # (seed, kind, size) -> pool: built once
 
 #: ``quant=`` name -> formats of gate/up and down (see ``models/synthetic.py`` SYNTHETIC_QUANT)
 SYNTHETIC_FORMATS: dict[str, ExpertQuant] = {
@@ -45,6 +46,9 @@ class CodePool:
 
     def pool(self, kind: str) -> tuple[torch.Tensor, float]:
         """``(uint8 bytes [size], std of the values)`` for ``kind``."""
+        key = (self.seed, kind, self.size)
+        if kind not in self._pools and key in _CACHE:
+            self._pools[kind] = _CACHE[key]
         if kind not in self._pools:
             g = torch.Generator().manual_seed(_seed(self.seed, "codes", kind))
             n = self.size * (2 if kind in ("int4", "fp4") else 1)
@@ -66,7 +70,7 @@ class CodePool:
                     std = (c - 128).std().item()
                 c = c.to(torch.uint8)
                 codes = (c[0::2] | (c[1::2] << 4)) if kind in ("int4", "fp4") else c
-            self._pools[kind] = (codes.contiguous(), std)
+            self._pools[kind] = _CACHE[key] = (codes.contiguous(), std)
         return self._pools[kind]
 
     def fill_(self, data: torch.Tensor, kind: str, key: str) -> None:
