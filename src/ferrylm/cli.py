@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from ferrylm.config import CPU_KERNELS, EngineConfig
+from ferrylm.config import ATTENTION_BACKENDS, CPU_KERNELS, EngineConfig
 
 DEFAULT_MODEL = "smollm2-moe"
 
@@ -80,8 +80,11 @@ def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] 
     p.add_argument("--enforce-eager", action="store_true",
                    help="run decode steps without CUDA graphs (default: decode steps of up to "
                         "--cuda-graph-max-batch sequences are captured in CUDA graphs on a CUDA device)")
-    p.add_argument("--cuda-graph-max-batch", type=int, default=16, metavar="N",
-                   help="largest decode batch run through CUDA graphs (default: 16)")
+    p.add_argument("--cuda-graph-max-batch", type=int, default=None, metavar="N",
+                   help="largest decode batch run through CUDA graphs (default: --max-running-requests)")
+    p.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
+                   help="attention kernels: triton (reads the paged KV pool in place; CUDA), torch (gathers, SDPA; "
+                        "the CPU path), auto: triton on CUDA (default: auto)")
     p.add_argument("--cuda-graph-max-len", type=int, default=8192, metavar="TOKENS",
                    help="longest sequence run through CUDA graphs; longer ones decode eagerly (default: 8192)")
     p.add_argument("--debug-invariants", action="store_true", help="check KV/scheduler invariants every step")
@@ -102,7 +105,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         kv_reserve_tokens=a.kv_reserve_tokens, moe_cache_auto=a.moe_cache_auto,
                         faults=a.faults, decode_graphs="off" if a.enforce_eager else "auto",
                         cuda_graph_max_batch=a.cuda_graph_max_batch,
-                        cuda_graph_max_len=a.cuda_graph_max_len).validate()
+                        cuda_graph_max_len=a.cuda_graph_max_len,
+                        attention_backend=a.attention_backend).validate()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "measured bandwidths, roofline")
     _add_model_args(bd, extra_backends=("all",))
     bd.set_defaults(moe_backend="all")  # auto is decided by `ferry serve`; the bench compares backends
-    bd.add_argument("--batch", type=int, default=1, help="sequences decoded together (default: 1)")
+    bd.add_argument("--batch", default="1", help="sequences decoded together; a comma list runs each size over the "
+                                                 "same loaded model, e.g. 1,16,64 (default: 1)")
     bd.add_argument("--tokens", type=int, default=128, help="decode tokens per sequence (default: 128)")
     bd.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per sequence (default: 16)")
     bd.add_argument("--no-prefetch", action="store_true", help="offload: no next-layer prefetch")
@@ -179,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="distinct experts the jobs cycle through, beyond the CPU caches (default: 64)")
     bc.add_argument("--output-json", default=None, help="write the rows here")
     bc.add_argument("--log-level", default="WARNING")
+
+    bk = bsub.add_parser("kernels", help="GPU kernel candidates side by side: paged attention (Triton vs torch), "
+                                         "fused MoE (Triton vs torch._grouped_mm vs the torch path)")
+    bk.add_argument("--output-json", default=None, help="write the rows here")
+    bk.add_argument("--log-level", default="WARNING")
 
     bh = bsub.add_parser("hf", help="the bench-serve prompts through transformers generate (reference speed)")
     bh.add_argument("--model", default=DEFAULT_MODEL)
@@ -268,6 +278,10 @@ def _bench(args: argparse.Namespace) -> int:
         from ferrylm.bench.cpu_experts import main as bench_cpu_experts
 
         return bench_cpu_experts(args)
+    if args.bench_command == "kernels":
+        from ferrylm.bench.kernels import main as bench_kernels
+
+        return bench_kernels(args)
     if args.bench_command == "accelerate":
         from ferrylm.bench.accelerate_offload import main as bench_accelerate
 

@@ -16,6 +16,7 @@ from ferrylm.errors import ModelLoadError
 
 # --moe-cpu-kernel (ferrylm/experts/cpu_kernel.py): auto = native when it builds, else torch
 CPU_KERNELS = ("auto", "native", "torch")
+ATTENTION_BACKENDS = ("auto", "triton", "torch")  # EngineConfig.attention_backend, see engine/attention
 DECODE_GRAPH_MODES = ("auto", "off", "eager", "cuda")  # EngineConfig.decode_graphs, see engine/decode_graph.py
 
 @dataclass(frozen=True)
@@ -149,7 +150,10 @@ class EngineConfig:
         decode_graphs: ``auto`` (CUDA graphs for decode steps on a CUDA device), ``off`` (``--enforce-eager``),
             ``eager`` (the same piecewise decode path without capture: tests), ``cuda``
             (``engine/decode_graph.py``).
-        cuda_graph_max_batch: largest decode batch run through CUDA graphs (``--cuda-graph-max-batch``).
+        cuda_graph_max_batch: largest decode batch run through CUDA graphs (``--cuda-graph-max-batch``); None =
+            ``max_running_requests``.
+        attention_backend: ``auto`` (Triton kernels on CUDA, torch elsewhere), ``triton`` or ``torch``
+            (``--attention-backend``, ``engine/attention``).
         cuda_graph_max_len: longest sequence (tokens) run through CUDA graphs (``--cuda-graph-max-len``).
     """
 
@@ -177,8 +181,9 @@ class EngineConfig:
     seed: int = 0
     queue_timeout: float | None = None
     decode_graphs: str = "auto"
-    cuda_graph_max_batch: int = 16
+    cuda_graph_max_batch: int | None = None
     cuda_graph_max_len: int = 8192
+    attention_backend: str = "auto"
 
     def to_dict(self) -> dict:
         from dataclasses import asdict
@@ -211,7 +216,10 @@ class EngineConfig:
              f"--device must be auto, cpu or cuda[:N], got {self.device!r}"),
             (self.decode_graphs in DECODE_GRAPH_MODES,
              f"decode_graphs must be one of {', '.join(DECODE_GRAPH_MODES)}, got {self.decode_graphs!r}"),
-            (self.cuda_graph_max_batch >= 1, "--cuda-graph-max-batch must be >= 1"),
+            (self.cuda_graph_max_batch is None or self.cuda_graph_max_batch >= 1,
+             "--cuda-graph-max-batch must be >= 1"),
+            (self.attention_backend in ATTENTION_BACKENDS,
+             f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"),
             (self.cuda_graph_max_len >= 1, "--cuda-graph-max-len must be >= 1 token"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"),

@@ -64,6 +64,7 @@ class DecodeResult:
     """One backend's run (rates in tokens/s, bytes per generated token)."""
 
     backend: str
+    batch: int = 1
     tok_s: float = 0.0
     decode_s: float = 0.0
     tokens: int = 0
@@ -149,7 +150,7 @@ def _generate(engine, prompts: list[list[int]], new_tokens: int, tag: str, ex, d
     return list(outs.values()), t1 - t0, c0, _counters(ex)
 
 
-def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: int, tokens: int,
+def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: int | list[int], tokens: int,
                      prompt_len: int, prefetch: bool | None = None, temperature: float = 0.0,
                      profile_steps: int = 0, progress=print) -> dict:
     """Run the benchmark (see the module docstring). ``engine_config``: an EngineConfig carrying ``device``,
@@ -157,6 +158,8 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
     ``profile_steps`` > 0: after each backend's timed run, decode that many more tokens under ``torch.profiler``
     and print (through ``progress``) the ops with the most host time and the most device time, and the count of
     device kernels per decode step.
+
+    ``batch``: one batch size or several (each a fresh engine over the same loaded model and measured bandwidths).
 
     Returns:
         ``{"model", "device", "batch", "tokens", "bandwidths" (bytes/s), "expert_bytes", "non_expert_bytes",
@@ -193,69 +196,73 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
              + f" (cpu: {pool.kernel_name} kernel, {torch.get_num_threads()} threads; CPU job latency "
                f"{bw.cpu_latency * 1e6:.0f} us)")
 
-    page = ec.page_size
-    pages = batch * -(-(prompt_len + tokens + 8) // page) + 4
-    cfg = EngineConfig(device=str(device), dtype=str(dtype).removeprefix("torch."), page_size=page, num_pages=pages,
-                       max_running_requests=batch, max_prefill_length=max(64, batch * prompt_len),
-                       moe_backend="resident", decode_graphs=ec.decode_graphs,
-                       cuda_graph_max_batch=ec.cuda_graph_max_batch, cuda_graph_max_len=ec.cuda_graph_max_len)
-    engine = Engine(loaded.model, loaded.config, cfg, device=device, dtype=dtype)
-    base = non_expert_step_bytes(loaded.model)
-    # as many warm-up prompts as the batch: decode graphs for the batch size are captured before the timed run
-    prompts, warm = bench_prompts(loaded.config.vocab_size, batch, prompt_len, ec.seed, num_warm=batch)
-
+    batches = [batch] if isinstance(batch, int) else list(batch)
     results = []
-    for name in backends:
-        res = DecodeResult(backend=name)
-        ex = None
-        try:
-            if name == "resident":
-                if device.type == "cuda":
-                    torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
-                ex = build_from_banks("resident", banks, device)
-            else:
-                apply_memory_limit(device, ec.gpu_memory_limit)
-                ex = build_from_banks(name, banks, device, ExpertOptions(
-                    backend=name, cache_size=ec.moe_cache_size, cpu_threads=ec.moe_cpu_threads,
-                    cpu_kernel=ec.moe_cpu_kernel, cpu_share=ec.moe_cpu_share if name == "hybrid" else None,
-                    prefetch=prefetch, bandwidths=bw))
-                res.num_slots = ex.reserve(expert_budget(device, ec.gpu_memory_limit))
-            swap_executor(loaded.model, ex)
-            if engine.decode_graphs is not None:
-                engine.decode_graphs.reset()  # the graphs capture the executor's prefetch prediction
-            _generate(engine, warm, 4, f"{name}-warm", ex, device)
-            toks, secs, c0, c1 = _generate(engine, prompts, tokens, name, ex, device, temperature)
-        except (RuntimeError, ValueError, FerryError) as e:  # OOM under the cap, a backend that cannot fit
-            res.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            progress(f"{name}: {res.error}")
+    graph_mode = "off"
+    base = non_expert_step_bytes(loaded.model)
+    for batch in batches:
+        page = ec.page_size
+        pages = batch * -(-(prompt_len + tokens + 8) // page) + 4
+        cfg = EngineConfig(device=str(device), dtype=str(dtype).removeprefix("torch."), page_size=page,
+                           num_pages=pages, max_running_requests=batch, max_prefill_length=max(64, batch * prompt_len),
+                           moe_backend="resident", decode_graphs=ec.decode_graphs,
+                           cuda_graph_max_batch=ec.cuda_graph_max_batch, cuda_graph_max_len=ec.cuda_graph_max_len)
+        engine = Engine(loaded.model, loaded.config, cfg, device=device, dtype=dtype)
+        # as many warm-up prompts as the batch: decode graphs for the batch size are captured before the timed run
+        prompts, warm = bench_prompts(loaded.config.vocab_size, batch, prompt_len, ec.seed, num_warm=batch)
+
+        for name in backends:
+            res = DecodeResult(backend=name, batch=batch)
+            ex = None
+            try:
+                if name == "resident":
+                    if device.type == "cuda":
+                        torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
+                    ex = build_from_banks("resident", banks, device)
+                else:
+                    apply_memory_limit(device, ec.gpu_memory_limit)
+                    ex = build_from_banks(name, banks, device, ExpertOptions(
+                        backend=name, cache_size=ec.moe_cache_size, cpu_threads=ec.moe_cpu_threads,
+                        cpu_kernel=ec.moe_cpu_kernel, cpu_share=ec.moe_cpu_share if name == "hybrid" else None,
+                        prefetch=prefetch, bandwidths=bw))
+                    res.num_slots = ex.reserve(expert_budget(device, ec.gpu_memory_limit))
+                swap_executor(loaded.model, ex)  # the engine's runner drops the old executor's graphs on its next step
+                _generate(engine, warm, 4, f"{name}-warm", ex, device)
+                toks, secs, c0, c1 = _generate(engine, prompts, tokens, name, ex, device, temperature)
+            except (RuntimeError, ValueError, FerryError) as e:  # OOM under the cap, a backend that cannot fit
+                res.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                progress(f"{name}: {res.error}")
+                results.append(res)
+                ex = _release(ex, device)
+                continue
+            diff = {k: c1[k] - c0[k] for k in _COUNTERS}
+            steps = max(1, diff["steps"])
+            n = batch * tokens
+            res.tokens, res.decode_s, res.tok_s = n, secs, n / secs
+            res.hit_rate = diff["hits"] / diff["needed"] if diff["needed"] else 1.0
+            res.pcie_bytes_per_token = (diff["bytes_copied"] + diff["bytes_activations"]) / n
+            res.cpu_bytes_per_token = diff["cpu_experts"] * banks.expert_bytes / n
+            per_step = {k: diff[k] / steps for k in ("needed", "hits", "misses", "cpu_experts", "prefetch_hits")}
+            roof = roofline_seconds(name, per_step, banks.expert_bytes, base, bw)
+            res.roofline_tok_s = batch / roof
+            res.achieved_over_roofline = res.tok_s / res.roofline_tok_s
+            res.checksum = token_checksum(toks)
+            res.counters = diff
+            res.decode_graphs = engine.runner.stats() or {}
+            graph_mode = res.decode_graphs.get("mode", graph_mode)
+            res.cpu_share = ex.stats().get("cpu_share")
             results.append(res)
+            progress(format_row(res))
+            if profile_steps > 0:
+                progress(profile_decode(engine, prompts, profile_steps, f"{name}-profile", ex, device, temperature))
             ex = _release(ex, device)
-            continue
-        diff = {k: c1[k] - c0[k] for k in _COUNTERS}
-        steps = max(1, diff["steps"])
-        n = batch * tokens
-        res.tokens, res.decode_s, res.tok_s = n, secs, n / secs
-        res.hit_rate = diff["hits"] / diff["needed"] if diff["needed"] else 1.0
-        res.pcie_bytes_per_token = (diff["bytes_copied"] + diff["bytes_activations"]) / n
-        res.cpu_bytes_per_token = diff["cpu_experts"] * banks.expert_bytes / n
-        per_step = {k: diff[k] / steps for k in ("needed", "hits", "misses", "cpu_experts", "prefetch_hits")}
-        roof = roofline_seconds(name, per_step, banks.expert_bytes, base, bw)
-        res.roofline_tok_s = batch / roof
-        res.achieved_over_roofline = res.tok_s / res.roofline_tok_s
-        res.checksum = token_checksum(toks)
-        res.counters = diff
-        if engine.decode_graphs is not None:
-            res.decode_graphs = engine.decode_graphs.stats()
-        res.cpu_share = ex.stats().get("cpu_share")
-        results.append(res)
-        progress(format_row(res))
-        if profile_steps > 0:
-            progress(profile_decode(engine, prompts, profile_steps, f"{name}-profile", ex, device, temperature))
-        ex = _release(ex, device)
-    return {"model": model, "device": str(device), "dtype": str(dtype).removeprefix("torch."), "batch": batch,
+        engine.runner.close()
+        del engine
+    return {"model": model, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+            "batch": batches[0] if len(batches) == 1 else batches,
             "tokens": tokens, "temperature": temperature, "prompt_len": prompt_len,
             "gpu_memory_limit_gib": ec.gpu_memory_limit,
-            "decode_graphs": engine.decode_graphs.mode if engine.decode_graphs is not None else "off",
+            "decode_graphs": graph_mode,
             "bandwidths": bw.as_dict(), "cpu_latency_s": bw.cpu_latency, "cpu_kernel": pool.kernel_name,
             "expert_bytes": banks.expert_bytes, "non_expert_bytes": base,
             "results": [asdict(r) for r in results]}
@@ -290,16 +297,16 @@ def _release(ex, device: torch.device):
     return None
 
 
-HEADER = (f"{'backend':<9} {'tok/s':>8} {'hit%':>6} {'PCIe MB/tok':>12} {'CPU MB/tok':>11} {'slots':>6} "
+HEADER = (f"{'batch':>5} {'backend':<9} {'tok/s':>8} {'hit%':>6} {'PCIe MB/tok':>12} {'CPU MB/tok':>11} {'slots':>6} "
           f"{'roofline':>9} {'ach/roof':>9} {'exposed':>8}  checksum")
 
 
 def format_row(r: DecodeResult) -> str:
     if r.error:
-        return f"{r.backend:<9} {'-':>8}  {r.error}"
+        return f"{r.batch:>5} {r.backend:<9} {'-':>8}  {r.error}"
     c = r.counters
     exposed = c.get("copy_exposed_s", 0.0) / r.decode_s if r.decode_s else 0.0
-    return (f"{r.backend:<9} {r.tok_s:8.2f} {100 * r.hit_rate:6.1f} {r.pcie_bytes_per_token / 1e6:12.1f} "
+    return (f"{r.batch:>5} {r.backend:<9} {r.tok_s:8.2f} {100 * r.hit_rate:6.1f} {r.pcie_bytes_per_token / 1e6:12.1f} "
             f"{r.cpu_bytes_per_token / 1e6:11.1f} {r.num_slots:6d} {r.roofline_tok_s:9.2f} "
             f"{r.achieved_over_roofline:9.2f} {100 * exposed:7.0f}%  {r.checksum}")
 
@@ -319,7 +326,13 @@ def main(args) -> int:
     ``--no-prefetch``, ``--output-json``)."""
     from ferrylm.cli import engine_config_from_args
 
-    for flag, v in (("--batch", args.batch), ("--tokens", args.tokens), ("--prompt-len", args.prompt_len)):
+    try:
+        batches = [int(b) for b in str(args.batch).split(",")]
+    except ValueError:
+        print(f"ferry bench decode: --batch must be a number or a comma list of numbers, got {args.batch!r}",
+              file=sys.stderr)
+        return 2
+    for flag, v in [("--batch", b) for b in batches] + [("--tokens", args.tokens), ("--prompt-len", args.prompt_len)]:
         if v < 1:
             print(f"ferry bench decode: {flag} must be >= 1", file=sys.stderr)
             return 2
@@ -337,7 +350,7 @@ def main(args) -> int:
         print(f"ferry bench decode: {e}", file=sys.stderr)
         return 2
     try:
-        summary = run_decode_bench(model=args.model, backends=backends, engine_config=ec, batch=args.batch,
+        summary = run_decode_bench(model=args.model, backends=backends, engine_config=ec, batch=batches,
                                    tokens=args.tokens, prompt_len=args.prompt_len,
                                    prefetch=False if args.no_prefetch else None, temperature=args.temperature,
                                    profile_steps=args.profile_steps,

@@ -18,11 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from ferrylm.config import EngineConfig, ModelConfig
-from ferrylm.engine.decode_graph import DecodeGraphConfig, DecodeGraphRunner
-from ferrylm.engine.kv_cache import KVPool, PagedAttention, SeqSlice
+from ferrylm.engine.kv_cache import KVPool
+from ferrylm.engine.model_runner import ModelRunner, has_prefill
 from ferrylm.engine.outputs import EngineOutput
 from ferrylm.engine.request import Request, Status
-from ferrylm.engine.sampler import sample
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.engine.scheduler import Batch, ScheduledSeq, Scheduler, SchedulerConfig
 from ferrylm.errors import ContextLengthExceeded, FerryError
@@ -154,9 +153,11 @@ class Engine:
         self.guard = guard or OomGuard(device, elastic_cache_of(expert_executor),
                                        prefill_limit=self.limits.max_prefill_length,
                                        reserve_bytes=memory_plan.reserve_bytes if memory_plan else 0)
-        self.decode_graphs = _decode_graphs(model, self.pool, device, dtype, config)
-        self.requests: dict[str, Request] = {}
         self.eos_ids = tuple(model_config.eos_token_ids)
+        self.runner = ModelRunner(model, self.pool, device, dtype, config, self.limits.max_model_len,
+                                  expert_executor, self.eos_ids)
+        self.runner.faults = faults
+        self.requests: dict[str, Request] = {}
         self._pending: list[EngineOutput] = []
         self.num_steps = 0
         self.last_step_time = time.monotonic()
@@ -165,6 +166,11 @@ class Engine:
             log.warning("the KV pool holds %d tokens, fewer than the model context of %d tokens: long requests "
                         "will be rejected; raise --num-tokens/--num-pages or lower --max-model-len",
                         self.limits.pool_tokens, self.limits.max_model_len)
+
+    @property
+    def decode_graphs(self):
+        """The piecewise decode graph runner (offloading executors), or None."""
+        return self.runner.piecewise
 
     # --- admission --------------------------------------------------------------------------------------------
     def check_admission(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
@@ -425,70 +431,16 @@ class Engine:
                               f"--queue-timeout {limit:g} s ({self.num_running} running, {self.num_waiting} waiting)"))
 
     def _run(self, batch: Batch) -> None:
-        faults = self.faults
-        hidden, rows = None, None
-        graphs = self.decode_graphs
-        longest = max(s.start + 1 for s in batch.seqs)
-        if graphs is not None and not faults.enabled and not _has_prefill(batch.seqs) \
-                and graphs.accepts(len(batch.seqs), longest):
-            failed = False
-            try:
-                hidden = graphs.run([s.request.tokens(s.start, s.start + 1)[0] for s in batch.seqs],
-                                    [s.start for s in batch.seqs], [s.request.page_table for s in batch.seqs])
-                rows = [i for i, s in enumerate(batch.seqs) if s.sample]
-            except Exception as e:  # a new key's buffers or first run did not fit: plain forward from now on
-                if not is_oom(e):
-                    raise
-                failed = True
-            if failed:  # outside the except block: the failure's frames and tensors are gone
-                graphs.disable(len(batch.seqs), longest)
-        if hidden is None:
-            hidden, rows = self._forward(batch)
-        self._finish_step(batch, hidden, rows)
-
-    def _forward(self, batch: Batch) -> tuple[torch.Tensor, list[int]]:
-        """The plain forward of a step: ``(hidden [T, H], the rows to sample: each sampling sequence's last)``."""
-        ps = self.limits.page_size
-        ids, pos, seqs = [], [], []
-        q_start = 0
-        for s in batch.seqs:
-            r = s.request
-            ids.extend(r.tokens(s.start, s.start + s.num_tokens))
-            end = s.start + s.num_tokens
-            pt = torch.tensor(r.page_table, dtype=torch.long)
-            slots = (pt[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)[:end]
-            seqs.append(SeqSlice(q_start=q_start, q_len=s.num_tokens, ctx_len=s.start, slots=slots.to(self.device)))
-            pos.append(torch.arange(s.start, end))
-            q_start += s.num_tokens
-        faults = self.faults
-        if faults.enabled:
-            prefill = _has_prefill(batch.seqs)
-            faults.set_step(max(s.request.num_prompt_tokens for s in batch.seqs), "prefill" if prefill else "decode")
-            if prefill:
-                faults.check("prefill_workspace", nbytes=8 * q_start * self.mcfg.hidden_size * self._bytes_per_elem)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.cat(pos).to(self.device)
-        hidden = self.model(input_ids, positions, PagedAttention(self.pool, seqs, self.device, faults=faults))
-        return hidden, [sl.q_start + sl.q_len - 1 for s, sl in zip(batch.seqs, seqs) if s.sample]
-
-    def _finish_step(self, batch: Batch, hidden: torch.Tensor, rows: list[int]) -> None:
-        """Sample the sequences that sample (``hidden`` row ``rows[i]`` for the i-th of them), then advance every
-        sequence's counters and append the tokens."""
-        faults = self.faults
-        to_sample = [s for s in batch.seqs if s.sample]
-        res = None
-        if to_sample:
-            if faults.enabled:
-                faults.check("logits", nbytes=4 * len(to_sample) * self.mcfg.vocab_size)
-            sel = hidden if rows == list(range(hidden.shape[0])) else hidden[torch.tensor(rows, device=hidden.device)]
-            logits = self.model.compute_logits(sel).float()
-            res = sample(logits, [s.request for s in to_sample], self.eos_ids)
+        """Forward and sample the batch (the model runner), then advance every sequence's counters and append the
+        sampled tokens."""
+        self.runner.faults = self.faults
+        res = self.runner.execute(batch.seqs)
         # NOTE: counters advance and tokens are appended only here, after every allocation of the step succeeded
         # (the OOM guard retries a failed step from the same counters).
         for s in batch.seqs:
             s.request.num_computed_tokens += s.num_tokens
         if res is not None:
-            for i, s in enumerate(to_sample):
+            for i, s in enumerate([s for s in batch.seqs if s.sample]):
                 self._append_token(s.request, res.token_ids[i],
                                    None if res.logprobs[i] is None else [res.logprobs[i]])
 
@@ -518,25 +470,13 @@ class Engine:
         d["memory"] = g
         if self.expert_executor is not None:
             d["experts"] = self.expert_executor.stats()
-        if self.decode_graphs is not None:
-            d["decode_graphs"] = self.decode_graphs.stats()
+        graphs = self.runner.stats()
+        if graphs is not None:
+            d["decode_graphs"] = graphs
         return d
 
 
-def _decode_graphs(model, pool: KVPool, device: torch.device, dtype: torch.dtype,
-                   config: EngineConfig) -> DecodeGraphRunner | None:
-    """The decode graph runner of ``config`` (``--enforce-eager`` / ``decode_graphs``), or None when off or when
-    ``model`` is not a ferrylm decoder stack (a test double)."""
-    cfg = DecodeGraphConfig(mode=config.decode_graphs, max_batch=config.cuda_graph_max_batch,
-                            max_kv_len=config.cuda_graph_max_len)
-    if cfg.resolved(device) == "off" or not hasattr(getattr(model, "model", None), "layers"):
-        return None
-    return DecodeGraphRunner(model, pool, device, cfg, dtype, pool.page_size)
-
-
-def _has_prefill(seqs: list[ScheduledSeq]) -> bool:
-    """A step computes part of a prompt (a chunk of several tokens, or a request's first token)."""
-    return any(s.num_tokens > 1 or s.start == 0 for s in seqs)
+_has_prefill = has_prefill
 
 
 def _trim_prefill(seqs: list[ScheduledSeq], limit: int) -> list[ScheduledSeq]:

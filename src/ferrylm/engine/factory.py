@@ -164,8 +164,8 @@ def build_engine(model_path: str | Path, config: EngineConfig) -> Engine:
         warm_slots = (min(config.moe_cache_size, needs.total_experts) if config.moe_cache_size is not None
                       else max(1, needs.min_slots))
         executor.reserve(needs.bytes_for(warm_slots))
-    workspace, source = _measure_workspace(loaded, config, device, dtype, base, weights)
-    plan = plan_memory(replace(inputs, workspace_bytes=workspace, workspace_source=source))
+    workspace, source, graph_bytes = _measure_workspace(loaded, config, device, dtype, base, weights)
+    plan = plan_memory(replace(inputs, workspace_bytes=workspace, workspace_source=source, graph_bytes=graph_bytes))
     if needs is not None:
         executor.reserve(plan.expert_bytes)
     engine = Engine(loaded.model, mcfg, config, device=device, dtype=dtype,
@@ -182,6 +182,7 @@ def build_engine(model_path: str | Path, config: EngineConfig) -> Engine:
             del e, engine
             raise boot_failure(replace(inputs, workspace_bytes=workspace), what,
                                smaller="--num-tokens / --moe-cache-size, or raise --memory-reserve") from None
+        engine.runner.capture_graphs()  # sizes the plan counted; one that runs short now is retried later
     log.info("memory plan (%s):\n%s", device, plan.format_table())
     for w in plan.warnings:
         log.warning("memory plan: %s", w)
@@ -201,9 +202,11 @@ CPU_WARMUP_DECODE = 4
 
 
 def _measure_workspace(loaded, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                       base: EngineLimits, weights: int) -> tuple[int, str]:
+                       base: EngineLimits, weights: int) -> tuple[int, str, int]:
     """Warm up a throwaway engine with a pool just large enough and return ``(workspace bytes, "measured" |
-    "estimated")``. Raises MemoryPlanError when the warmup itself runs out of memory."""
+    "estimated", CUDA graph bytes)``: on CUDA the throwaway engine also captures its decode graphs, whose pool is
+    measured (it stays allocated in the real engine, beside the workspace). Raises MemoryPlanError when the warmup
+    itself runs out of memory."""
     from ferrylm.memory.guard import is_oom
     from ferrylm.memory.plan import MemoryPlanError, gib
     from ferrylm.memory.probe import estimate_workspace, free_bytes, measure_peak, release_cached
@@ -231,14 +234,19 @@ def _measure_workspace(loaded, config: EngineConfig, device: torch.device, dtype
             f"ran out of memory after the weights ({gib(weights)}) were loaded ({msg}); {gib(free_bytes(device))} "
             f"free now. To fix: lower --max-prefill-length / --max-running-requests, or free device memory, or "
             f"--moe-backend offload.") from None
+    graph_bytes = 0
+    if device.type == "cuda":
+        warm.runner.capture_graphs()
+        graph_bytes = warm.runner.graph_bytes
+        warm.runner.close()
     del warm
     release_cached(device)
     if peak is not None:
-        return peak, "measured"
+        return peak, "measured", graph_bytes
     est = estimate_workspace(hidden_size=mcfg.hidden_size, intermediate_size=mcfg.moe_intermediate_size
                              if mcfg.is_moe else mcfg.intermediate_size, num_heads=mcfg.num_heads,
                              num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim, vocab_size=mcfg.vocab_size,
                              num_experts_per_tok=mcfg.num_experts_per_tok, prefill_tokens=base.max_prefill_length,
                              decode_seqs=base.max_running_requests, max_model_len=base.max_model_len,
                              dtype_bytes=torch.empty((), dtype=dtype).element_size())
-    return est, "estimated"
+    return est, "estimated", graph_bytes

@@ -23,6 +23,14 @@ from ferrylm.engine.request import Request
 
 
 
+def _to_dev(values, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """A host list as a device tensor without a host sync: from page-locked memory with a non-blocking copy on CUDA
+    (a copy from pageable memory waits for the stream)."""
+    if dev.type != "cuda":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(dev, non_blocking=True)
+
+
 @dataclass
 class SampleResult:
     """``token_ids [B]`` chosen tokens; ``logprobs`` one TokenLogprob per row (None for rows not asking)."""
@@ -39,18 +47,20 @@ def _apply_penalties(logits: torch.Tensor, reqs: list[Request], eos_ids: tuple[i
         if p.logit_bias:  # OpenAI logit_bias: added to the logits before sampling ([[token id, bias], ...])
             toks = [int(t) for t, _ in p.logit_bias if 0 <= int(t) < V]
             if toks:
-                logits[i, toks] += torch.tensor([b for t, b in p.logit_bias if 0 <= int(t) < V], device=dev,
-                                                dtype=logits.dtype)
+                logits[i].index_add_(0, _to_dev(toks, torch.long, dev),
+                                     _to_dev([b for t, b in p.logit_bias if 0 <= int(t) < V], logits.dtype, dev))
         if p.min_tokens and r.num_output_tokens < p.min_tokens:
             ban = [t for t in (*eos_ids, *p.stop_token_ids) if 0 <= t < V]
             if ban:
-                logits[i, ban] = float("-inf")
+                logits[i].index_fill_(0, _to_dev(ban, torch.long, dev), float("-inf"))
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(r.prompt_token_ids + r.output_token_ids, device=dev).unique()
+            seen = _to_dev(r.prompt_token_ids + r.output_token_ids, torch.long, dev).unique()
             vals = logits[i, seen]
             logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
-            counts = torch.bincount(torch.tensor(r.output_token_ids, device=dev), minlength=V)[:V].to(logits.dtype)
+            out_ids = _to_dev(r.output_token_ids, torch.long, dev)
+            counts = torch.zeros(V, dtype=logits.dtype, device=dev).index_add_(
+                0, out_ids, torch.ones(out_ids.shape[0], dtype=logits.dtype, device=dev))
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
 
@@ -74,18 +84,18 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_ids: tuple[int, ...] =
     if any(want_lp):   # -inf (banned) and NaN (overflowed penalties) as OpenAI's floor, so the JSON stays numbers
         raw_logprobs = torch.log_softmax(logits, dim=-1).nan_to_num_(nan=LOGPROB_FLOOR).clamp_(min=LOGPROB_FLOOR)
 
-    temps = torch.tensor([r.params.temperature for r in reqs], device=dev, dtype=logits.dtype)
-    greedy = temps == 0
+    # NOTE: what varies per row is decided from the host-side parameters; the step's one device->host read is the
+    # sampled ids (and the log-probabilities asked for), never a per-row check of device values.
     chosen = torch.argmax(logits, dim=-1)
-    if not bool(greedy.all()):
-        scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-        scaled = _top_k_top_p_min_p(scaled, reqs)
+    if any(r.params.temperature != 0 for r in reqs):
+        temps = _to_dev([r.params.temperature or 1.0 for r in reqs], logits.dtype, dev)
+        greedy = _to_dev([r.params.temperature == 0 for r in reqs], torch.bool, dev)
+        scaled = _top_k_top_p_min_p(logits / temps[:, None], reqs)
         probs = torch.softmax(scaled, dim=-1)
         # A row that is no distribution (every token banned, or an overflow to inf/NaN from an extreme temperature
         # or penalty) takes its argmax: one request's parameters must never fail the whole step.
         ok = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
-        if not bool(ok.all()):
-            probs = torch.where(ok[:, None], probs, torch.nn.functional.one_hot(chosen, V).to(probs.dtype))
+        probs = torch.where(ok[:, None], probs, torch.nn.functional.one_hot(chosen, V).to(probs.dtype))
         sampled = _draw(probs, reqs)
         chosen = torch.where(greedy, chosen, sampled)
     token_ids = chosen.tolist()
@@ -106,11 +116,11 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_ids: tuple[int, ...] =
 def _top_k_top_p_min_p(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     B, V = logits.shape
     dev = logits.device
-    top_k = torch.tensor([r.params.top_k if r.params.top_k and r.params.top_k > 0 else V for r in reqs],
-                         device=dev).clamp(max=V)
-    top_p = torch.tensor([r.params.top_p for r in reqs], device=dev, dtype=logits.dtype)
-    min_p = torch.tensor([r.params.min_p for r in reqs], device=dev, dtype=logits.dtype)
-    if bool((top_k < V).any()) or bool((top_p < 1).any()):
+    k_host = [min(V, r.params.top_k) if r.params.top_k and r.params.top_k > 0 else V for r in reqs]
+    p_host = [r.params.top_p for r in reqs]
+    if any(k < V for k in k_host) or any(p < 1 for p in p_host):
+        top_k = _to_dev(k_host, torch.long, dev)
+        top_p = _to_dev(p_host, logits.dtype, dev)
         sorted_l, idx = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(V, device=dev)[None, :]
         drop = ranks >= top_k[:, None]
@@ -120,7 +130,8 @@ def _top_k_top_p_min_p(logits: torch.Tensor, reqs: list[Request]) -> torch.Tenso
         drop[:, 0] = False                     # ... even when top_p rounds to 0 in the logits' dtype
         sorted_l = sorted_l.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, idx, sorted_l)
-    if bool((min_p > 0).any()):
+    if any(r.params.min_p > 0 for r in reqs):
+        min_p = _to_dev([r.params.min_p for r in reqs], logits.dtype, dev)
         probs = torch.softmax(logits, dim=-1)
         thresh = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         logits = logits.masked_fill(probs < thresh, float("-inf"))

@@ -1,19 +1,32 @@
 """The resident backend: every routed expert of every MoE layer sits on the compute device.
 
-Decode steps are planned on the host from the step's expert ids (one device->host read per layer) and, on CUDA, run
-the active experts as batched GEMMs; larger steps group the tokens by expert on the device (a stable sort of the
-flattened ``[T * k]`` assignments, one sync for the counts) and run one GEMM chain per active expert; the weighted
-results are summed per token (:mod:`ferrylm.experts.work`, shared with every other backend). There is no per-token
-Python loop on the device.
+On CUDA (with Triton) every step runs the fused MoE kernels (``experts/kernels/fused_moe.py``): tokens grouped by
+expert on the device, two grouped GEMM kernels over all of the layer's experts, no host sync and no Python loop over
+experts, so a decode step is captured whole in one CUDA graph (``graph_safe``). Elsewhere (the CPU, the reference):
+decode steps are planned on the host from the step's expert ids (one device->host read per layer); larger steps
+group the tokens by expert on the device (one sync for the counts) and run one GEMM chain per active expert; the
+weighted results are summed per token (:mod:`ferrylm.experts.work`, shared with every other backend).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from ferrylm.experts.executor import ExpertExecutor, LayerExperts
 from ferrylm.experts.stats import ExpertStats
 from ferrylm.experts.work import ExpertGroups, LayerWork, group_by_expert, is_small_step, swiglu_expert
+
+@functools.cache
+def fused_available() -> bool:
+    """Triton imports (the fused MoE kernels can run on a CUDA device)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
 
 __all__ = ["ExpertGroups", "ResidentExecutor", "group_by_expert", "run_grouped", "swiglu_expert"]
 
@@ -62,6 +75,19 @@ class ResidentExecutor(ExpertExecutor):
     def __init__(self, layers: dict[int, LayerExperts]):
         self.layers = dict(layers)
         self.counters = ExpertStats(tuple(sorted(self.layers)))
+        self._used: torch.Tensor | None = None  # fused path: distinct experts used, counted on the device
+
+    @property
+    def graph_safe(self) -> bool:
+        """True when every step runs the fused kernels (experts on CUDA, Triton importable): no host decision or
+        sync inside a step, so whole decode steps can be captured in a CUDA graph."""
+        first = next(iter(self.layers.values()), None)
+        return first is not None and first.gate.is_cuda and fused_available()
+
+    def count_replayed_step(self, num_tokens: int) -> None:
+        """Count a step that ran as a CUDA graph replay (its Python :meth:`run` calls did not run; the distinct
+        experts were counted on the device by the graph)."""
+        self.counters.open_step(num_tokens)
 
     def run(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
             ids_and_predicted: torch.Tensor | None = None, stage=None) -> torch.Tensor:
@@ -74,6 +100,13 @@ class ResidentExecutor(ExpertExecutor):
             self.counters.open_step(hidden.shape[0])
         if hidden.shape[0] == 0:
             return torch.zeros_like(hidden)
+        if hidden.is_cuda and fused_available():
+            from ferrylm.experts.kernels.fused_moe import fused_moe
+
+            if self._used is None:
+                self._used = torch.zeros((), dtype=torch.int64, device=hidden.device)
+            return fused_moe(hidden, experts.gate, experts.up, experts.down, topk_ids, topk_weights,
+                             used_experts=self._used)
         work = _work(experts, hidden, topk_ids, topk_weights, layer=layer_idx)
         self.counters.step.needed += len(work.needed)
         self.counters.step.hits += len(work.needed)
@@ -86,5 +119,10 @@ class ResidentExecutor(ExpertExecutor):
     def stats(self) -> dict:
         """Steps, tokens and experts used (every one a hit: all are resident)."""
         d = self.counters.snapshot({}, {})
+        if self._used is not None:  # fused path: one small device read, off the hot path (stats / heartbeats)
+            used = int(self._used.item())
+            d["needed"] += used
+            d["hits"] += used
+            d["hit_rate"] = 1.0
         d.update(backend=self.name, num_slots=0)
         return d

@@ -99,6 +99,8 @@ class PlanInputs:
         host_kv_fraction: on the host, the automatic KV pool takes at most this share of free memory (host RAM
             is shared with everything else); None on CUDA.
         other_processes: other processes holding device memory (for messages).
+        graph_bytes: the decode CUDA graphs' private memory pool, measured by capturing them during the boot
+            warmup (they stay allocated while the engine runs).
     """
 
     kind: str
@@ -123,6 +125,7 @@ class PlanInputs:
     experts: ExpertNeeds | None = None
     host_kv_fraction: float | None = None
     other_processes: tuple[ProcessUsage, ...] = ()
+    graph_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,7 @@ class MemoryPlan:
     binding: str
     other_processes: tuple[ProcessUsage, ...] = ()
     warnings: tuple[str, ...] = field(default=())
+    graph_bytes: int = 0
 
     def to_dict(self) -> dict:
         """JSON-ready (``GET /v1/memory``)."""
@@ -177,6 +181,7 @@ class MemoryPlan:
              "set by --gpu-memory-limit" if self.binding == "limit" else self.binding),
             ("weights", gib(self.weights_bytes), ""),
             ("workspace", gib(self.workspace_bytes), self.workspace_source),
+            ("CUDA graphs", gib(self.graph_bytes), "measured at capture" if self.graph_bytes else "none"),
             ("KV pool", gib(self.kv_bytes), f"{self.kv_pages} pages x {self.page_size} = {self.kv_tokens} tokens"),
             ("expert slots", gib(self.expert_bytes),
              f"{self.expert_slots} of {self.expert_total} x {gib(self.expert_slot_bytes)}" if self.expert_total
@@ -201,10 +206,11 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
     """
     reserve, budget, binding = _budget(p)
     err = _Explainer(p, reserve, budget, binding)
-    rest = budget - p.weights_bytes - p.workspace_bytes
+    rest = budget - p.weights_bytes - p.workspace_bytes - p.graph_bytes
     if rest <= 0:
-        err.fail(f"the weights ({gib(p.weights_bytes)}) and the workspace ({gib(p.workspace_bytes)}, "
-                 f"{p.workspace_source}) need {gib(p.weights_bytes + p.workspace_bytes)}",
+        err.fail(f"the weights ({gib(p.weights_bytes)}), the workspace ({gib(p.workspace_bytes)}, "
+                 f"{p.workspace_source}) and the CUDA graphs ({gib(p.graph_bytes)}) need "
+                 f"{gib(p.weights_bytes + p.workspace_bytes + p.graph_bytes)}",
                  smaller="--max-prefill-length / --max-running-requests (workspace), --moe-backend offload "
                          "(experts off the device)")
     per_tok = p.kv_bytes_per_token
@@ -291,7 +297,7 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
         warnings.append(f"the expert cache holds {slots} of {ex.total_experts} experts while the KV pool takes "
                         f"{kv_tokens} tokens: --moe-cache-auto gives the memory beyond the KV floor "
                         f"(--kv-reserve-tokens) to expert slots")
-    headroom = max(0, budget - p.weights_bytes - p.workspace_bytes - kv_bytes - expert_bytes)
+    headroom = max(0, budget - p.weights_bytes - p.workspace_bytes - p.graph_bytes - kv_bytes - expert_bytes)
     if kv_tokens < p.max_model_len:
         warnings.append(f"the KV pool holds {kv_tokens} tokens, fewer than the model context of {p.max_model_len} "
                         f"tokens: longer requests are rejected (raise --num-tokens or lower --max-model-len)")
@@ -303,7 +309,8 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
         kv_bytes=kv_bytes, kv_bytes_per_token=per_tok, expert_slots=slots,
         expert_slot_bytes=ex.slot_bytes if ex else 0, expert_bytes=expert_bytes,
         expert_total=ex.total_experts if ex else 0, headroom_bytes=headroom, max_model_len=p.max_model_len,
-        binding=binding, other_processes=tuple(p.other_processes), warnings=tuple(warnings))
+        binding=binding, other_processes=tuple(p.other_processes), warnings=tuple(warnings),
+        graph_bytes=p.graph_bytes)
 
 
 def _budget(p: PlanInputs) -> tuple[int, int, str]:

@@ -1,0 +1,244 @@
+"""Triton kernels that read the paged KV pool in place: the K/V store and one attention kernel for prefill chunks
+over a cached prefix, ragged batches and decode steps with mixed lengths (a flattened batch of any mix).
+
+Layout (``engine/kv_cache.py``): a layer's K and V are ``[num_slots, Hkv, D]`` with ``slot = page * page_size +
+offset``; a sequence's pages are a row of the ``[B, max_pages]`` int32 block table.
+
+Attention (the online-softmax tiling of Dao et al. 2022, "FlashAttention", Alg. 1, over KV tiles gathered
+through the block table as in Kwon et al. 2023, "PagedAttention"): one program computes a tile of ``BLOCK_Q``
+query tokens x the ``G = Hq / Hkv`` query heads of ONE KV head (GQA without expanding K/V: the ``G`` heads are
+rows of the same tile), so each K/V tile is read once per query tile. Causal alignment is bottom-right: the new
+tokens of a sequence are its last ``q_len`` positions, query ``i`` sees keys ``0 .. ctx_len + i`` with ``ctx_len =
+seq_len - q_len``. Scores never leave registers: memory is linear in tokens.
+
+Programs of sequence ``s`` are ``[qs[s] // BLOCK_Q + s, qs[s + 1] // BLOCK_Q + s + 1)`` with ``qs`` the query
+start offsets: the count covers ``ceil(q_len / BLOCK_Q)`` and the grid ``T // BLOCK_Q + B`` bounds the total, so
+the grid depends on host sizes only (capturable in a CUDA graph); a program finds its sequence by binary search.
+
+Split-KV (flash-decoding): with ``num_splits > 1`` the keys of each sequence are cut into ``num_splits`` ranges
+computed by separate programs; each writes its unnormalised output, running max and sum, and a second kernel
+merges them (``m = max m_i``, ``l = sum l_i e^{m_i - m}``, ``o = sum o_i e^{m_i - m} / l``). Decode steps use it so
+a batch of one still fills the GPU.
+
+Imported only where Triton and CUDA are (or under ``TRITON_INTERPRET=1`` in tests): see ``engine/attention``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ferrylm.triton_util import dot_precision
+
+MAX_SEQS_LOG2 = 16  # binary-search rounds: batches of up to 65536 sequences (one compiled variant)
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, n_cols,
+                     stride_k, stride_v, stride_kc, stride_vc, BLOCK: tl.constexpr):
+    """Row ``t`` of ``k``/``v`` (``n_cols = Hkv * D`` contiguous values) to cache slot ``slot[t]``; a negative slot
+    (a padding row of a captured batch) writes nothing."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    for c0 in range(0, n_cols, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        m = c < n_cols
+        kv = tl.load(k_ptr + t * stride_k + c, mask=m)
+        tl.store(kc_ptr + slot * stride_kc + c, kv.to(kc_ptr.dtype.element_ty), mask=m)
+        vv = tl.load(v_ptr + t * stride_v + c, mask=m)
+        tl.store(vc_ptr + slot * stride_vc + c, vv.to(vc_ptr.dtype.element_ty), mask=m)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write the step's new keys/values into their cache slots, in one kernel.
+
+    Args:
+        k, v: ``[T, Hkv, D]`` (each row's ``Hkv * D`` values contiguous).
+        k_cache, v_cache: ``[num_slots, Hkv, D]`` contiguous (any float dtype; values are cast).
+        slot_mapping: ``[T]`` int64 cache slot of each row; ``-1`` = skip (padding).
+    """
+    t = k.shape[0]
+    if t == 0:
+        return
+    n_cols = k.shape[1] * k.shape[2]
+    block = min(1024, triton.next_power_of_2(n_cols))
+    _store_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, n_cols, k.stride(0), v.stride(0),
+                           k_cache.stride(0), v_cache.stride(0), BLOCK=block)
+
+
+@triton.jit
+def _find_seq(pid, qsl_ptr, num_seqs, BLOCK_Q: tl.constexpr, LOG2_SEQS: tl.constexpr):
+    """The last sequence ``s`` whose first program ``qsl[s] // BLOCK_Q + s`` is ``<= pid`` (binary search over the
+    strictly increasing first programs; ``LOG2_SEQS >= log2(num_seqs)`` rounds)."""
+    lo = 0
+    hi = num_seqs
+    for _ in range(LOG2_SEQS):
+        mid = (lo + hi) // 2
+        ok = tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= pid
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
+    return lo
+
+
+@triton.jit
+def _paged_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr,
+        part_o_ptr, part_ml_ptr,
+        scale, num_seqs, num_kv_heads,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h,
+        stride_bt, page_size,
+        G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, LOG2_SEQS: tl.constexpr,
+        PRECISION: tl.constexpr):
+    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    s = _find_seq(pid, qsl_ptr, num_seqs, BLOCK_Q, LOG2_SEQS)
+    q_start = tl.load(qsl_ptr + s)
+    q_len = tl.load(qsl_ptr + s + 1) - q_start
+    qb = pid - (q_start // BLOCK_Q + s)            # this program's query tile within the sequence
+    if qb * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + s)
+    ctx_len = seq_len - q_len                      # cached tokens before the new ones
+
+    rows = tl.arange(0, BLOCK_M)
+    q_tok = qb * BLOCK_Q + rows // G_PAD           # token within the sequence's new tokens
+    head = rows % G_PAD
+    row_ok = (q_tok < q_len) & (head < G)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q_head = kvh * G + head
+    q_rows = (q_start + q_tok).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + q_head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_pos = ctx_len + q_tok                        # absolute position of each query row
+
+    # keys this tile may see: 0 .. last query's position (bottom-right causal)
+    kv_end = tl.minimum(seq_len, ctx_len + tl.minimum((qb + 1) * BLOCK_Q, q_len))
+    if NUM_SPLITS == 1:
+        lo = 0
+        hi = kv_end
+    else:
+        per = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * per
+        hi = tl.minimum(kv_end, lo + per)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    qk_scale = scale * 1.4426950408889634          # softmax in base 2
+    bt_row = block_table_ptr + s.to(tl.int64) * stride_bt
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        page = tl.load(bt_row + n // page_size, mask=n_ok, other=0).to(tl.int64)
+        slot = page * page_size + n % page_size
+        k = tl.load(k_cache_ptr + slot[None, :] * stride_kc_slot + kvh * stride_kc_h + d[:, None],
+                    mask=n_ok[None, :] & d_ok[:, None], other=0.0)            # [D, N]
+        qk = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale                              # [M, N] fp32
+        visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + slot[:, None] * stride_vc_slot + kvh * stride_vc_h + d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)            # [N, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + q_rows[:, None] * stride_ot + q_head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        # partials [T, Hq, NUM_SPLITS, D] (o) and [T, Hq, NUM_SPLITS, 2] (m, l), fp32
+        hq = num_kv_heads * G
+        base = (q_rows * hq + q_head) * NUM_SPLITS + split
+        tl.store(part_o_ptr + base[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(part_ml_ptr + base * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, num_heads, stride_ot, stride_oh,
+                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """One (token, head): merge its ``NUM_SPLITS`` partial outputs (module docstring)."""
+    row = tl.program_id(0)          # token * num_heads + head
+    t = row // num_heads
+    h = row % num_heads
+    sp = tl.arange(0, NUM_SPLITS)
+    m = tl.load(part_ml_ptr + (row * NUM_SPLITS + sp) * 2)
+    l = tl.load(part_ml_ptr + (row * NUM_SPLITS + sp) * 2 + 1)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
+    l_sum = tl.sum(l * w, 0)
+    d = tl.arange(0, D_PAD)
+    o = tl.load(part_o_ptr + (row * NUM_SPLITS + sp)[:, None] * HEAD_DIM + d[None, :],
+                mask=d[None, :] < HEAD_DIM, other=0.0)
+    o = tl.sum(o * w[:, None], 0) / tl.where(l_sum == 0.0, 1.0, l_sum)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, scale: float, page_size: int,
+                    max_query_len: int, num_splits: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal GQA attention of a flattened batch over the paged KV pool (module docstring), the step's new K/V
+    already stored (:func:`store_kv`).
+
+    Args:
+        q: ``[T, Hq, D]`` queries (RoPE applied); rows of sequence ``s`` are ``query_start_loc[s] ..
+            query_start_loc[s + 1] - 1``, its last ``q_len`` positions.
+        k_cache, v_cache: ``[num_slots, Hkv, D]`` one layer's pool.
+        block_table: ``[B, P]`` int32 pages of each sequence (entries past its length unused).
+        seq_lens: ``[B]`` int32 tokens of each sequence after this step (cached + new); 0 for a padding sequence.
+        query_start_loc: ``[B + 1]`` int32 cumulative query counts (``query_start_loc[B] == T``).
+        scale: softmax scale. page_size: tokens per page.
+        max_query_len: the most new tokens of any sequence (host int: picks the query tile).
+        num_splits: KV ranges per sequence computed apart then merged (1 = none); a power of two.
+        out: ``[T, Hq, D]`` to write into (e.g. a CUDA graph's static buffer), else allocated.
+
+    Returns:
+        ``[T, Hq, D]`` in ``q``'s dtype. A padding sequence (``seq_len`` 0) gets zeros.
+    """
+    t, hq, dim = q.shape
+    hkv = k_cache.shape[1]
+    g = hq // hkv
+    num_seqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    if t == 0 or num_seqs == 0:
+        return out
+    if num_seqs > 1 << MAX_SEQS_LOG2:
+        raise ValueError(f"{num_seqs} sequences in one step; at most {1 << MAX_SEQS_LOG2}")
+    g_pad = max(1, triton.next_power_of_2(g))
+    # query tile: 16+ rows for tl.dot; decode (1 token) packs the G heads only
+    block_q = max(1, 16 // g_pad) if max_query_len <= 1 else max(1, 64 // g_pad)
+    block_n = 64 if max_query_len > 1 else 32
+    d_pad = triton.next_power_of_2(dim)
+    grid = (t // block_q + num_seqs, hkv, num_splits)
+    if num_splits > 1:
+        part_o = torch.empty(t, hq, num_splits, dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(t, hq, num_splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_ml = out  # unused
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, part_o, part_ml,
+        scale, num_seqs, hkv,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), block_table.stride(0), page_size,
+        G=g, G_PAD=g_pad, HEAD_DIM=dim, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        LOG2_SEQS=MAX_SEQS_LOG2, PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=2)
+    if num_splits > 1:
+        _merge_splits_kernel[(t * hq,)](part_o, part_ml, out, hq, out.stride(0), out.stride(1),
+                                        HEAD_DIM=dim, D_PAD=d_pad, NUM_SPLITS=num_splits)
+    return out

@@ -1,0 +1,226 @@
+"""The model runner: a scheduled batch in, sampled tokens out.
+
+``Engine.step`` is schedule -> ``ModelRunner.execute`` -> output processing. The runner owns what a step needs on the
+device: the staging buffers its inputs travel through (``engine/step_inputs.py``: one non-blocking host->device
+copy per step), the attention backend (``engine/attention``), the CUDA graphs, and sampling. Per step it picks:
+
+1. a whole-step CUDA graph (``engine/cuda_graphs.py``) for decode steps when the model has no host decision inside
+   the step (dense, or an expert executor that is ``graph_safe``);
+2. else the piecewise decode graphs (``engine/decode_graph.py``) for executors that decide copies per layer
+   (offload, hybrid);
+3. else the eager forward: the model's ``forward`` over the flattened batch with the step's attention backend.
+
+All three run the model's own ``forward`` code except the piecewise runner, which still composes the layers itself
+(until the offloading backends move onto the slot-indexed fused kernel).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ferrylm.config import EngineConfig
+from ferrylm.engine.attention import AttentionMetadata, make_backend, resolve_backend
+from ferrylm.engine.cuda_graphs import StepGraphs
+from ferrylm.engine.decode_graph import DecodeGraphConfig, DecodeGraphRunner
+from ferrylm.engine.kv_cache import KVPool
+from ferrylm.engine.sampler import SampleResult, sample
+from ferrylm.engine.step_inputs import HostStep, Staging, pack_step
+from ferrylm.faults import NO_FAULTS, FaultInjector
+from ferrylm.memory.guard import is_oom
+
+log = logging.getLogger("ferrylm.engine")
+
+
+def has_prefill(seqs) -> bool:
+    """A step computes part of a prompt (a chunk of several tokens, or a request's first token)."""
+    return any(s.num_tokens > 1 or s.start == 0 for s in seqs)
+
+
+class ModelRunner:
+    """Runs a batch through the model and samples (module docstring).
+
+    Args:
+        model: the ferrylm model.
+        pool: the engine's KV pool.
+        device, dtype: compute device and activation dtype.
+        config: the engine config (``attention_backend``, ``decode_graphs``, ``cuda_graph_max_batch``, ...).
+        max_model_len: the context limit (tokens).
+        expert_executor: the MoE executor (None: dense or a test double).
+        eos_ids: EOS token ids (banned before ``min_tokens``).
+
+    Raises:
+        ValueError: an attention backend or graph mode that cannot run on ``device`` (message names the flag).
+    """
+
+    def __init__(self, model, pool: KVPool, device: torch.device, dtype: torch.dtype, config: EngineConfig,
+                 max_model_len: int, expert_executor=None, eos_ids: tuple[int, ...] = ()):
+        self.model = model
+        self.pool = pool
+        self.device = device
+        self.dtype = dtype
+        self.config = config
+        self.executor = expert_executor
+        self.eos_ids = eos_ids
+        self.faults: FaultInjector = NO_FAULTS
+        self.attention = resolve_backend(config.attention_backend, device)
+        self.max_model_len = max_model_len
+        self.staging = Staging(device)
+        self.step_graphs: StepGraphs | None = None
+        self.piecewise: DecodeGraphRunner | None = None
+        self._graph_mode = DecodeGraphConfig(mode=config.decode_graphs).resolved(device)
+        stack = getattr(model, "model", None)
+        self._is_stack = hasattr(stack, "layers")
+        self._moe0 = next((layer.mlp for layer in getattr(stack, "layers", [])
+                           if hasattr(layer.mlp, "executor")), None)  # the first MoE block: its executor
+        self._configure(self._model_executor())
+
+    def _model_executor(self):
+        """The executor the model's MoE blocks call now (benches swap it), else the one given."""
+        return self._moe0.executor if self._moe0 is not None else self.executor
+
+    def _configure(self, executor) -> None:
+        """Choose the graph path for ``executor``: whole-step graphs when it is ``graph_safe`` (or the model is
+        dense), else the piecewise runner; drop the graphs of the previous executor."""
+        self.close()
+        self.executor = executor
+        self.step_graphs = self.piecewise = None
+        if self._graph_mode == "off" or not self._is_stack:
+            return
+        max_batch = self.config.cuda_graph_max_batch or self.config.max_running_requests
+        safe = executor is None or bool(getattr(executor, "graph_safe", False))
+        if self._graph_mode == "cuda" and self.attention == "triton" and safe:
+            self.step_graphs = StepGraphs(self.model, self.pool, self.device, max_batch, self.max_model_len,
+                                          on_replay=getattr(executor, "count_replayed_step", None))
+        else:
+            self.piecewise = DecodeGraphRunner(self.model, self.pool, self.device, DecodeGraphConfig(
+                mode=self.config.decode_graphs, max_batch=max_batch, max_kv_len=self.config.cuda_graph_max_len),
+                self.dtype, self.pool.page_size)
+
+    def capture_graphs(self) -> None:
+        """Capture the whole-step graphs now (boot, after the KV pool and the warmup). No-op without them."""
+        if self.step_graphs is not None:
+            self.step_graphs.capture_all()
+
+    @property
+    def graph_bytes(self) -> int:
+        """Device bytes the captured graphs hold (their private memory pool)."""
+        g = self.step_graphs or self.piecewise
+        return 0 if g is None else int(g.graph_bytes)
+
+    # --- the step ---------------------------------------------------------------------------------------------
+    def execute(self, seqs) -> SampleResult | None:
+        """Forward ``seqs`` (the scheduler's ``ScheduledSeq`` list) and sample the sequences that sample.
+
+        Returns:
+            the sampled tokens (one per sampling sequence, in order) or None when none samples.
+
+        Raises:
+            Allocation failures (``torch.OutOfMemoryError`` ...) from the forward, the logits or sampling: the
+            engine's OOM guard handles them; the step's counters have not advanced.
+        """
+        if self._moe0 is not None and self._moe0.executor is not self.executor:
+            self._configure(self._moe0.executor)  # the executor was swapped: its graphs are stale
+        faults = self.faults
+        logits = None
+        decode = not has_prefill(seqs)
+        if decode and not faults.enabled:
+            logits = self._decode_graphed(seqs)
+        if logits is None:
+            logits = self._eager(seqs)
+        to_sample = [s for s in seqs if s.sample]
+        if not to_sample:
+            return None
+        return sample(logits, [s.request for s in to_sample], self.eos_ids)
+
+    def _decode_graphed(self, seqs) -> torch.Tensor | None:
+        """Logits ``[N, V]`` of a decode step run through a graph (N = sampling sequences), or None when no graph
+        takes it."""
+        b = len(seqs)
+        if self.step_graphs is not None:
+            size = self.step_graphs.size_for(b)
+            if size is None:
+                return None
+            logits, host = self.step_graphs.replay(seqs, self.staging, size)
+            return _rows(logits, host.sample_rows, b)
+        g = self.piecewise
+        longest = max(s.start + 1 for s in seqs)
+        if g is None or not g.accepts(b, longest):
+            return None
+        failed = False
+        try:
+            hidden = g.run([s.request.tokens(s.start, s.start + 1)[0] for s in seqs], [s.start for s in seqs],
+                           [s.request.page_table for s in seqs])
+        except Exception as e:  # a new key's buffers or first run did not fit: plain forward from now on
+            if not is_oom(e):
+                raise
+            failed = True
+        if failed:  # outside the except block: the failure's frames and tensors are gone
+            g.disable(b, longest)
+            return None
+        rows = [i for i, s in enumerate(seqs) if s.sample]
+        sel = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=hidden.device)]
+        self._check_logits(len(rows))
+        return self.model.compute_logits(sel).float()
+
+    def _eager(self, seqs) -> torch.Tensor:
+        """The plain forward of a step: logits ``[N, V]`` float32 of the sampling sequences' last tokens."""
+        faults = self.faults
+        host = pack_step(seqs, self.pool.page_size, self.staging.next(_packed_bound(seqs)))
+        dev = self.staging.to_device(host)
+        v = host.layout.views(dev)
+        if faults.enabled:
+            prefill = has_prefill(seqs)
+            faults.set_step(max(s.request.num_prompt_tokens for s in seqs), "prefill" if prefill else "decode")
+            if prefill:
+                faults.check("prefill_workspace", nbytes=8 * host.num_tokens * self.model.config.hidden_size
+                             * torch.empty((), dtype=self.dtype).element_size())
+        attn = make_backend(self.attention, self.pool, self._metadata(host, v), self.device, faults)
+        hidden = self.model(v["input_ids"], v["positions"], attn)
+        rows = host.sample_rows
+        if not rows:
+            return hidden[:0]
+        self._check_logits(len(rows))
+        sel = hidden if len(rows) == hidden.shape[0] else hidden[v["sample_rows"]]
+        return self.model.compute_logits(sel).float()
+
+    def _metadata(self, host: HostStep, v: dict[str, torch.Tensor]) -> AttentionMetadata:
+        splits = 1
+        if host.max_query_len == 1 and self.device.type == "cuda" and self.attention == "triton":
+            from ferrylm.engine.attention import decode_splits
+            splits = decode_splits(host.num_seqs, self.pool.k[0].shape[1],
+                                   torch.cuda.get_device_properties(self.device).multi_processor_count)
+        return AttentionMetadata(slot_mapping=v["slot_mapping"], block_table=v["block_table"],
+                                 seq_lens=v["seq_lens"], query_start_loc=v["query_start_loc"],
+                                 max_query_len=host.max_query_len, num_splits=splits, host_seqs=host.host_seqs)
+
+    def _check_logits(self, n: int) -> None:
+        if self.faults.enabled:
+            self.faults.check("logits", nbytes=4 * n * self.model.config.vocab_size)
+
+    # --- bookkeeping ------------------------------------------------------------------------------------------
+    def stats(self) -> dict | None:
+        """The graphs' stats (``decode_graphs`` in the engine's stats), or None without graphs."""
+        g = self.step_graphs or self.piecewise
+        return None if g is None else g.stats()
+
+    def close(self) -> None:
+        for g in (self.step_graphs, self.piecewise):
+            if g is not None:
+                g.close()
+
+
+def _rows(logits: torch.Tensor, rows: list[int], batch: int) -> torch.Tensor:
+    """The sampling rows of a graph's static logits (all of the first ``batch`` rows when every sequence samples)."""
+    if rows == list(range(batch)):
+        return logits[:batch]
+    return logits[torch.tensor(rows, device=logits.device)]
+
+
+def _packed_bound(seqs) -> int:
+    """An upper bound of a step's packed size (int64 elements), for the staging buffer."""
+    t = sum(s.num_tokens for s in seqs)
+    b = len(seqs)
+    p = max((len(s.request.page_table) for s in seqs), default=1)
+    return 3 * t + 3 * b + 1 + b * max(1, p)

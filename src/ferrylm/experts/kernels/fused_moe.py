@@ -1,0 +1,238 @@
+"""Fused MoE on the device: a layer's routed experts in two grouped Triton kernels, no host sync, no Python loop
+over experts.
+
+Math (Jiang et al. 2024, "Mixtral of Experts", eq. 3): ``y_t = sum_j w_tj * W_down[e] (silu(W_gate[e] x_t) *
+(W_up[e] x_t))`` with ``e = ids[t, j]``.
+
+1. :func:`moe_align` (torch ops on the device): the ``T * k`` assignments sorted by expert and each expert's group
+   padded to a multiple of ``BLOCK_M`` (padding rows hold the sentinel ``T * k``), and the expert of every block of
+   ``BLOCK_M`` rows. Sizes are bounded on the host (``T * k + min(T * k, E) * (BLOCK_M - 1)`` rows), so nothing is
+   read back and the whole computation can be captured in a CUDA graph. (The block-aligned grouping is the one of
+   vLLM's Triton ``fused_moe``; this implementation is ours.)
+2. ``_gate_up_kernel``: per block of rows and column tile, ``x[token] @ W_gate[e]^T`` and ``@ W_up[e]^T`` in one
+   pass over ``x`` (fp32 accumulation), SiLU-and-multiply in the epilogue -> ``h [T * k, I]``.
+3. ``_down_kernel``: ``h @ W_down[e]^T``, times the routing weight in the epilogue, stored at ``t * k + r`` where
+   ``r`` is the rank of ``e`` among token ``t``'s experts (ascending id); the ``k`` rows of each token are then
+   summed in float32 in that order: the summation order of :meth:`~ferrylm.experts.work.LayerWork.combine`, so
+   every backend adds a token's contributions the same way.
+
+Rounding follows the torch reference (``swiglu_expert`` + ``weigh``): each GEMM's result is rounded to the
+activation dtype, SiLU is computed in float32 and rounded, the product rounded, the weighted output rounded.
+
+Weights are read through strides (``[E, I, H]`` / ``[E, H, I]`` views: resident stacks or slot-cache rows, see
+``ExpertLayout.layer_views``) and optionally through ``slot_of`` (``[E]`` int32: the cache slot holding expert ``e``),
+so the offload cache's slots run through the same kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ferrylm.triton_util import dot_precision
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    """Tile sizes of one launch: rows per expert block ``block_m``, output columns ``block_n``, reduction
+    ``block_k``; ``num_warps`` / ``num_stages`` as Triton's."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def pick_tiles(num_assignments: int, num_experts: int) -> tuple[MoeTiles, MoeTiles]:
+    """``(gate/up tiles, down tiles)`` for a step of ``num_assignments = T * k`` rows over ``num_experts`` experts:
+    16-row blocks while experts see about one token each (decode: memory-bound, narrow column tiles so enough
+    programs stream the weights), 64-row blocks for prefill (compute-bound)."""
+    if num_assignments <= 2 * num_experts:
+        return MoeTiles(16, 32, 128, 4, 4), MoeTiles(16, 64, 128, 4, 4)
+    return MoeTiles(64, 128, 64, 4, 3), MoeTiles(64, 128, 64, 4, 3)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group a step's assignments by expert in blocks of ``block_m`` rows, on the device, without a host sync.
+
+    Args:
+        topk_ids: ``[T, k]`` int64 expert ids in ``[0, E)``.
+        num_experts: ``E``.
+        block_m: rows per block.
+
+    Returns:
+        ``(sorted_ids [P] int32, block_expert [P / block_m] int32, num_padded [1] int64, counts [E] int64)``:
+        ``sorted_ids`` the flat
+        assignment index ``t * k + j`` of each row (ascending expert, then ascending assignment), ``T * k`` on
+        padding rows; ``block_expert[b]`` the expert of rows ``b * block_m ..`` (meaningless past ``num_padded``);
+        ``num_padded`` the rows in use; ``counts`` the assignments of each expert.
+        ``P = round_up(T k + min(T k, E) (block_m - 1), block_m)``.
+    """
+    n = topk_ids.numel()
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)
+    e_sorted = flat[order]
+    rank_in_expert = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts)[e_sorted]
+    dest = (pad_end - padded)[e_sorted] + rank_in_expert
+    rows = n + min(n, num_experts) * (block_m - 1)
+    rows = -(-rows // block_m) * block_m
+    sorted_ids = torch.full((rows,), n, dtype=torch.int32, device=dev)
+    sorted_ids.index_copy_(0, dest, order.to(torch.int32))
+    starts = torch.arange(0, rows, block_m, device=dev)
+    block_expert = torch.searchsorted(pad_end, starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_ids, block_expert, pad_end[-1:], counts
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr,
+                    num_assign, N, K, top_k,
+                    stride_xt, stride_ge, stride_gn, stride_gk, stride_ue, stride_un, stride_uk, stride_ht,
+                    HAS_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(npad_ptr):
+        return
+    e = tl.load(bexp_ptr + pid_m).to(tl.int64)
+    if HAS_SLOTS:
+        e = tl.load(slot_ptr + e).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    a_id = tl.load(sorted_ptr + rows)
+    m_ok = a_id < num_assign
+    tok = (a_id // top_k).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tok[:, None] * stride_xt + k[None, :]
+    g_ptrs = wg_ptr + e * stride_ge + n[None, :].to(tl.int64) * stride_gn + k[:, None] * stride_gk
+    u_ptrs = wu_ptr + e * stride_ue + n[None, :].to(tl.int64) * stride_un + k[:, None] * stride_uk
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k + k0 < K
+        a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc_g = tl.dot(a, bg.to(a.dtype), acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, bu.to(a.dtype), acc_u, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K * stride_gk
+        u_ptrs += BLOCK_K * stride_uk
+    out_ty = h_ptr.dtype.element_ty
+    g = acc_g.to(out_ty).to(tl.float32)
+    u = acc_u.to(out_ty).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
+    h = (s * u).to(out_ty)
+    tl.store(h_ptr + a_id.to(tl.int64)[:, None] * stride_ht + n[None, :], h, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, wd_ptr, out_ptr, w_ptr, dest_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr,
+                 num_assign, N, K,
+                 stride_ht, stride_de, stride_dn, stride_dk, stride_ot,
+                 HAS_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(npad_ptr):
+        return
+    e = tl.load(bexp_ptr + pid_m).to(tl.int64)
+    if HAS_SLOTS:
+        e = tl.load(slot_ptr + e).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    a_id = tl.load(sorted_ptr + rows)
+    m_ok = a_id < num_assign
+    a64 = a_id.to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    k = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + a64[:, None] * stride_ht + k[None, :]
+    d_ptrs = wd_ptr + e * stride_de + n[None, :].to(tl.int64) * stride_dn + k[:, None] * stride_dk
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k + k0 < K
+        a = tl.load(h_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(d_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
+        h_ptrs += BLOCK_K
+        d_ptrs += BLOCK_K * stride_dk
+    out_ty = out_ptr.dtype.element_ty
+    w = tl.load(w_ptr + a64, mask=m_ok, other=0.0).to(tl.float32)
+    y = (acc.to(out_ty).to(tl.float32) * w[:, None]).to(out_ty)
+    dest = tl.load(dest_ptr + a64, mask=m_ok, other=0).to(tl.int64)
+    tl.store(out_ptr + dest[:, None] * stride_ot + n[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def expert_rank_rows(topk_ids: torch.Tensor) -> torch.Tensor:
+    """``[T * k]`` int64: for assignment ``t * k + j``, the row ``t * k + r`` with ``r`` the rank of ``ids[t, j]``
+    among token ``t``'s experts in ascending id (ties, which routing never produces, by position)."""
+    t, k = topk_ids.shape
+    rank = torch.argsort(torch.argsort(topk_ids, dim=1, stable=True), dim=1, stable=True)
+    return (torch.arange(t, device=topk_ids.device)[:, None] * k + rank).reshape(-1)
+
+
+def fused_moe(hidden: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+              topk_ids: torch.Tensor, topk_weights: torch.Tensor, *, slot_of: torch.Tensor | None = None,
+              tiles: tuple[MoeTiles, MoeTiles] | None = None, used_experts: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` for one layer, entirely on the device (module docstring).
+
+    Args:
+        hidden: ``[T, H]`` activations (bf16 / fp16 / fp32), rows contiguous.
+        gate, up: ``[X, I, H]`` and down ``[X, H, I]`` expert weights (any strides; unit stride along the last dim
+            is fastest). ``X = E`` for resident stacks, or the slot count with ``slot_of``.
+        topk_ids: ``[T, k]`` int64 expert ids in ``[0, E)``. topk_weights: ``[T, k]`` routing weights.
+        slot_of: ``[E]`` int32, the row of ``gate``/``up``/``down`` holding expert ``e`` (None: row ``e``). Every
+            expert the step routes to must have a valid row (the caller made it resident).
+        tiles: override :func:`pick_tiles` (benchmarks).
+        used_experts: a 0-dim int64 device tensor to which the number of distinct experts the step routes to is
+            added in place (a counter that needs no host sync, and keeps counting in CUDA graph replays).
+
+    Returns:
+        ``[T, H]`` in ``hidden``'s dtype.
+    """
+    if hidden.stride(-1) != 1:
+        hidden = hidden.contiguous()
+    t, hdim = hidden.shape
+    k = topk_ids.shape[1]
+    inter = gate.shape[1]
+    num_experts = slot_of.shape[0] if slot_of is not None else gate.shape[0]
+    if t == 0:
+        return torch.zeros_like(hidden)
+    n = t * k
+    gu_tiles, d_tiles = tiles or pick_tiles(n, num_experts)
+    sorted_ids, block_expert, num_padded, counts = moe_align(topk_ids, num_experts, gu_tiles.block_m)
+    if used_experts is not None:
+        used_experts += (counts > 0).sum()
+    if d_tiles.block_m != gu_tiles.block_m:
+        raise ValueError("both GEMMs must use the same block_m (one alignment)")
+    inter_act = torch.empty(n, inter, dtype=hidden.dtype, device=hidden.device)
+    slots = slot_of if slot_of is not None else sorted_ids  # unused without HAS_SLOTS
+    blocks = sorted_ids.shape[0] // gu_tiles.block_m
+    _gate_up_kernel[(blocks, triton.cdiv(inter, gu_tiles.block_n))](
+        hidden, gate, up, inter_act, sorted_ids, block_expert, num_padded, slots,
+        n, inter, hdim, k,
+        hidden.stride(0), gate.stride(0), gate.stride(1), gate.stride(2), up.stride(0), up.stride(1),
+        up.stride(2), inter_act.stride(0),
+        HAS_SLOTS=slot_of is not None, BLOCK_M=gu_tiles.block_m, BLOCK_N=gu_tiles.block_n,
+        BLOCK_K=gu_tiles.block_k, PRECISION=dot_precision(hidden.dtype), num_warps=gu_tiles.num_warps, num_stages=gu_tiles.num_stages)
+    rows = torch.empty(n, hdim, dtype=hidden.dtype, device=hidden.device)
+    weights = topk_weights.reshape(-1)
+    if weights.dtype != torch.float32:
+        weights = weights.float()
+    _down_kernel[(blocks, triton.cdiv(hdim, d_tiles.block_n))](
+        inter_act, down, rows, weights, expert_rank_rows(topk_ids), sorted_ids, block_expert, num_padded, slots,
+        n, hdim, inter,
+        inter_act.stride(0), down.stride(0), down.stride(1), down.stride(2), rows.stride(0),
+        HAS_SLOTS=slot_of is not None, BLOCK_M=d_tiles.block_m, BLOCK_N=d_tiles.block_n,
+        BLOCK_K=d_tiles.block_k, PRECISION=dot_precision(hidden.dtype), num_warps=d_tiles.num_warps, num_stages=d_tiles.num_stages)
+    return rows.view(t, k, hdim).sum(1, dtype=torch.float32).to(hidden.dtype)
