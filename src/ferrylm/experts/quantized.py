@@ -170,6 +170,10 @@ class QuantTensor:
     def device(self) -> torch.device:
         return self.data.device
 
+    @property
+    def is_cuda(self) -> bool:
+        return self.data.is_cuda
+
     def _parts(self) -> dict[str, torch.Tensor | None]:
         return {"data": self.data, "scales": self.scales, "mins": self.mins, "row_scale": self.row_scale}
 
