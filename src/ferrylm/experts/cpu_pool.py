@@ -106,7 +106,8 @@ class CpuExpertPool:
             if self.native is not None and self._native_fits(job):
                 y = self.native.run(job.x, job.weights, [row for _, row, _, _ in job.items],
                                     [s for _, _, s, _ in job.items], [n for *_, n in job.items], self.layout.hidden,
-                                    self.layout.inter, self.threads)
+                                    self.layout.inter, self.threads,
+                                    layout=self.layout if self.layout.quant is not None else None)
                 return [y.to(job.out_dtype)], time.perf_counter() - t0
             for _, row, start, n in job.items:
                 y = cpu_expert(job.x[start:start + n], row, self.layout)
