@@ -156,3 +156,11 @@ def test_synthetic_quant_builds_and_backends_agree(quant):
     for backend in ("offload", "cpu", "hybrid"):
         got = greedy_trace(build_synthetic(spec, dtype=torch.float32, moe_backend=options(backend, 2)).model, prompt, 4)
         assert got[0] == want, backend
+
+
+def test_ferry_models_lists_the_formats():
+    from ferrylm.models.catalog import describe_models
+
+    text = describe_models()
+    assert "quant=int4" in text and "quant=nvfp4" in text
+    assert "compressed-tensors pack-quantized" in text and "GGUF experts Q8_0 / Q6_K / Q4_K" in text

@@ -119,6 +119,8 @@ def write_moe_gguf(path: Path, arch: str, hf_cfg: dict, tensors: dict[str, torch
     w.add_feed_forward_length(hf_cfg["intermediate_size"])
     if "moe_intermediate_size" in hf_cfg:
         w.add_expert_feed_forward_length(hf_cfg["moe_intermediate_size"])
+    if hf_cfg.get("shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(hf_cfg["shared_expert_intermediate_size"])
     tokens, merges, ttypes = byte_vocab()
     w.add_vocab_size(len(tokens))
     w.add_tokenizer_model("gpt2")

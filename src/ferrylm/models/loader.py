@@ -7,6 +7,9 @@ must find a place and every parameter / expert slot must be filled, else ModelLo
 Only tensors are read: no code from the folder is ever imported or run. A synthetic model folder (config.json with
 a ``ferrylm_synthetic`` recipe, see ``models/synthetic.py``) has no weights: its model is built in memory instead.
 
+A checkpoint with a ``quantization_config`` goes through :mod:`ferrylm.models.quant.load` instead: routed experts
+repacked into :class:`~ferrylm.experts.quantized.QuantTensor` stacks, other quantized linears dequantized.
+
 Expert layouts accepted (per MoE layer N, block named ``block_sparse_moe`` or ``mlp``):
   * per expert: ``model.layers.N.<block>.experts.E.{w1,w3,w2}.weight`` (Mixtral) or
     ``….experts.E.{gate_proj,up_proj,down_proj}.weight`` (Qwen-MoE), each ``[I, H]`` / ``[I, H]`` / ``[H, I]``.
