@@ -72,6 +72,7 @@ def check_format(ckpt, qdir, reference: dict[str, torch.Tensor], tmp_path, *, ex
         got = greedy_trace(load_model(qdir, moe_backend=options(backend, max(1, k - 1))).model, prompt, 5)
         assert got[0] == want[0], f"{backend}: greedy tokens differ from resident"
         assert max((a - b).abs().max().item() for a, b in zip(got[1], want[1])) <= 1e-4
+    print(f"{qdir.name}: expert max |ours - reference| {worst:.3g}, logits max |ours - reference| {logit_err:.3g}")
     return {"expert_max_abs_err": worst, "logit_max_abs_err": logit_err}
 
 
