@@ -42,7 +42,6 @@ ALIGN = 64  # byte alignment of every field inside an expert row (SIMD loads; dt
 
 #: e2m1 code -> value (OCP MX v1.0 §5.3.3)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-_E2M1 = torch.tensor(E2M1_VALUES, dtype=torch.float32)
 _DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.float8_e4m3fn: "f8e4m3"}
 
 
@@ -220,7 +219,7 @@ class QuantTensor:
         if self.fmt.bits == 4:
             d = self.data
             c = torch.stack((d & 15, d >> 4), -1).flatten(-2)
-            return _E2M1.to(d.device)[c.long()] if kind == "fp4" else c.float()
+            return e2m1_to_f32(c) if kind == "fp4" else c.float()
         return self.data.float()
 
     def effective_scales(self) -> torch.Tensor:
@@ -241,6 +240,16 @@ class QuantTensor:
         else:
             w = c * s
         return w.reshape(*lead, n, k).to(dtype or self.dtype)
+
+
+def e2m1_to_f32(c: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes (uint8 ``0..15``) -> float32 values, by arithmetic on the bits (no lookup table is copied to the
+    device, so it runs inside CUDA graph capture): ``0.5 * m`` for exponent 0, else ``2^(e-1) * (1 + m / 2)``."""
+    mag = c & 7
+    ex = (mag >> 1).float()
+    mt = (mag & 1).float()
+    v = torch.where(ex == 0, 0.5 * mt, torch.exp2(ex - 1) * (1 + 0.5 * mt))
+    return torch.where((c & 8) != 0, -v, v)
 
 
 def dense(w: torch.Tensor | QuantTensor, dtype: torch.dtype) -> torch.Tensor:
