@@ -180,6 +180,21 @@ def test_qwen2moe_and_olmoe_q8_0(tmp_path, family, arch):
     _check(tmp_path, hf_dir, path, where, arch, ("int8 g32 (f16 scales)", "int8 g32 (f16 scales)"))
 
 
+def test_float_experts_stay_plain(tmp_path):
+    """F32 expert stacks are written one tensor per expert and load as plain weights."""
+    model = _hf_model("mixtral", hidden_size=64, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    hf_dir, path, where = _to_gguf(model, tmp_path, "llama", lambda tensors: {})
+    folder = convert_gguf(path, tmp_path / "converted", progress=False)
+    assert "quantization_config" not in json.loads((folder / "config.json").read_text())
+    loaded = load_model(folder)
+    assert not isinstance(loaded.executor.layers[0].gate, QuantTensor)
+    ids = token_ids(12, VOCAB, seed=5)
+    with torch.no_grad():
+        ref = model(input_ids=ids[None]).logits[0]
+    assert (full_logits(loaded.model, ids) - ref).abs().max().item() <= 1e-4
+
+
 def test_unsupported_expert_type_is_named(tmp_path):
     model = _hf_model("mixtral", hidden_size=64, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})

@@ -351,9 +351,18 @@ def _as_per_expert(entries: list[TensorEntry]) -> list[TensorEntry]:
     for e in entries:
         stem = e.name[:-len(".weight")]
         base, proj = stem.rsplit(".", 1)
+        cache: dict[str, np.ndarray] = {}
+
+        def expert(i: int, e: TensorEntry = e, cache=cache) -> np.ndarray:
+            if "stack" not in cache:  # dequantized once per stack, released after its last expert
+                cache["stack"] = e.produce()
+            w = cache["stack"][i]
+            if i == e.shape[0] - 1:
+                cache.clear()
+            return np.ascontiguousarray(w)
+
         for i in range(e.shape[0]):
-            out.append(TensorEntry(f"{base}.{i}.{proj}.weight", "F32", e.shape[1:],
-                                   lambda e=e, i=i: e.produce()[i]))
+            out.append(TensorEntry(f"{base}.{i}.{proj}.weight", "F32", e.shape[1:], lambda i=i, f=expert: f(i)))
     return out
 
 
