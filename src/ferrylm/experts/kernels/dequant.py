@@ -65,11 +65,14 @@ def _e4m3(c):
 
 
 @triton.jit
-def weight_tile(w_ptr, s_ptr, m_ptr, r_ptr, e, n, kk, n_ok, k_ok,
+def weight_tile(w_ptr, s_ptr, m_ptr, r_ptr, e, n, k0, kk, n_ok, k_ok,
                 swe, swn, swk, sse, ssn, ssg, sre, srn,
-                QKIND: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr, HAS_ROW: tl.constexpr):
-    """``W[e, n, kk]`` as a ``[len(kk), len(n)]`` tile: the weight dtype for plain weights (``QKIND == 0``), float32
-    dequantized values otherwise; masked elements are 0. ``e`` int64 scalar, ``n`` / ``kk`` index vectors."""
+                QKIND: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr, HAS_ROW: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """``W[e, n, kk]`` as a ``[BLOCK_K, len(n)]`` tile, ``kk = k0 + arange(BLOCK_K)``: the weight dtype for plain
+    weights (``QKIND == 0``), float32 dequantized values otherwise; masked elements are 0. ``e`` int64 scalar. When
+    the tile lies in one scale group (``GROUP % BLOCK_K == 0``) one scale per column is loaded, else one per
+    element."""
     mask = k_ok[:, None] & n_ok[None, :]
     nn = n[None, :].to(tl.int64)
     kc = kk[:, None].to(tl.int64)
@@ -81,7 +84,14 @@ def weight_tile(w_ptr, s_ptr, m_ptr, r_ptr, e, n, kk, n_ok, k_ok,
             c = (b >> ((kc % 2) * 4).to(tl.uint8)) & 15
         else:
             c = tl.load(w_ptr + e * swe + nn * swn + kc * swk, mask=mask, other=0)
-        s = tl.load(s_ptr + e * sse + nn * ssn + (kc // GROUP) * ssg, mask=mask, other=0.0).to(tl.float32)
+        if GROUP % BLOCK_K == 0:
+            g_idx = k0 // GROUP
+            s_off = e * sse + nn * ssn + g_idx * ssg  # [1, BLOCK_N]
+            s_mask = n_ok[None, :]
+        else:
+            s_off = e * sse + nn * ssn + (kc // GROUP) * ssg  # [BLOCK_K, BLOCK_N]
+            s_mask = mask
+        s = tl.load(s_ptr + s_off, mask=s_mask, other=0.0).to(tl.float32)
         if HAS_ROW:
             s = s * tl.load(r_ptr + e * sre + nn * srn, mask=n_ok[None, :], other=0.0).to(tl.float32)
         if QKIND == 4:
@@ -91,7 +101,7 @@ def weight_tile(w_ptr, s_ptr, m_ptr, r_ptr, e, n, kk, n_ok, k_ok,
         else:
             cf = c.to(tl.float32)
             if HAS_MINS:
-                m = tl.load(m_ptr + e * sse + nn * ssn + (kc // GROUP) * ssg, mask=mask, other=0.0).to(tl.float32)
+                m = tl.load(m_ptr + s_off, mask=s_mask, other=0.0).to(tl.float32)
                 w = cf * s - m
             else:
                 w = (cf - (8.0 if QKIND == 1 else 128.0)) * s

@@ -126,10 +126,10 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr,
     for k0 in range(0, K, BLOCK_K):
         k_ok = k + k0 < K
         a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        bg = weight_tile(wg_ptr, sg_ptr, mg_ptr, rg_ptr, e, n, k + k0, n_ok, k_ok, stride_ge, stride_gn, stride_gk,
-                         sgse, sgsn, sgsg, sgre, sgrn, QKIND, GROUP, HAS_MINS, HAS_ROW)
-        bu = weight_tile(wu_ptr, su_ptr, mu_ptr, ru_ptr, e, n, k + k0, n_ok, k_ok, stride_ue, stride_un, stride_uk,
-                         suse, susn, susg, sure, surn, QKIND, GROUP, HAS_MINS, HAS_ROW)
+        bg = weight_tile(wg_ptr, sg_ptr, mg_ptr, rg_ptr, e, n, k0, k + k0, n_ok, k_ok, stride_ge, stride_gn,
+                         stride_gk, sgse, sgsn, sgsg, sgre, sgrn, QKIND, GROUP, HAS_MINS, HAS_ROW, BLOCK_K)
+        bu = weight_tile(wu_ptr, su_ptr, mu_ptr, ru_ptr, e, n, k0, k + k0, n_ok, k_ok, stride_ue, stride_un,
+                         stride_uk, suse, susn, susg, sure, surn, QKIND, GROUP, HAS_MINS, HAS_ROW, BLOCK_K)
         acc_g = tl.dot(a, bg.to(a.dtype), acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, bu.to(a.dtype), acc_u, input_precision=PRECISION)
         x_ptrs += BLOCK_K
@@ -167,8 +167,8 @@ def _down_kernel(h_ptr, out_ptr, w_ptr, dest_ptr, sorted_ptr, bexp_ptr, npad_ptr
     for k0 in range(0, K, BLOCK_K):
         k_ok = k + k0 < K
         a = tl.load(h_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        b = weight_tile(wd_ptr, sd_ptr, md_ptr, rd_ptr, e, n, k + k0, n_ok, k_ok, stride_de, stride_dn, stride_dk,
-                        sdse, sdsn, sdsg, sdre, sdrn, QKIND, GROUP, HAS_MINS, HAS_ROW)
+        b = weight_tile(wd_ptr, sd_ptr, md_ptr, rd_ptr, e, n, k0, k + k0, n_ok, k_ok, stride_de, stride_dn,
+                        stride_dk, sdse, sdsn, sdsg, sdre, sdrn, QKIND, GROUP, HAS_MINS, HAS_ROW, BLOCK_K)
         acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
         h_ptrs += BLOCK_K
     out_ty = out_ptr.dtype.element_ty
