@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--hidden", type=int, default=2048, help="hidden size H (default: 2048, Qwen3-30B-A3B)")
     bc.add_argument("--inter", type=int, default=768, help="expert intermediate size I (default: 768)")
     bc.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    bc.add_argument("--quant", default="none",
+                    help="comma list of expert formats: none (plain --dtype rows) and the synthetic quant names "
+                         "fp8, int4, mxfp4, nvfp4 (random codes of that format; default: none)")
     bc.add_argument("--kernels", default="torch,native", help="comma list of --moe-cpu-kernel values "
                                                                 "(default: torch,native)")
     bc.add_argument("--threads", default=None, help="comma list of thread counts (default: physical cores)")

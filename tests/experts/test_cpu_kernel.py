@@ -269,3 +269,58 @@ def test_bench_cpu_experts_dma_on_needs_cuda(capsys):
 
     assert main(["bench", "cpu-experts", "--hidden", "16", "--inter", "8", "--jobs", "1", "--dma", "on"]) == 2
     assert "--dma on needs a CUDA device" in capsys.readouterr().err
+
+
+QUANT = {
+    "int4": ("int4", 32, torch.bfloat16, False, False),
+    "int4-mins": ("int4", 16, torch.float32, True, False),
+    "int8": ("int8", 32, torch.float16, False, False),
+    "int8-mins": ("int8", 16, torch.float32, True, False),
+    "fp4-mx": ("fp4", 32, torch.bfloat16, False, False),
+    "fp4-nv": ("fp4", 16, torch.float8_e4m3fn, False, True),
+    "fp8": ("fp8", 32, torch.float32, False, False),
+}
+
+
+@pytest.mark.parametrize("name", list(QUANT))
+@pytest.mark.parametrize("counts", [[1, 1, 1], [3, 1, 8]])
+def test_quantized_rows_match_the_dequantized_reference(kernel, name, counts):
+    """int4 / int8 (symmetric and with mins), fp4 (E8M0-like and fp8 scales with a row scale), fp8: the kernel's
+    in-register dequantization against float64 SwiGLU on the torch reference's dequantized weights, and the pool
+    routes decode jobs of quantized rows to it."""
+    from ferrylm.experts.executor import LayerExperts
+    from ferrylm.experts.quantized import ExpertQuant, QuantFormat, random_quant
+
+    kind, group, sdt, mins, row = QUANT[name]
+    fmt = QuantFormat(kind, group, sdt, mins=mins, row_scale=row)
+    h, i, e = 128, 64, len(counts)
+    g = torch.Generator().manual_seed(len(name) + sum(counts))
+    le = LayerExperts(random_quant(fmt, (e,), i, h, generator=g, std=h ** -0.5, dtype=torch.float32),
+                      random_quant(fmt, (e,), i, h, generator=g, std=h ** -0.5, dtype=torch.float32),
+                      random_quant(fmt, (e,), h, i, generator=g, std=i ** -0.5, dtype=torch.float32))
+    layout = ExpertLayout.of(le)
+    assert layout.quant == ExpertQuant(fmt, fmt) and NativeExpertKernel.supports(layout)
+    bank = torch.zeros(e, layout.numel, dtype=torch.uint8)
+    layout.pack(bank, le)
+    m = sum(counts)
+    x = torch.randn(m, h, generator=g)
+    w = torch.rand(m, generator=g)
+    starts = [sum(counts[:j]) for j in range(e)]
+    got = kernel.run(x, w, list(bank.unbind(0)), starts, counts, h, i, threads=2, layout=layout)
+    ref, s = [], 0
+    for j, n in enumerate(counts):
+        gu = x[s:s + n].double() @ torch.cat([le.gate[j].dequantize(torch.float64),
+                                              le.up[j].dequantize(torch.float64)]).T
+        ref.append((F.silu(gu[:, :i]) * gu[:, i:]) @ le.down[j].dequantize(torch.float64).T * w[s:s + n, None].double())
+        s += n
+    ref = torch.cat(ref)
+    assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5
+    pool = CpuExpertPool(layout, threads=2, kernel="native")
+    try:
+        job = CpuJob(x=x, weights=w, items=[(j, bank[j], starts[j], counts[j]) for j in range(e)],
+                     out_dtype=torch.float32)
+        outs, _ = pool.submit(job).result()
+        assert pool.kernel_name.startswith("native") and len(outs) == 1
+        assert ((outs[0].double() - ref).norm() / ref.norm()).item() < 1e-5
+    finally:
+        pool.close()

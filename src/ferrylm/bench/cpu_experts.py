@@ -8,7 +8,8 @@ engine does between layers); pinned host->device copies streaming on a side CUDA
 than the CPU caches (``--bank-experts``), visited in a strided order, so every job reads its weights from DRAM.
 
 Reported per configuration: median and 90th-percentile seconds per job and the weight bytes per second at the
-median (``k * expert bytes / median``).
+median (``k * expert bytes / median``). ``--quant`` times quantized rows too (the formats of
+``synthetic:<preset>:quant=Q``): their expert bytes are the quantized ones, so ``gb_s`` is stored bytes per second.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class CpuExpertsRow:
     """One configuration's timing (seconds per job; ``gb_s``: expert weight bytes per second at the median)."""
 
     kernel: str
+    quant: str
     threads: int
     experts: int
     dma: bool
@@ -84,33 +86,56 @@ def time_jobs(pool: CpuExpertPool, bank: torch.Tensor, layout: ExpertLayout, k: 
     return times[len(times) // 2], times[min(len(times) - 1, int(len(times) * 0.9))]
 
 
+def _bank(layout: ExpertLayout, quant: str, bank_experts: int, pin: bool) -> torch.Tensor:
+    """``[bank_experts, S]`` host rows of random experts (plain, or codes of the ``quant`` format)."""
+    bank = torch.empty(bank_experts, layout.numel, dtype=layout.row_dtype, pin_memory=pin)
+    if layout.quant is None:
+        return bank.copy_(torch.randn(bank_experts, layout.numel).mul_(0.02))
+    from ferrylm.models.quant.synthetic import CodePool, random_stack
+
+    pool, h, i = CodePool(0), layout.hidden, layout.inter
+    le = {p: random_stack(pool, fmt, bank_experts, n, k, k ** -0.5, f"bench.{p}", device="cpu", dtype=layout.dtype)
+          for p, fmt, n, k in (("gate", layout.quant.gate_up, i, h), ("up", layout.quant.gate_up, i, h),
+                               ("down", layout.quant.down, h, i))}
+    from ferrylm.experts.executor import LayerExperts
+
+    layout.pack(bank, LayerExperts(**le))
+    return bank
+
+
 def run_cpu_experts_bench(*, hidden: int, inter: int, dtype: torch.dtype, kernels: list[str], threads: list[int],
                           experts: list[int], jobs: int, gap_s: float, dma: bool, bank_experts: int,
-                          progress=print) -> list[CpuExpertsRow]:
+                          quants: tuple[str, ...] = ("none",), progress=print) -> list[CpuExpertsRow]:
     """Time every (kernel, threads, experts per job) combination; see the module docstring.
 
     Raises:
         ValueError / KernelBuildError: as :class:`~ferrylm.experts.cpu_pool.CpuExpertPool` (``native`` that does
             not build, an unknown kernel).
     """
-    layout = ExpertLayout(hidden=hidden, inter=inter, dtype=dtype)
-    bank = torch.empty(bank_experts, layout.numel, dtype=dtype, pin_memory=dma and torch.cuda.is_available())
-    bank.copy_(torch.randn(bank_experts, layout.numel).mul_(0.02))
+    from ferrylm.models.quant.synthetic import SYNTHETIC_FORMATS
+
     rows = []
-    for kernel in kernels:
-        for th in threads:
-            pool = CpuExpertPool(layout, th, kernel)
-            try:
-                for k in experts:
-                    med, p90 = time_jobs(pool, bank, layout, k, jobs, gap_s, dma)
-                    row = CpuExpertsRow(kernel=pool.kernel_name, threads=pool.threads, experts=k,
-                                        dma=bool(dma and bank.is_pinned()), median_s=med, p90_s=p90,
-                                        gb_s=k * layout.nbytes / med / 1e9)
-                    rows.append(row)
-                    progress(f"{row.kernel:<16} threads {row.threads:>3}  experts/job {k:>2}  dma {int(row.dma)}  "
-                             f"median {med * 1e3:7.3f} ms  p90 {p90 * 1e3:7.3f} ms  {row.gb_s:6.1f} GB/s")
-            finally:
-                pool.close()
+    for quant in quants:
+        layout = ExpertLayout(hidden=hidden, inter=inter, dtype=dtype,
+                              quant=None if quant == "none" else SYNTHETIC_FORMATS[quant])
+        if layout.quant is not None:
+            layout.quant.check(hidden, inter)
+        bank = _bank(layout, quant, bank_experts, dma and torch.cuda.is_available())
+        for kernel in kernels:
+            for th in threads:
+                pool = CpuExpertPool(layout, th, kernel)
+                try:
+                    for k in experts:
+                        med, p90 = time_jobs(pool, bank, layout, k, jobs, gap_s, dma)
+                        row = CpuExpertsRow(kernel=pool.kernel_name, quant=quant, threads=pool.threads, experts=k,
+                                            dma=bool(dma and bank.is_pinned()), median_s=med, p90_s=p90,
+                                            gb_s=k * layout.nbytes / med / 1e9)
+                        rows.append(row)
+                        progress(f"{quant:<6} {row.kernel:<16} threads {row.threads:>3}  experts/job {k:>2}  dma "
+                                 f"{int(row.dma)}  median {med * 1e3:7.3f} ms  p90 {p90 * 1e3:7.3f} ms  "
+                                 f"{row.gb_s:6.1f} GB/s")
+                finally:
+                    pool.close()
     return rows
 
 
@@ -148,10 +173,16 @@ def main(args) -> int:
         if args.gap_ms < 0:
             raise ValueError(f"--gap-ms must be >= 0, got {args.gap_ms}")
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+        from ferrylm.models.synthetic import SYNTHETIC_QUANT
+
+        quants = tuple(q.strip() for q in args.quant.split(",") if q.strip())
+        if not quants or any(q != "none" and q not in SYNTHETIC_QUANT for q in quants):
+            raise ValueError(f"--quant takes a comma-separated list of none, {', '.join(SYNTHETIC_QUANT)}, got "
+                             f"{args.quant!r}")
         dma = args.dma == "on" or (args.dma == "auto" and torch.cuda.is_available())
         rows = run_cpu_experts_bench(hidden=args.hidden, inter=args.inter, dtype=dtype, kernels=kernels,
                                      threads=threads, experts=experts, jobs=args.jobs, gap_s=args.gap_ms / 1e3,
-                                     dma=dma, bank_experts=args.bank_experts)
+                                     dma=dma, bank_experts=args.bank_experts, quants=quants)
     except (ValueError, KernelBuildError) as e:
         print(f"ferry bench cpu-experts: {e}", file=sys.stderr)
         return 2

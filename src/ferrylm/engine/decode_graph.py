@@ -289,7 +289,7 @@ class DecodeGraphRunner:
             m = min(batch * k, e)
             if m <= cap:
                 if self._stage_rows is None:
-                    self._stage_rows = torch.zeros(cap, layout.numel, dtype=layout.dtype, device=self.device)
+                    self._stage_rows = torch.zeros(cap, layout.numel, dtype=layout.row_dtype, device=self.device)
                 stage = ExpertStage.create(self._stage_rows[:m], layout, batch, k,
                                            self.stack.embed_tokens.weight.shape[1], self.dtype)
         self._stages[batch] = stage

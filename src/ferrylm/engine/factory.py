@@ -68,12 +68,15 @@ def resolve_auto(model_path: str | Path, config: EngineConfig, device: torch.dev
     from ferrylm.experts.bandwidth import measure_bandwidths
     from ferrylm.models.registry import get_model_class
 
+    from ferrylm.models.quant import planned_expert_quant
+
     moe_layers = get_model_class(mcfg.architecture).moe_layer_indices(mcfg)
-    layout = ExpertLayout(mcfg.hidden_size, mcfg.moe_intermediate_size, dtype)
+    layout = ExpertLayout(mcfg.hidden_size, mcfg.moe_intermediate_size, dtype, quant=planned_expert_quant(mcfg.raw))
     cap = (int(config.gpu_memory_limit * 2**30) if config.gpu_memory_limit is not None
            else torch.cuda.mem_get_info(device)[0])
     kv = 0 if (config.num_pages or config.num_tokens) else int(cap * config.kv_memory_fraction)
-    budget = cap - estimate_non_expert_bytes(mcfg, moe_layers, layout.nbytes // layout.numel) - kv - WORKSPACE_RESERVE
+    elem = torch.empty((), dtype=dtype).element_size()
+    budget = cap - estimate_non_expert_bytes(mcfg, moe_layers, elem) - kv - WORKSPACE_RESERVE
     measured: list = []
 
     def measure():

@@ -1,7 +1,7 @@
 """Where routed experts live and run. ``build_executor`` picks a backend by its ``--moe-backend`` name.
 
-Rooms: ``executor.py`` (the interface), ``resident.py`` (all experts on the device), ``banks.py`` (host expert
-rows, pinned), ``cache.py`` (slot cache bookkeeping, LRU), ``transfer.py`` (copy stream / copy thread),
+Rooms: ``executor.py`` (the interface), ``quantized.py`` (quantized expert representations), ``resident.py`` (all
+experts on the device), ``banks.py`` (host expert rows, pinned), ``cache.py`` (slot cache bookkeeping, LRU), ``transfer.py`` (copy stream / copy thread),
 ``stream.py`` (prefill double buffer), ``cached.py`` (the base of the offloading backends), ``offload.py``,
 ``cpu.py`` + ``cpu_pool.py``, ``hybrid.py``, ``auto.py`` (the choice), ``bandwidth.py`` (measured rates),
 ``stats.py`` (counters), ``options.py`` (knobs).

@@ -62,7 +62,7 @@ def measure_bandwidths(device: torch.device | str, layout: ExpertLayout, *, pinn
         torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
 
     n = num_experts or (max(2, (512 << 20) // layout.nbytes) if cuda else 4)
-    rows = torch.empty(n, layout.numel, dtype=layout.dtype).fill_(1e-3)
+    rows = torch.empty(n, layout.numel, dtype=layout.row_dtype).fill_(1e-3 if layout.quant is None else 0)
     own = pool is None
     pool = pool or CpuExpertPool(layout)
     x = torch.full((n, layout.hidden), 1e-2, dtype=layout.dtype)

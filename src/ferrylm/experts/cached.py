@@ -142,7 +142,7 @@ class CachedExecutor(ExpertExecutor):
     # --- slot blocks --------------------------------------------------------------------------------------------
     def _new_block(self, blk: int, size: int) -> None:
         """Allocate block ``blk`` of ``size`` slots (raises torch.OutOfMemoryError when the device is full)."""
-        t = torch.empty(size, self.layout.numel, dtype=self.layout.dtype, device=self.device)
+        t = torch.empty(size, self.layout.numel, dtype=self.layout.row_dtype, device=self.device)
         self._blocks[blk] = t
         self._block_views[blk] = self.layout.layer_views(t)  # gate/up [b, I, H], down [b, H, I] views
         for i, row in enumerate(t.unbind(0)):  # slot -> [S] row view, made once (not one select per use)

@@ -148,16 +148,22 @@ class NativeExpertKernel:
         fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
                        ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        fq = lib.ferry_expert_gemv_q
+        fq.restype = ctypes.c_int
+        fq.argtypes = [ctypes.POINTER(ctypes.c_int64)] + fn.argtypes[1:]
         lib.ferry_isa.restype = ctypes.c_int
         return cls(path=lib_path, isa=_ISA.get(lib.ferry_isa(), "?"), _lib=lib)
 
+    SUPPORTED = "bfloat16 or float32 experts, or quantized int4 / int8 / fp4 / fp8 ones"
+
     @staticmethod
-    def supports(dtype: torch.dtype) -> bool:
-        """Weight dtypes the kernel reads: bfloat16 and float32."""
-        return dtype in _WDTYPE
+    def supports(layout) -> bool:
+        """Whether the kernel reads experts of ``layout`` (an :class:`~ferrylm.experts.banks.ExpertLayout`):
+        plain bfloat16 and float32 rows, and quantized rows of every :mod:`~ferrylm.experts.quantized` format."""
+        return layout.quant is not None or layout.dtype in _WDTYPE
 
     def run(self, x: torch.Tensor, weights: torch.Tensor, rows: list[torch.Tensor], starts: list[int],
-            counts: list[int], hidden: int, inter: int, threads: int) -> torch.Tensor:
+            counts: list[int], hidden: int, inter: int, threads: int, layout=None) -> torch.Tensor:
         """A layer's CPU share in one call.
 
         Args:
@@ -167,6 +173,9 @@ class NativeExpertKernel:
                 contiguous, all bfloat16 or all float32.
             starts, counts: expert ``e`` owns rows ``starts[e] : starts[e] + counts[e]`` of ``x`` (within ``M``).
             hidden, inter: ``H`` and ``I``. threads: OpenMP threads for the call (>= 1).
+            layout: the rows' :class:`~ferrylm.experts.banks.ExpertLayout` when they are quantized (uint8 rows of
+                ``layout.numel`` bytes; each weight row is dequantized in float32 and dotted, see the C file);
+                None for plain rows.
 
         Returns:
             ``[M, H]`` float32: ``w_m * down_e @ (silu(g) * u)`` for every row an expert owns (see the C file's
@@ -190,9 +199,14 @@ class NativeExpertKernel:
                              f"and not overlap")
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
+        quant = layout.quant if layout is not None else None
         dt = rows[0].dtype
-        if dt not in _WDTYPE or any(r.dtype != dt or not r.is_contiguous() or r.numel() != 3 * hidden * inter
-                                    for r in rows):
+        if quant is not None:
+            if (layout.hidden, layout.inter) != (hidden, inter) or any(
+                    r.dtype != torch.uint8 or not r.is_contiguous() or r.numel() != layout.numel for r in rows):
+                raise ValueError(f"quantized expert rows must be contiguous uint8 [{layout.numel}] tensors")
+        elif dt not in _WDTYPE or any(r.dtype != dt or not r.is_contiguous() or r.numel() != 3 * hidden * inter
+                                      for r in rows):
             raise ValueError("expert rows must be contiguous [3*I*H] tensors, all bfloat16 or all float32")
         if any(t.device.type != "cpu" for t in (x, weights, *rows)):
             raise ValueError("the native kernel reads host tensors; got a tensor on another device")
@@ -201,12 +215,30 @@ class NativeExpertKernel:
         scratch = torch.empty(m, 2 * inter, dtype=torch.float32)
         out = torch.zeros(m, hidden, dtype=torch.float32)
         ptrs = (ctypes.c_void_p * k)(*[r.data_ptr() for r in rows])
-        rc = self._lib.ferry_expert_gemv(_WDTYPE[dt], int(threads), k, ptrs, (ctypes.c_int64 * k)(*starts),
-                                         (ctypes.c_int64 * k)(*counts), hidden, inter, xf.data_ptr(),
-                                         wf.data_ptr(), scratch.data_ptr(), out.data_ptr())
+        args = (int(threads), k, ptrs, (ctypes.c_int64 * k)(*starts), (ctypes.c_int64 * k)(*counts), hidden, inter,
+                xf.data_ptr(), wf.data_ptr(), scratch.data_ptr(), out.data_ptr())
+        if quant is not None:
+            rc = self._lib.ferry_expert_gemv_q(_qproj(layout), *args)
+        else:
+            rc = self._lib.ferry_expert_gemv(_WDTYPE[dt], *args)
         if rc != 0:
             raise ValueError(f"native expert kernel rejected its arguments (rc {rc})")
         return out
+
+
+_QKIND = {"int4": 1, "int8": 2, "fp4": 3, "fp8": 4}
+_SDTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}
+
+
+def _qproj(layout):
+    """The C ``qproj[2]`` (gate|up, down) of a quantized ``layout``: kind, group, scale dtype, mins, row scale and
+    the fields' byte offsets in the expert row (``ExpertLayout._rows``), as 18 int64."""
+    vals = []
+    for fmt, fields in ((layout.quant.gate_up, layout._rows[0]), (layout.quant.down, layout._rows[1])):
+        off = {name: o for name, o, _, _ in fields.fields}
+        vals += [_QKIND[fmt.kind], fmt.group, _SDTYPE[fmt.scale_dtype], int(fmt.mins), int(fmt.row_scale),
+                 off["data"], off["scales"], off.get("mins", 0), off.get("row_scale", 0)]
+    return (ctypes.c_int64 * len(vals))(*vals)
 
 
 def load_kernel(mode: str, root: Path | None = None) -> NativeExpertKernel | None:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrylm.experts.banks import ExpertLayout
+from ferrylm.experts.quantized import dense
 from ferrylm.experts.cpu_kernel import NATIVE_MAX_TOKENS, NativeExpertKernel, load_kernel
 
 log = logging.getLogger("ferrylm.experts")
@@ -43,10 +44,11 @@ def physical_cores() -> int:
 
 
 def cpu_expert(x: torch.Tensor, row: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
-    """One expert on the CPU: ``x [N, H]`` and the expert's ``row [S]`` -> ``[N, H]`` in ``row``'s dtype."""
-    i, h = layout.inter, layout.hidden
-    gu = F.linear(x, row[:2 * i * h].view(2 * i, h))
-    return F.linear(F.silu(gu[:, :i]) * gu[:, i:], row[2 * i * h:].view(h, i))
+    """One expert on the CPU: ``x [N, H]`` and the expert's ``row [S]`` -> ``[N, H]`` in ``x``'s dtype (quantized
+    rows are dequantized to it first: the reference path)."""
+    i = layout.inter
+    gu = F.linear(x, dense(layout.gate_up(row), x.dtype))
+    return F.linear(F.silu(gu[:, :i]) * gu[:, i:], dense(layout.down(row), x.dtype))
 
 
 @dataclass
@@ -90,9 +92,10 @@ class CpuExpertPool:
             log.warning("CPU experts: %d threads on %d CPUs (--moe-cpu-threads): torch's intra-op pool is "
                         "process-wide, so every CPU op (not only the experts) will be oversubscribed and slow",
                         self.threads, os.cpu_count())
-        if kernel == "native" and not NativeExpertKernel.supports(layout.dtype):
-            raise ValueError(f"--moe-cpu-kernel native reads bfloat16 or float32 experts, not {layout.dtype}")
-        self.native = load_kernel(kernel) if NativeExpertKernel.supports(layout.dtype) else None
+        if kernel == "native" and not NativeExpertKernel.supports(layout):
+            raise ValueError(f"--moe-cpu-kernel native reads {NativeExpertKernel.SUPPORTED}, not "
+                             f"{layout.quant.describe() if layout.quant else layout.dtype}")
+        self.native = load_kernel(kernel) if NativeExpertKernel.supports(layout) else None
         self.kernel_name = f"native-{self.native.isa}" if self.native else "torch"
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferrylm-cpu-experts")
 
@@ -103,7 +106,8 @@ class CpuExpertPool:
             if self.native is not None and self._native_fits(job):
                 y = self.native.run(job.x, job.weights, [row for _, row, _, _ in job.items],
                                     [s for _, _, s, _ in job.items], [n for *_, n in job.items], self.layout.hidden,
-                                    self.layout.inter, self.threads)
+                                    self.layout.inter, self.threads,
+                                    layout=self.layout if self.layout.quant is not None else None)
                 return [y.to(job.out_dtype)], time.perf_counter() - t0
             for _, row, start, n in job.items:
                 y = cpu_expert(job.x[start:start + n], row, self.layout)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ferrylm.experts.quantized import ExpertQuant, QuantTensor
+
 
 @dataclass
 class LayerExperts:
@@ -26,22 +28,42 @@ class LayerExperts:
         gate: ``[E, I, H]`` gate projection (HF ``w1`` / ``gate_proj``).
         up:   ``[E, I, H]`` up projection   (HF ``w3`` / ``up_proj``).
         down: ``[E, H, I]`` down projection (HF ``w2`` / ``down_proj``).
-    ``E`` experts, ``H`` hidden size, ``I`` expert intermediate size.
+    ``E`` experts, ``H`` hidden size, ``I`` expert intermediate size. Each is a plain tensor, or, for quantized
+    experts, a :class:`~ferrylm.experts.quantized.QuantTensor` of those dequantized shapes (gate and up of one
+    format, down of one format).
     """
 
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+    gate: torch.Tensor | QuantTensor
+    up: torch.Tensor | QuantTensor
+    down: torch.Tensor | QuantTensor
 
     @property
     def num_experts(self) -> int:
         return self.gate.shape[0]
 
     @property
+    def quant(self) -> ExpertQuant | None:
+        """The quantized formats, or None for plain tensors."""
+        if isinstance(self.gate, QuantTensor):
+            return ExpertQuant(gate_up=self.gate.fmt, down=self.down.fmt)
+        return None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype (plain tensors) or the compute dtype quantized ones dequantize to."""
+        return self.gate.dtype
+
+    @property
     def expert_bytes(self) -> int:
-        """Bytes of one expert (gate + up + down)."""
+        """Bytes of one expert (gate + up + down; quantized: every field)."""
+        if isinstance(self.gate, QuantTensor):
+            return sum(p[0].nbytes for p in (self.gate, self.up, self.down))
         per = self.gate[0].numel() + self.up[0].numel() + self.down[0].numel()
         return per * self.gate.element_size()
+
+    def to(self, device: torch.device | str) -> "LayerExperts":
+        """The three projections on ``device`` (no copy where they are already there)."""
+        return LayerExperts(gate=self.gate.to(device), up=self.up.to(device), down=self.down.to(device))
 
 
 class ExpertExecutor(ABC):

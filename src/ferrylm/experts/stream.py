@@ -30,7 +30,7 @@ class LayerStreamer:
         self.banks = banks
         self.copier = copier
         e, s = banks.num_experts, banks.layout.numel
-        self.buffers = [torch.empty(e, s, dtype=banks.layout.dtype, device=device) for _ in range(2)]
+        self.buffers = [torch.empty(e, s, dtype=banks.layout.row_dtype, device=device) for _ in range(2)]
         self.layer: list[int | None] = [None, None]
         self.have: list[set[int]] = [set(), set()]
         self.ready: list = [None, None]     # copy fence covering everything enqueued into the buffer

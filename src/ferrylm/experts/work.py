@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrylm.experts.executor import LayerExperts
+from ferrylm.experts.quantized import dense
 
 # NOTE: steps with at most this many tokens (decode) are planned on the host and, on CUDA, run batched GEMMs.
 SMALL_STEP_TOKENS = 8
@@ -73,15 +74,18 @@ def group_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_expe
     return ExpertGroups(token_idx=order // k, weights=topk_weights.reshape(-1)[order], counts=counts, order=order)
 
 
-def swiglu_expert(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def swiglu_expert(x: torch.Tensor, gate, up, down) -> torch.Tensor:
     """One expert, ``down @ (silu(gate @ x) * (up @ x))`` for ``x [N, H]``; ``gate``/``up`` ``[I, H]``,
-    ``down`` ``[H, I]`` -> ``[N, H]``."""
+    ``down`` ``[H, I]`` -> ``[N, H]``. Quantized weights (:class:`~ferrylm.experts.quantized.QuantTensor`) are
+    dequantized to ``x``'s dtype first (the reference path)."""
+    gate, up, down = (dense(w, x.dtype) for w in (gate, up, down))
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
-def swiglu_batched(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def swiglu_batched(x: torch.Tensor, gate, up, down) -> torch.Tensor:
     """``m`` experts at once: ``x [m, n, H]``, ``gate``/``up`` ``[m, I, H]``, ``down`` ``[m, H, I]`` ->
-    ``[m, n, H]``."""
+    ``[m, n, H]`` (quantized weights dequantized first, as :func:`swiglu_expert`)."""
+    gate, up, down = (dense(w, x.dtype) for w in (gate, up, down))
     g = torch.bmm(x, gate.transpose(1, 2))
     u = torch.bmm(x, up.transpose(1, 2))
     return torch.bmm(F.silu(g) * u, down.transpose(1, 2))

@@ -297,7 +297,8 @@ def llama_config_from_gguf(g: GGUFFile) -> dict[str, Any]:
     """
     arch = g.get("general.architecture")
     if arch != "llama":
-        raise ModelLoadError(f"{g.path}: GGUF architecture {arch!r} is not supported (only 'llama')")
+        raise ModelLoadError(f"{g.path}: GGUF architecture {arch!r} is not supported (llama; MoE: qwen3moe, "
+                             f"qwen2moe, olmoe, llama with experts)")
 
     def req(key: str) -> Any:
         v = g.get(f"llama.{key}")
@@ -454,12 +455,12 @@ class TensorEntry:
     whose bytes are exactly ``shape`` x ``dtype``; it is called once, when its turn to be written comes."""
 
     name: str
-    dtype: str  # safetensors dtype string: "F32", "BF16", "F16"
+    dtype: str  # safetensors dtype string: "F32", "BF16", "F16", "U8", "F8_E4M3"
     shape: tuple[int, ...]
     produce: Callable[[], Any]
 
 
-_ST_ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2}
+_ST_ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "U8": 1, "F8_E4M3": 1}
 
 
 def _as_bytes(arr: Any) -> memoryview:
@@ -470,6 +471,8 @@ def _as_bytes(arr: Any) -> memoryview:
         t = arr.contiguous()
         if t.dtype == torch.bfloat16:
             t = t.view(torch.int16)
+        elif t.dtype == torch.float8_e4m3fn:
+            t = t.view(torch.uint8)
         arr = t.numpy()
     return memoryview(np.ascontiguousarray(arr)).cast("B")
 
@@ -623,6 +626,13 @@ def convert_gguf_into(gguf_path: str | Path, out_dir: str | Path, *, progress: b
         ModelLoadError: unreadable GGUF, unsupported architecture/tensor/tokenizer.
     """
     g = read_gguf(gguf_path)
+    from ferrylm.models.quant.gguf_moe import is_moe_gguf
+
+    if is_moe_gguf(g):  # qwen3moe / qwen2moe / olmoe / llama with experts: experts stay quantized
+        from ferrylm.models.quant.gguf_moe import convert_moe_gguf_into
+
+        convert_moe_gguf_into(g, Path(out_dir), progress=progress)
+        return
     cfg = llama_config_from_gguf(g)
     out = Path(out_dir)
     data = np.asarray(np.memmap(g.path, dtype=np.uint8, mode="r"))  # plain ndarray view: cheap slicing

@@ -7,6 +7,9 @@ must find a place and every parameter / expert slot must be filled, else ModelLo
 Only tensors are read: no code from the folder is ever imported or run. A synthetic model folder (config.json with
 a ``ferrylm_synthetic`` recipe, see ``models/synthetic.py``) has no weights: its model is built in memory instead.
 
+A checkpoint with a ``quantization_config`` goes through :mod:`ferrylm.models.quant.load` instead: routed experts
+repacked into :class:`~ferrylm.experts.quantized.QuantTensor` stacks, other quantized linears dequantized.
+
 Expert layouts accepted (per MoE layer N, block named ``block_sparse_moe`` or ``mlp``):
   * per expert: ``model.layers.N.<block>.experts.E.{w1,w3,w2}.weight`` (Mixtral) or
     ``….experts.E.{gate_proj,up_proj,down_proj}.weight`` (Qwen-MoE), each ``[I, H]`` / ``[I, H]`` / ``[H, I]``.
@@ -241,7 +244,8 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
 
     Raises:
         ModelLoadError: missing/unreadable files, unsupported config, a checkpoint tensor without a place, a
-            parameter or expert without a tensor, a shape mismatch (the message names the tensor).
+            parameter or expert without a tensor, a shape mismatch, a truncated file, an unsupported quantization
+            method or a quantized tensor whose scales do not fit its weight (the message names the tensor).
         UnsupportedArchitecture: ``architectures[0]`` is not registered (message lists the supported ones).
         ValueError: unknown ``moe_backend``.
     """
@@ -257,12 +261,32 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
     config = ModelConfig.from_folder(model_dir)
     model_cls, device, exp_dev, pin = placement(config, device, moe_backend, expert_device, pin_experts)
     moe_layers = model_cls.moe_layer_indices(config)
+    from ferrylm.models.quant import reader_for
+
+    reader = reader_for(config.raw)
+    if reader is not None:
+        from ferrylm.models.quant.load import read_quantized
+
+        files = checkpoint_files(model_dir)
+        bar = _progress(sum(p.stat().st_size for p in files), f"loading {model_dir.name} ({reader.method})")
+        try:
+            tensors, origin, stacks = read_quantized(files, reader, model_cls, config, device=device, dtype=dtype,
+                                                     expert_device=exp_dev, pin=pin, moe_layers=moe_layers,
+                                                     progress=bar)
+        finally:
+            if bar is not None:
+                bar.close()
+        return _finish(model_cls, config, device, moe_backend, stacks, tensors, origin)
     experts = ExpertAssembler(moe_layers, config.num_experts, config.hidden_size, config.moe_intermediate_size,
                               exp_dev, dtype, pin_memory=pin) if moe_layers else None
 
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     files = checkpoint_files(model_dir)
+    from ferrylm.models.quant.load import check_complete
+
+    for path in files:
+        check_complete(path)
     bar = _progress(sum(p.stat().st_size for p in files), f"loading {model_dir.name}")
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -282,7 +306,14 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
 
     if bar is not None:
         bar.close()
-    executor = build_executor(moe_backend, experts.finish(), device) if experts is not None else None
+    return _finish(model_cls, config, device, moe_backend, experts.finish() if experts is not None else None,
+                   tensors, origin)
+
+
+def _finish(model_cls: type, config: ModelConfig, device: torch.device, moe_backend, stacks, tensors: dict,
+            origin: dict) -> LoadedModel:
+    """Build the executor over the expert ``stacks`` (None: dense) and the model on ``meta``, assign ``tensors``."""
+    executor = build_executor(moe_backend, stacks, device) if stacks is not None else None
     with torch.device("meta"):
         model = model_cls(config, executor=executor, device=device)
     _assign(model, tensors, origin)

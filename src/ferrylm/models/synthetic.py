@@ -1,6 +1,6 @@
 """Synthetic models: real architecture shapes, random weights made in memory, optional Zipf-skewed routing.
 
-``--model synthetic:<preset>[:layers=N][:skew=A][:seed=S][:tokenizer=FOLDER]``
+``--model synthetic:<preset>[:layers=N][:skew=A][:seed=S][:quant=Q][:tokenizer=FOLDER]``
 
 - ``preset``: a published model's shape (:data:`PRESETS`; ``ferry models`` lists them).
 - ``layers=N``: keep the first ``N`` decoder layers (``1 <= N <=`` the preset's); every layer keeps its shape, so
@@ -8,6 +8,9 @@
 - ``skew=A``: Zipf exponent ``A >= 0`` of expert popularity (0, the default, = uniform); see
   :mod:`ferrylm.models.synthetic_build` for the method.
 - ``seed=S``: weight seed (default 0). Same spec → same weights → same logits, run after run.
+- ``quant=Q``: routed experts quantized (:data:`SYNTHETIC_QUANT`: ``fp8``, ``int4``, ``mxfp4``, ``nvfp4``): random
+  codes and scales made directly in the stored format (nothing is quantized from bf16), so banks, slots and copies
+  carry the bytes a real checkpoint of that format has.
 - ``tokenizer=FOLDER``: a tokenizer folder for serving text (``ferry --tokenizer FOLDER`` appends it); it must be
   the last option (it takes the rest of the spec, so the path may contain ``:``). Without it the model is token
   ids in, token ids out.
@@ -41,6 +44,13 @@ RECIPE_FORMAT = 1
 # NOTE: a ferrylm-only config.json key (never in HF checkpoints): when true, every router has a bias ``gate.bias
 # [E]`` added to its logits (models/moe.py). Synthetic models with skew > 0 set it.
 ROUTER_BIAS_KEY = "ferrylm_router_bias"
+#: ``quant=`` names -> what the routed experts become (:mod:`ferrylm.models.synthetic_build` has the formats)
+SYNTHETIC_QUANT = {
+    "fp8": "fp8 e4m3, float32 scale per 128 inputs (as DeepSeek-V3 / Qwen3-FP8 128x128 blocks)",
+    "int4": "int4 symmetric, bfloat16 scale per 128 inputs (as compressed-tensors W4A16)",
+    "mxfp4": "fp4 e2m1, power-of-two scale per 32 inputs (OCP MXFP4, as gpt-oss)",
+    "nvfp4": "fp4 e2m1, fp8 e4m3 scale per 16 inputs and a float32 scale per row (NVFP4)",
+}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
                     "special_tokens_map.json", "added_tokens.json")
 
@@ -128,6 +138,7 @@ class SyntheticSpec:
         skew: Zipf exponent of expert popularity (0 = uniform).
         seed: weight seed.
         tokenizer: absolute path of a tokenizer folder, or None.
+        quant: a :data:`SYNTHETIC_QUANT` name for the routed experts, or None (plain weights).
     """
 
     preset: SyntheticPreset
@@ -135,6 +146,7 @@ class SyntheticSpec:
     skew: float = 0.0
     seed: int = 0
     tokenizer: str | None = None
+    quant: str | None = None
 
     @property
     def name(self) -> str:
@@ -147,6 +159,8 @@ class SyntheticSpec:
             parts.append(f"skew={self.skew:g}")
         if self.seed:
             parts.append(f"seed={self.seed}")
+        if self.quant:
+            parts.append(f"quant={self.quant}")
         return ":".join(parts)
 
     def config(self) -> dict[str, Any]:
@@ -159,13 +173,13 @@ def is_synthetic_spec(spec: str) -> bool:
 
 
 def parse_synthetic_spec(spec: str) -> SyntheticSpec:
-    """Parse ``synthetic:<preset>[:layers=N][:skew=A][:seed=S][:tokenizer=FOLDER]`` (options in any order, each at
-    most once, ``tokenizer`` last).
+    """Parse ``synthetic:<preset>[:layers=N][:skew=A][:seed=S][:quant=Q][:tokenizer=FOLDER]`` (options in any order,
+    each at most once, ``tokenizer`` last).
 
     Raises:
         ModelLoadError: not a synthetic spec, unknown preset (the message lists the presets), unknown or repeated
             option, a value out of range (``layers`` in ``1 .. preset layers``, ``skew >= 0`` and finite,
-            ``seed >= 0``), a tokenizer folder that does not exist.
+            ``seed >= 0``, ``quant`` one of :data:`SYNTHETIC_QUANT`), a tokenizer folder that does not exist.
     """
     if not is_synthetic_spec(spec):
         raise ModelLoadError(f"{spec!r} is not a synthetic model spec (it starts with {SYNTHETIC_PREFIX!r})")
@@ -178,13 +192,13 @@ def parse_synthetic_spec(spec: str) -> SyntheticSpec:
     preset = PRESETS.get(name)
     if preset is None:
         raise ModelLoadError(f"unknown synthetic preset {name!r}; presets: {', '.join(PRESETS)} "
-                             f"(spec: synthetic:<preset>[:layers=N][:skew=A][:seed=S])")
+                             f"(spec: synthetic:<preset>[:layers=N][:skew=A][:seed=S][:quant=Q])")
     values: dict[str, str] = {}
     for opt in options:
         key, eq, value = opt.partition("=")
-        if key not in ("layers", "skew", "seed") or not eq:
+        if key not in ("layers", "skew", "seed", "quant") or not eq:
             raise ModelLoadError(f"{spec}: unknown option {opt!r}; options: layers=N, skew=A, seed=S, "
-                                 f"tokenizer=FOLDER")
+                                 f"quant={'|'.join(SYNTHETIC_QUANT)}, tokenizer=FOLDER")
         if key in values:
             raise ModelLoadError(f"{spec}: option {key!r} given twice")
         values[key] = value
@@ -201,12 +215,15 @@ def parse_synthetic_spec(spec: str) -> SyntheticSpec:
         raise ModelLoadError(f"{spec}: skew must be a finite number >= 0, got {values.get('skew')}")
     if seed < 0:
         raise ModelLoadError(f"{spec}: seed must be >= 0, got {seed}")
+    quant = values.get("quant")
+    if quant is not None and quant not in SYNTHETIC_QUANT:
+        raise ModelLoadError(f"{spec}: unknown quant {quant!r}; quant formats: {', '.join(SYNTHETIC_QUANT)}")
     if tokenizer is not None:
         tok = Path(tokenizer).expanduser()
         if not tok.is_dir():
             raise ModelLoadError(f"{spec}: tokenizer folder {tokenizer!r} does not exist")
         tokenizer = str(tok.resolve())
-    return SyntheticSpec(preset, layers, skew, seed, tokenizer)
+    return SyntheticSpec(preset, layers, skew, seed, tokenizer, quant)
 
 
 def with_tokenizer(spec: str, tokenizer: str | None) -> str:
@@ -241,6 +258,8 @@ def synthetic_config(spec: SyntheticSpec) -> dict[str, Any]:
     cfg[RECIPE_KEY] = {"format": RECIPE_FORMAT, "preset": spec.preset.name, "source": spec.preset.source,
                        "layers": spec.layers, "skew": spec.skew, "seed": spec.seed,
                        "preset_config": spec.preset.config}
+    if spec.quant:
+        cfg[RECIPE_KEY]["quant"] = spec.quant
     return cfg
 
 
@@ -272,7 +291,8 @@ def spec_from_folder(model_dir: str | os.PathLike) -> SyntheticSpec:
         raise ModelLoadError(f"{model_dir}: synthetic recipe format {recipe.get('format')!r} is not "
                              f"{RECIPE_FORMAT}; remove the folder and resolve the spec again")
     preset = SyntheticPreset(recipe["preset"], recipe.get("source", ""), recipe["preset_config"])
-    return SyntheticSpec(preset, int(recipe["layers"]), float(recipe["skew"]), int(recipe["seed"]), None)
+    return SyntheticSpec(preset, int(recipe["layers"]), float(recipe["skew"]), int(recipe["seed"]), None,
+                         recipe.get("quant"))
 
 
 def _max_token_id(tokenizer_dir: Path) -> int | None:

@@ -44,6 +44,7 @@ import random
 import torch
 
 from ferrylm.config import ModelConfig
+from ferrylm.errors import ModelLoadError
 from ferrylm.experts import ExpertOptions, build_executor
 from ferrylm.experts.executor import LayerExperts
 from ferrylm.models.loader import LoadedModel, placement, prepare_for_inference
@@ -242,10 +243,26 @@ def build_synthetic(spec: SyntheticSpec | str, *, device: torch.device | str = "
 
     e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
     stacks: dict[int, LayerExperts] = {}
+    quant = None
+    if spec.quant:
+        from ferrylm.models.quant.synthetic import SYNTHETIC_FORMATS, CodePool
+
+        quant, codes = SYNTHETIC_FORMATS[spec.quant], CodePool(spec.seed)
+        try:
+            quant.check(h, i)
+        except ValueError as err:
+            raise ModelLoadError(f"{spec.name}: {err}") from None
     for layer in model_cls.moe_layer_indices(config):
-        def stack(part: str, *shape: int, fan_in: int, scale: float = 1.0) -> torch.Tensor:
+        def stack(part: str, *shape: int, fan_in: int, scale: float = 1.0):
+            key = f"model.layers.{layer}.mlp.experts.{part}"
+            if quant is not None:
+                from ferrylm.models.quant.synthetic import random_stack
+
+                fmt = quant.down if part == "down" else quant.gate_up
+                return random_stack(codes, fmt, *shape, scale / math.sqrt(fan_in), key, device=exp_dev,
+                                    dtype=dtype, pin_memory=pin)
             t = torch.empty(*shape, device=exp_dev, dtype=dtype, pin_memory=pin)
-            return pool.fill_(t, scale / math.sqrt(fan_in), f"model.layers.{layer}.mlp.experts.{part}")
+            return pool.fill_(t, scale / math.sqrt(fan_in), key)
         stacks[layer] = LayerExperts(gate=stack("gate", e, i, h, fan_in=h), up=stack("up", e, i, h, fan_in=h),
                                      down=stack("down", e, h, i, fan_in=i, scale=residual_scale(config)))
     executor = build_executor(moe_backend, stacks, device) if stacks else None
@@ -261,6 +278,6 @@ def build_synthetic(spec: SyntheticSpec | str, *, device: torch.device | str = "
     model.requires_grad_(False)
     model.eval()
     prepare_for_inference(model)
-    log.info("built %s: %d layers (%d MoE), %s on %s, experts on %s", spec.name, config.num_layers, len(stacks),
-             str(dtype).removeprefix("torch."), device, exp_dev)
+    log.info("built %s: %d layers (%d MoE), %s on %s, experts on %s%s", spec.name, config.num_layers, len(stacks),
+             str(dtype).removeprefix("torch."), device, exp_dev, f" ({quant.describe()})" if quant else "")
     return LoadedModel(model=model, config=config, executor=executor)

@@ -22,16 +22,22 @@ activation dtype, SiLU is computed in float32 and rounded, the product rounded, 
 Weights are read through strides (``[E, I, H]`` / ``[E, H, I]`` views: resident stacks or slot-cache rows, see
 ``ExpertLayout.layer_views``) and optionally through ``slot_of`` (``[E]`` int32: the cache slot holding expert ``e``),
 so the offload cache's slots run through the same kernels.
+
+Quantized experts (:mod:`ferrylm.experts.quantized`: int4 / int8 / fp4 / fp8 with group scales) stay quantized in
+device memory: the kernels read their codes and scales and dequantize each ``[BLOCK_K, BLOCK_N]`` weight tile in
+registers (:func:`~ferrylm.experts.kernels.dequant.weight_tile`), the format a compile-time constant of the launch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from ferrylm.experts.kernels.dequant import weight_args, weight_tile
+from ferrylm.experts.quantized import QuantTensor
 from ferrylm.triton_util import dot_precision
 
 
@@ -172,11 +178,13 @@ def align_small(topk_ids: torch.Tensor, num_experts: int, block_m: int, used_exp
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr,
-                    num_assign, N, K, top_k,
-                    stride_xt, stride_ge, stride_gn, stride_gk, stride_ue, stride_un, stride_uk, stride_ht,
+def _gate_up_kernel(x_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr,
+                    num_assign, N, K, top_k, stride_xt, stride_ht,
+                    wg_ptr, sg_ptr, mg_ptr, rg_ptr, stride_ge, stride_gn, stride_gk, sgse, sgsn, sgsg, sgre, sgrn,
+                    wu_ptr, su_ptr, mu_ptr, ru_ptr, stride_ue, stride_un, stride_uk, suse, susn, susg, sure, surn,
                     HAS_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, QKIND: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr,
+                    HAS_ROW: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
@@ -192,20 +200,18 @@ def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr
     n_ok = n < N
     k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tok[:, None] * stride_xt + k[None, :]
-    g_ptrs = wg_ptr + e * stride_ge + n[None, :].to(tl.int64) * stride_gn + k[:, None] * stride_gk
-    u_ptrs = wu_ptr + e * stride_ue + n[None, :].to(tl.int64) * stride_un + k[:, None] * stride_uk
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = k + k0 < K
         a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        bg = weight_tile(wg_ptr, sg_ptr, mg_ptr, rg_ptr, e, n, k0, k + k0, n_ok, k_ok, stride_ge, stride_gn,
+                         stride_gk, sgse, sgsn, sgsg, sgre, sgrn, QKIND, GROUP, HAS_MINS, HAS_ROW, BLOCK_K)
+        bu = weight_tile(wu_ptr, su_ptr, mu_ptr, ru_ptr, e, n, k0, k + k0, n_ok, k_ok, stride_ue, stride_un,
+                         stride_uk, suse, susn, susg, sure, surn, QKIND, GROUP, HAS_MINS, HAS_ROW, BLOCK_K)
         acc_g = tl.dot(a, bg.to(a.dtype), acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, bu.to(a.dtype), acc_u, input_precision=PRECISION)
         x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K * stride_gk
-        u_ptrs += BLOCK_K * stride_uk
     out_ty = h_ptr.dtype.element_ty
     g = acc_g.to(out_ty).to(tl.float32)
     u = acc_u.to(out_ty).to(tl.float32)
@@ -215,11 +221,12 @@ def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr
 
 
 @triton.jit
-def _down_kernel(h_ptr, wd_ptr, out_ptr, w_ptr, dest_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr,
-                 num_assign, N, K,
-                 stride_ht, stride_de, stride_dn, stride_dk, stride_ot,
+def _down_kernel(h_ptr, out_ptr, w_ptr, dest_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr,
+                 num_assign, N, K, stride_ht, stride_ot,
+                 wd_ptr, sd_ptr, md_ptr, rd_ptr, stride_de, stride_dn, stride_dk, sdse, sdsn, sdsg, sdre, sdrn,
                  HAS_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                 PRECISION: tl.constexpr, QKIND: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr,
+                 HAS_ROW: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
@@ -235,15 +242,14 @@ def _down_kernel(h_ptr, wd_ptr, out_ptr, w_ptr, dest_ptr, sorted_ptr, bexp_ptr, 
     n_ok = n < N
     k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + a64[:, None] * stride_ht + k[None, :]
-    d_ptrs = wd_ptr + e * stride_de + n[None, :].to(tl.int64) * stride_dn + k[:, None] * stride_dk
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = k + k0 < K
         a = tl.load(h_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(d_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        b = weight_tile(wd_ptr, sd_ptr, md_ptr, rd_ptr, e, n, k0, k + k0, n_ok, k_ok, stride_de, stride_dn,
+                        stride_dk, sdse, sdsn, sdsg, sdre, sdrn, QKIND, GROUP, HAS_MINS, HAS_ROW, BLOCK_K)
         acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
         h_ptrs += BLOCK_K
-        d_ptrs += BLOCK_K * stride_dk
     out_ty = out_ptr.dtype.element_ty
     w = tl.load(w_ptr + a64, mask=m_ok, other=0.0).to(tl.float32)
     y = (acc.to(out_ty).to(tl.float32) * w[:, None]).to(out_ty)
@@ -259,7 +265,8 @@ def expert_rank_rows(topk_ids: torch.Tensor) -> torch.Tensor:
     return (torch.arange(t, device=topk_ids.device)[:, None] * k + rank).reshape(-1)
 
 
-def fused_moe(hidden: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+def fused_moe(hidden: torch.Tensor, gate: torch.Tensor | QuantTensor, up: torch.Tensor | QuantTensor,
+              down: torch.Tensor | QuantTensor,
               topk_ids: torch.Tensor, topk_weights: torch.Tensor, *, slot_of: torch.Tensor | None = None,
               tiles: tuple[MoeTiles, MoeTiles] | None = None, used_experts: torch.Tensor | None = None
               ) -> torch.Tensor:
@@ -268,7 +275,10 @@ def fused_moe(hidden: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: 
     Args:
         hidden: ``[T, H]`` activations (bf16 / fp16 / fp32), rows contiguous.
         gate, up: ``[X, I, H]`` and down ``[X, H, I]`` expert weights (any strides; unit stride along the last dim
-            is fastest). ``X = E`` for resident stacks, or the slot count with ``slot_of``.
+            is fastest). ``X = E`` for resident stacks, or the slot count with ``slot_of``. Quantized experts are
+            :class:`~ferrylm.experts.quantized.QuantTensor` s (gate and up of one format; views of slot rows
+            work alike): the kernels dequantize each weight tile in registers (:mod:`.dequant`) and round it to
+            the activation dtype before the float32-accumulating ``tl.dot``.
         topk_ids: ``[T, k]`` int64 expert ids in ``[0, E)``. topk_weights: ``[T, k]`` routing weights.
         slot_of: ``[E]`` int32, the row of ``gate``/``up``/``down`` holding expert ``e`` (None: row ``e``). Every
             expert the step routes to must have a valid row (the caller made it resident).
@@ -302,22 +312,26 @@ def fused_moe(hidden: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: 
     inter_act = torch.empty(n, inter, dtype=hidden.dtype, device=hidden.device)
     slots = slot_of if slot_of is not None else sorted_ids  # unused without HAS_SLOTS
     blocks = sorted_ids.shape[0] // gu_tiles.block_m
+    (g_args, g_kind), (u_args, _), (d_args, d_kind) = weight_args(gate), weight_args(up), weight_args(down)
+    if g_kind["QKIND"] or d_kind["QKIND"]:
+        # dequantizing tiles in registers: two pipeline stages (three ran out of shared memory at 64-row tiles with
+        # int4 + mins on the H200, Triton 3.6)
+        gu_tiles, d_tiles = (replace(t, num_stages=min(2, t.num_stages)) for t in (gu_tiles, d_tiles))
     _gate_up_kernel[(blocks, triton.cdiv(inter, gu_tiles.block_n))](
-        hidden, gate, up, inter_act, sorted_ids, block_expert, num_padded, slots,
-        n, inter, hdim, k,
-        hidden.stride(0), gate.stride(0), gate.stride(1), gate.stride(2), up.stride(0), up.stride(1),
-        up.stride(2), inter_act.stride(0),
+        hidden, inter_act, sorted_ids, block_expert, num_padded, slots,
+        n, inter, hdim, k, hidden.stride(0), inter_act.stride(0), *g_args, *u_args,
         HAS_SLOTS=slot_of is not None, BLOCK_M=gu_tiles.block_m, BLOCK_N=gu_tiles.block_n,
-        BLOCK_K=gu_tiles.block_k, PRECISION=dot_precision(hidden.dtype), num_warps=gu_tiles.num_warps, num_stages=gu_tiles.num_stages)
+        BLOCK_K=gu_tiles.block_k, PRECISION=dot_precision(hidden.dtype), num_warps=gu_tiles.num_warps,
+        num_stages=gu_tiles.num_stages, **g_kind)
     rows = torch.empty(n, hdim, dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1)
     if weights.dtype != torch.float32:
         weights = weights.float()
     _down_kernel[(blocks, triton.cdiv(hdim, d_tiles.block_n))](
-        inter_act, down, rows, weights, dest, sorted_ids, block_expert, num_padded, slots,
-        n, hdim, inter,
-        inter_act.stride(0), down.stride(0), down.stride(1), down.stride(2), rows.stride(0),
+        inter_act, rows, weights, dest, sorted_ids, block_expert, num_padded, slots,
+        n, hdim, inter, inter_act.stride(0), rows.stride(0), *d_args,
         HAS_SLOTS=slot_of is not None, BLOCK_M=d_tiles.block_m, BLOCK_N=d_tiles.block_n,
-        BLOCK_K=d_tiles.block_k, PRECISION=dot_precision(hidden.dtype), num_warps=d_tiles.num_warps, num_stages=d_tiles.num_stages)
+        BLOCK_K=d_tiles.block_k, PRECISION=dot_precision(hidden.dtype), num_warps=d_tiles.num_warps,
+        num_stages=d_tiles.num_stages, **d_kind)
     # one kernel: a 16-bit sum accumulates in float32 and rounds once, as sum(dtype=float32).to(dtype) does
     return rows.view(t, k, hdim).sum(1)

@@ -17,6 +17,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -157,6 +158,209 @@ int ferry_expert_gemv(int wdtype, int nthreads, int k, const void *const *rows, 
                 rows_dot(wdtype, down, r0, r1, I, scratch + starts[e] * 2 * I, 2 * I, counts[e], out + starts[e] * H,
                          H, w + starts[e]);
         }
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------------
+ * Quantized experts (ferrylm/experts/quantized.py): each expert row holds, per projection (gate|up [2I, H], then
+ * down [H, I]), the fields data / scales / mins / row_scale at byte offsets the caller passes. A weight row is
+ * dequantized into a float32 buffer (codes -> values in registers, times its group's scale, minus its min), then
+ * dotted with up to TB tokens by dot_f32: the expert's bytes are read once per TB tokens, at 4 or 8 bits per weight
+ * instead of 16, and everything after the load is float32.
+ *   kind: 1 int4 ((u - 8) * s, or u * s - m), 2 int8 ((u - 128) * s, or u * s - m), 3 fp4 e2m1 * s, 4 fp8 e4m3 * s
+ *   scale dtype: 0 float32, 1 bfloat16, 2 float16, 3 float8 e4m3;  s times the row scale (float32) when present
+ * ------------------------------------------------------------------------------------------------------- */
+typedef struct {
+    int64_t kind, group, sdtype, has_mins, has_row, off_data, off_scales, off_mins, off_row;
+} qproj;
+
+static float e4m3_lut[256];
+static const float e2m1_lut[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                   -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+static float e4m3_to_f32(uint8_t b) {  /* sign bit 7, exponent bits 6-3 (bias 7), mantissa 2-0; e = 0 subnormal */
+    int ex = (b >> 3) & 15, man = b & 7;
+    float v = ex == 0 ? man * 0.001953125f : ldexpf(1.0f + man / 8.0f, ex - 7);
+    if ((b & 0x7f) == 0x7f) v = NAN;
+    return (b & 0x80) ? -v : v;
+}
+
+static float f16_to_f32(uint16_t h) {
+    int sign = h >> 15, ex = (h >> 10) & 31, man = h & 1023;
+    float v = ex == 0 ? ldexpf((float)man, -24) : ex == 31 ? (man ? NAN : INFINITY) : ldexpf(1024.0f + man, ex - 25);
+    return sign ? -v : v;
+}
+
+static inline float load_scale(const uint8_t *p, int64_t i, int64_t sdtype) {
+    switch (sdtype) {
+    case 0: { float f; memcpy(&f, p + 4 * i, 4); return f; }
+    case 1: { uint16_t h; memcpy(&h, p + 2 * i, 2); return bf16_to_f32(h); }
+    case 2: { uint16_t h; memcpy(&h, p + 2 * i, 2); return f16_to_f32(h); }
+    default: return e4m3_lut[p[i]];
+    }
+}
+
+/* row r (K inputs) of projection q of the expert row `base` -> buf[0:K] float32 */
+static void dequant_row(const qproj *q, const uint8_t *base, int64_t r, int64_t K, float *buf) {
+    const int64_t g = q->group, G = K / g;
+    const uint8_t *sc = base + q->off_scales, *mn = base + q->off_mins;
+    float rs = 1.0f;
+    if (q->has_row) memcpy(&rs, base + q->off_row + 4 * r, 4);
+    if (q->kind == 1 || q->kind == 3) {
+        const uint8_t *d = base + q->off_data + r * (K / 2);
+        for (int64_t j = 0; j < G; j++) {
+            const float s = load_scale(sc, r * G + j, q->sdtype) * rs;
+            const uint8_t *dj = d + j * (g / 2);
+            float *o = buf + j * g;
+            if (q->kind == 1 && q->has_mins) {
+                const float m = load_scale(mn, r * G + j, q->sdtype);
+                for (int64_t i = 0; i < g / 2; i++) {
+                    o[2 * i] = (float)(dj[i] & 15) * s - m;
+                    o[2 * i + 1] = (float)(dj[i] >> 4) * s - m;
+                }
+            } else if (q->kind == 1) {
+                for (int64_t i = 0; i < g / 2; i++) {
+                    o[2 * i] = ((float)(dj[i] & 15) - 8.0f) * s;
+                    o[2 * i + 1] = ((float)(dj[i] >> 4) - 8.0f) * s;
+                }
+            } else {
+                for (int64_t i = 0; i < g / 2; i++) {
+                    o[2 * i] = e2m1_lut[dj[i] & 15] * s;
+                    o[2 * i + 1] = e2m1_lut[dj[i] >> 4] * s;
+                }
+            }
+        }
+    } else {
+        const uint8_t *d = base + q->off_data + r * K;
+        for (int64_t j = 0; j < G; j++) {
+            const float s = load_scale(sc, r * G + j, q->sdtype) * rs;
+            const uint8_t *dj = d + j * g;
+            float *o = buf + j * g;
+            if (q->kind == 4) {
+                for (int64_t i = 0; i < g; i++) o[i] = e4m3_lut[dj[i]] * s;
+            } else if (q->has_mins) {
+                const float m = load_scale(mn, r * G + j, q->sdtype);
+                for (int64_t i = 0; i < g; i++) o[i] = (float)dj[i] * s - m;
+            } else {
+                for (int64_t i = 0; i < g; i++) o[i] = ((float)dj[i] - 128.0f) * s;
+            }
+        }
+    }
+}
+
+#if VW == 16
+/* AVX-512: 16 consecutive codes of a row (element k, a multiple of 16) as float32 values before scaling (fp8:
+ * 2^-8 times the value: its bits read as float16, the 2^8 is folded into the scale). */
+static inline __m512 decode16(int64_t kind, const uint8_t *d, int64_t k) {
+    if (kind == 1 || kind == 3) {
+        __m128i b = _mm_loadl_epi64((const __m128i *)(d + k / 2));
+        __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15));
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
+        __m512i c = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));  /* element 2i: low nibble of byte i */
+        if (kind == 3) return _mm512_permutexvar_ps(c, _mm512_loadu_ps(e2m1_lut));
+        return _mm512_cvtepi32_ps(c);
+    }
+    __m128i b = _mm_loadu_si128((const __m128i *)(d + k));
+    if (kind == 2) return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+    __m256i h = _mm256_cvtepu8_epi16(b);  /* e4m3 -> float16 bits: sign to bit 15, exponent|mantissa << 7 */
+    __m256i mag = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7f)), 7);
+    __m256i sgn = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8);
+    return _mm512_cvtph_ps(_mm256_or_si256(mag, sgn));
+}
+
+/* res[t] = row r of projection q (dequantized in registers) . x[t] for t < nt; the group size a multiple of 16 */
+static void qrow_dot16(const qproj *q, const uint8_t *base, int64_t r, int64_t K, const float *x, int64_t ldx,
+                       int nt, float *res) {
+    const int64_t g = q->group, G = K / g;
+    const uint8_t *sc = base + q->off_scales, *mn = base + q->off_mins;
+    const uint8_t *d = base + q->off_data + r * (q->kind == 1 || q->kind == 3 ? K / 2 : K);
+    float rs = 1.0f;
+    if (q->has_row) memcpy(&rs, base + q->off_row + 4 * r, 4);
+    if (q->kind == 4) rs *= 256.0f;
+    vf acc[TB];
+    for (int t = 0; t < TB; t++) acc[t] = vzero();
+    for (int64_t j = 0; j < G; j++) {
+        const float s = load_scale(sc, r * G + j, q->sdtype) * rs;
+        float off = 0.0f;  /* w = c * s + off */
+        if (q->has_mins) off = -load_scale(mn, r * G + j, q->sdtype);
+        else if (q->kind == 1) off = -8.0f * s;
+        else if (q->kind == 2) off = -128.0f * s;
+        const vf vs = _mm512_set1_ps(s), voff = _mm512_set1_ps(off);
+        for (int64_t k = j * g; k < (j + 1) * g; k += 16) {
+            vf wv = _mm512_fmadd_ps(decode16(q->kind, d, k), vs, voff);
+            for (int t = 0; t < nt; t++) acc[t] = vfma(wv, vload(x + t * ldx + k), acc[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++) res[t] = vsum(acc[t]);
+}
+#endif
+
+static void rows_dot_q(const qproj *q, const uint8_t *base, int64_t r0, int64_t r1, int64_t K, const float *x,
+                       int64_t ldx, int64_t nx, float *y, int64_t ldy, const float *scale, float *buf) {
+    float res[TB];
+#if VW == 16
+    const int fused = q->group % 16 == 0;
+#else
+    const int fused = 0;
+#endif
+    for (int64_t r = r0; r < r1; r++) {
+        if (!fused) dequant_row(q, base, r, K, buf);
+        for (int64_t t0 = 0; t0 < nx; t0 += TB) {
+            int nt = (int)(nx - t0 < TB ? nx - t0 : TB);
+#if VW == 16
+            if (fused) qrow_dot16(q, base, r, K, x + t0 * ldx, ldx, nt, res);
+            else
+#endif
+            dot_f32(buf, x + t0 * ldx, ldx, nt, K, res);
+            for (int t = 0; t < nt; t++)
+                y[(t0 + t) * ldy + r] = scale ? res[t] * scale[t0 + t] : res[t];
+        }
+    }
+}
+
+static int q_ok(const qproj *q, int64_t K) {
+    return q->kind >= 1 && q->kind <= 4 && q->group > 0 && K % q->group == 0 && q->sdtype >= 0 && q->sdtype <= 3 &&
+           (q->group % 2 == 0 || q->kind == 2 || q->kind == 4);
+}
+
+/* As ferry_expert_gemv, for quantized expert rows: qp[0] describes gate|up ([2I, H] rows), qp[1] down ([H, I]);
+ * offsets are bytes from the start of the expert row. Returns 0, or -1 on bad arguments. */
+int ferry_expert_gemv_q(const qproj *qp, int nthreads, int k, const void *const *rows, const int64_t *starts,
+                        const int64_t *counts, int64_t H, int64_t I, const float *x, const float *w, float *scratch,
+                        float *out) {
+    if (k <= 0 || H <= 0 || I <= 0 || nthreads < 1 || !q_ok(&qp[0], H) || !q_ok(&qp[1], I)) return -1;
+    if (e4m3_lut[0x38] != 1.0f)  /* 0x38 = 1.0 in e4m3: the table is filled on first use (idempotent) */
+        for (int b = 0; b < 256; b++) e4m3_lut[b] = e4m3_to_f32((uint8_t)b);
+    const int64_t nb1 = (2 * I + BLOCK_ROWS - 1) / BLOCK_ROWS, nb2 = (H + BLOCK_ROWS - 1) / BLOCK_ROWS;
+    const int64_t kmax = H > I ? H : I;
+    int64_t M = 0;
+    for (int e = 0; e < k; e++) M = starts[e] + counts[e] > M ? starts[e] + counts[e] : M;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *buf = (float *)malloc(sizeof(float) * kmax);
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < (int64_t)k * nb1; task++) {
+            int e = (int)(task / nb1);
+            int64_t r0 = (task % nb1) * BLOCK_ROWS, r1 = r0 + BLOCK_ROWS < 2 * I ? r0 + BLOCK_ROWS : 2 * I;
+            if (counts[e] > 0)
+                rows_dot_q(&qp[0], (const uint8_t *)rows[e], r0, r1, H, x + starts[e] * H, H, counts[e],
+                           scratch + starts[e] * 2 * I, 2 * I, NULL, buf);
+        }
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            float *g = scratch + m * 2 * I;
+            for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * g[I + i];
+        }
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < (int64_t)k * nb2; task++) {
+            int e = (int)(task / nb2);
+            int64_t r0 = (task % nb2) * BLOCK_ROWS, r1 = r0 + BLOCK_ROWS < H ? r0 + BLOCK_ROWS : H;
+            if (counts[e] > 0)
+                rows_dot_q(&qp[1], (const uint8_t *)rows[e], r0, r1, I, scratch + starts[e] * 2 * I, 2 * I,
+                           counts[e], out + starts[e] * H, H, w + starts[e], buf);
+        }
+        free(buf);
     }
     return 0;
 }

@@ -1,0 +1,68 @@
+"""Quantized checkpoints: one reader per format family, each repacking into the internal representations of
+:mod:`ferrylm.experts.quantized` at load (no requantization).
+
+``quantization_config.quant_method`` (config.json) picks the reader (:func:`reader_for`); GGUF files are
+converted by :mod:`ferrylm.models.quant.gguf_moe` into a folder of the ``ferrylm`` method. :mod:`.load` streams a
+quantized checkpoint into the model; :mod:`.synthetic` makes random quantized experts for ``synthetic:`` models.
+
+| quant_method | module | formats |
+|---|---|---|
+| ``fp8`` | :mod:`.fp8` | block-wise FP8 e4m3 (``weight_scale_inv``, DeepSeek-V3 / Qwen3-FP8) |
+| ``compressed-tensors`` | :mod:`.compressed_tensors` | pack-quantized int4 / int8, NVFP4, MXFP4 |
+| ``gptq`` | :mod:`.gptq` | 4-bit GPTQ (``gptq`` and ``gptq_v2`` zero points) |
+| ``mxfp4`` | :mod:`.mxfp4` | gpt-oss ``*_blocks`` / ``*_scales`` expert stacks |
+| ``ferrylm`` | :mod:`.native` | our own fields (GGUF conversions) |
+"""
+
+from __future__ import annotations
+
+from ferrylm.errors import ModelLoadError
+
+SUPPORTED_METHODS = ("fp8", "compressed-tensors", "gptq", "mxfp4", "ferrylm")
+
+
+def reader_for(config: dict):
+    """The reader for ``config`` (a config.json dict), or None when it has no ``quantization_config``.
+
+    Raises:
+        ModelLoadError: a quant_method (or a variant of one) that is not supported; the message names it and
+            the supported methods.
+    """
+    qcfg = config.get("quantization_config") or config.get("compression_config")
+    if not qcfg:
+        return None
+    method = str(qcfg.get("quant_method", "")).lower()
+    if method == "fp8":
+        from ferrylm.models.quant.fp8 import Fp8BlockReader as cls
+    elif method == "compressed-tensors":
+        from ferrylm.models.quant.compressed_tensors import CompressedTensorsReader as cls
+    elif method == "gptq":
+        from ferrylm.models.quant.gptq import GptqReader as cls
+    elif method == "mxfp4":
+        from ferrylm.models.quant.mxfp4 import Mxfp4BlocksReader as cls
+    elif method == "ferrylm":
+        from ferrylm.models.quant.native import NativeReader as cls
+    else:
+        raise ModelLoadError(f"quantization_config quant_method {method!r} is not supported; supported: "
+                             f"{', '.join(SUPPORTED_METHODS)} (and .gguf files: Q8_0, Q4_K, Q6_K experts)")
+    return cls(qcfg)
+
+
+def planned_expert_quant(config: dict):
+    """The routed experts' :class:`~ferrylm.experts.quantized.ExpertQuant` a model folder's config.json promises,
+    before loading (a synthetic recipe's ``quant``, or the checkpoint reader's guess); None for plain experts.
+
+    Raises:
+        ModelLoadError: an unsupported quantization method (as :func:`reader_for`).
+    """
+    from ferrylm.models.synthetic import RECIPE_KEY
+
+    recipe = config.get(RECIPE_KEY)
+    if isinstance(recipe, dict):
+        if not recipe.get("quant"):
+            return None
+        from ferrylm.models.quant.synthetic import SYNTHETIC_FORMATS
+
+        return SYNTHETIC_FORMATS[recipe["quant"]]
+    reader = reader_for(config)
+    return reader.planned() if reader is not None else None

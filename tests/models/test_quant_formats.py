@@ -1,0 +1,220 @@
+"""Quantized checkpoints, one format at a time (tests/models/quant_checkpoints.py says who wrote each):
+
+1. the experts ferrylm repacked dequantize to the reference dequantizer's values (float32: bit for bit, NVFP4 to
+   float32 rounding of its global scale);
+2. our model's logits match transformers' model on the reference-dequantized weights;
+3. every expert backend (resident, offload, cpu, hybrid; a cache smaller than a layer's needs) gives the same greedy
+   tokens and logits.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tests.experts.helpers import greedy_trace, options
+from tests.models.hf_checkpoints import token_ids
+from tests.models.quant_checkpoints import (ct_quantizer, dense_reference, fp8_quantizer, gptq_pack,
+                                             gptq_reference_dequant, is_expert, is_quantized_linear,
+                                             mxfp4_blocks_pack, write_quantized)
+from tests.models.test_parity import full_logits
+from safetensors.torch import load_file
+
+from ferrylm.errors import ModelLoadError
+from ferrylm.experts.quantized import QuantTensor
+from ferrylm.models.loader import load_model
+
+LOGIT_TOL = 1e-4
+BACKENDS = ("offload", "cpu", "hybrid")
+
+
+def _expert_names(sd: dict) -> list[str]:
+    return [n for n, t in sd.items() if is_quantized_linear(n, t) and is_expert(n)]
+
+
+def _our_expert(loaded, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """The dequantized ``[N, K]`` (in ``dtype``) of checkpoint expert weight ``name`` from our loaded (resident)
+    model."""
+    parts = name.split(".")
+    layer, e, proj = int(parts[2]), int(parts[5]), parts[6]
+    le = loaded.executor.layers[layer]
+    qt = {"gate_proj": le.gate, "w1": le.gate, "up_proj": le.up, "w3": le.up}.get(proj, le.down)
+    assert isinstance(qt, QuantTensor)
+    return qt[e].dequantize(dtype)
+
+
+def check_format(ckpt, qdir, reference: dict[str, torch.Tensor], tmp_path, *, exact: bool = True) -> dict:
+    """The three checks of the module docstring (``reference``: checkpoint weight name -> the reference's
+    dequantized weight, in the reference's dtype); returns the measured maxima."""
+    loaded = load_model(qdir)
+    src = load_file(str(ckpt.path / "model.safetensors"))
+    worst = 0.0
+    for name in _expert_names(src):
+        ref = reference[name]
+        ours = _our_expert(loaded, name, ref.dtype)  # compared in the reference's dtype (one rounding each)
+        if exact:
+            assert torch.equal(ours, ref), f"{name}: dequantized experts differ from the reference"
+        else:
+            assert torch.allclose(ours, ref, rtol=2.0 ** -22, atol=0), f"{name}: beyond float32 rounding"
+        worst = max(worst, (ours.float() - ref.float()).abs().max().item())
+    ids = token_ids(24, ckpt.vocab_size, seed=2)
+    ref_model = dense_reference(ckpt.path, tmp_path / "dequantized", reference)
+    with torch.no_grad():
+        ref_logits = ref_model(input_ids=ids[None]).logits[0].float()
+    ours = full_logits(loaded.model, ids)
+    logit_err = (ours - ref_logits).abs().max().item()
+    assert logit_err <= LOGIT_TOL, f"logits differ from the reference model by {logit_err:.2e}"
+    prompt = token_ids(10, ckpt.vocab_size, seed=7).tolist()
+    want = greedy_trace(loaded.model, prompt, 5)
+    k = json.loads((ckpt.path / "config.json").read_text())["num_experts_per_tok"]
+    for backend in BACKENDS:
+        got = greedy_trace(load_model(qdir, moe_backend=options(backend, max(1, k - 1))).model, prompt, 5)
+        assert got[0] == want[0], f"{backend}: greedy tokens differ from resident"
+        assert max((a - b).abs().max().item() for a, b in zip(got[1], want[1])) <= 1e-4
+    print(f"{qdir.name}: expert max |ours - reference| {worst:.3g}, logits max |ours - reference| {logit_err:.3g}")
+    return {"expert_max_abs_err": worst, "logit_max_abs_err": logit_err}
+
+
+def test_fp8_block(checkpoints, tmp_path):
+    """FP8 128x128-style blocks (16x16 here), quantized by transformers; reference: transformers' own loading,
+    which dequantizes FP8 on a machine without a GPU."""
+    import transformers
+
+    ckpt = checkpoints("qwen3_moe")
+    qcfg, quantize = fp8_quantizer((16, 16))
+    qdir = write_quantized(ckpt.path, tmp_path / "fp8", qcfg, quantize)
+    assert json.loads((qdir / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    ref = transformers.AutoModelForCausalLM.from_pretrained(qdir, dtype=torch.float32)
+    sd = load_file(str(qdir / "model.safetensors"))
+    reference = {}
+    for name in _expert_names(load_file(str(ckpt.path / "model.safetensors"))):
+        layer, e, proj = int(name.split(".")[2]), int(name.split(".")[5]), name.split(".")[6]
+        experts = ref.model.layers[layer].mlp.experts
+        i = experts.down_proj.shape[-1]
+        gu = experts.gate_up_proj[e]
+        reference[name] = {"gate_proj": gu[:i], "up_proj": gu[i:], "down_proj": experts.down_proj[e]}[proj]
+    for name, t in sd.items():  # attention weights: DeepSeek's formula on the stored tensors
+        if name.endswith("_scale_inv") and not is_expert(name):
+            w = sd[name.replace("_scale_inv", "")]
+            full = t.repeat_interleave(16, 0).repeat_interleave(16, 1)[:w.shape[0], :w.shape[1]]
+            reference[name.replace("_scale_inv", "")] = w.float() * full
+    check_format(ckpt, qdir, reference, tmp_path)
+
+
+@pytest.mark.parametrize("kind,kw,exact", [
+    ("int", {"group": 16}, True),
+    ("int", {"group": 16, "symmetric": False}, True),
+    ("int", {"group": None, "bits": 8}, True),
+    ("nvfp4", {}, False),
+], ids=["w4a16-sym", "w4a16-asym", "w8a16-channel", "nvfp4"])
+def test_compressed_tensors(checkpoints, tmp_path, kind, kw, exact):
+    """compressed-tensors pack-quantized int (symmetric, zero points, 8-bit per channel) and NVFP4, written and
+    dequantized by the compressed-tensors package itself."""
+    ckpt = checkpoints("qwen3_moe")
+    qcfg, quantize, decompress = ct_quantizer(kind, **kw)
+    qdir = write_quantized(ckpt.path, tmp_path / "ct", qcfg, quantize)
+    sd = load_file(str(qdir / "model.safetensors"))
+    reference = {p[:-len(".weight_packed")] + ".weight": decompress(p[:-len(".weight_packed")], sd)
+                 for p in sd if p.endswith(".weight_packed")}
+    check_format(ckpt, qdir, reference, tmp_path, exact=exact)
+
+
+def test_compressed_tensors_mxfp4(checkpoints, tmp_path):
+    ckpt = checkpoints("mixtral")  # K = 64 and 96: multiples of the MX block of 32
+    qcfg, quantize, decompress = ct_quantizer("mxfp4")
+    qdir = write_quantized(ckpt.path, tmp_path / "ct", qcfg, quantize)
+    sd = load_file(str(qdir / "model.safetensors"))
+    reference = {p[:-len(".weight_packed")] + ".weight": decompress(p[:-len(".weight_packed")], sd)
+                 for p in sd if p.endswith(".weight_packed")}
+    check_format(ckpt, qdir, reference, tmp_path)
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["gptq", "gptq_v2"])
+def test_gptq(checkpoints, tmp_path, v2):
+    ckpt = checkpoints("qwen3_moe")
+    qcfg = {"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": False, "sym": False,
+            "checkpoint_format": "gptq_v2" if v2 else "gptq"}
+    packed: dict[str, dict] = {}
+
+    def quantize(name, w):
+        prefix = name[:-len(".weight")]
+        packed[name] = gptq_pack(w, 16, v2=v2)
+        return {f"{prefix}.{k}": v for k, v in packed[name].items()}
+
+    qdir = write_quantized(ckpt.path, tmp_path / "gptq", qcfg, quantize)
+    reference = {name: gptq_reference_dequant(p, v2=v2) for name, p in packed.items()}
+    check_format(ckpt, qdir, reference, tmp_path)
+
+
+def test_mxfp4_gpt_oss_blocks(checkpoints, tmp_path):
+    """gpt-oss's fused ``*_blocks`` / ``*_scales`` expert stacks (interleaved gate / up rows) on a Mixtral-shaped
+    model; reference: transformers' ``convert_moe_packed_tensors``."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    ckpt = checkpoints("mixtral")
+    src = load_file(str(ckpt.path / "model.safetensors"))
+    cfg = json.loads((ckpt.path / "config.json").read_text())
+    e_count = cfg["num_local_experts"]
+    out, reference = {}, {}
+    for name, t in src.items():
+        if ".experts." not in name:
+            out[name] = t
+    for layer in range(cfg["num_hidden_layers"]):
+        base = f"model.layers.{layer}.block_sparse_moe.experts"
+        gate = torch.stack([src[f"{base}.{e}.w1.weight"] for e in range(e_count)])
+        up = torch.stack([src[f"{base}.{e}.w3.weight"] for e in range(e_count)])
+        down = torch.stack([src[f"{base}.{e}.w2.weight"] for e in range(e_count)])
+        gate_up = torch.stack([gate, up], 2).flatten(1, 2)  # rows: gate 0, up 0, gate 1, up 1, ...
+        for key, w in (("gate_up_proj", gate_up), ("down_proj", down)):
+            blocks, scales = mxfp4_blocks_pack(w)
+            out[f"{base}.{key}_blocks"], out[f"{base}.{key}_scales"] = blocks, scales
+            deq = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)  # [E, N, K]
+            for e in range(e_count):
+                if key == "down_proj":
+                    reference[f"{base}.{e}.w2.weight"] = deq[e]
+                else:
+                    reference[f"{base}.{e}.w1.weight"] = deq[e, 0::2]
+                    reference[f"{base}.{e}.w3.weight"] = deq[e, 1::2]
+    qdir = tmp_path / "mxfp4"
+    qdir.mkdir()
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in out.items()}, str(qdir / "model.safetensors"), metadata={"format": "pt"})
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    (qdir / "config.json").write_text(json.dumps(cfg))
+    check_format(ckpt, qdir, reference, tmp_path)
+
+
+# --- errors -----------------------------------------------------------------------------------------------------
+def test_unsupported_method_names_the_supported_ones(checkpoints, tmp_path):
+    ckpt = checkpoints("qwen3_moe")
+    qdir = write_quantized(ckpt.path, tmp_path / "awq", {"quant_method": "awq", "bits": 4}, lambda n, w: {n: w})
+    with pytest.raises(ModelLoadError, match=r"'awq' is not supported; supported: fp8, compressed-tensors, gptq"):
+        load_model(qdir)
+
+
+def test_scales_that_do_not_match_name_the_tensor(checkpoints, tmp_path):
+    ckpt = checkpoints("qwen3_moe")
+    qcfg, quantize = fp8_quantizer((16, 16))
+
+    def bad(name, w):
+        out = quantize(name, w)
+        if name == "model.layers.1.mlp.experts.2.up_proj.weight":
+            key = name.replace(".weight", ".weight_scale_inv")
+            out[key] = out[key][:, :-1].contiguous()
+        return out
+
+    qdir = write_quantized(ckpt.path, tmp_path / "fp8", qcfg, bad)
+    with pytest.raises(ModelLoadError, match=r"experts\.2\.up_proj\.weight_scale_inv.*does not match"):
+        load_model(qdir)
+
+
+def test_truncated_file_names_the_tensor(checkpoints, tmp_path):
+    ckpt = checkpoints("qwen3_moe")
+    qcfg, quantize = fp8_quantizer((16, 16))
+    qdir = write_quantized(ckpt.path, tmp_path / "fp8", qcfg, quantize)
+    f = qdir / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(ModelLoadError, match=r"is truncated: tensor '.*' ends at byte"):
+        load_model(qdir)
