@@ -8,6 +8,8 @@ import sys
 
 from ferrylm.config import ATTENTION_BACKENDS, CPU_KERNELS, EngineConfig
 
+_D = EngineConfig()  # the one source of the serve flags' defaults
+
 DEFAULT_MODEL = "smollm2-moe"
 
 
@@ -33,18 +35,19 @@ def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] 
     p.add_argument("--tokenizer", default=None, metavar="FOLDER",
                    help="tokenizer folder for a synthetic: model (without it a synthetic model takes and prints "
                         "token ids; serving needs one)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
-    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 "
+    p.add_argument("--device", default=_D.device, help=f"auto | cpu | cuda[:N] (default: {_D.device})")
+    p.add_argument("--dtype", default=_D.dtype, help="auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 "
                                                    "| float16")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens (default: model's)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: 16)")
+    p.add_argument("--page-size", type=int, default=_D.page_size, help=f"tokens per KV page (default: {_D.page_size})")
     p.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (wins over --num-tokens)")
     p.add_argument("--num-tokens", type=int, default=None, help="KV pool size in tokens")
-    p.add_argument("--max-running-requests", type=int, default=16, help="requests decoded together (default: 16)")
+    p.add_argument("--max-running-requests", type=int, default=_D.max_running_requests,
+                   help=f"requests decoded together (default: {_D.max_running_requests})")
     p.add_argument("--max-prefill-length", "--max-extend-length", "--chunked-prefill-size", type=int,
                    dest="max_prefill_length", default=None,
                    help="token budget per step (default: 2048 on CPU, 8192 on GPU)")
-    p.add_argument("--moe-backend", default="auto", choices=MOE_BACKEND_CHOICES + list(extra_backends),
+    p.add_argument("--moe-backend", default=_D.moe_backend, choices=MOE_BACKEND_CHOICES + list(extra_backends),
                    help="where routed experts live and run: resident (= fused) all on the device; offload: a "
                         "device expert cache fed over PCIe; cpu: cache misses computed on the CPU; hybrid: misses "
                         "split between both; auto: resident if it fits, else the fastest predicted"
@@ -54,7 +57,7 @@ def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] 
                    help="device expert slots for offload/cpu/hybrid (default: as many as the memory allows)")
     p.add_argument("--moe-cpu-threads", type=int, default=None, metavar="N",
                    help="threads computing experts on the CPU (default: physical cores)")
-    p.add_argument("--moe-cpu-kernel", default="auto", choices=list(CPU_KERNELS),
+    p.add_argument("--moe-cpu-kernel", default=_D.moe_cpu_kernel, choices=list(CPU_KERNELS),
                    help="CPU expert kernel: native (compiled on first use with the host C compiler; decode), "
                         "torch (oneDNN matmuls), auto: native when it builds (default: auto)")
     p.add_argument("--moe-cpu-share", type=int, default=None, metavar="N",
@@ -62,19 +65,21 @@ def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] 
                         "copied (default: chosen by timing decode steps)")
     p.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GiB",
                    help="device memory ferrylm may use, in GiB (default: what is free)")
-    p.add_argument("--memory-ratio", type=float, default=0.9, metavar="R",
-                   help="share of the device memory free at boot the memory plan may use (default: 0.9)")
+    p.add_argument("--memory-ratio", type=float, default=_D.memory_ratio, metavar="R",
+                   help=f"share of the device memory free at boot the memory plan may use (default: {_D.memory_ratio})")
     p.add_argument("--memory-reserve", type=float, default=None, metavar="GiB",
                    help="GiB of device memory the plan never hands out (default: max(1 GiB, 5%% of total))")
     p.add_argument("--kv-reserve-tokens", type=int, default=None, metavar="N",
-                   help="KV pool floor in tokens (default: min(context, 512); with --moe-cache-auto the KV pool "
-                        "gets the model context)")
+                   help="KV pool floor in tokens; with an expert cache the experts get the rest (default: the model "
+                        "context when the experts keep a tenth of the slots, else one prefill chunk plus 256 tokens "
+                        "per running request; at least min(context, 512))")
     p.add_argument("--moe-cache-auto", action="store_true",
-                   help="give the device memory the KV floor leaves to expert slots (offload/cpu/hybrid)")
+                   help="give the device memory the KV floor leaves to expert slots (offload/cpu/hybrid; the default "
+                        "behaviour now, accepted for compatibility)")
     p.add_argument("--faults", default=None, metavar="SPEC",
                    help="fault injection for tests, e.g. prefill_workspace:times=1 (see ferrylm/faults.py; env "
                         "FERRYLM_FAULTS adds rules)")
-    p.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling (default: 0)")
+    p.add_argument("--seed", type=int, default=_D.seed, help=f"seed for unseeded sampling (default: {_D.seed})")
     p.add_argument("--queue-timeout", type=float, default=None,
                    help="seconds a request may wait for its first step before 503 queue_timeout (default: off)")
     p.add_argument("--enforce-eager", action="store_true",
@@ -82,11 +87,12 @@ def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] 
                         "--cuda-graph-max-batch sequences are captured in CUDA graphs on a CUDA device)")
     p.add_argument("--cuda-graph-max-batch", type=int, default=None, metavar="N",
                    help="largest decode batch run through CUDA graphs (default: --max-running-requests)")
-    p.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
+    p.add_argument("--attention-backend", default=_D.attention_backend, choices=list(ATTENTION_BACKENDS),
                    help="attention kernels: triton (reads the paged KV pool in place; CUDA), torch (gathers, SDPA; "
                         "the CPU path), auto: triton on CUDA (default: auto)")
-    p.add_argument("--cuda-graph-max-len", type=int, default=8192, metavar="TOKENS",
-                   help="longest sequence run through CUDA graphs; longer ones decode eagerly (default: 8192)")
+    p.add_argument("--cuda-graph-max-len", type=int, default=_D.cuda_graph_max_len, metavar="TOKENS",
+                   help="offloading backends: longest sequence run through the piecewise CUDA graphs; longer ones "
+                        f"decode eagerly (default: {_D.cuda_graph_max_len})")
     p.add_argument("--debug-invariants", action="store_true", help="check KV/scheduler invariants every step")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
