@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--watchdog-timeout", type=float, default=120.0,
                    help="seconds with requests running but no completed engine step (or no engine heartbeat) "
                         "before the engine's stacks are logged and it is restarted; 0 = off (default: 120)")
+    s.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="server-side deadline of a request, counted from its arrival: past it the engine stops it "
+                        "and the client gets 408 request_timeout (an SSE error event when streaming); a request's "
+                        "x-request-timeout header overrides it; 0 = none (default: 600)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are "
                         "answered with an error and the server exits (default: 30)")

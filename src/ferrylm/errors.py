@@ -77,6 +77,13 @@ class QueueTimeout(FerryError):
     code = "queue_timeout"
 
 
+class RequestTimeout(FerryError):
+    """A request ran past its server-side deadline (``--request-timeout`` or the request's ``x-request-timeout``
+    header, counted from arrival); the engine stopped it. HTTP 408."""
+
+    code = "request_timeout"
+
+
 class InsufficientMemory(FerryError):
     """A request could not be served within device memory even after every recovery step. HTTP 503."""
 
@@ -85,10 +92,12 @@ class InsufficientMemory(FerryError):
 
 def error_from_code(code: str | None, message: str | None) -> FerryError:
     """The typed error for an engine output's ``error_code`` (``context_length_exceeded``, ``invalid_request``,
-    ``insufficient_memory``, ``queue_timeout``, ``engine_unavailable``, ``engine_stalled``; any other code:
+    ``insufficient_memory``, ``queue_timeout``, ``engine_unavailable``, ``engine_stalled``, ``request_timeout``; any
+    other code:
     :class:`EngineUnavailable` carrying it), with the engine's ``message``."""
     cls = {"context_length_exceeded": ContextLengthExceeded, "invalid_request": InvalidRequest,
            "insufficient_memory": InsufficientMemory, "queue_timeout": QueueTimeout,
-           "engine_unavailable": EngineUnavailable, "engine_stalled": EngineStalled}.get(code or "", EngineUnavailable)
+           "engine_unavailable": EngineUnavailable, "engine_stalled": EngineStalled,
+           "request_timeout": RequestTimeout}.get(code or "", EngineUnavailable)
     return cls(message or code or "engine error", code=code)
 

@@ -176,3 +176,34 @@ def test_queue_timeout_fails_only_the_waiting_request(monkeypatch):
     assert "running" in eng.requests
     done = run_all(eng)
     assert done["running"][-1].finish_reason == "length"
+
+
+def test_engine_ends_requests_past_their_deadline_and_frees_their_pages():
+    """Issue 15: past its server-side deadline a request (running or still waiting) ends with request_timeout
+    and its KV pages return to the pool; a request without a deadline is untouched."""
+    import time
+
+    import torch
+
+    from ferrylm.config import EngineConfig
+    from ferrylm.engine.engine import Engine
+    from ferrylm.engine.sampling_params import SamplingParams
+    from tests.engine.fake_model import FakeModel, fake_config
+
+    mcfg = fake_config()
+    eng = Engine(FakeModel(mcfg), mcfg, EngineConfig(device="cpu", num_pages=64, page_size=4, max_running_requests=1),
+                 device=torch.device("cpu"), dtype=torch.float32)
+    soon = time.monotonic() + 0.05
+    greedy = dict(ignore_eos=True, temperature=0.0)
+    eng.add_request("late", [1, 2, 3], SamplingParams(max_tokens=50, deadline=soon, **greedy))
+    eng.add_request("queued", [4, 5], SamplingParams(max_tokens=50, deadline=soon, **greedy))  # waits behind it
+    eng.add_request("free", [6, 7], SamplingParams(max_tokens=2, **greedy))
+    assert not any(o.error_code for o in eng.step())
+    time.sleep(0.06)
+    outs = []
+    for _ in range(10):
+        outs += eng.step()
+    assert {o.request_id: o.error_code for o in outs if o.error_code} == {"late": "request_timeout",
+                                                                         "queued": "request_timeout"}
+    assert any(o.request_id == "free" and o.finish_reason == "length" for o in outs)
+    assert eng.pool.allocator.num_used == 0 and not eng.requests

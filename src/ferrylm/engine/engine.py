@@ -252,6 +252,7 @@ class Engine:
         """Run one batch (if any) and return every output produced since the last call. An allocation failure
         never leaves this method (see the module docstring); any other error does (the worker then exits)."""
         self._expire_waiting()
+        self._expire_deadlines()
         self.guard.tick()
         batch = self._schedule_guarded()
         self._end_truncated(batch.truncated)
@@ -442,6 +443,23 @@ class Engine:
                 r.request_id, [], error_code="queue_timeout", num_prompt_tokens=r.num_prompt_tokens,
                 error_message=f"the request waited {now - r.arrival_time:.1f} s in the queue, longer than "
                               f"--queue-timeout {limit:g} s ({self.num_running} running, {self.num_waiting} waiting)"))
+
+    def _expire_deadlines(self) -> None:
+        """End every request (waiting or running) whose server-side deadline (``SamplingParams.deadline``) has
+        passed with ``request_timeout`` (HTTP 408 at the edge), freeing its pages: past its deadline a request
+        stops costing compute instead of grinding on for a client that has given up."""
+        now = time.monotonic()
+        late = [r for r in self.requests.values() if r.params.deadline is not None and now > r.params.deadline]
+        for r in late:
+            self.scheduler.finish(r, "abort")
+            self.requests.pop(r.request_id, None)
+            self._pending.append(EngineOutput(
+                r.request_id, [], error_code="request_timeout", num_prompt_tokens=r.num_prompt_tokens,
+                queue_time=r.take_queue_time(),
+                error_message=f"the request ran past its deadline ({now - r.arrival_time:.1f} s in the engine, "
+                              f"{r.num_output_tokens} tokens generated; --request-timeout or the x-request-timeout "
+                              f"header sets it)"))
+            log.warning("request %s ended at its deadline after %d tokens", r.request_id, r.num_output_tokens)
 
     def _run(self, batch: Batch) -> None:
         """Forward and sample the batch (the model runner), then advance every sequence's counters and append the

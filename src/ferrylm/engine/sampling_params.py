@@ -52,6 +52,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     logit_bias: list[list[float]] = field(default_factory=list)
+    # set by the server, never by a client: absolute ``time.monotonic()`` seconds (system-wide on Linux, so the
+    # frontend's clock is the engine's) past which the engine ends the request with ``request_timeout``
+    deadline: float | None = None
 
     MAX_N = 16
     MAX_LOGPROBS = 20

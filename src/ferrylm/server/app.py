@@ -76,7 +76,7 @@ _DONE = "data: [DONE]\n\n"
 
 def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *,
                api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               allowed_origins: Sequence[str] | None = None) -> FastAPI:
+               allowed_origins: Sequence[str] | None = None, request_timeout: float | None = None) -> FastAPI:
     """Build the FastAPI app serving ``engine`` under the name ``served_model_name``.
 
     Args:
@@ -87,8 +87,10 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
             ``x-api-key: KEY``; ``/health``, ``/metrics`` and ``/version`` stay open.
         max_request_bytes: larger request bodies are refused with 413 (``request_too_large``, OpenAI shape).
         allowed_origins: CORS origins (``--allowed-origins``); None or empty = no CORS middleware at all.
+        request_timeout: seconds from arrival after which the engine ends a request with 408 ``request_timeout``
+            (``--request-timeout``; a request's ``x-request-timeout`` header overrides it); None = no deadline.
     """
-    server = _Server(engine, codec, served_model_name, api_key, max_request_bytes)
+    server = _Server(engine, codec, served_model_name, api_key, max_request_bytes, request_timeout)
     app = FastAPI(title="ferrylm", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.state.server = server
@@ -185,8 +187,9 @@ class _Server:
     """Route handlers and the state they share."""
 
     def __init__(self, engine: EngineClient, codec: TextCodec, served_model_name: str, api_key: str | None,
-                 max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES):
+                 max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, request_timeout: float | None = None):
         self.engine = engine
+        self.request_timeout = request_timeout or None
         self.codec = codec
         self.served_model_name = served_model_name
         self.api_key = api_key or None
@@ -275,6 +278,22 @@ class _Server:
                 f"{p + params.max_tokens} tokens ({p} in the {what}, {params.max_tokens} in the completion). "
                 f"Please reduce the length of the {what} or completion.", param=max_param)
         return params.max_tokens
+
+    def _timeout(self, request: Request) -> float | None:
+        """The request's server-side deadline in seconds from arrival: the ``x-request-timeout`` header, else
+        ``--request-timeout`` (None: none). Raises InvalidRequest naming the header for a value that is not a
+        positive number of seconds."""
+        raw = request.headers.get("x-request-timeout")
+        if raw is None:
+            return self.request_timeout
+        try:
+            v = float(raw)
+        except ValueError:
+            v = float("nan")
+        if not math.isfinite(v) or v <= 0:
+            raise InvalidRequest(f"x-request-timeout must be a positive number of seconds, got {raw!r}",
+                                 param="x-request-timeout")
+        return v
 
     def _make_choices(self, base_id: str, prompts: list[list[int]], max_tokens: list[int],
                       params: SamplingParams) -> list[Choice]:
@@ -486,7 +505,8 @@ class _Server:
         self._check_ready()
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         gen = Generation(self.engine, rid, self._make_choices(base_id, [prompt_ids], [max_tokens], params),
-                          metrics=self.metrics, arrival=request.scope.get(ARRIVAL_KEY))
+                          metrics=self.metrics, arrival=request.scope.get(ARRIVAL_KEY),
+                          timeout_s=self._timeout(request))
         created = int(time.time())
         first = await self._start(request, rid, gen, bool(req.stream))
         if req.stream:
@@ -586,7 +606,8 @@ class _Server:
         self._check_ready()
         base_id = f"cmpl-{uuid.uuid4().hex}"
         gen = Generation(self.engine, rid, self._make_choices(base_id, prompts, max_tokens, params),
-                          metrics=self.metrics, arrival=request.scope.get(ARRIVAL_KEY))
+                          metrics=self.metrics, arrival=request.scope.get(ARRIVAL_KEY),
+                          timeout_s=self._timeout(request))
         echo = [echo_texts[ch.index // params.n] if req.echo else "" for ch in gen.choices]
         prompt_tokens = sum(len(p) for p in prompts)
         created = int(time.time())

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ferrylm.errors import (EngineStalled, EngineUnavailable, FerryError, InsufficientMemory, InvalidRequest,
-                            ModelNotFound, QueueTimeout)
+                            ModelNotFound, QueueTimeout, RequestTimeout)
 
 logger = logging.getLogger("ferrylm.server")
 
@@ -63,9 +63,10 @@ _STATUS: list[tuple[type, int]] = [
     (EngineUnavailable, 503),
     (QueueTimeout, 503),
     (InsufficientMemory, 503),
+    (RequestTimeout, 408),
 ]
 
-_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error", 408: "timeout_error",
          405: "invalid_request_error", 503: "service_unavailable_error", 500: "server_error"}
 
 

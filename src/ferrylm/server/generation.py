@@ -13,6 +13,7 @@ This module must not import torch.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -96,12 +97,14 @@ class Generation:
     """
 
     def __init__(self, engine: EngineClient, rid: str, choices: list[Choice], *, metrics: Metrics | None = None,
-                 arrival: float | None = None):
+                 arrival: float | None = None, timeout_s: float | None = None):
         self.engine = engine
         self.rid = rid
         self.choices = choices
         self.metrics = metrics
         self.arrival = time.monotonic() if arrival is None else arrival
+        # the server-side deadline (seconds from arrival): the engine ends each choice past it (request_timeout)
+        self.deadline = None if timeout_s is None else self.arrival + timeout_s
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._open = len(choices)
@@ -162,7 +165,8 @@ class Generation:
     async def _run(self, ch: Choice) -> None:
         agen: Any = None
         try:
-            agen = self.engine.generate(ch.engine_id, ch.prompt_ids, ch.params)  # may raise before iterating
+            params = ch.params if self.deadline is None else dataclasses.replace(ch.params, deadline=self.deadline)
+            agen = self.engine.generate(ch.engine_id, ch.prompt_ids, params)  # may raise before iterating
             async for out in agen:
                 ev = self._on_output(ch, out)
                 if ev is not None:

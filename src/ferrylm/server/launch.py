@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -59,6 +60,9 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         return fail("--max-request-bytes must be >= 1")
     if args.max_engine_restarts < 0:
         return fail("--max-engine-restarts must be >= 0")
+    rt = getattr(args, "request_timeout", None)
+    if rt is not None and not (rt >= 0 and math.isfinite(rt)):
+        return fail("--request-timeout must be >= 0 seconds (0 = no deadline)")
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
@@ -126,7 +130,8 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     api_key = args.api_key or os.environ.get("FERRYLM_API_KEY") or None
     origins = [o.strip() for o in (getattr(args, "allowed_origins", None) or "").split(",") if o.strip()]
     app = create_app(sup, codec, name, api_key=api_key,
-                     max_request_bytes=int(getattr(args, "max_request_bytes", 8 << 20)), allowed_origins=origins)
+                     max_request_bytes=int(getattr(args, "max_request_bytes", 8 << 20)), allowed_origins=origins,
+                     request_timeout=getattr(args, "request_timeout", None) or None)
     # uvicorn's own graceful wait only covers the HTTP tail after our drain (the last bytes of answered streams)
     config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False, timeout_graceful_shutdown=5)
     server = Server(config)
