@@ -229,6 +229,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv)[:1] != ["serve"]:
+        return _main(argv)
+    # NOTE: before anything slow: a SIGTERM during start-up must exit 0, not kill us by its default action
+    from ferrylm.server.launch import BootInterrupted, BootSignals
+
+    boot = BootSignals().install()
+    try:
+        return _main(argv, boot)
+    except BootInterrupted:
+        return 0  # nothing was started yet
+
+
+def _main(argv: list[str] | None, boot=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "models":
@@ -249,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from ferrylm.server.launch import serve
 
-        return serve(args, engine_config)
+        return serve(args, engine_config, boot)
     if args.command == "generate":
         return _generate(args, engine_config)
     parser.error(f"unknown command {args.command}")

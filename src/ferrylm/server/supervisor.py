@@ -190,6 +190,11 @@ class Supervisor:
         if self._watchdog is not None:
             self._watchdog.cancel()
         proc = self._proc
+        if proc is not None and proc.is_alive() and self.state != "ready":
+            # NOTE: an engine that is still loading reads no messages: waiting for it to obey Shutdown only
+            # delays the exit (a SIGTERM during boot must be quick)
+            log.info("stopping engine process %d, which is not ready (%s)", proc.pid, self.state)
+            proc.kill()
         if proc is not None and proc.is_alive():
             self._send_nowait(ipc.Shutdown())
             deadline = time.monotonic() + timeout_s
