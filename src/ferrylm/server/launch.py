@@ -120,6 +120,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
         return fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e} (choose another --port)")
 
     from ferrylm.errors import UnsupportedArchitecture
+    from ferrylm.models.checkpoint_check import verify_checkpoint
     from ferrylm.models.registry import supported_architectures
     from ferrylm.models.resolve import resolve_model
     from ferrylm.server.tokenizer import TextCodec
@@ -130,6 +131,8 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
         if mcfg.architecture not in supported_architectures():
             raise UnsupportedArchitecture(f"{resolved.path}: architecture {mcfg.architecture!r} is not supported; "
                                           f"supported: {', '.join(supported_architectures())}")
+        if resolved.source != "synthetic":
+            verify_checkpoint(resolved.path)   # a truncated file: one line naming it, exit 2 (not an engine crash)
         codec = TextCodec.from_pretrained(resolved.path)
     except ModelLoadError as e:
         sock.close()
