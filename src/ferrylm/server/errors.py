@@ -10,6 +10,8 @@ Unauthorized (this module)                             401
 ModelNotFound, unknown route                           404
 EngineUnavailable, QueueTimeout, InsufficientMemory    503     ``Retry-After`` (seconds)
 EngineStalled (an EngineUnavailable; watchdog)         503     ``Retry-After`` (seconds)
+DeviceError (an EngineUnavailable; sticky CUDA error)  503     ``Retry-After`` (seconds)
+RequestQuarantined (failed the engine twice)           500
 anything else                                          500     logged with the request id
 =====================================================  ======  ==========================
 
@@ -27,7 +29,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ferrylm.errors import (EngineStalled, EngineUnavailable, FerryError, InsufficientMemory, InvalidRequest,
-                            ModelNotFound, QueueTimeout)
+                            ModelNotFound, QueueTimeout, RequestQuarantined)
 
 logger = logging.getLogger("ferrylm.server")
 
@@ -63,6 +65,7 @@ _STATUS: list[tuple[type, int]] = [
     (EngineUnavailable, 503),
     (QueueTimeout, 503),
     (InsufficientMemory, 503),
+    (RequestQuarantined, 500),
 ]
 
 _TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",

@@ -174,13 +174,14 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
 
     def on_fatal() -> None:
         nonlocal exit_code
-        exit_code = 1
+        exit_code = sup.fatal_exit_code   # 1; 2 when the engine's first start failed on the model itself
         srv = server_box.get("server")
         if srv is not None:
             srv.should_exit = True
 
     sup = Supervisor(str(resolved.path), engine_config.to_dict(), info, max_restarts=args.max_engine_restarts,
-                     on_fatal=on_fatal, log_level=args.log_level, watchdog_timeout=watchdog_timeout)
+                     on_fatal=on_fatal, log_level=args.log_level, watchdog_timeout=watchdog_timeout,
+                     faults=faults)
     api_key = args.api_key or os.environ.get("FERRYLM_API_KEY") or None
     origins = [o.strip() for o in (getattr(args, "allowed_origins", None) or "").split(",") if o.strip()]
     app = create_app(sup, codec, name, api_key=api_key,
