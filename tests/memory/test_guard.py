@@ -57,8 +57,13 @@ def test_halve_the_chunk_then_restore_the_budget(offload_model, reference):
     assert eng.scheduler.prefill_budget == 256 and eng.stats()["oom_recoveries"]["restore"] >= 1
 
 
+def _no_shrink_guard() -> OomGuard:
+    """The ladder without the shrink rung (the shared model's cache size depends on the tests before)."""
+    return OomGuard(torch.device("cpu"), _NoCache(), prefill_limit=256)
+
+
 def test_decode_oom_preempts_the_newest(offload_model, reference):
-    eng = make_engine(offload_model, "logits:phase=decode:times=2")
+    eng = make_engine(offload_model, "logits:phase=decode:times=2", guard=_no_shrink_guard())
     res = run(eng, {"long": LONG, "mid": MID, "short": SHORT})
     assert eng.stats()["oom_recoveries"] == {"retry": 1, "preempt": 1}
     assert eng.scheduler.num_preemptions == 1
@@ -66,7 +71,7 @@ def test_decode_oom_preempts_the_newest(offload_model, reference):
 
 
 def test_prefill_oom_defers_the_prefill_and_the_decodes_go_on(offload_model, reference):
-    eng = make_engine(offload_model, "prefill_workspace:min_prompt=90:times=2")
+    eng = make_engine(offload_model, "prefill_workspace:min_prompt=90:times=2", guard=_no_shrink_guard())
     t0 = time.monotonic()
     eng.add_request("short", SHORT, greedy())
     out = eng.step()                             # "short" prefilled, decoding from now on
