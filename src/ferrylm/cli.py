@@ -81,7 +81,8 @@ def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] 
                         "FERRYLM_FAULTS adds rules)")
     p.add_argument("--seed", type=int, default=_D.seed, help=f"seed for unseeded sampling (default: {_D.seed})")
     p.add_argument("--queue-timeout", type=float, default=None,
-                   help="seconds a request may wait for its first step before 503 queue_timeout (default: off)")
+                   help="seconds a request may wait for its first step before 503 queue_timeout; 0 = off "
+                        "(default: 600 for serve, off otherwise)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run decode steps without CUDA graphs (default: decode steps of up to "
                         "--cuda-graph-max-batch sequences are captured in CUDA graphs on a CUDA device)")
@@ -104,7 +105,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         max_prefill_length=a.max_prefill_length, max_model_len=a.max_model_len,
                         moe_backend="resident" if a.moe_backend == "fused" else a.moe_backend,
                         check_invariants=a.debug_invariants, seed=a.seed,
-                        queue_timeout=a.queue_timeout, moe_cache_size=a.moe_cache_size,
+                        queue_timeout=a.queue_timeout or None, moe_cache_size=a.moe_cache_size,
                         moe_cpu_threads=a.moe_cpu_threads, moe_cpu_kernel=a.moe_cpu_kernel,
                         moe_cpu_share=a.moe_cpu_share, gpu_memory_limit=a.gpu_memory_limit,
                         memory_ratio=a.memory_ratio, memory_reserve=a.memory_reserve,
@@ -121,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
     _add_model_args(s)
+    # NOTE: a bound on every request's wait for its first step, so none waits forever (aging bounds it under a
+    # stream of smaller arrivals; this bounds it whatever the load)
+    s.set_defaults(queue_timeout=600.0)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     s.add_argument("--port", type=port_number, default=8000, help="port (default: 8000)")
     s.add_argument("--served-model-name", default=None, help="model id clients use (default: the model's name)")
@@ -252,6 +256,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv)[:1] != ["serve"]:
+        return _main(argv)
+    # NOTE: before anything slow: a SIGTERM during start-up must exit 0, not kill us by its default action
+    from ferrylm.server.launch import BootInterrupted, BootSignals
+
+    boot = BootSignals().install()
+    try:
+        return _main(argv, boot)
+    except BootInterrupted:
+        return 0  # nothing was started yet
+
+
+def _main(argv: list[str] | None, boot=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "models":
@@ -272,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from ferrylm.server.launch import serve
 
-        return serve(args, engine_config)
+        return serve(args, engine_config, boot)
     if args.command == "generate":
         return _generate(args, engine_config)
     parser.error(f"unknown command {args.command}")

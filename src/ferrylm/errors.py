@@ -71,6 +71,21 @@ class EngineStalled(EngineUnavailable):
     code = "engine_stalled"
 
 
+class DeviceError(EngineUnavailable):
+    """The engine hit a sticky device error (illegal memory access, device-side assert: the CUDA context is
+    poisoned) and is being restarted; the requests in flight are answered with this. HTTP 503 + Retry-After."""
+
+    code = "device_error"
+
+
+class RequestQuarantined(FerryError):
+    """This request (same prompt and parameters) was running when the engine failed, twice: it is refused for a
+    while so that it cannot take the server down (``server/quarantine.py``). HTTP 500: the server cannot serve
+    it; retrying does not help."""
+
+    code = "request_quarantined"
+
+
 class QueueTimeout(FerryError):
     """A request waited in the queue longer than ``--queue-timeout`` seconds. HTTP 503."""
 
@@ -92,12 +107,13 @@ class InsufficientMemory(FerryError):
 
 def error_from_code(code: str | None, message: str | None) -> FerryError:
     """The typed error for an engine output's ``error_code`` (``context_length_exceeded``, ``invalid_request``,
-    ``insufficient_memory``, ``queue_timeout``, ``engine_unavailable``, ``engine_stalled``, ``request_timeout``; any
-    other code:
+    ``insufficient_memory``, ``queue_timeout``, ``engine_unavailable``, ``engine_stalled``, ``device_error``,
+    ``request_quarantined``, ``request_timeout``; any other code:
     :class:`EngineUnavailable` carrying it), with the engine's ``message``."""
     cls = {"context_length_exceeded": ContextLengthExceeded, "invalid_request": InvalidRequest,
            "insufficient_memory": InsufficientMemory, "queue_timeout": QueueTimeout,
-           "engine_unavailable": EngineUnavailable, "engine_stalled": EngineStalled,
-           "request_timeout": RequestTimeout}.get(code or "", EngineUnavailable)
+           "engine_unavailable": EngineUnavailable, "engine_stalled": EngineStalled, "device_error": DeviceError,
+           "request_quarantined": RequestQuarantined, "request_timeout": RequestTimeout}.get(code or "",
+                                                                                            EngineUnavailable)
     return cls(message or code or "engine error", code=code)
 

@@ -21,13 +21,23 @@ point                  site                                                     
 ``detokenize``         frontend ``IncrementalDetokenizer.step``                            MemoryError
 ``engine_stall``       ``engine/worker.py`` loop: hang before the next step (heartbeats   (hangs)
                        continue); ``file=PATH``: when PATH exists (removed first)
+``step_delay``         ``engine/progress.py`` layer hook: sleep ``ms`` per decoder layer   (slow step, ticking)
+                       (a long step that makes progress; ``ms`` large: a hang inside a
+                       step)
+``device_error``       ``engine/progress.py`` layer hook: a sticky device error inside     torch.AcceleratorError
+                       the forward (illegal memory access; the engine must exit)           (RuntimeError before
+                                                                                           torch 2.9)
+``heartbeat_error``    ``engine/worker.py`` heartbeat thread: the stats read fails         RuntimeError
+``ipc_garbage``        frontend ``Supervisor.generate``: before the request, send the      (malformed messages)
+                       engine an undecodable message and an AddRequest with bad fields
 =====================  ================================================================  ======================
 
 Keys (all optional): ``after=N`` let the first N matching hits pass; ``times=N`` fire at most N times (default:
 every matching hit); ``min_prompt=N`` match only when the request concerned has a prompt of at least N tokens
 (a step's sites use the largest prompt in the step, see :meth:`FaultInjector.set_step`); ``phase=prefill|decode``
 match only steps of that kind; ``bytes=N`` the size the error reports (default: the site's own estimate, at least
-1 MiB); ``file=PATH`` (``engine_stall`` only; the last key of its rule, so PATH may contain ``:``).
+1 MiB); ``file=PATH`` (``engine_stall`` only; the last key of its rule, so PATH may contain ``:``); ``ms=N``
+(``step_delay`` only: milliseconds per layer, default 100).
 
 The error is the real type: ``torch.OutOfMemoryError`` with a CUDA-like message ("CUDA out of memory. Tried to
 allocate ..."), so the engine's OOM guard cannot tell it from a real one; the frontend site raises ``MemoryError``.
@@ -45,8 +55,14 @@ from dataclasses import dataclass
 ENV = "FERRYLM_FAULTS"
 STALL_FILE_ENV = "FERRYLM_FAULT_STALL_FILE"
 POINTS: tuple[str, ...] = ("prefill_workspace", "attention_scratch", "expert_fetch", "kv_page_alloc", "logits",
-                           "detokenize", "engine_stall")
-FRONTEND_POINTS = frozenset({"detokenize"})
+                           "detokenize", "engine_stall", "step_delay", "device_error", "heartbeat_error",
+                           "ipc_garbage")
+FRONTEND_POINTS = frozenset({"detokenize", "ipc_garbage"})
+# what torch raises for an illegal address on CUDA (torch >= 2.9: torch.AcceleratorError, a RuntimeError)
+DEVICE_ERROR_TEXT = ("CUDA error: an illegal memory access was encountered\nSearch for `cudaErrorIllegalAddress' in "
+                     "https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__TYPES.html for more information.\n"
+                     "CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace "
+                     "below might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1")
 _MIN_REPORTED_BYTES = 1 << 20
 
 
@@ -61,6 +77,7 @@ class FaultRule:
     phase: str | None = None
     nbytes: int | None = None
     file: str | None = None
+    ms: int | None = None
 
 
 def parse_rules(spec: str | None) -> list[FaultRule]:
@@ -94,7 +111,9 @@ def parse_rules(spec: str | None) -> list[FaultRule]:
                 if value not in ("prefill", "decode"):
                     raise ValueError(f"phase must be prefill or decode, got {value!r} in {part!r}")
                 kw["phase"] = value
-            elif key in ("after", "times", "min_prompt", "bytes"):
+            elif key in ("after", "times", "min_prompt", "bytes", "ms"):
+                if key == "ms" and name != "step_delay":
+                    raise ValueError(f"ms= applies to step_delay only, not {name!r}")
                 try:
                     n = int(value)
                 except ValueError:
@@ -104,7 +123,7 @@ def parse_rules(spec: str | None) -> list[FaultRule]:
                 kw["nbytes" if key == "bytes" else key] = n
             else:
                 raise ValueError(f"unknown fault option {key!r} in {part!r}; keys: after, times, min_prompt, "
-                                 f"phase, bytes, file")
+                                 f"phase, bytes, file, ms")
         if any(r.point == name for r in rules):
             raise ValueError(f"fault point {name!r} is named twice")
         rules.append(FaultRule(name, **kw))
@@ -213,6 +232,20 @@ class FaultInjector:
         raise MemoryError(f"cannot allocate {_fmt_bytes(self._size(point, nbytes))} "
                           f"(ferrylm fault injection at {point!r}, firing {self._fired[point]})")
 
+    def layer_hook(self, step_tokens: int = 0) -> None:  # noqa: ARG002 - the step context is set_step's
+        """The per-layer site (``engine/progress.py``): sleep for ``step_delay``; raise a sticky device error for
+        ``device_error`` (``torch.AcceleratorError`` where torch has it, else a RuntimeError with the CUDA
+        message, as torch raises for an illegal address)."""
+        if not self.enabled:
+            return
+        rule = self.rules.get("step_delay")
+        if rule is not None and self.fires("step_delay"):
+            import time
+
+            time.sleep((100 if rule.ms is None else rule.ms) / 1000)
+        if "device_error" in self.rules and self.fires("device_error"):
+            raise device_error(f"(ferrylm fault injection at 'device_error', firing {self._fired['device_error']})")
+
     def should_stall(self) -> bool:
         """``engine_stall``: True when the loop must hang now. With ``file=PATH``: PATH exists (it is removed, so
         a restarted engine does not hang again); otherwise by the rule's counters, one hit per loop step."""
@@ -241,6 +274,15 @@ class FaultInjector:
 
     def __repr__(self) -> str:
         return f"FaultInjector({', '.join(self.rules) or 'off'})"
+
+
+def device_error(note: str = "") -> RuntimeError:
+    """The exception torch raises for an illegal memory access on CUDA: ``torch.AcceleratorError`` (torch >= 2.9),
+    else a RuntimeError with the same message."""
+    import torch
+
+    cls = getattr(torch, "AcceleratorError", RuntimeError)
+    return cls(DEVICE_ERROR_TEXT + (f"\n{note}" if note else ""))
 
 
 NO_FAULTS = FaultInjector()

@@ -75,7 +75,8 @@ class LLM:
         encoded = []
         for p in prompts:
             if isinstance(p, str):
-                encoded.append((p, self._require_codec().encode(p)))
+                # the offline API's prompts are the operator's own: chat markup in them is meant
+                encoded.append((p, self._require_codec().encode(p, parse_special=True)))
             else:
                 encoded.append((None, [int(t) for t in p]))
         return self._run(encoded, params or SamplingParams())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from tests.models.conftest import case_seed
 from tests.models.hf_checkpoints import Checkpoint, build_checkpoint
 
 
@@ -13,7 +14,7 @@ def expert_checkpoints(tmp_path_factory):
 
     def get(case: str) -> Checkpoint:
         if case not in cache:
-            cache[case] = build_checkpoint(case, tmp_path_factory.mktemp(case), seed=len(cache) + 11)
+            cache[case] = build_checkpoint(case, tmp_path_factory.mktemp(case), seed=case_seed(case) + 10)
         return cache[case]
 
     return get

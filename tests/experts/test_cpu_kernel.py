@@ -212,8 +212,9 @@ def test_compiler_command_with_arguments(tmp_path, kernel, monkeypatch):
 
 def test_pool_falls_back_to_torch_when_spans_do_not_tile_x(kernel):
     layout = ExpertLayout(hidden=H, inter=I, dtype=torch.float32)
-    bank = torch.randn(2, layout.numel) * 0.2
-    x, w = torch.randn(3, H), torch.rand(3)
+    g = torch.Generator().manual_seed(5)
+    bank = torch.randn(2, layout.numel, generator=g) * 0.2
+    x, w = torch.randn(3, H, generator=g), torch.rand(3, generator=g)
     job = CpuJob(x=x, weights=w, items=[(0, bank[0], 2, 1), (1, bank[1], 0, 2)], out_dtype=torch.float32)
     assert not CpuExpertPool._native_fits(job)
     pool = CpuExpertPool(layout, kernel="native")

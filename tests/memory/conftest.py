@@ -45,6 +45,20 @@ def offload_model(mixtral_dir):
     loaded.executor.close()
 
 
+@pytest.fixture(autouse=True)
+def _restore_expert_slots(request):
+    """The shared offload model's expert cache is given back its slots after each test (the OOM guard's shrink
+    rung takes some), so no test sees what the tests before it did to it."""
+    if "offload_model" not in request.fixturenames:
+        yield
+        return
+    ex = request.getfixturevalue("offload_model").executor
+    before = ex.cache.num_slots if ex.cache is not None else None
+    yield
+    if before is not None and ex.cache is not None and ex.cache.num_slots < before:
+        ex.grow_slots(before - ex.cache.num_slots)
+
+
 def make_engine(loaded, spec: str | None = None, *, guard=None, prefill: int = 256, running: int = 4,
                 pages: int = 64) -> Engine:
     cfg = EngineConfig(device="cpu", page_size=16, num_pages=pages, max_running_requests=running,

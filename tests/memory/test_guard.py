@@ -57,24 +57,34 @@ def test_halve_the_chunk_then_restore_the_budget(offload_model, reference):
     assert eng.scheduler.prefill_budget == 256 and eng.stats()["oom_recoveries"]["restore"] >= 1
 
 
+def _no_shrink_guard() -> OomGuard:
+    """The ladder without the shrink rung (the shared model's cache size depends on the tests before)."""
+    return OomGuard(torch.device("cpu"), _NoCache(), prefill_limit=256)
+
+
 def test_decode_oom_preempts_the_newest(offload_model, reference):
-    eng = make_engine(offload_model, "logits:phase=decode:times=2")
+    eng = make_engine(offload_model, "logits:phase=decode:times=2", guard=_no_shrink_guard())
     res = run(eng, {"long": LONG, "mid": MID, "short": SHORT})
     assert eng.stats()["oom_recoveries"] == {"retry": 1, "preempt": 1}
     assert eng.scheduler.num_preemptions == 1
     assert {k: v["tokens"] for k, v in res.items()} == reference and not any(v["error"] for v in res.values())
 
 
-def test_prefill_oom_preempts_the_others(offload_model, reference):
-    eng = make_engine(offload_model, "prefill_workspace:min_prompt=90:times=2")
+def test_prefill_oom_defers_the_prefill_and_the_decodes_go_on(offload_model, reference):
+    eng = make_engine(offload_model, "prefill_workspace:min_prompt=90:times=2", guard=_no_shrink_guard())
     t0 = time.monotonic()
     eng.add_request("short", SHORT, greedy())
     out = eng.step()                             # "short" prefilled, decoding from now on
     assert out and out[0].new_token_ids
-    eng.add_request("mid", MID, greedy())        # 100 tokens (<= the floor): retry, then preempt "short"
-    res = drain(eng, t0, res={"short": {"tokens": list(out[0].new_token_ids), "error": None, "message": "",
-                                         "finish": None}})
-    assert eng.stats()["oom_recoveries"] == {"retry": 1, "preempt": 1}
+    eng.add_request("mid", MID, greedy())        # 100 tokens (<= the floor): retry, then defer its prefill
+    out2 = eng.step()
+    assert eng.stats()["oom_recoveries"] == {"retry": 1, "defer": 1}
+    assert [o.request_id for o in out2] == ["short"] and out2[0].new_token_ids   # the decode was not held back
+    assert eng.requests["mid"].num_computed_tokens == 0 and eng.requests["mid"].page_table   # deferred, kept
+    assert eng.scheduler.num_preemptions == 0
+    res = {"short": {"tokens": list(out[0].new_token_ids) + list(out2[0].new_token_ids), "error": None,
+                     "message": "", "finish": None}}
+    res = drain(eng, t0, res=res)
     assert res["mid"]["tokens"] == reference["mid"] and res["short"]["tokens"] == reference["short"]
 
 

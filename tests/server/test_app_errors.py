@@ -395,3 +395,22 @@ async def test_found_by_the_fresh_clone_trial(client: httpx.AsyncClient, body: d
     err = assert_error(await post(client, {"model": SERVED, **body}), 400)
     assert err["param"] == param and words in err["message"], err
 
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/completions", "/tokenize"])
+@pytest.mark.parametrize("field, value", [("request_id", "someone-elses"), ("isolate", True), ("priority", -10),
+                                          ("num_computed_tokens", 5), ("_debug", True), ("faults", "logits")])
+async def test_fields_a_client_must_not_set_are_400(client: httpx.AsyncClient, path: str, field: str,
+                                                    value) -> None:
+    """Issue 18: fields that name the server's own request state (internal flags, scheduling) are refused."""
+    body = {"model": SERVED, "max_tokens": 2, field: value}
+    body.update({"prompt": "hi"} if path != CHAT else {"messages": MSGS})
+    r = await post(client, body, path)
+    err = assert_error(r, 400, param=field)
+    assert "cannot be set by a client" in err["message"]
+
+
+async def test_other_unknown_fields_are_still_ignored(client: httpx.AsyncClient) -> None:
+    r = await post(client, {"model": SERVED, "messages": MSGS, "max_tokens": 2, "user": "u1", "metadata": {"a": "b"},
+                            "store": False, "parallel_tool_calls": True})
+    assert r.status_code == 200, r.text

@@ -2,10 +2,14 @@
 
 Three servers (small dense built-in model, small KV pool), started together once for the module:
 
-- ``s1`` (``--watchdog-timeout 5 --shutdown-timeout 10``, stall fault armed): kill -9 of the engine mid-stream,
+- ``s1`` (``--watchdog-timeout 5 --shutdown-timeout 10``, stall fault armed, ``step_delay`` for prompts of at
+  least 320 tokens): a step longer than the watchdog that makes progress, kill -9 of the engine mid-stream,
   SIGSTOP of the engine, a hung engine step, then SIGTERM during streams (it ends the server);
 - ``s2`` (``--max-engine-restarts 0``): the two-servers check, then its engine is killed → exit non-zero;
-- ``s3``: SIGKILL of the frontend → the engine must go too.
+- ``s3``: SIGKILL of the frontend → the engine must go too, and its IPC dir with it.
+
+Tests that end a server (SIGTERM, the restart limit, SIGKILL) may run in any order: a server that has exited is
+started again by the next test that needs it.
 
 Every measured time is printed as ``[measured] ...`` (run with ``-s`` to see them; docs/ROBUSTNESS.md has them).
 """
@@ -39,6 +43,8 @@ MSGS = [{"role": "user", "content": "Tell me a long story about a ferry."}]
 WATCHDOG_S = 5
 SHUTDOWN_S = 10
 STARTUP_S = 240
+SLOW_PROMPT = 320        # s1's step_delay fires for steps holding a prompt of at least this many tokens
+SLOW_LAYER_MS = 250      # 30 layers: ~7.5 s a step, longer than WATCHDOG_S
 
 
 def measured(what: str, seconds: float) -> None:
@@ -83,38 +89,68 @@ def shutdown(srv: LiveServer) -> None:
         pass
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("supervision")
-    stall_file = str(tmp / "stall-now")
-    s1 = launch(tmp, "--watchdog-timeout", str(WATCHDOG_S), "--shutdown-timeout", str(SHUTDOWN_S),
-                env={"FERRYLM_FAULT_STALL_FILE": stall_file})
-    s2 = launch(tmp, "--max-engine-restarts", "0")
-    s3 = launch(tmp)
-    srvs = {"s1": s1, "s2": s2, "s3": s3, "stall_file": stall_file}
-    try:
-        with ThreadPoolExecutor(3) as ex:
-            for t in ex.map(wait_ready, (s1, s2, s3)):
-                measured("start to ready (3 servers at once)", t)
-        yield srvs
-    finally:
-        for s in (s1, s2, s3):
+class Servers:
+    """The module's servers by name, started together; one that has exited (a test ended it) is started again
+    when a test asks for it, so the tests pass in any order."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.stall_file = str(tmp / "stall-now")
+        self.args = {
+            "s1": (("--watchdog-timeout", str(WATCHDOG_S), "--shutdown-timeout", str(SHUTDOWN_S)),
+                   {"FERRYLM_FAULT_STALL_FILE": self.stall_file,
+                    "FERRYLM_FAULTS": f"step_delay:ms={SLOW_LAYER_MS}:min_prompt={SLOW_PROMPT}"}),
+            "s2": (("--max-engine-restarts", "0"), {}),
+            "s3": ((), {}),
+        }
+        self.live: dict[str, LiveServer] = {}
+
+    def start_all(self) -> None:
+        for name, (args, env) in self.args.items():
+            self.live[name] = launch(self.tmp, *args, env=env)
+        with ThreadPoolExecutor(len(self.live)) as ex:
+            for t in ex.map(wait_ready, self.live.values()):
+                measured(f"start to ready ({len(self.live)} servers at once)", t)
+
+    def get(self, name: str) -> LiveServer:
+        srv = self.live.get(name)
+        if srv is None or srv.proc.poll() is not None:
+            args, env = self.args[name]
+            srv = self.live[name] = launch(self.tmp, *args, env=env)
+            wait_ready(srv)
+        return srv
+
+    def __getitem__(self, key: str) -> str:   # servers["stall_file"]
+        return getattr(self, key)
+
+    def close(self) -> None:
+        for s in self.live.values():
             shutdown(s)
 
 
 @pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    srvs = Servers(tmp_path_factory.mktemp("supervision"))
+    try:
+        srvs.start_all()
+        yield srvs
+    finally:
+        srvs.close()
+
+
+@pytest.fixture
 def s1(servers):
-    return servers["s1"]
+    return servers.get("s1")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def s2(servers):
-    return servers["s2"]
+    return servers.get("s2")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def s3(servers):
-    return servers["s3"]
+    return servers.get("s3")
 
 
 # --- clients ----------------------------------------------------------------------------------------------------
@@ -265,6 +301,25 @@ def test_two_servers_do_not_interfere(s1, s2):
 
 
 @pytest.mark.timeout(180)
+def test_a_step_longer_than_the_watchdog_is_not_a_stall(s1):
+    """Issue 18: one valid prompt whose prefill step took longer than --watchdog-timeout got 503 engine_stalled
+    (and its resends took the server down). The engine now ticks per layer; the watchdog sees the progress."""
+    old = engine_pid(s1)
+    log_start = len(s1.log())
+    prompt = [100 + i for i in range(SLOW_PROMPT + 10)]   # token ids: every step of it is slowed down
+    t0 = time.monotonic()
+    r = httpx.post(f"{s1.base_url}/v1/completions", timeout=120,
+                   json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+    took = time.monotonic() - t0
+    measured(f"a {took:.1f} s step with --watchdog-timeout {WATCHDOG_S}: answered", took)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    assert took > WATCHDOG_S + 1                      # the step really outlasted the watchdog
+    assert engine_pid(s1) == old
+    assert "is stalled" not in s1.log()[log_start:]
+
+
+@pytest.mark.timeout(180)
 def test_kill9_engine_mid_stream(s1, s2):
     old = engine_pid(s1)
     other = engine_pid(s2)
@@ -339,7 +394,7 @@ def test_hung_step_stacks_are_dumped_and_engine_restarted(s1, servers):
     assert engine_pid(s1) != old and gone(old)
     assert chat(s1).status_code == 200
     log = s1.log()
-    assert "no step completed" in log
+    assert "no progress" in log and "between steps" in log
     assert "in _fault_stall" in log and "Thread 0x" in log  # faulthandler's dump of every thread
 
 
@@ -361,10 +416,14 @@ def test_restart_limit_exits_nonzero(s2):
 def test_sigkill_frontend_takes_the_engine_down(s3):
     pid = engine_pid(s3)
     t0 = time.monotonic()
+    ipc_dirs = glob.glob(os.path.join(tempfile.gettempdir(), f"ferrylm-{s3.proc.pid}-*"))
+    assert len(ipc_dirs) == 1
     os.kill(s3.proc.pid, signal.SIGKILL)
     s3.proc.wait(10)
     wait_until(lambda: gone(pid), 5, "the orphaned engine to exit")
     measured("SIGKILL frontend: engine gone", time.monotonic() - t0)
+    wait_until(lambda: not os.path.exists(ipc_dirs[0]), 5, "the IPC dir to be removed")
+    measured("SIGKILL frontend: IPC dir removed", time.monotonic() - t0)
 
 
 @pytest.mark.timeout(120)

@@ -4,10 +4,12 @@ codes on both response shapes, the supervisor's health states, stale IPC dir swe
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from ferrylm.engine.sampling_params import SamplingParams
@@ -116,3 +118,33 @@ def test_sweep_removes_only_dead_servers_ipc_dirs(tmp_path) -> None:
     alive.mkdir()
     assert sweep_stale_ipc_dirs(str(tmp_path)) == 1
     assert not stale.exists() and foreign.exists() and alive.exists()
+
+
+def test_the_ipc_dir_goes_when_its_server_is_sigkilled(tmp_path) -> None:
+    """Issue 18: the IPC temp folder was left behind when the frontend was SIGKILLed (the kernel kills the engine
+    at once, so it cannot clean up): the server's janitor removes it."""
+    code = ("import sys, time; from ferrylm.server.ipc_dir import IpcDir; d = IpcDir(tmpdir=sys.argv[1]); "
+            "print(d.path, d.janitor_pid, flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    path, janitor = proc.stdout.readline().split()
+    assert os.path.isdir(path)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    deadline = time.monotonic() + 5
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not os.path.exists(path)
+    while psutil.pid_exists(int(janitor)) and psutil.Process(int(janitor)).status() != psutil.STATUS_ZOMBIE \
+            and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not psutil.pid_exists(int(janitor)) or psutil.Process(int(janitor)).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_clean_close_removes_the_dir_and_reaps_the_janitor(tmp_path) -> None:
+    from ferrylm.server.ipc_dir import IpcDir
+
+    d = IpcDir(tmpdir=str(tmp_path))
+    pid = d.janitor_pid
+    assert os.path.isdir(d.path) and pid is not None
+    d.remove()
+    assert not os.path.exists(d.path) and not psutil.pid_exists(pid)

@@ -21,6 +21,7 @@ from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.engine.kv_cache import KVPool
 from ferrylm.engine.model_runner import ModelRunner, has_prefill
 from ferrylm.engine.outputs import EngineOutput
+from ferrylm.engine.progress import StepProgress
 from ferrylm.engine.request import Request, Status
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.engine.scheduler import Batch, ScheduledSeq, Scheduler, SchedulerConfig
@@ -128,6 +129,9 @@ class Engine:
         faults: the fault injector (default: off).
         guard: the OOM guard (default: one over the executor's elastic cache, the configured prefill budget).
         memory_plan: the boot memory plan (``memory/plan.py``), reported in stats and at ``GET /v1/memory``.
+
+    ``progress`` (:class:`~ferrylm.engine.progress.StepProgress`): ticks per layer and per step, the running
+    step's requests and expected duration; the worker's heartbeat reports it to the watchdog.
     """
 
     def __init__(self, model, model_config: ModelConfig, config: EngineConfig, *, device: torch.device,
@@ -163,6 +167,8 @@ class Engine:
         self._pending: list[EngineOutput] = []
         self.num_steps = 0
         self.last_step_time = time.monotonic()
+        self.progress = StepProgress(faults=faults)
+        self.progress.attach(model)
         self._bytes_per_elem = torch.empty((), dtype=dtype).element_size()
         if limits is None and self.limits.pool_tokens < self.limits.max_model_len:
             log.warning("the KV pool holds %d tokens, fewer than the model context of %d tokens: long requests "
@@ -207,14 +213,23 @@ class Engine:
                 f"the completion). Reduce the prompt or max_tokens, or raise --max-model-len.", param="max_tokens")
         return max_tokens
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    isolate: bool = False) -> None:
         """Admit a request or report its rejection as a terminal error output (never raises for a client
-        mistake). A duplicate running id is rejected too."""
+        mistake, nor for a malformed message: token ids that are not ints in the vocabulary are rejected here).
+        A duplicate running id is rejected too. ``isolate``: run it in steps of its own (a suspect of an earlier
+        engine failure; ``server/quarantine.py``)."""
         try:
             if request_id in self.requests:
                 raise FerryError(f"request id {request_id!r} is already running", code="invalid_request")
+            if not isinstance(prompt_token_ids, (list, tuple)):
+                raise FerryError("prompt token ids must be a list", code="invalid_request", param="prompt")
             params.validate()
             params.max_tokens = self.check_admission(len(prompt_token_ids), params.max_tokens)
+            vocab, ids = self.mcfg.vocab_size, prompt_token_ids
+            if not all(type(t) is int for t in ids) or min(ids) < 0 or max(ids) >= vocab:
+                raise FerryError(f"prompt token ids must be integers in [0, {vocab})", code="invalid_request",
+                                 param="prompt")
         except FerryError as e:
             self._pending.append(EngineOutput(request_id, [], error_code=e.code, error_message=e.message,
                                               num_prompt_tokens=len(prompt_token_ids)))
@@ -223,7 +238,8 @@ class Engine:
         if params.seed is not None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed % (2**63))
-        req = Request(request_id, list(prompt_token_ids), params, generator=gen, arrival_time=time.monotonic())
+        req = Request(request_id, list(prompt_token_ids), params, generator=gen, arrival_time=time.monotonic(),
+                      isolate=bool(isolate))
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -257,7 +273,14 @@ class Engine:
         batch = self._schedule_guarded()
         self._end_truncated(batch.truncated)
         if batch.seqs:
-            self._run_guarded(batch.seqs)
+            self.progress.begin_step(tuple(s.request.request_id for s in batch.seqs), batch.num_tokens,
+                                     max(s.request.num_prompt_tokens for s in batch.seqs))
+            ok = False
+            try:
+                self._run_guarded(batch.seqs)
+                ok = True
+            finally:
+                self.progress.end_step(measured=ok)
             self.num_steps += 1
             self.last_step_time = time.monotonic()
         if self.config.check_invariants:
@@ -319,13 +342,21 @@ class Engine:
             prefill = sum(s.num_tokens for s in seqs if s.num_tokens > 1)
             tokens = sum(s.num_tokens for s in seqs)
             phase = "prefill" if _has_prefill(seqs) else "decode"
-            action = self.guard.next_action(st, prefill_tokens=prefill, num_seqs=len(seqs))
+            action = self.guard.next_action(st, prefill_tokens=prefill, num_seqs=len(seqs),
+                                            has_prefill=phase == "prefill")
             reqs, detail = [s.request for s in seqs], ""
             if action == "halve":
                 n = self.guard.halved(prefill)
                 self.scheduler.set_prefill_budget(n + sum(1 for s in seqs if s.num_tokens == 1))
                 seqs = _trim_prefill(seqs, n)
                 detail = f": prefill chunk {prefill} -> {n} tokens"
+            elif action == "defer":
+                # NOTE: the deferred requests keep their pages and counters (nothing of this step was committed);
+                # the scheduler gives them their chunk again next step, by then with the decodes' room back
+                kept = _without_deferred_prefills(seqs)
+                deferred = [s.request.request_id for s in seqs if s not in kept]
+                seqs = kept
+                detail = f" the prefill of {len(deferred)} request(s) {deferred} to a later step"
             elif action == "preempt":
                 victims = self._preemption_victims(seqs)
                 for r in victims:
@@ -342,14 +373,10 @@ class Engine:
                 self.scheduler.set_prefill_budget(budget)
 
     def _preemption_victims(self, seqs: list[ScheduledSeq]) -> list[Request]:
-        """A step with a prefill chunk keeps its first prefill request and preempts every other; a decode-only
-        step preempts its newest request (the last admitted)."""
+        """A decode-only step preempts its newest request (the last admitted). (A step with a prefill defers
+        its prefill chunks instead: :func:`_without_deferred_prefills`.)"""
         order = {id(r): i for i, r in enumerate(self.scheduler.running)}
-        reqs = [s.request for s in seqs]
-        prefills = [s.request for s in seqs if s.num_tokens > 1 or s.start == 0]
-        if prefills:
-            return [r for r in reqs if r is not prefills[0]]
-        return [max(reqs, key=lambda r: order.get(id(r), -1))]
+        return [max((s.request for s in seqs), key=lambda r: order.get(id(r), -1))]
 
     def _fail_oom(self, reqs: list[Request], st: StepRecovery, phase: str, tokens: int) -> None:
         """End ``reqs`` with ``insufficient_memory`` (HTTP 503 + Retry-After at the edge), freeing their pages."""
@@ -387,7 +414,7 @@ class Engine:
             torch.OutOfMemoryError: the warmup does not fit the device.
         """
         faults = self.faults
-        self.faults = self.scheduler.faults = NO_FAULTS
+        self.faults = self.scheduler.faults = self.progress.faults = NO_FAULTS
         ex = self.expert_executor
         if ex is not None and hasattr(ex, "faults"):
             ex.faults = NO_FAULTS
@@ -408,7 +435,7 @@ class Engine:
                 self.add_request(f"warmup-decode-{i}", [(i + 1) % vocab, (i + 2) % vocab], two)
             self._warmup_drain()
         finally:
-            self.faults = self.scheduler.faults = faults
+            self.faults = self.scheduler.faults = self.progress.faults = faults
             if ex is not None and hasattr(ex, "faults"):
                 ex.faults = faults
         bad = [o for o in self._pending if o.error_code]
@@ -426,7 +453,9 @@ class Engine:
             self._end_truncated(batch.truncated)
             if not batch.seqs:
                 break
+            self.progress.begin_step(tuple(s.request.request_id for s in batch.seqs), batch.num_tokens)
             self._run(batch)
+            self.progress.end_step()   # the first measurement of a full prefill chunk: the watchdog's estimate
         raise RuntimeError("warmup did not finish: the KV pool cannot hold the warmup requests")
 
     def _expire_waiting(self) -> None:
@@ -508,6 +537,16 @@ class Engine:
 
 
 _has_prefill = has_prefill
+
+
+def _without_deferred_prefills(seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
+    """The OOM guard's ``defer``: the step without its prefill chunks when it holds decodes too (decodes of running
+    requests are never held back by a prompt that does not fit now); with prefill chunks only, the first of
+    them alone."""
+    decodes = [s for s in seqs if not (s.num_tokens > 1 or s.start == 0)]
+    if decodes:
+        return decodes
+    return seqs[:1]
 
 
 def _trim_prefill(seqs: list[ScheduledSeq], limit: int) -> list[ScheduledSeq]:

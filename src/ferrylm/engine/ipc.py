@@ -16,9 +16,13 @@ from ferrylm.engine.outputs import EngineOutput
 
 @dataclass
 class AddRequest:
+    """A request for the engine. ``isolate``: run it in steps of its own (set by the supervisor for a suspect of
+    an earlier engine failure, never by a client)."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: dict
+    isolate: bool = False
 
 
 @dataclass
@@ -40,10 +44,13 @@ class Ready:
 
 @dataclass
 class Heartbeat:
-    """Sent about every 0.5 s, busy or idle. ``stats``: Engine.stats(); ``last_step_age`` seconds."""
+    """Sent about every 0.5 s, busy or idle. ``stats``: Engine.stats(); ``last_step_age`` seconds;
+    ``progress``: ``StepProgress.report()`` plus ``num_running`` (engine/progress.py: ticks, the running step's
+    requests and expected duration)."""
 
     stats: dict
     last_step_age: float = 0.0
+    progress: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -53,9 +60,13 @@ class Outputs:
 
 @dataclass
 class Fatal:
-    """The engine hit an error it cannot serve through (e.g. model load failure) and is exiting."""
+    """The engine hit an error it cannot serve through and is exiting. ``code``: ``model_load_error`` (or another
+    FerryError code) at start-up, ``device_error`` (a sticky device error: the CUDA context is poisoned),
+    ``step_failed`` (an unexpected error in a step); ``request_ids``: the requests of the step that failed."""
 
     message: str
+    code: str = ""
+    request_ids: list[str] = field(default_factory=list)
 
 
 _TYPES: dict[str, type] = {c.__name__: c for c in (AddRequest, AbortRequest, Shutdown, Ready, Heartbeat,

@@ -37,6 +37,9 @@ class Request:
         arrival_time: ``time.monotonic()`` at arrival (seconds).
         first_scheduled_time: ``time.monotonic()`` when the scheduler first gave it a step (None before).
         queue_time_reported: its queue time went out on an output already.
+        isolate: runs in steps of its own (a suspect of an earlier engine failure).
+        times_passed_over: scheduling rounds in which it waited for pages while a request behind it was
+            admitted (the scheduler's aging: past ``SchedulerConfig.aging_rounds`` nothing passes it any more).
     """
 
     request_id: str
@@ -52,6 +55,8 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     queue_time_reported: bool = False
+    isolate: bool = False
+    times_passed_over: int = 0
 
     def take_queue_time(self) -> float | None:
         """Seconds from arrival to the first scheduling, the first time it is asked after that; else None."""

@@ -10,6 +10,11 @@ Each step builds one batch under two limits: at most ``max_running_requests`` ru
 2. ``_schedule_waiting``: waiting requests in arrival order join while slots, budget and free pages allow. A
    request that does not fit the free pages *now* is skipped, not waited on, so it never blocks smaller requests
    behind it (no head-of-line deadlock). Requests that can never fit were rejected at admission.
+   Aging: each round in which a skipped request is passed over (a request behind it is admitted) counts; once it
+   was passed over ``aging_rounds`` times, nothing behind it is admitted any more, so the pages running requests
+   free go to it. Its wait is then bounded by the running requests' remaining work, whatever keeps arriving.
+   Isolation: a request marked ``isolate`` (a suspect of an earlier engine failure) waits until nothing runs,
+   then runs alone, and nothing is admitted while it runs.
 
 Design after vLLM v1's token-budget scheduler (request counters catching up), split into sub-steps.
 """
@@ -27,11 +32,13 @@ from ferrylm.faults import NO_FAULTS, FaultInjector
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Limits: ``max_running_requests`` (requests), ``max_prefill_length`` (tokens per step), ``page_size``."""
+    """Limits: ``max_running_requests`` (requests), ``max_prefill_length`` (tokens per step), ``page_size``;
+    ``aging_rounds``: times a waiting request may be passed over by later arrivals before nothing may pass it."""
 
     max_running_requests: int
     max_prefill_length: int
     page_size: int
+    aging_rounds: int = 16
 
 
 @dataclass
@@ -144,22 +151,32 @@ class Scheduler:
     def _schedule_waiting(self, budget: int) -> list[ScheduledSeq]:
         seqs: list[ScheduledSeq] = []
         skipped: list[Request] = []
+        if any(r.isolate for r in self.running):
+            return seqs   # an isolated request runs alone
         try:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
                 req = self.waiting[0]
+                if req.isolate and (self.running or seqs):
+                    break  # it runs alone: admit nothing past it until the running requests are done
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
                 # NOTE: popped only after _grow returns: an allocation failure raised inside it leaves req queued
                 ok = self._grow(req, req.num_computed_tokens + n)
                 self.waiting.popleft()
                 if not ok:
                     skipped.append(req)  # does not fit the free pages now; let smaller ones behind it run
+                    if req.times_passed_over >= self.config.aging_rounds:
+                        break            # aged: the pages freed from now on are its, nothing passes it
                     continue
+                for r in skipped:
+                    r.times_passed_over += 1
                 req.status = Status.RUNNING
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = time.monotonic()
                 self.running.append(req)
                 seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
                 budget -= n
+                if req.isolate:
+                    break
         finally:
             self.waiting.extendleft(reversed(skipped))
         return seqs

@@ -7,6 +7,15 @@ makes it grow). Liveness of the frontend: Linux ``PR_SET_PDEATHSIG`` kills the e
 dies, and a watch thread (any OS) exits the process within ~0.5 s, so no orphan keeps memory, GPU or sockets.
 ``faulthandler`` prints every thread's Python stack to stderr (the server log) on a fatal signal and on
 ``SIGUSR1`` (the supervisor's watchdog sends it before killing a stalled engine).
+
+One guard per boundary, so that nothing a message or a statistic holds can end the process:
+
+- the message loop (:func:`handle_message`): a message that does not decode, or whose fields are wrong, is
+  logged and dropped; an AddRequest that cannot be applied is answered with an ``invalid_request`` error;
+- the heartbeat thread (:func:`heartbeat_message`): a stats or progress read that fails, or a value msgpack cannot
+  encode, still sends a heartbeat (with what could be read), so the watchdog never kills a healthy engine;
+- the step: an unexpected error is reported (``Fatal`` with the step's requests, ``code`` ``device_error`` for a
+  sticky CUDA error, ``step_failed`` otherwise) and the process exits so the supervisor answers and restarts.
 """
 
 from __future__ import annotations
@@ -81,26 +90,108 @@ def _ipc_dir(addr: str) -> str | None:
     return os.path.dirname(addr[len("ipc://"):]) if addr.startswith("ipc://") else None
 
 
+_log = logging.getLogger("ferrylm.engine")
+
+
+def heartbeat_message(state: dict) -> bytes:
+    """One encoded heartbeat of the engine in ``state["engine"]`` (none yet: empty stats). Never raises: a part
+    that cannot be read (``engine.stats()``, the progress report) or encoded is left out and the error is logged
+    once per kind (``state["heartbeat_errors"]`` counts them and is sent along)."""
+    from ferrylm.engine import ipc
+
+    engine = state.get("engine")
+    now = time.monotonic()
+    parts: dict = {"stats": {}, "progress": {}, "last_step_age": 0.0}
+    if engine is not None:
+        try:
+            faults = engine.faults
+            if faults.enabled and faults.fires("heartbeat_error"):
+                raise RuntimeError("fault injection (heartbeat_error): the stats read failed")
+            parts["stats"] = engine.stats()
+        except Exception as e:  # noqa: BLE001 - the heartbeat must go out whatever the stats do
+            _note_heartbeat_error(state, "stats", e)
+        try:
+            busy = engine.num_running > 0
+            parts["progress"] = {**engine.progress.report(), "num_running": engine.num_running}
+            # NOTE: measured from the start of the loop iteration, not from the engine's last step: after an idle
+            # spell the last step is old although nothing is stuck.
+            parts["last_step_age"] = now - state.get("iteration_start", now) if busy else 0.0
+        except Exception as e:  # noqa: BLE001
+            _note_heartbeat_error(state, "progress", e)
+    errors = state.get("heartbeat_errors", 0)
+    if errors:
+        parts["stats"] = {**parts["stats"], "heartbeat_errors": errors} if isinstance(parts["stats"], dict) \
+            else {"heartbeat_errors": errors}
+    try:
+        return ipc.encode(ipc.Heartbeat(**parts))
+    except Exception as e:  # noqa: BLE001 - e.g. a stats value msgpack cannot encode
+        _note_heartbeat_error(state, "encode", e)
+        parts["stats"] = {"heartbeat_errors": state.get("heartbeat_errors", 0)}
+        try:
+            return ipc.encode(ipc.Heartbeat(**parts))
+        except Exception:  # noqa: BLE001 - the progress report itself: send a bare beat
+            return ipc.encode(ipc.Heartbeat(stats=parts["stats"]))
+
+
+def _note_heartbeat_error(state: dict, what: str, e: BaseException) -> None:
+    state["heartbeat_errors"] = state.get("heartbeat_errors", 0) + 1
+    seen = state.setdefault("heartbeat_error_kinds", set())
+    if what not in seen:  # once per kind: a failing read would otherwise log twice a second
+        seen.add(what)
+        _log.error("heartbeat: the %s failed (%r); heartbeats go on without it (logged once)", what, e,
+                   exc_info=e)
+
+
 def _heartbeat_loop(ctx, addr: str, state: dict, stop: threading.Event) -> None:
     import zmq
-
-    from ferrylm.engine import ipc
 
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(addr)
     while not stop.wait(HEARTBEAT_INTERVAL_S):
-        engine = state.get("engine")
-        stats = engine.stats() if engine is not None else {}
-        # NOTE: measured from the start of the loop iteration, not from the engine's last step: after an idle
-        # spell the last step is old although nothing is stuck.
-        busy = engine is not None and engine.num_running > 0
-        age = time.monotonic() - state.get("iteration_start", time.monotonic()) if busy else 0.0
         try:
-            sock.send(ipc.encode(ipc.Heartbeat(stats=stats, last_step_age=age)), zmq.NOBLOCK)
+            sock.send(heartbeat_message(state), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
+        except Exception as e:  # noqa: BLE001 - the last line of the guard: this thread must never die
+            _note_heartbeat_error(state, "send", e)
     sock.close()
+
+
+def handle_message(engine, data: bytes) -> tuple[bool, list]:
+    """Apply one message from the frontend to ``engine``. Returns ``(shutdown, outputs)``: ``shutdown`` True for
+    a Shutdown message; ``outputs``: error outputs to send now (an AddRequest that could not be applied).
+
+    Never raises: a message that does not decode or has wrong fields is logged and dropped (nothing is known to
+    answer); an AddRequest whose request id is readable but whose fields cannot be applied is answered with
+    ``invalid_request``. The engine's state is unchanged by a message that failed."""
+    from ferrylm.engine import ipc
+    from ferrylm.engine.outputs import EngineOutput
+    from ferrylm.engine.sampling_params import SamplingParams
+
+    try:
+        msg = ipc.decode(data)
+    except Exception as e:  # noqa: BLE001 - msgpack errors, unknown type, wrong fields: all the sender's
+        _log.error("dropped an undecodable message from the frontend (%d bytes): %r", len(data), e)
+        return False, []
+    try:
+        if isinstance(msg, ipc.AddRequest):
+            params = SamplingParams.from_dict(msg.params)
+            engine.add_request(msg.request_id, msg.prompt_token_ids, params, isolate=bool(msg.isolate))
+        elif isinstance(msg, ipc.AbortRequest):
+            for rid in msg.request_ids:
+                engine.abort(rid)
+        elif isinstance(msg, ipc.Shutdown):
+            return True, []
+        else:
+            _log.error("dropped an unexpected %s message from the frontend", type(msg).__name__)
+    except Exception as e:  # noqa: BLE001 - one bad message must not end the process
+        rid = getattr(msg, "request_id", None)
+        _log.error("[%s] could not apply a %s message: %r", rid, type(msg).__name__, e, exc_info=e)
+        if isinstance(msg, ipc.AddRequest) and isinstance(rid, str):
+            return False, [EngineOutput(rid, [], error_code="invalid_request",
+                                        error_message=f"malformed request: {type(e).__name__}: {e}")]
+    return False, []
 
 
 def _fault_stall() -> None:
@@ -138,7 +229,7 @@ def engine_main(spec_dict: dict) -> None:
 
     from ferrylm.config import EngineConfig
     from ferrylm.engine import ipc
-    from ferrylm.engine.sampling_params import SamplingParams
+    from ferrylm.memory.guard import is_device_error
 
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
@@ -168,7 +259,8 @@ def engine_main(spec_dict: dict) -> None:
         engine = build_engine(spec.model_path, EngineConfig(**spec.engine_config))
     except Exception as e:
         log.error("engine failed to start: %s", e)
-        push.send(ipc.encode(ipc.Fatal(f"{type(e).__name__}: {e}")))
+        msg = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
+        push.send(ipc.encode(ipc.Fatal(msg, code=str(getattr(e, "code", "") or "start_failed"))))
         close_ipc()
         os._exit(1)
     state["engine"] = engine
@@ -192,15 +284,13 @@ def engine_main(spec_dict: dict) -> None:
         if poller.poll(timeout):
             while True:
                 try:
-                    msg = ipc.decode(pull.recv(zmq.NOBLOCK))
+                    data = pull.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                if isinstance(msg, ipc.AddRequest):
-                    engine.add_request(msg.request_id, msg.prompt_token_ids, SamplingParams.from_dict(msg.params))
-                elif isinstance(msg, ipc.AbortRequest):
-                    for rid in msg.request_ids:
-                        engine.abort(rid)
-                elif isinstance(msg, ipc.Shutdown):
+                shutdown, rejected = handle_message(engine, data)
+                if rejected:
+                    push.send(ipc.encode(ipc.Outputs(rejected)))
+                if shutdown:
                     log.info("engine shutting down (%d requests still running)", engine.num_running)
                     close_ipc()
                     # NOTE: skip the interpreter's teardown (seconds of freeing tensors, atexit hooks): the OS
@@ -214,11 +304,21 @@ def engine_main(spec_dict: dict) -> None:
                 _fault_stall()
             try:
                 outs = engine.step()
-            except Exception:
+            except Exception as e:
                 # An unexpected error inside a step must not leave clients waiting: report and exit so the
-                # supervisor answers every in-flight request and restarts the engine.
-                log.error("engine step failed:\n%s", traceback.format_exc())
-                push.send(ipc.encode(ipc.Fatal("engine step failed; see the engine log")))
+                # supervisor answers every in-flight request and restarts the engine. A sticky device error
+                # (illegal address, device-side assert) poisons the CUDA context: nothing more can run here.
+                ids = list(engine.progress.step_request_ids)
+                if is_device_error(e):
+                    log.error("sticky device error in a step of %d requests %s; the engine exits to be restarted:"
+                              "\n%s", len(ids), ids, traceback.format_exc())
+                    fatal = ipc.Fatal(f"device error: {str(e).splitlines()[0]}", code="device_error",
+                                      request_ids=ids)
+                else:
+                    log.error("engine step of %d requests %s failed:\n%s", len(ids), ids, traceback.format_exc())
+                    fatal = ipc.Fatal(f"engine step failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                                      f"see the engine log", code="step_failed", request_ids=ids)
+                push.send(ipc.encode(fatal))
                 close_ipc()
                 os._exit(1)
             if outs:

@@ -16,8 +16,10 @@ the ladder is:
    few slots at a time keeps the engine at the edge of OOM, paying a failure and a retry every step;
 2. ``halve``: the prefill tokens of the step halved, down to ``prefill_floor`` (128) tokens; the scheduler's
    per-step budget stays lowered and is doubled back every ``restore_after_steps`` clean steps;
-3. ``preempt``: the other requests of the step are preempted (requeued, recomputed later); a decode-only step
-   preempts only its newest request, and repeats;
+3. ``defer`` / ``preempt``: a step that holds a prefill chunk and other work *defers* its prefill chunks (they
+   keep their pages and counters and run in a later step; the decodes run now), or, with only prefill chunks,
+   defers all but the first; a decode-only step preempts its newest request (requeued, recomputed later), and
+   repeats;
 4. ``fail``: the requests still in the step end with ``insufficient_memory`` (HTTP 503 + Retry-After at the
    edge); the engine keeps serving.
 
@@ -41,7 +43,7 @@ from ferrylm.memory.probe import free_bytes, release_cached
 
 log = logging.getLogger("ferrylm.memory")
 
-ACTIONS = ("retry", "halve", "shrink", "preempt", "fail", "grow", "restore")
+ACTIONS = ("retry", "halve", "shrink", "defer", "preempt", "fail", "grow", "restore")
 
 _CUDA_OOM_TEXT = ("CUDA out of memory", "CUDA error: out of memory", "HIP out of memory",
                   "DefaultCPUAllocator: can't allocate memory", "out of memory")
@@ -59,6 +61,24 @@ def is_oom(exc: BaseException) -> bool:
         msg = str(exc)
         return any(t in msg for t in _CUDA_OOM_TEXT)
     return False
+
+
+_DEVICE_ERROR_TEXT = ("CUDA error", "HIP error", "device-side assert", "illegal memory access", "illegal instruction",
+                      "misaligned address", "unspecified launch failure", "CUBLAS_STATUS_EXECUTION_FAILED",
+                      "CUDNN_STATUS_EXECUTION_FAILED", "cudaErrorIllegalAddress", "cudaErrorAssert")
+
+
+def is_device_error(exc: BaseException) -> bool:
+    """True for a sticky device error, one that poisons the CUDA context so that every later call fails
+    (illegal memory access, device-side assert, launch failure): ``torch.AcceleratorError`` (torch >= 2.9) or a
+    RuntimeError carrying the CUDA error text. Never an allocation failure (:func:`is_oom` wins: "CUDA error:
+    out of memory" is an OOM). The engine must not retry it: it reports it and exits so it is restarted."""
+    if is_oom(exc):
+        return False
+    accel = getattr(torch, "AcceleratorError", None)
+    if accel is not None and isinstance(exc, accel):
+        return True
+    return isinstance(exc, RuntimeError) and any(t in str(exc) for t in _DEVICE_ERROR_TEXT)
 
 
 def oom_bytes(exc: BaseException) -> int | None:
@@ -235,13 +255,15 @@ class OomGuard:
         self.last_oom_time = self._clock()
         self._clean_steps = 0
 
-    def next_action(self, st: StepRecovery, *, prefill_tokens: int, num_seqs: int) -> str:
+    def next_action(self, st: StepRecovery, *, prefill_tokens: int, num_seqs: int, has_prefill: bool = False) -> str:
         """The next rung for a step that failed: ``"retry"``, ``"halve"`` (the engine trims the step's prefill to
-        :meth:`halved` tokens), ``"shrink"`` (already done here: slots freed), ``"preempt"`` or ``"fail"``.
+        :meth:`halved` tokens), ``"shrink"`` (already done here: slots freed), ``"defer"`` (a step with a prefill
+        and other work: the engine takes the prefill chunks out of the step), ``"preempt"`` (a decode-only step:
+        its newest request) or ``"fail"``.
 
         Args:
             st: the step's state. prefill_tokens: tokens of the step's prefill chunks (chunks of more than one
-                token). num_seqs: sequences in the step.
+                token). num_seqs: sequences in the step. has_prefill: the step computes part of a prompt.
         """
         if not st.retried:
             st.retried = True
@@ -265,7 +287,7 @@ class OomGuard:
         if prefill_tokens > self.config.prefill_floor:
             return self._count(st, "halve")
         if num_seqs > 1:
-            return self._count(st, "preempt")
+            return self._count(st, "defer" if has_prefill else "preempt")
         return self._count(st, "fail")
 
     def halved(self, prefill_tokens: int) -> int:

@@ -10,6 +10,8 @@ Unauthorized (this module)                             401
 ModelNotFound, unknown route                           404
 EngineUnavailable, QueueTimeout, InsufficientMemory    503     ``Retry-After`` (seconds)
 EngineStalled (an EngineUnavailable; watchdog)         503     ``Retry-After`` (seconds)
+DeviceError (an EngineUnavailable; sticky CUDA error)  503     ``Retry-After`` (seconds)
+RequestQuarantined (failed the engine twice)           500
 anything else                                          500     logged with the request id
 =====================================================  ======  ==========================
 
@@ -27,7 +29,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ferrylm.errors import (EngineStalled, EngineUnavailable, FerryError, InsufficientMemory, InvalidRequest,
-                            ModelNotFound, QueueTimeout, RequestTimeout)
+                            ModelNotFound, QueueTimeout, RequestQuarantined, RequestTimeout)
 
 logger = logging.getLogger("ferrylm.server")
 
@@ -64,6 +66,7 @@ _STATUS: list[tuple[type, int]] = [
     (QueueTimeout, 503),
     (InsufficientMemory, 503),
     (RequestTimeout, 408),
+    (RequestQuarantined, 500),
 ]
 
 _TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error", 408: "timeout_error",

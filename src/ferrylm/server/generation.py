@@ -258,28 +258,44 @@ async def race_disconnect(request: Request, aw: Awaitable[T]) -> T:
             await asyncio.gather(work, watch, return_exceptions=True)
 
 
+def count_client_gone(scope: Scope) -> None:
+    """Count one ``request_errors_total{code="client_disconnected"}`` for the request of ``scope`` (the app's
+    metrics, ``app.state.metrics``; nothing when the app has none)."""
+    app = scope.get("app")
+    metrics = getattr(getattr(app, "state", None), "metrics", None)
+    if isinstance(metrics, Metrics):
+        metrics.errors.labels("client_disconnected").inc()
+
+
 class SSEResponse(StreamingResponse):
     """A streaming response that always watches for the client going away and always closes its body
-    iterator (so the generator's cleanup, which aborts engine requests, runs promptly)."""
+    iterator (so the generator's cleanup, which aborts engine requests, runs promptly). A client that leaves
+    before the stream ended is counted as ``client_disconnected`` here, once, whichever route streamed."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = self.body_iterator
+        gone = False
         try:
             async with anyio.create_task_group() as tg:
                 async def stream() -> None:
+                    nonlocal gone
                     try:
                         await self.stream_response(send)
                     except OSError:  # the server could not write: the client is gone
+                        gone = True
                         logger.info("[%s] client went away during the stream", scope.get(REQUEST_ID_KEY))
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(stream)
                 await self.listen_for_disconnect(receive)
                 if not tg.cancel_scope.cancel_called:
+                    gone = True
                     logger.info("[%s] client disconnected during the stream; engine request aborted",
                                 scope.get(REQUEST_ID_KEY))
                 tg.cancel_scope.cancel()
         finally:
+            if gone:
+                count_client_gone(scope)
             aclose = getattr(body, "aclose", None)
             if aclose is not None:
                 with anyio.CancelScope(shield=True):

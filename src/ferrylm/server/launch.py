@@ -9,6 +9,11 @@ exit, which turns exit 0 into "killed by SIGTERM"):
    requests continue for up to ``--shutdown-timeout`` seconds; those still running then get an error (stream: an
    error event, then ``[DONE]``); uvicorn closes the listener and connections; the engine is stopped; exit 0.
 2. a second signal: SIGKILL the engine, remove the IPC dir, exit 128+N at once.
+
+Before the event loop runs (resolving and converting the model, loading the tokenizer, importing uvicorn), the
+signals are :class:`BootSignals`' (installed by ``cli.main`` before anything slow): the first SIGTERM/SIGINT
+unwinds the start-up (:class:`BootInterrupted`), nothing has been spawned yet, and the server exits 0; a second one
+exits 128+N at once. The event loop takes the signals over before it spawns the engine.
 """
 
 from __future__ import annotations
@@ -30,6 +35,45 @@ from ferrylm.errors import ModelLoadError
 log = logging.getLogger("ferrylm.serve")
 
 
+class BootInterrupted(BaseException):
+    """SIGTERM/SIGINT arrived while ``ferry serve`` was starting, before the event loop handled signals.
+
+    A BaseException (like KeyboardInterrupt) so that no ``except Exception`` on the way swallows it. ``sig``: the
+    signal number."""
+
+    def __init__(self, sig: int):
+        super().__init__(sig)
+        self.sig = sig
+
+
+class BootSignals:
+    """SIGTERM/SIGINT handling from the first line of ``ferry serve`` until the event loop installs its own.
+
+    While *armed*, the first signal raises :class:`BootInterrupted` in the main thread (the start-up unwinds; no
+    child exists yet); a second signal exits ``128+N`` at once. Disarmed, a signal is only recorded in
+    ``received`` (the event loop is about to take over and replays it). The default action of SIGTERM (die with
+    status -15) never applies once :meth:`install` ran.
+    """
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.armed = False
+
+    def install(self, *, armed: bool = True) -> "BootSignals":
+        self.armed = armed
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, sig: int, frame) -> None:  # noqa: ARG002 - signal handler signature
+        self.received.append(sig)
+        if len(self.received) > 1:
+            os._exit(128 + sig)
+        if self.armed:
+            self.armed = False
+            raise BootInterrupted(sig)
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind the listening socket now, before the model loads. Raises OSError when the port is taken."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -44,8 +88,19 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock  # NOTE: not inheritable: the engine (spawned, fds closed) must never hold the port
 
 
-def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
-    """Run the server until SIGINT/SIGTERM or engine death. Returns the process exit code."""
+def serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSignals | None = None) -> int:
+    """Run the server until SIGINT/SIGTERM or engine death. Returns the process exit code.
+
+    ``boot``: the signal handling installed before this call (``cli.main``); installed here when None."""
+    boot = boot or BootSignals().install()
+    try:
+        return _serve(args, engine_config, boot)
+    except BootInterrupted as e:
+        log.info("received %s while starting: exiting", signal.Signals(e.sig).name)
+        return 0
+
+
+def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSignals) -> int:
     def fail(msg: str) -> int:
         print(f"ferry serve: {msg}", file=sys.stderr)
         return 2
@@ -69,6 +124,7 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         return fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e} (choose another --port)")
 
     from ferrylm.errors import UnsupportedArchitecture
+    from ferrylm.models.checkpoint_check import verify_checkpoint
     from ferrylm.models.registry import supported_architectures
     from ferrylm.models.resolve import resolve_model
     from ferrylm.server.tokenizer import TextCodec
@@ -79,6 +135,8 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         if mcfg.architecture not in supported_architectures():
             raise UnsupportedArchitecture(f"{resolved.path}: architecture {mcfg.architecture!r} is not supported; "
                                           f"supported: {', '.join(supported_architectures())}")
+        if resolved.source != "synthetic":
+            verify_checkpoint(resolved.path)   # a truncated file: one line naming it, exit 2 (not an engine crash)
         codec = TextCodec.from_pretrained(resolved.path)
     except ModelLoadError as e:
         sock.close()
@@ -120,13 +178,14 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
 
     def on_fatal() -> None:
         nonlocal exit_code
-        exit_code = 1
+        exit_code = sup.fatal_exit_code   # 1; 2 when the engine's first start failed on the model itself
         srv = server_box.get("server")
         if srv is not None:
             srv.should_exit = True
 
     sup = Supervisor(str(resolved.path), engine_config.to_dict(), info, max_restarts=args.max_engine_restarts,
-                     on_fatal=on_fatal, log_level=args.log_level, watchdog_timeout=watchdog_timeout)
+                     on_fatal=on_fatal, log_level=args.log_level, watchdog_timeout=watchdog_timeout,
+                     faults=faults)
     api_key = args.api_key or os.environ.get("FERRYLM_API_KEY") or None
     origins = [o.strip() for o in (getattr(args, "allowed_origins", None) or "").split(",") if o.strip()]
     app = create_app(sup, codec, name, api_key=api_key,
@@ -168,8 +227,14 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
+        boot.armed = False            # from here a signal is recorded, then replayed through on_signal
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal, sig)
+        for sig in boot.received:     # arrived between disarming and the loop's handlers
+            on_signal(sig)
+        if signals_seen:              # shutting down before the engine was ever spawned
+            await sup.close()
+            return
         try:
             await sup.start()
             log.info("serving %s (%s) on http://%s:%d", name, resolved.path, args.host, args.port)
@@ -179,8 +244,12 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
                 await sup.close()
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
+                loop.remove_signal_handler(sig)   # resets to SIG_DFL: record-only until the process exits
+            boot.received.clear()
+            boot.install(armed=False)
 
-    asyncio.run(main())
-    sock.close()
+    try:
+        asyncio.run(main())
+    finally:
+        sock.close()
     return exit_code

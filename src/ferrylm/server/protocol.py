@@ -1,7 +1,10 @@
 """OpenAI-compatible request and response models (pydantic v2) and the request → SamplingParams mapping.
 
 Requests accept unknown fields (``extra="allow"``) and ignore them: rejecting them broke real clients
-(API-COMPAT.md). NaN/Infinity are rejected for every float field. Response models serialize to exactly the
+(API-COMPAT.md). The exception: fields that name the server's own request state or scheduling
+(:data:`INTERNAL_FIELDS`, and any name starting with ``_``) are refused with 400 by :func:`parse_request`, the
+one entry every route parses its body through, so a client can never believe it set them (or, should one ever
+be read, set them). NaN/Infinity are rejected for every float field. Response models serialize to exactly the
 shapes in API-COMPAT.md: ``finish_reason`` is always present (``null`` while running), stream deltas omit the
 fields they do not carry.
 """
@@ -135,14 +138,34 @@ class DetokenizeRequest(_Request):
     tokens: list[int]
 
 
+# Names of the engine's and the supervisor's own request state: the engine request id (the server makes it;
+# clients name a request with the x-request-id header), the isolation flag of a suspect request, scheduling
+# priority and timing, the token bookkeeping, fault injection.
+INTERNAL_FIELDS = frozenset({
+    "request_id", "engine_id", "isolate", "priority", "arrival_time", "queue_time", "status", "prompt_token_ids",
+    "output_token_ids", "num_computed_tokens", "page_table", "faults",
+})
+
+
+def check_client_fields(body: dict) -> None:
+    """Raise InvalidRequest (400, ``param`` the field) for a top-level field a client must not set."""
+    for k in body:
+        if k in INTERNAL_FIELDS or (isinstance(k, str) and k.startswith("_")):
+            hint = " (name a request in the logs with the x-request-id header)" if k == "request_id" else ""
+            raise InvalidRequest(f"'{k}' cannot be set by a client: it is the server's own request state{hint}",
+                                 param=k)
+
+
 def parse_request(model: type[_Request], body: Any) -> Any:
     """Validate a decoded JSON body into ``model``.
 
     Raises:
-        InvalidRequest: with the first problem's location in ``param`` (e.g. ``messages.0.role``).
+        InvalidRequest: with the first problem's location in ``param`` (e.g. ``messages.0.role``); a field of
+            :data:`INTERNAL_FIELDS` (:func:`check_client_fields`).
     """
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
+    check_client_fields(body)
     try:
         return model.model_validate(body)
     except ValidationError as e:

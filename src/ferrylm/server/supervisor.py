@@ -8,28 +8,37 @@
   in-flight request is answered at once with EngineUnavailable, then the engine restarts with backoff, at most
   ``max_restarts`` times per ``restart_window_s``; past that the state is ``dead`` and ``on_fatal`` is called so
   the server exits non-zero.
-- stall: the progress watchdog (a tick every 0.25 s) kills an engine that has requests running but completed no
-  step, or sent no heartbeat, for ``watchdog_timeout`` s: its requests get EngineStalled at once, its Python
+- stall: the progress watchdog (a tick every 0.25 s) kills an engine that has requests running but made no
+  progress, or sent no heartbeat, for its deadline: its requests get EngineStalled at once, its Python
   stacks are dumped to the log (SIGUSR1 → faulthandler; impossible when the process is stopped, which is logged),
-  then SIGKILL and the ordinary death path (restart with backoff) follow.
-- drain: ``begin_drain`` refuses new requests (``draining``); ``drain`` waits for the running ones.
+  then SIGKILL and the ordinary death path (restart with backoff) follow. Progress is a changed tick counter in
+  the heartbeat (the engine ticks per layer and per step, ``engine/progress.py``) or an output; the deadline is
+  ``max(watchdog_timeout, STALL_MARGIN x the expected time between ticks of the running step)``, so a step that
+  is long by nature (a 2048-token prefill chunk on a CPU) is not a hang, and a hang inside a short one is found at
+  ``watchdog_timeout``.
+- failed step: a ``Fatal`` from a ready engine (a sticky device error, an unexpected step error) turns /health red
+  at once, answers every request in flight (503 ``device_error`` / ``engine_unavailable``), and the engine is
+  restarted when it exits (SIGKILLed if it has not within ``FATAL_EXIT_WAIT_S``).
+- quarantine (``server/quarantine.py``): the requests of the step that was running when the engine died, stalled
+  or failed get a strike; a request with a strike is sent again isolated (alone in its steps), a second strike
+  quarantines it (refused with 500 ``request_quarantined``), so no request can be retried into the restart limit.
+- drain: ``begin_drain`` refuses new requests (``draining``); ``drain`` waits for the running ones; an engine that
+  dies while the server drains is not restarted.
 - each engine generation gets fresh IPC endpoints, so nothing queued for a dead engine reaches its successor.
+- one guard per boundary: the reader task survives any message it cannot decode or handle (logged), the watchdog
+  survives its own errors.
 """
 
 from __future__ import annotations
 
 import asyncio
-import glob
 import logging
 import multiprocessing as mp
 import os
-import re
-import shutil
 import signal
-import tempfile
 import time
 from collections import deque
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import AsyncIterator, Callable
 
 import zmq
@@ -39,15 +48,30 @@ from ferrylm.engine import ipc
 from ferrylm.engine.outputs import EngineOutput
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.engine.worker import STACK_DUMP_SIGNAL, EngineSpec, engine_main
-from ferrylm.errors import EngineStalled, EngineUnavailable, FerryError, InvalidRequest, error_from_code
+from ferrylm.errors import (DeviceError, EngineStalled, EngineUnavailable, FerryError, InvalidRequest,
+                            RequestQuarantined, error_from_code)
+from ferrylm.faults import NO_FAULTS, FaultInjector
 from ferrylm.server.engine_client import HealthState, ModelInfo
+from ferrylm.server.ipc_dir import IpcDir, sweep_stale_ipc_dirs  # noqa: F401 - sweep_stale_ipc_dirs re-exported
+from ferrylm.server.quarantine import Quarantine, fingerprint
 
 log = logging.getLogger("ferrylm.supervisor")
 
 HEARTBEAT_STALE_S = 5.0       # no heartbeat for this long → /health says "stalled" (10 missed beats)
 WATCHDOG_TICK_S = 0.25        # how often the progress watchdog looks
 STACK_DUMP_WAIT_S = 0.5       # time the engine gets to write its stacks before SIGKILL
-_IPC_PREFIX = "ferrylm-"
+STALL_MARGIN = 4.0            # x the expected time between progress ticks of the running step
+FATAL_EXIT_WAIT_S = 2.0       # an engine that reported a fatal error is SIGKILLed if it has not exited by then
+MODEL_ERROR_CODES = frozenset({"model_load_error", "unsupported_architecture"})  # start-up failures: exit 2
+
+
+@dataclass
+class _InFlight:
+    """What the supervisor remembers of a request it sent: its quarantine ``fp`` (fingerprint) and whether it was
+    sent ``isolate``."""
+
+    fp: str
+    isolate: bool
 
 def error_from_output(out: EngineOutput) -> FerryError:
     """Map an engine error output to the typed error the HTTP edge understands (:func:`error_from_code`)."""
@@ -64,33 +88,6 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def sweep_stale_ipc_dirs(tmpdir: str | None = None) -> int:
-    """Remove IPC dirs left by servers that were SIGKILLed (their pid is gone). Returns how many."""
-    n = 0
-    for d in glob.glob(os.path.join(tmpdir or tempfile.gettempdir(), f"{_IPC_PREFIX}*-*")):
-        m = re.fullmatch(rf"{_IPC_PREFIX}(\d+)-\w+", os.path.basename(d))
-        if not m or int(m.group(1)) == os.getpid() or _pid_alive(int(m.group(1))):
-            continue
-        try:
-            if os.stat(d).st_uid != os.getuid() or not all(re.fullmatch(r"(in|out)-\d+", f) for f in os.listdir(d)):
-                continue  # not ours, or not only IPC endpoints: leave it alone
-        except OSError:
-            continue
-        shutil.rmtree(d, ignore_errors=True)
-        n += 1
-    return n
 
 
 def _is_stopped(pid: int) -> bool:
@@ -111,14 +108,20 @@ class Supervisor:
         engine_config: EngineConfig as a dict.
         model_info: what the frontend knows before the engine is up (updated from the engine's Ready).
         max_restarts: restarts allowed within ``restart_window_s`` seconds before giving up.
-        on_fatal: called (no args) when the engine is dead for good; the server then exits non-zero.
-        watchdog_timeout: seconds without a completed step (while requests run) or without a heartbeat after
-            which a ready engine is declared stalled and restarted; 0 or None turns the watchdog off.
+        on_fatal: called (no args) when the engine is dead for good; the server then exits with
+            ``fatal_exit_code`` (1; 2 when the engine's first start failed on the model itself).
+        watchdog_timeout: seconds without progress (while requests run; at least STALL_MARGIN x the running
+            step's expected time between progress ticks) or without a heartbeat after which a ready engine is
+            declared stalled and restarted; 0 or None turns the watchdog off.
+        faults: the frontend's fault injector (point ``ipc_garbage``).
+        janitor: start the IPC dir's janitor process (``server/ipc_dir.py``), which removes the dir when this
+            process dies by any signal.
     """
 
     def __init__(self, model_path: str, engine_config: dict, model_info: ModelInfo, *, max_restarts: int = 3,
                  restart_window_s: float = 600.0, on_fatal: Callable[[], None] | None = None,
-                 log_level: str = "INFO", watchdog_timeout: float | None = 120.0):
+                 log_level: str = "INFO", watchdog_timeout: float | None = 120.0,
+                 faults: FaultInjector = NO_FAULTS, janitor: bool = True):
         self.model_path = model_path
         self.engine_config = engine_config
         self.model_info = model_info
@@ -134,13 +137,14 @@ class Supervisor:
         self.num_restarts = 0
         self.last_stats: dict = {}
         self.memory_plan: dict | None = None  # the engine's boot memory plan (from its Ready message)
+        self.engine_info: dict = {}  # what the engine's Ready said about itself (backend, limits, config)
         self.last_heartbeat = 0.0
         self._last_progress = 0.0     # frontend clock: last moment the engine was known to make progress
         self._restart_times: deque[float] = deque()
         self._streams: dict[str, asyncio.Queue] = {}
         self._ctx = zmq.asyncio.Context()
-        sweep_stale_ipc_dirs()
-        self._dir = tempfile.mkdtemp(prefix=f"{_IPC_PREFIX}{os.getpid()}-")
+        self._ipc = IpcDir(janitor=janitor)
+        self._dir = self._ipc.path
         self._gen = 0
         self._proc: mp.process.BaseProcess | None = None
         self._push: zmq.asyncio.Socket | None = None
@@ -148,8 +152,15 @@ class Supervisor:
         self._reader: asyncio.Task | None = None
         self._watchdog: asyncio.Task | None = None
         self._stalled_gen = 0         # generation the watchdog condemned (its exit is expected)
+        self._failed_gen = 0          # generation whose failure was already answered (watchdog or Fatal)
         self._closing = False
         self._draining = False
+        self._meta: dict[str, _InFlight] = {}
+        self._progress: dict = {}     # the last heartbeat's progress report (engine/progress.py)
+        self._last_ticks: int | None = None
+        self.quarantine = Quarantine(window_s=restart_window_s)
+        self.faults = faults
+        self.fatal_exit_code = 1
 
     # --- lifecycle --------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -175,6 +186,7 @@ class Supervisor:
         self._proc = proc
         self.engine_pid = proc.pid
         self.state = "loading" if self.num_restarts == 0 else "restarting"
+        self._progress, self._last_ticks = {}, None
         self.last_heartbeat = self._last_progress = time.monotonic()
         log.info("engine process %d started (generation %d)", proc.pid, self._gen)
         loop = asyncio.get_running_loop()
@@ -190,6 +202,11 @@ class Supervisor:
         if self._watchdog is not None:
             self._watchdog.cancel()
         proc = self._proc
+        if proc is not None and proc.is_alive() and self.state != "ready":
+            # NOTE: an engine that is still loading reads no messages: waiting for it to obey Shutdown only
+            # delays the exit (a SIGTERM during boot must be quick)
+            log.info("stopping engine process %d, which is not ready (%s)", proc.pid, self.state)
+            proc.kill()
         if proc is not None and proc.is_alive():
             self._send_nowait(ipc.Shutdown())
             deadline = time.monotonic() + timeout_s
@@ -202,7 +219,7 @@ class Supervisor:
         self._fail_all(EngineUnavailable("the server is shutting down"))
         self._teardown_sockets()
         self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._ipc.remove()
 
     def kill_now(self) -> None:
         """Synchronous last resort (second signal): SIGKILL the engine, reap it, remove the IPC dir."""
@@ -214,7 +231,7 @@ class Supervisor:
                 proc.join(timeout=2)
             except Exception:  # noqa: BLE001 - we are exiting anyway
                 pass
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._ipc.remove(wait_s=0)
 
     def _teardown_sockets(self) -> None:
         if self._reader is not None:
@@ -237,10 +254,21 @@ class Supervisor:
         stalled = gen == self._stalled_gen
         log.error("engine process %d exited (%s)%s; answering %d in-flight requests", proc.pid, how,
                   " after the watchdog killed it" if stalled else "", len(self._streams))
-        self._fail_all(EngineUnavailable(f"the engine process exited ({how}); it is restarting"))
+        err = EngineUnavailable(f"the engine process exited ({how}); it is restarting")
+        if gen != self._failed_gen:
+            # NOTE: SIGKILL comes from outside (an operator, the kernel's OOM killer): not held against the requests
+            # of the step; a crash (segfault, abort, exit) is
+            self._engine_failed(gen, f"the engine process exited ({how})", err,
+                                blame=proc.exitcode != -signal.SIGKILL)
+        else:
+            self._fail_all(err)   # answered already (watchdog / Fatal); anything registered since
         self._teardown_sockets()
         if self.state == "dead":
             return  # fatal start-up error already reported
+        if self._draining:
+            log.info("not restarting the engine: the server is shutting down")
+            self.state, self.detail = "dead", f"the engine exited ({how}) while the server was shutting down"
+            return
         now = time.monotonic()
         while self._restart_times and now - self._restart_times[0] > self.restart_window_s:
             self._restart_times.popleft()
@@ -259,20 +287,54 @@ class Supervisor:
         loop.call_later(delay, self._restart)
 
     def _restart(self) -> None:
-        if not self._closing and self.state != "dead":
+        if not self._closing and not self._draining and self.state != "dead":
             self._spawn()
 
-    def _give_up(self, why: str) -> None:
+    def _give_up(self, why: str, exit_code: int = 1) -> None:
         log.error("engine is dead for good: %s", why)
+        self.fatal_exit_code = exit_code
         self.state = "dead"
         self.detail = why
         if self.on_fatal is not None:
             self.on_fatal()
 
-    def _fail_all(self, err: FerryError) -> None:
-        """Answer every in-flight request with (a copy of) ``err``."""
-        for q in self._streams.values():
-            q.put_nowait(type(err)(err.message, code=err.code))
+    def _fail_all(self, err: FerryError, special: dict[str, FerryError] | None = None) -> None:
+        """Answer every in-flight request with (a copy of) ``err``, or with its own error in ``special``."""
+        for rid, q in self._streams.items():
+            e = (special or {}).get(rid) or err
+            q.put_nowait(type(e)(e.message, code=e.code))
+
+    def _suspects(self) -> list[str]:
+        """The requests of the step the engine was running at its last heartbeat ([] between steps)."""
+        p = self._progress
+        ids = p.get("step_request_ids") if isinstance(p, dict) and p.get("in_step") else None
+        return [r for r in ids if isinstance(r, str)] if isinstance(ids, list) else []
+
+    def _engine_failed(self, gen: int, why: str, err: FerryError, request_ids: list[str] | None = None, *,
+                       blame: bool = True) -> None:
+        """Generation ``gen`` failed (``why``): unless ``blame`` is False (the cause is outside the engine:
+        SIGKILL, SIGSTOP), strike the requests of its failing step (``request_ids``, else the last heartbeat's);
+        answer the quarantined ones with RequestQuarantined and every other request in flight with ``err``. Once
+        per generation."""
+        self._failed_gen = gen
+        special: dict[str, FerryError] = {}
+        struck: dict[str, bool] = {}   # fingerprint -> quarantined now (one strike per failure, however many copies)
+        for rid in (request_ids if request_ids is not None else self._suspects()) if blame else ():
+            m = self._meta.get(rid)
+            if m is None:
+                continue
+            if m.fp not in struck:
+                struck[m.fp] = self.quarantine.strike(m.fp, why)
+                if struck[m.fp]:
+                    log.error("[%s] quarantined: the engine failed twice while it ran (%s)%s", rid, why,
+                              " alone" if m.isolate else "")
+                else:
+                    log.warning("[%s] suspect: the engine failed while it ran (%s); a resend runs isolated", rid,
+                                why)
+            q = self.quarantine.error_for(m.fp) if struck[m.fp] else None
+            if q is not None:
+                special[rid] = q
+        self._fail_all(err, special)
 
     # --- watchdog ---------------------------------------------------------------------------------------------
     async def _watchdog_loop(self) -> None:
@@ -290,15 +352,34 @@ class Supervisor:
             except Exception:  # pragma: no cover - the watchdog must survive its own bugs
                 log.exception("watchdog check failed")
 
+    def stall_deadline(self) -> float:
+        """Seconds without progress after which the running engine is stalled: ``watchdog_timeout``, or more when
+        the running step is expected to take longer than that between two progress ticks (STALL_MARGIN x its
+        expected duration / ticks per step)."""
+        wd = float(self.watchdog_timeout or 0.0)
+        p = self._progress
+        try:
+            if p.get("in_step"):
+                per_tick = float(p.get("expected_step_s") or 0.0) / max(1, int(p.get("ticks_per_step") or 1))
+                return max(wd, STALL_MARGIN * per_tick)
+        except (TypeError, ValueError, AttributeError):
+            pass
+        return wd
+
     def _check_progress(self, now: float) -> None:
         wd = self.watchdog_timeout
         if not wd or self.state != "ready" or self._proc is None or self._closing:
             return
         no_progress = now - self._last_progress
         no_heartbeat = now - self.last_heartbeat
-        if self._streams and no_progress > wd:
-            self._stall(f"{len(self._streams)} requests in flight but no step completed for {no_progress:.1f} s "
-                        f"(--watchdog-timeout {wd:g}; last heartbeat {no_heartbeat:.1f} s ago)")
+        deadline = self.stall_deadline()
+        if self._streams and no_progress > deadline:
+            step = self._progress if self._progress.get("in_step") else {}
+            where = (f"inside a step of {step.get('step_tokens')} tokens running for {step.get('step_age_s')} s, "
+                     f"expected {step.get('expected_step_s')} s" if step else "between steps")
+            self._stall(f"{len(self._streams)} requests in flight but no progress for {no_progress:.1f} s, "
+                        f"{where} (deadline {deadline:.1f} s, --watchdog-timeout {wd:g}; last heartbeat "
+                        f"{no_heartbeat:.1f} s ago)")
         elif no_heartbeat > wd:
             self._stall(f"no heartbeat for {no_heartbeat:.1f} s (--watchdog-timeout {wd:g})")
 
@@ -310,9 +391,11 @@ class Supervisor:
         self._stalled_gen = gen
         self.state = "stalled"
         self.detail = why
-        self._fail_all(EngineStalled(f"the engine stalled ({why}); it is being restarted"))
+        stopped = _is_stopped(proc.pid)   # SIGSTOP / a debugger: not the requests' doing
+        self._engine_failed(gen, "it stalled", EngineStalled(f"the engine stalled ({why}); it is being restarted"),
+                            blame=not stopped)
         self._teardown_sockets()   # nothing more from or to this generation
-        if _is_stopped(proc.pid):
+        if stopped:
             log.error("cannot dump the stalled engine's Python stacks: process %d is stopped (SIGSTOP or a "
                       "debugger) and cannot run a signal handler; killing it", proc.pid)
             delay = 0.0
@@ -340,39 +423,86 @@ class Supervisor:
                 return
             if gen != self._gen:
                 return
-            now = time.monotonic()
-            self.last_heartbeat = now
+            # NOTE: one guard per message: nothing a message holds may end this task (heartbeats would go unread
+            # and the watchdog would kill a healthy engine)
             try:
-                msg = ipc.decode(data)
-            except Exception:  # a bad message must not stop the reader
-                log.exception("undecodable IPC message from the engine (%d bytes)", len(data))
-                continue
-            if isinstance(msg, ipc.Outputs):
+                self._on_message(data, gen)
+            except Exception as e:  # noqa: BLE001
+                log.exception("could not handle a message from the engine (%d bytes): %r", len(data), e)
+
+    def _on_message(self, data: bytes, gen: int) -> None:
+        """Handle one message of engine generation ``gen``. Raises on a message it cannot handle (the reader
+        logs it and goes on)."""
+        now = time.monotonic()
+        self.last_heartbeat = now
+        try:
+            msg = ipc.decode(data)
+        except Exception:  # a bad message must not stop the reader
+            log.exception("undecodable IPC message from the engine (%d bytes)", len(data))
+            return
+        if isinstance(msg, ipc.Outputs):
+            self._last_progress = now
+            for out in msg.outputs:
+                q = self._streams.get(out.request_id)
+                if q is not None:
+                    q.put_nowait(out)
+        elif isinstance(msg, ipc.Heartbeat):
+            self._on_heartbeat(msg, now)
+        elif isinstance(msg, ipc.Ready):
+            info = msg.info
+            self.model_info.max_model_len = int(info["max_model_len"])
+            self.model_info.kv_pool_tokens = int(info["kv_pool_tokens"])
+            self.memory_plan = info.get("memory_plan")
+            self.engine_info = {k: v for k, v in info.items() if k != "memory_plan"}
+            self._last_progress = now
+            self.state = "ready"
+            self.detail = ""
+            log.info("engine ready: %s", {k: v for k, v in info.items() if k != "memory_plan"})
+        elif isinstance(msg, ipc.Fatal):
+            self._on_fatal(msg, gen)
+        else:
+            log.error("unexpected %s message from the engine", type(msg).__name__)
+
+    def _on_heartbeat(self, msg: ipc.Heartbeat, now: float) -> None:
+        self.last_stats = msg.stats if isinstance(msg.stats, dict) else {}
+        prog = msg.progress if isinstance(msg.progress, dict) else {}
+        self._progress = prog
+        running = prog.get("num_running", self.last_stats.get("num_running"))
+        ticks = prog.get("ticks")
+        if not running:
+            self._last_progress = now                      # idle is not stuck
+        elif ticks is not None:
+            if ticks != self._last_ticks:                  # a layer or a step boundary since the last beat
                 self._last_progress = now
-                for out in msg.outputs:
-                    q = self._streams.get(out.request_id)
-                    if q is not None:
-                        q.put_nowait(out)
-            elif isinstance(msg, ipc.Heartbeat):
-                self.last_stats = msg.stats
-                if not msg.stats.get("num_running"):
-                    self._last_progress = now                      # idle is not stuck
-                else:
-                    self._last_progress = max(self._last_progress, now - float(msg.last_step_age))
-            elif isinstance(msg, ipc.Ready):
-                info = msg.info
-                self.model_info.max_model_len = info["max_model_len"]
-                self.model_info.kv_pool_tokens = info["kv_pool_tokens"]
-                self.memory_plan = info.get("memory_plan")
-                self.engine_info = {k: v for k, v in info.items() if k != "memory_plan"}
-                self._last_progress = now
-                self.state = "ready"
-                self.detail = ""
-                log.info("engine ready: %s", {k: v for k, v in info.items() if k != "memory_plan"})
-            elif isinstance(msg, ipc.Fatal):
-                log.error("engine reported a fatal error: %s", msg.message)
-                if self.state == "loading":  # the first start failed: restarting would fail the same way
-                    self._give_up(f"the engine failed to start: {msg.message}")
+            self._last_ticks = ticks
+        else:  # an engine without progress reports: the loop iteration's age
+            self._last_progress = max(self._last_progress, now - float(msg.last_step_age))
+
+    def _on_fatal(self, msg: ipc.Fatal, gen: int) -> None:
+        log.error("engine reported a fatal error (%s): %s", msg.code or "unknown", msg.message)
+        if self.state == "loading":  # the first start failed: restarting would fail the same way
+            self._give_up(f"the engine failed to start: {msg.message}",
+                          exit_code=2 if msg.code in MODEL_ERROR_CODES else 1)
+            return
+        if self.state != "ready" or gen != self._gen:
+            return  # a restart that fails to start: the exit handler counts it against the restart limit
+        device = msg.code == "device_error"
+        self.state = "restarting"   # /health red at once, before the process is gone
+        self.detail = f"the engine {'hit a device error' if device else 'failed'} ({msg.message}); restarting"
+        err: FerryError = (DeviceError if device else EngineUnavailable)(
+            f"the engine {'hit a sticky device error' if device else 'failed a step'} ({msg.message}); it is "
+            f"restarting")
+        ids = [r for r in msg.request_ids if isinstance(r, str)] if isinstance(msg.request_ids, list) else None
+        self._engine_failed(gen, "a device error" if device else "a failed step", err, ids)
+        proc = self._proc
+        if proc is not None:
+            asyncio.get_running_loop().call_later(FATAL_EXIT_WAIT_S, self._kill_if_alive, proc, gen)
+
+    def _kill_if_alive(self, proc, gen: int) -> None:
+        if proc.exitcode is None and proc.is_alive():
+            log.error("engine process %d (generation %d) reported a fatal error but did not exit within %.0f s; "
+                      "killing it", proc.pid, gen, FATAL_EXIT_WAIT_S)
+            proc.kill()
 
     # --- drain --------------------------------------------------------------------------------------------------
     @property
@@ -398,9 +528,13 @@ class Supervisor:
     def health(self) -> HealthState:
         now = time.monotonic()
         hb_age = now - self.last_heartbeat if self.last_heartbeat else None
+        p = self._progress
+        step = {k: p.get(k) for k in ("in_step", "step_age_s", "step_tokens", "expected_step_s")} if p else {}
         extra = {"engine_pid": self.engine_pid, "restarts": self.num_restarts,
                  "heartbeat_age_s": None if hb_age is None else round(hb_age, 2),
-                 "in_flight": len(self._streams), "engine": dict(self.last_stats)}
+                 "in_flight": len(self._streams), "engine": dict(self.last_stats), "step": step,
+                 "stall_deadline_s": round(self.stall_deadline(), 2) if self.watchdog_timeout else None,
+                 "quarantine": self.quarantine.stats()}
         if self._draining:
             return HealthState("draining", "the server is shutting down", extra)
         if self.state == "ready" and hb_age is not None and hb_age > self.heartbeat_stale_s:
@@ -415,13 +549,14 @@ class Supervisor:
             return None
         stats = self.last_stats
         return {"engine_pid": self.engine_pid, "state": self.state, "plan": self.memory_plan,
-                "server": dict(getattr(self, "engine_info", {}) or {}),
+                "server": dict(self.engine_info),
                 "live": dict(stats.get("memory") or {}), "oom_recoveries": dict(stats.get("oom_recoveries") or {}),
                 "kv_pages_used": stats.get("kv_pages_used"), "kv_pages_total": stats.get("kv_pages_total")}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[EngineOutput]:
-        """Send the request and yield its outputs until finished. Raises FerryError subclasses; leaving early
+        """Send the request and yield its outputs until finished. Raises FerryError subclasses (among them
+        RequestQuarantined, before anything is sent, for a request that failed the engine twice); leaving early
         aborts the request in the engine."""
         if self._draining:
             raise EngineUnavailable("the server is shutting down")
@@ -429,16 +564,28 @@ class Supervisor:
             raise EngineUnavailable(f"the engine is not ready ({self.state})")
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in flight")
+        pdict = params.to_dict()
+        fp = fingerprint(prompt_token_ids, pdict)
+        self.quarantine.check(fp)
+        isolate = self.quarantine.is_suspect(fp)
+        if isolate:
+            log.warning("[%s] runs isolated: the same request was running when the engine failed", request_id)
         q: asyncio.Queue = asyncio.Queue()
-        try:
-            # NOBLOCK: never wait on a pipe whose reader may be dead or stopped
-            await self._push.send(ipc.encode(ipc.AddRequest(request_id, list(prompt_token_ids),
-                                                            params.to_dict())), zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            raise EngineUnavailable(f"the engine is not accepting requests ({e})") from None
+        # NOTE: registered before the send: the send may yield to the event loop, and an answer that arrives
+        # then (an immediate rejection) must find its queue
         self._streams[request_id] = q
+        self._meta[request_id] = _InFlight(fp, isolate)
         finished = False
         try:
+            if self.faults.enabled and self.faults.fires("ipc_garbage"):
+                await self._send_garbage()
+            try:
+                # NOBLOCK: never wait on a pipe whose reader may be dead or stopped
+                await self._push.send(ipc.encode(ipc.AddRequest(request_id, list(prompt_token_ids), pdict,
+                                                                isolate=isolate)), zmq.NOBLOCK)
+            except (zmq.ZMQError, AttributeError) as e:   # AttributeError: the pipe was torn down meanwhile
+                finished = True   # never reached the engine: nothing to abort
+                raise EngineUnavailable(f"the engine is not accepting requests ({e})") from None
             while True:
                 item = await q.get()
                 if isinstance(item, FerryError):
@@ -449,13 +596,30 @@ class Supervisor:
                     raise error_from_output(item)
                 if item.finished:
                     finished = True
+                    if isolate and item.finish_reason != "abort":
+                        self.quarantine.cleared(fp)   # it ran alone and the engine survived: innocent
                 yield item
                 if finished:
                     return
         finally:
             self._streams.pop(request_id, None)
+            self._meta.pop(request_id, None)
             if not finished:
                 self._send_abort([request_id])
+
+    async def _send_garbage(self) -> None:
+        """Fault ``ipc_garbage``: malformed messages the engine must survive (undecodable bytes; a message with
+        unknown fields; an AddRequest whose fields are wrong)."""
+        import msgpack
+
+        for data in (b"\xc1 not msgpack", msgpack.packb(["AddRequest", {"nonsense": 1}]),
+                     msgpack.packb(["NoSuchMessage", {}]),
+                     ipc.encode(ipc.AddRequest(f"garbage-{os.urandom(4).hex()}", ["x", -1], {"temperature": "hot"})),
+                     ipc.encode(ipc.AddRequest(f"garbage-{os.urandom(4).hex()}", [1, 2], "not a dict"))):
+            try:
+                await self._push.send(data, zmq.NOBLOCK)
+            except (zmq.ZMQError, AttributeError):
+                return
 
     def _send_nowait(self, msg) -> None:
         """Fire-and-forget send; a full or dead pipe drops the message (the engine's death is handled elsewhere)."""

@@ -11,6 +11,15 @@ Text-out pipeline per choice (see :class:`TextStream`)::
 
 - :class:`IncrementalDetokenizer` never emits half a UTF-8 character and costs O(window) per step.
 - :class:`StopChecker` finds stop strings spanning tokens and holds back text that could start one.
+
+Text in: client text is never parsed as control tokens. :meth:`TextCodec.encode` tokenizes its text with the
+special tokens (``<|im_end|>``, ``<|endoftext|>``, ... : the added tokens flagged special) spelled as text, so a
+prompt cannot end a turn or forge a role; :meth:`TextCodec.apply_chat_template` renders the template with every
+special-token string inside the client's messages (and tools, and string template arguments) replaced by a
+placeholder, tokenizes the template's own markup with the special tokens parsed, and the placeholders as text.
+Any route that tokenizes through TextCodec gets this. Added tokens that are not flagged special (Qwen3's
+``<think>``, ``<tool_call>``) are still parsed: chat templates look for them in message content, and the model
+writes them itself. Token-id prompts are the way to send control tokens on purpose.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import json
 import logging
 import os
 import re
+import secrets
 from functools import lru_cache
 from typing import Any, Callable, Iterable, Sequence
 
@@ -114,6 +124,18 @@ class TextCodec:
         self._byte_level = type(decoder).__name__ == "ByteLevel"
         self.token_text = lru_cache(maxsize=65536)(self._token_text)  # type: ignore[method-assign]
         self.token_bytes = lru_cache(maxsize=65536)(self._token_bytes)  # type: ignore[method-assign]
+        self.special_strings = _special_strings(tokenizer)
+        self._special_re = re.compile("|".join(re.escape(t) for t in sorted(self.special_strings, key=len,
+                                                                            reverse=True))) \
+            if self.special_strings else None
+        self._text_backend = None
+        if self._backend is not None and self.special_strings:
+            # NOTE: a copy of its own: ``encode_special_tokens`` is a setting of the whole Tokenizer object, and
+            # tokenization runs in worker threads (never toggle a shared one)
+            from tokenizers import Tokenizer
+
+            self._text_backend = Tokenizer.from_str(self._backend.to_str())
+            self._text_backend.encode_special_tokens = True
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "TextCodec":
@@ -178,13 +200,53 @@ class TextCodec:
     def apply_chat_template(self, messages: list[dict], /, add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, **chat_template_kwargs: Any) -> list[int]:
         """Render ``messages`` with the chat template and tokenize the result (no extra special tokens: the
-        template writes its own BOS). Raises InvalidRequest like :meth:`render_chat`."""
-        text = self.render_chat(messages, add_generation_prompt, tools, **chat_template_kwargs)
-        return self.encode(text, add_special_tokens=False)
+        template writes its own BOS). Special-token strings inside the messages, tools and string arguments are
+        tokenized as text; the template's own markup as the special tokens (module docstring). Raises
+        InvalidRequest like :meth:`render_chat`."""
+        if self._special_re is None:
+            text = self.render_chat(messages, add_generation_prompt, tools, **chat_template_kwargs)
+            return self._encode_markup(text)
+        nonce = secrets.token_hex(8)
+        found: list[str] = []
 
-    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``prompt``; ``add_special_tokens`` adds the tokenizer's BOS/EOS policy."""
-        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        def protect(value: Any) -> Any:
+            if isinstance(value, str):
+                def mark(m: re.Match) -> str:
+                    found.append(m.group(0))
+                    return f"\ufdd0{nonce}{len(found) - 1}\ufdd1"
+                return self._special_re.sub(mark, value)
+            if isinstance(value, dict):
+                return {k: protect(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [protect(v) for v in value]
+            return value
+
+        text = self.render_chat(protect(messages), add_generation_prompt, protect(tools) if tools else tools,
+                                **protect(chat_template_kwargs))
+        if not found:
+            return self._encode_markup(text)
+        ids: list[int] = []
+        pos = 0
+        for m in re.finditer(f"\ufdd0{nonce}(\\d+)\ufdd1", text):
+            ids += self._encode_markup(text[pos:m.start()])
+            ids += self.encode(found[int(m.group(1))], add_special_tokens=False)
+            pos = m.end()
+        return ids + self._encode_markup(text[pos:])
+
+    def encode(self, prompt: str, add_special_tokens: bool = True, *, parse_special: bool = False) -> list[int]:
+        """Token ids of client text ``prompt``: special-token strings in it are tokenized as text, never as the
+        special tokens (``parse_special`` True parses them: text the server or the operator wrote, never a
+        client's). ``add_special_tokens`` adds the tokenizer's BOS/EOS policy."""
+        if parse_special or not self.special_strings:
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        if self._text_backend is not None:
+            return list(self._text_backend.encode(prompt, add_special_tokens=add_special_tokens).ids)
+        # a tokenizer without a fast backend (sentencepiece-only folders)
+        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens, split_special_tokens=True))
+
+    def _encode_markup(self, text: str) -> list[int]:
+        """Token ids of text the chat template wrote (its special-token strings are the special tokens)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
     # ---- text out ----------------------------------------------------------------------------------------
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -214,6 +276,21 @@ class TextCodec:
         """A fresh :class:`IncrementalDetokenizer` whose context is the tail of ``prompt_ids``."""
         return IncrementalDetokenizer(self.decode, prompt_ids, skip_special_tokens=skip_special_tokens,
                                       faults=self.faults)
+
+
+def _special_strings(tokenizer: Any) -> frozenset[str]:
+    """The text of every added token flagged special (``added_tokens_decoder``; ``all_special_tokens`` as a
+    fallback): the strings a client must not be able to turn into control tokens."""
+    out: set[str] = set()
+    try:
+        for tok in getattr(tokenizer, "added_tokens_decoder", {}).values():
+            if getattr(tok, "special", False) and getattr(tok, "content", ""):
+                out.add(str(tok.content))
+    except Exception:  # noqa: BLE001 - an exotic tokenizer: fall back below
+        pass
+    if not out:
+        out.update(str(t) for t in (getattr(tokenizer, "all_special_tokens", None) or []) if t)
+    return frozenset(out)
 
 
 class IncrementalDetokenizer:
