@@ -140,10 +140,11 @@ class DetokenizeRequest(_Request):
 
 # Names of the engine's and the supervisor's own request state: the engine request id (the server makes it;
 # clients name a request with the x-request-id header), the isolation flag of a suspect request, scheduling
-# priority and timing, the token bookkeeping, fault injection.
+# priority and timing (the deadline comes from --request-timeout or the x-request-timeout header), the token
+# bookkeeping, fault injection.
 INTERNAL_FIELDS = frozenset({
     "request_id", "engine_id", "isolate", "priority", "arrival_time", "queue_time", "status", "prompt_token_ids",
-    "output_token_ids", "num_computed_tokens", "page_table", "faults",
+    "output_token_ids", "num_computed_tokens", "page_table", "faults", "deadline",
 })
 
 
