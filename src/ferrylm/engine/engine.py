@@ -25,6 +25,7 @@ from ferrylm.engine.request import Request, Status
 from ferrylm.engine.sampler import sample
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.engine.scheduler import Batch, ScheduledSeq, Scheduler, SchedulerConfig
+from ferrylm.engine.structured import StructuredDecoder
 from ferrylm.errors import ContextLengthExceeded, FerryError
 from ferrylm.faults import NO_FAULTS, FaultInjector
 from ferrylm.memory.guard import OomGuard, StepRecovery, elastic_cache_of, is_oom
@@ -129,12 +130,14 @@ class Engine:
         faults: the fault injector (default: off).
         guard: the OOM guard (default: one over the executor's elastic cache, the configured prefill budget).
         memory_plan: the boot memory plan (``memory/plan.py``), reported in stats and at ``GET /v1/memory``.
+        tokenizer_path: the model folder whose tokenizer compiles structured-output grammars (None: such
+            requests are refused).
     """
 
     def __init__(self, model, model_config: ModelConfig, config: EngineConfig, *, device: torch.device,
                  dtype: torch.dtype, limits: EngineLimits | None = None, expert_executor=None,
                  faults: FaultInjector = NO_FAULTS, guard: OomGuard | None = None,
-                 memory_plan: MemoryPlan | None = None):
+                 memory_plan: MemoryPlan | None = None, tokenizer_path: str | None = None):
         self.model = model
         self.expert_executor = expert_executor
         self.faults = faults
@@ -157,6 +160,7 @@ class Engine:
         self.decode_graphs = _decode_graphs(model, self.pool, device, dtype, config)
         self.requests: dict[str, Request] = {}
         self.eos_ids = tuple(model_config.eos_token_ids)
+        self.structured = StructuredDecoder(tokenizer_path, model_config.vocab_size, self.eos_ids)
         self._pending: list[EngineOutput] = []
         self.num_steps = 0
         self.last_step_time = time.monotonic()
@@ -209,6 +213,12 @@ class Engine:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed % (2**63))
         req = Request(request_id, list(prompt_token_ids), params, generator=gen, arrival_time=time.monotonic())
+        try:
+            self.structured.attach(req)
+        except FerryError as e:
+            self._pending.append(EngineOutput(request_id, [], error_code=e.code, error_message=e.message,
+                                              num_prompt_tokens=len(prompt_token_ids)))
+            return
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -482,6 +492,7 @@ class Engine:
                 faults.check("logits", nbytes=4 * len(to_sample) * self.mcfg.vocab_size)
             sel = hidden if rows == list(range(hidden.shape[0])) else hidden[torch.tensor(rows, device=hidden.device)]
             logits = self.model.compute_logits(sel).float()
+            self.structured.mask_logits(logits, [s.request for s in to_sample])
             res = sample(logits, [s.request for s in to_sample], self.eos_ids)
         # NOTE: counters advance and tokens are appended only here, after every allocation of the step succeeded
         # (the OOM guard retries a failed step from the same counters).
@@ -494,6 +505,7 @@ class Engine:
 
     def _append_token(self, r: Request, tok: int, logprobs) -> None:
         r.output_token_ids.append(tok)
+        self.structured.advance(r, tok)
         p = r.params
         reason = None
         if not p.ignore_eos and tok in self.eos_ids and r.num_output_tokens >= p.min_tokens:

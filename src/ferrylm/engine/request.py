@@ -37,6 +37,7 @@ class Request:
         arrival_time: ``time.monotonic()`` at arrival (seconds).
         first_scheduled_time: ``time.monotonic()`` when the scheduler first gave it a step (None before).
         queue_time_reported: its queue time went out on an output already.
+        grammar: its structured-output matcher (``engine/structured.py``), None when unconstrained.
     """
 
     request_id: str
@@ -52,6 +53,7 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     queue_time_reported: bool = False
+    grammar: object | None = None
 
     def take_queue_time(self) -> float | None:
         """Seconds from arrival to the first scheduling, the first time it is asked after that; else None."""

@@ -37,12 +37,16 @@ from ferrylm.errors import ContextLengthExceeded, EngineUnavailable, FerryError,
 from ferrylm.server.engine_client import EngineClient
 from ferrylm.server.errors import (Unauthorized, error_payload, error_response,
                                    install_exception_handlers, request_id_of, retry_after_for)
-from ferrylm.server.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk,
-                                     ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamChoice,
-                                     ChatMessage, ChatResponseMessage, CompletionChoice, CompletionRequest,
-                                     CompletionResponse, DeltaMessage, DetokenizeRequest, ModelCard, ModelList,
-                                     TokenizeRequest, UsageInfo, chat_logprobs, chunk_json, completion_logprobs,
-                                     parse_request, to_sampling_params)
+from ferrylm.server import chat
+from ferrylm.server.assistant import PING, TurnConfig, next_or_ping
+from ferrylm.server.chat import (DONE as _DONE, SSE_HEADERS as _SSE_HEADERS, SSE_PING, ChatJob, check_continue,
+                                 render_prompt, template_messages)
+from ferrylm.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, DetokenizeRequest,
+                                     ModelCard, ModelList, TokenizeRequest, UsageInfo, chunk_json,
+                                     completion_logprobs, parse_request, to_sampling_params)
+from ferrylm.server.reasoning import prompt_opens_thinking, template_has_reasoning
+from ferrylm.server.structured import request_grammar
+from ferrylm.server.tools import ToolChoice, parse_openai_tools, template_supports_tools
 from ferrylm.server.generation import (ClientGone, Choice, Event, Generation, SSEResponse, cleanup, race_disconnect,
                                       sse_event)
 from ferrylm.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -71,12 +75,26 @@ __version__ = _version()
 MAX_PROMPTS_PER_REQUEST = 64     # completions: a list of prompts
 HEALTH_GENERATE_TIMEOUT_S = 5.0  # default bound on GET /health/generate (``?timeout=`` overrides, up to 60 s)
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # --max-request-bytes: larger bodies get 413 in the OpenAI error shape
-_DONE = "data: [DONE]\n\n"
+DEFAULT_SSE_PING_INTERVAL = 15.0   # --sse-ping-interval: seconds of silence before an SSE comment keep-alive
+FIRST_EVENT_WAIT_S = 1.0           # a stream's headers wait this long for the first event (admission errors)
+
+
+@dataclasses.dataclass
+class ChatRun:
+    """A started chat-like request: its generation, the first event (None when the headers go out before it),
+    the prompt ids and how its output is read."""
+
+    gen: Generation
+    first: Event | None
+    prompt_ids: list[int]
+    turn: TurnConfig
 
 
 def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *,
                api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               allowed_origins: Sequence[str] | None = None) -> FastAPI:
+               allowed_origins: Sequence[str] | None = None,
+               sse_ping_interval: float | None = DEFAULT_SSE_PING_INTERVAL,
+               responses_store_size: int = 1024) -> FastAPI:
     """Build the FastAPI app serving ``engine`` under the name ``served_model_name``.
 
     Args:
@@ -87,8 +105,13 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
             ``x-api-key: KEY``; ``/health``, ``/metrics`` and ``/version`` stay open.
         max_request_bytes: larger request bodies are refused with 413 (``request_too_large``, OpenAI shape).
         allowed_origins: CORS origins (``--allowed-origins``); None or empty = no CORS middleware at all.
+        sse_ping_interval: seconds without an event after which a stream gets an SSE comment (``: ping``) so
+            proxies keep it open (``--sse-ping-interval``; 0 or None: never).
+        responses_store_size: responses kept for ``previous_response_id`` (oldest evicted first).
     """
     server = _Server(engine, codec, served_model_name, api_key, max_request_bytes)
+    server.ping_interval = sse_ping_interval or None
+    server.responses_store_size = responses_store_size
     app = FastAPI(title="ferrylm", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.state.server = server
@@ -143,42 +166,11 @@ async def _off_loop(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
 
 
-def _template_messages(messages: list[ChatMessage]) -> list[dict]:
-    """Messages as the chat template wants them: content parts joined into one string, ``developer`` →
-    ``system``. Raises InvalidRequest for non-text content parts and for a system / user message without content
-    (an assistant message may have none: tool calls)."""
-    out = []
-    for i, m in enumerate(messages):
-        d: dict[str, Any] = dict(m.model_extra or {})
-        d["role"] = "system" if m.role == "developer" else m.role
-        content = m.content
-        if content is None and m.role in ("system", "developer", "user"):
-            raise InvalidRequest(f"messages[{i}] ({m.role}) has no 'content'", param="messages")
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if part.type not in ("text", "input_text"):
-                    raise InvalidRequest(f"content part type {part.type!r} is not supported; only text parts are",
-                                         param=f"messages.{i}.content.{j}")
-                if part.text is None:
-                    raise InvalidRequest(f"content part of type {part.type!r} has no 'text'",
-                                         param=f"messages.{i}.content.{j}.text")
-                texts.append(part.text)
-            content = "\n".join(texts)
-        d["content"] = content if content is not None else ""
-        for k in ("name", "tool_call_id", "tool_calls"):
-            v = getattr(m, k)
-            if v is not None:
-                d[k] = v
-        out.append(d)
-    return out
-
-
 def _choice_seed(seed: int, i: int) -> int:
-    """Choice ``i``'s seed: ``seed + i``, wrapped into the valid range [-2**63, 2**64) (a client's seed near the top
-    of the range must not make choice 1 out of range)."""
+    """Choice ``i``'s seed: ``seed + i``, wrapped into the valid int64 range [-2**63, 2**63) (a client's seed near
+    the top of the range must not make choice 1 out of range)."""
     s = seed + i
-    return s - 2**64 if s >= 2**64 else s
+    return s - 2**64 if s >= 2**63 else s
 
 
 class _Server:
@@ -193,6 +185,12 @@ class _Server:
         self.max_request_bytes = max_request_bytes or None
         self.created = int(time.time())
         self.metrics = Metrics(engine)
+        self.ping_interval: float | None = DEFAULT_SSE_PING_INTERVAL
+        self.first_event_wait = FIRST_EVENT_WAIT_S
+        self.responses_store_size = 1024
+        template = getattr(codec, "chat_template", None)
+        self.native_tools = template_supports_tools(template)   # else tools go in the system turn (fallback)
+        self.reasoning = template_has_reasoning(template)       # split <think> … </think> into reasoning
 
     # ---- helpers -----------------------------------------------------------------------------------------
     @property
@@ -297,12 +295,13 @@ class _Server:
         return choices
 
     async def _start(self, request: Request, rid: str, gen: Generation, stream: bool) -> Event | None:
-        """Start the engine requests; for a stream wait for the first event (before headers), otherwise for
-        all of them. Client disconnect → ClientGone. On any failure the generation is closed."""
+        """Start the engine requests; for a stream wait for the first event up to ``FIRST_EVENT_WAIT_S`` (an
+        admission refusal is still an HTTP status; a long prefill gets its headers and keep-alive pings),
+        otherwise for all of them. Client disconnect → ClientGone. On any failure the generation is closed."""
         gen.start()
         try:
             if stream:
-                return await race_disconnect(request, gen.next_event())
+                return await race_disconnect(request, gen.first_event(self.first_event_wait))
             await race_disconnect(request, gen.drain())
             return None
         except BaseException:
@@ -340,11 +339,12 @@ class _Server:
 
     def _log_request(self, rid: str, kind: str, req: Any, prompts: list[list[int]], max_tokens: list[int],
                      params: SamplingParams) -> None:
-        unknown = req.unknown_fields()
+        unknown = req.unknown_fields() if hasattr(req, "unknown_fields") else []
         if unknown:
             logger.debug("[%s] ignoring unknown fields: %s", rid, unknown)
-        logger.info("[%s] %s prompt_tokens=%s max_tokens=%s n=%d stream=%s", rid, kind,
-                    [len(p) for p in prompts], max_tokens, params.n, bool(req.stream))
+        logger.info("[%s] %s prompt_tokens=%s max_tokens=%s n=%d stream=%s%s", rid, kind,
+                    [len(p) for p in prompts], max_tokens, params.n, bool(req.stream),
+                    " constrained" if params.grammar else "")
 
     # ---- routes ------------------------------------------------------------------------------------------
     async def list_models(self, request: Request) -> Response:
@@ -442,15 +442,23 @@ class _Server:
             req = parse_request(TokenizeRequest, await read_json(request))
             self._check_model(req.model)
             if req.messages is not None:
-                ids = await _off_loop(self.codec.apply_chat_template, _template_messages(req.messages),
-                                      add_generation_prompt=req.add_generation_prompt is not False,
-                                      **client_template_kwargs(req.chat_template_kwargs))
+                messages = template_messages(req.messages)
+                cont = bool(req.continue_final_message)
+                add_gen = check_continue(messages, cont, req.add_generation_prompt
+                                         if "add_generation_prompt" in req.model_fields_set else None)
+                tools = parse_openai_tools(req.tools)
+                job = ChatJob(messages, SamplingParams(), tools, ToolChoice("auto" if tools else "none"),
+                              client_template_kwargs(req.chat_template_kwargs), add_gen, cont)
+                _, ids = await _off_loop(render_prompt, self.codec, job, native_tools=self.native_tools)
             elif req.prompt is not None:
                 ids = await _off_loop(self.codec.encode, req.prompt,
                                       add_special_tokens=req.add_special_tokens is not False)
             else:
                 raise InvalidRequest("either 'prompt' or 'messages' is required", param="prompt")
-            return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len})
+            body: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+            if (req.model_extra or {}).get("return_token_strs") is True:   # vLLM
+                body["token_strs"] = [self.codec.token_text(t) for t in ids]
+            return JSONResponse(body)
         return await self._handle(request, work)
 
     async def detokenize(self, request: Request) -> Response:
@@ -462,84 +470,39 @@ class _Server:
         return await self._handle(request, work)
 
     async def chat_completions(self, request: Request) -> Response:
-        """POST /v1/chat/completions (stream and non-stream)."""
-        return await self._handle(request, self._chat)
+        """POST /v1/chat/completions (stream and non-stream): server/chat.py."""
+        return await self._handle(request, functools.partial(chat.chat_completions, self))
 
     async def completions(self, request: Request) -> Response:
         """POST /v1/completions (stream and non-stream)."""
         return await self._handle(request, self._completion)
 
-    # ---- chat --------------------------------------------------------------------------------------------
-    async def _chat(self, request: Request, rid: str) -> Response:
-        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await read_json(request))
-        model = self._check_model(req.model)
-        params = to_sampling_params(req)
+    # ---- chat-like requests (chat completions, Anthropic Messages, Responses) ----------------------------
+    async def run_chat(self, request: Request, rid: str, job: ChatJob, kind: str, base_id: str) -> "ChatRun":
+        """Render, admit and start ``job`` (engine request ids ``base_id`` or ``{base_id}-{i}``): template (tools native or fallback), context check, one engine
+        request per choice, the first event awaited (stream: up to ``FIRST_EVENT_WAIT_S``) before any header.
+
+        Raises:
+            InvalidRequest / ContextLengthExceeded: bad messages, template errors, too long (400).
+            EngineUnavailable etc.: the engine cannot take it now (503).
+        """
+        if job.params.grammar is not None and self.reasoning and "enable_thinking" not in job.template_kwargs:
+            # a constrained output starts at its first token: a template that thinks first is told not to
+            job.template_kwargs = {**job.template_kwargs, "enable_thinking": False}
+        text, prompt_ids = await _off_loop(render_prompt, self.codec, job, native_tools=self.native_tools)
+        params = job.params
         self._check_param_ids(params)
-        prompt_ids = await _off_loop(
-            self.codec.apply_chat_template, _template_messages(req.messages),
-            add_generation_prompt=req.add_generation_prompt is not False,
-            **client_template_kwargs(req.chat_template_kwargs))
-        max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._fit_context(prompt_ids, params, default_max=None, what="messages",
-                                       prompt_param="messages", max_param=max_param)
-        self._log_request(rid, "chat", req, [prompt_ids], [max_tokens], params)
+                                       prompt_param=job.prompt_param, max_param=job.max_param)
+        self._log_request(rid, kind, job, [prompt_ids], [max_tokens], params)
         self._check_ready()
-        base_id = f"chatcmpl-{uuid.uuid4().hex}"
         gen = Generation(self.engine, rid, self._make_choices(base_id, [prompt_ids], [max_tokens], params),
-                          metrics=self.metrics, arrival=request.scope.get(ARRIVAL_KEY))
-        created = int(time.time())
-        first = await self._start(request, rid, gen, bool(req.stream))
-        if req.stream:
-            assert first is not None
-            return SSEResponse(self._chat_stream(rid, gen, first, base_id, created, model, len(prompt_ids),
-                                                  req.include_usage), headers=_SSE_HEADERS)
-        await gen.close()
-        choices = []
-        for ch in gen.choices:
-            lp = None
-            if ch.params.logprobs is not None:
-                lp = ChatChoiceLogprobs(content=chat_logprobs(ch.logprobs, self.codec))
-            choices.append(ChatCompletionChoice(index=ch.index, message=ChatResponseMessage(content=ch.text.text),
-                                                logprobs=lp, finish_reason=ch.finish_reason))
-        usage = UsageInfo.of(len(prompt_ids), gen.completion_tokens)
-        self._log_done(rid, gen, usage)
-        resp = ChatCompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage)
-        return Response(resp.model_dump_json(), media_type="application/json")
-
-    async def _chat_stream(self, rid: str, gen: Generation, first: Event, base_id: str, created: int,
-                           model: str, prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
-        def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
-            c = ChatCompletionChunk(id=base_id, created=created, model=model, choices=choices, usage=usage)
-            return sse_event(chunk_json(c, include_usage=include_usage))
-
-        pending: dict[int, list[TokenLogprob]] = {}
-        try:
-            for ch in gen.choices:
-                yield chunk([ChatCompletionStreamChoice(index=ch.index,
-                                                        delta=DeltaMessage(role="assistant", content=""))])
-            ev: Event | None = first
-            while ev is not None:
-                lps = pending.setdefault(ev.index, [])
-                lps.extend(ev.logprobs or ())
-                if ev.text or ev.finish_reason is not None:
-                    logprobs = None
-                    if gen.choices[ev.index].params.logprobs is not None:
-                        logprobs = ChatChoiceLogprobs(content=chat_logprobs(lps, self.codec))
-                    delta = DeltaMessage(content=ev.text) if ev.text else DeltaMessage()
-                    yield chunk([ChatCompletionStreamChoice(index=ev.index, delta=delta, logprobs=logprobs,
-                                                            finish_reason=ev.finish_reason)])
-                    pending[ev.index] = []
-                ev = await gen.next_event()
-            usage = UsageInfo.of(prompt_tokens, gen.completion_tokens)
-            if include_usage:
-                yield chunk([], usage)
-            self._log_done(rid, gen, usage)
-            yield _DONE
-        except Exception as e:  # noqa: BLE001 - after the headers an error can only be an event
-            yield self._stream_error(rid, e)
-            yield _DONE
-        finally:
-            await gen.close()
+                         metrics=self.metrics, arrival=request.scope.get(ARRIVAL_KEY))
+        tools = tuple(t.name for t in job.tools) if job.tools and job.tool_choice.mode != "none" else None
+        turn = TurnConfig(reasoning=self.reasoning, starts_in_reasoning=self.reasoning and
+                          prompt_opens_thinking(text), tool_names=tools)
+        first = await self._start(request, rid, gen, job.stream)
+        return ChatRun(gen, first, prompt_ids, turn)
 
     # ---- completions -------------------------------------------------------------------------------------
     def _completion_prompts(self, req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
@@ -572,6 +535,7 @@ class _Server:
         req: CompletionRequest = parse_request(CompletionRequest, await read_json(request))
         model = self._check_model(req.model)
         params = to_sampling_params(req)
+        params.grammar = request_grammar(req)[0]
         self._check_param_ids(params)
         if req.suffix:
             raise InvalidRequest("'suffix' is not supported", param="suffix")
@@ -621,8 +585,12 @@ class _Server:
             for ch in gen.choices:
                 if echo[ch.index]:
                     yield chunk([CompletionChoice(index=ch.index, text=echo[ch.index])])
-            ev: Event | None = first
+            ev: Any = first if first is not None else await next_or_ping(gen, self.ping_interval)
             while ev is not None:
+                if ev is PING:
+                    yield SSE_PING
+                    ev = await next_or_ping(gen, self.ping_interval)
+                    continue
                 lps, offs = pending.setdefault(ev.index, ([], []))
                 lps.extend(ev.logprobs or ())
                 offs.extend(o + len(echo[ev.index]) for o in (ev.offsets or ()))
@@ -634,7 +602,7 @@ class _Server:
                     yield chunk([CompletionChoice(index=ev.index, text=ev.text, logprobs=logprobs,
                                                   finish_reason=ev.finish_reason)])
                     pending[ev.index] = ([], [])
-                ev = await gen.next_event()
+                ev = await next_or_ping(gen, self.ping_interval)
             usage = UsageInfo.of(prompt_tokens, gen.completion_tokens)
             if include_usage:
                 yield chunk([], usage)
