@@ -37,7 +37,7 @@ from ferrylm.errors import ContextLengthExceeded, EngineUnavailable, FerryError,
 from ferrylm.server.engine_client import EngineClient
 from ferrylm.server.errors import (Unauthorized, error_payload, error_response,
                                    install_exception_handlers, request_id_of, retry_after_for)
-from ferrylm.server import chat
+from ferrylm.server import anthropic, chat, responses
 from ferrylm.server.assistant import PING, TurnConfig, next_or_ping
 from ferrylm.server.chat import (DONE as _DONE, SSE_HEADERS as _SSE_HEADERS, SSE_PING, ChatJob, check_continue,
                                  render_prompt, template_messages)
@@ -111,7 +111,7 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
     """
     server = _Server(engine, codec, served_model_name, api_key, max_request_bytes)
     server.ping_interval = sse_ping_interval or None
-    server.responses_store_size = responses_store_size
+    server.responses = responses.ResponseStore(responses_store_size)
     app = FastAPI(title="ferrylm", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.state.server = server
@@ -136,6 +136,13 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
                       openapi_extra=doc(pr.ChatCompletionRequest, pr.ChatCompletionResponse, stream=True), **v1)
     app.add_api_route("/v1/completions", server.completions, methods=["POST"],
                       openapi_extra=doc(pr.CompletionRequest, pr.CompletionResponse, stream=True), **v1)
+    app.add_api_route("/v1/messages", server.messages, methods=["POST"],
+                      openapi_extra=doc(anthropic.MessagesRequest, None, stream=True), **v1)
+    app.add_api_route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"],
+                      openapi_extra=doc(anthropic.CountTokensRequest, None), **v1)
+    app.add_api_route("/v1/responses", server.create_response, methods=["POST"],
+                      openapi_extra=doc(responses.ResponsesRequest, None, stream=True), **v1)
+    app.add_api_route("/v1/responses/{response_id}", server.get_response, methods=["GET"], **v1)
     app.add_api_route("/v1/memory", server.memory, methods=["GET"], **v1)
     app.add_api_route("/health", server.health, methods=["GET"], responses=HEALTH_RESPONSES)
     app.add_api_route("/health/generate", server.health_generate, methods=["GET"],
@@ -187,7 +194,7 @@ class _Server:
         self.metrics = Metrics(engine)
         self.ping_interval: float | None = DEFAULT_SSE_PING_INTERVAL
         self.first_event_wait = FIRST_EVENT_WAIT_S
-        self.responses_store_size = 1024
+        self.responses = responses.ResponseStore(1024)   # previous_response_id (server/responses.py)
         template = getattr(codec, "chat_template", None)
         self.native_tools = template_supports_tools(template)   # else tools go in the system turn (fallback)
         self.reasoning = template_has_reasoning(template)       # split <think> … </think> into reasoning
@@ -308,7 +315,9 @@ class _Server:
             await gen.close()
             raise
 
-    async def _handle(self, request: Request, work: Any) -> Response:
+    async def _handle(self, request: Request, work: Any, errors: Any = error_response) -> Response:
+        """Run ``work(request, rid)``; every exception leaves as an error response built by ``errors(exc, rid)``
+        (the OpenAI shape unless the route speaks another API)."""
         rid = request_id_of(request) or uuid.uuid4().hex
         t0 = time.monotonic()
         try:
@@ -319,8 +328,8 @@ class _Server:
                         time.monotonic() - t0)
             self.metrics.errors.labels("client_disconnected").inc()
             return Response(status_code=499)
-        except Exception as e:  # noqa: BLE001 - every error leaves in the OpenAI shape
-            resp = error_response(e, rid)
+        except Exception as e:  # noqa: BLE001 - every error leaves in the route's error shape
+            resp = errors(e, rid)
             if isinstance(e, RequestTooLarge):
                 resp.status_code = 413
             code = self._count_error(e)
@@ -472,6 +481,24 @@ class _Server:
     async def chat_completions(self, request: Request) -> Response:
         """POST /v1/chat/completions (stream and non-stream): server/chat.py."""
         return await self._handle(request, functools.partial(chat.chat_completions, self))
+
+    async def messages(self, request: Request) -> Response:
+        """POST /v1/messages (Anthropic): server/anthropic.py."""
+        return await self._handle(request, functools.partial(anthropic.messages, self), anthropic.error_response)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """POST /v1/messages/count_tokens (Anthropic): server/anthropic.py."""
+        return await self._handle(request, functools.partial(anthropic.count_tokens, self),
+                                  anthropic.error_response)
+
+    async def create_response(self, request: Request) -> Response:
+        """POST /v1/responses (OpenAI Responses API): server/responses.py."""
+        return await self._handle(request, functools.partial(responses.create, self))
+
+    async def get_response(self, request: Request, response_id: str) -> Response:
+        """GET /v1/responses/{response_id}: a stored response."""
+        return await self._handle(request, functools.partial(responses.retrieve, self,
+                                                             response_id=response_id))
 
     async def completions(self, request: Request) -> Response:
         """POST /v1/completions (stream and non-stream)."""

@@ -56,8 +56,12 @@ def install_openapi(app: FastAPI) -> None:
             from pydantic.json_schema import models_json_schema
 
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            from ferrylm.server.anthropic import CountTokensRequest, MessagesRequest
+            from ferrylm.server.responses import ResponsesRequest
+
             models = [(m, "validation") for m in (pr.ChatCompletionRequest, pr.CompletionRequest,
-                                                  pr.TokenizeRequest, pr.DetokenizeRequest)]
+                                                  pr.TokenizeRequest, pr.DetokenizeRequest, MessagesRequest,
+                                                  CountTokensRequest, ResponsesRequest)]
             models += [(m, "serialization") for m in (pr.ChatCompletionResponse, pr.CompletionResponse,
                                                       pr.ModelCard, pr.ModelList, pr.ErrorResponse)]
             _, top = models_json_schema(models, ref_template="#/components/schemas/{model}")
