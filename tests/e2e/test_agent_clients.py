@@ -145,3 +145,20 @@ def test_langchain_bind_tools_and_structured_output(default_server) -> None:
         assert isinstance(out, Answer), method
     short = llm.bind(max_tokens=6)
     assert "".join(c.content for c in short.stream("Say hi.")) == short.invoke("Say hi.").content
+
+
+def test_echo_prompt_logprobs_equal_generation_logprobs(client) -> None:
+    """Scoring a text (echo + logprobs + max_tokens 0, as lm-evaluation-harness does) gives the logprobs the model
+    gave the same tokens while generating them: the prompt logprobs are exact against our own forward."""
+    gen = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                    logprobs=1, extra_body={"return_token_ids": True, "ignore_eos": True})
+    ch = gen.choices[0]
+    prompt_ids, out_ids = ch.model_extra["prompt_token_ids"], ch.model_extra["token_ids"]
+    scored = client.completions.create(model=MODEL, prompt=prompt_ids + out_ids, echo=True, logprobs=1,
+                                       max_tokens=0)
+    sc = scored.choices[0]
+    assert sc.finish_reason == "length" and scored.usage.completion_tokens == 0
+    lps = sc.logprobs.token_logprobs
+    assert lps[0] is None and len(lps) == len(prompt_ids) + len(out_ids)
+    # measured: 5e-6 (one prefill vs token-by-token decode, float32 on the CPU)
+    assert lps[len(prompt_ids):] == pytest.approx(ch.logprobs.token_logprobs, abs=1e-4)

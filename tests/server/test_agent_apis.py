@@ -369,3 +369,73 @@ async def test_sse_pings_while_waiting(codec) -> None:
         assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"]) == "Hello"
         r = await c.post("/v1/messages", json={"model": SERVED, "max_tokens": 9, "stream": True, "messages": MSGS})
         assert "event: ping" in r.text and "event: message_stop" in r.text
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the rest of the OpenAI / vLLM surface
+# ---------------------------------------------------------------------------------------------------------
+
+
+async def test_echo_logprobs_and_max_tokens_zero(client: httpx.AsyncClient, codec) -> None:
+    """How lm-evaluation-harness scores a prompt: echo + logprobs + max_tokens 0."""
+    prompt = "Hello world! The quick brown fox"
+    ids = codec.encode(prompt)
+    body = {"model": SERVED, "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 0}
+    r = (await client.post("/v1/completions", json=body)).json()
+    (c,) = r["choices"]
+    assert c["text"] == prompt and c["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 0
+    lp = c["logprobs"]
+    assert lp["tokens"] == [codec.token_text(t) for t in ids]
+    assert lp["token_logprobs"] == [None] + [-0.5] * (len(ids) - 1) and lp["top_logprobs"][0] is None
+    assert all(len(t) >= 1 for t in lp["top_logprobs"][1:])
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    events = parse_sse((await client.post("/v1/completions", json={**body, "stream": True})).text)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == prompt
+    assert [t for e in events[:-1] for t in (e["choices"][0]["logprobs"] or {}).get("token_logprobs", [])] == \
+        lp["token_logprobs"]
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    # with generated tokens the logprobs continue after the prompt's
+    r = (await client.post("/v1/completions", json={**body, "max_tokens": 3})).json()["choices"][0]
+    assert len(r["logprobs"]["tokens"]) == len(ids) + 3 and r["text"].startswith(prompt)
+    assert r["logprobs"]["text_offset"] == sorted(r["logprobs"]["text_offset"])
+
+
+async def test_vllm_prompt_logprobs_logprobs_zero_and_token_ids(client: httpx.AsyncClient, codec) -> None:
+    ids = codec.encode("Hello world")
+    r = (await client.post("/v1/completions", json={"model": SERVED, "prompt": "Hello world", "max_tokens": 3,
+                                                    "prompt_logprobs": 1, "logprobs": 0,
+                                                    "return_token_ids": True})).json()
+    (c,) = r["choices"]
+    assert c["prompt_logprobs"][0] is None and len(c["prompt_logprobs"]) == len(ids)
+    assert c["prompt_logprobs"][1][str(ids[1])] == {"logprob": -0.5, "rank": 1, "decoded_token": codec.token_text(ids[1])}
+    assert all(len(t) == 1 for t in c["logprobs"]["top_logprobs"])   # logprobs 0: just the sampled token
+    assert [list(t) for t in c["logprobs"]["top_logprobs"]] == [[tok] for tok in c["logprobs"]["tokens"]]
+    assert c["prompt_token_ids"] == ids and len(c["token_ids"]) == 3
+    events = parse_sse((await client.post("/v1/completions", json={
+        "model": SERVED, "prompt": "Hello world", "max_tokens": 3, "stream": True, "return_token_ids": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})).text)
+    assert [t for e in events[:-2] for t in e["choices"][0].get("token_ids") or []] == c["token_ids"]
+    assert events[0]["choices"][0]["prompt_token_ids"] == ids
+    usages = [e["usage"]["completion_tokens"] for e in events[:-1]]
+    assert usages == sorted(usages) and usages[-1] == 3
+    chat = (await client.post("/v1/chat/completions", json={"model": SERVED, "messages": MSGS, "max_tokens": 4,
+                                                            "return_token_ids": True})).json()
+    assert len(chat["choices"][0]["token_ids"]) == 4 and chat["prompt_token_ids"]
+    events = parse_sse((await client.post("/v1/chat/completions", json={
+        "model": SERVED, "messages": MSGS, "max_tokens": 4, "stream": True, "return_token_ids": True,
+        "stream_options": {"continuous_usage_stats": True}})).text)
+    assert [t for e in events[:-1] for c in e["choices"] for t in c.get("token_ids") or []] == \
+        chat["choices"][0]["token_ids"]
+    assert all("usage" in e for e in events[:-1])
+
+
+async def test_tokenize_continue_final_message_and_token_strs(client: httpx.AsyncClient, codec) -> None:
+    msgs = MSGS + [{"role": "assistant", "content": "Sure, it is"}]
+    r = (await client.post("/tokenize", json={"model": SERVED, "messages": msgs, "continue_final_message": True,
+                                              "add_generation_prompt": False, "return_token_strs": True})).json()
+    assert codec.decode(r["tokens"], skip_special_tokens=False).endswith("Sure, it is")
+    assert r["token_strs"] == [codec.token_text(t) for t in r["tokens"]]
+    assert_error(await client.post("/tokenize", json={"model": SERVED, "messages": msgs,
+                                                      "continue_final_message": True,
+                                                      "add_generation_prompt": True}), 400,
+                 param="continue_final_message")

@@ -156,9 +156,9 @@ async def test_empty_prompt_is_400(client: httpx.AsyncClient) -> None:
     assert_error(await post(client, {"model": SERVED, "prompt": []}, "/v1/completions"), 400, param="prompt")
 
 
-async def test_echo_with_logprobs_is_400(client: httpx.AsyncClient) -> None:
-    body = {"model": SERVED, "prompt": "hi", "echo": True, "logprobs": 1}
-    assert_error(await post(client, body, "/v1/completions"), 400, param="echo")
+async def test_max_tokens_zero_needs_echo(client: httpx.AsyncClient) -> None:
+    body = {"model": SERVED, "prompt": "hi", "max_tokens": 0}
+    assert_error(await post(client, body, "/v1/completions"), 400, param="max_tokens")
 
 
 async def test_nothing_is_ever_422(client: httpx.AsyncClient) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ferrylm.config import EngineConfig, ModelConfig
+from ferrylm.engine import prompt_logprobs
 from ferrylm.engine.decode_graph import DecodeGraphConfig, DecodeGraphRunner
 from ferrylm.engine.kv_cache import KVPool, PagedAttention, SeqSlice
 from ferrylm.engine.outputs import EngineOutput
@@ -486,6 +487,7 @@ class Engine:
         sequence's counters and append the tokens."""
         faults = self.faults
         to_sample = [s for s in batch.seqs if s.sample]
+        prompt_logprobs.collect(batch.seqs, hidden, self.model.compute_logits)
         res = None
         if to_sample:
             if faults.enabled:
@@ -518,7 +520,8 @@ class Engine:
             self.scheduler.finish(r, reason)
             self.requests.pop(r.request_id, None)
         self._pending.append(EngineOutput(r.request_id, [tok], finish_reason=reason, logprobs=logprobs,
-                                          num_prompt_tokens=r.num_prompt_tokens, queue_time=r.take_queue_time()))
+                                          num_prompt_tokens=r.num_prompt_tokens, queue_time=r.take_queue_time(),
+                                          prompt_logprobs=prompt_logprobs.take(r)))
 
     def stats(self) -> dict:
         """Live figures for heartbeats and /metrics (``experts``: the expert executor's counters, when MoE)."""

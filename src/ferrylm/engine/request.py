@@ -38,6 +38,7 @@ class Request:
         first_scheduled_time: ``time.monotonic()`` when the scheduler first gave it a step (None before).
         queue_time_reported: its queue time went out on an output already.
         grammar: its structured-output matcher (``engine/structured.py``), None when unconstrained.
+        prompt_logprobs: prompt-token logprobs gathered so far (``engine/prompt_logprobs.py``), when asked.
     """
 
     request_id: str
@@ -54,6 +55,7 @@ class Request:
     first_scheduled_time: float | None = None
     queue_time_reported: bool = False
     grammar: object | None = None
+    prompt_logprobs: list | None = None
 
     def take_queue_time(self) -> float | None:
         """Seconds from arrival to the first scheduling, the first time it is asked after that; else None."""

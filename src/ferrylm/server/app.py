@@ -44,6 +44,7 @@ from ferrylm.server.chat import (DONE as _DONE, SSE_HEADERS as _SSE_HEADERS, SSE
 from ferrylm.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, DetokenizeRequest,
                                      ModelCard, ModelList, TokenizeRequest, UsageInfo, chunk_json,
                                      completion_logprobs, parse_request, to_sampling_params)
+from ferrylm.server.completions_logprobs import echo_logprobs, join_logprobs, vllm_prompt_logprobs
 from ferrylm.server.reasoning import prompt_opens_thinking, template_has_reasoning
 from ferrylm.server.structured import request_grammar
 from ferrylm.server.tools import ToolChoice, parse_openai_tools, template_supports_tools
@@ -561,14 +562,21 @@ class _Server:
     async def _completion(self, request: Request, rid: str) -> Response:
         req: CompletionRequest = parse_request(CompletionRequest, await read_json(request))
         model = self._check_model(req.model)
+        prompt_only = req.requested_max_tokens == 0   # echo + max_tokens 0: score the prompt, generate nothing
+        if prompt_only:
+            if not req.echo:
+                raise InvalidRequest("'max_tokens' 0 is only allowed with 'echo' (prompt logprobs only)",
+                                     param="max_completion_tokens" if req.max_completion_tokens is not None
+                                     else "max_tokens")
+            req = req.model_copy(update={"max_tokens": 1, "max_completion_tokens": None})
         params = to_sampling_params(req)
         params.grammar = request_grammar(req)[0]
         self._check_param_ids(params)
         if req.suffix:
             raise InvalidRequest("'suffix' is not supported", param="suffix")
-        if req.echo and params.logprobs is not None:
-            raise InvalidRequest("'echo' together with 'logprobs' is not supported (no prompt logprobs)",
-                                 param="echo")
+        echo_lp = bool(req.echo) and params.logprobs is not None
+        if echo_lp:   # the echoed prompt carries its logprobs: ask the engine for them
+            params.prompt_logprobs = max(params.logprobs or 0, params.prompt_logprobs or 0)
         prompts, echo_texts = await _off_loop(self._completion_prompts, req)
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = [self._fit_context(ids, params, default_max=16, what="prompt", prompt_param="prompt",
@@ -578,59 +586,85 @@ class _Server:
         base_id = f"cmpl-{uuid.uuid4().hex}"
         gen = Generation(self.engine, rid, self._make_choices(base_id, prompts, max_tokens, params),
                           metrics=self.metrics, arrival=request.scope.get(ARRIVAL_KEY))
-        echo = [echo_texts[ch.index // params.n] if req.echo else "" for ch in gen.choices]
+        shape = _CompletionShape(self, req, echo=[echo_texts[ch.index // params.n] if req.echo else ""
+                                                  for ch in gen.choices],
+                                 echo_logprobs=echo_lp, prompt_only=prompt_only)
         prompt_tokens = sum(len(p) for p in prompts)
         created = int(time.time())
         first = await self._start(request, rid, gen, bool(req.stream))
         if req.stream:
-            assert first is not None
             return SSEResponse(self._completion_stream(rid, gen, first, base_id, created, model, prompt_tokens,
-                                                        echo, req.include_usage), headers=_SSE_HEADERS)
+                                                        shape, req), headers=_SSE_HEADERS)
         await gen.close()
         choices = []
         for ch in gen.choices:
-            lp = None
-            if ch.params.logprobs is not None:
-                lp = completion_logprobs(ch.logprobs, [o + len(echo[ch.index]) for o in ch.offsets], self.codec,
-                                         ch.params.logprobs)
-            choices.append(CompletionChoice(index=ch.index, text=echo[ch.index] + ch.text.text, logprobs=lp,
-                                            finish_reason=ch.finish_reason))
-        usage = UsageInfo.of(prompt_tokens, gen.completion_tokens)
+            c = shape.head(ch)
+            if not prompt_only:
+                c.text += ch.text.text
+                if ch.params.logprobs is not None:
+                    c.logprobs = shape.joined(c.logprobs, completion_logprobs(
+                        ch.logprobs, [o + len(shape.echo[ch.index]) for o in ch.offsets], self.codec,
+                        ch.params.logprobs))
+                if req.return_token_ids:
+                    c.token_ids = list(ch.token_ids)
+            c.finish_reason = ch.finish_reason
+            choices.append(c)
+        usage = UsageInfo.of(prompt_tokens, shape.completion_tokens(gen))
         self._log_done(rid, gen, usage)
         resp = CompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage)
         return Response(resp.model_dump_json(), media_type="application/json")
 
-    async def _completion_stream(self, rid: str, gen: Generation, first: Event, base_id: str, created: int,
-                                 model: str, prompt_tokens: int, echo: list[str],
-                                 include_usage: bool) -> AsyncIterator[str]:
-        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
-            c = CompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage)
-            return sse_event(chunk_json(c, include_usage=include_usage))
+    async def _completion_stream(self, rid: str, gen: Generation, first: Event | None, base_id: str, created: int,
+                                 model: str, prompt_tokens: int, shape: "_CompletionShape",
+                                 req: CompletionRequest) -> AsyncIterator[str]:
+        include_usage, continuous = req.include_usage, req.continuous_usage
 
-        pending: dict[int, tuple[list[TokenLogprob], list[int]]] = {}
+        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+            if usage is None and continuous and choices:
+                usage = UsageInfo.of(prompt_tokens, shape.completion_tokens(gen))
+            c = CompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage)
+            return sse_event(chunk_json(c, include_usage=include_usage or continuous))
+
+        pending: dict[int, tuple[list[TokenLogprob], list[int], list[int]]] = {}
+        started: set[int] = set()
         try:
-            for ch in gen.choices:
-                if echo[ch.index]:
-                    yield chunk([CompletionChoice(index=ch.index, text=echo[ch.index])])
+            if not shape.waits_for_engine:   # the echo (and the prompt ids) go out at once
+                for ch in gen.choices:
+                    head = shape.head(ch)
+                    started.add(ch.index)
+                    if head.text or head.prompt_token_ids is not None:
+                        yield chunk([head])
             ev: Any = first if first is not None else await next_or_ping(gen, self.ping_interval)
             while ev is not None:
                 if ev is PING:
                     yield SSE_PING
                     ev = await next_or_ping(gen, self.ping_interval)
                     continue
-                lps, offs = pending.setdefault(ev.index, ([], []))
-                lps.extend(ev.logprobs or ())
-                offs.extend(o + len(echo[ev.index]) for o in (ev.offsets or ()))
-                if ev.text or ev.finish_reason is not None:
-                    params = gen.choices[ev.index].params
+                ch = gen.choices[ev.index]
+                out: list[CompletionChoice] = []
+                if ev.index not in started:   # echo with prompt logprobs: they came with the first output
+                    started.add(ev.index)
+                    out.append(shape.head(ch))
+                lps, offs, ids = pending.setdefault(ev.index, ([], [], []))
+                if not shape.prompt_only:
+                    lps.extend(ev.logprobs or ())
+                    offs.extend(o + len(shape.echo[ev.index]) for o in (ev.offsets or ()))
+                    ids.extend(ev.token_ids)
+                text = "" if shape.prompt_only else ev.text
+                if text or ev.finish_reason is not None:
                     logprobs = None
-                    if params.logprobs is not None:
-                        logprobs = completion_logprobs(lps, offs, self.codec, params.logprobs)
-                    yield chunk([CompletionChoice(index=ev.index, text=ev.text, logprobs=logprobs,
-                                                  finish_reason=ev.finish_reason)])
-                    pending[ev.index] = ([], [])
+                    if ch.params.logprobs is not None and not shape.prompt_only:
+                        logprobs = completion_logprobs(lps, offs, self.codec, ch.params.logprobs)
+                    out.append(CompletionChoice(index=ev.index, text=text, logprobs=logprobs,
+                                                finish_reason=ev.finish_reason,
+                                                token_ids=list(ids) if req.return_token_ids else None))
+                    pending[ev.index] = ([], [], [])
+                if len(out) == 2 and not out[1].text and out[1].logprobs is None and out[1].token_ids is None:
+                    out[0].finish_reason, out = out[1].finish_reason, out[:1]   # one chunk: echo + finish
+                for c in out:
+                    yield chunk([c])
                 ev = await next_or_ping(gen, self.ping_interval)
-            usage = UsageInfo.of(prompt_tokens, gen.completion_tokens)
+            usage = UsageInfo.of(prompt_tokens, shape.completion_tokens(gen))
             if include_usage:
                 yield chunk([], usage)
             self._log_done(rid, gen, usage)
@@ -667,4 +701,36 @@ class _Server:
                     "-" if ttft is None else f"{ttft:.3f}s", e2e, tps)
 
 
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+@dataclasses.dataclass
+class _CompletionShape:
+    """How a completions request's choices begin: the echoed prompt (with its logprobs when asked, which arrive
+    with the engine's first output), vLLM's ``prompt_logprobs`` and ``prompt_token_ids``; ``prompt_only``
+    (``max_tokens: 0``) drops the one token the engine generated."""
+
+    server: "_Server"
+    req: CompletionRequest
+    echo: list[str]
+    echo_logprobs: bool
+    prompt_only: bool
+
+    @property
+    def waits_for_engine(self) -> bool:
+        return self.echo_logprobs or self.req.prompt_logprobs is not None
+
+    def head(self, ch: Choice) -> CompletionChoice:
+        codec = self.server.codec
+        c = CompletionChoice(index=ch.index, text=self.echo[ch.index])
+        plps = ch.prompt_logprobs or []
+        if self.echo_logprobs:
+            c.logprobs = echo_logprobs(codec, ch.prompt_ids, plps, ch.params.logprobs or 0)
+        if self.req.prompt_logprobs is not None:
+            c.prompt_logprobs = vllm_prompt_logprobs(codec, ch.prompt_ids, plps)
+        if self.req.return_token_ids:
+            c.prompt_token_ids = list(ch.prompt_ids)
+        return c
+
+    def joined(self, head: Any, tail: Any) -> Any:
+        return join_logprobs(head, tail) if head is not None else tail
+
+    def completion_tokens(self, gen: Generation) -> int:
+        return 0 if self.prompt_only else gen.completion_tokens
