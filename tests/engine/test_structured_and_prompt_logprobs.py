@@ -14,7 +14,7 @@ from ferrylm.engine.structured import unpack_bitmask
 from ferrylm.server.structured import choice_grammar, json_schema_grammar
 from ferrylm.server.tokenizer import TextCodec
 from tests.engine.fake_model import FakeModel, fake_config
-from tests.server.conftest import build_tiny_tokenizer
+from tests.server.conftest import build_tiny_tokenizer, qwen_codec  # noqa: F401 (fixture)
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +93,49 @@ def test_prompt_logprobs_exact_and_chunking_invariant() -> None:
                                                                logprobs=vocab))})["o"][0]
         dist = dict(o.logprobs[0].top)
         assert whole[i].logprob == pytest.approx(dist[prompt[i]], abs=1e-5)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+    "additionalProperties": False}}}]
+
+
+def test_forced_tool_call_through_the_engine(tok_dir) -> None:
+    from ferrylm.server.tools import HermesToolParser, ToolChoice, parse_openai_tools, tag_terms, tool_call_grammar
+
+    codec = TextCodec.from_pretrained(tok_dir)
+    eos = codec.eos_token_ids[0]
+    g = tool_call_grammar(parse_openai_tools(TOOLS), ToolChoice("named", "get_weather", parallel=False),
+                          tags=tag_terms(codec))
+    outs = run(make(codec.vocab_size, tok_dir, eos=eos), {
+        "t": (codec.encode("Hello"), SamplingParams(temperature=1.0, seed=3, max_tokens=200, grammar=g))})["t"]
+    ids = [t for o in outs for t in o.new_token_ids]
+    assert outs[-1].finish_reason == "stop" and ids[-1] == eos
+    parser = HermesToolParser(["get_weather"])
+    pieces = parser.feed(codec.decode(ids[:-1])) + parser.finish()
+    (call,) = [p.call for p in pieces if p.call is not None]
+    assert json.loads(call.arguments)["city"] in ("Paris", "Rome")
+
+
+def test_tool_tags_are_single_tokens_in_qwen3_vocabulary(qwen_codec) -> None:
+    """Qwen's <tool_call> is one added token (151657): the forcing grammar must accept exactly the tokens the
+    model writes, not the tag spelled out in characters."""
+    from ferrylm.engine.structured import StructuredDecoder
+    from ferrylm.server.tools import ToolChoice, parse_openai_tools, tag_terms, tool_call_grammar
+
+    assert tag_terms(qwen_codec) == ("<[151657]>", "<[151658]>")
+    g = tool_call_grammar(parse_openai_tools(TOOLS), ToolChoice("required"), tags=tag_terms(qwen_codec))
+    sd = StructuredDecoder(qwen_codec.name_or_path, 151936, [151645])
+
+    class R:
+        request_id, grammar, params = "q", None, SamplingParams(grammar=g)
+
+    r = R()
+    sd.attach(r)
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    for t in qwen_codec.encode(text, add_special_tokens=False) + [151645]:
+        logits = torch.zeros(1, 151936)
+        sd.mask_logits(logits, [r])
+        assert logits[0, t] == 0 and torch.isinf(logits).sum() > 151000, qwen_codec.token_text(t)
+        sd.advance(r, t)
+        assert r.grammar is not None

@@ -193,7 +193,6 @@ def job_from_messages(req: MessagesRequest) -> ChatJob:
     prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
     job = ChatJob(messages, params, tools, choice, kwargs, add_generation_prompt=not prefill,
                   continue_final_message=prefill, stream=bool(req.stream))
-    job.apply_tool_choice()
     return job
 
 

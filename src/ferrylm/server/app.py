@@ -47,12 +47,13 @@ from ferrylm.server.protocol import (CompletionChoice, CompletionRequest, Comple
 from ferrylm.server.completions_logprobs import echo_logprobs, join_logprobs, vllm_prompt_logprobs
 from ferrylm.server.reasoning import prompt_opens_thinking, template_has_reasoning
 from ferrylm.server.structured import request_grammar
-from ferrylm.server.tools import ToolChoice, parse_openai_tools, template_supports_tools
+from ferrylm.server.tools import ToolChoice, parse_openai_tools, tag_terms, template_supports_tools
 from ferrylm.server.generation import (ClientGone, Choice, Event, Generation, SSEResponse, cleanup, race_disconnect,
                                       sse_event)
 from ferrylm.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ferrylm.server.metrics import Metrics
-from ferrylm.server.openapi import ERROR_RESPONSES, HEALTH_RESPONSES, install_openapi, route_doc
+from ferrylm.server.openapi import (ANTHROPIC_ERROR_RESPONSES, ERROR_RESPONSES, HEALTH_RESPONSES, install_openapi,
+                                    route_doc)
 from ferrylm.server.request_io import ARRIVAL_KEY, RequestIdMiddleware, RequestTooLarge, read_json
 from ferrylm.server.tokenizer import TextCodec, TextStream, client_template_kwargs
 
@@ -137,10 +138,11 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
                       openapi_extra=doc(pr.ChatCompletionRequest, pr.ChatCompletionResponse, stream=True), **v1)
     app.add_api_route("/v1/completions", server.completions, methods=["POST"],
                       openapi_extra=doc(pr.CompletionRequest, pr.CompletionResponse, stream=True), **v1)
+    av1 = {"responses": ANTHROPIC_ERROR_RESPONSES}
     app.add_api_route("/v1/messages", server.messages, methods=["POST"],
-                      openapi_extra=doc(anthropic.MessagesRequest, None, stream=True), **v1)
+                      openapi_extra=doc(anthropic.MessagesRequest, None, stream=True), **av1)
     app.add_api_route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"],
-                      openapi_extra=doc(anthropic.CountTokensRequest, None), **v1)
+                      openapi_extra=doc(anthropic.CountTokensRequest, None), **av1)
     app.add_api_route("/v1/responses", server.create_response, methods=["POST"],
                       openapi_extra=doc(responses.ResponsesRequest, None, stream=True), **v1)
     app.add_api_route("/v1/responses/{response_id}", server.get_response, methods=["GET"], **v1)
@@ -199,6 +201,7 @@ class _Server:
         template = getattr(codec, "chat_template", None)
         self.native_tools = template_supports_tools(template)   # else tools go in the system turn (fallback)
         self.reasoning = template_has_reasoning(template)       # split <think> … </think> into reasoning
+        self.tool_tags = tag_terms(codec)                       # <tool_call> as the vocabulary has it
 
     # ---- helpers -----------------------------------------------------------------------------------------
     @property
@@ -514,6 +517,7 @@ class _Server:
             InvalidRequest / ContextLengthExceeded: bad messages, template errors, too long (400).
             EngineUnavailable etc.: the engine cannot take it now (503).
         """
+        job.apply_tool_choice(self.tool_tags)
         if job.params.grammar is not None and self.reasoning and "enable_thinking" not in job.template_kwargs:
             # a constrained output starts at its first token: a template that thinks first is told not to
             job.template_kwargs = {**job.template_kwargs, "enable_thinking": False}

@@ -67,10 +67,11 @@ class ChatJob:
     tool_choice_param: str = "tool_choice"
     stream: bool = False
 
-    def apply_tool_choice(self) -> None:
-        """Set ``params.grammar`` for a forced tool call. Raises InvalidRequest when the request also asks for
+    def apply_tool_choice(self, tags: tuple[str, str] | None = None) -> None:
+        """Set ``params.grammar`` for a forced tool call (``tags``: the tags' Lark terms for the served
+        vocabulary, :func:`ferrylm.server.tools.tag_terms`). Raises InvalidRequest when the request also asks for
         another output constraint (the tool call and, say, a JSON schema cannot both hold)."""
-        grammar = tool_call_grammar(self.tools, self.tool_choice)
+        grammar = tool_call_grammar(self.tools, self.tool_choice, tags=tags)
         if grammar is None:
             return
         if self.params.grammar is not None:
@@ -177,7 +178,6 @@ def job_from_chat(req: ChatCompletionRequest) -> ChatJob:
                   bool(req.continue_final_message), gparam,
                   "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
                   stream=bool(req.stream))
-    job.apply_tool_choice()
     return job
 
 

@@ -217,7 +217,6 @@ def job_from_request(req: ResponsesRequest, store: ResponseStore) -> tuple[ChatJ
     params.grammar = response_format_grammar(fmt, "text.format")
     job = ChatJob(messages, params, tools, choice, grammar_param="text.format", max_param="max_output_tokens",
                   prompt_param="input", stream=bool(req.stream))
-    job.apply_tool_choice()
     return job, conversation
 
 

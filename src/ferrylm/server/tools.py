@@ -172,13 +172,27 @@ def _call_schema(t: ToolSpec) -> dict:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def tool_call_grammar(tools: list[ToolSpec], choice: ToolChoice, param: str = "tool_choice") -> str | None:
+def tag_terms(codec: Any) -> tuple[str, str]:
+    """Lark terms for the opening and closing tags with ``codec``'s vocabulary: a tag that is one added token
+    (Qwen's ``<tool_call>`` = 151657) must be generated as that token, so it is written ``<[id]>``; otherwise
+    the literal text."""
+    added = getattr(getattr(codec, "tokenizer", None), "added_tokens_decoder", None) or {}
+
+    def term(text: str) -> str:
+        ids = codec.encode(text, add_special_tokens=False) if codec is not None else []
+        return f"<[{ids[0]}]>" if len(ids) == 1 and ids[0] in added else json.dumps(text)
+
+    return term(HermesToolParser.OPEN), term(HermesToolParser.CLOSE)
+
+
+def tool_call_grammar(tools: list[ToolSpec], choice: ToolChoice, param: str = "tool_choice",
+                      tags: tuple[str, str] | None = None) -> str | None:
     """The grammar that forces calls for ``required`` (one or more calls, or exactly one when parallel calls
     are off) and a named function (exactly one call to it); None for ``none`` / ``auto``.
 
     The output is Hermes format, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, calls joined by
-    a newline, the arguments valid against each tool's schema. Raises InvalidRequest when a schema cannot be
-    enforced (``param`` names ``tools``).
+    a newline, the arguments valid against each tool's schema. ``tags``: the Lark terms of the two tags
+    (:func:`tag_terms`; default the literal text). Raises InvalidRequest when a schema cannot be enforced.
     """
     if not choice.forced:
         return None
@@ -187,8 +201,9 @@ def tool_call_grammar(tools: list[ToolSpec], choice: ToolChoice, param: str = "t
     body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     body = {**body, "x-guidance": {**JSON_OPTIONS, "lenient": True}}
     repeat = ' ("\\n" call)*' if choice.mode == "required" and choice.parallel else ""
+    open_, close = tags or (json.dumps(HermesToolParser.OPEN), json.dumps(HermesToolParser.CLOSE))
     lark = (f"start: call{repeat}\n"
-            f"call: {json.dumps('<tool_call>' + chr(10))} body {json.dumps(chr(10) + '</tool_call>')}\n"
+            f"call: {open_} \"\\n\" body \"\\n\" {close}\n"
             f"body: %json{json.dumps(body)}\n")
     return lark_grammar(lark, "tools")
 
