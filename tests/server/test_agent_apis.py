@@ -439,3 +439,19 @@ async def test_tokenize_continue_final_message_and_token_strs(client: httpx.Asyn
                                                       "continue_final_message": True,
                                                       "add_generation_prompt": True}), 400,
                  param="continue_final_message")
+
+
+async def test_stream_whose_headers_left_before_the_first_token_loses_nothing(codec) -> None:
+    """Headers after ``first_event_wait`` (no first event yet), pings off: the pending read is the one the stream
+    loop awaits, so no event is dropped."""
+    eng = scripted(codec, "Hello world! done.")
+    eng.delay = 0.05
+    app = create_app(eng, codec, SERVED, sse_ping_interval=0)
+    app.state.server.first_event_wait = 0.001
+    async with make_client(app) as c:
+        for path, body in (("/v1/chat/completions", {"messages": MSGS}), ("/v1/completions", {"prompt": "x"})):
+            r = await c.post(path, json={"model": SERVED, "stream": True, "max_tokens": 64, **body})
+            events = parse_sse(r.text)
+            text = "".join((ch.get("delta") or {}).get("content") or ch.get("text") or ""
+                           for e in events[:-1] for ch in e["choices"])
+            assert text == "Hello world! done." and ": ping" not in r.text

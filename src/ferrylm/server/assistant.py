@@ -150,11 +150,12 @@ async def turn_deltas(gen: Generation, first: Event | None, cfg: TurnConfig,
 
 async def next_or_ping(gen: Generation, ping_interval: float | None) -> Event | _Ping | None:
     """The next event, or PING when none came within ``ping_interval`` seconds (the wait is not cancelled: the
-    same pending read continues on the next call)."""
-    if not ping_interval:
+    same pending read continues on the next call, and a read left pending by ``Generation.first_event`` is the
+    one awaited here)."""
+    if not ping_interval and not gen.has_pending_read:
         return await gen.next_event()
     task = gen.pending_read()
-    done, _ = await asyncio.wait({task}, timeout=ping_interval)
+    done, _ = await asyncio.wait({task}, timeout=ping_interval or None)
     if not done:
         return PING
     gen.clear_pending_read()

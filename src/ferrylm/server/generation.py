@@ -137,6 +137,10 @@ class Generation:
     def clear_pending_read(self) -> None:
         self._read = None
 
+    @property
+    def has_pending_read(self) -> bool:
+        return self._read is not None
+
     async def first_event(self, wait_s: float) -> Event | None:
         """The first event if it comes within ``wait_s`` seconds, else None (it stays pending for the stream
         loop). Raises what :meth:`next_event` raises."""
