@@ -139,3 +139,15 @@ def test_tool_tags_are_single_tokens_in_qwen3_vocabulary(qwen_codec) -> None:
         assert logits[0, t] == 0 and torch.isinf(logits).sum() > 151000, qwen_codec.token_text(t)
         sd.advance(r, t)
         assert r.grammar is not None
+
+
+def test_prompt_logprobs_and_grammar_cross_the_ipc() -> None:
+    from ferrylm.engine import ipc
+    from ferrylm.engine.outputs import EngineOutput, TokenLogprob
+
+    out = EngineOutput("r", [5], prompt_logprobs=[None, TokenLogprob(3, -1.25, [(3, -1.25), (4, -2.0)], rank=1)])
+    back = ipc.decode(ipc.encode(ipc.Outputs([out]))).outputs[0]
+    assert back.prompt_logprobs == out.prompt_logprobs
+    p = SamplingParams(grammar=choice_grammar(["a", "b"], "c"), prompt_logprobs=3)
+    msg = ipc.decode(ipc.encode(ipc.AddRequest("r", [1], p.to_dict())))
+    assert SamplingParams.from_dict(msg.params) == p
