@@ -33,7 +33,7 @@ from pydantic import Field
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.errors import InvalidRequest
 from ferrylm.server.assistant import PING, TurnDelta, turn_deltas, whole_turn
-from ferrylm.server.chat import SSE_HEADERS, ChatJob, render_prompt
+from ferrylm.server.chat import SSE_HEADERS, ChatJob, off_loop, render_prompt
 from ferrylm.server.errors import error_payload, status_for
 from ferrylm.server.protocol import _Request, parse_request
 from ferrylm.server.request_io import read_json
@@ -315,7 +315,7 @@ async def messages(srv: Any, request: Request, rid: str) -> Response:
 
     req: MessagesRequest = parse_request(MessagesRequest, await read_json(request))
     model = srv._check_model(req.model)
-    job = job_from_messages(req)
+    job = await off_loop(job_from_messages, req)   # grammars compile off the event loop
     msg_id = f"msg_{uuid.uuid4().hex}"
     run = await srv.run_chat(request, rid, job, "messages", msg_id)
     base = {"id": msg_id, "type": "message", "role": "assistant", "model": model}
@@ -369,12 +369,10 @@ async def _stream(srv: Any, rid: str, run: Any, base: dict) -> AsyncIterator[str
 
 async def count_tokens(srv: Any, request: Request, rid: str) -> Response:
     """POST /v1/messages/count_tokens: ``{"input_tokens": N}`` for the prompt the request would render."""
-    from ferrylm.server.app import _off_loop
-
     req: CountTokensRequest = parse_request(CountTokensRequest, await read_json(request))
     srv._check_model(req.model)
     if req.max_tokens is None:
         req = req.model_copy(update={"max_tokens": 1})
-    job = job_from_messages(req)
-    _, ids = await _off_loop(render_prompt, srv.codec, job, native_tools=srv.native_tools)
+    job = await off_loop(job_from_messages, req)
+    _, ids = await off_loop(render_prompt, srv.codec, job, native_tools=srv.native_tools)
     return JSONResponse({"input_tokens": len(ids)})

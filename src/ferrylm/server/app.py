@@ -27,7 +27,6 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Sequence
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
@@ -41,6 +40,7 @@ from ferrylm.server import anthropic, chat, responses
 from ferrylm.server.assistant import PING, TurnConfig, next_or_ping
 from ferrylm.server.chat import (DONE as _DONE, SSE_HEADERS as _SSE_HEADERS, SSE_PING, ChatJob, check_continue,
                                  render_prompt, template_messages)
+from ferrylm.server.chat import off_loop as _off_loop
 from ferrylm.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, DetokenizeRequest,
                                      ModelCard, ModelList, TokenizeRequest, UsageInfo, chunk_json,
                                      completion_logprobs, parse_request, to_sampling_params)
@@ -167,13 +167,6 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
 # ---------------------------------------------------------------------------------------------------------
 # the server
 # ---------------------------------------------------------------------------------------------------------
-
-
-async def _off_loop(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Run ``fn(*args, **kwargs)`` (tokenization, chat templates) in a worker thread, so that a multi-megabyte
-    prompt does not stall the event loop, /health or other streams (the tokenizers library releases the GIL while
-    it encodes). Exceptions propagate unchanged."""
-    return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
 
 
 def _choice_seed(seed: int, i: int) -> int:
@@ -517,7 +510,7 @@ class _Server:
             InvalidRequest / ContextLengthExceeded: bad messages, template errors, too long (400).
             EngineUnavailable etc.: the engine cannot take it now (503).
         """
-        job.apply_tool_choice(self.tool_tags)
+        await _off_loop(job.apply_tool_choice, self.tool_tags)
         if job.params.grammar is not None and self.reasoning and "enable_thinking" not in job.template_kwargs:
             # a constrained output starts at its first token: a template that thinks first is told not to
             job.template_kwargs = {**job.template_kwargs, "enable_thinking": False}
@@ -574,7 +567,7 @@ class _Server:
                                      else "max_tokens")
             req = req.model_copy(update={"max_tokens": 1, "max_completion_tokens": None})
         params = to_sampling_params(req)
-        params.grammar = request_grammar(req)[0]
+        params.grammar = (await _off_loop(request_grammar, req))[0]
         self._check_param_ids(params)
         if req.suffix:
             raise InvalidRequest("'suffix' is not supported", param="suffix")

@@ -27,7 +27,6 @@ from ferrylm.server.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, C
                                      ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamChoice,
                                      ChatMessage, ChatResponseMessage, DeltaMessage, FunctionCall, ToolCallOut,
                                      UsageInfo, chat_logprobs, chunk_json, parse_request, to_sampling_params)
-from ferrylm.server.reasoning import prompt_opens_thinking
 from ferrylm.server.request_io import read_json
 from ferrylm.server.structured import request_grammar
 from ferrylm.server.tools import (ToolCall, ToolChoice, ToolSpec, fallback_messages, parse_openai_tools,
@@ -35,6 +34,16 @@ from ferrylm.server.tools import (ToolCall, ToolChoice, ToolSpec, fallback_messa
 from ferrylm.server.tokenizer import TextCodec, client_template_kwargs
 
 SSE_PING = ": ping\n\n"
+
+
+async def off_loop(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` in a worker thread (templates, tokenization, grammar compilation: a large
+    prompt or schema must not stall the event loop). Exceptions propagate unchanged."""
+    import functools
+
+    import anyio
+
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
 DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -191,7 +200,7 @@ async def chat_completions(srv: Any, request: Request, rid: str) -> Response:
 
     req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await read_json(request))
     model = srv._check_model(req.model)
-    job = job_from_chat(req)
+    job = await off_loop(job_from_chat, req)   # schemas and grammars compile off the event loop
     base_id = f"chatcmpl-{uuid.uuid4().hex}"
     run = await srv.run_chat(request, rid, job, "chat", base_id)
     created = int(time.time())

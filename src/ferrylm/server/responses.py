@@ -34,9 +34,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from ferrylm.engine.sampling_params import SamplingParams
-from ferrylm.errors import InvalidRequest, ModelNotFound
+from ferrylm.errors import InvalidRequest, NotFound
 from ferrylm.server.assistant import PING, TurnDelta, turn_deltas, whole_turn
-from ferrylm.server.chat import SSE_HEADERS, SSE_PING, ChatJob
+from ferrylm.server.chat import SSE_HEADERS, SSE_PING, ChatJob, off_loop
 from ferrylm.server.errors import error_payload
 from ferrylm.server.protocol import _Request, parse_request
 from ferrylm.server.request_io import read_json
@@ -404,7 +404,7 @@ async def create(srv: Any, request: Request, rid: str) -> Response:
 
     req: ResponsesRequest = parse_request(ResponsesRequest, await read_json(request))
     model = srv._check_model(req.model)
-    job, conversation = job_from_request(req, srv.responses)
+    job, conversation = await off_loop(job_from_request, req, srv.responses)
     resp_id = f"resp_{_ids()}"
     run = await srv.run_chat(request, rid, job, "responses", resp_id)
     shell = ResponseShell(resp_id, int(time.time()), model, req, len(run.prompt_ids))
@@ -463,6 +463,6 @@ async def retrieve(srv: Any, request: Request, rid: str, response_id: str) -> Re
     """GET /v1/responses/{id}: a stored response, 404 when unknown or evicted."""
     entry = srv.responses.get(response_id)
     if entry is None:
-        raise ModelNotFound(f"no stored response with id {response_id!r}", param="response_id",
-                            code="response_not_found")
+        raise NotFound(f"no stored response with id {response_id!r} (never stored, or evicted)",
+                       param="response_id", code="response_not_found")
     return JSONResponse(entry.response)
