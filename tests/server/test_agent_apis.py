@@ -407,7 +407,8 @@ async def test_vllm_prompt_logprobs_logprobs_zero_and_token_ids(client: httpx.As
                                                     "return_token_ids": True})).json()
     (c,) = r["choices"]
     assert c["prompt_logprobs"][0] is None and len(c["prompt_logprobs"]) == len(ids)
-    assert c["prompt_logprobs"][1][str(ids[1])] == {"logprob": -0.5, "rank": 1, "decoded_token": codec.token_text(ids[1])}
+    assert c["prompt_logprobs"][1][str(ids[1])] == {"logprob": -0.5, "rank": 1,
+                                                    "decoded_token": codec.token_text(ids[1])}
     assert all(len(t) == 1 for t in c["logprobs"]["top_logprobs"])   # logprobs 0: just the sampled token
     assert [list(t) for t in c["logprobs"]["top_logprobs"]] == [[tok] for tok in c["logprobs"]["tokens"]]
     assert c["prompt_token_ids"] == ids and len(c["token_ids"]) == 3

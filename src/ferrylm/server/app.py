@@ -503,8 +503,9 @@ class _Server:
 
     # ---- chat-like requests (chat completions, Anthropic Messages, Responses) ----------------------------
     async def run_chat(self, request: Request, rid: str, job: ChatJob, kind: str, base_id: str) -> "ChatRun":
-        """Render, admit and start ``job`` (engine request ids ``base_id`` or ``{base_id}-{i}``): template (tools native or fallback), context check, one engine
-        request per choice, the first event awaited (stream: up to ``FIRST_EVENT_WAIT_S``) before any header.
+        """Render, admit and start ``job`` (engine request ids ``base_id`` or ``{base_id}-{i}``): the forced-call
+        grammar, the template (tools native or the fallback), context check, one engine request per choice, the
+        first event awaited (stream: up to ``FIRST_EVENT_WAIT_S``) before any header.
 
         Raises:
             InvalidRequest / ContextLengthExceeded: bad messages, template errors, too long (400).
