@@ -98,3 +98,15 @@ def test_responses_events_are_well_formed(raw, incomplete) -> None:
     calls = [(it["name"], json.loads(it["arguments"])) for it in final["output"] if it["type"] == "function_call"]
     assert calls == [(c.name, json.loads(c.arguments)) for d in deltas for _, c in d.calls]
     assert final["usage"]["output_tokens"] == 5 and final["usage"]["input_tokens"] == 3
+
+
+def test_response_store_evicts_oldest_by_count_and_bytes() -> None:
+    store = rs.ResponseStore(capacity=3, max_bytes=2000)
+    convo = [{"role": "user", "content": "x" * 400}]
+    for i in range(4):
+        store.put(f"r{i}", rs.StoredResponse({"id": f"r{i}"}, convo))
+    assert store.get("r0") is None and [store.get(f"r{i}") is not None for i in (1, 2, 3)] == [True] * 3
+    store.put("big", rs.StoredResponse({"id": "big"}, [{"role": "user", "content": "y" * 1500}]))
+    assert store.get("big") is not None and store.get("r1") is None and store.bytes <= 2000
+    store.put("huge", rs.StoredResponse({"id": "huge"}, [{"role": "user", "content": "z" * 5000}]))
+    assert store.get("huge") is None and store.get("big") is not None   # larger than the bound: not stored

@@ -5,8 +5,8 @@ Request → :class:`~ferrylm.server.chat.ChatJob`: ``instructions`` is the syste
 as OpenAI has it); ``input`` is text (one user turn) or items: messages (``input_text`` / ``output_text`` parts),
 ``function_call`` (an assistant tool call) and ``function_call_output`` (a tool turn); ``reasoning`` items are
 skipped. ``previous_response_id`` prepends the conversation of a stored response (its input and output);
-responses are kept in a bounded in-memory :class:`ResponseStore` (``--responses-store-size``, oldest evicted
-first; ``store: false`` keeps none); an unknown id is a 400 naming ``previous_response_id``. Function ``tools``
+responses are kept in a bounded in-memory :class:`ResponseStore` (``--responses-store-size`` entries and 256 MiB,
+oldest evicted first; ``store: false`` keeps none); an unknown id is a 400 naming ``previous_response_id``. Function ``tools``
 and ``tool_choice`` use the shared tool machinery; ``text.format`` (``json_object`` / ``json_schema``) is
 enforced by a grammar; ``max_output_tokens``, ``temperature``, ``top_p`` map as named.
 
@@ -80,29 +80,44 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """Bounded, thread-safe map response id → :class:`StoredResponse`; the oldest entry goes first when full.
+    """Bounded, thread-safe map response id → :class:`StoredResponse`; the oldest entries go first when it holds
+    more than ``capacity`` entries or more than ``max_bytes`` of conversation text (an agent's chain of turns
+    stores each turn's whole conversation: the byte bound keeps a few huge ones from holding the memory).
 
     Args:
         capacity: entries kept (0: nothing is stored).
+        max_bytes: bound on the summed size of the stored conversations and responses (as JSON, bytes).
     """
 
-    def __init__(self, capacity: int):
+    DEFAULT_MAX_BYTES = 256 << 20
+
+    def __init__(self, capacity: int, max_bytes: int = DEFAULT_MAX_BYTES):
         self.capacity = max(0, int(capacity))
-        self._items: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
+        self.max_bytes = int(max_bytes)
+        self.bytes = 0
+        self._items: collections.OrderedDict[str, tuple[StoredResponse, int]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def put(self, rid: str, entry: StoredResponse) -> None:
         if self.capacity == 0:
             return
+        size = len(json.dumps(entry.conversation, ensure_ascii=False)) + len(json.dumps(entry.response))
+        if size > self.max_bytes:
+            return
         with self._lock:
-            self._items[rid] = entry
-            self._items.move_to_end(rid)
-            while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
+            old = self._items.pop(rid, None)
+            if old is not None:
+                self.bytes -= old[1]
+            self._items[rid] = (entry, size)
+            self.bytes += size
+            while len(self._items) > self.capacity or self.bytes > self.max_bytes:
+                _, (_, n) = self._items.popitem(last=False)
+                self.bytes -= n
 
     def get(self, rid: str) -> StoredResponse | None:
         with self._lock:
-            return self._items.get(rid)
+            item = self._items.get(rid)
+            return None if item is None else item[0]
 
     def __len__(self) -> int:
         return len(self._items)
