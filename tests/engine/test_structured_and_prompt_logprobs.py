@@ -76,11 +76,14 @@ def test_a_grammar_without_a_tokenizer_is_refused() -> None:
     assert out[0].error_code == "invalid_request" and "tokenizer" in out[0].error_message
 
 
-def test_prompt_logprobs_exact_and_chunking_invariant() -> None:
+def test_prompt_logprobs_exact_and_chunking_invariant(monkeypatch) -> None:
     vocab = 16
     prompt = [3, 7, 1, 9, 4, 12, 5, 2, 8, 11]
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=2)
     whole = run(make(vocab), {"r": (prompt, params)})["r"][0].prompt_logprobs
+    from ferrylm.engine import prompt_logprobs
+
+    monkeypatch.setattr(prompt_logprobs, "ROWS_PER_BLOCK", 2)   # logits a block of rows at a time
     chunked = run(make(vocab, budget=3), {"r": (prompt, params)})["r"][0].prompt_logprobs
     assert whole[0] is None and len(whole) == len(prompt)
     for a, b, tok in zip(whole[1:], chunked[1:], prompt[1:]):

@@ -18,6 +18,9 @@ import torch
 from ferrylm.engine.outputs import LOGPROB_FLOOR, TokenLogprob
 
 
+ROWS_PER_BLOCK = 128   # prompt rows whose logits exist at once: 128 x 151,936 float32 = 78 MB (and as much again)
+
+
 def collect(seqs: Sequence[Any], hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Append the prompt logprobs this step's prefill chunks produce to their requests.
 
@@ -41,8 +44,10 @@ def collect(seqs: Sequence[Any], hidden: torch.Tensor, compute_logits: Callable[
             if r.prompt_logprobs is None:
                 r.prompt_logprobs = []
             if len(r.prompt_logprobs) == s.start:   # not computed yet (a recompute after preemption skips)
-                r.prompt_logprobs.extend(_entries(compute_logits(hidden[q:q + hi - s.start]).float(),
-                                                  r.prompt_token_ids[s.start + 1:hi + 1], k))
+                for a in range(s.start, hi, ROWS_PER_BLOCK):   # [rows, V] logits a block at a time
+                    b = min(hi, a + ROWS_PER_BLOCK)
+                    r.prompt_logprobs.extend(_entries(compute_logits(hidden[q + a - s.start:q + b - s.start]).float(),
+                                                      r.prompt_token_ids[a + 1:b + 1], k))
         q += s.num_tokens
 
 
