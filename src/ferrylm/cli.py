@@ -131,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None, help="require this bearer key on /v1/* (env FERRYLM_API_KEY)")
     s.add_argument("--max-request-bytes", type=int, default=8 << 20, metavar="N",
                    help="refuse request bodies larger than N bytes with 413 (default: 8 MiB)")
+    s.add_argument("--sse-ping-interval", type=float, default=15.0, metavar="S",
+                   help="seconds of silence in a stream (a long prefill) after which an SSE comment ': ping' is "
+                        "sent so proxies keep the connection (0: never; default 15)")
+    s.add_argument("--responses-store-size", type=int, default=1024, metavar="N",
+                   help="responses kept in memory for the Responses API's previous_response_id (oldest evicted "
+                        "first; default 1024)")
     s.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
                    help="comma-separated CORS origins ('*' for any); CORS is off when not set")
     s.add_argument("--max-engine-restarts", type=int, default=3,

@@ -46,6 +46,12 @@ class ModelNotFound(FerryError):
     param = "model"
 
 
+class NotFound(FerryError):
+    """The request names something this server does not have (a stored response id ...). HTTP 404."""
+
+    code = "not_found"
+
+
 class ModelLoadError(FerryError):
     """``--model`` names something that is not a loadable model (missing path, missing config.json, ...)."""
 

@@ -33,9 +33,10 @@ pytestmark = pytest.mark.slow
 
 CASES = int(os.environ.get("FERRYLM_FUZZ_CASES", "300"))
 URL = os.environ.get("FERRYLM_FUZZ_URL")
-# Spread over the operations that take inputs (6 now: chat, completions, tokenize, detokenize, models/{id},
-# health/generate); an operation without parameters has one distinct case however many are asked.
-PER_OPERATION = max(5, CASES // 6)
+# Spread over the operations that take inputs (10 now: chat, completions, tokenize, detokenize, models/{id},
+# health/generate, messages, messages/count_tokens, responses, responses/{id}); an operation without parameters
+# has one distinct case however many are asked.
+PER_OPERATION = max(5, CASES // 10)
 COVERAGE = CASES >= 1000
 CALL_TIMEOUT_S = 30.0                    # one call (a valid one is a prefill and <= 2 tokens)
 MAX_GEN = 2
@@ -89,7 +90,7 @@ def _clamp(body) -> None:
     if not isinstance(body, dict):
         return
     for k, cap in (("max_tokens", MAX_GEN), ("max_completion_tokens", MAX_GEN), ("min_tokens", MAX_GEN),
-                   ("n", MAX_N)):
+                   ("max_output_tokens", MAX_GEN), ("n", MAX_N)):
         v = body.get(k)
         # only real ints: the server rejects "3" and 3.0 for an int field (strict types), so those stay as they
         # are and exercise the 400 path
@@ -98,6 +99,8 @@ def _clamp(body) -> None:
     if ("messages" in body or "prompt" in body) and body.get("max_tokens") is None \
             and body.get("max_completion_tokens") is None:
         body["max_tokens"] = MAX_GEN    # chat's default is the rest of the context
+    if "input" in body and body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = MAX_GEN   # the Responses API's default is the rest of the context too
     p = body.get("prompt")
     if isinstance(p, list) and len(p) > MAX_PROMPTS and p and not isinstance(p[0], int):
         body["prompt"] = p[:MAX_PROMPTS]

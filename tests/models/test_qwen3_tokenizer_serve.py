@@ -4,6 +4,7 @@ template, its special tokens and the usage counts are real."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -80,6 +81,18 @@ def test_chat_request_end_to_end_with_real_template(qwen3_folder, tmp_path):
                                                 max_tokens=MAX_TOKENS, stream=True)
         streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert streamed == choice.message.content
+        # a forced tool call from random weights: the grammar (with Qwen's one-token <tool_call> tags) makes it
+        # a valid call to the named tool; the template renders the tools itself
+        tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+            "additionalProperties": False}}}
+        forced = client.chat.completions.create(model="tiny-qwen3-moe", messages=MESSAGES, temperature=0,
+                                                max_tokens=64, tools=[tool], tool_choice="required",
+                                                parallel_tool_calls=False)
+        assert forced.choices[0].finish_reason == "tool_calls", forced.choices[0]
+        (call,) = forced.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+        assert forced.usage.prompt_tokens > resp.usage.prompt_tokens   # the template's tools section
     finally:
         assert stop_server(srv) == 0, srv.log()[-3000:]
 

@@ -140,8 +140,13 @@ class FakeEngine:
                     top = [(tok, -0.25), ((tok + 1) % self.codec.vocab_size, -1.5), (0, -3.0)][:params.logprobs]
                     lps = [TokenLogprob(tok, -0.25, top)]
                 finished = finish is not None
+                plps = None
+                if i == 0 and params.prompt_logprobs is not None:   # fake numbers: -0.5 per prompt token
+                    k = params.prompt_logprobs
+                    plps = [None] + [TokenLogprob(t, -0.5, [(t, -0.5), (0, -2.0)][:k], rank=1)
+                                     for t in prompt_token_ids[1:]]
                 yield EngineOutput(request_id, [tok], finish, lps, num_prompt_tokens=len(prompt_token_ids),
-                                   queue_time=self.queue_time if i == 0 else None)
+                                   queue_time=self.queue_time if i == 0 else None, prompt_logprobs=plps)
                 if finished:
                     return
         finally:

@@ -89,7 +89,7 @@ async def test_chat_non_stream_shape(client: httpx.AsyncClient, engine: FakeEngi
 
 async def test_missing_model_and_extras_are_accepted(client: httpx.AsyncClient, engine: FakeEngine) -> None:
     body = {"messages": MSGS, "tools": [], "response_format": {"type": "text"}, "future_knob": 1,
-            "stream_options": {"include_usage": True}, "max_completion_tokens": 3, "max_tokens": 100}
+            "max_completion_tokens": 3, "max_tokens": 100}
     r = await client.post(CHAT, json=body)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["finish_reason"] == "length"

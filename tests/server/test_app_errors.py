@@ -156,9 +156,9 @@ async def test_empty_prompt_is_400(client: httpx.AsyncClient) -> None:
     assert_error(await post(client, {"model": SERVED, "prompt": []}, "/v1/completions"), 400, param="prompt")
 
 
-async def test_echo_with_logprobs_is_400(client: httpx.AsyncClient) -> None:
-    body = {"model": SERVED, "prompt": "hi", "echo": True, "logprobs": 1}
-    assert_error(await post(client, body, "/v1/completions"), 400, param="echo")
+async def test_max_tokens_zero_needs_echo(client: httpx.AsyncClient) -> None:
+    body = {"model": SERVED, "prompt": "hi", "max_tokens": 0}
+    assert_error(await post(client, body, "/v1/completions"), 400, param="max_tokens")
 
 
 async def test_nothing_is_ever_422(client: httpx.AsyncClient) -> None:
@@ -306,7 +306,8 @@ async def test_text_part_without_text_is_400(client: httpx.AsyncClient) -> None:
 
 async def test_extreme_integers_reach_the_engine_in_range(codec) -> None:
     """Found by the fuzzer: top_k = 2**70 passed validation and then overflowed msgpack on the way to the engine
-    (500). A seed at the top of its range with n = 2 made choice 1's seed out of range (400)."""
+    (500). A seed at the top of its range with n = 2 made choice 1's seed out of range (400). The range is int64,
+    as OpenAI's: one past it is a 400 naming ``seed``."""
     from ferrylm.engine import ipc
 
     eng = FakeEngine(codec)
@@ -314,10 +315,13 @@ async def test_extreme_integers_reach_the_engine_in_range(codec) -> None:
         for top_k in (2**70, -2**70):
             r = await post(c, {"model": SERVED, "messages": MSGS, "max_tokens": 1, "top_k": top_k})
             assert r.status_code == 200, r.text
-        r = await post(c, {"model": SERVED, "messages": MSGS, "max_tokens": 1, "n": 2, "seed": 2**64 - 1})
+        r = await post(c, {"model": SERVED, "messages": MSGS, "max_tokens": 1, "n": 2, "seed": 2**63 - 1})
         assert r.status_code == 200, r.text
+        for seed in (2**63, -2**63 - 1, 2**64 - 1):
+            assert_error(await post(c, {"model": SERVED, "messages": MSGS, "max_tokens": 1, "seed": seed}), 400,
+                         param="seed")
     assert [p.top_k for _, _, p in eng.requests[:2]] == [2**31 - 1, -1]
-    assert [p.seed for _, _, p in eng.requests[2:]] == [2**64 - 1, 0]
+    assert [p.seed for _, _, p in eng.requests[2:]] == [2**63 - 1, -2**63]
     for rid, ids, p in eng.requests:
         ipc.decode(ipc.encode(ipc.AddRequest(rid, ids, p.to_dict())))
 

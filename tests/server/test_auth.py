@@ -21,7 +21,14 @@ PROTECTED = [
     ("GET", "/v1/memory", None),
     ("POST", "/tokenize", {"model": SERVED, "prompt": "hi"}),
     ("POST", "/detokenize", {"model": SERVED, "tokens": [1, 2]}),
+    ("POST", "/v1/responses", {"model": SERVED, "input": "hi", "max_output_tokens": 2}),
 ]
+# Anthropic's routes answer 401 in Anthropic's error shape
+ANTHROPIC = [
+    ("POST", "/v1/messages", {"model": SERVED, "messages": MSGS, "max_tokens": 2}),
+    ("POST", "/v1/messages/count_tokens", {"model": SERVED, "messages": MSGS}),
+]
+UNKNOWN_RESPONSE = "/v1/responses/resp_unknown"
 OPEN = ["/health", "/metrics", "/version", "/openapi.json"]
 
 
@@ -63,8 +70,29 @@ async def test_every_v1_route_is_covered(codec, keyed_engine) -> None:
     """A new /v1 route must be added to PROTECTED (and so be tested for the key)."""
     app = create_app(keyed_engine, codec, SERVED, api_key=KEY)
     paths = {getattr(r, "path", "") for r in app.routes}
-    v1 = {p.replace("{model_id:path}", SERVED) for p in paths if p.startswith("/v1/")}
-    assert v1 <= {p for _, p, _ in PROTECTED}, v1
+    v1 = {p.replace("{model_id:path}", SERVED).replace("{response_id}", "resp_unknown")
+          for p in paths if p.startswith("/v1/")}
+    assert v1 <= {p for _, p, _ in PROTECTED + ANTHROPIC} | {UNKNOWN_RESPONSE}, v1
+
+
+@pytest.mark.parametrize("method,path,body", ANTHROPIC, ids=[p for _, p, _ in ANTHROPIC])
+async def test_key_on_anthropic_routes(codec, keyed_engine, method, path, body) -> None:
+    async with make_client(create_app(keyed_engine, codec, SERVED, api_key=KEY)) as c:
+        for headers in ({}, {"x-api-key": "wrong"}, {"Authorization": "Bearer wrong"}):
+            r = await c.request(method, path, json=body, headers=headers)
+            assert r.status_code == 401, r.text
+            assert r.json() == {"type": "error", "error": {"type": "authentication_error",
+                                                           "message": r.json()["error"]["message"]}}
+            assert KEY not in r.text
+        for headers in ({"x-api-key": KEY}, {"Authorization": f"Bearer {KEY}"}):
+            r = await c.request(method, path, json=body, headers=headers)
+            assert r.status_code == 200, r.text
+
+
+async def test_key_on_stored_responses(codec, keyed_engine) -> None:
+    async with make_client(create_app(keyed_engine, codec, SERVED, api_key=KEY)) as c:
+        assert_error(await c.get(UNKNOWN_RESPONSE), 401, code="invalid_api_key")
+        assert_error(await c.get(UNKNOWN_RESPONSE, headers={"x-api-key": KEY}), 404, param="response_id")
 
 
 async def test_no_key_configured_means_open(client) -> None:

@@ -60,11 +60,15 @@ def test_vllm_extras_pass_through() -> None:
 
 def test_unknown_fields_are_accepted() -> None:
     req = chat(tools=[], response_format={"type": "text"}, user="u", some_future_field=1)
-    assert req.unknown_fields() == ["response_format", "some_future_field", "tools", "user"]
+    assert req.unknown_fields() == ["some_future_field", "user"]
 
 
-def test_stream_options_without_stream_is_ignored() -> None:
-    assert not chat(stream_options={"include_usage": True}).include_usage
+def test_stream_options_without_stream_is_a_400() -> None:
+    """As OpenAI and vLLM answer it (``stream_options`` is only allowed with ``stream: true``)."""
+    for extra in ({}, {"stream": False}):
+        with pytest.raises(InvalidRequest) as e:
+            to_sampling_params(chat(stream_options={"include_usage": True}, **extra))
+        assert e.value.param == "stream_options"
     assert chat(stream=True, stream_options={"include_usage": True}).include_usage
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ferrylm.config import EngineConfig, ModelConfig
+from ferrylm.engine import prompt_logprobs
 from ferrylm.engine.kv_cache import KVPool
 from ferrylm.engine.model_runner import ModelRunner, has_prefill
 from ferrylm.engine.outputs import EngineOutput
@@ -25,6 +26,7 @@ from ferrylm.engine.progress import StepProgress
 from ferrylm.engine.request import Request, Status
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.engine.scheduler import Batch, ScheduledSeq, Scheduler, SchedulerConfig
+from ferrylm.engine.structured import StructuredDecoder
 from ferrylm.errors import ContextLengthExceeded, FerryError
 from ferrylm.faults import NO_FAULTS, FaultInjector
 from ferrylm.memory.guard import GuardConfig, OomGuard, StepRecovery, elastic_cache_of, is_oom
@@ -129,6 +131,8 @@ class Engine:
         faults: the fault injector (default: off).
         guard: the OOM guard (default: one over the executor's elastic cache, the configured prefill budget).
         memory_plan: the boot memory plan (``memory/plan.py``), reported in stats and at ``GET /v1/memory``.
+        tokenizer_path: the model folder whose tokenizer compiles structured-output grammars (None: such
+            requests are refused).
 
     ``progress`` (:class:`~ferrylm.engine.progress.StepProgress`): ticks per layer and per step, the running
     step's requests and expected duration; the worker's heartbeat reports it to the watchdog.
@@ -137,7 +141,7 @@ class Engine:
     def __init__(self, model, model_config: ModelConfig, config: EngineConfig, *, device: torch.device,
                  dtype: torch.dtype, limits: EngineLimits | None = None, expert_executor=None,
                  faults: FaultInjector = NO_FAULTS, guard: OomGuard | None = None,
-                 memory_plan: MemoryPlan | None = None):
+                 memory_plan: MemoryPlan | None = None, tokenizer_path: str | None = None):
         self.model = model
         self.expert_executor = expert_executor
         self.faults = faults
@@ -163,6 +167,8 @@ class Engine:
         self.runner = ModelRunner(model, self.pool, device, dtype, config, self.limits.max_model_len,
                                   expert_executor, self.eos_ids)
         self.runner.faults = faults
+        self.structured = StructuredDecoder(tokenizer_path, model_config.vocab_size, self.eos_ids)
+        self.runner.structured = self.structured
         self.requests: dict[str, Request] = {}
         self._pending: list[EngineOutput] = []
         self.num_steps = 0
@@ -240,6 +246,12 @@ class Engine:
             gen.manual_seed(params.seed % (2**63))
         req = Request(request_id, list(prompt_token_ids), params, generator=gen, arrival_time=time.monotonic(),
                       isolate=bool(isolate))
+        try:
+            self.structured.attach(req)
+        except FerryError as e:
+            self._pending.append(EngineOutput(request_id, [], error_code=e.code, error_message=e.message,
+                                              num_prompt_tokens=len(prompt_token_ids)))
+            return
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -506,6 +518,7 @@ class Engine:
 
     def _append_token(self, r: Request, tok: int, logprobs) -> None:
         r.output_token_ids.append(tok)
+        self.structured.advance(r, tok)
         p = r.params
         reason = None
         if not p.ignore_eos and tok in self.eos_ids and r.num_output_tokens >= p.min_tokens:
@@ -518,7 +531,8 @@ class Engine:
             self.scheduler.finish(r, reason)
             self.requests.pop(r.request_id, None)
         self._pending.append(EngineOutput(r.request_id, [tok], finish_reason=reason, logprobs=logprobs,
-                                          num_prompt_tokens=r.num_prompt_tokens, queue_time=r.take_queue_time()))
+                                          num_prompt_tokens=r.num_prompt_tokens, queue_time=r.take_queue_time(),
+                                          prompt_logprobs=prompt_logprobs.take(r)))
 
     def stats(self) -> dict:
         """Live figures for heartbeats and /metrics (``experts``: the expert executor's counters, when MoE)."""

@@ -21,6 +21,7 @@ import logging
 import torch
 
 from ferrylm.config import EngineConfig
+from ferrylm.engine import prompt_logprobs
 from ferrylm.engine.attention import AttentionMetadata, make_backend, resolve_backend
 from ferrylm.engine.cuda_graphs import StepGraphs
 from ferrylm.engine.decode_graph import DecodeGraphConfig, DecodeGraphRunner
@@ -64,6 +65,7 @@ class ModelRunner:
         self.executor = expert_executor
         self.eos_ids = eos_ids
         self.faults: FaultInjector = NO_FAULTS
+        self.structured = None  # the engine's StructuredDecoder (engine/structured.py): grammar masks on the logits
         self.attention = resolve_backend(config.attention_backend, device)
         self.max_model_len = max_model_len
         self.staging = Staging(device)
@@ -132,7 +134,10 @@ class ModelRunner:
         to_sample = [s for s in seqs if s.sample]
         if not to_sample:
             return None
-        return sample(logits, [s.request for s in to_sample], self.eos_ids)
+        reqs = [s.request for s in to_sample]
+        if self.structured is not None:
+            self.structured.mask_logits(logits, reqs)  # rows with a grammar; a no-op without any
+        return sample(logits, reqs, self.eos_ids)
 
     def _decode_graphed(self, seqs) -> torch.Tensor | None:
         """Logits ``[N, V]`` of a decode step run through a graph (N = sampling sequences), or None when no graph
@@ -178,6 +183,7 @@ class ModelRunner:
                              * torch.empty((), dtype=self.dtype).element_size())
         attn = make_backend(self.attention, self.pool, self._metadata(host, v), self.device, faults)
         hidden = self.model(v["input_ids"], v["positions"], attn)
+        prompt_logprobs.collect(seqs, hidden, self.model.compute_logits)  # only when a request asked for them
         rows = host.sample_rows
         if not rows:
             return hidden[:0]

@@ -13,11 +13,19 @@ class TokenLogprob:
 
     ``top`` is a list of ``(token_id, logprob)`` pairs, best first (length = requested ``logprobs``).
     Logprobs are natural-log probabilities (float, <= 0) of the distribution after temperature/penalties.
+    ``rank``: 1 + the number of tokens more likely than this one (prompt logprobs only; None elsewhere).
     """
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "TokenLogprob | None":
+        if d is None:
+            return None
+        return cls(d["token_id"], d["logprob"], [tuple(x) for x in d.get("top", [])], d.get("rank"))
 
 
 @dataclass
@@ -33,6 +41,8 @@ class EngineOutput:
         error_code / error_message: set when the engine failed this request (e.g. ``insufficient_memory``,
             ``context_length_exceeded``); the output is then terminal.
         num_prompt_tokens: prompt length as the engine counted it (for usage).
+        prompt_logprobs: when the request asked (``SamplingParams.prompt_logprobs``), on its first output: one
+            entry per prompt token, None for the first.
         queue_time: seconds (the engine's monotonic clock) from the engine receiving the request to its first
             scheduling (first prefill chunk); set once, on the request's first output after it was scheduled
             (None on every other output and for a request never scheduled).
@@ -46,6 +56,7 @@ class EngineOutput:
     error_message: str | None = None
     num_prompt_tokens: int = 0
     queue_time: float | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -58,8 +69,11 @@ class EngineOutput:
     def from_dict(cls, d: dict) -> "EngineOutput":
         lps = d.get("logprobs")
         if lps is not None:
-            lps = [TokenLogprob(lp["token_id"], lp["logprob"], [tuple(x) for x in lp.get("top", [])]) for lp in lps]
+            lps = [TokenLogprob.from_dict(lp) for lp in lps]
+        plps = d.get("prompt_logprobs")
+        if plps is not None:
+            plps = [TokenLogprob.from_dict(lp) for lp in plps]
         return cls(request_id=d["request_id"], new_token_ids=list(d["new_token_ids"]),
                    finish_reason=d.get("finish_reason"), logprobs=lps, error_code=d.get("error_code"),
                    error_message=d.get("error_message"), num_prompt_tokens=d.get("num_prompt_tokens", 0),
-                   queue_time=d.get("queue_time"))
+                   queue_time=d.get("queue_time"), prompt_logprobs=plps)

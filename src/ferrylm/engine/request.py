@@ -40,6 +40,8 @@ class Request:
         isolate: runs in steps of its own (a suspect of an earlier engine failure).
         times_passed_over: scheduling rounds in which it waited for pages while a request behind it was
             admitted (the scheduler's aging: past ``SchedulerConfig.aging_rounds`` nothing passes it any more).
+        grammar: its structured-output matcher (``engine/structured.py``), None when unconstrained.
+        prompt_logprobs: prompt-token logprobs gathered so far (``engine/prompt_logprobs.py``), when asked.
     """
 
     request_id: str
@@ -57,6 +59,8 @@ class Request:
     queue_time_reported: bool = False
     isolate: bool = False
     times_passed_over: int = 0
+    grammar: object | None = None
+    prompt_logprobs: list | None = None
 
     def take_queue_time(self) -> float | None:
         """Seconds from arrival to the first scheduling, the first time it is asked after that; else None."""

@@ -29,6 +29,10 @@ class SamplingParams:
     - ``logprobs``: None = off, k >= 0 = return the sampled token's logprob and the top-k alternatives.
     - ``logit_bias``: ``[[token id, bias], ...]`` added to the logits before everything else (OpenAI's
       ``logit_bias``; bias in [-100, 100]); ids outside the vocabulary are rejected by the frontend.
+    - ``grammar``: an llguidance grammar (JSON text, built by ``ferrylm.server.structured``) the output must
+      match; tokens it forbids are masked before sampling (``engine/structured.py``). None: unconstrained.
+    - ``prompt_logprobs``: None = off, k >= 0 = the logprob of every prompt token after the first, given the
+      tokens before it, with the top-k alternatives (vLLM's ``prompt_logprobs``; reported on the first output).
 
     Raises:
         InvalidRequest: from :meth:`validate` when a value is out of range (names the field in ``param``).
@@ -55,6 +59,8 @@ class SamplingParams:
     # set by the server, never by a client: absolute ``time.monotonic()`` seconds (system-wide on Linux, so the
     # frontend's clock is the engine's) past which the engine ends the request with ``request_timeout``
     deadline: float | None = None
+    grammar: str | None = None
+    prompt_logprobs: int | None = None
 
     MAX_N = 16
     MAX_LOGPROBS = 20
@@ -108,6 +114,9 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
             raise InvalidRequest(f"'logprobs' must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}",
                                  param="logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS:
+            raise InvalidRequest(f"'prompt_logprobs' must be in [0, {self.MAX_LOGPROBS}], got "
+                                 f"{self.prompt_logprobs}", param="prompt_logprobs")
         if len(self.logit_bias) > self.MAX_LOGIT_BIAS:
             raise InvalidRequest(f"at most {self.MAX_LOGIT_BIAS} 'logit_bias' entries are allowed, got "
                                  f"{len(self.logit_bias)}", param="logit_bias")
@@ -117,7 +126,7 @@ class SamplingParams:
             if not isinstance(bias, (int, float)) or not math.isfinite(bias) or not -100 <= bias <= 100:
                 raise InvalidRequest(f"'logit_bias' values must be in [-100, 100], got {bias!r} for token {tok}",
                                      param="logit_bias")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise InvalidRequest("'seed' is out of range", param="seed")
         return self
 

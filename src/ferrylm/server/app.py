@@ -27,7 +27,6 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Sequence
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
@@ -37,17 +36,24 @@ from ferrylm.errors import ContextLengthExceeded, EngineUnavailable, FerryError,
 from ferrylm.server.engine_client import EngineClient
 from ferrylm.server.errors import (Unauthorized, error_payload, error_response,
                                    install_exception_handlers, request_id_of, retry_after_for)
-from ferrylm.server.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk,
-                                     ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamChoice,
-                                     ChatMessage, ChatResponseMessage, CompletionChoice, CompletionRequest,
-                                     CompletionResponse, DeltaMessage, DetokenizeRequest, ModelCard, ModelList,
-                                     TokenizeRequest, UsageInfo, chat_logprobs, chunk_json, completion_logprobs,
-                                     parse_request, to_sampling_params)
+from ferrylm.server import anthropic, chat, responses
+from ferrylm.server.assistant import PING, TurnConfig, next_or_ping
+from ferrylm.server.chat import (DONE as _DONE, SSE_HEADERS as _SSE_HEADERS, SSE_PING, ChatJob, check_continue,
+                                 render_prompt, template_messages)
+from ferrylm.server.chat import off_loop as _off_loop
+from ferrylm.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, DetokenizeRequest,
+                                     ModelCard, ModelList, TokenizeRequest, UsageInfo, chunk_json,
+                                     completion_logprobs, parse_request, to_sampling_params)
+from ferrylm.server.completions_logprobs import echo_logprobs, join_logprobs, vllm_prompt_logprobs
+from ferrylm.server.reasoning import prompt_opens_thinking, template_has_reasoning
+from ferrylm.server.structured import request_grammar
+from ferrylm.server.tools import ToolChoice, parse_openai_tools, tag_terms, template_supports_tools
 from ferrylm.server.generation import (ClientGone, Choice, Event, Generation, SSEResponse, cleanup, race_disconnect,
                                       sse_event)
 from ferrylm.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ferrylm.server.metrics import Metrics
-from ferrylm.server.openapi import ERROR_RESPONSES, HEALTH_RESPONSES, install_openapi, route_doc
+from ferrylm.server.openapi import (ANTHROPIC_ERROR_RESPONSES, ERROR_RESPONSES, HEALTH_RESPONSES, install_openapi,
+                                    route_doc)
 from ferrylm.server.request_io import ARRIVAL_KEY, RequestIdMiddleware, RequestTooLarge, read_json
 from ferrylm.server.tokenizer import TextCodec, TextStream, client_template_kwargs
 
@@ -71,12 +77,26 @@ __version__ = _version()
 MAX_PROMPTS_PER_REQUEST = 64     # completions: a list of prompts
 HEALTH_GENERATE_TIMEOUT_S = 5.0  # default bound on GET /health/generate (``?timeout=`` overrides, up to 60 s)
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # --max-request-bytes: larger bodies get 413 in the OpenAI error shape
-_DONE = "data: [DONE]\n\n"
+DEFAULT_SSE_PING_INTERVAL = 15.0   # --sse-ping-interval: seconds of silence before an SSE comment keep-alive
+FIRST_EVENT_WAIT_S = 1.0           # a stream's headers wait this long for the first event (admission errors)
+
+
+@dataclasses.dataclass
+class ChatRun:
+    """A started chat-like request: its generation, the first event (None when the headers go out before it),
+    the prompt ids and how its output is read."""
+
+    gen: Generation
+    first: Event | None
+    prompt_ids: list[int]
+    turn: TurnConfig
 
 
 def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *,
                api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               allowed_origins: Sequence[str] | None = None, request_timeout: float | None = None) -> FastAPI:
+               allowed_origins: Sequence[str] | None = None,
+               sse_ping_interval: float | None = DEFAULT_SSE_PING_INTERVAL,
+               responses_store_size: int = 1024, request_timeout: float | None = None) -> FastAPI:
     """Build the FastAPI app serving ``engine`` under the name ``served_model_name``.
 
     Args:
@@ -87,10 +107,15 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
             ``x-api-key: KEY``; ``/health``, ``/metrics`` and ``/version`` stay open.
         max_request_bytes: larger request bodies are refused with 413 (``request_too_large``, OpenAI shape).
         allowed_origins: CORS origins (``--allowed-origins``); None or empty = no CORS middleware at all.
+        sse_ping_interval: seconds without an event after which a stream gets an SSE comment (``: ping``) so
+            proxies keep it open (``--sse-ping-interval``; 0 or None: never).
+        responses_store_size: responses kept for ``previous_response_id`` (oldest evicted first).
         request_timeout: seconds from arrival after which the engine ends a request with 408 ``request_timeout``
             (``--request-timeout``; a request's ``x-request-timeout`` header overrides it); None = no deadline.
     """
     server = _Server(engine, codec, served_model_name, api_key, max_request_bytes, request_timeout)
+    server.ping_interval = sse_ping_interval or None
+    server.responses = responses.ResponseStore(responses_store_size)
     app = FastAPI(title="ferrylm", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.state.server = server
@@ -115,6 +140,14 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
                       openapi_extra=doc(pr.ChatCompletionRequest, pr.ChatCompletionResponse, stream=True), **v1)
     app.add_api_route("/v1/completions", server.completions, methods=["POST"],
                       openapi_extra=doc(pr.CompletionRequest, pr.CompletionResponse, stream=True), **v1)
+    av1 = {"responses": ANTHROPIC_ERROR_RESPONSES}
+    app.add_api_route("/v1/messages", server.messages, methods=["POST"],
+                      openapi_extra=doc(anthropic.MessagesRequest, None, stream=True), **av1)
+    app.add_api_route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"],
+                      openapi_extra=doc(anthropic.CountTokensRequest, None), **av1)
+    app.add_api_route("/v1/responses", server.create_response, methods=["POST"],
+                      openapi_extra=doc(responses.ResponsesRequest, None, stream=True), **v1)
+    app.add_api_route("/v1/responses/{response_id}", server.get_response, methods=["GET"], **v1)
     app.add_api_route("/v1/memory", server.memory, methods=["GET"], **v1)
     app.add_api_route("/health", server.health, methods=["GET"], responses=HEALTH_RESPONSES)
     app.add_api_route("/health/generate", server.health_generate, methods=["GET"],
@@ -138,49 +171,11 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
 # ---------------------------------------------------------------------------------------------------------
 
 
-async def _off_loop(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Run ``fn(*args, **kwargs)`` (tokenization, chat templates) in a worker thread, so that a multi-megabyte
-    prompt does not stall the event loop, /health or other streams (the tokenizers library releases the GIL while
-    it encodes). Exceptions propagate unchanged."""
-    return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
-
-
-def _template_messages(messages: list[ChatMessage]) -> list[dict]:
-    """Messages as the chat template wants them: content parts joined into one string, ``developer`` →
-    ``system``. Raises InvalidRequest for non-text content parts and for a system / user message without content
-    (an assistant message may have none: tool calls)."""
-    out = []
-    for i, m in enumerate(messages):
-        d: dict[str, Any] = dict(m.model_extra or {})
-        d["role"] = "system" if m.role == "developer" else m.role
-        content = m.content
-        if content is None and m.role in ("system", "developer", "user"):
-            raise InvalidRequest(f"messages[{i}] ({m.role}) has no 'content'", param="messages")
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if part.type not in ("text", "input_text"):
-                    raise InvalidRequest(f"content part type {part.type!r} is not supported; only text parts are",
-                                         param=f"messages.{i}.content.{j}")
-                if part.text is None:
-                    raise InvalidRequest(f"content part of type {part.type!r} has no 'text'",
-                                         param=f"messages.{i}.content.{j}.text")
-                texts.append(part.text)
-            content = "\n".join(texts)
-        d["content"] = content if content is not None else ""
-        for k in ("name", "tool_call_id", "tool_calls"):
-            v = getattr(m, k)
-            if v is not None:
-                d[k] = v
-        out.append(d)
-    return out
-
-
 def _choice_seed(seed: int, i: int) -> int:
-    """Choice ``i``'s seed: ``seed + i``, wrapped into the valid range [-2**63, 2**64) (a client's seed near the top
-    of the range must not make choice 1 out of range)."""
+    """Choice ``i``'s seed: ``seed + i``, wrapped into the valid int64 range [-2**63, 2**63) (a client's seed near
+    the top of the range must not make choice 1 out of range)."""
     s = seed + i
-    return s - 2**64 if s >= 2**64 else s
+    return s - 2**64 if s >= 2**63 else s
 
 
 class _Server:
@@ -196,6 +191,13 @@ class _Server:
         self.max_request_bytes = max_request_bytes or None
         self.created = int(time.time())
         self.metrics = Metrics(engine)
+        self.ping_interval: float | None = DEFAULT_SSE_PING_INTERVAL
+        self.first_event_wait = FIRST_EVENT_WAIT_S
+        self.responses = responses.ResponseStore(1024)   # previous_response_id (server/responses.py)
+        template = getattr(codec, "chat_template", None)
+        self.native_tools = template_supports_tools(template)   # else tools go in the system turn (fallback)
+        self.reasoning = template_has_reasoning(template)       # split <think> … </think> into reasoning
+        self.tool_tags = tag_terms(codec)                       # <tool_call> as the vocabulary has it
 
     # ---- helpers -----------------------------------------------------------------------------------------
     @property
@@ -316,19 +318,22 @@ class _Server:
         return choices
 
     async def _start(self, request: Request, rid: str, gen: Generation, stream: bool) -> Event | None:
-        """Start the engine requests; for a stream wait for the first event (before headers), otherwise for
-        all of them. Client disconnect → ClientGone. On any failure the generation is closed."""
+        """Start the engine requests; for a stream wait for the first event up to ``FIRST_EVENT_WAIT_S`` (an
+        admission refusal is still an HTTP status; a long prefill gets its headers and keep-alive pings),
+        otherwise for all of them. Client disconnect → ClientGone. On any failure the generation is closed."""
         gen.start()
         try:
             if stream:
-                return await race_disconnect(request, gen.next_event())
+                return await race_disconnect(request, gen.first_event(self.first_event_wait))
             await race_disconnect(request, gen.drain())
             return None
         except BaseException:
             await gen.close()
             raise
 
-    async def _handle(self, request: Request, work: Any) -> Response:
+    async def _handle(self, request: Request, work: Any, errors: Any = error_response) -> Response:
+        """Run ``work(request, rid)``; every exception leaves as an error response built by ``errors(exc, rid)``
+        (the OpenAI shape unless the route speaks another API)."""
         rid = request_id_of(request) or uuid.uuid4().hex
         t0 = time.monotonic()
         try:
@@ -339,8 +344,8 @@ class _Server:
                         time.monotonic() - t0)
             self.metrics.errors.labels("client_disconnected").inc()
             return Response(status_code=499)
-        except Exception as e:  # noqa: BLE001 - every error leaves in the OpenAI shape
-            resp = error_response(e, rid)
+        except Exception as e:  # noqa: BLE001 - every error leaves in the route's error shape
+            resp = errors(e, rid)
             if isinstance(e, RequestTooLarge):
                 resp.status_code = 413
             code = self._count_error(e)
@@ -359,11 +364,12 @@ class _Server:
 
     def _log_request(self, rid: str, kind: str, req: Any, prompts: list[list[int]], max_tokens: list[int],
                      params: SamplingParams) -> None:
-        unknown = req.unknown_fields()
+        unknown = req.unknown_fields() if hasattr(req, "unknown_fields") else []
         if unknown:
             logger.debug("[%s] ignoring unknown fields: %s", rid, unknown)
-        logger.info("[%s] %s prompt_tokens=%s max_tokens=%s n=%d stream=%s", rid, kind,
-                    [len(p) for p in prompts], max_tokens, params.n, bool(req.stream))
+        logger.info("[%s] %s prompt_tokens=%s max_tokens=%s n=%d stream=%s%s", rid, kind,
+                    [len(p) for p in prompts], max_tokens, params.n, bool(req.stream),
+                    " constrained" if params.grammar else "")
 
     # ---- routes ------------------------------------------------------------------------------------------
     async def list_models(self, request: Request) -> Response:
@@ -461,15 +467,23 @@ class _Server:
             req = parse_request(TokenizeRequest, await read_json(request))
             self._check_model(req.model)
             if req.messages is not None:
-                ids = await _off_loop(self.codec.apply_chat_template, _template_messages(req.messages),
-                                      add_generation_prompt=req.add_generation_prompt is not False,
-                                      **client_template_kwargs(req.chat_template_kwargs))
+                messages = template_messages(req.messages)
+                cont = bool(req.continue_final_message)
+                add_gen = check_continue(messages, cont, req.add_generation_prompt
+                                         if "add_generation_prompt" in req.model_fields_set else None)
+                tools = parse_openai_tools(req.tools)
+                job = ChatJob(messages, SamplingParams(), tools, ToolChoice("auto" if tools else "none"),
+                              client_template_kwargs(req.chat_template_kwargs), add_gen, cont)
+                _, ids = await _off_loop(render_prompt, self.codec, job, native_tools=self.native_tools)
             elif req.prompt is not None:
                 ids = await _off_loop(self.codec.encode, req.prompt,
                                       add_special_tokens=req.add_special_tokens is not False)
             else:
                 raise InvalidRequest("either 'prompt' or 'messages' is required", param="prompt")
-            return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len})
+            body: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+            if (req.model_extra or {}).get("return_token_strs") is True:   # vLLM
+                body["token_strs"] = [self.codec.token_text(t) for t in ids]
+            return JSONResponse(body)
         return await self._handle(request, work)
 
     async def detokenize(self, request: Request) -> Response:
@@ -481,85 +495,60 @@ class _Server:
         return await self._handle(request, work)
 
     async def chat_completions(self, request: Request) -> Response:
-        """POST /v1/chat/completions (stream and non-stream)."""
-        return await self._handle(request, self._chat)
+        """POST /v1/chat/completions (stream and non-stream): server/chat.py."""
+        return await self._handle(request, functools.partial(chat.chat_completions, self))
+
+    async def messages(self, request: Request) -> Response:
+        """POST /v1/messages (Anthropic): server/anthropic.py."""
+        return await self._handle(request, functools.partial(anthropic.messages, self), anthropic.error_response)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """POST /v1/messages/count_tokens (Anthropic): server/anthropic.py."""
+        return await self._handle(request, functools.partial(anthropic.count_tokens, self),
+                                  anthropic.error_response)
+
+    async def create_response(self, request: Request) -> Response:
+        """POST /v1/responses (OpenAI Responses API): server/responses.py."""
+        return await self._handle(request, functools.partial(responses.create, self))
+
+    async def get_response(self, request: Request, response_id: str) -> Response:
+        """GET /v1/responses/{response_id}: a stored response."""
+        return await self._handle(request, functools.partial(responses.retrieve, self,
+                                                             response_id=response_id))
 
     async def completions(self, request: Request) -> Response:
         """POST /v1/completions (stream and non-stream)."""
         return await self._handle(request, self._completion)
 
-    # ---- chat --------------------------------------------------------------------------------------------
-    async def _chat(self, request: Request, rid: str) -> Response:
-        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await read_json(request))
-        model = self._check_model(req.model)
-        params = to_sampling_params(req)
+    # ---- chat-like requests (chat completions, Anthropic Messages, Responses) ----------------------------
+    async def run_chat(self, request: Request, rid: str, job: ChatJob, kind: str, base_id: str) -> "ChatRun":
+        """Render, admit and start ``job`` (engine request ids ``base_id`` or ``{base_id}-{i}``): the forced-call
+        grammar, the template (tools native or the fallback), context check, one engine request per choice, the
+        first event awaited (stream: up to ``FIRST_EVENT_WAIT_S``) before any header.
+
+        Raises:
+            InvalidRequest / ContextLengthExceeded: bad messages, template errors, too long (400).
+            EngineUnavailable etc.: the engine cannot take it now (503).
+        """
+        await _off_loop(job.apply_tool_choice, self.tool_tags)
+        if job.params.grammar is not None and self.reasoning and "enable_thinking" not in job.template_kwargs:
+            # a constrained output starts at its first token: a template that thinks first is told not to
+            job.template_kwargs = {**job.template_kwargs, "enable_thinking": False}
+        text, prompt_ids = await _off_loop(render_prompt, self.codec, job, native_tools=self.native_tools)
+        params = job.params
         self._check_param_ids(params)
-        prompt_ids = await _off_loop(
-            self.codec.apply_chat_template, _template_messages(req.messages),
-            add_generation_prompt=req.add_generation_prompt is not False,
-            **client_template_kwargs(req.chat_template_kwargs))
-        max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._fit_context(prompt_ids, params, default_max=None, what="messages",
-                                       prompt_param="messages", max_param=max_param)
-        self._log_request(rid, "chat", req, [prompt_ids], [max_tokens], params)
+                                       prompt_param=job.prompt_param, max_param=job.max_param)
+        self._log_request(rid, kind, job, [prompt_ids], [max_tokens], params)
         self._check_ready()
-        base_id = f"chatcmpl-{uuid.uuid4().hex}"
         gen = Generation(self.engine, rid, self._make_choices(base_id, [prompt_ids], [max_tokens], params),
-                          metrics=self.metrics, arrival=request.scope.get(ARRIVAL_KEY),
-                          timeout_s=self._timeout(request))
-        created = int(time.time())
-        first = await self._start(request, rid, gen, bool(req.stream))
-        if req.stream:
-            assert first is not None
-            return SSEResponse(self._chat_stream(rid, gen, first, base_id, created, model, len(prompt_ids),
-                                                  req.include_usage), headers=_SSE_HEADERS)
-        await gen.close()
-        choices = []
-        for ch in gen.choices:
-            lp = None
-            if ch.params.logprobs is not None:
-                lp = ChatChoiceLogprobs(content=chat_logprobs(ch.logprobs, self.codec))
-            choices.append(ChatCompletionChoice(index=ch.index, message=ChatResponseMessage(content=ch.text.text),
-                                                logprobs=lp, finish_reason=ch.finish_reason))
-        usage = UsageInfo.of(len(prompt_ids), gen.completion_tokens)
-        self._log_done(rid, gen, usage)
-        resp = ChatCompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage)
-        return Response(resp.model_dump_json(), media_type="application/json")
-
-    async def _chat_stream(self, rid: str, gen: Generation, first: Event, base_id: str, created: int,
-                           model: str, prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
-        def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
-            c = ChatCompletionChunk(id=base_id, created=created, model=model, choices=choices, usage=usage)
-            return sse_event(chunk_json(c, include_usage=include_usage))
-
-        pending: dict[int, list[TokenLogprob]] = {}
-        try:
-            for ch in gen.choices:
-                yield chunk([ChatCompletionStreamChoice(index=ch.index,
-                                                        delta=DeltaMessage(role="assistant", content=""))])
-            ev: Event | None = first
-            while ev is not None:
-                lps = pending.setdefault(ev.index, [])
-                lps.extend(ev.logprobs or ())
-                if ev.text or ev.finish_reason is not None:
-                    logprobs = None
-                    if gen.choices[ev.index].params.logprobs is not None:
-                        logprobs = ChatChoiceLogprobs(content=chat_logprobs(lps, self.codec))
-                    delta = DeltaMessage(content=ev.text) if ev.text else DeltaMessage()
-                    yield chunk([ChatCompletionStreamChoice(index=ev.index, delta=delta, logprobs=logprobs,
-                                                            finish_reason=ev.finish_reason)])
-                    pending[ev.index] = []
-                ev = await gen.next_event()
-            usage = UsageInfo.of(prompt_tokens, gen.completion_tokens)
-            if include_usage:
-                yield chunk([], usage)
-            self._log_done(rid, gen, usage)
-            yield _DONE
-        except Exception as e:  # noqa: BLE001 - after the headers an error can only be an event
-            yield self._stream_error(rid, e)
-            yield _DONE
-        finally:
-            await gen.close()
+                         metrics=self.metrics, arrival=request.scope.get(ARRIVAL_KEY),
+                         timeout_s=self._timeout(request))
+        tools = tuple(t.name for t in job.tools) if job.tools and job.tool_choice.mode != "none" else None
+        turn = TurnConfig(reasoning=self.reasoning, starts_in_reasoning=self.reasoning and
+                          prompt_opens_thinking(text), tool_names=tools)
+        first = await self._start(request, rid, gen, job.stream)
+        return ChatRun(gen, first, prompt_ids, turn)
 
     # ---- completions -------------------------------------------------------------------------------------
     def _completion_prompts(self, req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
@@ -591,13 +580,21 @@ class _Server:
     async def _completion(self, request: Request, rid: str) -> Response:
         req: CompletionRequest = parse_request(CompletionRequest, await read_json(request))
         model = self._check_model(req.model)
+        prompt_only = req.requested_max_tokens == 0   # echo + max_tokens 0: score the prompt, generate nothing
+        if prompt_only:
+            if not req.echo:
+                raise InvalidRequest("'max_tokens' 0 is only allowed with 'echo' (prompt logprobs only)",
+                                     param="max_completion_tokens" if req.max_completion_tokens is not None
+                                     else "max_tokens")
+            req = req.model_copy(update={"max_tokens": 1, "max_completion_tokens": None})
         params = to_sampling_params(req)
+        params.grammar = (await _off_loop(request_grammar, req))[0]
         self._check_param_ids(params)
         if req.suffix:
             raise InvalidRequest("'suffix' is not supported", param="suffix")
-        if req.echo and params.logprobs is not None:
-            raise InvalidRequest("'echo' together with 'logprobs' is not supported (no prompt logprobs)",
-                                 param="echo")
+        echo_lp = bool(req.echo) and params.logprobs is not None
+        if echo_lp:   # the echoed prompt carries its logprobs: ask the engine for them
+            params.prompt_logprobs = max(params.logprobs or 0, params.prompt_logprobs or 0)
         prompts, echo_texts = await _off_loop(self._completion_prompts, req)
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = [self._fit_context(ids, params, default_max=16, what="prompt", prompt_param="prompt",
@@ -608,55 +605,85 @@ class _Server:
         gen = Generation(self.engine, rid, self._make_choices(base_id, prompts, max_tokens, params),
                           metrics=self.metrics, arrival=request.scope.get(ARRIVAL_KEY),
                           timeout_s=self._timeout(request))
-        echo = [echo_texts[ch.index // params.n] if req.echo else "" for ch in gen.choices]
+        shape = _CompletionShape(self, req, echo=[echo_texts[ch.index // params.n] if req.echo else ""
+                                                  for ch in gen.choices],
+                                 echo_logprobs=echo_lp, prompt_only=prompt_only)
         prompt_tokens = sum(len(p) for p in prompts)
         created = int(time.time())
         first = await self._start(request, rid, gen, bool(req.stream))
         if req.stream:
-            assert first is not None
             return SSEResponse(self._completion_stream(rid, gen, first, base_id, created, model, prompt_tokens,
-                                                        echo, req.include_usage), headers=_SSE_HEADERS)
+                                                        shape, req), headers=_SSE_HEADERS)
         await gen.close()
         choices = []
         for ch in gen.choices:
-            lp = None
-            if ch.params.logprobs is not None:
-                lp = completion_logprobs(ch.logprobs, [o + len(echo[ch.index]) for o in ch.offsets], self.codec,
-                                         ch.params.logprobs)
-            choices.append(CompletionChoice(index=ch.index, text=echo[ch.index] + ch.text.text, logprobs=lp,
-                                            finish_reason=ch.finish_reason))
-        usage = UsageInfo.of(prompt_tokens, gen.completion_tokens)
+            c = shape.head(ch)
+            if not prompt_only:
+                c.text += ch.text.text
+                if ch.params.logprobs is not None:
+                    c.logprobs = shape.joined(c.logprobs, completion_logprobs(
+                        ch.logprobs, [o + len(shape.echo[ch.index]) for o in ch.offsets], self.codec,
+                        ch.params.logprobs))
+                if req.return_token_ids:
+                    c.token_ids = list(ch.token_ids)
+            c.finish_reason = ch.finish_reason
+            choices.append(c)
+        usage = UsageInfo.of(prompt_tokens, shape.completion_tokens(gen))
         self._log_done(rid, gen, usage)
         resp = CompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage)
         return Response(resp.model_dump_json(), media_type="application/json")
 
-    async def _completion_stream(self, rid: str, gen: Generation, first: Event, base_id: str, created: int,
-                                 model: str, prompt_tokens: int, echo: list[str],
-                                 include_usage: bool) -> AsyncIterator[str]:
-        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
-            c = CompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage)
-            return sse_event(chunk_json(c, include_usage=include_usage))
+    async def _completion_stream(self, rid: str, gen: Generation, first: Event | None, base_id: str, created: int,
+                                 model: str, prompt_tokens: int, shape: "_CompletionShape",
+                                 req: CompletionRequest) -> AsyncIterator[str]:
+        include_usage, continuous = req.include_usage, req.continuous_usage
 
-        pending: dict[int, tuple[list[TokenLogprob], list[int]]] = {}
+        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+            if usage is None and continuous and choices:
+                usage = UsageInfo.of(prompt_tokens, shape.completion_tokens(gen))
+            c = CompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage)
+            return sse_event(chunk_json(c, include_usage=include_usage or continuous))
+
+        pending: dict[int, tuple[list[TokenLogprob], list[int], list[int]]] = {}
+        started: set[int] = set()
         try:
-            for ch in gen.choices:
-                if echo[ch.index]:
-                    yield chunk([CompletionChoice(index=ch.index, text=echo[ch.index])])
-            ev: Event | None = first
+            if not shape.waits_for_engine:   # the echo (and the prompt ids) go out at once
+                for ch in gen.choices:
+                    head = shape.head(ch)
+                    started.add(ch.index)
+                    if head.text or head.prompt_token_ids is not None:
+                        yield chunk([head])
+            ev: Any = first if first is not None else await next_or_ping(gen, self.ping_interval)
             while ev is not None:
-                lps, offs = pending.setdefault(ev.index, ([], []))
-                lps.extend(ev.logprobs or ())
-                offs.extend(o + len(echo[ev.index]) for o in (ev.offsets or ()))
-                if ev.text or ev.finish_reason is not None:
-                    params = gen.choices[ev.index].params
+                if ev is PING:
+                    yield SSE_PING
+                    ev = await next_or_ping(gen, self.ping_interval)
+                    continue
+                ch = gen.choices[ev.index]
+                out: list[CompletionChoice] = []
+                if ev.index not in started:   # echo with prompt logprobs: they came with the first output
+                    started.add(ev.index)
+                    out.append(shape.head(ch))
+                lps, offs, ids = pending.setdefault(ev.index, ([], [], []))
+                if not shape.prompt_only:
+                    lps.extend(ev.logprobs or ())
+                    offs.extend(o + len(shape.echo[ev.index]) for o in (ev.offsets or ()))
+                    ids.extend(ev.token_ids)
+                text = "" if shape.prompt_only else ev.text
+                if text or ev.finish_reason is not None:
                     logprobs = None
-                    if params.logprobs is not None:
-                        logprobs = completion_logprobs(lps, offs, self.codec, params.logprobs)
-                    yield chunk([CompletionChoice(index=ev.index, text=ev.text, logprobs=logprobs,
-                                                  finish_reason=ev.finish_reason)])
-                    pending[ev.index] = ([], [])
-                ev = await gen.next_event()
-            usage = UsageInfo.of(prompt_tokens, gen.completion_tokens)
+                    if ch.params.logprobs is not None and not shape.prompt_only:
+                        logprobs = completion_logprobs(lps, offs, self.codec, ch.params.logprobs)
+                    out.append(CompletionChoice(index=ev.index, text=text, logprobs=logprobs,
+                                                finish_reason=ev.finish_reason,
+                                                token_ids=list(ids) if req.return_token_ids else None))
+                    pending[ev.index] = ([], [], [])
+                if len(out) == 2 and not out[1].text and out[1].logprobs is None and out[1].token_ids is None:
+                    out[0].finish_reason, out = out[1].finish_reason, out[:1]   # one chunk: echo + finish
+                for c in out:
+                    yield chunk([c])
+                ev = await next_or_ping(gen, self.ping_interval)
+            usage = UsageInfo.of(prompt_tokens, shape.completion_tokens(gen))
             if include_usage:
                 yield chunk([], usage)
             self._log_done(rid, gen, usage)
@@ -693,4 +720,36 @@ class _Server:
                     "-" if ttft is None else f"{ttft:.3f}s", e2e, tps)
 
 
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+@dataclasses.dataclass
+class _CompletionShape:
+    """How a completions request's choices begin: the echoed prompt (with its logprobs when asked, which arrive
+    with the engine's first output), vLLM's ``prompt_logprobs`` and ``prompt_token_ids``; ``prompt_only``
+    (``max_tokens: 0``) drops the one token the engine generated."""
+
+    server: "_Server"
+    req: CompletionRequest
+    echo: list[str]
+    echo_logprobs: bool
+    prompt_only: bool
+
+    @property
+    def waits_for_engine(self) -> bool:
+        return self.echo_logprobs or self.req.prompt_logprobs is not None
+
+    def head(self, ch: Choice) -> CompletionChoice:
+        codec = self.server.codec
+        c = CompletionChoice(index=ch.index, text=self.echo[ch.index])
+        plps = ch.prompt_logprobs or []
+        if self.echo_logprobs:
+            c.logprobs = echo_logprobs(codec, ch.prompt_ids, plps, ch.params.logprobs or 0)
+        if self.req.prompt_logprobs is not None:
+            c.prompt_logprobs = vllm_prompt_logprobs(codec, ch.prompt_ids, plps)
+        if self.req.return_token_ids:
+            c.prompt_token_ids = list(ch.prompt_ids)
+        return c
+
+    def joined(self, head: Any, tail: Any) -> Any:
+        return join_logprobs(head, tail) if head is not None else tail
+
+    def completion_tokens(self, gen: Generation) -> int:
+        return 0 if self.prompt_only else gen.completion_tokens

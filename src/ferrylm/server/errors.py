@@ -7,7 +7,7 @@ error                                                  status  extra
 =====================================================  ======  ==========================
 InvalidRequest, ContextLengthExceeded                  400
 Unauthorized (this module)                             401
-ModelNotFound, unknown route                           404
+ModelNotFound, NotFound, unknown route                 404
 EngineUnavailable, QueueTimeout, InsufficientMemory    503     ``Retry-After`` (seconds)
 EngineStalled (an EngineUnavailable; watchdog)         503     ``Retry-After`` (seconds)
 DeviceError (an EngineUnavailable; sticky CUDA error)  503     ``Retry-After`` (seconds)
@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ferrylm.errors import (EngineStalled, EngineUnavailable, FerryError, InsufficientMemory, InvalidRequest,
-                            ModelNotFound, QueueTimeout, RequestQuarantined, RequestTimeout)
+                            ModelNotFound, NotFound, QueueTimeout, RequestQuarantined, RequestTimeout)
 
 logger = logging.getLogger("ferrylm.server")
 
@@ -60,6 +60,7 @@ _STATUS: list[tuple[type, int]] = [
     (InvalidRequest, 400),  # includes ContextLengthExceeded
     (Unauthorized, 401),
     (ModelNotFound, 404),
+    (NotFound, 404),
     (RouteNotFound, 404),
     (EngineStalled, 503),
     (EngineUnavailable, 503),

@@ -60,6 +60,8 @@ class Choice:
     engine_done: bool = False       # the engine reported this request finished (no abort needed)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)   # every generated token id, in order
+    prompt_logprobs: list | None = None    # the engine's prompt logprobs, when asked (first output)
     first_token_time: float | None = None   # time.monotonic() of the first output with tokens
     last_token_time: float | None = None
 
@@ -67,7 +69,7 @@ class Choice:
 @dataclass
 class Event:
     """What one engine output of choice ``index`` adds: new ``text`` (with its ``logprobs`` / character
-    ``offsets`` when asked), a ``finish_reason``, or an ``error`` that ends the choice."""
+    ``offsets`` when asked), the new ``token_ids``, a ``finish_reason``, or an ``error`` that ends the choice."""
 
     index: int
     text: str = ""
@@ -75,6 +77,7 @@ class Event:
     offsets: list[int] | None = None
     finish_reason: str | None = None
     error: BaseException | None = None
+    token_ids: list[int] = field(default_factory=list)
 
 
 async def cleanup(aw: Awaitable[Any], what: str, rid: str) -> None:
@@ -108,6 +111,7 @@ class Generation:
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._open = len(choices)
+        self._read: asyncio.Future | None = None
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._run(ch), name=f"ferrylm-{ch.engine_id}") for ch in self.choices]
@@ -126,7 +130,33 @@ class Generation:
         while await self.next_event() is not None:
             pass
 
+    def pending_read(self) -> asyncio.Future:
+        """A read of the next event that survives being waited on with a timeout (keep-alive pings): the same
+        future until :meth:`clear_pending_read` after it completed."""
+        if self._read is None:
+            self._read = asyncio.ensure_future(self.next_event())
+        return self._read
+
+    def clear_pending_read(self) -> None:
+        self._read = None
+
+    @property
+    def has_pending_read(self) -> bool:
+        return self._read is not None
+
+    async def first_event(self, wait_s: float) -> Event | None:
+        """The first event if it comes within ``wait_s`` seconds, else None (it stays pending for the stream
+        loop). Raises what :meth:`next_event` raises."""
+        fut = self.pending_read()
+        done, _ = await asyncio.wait({fut}, timeout=wait_s)
+        if not done:
+            return None
+        self.clear_pending_read()
+        return fut.result()
+
     async def close(self) -> None:
+        if self._read is not None and not self._read.done():
+            self._read.cancel()
         for t in self._tasks:
             if not t.done():
                 t.cancel()
@@ -204,6 +234,9 @@ class Generation:
             raise EngineUnavailable("the engine aborted the request")
         ids = list(out.new_token_ids)
         ch.num_tokens += len(ids)
+        ch.token_ids.extend(ids)
+        if getattr(out, "prompt_logprobs", None) is not None:
+            ch.prompt_logprobs = out.prompt_logprobs
         if ids:
             self._observe(ch, len(ids))
         text_ids = ids
@@ -227,9 +260,9 @@ class Generation:
         if lps:
             ch.logprobs.extend(lps)
             ch.offsets.extend(offsets)
-        if not delta and finish is None and not lps:
+        if not delta and finish is None and not lps and not ids:
             return None
-        return Event(ch.index, delta, lps, offsets if lps else None, finish)
+        return Event(ch.index, delta, lps, offsets if lps else None, finish, token_ids=ids)
 
 
 async def wait_disconnect(request: Request) -> None:

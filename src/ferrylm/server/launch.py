@@ -113,6 +113,11 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
         return fail("--shutdown-timeout must be >= 0 seconds")
     if int(getattr(args, "max_request_bytes", 1)) < 1:
         return fail("--max-request-bytes must be >= 1")
+    ping = float(getattr(args, "sse_ping_interval", 15.0))
+    if not ping >= 0:
+        return fail("--sse-ping-interval must be >= 0 seconds (0 turns pings off)")
+    if int(getattr(args, "responses_store_size", 1024)) < 0:
+        return fail("--responses-store-size must be >= 0")
     if args.max_engine_restarts < 0:
         return fail("--max-engine-restarts must be >= 0")
     rt = getattr(args, "request_timeout", None)
@@ -190,7 +195,8 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
     origins = [o.strip() for o in (getattr(args, "allowed_origins", None) or "").split(",") if o.strip()]
     app = create_app(sup, codec, name, api_key=api_key,
                      max_request_bytes=int(getattr(args, "max_request_bytes", 8 << 20)), allowed_origins=origins,
-                     request_timeout=getattr(args, "request_timeout", None) or None)
+                     request_timeout=getattr(args, "request_timeout", None) or None,
+                     sse_ping_interval=ping, responses_store_size=int(getattr(args, "responses_store_size", 1024)))
     # uvicorn's own graceful wait only covers the HTTP tail after our drain (the last bytes of answered streams)
     config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False, timeout_graceful_shutdown=5)
     server = Server(config)

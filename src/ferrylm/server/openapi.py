@@ -17,6 +17,16 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
                        (413, "request body too large"), (503, "engine unavailable / overloaded"))}
 
 
+# Anthropic's routes answer errors in Anthropic's shape (server/anthropic.py)
+_ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties": {
+    "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+        "type": {"type": "string"}, "message": {"type": "string"}}}}}
+ANTHROPIC_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"description": what, "content": {"application/json": {"schema": _ANTHROPIC_ERROR}}}
+    for code, what in ((400, "invalid request"), (401, "missing or wrong API key"), (404, "unknown model"),
+                       (413, "request body too large"), (503, "engine unavailable / overloaded"))}
+
+
 _HEALTH_BODY = {"type": "object", "required": ["status"], "additionalProperties": True,
                 "properties": {"status": {"type": "string"}, "detail": {"type": "string"}}}
 HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -34,14 +44,16 @@ def route_doc(req: type | None, resp: type | None, *, stream: bool = False) -> d
             "schema": {"$ref": f"#/components/schemas/{req.__name__}"}}}}
     if resp is not None:
         content: dict[str, Any] = {"application/json": {"schema": {"$ref": f"#/components/schemas/{resp.__name__}"}}}
-        if stream:   # OpenAPI < 3.2: `schema` describes one event
-            content["text/event-stream"] = {"schema": {
-                "type": "object", "required": ["data"], "properties": {
-                    "data": {"type": "string", "description": "one chunk as JSON (object "
-                             "chat.completion.chunk or text_completion), an error object {\"error\": ...}, "
-                             "or the final [DONE]"},
-                    "event": {"type": "string"}}}}
         extra["responses"] = {"200": {"description": "OK", "content": content}}
+    if stream:   # OpenAPI < 3.2: `schema` describes one event
+        content = extra.setdefault("responses", {"200": {"description": "OK", "content": {
+            "application/json": {"schema": {"type": "object"}}}}})["200"]["content"]
+        content["text/event-stream"] = {"schema": {
+            "type": "object", "required": ["data"], "properties": {
+                "data": {"type": "string", "description": "one event as JSON (a chat.completion.chunk, a "
+                         "text_completion, an Anthropic or Responses stream event), an error object, or the "
+                         "final [DONE] (chat and completions)"},
+                "event": {"type": "string", "description": "the event type (Anthropic and Responses)"}}}}
     return extra
 
 
@@ -56,8 +68,12 @@ def install_openapi(app: FastAPI) -> None:
             from pydantic.json_schema import models_json_schema
 
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            from ferrylm.server.anthropic import CountTokensRequest, MessagesRequest
+            from ferrylm.server.responses import ResponsesRequest
+
             models = [(m, "validation") for m in (pr.ChatCompletionRequest, pr.CompletionRequest,
-                                                  pr.TokenizeRequest, pr.DetokenizeRequest)]
+                                                  pr.TokenizeRequest, pr.DetokenizeRequest, MessagesRequest,
+                                                  CountTokensRequest, ResponsesRequest)]
             models += [(m, "serialization") for m in (pr.ChatCompletionResponse, pr.CompletionResponse,
                                                       pr.ModelCard, pr.ModelList, pr.ErrorResponse)]
             _, top = models_json_schema(models, ref_template="#/components/schemas/{model}")

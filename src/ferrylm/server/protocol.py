@@ -33,6 +33,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False   # vLLM: usage on every chunk
 
 
 class ContentPart(_Request):
@@ -50,6 +51,7 @@ class ChatMessage(_Request):
     name: Optional[str] = None
     tool_call_id: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None
+    reasoning_content: Optional[str] = None
 
 
 class _SamplingRequest(_Request):
@@ -77,11 +79,20 @@ class _SamplingRequest(_Request):
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
+    # structured output (server/structured.py) and vLLM's token-id echo
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    return_token_ids: Optional[bool] = None
 
     @property
     def include_usage(self) -> bool:
-        """``stream_options.include_usage``; ignored (False) when not streaming."""
+        """``stream_options.include_usage`` (stream only; ``stream_options`` without ``stream`` is a 400)."""
         return bool(self.stream and self.stream_options is not None and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``stream_options.continuous_usage_stats``: usage on every chunk."""
+        return bool(self.stream and self.stream_options is not None and self.stream_options.continuous_usage_stats)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -101,6 +112,10 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Optional[int] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_generation_prompt: Optional[bool] = True
+    continue_final_message: Optional[bool] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -110,6 +125,7 @@ class CompletionRequest(_SamplingRequest):
     logprobs: Optional[int] = None
     echo: Optional[bool] = False
     suffix: Optional[str] = None
+    prompt_logprobs: Optional[int] = None
 
     @field_validator("logprobs", mode="before")
     @classmethod
@@ -128,7 +144,9 @@ class TokenizeRequest(_Request):
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: Optional[bool] = True
     add_generation_prompt: Optional[bool] = True
+    continue_final_message: Optional[bool] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[Any]] = None
 
 
 class DetokenizeRequest(_Request):
@@ -235,6 +253,8 @@ def to_sampling_params(req: _SamplingRequest) -> SamplingParams:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
         logprobs = req.logprobs  # type: ignore[attr-defined]
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequest("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     if req.stop_token_ids is not None and any(t < 0 for t in req.stop_token_ids):
         raise InvalidRequest("'stop_token_ids' must be non-negative token ids", param="stop_token_ids")
     params = SamplingParams(
@@ -256,6 +276,7 @@ def to_sampling_params(req: _SamplingRequest) -> SamplingParams:
         repetition_penalty=float(num(req.repetition_penalty, 1.0)),
         logprobs=logprobs,
         logit_bias=_logit_bias(req.logit_bias),
+        prompt_logprobs=getattr(req, "prompt_logprobs", None),
     )
     try:
         params.validate()
@@ -296,9 +317,34 @@ class ChatChoiceLogprobs(BaseModel):
     content: Optional[list[ChatTokenLogprob]] = None
 
 
+def _drop(keys: tuple[str, ...]) -> Any:
+    """A wrap serializer that leaves out ``keys`` when they are None (fields most replies do not carry)."""
+    def ser(self: Any, handler: Any) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None or k not in keys}
+    return model_serializer(mode="wrap")(ser)
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
+    """``content`` is always present (null for a reply made only of tool calls); ``reasoning_content`` and
+    ``tool_calls`` only when there are some."""
+
     role: str = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallOut]] = None
+
+    _ser = _drop(("reasoning_content", "tool_calls"))
 
 
 class ChatCompletionChoice(BaseModel):
@@ -306,6 +352,9 @@ class ChatCompletionChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: Optional[ChatChoiceLogprobs] = None
     finish_reason: Optional[str] = None
+    token_ids: Optional[list[int]] = None   # vLLM return_token_ids
+
+    _ser = _drop(("token_ids",))
 
 
 class ChatCompletionResponse(BaseModel):
@@ -315,6 +364,9 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_token_ids: Optional[list[int]] = None   # vLLM return_token_ids
+
+    _ser = _drop(("prompt_token_ids",))
 
 
 class DeltaMessage(BaseModel):
@@ -322,6 +374,8 @@ class DeltaMessage(BaseModel):
 
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict:
@@ -333,6 +387,9 @@ class ChatCompletionStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: Optional[ChatChoiceLogprobs] = None
     finish_reason: Optional[str] = None
+    token_ids: Optional[list[int]] = None
+
+    _ser = _drop(("token_ids",))
 
 
 class ChatCompletionChunk(BaseModel):
@@ -358,6 +415,11 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
+    token_ids: Optional[list[int]] = None          # vLLM return_token_ids
+    prompt_token_ids: Optional[list[int]] = None   # vLLM return_token_ids (first chunk of a stream)
+    prompt_logprobs: Optional[list[Optional[dict[str, Any]]]] = None   # vLLM prompt_logprobs
+
+    _ser = _drop(("token_ids", "prompt_token_ids", "prompt_logprobs"))
 
 
 class CompletionResponse(BaseModel):
@@ -431,7 +493,7 @@ def completion_logprobs(entries: list[TokenLogprob], offsets: list[int], codec: 
         lp.tokens.append(tok)
         lp.token_logprobs.append(_finite(e.logprob))
         top = {codec.token_text(t): _finite(v) for t, v in e.top}
-        if num_top > 0 and tok not in top:
+        if tok not in top:   # the sampled token is always among them (logprobs 0: it alone), as OpenAI's
             top[tok] = _finite(e.logprob)
         lp.top_logprobs.append(top)
         lp.text_offset.append(off)

@@ -174,8 +174,12 @@ class TextCodec:
 
     # ---- text in -----------------------------------------------------------------------------------------
     def render_chat(self, messages: list[dict], /, add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, **chat_template_kwargs: Any) -> str:
+                    tools: list[dict] | None = None, *, continue_final_message: bool = False,
+                    **chat_template_kwargs: Any) -> str:
         """Render ``messages`` with the tokenizer's chat template and return the prompt text.
+
+        ``tools``: OpenAI-shape tool definitions for templates that render them. ``continue_final_message``: the
+        last (assistant) message is left open so the model continues it (vLLM's field; no generation prompt).
 
         Raises:
             InvalidRequest: no chat template, or the template failed on these messages (param ``messages``).
@@ -188,6 +192,8 @@ class TextCodec:
         if dropped:
             logger.debug("ignoring reserved chat_template_kwargs: %s", sorted(dropped))
         try:
+            if continue_final_message:
+                kwargs["continue_final_message"] = True
             text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:  # noqa: BLE001 - jinja2 TemplateError, TypeError, ... all come from the input
@@ -198,13 +204,15 @@ class TextCodec:
         return text
 
     def apply_chat_template(self, messages: list[dict], /, add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, **chat_template_kwargs: Any) -> list[int]:
+                            tools: list[dict] | None = None, *, continue_final_message: bool = False,
+                            **chat_template_kwargs: Any) -> list[int]:
         """Render ``messages`` with the chat template and tokenize the result (no extra special tokens: the
         template writes its own BOS). Special-token strings inside the messages, tools and string arguments are
         tokenized as text; the template's own markup as the special tokens (module docstring). Raises
         InvalidRequest like :meth:`render_chat`."""
         if self._special_re is None:
-            text = self.render_chat(messages, add_generation_prompt, tools, **chat_template_kwargs)
+            text = self.render_chat(messages, add_generation_prompt, tools,
+                                    continue_final_message=continue_final_message, **chat_template_kwargs)
             return self._encode_markup(text)
         nonce = secrets.token_hex(8)
         found: list[str] = []
@@ -222,7 +230,7 @@ class TextCodec:
             return value
 
         text = self.render_chat(protect(messages), add_generation_prompt, protect(tools) if tools else tools,
-                                **protect(chat_template_kwargs))
+                                continue_final_message=continue_final_message, **protect(chat_template_kwargs))
         if not found:
             return self._encode_markup(text)
         ids: list[int] = []
@@ -232,6 +240,11 @@ class TextCodec:
             ids += self.encode(found[int(m.group(1))], add_special_tokens=False)
             pos = m.end()
         return ids + self._encode_markup(text[pos:])
+
+    @property
+    def chat_template(self) -> Any:
+        """The template source (a string, or named templates), None without one."""
+        return getattr(self.tokenizer, "chat_template", None)
 
     def encode(self, prompt: str, add_special_tokens: bool = True, *, parse_special: bool = False) -> list[int]:
         """Token ids of client text ``prompt``: special-token strings in it are tokenized as text, never as the
