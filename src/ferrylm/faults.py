@@ -34,7 +34,8 @@ point                  site                                                     
 
 Keys (all optional): ``after=N`` let the first N matching hits pass; ``times=N`` fire at most N times (default:
 every matching hit); ``min_prompt=N`` match only when the request concerned has a prompt of at least N tokens
-(a step's sites use the largest prompt in the step, see :meth:`FaultInjector.set_step`); ``phase=prefill|decode``
+(a step's sites use the largest prompt in the step, see :meth:`FaultInjector.set_step`); ``max_prompt=N`` only
+when it has at most N; ``phase=prefill|decode``
 match only steps of that kind; ``bytes=N`` the size the error reports (default: the site's own estimate, at least
 1 MiB); ``file=PATH`` (``engine_stall`` only; the last key of its rule, so PATH may contain ``:``); ``ms=N``
 (``step_delay`` only: milliseconds per layer, default 100).
@@ -74,6 +75,7 @@ class FaultRule:
     after: int = 0
     times: int | None = None
     min_prompt: int = 0
+    max_prompt: int | None = None
     phase: str | None = None
     nbytes: int | None = None
     file: str | None = None
@@ -111,7 +113,7 @@ def parse_rules(spec: str | None) -> list[FaultRule]:
                 if value not in ("prefill", "decode"):
                     raise ValueError(f"phase must be prefill or decode, got {value!r} in {part!r}")
                 kw["phase"] = value
-            elif key in ("after", "times", "min_prompt", "bytes", "ms"):
+            elif key in ("after", "times", "min_prompt", "max_prompt", "bytes", "ms"):
                 if key == "ms" and name != "step_delay":
                     raise ValueError(f"ms= applies to step_delay only, not {name!r}")
                 try:
@@ -123,7 +125,7 @@ def parse_rules(spec: str | None) -> list[FaultRule]:
                 kw["nbytes" if key == "bytes" else key] = n
             else:
                 raise ValueError(f"unknown fault option {key!r} in {part!r}; keys: after, times, min_prompt, "
-                                 f"phase, bytes, file, ms")
+                                 f"max_prompt, phase, bytes, file, ms")
         if any(r.point == name for r in rules):
             raise ValueError(f"fault point {name!r} is named twice")
         rules.append(FaultRule(name, **kw))
@@ -200,7 +202,7 @@ class FaultInjector:
         if rule is None:
             return False
         prompt = self.step_prompt_tokens if prompt_tokens is None else prompt_tokens
-        if prompt < rule.min_prompt:
+        if prompt < rule.min_prompt or (rule.max_prompt is not None and prompt > rule.max_prompt):
             return False
         if rule.phase is not None and prompt_tokens is None and rule.phase != self.step_phase:
             return False

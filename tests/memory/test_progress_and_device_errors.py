@@ -80,3 +80,5 @@ def test_faults_parse_the_new_points():
     with pytest.raises(ValueError, match="ms= applies to step_delay only"):
         FaultInjector.parse("device_error:ms=3")
     assert FaultInjector.parse("ipc_garbage:times=2").rules["ipc_garbage"].times == 2
+    band = FaultInjector.parse("logits:min_prompt=10:max_prompt=20")
+    assert [band.fires("logits", prompt_tokens=n) for n in (9, 10, 20, 21)] == [False, True, True, False]
