@@ -50,13 +50,18 @@ class Suspect:
     quarantined_until: float = 0.0
 
 
+# per-request bookkeeping, not what the request computes: the same request sent again must have the same fingerprint
+NOT_FINGERPRINTED = frozenset({"deadline"})
+
+
 def fingerprint(prompt_token_ids: Sequence[int], params: dict) -> str:
     """A short stable digest of what a request computes: its prompt token ids and its sampling parameters (the
-    ``SamplingParams.to_dict()`` form). Raises nothing for well-formed input; blake2b, 16 bytes, hex."""
+    ``SamplingParams.to_dict()`` form, less :data:`NOT_FINGERPRINTED`: the deadline differs on every resend).
+    Raises nothing for well-formed input; blake2b, 16 bytes, hex."""
     h = hashlib.blake2b(digest_size=16)
     h.update(struct.pack("<I", len(prompt_token_ids)))
     h.update(msgpack.packb(list(prompt_token_ids)))
-    h.update(msgpack.packb(sorted(params.items()), default=str))
+    h.update(msgpack.packb(sorted((k, v) for k, v in params.items() if k not in NOT_FINGERPRINTED), default=str))
     return h.hexdigest()
 
 
