@@ -256,3 +256,22 @@ def test_a_resent_request_has_the_same_fingerprint_whatever_its_deadline():
     b = SamplingParams(max_tokens=2, deadline=250.5).to_dict()
     assert fingerprint([7, 7, 7], a) == fingerprint([7, 7, 7], b)
     assert fingerprint([7, 7, 7], a) != fingerprint([7, 7, 7], SamplingParams(max_tokens=3, deadline=100.0).to_dict())
+
+async def test_an_engine_that_hangs_before_scheduling_its_waiting_requests_is_stalled(tmp_path):
+    """Found by the chaos suite: the loop hung with requests waiting and none running; the watchdog took the engine
+    for idle."""
+    sup, eng = await ready_supervisor(tmp_path, watchdog_timeout=5)
+    stalls: list[str] = []
+    sup._stall = stalls.append
+    sup._streams["r"] = asyncio.Queue()
+    try:
+        t0 = 1000.0
+        sup._last_progress = sup.last_heartbeat = t0
+        for t in (t0 + 1, t0 + 4, t0 + 6.5):   # the first beat is progress (new ticks), then none
+            sup._on_heartbeat(ipc.Heartbeat(stats={"num_running": 0, "num_waiting": 2}, progress={
+                "ticks": 40, "in_step": False, "num_running": 0, "num_waiting": 2}), t)
+            sup.last_heartbeat = t
+            sup._check_progress(t)
+        assert stalls and "between steps" in stalls[0]
+    finally:
+        await shutdown(sup, eng)

@@ -112,7 +112,8 @@ def heartbeat_message(state: dict) -> bytes:
             _note_heartbeat_error(state, "stats", e)
         try:
             busy = engine.num_running > 0
-            parts["progress"] = {**engine.progress.report(), "num_running": engine.num_running}
+            parts["progress"] = {**engine.progress.report(), "num_running": engine.num_running,
+                                 "num_waiting": engine.num_waiting}
             # NOTE: measured from the start of the loop iteration, not from the engine's last step: after an idle
             # spell the last step is old although nothing is stuck.
             parts["last_step_age"] = now - state.get("iteration_start", now) if busy else 0.0

@@ -468,9 +468,12 @@ class Supervisor:
         prog = msg.progress if isinstance(msg.progress, dict) else {}
         self._progress = prog
         running = prog.get("num_running", self.last_stats.get("num_running"))
+        waiting = prog.get("num_waiting", self.last_stats.get("num_waiting"))
         ticks = prog.get("ticks")
-        if not running:
-            self._last_progress = now                      # idle is not stuck
+        if not running and not waiting:
+            # NOTE: idle is not stuck; but waiting requests are work (an engine that hangs before it schedules
+            # them must be found: with nothing running every waiting request fits)
+            self._last_progress = now
         elif ticks is not None:
             if ticks != self._last_ticks:                  # a layer or a step boundary since the last beat
                 self._last_progress = now
