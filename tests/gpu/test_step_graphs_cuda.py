@@ -11,25 +11,11 @@ from tests.models.hf_checkpoints import build_checkpoint, copy_config, token_ids
 
 from ferrylm.config import EngineConfig
 from ferrylm.engine.factory import build_engine
-from ferrylm.engine.sampling_params import SamplingParams
+from tests.gpu.test_decode_graph_cuda import _generate  # greedy tokens + logprobs per request
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 FAMILIES = ["llama", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
-
-
-def _generate(engine, prompts, new):
-    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, logprobs=1)
-    for rid, p in prompts.items():
-        engine.add_request(rid, p, params)
-    toks = {rid: [] for rid in prompts}
-    lps = {rid: [] for rid in prompts}
-    while engine.has_work():
-        for o in engine.step():
-            assert o.error_code is None, o.error_message
-            toks[o.request_id].extend(o.new_token_ids)
-            lps[o.request_id].extend(lp.logprob for lp in o.logprobs or [])
-    return toks, lps
 
 
 @pytest.mark.parametrize("case", FAMILIES)

@@ -353,7 +353,7 @@ class Engine:
             self.guard.release()
             prefill = sum(s.num_tokens for s in seqs if s.num_tokens > 1)
             tokens = sum(s.num_tokens for s in seqs)
-            phase = "prefill" if _has_prefill(seqs) else "decode"
+            phase = "prefill" if has_prefill(seqs) else "decode"
             action = self.guard.next_action(st, prefill_tokens=prefill, num_seqs=len(seqs),
                                             has_prefill=phase == "prefill")
             reqs, detail = [s.request for s in seqs], ""
@@ -548,9 +548,6 @@ class Engine:
         if graphs is not None:
             d["decode_graphs"] = graphs
         return d
-
-
-_has_prefill = has_prefill
 
 
 def _without_deferred_prefills(seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
