@@ -11,7 +11,9 @@ copy per step), the attention backend (``engine/attention``), the CUDA graphs, a
 3. else the eager forward: the model's ``forward`` over the flattened batch with the step's attention backend.
 
 All three run the model's own ``forward`` code except the piecewise runner, which still composes the layers itself
-(until the offloading backends move onto the slot-indexed fused kernel).
+(hybrid, and offload where its device table cannot run). Before every step the executor's ``begin_step`` (when it
+has one) makes its host decisions for the step: the offload backend's slot installs and table
+(``experts/slot_table.py``), so its decode steps need no host decision inside and run as one graph.
 """
 
 from __future__ import annotations
@@ -125,6 +127,9 @@ class ModelRunner:
         if self._moe0 is not None and self._moe0.executor is not self.executor:
             self._configure(self._moe0.executor)  # the executor was swapped: its graphs are stale
         faults = self.faults
+        begin = getattr(self.executor, "begin_step", None)
+        if begin is not None:  # host decisions of the executor, made between steps (experts/slot_table.py)
+            begin(sum(s.num_tokens for s in seqs))
         logits = None
         decode = not has_prefill(seqs)
         if decode and not faults.enabled:
