@@ -211,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     bk = bsub.add_parser("kernels", help="GPU kernel candidates side by side: paged attention (Triton vs torch), "
                                          "fused MoE (Triton vs torch._grouped_mm vs the torch path)")
     bk.add_argument("--output-json", default=None, help="write the rows here")
+    bk.add_argument("--only", default=None, help="comma list of groups: attention, moe, mapped (the offload table "
+                                                 "launch reading experts from slots or mapped host memory); "
+                                                 "default all")
     bk.add_argument("--log-level", default="WARNING")
 
     bh = bsub.add_parser("hf", help="the bench-serve prompts through transformers generate (reference speed)")
