@@ -43,7 +43,7 @@ from ferrylm.experts.options import Bandwidths
 
 log = logging.getLogger("ferrylm.bench")
 
-BACKEND_ORDER = ("offload", "cpu", "hybrid", "resident")
+BACKEND_ORDER = ("offload", "offload-host", "cpu", "hybrid", "resident")  # offload-host: the table off (A/B)
 _COUNTERS = ("steps", "tokens", "needed", "hits", "misses", "prefetched", "prefetch_hits", "prefetch_wasted",
              "fetched", "streamed", "bytes_copied", "bytes_activations", "cpu_experts", "cpu_expert_time_s",
              "copy_time_s", "copy_exposed_s", "mapped", "bytes_mapped")
@@ -224,8 +224,9 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
                     ex = build_from_banks("resident", banks, device)
                 else:
                     apply_memory_limit(device, ec.gpu_memory_limit)
-                    ex = build_from_banks(name, banks, device, ExpertOptions(
-                        backend=name, cache_size=ec.moe_cache_size, cpu_threads=ec.moe_cpu_threads,
+                    base_name = name.removesuffix("-host")  # offload-host: the host-planned offload path (A/B)
+                    ex = build_from_banks(base_name, banks, device, ExpertOptions(
+                        backend=base_name, decode_table=not name.endswith("-host"), cache_size=ec.moe_cache_size, cpu_threads=ec.moe_cpu_threads,
                         cpu_kernel=ec.moe_cpu_kernel, cpu_share=ec.moe_cpu_share if name == "hybrid" else None,
                         prefetch=prefetch, bandwidths=bw))
                     res.num_slots = ex.reserve(expert_budget(device, ec.gpu_memory_limit))
@@ -247,7 +248,7 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
             res.cpu_bytes_per_token = diff["cpu_experts"] * banks.expert_bytes / n
             per_step = {k: diff[k] / steps for k in ("needed", "hits", "misses", "cpu_experts", "prefetch_hits",
                                                      "mapped", "fetched")}
-            roof = roofline_seconds(name, per_step, banks.expert_bytes, base, bw)
+            roof = roofline_seconds(name.removesuffix("-host"), per_step, banks.expert_bytes, base, bw)
             res.roofline_tok_s = batch / roof
             res.achieved_over_roofline = res.tok_s / res.roofline_tok_s
             res.checksum = token_checksum(toks)

@@ -50,6 +50,8 @@ class TableDecode:
 
     def _table_possible(self) -> str | None:
         """None when the table path can run here, else why not."""
+        if not self.options.decode_table:
+            return "the device table is off (decode_table=False)"
         if self.device.type != "cuda":
             return None if self.table_on_cpu and triton_available() else "not on a CUDA device"
         if not triton_available():
