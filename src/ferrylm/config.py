@@ -132,6 +132,8 @@ class EngineConfig:
         moe_cache_size: device expert slots (``--moe-cache-size``); None = as many as the device budget allows.
         moe_cpu_threads: CPU expert threads (``--moe-cpu-threads``); None = physical cores.
         moe_cpu_kernel: CPU expert kernel (``--moe-cpu-kernel``: auto, native, torch).
+        moe_decode_table: offload decode from the device expert table (``--moe-decode-table``, default on; off:
+            the host-planned path).
         moe_cpu_share: hybrid: predicted misses per layer planned for the CPU (``--moe-cpu-share``); None = tuned
             by timing decode steps.
         gpu_memory_limit: GiB of device memory ferrylm may use (``--gpu-memory-limit``); None = what is free.
@@ -170,6 +172,7 @@ class EngineConfig:
     moe_cpu_threads: int | None = None
     moe_cpu_kernel: str = "auto"
     moe_cpu_share: int | None = None
+    moe_decode_table: bool = True
     gpu_memory_limit: float | None = None
     memory_ratio: float = 0.9
     memory_reserve: float | None = None

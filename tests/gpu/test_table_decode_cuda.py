@@ -53,7 +53,8 @@ def test_long_context_decodes_graphed(tmp_path, length):
     """Past the old 8192-token limit of the piecewise graphs: still one graph per step, same tokens as resident."""
     ckpt = build_checkpoint("qwen3_moe", tmp_path / "m", seed=4)
     copy_config(ckpt.path, ckpt.path, max_position_embeddings=32768)
-    prompts = {"long": token_ids(length, ckpt.vocab_size, seed=9).tolist()}
+    prompts = {"long": token_ids(length, ckpt.vocab_size, seed=9).tolist(),  # with a short one: batch 2, the table
+               "short": token_ids(7, ckpt.vocab_size, seed=8).tolist()}
     kw = dict(num_tokens=32768 + 64, max_prefill_length=8192, max_running_requests=2)
     ref = _generate(_engine(ckpt.path, "resident", **kw), prompts, 12)
     eng = _engine(ckpt.path, "offload", moe_cache_size=3, **kw)

@@ -94,13 +94,15 @@ class ModelRunner:
             return
         max_batch = self.config.cuda_graph_max_batch or self.config.max_running_requests
         safe = executor is None or bool(getattr(executor, "graph_safe", False))
+        min_batch = int(getattr(executor, "table_min_tokens", 1)) if safe and executor is not None else 1
         if self._graph_mode == "cuda" and self.attention == "triton" and safe:
             self.step_graphs = StepGraphs(self.model, self.pool, self.device, max_batch, self.max_model_len,
-                                          on_replay=getattr(executor, "count_replayed_step", None))
-        else:
+                                          on_replay=getattr(executor, "count_replayed_step", None),
+                                          min_batch=min_batch)
+        if self.step_graphs is None or min_batch > 1:  # the steps the whole-step graphs do not take
             self.piecewise = DecodeGraphRunner(self.model, self.pool, self.device, DecodeGraphConfig(
-                mode=self.config.decode_graphs, max_batch=max_batch, max_kv_len=self.config.cuda_graph_max_len),
-                self.dtype, self.pool.page_size)
+                mode=self.config.decode_graphs, max_batch=max_batch if self.step_graphs is None else min_batch - 1,
+                max_kv_len=self.config.cuda_graph_max_len), self.dtype, self.pool.page_size)
 
     def capture_graphs(self) -> None:
         """Capture the whole-step graphs now (boot, after the KV pool and the warmup). No-op without them."""
@@ -109,9 +111,8 @@ class ModelRunner:
 
     @property
     def graph_bytes(self) -> int:
-        """Device bytes the captured graphs hold (their private memory pool)."""
-        g = self.step_graphs or self.piecewise
-        return 0 if g is None else int(g.graph_bytes)
+        """Device bytes the captured graphs hold (their private memory pools)."""
+        return sum(int(g.graph_bytes) for g in (self.step_graphs, self.piecewise) if g is not None)
 
     # --- the step ---------------------------------------------------------------------------------------------
     def execute(self, seqs) -> SampleResult | None:
@@ -150,10 +151,11 @@ class ModelRunner:
         b = len(seqs)
         if self.step_graphs is not None:
             size = self.step_graphs.size_for(b)
-            if size is None:
+            if size is not None:
+                logits, host = self.step_graphs.replay(seqs, self.staging, size)
+                return _rows(logits, host.sample_rows, b)
+            if b >= self.step_graphs.min_batch:
                 return None
-            logits, host = self.step_graphs.replay(seqs, self.staging, size)
-            return _rows(logits, host.sample_rows, b)
         g = self.piecewise
         longest = max(s.start + 1 for s in seqs)
         if g is None or not g.accepts(b, longest):
@@ -212,9 +214,15 @@ class ModelRunner:
 
     # --- bookkeeping ------------------------------------------------------------------------------------------
     def stats(self) -> dict | None:
-        """The graphs' stats (``decode_graphs`` in the engine's stats), or None without graphs."""
-        g = self.step_graphs or self.piecewise
-        return None if g is None else g.stats()
+        """The graphs' stats (``decode_graphs`` in the engine's stats), or None without graphs: the whole-step
+        graphs' when there are any (with the piecewise runner's under ``piecewise`` when both serve), else the
+        piecewise runner's."""
+        if self.step_graphs is None:
+            return None if self.piecewise is None else self.piecewise.stats()
+        d = self.step_graphs.stats()
+        if self.piecewise is not None:
+            d["piecewise"] = self.piecewise.stats()
+        return d
 
     def close(self) -> None:
         for g in (self.step_graphs, self.piecewise):

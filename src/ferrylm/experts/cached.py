@@ -387,7 +387,12 @@ class CachedExecutor(ExpertExecutor):
         """A step of ``num_tokens`` tokens runs from the device table (backends with one: one fused launch per
         layer, no host decision inside the step); otherwise the host-planned or streamed paths."""
         table = self.table
-        return table is not None and 0 < num_tokens <= table.max_tokens
+        return table is not None and self.table_min_tokens <= num_tokens <= table.max_tokens
+
+    @property
+    def table_min_tokens(self) -> int:
+        """The smallest step that runs from the device table (backends without one: never)."""
+        return 1
 
     def _run_table(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                    topk_weights: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ log = logging.getLogger("ferrylm.experts")
 # about once per launch up to here (one 16- or 64-row block per expert), so the kernel moves the bytes streaming
 # would, with no host decision inside the step
 TABLE_MAX_TOKENS = 256
+TABLE_MIN_TOKENS_PLAIN = 2  # bf16/fp16 experts: one-token steps keep the host-planned path (see table_min_tokens)
 ADMIT_MIN_USES = 1.0  # a missed expert is installed only if its decayed use count before this step was at least this
 INSTALL_FRACTION = 8  # at most max(1, used // this) installs per layer and step (bounds churn under uniform routing)
 
@@ -42,8 +43,19 @@ class TableDecode:
 
     @property
     def graph_safe(self) -> bool:
-        """Decode steps make no host decision inside the step (the table path): the whole step is one CUDA graph."""
+        """Decode steps of at least :attr:`table_min_tokens` sequences make no host decision inside the step (the
+        table path): each is one CUDA graph. Smaller ones take the host-planned path (piecewise graphs)."""
         return self.table is not None and self.device.type == "cuda"
+
+    @property
+    def table_min_tokens(self) -> int:
+        """The smallest step run from the table: 1 for quantized experts; 2 for plain ones, whose one-token steps
+        keep the host-planned path with next-layer prefetch by DMA (measured faster there on the H200: 20.4 vs
+        15.4 tok/s at a 24 GiB cap, bf16, docs/BENCHMARKS.md session 7; at 16 tokens the table path won, 24.9 vs
+        22.0 tok/s). ``table_on_cpu`` (tests) runs every size from the table."""
+        if self.table_on_cpu or self.layout.quant is not None:
+            return 1
+        return TABLE_MIN_TOKENS_PLAIN
 
     def count_replayed_step(self, num_tokens: int) -> None:
         """A graph replay ran the step; :meth:`begin_step` already opened its counters."""
