@@ -190,7 +190,7 @@ def test_mxfp4_gpt_oss_blocks(checkpoints, tmp_path):
 def test_unsupported_method_names_the_supported_ones(checkpoints, tmp_path):
     ckpt = checkpoints("qwen3_moe")
     qdir = write_quantized(ckpt.path, tmp_path / "awq", {"quant_method": "awq", "bits": 4}, lambda n, w: {n: w})
-    with pytest.raises(ModelLoadError, match=r"'awq' is not supported; supported: fp8, compressed-tensors, gptq"):
+    with pytest.raises(ModelLoadError, match=r"'awq' is not supported; supported: fp8, compressed-tensors, modelopt, gptq"):
         load_model(qdir)
 
 

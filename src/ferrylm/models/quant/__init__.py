@@ -8,7 +8,8 @@ quantized checkpoint into the model; :mod:`.synthetic` makes random quantized ex
 | quant_method | module | formats |
 |---|---|---|
 | ``fp8`` | :mod:`.fp8` | block-wise FP8 e4m3 (``weight_scale_inv``, DeepSeek-V3 / Qwen3-FP8) |
-| ``compressed-tensors`` | :mod:`.compressed_tensors` | pack-quantized int4 / int8, NVFP4, MXFP4 |
+| ``compressed-tensors`` | :mod:`.compressed_tensors` | pack-quantized int4 / int8, NVFP4, MXFP4; float-quantized FP8 |
+| ``modelopt`` | :mod:`.modelopt` | NVIDIA ModelOpt exports (``hf_quant_config.json``): NVFP4, FP8 |
 | ``gptq`` | :mod:`.gptq` | 4-bit GPTQ (``gptq`` and ``gptq_v2`` zero points) |
 | ``mxfp4`` | :mod:`.mxfp4` | gpt-oss ``*_blocks`` / ``*_scales`` expert stacks |
 | ``ferrylm`` | :mod:`.native` | our own fields (GGUF conversions) |
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from ferrylm.errors import ModelLoadError
 
-SUPPORTED_METHODS = ("fp8", "compressed-tensors", "gptq", "mxfp4", "ferrylm")
+SUPPORTED_METHODS = ("fp8", "compressed-tensors", "modelopt", "gptq", "mxfp4", "ferrylm")
 
 
 def reader_for(config: dict):
@@ -36,6 +37,8 @@ def reader_for(config: dict):
         from ferrylm.models.quant.fp8 import Fp8BlockReader as cls
     elif method == "compressed-tensors":
         from ferrylm.models.quant.compressed_tensors import CompressedTensorsReader as cls
+    elif method == "modelopt":
+        from ferrylm.models.quant.modelopt import ModelOptReader as cls
     elif method == "gptq":
         from ferrylm.models.quant.gptq import GptqReader as cls
     elif method == "mxfp4":

@@ -48,6 +48,11 @@ class QuantReader:
         """The module's plain weight ``[N, K]`` in ``dtype`` (quantized linears outside the routed experts)."""
         return self.decode(prefix, parts, dtype).dequantize(dtype)
 
+    def skip(self, name: str) -> bool:
+        """True for a tensor of the checkpoint that is no part of what ferrylm computes and is left unread (e.g.
+        ModelOpt's FP8 KV-cache scales); the module docstring of the reader says which and why."""
+        return False
+
     def planned(self):
         """The :class:`~ferrylm.experts.quantized.ExpertQuant` the routed experts will most likely have, from the
         config alone (for sizing before the weights load; the loaded formats may differ in a scale dtype), or
