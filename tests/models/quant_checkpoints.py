@@ -83,10 +83,18 @@ def fp8_quantizer(block: tuple[int, int]):
 
 
 # --- compressed-tensors -----------------------------------------------------------------------------------------
-def ct_scheme(kind: str, group: int | None = None, symmetric: bool = True, bits: int = 4):
-    """``(QuantizationScheme, format)`` for ``kind`` in ``int``, ``nvfp4``, ``mxfp4``."""
+def ct_scheme(kind: str, group: int | None = None, symmetric: bool = True, bits: int = 4,
+              strategy: str | None = None, block: tuple[int, int] | None = None):
+    """``(QuantizationScheme, format)`` for ``kind`` in ``int``, ``nvfp4``, ``mxfp4``, ``fp8`` (float-quantized
+    with ``strategy`` tensor / channel / block of ``block``, dynamic per-token input activations as the
+    ``*-FP8-dynamic`` checkpoints have)."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
+    if kind == "fp8":
+        args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy=strategy,
+                                block_structure=list(block) if block else None, group_size=group)
+        acts = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
+        return QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts), "float-quantized"
     if kind == "int":
         args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric,
                                 strategy="group" if group else "channel", group_size=group)
@@ -121,8 +129,17 @@ def ct_quantizer(kind: str, **kw):
         n, k = w.shape
         g = args.group_size or k
         w = w.to(torch.bfloat16)  # as a bf16 model is quantized: scales in bf16 (fp8 / E8M0 for the FP4 formats)
-        blocks = w.reshape(n, k // g, g)
-        lo, hi = blocks.amin(-1), blocks.amax(-1)
+        if kind == "fp8" and args.strategy != "group":  # min / max per tensor [1], row [N, 1], block [N/bn, K/bk]
+            if args.strategy == "block":
+                bn, bk = args.block_structure
+                blocks = w.reshape(n // bn, bn, k // bk, bk).transpose(1, 2).flatten(2)
+            else:
+                blocks = w.reshape(1, 1, -1) if args.strategy == "tensor" else w.reshape(n, 1, k)
+            lo, hi = blocks.amin(-1), blocks.amax(-1)
+            lo, hi = (lo.reshape(1), hi.reshape(1)) if args.strategy == "tensor" else (lo, hi)
+        else:
+            blocks = w.reshape(n, k // g, g)
+            lo, hi = blocks.amin(-1), blocks.amax(-1)
         gscale = generate_gparam(w.float().amin(), w.float().amax()) if kind == "nvfp4" else None
         scale, zp = calculate_qparams(lo, hi, args, global_scale=gscale)
         sd = {"weight": w, "weight_scale": scale, "weight_zero_point": zp}
@@ -141,7 +158,7 @@ def ct_quantizer(kind: str, **kw):
         from compressed_tensors.quantization.lifecycle.forward import dequantize
 
         sd = {k[len(prefix) + 1:]: v for k, v in tensors.items() if k.startswith(prefix + ".")}
-        if kind == "int":
+        if kind in ("int", "fp8"):
             sd["weight_scale"] = sd["weight_scale"].float()
             return comp.decompress(sd, scheme)["weight"]
         m, n = sd["weight_packed"].shape

@@ -107,16 +107,23 @@ def test_fp8_block(checkpoints, tmp_path):
     ("int", {"group": 16, "symmetric": False}, True),
     ("int", {"group": None, "bits": 8}, True),
     ("nvfp4", {}, False),
-], ids=["w4a16-sym", "w4a16-asym", "w8a16-channel", "nvfp4"])
+    ("fp8", {"strategy": "tensor"}, True),
+    ("fp8", {"strategy": "channel"}, True),
+    ("fp8", {"strategy": "block", "block": (16, 16)}, True),
+    ("fp8", {"strategy": "group", "group": 16}, True),
+], ids=["w4a16-sym", "w4a16-asym", "w8a16-channel", "nvfp4", "fp8-tensor", "fp8-channel", "fp8-block",
+        "fp8-group"])
 def test_compressed_tensors(checkpoints, tmp_path, kind, kw, exact):
-    """compressed-tensors pack-quantized int (symmetric, zero points, 8-bit per channel) and NVFP4, written and
-    dequantized by the compressed-tensors package itself."""
+    """compressed-tensors pack-quantized int (symmetric, zero points, 8-bit per channel), NVFP4 and
+    float-quantized FP8 (per tensor, per channel, 16x16 blocks, groups of 16; dynamic input activations, as the
+    ``*-FP8-dynamic`` checkpoints), written and dequantized by the compressed-tensors package itself."""
     ckpt = checkpoints("qwen3_moe")
     qcfg, quantize, decompress = ct_quantizer(kind, **kw)
     qdir = write_quantized(ckpt.path, tmp_path / "ct", qcfg, quantize)
     sd = load_file(str(qdir / "model.safetensors"))
-    reference = {p[:-len(".weight_packed")] + ".weight": decompress(p[:-len(".weight_packed")], sd)
-                 for p in sd if p.endswith(".weight_packed")}
+    marker = ".weight_scale" if kind == "fp8" else ".weight_packed"
+    reference = {p[:-len(marker)] + ".weight": decompress(p[:-len(marker)], sd) for p in sd if p.endswith(marker)}
+    assert reference
     check_format(ckpt, qdir, reference, tmp_path, exact=exact)
 
 
@@ -217,4 +224,35 @@ def test_truncated_file_names_the_tensor(checkpoints, tmp_path):
     f = qdir / "model.safetensors"
     f.write_bytes(f.read_bytes()[:-100])
     with pytest.raises(ModelLoadError, match=r"is truncated: tensor '.*' ends at byte"):
+        load_model(qdir)
+
+
+def test_float_quantized_block_scale_that_does_not_fit_names_tensor_and_format(checkpoints, tmp_path):
+    ckpt = checkpoints("qwen3_moe")
+    qcfg, quantize, _ = ct_quantizer("fp8", strategy="block", block=(16, 16))
+
+    def bad(name, w):
+        out = quantize(name, w)
+        if name == "model.layers.1.mlp.experts.2.up_proj.weight":
+            key = name.replace(".weight", ".weight_scale")
+            out[key] = out[key][:-1].contiguous()
+        return out
+
+    qdir = write_quantized(ckpt.path, tmp_path / "ct", qcfg, bad)
+    with pytest.raises(ModelLoadError, match=r"experts\.2\.up_proj\.weight_scale'.*shape \[2, 4\] does not match its "
+                                             r"compressed-tensors float-quantized block weight \[48, 64\] in 16x16"):
+        load_model(qdir)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"strategy": "token"}, r"float-quantized weight strategy 'token' is not supported; supported: tensor, channel"),
+    ({"type": "int"}, r"float-quantized with int 8-bit symmetric weights is not supported"),
+    ({"strategy": "block", "block_structure": None}, r"block strategy without a block_structure"),
+], ids=["token", "int", "no-block"])
+def test_float_quantized_schemes_refused(checkpoints, tmp_path, change, message):
+    ckpt = checkpoints("qwen3_moe")
+    qcfg, quantize, _ = ct_quantizer("fp8", strategy="tensor")
+    qcfg["config_groups"]["group_0"]["weights"].update(change)
+    qdir = write_quantized(ckpt.path, tmp_path / "ct", qcfg, quantize)
+    with pytest.raises(ModelLoadError, match=message):
         load_model(qdir)

@@ -65,14 +65,16 @@ class QuantReader:
         return "halves"
 
 
-def need(parts: dict[str, torch.Tensor], prefix: str, suffix: str, dtypes: tuple[torch.dtype, ...] | None = None
-         ) -> torch.Tensor:
-    """``parts[suffix]``, checked to exist and to have one of ``dtypes``. Raises ModelLoadError naming it."""
+def need(parts: dict[str, torch.Tensor], prefix: str, suffix: str, dtypes: tuple[torch.dtype, ...] | None = None,
+         what: str = "") -> torch.Tensor:
+    """``parts[suffix]``, checked to exist and to have one of ``dtypes``. Raises ModelLoadError naming it (and the
+    format ``what``, when given)."""
+    fmt = f" ({what})" if what else ""
     t = parts.get(suffix)
     if t is None:
-        raise ModelLoadError(f"quantized module {prefix!r} lacks its tensor {prefix + suffix!r}")
+        raise ModelLoadError(f"quantized module {prefix!r}{fmt} lacks its tensor {prefix + suffix!r}")
     if dtypes is not None and t.dtype not in dtypes:
-        raise ModelLoadError(f"checkpoint tensor {prefix + suffix!r} has dtype {t.dtype}; expected "
+        raise ModelLoadError(f"checkpoint tensor {prefix + suffix!r}{fmt} has dtype {t.dtype}; expected "
                              f"{' or '.join(str(d) for d in dtypes)}")
     return t
 

@@ -16,7 +16,7 @@ Formats (the ``compressed-tensors`` package, v0.20: ``compressors/pack_quantized
 * ``float-quantized`` (the ``*-FP8-dynamic`` / ``*-FP8`` checkpoints; ``naive-quantized`` with float weights is the
   same layout; ``compressors/naive_quantized``): ``weight`` float8_e4m3fn ``[N, K]`` and ``weight_scale``
   (bfloat16 / float32) by ``strategy``: ``tensor`` ``[1]``, ``channel`` ``[N, 1]``, ``block`` ``[ceil(N / bn),
-  ceil(K / bk)]`` for ``block_structure [bn, bk]``; value ``float(weight) * scale``. Input activations are
+  ceil(K / bk)]`` for ``block_structure [bn, bk]``, ``group`` ``[N, K / group_size]``; value ``float(weight) * scale``. Input activations are
   quantized dynamically at run time by the kernels that read these (``input_activations.dynamic``), or have a
   static ``input_scale``: either way nothing of them changes the weights, and ferrylm computes with activations in
   the model dtype, so ``input_scale`` is not used.
@@ -26,7 +26,7 @@ Repacks (no value changes): int 4-bit -> ``int4`` (the packed bytes are already 
 NVFP4 -> ``fp4`` group 16 with fp8 scales and ``row_scale = 1 / global_scale`` (one float32 rounding: the
 reference divides, we multiply, so values agree to float32 rounding; :mod:`.nvfp4`, shared with ModelOpt's NVFP4);
 MXFP4 -> ``fp4`` group 32 with the E8M0 scales as bfloat16 (exact); float-quantized -> ``fp8`` (group ``K`` for
-tensor and channel, ``bk`` for block, float32 scales: :func:`~ferrylm.models.quant.fp8.fp8_tensor`, exact).
+tensor and channel, ``bk`` for block, the group size for group, float32 scales: :func:`~ferrylm.models.quant.fp8.fp8_tensor`, exact).
 """
 
 from __future__ import annotations
@@ -99,6 +99,8 @@ class CompressedTensorsReader(QuantReader):
         if self.strategy not in FP8_STRATEGIES:
             raise ModelLoadError(f"compressed-tensors {self.format} weight strategy {self.strategy!r} is not "
                                  f"supported; supported: {', '.join(FP8_STRATEGIES)}")
+        if self.strategy == "group" and not self.group_size:
+            raise ModelLoadError(f"compressed-tensors {self.format} group strategy without a group_size")
         if self.strategy == "block":
             b = w.get("block_structure")
             if not (isinstance(b, (list, tuple)) and len(b) == 2 and all(int(x) > 0 for x in b)):
@@ -109,7 +111,8 @@ class CompressedTensorsReader(QuantReader):
 
     def planned(self):
         if self.format in FLOAT_FORMATS:  # tensor / channel: group K, unknown here (the scales are a few bytes)
-            return same(QuantFormat("fp8", self.block[1] if self.block else 128, torch.float32))
+            group = self.block[1] if self.block else int(self.group_size or 128)
+            return same(QuantFormat("fp8", group, torch.float32))
         if self.format.startswith("nvfp4"):
             return same(NVFP4_FORMAT)
         if self.format.startswith("mxfp4"):
@@ -127,10 +130,11 @@ class CompressedTensorsReader(QuantReader):
             if ".weight_zero_point" in parts and bool(parts[".weight_zero_point"].ne(0).any()):
                 raise ModelLoadError(f"checkpoint tensor {prefix + '.weight_zero_point'!r}: non-zero FP8 zero "
                                      f"points are not supported (compressed-tensors {self.format})")
-            w = need(parts, prefix, ".weight", (torch.float8_e4m3fn,))
-            s = need(parts, prefix, ".weight_scale", _FLOATS)
-            return fp8_tensor(prefix, w, s, ".weight_scale", self.strategy, self.block, dtype,
-                              f"compressed-tensors {self.format} {self.strategy}")
+            what = f"compressed-tensors {self.format} {self.strategy}"
+            w = need(parts, prefix, ".weight", (torch.float8_e4m3fn,), what)
+            s = need(parts, prefix, ".weight_scale", _FLOATS, what)
+            block = self.block or ((1, int(self.group_size)) if self.strategy == "group" else None)
+            return fp8_tensor(prefix, w, s, ".weight_scale", self.strategy, block, dtype, what)
         packed = need(parts, prefix, ".weight_packed", (torch.uint8,))
         n, k = packed.shape[0], packed.shape[1] * 2
         group = 16 if self.format.startswith("nvfp4") else 32

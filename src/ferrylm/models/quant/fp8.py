@@ -15,7 +15,8 @@ compressed-tensors ``float-quantized`` tensor / channel / block, ModelOpt FP8 pe
 * ``tensor``: one scale for the whole weight -> group ``K``, the scale repeated over the rows (``[N, 1]``);
 * ``channel``: one scale per output row (``[N]`` or ``[N, 1]``) -> group ``K``, ``[N, 1]``;
 * ``block`` ``[bn, bk]``: ``[ceil(N / bn), ceil(K / bk)]`` -> group ``bk``, each block scale repeated over its rows
-  (``K`` must be a multiple of ``bk``).
+  (``K`` must be a multiple of ``bk``); ``group`` of ``g`` inputs: ``[N, K / g]`` -> group ``g`` (a block
+  ``[1, g]``).
 
 Scales are widened to float32 (exact); element value ``float(q) * s`` in float32, as every reference computes it.
 """
@@ -68,14 +69,14 @@ class Fp8BlockReader(QuantReader):
         return (w.float() * full).to(dtype)
 
 
-FP8_STRATEGIES = ("tensor", "channel", "block")
+FP8_STRATEGIES = ("tensor", "channel", "block", "group")
 
 
 def fp8_tensor(prefix: str, w: torch.Tensor, s: torch.Tensor, scale_suffix: str, strategy: str,
                block: tuple[int, int] | None, dtype: torch.dtype, what: str) -> QuantTensor:
     """``w`` (float8_e4m3fn ``[..., N, K]``) with its scale ``s`` (``prefix + scale_suffix``) as an ``fp8``
     :class:`QuantTensor`, for ``strategy`` in :data:`FP8_STRATEGIES` (the module docstring gives the shapes;
-    ``block`` is ``(bn, bk)`` for ``block``). ``what`` names the format in messages.
+    ``block`` is ``(bn, bk)`` for ``block``, ``(1, g)`` for ``group``). ``what`` names the format in messages.
 
     Raises:
         ModelLoadError: a scale whose shape does not fit the weight for the strategy, or a block ``K`` that is not
@@ -94,7 +95,7 @@ def fp8_tensor(prefix: str, w: torch.Tensor, s: torch.Tensor, scale_suffix: str,
             expect_shape(s, (*lead, n, 1), name, f"its {what} weight {list(w.shape)}, one scale per output row")
         scales = s.float().reshape(*lead, n, 1).contiguous()
         group = k
-    elif strategy == "block":
+    elif strategy in ("block", "group"):
         bn, bk = block
         expect_shape(s, (*lead, -(-n // bn), -(-k // bk)), name, f"its {what} weight {list(w.shape)} in "
                                                                  f"{bn}x{bk} blocks")

@@ -96,8 +96,8 @@ class ModelOptReader(QuantReader):
         if ".weight_scale_2" in parts:
             raise ModelLoadError(f"checkpoint tensor {prefix + '.weight_scale_2'!r}: a second weight scale is not "
                                  f"part of {self.what} (is the checkpoint NVFP4 or a mixed one?)")
-        w = need(parts, prefix, ".weight", (torch.float8_e4m3fn,))
-        s = need(parts, prefix, ".weight_scale", (torch.float32, torch.bfloat16, torch.float16))
+        w = need(parts, prefix, ".weight", (torch.float8_e4m3fn,), self.what)
+        s = need(parts, prefix, ".weight_scale", (torch.float32, torch.bfloat16, torch.float16), self.what)
         return fp8_tensor(prefix, w, s, ".weight_scale", self.kind, None, dtype, self.what)
 
 

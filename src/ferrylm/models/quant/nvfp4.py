@@ -42,7 +42,7 @@ def nvfp4_tensor(prefix: str, parts: dict[str, torch.Tensor], *, data: str, scal
             ``[..., N, K / 16]``, a per-tensor scale with more than one value, or one that is zero or not finite
             (the message names the tensor and the format).
     """
-    packed = need(parts, prefix, data, (torch.uint8,))
+    packed = need(parts, prefix, data, (torch.uint8,), what)
     if packed.dim() < 2:
         raise ModelLoadError(f"checkpoint tensor {prefix + data!r} ({what}): shape {list(packed.shape)} is not "
                              f"[N, K / 2]")
@@ -51,10 +51,10 @@ def nvfp4_tensor(prefix: str, parts: dict[str, torch.Tensor], *, data: str, scal
     if k % GROUP:
         raise ModelLoadError(f"checkpoint tensor {prefix + data!r} ({what}): K = {k} is not a multiple of "
                              f"{GROUP}")
-    s = need(parts, prefix, scale, (torch.float8_e4m3fn,))
+    s = need(parts, prefix, scale, (torch.float8_e4m3fn,), what)
     expect_shape(s, (*lead, n, k // GROUP), prefix + scale,
                  f"its {what} weight {[*lead, n, k]} in groups of {GROUP}")
-    gs = need(parts, prefix, global_scale, (torch.float32,))
+    gs = need(parts, prefix, global_scale, (torch.float32,), what)
     if gs.numel() != 1:
         raise ModelLoadError(f"checkpoint tensor {prefix + global_scale!r} ({what} per-tensor scale): "
                              f"{gs.numel()} values (shape {list(gs.shape)}); expected 1")

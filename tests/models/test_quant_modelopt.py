@@ -1,0 +1,159 @@
+"""NVIDIA ModelOpt checkpoints (``quant_method: modelopt`` / ``hf_quant_config.json``), NVFP4 and FP8, through the
+real reader (tests/models/modelopt_checkpoints.py says who writes them):
+
+- written by nvidia-modelopt's own ``mtq.quantize`` + ``export_hf_checkpoint`` and dequantized by its own
+  ``NVFP4QTensor`` / ``FP8QTensor``, when the package imports (it runs on a CPU: ``pip install nvidia-modelopt``);
+  skipped otherwise;
+- written by our packer of ModelOpt's documented layout and dequantized by the documented formula: always (and
+  the malformed files).
+
+Checks (``check_format``): the repacked experts dequantize to the reference's values bit for bit, our logits are
+within 1e-4 of transformers' model on the reference-dequantized weights, every expert backend agrees.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tests.models.modelopt_checkpoints import layout_export, modelopt_available, modelopt_dequant, modelopt_export
+from tests.models.test_quant_formats import check_format
+
+from ferrylm.errors import ModelLoadError
+from ferrylm.models.loader import load_model
+
+needs_modelopt = pytest.mark.skipif(not modelopt_available(),
+                                    reason="nvidia-modelopt is not installed (it installs and runs on a CPU)")
+EXPERT = "model.layers.1.mlp.experts.2.up_proj"
+
+
+@needs_modelopt
+@pytest.mark.parametrize("algo", ["NVFP4", "FP8"])
+def test_modelopt_export(checkpoints, tmp_path, algo):
+    """ModelOpt's exporter writes it (FP8 with the FP8 KV-cache quantizers, whose k_scale / v_scale are skipped),
+    ModelOpt's qtensors dequantize it; our documented-layout packer writes the same tensor names, dtypes and
+    shapes."""
+    ckpt = checkpoints("qwen3_moe")
+    qdir = modelopt_export(ckpt.path, tmp_path / "modelopt", algo, kv_cache=algo == "FP8",
+                           vocab_size=ckpt.vocab_size)
+    qcfg = json.loads((qdir / "config.json").read_text())["quantization_config"]
+    assert (qcfg["quant_method"], qcfg["quant_algo"]) == ("modelopt", algo)
+    assert json.loads((qdir / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == algo
+    exported = load_file(str(qdir / "model.safetensors"))
+    assert exported[EXPERT + ".weight"].dtype == (torch.uint8 if algo == "NVFP4" else torch.float8_e4m3fn)
+    if algo == "FP8":
+        assert any(n.endswith(".k_scale") for n in exported)
+    ours = load_file(str(layout_export(ckpt.path, tmp_path / "layout", algo)[0] / "model.safetensors"))
+    kept = {n: (t.dtype, tuple(t.shape)) for n, t in exported.items() if not n.endswith((".k_scale", ".v_scale"))}
+    assert kept == {n: (t.dtype, tuple(t.shape)) for n, t in ours.items()}
+    check_format(ckpt, qdir, modelopt_dequant(qdir), tmp_path)
+
+
+@pytest.mark.parametrize("algo", ["NVFP4", "FP8"])
+def test_modelopt_layout(checkpoints, tmp_path, algo):
+    """The documented layout with hf_quant_config.json only (config.json without quantization_config)."""
+    ckpt = checkpoints("qwen3_moe")
+    qdir, reference = layout_export(ckpt.path, tmp_path / "layout", algo)
+    assert "quantization_config" not in json.loads((qdir / "config.json").read_text())
+    loaded = load_model(qdir)
+    fmt = loaded.executor.layers[1].up.fmt
+    assert (fmt.kind, fmt.group) == (("fp4", 16) if algo == "NVFP4" else ("fp8", 64))
+    check_format(ckpt, qdir, reference, tmp_path)
+
+
+# --- malformed files ------------------------------------------------------------------------------------------
+def _broken(checkpoints, tmp_path, algo, change):
+    ckpt = checkpoints("qwen3_moe")
+
+    def mutate(prefix, parts):
+        return change(dict(parts)) if prefix == EXPERT else parts
+
+    return layout_export(ckpt.path, tmp_path / "broken", algo, mutate)[0]
+
+
+def test_missing_weight_scale_2_names_tensor_and_format(checkpoints, tmp_path):
+    qdir = _broken(checkpoints, tmp_path, "NVFP4", lambda p: {k: v for k, v in p.items() if k != "weight_scale_2"})
+    with pytest.raises(ModelLoadError, match=r"ModelOpt NVFP4.*lacks its tensor "
+                                             r"'model\.layers\.1\.mlp\.experts\.2\.up_proj\.weight_scale_2'"):
+        load_model(qdir)
+
+
+def test_wrong_block_scale_shape_names_tensor_and_format(checkpoints, tmp_path):
+    def cut(p):
+        p["weight_scale"] = p["weight_scale"][:, :-1]
+        return p
+
+    qdir = _broken(checkpoints, tmp_path, "NVFP4", cut)
+    with pytest.raises(ModelLoadError, match=r"experts\.2\.up_proj\.weight_scale'.*shape \[48, 3\] does not match "
+                                             r"its ModelOpt NVFP4 weight \[48, 64\] in groups of 16"):
+        load_model(qdir)
+
+
+def test_weight_scale_2_of_many_values(checkpoints, tmp_path):
+    def widen(p):
+        p["weight_scale_2"] = p["weight_scale_2"].repeat(2)
+        return p
+
+    qdir = _broken(checkpoints, tmp_path, "NVFP4", widen)
+    with pytest.raises(ModelLoadError, match=r"experts\.2\.up_proj\.weight_scale_2' \(ModelOpt NVFP4 per-tensor "
+                                             r"scale\): 2 values"):
+        load_model(qdir)
+
+
+def test_fp8_per_tensor_scale_of_many_values(checkpoints, tmp_path):
+    def widen(p):
+        p["weight_scale"] = p["weight_scale"].repeat(3)
+        return p
+
+    qdir = _broken(checkpoints, tmp_path, "FP8", widen)
+    with pytest.raises(ModelLoadError, match=r"experts\.2\.up_proj\.weight_scale' \(ModelOpt FP8 per-tensor "
+                                             r"scale\): 3 values"):
+        load_model(qdir)
+
+
+def test_fp8_weight_of_the_wrong_dtype(checkpoints, tmp_path):
+    def widen(p):
+        p["weight"] = p["weight"].float()
+        return p
+
+    qdir = _broken(checkpoints, tmp_path, "FP8", widen)
+    with pytest.raises(ModelLoadError, match=r"experts\.2\.up_proj\.weight' \(ModelOpt FP8\) has dtype "
+                                             r"torch\.float32; expected torch\.float8_e4m3fn"):
+        load_model(qdir)
+
+
+@pytest.mark.parametrize("algo", ["W4A16_AWQ", "MIXED_PRECISION"])
+def test_unsupported_quant_algo(checkpoints, tmp_path, algo):
+    qdir, _ = layout_export(checkpoints("qwen3_moe").path, tmp_path / "q", "FP8")
+    hf = json.loads((qdir / "hf_quant_config.json").read_text())
+    hf["quantization"]["quant_algo"] = algo
+    (qdir / "hf_quant_config.json").write_text(json.dumps(hf))
+    with pytest.raises(ModelLoadError, match=rf"ModelOpt quant_algo '{algo}' is not supported; supported: NVFP4, "
+                                             rf"FP8"):
+        load_model(qdir)
+
+
+def test_config_json_modelopt_without_quant_algo(checkpoints, tmp_path):
+    """config.json says modelopt, names no quant_algo, and there is no hf_quant_config.json."""
+    qdir, _ = layout_export(checkpoints("qwen3_moe").path, tmp_path / "q", "FP8")
+    (qdir / "hf_quant_config.json").unlink()
+    cfg = json.loads((qdir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "modelopt"}
+    (qdir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"ModelOpt quantization_config .*has no quant_algo"):
+        load_model(qdir)
+
+
+def test_hf_quant_config_fills_a_modelopt_quantization_config(checkpoints, tmp_path):
+    """config.json's quantization_config (quant_method modelopt, no quant_algo) + hf_quant_config.json: merged."""
+    from ferrylm.config import ModelConfig
+
+    qdir, _ = layout_export(checkpoints("qwen3_moe").path, tmp_path / "q", "NVFP4")
+    cfg = json.loads((qdir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "modelopt", "ignore": ["lm_head"]}
+    (qdir / "config.json").write_text(json.dumps(cfg))
+    q = ModelConfig.from_folder(qdir).raw["quantization_config"]
+    assert (q["quant_method"], q["quant_algo"], q["group_size"], q["ignore"]) == ("modelopt", "NVFP4", 16,
+                                                                                    ["lm_head"])
