@@ -157,3 +157,24 @@ def test_hf_quant_config_fills_a_modelopt_quantization_config(checkpoints, tmp_p
     q = ModelConfig.from_folder(qdir).raw["quantization_config"]
     assert (q["quant_method"], q["quant_algo"], q["group_size"], q["ignore"]) == ("modelopt", "NVFP4", 16,
                                                                                     ["lm_head"])
+
+
+def test_planned_quant_matches_the_loaded_nvfp4(checkpoints, tmp_path):
+    """`--moe-backend auto` sizes experts from the config before loading (hf_quant_config.json included)."""
+    from ferrylm.config import ModelConfig
+    from ferrylm.models.quant import planned_expert_quant
+
+    qdir, _ = layout_export(checkpoints("qwen3_moe").path, tmp_path / "q", "NVFP4")
+    planned = planned_expert_quant(ModelConfig.from_folder(qdir).raw)
+    le = load_model(qdir).executor.layers[1]
+    assert (planned.gate_up, planned.down) == (le.gate.fmt, le.down.fmt)
+
+
+def test_ferry_models_lists_the_formats():
+    from ferrylm.models.catalog import CHECKPOINT_FORMATS, describe_models
+    from ferrylm.models.quant import SUPPORTED_METHODS
+
+    text = describe_models()
+    assert "modelopt NVFP4" in text and "modelopt FP8" in text and "compressed-tensors float-quantized" in text
+    for method in SUPPORTED_METHODS:
+        assert method == "ferrylm" or any(line.startswith(method) for line in CHECKPOINT_FORMATS), method
