@@ -221,3 +221,68 @@ def mxfp4_blocks_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.cat([qs & 15, qs >> 4], -1)  # [rows, G, 32] element order
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed.reshape(*lead, n, k // 32, 16), e.reshape(*lead, n, k // 32)
+
+
+# --- AWQ (AutoAWQ GEMM) -------------------------------------------------------------------------------------------
+_AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def awq_pack(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    """Quantize ``w [N, K]`` asymmetrically per ``group`` inputs (min/max, 4 bits; scales float16) and pack it the
+    way AutoAWQ's ``WQLinear_GEMM.from_linear`` does: ``qweight [K, N/8]`` int32 (nibble ``i`` of column ``c`` =
+    output ``8c + [0,2,4,6,1,3,5,7][i]``), ``qzeros [G, N/8]`` the same along ``N``, ``scales [G, N]`` float16.
+    Also returns the integer ``zeros [G, N]`` and ``scales`` for :func:`awq_autoawq_pack`."""
+    n, k = w.shape
+    g = k // group
+    blocks = w.float().reshape(n, g, group)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-5).half()  # [N, G]
+    z = torch.round(-lo / scale.float()).clamp(0, 15)
+    q = torch.round(blocks / scale.float()[..., None] + z[..., None]).clamp(0, 15).to(torch.int64).reshape(n, k)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:  # [R, N] -> [R, N/8] int32, AWQ's order
+        t = t.reshape(t.shape[0], -1, 8)
+        words = sum(t[..., _AWQ_ORDER[i]] << (4 * i) for i in range(8))
+        return torch.from_numpy(np.ascontiguousarray(words.numpy()).astype(np.uint32).view(np.int32))
+
+    return {"qweight": pack(q.t()), "qzeros": pack(z.to(torch.int64).t()), "scales": scale.t().contiguous(),
+            "_zeros": z.t().contiguous(), "_scales": scale.t().contiguous()}
+
+
+def awq_reference_dequant(parts: dict[str, torch.Tensor], group: int, dtype: torch.dtype = torch.float16
+                          ) -> torch.Tensor:
+    """A literal reading of AutoAWQ's ``dequantize_gemm`` (unpack by shifts, undo the order, ``(q - z) * scales``),
+    ``[N, K]``, computed in ``dtype`` (AutoAWQ: the scales' float16; float32 is exact)."""
+    shifts = torch.arange(0, 32, 4)
+    reverse = [0, 4, 1, 5, 2, 6, 3, 7]
+
+    def unpack(t):
+        u = torch.bitwise_and(torch.bitwise_right_shift(t[:, :, None], shifts[None, None, :]), 15)
+        u = u.reshape(t.shape[0], -1)
+        idx = torch.arange(u.shape[-1]).view(-1, 8)[:, reverse].reshape(-1)
+        return u[:, idx]
+
+    q, z = unpack(parts["qweight"]), unpack(parts["qzeros"])
+    s = parts["scales"].to(dtype).repeat_interleave(group, dim=0)
+    return ((q - z.repeat_interleave(group, dim=0)) * s).t().contiguous()
+
+
+def autoawq_modules():
+    """AutoAWQ's ``(WQLinear_GEMM, dequantize_gemm)``, or None when the package is not installed. Loaded without
+    ``awq/__init__.py`` (which imports the calibration pipeline and its ``datasets`` dependency): the two modules
+    themselves need torch only."""
+    import importlib.util
+    import sys
+    import types
+
+    spec = importlib.util.find_spec("awq")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    if "awq" not in sys.modules:
+        pkg = types.ModuleType("awq")
+        pkg.__path__ = list(spec.submodule_search_locations)
+        sys.modules["awq"] = pkg
+    from awq.modules.linear.gemm import WQLinear_GEMM
+    from awq.utils.packing_utils import dequantize_gemm
+
+    return WQLinear_GEMM, dequantize_gemm

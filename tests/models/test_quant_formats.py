@@ -15,9 +15,9 @@ import pytest
 import torch
 from tests.experts.helpers import greedy_trace, options
 from tests.models.hf_checkpoints import token_ids
-from tests.models.quant_checkpoints import (ct_quantizer, dense_reference, fp8_quantizer, gptq_pack,
-                                             gptq_reference_dequant, is_expert, is_quantized_linear,
-                                             mxfp4_blocks_pack, write_quantized)
+from tests.models.quant_checkpoints import (autoawq_modules, awq_pack, awq_reference_dequant, ct_quantizer,
+                                             dense_reference, fp8_quantizer, gptq_pack, gptq_reference_dequant,
+                                             is_expert, is_quantized_linear, mxfp4_blocks_pack, write_quantized)
 from tests.models.test_parity import full_logits
 from safetensors.torch import load_file
 
@@ -154,6 +154,64 @@ def test_gptq(checkpoints, tmp_path, v2):
     check_format(ckpt, qdir, reference, tmp_path)
 
 
+def test_awq_gemm(checkpoints, tmp_path):
+    """AutoAWQ's GEMM packing by our packer; where AutoAWQ is installed, its own ``WQLinear_GEMM.from_linear`` must
+    pack the same bytes and its ``dequantize_gemm`` give the reference's float16 values (ours too, in float16).
+    Reference for the model: the literal reading of ``dequantize_gemm`` in float32 (exact)."""
+    ckpt = checkpoints("mixtral")  # N multiple of 32 (AutoAWQ's packer), K multiple of the group
+    qcfg = {"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True, "version": "gemm"}
+    packed: dict[str, dict] = {}
+
+    def quantize(name, w):
+        packed[name] = awq_pack(w, 16)
+        return {f"{name[:-len('.weight')]}.{k}": v for k, v in packed[name].items() if not k.startswith("_")}
+
+    qdir = write_quantized(ckpt.path, tmp_path / "awq", qcfg, quantize)
+    reference = {name: awq_reference_dequant(p, 16, torch.float32) for name, p in packed.items()}
+    name = "model.layers.1.block_sparse_moe.experts.3.w1.weight"
+    le = load_model(qdir).executor.layers[1]
+    assert torch.equal(le.gate[3].dequantize(torch.float16), awq_reference_dequant(packed[name], 16))
+    awq = autoawq_modules()
+    if awq is not None:
+        wq_linear, dequantize_gemm = awq
+        p = packed[name]
+        assert torch.equal(dequantize_gemm(p["qweight"], p["qzeros"], p["scales"], 4, 16).t(),
+                           awq_reference_dequant(p, 16))
+        lin = torch.nn.Linear(p["qweight"].shape[0], p["scales"].shape[1], bias=False)
+        lin.weight.data = reference[name].clone()
+        ref_linear = wq_linear.from_linear(lin, 4, 16, scales=p["_scales"], zeros=p["_zeros"])
+        assert torch.equal(ref_linear.qweight, p["qweight"]) and torch.equal(ref_linear.qzeros, p["qzeros"])
+    check_format(ckpt, qdir, reference, tmp_path)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"version": "gemv"}, r"AWQ version 'gemv' is not supported \(gemm\)"),
+    ({"bits": 8}, r"AWQ with 8 bits is not supported"),
+    ({"zero_point": False}, r"AWQ with zero_point false is not supported"),
+], ids=["gemv", "8-bit", "no-zero-point"])
+def test_awq_variants_refused(checkpoints, tmp_path, change, message):
+    ckpt = checkpoints("mixtral")
+    qcfg = {"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True, "version": "gemm", **change}
+    qdir = write_quantized(ckpt.path, tmp_path / "awq", qcfg, lambda n, w: {n: w})
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(qdir)
+
+
+def test_awq_scales_that_do_not_fit_name_the_tensor(checkpoints, tmp_path):
+    ckpt = checkpoints("mixtral")
+    qcfg = {"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True, "version": "gemm"}
+
+    def bad(name, w):
+        p = {k: v for k, v in awq_pack(w, 16).items() if not k.startswith("_")}
+        if name == "model.layers.0.block_sparse_moe.experts.5.w2.weight":
+            p["scales"] = p["scales"][:-1].contiguous()
+        return {f"{name[:-len('.weight')]}.{k}": v for k, v in p.items()}
+
+    qdir = write_quantized(ckpt.path, tmp_path / "awq", qcfg, bad)
+    with pytest.raises(ModelLoadError, match=r"experts\.5\.w2\.scales'.*does not match AWQ gemm qweight"):
+        load_model(qdir)
+
+
 def test_mxfp4_gpt_oss_blocks(checkpoints, tmp_path):
     """gpt-oss's fused ``*_blocks`` / ``*_scales`` expert stacks (interleaved gate / up rows) on a Mixtral-shaped
     model; reference: transformers' ``convert_moe_packed_tensors``."""
@@ -196,8 +254,9 @@ def test_mxfp4_gpt_oss_blocks(checkpoints, tmp_path):
 # --- errors -----------------------------------------------------------------------------------------------------
 def test_unsupported_method_names_the_supported_ones(checkpoints, tmp_path):
     ckpt = checkpoints("qwen3_moe")
-    qdir = write_quantized(ckpt.path, tmp_path / "awq", {"quant_method": "awq", "bits": 4}, lambda n, w: {n: w})
-    with pytest.raises(ModelLoadError, match=r"'awq' is not supported; supported: fp8, compressed-tensors, modelopt, gptq"):
+    qdir = write_quantized(ckpt.path, tmp_path / "hqq", {"quant_method": "hqq", "bits": 4}, lambda n, w: {n: w})
+    with pytest.raises(ModelLoadError, match=r"'hqq' is not supported; supported: fp8, compressed-tensors, modelopt, "
+                                             r"gptq, awq"):
         load_model(qdir)
 
 

@@ -11,6 +11,7 @@ quantized checkpoint into the model; :mod:`.synthetic` makes random quantized ex
 | ``compressed-tensors`` | :mod:`.compressed_tensors` | pack-quantized int4 / int8, NVFP4, MXFP4; float-quantized FP8 |
 | ``modelopt`` | :mod:`.modelopt` | NVIDIA ModelOpt exports (``hf_quant_config.json``): NVFP4, FP8 |
 | ``gptq`` | :mod:`.gptq` | 4-bit GPTQ (``gptq`` and ``gptq_v2`` zero points) |
+| ``awq`` | :mod:`.awq` | 4-bit AWQ, AutoAWQ's GEMM packing |
 | ``mxfp4`` | :mod:`.mxfp4` | gpt-oss ``*_blocks`` / ``*_scales`` expert stacks |
 | ``ferrylm`` | :mod:`.native` | our own fields (GGUF conversions) |
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from ferrylm.errors import ModelLoadError
 
-SUPPORTED_METHODS = ("fp8", "compressed-tensors", "modelopt", "gptq", "mxfp4", "ferrylm")
+SUPPORTED_METHODS = ("fp8", "compressed-tensors", "modelopt", "gptq", "awq", "mxfp4", "ferrylm")
 
 
 def reader_for(config: dict):
@@ -41,6 +42,8 @@ def reader_for(config: dict):
         from ferrylm.models.quant.modelopt import ModelOptReader as cls
     elif method == "gptq":
         from ferrylm.models.quant.gptq import GptqReader as cls
+    elif method == "awq":
+        from ferrylm.models.quant.awq import AwqReader as cls
     elif method == "mxfp4":
         from ferrylm.models.quant.mxfp4 import Mxfp4BlocksReader as cls
     elif method == "ferrylm":
