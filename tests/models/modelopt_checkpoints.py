@@ -38,15 +38,16 @@ def modelopt_available() -> bool:
 
 
 # --- the real exporter ------------------------------------------------------------------------------------------
-def modelopt_export(src: Path, dst: Path, algo: str, kv_cache: bool = False, vocab_size: int = 128) -> Path:
-    """``src`` (a plain tiny HF folder) quantized by ModelOpt (``algo``: ``NVFP4`` or ``FP8``) and exported to
-    ``dst`` with ``export_hf_checkpoint`` (unquantized tensors in float32, as the source)."""
+def modelopt_export(src: Path, dst: Path, cfg_name: str, kv_cache: bool = False, vocab_size: int = 128) -> Path:
+    """``src`` (a plain tiny HF folder) quantized by ModelOpt with its recipe ``cfg_name`` (``NVFP4_DEFAULT_CFG``,
+    ``NVFP4_EXPERTS_ONLY_CFG``, ``W4A16_NVFP4_CFG``, ``FP8_DEFAULT_CFG``, ``FP8_PER_CHANNEL_PER_TOKEN_CFG``) and
+    exported to ``dst`` with ``export_hf_checkpoint`` (unquantized tensors in float32, as the source)."""
     import transformers
     import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_hf_checkpoint
 
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    cfg = copy.deepcopy({"NVFP4": mtq.NVFP4_DEFAULT_CFG, "FP8": mtq.FP8_DEFAULT_CFG}[algo])
+    cfg = copy.deepcopy(getattr(mtq, cfg_name))
     if kv_cache:
         kv = mtq.FP8_KV_CFG["quant_cfg"]
         if isinstance(cfg["quant_cfg"], dict):
@@ -84,10 +85,12 @@ def modelopt_dequant(qdir: Path) -> dict[str, torch.Tensor]:
         if w.dtype == torch.uint8:
             n, kp = w.shape
             qt = NVFP4QTensor(torch.Size((n, 2 * kp)), torch.float32, w)
-            out[prefix + ".weight"] = qt.dequantize(dtype=torch.float32, scale=s, double_scale=sd[prefix + ".weight_scale_2"],
-                                                    block_sizes={-1: 16})
-        else:
-            out[prefix + ".weight"] = FP8QTensor(w.shape, torch.float32, w).dequantize(dtype=torch.float32, scale=s)
+            out[prefix + ".weight"] = qt.dequantize(dtype=torch.float32, scale=s, block_sizes={-1: 16},
+                                                    double_scale=sd[prefix + ".weight_scale_2"])
+        else:  # a per-channel scale [N] is applied per row (ModelOpt's export divides by scale[:, None])
+            scale = s[:, None] if s.dim() == 1 else s
+            out[prefix + ".weight"] = FP8QTensor(w.shape, torch.float32, w).dequantize(dtype=torch.float32,
+                                                                                        scale=scale)
     return out
 
 

@@ -30,24 +30,30 @@ EXPERT = "model.layers.1.mlp.experts.2.up_proj"
 
 
 @needs_modelopt
-@pytest.mark.parametrize("algo", ["NVFP4", "FP8"])
-def test_modelopt_export(checkpoints, tmp_path, algo):
-    """ModelOpt's exporter writes it (FP8 with the FP8 KV-cache quantizers, whose k_scale / v_scale are skipped),
-    ModelOpt's qtensors dequantize it; our documented-layout packer writes the same tensor names, dtypes and
-    shapes."""
+@pytest.mark.parametrize("recipe,algo", [
+    ("NVFP4_DEFAULT_CFG", "NVFP4"),
+    ("NVFP4_EXPERTS_ONLY_CFG", "NVFP4"),  # attention and dense layers left in the model dtype
+    ("W4A16_NVFP4_CFG", "W4A16_NVFP4"),  # weight-only: no input_scale
+    ("FP8_DEFAULT_CFG", "FP8"),  # with the FP8 KV-cache quantizers: k_scale / v_scale, skipped
+    ("FP8_PER_CHANNEL_PER_TOKEN_CFG", "FP8_PER_CHANNEL_PER_TOKEN"),  # weight_scale [N]
+], ids=["nvfp4", "nvfp4-experts-only", "w4a16-nvfp4", "fp8-kv", "fp8-per-channel"])
+def test_modelopt_export(checkpoints, tmp_path, recipe, algo):
+    """ModelOpt's exporter writes it, ModelOpt's qtensors dequantize it; for the two default recipes our
+    documented-layout packer writes the same tensor names, dtypes and shapes."""
     ckpt = checkpoints("qwen3_moe")
-    qdir = modelopt_export(ckpt.path, tmp_path / "modelopt", algo, kv_cache=algo == "FP8",
+    qdir = modelopt_export(ckpt.path, tmp_path / "modelopt", recipe, kv_cache=recipe == "FP8_DEFAULT_CFG",
                            vocab_size=ckpt.vocab_size)
     qcfg = json.loads((qdir / "config.json").read_text())["quantization_config"]
     assert (qcfg["quant_method"], qcfg["quant_algo"]) == ("modelopt", algo)
     assert json.loads((qdir / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == algo
     exported = load_file(str(qdir / "model.safetensors"))
-    assert exported[EXPERT + ".weight"].dtype == (torch.uint8 if algo == "NVFP4" else torch.float8_e4m3fn)
-    if algo == "FP8":
+    assert exported[EXPERT + ".weight"].dtype == (torch.uint8 if "NVFP4" in algo else torch.float8_e4m3fn)
+    if recipe == "FP8_DEFAULT_CFG":
         assert any(n.endswith(".k_scale") for n in exported)
-    ours = load_file(str(layout_export(ckpt.path, tmp_path / "layout", algo)[0] / "model.safetensors"))
-    kept = {n: (t.dtype, tuple(t.shape)) for n, t in exported.items() if not n.endswith((".k_scale", ".v_scale"))}
-    assert kept == {n: (t.dtype, tuple(t.shape)) for n, t in ours.items()}
+    if recipe in ("NVFP4_DEFAULT_CFG", "FP8_DEFAULT_CFG"):
+        ours = load_file(str(layout_export(ckpt.path, tmp_path / "layout", algo)[0] / "model.safetensors"))
+        kept = {n: (t.dtype, tuple(t.shape)) for n, t in exported.items() if not n.endswith((".k_scale", ".v_scale"))}
+        assert kept == {n: (t.dtype, tuple(t.shape)) for n, t in ours.items()}
     check_format(ckpt, qdir, modelopt_dequant(qdir), tmp_path)
 
 
@@ -131,7 +137,7 @@ def test_unsupported_quant_algo(checkpoints, tmp_path, algo):
     hf["quantization"]["quant_algo"] = algo
     (qdir / "hf_quant_config.json").write_text(json.dumps(hf))
     with pytest.raises(ModelLoadError, match=rf"ModelOpt quant_algo '{algo}' is not supported; supported: NVFP4, "
-                                             rf"FP8"):
+                                             rf"W4A16_NVFP4, FP8"):
         load_model(qdir)
 
 

@@ -9,7 +9,7 @@ exporter and dequantize them with those qtensors). The folder holds ``hf_quant_c
 the first into the second. Each quantized linear ``W [N, K]`` (per expert for MoE layers:
 ``...experts.E.{gate,up,down}_proj``) stores:
 
-* ``quant_algo: NVFP4`` (group 16): ``weight`` uint8 ``[N, K / 2]`` (two e2m1 codes a byte, low nibble first),
+* ``quant_algo: NVFP4`` (group 16; ``W4A16_NVFP4``, weight-only, the same without ``input_scale``): ``weight`` uint8 ``[N, K / 2]`` (two e2m1 codes a byte, low nibble first),
   ``weight_scale`` float8_e4m3fn ``[N, K / 16]``, ``weight_scale_2`` float32 ``[]`` (per-tensor), value
   ``e2m1 * float(weight_scale) * weight_scale_2``;
 * ``quant_algo: FP8``: ``weight`` float8_e4m3fn ``[N, K]``, ``weight_scale`` float32 ``[]``, value
@@ -38,7 +38,7 @@ from ferrylm.models.quant.fp8 import fp8_tensor
 from ferrylm.models.quant.nvfp4 import FORMAT as NVFP4_FORMAT, GROUP as NVFP4_GROUP, nvfp4_tensor
 
 #: quant_algo -> what it is read as
-ALGOS = {"NVFP4": "nvfp4", "FP8": "tensor", "FP8_PER_CHANNEL_PER_TOKEN": "channel"}
+ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8": "tensor", "FP8_PER_CHANNEL_PER_TOKEN": "channel"}
 #: non-weight tensors of a ModelOpt export that ferrylm does not use (FP8 KV-cache scales)
 SKIPPED_SUFFIXES = (".k_scale", ".v_scale")
 
