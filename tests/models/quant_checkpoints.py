@@ -173,24 +173,38 @@ def ct_quantizer(kind: str, **kw):
 
 
 # --- GPTQ (our packer; AutoGPTQ's layout) --------------------------------------------------------------------------
-def gptq_pack(w: torch.Tensor, group: int, v2: bool = False) -> dict[str, torch.Tensor]:
+def gptq_pack(w: torch.Tensor, group: int, v2: bool = False, g_idx: torch.Tensor | None = None
+              ) -> dict[str, torch.Tensor]:
     """Quantize ``w [N, K]`` asymmetrically per ``group`` inputs (min/max, 4 bits) and pack it the AutoGPTQ way:
     ``qweight [K/8, N]`` int32 (input ``k`` at bits ``4 (k % 8)`` of row ``k // 8``), ``qzeros [G, N/8]`` (output
-    ``n`` at bits ``4 (n % 8)``, storing ``z - 1`` unless ``v2``), ``scales [G, N]`` float16, ``g_idx [K]``."""
+    ``n`` at bits ``4 (n % 8)``, storing ``z - 1`` unless ``v2``), ``scales [G, N]`` float16, ``g_idx [K]``.
+    ``g_idx`` (act-order, :func:`act_order_g_idx`): input ``k`` belongs to group ``g_idx[k]`` instead of ``k //
+    group`` (AutoGPTQ's desc_act layout: the inputs stay in their order, the groups are scattered)."""
     n, k = w.shape
     g = k // group
-    blocks = w.float().reshape(n, g, group)
-    lo, hi = blocks.amin(-1).clamp(max=0), blocks.amax(-1).clamp(min=0)
+    gi = torch.arange(k) // group if g_idx is None else g_idx.long()
+    wf = w.float()
+    lo = torch.stack([wf[:, gi == j].amin(-1) for j in range(g)], -1).clamp(max=0)  # [N, G]
+    hi = torch.stack([wf[:, gi == j].amax(-1) for j in range(g)], -1).clamp(min=0)
     scale = ((hi - lo) / 15).clamp(min=1e-8).half()  # [N, G]
     z = torch.round(-lo / scale.float()).clamp(0, 15)
-    q = torch.round(blocks / scale.float()[..., None] + z[..., None]).clamp(0, 15).to(torch.int64).reshape(n, k)
+    q = torch.round(wf / scale.float()[:, gi] + z[:, gi]).clamp(0, 15).to(torch.int64)  # [N, K]
     qt = q.t().reshape(k // 8, 8, n)  # [K/8, 8, N]
     qweight = sum(qt[:, j] << (4 * j) for j in range(8))
     zs = (z.to(torch.int64) - (0 if v2 else 1)).t().reshape(g, n // 8, 8)  # [G, N/8, 8]
     qzeros = sum(zs[..., j] << (4 * j) for j in range(8))
     to32 = lambda t: torch.from_numpy(t.numpy().astype(np.uint32).view(np.int32))  # noqa: E731
     return {"qweight": to32(qweight), "qzeros": to32(qzeros), "scales": scale.t().contiguous(),
-            "g_idx": (torch.arange(k) // group).to(torch.int32)}
+            "g_idx": gi.to(torch.int32)}
+
+
+def act_order_g_idx(k: int, group: int, seed: int = 0) -> torch.Tensor:
+    """A desc_act ``g_idx [K]``: the inputs in a random order (GPTQ's order of decreasing Hessian diagonal), the
+    ``j``-th of that order in group ``j // group``."""
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[perm] = (torch.arange(k) // group).to(torch.int32)
+    return g_idx
 
 
 def gptq_reference_dequant(parts: dict[str, torch.Tensor], v2: bool = False) -> torch.Tensor:

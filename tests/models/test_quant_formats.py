@@ -15,7 +15,8 @@ import pytest
 import torch
 from tests.experts.helpers import greedy_trace, options
 from tests.models.hf_checkpoints import token_ids
-from tests.models.quant_checkpoints import (autoawq_modules, awq_pack, awq_reference_dequant, ct_quantizer,
+from tests.models.quant_checkpoints import (act_order_g_idx, autoawq_modules, awq_pack, awq_reference_dequant,
+                                             ct_quantizer,
                                              dense_reference, fp8_quantizer, gptq_pack, gptq_reference_dequant,
                                              is_expert, is_quantized_linear, mxfp4_blocks_pack, write_quantized)
 from tests.models.test_parity import full_logits
@@ -152,6 +153,39 @@ def test_gptq(checkpoints, tmp_path, v2):
     qdir = write_quantized(ckpt.path, tmp_path / "gptq", qcfg, quantize)
     reference = {name: gptq_reference_dequant(p, v2=v2) for name, p in packed.items()}
     check_format(ckpt, qdir, reference, tmp_path)
+
+
+def test_gptq_act_order_dense_model(checkpoints, tmp_path):
+    """desc_act GPTQ (scattered groups, ``g_idx``) on a dense model: every linear dequantized through ``g_idx``;
+    logits against transformers' model on the reference dequantization (AutoGPTQ's formula)."""
+    ckpt = checkpoints("llama")
+    qcfg = {"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": True, "sym": False}
+    packed: dict[str, dict] = {}
+
+    def quantize(name, w):
+        packed[name] = gptq_pack(w, 16, g_idx=act_order_g_idx(w.shape[1], 16, seed=len(packed)))
+        return {f"{name[:-len('.weight')]}.{k}": v for k, v in packed[name].items()}
+
+    qdir = write_quantized(ckpt.path, tmp_path / "gptq", qcfg, quantize)
+    assert any(not torch.equal(p["g_idx"].long(), torch.arange(p["g_idx"].numel()) // 16) for p in packed.values())
+    reference = {name: gptq_reference_dequant(p) for name, p in packed.items()}
+    loaded = load_model(qdir)
+    ids = token_ids(24, ckpt.vocab_size, seed=2)
+    with torch.no_grad():
+        want = dense_reference(ckpt.path, tmp_path / "dequantized", reference)(input_ids=ids[None]).logits[0]
+    err = (full_logits(loaded.model, ids) - want.float()).abs().max().item()
+    assert err <= LOGIT_TOL, f"logits differ from the reference model by {err:.2e}"
+
+
+def test_gptq_act_order_experts_refused_with_the_reason(checkpoints, tmp_path):
+    ckpt = checkpoints("qwen3_moe")
+    qcfg = {"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": True, "sym": False}
+    qdir = write_quantized(ckpt.path, tmp_path / "gptq", qcfg,
+                           lambda name, w: {f"{name[:-len('.weight')]}.{k}": v for k, v in
+                                            gptq_pack(w, 16, g_idx=act_order_g_idx(w.shape[1], 16)).items()})
+    with pytest.raises(ModelLoadError, match=r"experts\.\d+\.(gate|up|down)_proj\.g_idx: act-order \(desc_act\) GPTQ "
+                                             r"routed experts are not supported: their groups are not contiguous"):
+        load_model(qdir)
 
 
 def test_awq_gemm(checkpoints, tmp_path):
