@@ -22,9 +22,11 @@ from tests.models.quant_checkpoints import (act_order_g_idx, autoawq_modules, aw
 from tests.models.test_parity import full_logits
 from safetensors.torch import load_file
 
+from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.quantized import QuantTensor
 from ferrylm.models.loader import load_model
+from ferrylm.models.quant import planned_expert_quant
 
 LOGIT_TOL = 1e-4
 BACKENDS = ("offload", "cpu", "hybrid")
@@ -122,6 +124,9 @@ def test_compressed_tensors(checkpoints, tmp_path, kind, kw, exact):
     qcfg, quantize, decompress = ct_quantizer(kind, **kw)
     qdir = write_quantized(ckpt.path, tmp_path / "ct", qcfg, quantize)
     sd = load_file(str(qdir / "model.safetensors"))
+    planned = planned_expert_quant(ModelConfig.from_folder(qdir).raw)  # what `--moe-backend auto` plans is what loads
+    le = load_model(qdir).executor.layers[1]
+    assert (planned.gate_up, planned.down) == (le.gate.fmt, le.down.fmt)
     marker = ".weight_scale" if kind == "fp8" else ".weight_packed"
     reference = {p[:-len(marker)] + ".weight": decompress(p[:-len(marker)], sd) for p in sd if p.endswith(marker)}
     assert reference

@@ -165,12 +165,14 @@ def test_hf_quant_config_fills_a_modelopt_quantization_config(checkpoints, tmp_p
                                                                                     ["lm_head"])
 
 
-def test_planned_quant_matches_the_loaded_nvfp4(checkpoints, tmp_path):
-    """`--moe-backend auto` sizes experts from the config before loading (hf_quant_config.json included)."""
+@pytest.mark.parametrize("algo", ["NVFP4", "FP8"])
+def test_planned_quant_matches_the_loaded(checkpoints, tmp_path, algo):
+    """`--moe-backend auto` sizes experts from the config before loading (hf_quant_config.json included); FP8 per
+    tensor has group K: H for gate / up, I for down."""
     from ferrylm.config import ModelConfig
     from ferrylm.models.quant import planned_expert_quant
 
-    qdir, _ = layout_export(checkpoints("qwen3_moe").path, tmp_path / "q", "NVFP4")
+    qdir, _ = layout_export(checkpoints("qwen3_moe").path, tmp_path / "q", algo)
     planned = planned_expert_quant(ModelConfig.from_folder(qdir).raw)
     le = load_model(qdir).executor.layers[1]
     assert (planned.gate_up, planned.down) == (le.gate.fmt, le.down.fmt)

@@ -71,4 +71,8 @@ def planned_expert_quant(config: dict):
 
         return SYNTHETIC_FORMATS[recipe["quant"]]
     reader = reader_for(config)
-    return reader.planned() if reader is not None else None
+    if reader is None:
+        return None
+    hidden = config.get("hidden_size")
+    inter = config.get("moe_intermediate_size") or config.get("intermediate_size")
+    return reader.planned_for(int(hidden), int(inter)) if hidden and inter else reader.planned()

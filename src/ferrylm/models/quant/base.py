@@ -59,6 +59,11 @@ class QuantReader:
         None when it cannot be told."""
         return None
 
+    def planned_for(self, hidden: int, inter: int):
+        """:meth:`planned` for experts of ``hidden`` (``H``) and ``inter`` (``I``) sizes: readers whose group follows
+        ``K`` (one scale per row: gate / up group ``H``, down group ``I``) override it."""
+        return self.planned()
+
     def gate_up_rows(self, prefix: str) -> str:
         """How a fused ``gate_up_proj`` module of this format orders its rows: ``"halves"`` (gate rows, then up
         rows: transformers' fused layout) or ``"interleaved"`` (gate, up, gate, up: gpt-oss)."""

@@ -26,15 +26,18 @@ Repacks (no value changes): int 4-bit -> ``int4`` (the packed bytes are already 
 NVFP4 -> ``fp4`` group 16 with fp8 scales and ``row_scale = 1 / global_scale`` (one float32 rounding: the
 reference divides, we multiply, so values agree to float32 rounding; :mod:`.nvfp4`, shared with ModelOpt's NVFP4);
 MXFP4 -> ``fp4`` group 32 with the E8M0 scales as bfloat16 (exact); float-quantized -> ``fp8`` (group ``K`` for
-tensor and channel, ``bk`` for block, the group size for group, float32 scales: :func:`~ferrylm.models.quant.fp8.fp8_tensor`, exact).
+tensor and channel, ``bk`` for block, the group size for group, float32 scales:
+:func:`~ferrylm.models.quant.fp8.fp8_tensor`, exact).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ferrylm.errors import ModelLoadError
-from ferrylm.experts.quantized import QuantFormat, QuantTensor
+from ferrylm.experts.quantized import ExpertQuant, QuantFormat, QuantTensor
 from ferrylm.models.quant.base import QuantReader, e8m0_to_bf16, expect_shape, int32_bytes, need, nibbles, same
 from ferrylm.models.quant.fp8 import FP8_STRATEGIES, fp8_tensor
 from ferrylm.models.quant.nvfp4 import FORMAT as NVFP4_FORMAT, nvfp4_tensor
@@ -122,6 +125,12 @@ class CompressedTensorsReader(QuantReader):
         if self.symmetric:
             return same(QuantFormat(kind, group, torch.bfloat16))
         return same(QuantFormat(kind, group, torch.float32, mins=True))
+
+    def planned_for(self, hidden: int, inter: int):
+        planned = self.planned()
+        if self.strategy not in ("tensor", "channel"):
+            return planned
+        return ExpertQuant(replace(planned.gate_up, group=hidden), replace(planned.down, group=inter))
 
     def decode(self, prefix: str, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> QuantTensor:
         if self.format == "pack-quantized":

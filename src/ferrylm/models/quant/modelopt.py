@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from ferrylm.errors import ModelLoadError
-from ferrylm.experts.quantized import QuantFormat, QuantTensor
+from ferrylm.experts.quantized import ExpertQuant, QuantFormat, QuantTensor
 from ferrylm.models.quant.base import QuantReader, need, same
 from ferrylm.models.quant.fp8 import fp8_tensor
 from ferrylm.models.quant.nvfp4 import FORMAT as NVFP4_FORMAT, GROUP as NVFP4_GROUP, nvfp4_tensor
@@ -81,6 +81,11 @@ class ModelOptReader(QuantReader):
         if self.kind == "nvfp4":
             return same(NVFP4_FORMAT)
         return same(QuantFormat("fp8", 128, torch.float32))  # group = K (unknown here): scales are a few bytes
+
+    def planned_for(self, hidden: int, inter: int):
+        if self.kind == "nvfp4":
+            return self.planned()
+        return ExpertQuant(QuantFormat("fp8", hidden, torch.float32), QuantFormat("fp8", inter, torch.float32))
 
     def skip(self, name: str) -> bool:
         return name.endswith(SKIPPED_SUFFIXES)
