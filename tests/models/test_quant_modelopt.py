@@ -186,3 +186,18 @@ def test_ferry_models_lists_the_formats():
     assert "modelopt NVFP4" in text and "modelopt FP8" in text and "compressed-tensors float-quantized" in text
     for method in SUPPORTED_METHODS:
         assert method == "ferrylm" or any(line.startswith(method) for line in CHECKPOINT_FORMATS), method
+
+
+def test_hf_quant_config_without_quantization_names_the_file(checkpoints, tmp_path):
+    qdir, _ = layout_export(checkpoints("qwen3_moe").path, tmp_path / "q", "FP8")
+    (qdir / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}}))
+    with pytest.raises(ModelLoadError, match=r"hf_quant_config\.json has no 'quantization' object"):
+        load_model(qdir)
+
+
+def test_hf_quant_config_beside_another_method_is_not_read(tmp_path):
+    from ferrylm.config import _with_hf_quant_config
+
+    (tmp_path / "hf_quant_config.json").write_text("not json")
+    d = {"quantization_config": {"quant_method": "compressed-tensors"}}
+    assert _with_hf_quant_config(d, tmp_path) is d
