@@ -201,3 +201,14 @@ def test_hf_quant_config_beside_another_method_is_not_read(tmp_path):
     (tmp_path / "hf_quant_config.json").write_text("not json")
     d = {"quantization_config": {"quant_method": "compressed-tensors"}}
     assert _with_hf_quant_config(d, tmp_path) is d
+
+
+def test_non_finite_weight_scale_2_names_tensor(checkpoints, tmp_path):
+    def inf(p):
+        p["weight_scale_2"] = torch.tensor(float("inf"))
+        return p
+
+    qdir = _broken(checkpoints, tmp_path, "NVFP4", inf)
+    with pytest.raises(ModelLoadError, match=r"experts\.2\.up_proj\.weight_scale_2' \(ModelOpt NVFP4 per-tensor "
+                                             r"scale\) is inf; expected a finite value"):
+        load_model(qdir)

@@ -39,8 +39,8 @@ def nvfp4_tensor(prefix: str, parts: dict[str, torch.Tensor], *, data: str, scal
 
     Raises:
         ModelLoadError: a part missing or of the wrong dtype, group scales whose shape is not
-            ``[..., N, K / 16]``, a per-tensor scale with more than one value, or one that is zero or not finite
-            (the message names the tensor and the format).
+            ``[..., N, K / 16]``, a per-tensor scale with more than one value, one that is not finite, or a zero
+            divisor (the message names the tensor and the format).
     """
     packed = need(parts, prefix, data, (torch.uint8,), what)
     if packed.dim() < 2:
@@ -59,8 +59,8 @@ def nvfp4_tensor(prefix: str, parts: dict[str, torch.Tensor], *, data: str, scal
         raise ModelLoadError(f"checkpoint tensor {prefix + global_scale!r} ({what} per-tensor scale): "
                              f"{gs.numel()} values (shape {list(gs.shape)}); expected 1")
     g = gs.reshape(1).float()
-    if not bool(torch.isfinite(g).all()) or float(g) == 0.0:
+    if not bool(torch.isfinite(g).all()) or (divide and float(g) == 0.0):  # a zero multiplier: an all-zero weight
         raise ModelLoadError(f"checkpoint tensor {prefix + global_scale!r} ({what} per-tensor scale) is "
-                             f"{float(g)}; expected a finite non-zero value")
+                             f"{float(g)}; expected a finite{' non-zero' if divide else ''} value")
     row = (1.0 / g if divide else g).expand(*lead, n).contiguous()
     return QuantTensor(FORMAT, packed.contiguous(), s.contiguous(), row_scale=row, dtype=dtype)
