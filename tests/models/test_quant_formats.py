@@ -354,3 +354,21 @@ def test_float_quantized_schemes_refused(checkpoints, tmp_path, change, message)
     qdir = write_quantized(ckpt.path, tmp_path / "ct", qcfg, quantize)
     with pytest.raises(ModelLoadError, match=message):
         load_model(qdir)
+
+
+def test_float_quantized_block_linear_with_edge_blocks_dequantizes_as_compressed_tensors():
+    """A block-scaled linear outside the experts whose N and K are not multiples of the block (edge blocks cut):
+    our dequantization against compressed-tensors' own ``decompress``."""
+    from tests.models.quant_checkpoints import ct_compressor, ct_scheme
+
+    from ferrylm.models.quant.compressed_tensors import CompressedTensorsReader
+
+    scheme, fmt = ct_scheme("fp8", strategy="block", block=(16, 16))
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(20, 40, generator=gen).to(torch.float8_e4m3fn)
+    s = (torch.rand(2, 3, generator=gen) + 0.5).to(torch.bfloat16)
+    want = ct_compressor(fmt).decompress({"weight": w, "weight_scale": s.float()}, scheme)["weight"]
+    qcfg = {"quant_method": "compressed-tensors", "format": fmt,
+            "config_groups": {"group_0": json.loads(scheme.model_dump_json())}}
+    got = CompressedTensorsReader(qcfg).dequantize("lin", {".weight": w, ".weight_scale": s}, torch.float32)
+    assert got.shape == (20, 40) and torch.equal(got, want)

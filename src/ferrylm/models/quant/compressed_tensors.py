@@ -39,7 +39,7 @@ import torch
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.quantized import ExpertQuant, QuantFormat, QuantTensor
 from ferrylm.models.quant.base import QuantReader, e8m0_to_bf16, expect_shape, int32_bytes, need, nibbles, same
-from ferrylm.models.quant.fp8 import FP8_STRATEGIES, fp8_tensor
+from ferrylm.models.quant.fp8 import FP8_STRATEGIES, fp8_block_dense, fp8_tensor
 from ferrylm.models.quant.nvfp4 import FORMAT as NVFP4_FORMAT, nvfp4_tensor
 
 FORMATS = ("pack-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized", "float-quantized", "naive-quantized")
@@ -136,13 +136,7 @@ class CompressedTensorsReader(QuantReader):
         if self.format == "pack-quantized":
             return self._decode_int(prefix, parts, dtype)
         if self.format in FLOAT_FORMATS:
-            if ".weight_zero_point" in parts and bool(parts[".weight_zero_point"].ne(0).any()):
-                raise ModelLoadError(f"checkpoint tensor {prefix + '.weight_zero_point'!r}: non-zero FP8 zero "
-                                     f"points are not supported (compressed-tensors {self.format})")
-            what = f"compressed-tensors {self.format} {self.strategy}"
-            w = need(parts, prefix, ".weight", (torch.float8_e4m3fn,), what)
-            s = need(parts, prefix, ".weight_scale", _FLOATS, what)
-            block = self.block or ((1, int(self.group_size)) if self.strategy == "group" else None)
+            w, s, block, what = self._float_parts(prefix, parts)
             return fp8_tensor(prefix, w, s, ".weight_scale", self.strategy, block, dtype, what)
         packed = need(parts, prefix, ".weight_packed", (torch.uint8,))
         n, k = packed.shape[0], packed.shape[1] * 2
@@ -157,6 +151,28 @@ class CompressedTensorsReader(QuantReader):
         expect_shape(s, (n, k // group), prefix + ".weight_scale", f"its weight [{n}, {k}] in groups of 32")
         return QuantTensor(QuantFormat("fp4", 32, torch.bfloat16), packed.contiguous(), e8m0_to_bf16(s),
                            dtype=dtype)
+
+    def _float_parts(self, prefix: str, parts: dict[str, torch.Tensor]):
+        """``(weight, scale, block or None, format name)`` of a float-quantized module, dtypes checked."""
+        if ".weight_zero_point" in parts and bool(parts[".weight_zero_point"].ne(0).any()):
+            raise ModelLoadError(f"checkpoint tensor {prefix + '.weight_zero_point'!r}: non-zero FP8 zero points "
+                                 f"are not supported (compressed-tensors {self.format})")
+        what = f"compressed-tensors {self.format} {self.strategy}"
+        w = need(parts, prefix, ".weight", (torch.float8_e4m3fn,), what)
+        s = need(parts, prefix, ".weight_scale", _FLOATS, what)
+        block = self.block or ((1, int(self.group_size)) if self.strategy == "group" else None)
+        return w, s, block, what
+
+    def dequantize(self, prefix: str, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """As the base class; a block-scaled FP8 linear whose ``K`` is not a multiple of the block is cut at its
+        edge blocks (it is never a routed expert's format, so any ``K`` is fine)."""
+        if self.format in FLOAT_FORMATS and self.strategy == "block":
+            w, s, block, what = self._float_parts(prefix, parts)
+            *lead, n, k = w.shape
+            expect_shape(s, (*lead, -(-n // block[0]), -(-k // block[1])), prefix + ".weight_scale",
+                         f"its {what} weight {list(w.shape)} in {block[0]}x{block[1]} blocks")
+            return fp8_block_dense(w, s, block, dtype)
+        return super().dequantize(prefix, parts, dtype)
 
     def _decode_int(self, prefix: str, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> QuantTensor:
         b = self.bits

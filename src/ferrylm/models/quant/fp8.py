@@ -64,9 +64,16 @@ class Fp8BlockReader(QuantReader):
 
     def dequantize(self, prefix: str, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         w, s = self._parts(prefix, parts)
-        n, k = w.shape[-2:]
-        full = s.float().repeat_interleave(self.bn, -2).repeat_interleave(self.bk, -1)[..., :n, :k]
-        return (w.float() * full).to(dtype)
+        return fp8_block_dense(w, s, (self.bn, self.bk), dtype)
+
+
+def fp8_block_dense(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """``float(w) * s`` of a block-scaled FP8 weight ``[..., N, K]`` (scales ``[..., ceil(N / bn), ceil(K / bk)]``,
+    already checked) in ``dtype``, edge blocks cut: the plain weight of a linear outside the routed experts, whose
+    ``K`` need not be a multiple of ``bk``."""
+    n, k = w.shape[-2:]
+    full = s.float().repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)[..., :n, :k]
+    return (w.float() * full).to(dtype)
 
 
 FP8_STRATEGIES = ("tensor", "channel", "block", "group")
