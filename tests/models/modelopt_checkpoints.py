@@ -76,6 +76,7 @@ def modelopt_dequant(qdir: Path) -> dict[str, torch.Tensor]:
     from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
 
     sd = load_file(str(qdir / "model.safetensors"))
+    algo = json.loads((qdir / "hf_quant_config.json").read_text())["quantization"]["quant_algo"]
     out = {}
     for name, s in sd.items():
         if not name.endswith(".weight_scale"):
@@ -87,6 +88,11 @@ def modelopt_dequant(qdir: Path) -> dict[str, torch.Tensor]:
             qt = NVFP4QTensor(torch.Size((n, 2 * kp)), torch.float32, w)
             out[prefix + ".weight"] = qt.dequantize(dtype=torch.float32, scale=s, block_sizes={-1: 16},
                                                     double_scale=sd[prefix + ".weight_scale_2"])
+        elif algo.upper() == "FP8_PB_WO":  # 128x128 blocks; the stored [N/128, 1, K/128, 1] as [N/128, K/128]
+            n, k = w.shape
+            scale = s.reshape(-(-n // 128), -(-k // 128))
+            out[prefix + ".weight"] = FP8QTensor(w.shape, torch.float32, w).dequantize(
+                dtype=torch.float32, scale=scale, block_sizes={-1: 128, -2: 128})
         else:  # a per-channel scale [N] is applied per row (ModelOpt's export divides by scale[:, None])
             scale = s[:, None] if s.dim() == 1 else s
             out[prefix + ".weight"] = FP8QTensor(w.shape, torch.float32, w).dequantize(dtype=torch.float32,
@@ -158,3 +164,22 @@ def layout_export(src: Path, dst: Path, algo: str, mutate=None) -> tuple[Path, d
     (dst / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt", "version": "0.47.0"},
                                                           "quantization": quant}))
     return dst, reference
+
+
+def block_checkpoint(path: Path):
+    """A Qwen3-MoE of 128-multiples (``H = 256``, ``I = 384``, 4 experts, 2 layers) for ModelOpt's FP8 128x128
+    blocks, as :class:`tests.models.hf_checkpoints.Checkpoint` (built like the tiny cases)."""
+    import transformers
+
+    from tests.models.hf_checkpoints import _COMMON, Checkpoint, _randomize_
+
+    cfg = transformers.Qwen3MoeConfig(**{**_COMMON, **dict(
+        vocab_size=160, hidden_size=256, intermediate_size=384, moe_intermediate_size=384, num_hidden_layers=2,
+        head_dim=64, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})})
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    _randomize_(model, 5)
+    model.eval()
+    model.save_pretrained(path)
+    return Checkpoint(path=path, reference=model, vocab_size=cfg.vocab_size)

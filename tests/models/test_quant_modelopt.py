@@ -18,7 +18,8 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from tests.models.modelopt_checkpoints import layout_export, modelopt_available, modelopt_dequant, modelopt_export
+from tests.models.modelopt_checkpoints import (block_checkpoint, layout_export, modelopt_available, modelopt_dequant,
+                                               modelopt_export)
 from tests.models.test_quant_formats import check_format
 
 from ferrylm.errors import ModelLoadError
@@ -54,6 +55,21 @@ def test_modelopt_export(checkpoints, tmp_path, recipe, algo):
         ours = load_file(str(layout_export(ckpt.path, tmp_path / "layout", algo)[0] / "model.safetensors"))
         kept = {n: (t.dtype, tuple(t.shape)) for n, t in exported.items() if not n.endswith((".k_scale", ".v_scale"))}
         assert kept == {n: (t.dtype, tuple(t.shape)) for n, t in ours.items()}
+    check_format(ckpt, qdir, modelopt_dequant(qdir), tmp_path)
+
+
+@needs_modelopt
+def test_modelopt_export_fp8_128x128_blocks(tmp_path):
+    """FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG (quant_algo fp8_pb_wo) on a model of 128-multiples: block scales stored as
+    [N/128, 1, K/128, 1]."""
+    ckpt = block_checkpoint(tmp_path / "src")
+    qdir = modelopt_export(ckpt.path, tmp_path / "modelopt", "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG",
+                           vocab_size=ckpt.vocab_size)
+    assert json.loads((qdir / "config.json").read_text())["quantization_config"]["quant_algo"] == "fp8_pb_wo"
+    scale = load_file(str(qdir / "model.safetensors"))["model.layers.1.mlp.experts.2.down_proj.weight_scale"]
+    assert tuple(scale.shape) == (2, 1, 3, 1)
+    fmt = load_model(qdir).executor.layers[1].down.fmt
+    assert (fmt.kind, fmt.group) == ("fp8", 128)
     check_format(ckpt, qdir, modelopt_dequant(qdir), tmp_path)
 
 
@@ -137,7 +153,7 @@ def test_unsupported_quant_algo(checkpoints, tmp_path, algo):
     hf["quantization"]["quant_algo"] = algo
     (qdir / "hf_quant_config.json").write_text(json.dumps(hf))
     with pytest.raises(ModelLoadError, match=rf"ModelOpt quant_algo '{algo}' is not supported; supported: NVFP4, "
-                                             rf"W4A16_NVFP4, FP8"):
+                                             rf"W4A16_NVFP4, FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO"):
         load_model(qdir)
 
 

@@ -14,6 +14,9 @@ the first into the second. Each quantized linear ``W [N, K]`` (per expert for Mo
   ``e2m1 * float(weight_scale) * weight_scale_2``;
 * ``quant_algo: FP8``: ``weight`` float8_e4m3fn ``[N, K]``, ``weight_scale`` float32 ``[]``, value
   ``float(weight) * weight_scale``; ``FP8_PER_CHANNEL_PER_TOKEN``: ``weight_scale`` ``[N]``, one per output row;
+  ``FP8_PB_WO`` (2D blocks of 128 x 128, weight-only): ``weight_scale`` of ``ceil(N / 128) * ceil(K / 128)``
+  values, stored with the kept block dims ``[N / 128, 1, K / 128, 1]`` (``[]`` for a single block), read as
+  ``[ceil(N / 128), ceil(K / 128)]``;
 * ``input_scale`` float32 ``[]``: the static activation scale of the W4A4 / W8A8 kernels. ferrylm computes
   weight-only (activations stay in the model dtype), so it is read (checked to be one float32 value) and ignored;
 * with ``kv_cache_quant_algo: FP8``, ``k_scale`` / ``v_scale`` of the attention: ferrylm's KV cache stays in the
@@ -23,8 +26,8 @@ Repack (no value changes): NVFP4 -> ``fp4`` group 16, fp8 scales, ``row_scale = 
 of compressed-tensors' NVFP4, :func:`~ferrylm.models.quant.nvfp4.nvfp4_tensor`: ModelOpt's dequantization
 multiplies the same two float32 factors first, so the values are its own bit for bit); FP8 -> ``fp8`` group ``K``
 with the per-tensor (or per-row) scale repeated over the rows (:func:`~ferrylm.models.quant.fp8.fp8_tensor`,
-exact). Other ``quant_algo`` values (``MIXED_PRECISION``, ``W4A16_AWQ``, ``NVFP4_AWQ``, ``FP8_PB_WO``, ...) are
-refused by name.
+exact; FP8_PB_WO: group 128, each block scale repeated over its 128 rows). Other ``quant_algo`` values
+(``MIXED_PRECISION``, ``W4A16_AWQ``, ``NVFP4_AWQ``, ``MXFP8``, ...) are refused by name.
 """
 
 from __future__ import annotations
@@ -34,11 +37,14 @@ import torch
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.quantized import ExpertQuant, QuantFormat, QuantTensor
 from ferrylm.models.quant.base import QuantReader, need, same
-from ferrylm.models.quant.fp8 import fp8_tensor
+from ferrylm.models.quant.fp8 import fp8_block_dense, fp8_tensor
 from ferrylm.models.quant.nvfp4 import FORMAT as NVFP4_FORMAT, GROUP as NVFP4_GROUP, nvfp4_tensor
 
 #: quant_algo -> what it is read as
-ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8": "tensor", "FP8_PER_CHANNEL_PER_TOKEN": "channel"}
+ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8": "tensor", "FP8_PER_CHANNEL_PER_TOKEN": "channel",
+         "FP8_PB_WO": "block"}
+#: FP8_PB_WO's block (ModelOpt's FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG: block_sizes {-1: 128, -2: 128})
+PB_BLOCK = (128, 128)
 #: non-weight tensors of a ModelOpt export that ferrylm does not use (FP8 KV-cache scales)
 SKIPPED_SUFFIXES = (".k_scale", ".v_scale")
 
@@ -80,10 +86,10 @@ class ModelOptReader(QuantReader):
     def planned(self):
         if self.kind == "nvfp4":
             return same(NVFP4_FORMAT)
-        return same(QuantFormat("fp8", 128, torch.float32))  # group = K (unknown here): scales are a few bytes
+        return same(QuantFormat("fp8", PB_BLOCK[1] if self.kind == "block" else 128, torch.float32))  # else K
 
     def planned_for(self, hidden: int, inter: int):
-        if self.kind == "nvfp4":
+        if self.kind in ("nvfp4", "block"):
             return self.planned()
         return ExpertQuant(QuantFormat("fp8", hidden, torch.float32), QuantFormat("fp8", inter, torch.float32))
 
@@ -101,9 +107,29 @@ class ModelOptReader(QuantReader):
         if ".weight_scale_2" in parts:
             raise ModelLoadError(f"checkpoint tensor {prefix + '.weight_scale_2'!r}: a second weight scale is not "
                                  f"part of {self.what} (is the checkpoint NVFP4 or a mixed one?)")
+        w, s = self._fp8_parts(prefix, parts)
+        return fp8_tensor(prefix, w, s, ".weight_scale", self.kind, PB_BLOCK, dtype, self.what)
+
+    def dequantize(self, prefix: str, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """As the base class; FP8_PB_WO linears outside the experts may end in partial blocks (cut)."""
+        if self.kind != "block":
+            return super().dequantize(prefix, parts, dtype)
+        w, s = self._fp8_parts(prefix, parts)
+        return fp8_block_dense(w, s, PB_BLOCK, dtype)
+
+    def _fp8_parts(self, prefix: str, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The FP8 weight and its scale (FP8_PB_WO's block scales as ``[ceil(N / 128), ceil(K / 128)]``)."""
         w = need(parts, prefix, ".weight", (torch.float8_e4m3fn,), self.what)
         s = need(parts, prefix, ".weight_scale", (torch.float32, torch.bfloat16, torch.float16), self.what)
-        return fp8_tensor(prefix, w, s, ".weight_scale", self.kind, None, dtype, self.what)
+        if self.kind == "block":
+            n, k = w.shape[-2:]
+            blocks = (-(-n // PB_BLOCK[0]), -(-k // PB_BLOCK[1]))
+            if w.dim() != 2 or s.numel() != blocks[0] * blocks[1]:
+                raise ModelLoadError(f"checkpoint tensor {prefix + '.weight_scale'!r} ({self.what}): shape "
+                                     f"{list(s.shape)} does not hold the {blocks[0]}x{blocks[1]} block scales of its "
+                                     f"weight {list(w.shape)} in {PB_BLOCK[0]}x{PB_BLOCK[1]} blocks")
+            s = s.reshape(blocks)
+        return w, s
 
 
 def _group_of(qcfg: dict) -> int | None:
