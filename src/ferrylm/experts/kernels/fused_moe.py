@@ -178,6 +178,21 @@ def align_small(topk_ids: torch.Tensor, num_experts: int, block_m: int, used_exp
 
 
 @triton.jit
+def _block_expert(bexp_ptr, slot_ptr, off_ptr, pid_m, HAS_SLOTS: tl.constexpr, HAS_OFF: tl.constexpr):
+    """``(e, d)`` of row block ``pid_m``: the row index ``e`` of its expert in the weight views (through ``slot_of``
+    when given) and, with ``row_offset``, ``e = 1`` and ``d`` the expert's byte offset (the caller turns ``d`` into
+    each field's stride, so ``e * stride`` lands on the expert's row wherever it lives); else ``d = 0``."""
+    e = tl.load(bexp_ptr + pid_m).to(tl.int64)
+    if HAS_SLOTS:
+        e = tl.load(slot_ptr + e).to(tl.int64)
+    d = e * 0
+    if HAS_OFF:
+        d = tl.load(off_ptr + e).to(tl.int64)
+        e = d * 0 + 1
+    return e, d
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr, off_ptr,
                     num_assign, N, K, top_k, stride_xt, stride_ht,
                     wg_ptr, sg_ptr, mg_ptr, rg_ptr, stride_ge, stride_gn, stride_gk, sgse, sgsn, sgsg, sgre, sgrn,
@@ -190,12 +205,8 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr, off_
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
         return
-    e = tl.load(bexp_ptr + pid_m).to(tl.int64)
-    if HAS_SLOTS:
-        e = tl.load(slot_ptr + e).to(tl.int64)
+    e, d = _block_expert(bexp_ptr, slot_ptr, off_ptr, pid_m, HAS_SLOTS, HAS_OFF)
     if HAS_OFF:  # expert e's row lies d bytes from row 0 of the views: every field moves by d (its own units)
-        d = tl.load(off_ptr + e).to(tl.int64)
-        e = d * 0 + 1
         stride_ge = d // ITEM_W
         stride_ue = d // ITEM_W
         sgse = d // ITEM_S
@@ -242,12 +253,8 @@ def _down_kernel(h_ptr, out_ptr, w_ptr, dest_ptr, sorted_ptr, bexp_ptr, npad_ptr
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
         return
-    e = tl.load(bexp_ptr + pid_m).to(tl.int64)
-    if HAS_SLOTS:
-        e = tl.load(slot_ptr + e).to(tl.int64)
+    e, d = _block_expert(bexp_ptr, slot_ptr, off_ptr, pid_m, HAS_SLOTS, HAS_OFF)
     if HAS_OFF:  # as in _gate_up_kernel
-        d = tl.load(off_ptr + e).to(tl.int64)
-        e = d * 0 + 1
         stride_de = d // ITEM_W
         sdse = d // ITEM_S
         sdre = d // ITEM_R
