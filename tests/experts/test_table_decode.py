@@ -136,3 +136,44 @@ def test_shrink_rebuilds_the_table(expert_checkpoints, table_on_cpu):
     assert freed > 0 and len(ex.cache) < before
     ex.begin_step(1)
     _table_consistent(ex)
+
+
+def test_table_decode_step_reads_nothing_back(expert_checkpoints, table_on_cpu, monkeypatch):
+    """The CPU form of the GPU's no-sync test: during a table step's forward no ferrylm code reads a tensor back to
+    the host (``tolist`` / ``item`` / ``__bool__`` / ``numpy`` / ``cpu``), which on a GPU would be a device sync; the
+    host-planned path does (one read per layer), so the counter is shown to work on it."""
+    import inspect
+
+    ckpt = expert_checkpoints("mixtral")
+    loaded = load_model(ckpt.path, moe_backend=options("offload", 3, stream_prefill=False))
+    ex = loaded.executor
+    ex.reserve(None)
+    reads: list[str] = []
+
+    def counting(name):
+        orig = getattr(torch.Tensor, name)
+
+        def wrapper(self, *a, **kw):
+            caller = inspect.currentframe().f_back
+            if caller is not None and "/ferrylm/" in caller.f_code.co_filename.replace("\\", "/") \
+                    and "/tests/" not in caller.f_code.co_filename:
+                reads.append(f"{name} in {caller.f_code.co_filename.rsplit('/', 1)[-1]}:{caller.f_lineno}")
+            return orig(self, *a, **kw)
+        return wrapper
+
+    cache = SequenceCacheAttention()
+    prompt = token_ids(6, ckpt.vocab_size, seed=1).tolist()
+    with torch.inference_mode():
+        ex.begin_step(len(prompt))
+        loaded.model(torch.tensor(prompt), torch.arange(len(prompt)), cache)
+        for name in ("tolist", "item", "__bool__", "numpy", "cpu"):
+            monkeypatch.setattr(torch.Tensor, name, counting(name))
+        for pos in range(len(prompt), len(prompt) + 3):
+            ex.begin_step(1)  # host work between steps: allowed
+            reads.clear()
+            loaded.model(torch.tensor([5]), torch.tensor([pos]), cache)
+            assert reads == [], reads
+        ex.table = None  # the host-planned path: it reads the step's ids once per layer
+        reads.clear()
+        loaded.model(torch.tensor([5]), torch.tensor([len(prompt) + 3]), cache)
+        assert any(r.startswith("tolist") for r in reads), reads
