@@ -29,6 +29,7 @@ from ferrylm.errors import ModelLoadError
 from ferrylm.experts.executor import ExpertExecutor
 from ferrylm.models.layers import SwiGLUMLP
 from ferrylm.models.llama import LlamaForCausalLM
+from ferrylm.models.moe import router_has_bias
 from ferrylm.models.sigmoid_moe import SigmoidMoeBlock, SigmoidRouting, check_sigmoid_config
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -117,4 +118,4 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
         width = _int_field(config.raw, "n_shared_experts", 1) * config.moe_intermediate_size
         shared = SwiGLUMLP(config.hidden_size, width) if width > 0 else None
         return SigmoidMoeBlock(layer_idx, config.hidden_size, config.num_experts, executor, glm4_routing(config),
-                               shared_experts=shared)
+                               shared_experts=shared, router_bias=router_has_bias(config))

@@ -25,6 +25,7 @@ from ferrylm.config import ModelConfig
 from ferrylm.experts.executor import ExpertExecutor
 from ferrylm.models.glm4_moe import skips_mtp_layer
 from ferrylm.models.llama import LlamaForCausalLM
+from ferrylm.models.moe import router_has_bias
 from ferrylm.models.sigmoid_moe import SigmoidMoeBlock, SigmoidRouting, check_sigmoid_config
 
 
@@ -74,4 +75,4 @@ class MiniMaxM2ForCausalLM(LlamaForCausalLM):
 
     def _build_mlp(self, config: ModelConfig, layer_idx: int, executor: ExpertExecutor | None) -> nn.Module:
         return SigmoidMoeBlock(layer_idx, config.hidden_size, config.num_experts, executor,
-                               minimax_m2_routing(config))
+                               minimax_m2_routing(config), router_bias=router_has_bias(config))

@@ -93,16 +93,22 @@ def sigmoid_topk(router_logits: torch.Tensor, bias: torch.Tensor, rule: SigmoidR
 class SigmoidRouter(nn.Module):
     """The router's parameters: ``weight [E, H]`` and the selection bias ``e_score_correction_bias [E]`` (a
     parameter so that the loader fills it; the model class keeps it in float32). ``forward`` gives the ``[T, E]``
-    logits in float32 (``x`` and the weight cast up, as GLM-4.5's reference keeps its router in float32)."""
+    logits in float32 (``x`` and the weight cast up, as GLM-4.5's reference keeps its router in float32).
 
-    def __init__(self, hidden_size: int, num_experts: int):
+    ``bias`` (``[E]``, only with ``logit_bias``) is ferrylm's synthetic-skew bias on the *logits* (see
+    ``ROUTER_BIAS_KEY`` in :mod:`ferrylm.models.synthetic`): the sigmoid is monotonic, so the top-1 law the synthetic
+    builder calibrates on the logits holds for the choice too. Real checkpoints have none.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, *, logit_bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(num_experts)) if logit_bias else None
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [T, H]`` -> ``[T, E]`` float32 logits."""
-        return F.linear(hidden.float(), self.weight.float())
+        return F.linear(hidden.float(), self.weight.float(), None if self.bias is None else self.bias.float())
 
 
 class SigmoidMoeBlock(SparseMoeBlock):
@@ -113,6 +119,7 @@ class SigmoidMoeBlock(SparseMoeBlock):
         rule: :class:`SigmoidRouting` (its ``top_k`` is the block's).
         shared_experts: a dense module ``[T, H] -> [T, H]`` every token goes through, added without a gate
             (GLM-4.5 ``mlp.shared_experts``), or None.
+        router_bias: the synthetic logit bias ``gate.bias`` (:class:`SigmoidRouter`).
 
     State-dict names: ``gate.weight [E, H]``, ``gate.e_score_correction_bias [E]``, ``shared_experts.*``.
 
@@ -121,10 +128,10 @@ class SigmoidMoeBlock(SparseMoeBlock):
     """
 
     def __init__(self, layer_idx: int, hidden_size: int, num_experts: int, executor: ExpertExecutor,
-                 rule: SigmoidRouting, *, shared_experts: nn.Module | None = None):
+                 rule: SigmoidRouting, *, shared_experts: nn.Module | None = None, router_bias: bool = False):
         super().__init__(layer_idx, hidden_size, num_experts, rule.top_k, executor)
         self.rule = rule
-        self.gate = SigmoidRouter(hidden_size, num_experts)
+        self.gate = SigmoidRouter(hidden_size, num_experts, logit_bias=router_bias)
         self.shared_experts = shared_experts
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
