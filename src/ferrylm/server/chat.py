@@ -76,11 +76,18 @@ class ChatJob:
     tool_choice_param: str = "tool_choice"
     stream: bool = False
 
-    def apply_tool_choice(self, tags: tuple[str, str] | None = None) -> None:
-        """Set ``params.grammar`` for a forced tool call (``tags``: the tags' Lark terms for the served
-        vocabulary, :func:`ferrylm.server.tools.tag_terms`). Raises InvalidRequest when the request also asks for
-        another output constraint (the tool call and, say, a JSON schema cannot both hold)."""
-        grammar = tool_call_grammar(self.tools, self.tool_choice, tags=tags)
+    def apply_tool_choice(self, tags: tuple[str, str] | None = None, fmt: str = "hermes", term=None) -> None:
+        """Set ``params.grammar`` for a forced tool call in the served model's call format ``fmt`` (``tags``: the
+        Hermes tags' Lark terms for the served vocabulary, :func:`ferrylm.server.tools.tag_terms`; ``term``: the
+        text -> Lark term function the other formats use, :func:`ferrylm.server.tools.lark_term`). Raises
+        InvalidRequest when the request also asks for another output constraint (the tool call and, say, a JSON
+        schema cannot both hold)."""
+        if fmt == "hermes":
+            grammar = tool_call_grammar(self.tools, self.tool_choice, tags=tags)
+        else:
+            from ferrylm.server.tool_grammars import forced_call_grammar
+
+            grammar = forced_call_grammar(fmt, self.tools, self.tool_choice, *([term] if term else []))
         if grammar is None:
             return
         if self.params.grammar is not None:

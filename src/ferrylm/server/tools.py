@@ -20,8 +20,9 @@ A parser (:class:`ToolParser`) is fed the assistant's text incrementally and ret
 and complete calls. A call is reported once its closing tag is seen and its body is a JSON object naming one of
 the request's tools with object arguments; anything else between the tags goes out as ordinary text, so text
 that only mentions ``<tool_call>`` is never swallowed. Decisions depend only on the text, never on how it was
-split, so a stream and a non-stream response carry the same calls and text. Other formats (gpt-oss, DeepSeek)
-are new subclasses of :class:`ToolParser`.
+split, so a stream and a non-stream response carry the same calls and text. Other formats are subclasses of
+:class:`ToolParser` in ``server/tool_formats.py`` (GLM-4.5, MiniMax-M2; the served model's is chosen there), their
+forcing grammars in ``server/tool_grammars.py``.
 
 This module must not import torch.
 """
@@ -172,16 +173,22 @@ def _call_schema(t: ToolSpec) -> dict:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def tag_terms(codec: Any) -> tuple[str, str]:
-    """Lark terms for the opening and closing tags with ``codec``'s vocabulary: a tag that is one added token
-    (Qwen's ``<tool_call>`` = 151657) must be generated as that token, so it is written ``<[id]>``; otherwise
-    the literal text."""
+def lark_term(codec: Any):
+    """``text -> Lark term`` with ``codec``'s vocabulary: a tag that is one added token (Qwen's ``<tool_call>`` =
+    151657, GLM-4.5's ``<arg_key>``) must be generated as that token, so it is written ``<[id]>``; otherwise the
+    literal text."""
     added = getattr(getattr(codec, "tokenizer", None), "added_tokens_decoder", None) or {}
 
     def term(text: str) -> str:
         ids = codec.encode(text, add_special_tokens=False, parse_special=True) if codec is not None else []
         return f"<[{ids[0]}]>" if len(ids) == 1 and ids[0] in added else json.dumps(text)
 
+    return term
+
+
+def tag_terms(codec: Any) -> tuple[str, str]:
+    """Lark terms for Hermes' opening and closing tags with ``codec``'s vocabulary (:func:`lark_term`)."""
+    term = lark_term(codec)
     return term(HermesToolParser.OPEN), term(HermesToolParser.CLOSE)
 
 
