@@ -168,3 +168,15 @@ def test_bad_configs_raise_model_load_error_naming_the_field(arch, raw, field):
     config = _config(arch, **raw)
     with pytest.raises(ModelLoadError, match=field):
         get_model_class(arch).check_config(config)
+
+
+def test_ferry_models_lists_the_families():
+    from ferrylm.models.catalog import ARCHITECTURE_NOTES, describe_models
+    from ferrylm.models.registry import supported_architectures
+
+    assert set(ARCHITECTURE_NOTES) == set(supported_architectures())
+    text = describe_models()
+    assert "Glm4MoeForCausalLM" in text and "GLM-4.5-Air" in text and "tools: glm45" in text
+    assert "MiniMaxM2ForCausalLM" in text and "tools: minimax_m2" in text
+    assert "synthetic:glm-4.5-air" in text or "glm-4.5-air" in text
+    assert "tools: hermes" in text  # Qwen and the others
