@@ -47,7 +47,7 @@ from ferrylm.server.protocol import (CompletionChoice, CompletionRequest, Comple
 from ferrylm.server.completions_logprobs import echo_logprobs, join_logprobs, vllm_prompt_logprobs
 from ferrylm.server.reasoning import prompt_opens_thinking, template_has_reasoning
 from ferrylm.server.structured import request_grammar
-from ferrylm.server.tool_formats import choose_tool_parser
+from ferrylm.server.tool_formats import FORMAT_MARKUP, choose_tool_parser
 from ferrylm.server.tools import ToolChoice, lark_term, parse_openai_tools, tag_terms, template_supports_tools
 from ferrylm.server.generation import (ClientGone, Choice, Event, Generation, SSEResponse, cleanup, race_disconnect,
                                       sse_event)
@@ -211,6 +211,11 @@ class _Server:
         self.tool_tags = tag_terms(codec)                       # <tool_call> as the vocabulary has it
         self.tool_term = lark_term(codec)                       # any tag as the vocabulary has it
         self.tool_parser = choose_tool_parser(tool_call_parser, architecture, template)  # the call format
+        # markup the vocabulary holds as special tokens (GLM-4.5's <tool_call>, <arg_key>, <think>): a chat turn that
+        # may contain it is detokenized with skip_special_tokens off, else the parsers would never see it
+        special = frozenset(getattr(codec, "special_strings", ()) or ())
+        self.special_tool_markup = any(m in special for m in FORMAT_MARKUP[self.tool_parser])
+        self.special_think_markup = self.reasoning and any(m in special for m in ("<think>", "</think>"))
         logger.info("tool-call format: %s", self.tool_parser)
 
     # ---- helpers -----------------------------------------------------------------------------------------
@@ -550,6 +555,9 @@ class _Server:
             job.template_kwargs = {**job.template_kwargs, "enable_thinking": False}
         text, prompt_ids = await _off_loop(render_prompt, self.codec, job, native_tools=self.native_tools)
         params = job.params
+        tools_on = bool(job.tools) and job.tool_choice.mode != "none"
+        if (self.special_tool_markup and tools_on) or self.special_think_markup:
+            params.skip_special_tokens = False  # as vLLM's glm45 / minimax_m2 parsers do (EOS ids stay out anyway)
         self._check_param_ids(params)
         max_tokens = self._fit_context(prompt_ids, params, default_max=None, what="messages",
                                        prompt_param=job.prompt_param, max_param=job.max_param)

@@ -250,6 +250,14 @@ class MiniMaxM2ToolParser(BlockToolParser):
         return calls
 
 
+#: the tags each format's calls are written with (when the vocabulary has them as *special* tokens, a chat turn
+#: is detokenized with ``skip_special_tokens`` off, or they would vanish before the parser sees them)
+FORMAT_MARKUP: dict[str, tuple[str, ...]] = {
+    "hermes": (HermesToolParser.OPEN, HermesToolParser.CLOSE),
+    "glm45": ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+    "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>"),
+}
+
 PARSER_CLASSES: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "glm45": Glm45ToolParser,
                                                "minimax_m2": MiniMaxM2ToolParser}
 
