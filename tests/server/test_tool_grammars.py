@@ -122,3 +122,52 @@ def test_none_and_auto_force_nothing_and_bad_schemas_are_refused() -> None:
     broken = [ToolSpec("f", "", {"type": "object", "required": ["a"], "properties": {}})]
     with pytest.raises(InvalidRequest, match="'a'"):
         forced_call_grammar("minimax_m2", broken, ToolChoice("required"))
+
+
+def _hermes(name: str, args: dict) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+
+
+def test_hermes_forced_calls_are_strict_and_bounded() -> None:
+    """OpenAI strict semantics for the Hermes grammar too: no keys the schema does not name (top level and nested,
+    when the schema says nothing of additionalProperties), at most MAX_FORCED_CALLS calls (a greedy model that
+    repeats its call still ends)."""
+    from ferrylm.server.tools import MAX_FORCED_CALLS, tool_call_grammar
+
+    tools = [ToolSpec("get_weather", "", {"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string"}, "opts": {"type": "object", "properties": {"hourly": {"type": "boolean"}}}}})]
+    g = tool_call_grammar(tools, ToolChoice("required"))
+    ok = _hermes("get_weather", {"city": "Paris", "opts": {"hourly": True}})
+    assert accepts(g, ok)
+    assert not accepts(g, _hermes("get_weather", {"city": "Paris", "country": "FR"}))
+    assert not accepts(g, _hermes("get_weather", {"city": "Paris", "opts": {"hourly": True, "x": 1}}))
+    assert not accepts(g, _hermes("get_weather", {}))
+    assert accepts(g, "\n".join([ok] * MAX_FORCED_CALLS))
+    assert not accepts(g, "\n".join([ok] * (MAX_FORCED_CALLS + 1)))
+
+
+@pytest.mark.parametrize("fmt", ["glm45", "minimax_m2"])
+def test_nested_objects_are_strict_and_calls_bounded(fmt: str) -> None:
+    from ferrylm.server.tools import MAX_FORCED_CALLS
+
+    tools = [ToolSpec("f", "", {"type": "object", "properties": {
+        "opts": {"type": "object", "properties": {"a": {"type": "integer"}}}}})]
+    g = forced_call_grammar(fmt, tools, ToolChoice("required"))
+    make = FORMAT[fmt]
+    assert accepts(g, make(("f", [("opts", '{"a": 1}')])))
+    assert not accepts(g, make(("f", [("opts", '{"a": 1, "b": 2}')])))
+    assert accepts(g, make(*[("f", [])] * MAX_FORCED_CALLS))
+    assert not accepts(g, make(*[("f", [])] * (MAX_FORCED_CALLS + 1)))
+
+
+def test_strict_schema() -> None:
+    from ferrylm.server.tools import strict_schema
+
+    src = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}}},
+                                            "l": {"type": "array", "items": {"type": "object", "properties": {}}},
+                                            "free": {"type": "object", "additionalProperties": True}}}
+    out = strict_schema(src)
+    assert out["additionalProperties"] is False and out["properties"]["a"]["additionalProperties"] is False
+    assert out["properties"]["l"]["items"]["additionalProperties"] is False
+    assert out["properties"]["free"]["additionalProperties"] is True  # the schema's own word stands
+    assert "additionalProperties" not in src  # not modified in place

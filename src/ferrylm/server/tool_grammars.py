@@ -6,7 +6,9 @@ semantics for the arguments: every ``required`` key present, only keys the schem
 Keys come in the schema's ``properties`` order, the optional ones skippable. Values: a ``string`` property is free
 text without ``<`` (the formats end a value at the next tag), or one of its ``enum``; every other property is JSON
 valid against its schema (``%json``, llguidance's JSON-schema lexer; keywords it cannot enforce are ignored, as
-for Hermes' forced calls). A schema without ``properties`` admits no arguments. The Hermes format's grammar is
+for Hermes' forced calls; nested objects get ``additionalProperties: false`` unless they say otherwise,
+:func:`ferrylm.server.tools.strict_schema`). A schema without ``properties`` admits no arguments. A ``required``
+reply holds at most ``MAX_FORCED_CALLS`` calls. The Hermes format's grammar is
 :func:`ferrylm.server.tools.tool_call_grammar`.
 
 This module must not import torch.
@@ -19,7 +21,7 @@ from typing import Any, Callable
 
 from ferrylm.errors import InvalidRequest
 from ferrylm.server.structured import JSON_OPTIONS, lark_grammar
-from ferrylm.server.tools import ToolChoice, ToolSpec
+from ferrylm.server.tools import MAX_FORCED_CALLS, ToolChoice, ToolSpec, strict_schema
 
 Term = Callable[[str], str]  # text -> its Lark term (a literal, or an added token ``<[id]>``; tools.lark_term)
 
@@ -37,7 +39,7 @@ def _value_rule(schema: Any) -> str:
         if isinstance(enum, list) and enum and all(isinstance(e, str) and "<" not in e for e in enum):
             return " | ".join(_literal(e) for e in enum)
         return r"/[^<]*/"
-    return "%json" + json.dumps({**schema, "x-guidance": {**JSON_OPTIONS, "lenient": True}})
+    return "%json" + json.dumps({**strict_schema(schema), "x-guidance": {**JSON_OPTIONS, "lenient": True}})
 
 
 def _arguments(tool: ToolSpec, prefix: str, pair: Callable[[str, str], str], rules: list[str]) -> str:
@@ -73,7 +75,7 @@ def glm45_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _liter
         args = _arguments(tool, f"t{i}", pair, rules)
         rules.append(f'c{i}: {t_open} {_literal(tool.name)} "\\n" {args} {t_close}')
         alts.append(f"c{i}")
-    repeat = ' ("\\n" call)*' if choice.mode == "required" and choice.parallel else ""
+    repeat = f' ("\\n" call){{0,{MAX_FORCED_CALLS - 1}}}' if choice.mode == "required" and choice.parallel else ""
     lark = "\n".join([f"start: call{repeat}", f"call: {' | '.join(alts)}", *rules]) + "\n"
     return lark_grammar(lark, "tools")
 
@@ -90,7 +92,7 @@ def minimax_m2_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _
         args = _arguments(tool, f"t{i}", pair, rules)
         rules.append(f'i{i}: {_literal(f"<invoke name={json.dumps(tool.name)}>")} "\\n" {args} "</invoke>"')
         alts.append(f"i{i}")
-    repeat = ' ("\\n" invoke)*' if choice.mode == "required" and choice.parallel else ""
+    repeat = f' ("\\n" invoke){{0,{MAX_FORCED_CALLS - 1}}}' if choice.mode == "required" and choice.parallel else ""
     lark = "\n".join([f'start: {b_open} "\\n" invoke{repeat} "\\n" {b_close}', f"invoke: {' | '.join(alts)}",
                       *rules]) + "\n"
     return lark_grammar(lark, "tools")

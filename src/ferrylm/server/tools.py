@@ -40,6 +40,9 @@ from ferrylm.server.structured import JSON_OPTIONS, lark_grammar
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 MAX_TOOLS = 128
+#: calls a forced ``required`` reply may hold when parallel calls are allowed (a bound, so that a model repeating
+#: its call, as greedy decoding of a small model does, still ends)
+MAX_FORCED_CALLS = 8
 
 
 @dataclass(frozen=True)
@@ -168,8 +171,30 @@ def parse_tool_choice(choice: Any, tools: list[ToolSpec], *, parallel: Any = Non
                          f"\"function\": {{\"name\": ...}}}}", param=param)
 
 
+def strict_schema(schema: Any) -> Any:
+    """``schema`` with OpenAI's strict semantics for a forced call: every object schema that names ``properties``
+    and says nothing of ``additionalProperties`` gets ``additionalProperties: false`` (no keys the schema does not
+    name), recursively through properties, items and the ``anyOf`` / ``oneOf`` / ``allOf`` branches and ``$defs``.
+    Other keywords are kept; the input is not modified."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in ("properties", "$defs", "definitions", "patternProperties") and isinstance(v, dict):
+            out[k] = {name: strict_schema(sub) for name, sub in v.items()}
+        elif k in ("items", "additionalItems", "anyOf", "oneOf", "allOf", "prefixItems", "not"):
+            out[k] = strict_schema(v)
+        else:
+            out[k] = v
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _call_schema(t: ToolSpec) -> dict:
-    return {"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+    return {"type": "object", "properties": {"name": {"const": t.name}, "arguments": strict_schema(t.parameters)},
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
@@ -198,7 +223,8 @@ def tool_call_grammar(tools: list[ToolSpec], choice: ToolChoice, param: str = "t
     are off) and a named function (exactly one call to it); None for ``none`` / ``auto``.
 
     The output is Hermes format, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, calls joined by
-    a newline, the arguments valid against each tool's schema. ``tags``: the Lark terms of the two tags
+    a newline (at most :data:`MAX_FORCED_CALLS`), the arguments valid against each tool's schema with OpenAI's
+    strict semantics (:func:`strict_schema`: no keys the schema does not name). ``tags``: the Lark terms of the two tags
     (:func:`tag_terms`; default the literal text). Raises InvalidRequest when a schema cannot be enforced.
     """
     if not choice.forced:
@@ -207,7 +233,7 @@ def tool_call_grammar(tools: list[ToolSpec], choice: ToolChoice, param: str = "t
     schemas = [_call_schema(t) for t in chosen]
     body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     body = {**body, "x-guidance": {**JSON_OPTIONS, "lenient": True}}
-    repeat = ' ("\\n" call)*' if choice.mode == "required" and choice.parallel else ""
+    repeat = f' ("\\n" call){{0,{MAX_FORCED_CALLS - 1}}}' if choice.mode == "required" and choice.parallel else ""
     open_, close = tags or (json.dumps(HermesToolParser.OPEN), json.dumps(HermesToolParser.CLOSE))
     lark = (f"start: call{repeat}\n"
             f"call: {open_} \"\\n\" body \"\\n\" {close}\n"
