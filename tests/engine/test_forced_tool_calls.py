@@ -1,6 +1,8 @@
-"""A forced tool call from a tiny random GLM-4.5 model (Glm4MoeForCausalLM, loaded through ferrylm's loader) through
-the real engine: the GLM-4.5 grammar (server/tool_grammars.py) with the vocabulary's special-token tags constrains
-decoding, greedy and sampled, and the output always closes and parses into strict calls with no text left over.
+"""Forced tool calls from a tiny random GLM-4.5 model (Glm4MoeForCausalLM, loaded through ferrylm's loader) through
+the real engine, in each call format (Hermes, GLM-4.5, MiniMax-M2): the format's grammar with the vocabulary's
+special-token tags constrains decoding, greedy and sampled, and the output always ends by itself (``stop``, so the
+reply's finish_reason is ``tool_calls``) and parses into strict calls with no text left over; a ``required`` reply
+with parallel calls allowed holds at most MAX_FORCED_CALLS (a greedy model repeating its call still ends).
 
 The tool's parameters are bounded (enums, booleans, a small integer range), so every walk through the grammar ends
 well inside ``max_tokens``; free-text values are unbounded in the grammar (a random model can ramble in one until
@@ -18,9 +20,9 @@ from ferrylm.config import EngineConfig
 from ferrylm.engine.engine import Engine
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.models.loader import load_model
-from ferrylm.server.tool_formats import Glm45ToolParser
+from ferrylm.server.assistant import TurnConfig, whole_turn
 from ferrylm.server.tool_grammars import forced_call_grammar
-from ferrylm.server.tools import ToolChoice, ToolSpec, lark_term
+from ferrylm.server.tools import MAX_FORCED_CALLS, ToolChoice, ToolSpec, lark_term, tag_terms, tool_call_grammar
 from tests.models.hf_checkpoints import _randomize_
 from tests.server.test_tool_formats_app import glm_codec  # noqa: F401 (fixture)
 
@@ -64,28 +66,32 @@ def _generate(loaded, codec, prompt: list[int], params: SamplingParams) -> tuple
     return ids, reason
 
 
-@pytest.mark.parametrize("mode", ["required", "named"])
-@pytest.mark.parametrize("temperature,seed", [(0.0, None), (1.0, 1), (1.0, 2), (1.5, 3)])
-def test_forced_call_always_closes_and_parses(glm_model, glm_codec, mode, temperature, seed):  # noqa: F811
+@pytest.mark.parametrize("fmt", ["hermes", "glm45", "minimax_m2"])
+@pytest.mark.parametrize("mode", ["required", "parallel", "named"])
+@pytest.mark.parametrize("temperature,seed", [(0.0, None), (1.0, 1), (1.5, 3)])
+def test_forced_call_always_closes_and_parses(glm_model, glm_codec, fmt, mode, temperature, seed):  # noqa: F811
     codec = glm_codec
-    choice = ToolChoice("required", parallel=False) if mode == "required" else \
-        ToolChoice("named", "set_mode", parallel=False)
-    grammar = forced_call_grammar("glm45", TOOLS, choice, lark_term(codec))
+    choice = {"required": ToolChoice("required", parallel=False), "parallel": ToolChoice("required"),
+              "named": ToolChoice("named", "set_mode", parallel=False)}[mode]
+    grammar = tool_call_grammar(TOOLS, choice, tags=tag_terms(codec)) if fmt == "hermes" else \
+        forced_call_grammar(fmt, TOOLS, choice, lark_term(codec))
     prompt = codec.encode("Hello world! Set the mode.")
-    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=300, grammar=grammar)
+    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=900, grammar=grammar)
     ids, reason = _generate(glm_model, codec, prompt, params)
     assert reason == "stop"  # the grammar completed and allowed only EOS
     eos = set(codec.eos_token_ids)
     text = codec.decode([t for t in ids if t not in eos], skip_special_tokens=False)
-    parser = Glm45ToolParser([t.name for t in TOOLS], {t.name: t.parameters for t in TOOLS})
-    pieces = parser.feed(text) + parser.finish()
-    assert len(pieces) == 1 and pieces[0].call is not None, text  # exactly one call, no markup left as content
-    call = pieces[0].call
-    args = json.loads(call.arguments)
-    schema = next(t.parameters for t in TOOLS if t.name == call.name)
-    assert set(schema.get("required", [])) <= set(args) <= set(schema["properties"])
-    if mode == "named":
-        assert call.name == "set_mode"
-    if call.name == "set_mode":
-        assert args["mode"] in ("eco", "fast", "quiet") and isinstance(args["loud"], bool)
-        assert args.get("level", 1) in (1, 2, 3)
+    cfg = TurnConfig(tool_names=tuple(t.name for t in TOOLS), tool_parser=fmt,
+                     tool_schemas={t.name: t.parameters for t in TOOLS})
+    res = whole_turn(cfg, text, reason)
+    assert res.content == "" and res.finish_reason == "tool_calls", text  # no markup left as content
+    assert 1 <= len(res.calls) <= (MAX_FORCED_CALLS if mode == "parallel" else 1)
+    for call in res.calls:
+        args = json.loads(call.arguments)
+        schema = next(t.parameters for t in TOOLS if t.name == call.name)
+        assert set(schema.get("required", [])) <= set(args) <= set(schema["properties"])
+        if mode == "named":
+            assert call.name == "set_mode"
+        if call.name == "set_mode":
+            assert args["mode"] in ("eco", "fast", "quiet") and isinstance(args["loud"], bool)
+            assert args.get("level", 1) in (1, 2, 3)
