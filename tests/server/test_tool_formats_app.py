@@ -143,3 +143,19 @@ async def test_glm_like_vocabulary_keeps_special_markup_for_the_parsers(glm_code
     grammar = eng.requests[-1][2].grammar
     key_id = codec.encode("<arg_key>", add_special_tokens=False, parse_special=True)[0]
     assert f"<[{key_id}]>" in grammar and '"<arg_key>"' not in grammar
+
+
+@pytest.mark.parametrize("fmt", ["glm45", "minimax_m2"])
+async def test_anthropic_messages_tool_use_in_either_format(codec, fmt: str) -> None:
+    from .conftest import make_client
+
+    eng = scripted(codec, TEXT[fmt])
+    tool = {"name": "get_weather", "description": "Current weather", "input_schema": WEATHER["function"]["parameters"]}
+    async with make_client(create_app(eng, codec, SERVED, tool_call_parser=fmt)) as c:
+        r = await c.post("/v1/messages", json={"model": SERVED, "max_tokens": 256, "tools": [tool],
+                                               "messages": [{"role": "user", "content": "Weather in Paris?"}]})
+    body = r.json()
+    assert r.status_code == 200 and body["stop_reason"] == "tool_use"
+    text, use = body["content"]
+    assert text == {"type": "text", "text": "Let me look."}
+    assert (use["type"], use["name"], use["input"]) == ("tool_use", "get_weather", {"city": "Paris", "days": 2})
