@@ -180,3 +180,28 @@ def test_ferry_models_lists_the_families():
     assert "MiniMaxM2ForCausalLM" in text and "tools: minimax_m2" in text
     assert "synthetic:glm-4.5-air" in text or "glm-4.5-air" in text
     assert "tools: hermes" in text  # Qwen and the others
+
+
+@pytest.mark.parametrize("case", ["minimax_m2", "glm4_moe"])
+def test_fp8_block_checkpoint_matches_transformers(checkpoints, tmp_path, case):
+    """FP8 e4m3 with 128x128-style block scales (16x16 here; MiniMax-M2 ships its weights so), quantized by
+    transformers' own FP8 quantizer; reference: transformers loading the FP8 folder (it dequantizes on a machine
+    without a GPU). The offloading backend moves the quantized bytes and gives the resident greedy tokens."""
+    import transformers
+    from tests.models.quant_checkpoints import fp8_quantizer, write_quantized
+
+    ckpt = checkpoints(case)
+    qcfg, quantize = fp8_quantizer((16, 16))
+    qdir = write_quantized(ckpt.path, tmp_path / "fp8", qcfg, quantize)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(qdir, dtype=torch.float32).eval()
+    ids = token_ids(24, ckpt.vocab_size, seed=2)
+    with torch.no_grad():
+        want = ref(input_ids=ids[None]).logits[0].float()
+    loaded = load_model(qdir)
+    assert (full_logits(loaded.model, ids) - want).abs().max().item() <= TOL
+    assert (want - reference_logits(ckpt, ids)).abs().max().item() > 1e-2  # really quantized
+    prompt = token_ids(10, ckpt.vocab_size, seed=7).tolist()
+    k = int(json.loads((ckpt.path / "config.json").read_text())["num_experts_per_tok"])
+    offload = load_model(qdir, moe_backend=options("offload", max(1, k - 1)))
+    assert greedy_trace(offload.model, prompt, 6)[0] == greedy_trace(loaded.model, prompt, 6)[0]
+    offload.executor.close()
