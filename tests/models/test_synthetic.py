@@ -138,13 +138,16 @@ def _top1_frequencies(block: SparseMoeBlock, hidden: int, n: int = 20000) -> tor
     return counts / counts.sum()
 
 
+@pytest.mark.parametrize("preset_name,layers", [("qwen3-30b-a3b", (0, 1)), ("glm-4.5-air", (1, 2)),
+                                                ("minimax-m2", (0, 1))])
 @pytest.mark.parametrize("skew", [0.0, 0.7, 1.2])
-def test_skew_gives_zipf_top1_popularity(skew):
-    """128 experts (the Qwen3-MoE count), random unit-RMS router inputs: measured top-1 frequencies follow the
-    intended Zipf law, in ranking (Spearman) and in size (the head of the distribution)."""
-    preset = tiny("qwen3-30b-a3b", experts=128, hidden_size=512, moe_intermediate_size=4, num_hidden_layers=2)
-    loaded = build_synthetic(SyntheticSpec(preset, layers=2, skew=skew, seed=5))
-    for layer in (0, 1):
+def test_skew_gives_zipf_top1_popularity(skew, preset_name, layers):
+    """128 experts (the Qwen3-MoE and GLM-4.5-Air count), random unit-RMS router inputs: measured top-1 frequencies
+    follow the intended Zipf law, in ranking (Spearman) and in size (the head of the distribution). The sigmoid
+    routers (GLM-4.5-Air: layer 0 dense) take the bias on their logits, so the same law holds for their choice."""
+    preset = tiny(preset_name, experts=128, hidden_size=512, moe_intermediate_size=4, num_hidden_layers=3)
+    loaded = build_synthetic(SyntheticSpec(preset, layers=3, skew=skew, seed=5))
+    for layer in layers:
         block = loaded.model.model.layers[layer].mlp
         freq = _top1_frequencies(block, 512)
         intended = zipf_probs(128, skew)[expert_ranks(128, 5, layer) - 1]
@@ -155,7 +158,7 @@ def test_skew_gives_zipf_top1_popularity(skew):
         assert _spearman(freq, intended) > 0.9
         top = intended.argsort(descending=True)[:5]
         torch.testing.assert_close(freq[top], intended[top], rtol=0.2, atol=0.004)
-    r0, r1 = expert_ranks(128, 5, 0), expert_ranks(128, 5, 1)
+    r0, r1 = expert_ranks(128, 5, layers[0]), expert_ranks(128, 5, layers[1])
     assert not torch.equal(r0, r1)  # each layer has its own popular experts
 
 
