@@ -139,3 +139,21 @@ def test_choice_of_parser() -> None:
         choose_tool_parser("glm4", None)
     with pytest.raises(ValueError):
         make_tool_parser("nope", None)
+
+
+@pytest.mark.parametrize("fmt", ["glm45", "minimax_m2"])
+def test_fallback_teaches_and_shows_the_served_format(fmt: str) -> None:
+    """A template without a tools section gets the fallback in the served format: its instructions show that
+    markup, and an earlier call rendered into the history parses back to the same call."""
+    from ferrylm.server.tool_formats import format_call_as
+    from ferrylm.server.tools import ToolSpec, fallback_messages
+
+    specs = [ToolSpec("get_weather", "", SCHEMAS["get_weather"])]
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}
+    out = fallback_messages([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
+                                                               "tool_calls": [call]}], specs, fmt)
+    assert PARSERS[fmt].OPEN in out[0]["content"] and "<tool_call>\n{" not in out[0]["content"]
+    block = out[2]["content"]
+    assert block == format_call_as(fmt, call)
+    assert run(PARSERS[fmt](NAMES, SCHEMAS), [block]) == ("", [("get_weather", {"city": "Paris", "days": 3})])

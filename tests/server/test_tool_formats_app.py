@@ -53,6 +53,9 @@ async def test_calls_stream_equals_non_stream(codec, fmt: str, how: dict) -> Non
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
     (call,) = choice.message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris", "days": 2})
+    # the tiny template has no tools section: the fallback teaches the served format, not Hermes
+    prompt = codec.decode(eng.requests[0][1], skip_special_tokens=False)
+    assert ("<arg_key>" if fmt == "glm45" else "<minimax:tool_call>") in prompt and '<tool_call>\n{"name"' not in prompt
     stream = await client.chat.completions.create(model=SERVED, messages=MSGS, tools=[WEATHER], stream=True)
     text, args, finish = [], "", None
     async for chunk in stream:

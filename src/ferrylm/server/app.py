@@ -493,7 +493,8 @@ class _Server:
                 tools = parse_openai_tools(req.tools)
                 job = ChatJob(messages, SamplingParams(), tools, ToolChoice("auto" if tools else "none"),
                               client_template_kwargs(req.chat_template_kwargs), add_gen, cont)
-                _, ids = await _off_loop(render_prompt, self.codec, job, native_tools=self.native_tools)
+                _, ids = await _off_loop(render_prompt, self.codec, job, native_tools=self.native_tools,
+                                         tool_format=self.tool_parser)
             elif req.prompt is not None:
                 ids = await _off_loop(self.codec.encode, req.prompt,
                                       add_special_tokens=req.add_special_tokens is not False)
@@ -553,7 +554,8 @@ class _Server:
         if job.params.grammar is not None and self.reasoning and "enable_thinking" not in job.template_kwargs:
             # a constrained output starts at its first token: a template that thinks first is told not to
             job.template_kwargs = {**job.template_kwargs, "enable_thinking": False}
-        text, prompt_ids = await _off_loop(render_prompt, self.codec, job, native_tools=self.native_tools)
+        text, prompt_ids = await _off_loop(render_prompt, self.codec, job, native_tools=self.native_tools,
+                                           tool_format=self.tool_parser)
         params = job.params
         tools_on = bool(job.tools) and job.tool_choice.mode != "none"
         if (self.special_tool_markup and tools_on) or self.special_think_markup:

@@ -112,16 +112,18 @@ def check_continue(messages: list[dict], continue_final: bool, add_generation_pr
     return False
 
 
-def render_prompt(codec: TextCodec, job: ChatJob, *, native_tools: bool) -> tuple[str, list[int]]:
+def render_prompt(codec: TextCodec, job: ChatJob, *, native_tools: bool,
+                  tool_format: str = "hermes") -> tuple[str, list[int]]:
     """The prompt text and ids of ``job``: tools through the template when it renders them, else (when tools are
-    offered) the fallback of :func:`ferrylm.server.tools.fallback_messages`; without tools the messages reach
-    the template as they are. Raises InvalidRequest for template errors."""
+    offered) the fallback of :func:`ferrylm.server.tools.fallback_messages` in the served call format
+    ``tool_format``; without tools the messages reach the template as they are. Raises InvalidRequest for
+    template errors."""
     messages, tools = job.messages, None
     offered = job.tools if job.tool_choice.mode != "none" else []
     if native_tools:
         tools = [t.openai() for t in offered] or None
     elif offered:
-        messages = fallback_messages(messages, offered)
+        messages = fallback_messages(messages, offered, tool_format)
     kw = dict(continue_final_message=job.continue_final_message, **job.template_kwargs)
     text = codec.render_chat(messages, job.add_generation_prompt, tools, **kw)
     # the ids: the template's markup as special tokens, special-token strings in client text as text

@@ -258,6 +258,34 @@ FORMAT_MARKUP: dict[str, tuple[str, ...]] = {
     "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>"),
 }
 
+def _value_text(v: Any) -> str:
+    """An argument value as the templates write it: strings as they are, anything else as JSON."""
+    return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+
+
+def format_call_as(fmt: str, call: Any) -> str:
+    """One earlier call (OpenAI ``tool_calls`` entry) as a block of format ``fmt`` (``glm45`` | ``minimax_m2``), the
+    markup the format's parser reads back (arguments that are not an object become one ``arguments`` value)."""
+    from ferrylm.server.tools import call_fields
+
+    name, args = call_fields(call)
+    pairs = list(args.items()) if isinstance(args, dict) else [("arguments", args)]
+    if fmt == "glm45":
+        return f"<tool_call>{name}\n" + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{_value_text(v)}</arg_value>\n"
+                                                for k, v in pairs) + "</tool_call>"
+    if fmt == "minimax_m2":
+        params = "".join(f'<parameter name="{k}">{_value_text(v)}</parameter>\n' for k, v in pairs)
+        return f'<minimax:tool_call>\n<invoke name="{name}">\n{params}</invoke>\n</minimax:tool_call>'
+    raise ValueError(f"no call rendering for format {fmt!r}")
+
+
+def fallback_footer(fmt: str) -> str:
+    """The call-format instructions of the fallback tools section (``tools.fallback_messages``) for ``fmt``."""
+    example = format_call_as(fmt, {"name": "<function name>", "arguments": {"<parameter>": "<value>"}})
+    return ("\n</tools>\n\nTo call a function, answer with one block per call, each of the form\n" + example +
+            "\nwith one parameter entry per argument (strings as they are, other values as JSON).")
+
+
 PARSER_CLASSES: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "glm45": Glm45ToolParser,
                                                "minimax_m2": MiniMaxM2ToolParser}
 

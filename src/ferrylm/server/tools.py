@@ -256,23 +256,31 @@ FALLBACK_FOOTER = ("\n</tools>\n\nTo call a function, answer with one line per c
                    "<tool_call>\n{\"name\": <function name>, \"arguments\": <JSON object of arguments>}\n</tool_call>")
 
 
-def fallback_messages(messages: list[dict], tools: list[ToolSpec]) -> list[dict]:
+def fallback_messages(messages: list[dict], tools: list[ToolSpec], fmt: str = "hermes") -> list[dict]:
     """Messages for a template without a tools section: the tool schemas and the call format appended to the
-    system turn (one is added at the front when there is none); assistant ``tool_calls`` become ``<tool_call>``
-    blocks in its text; ``tool`` results become user turns ``<tool_response>\\n...\\n</tool_response>``."""
+    system turn (one is added at the front when there is none); assistant ``tool_calls`` become call blocks in its
+    text; ``tool`` results become user turns ``<tool_response>\\n...\\n</tool_response>``. ``fmt``: the served
+    call format (``hermes``; ``glm45`` / ``minimax_m2`` through :mod:`ferrylm.server.tool_formats`), so the model is
+    taught, and shown, the markup its parser reads."""
+    if fmt == "hermes":
+        footer, render = FALLBACK_FOOTER, format_call
+    else:
+        from ferrylm.server.tool_formats import fallback_footer, format_call_as
+
+        footer, render = fallback_footer(fmt), (lambda c: format_call_as(fmt, c))
     out: list[dict] = []
     for m in messages:
         m = dict(m)
         calls = m.pop("tool_calls", None)
         if m.get("role") == "assistant" and calls:
-            blocks = [format_call(c) for c in calls]
+            blocks = [render(c) for c in calls]
             m["content"] = "\n".join(([m["content"]] if m.get("content") else []) + blocks)
         elif m.get("role") == "tool":
             m = {"role": "user", "content": f"<tool_response>\n{m.get('content', '')}\n</tool_response>"}
         out.append(m)
     if tools:
         text = FALLBACK_HEADER + "\n".join(json.dumps(t.openai()["function"], ensure_ascii=False) for t in tools) \
-            + FALLBACK_FOOTER
+            + footer
         if out and out[0].get("role") == "system":
             out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{text}".lstrip()}
         else:
@@ -280,8 +288,9 @@ def fallback_messages(messages: list[dict], tools: list[ToolSpec]) -> list[dict]
     return out
 
 
-def format_call(call: Any) -> str:
-    """One earlier call (OpenAI ``tool_calls`` entry) as a Hermes block."""
+def call_fields(call: Any) -> tuple[Any, Any]:
+    """``(name, arguments)`` of an earlier call (OpenAI ``tool_calls`` entry), arguments decoded from JSON text when
+    they are (else left as given)."""
     fn = call.get("function", call) if isinstance(call, dict) else {}
     args = fn.get("arguments", {})
     if isinstance(args, str):
@@ -289,6 +298,13 @@ def format_call(call: Any) -> str:
             args = json.loads(args)
         except ValueError:
             pass
+    return fn.get("name"), args
+
+
+def format_call(call: Any) -> str:
+    """One earlier call (OpenAI ``tool_calls`` entry) as a Hermes block."""
+    fn = call.get("function", call) if isinstance(call, dict) else {}
+    _, args = call_fields(call)
     return "<tool_call>\n" + json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False) + \
         "\n</tool_call>"
 
