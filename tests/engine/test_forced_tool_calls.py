@@ -24,7 +24,7 @@ from ferrylm.server.assistant import TurnConfig, whole_turn
 from ferrylm.server.tool_grammars import forced_call_grammar
 from ferrylm.server.tools import MAX_FORCED_CALLS, ToolChoice, ToolSpec, lark_term, tag_terms, tool_call_grammar
 from tests.models.hf_checkpoints import _randomize_
-from tests.server.test_tool_formats_app import glm_codec  # noqa: F401 (fixture)
+from tests.server.glm_like import build_glm_like_tokenizer
 
 pytest.importorskip("llguidance")
 
@@ -36,7 +36,15 @@ TOOLS = [ToolSpec("set_mode", "", {"type": "object", "required": ["mode", "loud"
 
 
 @pytest.fixture(scope="module")
-def glm_model(glm_codec, tmp_path_factory):  # noqa: F811
+def glm_codec(tmp_path_factory):
+    """A GLM-4.5-like vocabulary (its tool tags special tokens) and template (tests/server/glm_like.py)."""
+    from ferrylm.server.tokenizer import TextCodec
+
+    return TextCodec.from_pretrained(build_glm_like_tokenizer(tmp_path_factory.mktemp("glm-like-tokenizer")))
+
+
+@pytest.fixture(scope="module")
+def glm_model(glm_codec, tmp_path_factory):
     cfg = transformers.Glm4MoeConfig(vocab_size=glm_codec.vocab_size, hidden_size=64, intermediate_size=96,
                                      moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                                      num_key_value_heads=2, head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
@@ -69,7 +77,7 @@ def _generate(loaded, codec, prompt: list[int], params: SamplingParams) -> tuple
 @pytest.mark.parametrize("fmt", ["hermes", "glm45", "minimax_m2"])
 @pytest.mark.parametrize("mode", ["required", "parallel", "named"])
 @pytest.mark.parametrize("temperature,seed", [(0.0, None), (1.0, 1), (1.5, 3)])
-def test_forced_call_always_closes_and_parses(glm_model, glm_codec, fmt, mode, temperature, seed):  # noqa: F811
+def test_forced_call_always_closes_and_parses(glm_model, glm_codec, fmt, mode, temperature, seed):
     codec = glm_codec
     choice = {"required": ToolChoice("required", parallel=False), "parallel": ToolChoice("required"),
               "named": ToolChoice("named", "set_mode", parallel=False)}[mode]

@@ -91,38 +91,14 @@ def test_an_unknown_parser_is_refused(codec) -> None:
         create_app(FakeEngine(codec), codec, SERVED, tool_call_parser="glm4")
 
 
-# A GLM-4.5-like tokenizer and template, written here from the published template's markup (not the real file,
-# which needs the hub): the tool tags and <think> are special tokens, as in GLM-4.5's vocabulary.
-GLM_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<arg_key>",
-                "</arg_key>", "<arg_value>", "</arg_value>", "<think>", "</think>", "<|user|>", "<|assistant|>",
-                "<|system|>", "<|observation|>"]
-GLM_TEMPLATE = (
-    "[gMASK]<sop>{% if tools %}<|system|>\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
-    "Call one as <tool_call>{function-name}\n<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n"
-    "</tool_call>{% endif %}"
-    "{% for m in messages %}<|{{ m.role }}|>\n{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
-    "{% endif %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
 @pytest.fixture(scope="module")
 def glm_codec(tmp_path_factory):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
+    """A GLM-4.5-like vocabulary and template (tests/server/glm_like.py)."""
     from ferrylm.server.tokenizer import TextCodec
 
-    folder = tmp_path_factory.mktemp("glm-like-tokenizer")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=GLM_SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["Hello world! Let me look. get_weather city Paris days"] * 50, trainer)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "clean_up_tokenization_spaces": False, "model_max_length": 4096, "chat_template": GLM_TEMPLATE,
-        "additional_special_tokens": GLM_SPECIALS[3:]}))
-    return TextCodec.from_pretrained(folder)
+    from .glm_like import build_glm_like_tokenizer
+
+    return TextCodec.from_pretrained(build_glm_like_tokenizer(tmp_path_factory.mktemp("glm-like-tokenizer")))
 
 
 async def test_glm_like_vocabulary_keeps_special_markup_for_the_parsers(glm_codec) -> None:
