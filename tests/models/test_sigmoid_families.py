@@ -160,6 +160,9 @@ def _config(arch: str, **raw) -> ModelConfig:
     ("Glm4MoeForCausalLM", {"partial_rotary_factor": 0.3}, "partial_rotary_factor"),
     ("MiniMaxM2ForCausalLM", {"rotary_dim": 48}, "rotary_dim"),
     ("MiniMaxM2ForCausalLM", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ("MiniMaxM2ForCausalLM", {"scoring_func": "softmax"}, "scoring_func"),
+    ("MiniMaxM2ForCausalLM", {"use_routing_bias": False}, "use_routing_bias"),
+    ("MiniMaxM2ForCausalLM", {"shared_intermediate_size": 512}, "shared_intermediate_size"),
     ("LlamaForCausalLM", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
 ])
 def test_bad_configs_raise_model_load_error_naming_the_field(arch, raw, field):

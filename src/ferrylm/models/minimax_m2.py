@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ferrylm.config import ModelConfig
+from ferrylm.errors import ModelLoadError
 from ferrylm.experts.executor import ExpertExecutor
 from ferrylm.models.glm4_moe import skips_mtp_layer
 from ferrylm.models.llama import LlamaForCausalLM
@@ -56,7 +57,17 @@ class MiniMaxM2ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:
+        """Also refuses what the published config can state and this class does not compute: a ``scoring_func``
+        other than sigmoid, ``use_routing_bias: false``, a shared expert (``shared_intermediate_size > 0``)."""
         check_sigmoid_config(config, minimax_m2_routing(config), cls.arch_name)
+        raw = config.raw
+        if raw.get("scoring_func", "sigmoid") != "sigmoid":
+            raise ModelLoadError(f"{cls.arch_name}: scoring_func {raw['scoring_func']!r} is not supported "
+                                 f"(only 'sigmoid')")
+        if raw.get("use_routing_bias", True) is False:
+            raise ModelLoadError(f"{cls.arch_name}: use_routing_bias false is not supported")
+        if int(raw.get("shared_intermediate_size") or 0) > 0:
+            raise ModelLoadError(f"{cls.arch_name}: shared_intermediate_size > 0 (a shared expert) is not supported")
         super().check_config(config)
 
     @classmethod
