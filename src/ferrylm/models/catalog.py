@@ -15,7 +15,11 @@ CHECKPOINT_FORMATS = (
     "compressed-tensors pack-quantized int4 / int8 (W4A16, W8A16, zp)     -> int4 / int8 per group",
     "compressed-tensors nvfp4-pack-quantized                              -> fp4 e2m1, fp8 scale per 16 + row scale",
     "compressed-tensors mxfp4-pack-quantized                              -> fp4 e2m1, scale per 32",
+    "compressed-tensors float-quantized FP8 (tensor/channel/block/group)  -> fp8 e4m3, f32 scales (*-FP8-dynamic)",
+    "modelopt NVFP4 / W4A16_NVFP4 (NVIDIA exports, hf_quant_config.json)  -> fp4 e2m1, fp8 scale per 16 + row scale",
+    "modelopt FP8 per tensor, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO blocks -> fp8 e4m3, f32 scale per row / 128",
     "gptq: qweight / qzeros / scales, 4-bit (gptq, gptq_v2)               -> int4 with mins per group",
+    "awq: qweight / qzeros / scales, 4-bit, AutoAWQ GEMM packing          -> int4 with mins per group",
     "mxfp4: gpt-oss expert *_blocks / *_scales                            -> fp4 e2m1, scale per 32",
     "GGUF experts Q8_0 / Q6_K / Q4_K (qwen3moe, qwen2moe, olmoe, llama)   -> int8 / int8 / int4 with mins",
 )

@@ -164,6 +164,8 @@ def read_quantized(files: list[Path], reader: QuantReader, model_cls: type, conf
         modules: dict[str, dict[str, str]] = {}
         plain: list[str] = []
         for name in where:
+            if reader.skip(name):
+                continue
             sp = reader.split(name)
             if sp is not None and sp[0] in marked:
                 modules.setdefault(sp[0], {})[sp[1]] = name
