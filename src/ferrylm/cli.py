@@ -7,6 +7,7 @@ import logging
 import sys
 
 from ferrylm.config import ATTENTION_BACKENDS, CPU_KERNELS, EngineConfig
+from ferrylm.server.tool_formats import TOOL_PARSER_CHOICES
 
 _D = EngineConfig()  # the one source of the serve flags' defaults
 
@@ -134,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=port_number, default=8000, help="port (default: 8000)")
     s.add_argument("--served-model-name", default=None, help="model id clients use (default: the model's name)")
     s.add_argument("--api-key", default=None, help="require this bearer key on /v1/* (env FERRYLM_API_KEY)")
+    s.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSER_CHOICES,
+                   help="tool-call format of the model's output (vLLM's names): hermes (<tool_call>{json}), glm45 "
+                        "(GLM-4.5/4.6 <tool_call>name<arg_key>...), minimax_m2 (<minimax:tool_call><invoke ...>); "
+                        "auto (default): from the chat template's markup, then the architecture, else hermes")
     s.add_argument("--max-request-bytes", type=int, default=8 << 20, metavar="N",
                    help="refuse request bodies larger than N bytes with 413 (default: 8 MiB)")
     s.add_argument("--sse-ping-interval", type=float, default=15.0, metavar="S",

@@ -72,7 +72,7 @@ class ModelConfig:
             raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
         eos = d.get("eos_token_id")
         eos_ids: tuple[int, ...] = () if eos is None else (tuple(eos) if isinstance(eos, list) else (int(eos),))
-        num_experts = int(d.get("num_local_experts") or d.get("num_experts") or 0)
+        num_experts = int(d.get("num_local_experts") or d.get("num_experts") or d.get("n_routed_experts") or 0)
         rope_theta = d.get("rope_theta")
         rope_params = d.get("rope_parameters") or {}
         if rope_theta is None:

@@ -83,6 +83,9 @@ def estimate_non_expert_bytes(config, moe_layers: tuple[int, ...], dtype_bytes: 
     n = v * h * (1 if config.tie_word_embeddings else 2)
     n += config.num_layers * (2 * h * q + 2 * h * kv)
     n += (config.num_layers - len(moe_layers)) * 3 * h * config.intermediate_size
-    shared = int(config.raw.get("shared_expert_intermediate_size") or 0)
-    n += len(moe_layers) * (config.num_experts * h + 3 * h * shared + (h if shared else 0))
+    shared = int(config.raw.get("shared_expert_intermediate_size") or 0)  # Qwen2-MoE: with a [1, H] gate
+    gate = h if shared else 0
+    if not shared and config.raw.get("n_shared_experts"):  # GLM-4.5: n_shared_experts fused, no gate
+        shared = int(config.raw["n_shared_experts"]) * config.moe_intermediate_size
+    n += len(moe_layers) * (config.num_experts * h + 3 * h * shared + gate)
     return n * dtype_bytes
