@@ -7,13 +7,13 @@ share, a fraction ``h = min(1, N / (L * E))`` of them hits, so a step misses ``m
 Then ``t_offload = m S / B_pcie``, ``t_cpu = m S / B_cpu`` and ``t_hybrid = m S / (B_pcie + B_cpu_eff)`` (both
 sides busy until the end; see :mod:`ferrylm.experts.hybrid`). Skewed routing raises ``h`` for every backend alike.
 
-``hybrid`` is predicted fastest by this model (both links busy) but measured slower than ``offload`` in every
-configuration run on the H200 machine (24 GiB cap, bf16: 18.1 vs 20.4 tok/s at one sequence, 22.2 vs 24.9 at 16;
-docs/BENCHMARKS.md session 7): its CPU share sits on each layer's critical path and its steps are planned on the
-host, while offload's batched steps run as one graph from the device table. So ``auto`` chooses between
-``offload`` and ``cpu`` (``cpu`` when no slot fits or its predicted time is lower) and reports hybrid's prediction
-beside them; ``--moe-backend hybrid`` stays available.
-"""
+The prediction is reported, not obeyed: on the H200 machine every measured configuration had ``offload`` fastest
+(24 GiB cap, bf16: 20.4 tok/s at one sequence against hybrid 18.1 and cpu 5.4; 24.9 at 16 against 22.2 and
+22.3; docs/BENCHMARKS.md session 7), while the model ranked hybrid first and, with a noisy CPU probe (22-47 GB/s
+between runs), ranked cpu above offload, so two boots of one configuration could pick different backends (session
+7's serve run picked cpu: c16 ITL 800 ms). So ``auto`` picks ``offload`` whenever the slots hold one layer of a
+token's experts (``top_k``), else ``cpu``: the same pick on every boot; ``--moe-backend hybrid`` / ``cpu`` stay
+available."""
 
 from __future__ import annotations
 
@@ -63,12 +63,9 @@ def choose_backend(*, expert_bytes_total: int, budget_bytes: int | None, expert_
     slots = max(0, (budget_bytes - stream_bytes) // expert_bytes)
     m = expected_misses(num_layers=num_layers, num_experts=num_experts, top_k=top_k, slots=slots, batch=batch)
     times = predict_step_times(m, expert_bytes, bw)
-    candidates = {k: v for k, v in times.items() if k != "hybrid"}  # NOTE: hybrid is never auto's pick (below)
-    if slots < 1:
-        candidates.pop("offload")
-    if not candidates:
-        candidates = {"hybrid": times["hybrid"]}
-    best = min(candidates, key=lambda k: (candidates[k], OFFLOADING.index(k)))
+    # NOTE: measured, not predicted (module docstring): offload whenever the slots hold one layer of a token's
+    # experts; cpu only below that (offload would run its layers in waves)
+    best = "offload" if slots >= max(1, top_k) else "cpu"
     return AutoChoice(best, f"experts need {expert_bytes_total / 2**30:.1f} GiB, {budget_bytes / 2**30:.1f} GiB "
                             f"left: {slots} slots, ~{m:.0f} misses/step; predicted ms/step "
                       + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in times.items()), times)
