@@ -94,6 +94,11 @@ def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] 
     p.add_argument("--cuda-graph-max-len", type=int, default=_D.cuda_graph_max_len, metavar="TOKENS",
                    help="offloading backends: longest sequence run through the piecewise CUDA graphs; longer ones "
                         f"decode eagerly (default: {_D.cuda_graph_max_len})")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=_D.enable_prefix_caching,
+                   help="automatic prefix caching: full KV pages of earlier requests are reused by requests that "
+                        "start with the same tokens (--no-enable-prefix-caching turns it off; default: "
+                        f"{'on' if _D.enable_prefix_caching else 'off'})")
     p.add_argument("--debug-invariants", action="store_true", help="check KV/scheduler invariants every step")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
@@ -113,7 +118,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         faults=a.faults, decode_graphs="off" if a.enforce_eager else "auto",
                         cuda_graph_max_batch=a.cuda_graph_max_batch,
                         cuda_graph_max_len=a.cuda_graph_max_len,
-                        attention_backend=a.attention_backend).validate()
+                        attention_backend=a.attention_backend,
+                        enable_prefix_caching=a.enable_prefix_caching).validate()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,6 +15,13 @@ Each step builds one batch under two limits: at most ``max_running_requests`` ru
    free go to it. Its wait is then bounded by the running requests' remaining work, whatever keeps arriving.
    Isolation: a request marked ``isolate`` (a suspect of an earlier engine failure) waits until nothing runs,
    then runs alone, and nothing is admitted while it runs.
+   Prefix caching (``prefix_cache`` given): a request with no pages first maps the longest cached run of its full
+   pages (``engine/prefix_cache.py``); its chunk starts past them and only the rest counts against the budget and
+   the free pages. It is admitted only if the rest fits too (the looked-up pages count: mapping an unheld cached
+   page takes it out of the available ones), so a skipped request holds nothing.
+
+Pages computed so far are named (``PrefixCache.commit``) at the start of each plan and before any release
+(finish, preemption), so what a finished or preempted request computed stays cached.
 
 Design after vLLM v1's token-budget scheduler (request counters catching up), split into sub-steps.
 """
@@ -26,6 +33,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ferrylm.engine.kv_cache import PageAllocator, pages_needed
+from ferrylm.engine.prefix_cache import PrefixCache
 from ferrylm.engine.request import Request, Status
 from ferrylm.faults import NO_FAULTS, FaultInjector
 
@@ -75,12 +83,14 @@ class Scheduler:
     ``prefill_budget`` (tokens per step) starts at ``config.max_prefill_length``; the OOM guard lowers it for a
     while (:meth:`set_prefill_budget`). ``faults``: the fault injector (point ``kv_page_alloc``). ``growing``: the
     request whose pages are being allocated (set while :meth:`_grow` runs, so an allocation failure there can be
-    pinned on it)."""
+    pinned on it). ``prefix_cache``: automatic prefix caching over ``allocator`` (None: off)."""
 
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, faults: FaultInjector = NO_FAULTS):
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, faults: FaultInjector = NO_FAULTS,
+                 prefix_cache: PrefixCache | None = None):
         self.config = config
         self.allocator = allocator
         self.faults = faults
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -117,6 +127,9 @@ class Scheduler:
     def schedule(self) -> Batch:
         """Plan the next step. The returned seqs own the pages they need for this step."""
         budget = self.prefill_budget
+        if self.prefix_cache is not None:
+            for r in self.running:   # what the last step computed becomes shareable
+                self.prefix_cache.commit(r)
         seqs, preempted, truncated, budget = self._schedule_running(budget)
         seqs += self._schedule_waiting(budget)
         return Batch(seqs=seqs, preempted=preempted, truncated=truncated)
@@ -158,11 +171,11 @@ class Scheduler:
                 req = self.waiting[0]
                 if req.isolate and (self.running or seqs):
                     break  # it runs alone: admit nothing past it until the running requests are done
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
-                # NOTE: popped only after _grow returns: an allocation failure raised inside it leaves req queued
-                ok = self._grow(req, req.num_computed_tokens + n)
+                # NOTE: popped only after _admit_pages returns: an allocation failure raised inside it leaves req
+                # queued (with the cached pages it mapped, which a retry keeps and a failure releases)
+                n = self._admit_pages(req, budget)
                 self.waiting.popleft()
-                if not ok:
+                if n is None:
                     skipped.append(req)  # does not fit the free pages now; let smaller ones behind it run
                     if req.times_passed_over >= self.config.aging_rounds:
                         break            # aged: the pages freed from now on are its, nothing passes it
@@ -172,6 +185,8 @@ class Scheduler:
                 req.status = Status.RUNNING
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = time.monotonic()
+                    if self.prefix_cache is not None:
+                        self.prefix_cache.count(req)
                 self.running.append(req)
                 seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
                 budget -= n
@@ -182,6 +197,28 @@ class Scheduler:
         return seqs
 
     # --- pages ------------------------------------------------------------------------------------------------
+    def _admit_pages(self, req: Request, budget: int) -> int | None:
+        """Map ``req``'s cached prefix (when it holds no pages) and give it pages for its next chunk of at most
+        ``budget`` tokens; return the chunk's length, or None, ``req`` then holding no pages, when the pages it
+        needs are not available now."""
+        cache = self.prefix_cache
+        hit = cache.lookup(req) if cache is not None else []
+        if hit or (cache is not None and not req.page_table):
+            start = len(hit) * self.config.page_size
+            n = min(req.num_tokens - start, budget)
+            need = pages_needed(start + n, self.config.page_size) - len(hit)
+            if need > self.allocator.num_free - self.allocator.num_unheld(hit):
+                return None
+            cache.map(req, hit)
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if self._grow(req, req.num_computed_tokens + n):
+            return n
+        # short of pages while holding some (mapped ones, or what a retry after an allocation failure kept): a
+        # waiting request holds nothing
+        self._release(req)
+        req.num_computed_tokens = 0
+        return None
+
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Give ``req`` pages for ``num_tokens`` tokens. False (nothing allocated) when the pool is short."""
         need = pages_needed(num_tokens, self.config.page_size) - len(req.page_table)
@@ -197,9 +234,13 @@ class Scheduler:
         return True
 
     def _release(self, req: Request) -> None:
+        """Name what ``req`` computed (prefix caching), then drop its pages (the last ones first in the LRU)."""
         if req.page_table:
-            self.allocator.free(req.page_table)
+            if self.prefix_cache is not None:
+                self.prefix_cache.commit(req)
+            self.allocator.free(reversed(req.page_table))
             req.page_table = []
+        req.num_named_pages = 0
 
     def _preempt(self, req: Request) -> None:
         """Free ``req``'s pages and requeue it first in line; it recomputes prompt + output later."""
