@@ -1,7 +1,8 @@
 """Anthropic Messages: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (what Claude Code and the
 ``anthropic`` SDK send).
 
-Request → :class:`~ferrylm.server.chat.ChatJob`: ``system`` (text or text blocks) becomes the system turn; user
+Request → :class:`~ferrylm.server.chat.ChatJob`: ``system`` (text or text blocks) becomes the system turn (without
+Claude Code's per-request ``x-anthropic-billing-header`` line at its top: ``server/prompt_hygiene.py``); user
 ``text`` blocks the user turn and ``tool_result`` blocks ``tool`` turns (in order); assistant ``text``,
 ``thinking`` and ``tool_use`` blocks its content, ``reasoning_content`` and ``tool_calls``; a final assistant
 message is continued (Anthropic's prefill). ``tools`` (``name``, ``description``, ``input_schema``) and
@@ -35,6 +36,7 @@ from ferrylm.errors import InvalidRequest
 from ferrylm.server.assistant import PING, TurnDelta, turn_deltas, whole_turn
 from ferrylm.server.chat import SSE_HEADERS, ChatJob, off_loop, render_prompt
 from ferrylm.server.errors import error_payload, status_for
+from ferrylm.server.prompt_hygiene import strip_billing_header
 from ferrylm.server.protocol import _Request, parse_request
 from ferrylm.server.request_io import read_json
 from ferrylm.server.tools import ToolCall, ToolChoice, ToolSpec, check_unique, make_tool
@@ -96,7 +98,7 @@ def convert_messages(req: MessagesRequest) -> list[dict]:
     the block for unsupported block types (images, documents) and malformed tool blocks."""
     out: list[dict] = []
     if req.system is not None:
-        system = _text_of(req.system, "system")
+        system = strip_billing_header(_text_of(req.system, "system"))   # per-request: would break the prefix
         if system:
             out.append({"role": "system", "content": system})
     for i, m in enumerate(req.messages):
