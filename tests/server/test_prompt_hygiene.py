@@ -32,7 +32,8 @@ async def test_anthropic_turns_with_new_billing_hashes_render_the_same_prompt(co
                                        {"type": "text", "text": SYSTEM}]),
                             ("71fea", HEADER.format("71fea") + "\n" + SYSTEM),
                             (None, SYSTEM)):
-            body = {"model": SERVED, "max_tokens": 4, "system": system, "messages": [{"role": "user", "content": "hi"}]}
+            body = {"model": SERVED, "max_tokens": 4, "system": system,
+                    "messages": [{"role": "user", "content": "hi"}]}
             r = await c.post("/v1/messages", json=body)
             assert r.status_code == 200, r.text
             counts.append((await c.post("/v1/messages/count_tokens", json=body)).json()["input_tokens"])

@@ -4,8 +4,10 @@ Each step builds one batch under two limits: at most ``max_running_requests`` ru
 ``max_prefill_length`` new tokens (decode tokens count one each). The plan is built in named sub-steps:
 
 1. ``_schedule_running``: every running request gets its next tokens (1 for decode, a chunk of the rest of its
-   prompt otherwise). When the pool is out of pages, the newest running request is preempted (pages freed,
-   requeued at the front of the waiting queue, recomputed later) — the scheduler never crashes for lack of pages.
+   prompt otherwise). Decodes come first: a prefill chunk is cut to the budget less the decodes still to
+   schedule, so every running stream gets its next token in every step whatever prompt is being prefilled beside
+   it (a step is then at most ``max_prefill_length`` tokens: that bounds the streams' inter-token latency).
+   When the pool is out of pages, the newest running request is preempted (pages freed, requeued at the front of the waiting queue, recomputed later) — the scheduler never crashes for lack of pages.
    A request alone in the pool that still cannot grow ends with finish reason "length" instead of thrashing.
 2. ``_schedule_waiting``: waiting requests in arrival order join while slots, budget and free pages allow. A
    request that does not fit the free pages *now* is skipped, not waited on, so it never blocks smaller requests
@@ -138,10 +140,21 @@ class Scheduler:
         seqs: list[ScheduledSeq] = []
         preempted: list[Request] = []
         truncated: list[Request] = []
+        # NOTE: decodes first: a prefill chunk gets the budget less one token per decode still to schedule, so a
+        # long prompt never holds back the running streams (their next tokens are in every step)
+        decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            left = req.num_tokens - req.num_computed_tokens
+            if left == 1:
+                decodes_left -= 1
+                n = 1
+            else:
+                n = min(left, budget - decodes_left)
+                if n <= 0:
+                    i += 1   # no room beside the decodes this step: its next chunk waits
+                    continue
             while not self._grow(req, req.num_computed_tokens + n):
                 if len(self.running) == 1:
                     # Alone and still short of pages: the whole pool cannot hold this request's next token.
@@ -150,6 +163,8 @@ class Scheduler:
                     truncated.append(req)
                     break
                 victim = self.running[-1]
+                if victim is not req and victim.num_tokens - victim.num_computed_tokens == 1:
+                    decodes_left -= 1
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
