@@ -7,7 +7,8 @@ Each step builds one batch under two limits: at most ``max_running_requests`` ru
    prompt otherwise). Decodes come first: a prefill chunk is cut to the budget less the decodes still to
    schedule, so every running stream gets its next token in every step whatever prompt is being prefilled beside
    it (a step is then at most ``max_prefill_length`` tokens: that bounds the streams' inter-token latency).
-   When the pool is out of pages, the newest running request is preempted (pages freed, requeued at the front of the waiting queue, recomputed later) — the scheduler never crashes for lack of pages.
+   When the pool is out of pages, the newest running request is preempted (pages freed, requeued at the front
+   of the waiting queue, recomputed later) — the scheduler never crashes for lack of pages.
    A request alone in the pool that still cannot grow ends with finish reason "length" instead of thrashing.
 2. ``_schedule_waiting``: waiting requests in arrival order join while slots, budget and free pages allow. A
    request that does not fit the free pages *now* is skipped, not waited on, so it never blocks smaller requests
