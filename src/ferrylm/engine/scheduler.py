@@ -269,12 +269,17 @@ class Scheduler:
         self.num_preemptions += 1
 
     def check_invariants(self) -> None:
-        """Assert: no page owned twice; free + used = total; every running request's table covers its
-        computed tokens. Raises AssertionError."""
+        """Assert: every page free, cached or owned, reference counts matching the tables, only named pages
+        shared; free + used = total; every running request's table covers its computed tokens, and none of its
+        pages past them is named. Raises AssertionError."""
         owners = self.running + [r for r in self.waiting if r.page_table]
         self.allocator.check([r.page_table for r in owners])
         for r in self.running:
             have = len(r.page_table) * self.config.page_size
             assert have >= r.num_computed_tokens, (
                 f"{r.request_id}: {have} slots < {r.num_computed_tokens} computed tokens")
+            full = r.num_computed_tokens // self.config.page_size
+            for i in range(full, len(r.page_table)):   # pages still to be written are never named (shared)
+                assert self.allocator.name_of(r.page_table[i]) is None, (
+                    f"{r.request_id}: page {i} is named but tokens {i * self.config.page_size}.. are not computed")
         assert len(self.running) <= self.config.max_running_requests
