@@ -99,6 +99,11 @@ def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] 
     p.add_argument("--cuda-graph-max-len", type=int, default=_D.cuda_graph_max_len, metavar="TOKENS",
                    help="offloading backends: longest sequence run through the piecewise CUDA graphs; longer ones "
                         f"decode eagerly (default: {_D.cuda_graph_max_len})")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=_D.enable_prefix_caching,
+                   help="automatic prefix caching: full KV pages of earlier requests are reused by requests that "
+                        "start with the same tokens (--no-enable-prefix-caching turns it off; default: "
+                        f"{'on' if _D.enable_prefix_caching else 'off'})")
     p.add_argument("--debug-invariants", action="store_true", help="check KV/scheduler invariants every step")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
@@ -119,7 +124,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         faults=a.faults, decode_graphs="off" if a.enforce_eager else "auto",
                         cuda_graph_max_batch=a.cuda_graph_max_batch,
                         cuda_graph_max_len=a.cuda_graph_max_len,
-                        attention_backend=a.attention_backend).validate()
+                        attention_backend=a.attention_backend,
+                        enable_prefix_caching=a.enable_prefix_caching).validate()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,6 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--seed", type=int, default=0)
     bs.add_argument("--api-key", default=None)
     bs.add_argument("--output-json", default=None, help="write the summary here")
+    bs.add_argument("--multi-turn", action="store_true",
+                    help="agent-like conversations: each turn re-sends the history, the previous answer and "
+                         "--input-len new tokens after a system prefix shared by every conversation; reports TTFT "
+                         "and cached tokens per turn")
+    bs.add_argument("--num-conversations", type=int, default=4, help="--multi-turn: conversations at once")
+    bs.add_argument("--num-turns", type=int, default=8, help="--multi-turn: turns per conversation")
+    bs.add_argument("--shared-prefix-len", type=int, default=2048,
+                    help="--multi-turn: tokens of the system prefix every conversation starts with")
     bs.add_argument("--log-level", default="WARNING")
 
     bd = bsub.add_parser("decode", help="decode speed of the MoE backends: tok/s, hit rate, PCIe bytes/token, "
@@ -350,6 +364,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     from ferrylm.bench.serve import BenchConfig, format_summary, run_bench
 
+    if args.multi_turn:
+        return _bench_multi_turn(args)
     for flag, v in (("--concurrency", args.concurrency), ("--num-prompts", args.num_prompts),
                     ("--input-len", args.input_len), ("--output-len", args.output_len)):
         if v < 1:
@@ -365,6 +381,39 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"ferry bench serve: cannot benchmark {cfg.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     print(format_summary(summary))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0 if summary["failed"] == 0 else 1
+
+
+def _bench_multi_turn(args: argparse.Namespace) -> int:
+    """``ferry bench serve --multi-turn`` (``bench/multi_turn.py``): 2 on a bad flag, 1 when the server cannot be
+    reached or a turn failed."""
+    import asyncio
+    import json
+
+    from ferrylm.bench.multi_turn import MultiTurnConfig, format_multi_turn, run_multi_turn
+
+    for flag, v in (("--num-conversations", args.num_conversations), ("--num-turns", args.num_turns),
+                    ("--input-len", args.input_len), ("--output-len", args.output_len)):
+        if v < 1:
+            print(f"ferry bench serve: {flag} must be >= 1", file=sys.stderr)
+            return 2
+    if args.shared_prefix_len < 0:
+        print("ferry bench serve: --shared-prefix-len must be >= 0", file=sys.stderr)
+        return 2
+    cfg = MultiTurnConfig(base_url=f"http://{args.host}:{args.port}", model=args.model,
+                          num_conversations=args.num_conversations, num_turns=args.num_turns,
+                          shared_prefix_len=args.shared_prefix_len, input_len=args.input_len,
+                          output_len=args.output_len, vocab_upper=args.vocab_upper, seed=args.seed,
+                          api_key=args.api_key)
+    try:
+        summary = asyncio.run(run_multi_turn(cfg))
+    except Exception as e:  # connection refused and the like: one line, not a traceback
+        print(f"ferry bench serve: cannot benchmark {cfg.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(format_multi_turn(summary))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(summary, f, indent=2)

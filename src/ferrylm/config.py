@@ -184,6 +184,8 @@ class EngineConfig:
         attention_backend: ``auto`` (Triton kernels on CUDA, torch elsewhere), ``triton`` or ``torch``
             (``--attention-backend``, ``engine/attention``).
         cuda_graph_max_len: longest sequence (tokens) run through CUDA graphs (``--cuda-graph-max-len``).
+        enable_prefix_caching: automatic prefix caching, full KV pages shared across requests by content hash
+            (``--enable-prefix-caching`` / ``--no-enable-prefix-caching``; ``engine/prefix_cache.py``).
     """
 
     device: str = "auto"
@@ -214,6 +216,7 @@ class EngineConfig:
     cuda_graph_max_batch: int | None = None
     cuda_graph_max_len: int = 8192
     attention_backend: str = "auto"
+    enable_prefix_caching: bool = True
 
     def to_dict(self) -> dict:
         from dataclasses import asdict

@@ -30,4 +30,5 @@ def test_prompt_larger_than_pool_is_400_and_next_is_served(small_pool_server):
     small = httpx.post(url, json={"model": "smollm2-135m", "prompt": list(range(100, 120)), "max_tokens": 4,
                                   "temperature": 0}, timeout=60)
     assert small.status_code == 200, small.text
-    assert small.json()["usage"] == {"prompt_tokens": 20, "completion_tokens": 4, "total_tokens": 24}
+    assert small.json()["usage"] == {"prompt_tokens": 20, "completion_tokens": 4, "total_tokens": 24,
+                                     "prompt_tokens_details": {"cached_tokens": 0}}

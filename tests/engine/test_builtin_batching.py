@@ -44,7 +44,13 @@ def test_builtin_batch_invariance(loaded):
     longest = max(len(p) for p in prompts.values())
     # pool: room for the longest request plus one page, so running several at once needs preemption
     pages = -(-(longest + max_tokens) // 16) + 1
-    eng = make(lm, num_pages=pages, page_size=16, max_prefill_length=24, max_running_requests=3)
+    # without the prefix cache: the chat template's shared system prompt would otherwise share pages and spare
+    # the preemptions this test is about
+    eng = make(lm, num_pages=pages, page_size=16, max_prefill_length=24, max_running_requests=3,
+               enable_prefix_caching=False)
     together = generate(eng, prompts, max_tokens)
     assert together == solo
     assert eng.scheduler.num_preemptions > 0
+    cached = make(lm, num_pages=pages, page_size=16, max_prefill_length=24, max_running_requests=3)
+    assert generate(cached, prompts, max_tokens) == solo
+    assert cached.stats()["prefix_cache"]["hits"] > 0

@@ -92,7 +92,8 @@ def test_waiting_request_does_not_block_smaller_ones():
     eng = make_engine(num_pages=10, page_size=4, budget=64, max_running=4)  # 40 tokens
     eng.add_request("a", list(range(1, 25)), greedy(8))   # 24 + 8 tokens: takes most of the pool
     eng.step()
-    eng.add_request("b", list(range(1, 30)), greedy(2))   # 29 tokens: fits the pool, not the free pages now
+    # 29 tokens: fits the pool, not the free pages now (no prefix shared with a: nothing maps from the cache)
+    eng.add_request("b", list(range(2, 31)), greedy(2))
     eng.add_request("c", list(range(1, 5)), greedy(2))    # small: must run while b waits
     seen_c_before_b_started = False
     for _ in range(200):

@@ -88,14 +88,16 @@ class FakeEngine:
     Each request emits ``script(request_id, prompt_ids, params)`` one token per step (default: SCRIPT_TEXT then
     EOS), finishing with "stop" on EOS or "length" at max_tokens. Knobs: ``start_exc`` (raised before the first
     output), ``fail_at``/``fail_exc`` (raised before output number ``fail_at``), ``delay`` (seconds per step),
-    ``health_status``, ``queue_time`` (sent on the first output, as the engine does). Records ``requests``,
+    ``health_status``, ``queue_time`` (sent on the first output, as the engine does), ``prefix_pages`` (a
+    prefix cache of that page size is emulated: the first output reports the longest prefix, in whole pages and
+    short of the last token, shared with an earlier prompt, as ``num_cached_tokens``). Records ``requests``,
     ``aborts`` (explicit abort calls) and ``closed_early`` (iteration left before the request finished).
     """
 
     def __init__(self, codec: TextCodec, *, max_model_len: int = 256, kv_pool_tokens: int = 0,
                  script: Script | None = None, delay: float = 0.0, start_exc: BaseException | None = None,
                  fail_at: int | None = None, fail_exc: BaseException | None = None, health_status: str = "ready",
-                 queue_time: float | None = 0.0):
+                 queue_time: float | None = 0.0, prefix_pages: int | None = None):
         self.codec = codec
         self.eos = codec.eos_token_ids[0]
         self.model_info = ModelInfo(name="fake", path="/models/fake", max_model_len=max_model_len,
@@ -107,6 +109,7 @@ class FakeEngine:
         self.fail_exc = fail_exc
         self.health_status = health_status
         self.queue_time = queue_time
+        self.prefix_pages = prefix_pages
         self.requests: list[tuple[str, list[int], SamplingParams]] = []
         self.aborts: list[str] = []
         self.closed_early: list[str] = []
@@ -118,8 +121,20 @@ class FakeEngine:
     async def abort(self, request_id: str) -> None:
         self.aborts.append(request_id)
 
+    def _cached(self, ids: list[int]) -> int | None:
+        if self.prefix_pages is None:
+            return None
+        best = 0
+        for _, prev, _ in self.requests:
+            n = 0
+            while n < min(len(prev), len(ids) - 1) and prev[n] == ids[n]:
+                n += 1
+            best = max(best, n // self.prefix_pages * self.prefix_pages)
+        return best
+
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[EngineOutput]:
+        cached = self._cached(list(prompt_token_ids))
         self.requests.append((request_id, list(prompt_token_ids), params))
         self.started.set()
         if self.start_exc is not None:
@@ -146,7 +161,8 @@ class FakeEngine:
                     plps = [None] + [TokenLogprob(t, -0.5, [(t, -0.5), (0, -2.0)][:k], rank=1)
                                      for t in prompt_token_ids[1:]]
                 yield EngineOutput(request_id, [tok], finish, lps, num_prompt_tokens=len(prompt_token_ids),
-                                   queue_time=self.queue_time if i == 0 else None, prompt_logprobs=plps)
+                                   queue_time=self.queue_time if i == 0 else None, prompt_logprobs=plps,
+                                   num_cached_tokens=cached if i == 0 else None)
                 if finished:
                     return
         finally:

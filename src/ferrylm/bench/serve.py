@@ -20,7 +20,8 @@ import httpx
 @dataclass
 class RequestResult:
     """One request: ``ok``; ``ttft`` and ``latency`` in seconds; ``itls`` chunk gaps in seconds;
-    ``output_tokens`` from the server's usage."""
+    ``output_tokens`` and ``cached_tokens`` (prompt tokens served from the server's prefix cache) from the server's
+    usage; ``token_ids`` the generated ids when they were asked for (``return_token_ids``)."""
 
     ok: bool
     prompt_tokens: int = 0
@@ -29,6 +30,8 @@ class RequestResult:
     latency: float = 0.0
     itls: list[float] = field(default_factory=list)
     error: str = ""
+    cached_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -68,10 +71,14 @@ def make_prompts(cfg: BenchConfig) -> list[tuple[list[int], int]]:
     return out
 
 
-async def _one(client: httpx.AsyncClient, cfg: BenchConfig, model: str, prompt: list[int], max_tokens: int
-               ) -> RequestResult:
+async def _one(client: httpx.AsyncClient, cfg: BenchConfig | None, model: str, prompt: list[int], max_tokens: int,
+               want_ids: bool = False) -> RequestResult:
+    """One streaming completion of ``prompt`` (token ids); ``want_ids``: ask for the generated ids too. (``cfg``
+    is not read: the body is the same for every run.)"""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+    if want_ids:
+        body["return_token_ids"] = True
     t0 = time.perf_counter()
     last = None
     res = RequestResult(ok=False)
@@ -92,6 +99,7 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, model: str, prompt: 
                     return res
                 now = time.perf_counter()
                 if chunk.get("choices"):
+                    res.token_ids.extend(chunk["choices"][0].get("token_ids") or [])
                     if last is None:
                         res.ttft = now - t0
                     else:
@@ -100,6 +108,8 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, model: str, prompt: 
                 if chunk.get("usage"):
                     res.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     res.output_tokens = chunk["usage"]["completion_tokens"]
+                    details = chunk["usage"].get("prompt_tokens_details") or {}
+                    res.cached_tokens = int(details.get("cached_tokens") or 0)
         res.latency = time.perf_counter() - t0
         res.ok = True
     except httpx.HTTPError as e:

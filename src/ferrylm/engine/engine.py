@@ -22,6 +22,7 @@ from ferrylm.engine import prompt_logprobs
 from ferrylm.engine.kv_cache import KVPool
 from ferrylm.engine.model_runner import ModelRunner, has_prefill
 from ferrylm.engine.outputs import EngineOutput
+from ferrylm.engine.prefix_cache import PrefixCache, cache_seed
 from ferrylm.engine.progress import StepProgress
 from ferrylm.engine.request import Request, Status
 from ferrylm.engine.sampling_params import SamplingParams
@@ -133,6 +134,10 @@ class Engine:
         memory_plan: the boot memory plan (``memory/plan.py``), reported in stats and at ``GET /v1/memory``.
         tokenizer_path: the model folder whose tokenizer compiles structured-output grammars (None: such
             requests are refused).
+        model_id: what names the weights (the model path or spec), part of the prefix cache's seed.
+
+    ``prefix_cache`` (:class:`~ferrylm.engine.prefix_cache.PrefixCache`, None when
+    ``config.enable_prefix_caching`` is off): full KV pages shared across requests by content hash.
 
     ``progress`` (:class:`~ferrylm.engine.progress.StepProgress`): ticks per layer and per step, the running
     step's requests and expected duration; the worker's heartbeat reports it to the watchdog.
@@ -141,7 +146,8 @@ class Engine:
     def __init__(self, model, model_config: ModelConfig, config: EngineConfig, *, device: torch.device,
                  dtype: torch.dtype, limits: EngineLimits | None = None, expert_executor=None,
                  faults: FaultInjector = NO_FAULTS, guard: OomGuard | None = None,
-                 memory_plan: MemoryPlan | None = None, tokenizer_path: str | None = None):
+                 memory_plan: MemoryPlan | None = None, tokenizer_path: str | None = None,
+                 model_id: str | None = None):
         self.model = model
         self.expert_executor = expert_executor
         self.faults = faults
@@ -155,9 +161,13 @@ class Engine:
         self.pool = KVPool(num_layers=model_config.num_layers, num_pages=self.limits.num_pages,
                            page_size=self.limits.page_size, num_kv_heads=model_config.num_kv_heads,
                            head_dim=model_config.head_dim, dtype=dtype, device=device)
+        self.prefix_cache = None
+        if config.enable_prefix_caching:
+            seed = cache_seed("ferrylm-prefix-cache-v1", model_id, model_config, str(dtype))
+            self.prefix_cache = PrefixCache(self.pool.allocator, self.limits.page_size, seed)
         self.scheduler = Scheduler(SchedulerConfig(self.limits.max_running_requests,
                                                    self.limits.max_prefill_length, self.limits.page_size),
-                                   self.pool.allocator, faults)
+                                   self.pool.allocator, faults, prefix_cache=self.prefix_cache)
         self.guard = guard or OomGuard(device, elastic_cache_of(expert_executor),
                                        prefill_limit=self.limits.max_prefill_length,
                                        reserve_bytes=memory_plan.reserve_bytes if memory_plan else 0,
@@ -427,6 +437,7 @@ class Engine:
         """
         faults = self.faults
         self.faults = self.scheduler.faults = self.progress.faults = NO_FAULTS
+        self.scheduler.prefix_cache = None   # every warmup prompt runs its whole prefill; nothing stays cached
         ex = self.expert_executor
         if ex is not None and hasattr(ex, "faults"):
             ex.faults = NO_FAULTS
@@ -448,6 +459,7 @@ class Engine:
             self._warmup_drain()
         finally:
             self.faults = self.scheduler.faults = self.progress.faults = faults
+            self.scheduler.prefix_cache = self.prefix_cache
             if ex is not None and hasattr(ex, "faults"):
                 ex.faults = faults
         bad = [o for o in self._pending if o.error_code]
@@ -532,13 +544,19 @@ class Engine:
             self.requests.pop(r.request_id, None)
         self._pending.append(EngineOutput(r.request_id, [tok], finish_reason=reason, logprobs=logprobs,
                                           num_prompt_tokens=r.num_prompt_tokens, queue_time=r.take_queue_time(),
-                                          prompt_logprobs=prompt_logprobs.take(r)))
+                                          prompt_logprobs=prompt_logprobs.take(r),
+                                          num_cached_tokens=r.take_cached_tokens()))
 
     def stats(self) -> dict:
         """Live figures for heartbeats and /metrics (``experts``: the expert executor's counters, when MoE)."""
         d = {"num_running": self.num_running, "num_waiting": self.num_waiting,
              "kv_pages_used": self.pool.allocator.num_used, "kv_pages_total": self.pool.num_pages,
              "num_preemptions": self.scheduler.num_preemptions, "num_steps": self.num_steps}
+        if self.prefix_cache is not None:
+            pc = self.prefix_cache.stats
+            d["prefix_cache"] = {"queries": pc.queries, "hits": pc.hits,
+                                 "cached_pages": self.pool.allocator.num_cached,
+                                 "evictions": self.pool.allocator.num_evictions}
         g = self.guard.stats()
         d["oom_recoveries"] = g.pop("oom_recoveries")
         d["memory"] = g

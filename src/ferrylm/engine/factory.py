@@ -178,7 +178,7 @@ def build_engine(model_path: str | Path, config: EngineConfig) -> Engine:
         executor.reserve(plan.expert_bytes)
     engine = Engine(loaded.model, mcfg, config, device=device, dtype=dtype,
                     limits=replace(base, num_pages=plan.kv_pages), expert_executor=executor, faults=faults,
-                    memory_plan=plan, tokenizer_path=str(model_path))
+                    memory_plan=plan, tokenizer_path=str(model_path), model_id=str(model_path))
     workspace = plan.workspace_bytes
     if device.type == "cuda":
         try:  # the allocator keeps these blocks: request-time steps reuse them

@@ -3,7 +3,8 @@
 Layout (PagedAttention, Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving with
 PagedAttention"): the K and V caches of every layer are ``[num_pages * page_size, num_kv_heads, head_dim]``
 tensors allocated once at boot. A request owns a *page table* (list of page ids); token ``i`` of the request lives
-in slot ``page_table[i // page_size] * page_size + i % page_size``. The allocator hands out whole pages.
+in slot ``page_table[i // page_size] * page_size + i % page_size``. The allocator (``engine/page_allocator.py``)
+hands out whole pages, reference-counted so full pages can be shared by prefix caching.
 
 This module holds the correct torch implementation used on CPU and CUDA; a fused GPU kernel can replace
 :meth:`PagedAttention.attend` later without changing the contract.
@@ -13,66 +14,16 @@ from __future__ import annotations
 
 import contextlib
 
-from collections import deque
 from dataclasses import dataclass
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ferrylm.engine.page_allocator import OutOfPages, PageAllocator  # noqa: F401 (re-exported)
 from ferrylm.faults import NO_FAULTS, FaultInjector
 from ferrylm.models.attention import causal_attention
 
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-class OutOfPages(Exception):
-    """The allocator has fewer free pages than asked for (the scheduler preempts or waits)."""
-
-
-class PageAllocator:
-    """Free-list allocator of page ids ``0 .. num_pages - 1``.
-
-    O(1) allocate/free per page. Invariant (checked by :meth:`check`): every page is either free or owned, never
-    both, never twice.
-    """
-
-    def __init__(self, num_pages: int):
-        if num_pages < 1:
-            raise ValueError(f"the KV pool needs at least one page, got {num_pages}")
-        self.num_pages = num_pages
-        self._free: deque[int] = deque(range(num_pages))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_pages - len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        """Take ``n`` pages. Raises OutOfPages (allocating nothing) when fewer than ``n`` are free."""
-        if n > len(self._free):
-            raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
-        return [self._free.popleft() for _ in range(n)]
-
-    def free(self, pages: list[int]) -> None:
-        """Return pages to the free list."""
-        self._free.extend(pages)
-
-    def check(self, owned: list[list[int]]) -> None:
-        """Assert the invariants given every owner's page table. Raises AssertionError with the violation."""
-        seen: set[int] = set()
-        for table in owned:
-            for p in table:
-                assert 0 <= p < self.num_pages, f"page {p} out of range"
-                assert p not in seen, f"page {p} owned twice"
-                seen.add(p)
-        free = set(self._free)
-        assert len(free) == len(self._free), "a page is on the free list twice"
-        assert not (free & seen), f"pages both free and owned: {sorted(free & seen)[:8]}"
-        assert len(free) + len(seen) == self.num_pages, (
-            f"free {len(free)} + used {len(seen)} != total {self.num_pages} (leaked pages)")
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:

@@ -46,6 +46,8 @@ class EngineOutput:
         queue_time: seconds (the engine's monotonic clock) from the engine receiving the request to its first
             scheduling (first prefill chunk); set once, on the request's first output after it was scheduled
             (None on every other output and for a request never scheduled).
+        num_cached_tokens: prompt tokens whose K/V came from the prefix cache (``engine/prefix_cache.py``), on the
+            request's first output with a token (None on every other output).
     """
 
     request_id: str
@@ -57,6 +59,7 @@ class EngineOutput:
     num_prompt_tokens: int = 0
     queue_time: float | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -76,4 +79,5 @@ class EngineOutput:
         return cls(request_id=d["request_id"], new_token_ids=list(d["new_token_ids"]),
                    finish_reason=d.get("finish_reason"), logprobs=lps, error_code=d.get("error_code"),
                    error_message=d.get("error_message"), num_prompt_tokens=d.get("num_prompt_tokens", 0),
-                   queue_time=d.get("queue_time"), prompt_logprobs=plps)
+                   queue_time=d.get("queue_time"), prompt_logprobs=plps,
+                   num_cached_tokens=d.get("num_cached_tokens"))

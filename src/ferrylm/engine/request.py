@@ -42,6 +42,12 @@ class Request:
             admitted (the scheduler's aging: past ``SchedulerConfig.aging_rounds`` nothing passes it any more).
         grammar: its structured-output matcher (``engine/structured.py``), None when unconstrained.
         prompt_logprobs: prompt-token logprobs gathered so far (``engine/prompt_logprobs.py``), when asked.
+        page_hashes: names of its full pages so far (``engine/prefix_cache.py``; tokens never change, so they
+            stay valid across preemption).
+        num_named_pages: leading pages of ``page_table`` the prefix cache has seen (mapped from the cache or
+            named after being computed); reset when its pages are released.
+        num_cached_tokens: prompt tokens mapped from the prefix cache at its first scheduling (None before; 0
+            when nothing matched or caching is off); reported once, on its first output with tokens.
     """
 
     request_id: str
@@ -61,6 +67,10 @@ class Request:
     times_passed_over: int = 0
     grammar: object | None = None
     prompt_logprobs: list | None = None
+    page_hashes: list[bytes] = field(default_factory=list)
+    num_named_pages: int = 0
+    num_cached_tokens: int | None = None
+    cached_tokens_reported: bool = False
 
     def take_queue_time(self) -> float | None:
         """Seconds from arrival to the first scheduling, the first time it is asked after that; else None."""
@@ -68,6 +78,14 @@ class Request:
             return None
         self.queue_time_reported = True
         return max(0.0, self.first_scheduled_time - self.arrival_time)
+
+    def take_cached_tokens(self) -> int | None:
+        """Prompt tokens served from the prefix cache, the first time it is asked after its first scheduling;
+        else None."""
+        if self.cached_tokens_reported or self.first_scheduled_time is None:
+            return None
+        self.cached_tokens_reported = True
+        return min(self.num_cached_tokens or 0, self.num_prompt_tokens)
 
     @property
     def num_prompt_tokens(self) -> int:

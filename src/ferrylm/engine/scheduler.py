@@ -4,8 +4,11 @@ Each step builds one batch under two limits: at most ``max_running_requests`` ru
 ``max_prefill_length`` new tokens (decode tokens count one each). The plan is built in named sub-steps:
 
 1. ``_schedule_running``: every running request gets its next tokens (1 for decode, a chunk of the rest of its
-   prompt otherwise). When the pool is out of pages, the newest running request is preempted (pages freed,
-   requeued at the front of the waiting queue, recomputed later) — the scheduler never crashes for lack of pages.
+   prompt otherwise). Decodes come first: a prefill chunk is cut to the budget less the decodes still to
+   schedule, so every running stream gets its next token in every step whatever prompt is being prefilled beside
+   it (a step is then at most ``max_prefill_length`` tokens: that bounds the streams' inter-token latency).
+   When the pool is out of pages, the newest running request is preempted (pages freed, requeued at the front
+   of the waiting queue, recomputed later) — the scheduler never crashes for lack of pages.
    A request alone in the pool that still cannot grow ends with finish reason "length" instead of thrashing.
 2. ``_schedule_waiting``: waiting requests in arrival order join while slots, budget and free pages allow. A
    request that does not fit the free pages *now* is skipped, not waited on, so it never blocks smaller requests
@@ -15,6 +18,13 @@ Each step builds one batch under two limits: at most ``max_running_requests`` ru
    free go to it. Its wait is then bounded by the running requests' remaining work, whatever keeps arriving.
    Isolation: a request marked ``isolate`` (a suspect of an earlier engine failure) waits until nothing runs,
    then runs alone, and nothing is admitted while it runs.
+   Prefix caching (``prefix_cache`` given): a request with no pages first maps the longest cached run of its full
+   pages (``engine/prefix_cache.py``); its chunk starts past them and only the rest counts against the budget and
+   the free pages. It is admitted only if the rest fits too (the looked-up pages count: mapping an unheld cached
+   page takes it out of the available ones), so a skipped request holds nothing.
+
+Pages computed so far are named (``PrefixCache.commit``) at the start of each plan and before any release
+(finish, preemption), so what a finished or preempted request computed stays cached.
 
 Design after vLLM v1's token-budget scheduler (request counters catching up), split into sub-steps.
 """
@@ -26,6 +36,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ferrylm.engine.kv_cache import PageAllocator, pages_needed
+from ferrylm.engine.prefix_cache import PrefixCache
 from ferrylm.engine.request import Request, Status
 from ferrylm.faults import NO_FAULTS, FaultInjector
 
@@ -75,12 +86,14 @@ class Scheduler:
     ``prefill_budget`` (tokens per step) starts at ``config.max_prefill_length``; the OOM guard lowers it for a
     while (:meth:`set_prefill_budget`). ``faults``: the fault injector (point ``kv_page_alloc``). ``growing``: the
     request whose pages are being allocated (set while :meth:`_grow` runs, so an allocation failure there can be
-    pinned on it)."""
+    pinned on it). ``prefix_cache``: automatic prefix caching over ``allocator`` (None: off)."""
 
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, faults: FaultInjector = NO_FAULTS):
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, faults: FaultInjector = NO_FAULTS,
+                 prefix_cache: PrefixCache | None = None):
         self.config = config
         self.allocator = allocator
         self.faults = faults
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -117,6 +130,9 @@ class Scheduler:
     def schedule(self) -> Batch:
         """Plan the next step. The returned seqs own the pages they need for this step."""
         budget = self.prefill_budget
+        if self.prefix_cache is not None:
+            for r in self.running:   # what the last step computed becomes shareable
+                self.prefix_cache.commit(r)
         seqs, preempted, truncated, budget = self._schedule_running(budget)
         seqs += self._schedule_waiting(budget)
         return Batch(seqs=seqs, preempted=preempted, truncated=truncated)
@@ -125,10 +141,21 @@ class Scheduler:
         seqs: list[ScheduledSeq] = []
         preempted: list[Request] = []
         truncated: list[Request] = []
+        # NOTE: decodes first: a prefill chunk gets the budget less one token per decode still to schedule, so a
+        # long prompt never holds back the running streams (their next tokens are in every step)
+        decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            left = req.num_tokens - req.num_computed_tokens
+            if left == 1:
+                decodes_left -= 1
+                n = 1
+            else:
+                n = min(left, budget - decodes_left)
+                if n <= 0:
+                    i += 1   # no room beside the decodes this step: its next chunk waits
+                    continue
             while not self._grow(req, req.num_computed_tokens + n):
                 if len(self.running) == 1:
                     # Alone and still short of pages: the whole pool cannot hold this request's next token.
@@ -137,6 +164,8 @@ class Scheduler:
                     truncated.append(req)
                     break
                 victim = self.running[-1]
+                if victim is not req and victim.num_tokens - victim.num_computed_tokens == 1:
+                    decodes_left -= 1
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
@@ -158,11 +187,11 @@ class Scheduler:
                 req = self.waiting[0]
                 if req.isolate and (self.running or seqs):
                     break  # it runs alone: admit nothing past it until the running requests are done
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
-                # NOTE: popped only after _grow returns: an allocation failure raised inside it leaves req queued
-                ok = self._grow(req, req.num_computed_tokens + n)
+                # NOTE: popped only after _admit_pages returns: an allocation failure raised inside it leaves req
+                # queued (with the cached pages it mapped, which a retry keeps and a failure releases)
+                n = self._admit_pages(req, budget)
                 self.waiting.popleft()
-                if not ok:
+                if n is None:
                     skipped.append(req)  # does not fit the free pages now; let smaller ones behind it run
                     if req.times_passed_over >= self.config.aging_rounds:
                         break            # aged: the pages freed from now on are its, nothing passes it
@@ -172,6 +201,8 @@ class Scheduler:
                 req.status = Status.RUNNING
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = time.monotonic()
+                    if self.prefix_cache is not None:
+                        self.prefix_cache.count(req)
                 self.running.append(req)
                 seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
                 budget -= n
@@ -182,6 +213,28 @@ class Scheduler:
         return seqs
 
     # --- pages ------------------------------------------------------------------------------------------------
+    def _admit_pages(self, req: Request, budget: int) -> int | None:
+        """Map ``req``'s cached prefix (when it holds no pages) and give it pages for its next chunk of at most
+        ``budget`` tokens; return the chunk's length, or None, ``req`` then holding no pages, when the pages it
+        needs are not available now."""
+        cache = self.prefix_cache
+        hit = cache.lookup(req) if cache is not None else []
+        if hit or (cache is not None and not req.page_table):
+            start = len(hit) * self.config.page_size
+            n = min(req.num_tokens - start, budget)
+            need = pages_needed(start + n, self.config.page_size) - len(hit)
+            if need > self.allocator.num_free - self.allocator.num_unheld(hit):
+                return None
+            cache.map(req, hit)
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if self._grow(req, req.num_computed_tokens + n):
+            return n
+        # short of pages while holding some (mapped ones, or what a retry after an allocation failure kept): a
+        # waiting request holds nothing
+        self._release(req)
+        req.num_computed_tokens = 0
+        return None
+
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Give ``req`` pages for ``num_tokens`` tokens. False (nothing allocated) when the pool is short."""
         need = pages_needed(num_tokens, self.config.page_size) - len(req.page_table)
@@ -197,9 +250,13 @@ class Scheduler:
         return True
 
     def _release(self, req: Request) -> None:
+        """Name what ``req`` computed (prefix caching), then drop its pages (the last ones first in the LRU)."""
         if req.page_table:
-            self.allocator.free(req.page_table)
+            if self.prefix_cache is not None:
+                self.prefix_cache.commit(req)
+            self.allocator.free(reversed(req.page_table))
             req.page_table = []
+        req.num_named_pages = 0
 
     def _preempt(self, req: Request) -> None:
         """Free ``req``'s pages and requeue it first in line; it recomputes prompt + output later."""
@@ -212,12 +269,17 @@ class Scheduler:
         self.num_preemptions += 1
 
     def check_invariants(self) -> None:
-        """Assert: no page owned twice; free + used = total; every running request's table covers its
-        computed tokens. Raises AssertionError."""
+        """Assert: every page free, cached or owned, reference counts matching the tables, only named pages
+        shared; free + used = total; every running request's table covers its computed tokens, and none of its
+        pages past them is named. Raises AssertionError."""
         owners = self.running + [r for r in self.waiting if r.page_table]
         self.allocator.check([r.page_table for r in owners])
         for r in self.running:
             have = len(r.page_table) * self.config.page_size
             assert have >= r.num_computed_tokens, (
                 f"{r.request_id}: {have} slots < {r.num_computed_tokens} computed tokens")
+            full = r.num_computed_tokens // self.config.page_size
+            for i in range(full, len(r.page_table)):   # pages still to be written are never named (shared)
+                assert self.allocator.name_of(r.page_table[i]) is None, (
+                    f"{r.request_id}: page {i} is named but tokens {i * self.config.page_size}.. are not computed")
         assert len(self.running) <= self.config.max_running_requests

@@ -1,7 +1,8 @@
 """Anthropic Messages: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (what Claude Code and the
 ``anthropic`` SDK send).
 
-Request → :class:`~ferrylm.server.chat.ChatJob`: ``system`` (text or text blocks) becomes the system turn; user
+Request → :class:`~ferrylm.server.chat.ChatJob`: ``system`` (text or text blocks) becomes the system turn (without
+Claude Code's per-request ``x-anthropic-billing-header`` line at its top: ``server/prompt_hygiene.py``); user
 ``text`` blocks the user turn and ``tool_result`` blocks ``tool`` turns (in order); assistant ``text``,
 ``thinking`` and ``tool_use`` blocks its content, ``reasoning_content`` and ``tool_calls``; a final assistant
 message is continued (Anthropic's prefill). ``tools`` (``name``, ``description``, ``input_schema``) and
@@ -35,6 +36,7 @@ from ferrylm.errors import InvalidRequest
 from ferrylm.server.assistant import PING, TurnDelta, turn_deltas, whole_turn
 from ferrylm.server.chat import SSE_HEADERS, ChatJob, off_loop, render_prompt
 from ferrylm.server.errors import error_payload, status_for
+from ferrylm.server.prompt_hygiene import strip_billing_header
 from ferrylm.server.protocol import _Request, parse_request
 from ferrylm.server.request_io import read_json
 from ferrylm.server.tools import ToolCall, ToolChoice, ToolSpec, check_unique, make_tool
@@ -96,7 +98,7 @@ def convert_messages(req: MessagesRequest) -> list[dict]:
     the block for unsupported block types (images, documents) and malformed tool blocks."""
     out: list[dict] = []
     if req.system is not None:
-        system = _text_of(req.system, "system")
+        system = strip_billing_header(_text_of(req.system, "system"))   # per-request: would break the prefix
         if system:
             out.append({"role": "system", "content": system})
     for i, m in enumerate(req.messages):
@@ -240,9 +242,11 @@ def stop_reason(finish: str | None, matched: str | None) -> tuple[str, str | Non
     return "end_turn", None
 
 
-def _usage(prompt_tokens: int, output_tokens: int) -> dict:
-    return {"input_tokens": prompt_tokens, "output_tokens": output_tokens, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0}
+def _usage(prompt_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict:
+    """Anthropic's usage: ``input_tokens`` are the prompt tokens computed, ``cache_read_input_tokens`` those
+    served from the prefix cache (their sum is the prompt), no cache writes are billed apart."""
+    return {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached_tokens}
 
 
 def _event(kind: str, data: dict) -> str:
@@ -293,12 +297,16 @@ class StreamEncoder:
         out, self.events = self.events, []
         return out
 
-    def finish(self, reason: str, sequence: str | None, output_tokens: int) -> list[str]:
+    def finish(self, reason: str, sequence: str | None, output_tokens: int,
+               usage: dict | None = None) -> list[str]:
+        """The closing events; ``usage``: the whole usage (input and cache figures known by now) for the
+        ``message_delta``, else only ``output_tokens``."""
         if self.index < 0:   # an empty reply still has one (empty) text block
             self._block("text", {"type": "text", "text": ""})
         self._close()
         self.events.append(_event("message_delta", {"type": "message_delta", "delta": {
-            "stop_reason": reason, "stop_sequence": sequence}, "usage": {"output_tokens": output_tokens}}))
+            "stop_reason": reason, "stop_sequence": sequence},
+            "usage": usage if usage is not None else {"output_tokens": output_tokens}}))
         self.events.append(_event("message_stop", {"type": "message_stop"}))
         out, self.events = self.events, []
         return out
@@ -333,19 +341,19 @@ async def messages(srv: Any, request: Request, rid: str) -> Response:
     reason, seq = stop_reason(res.finish_reason, ch.text.stops.matched)
     srv._log_done(rid, run.gen, _openai_usage(run))
     return JSONResponse({**base, "content": content, "stop_reason": reason, "stop_sequence": seq,
-                         "usage": _usage(len(run.prompt_ids), run.gen.completion_tokens)})
+                         "usage": _usage(len(run.prompt_ids), run.gen.completion_tokens, run.gen.cached_tokens)})
 
 
 def _openai_usage(run: Any) -> Any:
     from ferrylm.server.protocol import UsageInfo
 
-    return UsageInfo.of(len(run.prompt_ids), run.gen.completion_tokens)
+    return UsageInfo.of(len(run.prompt_ids), run.gen.completion_tokens, run.gen.cached_tokens)
 
 
 async def _stream(srv: Any, rid: str, run: Any, base: dict) -> AsyncIterator[str]:
     gen = run.gen
     enc = StreamEncoder({**base, "content": [], "stop_reason": None, "stop_sequence": None,
-                         "usage": _usage(len(run.prompt_ids), 0)})
+                         "usage": _usage(len(run.prompt_ids), 0, gen.cached_tokens)})
     try:
         yield enc.start()
         async for d in turn_deltas(gen, run.first, run.turn, srv.ping_interval):
@@ -357,7 +365,8 @@ async def _stream(srv: Any, rid: str, run: Any, base: dict) -> AsyncIterator[str
                 yield e
             if d.finish_reason is not None:
                 reason, seq = stop_reason(d.finish_reason, gen.choices[0].text.stops.matched)
-                for e in enc.finish(reason, seq, gen.completion_tokens):
+                for e in enc.finish(reason, seq, gen.completion_tokens,
+                                    _usage(len(run.prompt_ids), gen.completion_tokens, gen.cached_tokens)):
                     yield e
         srv._log_done(rid, gen, _openai_usage(run))
     except Exception as e:  # noqa: BLE001 - after the headers an error can only be an event

@@ -653,7 +653,7 @@ class _Server:
                     c.token_ids = list(ch.token_ids)
             c.finish_reason = ch.finish_reason
             choices.append(c)
-        usage = UsageInfo.of(prompt_tokens, shape.completion_tokens(gen))
+        usage = UsageInfo.of(prompt_tokens, shape.completion_tokens(gen), gen.cached_tokens)
         self._log_done(rid, gen, usage)
         resp = CompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage)
         return Response(resp.model_dump_json(), media_type="application/json")
@@ -665,7 +665,7 @@ class _Server:
 
         def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
             if usage is None and continuous and choices:
-                usage = UsageInfo.of(prompt_tokens, shape.completion_tokens(gen))
+                usage = UsageInfo.of(prompt_tokens, shape.completion_tokens(gen), gen.cached_tokens)
             c = CompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage)
             return sse_event(chunk_json(c, include_usage=include_usage or continuous))
 
@@ -708,7 +708,7 @@ class _Server:
                 for c in out:
                     yield chunk([c])
                 ev = await next_or_ping(gen, self.ping_interval)
-            usage = UsageInfo.of(prompt_tokens, shape.completion_tokens(gen))
+            usage = UsageInfo.of(prompt_tokens, shape.completion_tokens(gen), gen.cached_tokens)
             if include_usage:
                 yield chunk([], usage)
             self._log_done(rid, gen, usage)

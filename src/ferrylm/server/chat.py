@@ -226,7 +226,7 @@ async def chat_completions(srv: Any, request: Request, rid: str) -> Response:
                                   reasoning_content=res.reasoning or None, tool_calls=out_calls(res.calls))
         choices.append(ChatCompletionChoice(index=ch.index, message=msg, logprobs=lp, finish_reason=res.finish_reason,
                                             token_ids=list(ch.token_ids) if req.return_token_ids else None))
-    usage = UsageInfo.of(len(run.prompt_ids), run.gen.completion_tokens)
+    usage = UsageInfo.of(len(run.prompt_ids), run.gen.completion_tokens, run.gen.cached_tokens)
     srv._log_done(rid, run.gen, usage)
     resp = ChatCompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage,
                                   prompt_token_ids=list(run.prompt_ids) if req.return_token_ids else None)
@@ -240,7 +240,7 @@ async def _stream(srv: Any, rid: str, run: Any, base_id: str, created: int, mode
     want_ids = bool(req.return_token_ids)
 
     def usage_now() -> UsageInfo:
-        return UsageInfo.of(len(run.prompt_ids), gen.completion_tokens)
+        return UsageInfo.of(len(run.prompt_ids), gen.completion_tokens, gen.cached_tokens)
 
     def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
         if usage is None and continuous and choices:

@@ -62,6 +62,7 @@ class Choice:
     offsets: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)   # every generated token id, in order
     prompt_logprobs: list | None = None    # the engine's prompt logprobs, when asked (first output)
+    num_cached_tokens: int = 0              # prompt tokens served from the prefix cache (the engine's first output)
     first_token_time: float | None = None   # time.monotonic() of the first output with tokens
     last_token_time: float | None = None
 
@@ -168,6 +169,18 @@ class Generation:
         return sum(ch.num_tokens for ch in self.choices)
 
     @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the engine's prefix cache, counted once per prompt (the choices of one prompt
+        share its token list; the first choice's figure counts, as the prompt's tokens count once in usage)."""
+        seen: set[int] = set()
+        total = 0
+        for ch in self.choices:
+            if id(ch.prompt_ids) not in seen:
+                seen.add(id(ch.prompt_ids))
+                total += ch.num_cached_tokens
+        return total
+
+    @property
     def ttft(self) -> float | None:
         """Seconds from the request's arrival to the first token of any choice (None before one)."""
         times = [ch.first_token_time for ch in self.choices if ch.first_token_time is not None]
@@ -226,6 +239,8 @@ class Generation:
     def _on_output(self, ch: Choice, out: EngineOutput) -> Event | None:
         if out.queue_time is not None and self.metrics is not None:
             self.metrics.queue_time.observe(out.queue_time)  # >= 0: Request.take_queue_time
+        if getattr(out, "num_cached_tokens", None) is not None:
+            ch.num_cached_tokens = int(out.num_cached_tokens)
         if out.error_code:
             ch.engine_done = True
             raise error_from_code(out.error_code, out.error_message)

@@ -10,7 +10,8 @@ Two sources, one registry per app (never prometheus_client's global default regi
   (``Engine.stats()``, every ~0.5 s over the existing IPC), the boot memory plan from the engine's Ready
   message, and the supervisor's restart count. No second metrics server, nothing in the engine process.
 
-Engine counters (preemptions, expert hits / misses / bytes, OOM recoveries) restart at 0 with a restarted engine;
+Engine counters (preemptions, expert hits / misses / bytes, OOM recoveries, prefix-cache queries / hits in
+tokens) restart at 0 with a restarted engine;
 :class:`EngineCollector` keeps them monotonic across restarts by adding what earlier engines had counted.
 
 This module must not import torch.
@@ -49,6 +50,8 @@ _ENGINE_COUNTERS = {
     "expert_cpu_computed": ("experts", "cpu_experts"),
     "decode_graph_steps": ("decode_graphs", "steps"),
     "decode_graph_replays": ("decode_graphs", "replays"),
+    "prefix_cache_queries": ("prefix_cache", "queries"),
+    "prefix_cache_hits": ("prefix_cache", "hits"),
 }
 
 
@@ -137,12 +140,22 @@ class EngineCollector:
                                         "(offload decode table misses)",
                  "expert_cpu_computed": "Needed (layer, expert) pairs computed on the CPU (cpu / hybrid backends)",
                  "decode_graph_steps": "Decode steps run through the piecewise decode path (CUDA graphs)",
-                 "decode_graph_replays": "Decode steps replayed from captured CUDA graphs"}
+                 "decode_graph_replays": "Decode steps replayed from captured CUDA graphs",
+                 "prefix_cache_queries": "Prompt tokens looked up in the prefix cache (at each request's first "
+                                         "scheduling)",
+                 "prefix_cache_hits": "Prompt tokens found in the prefix cache (their prefill was skipped)"}
+        totals: dict[str, float] = {}
         for name, path in _ENGINE_COUNTERS.items():
             v = _num(_get(stats, path))
             c = CounterMetricFamily(P + name, helps[name])
-            c.add_metric([], self._monotonic(name, v or 0.0, new_engine))
+            totals[name] = self._monotonic(name, v or 0.0, new_engine)
+            c.add_metric([], totals[name])
             yield c
+        g = GaugeMetricFamily(P + "prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries since the "
+                              "server started (0 before any query)")
+        q = totals["prefix_cache_queries"]
+        g.add_metric([], totals["prefix_cache_hits"] / q if q else 0.0)
+        yield g
         rec = stats.get("oom_recoveries") or {}
         c = CounterMetricFamily(P + "oom_recoveries", "Out-of-memory recoveries at the step boundary, by action",
                                 labels=["action"])

@@ -292,15 +292,23 @@ def to_sampling_params(req: _SamplingRequest) -> SamplingParams:
 # ---------------------------------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    """``cached_tokens``: prompt tokens whose K/V came from the prefix cache (OpenAI's field)."""
+
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> "UsageInfo":
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class ChatTopLogprob(BaseModel):

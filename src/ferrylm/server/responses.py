@@ -269,12 +269,13 @@ class ResponseShell:
     prompt_tokens: int = 0
 
     def object(self, status: str, output: list[dict], output_tokens: int = 0,
-               incomplete: bool = False) -> dict:
+               incomplete: bool = False, cached_tokens: int = 0) -> dict:
+        """The response object; ``cached_tokens``: prompt tokens served from the prefix cache."""
         r = self.req
         fmt = (r.text or {}).get("format") if isinstance(r.text, dict) else None
         usage = None
         if status != "in_progress":
-            usage = {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+            usage = {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
                      "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                      "total_tokens": self.prompt_tokens + output_tokens}
         return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
@@ -396,13 +397,13 @@ class StreamEncoder:
             self.output.append(item)
         return out
 
-    def finish(self, output_tokens: int, incomplete: bool) -> tuple[list[str], dict]:
+    def finish(self, output_tokens: int, incomplete: bool, cached_tokens: int = 0) -> tuple[list[str], dict]:
         out = []
         if not self.output and self.open is None:   # an empty reply is one empty message
             out += self._open("message")
         out += self._close()
         final = self.shell.object("incomplete" if incomplete else "completed", self.output, output_tokens,
-                                  incomplete)
+                                  incomplete, cached_tokens)
         out.append(self.event("response.incomplete" if incomplete else "response.completed", response=final))
         return out, final
 
@@ -429,7 +430,7 @@ async def create(srv: Any, request: Request, rid: str) -> Response:
     res = whole_turn(run.turn, ch.text.text, ch.finish_reason)
     output = output_items(res.reasoning, res.content, res.calls)
     final = shell.object("incomplete" if res.finish_reason == "length" else "completed", output,
-                         run.gen.completion_tokens, res.finish_reason == "length")
+                         run.gen.completion_tokens, res.finish_reason == "length", run.gen.cached_tokens)
     _remember(srv, req, final, conversation)
     srv._log_done(rid, run.gen, _usage(run))
     return JSONResponse(final)
@@ -461,7 +462,7 @@ async def _stream(srv: Any, rid: str, run: Any, shell: ResponseShell,
             for e in enc.feed(d):
                 yield e
             if d.finish_reason is not None:
-                events, final = enc.finish(gen.completion_tokens, d.finish_reason == "length")
+                events, final = enc.finish(gen.completion_tokens, d.finish_reason == "length", gen.cached_tokens)
                 _remember(srv, shell.req, final, conversation)
                 for e in events:
                     yield e
