@@ -171,6 +171,16 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _message_text(message: Any) -> str:
+    """A template message's text content ("" for none): a string, or the text parts of a list."""
+    c = message.get("content") if isinstance(message, dict) else None
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        return "".join(p.get("text", "") for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
 def _choice_seed(seed: int, i: int) -> int:
     """Choice ``i``'s seed: ``seed + i``, wrapped into the valid int64 range [-2**63, 2**63) (a client's seed near
     the top of the range must not make choice 1 out of range)."""
@@ -545,8 +555,9 @@ class _Server:
                          metrics=self.metrics, arrival=request.scope.get(ARRIVAL_KEY),
                          timeout_s=self._timeout(request))
         tools = tuple(t.name for t in job.tools) if job.tools and job.tool_choice.mode != "none" else None
+        prefill = _message_text(job.messages[-1]) if job.continue_final_message and job.messages else None
         turn = TurnConfig(reasoning=self.reasoning, starts_in_reasoning=self.reasoning and
-                          prompt_opens_thinking(text), tool_names=tools)
+                          prompt_opens_thinking(text, prefill), tool_names=tools)
         first = await self._start(request, rid, gen, job.stream)
         return ChatRun(gen, first, prompt_ids, turn)
 

@@ -1,0 +1,80 @@
+"""Issue 26 section 3: API edges found by third-party suites and a new user (ASGI app, scripted engine)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from ferrylm.server.app import create_app
+
+from .conftest import SERVED, FakeEngine, assert_error, make_client, parse_sse
+
+pytestmark = pytest.mark.anyio
+
+CHAT = "/v1/chat/completions"
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def scripted(codec, text: str, **kw) -> FakeEngine:
+    eng = FakeEngine(codec, max_model_len=4096, **kw)
+    eng.script = lambda rid, ids, p: codec.encode(text, add_special_tokens=False) + [eng.eos]
+    return eng
+
+
+# --- Content-Type -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+@pytest.mark.parametrize("path", [CHAT, "/v1/completions", "/v1/messages", "/v1/responses", "/tokenize"])
+async def test_non_json_content_type_is_400(client: httpx.AsyncClient, engine: FakeEngine, ctype: str,
+                                            path: str) -> None:
+    body = b'{"model": "tiny-model", "messages": [{"role": "user", "content": "hi"}], "prompt": "hi", "input": "hi"}'
+    r = await client.post(path, content=body, headers={"content-type": ctype})
+    assert r.status_code == 400, r.text
+    assert "application/json" in r.json()["error"]["message"]   # OpenAI's or Anthropic's error shape
+    assert not engine.requests
+
+
+@pytest.mark.parametrize("ctype", ["application/json", "application/json; charset=utf-8", "Application/JSON",
+                                   "application/vnd.api+json"])
+async def test_json_content_types_pass(client: httpx.AsyncClient, ctype: str) -> None:
+    body = b'{"model": "tiny-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+    r = await client.post(CHAT, content=body, headers={"content-type": ctype})
+    assert r.status_code == 200, r.text
+
+
+# --- the finishing stream chunk ---------------------------------------------------------------------------
+@pytest.mark.parametrize("extra", [{}, {"max_tokens": 3}, {"logprobs": True, "top_logprobs": 1},
+                                   {"n": 2}])
+async def test_stream_finish_chunk_has_empty_delta(client: httpx.AsyncClient, extra: dict) -> None:
+    r = await client.post(CHAT, json={"model": SERVED, "messages": MSGS, "stream": True, **extra})
+    events = parse_sse(r.text)[:-1]
+    finishing = [(ch, ev) for ev in events for ch in ev["choices"] if ch["finish_reason"] is not None]
+    assert len(finishing) == extra.get("n", 1)
+    for ch, ev in finishing:
+        assert ch["delta"] == {}, ch
+        assert ch.get("logprobs") is None
+        assert len(ev["choices"]) == 1
+    text = "".join(ch["delta"].get("content") or "" for ev in events for ch in ev["choices"] if ch["index"] == 0)
+    assert text   # the text went out before, in chunks of its own
+
+
+# --- reasoning: a client prefill inside <think> ------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+async def test_prefill_inside_open_think_stays_reasoning(qwen_codec, stream: bool) -> None:
+    eng = scripted(qwen_codec, " the weather is sunny.\n</think>\n\nIt is sunny.")
+    msgs = MSGS + [{"role": "assistant", "content": "<think>\nLet me see:"}]
+    async with make_client(create_app(eng, qwen_codec, SERVED)) as c:
+        r = await c.post(CHAT, json={"model": SERVED, "messages": msgs, "stream": stream,
+                                     "continue_final_message": True, "add_generation_prompt": False})
+        assert r.status_code == 200, r.text
+        if stream:
+            events = parse_sse(r.text)[:-1]
+            deltas = [ch["delta"] for ev in events for ch in ev["choices"]]
+            content = "".join(d.get("content") or "" for d in deltas)
+            reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+        else:
+            msg = r.json()["choices"][0]["message"]
+            content, reasoning = msg["content"], msg["reasoning_content"]
+    assert qwen_codec.decode(eng.requests[-1][1], skip_special_tokens=False).endswith("<think>\nLet me see:")
+    assert "</think>" not in content
+    assert content == "It is sunny."
+    assert reasoning == "the weather is sunny." or reasoning == " the weather is sunny."
