@@ -78,3 +78,38 @@ async def test_prefill_inside_open_think_stays_reasoning(qwen_codec, stream: boo
     assert "</think>" not in content
     assert content == "It is sunny."
     assert reasoning == "the weather is sunny." or reasoning == " the weather is sunny."
+
+
+# --- Anthropic / Responses non-stream blocks in generation order ------------------------------------------
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+WEATHER_OAI = {"type": "function", "name": "get_weather", "description": "weather",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+WEATHER_ANT = {"name": "get_weather", "description": "weather", "input_schema": WEATHER_OAI["parameters"]}
+
+
+@pytest.mark.parametrize("text,order", [
+    (CALL + "\nI asked for the weather.", ["tool_use", "text"]),
+    ("Looking it up.\n" + CALL, ["text", "tool_use"]),
+    ("First.\n" + CALL + "\nThen.", ["text", "tool_use", "text"]),
+])
+async def test_anthropic_non_stream_blocks_in_generation_order(codec, text: str, order: list[str]) -> None:
+    eng = scripted(codec, text)
+    async with make_client(create_app(eng, codec, SERVED)) as c:
+        r = await c.post("/v1/messages", json={"model": SERVED, "max_tokens": 200, "messages": MSGS,
+                                              "tools": [WEATHER_ANT]})
+    assert r.status_code == 200, r.text
+    blocks = r.json()["content"]
+    assert [b["type"] for b in blocks] == order, blocks
+    assert [b["input"] for b in blocks if b["type"] == "tool_use"] == [{"city": "Paris"}]
+
+
+@pytest.mark.parametrize("text,order", [
+    (CALL + "\nI asked for the weather.", ["function_call", "message"]),
+    ("Looking it up.\n" + CALL, ["message", "function_call"]),
+])
+async def test_responses_non_stream_items_in_generation_order(codec, text: str, order: list[str]) -> None:
+    eng = scripted(codec, text)
+    async with make_client(create_app(eng, codec, SERVED)) as c:
+        r = await c.post("/v1/responses", json={"model": SERVED, "input": "weather?", "tools": [WEATHER_OAI]})
+    assert r.status_code == 200, r.text
+    assert [it["type"] for it in r.json()["output"]] == order, r.json()["output"]
