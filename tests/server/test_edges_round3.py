@@ -113,3 +113,43 @@ async def test_responses_non_stream_items_in_generation_order(codec, text: str, 
         r = await c.post("/v1/responses", json={"model": SERVED, "input": "weather?", "tools": [WEATHER_OAI]})
     assert r.status_code == 200, r.text
     assert [it["type"] for it in r.json()["output"]] == order, r.json()["output"]
+
+
+# --- logprobs never past a stop string ---------------------------------------------------------------------
+@pytest.mark.parametrize("stop,include", [("Stop here", False), ("here.", False), ("Stop", True), ("! S", False)])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_chat_logprobs_end_with_the_text_at_a_stop_string(client: httpx.AsyncClient, stop: str,
+                                                                 include: bool, stream: bool) -> None:
+    body = {"model": SERVED, "messages": MSGS, "stop": [stop], "logprobs": True, "stream": stream,
+            "include_stop_str_in_output": include}
+    r = await client.post(CHAT, json=body)
+    assert r.status_code == 200, r.text
+    if stream:
+        chs = [ch for ev in parse_sse(r.text)[:-1] for ch in ev["choices"]]
+        text = "".join(ch["delta"].get("content") or "" for ch in chs)
+        toks = [t["token"] for ch in chs if ch.get("logprobs") for t in ch["logprobs"]["content"]]
+    else:
+        ch = r.json()["choices"][0]
+        text, toks = ch["message"]["content"], [t["token"] for t in ch["logprobs"]["content"]]
+    assert (stop in text) == include
+    joined = "".join(toks)
+    # every token's text starts inside the output (the last may run into the stop string), none after it
+    assert joined.startswith(text) or text.startswith(joined), (joined, text)
+    assert len("".join(toks[:-1])) < len(text)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_completion_logprobs_end_at_a_stop_string(client: httpx.AsyncClient, stream: bool) -> None:
+    r = await client.post("/v1/completions", json={"model": SERVED, "prompt": "hi", "max_tokens": 50,
+                                                   "stop": ["Stop here"], "logprobs": 1, "stream": stream})
+    assert r.status_code == 200, r.text
+    if stream:
+        chs = [ch for ev in parse_sse(r.text)[:-1] for ch in ev["choices"]]
+        text = "".join(ch["text"] for ch in chs)
+        toks = [t for ch in chs if ch.get("logprobs") for t in ch["logprobs"]["tokens"]]
+        offs = [o for ch in chs if ch.get("logprobs") for o in ch["logprobs"]["text_offset"]]
+    else:
+        ch = r.json()["choices"][0]
+        text, toks, offs = ch["text"], ch["logprobs"]["tokens"], ch["logprobs"]["text_offset"]
+    assert text == "Hello world! "
+    assert "".join(toks) == text and all(o < len(text) for o in offs)
