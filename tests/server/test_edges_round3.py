@@ -153,3 +153,44 @@ async def test_completion_logprobs_end_at_a_stop_string(client: httpx.AsyncClien
         text, toks, offs = ch["text"], ch["logprobs"]["tokens"], ch["logprobs"]["text_offset"]
     assert text == "Hello world! "
     assert "".join(toks) == text and all(o < len(text) for o in offs)
+
+
+# --- a forced call whose string argument holds </tool_call> ------------------------------------------------
+NOTE_TOOL = {"type": "function", "function": {"name": "write_note", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+TRICKY = 'a <tool_call> tag and a </tool_call> tag, "quoted" \\\\ too'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+async def test_tool_call_with_close_tag_inside_a_string_argument(codec, stream: bool, tool_choice: str) -> None:
+    import json
+
+    call = '<tool_call>\n{"name": "write_note", "arguments": ' + json.dumps({"text": TRICKY}) + '}\n</tool_call>'
+    eng = scripted(codec, call)
+    async with make_client(create_app(eng, codec, SERVED)) as c:
+        r = await c.post(CHAT, json={"model": SERVED, "messages": MSGS, "tools": [NOTE_TOOL],
+                                     "tool_choice": tool_choice, "stream": stream})
+    assert r.status_code == 200, r.text
+    if stream:
+        chs = [ch for ev in parse_sse(r.text)[:-1] for ch in ev["choices"]]
+        content = "".join(ch["delta"].get("content") or "" for ch in chs)
+        args = "".join(tc["function"].get("arguments") or "" for ch in chs for tc in ch["delta"].get("tool_calls") or ())
+        finish = [ch["finish_reason"] for ch in chs if ch["finish_reason"]]
+    else:
+        ch = r.json()["choices"][0]
+        content = ch["message"]["content"] or ""
+        (tc,) = ch["message"]["tool_calls"]
+        args, finish = tc["function"]["arguments"], [ch["finish_reason"]]
+    assert content == ""
+    assert json.loads(args) == {"text": TRICKY}
+    assert finish == ["tool_calls"]
+
+
+def test_unclosed_string_body_still_ends_at_the_tag() -> None:
+    from ferrylm.server.tools import HermesToolParser
+
+    p = HermesToolParser(["f"])
+    pieces = p.feed('<tool_call>{"name": "f", "arguments": {"x": "oops}}</tool_call> after') + p.finish()
+    assert "".join(x.text for x in pieces if x.call is None).endswith("after")
+    assert all(x.call is None for x in pieces)

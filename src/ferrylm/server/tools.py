@@ -294,6 +294,27 @@ def _partial_suffix(buf: str, tag: str) -> int:
     return 0
 
 
+def _close_outside_json_string(buf: str, tag: str) -> int:
+    """Index of the first ``tag`` in ``buf`` that is not inside a JSON string literal (-1: none yet)."""
+    in_str = esc = False
+    i, n = 0, len(buf)
+    while i < n:
+        c = buf[i]
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c == "<" and buf.startswith(tag, i):
+            return i
+        i += 1
+    return -1
+
+
 class HermesToolParser(ToolParser):
     """``<tool_call>{json}</tool_call>`` blocks (see the module docstring for the rules).
 
@@ -314,13 +335,17 @@ class HermesToolParser(ToolParser):
         self._in_call = False
         self._ws = ""            # trailing whitespace of released text, held until we know what follows it
         self._after_call = False  # drop the whitespace that follows a call
+        self._raw_close = False   # finish(): a body whose strings never close ends at the first closing tag
 
     def feed(self, text: str) -> list[Piece]:
         self._buf += text
         out: list[Piece] = []
         while True:
             if self._in_call:
-                j = self._buf.find(self.CLOSE)
+                # NOTE: the closing tag that ends the call is the first one outside a JSON string: a string
+                # argument may hold "</tool_call>" itself (a forced call's grammar allows any string)
+                j = self._buf.find(self.CLOSE) if self._raw_close else _close_outside_json_string(self._buf,
+                                                                                                   self.CLOSE)
                 body = self._buf if j < 0 else self._buf[:j]
                 stripped = body.lstrip()
                 if stripped and not stripped.startswith("{"):   # not a call: the tag was just mentioned
@@ -353,6 +378,9 @@ class HermesToolParser(ToolParser):
 
     def finish(self) -> list[Piece]:
         out = self.feed("")
+        if self._in_call and self.CLOSE in self._buf:   # a malformed body (an unclosed string): the first tag
+            self._raw_close = True
+            out += self.feed("")
         rest = (self.OPEN if self._in_call else "") + self._buf
         self._buf, self._in_call = "", False
         self._text(rest, out)
