@@ -194,3 +194,52 @@ def test_unclosed_string_body_still_ends_at_the_tag() -> None:
     pieces = p.feed('<tool_call>{"name": "f", "arguments": {"x": "oops}}</tool_call> after') + p.finish()
     assert "".join(x.text for x in pieces if x.call is None).endswith("after")
     assert all(x.call is None for x in pieces)
+
+
+# --- {"$ref": "#"} -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("schema", [{"$ref": "#"}, {"$ref": "#", "description": "me"},
+                                    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                     "$ref": "#/$defs/a"},
+                                    {"type": "object", "properties": {"x": {"$ref": "#/properties/x"}}}])
+async def test_self_referential_ref_is_a_400_naming_the_field(client: httpx.AsyncClient, engine: FakeEngine,
+                                                              schema: dict) -> None:
+    body = {"model": SERVED, "messages": MSGS,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    err = assert_error(await client.post(CHAT, json=body), 400, param="response_format.json_schema.schema")
+    assert "$ref" in err["message"]
+    assert not engine.requests
+
+
+@pytest.mark.parametrize("schema", [{"type": "object", "properties": {"child": {"$ref": "#"}}},
+                                    {"anyOf": [{"type": "string"}, {"type": "array", "items": {"$ref": "#"}}]}])
+async def test_recursive_ref_through_a_keyword_works(client: httpx.AsyncClient, schema: dict) -> None:
+    body = {"model": SERVED, "messages": MSGS, "max_tokens": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    r = await client.post(CHAT, json=body)
+    assert r.status_code == 200, r.text
+
+
+async def test_tool_parameters_with_self_ref_is_a_400(client: httpx.AsyncClient) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}
+    r = await client.post(CHAT, json={"model": SERVED, "messages": MSGS, "tools": [tool], "tool_choice": "required"})
+    err = assert_error(r, 400)
+    assert "$ref" in err["message"] and err["param"].startswith("tools")
+
+
+@pytest.mark.parametrize("params", [
+    {"type": "object", "$defs": {"c": {"type": "string"}}, "properties": {"city": {"$ref": "#/$defs/c"}},
+     "required": ["city"]},
+    {"type": "object", "properties": {"name": {"type": "string"}, "child": {"$ref": "#"}}, "required": ["name"]},
+])
+@pytest.mark.parametrize("n_tools", [1, 2])
+async def test_forced_call_with_local_refs_in_parameters_works(codec, params: dict, n_tools: int) -> None:
+    """The parameters sit under the call's "arguments" in the forcing grammar: their "#..." refs must point
+    there (they pointed at the grammar's root: a pointer that did not exist, or the wrong node)."""
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": params}} for i in range(n_tools)]
+    eng = scripted(codec, "x")
+    async with make_client(create_app(eng, codec, SERVED)) as c:
+        r = await c.post(CHAT, json={"model": SERVED, "messages": MSGS, "tools": tools, "tool_choice": "required",
+                                     "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    grammar = eng.requests[-1][2].grammar
+    assert "#/properties/arguments" in grammar or "#/anyOf/0/properties/arguments" in grammar

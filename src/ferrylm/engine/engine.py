@@ -518,7 +518,15 @@ class Engine:
 
     def _append_token(self, r: Request, tok: int, logprobs) -> None:
         r.output_token_ids.append(tok)
-        self.structured.advance(r, tok)
+        grammar_error = self.structured.advance(r, tok)
+        if grammar_error is not None:   # the constraint cannot hold: end the request, never go on unconstrained
+            self.scheduler.finish(r, "abort")
+            self.requests.pop(r.request_id, None)
+            self._pending.append(EngineOutput(
+                r.request_id, [], error_code="grammar_failed", num_prompt_tokens=r.num_prompt_tokens,
+                queue_time=r.take_queue_time(),
+                error_message=f"structured output failed after {r.num_output_tokens - 1} tokens: {grammar_error}"))
+            return
         p = r.params
         reason = None
         if not p.ignore_eos and tok in self.eos_ids and r.num_output_tokens >= p.min_tokens:

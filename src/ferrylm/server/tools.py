@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ferrylm.errors import InvalidRequest
-from ferrylm.server.structured import JSON_OPTIONS, lark_grammar
+from ferrylm.server.structured import JSON_OPTIONS, check_ref_cycles, lark_grammar
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 MAX_TOOLS = 128
@@ -101,6 +101,7 @@ def make_tool(name: Any, description: Any, parameters: Any, strict: Any, param: 
     if parameters.get("type", "object") != "object":
         raise InvalidRequest(f"'{param}.parameters' must describe an object (type 'object')",
                              param=f"{param}.parameters")
+    check_ref_cycles(parameters, f"{param}.parameters")
     return ToolSpec(name, description or "", parameters, strict is True)
 
 
@@ -167,9 +168,21 @@ def parse_tool_choice(choice: Any, tools: list[ToolSpec], *, parallel: Any = Non
                          f"\"function\": {{\"name\": ...}}}}", param=param)
 
 
-def _call_schema(t: ToolSpec) -> dict:
-    return {"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+def _call_schema(t: ToolSpec, at: str) -> dict:
+    """The schema of one call to ``t``, placed at the JSON pointer ``at`` of the grammar's schema: the
+    parameters' local ``$ref`` s (``#``, ``#/$defs/x``) are rebased to where the parameters now sit."""
+    return {"type": "object", "properties": {"name": {"const": t.name},
+                                             "arguments": _rebase_refs(t.parameters, f"{at}/properties/arguments")},
             "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _rebase_refs(node: Any, prefix: str) -> Any:
+    if isinstance(node, dict):
+        return {k: (prefix + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                    else _rebase_refs(v, prefix)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rebase_refs(v, prefix) for v in node]
+    return node
 
 
 def tag_terms(codec: Any) -> tuple[str, str]:
@@ -197,7 +210,8 @@ def tool_call_grammar(tools: list[ToolSpec], choice: ToolChoice, param: str = "t
     if not choice.forced:
         return None
     chosen = [t for t in tools if choice.mode == "required" or t.name == choice.name]
-    schemas = [_call_schema(t) for t in chosen]
+    schemas = ([_call_schema(chosen[0], "#")] if len(chosen) == 1
+               else [_call_schema(t, f"#/anyOf/{i}") for i, t in enumerate(chosen)])
     body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     body = {**body, "x-guidance": {**JSON_OPTIONS, "lenient": True}}
     repeat = ' ("\\n" call)*' if choice.mode == "required" and choice.parallel else ""
