@@ -243,3 +243,47 @@ async def test_forced_call_with_local_refs_in_parameters_works(codec, params: di
     assert r.status_code == 200, r.text
     grammar = eng.requests[-1][2].grammar
     assert "#/properties/arguments" in grammar or "#/anyOf/0/properties/arguments" in grammar
+
+
+# --- union-typed field errors name the field ----------------------------------------------------------------
+@pytest.mark.parametrize("extra,param", [
+    ({"stop": 5}, "stop"),
+    ({"tool_choice": 5}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages.0.content.0.text"),
+])
+async def test_union_field_errors_name_the_field(client: httpx.AsyncClient, extra: dict, param: str) -> None:
+    err = assert_error(await client.post(CHAT, json={"model": SERVED, "messages": MSGS, **extra}), 400, param=param)
+    assert ".str" not in err["message"] and "list[" not in err["message"], err
+
+
+@pytest.mark.parametrize("prompt,param", [(5, "prompt"), ([[1, "a"]], "prompt.0.1")])
+async def test_completion_prompt_union_errors_name_the_field(client: httpx.AsyncClient, prompt, param) -> None:
+    assert_error(await client.post("/v1/completions", json={"model": SERVED, "prompt": prompt}), 400, param=param)
+
+
+# --- out-of-range values -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("extra,param", [
+    ({"temperature": 1e308}, "temperature"),
+    ({"temperature": 101}, "temperature"),
+    ({"top_k": -5}, "top_k"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages.0.content"),
+    ({"messages": [{"role": "system", "content": []}, {"role": "user", "content": "x"}]}, "messages.0.content"),
+])
+async def test_out_of_range_values_are_400(client: httpx.AsyncClient, engine: FakeEngine, extra: dict,
+                                           param: str) -> None:
+    assert_error(await client.post(CHAT, json={"model": SERVED, "messages": MSGS, **extra}), 400, param=param)
+    assert not engine.requests
+
+
+@pytest.mark.parametrize("extra", [{"temperature": 2}, {"temperature": 0}, {"top_k": -1}, {"top_k": 0},
+                                   {"top_k": 40}])
+async def test_in_range_values_pass(client: httpx.AsyncClient, extra: dict) -> None:
+    r = await client.post(CHAT, json={"model": SERVED, "messages": MSGS, "max_tokens": 2, **extra})
+    assert r.status_code == 200, r.text
+
+
+async def test_anthropic_out_of_range_is_400(client: httpx.AsyncClient) -> None:
+    for extra in ({"temperature": 1e308}, {"top_k": -5}):
+        r = await client.post("/v1/messages", json={"model": SERVED, "max_tokens": 5, "messages": MSGS, **extra})
+        assert r.status_code == 400, r.text

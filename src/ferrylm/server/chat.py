@@ -132,6 +132,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
         content = m.content
         if content is None and m.role in ("system", "developer", "user"):
             raise InvalidRequest(f"messages[{i}] ({m.role}) has no 'content'", param="messages")
+        if isinstance(content, list) and not content and not (m.role == "assistant" and m.tool_calls):
+            raise InvalidRequest(f"'messages.{i}.content' is an empty list; give at least one content part or a "
+                                 f"string", param=f"messages.{i}.content")
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
