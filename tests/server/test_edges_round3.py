@@ -287,3 +287,22 @@ async def test_anthropic_out_of_range_is_400(client: httpx.AsyncClient) -> None:
     for extra in ({"temperature": 1e308}, {"top_k": -5}):
         r = await client.post("/v1/messages", json={"model": SERVED, "max_tokens": 5, "messages": MSGS, **extra})
         assert r.status_code == 400, r.text
+
+
+# --- /v1/responses "input": "" agrees with [] ----------------------------------------------------------------
+@pytest.mark.parametrize("inp", ["", []])
+async def test_responses_empty_input_is_400(client: httpx.AsyncClient, engine: FakeEngine, inp) -> None:
+    assert_error(await client.post("/v1/responses", json={"model": SERVED, "input": inp}), 400, param="input")
+    assert not engine.requests
+
+
+async def test_responses_empty_input_after_a_previous_response_continues(client: httpx.AsyncClient,
+                                                                          engine: FakeEngine) -> None:
+    first = (await client.post("/v1/responses", json={"model": SERVED, "input": "hi", "max_output_tokens": 3})).json()
+    outs = []
+    for inp in ("", []):
+        r = await client.post("/v1/responses", json={"model": SERVED, "input": inp, "max_output_tokens": 3,
+                                                     "previous_response_id": first["id"]})
+        assert r.status_code == 200, r.text
+        outs.append(engine.requests[-1][1])
+    assert outs[0] == outs[1]   # the same prompt: "" adds no empty user turn

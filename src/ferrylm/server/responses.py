@@ -145,8 +145,8 @@ def _part_text(content: Any, param: str) -> str:
 
 def convert_input(items: Any) -> list[dict]:
     """``input`` (text or items) → template messages. Raises InvalidRequest naming the item."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+    if isinstance(items, str):   # "" is no turn, as [] is (both a 400 without a previous response)
+        return [{"role": "user", "content": items}] if items else []
     out: list[dict] = []
     for i, it in enumerate(items):
         where = f"input.{i}"
