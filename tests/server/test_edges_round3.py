@@ -306,3 +306,37 @@ async def test_responses_empty_input_after_a_previous_response_continues(client:
         assert r.status_code == 200, r.text
         outs.append(engine.requests[-1][1])
     assert outs[0] == outs[1]   # the same prompt: "" adds no empty user turn
+
+
+# --- a prompt over the context is told the context, not to grow the pool --------------------------------------
+@pytest.mark.parametrize("pool", [0, 200, 256])
+async def test_prompt_over_the_context_names_the_context_not_the_pool(codec, pool: int) -> None:
+    eng = FakeEngine(codec, max_model_len=64, kv_pool_tokens=pool)
+    async with make_client(create_app(eng, codec, SERVED)) as c:
+        long = "Hello world! The quick brown fox jumps over the lazy dog. " * 30
+        err = assert_error(await c.post(CHAT, json={"model": SERVED, "messages": [{"role": "user", "content": long}]}),
+                           400, code="context_length_exceeded")
+    assert err["message"].startswith("This model's maximum context length is 64 tokens.")
+    assert "--num-tokens" not in err["message"] and "--max-model-len" in err["message"]
+
+
+async def test_prompt_within_the_context_but_over_the_pool_names_the_pool(codec) -> None:
+    eng = FakeEngine(codec, max_model_len=4096, kv_pool_tokens=40)
+    async with make_client(create_app(eng, codec, SERVED)) as c:
+        long = "Hello world! The quick brown fox jumps over the lazy dog. " * 10
+        err = assert_error(await c.post(CHAT, json={"model": SERVED, "messages": [{"role": "user", "content": long}]}),
+                           400, code="context_length_exceeded")
+    assert "KV cache pool holds only 40 tokens" in err["message"] and "--num-tokens" in err["message"]
+
+
+def test_engine_admission_names_the_context_first() -> None:
+    from ferrylm.errors import ContextLengthExceeded
+    from tests.engine.test_structured_and_prompt_logprobs import make
+
+    eng = make(32)   # fake model: context 512, pool 64 pages x 4 = 256 tokens
+    with pytest.raises(ContextLengthExceeded) as e:
+        eng.check_admission(600, None)
+    assert "--num-tokens" not in e.value.message and "--max-model-len" in e.value.message
+    with pytest.raises(ContextLengthExceeded) as e:
+        eng.check_admission(300, None)
+    assert "--num-tokens" in e.value.message

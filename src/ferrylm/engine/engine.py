@@ -200,15 +200,16 @@ class Engine:
         pool = self.limits.pool_tokens
         if num_prompt_tokens < 1:
             raise FerryError("the prompt is empty", code="invalid_request", param="prompt")
+        if num_prompt_tokens >= L:   # the context first (a bigger KV pool would not help)
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {L} tokens. However, your prompt has {num_prompt_tokens} "
+                f"tokens, which leaves no room for completion tokens. Shorten the prompt (the limit is the "
+                f"server's --max-model-len, at most the model's own context).", param="messages")
         if num_prompt_tokens + 1 > pool:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {L} tokens. However, your prompt has {num_prompt_tokens} "
-                f"tokens, and the KV cache pool holds only {pool} tokens (prompt + 1 must fit). Raise the pool "
-                f"with --num-tokens / --num-pages or shorten the prompt.", param="messages")
-        if num_prompt_tokens >= L:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {L} tokens. However, your prompt has {num_prompt_tokens} "
-                f"tokens, which leaves no room for completion tokens. Shorten the prompt or raise --max-model-len.",
+                f"tokens, and the KV cache pool holds only {pool} tokens (prompt + 1 must fit). Shorten the "
+                f"prompt, or raise the pool with --num-tokens / --num-pages (or more memory: --gpu-memory-limit).",
                 param="messages")
         if max_tokens is None:
             return L - num_prompt_tokens

@@ -270,17 +270,20 @@ class _Server:
         p = len(prompt_ids)
         if p == 0:
             raise InvalidRequest(f"the {what} resulted in an empty prompt", param=prompt_param)
-        if pool and p + 1 > pool:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {limit} tokens. However, your {what} resulted in {p} "
-                f"tokens, and the KV cache pool holds only {pool} tokens (the prompt plus one generated token must "
-                f"fit). Shorten the {what}, or start the server with a larger --num-tokens / --num-pages.",
-                param=prompt_param)
+        # NOTE: the context first: a prompt past it is told the context (--max-model-len), never to grow the KV
+        # pool, which would not help
         if p >= limit:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {limit} tokens. However, your {what} resulted in {p} "
                 f"tokens, which leaves no room for the completion. Please reduce the length of the {what} "
-                f"(or raise --max-model-len up to the model's limit).", param=prompt_param)
+                f"(the limit is the server's --max-model-len, at most the model's own context).",
+                param=prompt_param)
+        if pool and p + 1 > pool:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {limit} tokens. However, your {what} resulted in {p} "
+                f"tokens, and this server's KV cache pool holds only {pool} tokens (the prompt plus one generated "
+                f"token must fit). Shorten the {what}, or start the server with a larger KV pool (--num-tokens / "
+                f"--num-pages, or more memory: --gpu-memory-limit).", param=prompt_param)
         room = min(limit, pool) - p if pool else limit - p
         if params.max_tokens is None:
             return room if default_max is None else max(1, min(default_max, room))
