@@ -200,7 +200,7 @@ class _Server:
         self.api_key = api_key or None
         self.max_request_bytes = max_request_bytes or None
         self.created = int(time.time())
-        self.metrics = Metrics(engine)
+        self.metrics = Metrics(engine, served_model_name)
         self.ping_interval: float | None = DEFAULT_SSE_PING_INTERVAL
         self.first_event_wait = FIRST_EVENT_WAIT_S
         self.responses = responses.ResponseStore(1024)   # previous_response_id (server/responses.py)
