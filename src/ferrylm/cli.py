@@ -85,7 +85,9 @@ def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] 
                         f"--gpu-memory-utilization (vLLM's name) sets the same ratio, of the memory free at boot "
                         f"rather than of the card's total (default: {_D.memory_ratio})")
     p.add_argument("--memory-reserve", type=float, default=None, metavar="GiB",
-                   help="GiB of device memory the plan never hands out (default: max(1 GiB, 5%% of total))")
+                   help="GiB of device memory the plan never hands out; the larger of it and the default is the one "
+                        "cut (default: max(512 MiB, (1 - --memory-ratio) x the memory free at boot), or max(512 MiB, "
+                        "5%% of --gpu-memory-limit) under a limit)")
     p.add_argument("--kv-reserve-tokens", type=int, default=None, metavar="N",
                    help="KV pool floor in tokens; with an expert cache the experts get the rest (default: the model "
                         "context when the experts keep a tenth of the slots, else one prefill chunk plus 256 tokens "

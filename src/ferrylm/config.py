@@ -197,7 +197,8 @@ class EngineConfig:
             by timing decode steps.
         gpu_memory_limit: GiB of device memory ferrylm may use (``--gpu-memory-limit``); None = what is free.
         memory_ratio: share of the memory free at boot the memory plan may use (``--memory-ratio``, 0 < r <= 1).
-        memory_reserve: GiB the plan never hands out (``--memory-reserve``); None = max(1 GiB, 5% of total).
+        memory_reserve: GiB the plan never hands out (``--memory-reserve``); None = max(512 MiB, (1 - memory_ratio) x free at boot), or max(512 MiB, 5% of the limit) under
+            ``--gpu-memory-limit`` (memory/plan.py: one cut of what ferrylm may use).
         kv_reserve_tokens: KV pool floor in tokens (``--kv-reserve-tokens``); None = min(context, 512) as the
             boot minimum and, with ``moe_cache_auto``, the model context as the KV share.
         moe_cache_auto: give what the KV floor leaves to expert slots (``--moe-cache-auto``).
