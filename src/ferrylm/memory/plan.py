@@ -378,6 +378,21 @@ def kv_floor_tokens(p: PlanInputs, rest: int, min_kv: int) -> int:
     return context if slots_left >= max(ex.min_slots, ex.total_experts // 10) else short
 
 
+def check_host_fits(need_bytes: int, available_bytes: int, total_bytes: int, what: str) -> None:
+    """Before loading: refuse a model whose host-resident part (all weights on a CPU host; the routed experts'
+    host banks on a GPU host with an offloading backend) is larger than the host's available memory, with both
+    sizes (issue 26: ``synthetic:qwen3-30b-a3b`` built ~57 GiB of weights on a 24 GiB machine, then died).
+
+    Raises:
+        MemoryPlanError: ``need_bytes`` > ``available_bytes``.
+    """
+    if need_bytes > available_bytes:
+        raise MemoryPlanError(
+            f"the model does not fit in host memory: {what} need {gib(need_bytes)}, and the host has "
+            f"{gib(available_bytes)} available ({gib(total_bytes)} total). To fix: use a smaller model (a synthetic "
+            f"preset takes :layers=N or :quant=int4), a GPU with --moe-backend resident, or a host with more memory.")
+
+
 def limit_reserve(limit_bytes: int) -> int:
     """Under ``--gpu-memory-limit`` (the allocator is capped at the limit): ``max(512 MiB, 5% of the limit)`` bytes
     kept out of the plan, for what the plan cannot see (allocator fragmentation, the lazily allocated piecewise graph
