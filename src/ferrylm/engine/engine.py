@@ -352,6 +352,9 @@ class Engine:
                 self.guard.note_oom(st, e)
             # NOTE: outside the except block: the exception, its traceback and the step's tensors are unreachable
             self.guard.release()
+            seqs = [s for s in seqs if s.request.status is not Status.FINISHED]   # aborted during the attempt
+            if not seqs:
+                break
             prefill = sum(s.num_tokens for s in seqs if s.num_tokens > 1)
             tokens = sum(s.num_tokens for s in seqs)
             phase = "prefill" if has_prefill(seqs) else "decode"
@@ -509,11 +512,15 @@ class Engine:
         self.runner.faults = self.faults
         res = self.runner.execute(batch.seqs)
         # NOTE: counters advance and tokens are appended only here, after every allocation of the step succeeded
-        # (the OOM guard retries a failed step from the same counters).
+        # (the OOM guard retries a failed step from the same counters). A request aborted during the step (the
+        # worker's layer-boundary poll) already gave its pages back: nothing is committed for it.
         for s in batch.seqs:
-            s.request.num_computed_tokens += s.num_tokens
+            if s.request.status is not Status.FINISHED:
+                s.request.num_computed_tokens += s.num_tokens
         if res is not None:
             for i, s in enumerate([s for s in batch.seqs if s.sample]):
+                if s.request.status is Status.FINISHED:
+                    continue
                 self._append_token(s.request, res.token_ids[i],
                                    None if res.logprobs[i] is None else [res.logprobs[i]])
 
