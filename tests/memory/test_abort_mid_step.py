@@ -30,14 +30,17 @@ def test_abort_frees_pages_at_the_next_layer_boundary(offload_model):
     deferred: list[bytes] = []
     poll = make_layer_poll(eng, pull, deferred)
     seen: list[tuple[int, int]] = []              # pages in use before / after the poll, at each layer boundary
+    gauge: list[tuple[int, int]] = []
 
     def callback():
         before = eng.pool.allocator.num_used
         if not seen:                             # the client leaves during the first layer of the long prefill
             push.send(ipc.encode(ipc.AbortRequest(["long"])))
             time.sleep(0.01)
+        running = eng.num_running
         poll()
         seen.append((before, eng.pool.allocator.num_used))
+        gauge.append((running, eng.num_running))   # what the running-requests gauge reads (Engine.stats)
 
     eng.progress.layer_callback = callback
     eng.add_request("long", LONG, greedy(4))
@@ -47,6 +50,7 @@ def test_abort_frees_pages_at_the_next_layer_boundary(offload_model):
     long_pages = -(-len(LONG) // 16)
     assert before - after == long_pages, seen    # freed at the first layer boundary, with layers still to run
     assert all(b == a == after for b, a in rest)
+    assert gauge[0] == (2, 1) and eng.stats()["num_running"] == 1   # the gauge drops with the pages
     assert "long" not in eng.requests
     long_outs = [o for o in outs if o.request_id == "long"]
     assert [o.finish_reason for o in long_outs] == ["abort"] and not long_outs[0].new_token_ids
