@@ -362,7 +362,8 @@ async def test_client_leaving_while_sending_the_body_is_an_abort_not_a_500(engin
     assert start and start[0]["status"] == 499
     assert "Traceback" not in caplog.text and "unexpected error" not in caplog.text
     text = app.state.server.metrics.render().decode()
-    assert 'code="internal_error"' not in text and 'code="client_disconnected"} 1.0' in text
+    assert 'code="internal_error"' not in text
+    assert f'code="client_disconnected",model_name="{SERVED}"}} 1.0' in text
 
 
 async def test_tokenization_runs_off_the_event_loop(engine, codec, monkeypatch) -> None:
