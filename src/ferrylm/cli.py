@@ -7,6 +7,7 @@ import logging
 import sys
 
 from ferrylm.config import ATTENTION_BACKENDS, CPU_KERNELS, EngineConfig
+from ferrylm.server.tool_formats import TOOL_PARSER_CHOICES
 
 _D = EngineConfig()  # the one source of the serve flags' defaults
 
@@ -74,6 +75,10 @@ def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] 
     p.add_argument("--moe-cpu-kernel", default=_D.moe_cpu_kernel, choices=list(CPU_KERNELS),
                    help="CPU expert kernel: native (compiled on first use with the host C compiler; decode), "
                         "torch (oneDNN matmuls), auto: native when it builds (default: auto)")
+    p.add_argument("--moe-decode-table", action=argparse.BooleanOptionalAction, default=_D.moe_decode_table,
+                   help="offload: decode steps read experts through a device table (hits from slots, misses over "
+                        "PCIe by the kernel), one CUDA graph per step; --no-moe-decode-table plans each layer on the "
+                        "host (DMA copies, next-layer prefetch) (default: on)")
     p.add_argument("--moe-cpu-share", type=int, default=None, metavar="N",
                    help="hybrid: of each layer's predicted expert misses, N are computed on the CPU instead of "
                         "copied (default: chosen by timing decode steps)")
@@ -127,7 +132,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         check_invariants=a.debug_invariants, seed=a.seed,
                         queue_timeout=a.queue_timeout or None, moe_cache_size=a.moe_cache_size,
                         moe_cpu_threads=a.moe_cpu_threads, moe_cpu_kernel=a.moe_cpu_kernel,
-                        moe_cpu_share=a.moe_cpu_share, gpu_memory_limit=a.gpu_memory_limit,
+                        moe_cpu_share=a.moe_cpu_share, moe_decode_table=a.moe_decode_table,
+                        gpu_memory_limit=a.gpu_memory_limit,
                         memory_ratio=a.memory_ratio, memory_reserve=a.memory_reserve,
                         kv_reserve_tokens=a.kv_reserve_tokens, moe_cache_auto=a.moe_cache_auto,
                         faults=a.faults, decode_graphs="off" if a.enforce_eager else "auto",
@@ -156,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=port_number, default=8000, help="port (default: 8000)")
     s.add_argument("--served-model-name", default=None, help="model id clients use (default: the model's name)")
     s.add_argument("--api-key", default=None, help="require this bearer key on /v1/* (env FERRYLM_API_KEY)")
+    s.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSER_CHOICES,
+                   help="tool-call format of the model's output (vLLM's names): hermes (<tool_call>{json}), glm45 "
+                        "(GLM-4.5/4.6 <tool_call>name<arg_key>...), minimax_m2 (<minimax:tool_call><invoke ...>); "
+                        "auto (default): from the chat template's markup, then the architecture, else hermes")
     s.add_argument("--max-request-bytes", type=int, default=8 << 20, metavar="N",
                    help="refuse request bodies larger than N bytes with 413 (default: 8 MiB)")
     s.add_argument("--sse-ping-interval", type=float, default=15.0, metavar="S",
@@ -239,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     bk = bsub.add_parser("kernels", help="GPU kernel candidates side by side: paged attention (Triton vs torch), "
                                          "fused MoE (Triton vs torch._grouped_mm vs the torch path)")
     bk.add_argument("--output-json", default=None, help="write the rows here")
+    bk.add_argument("--only", default=None, help="comma list of groups: attention, moe, mapped (the offload table "
+                                                 "launch reading experts from slots or mapped host memory); "
+                                                 "default all")
     bk.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
 
     bh = bsub.add_parser("hf", help="the bench-serve prompts through transformers generate (reference speed)")

@@ -95,7 +95,7 @@ class ModelConfig:
         else:
             raise ModelLoadError(f"config.json field 'eos_token_id' must be a token id or a list of them, got "
                                  f"{eos!r}")
-        num_experts = read.int("num_local_experts") or read.int("num_experts") or 0
+        num_experts = read.int("num_local_experts") or read.int("num_experts") or read.int("n_routed_experts") or 0
         rope_params = d.get("rope_parameters") or {}
         if not isinstance(rope_params, dict):
             raise ModelLoadError(f"config.json field 'rope_parameters' must be an object, got {rope_params!r}")
@@ -142,7 +142,34 @@ class ModelConfig:
             d = json.loads(p.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ModelLoadError(f"cannot read {p}: {e}") from None
-        return cls.from_dict(d)
+        return cls.from_dict(_with_hf_quant_config(d, Path(path)))
+
+
+def _with_hf_quant_config(d: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """``d`` (config.json) with NVIDIA ModelOpt's ``hf_quant_config.json`` of ``folder`` merged in: its
+    ``quantization`` fields become ``quantization_config`` (``quant_method: "modelopt"``) when config.json has none,
+    or fill the fields a ``modelopt`` one lacks (older exports keep ``quant_algo`` only there). Unchanged when the
+    file is absent or config.json names another method.
+
+    Raises:
+        ModelLoadError: an hf_quant_config.json that cannot be read or has no ``quantization`` object.
+    """
+    p = folder / "hf_quant_config.json"
+    if not p.is_file():
+        return d
+    qcfg = d.get("quantization_config")
+    if qcfg and str(qcfg.get("quant_method", "")).lower() != "modelopt":
+        return d
+    try:
+        hf = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {p}: {e}") from None
+    quant = hf.get("quantization") if isinstance(hf, dict) else None
+    if not isinstance(quant, dict):
+        raise ModelLoadError(f"{p} has no 'quantization' object (a ModelOpt export has one with quant_algo)")
+    merged = {"quant_method": "modelopt", **quant, "producer": hf.get("producer"),
+              **{k: v for k, v in (qcfg or {}).items() if v is not None}}
+    return {**d, "quantization_config": merged}
 
 
 def _is_int(v: Any) -> bool:
@@ -193,6 +220,8 @@ class EngineConfig:
         moe_cache_size: device expert slots (``--moe-cache-size``); None = as many as the device budget allows.
         moe_cpu_threads: CPU expert threads (``--moe-cpu-threads``); None = physical cores.
         moe_cpu_kernel: CPU expert kernel (``--moe-cpu-kernel``: auto, native, torch).
+        moe_decode_table: offload decode from the device expert table (``--moe-decode-table``, default on; off:
+            the host-planned path).
         moe_cpu_share: hybrid: predicted misses per layer planned for the CPU (``--moe-cpu-share``); None = tuned
             by timing decode steps.
         gpu_memory_limit: GiB of device memory ferrylm may use (``--gpu-memory-limit``); None = what is free.
@@ -232,6 +261,7 @@ class EngineConfig:
     moe_cpu_threads: int | None = None
     moe_cpu_kernel: str = "auto"
     moe_cpu_share: int | None = None
+    moe_decode_table: bool = True
     gpu_memory_limit: float | None = None
     memory_ratio: float = 0.9
     memory_reserve: float | None = None

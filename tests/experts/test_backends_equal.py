@@ -19,9 +19,11 @@ TOL = 1e-4
 NEW_TOKENS = 8
 BACKENDS = ("offload", "cpu", "hybrid")
 _FAMILY_ARCH = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
-# one case per MoE family whose model class exists (qwen3_moe: layer 0 dense, so MoE layers are 1 and 2)
-FAMILY_CASES = [c for c in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
+                "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                "minimax_m2": "MiniMaxM2ForCausalLM"}
+# one case per MoE family whose model class exists (qwen3_moe: layer 0 dense, so MoE layers are 1 and 2; glm4_moe:
+# layer 0 dense, sigmoid group-limited routing, shared expert; minimax_m2: sigmoid routing)
+FAMILY_CASES = [c for c in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe", "minimax_m2")
                 if c in CASES and _FAMILY_ARCH[CASES[c][0]] in MODEL_REGISTRY]
 _reference: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
 

@@ -104,7 +104,7 @@ def test_bench_decode_all_backends_agree(expert_checkpoints, tmp_path, capsys):
     table = capsys.readouterr().out
     res = json.loads(out.read_text())
     rows = {r["backend"]: r for r in res["results"]}
-    assert set(rows) == {"offload", "cpu", "hybrid", "resident"}
+    assert set(rows) == {"offload", "offload-host", "cpu", "hybrid", "resident"}
     assert len({r["checksum"] for r in rows.values()}) == 1, table  # identical tokens everywhere
     assert rows["resident"]["hit_rate"] == 1.0 and rows["resident"]["pcie_bytes_per_token"] == 0
     assert rows["cpu"]["counters"]["fetched"] == 0 and rows["cpu"]["cpu_bytes_per_token"] > 0

@@ -46,9 +46,10 @@ def test_cuda_graphs_match_eager(tmp_path, case, backend):
         results[mode] = _generate(engine, prompts, 12)
         if mode == "cuda":
             st = engine.stats()["decode_graphs"]
-            assert st["captures"] >= 2 and st["replays"] >= 5, st  # (2, 256) and (2, 512) at least
-            if backend == "offload":  # expert GEMMs staged into the graphs (3 slots: some layers in waves)
-                assert st["staged_layers"] > 0, st
+            if backend == "offload":  # the device table: whole-step graphs keyed by batch size only
+                assert st["kind"] == "step" and st["replays"] >= 10, st
+            else:
+                assert st["captures"] >= 2 and st["replays"] >= 5, st  # (2, 256) and (2, 512) at least
     assert results["cuda"][0] == results["off"][0]
     for rid in prompts:
         assert results["cuda"][1][rid] == pytest.approx(results["off"][1][rid], abs=1e-4)

@@ -65,6 +65,26 @@ CASES: dict[str, tuple[str, dict]] = {
     "olmoe_clip": ("olmoe", dict(vocab_size=128, intermediate_size=32, num_key_value_heads=4, num_experts=6,
                                  num_experts_per_tok=3, norm_topk_prob=True, clip_qkv=0.8,
                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # GLM-4.5 shape: layer 0 dense (first_k_dense_replace), group-limited top-3 (4 groups of 2, best 2 groups),
+    # renormalised and scaled, one shared expert, q/k/v biases, per-head q/k norm, half the head rotated
+    "glm4_moe": ("glm4_moe", dict(vocab_size=160, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                                  head_dim=32, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                                  routed_scaling_factor=2.5, norm_topk_prob=True, n_shared_experts=1,
+                                  first_k_dense_replace=1, attention_bias=True, use_qk_norm=True,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                   "partial_rotary_factor": 0.5})),
+    # GLM-4.5-Air shape: no q/k norm, plain top-2 (one group), raw sigmoid weights, two shared experts fused,
+    # every layer MoE, a quarter of the head rotated
+    "glm4_moe_air": ("glm4_moe", dict(vocab_size=144, intermediate_size=64, moe_intermediate_size=24, head_dim=16,
+                                      n_routed_experts=6, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                      routed_scaling_factor=1.0, norm_topk_prob=False, n_shared_experts=2,
+                                      first_k_dense_replace=0, attention_bias=False, use_qk_norm=False,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                                       "partial_rotary_factor": 0.25})),
+    # MiniMax-M2 shape: q/k norm over the whole projection, rotary_dim 16 of head_dim 32, biased sigmoid top-2
+    "minimax_m2": ("minimax_m2", dict(vocab_size=160, intermediate_size=48, head_dim=32, num_local_experts=8,
+                                      num_experts_per_tok=2, rotary_dim=16,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 5000000.0})),
     "qwen2": ("qwen2", dict(vocab_size=160, intermediate_size=96,
                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     "qwen3": ("qwen3", dict(vocab_size=160, intermediate_size=96, head_dim=32, tie_word_embeddings=True,
@@ -74,8 +94,9 @@ CASES: dict[str, tuple[str, dict]] = {
 CONFIG_CLASSES = {
     "llama": "LlamaConfig", "mixtral": "MixtralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
     "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig", "olmoe": "OlmoeConfig",
+    "glm4_moe": "Glm4MoeConfig", "minimax_m2": "MiniMaxM2Config",
 }
-MOE_FAMILIES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"})
+MOE_FAMILIES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2"})
 
 
 def is_moe_case(case: str) -> bool:
@@ -99,6 +120,9 @@ def _randomize_(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # sigmoid routers: a bias that changes the choice
+                b.copy_(0.3 * torch.randn(b.shape, generator=g))
 
 
 def build_checkpoint(case: str, path: Path, seed: int = 0) -> Checkpoint:

@@ -83,10 +83,18 @@ def fp8_quantizer(block: tuple[int, int]):
 
 
 # --- compressed-tensors -----------------------------------------------------------------------------------------
-def ct_scheme(kind: str, group: int | None = None, symmetric: bool = True, bits: int = 4):
-    """``(QuantizationScheme, format)`` for ``kind`` in ``int``, ``nvfp4``, ``mxfp4``."""
+def ct_scheme(kind: str, group: int | None = None, symmetric: bool = True, bits: int = 4,
+              strategy: str | None = None, block: tuple[int, int] | None = None):
+    """``(QuantizationScheme, format)`` for ``kind`` in ``int``, ``nvfp4``, ``mxfp4``, ``fp8`` (float-quantized
+    with ``strategy`` tensor / channel / block of ``block``, dynamic per-token input activations as the
+    ``*-FP8-dynamic`` checkpoints have)."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
+    if kind == "fp8":
+        args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy=strategy,
+                                block_structure=list(block) if block else None, group_size=group)
+        acts = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
+        return QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts), "float-quantized"
     if kind == "int":
         args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric,
                                 strategy="group" if group else "channel", group_size=group)
@@ -121,8 +129,17 @@ def ct_quantizer(kind: str, **kw):
         n, k = w.shape
         g = args.group_size or k
         w = w.to(torch.bfloat16)  # as a bf16 model is quantized: scales in bf16 (fp8 / E8M0 for the FP4 formats)
-        blocks = w.reshape(n, k // g, g)
-        lo, hi = blocks.amin(-1), blocks.amax(-1)
+        if kind == "fp8" and args.strategy != "group":  # min / max per tensor [1], row [N, 1], block [N/bn, K/bk]
+            if args.strategy == "block":
+                bn, bk = args.block_structure
+                blocks = w.reshape(n // bn, bn, k // bk, bk).transpose(1, 2).flatten(2)
+            else:
+                blocks = w.reshape(1, 1, -1) if args.strategy == "tensor" else w.reshape(n, 1, k)
+            lo, hi = blocks.amin(-1), blocks.amax(-1)
+            lo, hi = (lo.reshape(1), hi.reshape(1)) if args.strategy == "tensor" else (lo, hi)
+        else:
+            blocks = w.reshape(n, k // g, g)
+            lo, hi = blocks.amin(-1), blocks.amax(-1)
         gscale = generate_gparam(w.float().amin(), w.float().amax()) if kind == "nvfp4" else None
         scale, zp = calculate_qparams(lo, hi, args, global_scale=gscale)
         sd = {"weight": w, "weight_scale": scale, "weight_zero_point": zp}
@@ -141,7 +158,7 @@ def ct_quantizer(kind: str, **kw):
         from compressed_tensors.quantization.lifecycle.forward import dequantize
 
         sd = {k[len(prefix) + 1:]: v for k, v in tensors.items() if k.startswith(prefix + ".")}
-        if kind == "int":
+        if kind in ("int", "fp8"):
             sd["weight_scale"] = sd["weight_scale"].float()
             return comp.decompress(sd, scheme)["weight"]
         m, n = sd["weight_packed"].shape
@@ -156,24 +173,38 @@ def ct_quantizer(kind: str, **kw):
 
 
 # --- GPTQ (our packer; AutoGPTQ's layout) --------------------------------------------------------------------------
-def gptq_pack(w: torch.Tensor, group: int, v2: bool = False) -> dict[str, torch.Tensor]:
+def gptq_pack(w: torch.Tensor, group: int, v2: bool = False, g_idx: torch.Tensor | None = None
+              ) -> dict[str, torch.Tensor]:
     """Quantize ``w [N, K]`` asymmetrically per ``group`` inputs (min/max, 4 bits) and pack it the AutoGPTQ way:
     ``qweight [K/8, N]`` int32 (input ``k`` at bits ``4 (k % 8)`` of row ``k // 8``), ``qzeros [G, N/8]`` (output
-    ``n`` at bits ``4 (n % 8)``, storing ``z - 1`` unless ``v2``), ``scales [G, N]`` float16, ``g_idx [K]``."""
+    ``n`` at bits ``4 (n % 8)``, storing ``z - 1`` unless ``v2``), ``scales [G, N]`` float16, ``g_idx [K]``.
+    ``g_idx`` (act-order, :func:`act_order_g_idx`): input ``k`` belongs to group ``g_idx[k]`` instead of ``k //
+    group`` (AutoGPTQ's desc_act layout: the inputs stay in their order, the groups are scattered)."""
     n, k = w.shape
     g = k // group
-    blocks = w.float().reshape(n, g, group)
-    lo, hi = blocks.amin(-1).clamp(max=0), blocks.amax(-1).clamp(min=0)
+    gi = torch.arange(k) // group if g_idx is None else g_idx.long()
+    wf = w.float()
+    lo = torch.stack([wf[:, gi == j].amin(-1) for j in range(g)], -1).clamp(max=0)  # [N, G]
+    hi = torch.stack([wf[:, gi == j].amax(-1) for j in range(g)], -1).clamp(min=0)
     scale = ((hi - lo) / 15).clamp(min=1e-8).half()  # [N, G]
     z = torch.round(-lo / scale.float()).clamp(0, 15)
-    q = torch.round(blocks / scale.float()[..., None] + z[..., None]).clamp(0, 15).to(torch.int64).reshape(n, k)
+    q = torch.round(wf / scale.float()[:, gi] + z[:, gi]).clamp(0, 15).to(torch.int64)  # [N, K]
     qt = q.t().reshape(k // 8, 8, n)  # [K/8, 8, N]
     qweight = sum(qt[:, j] << (4 * j) for j in range(8))
     zs = (z.to(torch.int64) - (0 if v2 else 1)).t().reshape(g, n // 8, 8)  # [G, N/8, 8]
     qzeros = sum(zs[..., j] << (4 * j) for j in range(8))
     to32 = lambda t: torch.from_numpy(t.numpy().astype(np.uint32).view(np.int32))  # noqa: E731
     return {"qweight": to32(qweight), "qzeros": to32(qzeros), "scales": scale.t().contiguous(),
-            "g_idx": (torch.arange(k) // group).to(torch.int32)}
+            "g_idx": gi.to(torch.int32)}
+
+
+def act_order_g_idx(k: int, group: int, seed: int = 0) -> torch.Tensor:
+    """A desc_act ``g_idx [K]``: the inputs in a random order (GPTQ's order of decreasing Hessian diagonal), the
+    ``j``-th of that order in group ``j // group``."""
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[perm] = (torch.arange(k) // group).to(torch.int32)
+    return g_idx
 
 
 def gptq_reference_dequant(parts: dict[str, torch.Tensor], v2: bool = False) -> torch.Tensor:
@@ -204,3 +235,68 @@ def mxfp4_blocks_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.cat([qs & 15, qs >> 4], -1)  # [rows, G, 32] element order
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed.reshape(*lead, n, k // 32, 16), e.reshape(*lead, n, k // 32)
+
+
+# --- AWQ (AutoAWQ GEMM) -------------------------------------------------------------------------------------------
+_AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def awq_pack(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    """Quantize ``w [N, K]`` asymmetrically per ``group`` inputs (min/max, 4 bits; scales float16) and pack it the
+    way AutoAWQ's ``WQLinear_GEMM.from_linear`` does: ``qweight [K, N/8]`` int32 (nibble ``i`` of column ``c`` =
+    output ``8c + [0,2,4,6,1,3,5,7][i]``), ``qzeros [G, N/8]`` the same along ``N``, ``scales [G, N]`` float16.
+    Also returns the integer ``zeros [G, N]`` and ``scales`` for :func:`awq_autoawq_pack`."""
+    n, k = w.shape
+    g = k // group
+    blocks = w.float().reshape(n, g, group)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-5).half()  # [N, G]
+    z = torch.round(-lo / scale.float()).clamp(0, 15)
+    q = torch.round(blocks / scale.float()[..., None] + z[..., None]).clamp(0, 15).to(torch.int64).reshape(n, k)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:  # [R, N] -> [R, N/8] int32, AWQ's order
+        t = t.reshape(t.shape[0], -1, 8)
+        words = sum(t[..., _AWQ_ORDER[i]] << (4 * i) for i in range(8))
+        return torch.from_numpy(np.ascontiguousarray(words.numpy()).astype(np.uint32).view(np.int32))
+
+    return {"qweight": pack(q.t()), "qzeros": pack(z.to(torch.int64).t()), "scales": scale.t().contiguous(),
+            "_zeros": z.t().contiguous(), "_scales": scale.t().contiguous()}
+
+
+def awq_reference_dequant(parts: dict[str, torch.Tensor], group: int, dtype: torch.dtype = torch.float16
+                          ) -> torch.Tensor:
+    """A literal reading of AutoAWQ's ``dequantize_gemm`` (unpack by shifts, undo the order, ``(q - z) * scales``),
+    ``[N, K]``, computed in ``dtype`` (AutoAWQ: the scales' float16; float32 is exact)."""
+    shifts = torch.arange(0, 32, 4)
+    reverse = [0, 4, 1, 5, 2, 6, 3, 7]
+
+    def unpack(t):
+        u = torch.bitwise_and(torch.bitwise_right_shift(t[:, :, None], shifts[None, None, :]), 15)
+        u = u.reshape(t.shape[0], -1)
+        idx = torch.arange(u.shape[-1]).view(-1, 8)[:, reverse].reshape(-1)
+        return u[:, idx]
+
+    q, z = unpack(parts["qweight"]), unpack(parts["qzeros"])
+    s = parts["scales"].to(dtype).repeat_interleave(group, dim=0)
+    return ((q - z.repeat_interleave(group, dim=0)) * s).t().contiguous()
+
+
+def autoawq_modules():
+    """AutoAWQ's ``(WQLinear_GEMM, dequantize_gemm)``, or None when the package is not installed. Loaded without
+    ``awq/__init__.py`` (which imports the calibration pipeline and its ``datasets`` dependency): the two modules
+    themselves need torch only."""
+    import importlib.util
+    import sys
+    import types
+
+    spec = importlib.util.find_spec("awq")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    if "awq" not in sys.modules:
+        pkg = types.ModuleType("awq")
+        pkg.__path__ = list(spec.submodule_search_locations)
+        sys.modules["awq"] = pkg
+    from awq.modules.linear.gemm import WQLinear_GEMM
+    from awq.utils.packing_utils import dequantize_gemm
+
+    return WQLinear_GEMM, dequantize_gemm

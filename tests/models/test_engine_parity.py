@@ -13,7 +13,8 @@ from ferrylm.models.loader import load_model
 from tests.models.hf_checkpoints import token_ids
 
 NEW_TOKENS = 16
-ARCH_CASES = ["qwen3_moe", "qwen2_moe", "olmoe_clip", "qwen2", "qwen3"]  # one per new architecture
+# one per architecture added after Mixtral / Llama
+ARCH_CASES = ["qwen3_moe", "qwen2_moe", "olmoe_clip", "qwen2", "qwen3", "glm4_moe", "minimax_m2"]
 
 
 def hf_greedy(reference, prompt: list[int]) -> list[int]:

@@ -36,6 +36,8 @@ def tiny(preset: str, experts: int = 8, **overrides) -> SyntheticPreset:
     if preset == "olmoe-1b-7b":
         cfg.pop("head_dim")
         cfg["intermediate_size"] = 16
+    if "rotary_dim" in cfg:  # MiniMax-M2: half of the head rotated, as published (64 of 128)
+        cfg["rotary_dim"] = cfg["head_dim"] // 2
     return SyntheticPreset(f"tiny-{preset}", "test", cfg)
 
 
@@ -51,6 +53,8 @@ def test_presets_have_the_published_shapes():
         "olmoe-1b-7b": ("OlmoeForCausalLM", 16, 2048, 64, 8, 1024, 16, 16, 128, 50304),
         "mixtral-8x7b": ("MixtralForCausalLM", 32, 4096, 8, 2, 14336, 32, 8, 128, 32000),
         "qwen2-57b-a14b": ("Qwen2MoeForCausalLM", 28, 3584, 64, 8, 2560, 28, 4, 128, 151936),
+        "glm-4.5-air": ("Glm4MoeForCausalLM", 46, 4096, 128, 8, 1408, 96, 8, 128, 151552),
+        "minimax-m2": ("MiniMaxM2ForCausalLM", 62, 3072, 256, 8, 1536, 48, 8, 128, 200064),
     }
     from ferrylm.config import ModelConfig
 
@@ -95,7 +99,8 @@ def test_every_architecture_builds_seeded(preset):
     assert la.shape == (6, 96) and torch.isfinite(la).all()
     assert torch.equal(la, logits(b, ids))  # same seed, same weights, same logits
     assert not torch.equal(la, logits(build_synthetic(SyntheticSpec(spec.preset, 3, 0.8, seed=4)), ids))
-    assert {p.dtype for p in a.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for n, p in a.model.named_parameters() if "e_score_correction" not in n} == {torch.bfloat16}
+    assert {p.dtype for n, p in a.model.named_parameters() if "e_score_correction" in n} <= {torch.float32}
     blocks = [m for m in a.model.modules() if isinstance(m, SparseMoeBlock)]
     assert blocks and all(blk.gate.bias is not None for blk in blocks)
     assert sorted(a.executor.layers) == [blk.layer_idx for blk in blocks]
@@ -133,13 +138,16 @@ def _top1_frequencies(block: SparseMoeBlock, hidden: int, n: int = 20000) -> tor
     return counts / counts.sum()
 
 
+@pytest.mark.parametrize("preset_name,layers", [("qwen3-30b-a3b", (0, 1)), ("glm-4.5-air", (1, 2)),
+                                                ("minimax-m2", (0, 1))])
 @pytest.mark.parametrize("skew", [0.0, 0.7, 1.2])
-def test_skew_gives_zipf_top1_popularity(skew):
-    """128 experts (the Qwen3-MoE count), random unit-RMS router inputs: measured top-1 frequencies follow the
-    intended Zipf law, in ranking (Spearman) and in size (the head of the distribution)."""
-    preset = tiny("qwen3-30b-a3b", experts=128, hidden_size=512, moe_intermediate_size=4, num_hidden_layers=2)
-    loaded = build_synthetic(SyntheticSpec(preset, layers=2, skew=skew, seed=5))
-    for layer in (0, 1):
+def test_skew_gives_zipf_top1_popularity(skew, preset_name, layers):
+    """128 experts (the Qwen3-MoE and GLM-4.5-Air count), random unit-RMS router inputs: measured top-1 frequencies
+    follow the intended Zipf law, in ranking (Spearman) and in size (the head of the distribution). The sigmoid
+    routers (GLM-4.5-Air: layer 0 dense) take the bias on their logits, so the same law holds for their choice."""
+    preset = tiny(preset_name, experts=128, hidden_size=512, moe_intermediate_size=4, num_hidden_layers=3)
+    loaded = build_synthetic(SyntheticSpec(preset, layers=3, skew=skew, seed=5))
+    for layer in layers:
         block = loaded.model.model.layers[layer].mlp
         freq = _top1_frequencies(block, 512)
         intended = zipf_probs(128, skew)[expert_ranks(128, 5, layer) - 1]
@@ -150,7 +158,7 @@ def test_skew_gives_zipf_top1_popularity(skew):
         assert _spearman(freq, intended) > 0.9
         top = intended.argsort(descending=True)[:5]
         torch.testing.assert_close(freq[top], intended[top], rtol=0.2, atol=0.004)
-    r0, r1 = expert_ranks(128, 5, 0), expert_ranks(128, 5, 1)
+    r0, r1 = expert_ranks(128, 5, layers[0]), expert_ranks(128, 5, layers[1])
     assert not torch.equal(r0, r1)  # each layer has its own popular experts
 
 
@@ -275,3 +283,52 @@ def test_done_when_qwen3_30b_two_layers_generates_on_cpu(cache_env):
     ids = [int(t) for t in proc.stdout.split()]
     assert len(ids) == 8 and all(0 <= t < 151936 for t in ids)
     assert len(set(ids)) > 1  # random weights of real shape, not a degenerate constant
+
+
+def _parameter_counts(preset: str) -> tuple[int, int]:
+    """``(total, active)`` parameters of the preset's model as ferrylm builds it (on the meta device, no memory):
+    every module parameter plus the routed experts' stacks; active = what one token touches outside the embedding
+    and the LM head (attention, dense MLPs, routers, shared experts, ``top_k`` routed experts per MoE layer)."""
+    from ferrylm.config import ModelConfig
+    from ferrylm.experts.executor import LayerExperts
+    from ferrylm.experts.resident import ResidentExecutor
+    from ferrylm.models.registry import get_model_class
+
+    config = ModelConfig.from_dict(PRESETS[preset].config)
+    cls = get_model_class(config.architecture)
+    cls.check_config(config)
+    e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    moe = cls.moe_layer_indices(config)
+    with torch.device("meta"):
+        stacks = {n: LayerExperts(gate=torch.empty(e, i, h), up=torch.empty(e, i, h), down=torch.empty(e, h, i))
+                  for n in moe}
+        model = cls(config, executor=ResidentExecutor(stacks), device="cpu")  # RoPE tables: real, small
+    params = dict(model.named_parameters())
+    dense = sum(p.numel() for p in params.values())
+    embed = sum(p.numel() for n, p in params.items() if n.startswith(("model.embed_tokens", "lm_head")))
+    per_expert = 3 * h * i
+    return dense + len(moe) * e * per_expert, dense - embed + len(moe) * config.num_experts_per_tok * per_expert
+
+
+@pytest.mark.parametrize("preset,total,active", [("glm-4.5-air", 106e9, 12e9), ("minimax-m2", 230e9, 10e9)])
+def test_preset_parameter_counts_match_the_published_totals(preset, total, active):
+    """GLM-4.5-Air: 106B total / 12B active (zai-org model card); MiniMax-M2: 230B / 10B (MiniMax model card).
+    Within 3 %: the published totals round, and leave out the MTP layers ferrylm does not build."""
+    got_total, got_active = _parameter_counts(preset)
+    assert abs(got_total / total - 1) < 0.03, f"{preset}: {got_total / 1e9:.1f}B total"
+    assert abs(got_active / active - 1) < 0.03, f"{preset}: {got_active / 1e9:.2f}B active"
+
+
+@pytest.mark.parametrize("preset", ["glm-4.5-air", "minimax-m2"])
+def test_memory_estimate_counts_what_the_model_holds(preset):
+    """experts/auto.py's estimate of the non-expert bytes (what the auto backend choice plans with) agrees with
+    the model's parameters within 0.1 % (GLM's ungated shared experts, its dense first layer)."""
+    from ferrylm.config import ModelConfig
+    from ferrylm.experts.auto import estimate_non_expert_bytes
+    from ferrylm.models.registry import get_model_class
+
+    config = ModelConfig.from_dict(PRESETS[preset].config)
+    moe = get_model_class(config.architecture).moe_layer_indices(config)
+    total, _ = _parameter_counts(preset)
+    experts = len(moe) * config.num_experts * 3 * config.hidden_size * config.moe_intermediate_size
+    assert abs(estimate_non_expert_bytes(config, moe, 1) / (total - experts) - 1) < 1e-3

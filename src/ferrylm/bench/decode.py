@@ -43,10 +43,10 @@ from ferrylm.experts.options import Bandwidths
 
 log = logging.getLogger("ferrylm.bench")
 
-BACKEND_ORDER = ("offload", "cpu", "hybrid", "resident")
+BACKEND_ORDER = ("offload", "offload-host", "cpu", "hybrid", "resident")  # offload-host: the table off (A/B)
 _COUNTERS = ("steps", "tokens", "needed", "hits", "misses", "prefetched", "prefetch_hits", "prefetch_wasted",
              "fetched", "streamed", "bytes_copied", "bytes_activations", "cpu_experts", "cpu_expert_time_s",
-             "copy_time_s", "copy_exposed_s")
+             "copy_time_s", "copy_exposed_s", "mapped", "bytes_mapped")
 
 
 def swap_executor(model, executor):
@@ -99,6 +99,9 @@ def roofline_seconds(backend: str, per_step: dict, expert_bytes: int, base_bytes
     if backend == "resident":
         return (base_bytes + needed * s) / bw.hbm
     if backend == "offload":
+        mapped = per_step.get("mapped", 0)
+        if mapped:  # the device table: misses read by the kernel over PCIe, installs copied for later steps
+            return (base_bytes + hits * s) / bw.hbm + (mapped + per_step.get("fetched", 0)) * s / bw.pcie
         return (base_bytes + needed * s) / bw.hbm + (misses + pf) * s / bw.pcie
     if backend == "cpu":
         return (base_bytes + hits * s) / bw.hbm + cpu * s / bw.cpu
@@ -221,8 +224,9 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
                     ex = build_from_banks("resident", banks, device)
                 else:
                     apply_memory_limit(device, ec.gpu_memory_limit)
-                    ex = build_from_banks(name, banks, device, ExpertOptions(
-                        backend=name, cache_size=ec.moe_cache_size, cpu_threads=ec.moe_cpu_threads,
+                    base_name = name.removesuffix("-host")  # offload-host: the host-planned offload path (A/B)
+                    ex = build_from_banks(base_name, banks, device, ExpertOptions(
+                        backend=base_name, decode_table=not name.endswith("-host"), cache_size=ec.moe_cache_size, cpu_threads=ec.moe_cpu_threads,
                         cpu_kernel=ec.moe_cpu_kernel, cpu_share=ec.moe_cpu_share if name == "hybrid" else None,
                         prefetch=prefetch, bandwidths=bw))
                     res.num_slots = ex.reserve(expert_budget(device, ec.gpu_memory_limit))
@@ -240,10 +244,11 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
             n = batch * tokens
             res.tokens, res.decode_s, res.tok_s = n, secs, n / secs
             res.hit_rate = diff["hits"] / diff["needed"] if diff["needed"] else 1.0
-            res.pcie_bytes_per_token = (diff["bytes_copied"] + diff["bytes_activations"]) / n
+            res.pcie_bytes_per_token = (diff["bytes_copied"] + diff["bytes_activations"] + diff["bytes_mapped"]) / n
             res.cpu_bytes_per_token = diff["cpu_experts"] * banks.expert_bytes / n
-            per_step = {k: diff[k] / steps for k in ("needed", "hits", "misses", "cpu_experts", "prefetch_hits")}
-            roof = roofline_seconds(name, per_step, banks.expert_bytes, base, bw)
+            per_step = {k: diff[k] / steps for k in ("needed", "hits", "misses", "cpu_experts", "prefetch_hits",
+                                                     "mapped", "fetched")}
+            roof = roofline_seconds(name.removesuffix("-host"), per_step, banks.expert_bytes, base, bw)
             res.roofline_tok_s = batch / roof
             res.achieved_over_roofline = res.tok_s / res.roofline_tok_s
             res.checksum = token_checksum(toks)

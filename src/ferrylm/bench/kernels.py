@@ -188,6 +188,68 @@ def moe_rows(dev, e=128, k=8, h=2048, i=768) -> list[dict]:
     return rows
 
 
+def mapped_rows(dev, e=128, k=8, h=2048, i=768) -> list[dict]:
+    """The offloading backends' table launch (``fused_moe(..., row_offset=...)``): one layer's experts read from
+    device slot rows, from mapped pinned host rows over PCIe (zero-copy, the table path's misses), or half each;
+    bf16 and int4 (g32, bf16 scales); beside a pinned DMA copy of the same bytes (the host-planned path's fetch).
+    GB/s counts the experts' bytes read once (the PCIe roofline for the host rows)."""
+    from ferrylm.experts.banks import ExpertLayout
+    from ferrylm.experts.kernels.fused_moe import MoeTiles, fused_moe
+    from ferrylm.experts.quantized import ExpertQuant, QuantFormat
+    from ferrylm.experts.slot_table import device_address
+
+    rows = []
+    quants = {"bf16": None, "int4": ExpertQuant(QuantFormat("int4", 32), QuantFormat("int4", 32))}
+    for qname, q in quants.items():
+        lay = ExpertLayout(h, i, torch.bfloat16, quant=q)
+        host = torch.randint(0, 255, (e, lay.numel), dtype=torch.uint8).view(lay.row_dtype) if q else \
+            (torch.randn(e, lay.numel) * 0.02).to(torch.bfloat16)
+        if q is not None:  # sane scales: every row's scale fields small positive
+            v = lay.layer_views(host)
+            for part in (v.gate, v.up, v.down):
+                part.scales.fill_(1e-3)
+        host = host.pin_memory()
+        slots = host.to(dev)
+        ref = torch.zeros(1, lay.numel, dtype=lay.row_dtype, device=dev)
+        views = lay.layer_views(ref)
+        haddr = device_address(host, dev)
+        if haddr is None:
+            rows.append({"op": "moe mapped", "quant": qname, "error": "pinned memory not mapped"})
+            continue
+        rb = lay.nbytes
+        off_dev = torch.arange(e, device=dev, dtype=torch.int64) * rb + (slots.data_ptr() - ref.data_ptr())
+        off_host = torch.arange(e, device=dev, dtype=torch.int64) * rb + (haddr - ref.data_ptr())
+        off_half = torch.where(torch.arange(e, device=dev) % 2 == 0, off_dev, off_host)
+        dst = torch.empty(e, lay.numel, dtype=lay.row_dtype, device=dev)
+        for t in (1, 4, 16, 64):
+            x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+            w, ids = torch.topk(torch.randn(t, e, device=dev).softmax(-1), k)
+            used = sorted(set(ids.reshape(-1).tolist()))
+            wbytes = len(used) * rb
+            idx = torch.tensor(used, device="cpu")
+            src_rows = host[idx].pin_memory()
+            dma = _bench_graph(lambda: dst[:len(used)].copy_(src_rows, non_blocking=True)) or \
+                _bench(lambda: dst[:len(used)].copy_(src_rows, non_blocking=True))
+            rows.append({"op": "moe mapped", "quant": qname, "tokens": t, "impl": "pinned DMA copy of the experts",
+                         "graph_ms": dma, "gbs": wbytes / dma / 1e6, "experts_used": len(used)})
+            for where, offs in (("slots (HBM)", off_dev), ("host (mapped, PCIe)", off_host), ("half each", off_half)):
+                gms = _bench_graph(lambda: fused_moe(x, views.gate, views.up, views.down, ids, w, row_offset=offs))
+                rows.append({"op": "moe mapped", "quant": qname, "tokens": t, "impl": f"fused, {where}",
+                             "graph_ms": gms, "gbs": wbytes / gms / 1e6 if gms else None,
+                             "experts_used": len(used)})
+            if t in (1, 16):  # tiles for the PCIe reads
+                for bn1, bk1, bn2, bk2, nw, st in ((64, 128, 128, 128, 4, 4), (32, 256, 64, 256, 4, 3),
+                                                   (128, 64, 128, 64, 4, 4), (64, 64, 64, 64, 4, 6)):
+                    tiles = (MoeTiles(16, bn1, bk1, nw, st), MoeTiles(16, bn2, bk2, nw, st))
+                    gms = _bench_graph(lambda: fused_moe(x, views.gate, views.up, views.down, ids, w,
+                                                         row_offset=off_host, tiles=tiles))
+                    rows.append({"op": "moe mapped tiles", "quant": qname, "tokens": t,
+                                 "impl": f"host gu {bn1}x{bk1} d {bn2}x{bk2} w{nw} s{st}", "graph_ms": gms,
+                                 "gbs": wbytes / gms / 1e6 if gms else None})
+        del host, slots, dst
+    return rows
+
+
 def main(args) -> int:
     if not torch.cuda.is_available():
         print("ferry bench kernels: needs a CUDA device")
@@ -195,7 +257,9 @@ def main(args) -> int:
     dev = torch.device("cuda")
     t0 = time.time()
     hbm = _hbm_gbs(dev)
-    rows = attention_rows(dev) + moe_rows(dev)
+    only = set((getattr(args, "only", None) or "attention,moe,mapped").split(","))
+    rows = ((attention_rows(dev) if "attention" in only else []) + (moe_rows(dev) if "moe" in only else [])
+            + (mapped_rows(dev) if "mapped" in only else []))
     for r in rows:
         print(json.dumps(r))
     out = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "hbm_copy_gbs": hbm,

@@ -107,7 +107,7 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, model: str, prompt: 
     return res
 
 
-_EXPERT_COUNTERS = ("steps", "tokens", "needed", "hits", "misses", "bytes_copied", "cpu_experts")
+_EXPERT_COUNTERS = ("steps", "tokens", "needed", "hits", "misses", "bytes_copied", "bytes_mapped", "cpu_experts")
 
 
 async def server_snapshot(client: httpx.AsyncClient) -> dict:
@@ -187,6 +187,8 @@ def _expert_delta(a: dict, b: dict, out_tokens: int) -> dict:
     d = {k: b.get(k, 0) - a.get(k, 0) for k in _EXPERT_COUNTERS}
     d["hit_rate"] = d["hits"] / d["needed"] if d["needed"] else 1.0
     d["bytes_copied_per_output_token"] = d["bytes_copied"] / out_tokens if out_tokens else 0.0
+    # what crossed PCIe: copies plus the experts the fused kernel read from mapped host memory (offload's table)
+    d["pcie_bytes_per_output_token"] = (d["bytes_copied"] + d["bytes_mapped"]) / out_tokens if out_tokens else 0.0
     return d
 
 
@@ -212,7 +214,8 @@ def format_summary(s: dict) -> str:
     ex = s.get("experts") or {}
     if ex.get("needed"):
         lines.append(f"experts: hit rate {100 * ex['hit_rate']:.1f} %, "
-                     f"{ex['bytes_copied_per_output_token'] / 1e6:.1f} MB copied per output token")
+                     f"{ex['bytes_copied_per_output_token'] / 1e6:.1f} MB copied, "
+                     f"{ex.get('pcie_bytes_per_output_token', 0) / 1e6:.1f} MB over PCIe per output token")
     if s["failed"]:
         lines.append(f"FAILED {s['failed']}: {s['errors']}")
     return "\n".join(lines)

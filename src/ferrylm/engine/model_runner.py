@@ -11,7 +11,9 @@ copy per step), the attention backend (``engine/attention``), the CUDA graphs, a
 3. else the eager forward: the model's ``forward`` over the flattened batch with the step's attention backend.
 
 All three run the model's own ``forward`` code except the piecewise runner, which still composes the layers itself
-(until the offloading backends move onto the slot-indexed fused kernel).
+(hybrid, and offload where its device table cannot run). Before every step the executor's ``begin_step`` (when it
+has one) makes its host decisions for the step: the offload backend's slot installs and table
+(``experts/slot_table.py``), so its decode steps need no host decision inside and run as one graph.
 """
 
 from __future__ import annotations
@@ -92,13 +94,15 @@ class ModelRunner:
             return
         max_batch = self.config.cuda_graph_max_batch or self.config.max_running_requests
         safe = executor is None or bool(getattr(executor, "graph_safe", False))
+        min_batch = int(getattr(executor, "table_min_tokens", 1)) if safe and executor is not None else 1
         if self._graph_mode == "cuda" and self.attention == "triton" and safe:
             self.step_graphs = StepGraphs(self.model, self.pool, self.device, max_batch, self.max_model_len,
-                                          on_replay=getattr(executor, "count_replayed_step", None))
-        else:
+                                          on_replay=getattr(executor, "count_replayed_step", None),
+                                          min_batch=min_batch)
+        if self.step_graphs is None or min_batch > 1:  # the steps the whole-step graphs do not take
             self.piecewise = DecodeGraphRunner(self.model, self.pool, self.device, DecodeGraphConfig(
-                mode=self.config.decode_graphs, max_batch=max_batch, max_kv_len=self.config.cuda_graph_max_len),
-                self.dtype, self.pool.page_size)
+                mode=self.config.decode_graphs, max_batch=max_batch if self.step_graphs is None else min_batch - 1,
+                max_kv_len=self.config.cuda_graph_max_len), self.dtype, self.pool.page_size)
 
     def capture_graphs(self) -> None:
         """Capture the whole-step graphs now (boot, after the KV pool and the warmup). No-op without them."""
@@ -107,9 +111,8 @@ class ModelRunner:
 
     @property
     def graph_bytes(self) -> int:
-        """Device bytes the captured graphs hold (their private memory pool)."""
-        g = self.step_graphs or self.piecewise
-        return 0 if g is None else int(g.graph_bytes)
+        """Device bytes the captured graphs hold (their private memory pools)."""
+        return sum(int(g.graph_bytes) for g in (self.step_graphs, self.piecewise) if g is not None)
 
     # --- the step ---------------------------------------------------------------------------------------------
     def execute(self, seqs) -> SampleResult | None:
@@ -125,6 +128,9 @@ class ModelRunner:
         if self._moe0 is not None and self._moe0.executor is not self.executor:
             self._configure(self._moe0.executor)  # the executor was swapped: its graphs are stale
         faults = self.faults
+        begin = getattr(self.executor, "begin_step", None)
+        if begin is not None:  # host decisions of the executor, made between steps (experts/slot_table.py)
+            begin(sum(s.num_tokens for s in seqs))
         logits = None
         decode = not has_prefill(seqs)
         if decode and not faults.enabled:
@@ -145,10 +151,11 @@ class ModelRunner:
         b = len(seqs)
         if self.step_graphs is not None:
             size = self.step_graphs.size_for(b)
-            if size is None:
+            if size is not None:
+                logits, host = self.step_graphs.replay(seqs, self.staging, size)
+                return _rows(logits, host.sample_rows, b)
+            if b >= self.step_graphs.min_batch:
                 return None
-            logits, host = self.step_graphs.replay(seqs, self.staging, size)
-            return _rows(logits, host.sample_rows, b)
         g = self.piecewise
         longest = max(s.start + 1 for s in seqs)
         if g is None or not g.accepts(b, longest):
@@ -207,9 +214,15 @@ class ModelRunner:
 
     # --- bookkeeping ------------------------------------------------------------------------------------------
     def stats(self) -> dict | None:
-        """The graphs' stats (``decode_graphs`` in the engine's stats), or None without graphs."""
-        g = self.step_graphs or self.piecewise
-        return None if g is None else g.stats()
+        """The graphs' stats (``decode_graphs`` in the engine's stats), or None without graphs: the whole-step
+        graphs' when there are any (with the piecewise runner's under ``piecewise`` when both serve), else the
+        piecewise runner's."""
+        if self.step_graphs is None:
+            return None if self.piecewise is None else self.piecewise.stats()
+        d = self.step_graphs.stats()
+        if self.piecewise is not None:
+            d["piecewise"] = self.piecewise.stats()
+        return d
 
     def close(self) -> None:
         for g in (self.step_graphs, self.piecewise):

@@ -6,7 +6,13 @@ a layer needs ``d = E * (1 - (1 - k/E)^B)`` distinct experts (uniform routing); 
 share, a fraction ``h = min(1, N / (L * E))`` of them hits, so a step misses ``m = L * d * (1 - h)`` experts.
 Then ``t_offload = m S / B_pcie``, ``t_cpu = m S / B_cpu`` and ``t_hybrid = m S / (B_pcie + B_cpu_eff)`` (both
 sides busy until the end; see :mod:`ferrylm.experts.hybrid`). Skewed routing raises ``h`` for every backend alike.
-A later issue validates this choice against real timings.
+
+``hybrid`` is predicted fastest by this model (both links busy) but measured slower than ``offload`` in every
+configuration run on the H200 machine (24 GiB cap, bf16: 18.1 vs 20.4 tok/s at one sequence, 22.2 vs 24.9 at 16;
+docs/BENCHMARKS.md session 7): its CPU share sits on each layer's critical path and its steps are planned on the
+host, while offload's batched steps run as one graph from the device table. So ``auto`` chooses between
+``offload`` and ``cpu`` (``cpu`` when no slot fits or its predicted time is lower) and reports hybrid's prediction
+beside them; ``--moe-backend hybrid`` stays available.
 """
 
 from __future__ import annotations
@@ -57,9 +63,12 @@ def choose_backend(*, expert_bytes_total: int, budget_bytes: int | None, expert_
     slots = max(0, (budget_bytes - stream_bytes) // expert_bytes)
     m = expected_misses(num_layers=num_layers, num_experts=num_experts, top_k=top_k, slots=slots, batch=batch)
     times = predict_step_times(m, expert_bytes, bw)
+    candidates = {k: v for k, v in times.items() if k != "hybrid"}  # NOTE: hybrid is never auto's pick (below)
     if slots < 1:
-        times.pop("offload")
-    best = min(times, key=lambda k: (times[k], OFFLOADING.index(k)))
+        candidates.pop("offload")
+    if not candidates:
+        candidates = {"hybrid": times["hybrid"]}
+    best = min(candidates, key=lambda k: (candidates[k], OFFLOADING.index(k)))
     return AutoChoice(best, f"experts need {expert_bytes_total / 2**30:.1f} GiB, {budget_bytes / 2**30:.1f} GiB "
                             f"left: {slots} slots, ~{m:.0f} misses/step; predicted ms/step "
                       + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in times.items()), times)
@@ -74,6 +83,9 @@ def estimate_non_expert_bytes(config, moe_layers: tuple[int, ...], dtype_bytes: 
     n = v * h * (1 if config.tie_word_embeddings else 2)
     n += config.num_layers * (2 * h * q + 2 * h * kv)
     n += (config.num_layers - len(moe_layers)) * 3 * h * config.intermediate_size
-    shared = int(config.raw.get("shared_expert_intermediate_size") or 0)
-    n += len(moe_layers) * (config.num_experts * h + 3 * h * shared + (h if shared else 0))
+    shared = int(config.raw.get("shared_expert_intermediate_size") or 0)  # Qwen2-MoE: with a [1, H] gate
+    gate = h if shared else 0
+    if not shared and config.raw.get("n_shared_experts"):  # GLM-4.5: n_shared_experts fused, no gate
+        shared = int(config.raw["n_shared_experts"]) * config.moe_intermediate_size
+    n += len(moe_layers) * (config.num_experts * h + 3 * h * shared + gate)
     return n * dtype_bytes

@@ -91,6 +91,8 @@ class CachedExecutor(ExpertExecutor):
         self._last_use: dict[int, object] = {}  # slot -> compute fence of its last read
         self._prefetched: set[Key] = set()      # prefetched and not yet used
         self._copy_mark = (0.0, 0.0)
+        self.table = None           # a SlotTable (experts/slot_table.py) when decode steps run from device tables
+        self._table_stale = False   # the cache changed outside the table's bookkeeping: rebuild before next use
 
     # --- memory -----------------------------------------------------------------------------------------------
     def stream_bytes(self) -> int:
@@ -133,6 +135,7 @@ class CachedExecutor(ExpertExecutor):
         if self.options.stream_prefill:
             self.streamer = LayerStreamer(self.banks, self.device, self.copier)
         self._warm_fill()
+        self._init_table()
         log.info("%s experts: %d slots x %.1f MiB = %.2f GiB on %s (of %d experts)%s", self.name, n,
                  self.layout.nbytes / 2**20, n * self.layout.nbytes / 2**30, self.device,
                  len(self.banks.layers) * self.num_experts,
@@ -220,6 +223,7 @@ class CachedExecutor(ExpertExecutor):
                 self._block_views.pop(blk, None)
                 freed += self._blocks.pop(blk).nbytes
             self._set_quota()
+            self._table_stale = True
             log.warning("%s experts: cache shrunk by %d slots in %d blocks (%.1f MiB released, %d experts "
                         "evicted), %d slots left", self.name, count, len(drop), freed / 2**20, len(evicted),
                         cache.num_slots)
@@ -271,8 +275,17 @@ class CachedExecutor(ExpertExecutor):
         self.copier.harvest()
         self._copy_mark = (self.copier.copy_time_s, self.copier.exposed_s)
 
+    def _init_table(self) -> None:
+        """Build the device-side expert table after a reserve (backends that decode from it override this)."""
+
+    def slot_offsets(self) -> dict[Key, int]:
+        """``(layer, expert) -> byte offset`` of every cached expert's slot row from the table's reference row."""
+        ref = self.table.ref.data_ptr()
+        return {key: self._slot_row(slot).data_ptr() - ref for key, slot in self.cache._slot_of.items()}
+
     def _drop_device_memory(self) -> None:
         self.copier.synchronize()
+        self.table = None
         self._blocks.clear()
         self._block_views.clear()
         self._row_of.clear()
@@ -327,6 +340,8 @@ class CachedExecutor(ExpertExecutor):
         if self.cache is None:
             self.reserve(None)
         t = hidden.shape[0]
+        if self.table is not None and self.table_step(t):
+            return self._run_table(layer_idx, hidden, topk_ids, topk_weights)
         if self.counters.starts_step(layer_idx):
             self._fold_copy_times()
             self.counters.open_step(t)
@@ -367,6 +382,21 @@ class CachedExecutor(ExpertExecutor):
             load = Counter(e for row in host[t:] for e in row)
             work.predicted = {e: load[e] for e in sorted(load)}
         return work
+
+    def table_step(self, num_tokens: int) -> bool:
+        """A step of ``num_tokens`` tokens runs from the device table (backends with one: one fused launch per
+        layer, no host decision inside the step); otherwise the host-planned or streamed paths."""
+        table = self.table
+        return table is not None and self.table_min_tokens <= num_tokens <= table.max_tokens
+
+    @property
+    def table_min_tokens(self) -> int:
+        """The smallest step that runs from the device table (backends without one: never)."""
+        return 1
+
+    def _run_table(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                   topk_weights: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def _streams(self, num_tokens: int, top_k: int) -> bool:
         if self.streamer is None:
@@ -415,6 +445,7 @@ class CachedExecutor(ExpertExecutor):
         check = self.faults.enabled and bool(experts) and not prefetch
         step = self.counters.step
         items = []
+        self._table_stale = True  # admissions outside the table's planning
         try:
             with self.copier.batch():
                 self._fetch_each(layer, experts, prefetch, check, items)

@@ -58,6 +58,9 @@ class ExpertOptions:
             measured on first need.
         cache_policy: ``"layer-lru"`` (LRU within per-layer shares, default) or ``"lru"`` (one LRU over all
             layers); see :mod:`ferrylm.experts.cache`.
+        decode_table: offload: steps of up to 256 tokens run from the device expert table (one fused launch per
+            layer, misses read over PCIe by the kernel, whole-step CUDA graphs: ``experts/slot_table.py``); False
+            keeps the host-planned path (one device->host read per layer, DMA fetch + next-layer prefetch).
     """
 
     backend: str = "resident"
@@ -71,6 +74,7 @@ class ExpertOptions:
     prefetch_max_tokens: int = 64
     bandwidths: Bandwidths | None = None
     cache_policy: str = "layer-lru"
+    decode_table: bool = True
 
     def validate(self) -> "ExpertOptions":
         """Raise ValueError naming the flag when a value is out of range or the backend is unknown."""

@@ -22,6 +22,8 @@ class Counters:
         fetched: experts copied host->device on demand; streamed: experts copied by prefill layer streaming.
         bytes_copied: expert bytes host->device (demand + prefetch + streaming).
         bytes_activations: activation bytes moved for CPU experts (both directions).
+        mapped: experts the fused kernel read from host memory over PCIe itself (table steps' misses);
+            bytes_mapped: their bytes.
         cpu_experts: expert computations done on the CPU; cpu_expert_time_s: wall seconds of those jobs.
         copy_time_s: seconds the copy engine spent copying; copy_exposed_s: seconds compute waited for copies.
     """
@@ -38,6 +40,8 @@ class Counters:
     streamed: int = 0
     bytes_copied: int = 0
     bytes_activations: int = 0
+    mapped: int = 0
+    bytes_mapped: int = 0
     cpu_experts: int = 0
     cpu_expert_time_s: float = 0.0
     copy_time_s: float = 0.0

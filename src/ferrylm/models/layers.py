@@ -159,48 +159,96 @@ def rope_frequencies(head_dim: int, theta: float, scaling: Mapping[str, Any] | N
     raise ModelLoadError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
 
 
-def config_rope_frequencies(config) -> tuple[torch.Tensor, float]:
-    """:func:`rope_frequencies` for a :class:`~ferrylm.config.ModelConfig` (``head_dim``, ``rope_theta``,
-    ``rope_scaling``, ``max_position_embeddings``, top-level ``original_max_position_embeddings`` and
-    ``partial_rotary_factor`` from ``raw``). Raises ModelLoadError like :func:`rope_frequencies`."""
+def config_rotary_dim(config, *, allow_partial: bool = False) -> int:
+    """The rotated dims per head of a :class:`~ferrylm.config.ModelConfig`: ``head_dim`` unless the config asks for
+    partial rotary embedding, by ``rotary_dim`` (MiniMax-M2) or ``partial_rotary_factor`` (GLM-4.5; top level, or in
+    ``rope_parameters`` / ``rope_scaling`` as transformers 5 writes it): then ``int(head_dim * factor)`` (the rule of
+    transformers' default RoPE init), ``rotary_dim`` winning when both are given.
+
+    Raises:
+        ModelLoadError: partial rotary while ``allow_partial`` is False (the family's reference rotates every dim),
+            or a rotated width that is odd, below 2 or above ``head_dim`` (the message names the field).
+    """
     raw = config.raw or {}
-    if float(raw.get("partial_rotary_factor") or 1.0) != 1.0:
-        raise ModelLoadError("partial rotary embedding (partial_rotary_factor != 1) is not supported")
-    return rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling,
-                            max_positions=config.max_position_embeddings,
+    d = config.head_dim
+    if raw.get("rotary_dim") is not None:
+        field, dim = "rotary_dim", int(raw["rotary_dim"])
+    else:
+        factor = raw.get("partial_rotary_factor")
+        for params in (raw.get("rope_parameters"), raw.get("rope_scaling")):
+            if factor is None and isinstance(params, Mapping):
+                factor = params.get("partial_rotary_factor")
+        field, dim = "partial_rotary_factor", int(d * float(1.0 if factor is None else factor))
+    if dim == d:
+        return d
+    if not allow_partial:
+        raise ModelLoadError(f"partial rotary embedding ({field}: {dim} of {d} dims) is not supported by "
+                             f"{config.architecture}")
+    if dim < 2 or dim > d or dim % 2:
+        raise ModelLoadError(f"{field} gives {dim} rotated dims per head; needs an even number in [2, head_dim={d}]")
+    return dim
+
+
+def config_rope_frequencies(config, *, allow_partial: bool = False) -> tuple[torch.Tensor, float]:
+    """:func:`rope_frequencies` for a :class:`~ferrylm.config.ModelConfig` (``head_dim``, ``rope_theta``,
+    ``rope_scaling``, ``max_position_embeddings``, top-level ``original_max_position_embeddings`` from ``raw``),
+    over the :func:`config_rotary_dim` rotated dims. Raises ModelLoadError like :func:`rope_frequencies` and
+    :func:`config_rotary_dim`."""
+    raw = config.raw or {}
+    dim = config_rotary_dim(config, allow_partial=allow_partial)
+    scaling = config.rope_scaling
+    if scaling:
+        scaling = {k: v for k, v in scaling.items() if k != "partial_rotary_factor"}  # consumed above
+    return rope_frequencies(dim, config.rope_theta, scaling, max_positions=config.max_position_embeddings,
                             original_max_positions=raw.get("original_max_position_embeddings"))
 
 
-def apply_rotary_full(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+def apply_rotary_full(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor,
+                      rotary_dim: int | None = None) -> torch.Tensor:
     """Rotate ``x [T, H, D]`` by per-token angles (Su et al. 2021, "RoFormer"), "half-split" pairing: dim ``i``
-    with dim ``i + D/2`` (the Hugging Face / GPT-NeoX layout), ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)``,
-    computed in four kernels as ``x * [cos, cos] + [x2, x1] * [-sin, sin]``; ``cos_full`` / ``sin_signed`` are
-    ``[T, D]`` in ``x``'s dtype (:meth:`RotaryEmbedding._tables`). Bit-identical to the two-half formula: the same
-    products, each rounded once, and ``a - b == a + (-b)``."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    with dim ``i + R/2`` over the first ``R = rotary_dim`` dims (default ``D``; the Hugging Face / GPT-NeoX layout,
+    and with ``R < D`` its partial rotary: the last ``D - R`` dims pass unchanged),
+    ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)``, computed in four kernels as
+    ``x * [cos, cos, 1] + [x2, x1, x_pass] * [-sin, sin, 0]``; ``cos_full`` / ``sin_signed`` are ``[T, D]`` in
+    ``x``'s dtype (:meth:`RotaryEmbedding._tables`). Bit-identical to the two-half formula: the same products, each
+    rounded once, ``a - b == a + (-b)``, and ``x * 1 + y * 0 == x`` for finite values."""
+    d = x.shape[-1]
+    r = d if rotary_dim is None else rotary_dim
+    half = r // 2
+    parts = (x[..., half:r], x[..., :half]) + ((x[..., r:],) if r < d else ())
+    swapped = torch.cat(parts, dim=-1)
     return x * cos_full[:, None, :] + swapped * sin_signed[:, None, :]
 
 
 class RotaryEmbedding(nn.Module):
     """RoPE with cos/sin tables precomputed once for positions ``0 .. max_positions - 1``.
 
-    The tables are float32 non-persistent buffers ``[max_positions, D/2]`` (already multiplied by the scaling's
-    attention factor); lookups gather rows by absolute position and cast to the activations' dtype.
+    The tables are float32 non-persistent buffers ``[max_positions, R/2]`` (already multiplied by the scaling's
+    attention factor); lookups gather rows by absolute position and cast to the activations' dtype. With partial
+    rotary (``R < D``, GLM-4.5, MiniMax-M2) the rows handed out are still ``[T, D]``, padded with cos 1 / sin 0 over
+    the ``D - R`` dims that pass unrotated, so callers that size buffers by ``head_dim`` (the decode graphs) work
+    unchanged.
 
     Args:
-        head_dim: rotated dims ``D``.
+        head_dim: per-head dims ``D``.
         max_positions: table length; positions must lie in ``[0, max_positions)``.
         inv_freq: ``[D/2]`` inverse frequencies (see :func:`rope_frequencies`).
         attention_factor: multiplier of cos/sin (YaRN), 1.0 otherwise.
         device: where the tables live (explicit, so that a model built under ``torch.device("meta")`` still gets
             real tables).
+        The rotated dims ``R`` are ``2 * len(inv_freq)`` (``R <= D``).
+
+    Raises:
+        ValueError: ``2 * len(inv_freq) > head_dim``.
     """
 
     def __init__(self, head_dim: int, max_positions: int, inv_freq: torch.Tensor, attention_factor: float = 1.0,
                  device: torch.device | str | None = None):
         super().__init__()
         self.head_dim = head_dim
+        self.rotary_dim = 2 * int(inv_freq.shape[0])
+        if self.rotary_dim > head_dim:
+            raise ValueError(f"{self.rotary_dim} rotated dims exceed head_dim {head_dim}")
         self.max_positions = max_positions
         pos = torch.arange(max_positions, dtype=torch.float32, device=device)
         angles = torch.outer(pos, inv_freq.to(device=device, dtype=torch.float32))  # [P, D/2] radians
@@ -209,11 +257,13 @@ class RotaryEmbedding(nn.Module):
         self._rows = None  # (key, positions, cos [T, D/2], sin [T, D/2]) of the last lookup
 
     @classmethod
-    def from_config(cls, config, device: torch.device | str | None = None) -> "RotaryEmbedding":
+    def from_config(cls, config, device: torch.device | str | None = None, *,
+                    allow_partial: bool = False) -> "RotaryEmbedding":
         """Build from a :class:`~ferrylm.config.ModelConfig` (``head_dim``, ``rope_theta``, ``rope_scaling``,
-        ``max_position_embeddings``). Raises ModelLoadError for unsupported scaling (see :func:`rope_frequencies`).
+        ``max_position_embeddings``, partial rotary when ``allow_partial``). Raises ModelLoadError for unsupported
+        scaling (see :func:`config_rope_frequencies`).
         """
-        inv_freq, factor = config_rope_frequencies(config)
+        inv_freq, factor = config_rope_frequencies(config, allow_partial=allow_partial)
         return cls(config.head_dim, config.max_position_embeddings, inv_freq, factor, device=device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -224,23 +274,27 @@ class RotaryEmbedding(nn.Module):
         (the same tensor object is passed to each layer; keyed by the tensor's identity and the dtype: callers
         never modify a positions tensor in place)."""
         cos_full, sin_signed = self._tables(positions, q.dtype)
-        return apply_rotary_full(q, cos_full, sin_signed), apply_rotary_full(k, cos_full, sin_signed)
+        r = self.rotary_dim
+        return apply_rotary_full(q, cos_full, sin_signed, r), apply_rotary_full(k, cos_full, sin_signed, r)
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [T, H, D]`` (e.g. queries and keys side by side) at ``positions [T]``: as :meth:`forward`
         on each part, in one pass (four kernels)."""
-        return apply_rotary_full(x, *self._tables(positions, x.dtype))
+        return apply_rotary_full(x, *self._tables(positions, x.dtype), self.rotary_dim)
 
     def fill_tables(self, positions: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor) -> None:
         """Write the ``[T, D]`` rows of ``positions [T]`` into the caller's buffers ``cos_full`` / ``sin_signed``
         (their dtype), in place: the values :meth:`_tables` computes. For CUDA graphs, whose tensors must keep
         their addresses (see :meth:`bind_tables`)."""
-        half = self.head_dim // 2
+        half, r = self.rotary_dim // 2, self.rotary_dim
         cos, sin = self.cos_table[positions], self.sin_table[positions]
         cos_full[:, :half].copy_(cos)
-        cos_full[:, half:].copy_(cos)
+        cos_full[:, half:r].copy_(cos)
         sin_signed[:, :half].copy_(-sin)
-        sin_signed[:, half:].copy_(sin)
+        sin_signed[:, half:r].copy_(sin)
+        if r < self.head_dim:  # the dims that pass unrotated
+            cos_full[:, r:].fill_(1)
+            sin_signed[:, r:].zero_()
 
     def bind_tables(self, positions: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor) -> None:
         """Make ``cos_full`` / ``sin_signed`` ``[T, D]`` the rows every layer uses for the ``positions`` tensor
@@ -258,7 +312,12 @@ class RotaryEmbedding(nn.Module):
         if self._rows is None or self._rows[0] != key or self._rows[1] is not positions:
             cos = self.cos_table[positions].to(dtype)
             sin = self.sin_table[positions].to(dtype)
-            self._rows = (key, positions, torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
+            if self.rotary_dim == self.head_dim:
+                self._rows = (key, positions, torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
+            else:
+                rest = self.head_dim - self.rotary_dim
+                one, zero = cos.new_ones(cos.shape[0], rest), cos.new_zeros(cos.shape[0], rest)
+                self._rows = (key, positions, torch.cat((cos, cos, one), -1), torch.cat((-sin, sin, zero), -1))
         return self._rows[2], self._rows[3]
 
 
@@ -394,7 +453,8 @@ class Attention(nn.Module):
         t, hq, hk, d = hidden.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = F.linear(hidden, *self._qkv).view(t, hq + 2 * hk, d)
         qk, v = qkv[:, :hq + hk], qkv[:, hq + hk:]
-        if use_triton(qkv) and d & (d - 1) == 0:  # per-head norm + RoPE in one kernel (models/kernels/norm_rope.py)
+        # per-head norm + RoPE in one kernel (models/kernels/norm_rope.py; it rotates every dim: not partial rotary)
+        if use_triton(qkv) and d & (d - 1) == 0 and self.rotary.rotary_dim == d:
             from ferrylm.models.kernels.norm_rope import norm_rope
 
             eps = self.q_norm.eps if self._qk_norm_weight is not None else 0.0

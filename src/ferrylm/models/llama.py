@@ -23,16 +23,17 @@ from ferrylm.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLUMLP
 log = logging.getLogger("ferrylm.models")
 
 
-def check_decoder_config(config: ModelConfig) -> None:
+def check_decoder_config(config: ModelConfig, *, allow_partial_rotary: bool = False) -> None:
     """Raise ModelLoadError when ``config`` asks for something this decoder does not compute (activation,
-    head layout, RoPE type). Cheap: builds no tensors beyond the ``[D/2]`` RoPE frequencies."""
+    head layout, RoPE type, partial rotary unless ``allow_partial_rotary``). Cheap: builds no tensors beyond the
+    ``[D/2]`` RoPE frequencies."""
     act = config.raw.get("hidden_act", "silu")
     if act != "silu":
         raise ModelLoadError(f"hidden_act {act!r} is not supported (only 'silu')")
     if config.num_heads % config.num_kv_heads:
         raise ModelLoadError(f"num_attention_heads {config.num_heads} is not a multiple of "
                              f"num_key_value_heads {config.num_kv_heads}")
-    config_rope_frequencies(config)
+    config_rope_frequencies(config, allow_partial=allow_partial_rotary)
 
 
 def sliding_window_in_use(config: ModelConfig) -> int | None:
@@ -99,12 +100,13 @@ class DecoderStack(nn.Module):
         mlps: one MLP module per layer.
         device: where the RoPE tables are built (see :class:`RotaryEmbedding`).
         attention_kwargs: passed to every :class:`DecoderLayer`.
+        partial_rotary: the family rotates only part of each head (``rotary_dim`` / ``partial_rotary_factor``).
     """
 
     def __init__(self, config: ModelConfig, mlps: list[nn.Module], device: torch.device | str | None = None,
-                 attention_kwargs: dict[str, Any] | None = None):
+                 attention_kwargs: dict[str, Any] | None = None, partial_rotary: bool = False):
         super().__init__()
-        self.rotary = RotaryEmbedding.from_config(config, device=device)
+        self.rotary = RotaryEmbedding.from_config(config, device=device, allow_partial=partial_rotary)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary, mlp, attention_kwargs)
                                     for i, mlp in enumerate(mlps))
@@ -132,9 +134,14 @@ class LlamaForCausalLM(nn.Module):
 
     Class attributes used by the loader:
         hf_renames: ``(old, new)`` substrings mapping checkpoint names onto module names.
+        float32_tensors: state-dict name suffixes kept in float32 whatever the load dtype (routing-bias buffers
+            whose small differences pick experts).
+        partial_rotary: the family's reference supports partial rotary embedding (else such configs are refused).
     """
 
     hf_renames: tuple[tuple[str, str], ...] = ()
+    float32_tensors: tuple[str, ...] = ()
+    partial_rotary: bool = False
 
     def __init__(self, config: ModelConfig, *, executor: ExpertExecutor | None = None,
                  device: torch.device | str | None = None):
@@ -142,19 +149,26 @@ class LlamaForCausalLM(nn.Module):
         self.check_config(config)
         self.config = config
         mlps = [self._build_mlp(config, i, executor) for i in range(config.num_layers)]
-        self.model = DecoderStack(config, mlps, device=device, attention_kwargs=self.attention_kwargs(config))
+        self.model = DecoderStack(config, mlps, device=device, attention_kwargs=self.attention_kwargs(config),
+                                  partial_rotary=self.partial_rotary)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                          bias=False)
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:
         """Raise ModelLoadError when this class cannot compute ``config`` (called before weights are read)."""
-        check_decoder_config(config)
+        check_decoder_config(config, allow_partial_rotary=cls.partial_rotary)
 
     @classmethod
     def moe_layer_indices(cls, config: ModelConfig) -> tuple[int, ...]:
         """Decoder layers whose MLP is a routed MoE block (none for dense Llama)."""
         return ()
+
+    @classmethod
+    def skips_tensor(cls, name: str, config: ModelConfig) -> bool:
+        """True for a checkpoint tensor the loader deliberately leaves unread (e.g. multi-token-prediction layers
+        past ``num_hidden_layers``); none for Llama."""
+        return False
 
     @classmethod
     def attention_kwargs(cls, config: ModelConfig) -> dict[str, Any]:

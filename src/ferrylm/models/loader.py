@@ -166,6 +166,13 @@ def _module_name(name: str, model_cls: type, config: ModelConfig) -> str | None:
     return name
 
 
+def tensor_dtype(model_cls: type, key: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a floating checkpoint tensor placed at state-dict name ``key`` is stored in: ``dtype``, or float32
+    for the names the class keeps in float32 (``float32_tensors``, e.g. GLM-4.5's ``e_score_correction_bias``)."""
+    keep = getattr(model_cls, "float32_tensors", ())
+    return torch.float32 if keep and key.endswith(tuple(keep)) else dtype
+
+
 def _assign(model: nn.Module, tensors: dict[str, torch.Tensor], origin: dict[str, str]) -> None:
     """Assign ``tensors`` onto the meta-built ``model``; every parameter filled, nothing left over."""
     expected = model.state_dict()
@@ -291,6 +298,8 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
+                if model_cls.skips_tensor(name, config):
+                    continue
                 t = f.get_tensor(name)
                 if bar is not None:
                     bar.update(t.numel() * t.element_size())
@@ -301,7 +310,8 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
                     continue
                 if key in tensors:
                     raise ModelLoadError(f"checkpoint tensor {name!r} appears twice (also as {origin[key]!r})")
-                tensors[key] = t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
+                tensors[key] = (t.to(device=device, dtype=tensor_dtype(model_cls, key, dtype)) if t.is_floating_point()
+                                else t.to(device))
                 origin[key] = name
 
     if bar is not None:

@@ -8,7 +8,9 @@ from ferrylm.errors import UnsupportedArchitecture
 
 # NOTE: values are "module:Class" so that importing the registry does not import torch-heavy model code.
 MODEL_REGISTRY: dict[str, str] = {
+    "Glm4MoeForCausalLM": "ferrylm.models.glm4_moe:Glm4MoeForCausalLM",
     "LlamaForCausalLM": "ferrylm.models.llama:LlamaForCausalLM",
+    "MiniMaxM2ForCausalLM": "ferrylm.models.minimax_m2:MiniMaxM2ForCausalLM",
     "MixtralForCausalLM": "ferrylm.models.mixtral:MixtralForCausalLM",
     "OlmoeForCausalLM": "ferrylm.models.olmoe:OlmoeForCausalLM",
     "Qwen2ForCausalLM": "ferrylm.models.qwen2:Qwen2ForCausalLM",

@@ -74,10 +74,10 @@ class SyntheticPreset:
         c = self.config
         heads = f"{c['num_attention_heads']} q / {c.get('num_key_value_heads', c['num_attention_heads'])} kv heads"
         head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-        experts = c.get("num_experts") or c.get("num_local_experts") or 0
+        experts = c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts") or 0
         width = c.get("moe_intermediate_size") or c["intermediate_size"]
         layer_gib = experts * 3 * c["hidden_size"] * width * 2 / 2**30
-        shared = c.get("shared_expert_intermediate_size")
+        shared = c.get("shared_expert_intermediate_size") or (c.get("n_shared_experts") or 0) * width
         extra = f", shared expert {shared}" if shared else ""
         return (f"{c['architectures'][0]}: {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, "
                 f"{experts} experts top-{c['num_experts_per_tok']} width {width}{extra}, {heads} x {head_dim}, "
@@ -117,6 +117,25 @@ PRESETS: dict[str, SyntheticPreset] = {p.name: p for p in (
         "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
         "num_hidden_layers": 32, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "sliding_window": None,
         "tie_word_embeddings": False, "vocab_size": 32000}),
+    # 106B total / 12B active; the published checkpoint's extra MTP layer (num_nextn_predict_layers) is not built
+    SyntheticPreset("glm-4.5-air", "zai-org/GLM-4.5-Air", {
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True,
+        "eos_token_id": [151329, 151336, 151338], "pad_token_id": 151329, "first_k_dense_replace": 1,
+        "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 10944,
+        "max_position_embeddings": 131072, "moe_intermediate_size": 1408, "n_group": 1, "n_routed_experts": 128,
+        "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 96, "num_experts_per_tok": 8,
+        "num_hidden_layers": 46, "num_key_value_heads": 8, "num_nextn_predict_layers": 1,
+        "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 1000000.0,
+        "routed_scaling_factor": 1.0, "tie_word_embeddings": False, "topk_group": 1, "use_qk_norm": False,
+        "vocab_size": 151552}),
+    # 230B total / 10B active; MTP modules (use_mtp, num_mtp_modules) are not built
+    SyntheticPreset("minimax-m2", "MiniMaxAI/MiniMax-M2", {
+        "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "eos_token_id": 200020, "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": 3072, "intermediate_size": 1536, "max_position_embeddings": 196608,
+        "num_attention_heads": 48, "num_experts_per_tok": 8, "num_hidden_layers": 62, "num_key_value_heads": 8,
+        "num_local_experts": 256, "qk_norm_type": "per_layer", "rms_norm_eps": 1e-6, "rope_theta": 5000000.0,
+        "rotary_dim": 64, "scoring_func": "sigmoid", "shared_intermediate_size": 0, "tie_word_embeddings": False,
+        "use_qk_norm": True, "use_routing_bias": True, "vocab_size": 200064}),
     SyntheticPreset("qwen2-57b-a14b", "Qwen/Qwen2-57B-A14B", {
         "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "bos_token_id": 151643,
         "eos_token_id": 151643, "decoder_sparse_step": 1, "hidden_act": "silu", "hidden_size": 3584,

@@ -47,7 +47,7 @@ from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts import ExpertOptions, build_executor
 from ferrylm.experts.executor import LayerExperts
-from ferrylm.models.loader import LoadedModel, placement, prepare_for_inference
+from ferrylm.models.loader import LoadedModel, placement, prepare_for_inference, tensor_dtype
 from ferrylm.models.synthetic import SyntheticSpec, parse_synthetic_spec, synthetic_config
 
 log = logging.getLogger("ferrylm.models")
@@ -183,7 +183,7 @@ def _init_(t: torch.Tensor, name: str, config: ModelConfig, spec: SyntheticSpec,
     elif name.endswith(".mlp.gate.bias"):  # router bias: the Zipf law of this layer
         layer = int(name.split(".")[2])
         t.copy_(calibrated_bias(t.shape[0], spec.skew, spec.seed, layer))
-    elif name.endswith(".bias"):
+    elif name.endswith((".bias", "e_score_correction_bias")):  # a sigmoid router's selection bias: no skew of its own
         t.zero_()
     elif name.endswith("embed_tokens.weight"):
         pool.fill_(t, 1.0, name)
@@ -271,7 +271,8 @@ def build_synthetic(spec: SyntheticSpec | str, *, device: torch.device | str = "
         model = model_cls(config, executor=executor, device=device)
     tensors: dict[str, torch.Tensor] = {}
     for name, meta in model.state_dict().items():
-        t = torch.empty(meta.shape, device=device, dtype=dtype if meta.is_floating_point() else meta.dtype)
+        t = torch.empty(meta.shape, device=device,
+                        dtype=tensor_dtype(model_cls, name, dtype) if meta.is_floating_point() else meta.dtype)
         _init_(t, name, config, spec, pool)
         tensors[name] = t
     model.load_state_dict(tensors, strict=True, assign=True)

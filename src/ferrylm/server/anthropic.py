@@ -377,5 +377,6 @@ async def count_tokens(srv: Any, request: Request, rid: str) -> Response:
     if req.max_tokens is None:
         req = req.model_copy(update={"max_tokens": 1})
     job = await off_loop(job_from_messages, req)
-    _, ids = await off_loop(render_prompt, srv.codec, job, native_tools=srv.native_tools)
+    _, ids = await off_loop(render_prompt, srv.codec, job, native_tools=srv.native_tools,
+                            tool_format=srv.tool_parser)
     return JSONResponse({"input_tokens": len(ids)})

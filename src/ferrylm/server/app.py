@@ -47,7 +47,8 @@ from ferrylm.server.protocol import (CompletionChoice, CompletionRequest, Comple
 from ferrylm.server.completions_logprobs import echo_logprobs, join_logprobs, vllm_prompt_logprobs
 from ferrylm.server.reasoning import prompt_opens_thinking, template_has_reasoning
 from ferrylm.server.structured import request_grammar
-from ferrylm.server.tools import ToolChoice, parse_openai_tools, tag_terms, template_supports_tools
+from ferrylm.server.tool_formats import FORMAT_MARKUP, choose_tool_parser
+from ferrylm.server.tools import ToolChoice, lark_term, parse_openai_tools, tag_terms, template_supports_tools
 from ferrylm.server.generation import (ClientGone, Choice, Event, Generation, SSEResponse, cleanup, race_disconnect,
                                       sse_event)
 from ferrylm.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -96,7 +97,8 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
                api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                allowed_origins: Sequence[str] | None = None,
                sse_ping_interval: float | None = DEFAULT_SSE_PING_INTERVAL,
-               responses_store_size: int = 1024, request_timeout: float | None = None) -> FastAPI:
+               responses_store_size: int = 1024, request_timeout: float | None = None,
+               tool_call_parser: str = "auto", architecture: str | None = None) -> FastAPI:
     """Build the FastAPI app serving ``engine`` under the name ``served_model_name``.
 
     Args:
@@ -112,8 +114,16 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
         responses_store_size: responses kept for ``previous_response_id`` (oldest evicted first).
         request_timeout: seconds from arrival after which the engine ends a request with 408 ``request_timeout``
             (``--request-timeout``; a request's ``x-request-timeout`` header overrides it); None = no deadline.
+        tool_call_parser: the tool-call format (``--tool-call-parser``: ``auto`` | ``hermes`` | ``glm45`` |
+            ``minimax_m2``; auto: from the chat template, then ``architecture``, see
+            :func:`ferrylm.server.tool_formats.choose_tool_parser`).
+        architecture: the served model's ``architectures[0]``, for the ``auto`` choice.
+
+    Raises:
+        ValueError: an unknown ``tool_call_parser``.
     """
-    server = _Server(engine, codec, served_model_name, api_key, max_request_bytes, request_timeout)
+    server = _Server(engine, codec, served_model_name, api_key, max_request_bytes, request_timeout,
+                     tool_call_parser=tool_call_parser, architecture=architecture)
     server.ping_interval = sse_ping_interval or None
     server.responses = responses.ResponseStore(responses_store_size)
     app = FastAPI(title="ferrylm", version=__version__, docs_url=None, redoc_url=None,
@@ -192,7 +202,8 @@ class _Server:
     """Route handlers and the state they share."""
 
     def __init__(self, engine: EngineClient, codec: TextCodec, served_model_name: str, api_key: str | None,
-                 max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, request_timeout: float | None = None):
+                 max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, request_timeout: float | None = None,
+                 tool_call_parser: str = "auto", architecture: str | None = None):
         self.engine = engine
         self.request_timeout = request_timeout or None
         self.codec = codec
@@ -208,6 +219,14 @@ class _Server:
         self.native_tools = template_supports_tools(template)   # else tools go in the system turn (fallback)
         self.reasoning = template_has_reasoning(template)       # split <think> … </think> into reasoning
         self.tool_tags = tag_terms(codec)                       # <tool_call> as the vocabulary has it
+        self.tool_term = lark_term(codec)                       # any tag as the vocabulary has it
+        self.tool_parser = choose_tool_parser(tool_call_parser, architecture, template)  # the call format
+        # markup the vocabulary holds as special tokens (GLM-4.5's <tool_call>, <arg_key>, <think>): a chat turn that
+        # may contain it is detokenized with skip_special_tokens off, else the parsers would never see it
+        special = frozenset(getattr(codec, "special_strings", ()) or ())
+        self.special_tool_markup = any(m in special for m in FORMAT_MARKUP[self.tool_parser])
+        self.special_think_markup = self.reasoning and any(m in special for m in ("<think>", "</think>"))
+        logger.info("tool-call format: %s", self.tool_parser)
 
     # ---- helpers -----------------------------------------------------------------------------------------
     @property
@@ -487,7 +506,8 @@ class _Server:
                 tools = parse_openai_tools(req.tools)
                 job = ChatJob(messages, SamplingParams(), tools, ToolChoice("auto" if tools else "none"),
                               client_template_kwargs(req.chat_template_kwargs), add_gen, cont)
-                _, ids = await _off_loop(render_prompt, self.codec, job, native_tools=self.native_tools)
+                _, ids = await _off_loop(render_prompt, self.codec, job, native_tools=self.native_tools,
+                                         tool_format=self.tool_parser)
             elif req.prompt is not None:
                 ids = await _off_loop(self.codec.encode, req.prompt,
                                       add_special_tokens=req.add_special_tokens is not False)
@@ -543,12 +563,16 @@ class _Server:
             InvalidRequest / ContextLengthExceeded: bad messages, template errors, too long (400).
             EngineUnavailable etc.: the engine cannot take it now (503).
         """
-        await _off_loop(job.apply_tool_choice, self.tool_tags)
+        await _off_loop(job.apply_tool_choice, self.tool_tags, self.tool_parser, self.tool_term)
         if job.params.grammar is not None and self.reasoning and "enable_thinking" not in job.template_kwargs:
             # a constrained output starts at its first token: a template that thinks first is told not to
             job.template_kwargs = {**job.template_kwargs, "enable_thinking": False}
-        text, prompt_ids = await _off_loop(render_prompt, self.codec, job, native_tools=self.native_tools)
+        text, prompt_ids = await _off_loop(render_prompt, self.codec, job, native_tools=self.native_tools,
+                                           tool_format=self.tool_parser)
         params = job.params
+        tools_on = bool(job.tools) and job.tool_choice.mode != "none"
+        if (self.special_tool_markup and tools_on) or self.special_think_markup:
+            params.skip_special_tokens = False  # as vLLM's glm45 / minimax_m2 parsers do (EOS ids stay out anyway)
         self._check_param_ids(params)
         max_tokens = self._fit_context(prompt_ids, params, default_max=None, what="messages",
                                        prompt_param=job.prompt_param, max_param=job.max_param)
@@ -560,7 +584,8 @@ class _Server:
         tools = tuple(t.name for t in job.tools) if job.tools and job.tool_choice.mode != "none" else None
         prefill = _message_text(job.messages[-1]) if job.continue_final_message and job.messages else None
         turn = TurnConfig(reasoning=self.reasoning, starts_in_reasoning=self.reasoning and
-                          prompt_opens_thinking(text, prefill), tool_names=tools)
+                          prompt_opens_thinking(text, prefill), tool_names=tools, tool_parser=self.tool_parser,
+                          tool_schemas={t.name: t.parameters for t in job.tools} if tools else None)
         first = await self._start(request, rid, gen, job.stream)
         return ChatRun(gen, first, prompt_ids, turn)
 

@@ -44,14 +44,22 @@ class TurnDelta:
 @dataclass
 class TurnConfig:
     """How a request's output is read: ``reasoning`` on (template with ``</think>``), whether the prompt opened
-    the block already, and the tool names to parse calls for (None: no tool parsing)."""
+    the block already, the tool names to parse calls for (None: no tool parsing), the call format
+    (``tool_parser``: a name of :data:`ferrylm.server.tool_formats.TOOL_PARSER_NAMES`) and the tools' parameter
+    schemas (``name -> schema``; the XML-style formats type argument values by them)."""
 
     reasoning: bool = False
     starts_in_reasoning: bool = False
     tool_names: tuple[str, ...] | None = None
+    tool_parser: str = "hermes"
+    tool_schemas: dict[str, dict] | None = None
 
     def new_turn(self) -> "AssistantTurn":
-        return AssistantTurn(self)
+        if self.tool_parser == "hermes":
+            return AssistantTurn(self)
+        from ferrylm.server.tool_formats import make_tool_parser
+
+        return AssistantTurn(self, lambda names: make_tool_parser(self.tool_parser, names, self.tool_schemas))
 
 
 class AssistantTurn:

@@ -76,11 +76,18 @@ class ChatJob:
     tool_choice_param: str = "tool_choice"
     stream: bool = False
 
-    def apply_tool_choice(self, tags: tuple[str, str] | None = None) -> None:
-        """Set ``params.grammar`` for a forced tool call (``tags``: the tags' Lark terms for the served
-        vocabulary, :func:`ferrylm.server.tools.tag_terms`). Raises InvalidRequest when the request also asks for
-        another output constraint (the tool call and, say, a JSON schema cannot both hold)."""
-        grammar = tool_call_grammar(self.tools, self.tool_choice, tags=tags)
+    def apply_tool_choice(self, tags: tuple[str, str] | None = None, fmt: str = "hermes", term=None) -> None:
+        """Set ``params.grammar`` for a forced tool call in the served model's call format ``fmt`` (``tags``: the
+        Hermes tags' Lark terms for the served vocabulary, :func:`ferrylm.server.tools.tag_terms`; ``term``: the
+        text -> Lark term function the other formats use, :func:`ferrylm.server.tools.lark_term`). Raises
+        InvalidRequest when the request also asks for another output constraint (the tool call and, say, a JSON
+        schema cannot both hold)."""
+        if fmt == "hermes":
+            grammar = tool_call_grammar(self.tools, self.tool_choice, tags=tags)
+        else:
+            from ferrylm.server.tool_grammars import forced_call_grammar
+
+            grammar = forced_call_grammar(fmt, self.tools, self.tool_choice, *([term] if term else []))
         if grammar is None:
             return
         if self.params.grammar is not None:
@@ -105,16 +112,18 @@ def check_continue(messages: list[dict], continue_final: bool, add_generation_pr
     return False
 
 
-def render_prompt(codec: TextCodec, job: ChatJob, *, native_tools: bool) -> tuple[str, list[int]]:
+def render_prompt(codec: TextCodec, job: ChatJob, *, native_tools: bool,
+                  tool_format: str = "hermes") -> tuple[str, list[int]]:
     """The prompt text and ids of ``job``: tools through the template when it renders them, else (when tools are
-    offered) the fallback of :func:`ferrylm.server.tools.fallback_messages`; without tools the messages reach
-    the template as they are. Raises InvalidRequest for template errors."""
+    offered) the fallback of :func:`ferrylm.server.tools.fallback_messages` in the served call format
+    ``tool_format``; without tools the messages reach the template as they are. Raises InvalidRequest for
+    template errors."""
     messages, tools = job.messages, None
     offered = job.tools if job.tool_choice.mode != "none" else []
     if native_tools:
         tools = [t.openai() for t in offered] or None
     elif offered:
-        messages = fallback_messages(messages, offered)
+        messages = fallback_messages(messages, offered, tool_format)
     kw = dict(continue_final_message=job.continue_final_message, **job.template_kwargs)
     text = codec.render_chat(messages, job.add_generation_prompt, tools, **kw)
     # the ids: the template's markup as special tokens, special-token strings in client text as text

@@ -198,7 +198,9 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
     app = create_app(sup, codec, name, api_key=api_key,
                      max_request_bytes=int(getattr(args, "max_request_bytes", 8 << 20)), allowed_origins=origins,
                      request_timeout=getattr(args, "request_timeout", None) or None,
-                     sse_ping_interval=ping, responses_store_size=int(getattr(args, "responses_store_size", 1024)))
+                     sse_ping_interval=ping, responses_store_size=int(getattr(args, "responses_store_size", 1024)),
+                     tool_call_parser=getattr(args, "tool_call_parser", None) or "auto",
+                     architecture=mcfg.architecture)
     # uvicorn's own graceful wait only covers the HTTP tail after our drain (the last bytes of answered streams)
     config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False, timeout_graceful_shutdown=5)
     server = Server(config)

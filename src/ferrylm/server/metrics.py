@@ -45,6 +45,7 @@ _ENGINE_COUNTERS = {
     "expert_cache_hits": ("experts", "hits"),
     "expert_cache_misses": ("experts", "misses"),
     "expert_bytes_copied": ("experts", "bytes_copied"),
+    "expert_bytes_mapped": ("experts", "bytes_mapped"),
     "expert_cpu_computed": ("experts", "cpu_experts"),
     "decode_graph_steps": ("decode_graphs", "steps"),
     "decode_graph_replays": ("decode_graphs", "replays"),
@@ -132,6 +133,8 @@ class EngineCollector:
                  "expert_cache_hits": "Needed (layer, expert) pairs found in the device expert cache",
                  "expert_cache_misses": "Needed (layer, expert) pairs not in the device expert cache",
                  "expert_bytes_copied": "Expert bytes copied host to device (demand, prefetch, streaming)",
+                 "expert_bytes_mapped": "Expert bytes the fused kernel read from mapped host memory over PCIe "
+                                        "(offload decode table misses)",
                  "expert_cpu_computed": "Needed (layer, expert) pairs computed on the CPU (cpu / hybrid backends)",
                  "decode_graph_steps": "Decode steps run through the piecewise decode path (CUDA graphs)",
                  "decode_graph_replays": "Decode steps replayed from captured CUDA graphs"}

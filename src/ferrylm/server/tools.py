@@ -20,8 +20,9 @@ A parser (:class:`ToolParser`) is fed the assistant's text incrementally and ret
 and complete calls. A call is reported once its closing tag is seen and its body is a JSON object naming one of
 the request's tools with object arguments; anything else between the tags goes out as ordinary text, so text
 that only mentions ``<tool_call>`` is never swallowed. Decisions depend only on the text, never on how it was
-split, so a stream and a non-stream response carry the same calls and text. Other formats (gpt-oss, DeepSeek)
-are new subclasses of :class:`ToolParser`.
+split, so a stream and a non-stream response carry the same calls and text. Other formats are subclasses of
+:class:`ToolParser` in ``server/tool_formats.py`` (GLM-4.5, MiniMax-M2; the served model's is chosen there), their
+forcing grammars in ``server/tool_grammars.py``.
 
 This module must not import torch.
 """
@@ -39,6 +40,9 @@ from ferrylm.server.structured import JSON_OPTIONS, check_ref_cycles, lark_gramm
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 MAX_TOOLS = 128
+#: calls a forced ``required`` reply may hold when parallel calls are allowed (a bound, so that a model repeating
+#: its call, as greedy decoding of a small model does, still ends)
+MAX_FORCED_CALLS = 8
 
 
 @dataclass(frozen=True)
@@ -168,11 +172,34 @@ def parse_tool_choice(choice: Any, tools: list[ToolSpec], *, parallel: Any = Non
                          f"\"function\": {{\"name\": ...}}}}", param=param)
 
 
-def _call_schema(t: ToolSpec, at: str) -> dict:
-    """The schema of one call to ``t``, placed at the JSON pointer ``at`` of the grammar's schema: the
-    parameters' local ``$ref`` s (``#``, ``#/$defs/x``) are rebased to where the parameters now sit."""
-    return {"type": "object", "properties": {"name": {"const": t.name},
-                                             "arguments": _rebase_refs(t.parameters, f"{at}/properties/arguments")},
+def strict_schema(schema: Any) -> Any:
+    """``schema`` with OpenAI's strict semantics for a forced call: every object schema that names ``properties``
+    and says nothing of ``additionalProperties`` gets ``additionalProperties: false`` (no keys the schema does not
+    name), recursively through properties, items and the ``anyOf`` / ``oneOf`` / ``allOf`` branches and ``$defs``.
+    Other keywords are kept; the input is not modified."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in ("properties", "$defs", "definitions", "patternProperties") and isinstance(v, dict):
+            out[k] = {name: strict_schema(sub) for name, sub in v.items()}
+        elif k in ("items", "additionalItems", "anyOf", "oneOf", "allOf", "prefixItems", "not"):
+            out[k] = strict_schema(v)
+        else:
+            out[k] = v
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _call_schema(t: ToolSpec, at: str = "#") -> dict:
+    """The schema of one call to ``t`` (strict, :func:`strict_schema`), placed at the JSON pointer ``at`` of the
+    grammar's schema: the parameters' local ``$ref`` s (``#``, ``#/$defs/x``) are rebased to where the parameters
+    now sit."""
+    args = _rebase_refs(strict_schema(t.parameters), f"{at}/properties/arguments")
+    return {"type": "object", "properties": {"name": {"const": t.name}, "arguments": args},
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
@@ -185,16 +212,22 @@ def _rebase_refs(node: Any, prefix: str) -> Any:
     return node
 
 
-def tag_terms(codec: Any) -> tuple[str, str]:
-    """Lark terms for the opening and closing tags with ``codec``'s vocabulary: a tag that is one added token
-    (Qwen's ``<tool_call>`` = 151657) must be generated as that token, so it is written ``<[id]>``; otherwise
-    the literal text."""
+def lark_term(codec: Any):
+    """``text -> Lark term`` with ``codec``'s vocabulary: a tag that is one added token (Qwen's ``<tool_call>`` =
+    151657, GLM-4.5's ``<arg_key>``) must be generated as that token, so it is written ``<[id]>``; otherwise the
+    literal text."""
     added = getattr(getattr(codec, "tokenizer", None), "added_tokens_decoder", None) or {}
 
     def term(text: str) -> str:
         ids = codec.encode(text, add_special_tokens=False, parse_special=True) if codec is not None else []
         return f"<[{ids[0]}]>" if len(ids) == 1 and ids[0] in added else json.dumps(text)
 
+    return term
+
+
+def tag_terms(codec: Any) -> tuple[str, str]:
+    """Lark terms for Hermes' opening and closing tags with ``codec``'s vocabulary (:func:`lark_term`)."""
+    term = lark_term(codec)
     return term(HermesToolParser.OPEN), term(HermesToolParser.CLOSE)
 
 
@@ -204,7 +237,8 @@ def tool_call_grammar(tools: list[ToolSpec], choice: ToolChoice, param: str = "t
     are off) and a named function (exactly one call to it); None for ``none`` / ``auto``.
 
     The output is Hermes format, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, calls joined by
-    a newline, the arguments valid against each tool's schema. ``tags``: the Lark terms of the two tags
+    a newline (at most :data:`MAX_FORCED_CALLS`), the arguments valid against each tool's schema with OpenAI's
+    strict semantics (:func:`strict_schema`: no keys the schema does not name). ``tags``: the Lark terms of the two tags
     (:func:`tag_terms`; default the literal text). Raises InvalidRequest when a schema cannot be enforced.
     """
     if not choice.forced:
@@ -214,7 +248,7 @@ def tool_call_grammar(tools: list[ToolSpec], choice: ToolChoice, param: str = "t
                else [_call_schema(t, f"#/anyOf/{i}") for i, t in enumerate(chosen)])
     body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     body = {**body, "x-guidance": {**JSON_OPTIONS, "lenient": True}}
-    repeat = ' ("\\n" call)*' if choice.mode == "required" and choice.parallel else ""
+    repeat = f' ("\\n" call){{0,{MAX_FORCED_CALLS - 1}}}' if choice.mode == "required" and choice.parallel else ""
     open_, close = tags or (json.dumps(HermesToolParser.OPEN), json.dumps(HermesToolParser.CLOSE))
     lark = (f"start: call{repeat}\n"
             f"call: {open_} \"\\n\" body \"\\n\" {close}\n"
@@ -237,23 +271,31 @@ FALLBACK_FOOTER = ("\n</tools>\n\nTo call a function, answer with one line per c
                    "<tool_call>\n{\"name\": <function name>, \"arguments\": <JSON object of arguments>}\n</tool_call>")
 
 
-def fallback_messages(messages: list[dict], tools: list[ToolSpec]) -> list[dict]:
+def fallback_messages(messages: list[dict], tools: list[ToolSpec], fmt: str = "hermes") -> list[dict]:
     """Messages for a template without a tools section: the tool schemas and the call format appended to the
-    system turn (one is added at the front when there is none); assistant ``tool_calls`` become ``<tool_call>``
-    blocks in its text; ``tool`` results become user turns ``<tool_response>\\n...\\n</tool_response>``."""
+    system turn (one is added at the front when there is none); assistant ``tool_calls`` become call blocks in its
+    text; ``tool`` results become user turns ``<tool_response>\\n...\\n</tool_response>``. ``fmt``: the served
+    call format (``hermes``; ``glm45`` / ``minimax_m2`` through :mod:`ferrylm.server.tool_formats`), so the model is
+    taught, and shown, the markup its parser reads."""
+    if fmt == "hermes":
+        footer, render = FALLBACK_FOOTER, format_call
+    else:
+        from ferrylm.server.tool_formats import fallback_footer, format_call_as
+
+        footer, render = fallback_footer(fmt), (lambda c: format_call_as(fmt, c))
     out: list[dict] = []
     for m in messages:
         m = dict(m)
         calls = m.pop("tool_calls", None)
         if m.get("role") == "assistant" and calls:
-            blocks = [format_call(c) for c in calls]
+            blocks = [render(c) for c in calls]
             m["content"] = "\n".join(([m["content"]] if m.get("content") else []) + blocks)
         elif m.get("role") == "tool":
             m = {"role": "user", "content": f"<tool_response>\n{m.get('content', '')}\n</tool_response>"}
         out.append(m)
     if tools:
         text = FALLBACK_HEADER + "\n".join(json.dumps(t.openai()["function"], ensure_ascii=False) for t in tools) \
-            + FALLBACK_FOOTER
+            + footer
         if out and out[0].get("role") == "system":
             out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{text}".lstrip()}
         else:
@@ -261,8 +303,9 @@ def fallback_messages(messages: list[dict], tools: list[ToolSpec]) -> list[dict]
     return out
 
 
-def format_call(call: Any) -> str:
-    """One earlier call (OpenAI ``tool_calls`` entry) as a Hermes block."""
+def call_fields(call: Any) -> tuple[Any, Any]:
+    """``(name, arguments)`` of an earlier call (OpenAI ``tool_calls`` entry), arguments decoded from JSON text when
+    they are (else left as given)."""
     fn = call.get("function", call) if isinstance(call, dict) else {}
     args = fn.get("arguments", {})
     if isinstance(args, str):
@@ -270,6 +313,13 @@ def format_call(call: Any) -> str:
             args = json.loads(args)
         except ValueError:
             pass
+    return fn.get("name"), args
+
+
+def format_call(call: Any) -> str:
+    """One earlier call (OpenAI ``tool_calls`` entry) as a Hermes block."""
+    fn = call.get("function", call) if isinstance(call, dict) else {}
+    _, args = call_fields(call)
     return "<tool_call>\n" + json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False) + \
         "\n</tool_call>"
 

@@ -65,44 +65,81 @@ def _e4m3(c):
 
 
 @triton.jit
+def _codes(w_ptr, base, nn, kk, k0, n_ok, k_ok, swn, swk, QKIND: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The ``[BLOCK_K, len(n)]`` codes of a quantized tile. 4-bit kinds: the ``BLOCK_K / 2`` bytes of each column are
+    loaded once (contiguous along k), split into low / high nibbles and interleaved back (element ``2j`` is the low
+    nibble of byte ``j``), instead of loading every byte twice through a ``k // 2`` gather."""
+    if QKIND == 1 or QKIND == 3:
+        j = (k0 // 2 + tl.arange(0, BLOCK_K // 2))[:, None].to(tl.int64)
+        even_ok, _ = tl.split(tl.reshape(k_ok, (BLOCK_K // 2, 2)))  # byte j holds elements 2j, 2j + 1 (K even)
+        b = tl.load(w_ptr + base + nn * swn + j * swk, mask=even_ok[:, None] & n_ok[None, :], other=0)
+        c = tl.reshape(tl.permute(tl.join(b & 15, b >> 4), (0, 2, 1)), (BLOCK_K, b.shape[1]))
+    else:
+        kc = kk[:, None].to(tl.int64)
+        c = tl.load(w_ptr + base + nn * swn + kc * swk, mask=k_ok[:, None] & n_ok[None, :], other=0)
+    return c
+
+
+@triton.jit
 def weight_tile(w_ptr, s_ptr, m_ptr, r_ptr, e, n, k0, kk, n_ok, k_ok,
                 swe, swn, swk, sse, ssn, ssg, sre, srn,
                 QKIND: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr, HAS_ROW: tl.constexpr,
                 BLOCK_K: tl.constexpr):
     """``W[e, n, kk]`` as a ``[BLOCK_K, len(n)]`` tile, ``kk = k0 + arange(BLOCK_K)``: the weight dtype for plain
     weights (``QKIND == 0``), float32 dequantized values otherwise; masked elements are 0. ``e`` int64 scalar. When
-    the tile lies in one scale group (``GROUP % BLOCK_K == 0``) one scale per column is loaded, else one per
-    element."""
+    the tile lies in one scale group (``GROUP % BLOCK_K == 0``) one scale per column is loaded; when it spans whole
+    groups (``BLOCK_K % GROUP == 0``) one per group and column, broadcast over the group's rows in registers; else
+    one per element."""
     mask = k_ok[:, None] & n_ok[None, :]
     nn = n[None, :].to(tl.int64)
-    kc = kk[:, None].to(tl.int64)
     if QKIND == 0:
+        kc = kk[:, None].to(tl.int64)
         w = tl.load(w_ptr + e * swe + nn * swn + kc * swk, mask=mask, other=0.0)
     else:
-        if QKIND == 1 or QKIND == 3:  # two 4-bit codes per byte, element 2j in the low nibble
-            b = tl.load(w_ptr + e * swe + nn * swn + (kc // 2) * swk, mask=mask, other=0)
-            c = (b >> ((kc % 2) * 4).to(tl.uint8)) & 15
-        else:
-            c = tl.load(w_ptr + e * swe + nn * swn + kc * swk, mask=mask, other=0)
-        if GROUP % BLOCK_K == 0:
-            g_idx = k0 // GROUP
-            s_off = e * sse + nn * ssn + g_idx * ssg  # [1, BLOCK_N]
-            s_mask = n_ok[None, :]
-        else:
-            s_off = e * sse + nn * ssn + (kc // GROUP) * ssg  # [BLOCK_K, BLOCK_N]
-            s_mask = mask
-        s = tl.load(s_ptr + s_off, mask=s_mask, other=0.0).to(tl.float32)
-        if HAS_ROW:
-            s = s * tl.load(r_ptr + e * sre + nn * srn, mask=n_ok[None, :], other=0.0).to(tl.float32)
+        c = _codes(w_ptr, e * swe, nn, kk, k0, n_ok, k_ok, swn, swk, QKIND, BLOCK_K)
         if QKIND == 4:
-            w = _e4m3(c) * s
+            v = _e4m3(c)
         elif QKIND == 3:
-            w = _e2m1(c) * s
+            v = _e2m1(c)
         else:
-            cf = c.to(tl.float32)
+            v = c.to(tl.float32)
+            if not HAS_MINS:
+                v = v - (8.0 if QKIND == 1 else 128.0)
+        if GROUP % BLOCK_K == 0:  # the tile is inside one group: a scale per column
+            s_off = e * sse + nn * ssn + (k0 // GROUP) * ssg  # [1, BLOCK_N]
+            s = tl.load(s_ptr + s_off, mask=n_ok[None, :], other=0.0).to(tl.float32)
+            if HAS_ROW:
+                s = s * tl.load(r_ptr + e * sre + nn * srn, mask=n_ok[None, :], other=0.0).to(tl.float32)
             if HAS_MINS:
-                m = tl.load(m_ptr + s_off, mask=s_mask, other=0.0).to(tl.float32)
-                w = cf * s - m
+                m = tl.load(m_ptr + s_off, mask=n_ok[None, :], other=0.0).to(tl.float32)
+                w = v * s - m
             else:
-                w = (cf - (8.0 if QKIND == 1 else 128.0)) * s
+                w = v * s
+        elif BLOCK_K % GROUP == 0:  # whole groups: [BLOCK_K / GROUP, BLOCK_N] scales, broadcast in registers
+            g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            s_off = e * sse + nn * ssn + g[:, None].to(tl.int64) * ssg  # [G, BLOCK_N]
+            g_ok = tl.max(tl.reshape(k_ok.to(tl.int32), (BLOCK_K // GROUP, GROUP)), 1) > 0
+            gm = g_ok[:, None] & n_ok[None, :]
+            s = tl.load(s_ptr + s_off, mask=gm, other=0.0).to(tl.float32)
+            if HAS_ROW:
+                s = s * tl.load(r_ptr + e * sre + nn * srn, mask=n_ok[None, :], other=0.0).to(tl.float32)
+            v3 = tl.reshape(v, (BLOCK_K // GROUP, GROUP, v.shape[1]))
+            if HAS_MINS:
+                m = tl.load(m_ptr + s_off, mask=gm, other=0.0).to(tl.float32)
+                w3 = v3 * s[:, None, :] - m[:, None, :]
+            else:
+                w3 = v3 * s[:, None, :]
+            w = tl.reshape(w3, (BLOCK_K, v.shape[1]))
+        else:  # a group size that does not divide the tile: one scale per element
+            kc = kk[:, None].to(tl.int64)
+            s_off = e * sse + nn * ssn + (kc // GROUP) * ssg
+            s = tl.load(s_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
+            if HAS_ROW:
+                s = s * tl.load(r_ptr + e * sre + nn * srn, mask=n_ok[None, :], other=0.0).to(tl.float32)
+            if HAS_MINS:
+                m = tl.load(m_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
+                w = v * s - m
+            else:
+                w = v * s
+        w = tl.where(mask, w, 0.0)
     return w

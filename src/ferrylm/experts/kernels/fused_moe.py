@@ -178,20 +178,41 @@ def align_small(topk_ids: torch.Tensor, num_experts: int, block_m: int, used_exp
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr,
+def _block_expert(bexp_ptr, slot_ptr, off_ptr, pid_m, HAS_SLOTS: tl.constexpr, HAS_OFF: tl.constexpr):
+    """``(e, d)`` of row block ``pid_m``: the row index ``e`` of its expert in the weight views (through ``slot_of``
+    when given) and, with ``row_offset``, ``e = 1`` and ``d`` the expert's byte offset (the caller turns ``d`` into
+    each field's stride, so ``e * stride`` lands on the expert's row wherever it lives); else ``d = 0``."""
+    e = tl.load(bexp_ptr + pid_m).to(tl.int64)
+    if HAS_SLOTS:
+        e = tl.load(slot_ptr + e).to(tl.int64)
+    d = e * 0
+    if HAS_OFF:
+        d = tl.load(off_ptr + e).to(tl.int64)
+        e = d * 0 + 1
+    return e, d
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr, off_ptr,
                     num_assign, N, K, top_k, stride_xt, stride_ht,
                     wg_ptr, sg_ptr, mg_ptr, rg_ptr, stride_ge, stride_gn, stride_gk, sgse, sgsn, sgsg, sgre, sgrn,
                     wu_ptr, su_ptr, mu_ptr, ru_ptr, stride_ue, stride_un, stride_uk, suse, susn, susg, sure, surn,
-                    HAS_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    HAS_SLOTS: tl.constexpr, HAS_OFF: tl.constexpr, ITEM_W: tl.constexpr, ITEM_S: tl.constexpr,
+                    ITEM_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PRECISION: tl.constexpr, QKIND: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr,
                     HAS_ROW: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
         return
-    e = tl.load(bexp_ptr + pid_m).to(tl.int64)
-    if HAS_SLOTS:
-        e = tl.load(slot_ptr + e).to(tl.int64)
+    e, d = _block_expert(bexp_ptr, slot_ptr, off_ptr, pid_m, HAS_SLOTS, HAS_OFF)
+    if HAS_OFF:  # expert e's row lies d bytes from row 0 of the views: every field moves by d (its own units)
+        stride_ge = d // ITEM_W
+        stride_ue = d // ITEM_W
+        sgse = d // ITEM_S
+        suse = d // ITEM_S
+        sgre = d // ITEM_R
+        sure = d // ITEM_R
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     a_id = tl.load(sorted_ptr + rows)
     m_ok = a_id < num_assign
@@ -221,19 +242,22 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr,
 
 
 @triton.jit
-def _down_kernel(h_ptr, out_ptr, w_ptr, dest_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr,
+def _down_kernel(h_ptr, out_ptr, w_ptr, dest_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr, off_ptr,
                  num_assign, N, K, stride_ht, stride_ot,
                  wd_ptr, sd_ptr, md_ptr, rd_ptr, stride_de, stride_dn, stride_dk, sdse, sdsn, sdsg, sdre, sdrn,
-                 HAS_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 HAS_SLOTS: tl.constexpr, HAS_OFF: tl.constexpr, ITEM_W: tl.constexpr, ITEM_S: tl.constexpr,
+                 ITEM_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PRECISION: tl.constexpr, QKIND: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr,
                  HAS_ROW: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
         return
-    e = tl.load(bexp_ptr + pid_m).to(tl.int64)
-    if HAS_SLOTS:
-        e = tl.load(slot_ptr + e).to(tl.int64)
+    e, d = _block_expert(bexp_ptr, slot_ptr, off_ptr, pid_m, HAS_SLOTS, HAS_OFF)
+    if HAS_OFF:  # as in _gate_up_kernel
+        stride_de = d // ITEM_W
+        sdse = d // ITEM_S
+        sdre = d // ITEM_R
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     a_id = tl.load(sorted_ptr + rows)
     m_ok = a_id < num_assign
@@ -257,6 +281,13 @@ def _down_kernel(h_ptr, out_ptr, w_ptr, dest_ptr, sorted_ptr, bexp_ptr, npad_ptr
     tl.store(out_ptr + dest[:, None] * stride_ot + n[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
 
 
+def _items(args: tuple) -> dict:
+    """Item sizes (bytes) of a projection's data, scale and row-scale fields (:func:`weight_args`' first four
+    positional arguments: data, scales, mins, row scale), constants of a launch that reads weights through
+    ``row_offset``."""
+    return dict(ITEM_W=args[0].element_size(), ITEM_S=args[1].element_size(), ITEM_R=args[3].element_size())
+
+
 def expert_rank_rows(topk_ids: torch.Tensor) -> torch.Tensor:
     """``[T * k]`` int64: for assignment ``t * k + j``, the row ``t * k + r`` with ``r`` the rank of ``ids[t, j]``
     among token ``t``'s experts in ascending id (ties, which routing never produces, by position)."""
@@ -268,8 +299,8 @@ def expert_rank_rows(topk_ids: torch.Tensor) -> torch.Tensor:
 def fused_moe(hidden: torch.Tensor, gate: torch.Tensor | QuantTensor, up: torch.Tensor | QuantTensor,
               down: torch.Tensor | QuantTensor,
               topk_ids: torch.Tensor, topk_weights: torch.Tensor, *, slot_of: torch.Tensor | None = None,
-              tiles: tuple[MoeTiles, MoeTiles] | None = None, used_experts: torch.Tensor | None = None
-              ) -> torch.Tensor:
+              tiles: tuple[MoeTiles, MoeTiles] | None = None, used_experts: torch.Tensor | None = None,
+              row_offset: torch.Tensor | None = None) -> torch.Tensor:
     """``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` for one layer, entirely on the device (module docstring).
 
     Args:
@@ -285,6 +316,11 @@ def fused_moe(hidden: torch.Tensor, gate: torch.Tensor | QuantTensor, up: torch.
         tiles: override :func:`pick_tiles` (benchmarks).
         used_experts: a 0-dim int64 device tensor to which the number of distinct experts the step routes to is
             added in place (a counter that needs no host sync, and keeps counting in CUDA graph replays).
+        row_offset: ``[E]`` int64 (device): where expert ``e``'s weights are, in BYTES from row 0 of ``gate`` /
+            ``up`` / ``down`` (every field of a quantized row moves by the same bytes; each must be a multiple of
+            the fields' item sizes). The table of the offloading backends: an expert in a slot-cache row, or in
+            its host bank row read over PCIe by the kernel itself (mapped pinned memory, same address space), so
+            one launch serves hits and misses with no host decision. Mutually exclusive with ``slot_of``.
 
     Returns:
         ``[T, H]`` in ``hidden``'s dtype.
@@ -294,7 +330,10 @@ def fused_moe(hidden: torch.Tensor, gate: torch.Tensor | QuantTensor, up: torch.
     t, hdim = hidden.shape
     k = topk_ids.shape[1]
     inter = gate.shape[1]
-    num_experts = slot_of.shape[0] if slot_of is not None else gate.shape[0]
+    if slot_of is not None and row_offset is not None:
+        raise ValueError("fused_moe: give slot_of or row_offset, not both")
+    num_experts = (slot_of.shape[0] if slot_of is not None else
+                   row_offset.shape[0] if row_offset is not None else gate.shape[0])
     if t == 0:
         return torch.zeros_like(hidden)
     n = t * k
@@ -313,14 +352,17 @@ def fused_moe(hidden: torch.Tensor, gate: torch.Tensor | QuantTensor, up: torch.
     slots = slot_of if slot_of is not None else sorted_ids  # unused without HAS_SLOTS
     blocks = sorted_ids.shape[0] // gu_tiles.block_m
     (g_args, g_kind), (u_args, _), (d_args, d_kind) = weight_args(gate), weight_args(up), weight_args(down)
+    offs = row_offset if row_offset is not None else sorted_ids  # unused without HAS_OFF
+    g_items, d_items = _items(g_args), _items(d_args)
     if g_kind["QKIND"] or d_kind["QKIND"]:
         # dequantizing tiles in registers: two pipeline stages (three ran out of shared memory at 64-row tiles with
         # int4 + mins on the H200, Triton 3.6)
         gu_tiles, d_tiles = (replace(t, num_stages=min(2, t.num_stages)) for t in (gu_tiles, d_tiles))
     _gate_up_kernel[(blocks, triton.cdiv(inter, gu_tiles.block_n))](
-        hidden, inter_act, sorted_ids, block_expert, num_padded, slots,
+        hidden, inter_act, sorted_ids, block_expert, num_padded, slots, offs,
         n, inter, hdim, k, hidden.stride(0), inter_act.stride(0), *g_args, *u_args,
-        HAS_SLOTS=slot_of is not None, BLOCK_M=gu_tiles.block_m, BLOCK_N=gu_tiles.block_n,
+        HAS_SLOTS=slot_of is not None, HAS_OFF=row_offset is not None, **g_items,
+        BLOCK_M=gu_tiles.block_m, BLOCK_N=gu_tiles.block_n,
         BLOCK_K=gu_tiles.block_k, PRECISION=dot_precision(hidden.dtype), num_warps=gu_tiles.num_warps,
         num_stages=gu_tiles.num_stages, **g_kind)
     rows = torch.empty(n, hdim, dtype=hidden.dtype, device=hidden.device)
@@ -328,9 +370,10 @@ def fused_moe(hidden: torch.Tensor, gate: torch.Tensor | QuantTensor, up: torch.
     if weights.dtype != torch.float32:
         weights = weights.float()
     _down_kernel[(blocks, triton.cdiv(hdim, d_tiles.block_n))](
-        inter_act, rows, weights, dest, sorted_ids, block_expert, num_padded, slots,
+        inter_act, rows, weights, dest, sorted_ids, block_expert, num_padded, slots, offs,
         n, hdim, inter, inter_act.stride(0), rows.stride(0), *d_args,
-        HAS_SLOTS=slot_of is not None, BLOCK_M=d_tiles.block_m, BLOCK_N=d_tiles.block_n,
+        HAS_SLOTS=slot_of is not None, HAS_OFF=row_offset is not None, **d_items,
+        BLOCK_M=d_tiles.block_m, BLOCK_N=d_tiles.block_n,
         BLOCK_K=d_tiles.block_k, PRECISION=dot_precision(hidden.dtype), num_warps=d_tiles.num_warps,
         num_stages=d_tiles.num_stages, **d_kind)
     # one kernel: a 16-bit sum accumulates in float32 and rounds once, as sum(dtype=float32).to(dtype) does

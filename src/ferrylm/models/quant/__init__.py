@@ -8,8 +8,10 @@ quantized checkpoint into the model; :mod:`.synthetic` makes random quantized ex
 | quant_method | module | formats |
 |---|---|---|
 | ``fp8`` | :mod:`.fp8` | block-wise FP8 e4m3 (``weight_scale_inv``, DeepSeek-V3 / Qwen3-FP8) |
-| ``compressed-tensors`` | :mod:`.compressed_tensors` | pack-quantized int4 / int8, NVFP4, MXFP4 |
+| ``compressed-tensors`` | :mod:`.compressed_tensors` | pack-quantized int4 / int8, NVFP4, MXFP4; float-quantized FP8 |
+| ``modelopt`` | :mod:`.modelopt` | NVIDIA ModelOpt exports (``hf_quant_config.json``): NVFP4, FP8 |
 | ``gptq`` | :mod:`.gptq` | 4-bit GPTQ (``gptq`` and ``gptq_v2`` zero points) |
+| ``awq`` | :mod:`.awq` | 4-bit AWQ, AutoAWQ's GEMM packing |
 | ``mxfp4`` | :mod:`.mxfp4` | gpt-oss ``*_blocks`` / ``*_scales`` expert stacks |
 | ``ferrylm`` | :mod:`.native` | our own fields (GGUF conversions) |
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 from ferrylm.errors import ModelLoadError
 
-SUPPORTED_METHODS = ("fp8", "compressed-tensors", "gptq", "mxfp4", "ferrylm")
+SUPPORTED_METHODS = ("fp8", "compressed-tensors", "modelopt", "gptq", "awq", "mxfp4", "ferrylm")
 
 
 def reader_for(config: dict):
@@ -36,8 +38,12 @@ def reader_for(config: dict):
         from ferrylm.models.quant.fp8 import Fp8BlockReader as cls
     elif method == "compressed-tensors":
         from ferrylm.models.quant.compressed_tensors import CompressedTensorsReader as cls
+    elif method == "modelopt":
+        from ferrylm.models.quant.modelopt import ModelOptReader as cls
     elif method == "gptq":
         from ferrylm.models.quant.gptq import GptqReader as cls
+    elif method == "awq":
+        from ferrylm.models.quant.awq import AwqReader as cls
     elif method == "mxfp4":
         from ferrylm.models.quant.mxfp4 import Mxfp4BlocksReader as cls
     elif method == "ferrylm":
@@ -65,4 +71,8 @@ def planned_expert_quant(config: dict):
 
         return SYNTHETIC_FORMATS[recipe["quant"]]
     reader = reader_for(config)
-    return reader.planned() if reader is not None else None
+    if reader is None:
+        return None
+    hidden = config.get("hidden_size")
+    inter = config.get("moe_intermediate_size") or config.get("intermediate_size")
+    return reader.planned_for(int(hidden), int(inter)) if hidden and inter else reader.planned()

@@ -48,11 +48,21 @@ class QuantReader:
         """The module's plain weight ``[N, K]`` in ``dtype`` (quantized linears outside the routed experts)."""
         return self.decode(prefix, parts, dtype).dequantize(dtype)
 
+    def skip(self, name: str) -> bool:
+        """True for a tensor of the checkpoint that is no part of what ferrylm computes and is left unread (e.g.
+        ModelOpt's FP8 KV-cache scales); the module docstring of the reader says which and why."""
+        return False
+
     def planned(self):
         """The :class:`~ferrylm.experts.quantized.ExpertQuant` the routed experts will most likely have, from the
         config alone (for sizing before the weights load; the loaded formats may differ in a scale dtype), or
         None when it cannot be told."""
         return None
+
+    def planned_for(self, hidden: int, inter: int):
+        """:meth:`planned` for experts of ``hidden`` (``H``) and ``inter`` (``I``) sizes: readers whose group follows
+        ``K`` (one scale per row: gate / up group ``H``, down group ``I``) override it."""
+        return self.planned()
 
     def gate_up_rows(self, prefix: str) -> str:
         """How a fused ``gate_up_proj`` module of this format orders its rows: ``"halves"`` (gate rows, then up
@@ -60,14 +70,16 @@ class QuantReader:
         return "halves"
 
 
-def need(parts: dict[str, torch.Tensor], prefix: str, suffix: str, dtypes: tuple[torch.dtype, ...] | None = None
-         ) -> torch.Tensor:
-    """``parts[suffix]``, checked to exist and to have one of ``dtypes``. Raises ModelLoadError naming it."""
+def need(parts: dict[str, torch.Tensor], prefix: str, suffix: str, dtypes: tuple[torch.dtype, ...] | None = None,
+         what: str = "") -> torch.Tensor:
+    """``parts[suffix]``, checked to exist and to have one of ``dtypes``. Raises ModelLoadError naming it (and the
+    format ``what``, when given)."""
+    fmt = f" ({what})" if what else ""
     t = parts.get(suffix)
     if t is None:
-        raise ModelLoadError(f"quantized module {prefix!r} lacks its tensor {prefix + suffix!r}")
+        raise ModelLoadError(f"quantized module {prefix!r}{fmt} lacks its tensor {prefix + suffix!r}")
     if dtypes is not None and t.dtype not in dtypes:
-        raise ModelLoadError(f"checkpoint tensor {prefix + suffix!r} has dtype {t.dtype}; expected "
+        raise ModelLoadError(f"checkpoint tensor {prefix + suffix!r}{fmt} has dtype {t.dtype}; expected "
                              f"{' or '.join(str(d) for d in dtypes)}")
     return t
 

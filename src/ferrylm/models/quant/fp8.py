@@ -8,6 +8,17 @@ change the weights and are not read (ferrylm computes with bf16 activations).
 
 Repack: the same fp8 bytes, the block scale repeated over its ``bn`` rows (:class:`QuantFormat` ``fp8``, group
 ``bk``, float32 scales): lossless, and the dequantized values are the reference's bit for bit.
+
+:func:`fp8_tensor` is the one repack of every FP8 e4m3 weight format with its scale (this reader's blocks,
+compressed-tensors ``float-quantized`` tensor / channel / block, ModelOpt FP8 per tensor and per channel):
+
+* ``tensor``: one scale for the whole weight -> group ``K``, the scale repeated over the rows (``[N, 1]``);
+* ``channel``: one scale per output row (``[N]`` or ``[N, 1]``) -> group ``K``, ``[N, 1]``;
+* ``block`` ``[bn, bk]``: ``[ceil(N / bn), ceil(K / bk)]`` -> group ``bk``, each block scale repeated over its rows
+  (``K`` must be a multiple of ``bk``); ``group`` of ``g`` inputs: ``[N, K / g]`` -> group ``g`` (a block
+  ``[1, g]``).
+
+Scales are widened to float32 (exact); element value ``float(q) * s`` in float32, as every reference computes it.
 """
 
 from __future__ import annotations
@@ -49,14 +60,58 @@ class Fp8BlockReader(QuantReader):
 
     def decode(self, prefix: str, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> QuantTensor:
         w, s = self._parts(prefix, parts)
-        n, k = w.shape[-2:]
-        if k % self.bk:
-            raise ModelLoadError(f"{prefix}.weight: K = {k} is not a multiple of the block size {self.bk}")
-        scales = s.float().repeat_interleave(self.bn, dim=-2)[..., :n, :].contiguous()
-        return QuantTensor(QuantFormat("fp8", self.bk, torch.float32), w.contiguous(), scales, dtype=dtype)
+        return fp8_tensor(prefix, w, s, ".weight_scale_inv", "block", (self.bn, self.bk), dtype, "FP8 block")
 
     def dequantize(self, prefix: str, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         w, s = self._parts(prefix, parts)
-        n, k = w.shape[-2:]
-        full = s.float().repeat_interleave(self.bn, -2).repeat_interleave(self.bk, -1)[..., :n, :k]
-        return (w.float() * full).to(dtype)
+        return fp8_block_dense(w, s, (self.bn, self.bk), dtype)
+
+
+def fp8_block_dense(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """``float(w) * s`` of a block-scaled FP8 weight ``[..., N, K]`` (scales ``[..., ceil(N / bn), ceil(K / bk)]``,
+    already checked) in ``dtype``, edge blocks cut: the plain weight of a linear outside the routed experts, whose
+    ``K`` need not be a multiple of ``bk``."""
+    n, k = w.shape[-2:]
+    full = s.float().repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)[..., :n, :k]
+    return (w.float() * full).to(dtype)
+
+
+FP8_STRATEGIES = ("tensor", "channel", "block", "group")
+
+
+def fp8_tensor(prefix: str, w: torch.Tensor, s: torch.Tensor, scale_suffix: str, strategy: str,
+               block: tuple[int, int] | None, dtype: torch.dtype, what: str) -> QuantTensor:
+    """``w`` (float8_e4m3fn ``[..., N, K]``) with its scale ``s`` (``prefix + scale_suffix``) as an ``fp8``
+    :class:`QuantTensor`, for ``strategy`` in :data:`FP8_STRATEGIES` (the module docstring gives the shapes;
+    ``block`` is ``(bn, bk)`` for ``block``, ``(1, g)`` for ``group``). ``what`` names the format in messages.
+
+    Raises:
+        ModelLoadError: a scale whose shape does not fit the weight for the strategy, or a block ``K`` that is not
+            a multiple of ``bk`` (the message names the tensor and the format).
+    """
+    name = prefix + scale_suffix
+    *lead, n, k = w.shape
+    if strategy == "tensor":
+        if s.numel() != 1:
+            raise ModelLoadError(f"checkpoint tensor {name!r} ({what} per-tensor scale): {s.numel()} values "
+                                 f"(shape {list(s.shape)}); expected 1")
+        scales = s.float().reshape(1, 1).expand(*lead, n, 1).contiguous()
+        group = k
+    elif strategy == "channel":
+        if tuple(s.shape) not in ((*lead, n), (*lead, n, 1)):
+            expect_shape(s, (*lead, n, 1), name, f"its {what} weight {list(w.shape)}, one scale per output row")
+        scales = s.float().reshape(*lead, n, 1).contiguous()
+        group = k
+    elif strategy in ("block", "group"):
+        bn, bk = block
+        expect_shape(s, (*lead, -(-n // bn), -(-k // bk)), name, f"its {what} weight {list(w.shape)} in "
+                                                                 f"{bn}x{bk} blocks")
+        if k % bk:
+            raise ModelLoadError(f"checkpoint tensor {prefix + '.weight'!r} ({what}): K = {k} is not a multiple "
+                                 f"of the block size {bk}")
+        scales = s.float().repeat_interleave(bn, dim=-2)[..., :n, :].contiguous()
+        group = bk
+    else:
+        raise ModelLoadError(f"{what}: FP8 scale strategy {strategy!r} is not supported; supported: "
+                             f"{', '.join(FP8_STRATEGIES)}")
+    return QuantTensor(QuantFormat("fp8", group, torch.float32), w.contiguous(), scales, dtype=dtype)

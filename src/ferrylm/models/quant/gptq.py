@@ -12,8 +12,13 @@ checkpoint formats), for a linear ``W [N, K]`` (``N`` outputs, ``K`` inputs) and
   format (AutoGPTQ stores ``z - 1``), and the stored value itself in ``gptq_v2`` (``checkpoint_format``).
 
 Repack: ``int4`` with mins, ``s = scales`` and ``m = z * s`` in float32 (exact: an 11-bit scale times a 5-bit
-integer), the codes regrouped to one row per output (low nibble = even input). Act-order checkpoints whose
-``g_idx`` is not ``k // group_size`` are refused (their groups are not contiguous in ``K``).
+integer), the codes regrouped to one row per output (low nibble = even input).
+
+Act-order (``desc_act``) checkpoints, whose ``g_idx`` is not ``k // group_size``: their groups are not contiguous in
+``K``. Linears outside the routed experts are dequantized through ``g_idx`` as the reference does (exact in
+float32, then one rounding to the model dtype), so dense models and attention load. Routed experts are refused with
+a message that says why: a contiguous-group format cannot hold them, and permuting ``K`` at load would need each
+expert's input (the hidden state for gate / up) permuted by its own order inside the kernels.
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ class GptqReader(QuantReader):
     def planned(self):
         return same(QuantFormat("int4", self.group_size if self.group_size > 0 else 128, torch.float32, mins=True))
 
-    def decode(self, prefix: str, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> QuantTensor:
+    def _checked(self, prefix: str, parts: dict[str, torch.Tensor]):
+        """``(qweight, scales, qzeros, g_idx or None, k, n, group)`` with every shape checked (names the tensor)."""
         qw = need(parts, prefix, ".qweight", (torch.int32,))
         k, n = qw.shape[0] * 8, qw.shape[1]
         group = k if self.group_size <= 0 else self.group_size
@@ -60,12 +66,35 @@ class GptqReader(QuantReader):
         g_idx = parts.get(".g_idx")
         if g_idx is not None:
             expect_shape(g_idx, (k,), prefix + ".g_idx", f"K = {k}")
-            if not torch.equal(g_idx.long(), torch.arange(k) // group):
-                raise ModelLoadError(f"{prefix}.g_idx: act-order (desc_act) GPTQ with reordered groups is not "
-                                     f"supported")
+            if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= g):
+                raise ModelLoadError(f"checkpoint tensor {prefix + '.g_idx'!r}: groups outside 0..{g - 1}")
+        return qw, scales, qz, g_idx, k, n, group
+
+    def _zeros(self, qz: torch.Tensor, n: int) -> torch.Tensor:
+        """``[G, N]`` float32 zero points (the stored value plus the format's offset)."""
+        return nibbles(int32_bytes(qz))[:, :n].float() + self.zero_offset
+
+    def decode(self, prefix: str, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> QuantTensor:
+        qw, scales, qz, g_idx, k, n, group = self._checked(prefix, parts)
+        if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // group):
+            raise ModelLoadError(f"{prefix}.g_idx: act-order (desc_act) GPTQ routed experts are not supported: their "
+                                 f"groups are not contiguous in K, and reordering K at load would need each "
+                                 f"expert's input permuted inside the kernels (linears outside the routed experts "
+                                 f"load, dequantized)")
         # qweight bytes [K/8, N, 4] -> per output n the K/2 bytes (byte 4i+b of row n = byte b of qweight[i, n])
         data = int32_bytes(qw).view(k // 8, n, 4).permute(1, 0, 2).reshape(n, k // 2).contiguous()
-        z = nibbles(int32_bytes(qz))[:, :n].float() + self.zero_offset  # [G, N]
+        z = self._zeros(qz, n)  # [G, N]
         s = scales.float()
         return QuantTensor(QuantFormat("int4", group, torch.float32, mins=True), data, s.t().contiguous(),
                            (z * s).t().contiguous(), dtype=dtype)
+
+    def dequantize(self, prefix: str, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """As the base class, and act-order modules too: ``W[n, k] = s[g_idx[k], n] * (q[k, n] - z[g_idx[k],
+        n])`` in float32 (exact), ``[N, K]`` in ``dtype``."""
+        qw, scales, qz, g_idx, k, n, group = self._checked(prefix, parts)
+        if g_idx is None or torch.equal(g_idx.long(), torch.arange(k) // group):
+            return self.decode(prefix, parts, dtype).dequantize(dtype)
+        q = nibbles(int32_bytes(qw)).view(k // 8, n, 8).permute(0, 2, 1).reshape(k, n).float()  # [K, N]
+        gi = g_idx.long()
+        w = scales.float()[gi] * (q - self._zeros(qz, n)[gi])
+        return w.t().contiguous().to(dtype)

@@ -134,7 +134,7 @@ def read_quantized(files: list[Path], reader: QuantReader, model_cls: type, conf
         ModelLoadError: a tensor without a place, a quantized module that does not decode, experts partly
             quantized, a missing expert (the message names the tensor).
     """
-    from ferrylm.models.loader import ExpertAssembler, _module_name
+    from ferrylm.models.loader import ExpertAssembler, _module_name, tensor_dtype
 
     with contextlib.ExitStack() as stack:
         where: dict[str, object] = {}
@@ -145,6 +145,8 @@ def read_quantized(files: list[Path], reader: QuantReader, model_cls: type, conf
             except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
                 raise ModelLoadError(f"cannot read {path}: {e}") from None
             for name in h.keys():
+                if model_cls.skips_tensor(name, config):
+                    continue
                 if name in where:
                     raise ModelLoadError(f"checkpoint tensor {name!r} appears in two shards")
                 where[name] = h
@@ -162,6 +164,8 @@ def read_quantized(files: list[Path], reader: QuantReader, model_cls: type, conf
         modules: dict[str, dict[str, str]] = {}
         plain: list[str] = []
         for name in where:
+            if reader.skip(name):
+                continue
             sp = reader.split(name)
             if sp is not None and sp[0] in marked:
                 modules.setdefault(sp[0], {})[sp[1]] = name
@@ -180,7 +184,8 @@ def read_quantized(files: list[Path], reader: QuantReader, model_cls: type, conf
                 return
             if key in tensors:
                 raise ModelLoadError(f"checkpoint tensor {name!r} appears twice (also as {origin[key]!r})")
-            tensors[key] = t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
+            tensors[key] = (t.to(device=device, dtype=tensor_dtype(model_cls, key, dtype)) if t.is_floating_point()
+                            else t.to(device))
             origin[key] = name
 
         for prefix, names in modules.items():
