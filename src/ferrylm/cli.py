@@ -17,6 +17,17 @@ DEFAULT_MODEL = "smollm2-moe"
 MOE_BACKEND_CHOICES = ["auto", "resident", "fused", "offload", "cpu", "hybrid"]
 
 
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("ferrylm")
+    except Exception:  # noqa: BLE001 - running from a source tree
+        import ferrylm
+
+        return ferrylm.__version__
+
+
 def port_number(value: str) -> int:
     """argparse type for ``--port``: an integer in 1..65535 (argparse names the flag in its error)."""
     try:
@@ -43,11 +54,14 @@ def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] 
     p.add_argument("--page-size", type=int, default=_D.page_size, help=f"tokens per KV page (default: {_D.page_size})")
     p.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (wins over --num-tokens)")
     p.add_argument("--num-tokens", type=int, default=None, help="KV pool size in tokens")
-    p.add_argument("--max-running-requests", type=int, default=_D.max_running_requests,
-                   help=f"requests decoded together (default: {_D.max_running_requests})")
-    p.add_argument("--max-prefill-length", "--max-extend-length", "--chunked-prefill-size", type=int,
-                   dest="max_prefill_length", default=None,
-                   help="token budget per step (default: 2048 on CPU, 8192 on GPU)")
+    p.add_argument("--max-running-requests", "--max-num-seqs", type=int, dest="max_running_requests",
+                   default=_D.max_running_requests,
+                   help=f"requests decoded together; --max-num-seqs is vLLM's name (default: "
+                        f"{_D.max_running_requests})")
+    p.add_argument("--max-prefill-length", "--max-extend-length", "--chunked-prefill-size", "--max-num-batched-tokens",
+                   type=int, dest="max_prefill_length", default=None,
+                   help="token budget per step (prefill chunk + decodes); --max-num-batched-tokens is vLLM's name, "
+                        "--max-extend-length / --chunked-prefill-size SGLang's (default: 2048 on CPU, 8192 on GPU)")
     p.add_argument("--moe-backend", default=_D.moe_backend, choices=MOE_BACKEND_CHOICES + list(extra_backends),
                    help="where routed experts live and run: resident (= fused) all on the device; offload: a "
                         "device expert cache fed over PCIe; cpu: cache misses computed on the CPU; hybrid: misses "
@@ -70,10 +84,15 @@ def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] 
                         "copied (default: chosen by timing decode steps)")
     p.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GiB",
                    help="device memory ferrylm may use, in GiB (default: what is free)")
-    p.add_argument("--memory-ratio", type=float, default=_D.memory_ratio, metavar="R",
-                   help=f"share of the device memory free at boot the memory plan may use (default: {_D.memory_ratio})")
+    p.add_argument("--memory-ratio", "--gpu-memory-utilization", type=float, dest="memory_ratio",
+                   default=_D.memory_ratio, metavar="R",
+                   help=f"share of the device memory free at boot the memory plan may use; "
+                        f"--gpu-memory-utilization (vLLM's name) sets the same ratio, of the memory free at boot "
+                        f"rather than of the card's total (default: {_D.memory_ratio})")
     p.add_argument("--memory-reserve", type=float, default=None, metavar="GiB",
-                   help="GiB of device memory the plan never hands out (default: max(1 GiB, 5%% of total))")
+                   help="GiB of device memory the plan never hands out; the larger of it and the default is the one "
+                        "cut (default: max(512 MiB, (1 - --memory-ratio) x the memory free at boot), or max(512 MiB, "
+                        "5%% of --gpu-memory-limit) under a limit)")
     p.add_argument("--kv-reserve-tokens", type=int, default=None, metavar="N",
                    help="KV pool floor in tokens; with an expert cache the experts get the rest (default: the model "
                         "context when the experts keep a tenth of the slots, else one prefill chunk plus 256 tokens "
@@ -105,7 +124,8 @@ def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] 
                         "start with the same tokens (--no-enable-prefix-caching turns it off; default: "
                         f"{'on' if _D.enable_prefix_caching else 'off'})")
     p.add_argument("--debug-invariants", action="store_true", help="check KV/scheduler invariants every step")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="logging level (default: INFO)")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -130,10 +150,17 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferry", description="ferrylm: serve MoE LLMs larger than your GPU")
+    parser.add_argument("--version", action="version", version=f"ferry (ferrylm) {_version()}",
+                        help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    s.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as vLLM takes it (`ferry serve MODEL`); the same as --model")
     _add_model_args(s)
+    s.add_argument("--chat-template", default=None, metavar="FILE_OR_JINJA",
+                   help="chat template replacing the tokenizer's: a file path, or the Jinja text itself (default: "
+                        "the tokenizer's own)")
     # NOTE: a bound on every request's wait for its first step, so none waits forever (aging bounds it under a
     # stream of smaller arrivals; this bounds it whatever the load)
     s.set_defaults(queue_timeout=600.0)
@@ -171,17 +198,17 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     bs = bsub.add_parser("serve", help="load generator against a running server (TTFT, ITL, throughput)")
-    bs.add_argument("--host", default="127.0.0.1")
-    bs.add_argument("--port", type=port_number, default=8000)
+    bs.add_argument("--host", default="127.0.0.1", help="server address (default: 127.0.0.1)")
+    bs.add_argument("--port", type=port_number, default=8000, help="server port (default: 8000)")
     bs.add_argument("--model", default=None, help="model id (default: the server's first model)")
-    bs.add_argument("--concurrency", type=int, default=1, help="requests in flight")
-    bs.add_argument("--num-prompts", type=int, default=32)
+    bs.add_argument("--concurrency", type=int, default=1, help="requests in flight (default: 1)")
+    bs.add_argument("--num-prompts", type=int, default=32, help="requests sent in all (default: 32)")
     bs.add_argument("--input-len", type=int, default=128, help="prompt tokens")
     bs.add_argument("--output-len", type=int, default=64, help="generated tokens per request (ignore_eos)")
     bs.add_argument("--random-lengths", action="store_true", help="lengths uniform in [0.5x, 1.5x]")
     bs.add_argument("--vocab-upper", type=int, default=1000, help="prompt token ids are drawn from [1, N)")
-    bs.add_argument("--seed", type=int, default=0)
-    bs.add_argument("--api-key", default=None)
+    bs.add_argument("--seed", type=int, default=0, help="seed of the prompts and lengths (default: 0)")
+    bs.add_argument("--api-key", default=None, help="bearer key of the server (default: none)")
     bs.add_argument("--output-json", default=None, help="write the summary here")
     bs.add_argument("--multi-turn", action="store_true",
                     help="agent-like conversations: each turn re-sends the history, the previous answer and "
@@ -191,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--num-turns", type=int, default=8, help="--multi-turn: turns per conversation")
     bs.add_argument("--shared-prefix-len", type=int, default=2048,
                     help="--multi-turn: tokens of the system prefix every conversation starts with")
-    bs.add_argument("--log-level", default="WARNING")
+    bs.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
 
     bd = bsub.add_parser("decode", help="decode speed of the MoE backends: tok/s, hit rate, PCIe bytes/token, "
                                         "measured bandwidths, roofline")
@@ -213,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
                                              "kernel, threads and experts per job")
     bc.add_argument("--hidden", type=int, default=2048, help="hidden size H (default: 2048, Qwen3-30B-A3B)")
     bc.add_argument("--inter", type=int, default=768, help="expert intermediate size I (default: 768)")
-    bc.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    bc.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="expert weight dtype (default: bfloat16)")
     bc.add_argument("--quant", default="none",
                     help="comma list of expert formats: none (plain --dtype rows) and the synthetic quant names "
                          "fp8, int4, mxfp4, nvfp4 (random codes of that format; default: none)")
@@ -230,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--bank-experts", type=int, default=64,
                     help="distinct experts the jobs cycle through, beyond the CPU caches (default: 64)")
     bc.add_argument("--output-json", default=None, help="write the rows here")
-    bc.add_argument("--log-level", default="WARNING")
+    bc.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
 
     bk = bsub.add_parser("kernels", help="GPU kernel candidates side by side: paged attention (Triton vs torch), "
                                          "fused MoE (Triton vs torch._grouped_mm vs the torch path)")
@@ -238,18 +266,19 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument("--only", default=None, help="comma list of groups: attention, moe, mapped (the offload table "
                                                  "launch reading experts from slots or mapped host memory); "
                                                  "default all")
-    bk.add_argument("--log-level", default="WARNING")
+    bk.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
 
     bh = bsub.add_parser("hf", help="the bench-serve prompts through transformers generate (reference speed)")
-    bh.add_argument("--model", default=DEFAULT_MODEL)
-    bh.add_argument("--batch", type=int, default=1)
-    bh.add_argument("--num-prompts", type=int, default=32)
-    bh.add_argument("--input-len", type=int, default=128)
-    bh.add_argument("--output-len", type=int, default=64)
-    bh.add_argument("--vocab-upper", type=int, default=1000)
-    bh.add_argument("--seed", type=int, default=0)
-    bh.add_argument("--dtype", default="float32")
-    bh.add_argument("--log-level", default="WARNING")
+    bh.add_argument("--model", default=DEFAULT_MODEL, help=f"built-in name or HF folder (default: {DEFAULT_MODEL})")
+    bh.add_argument("--batch", type=int, default=1, help="sequences generated together (default: 1)")
+    bh.add_argument("--num-prompts", type=int, default=32, help="prompts in all (default: 32)")
+    bh.add_argument("--input-len", type=int, default=128, help="prompt tokens (default: 128)")
+    bh.add_argument("--output-len", type=int, default=64, help="generated tokens per prompt (default: 64)")
+    bh.add_argument("--vocab-upper", type=int, default=1000, help="prompt token ids are drawn from [1, N) "
+                                                                  "(default: 1000)")
+    bh.add_argument("--seed", type=int, default=0, help="prompt seed (default: 0)")
+    bh.add_argument("--dtype", default="float32", help="model dtype (default: float32)")
+    bh.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
 
     ba = bsub.add_parser("accelerate", help="baseline: the same synthetic model and GPU cap through transformers + "
                                             "accelerate offload (device_map with max_memory), greedy decode tok/s "
@@ -267,11 +296,12 @@ def build_parser() -> argparse.ArgumentParser:
     ba.add_argument("--tokens", type=int, default=32, help="timed decode steps after the prefill (default: 32)")
     ba.add_argument("--prompt-tokens", "--prompt-len", dest="prompt_tokens", type=int, default=16,
                     help="prompt tokens per sequence (default: 16)")
-    ba.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ba.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                    help="model dtype (default: bfloat16)")
     ba.add_argument("--device", default="auto", help="auto | cuda[:N] | cpu (default: auto)")
     ba.add_argument("--seed", type=int, default=0, help="prompt seed, as ferry bench decode --seed (default: 0)")
     ba.add_argument("--output-json", default=None, help="write the result (with the token ids) here")
-    ba.add_argument("--log-level", default="WARNING")
+    ba.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
 
     sub.add_parser("models", help="list built-in models, synthetic presets and supported architectures")
 
@@ -280,12 +310,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="?", default=None,
                    help="prompt text (default: stdin); for a synthetic model without --tokenizer, token ids such "
                         "as '1 2 3' (default: a fixed 16-token prompt)")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: 64)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
+    g.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest tokens; -1 = off (default)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; ``ferry serve MODEL`` (vLLM's positional form) sets ``--model``."""
+    args = parser.parse_args(argv)
+    pos = getattr(args, "model_pos", None)
+    if pos is not None:
+        if args.model not in (DEFAULT_MODEL, pos):
+            parser.error(f"the model is given twice: {pos!r} and --model {args.model!r}")
+        args.model = pos
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None, boot=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if args.command == "models":
         from ferrylm.models.catalog import describe_models
 

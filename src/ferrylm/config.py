@@ -59,45 +59,75 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        """Build from a config.json dict. Raises ModelLoadError when a required field is missing."""
-        archs = d.get("architectures") or []
+        """Build from a config.json dict.
+
+        Raises:
+            UnsupportedArchitecture: ``architectures[0]`` is not one ferrylm implements (checked first: the
+                config of another kind of model lacks our fields, and "missing hidden_size" would mislead).
+            ModelLoadError: a required field is missing, or a field has the wrong type (the message names it,
+                its value and the type expected).
+        """
+        from ferrylm.errors import UnsupportedArchitecture
+        from ferrylm.models.registry import MODEL_REGISTRY, supported_architectures
+
+        if not isinstance(d, dict):
+            raise ModelLoadError(f"config.json must hold a JSON object, got {type(d).__name__}")
+        archs = d.get("architectures")
         if not archs:
-            raise ModelLoadError("config.json has no 'architectures' field")
-        try:
-            hidden = int(d["hidden_size"])
-            heads = int(d["num_attention_heads"])
-            layers = int(d["num_hidden_layers"])
-            vocab = int(d["vocab_size"])
-        except KeyError as e:
-            raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
+            raise ModelLoadError("config.json has no 'architectures' field (e.g. [\"Qwen3MoeForCausalLM\"])")
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise ModelLoadError(f"config.json field 'architectures' must be a list of names, got {archs!r}")
+        if archs[0] not in MODEL_REGISTRY:
+            raise UnsupportedArchitecture(f"architecture {archs[0]!r} (config.json 'architectures') is not "
+                                          f"supported; supported: {', '.join(supported_architectures())}")
+        read = _FieldReader(d)
+        hidden = read.int("hidden_size", required=True, positive=True)
+        heads = read.int("num_attention_heads", required=True, positive=True)
+        layers = read.int("num_hidden_layers", required=True, positive=True)
+        vocab = read.int("vocab_size", required=True, positive=True)
         eos = d.get("eos_token_id")
-        eos_ids: tuple[int, ...] = () if eos is None else (tuple(eos) if isinstance(eos, list) else (int(eos),))
-        num_experts = int(d.get("num_local_experts") or d.get("num_experts") or d.get("n_routed_experts") or 0)
-        rope_theta = d.get("rope_theta")
+        if eos is None:
+            eos_ids: tuple[int, ...] = ()
+        elif isinstance(eos, list) and all(_is_int(t) for t in eos):
+            eos_ids = tuple(int(t) for t in eos)
+        elif _is_int(eos):
+            eos_ids = (int(eos),)
+        else:
+            raise ModelLoadError(f"config.json field 'eos_token_id' must be a token id or a list of them, got "
+                                 f"{eos!r}")
+        num_experts = read.int("num_local_experts") or read.int("num_experts") or read.int("n_routed_experts") or 0
         rope_params = d.get("rope_parameters") or {}
+        if not isinstance(rope_params, dict):
+            raise ModelLoadError(f"config.json field 'rope_parameters' must be an object, got {rope_params!r}")
+        rope_theta = read.float("rope_theta")
         if rope_theta is None:
-            rope_theta = rope_params.get("rope_theta", 10000.0)
+            rope_theta = _FieldReader(rope_params, "rope_parameters.").float("rope_theta") or 10000.0
         rope_scaling = d.get("rope_scaling")
+        if rope_scaling is not None and not isinstance(rope_scaling, dict):
+            raise ModelLoadError(f"config.json field 'rope_scaling' must be an object or null, got {rope_scaling!r}")
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = dict(rope_params)
+        tie = d.get("tie_word_embeddings", False)
+        if not isinstance(tie, bool) and tie is not None:
+            raise ModelLoadError(f"config.json field 'tie_word_embeddings' must be true or false, got {tie!r}")
+        intermediate = read.int("intermediate_size") or 0
         return cls(
             architecture=archs[0],
             hidden_size=hidden,
-            intermediate_size=int(d.get("intermediate_size") or 0),
+            intermediate_size=intermediate,
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
+            num_kv_heads=read.int("num_key_value_heads") or heads,
+            head_dim=read.int("head_dim") or hidden // heads,
             vocab_size=vocab,
-            max_position_embeddings=int(d.get("max_position_embeddings") or 2048),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=read.int("max_position_embeddings") or 2048,
+            rms_norm_eps=1e-6 if read.float("rms_norm_eps") is None else float(read.float("rms_norm_eps")),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(tie),
             num_experts=num_experts,
-            num_experts_per_tok=int(d.get("num_experts_per_tok") or 0) if num_experts else 0,
-            moe_intermediate_size=int(d.get("moe_intermediate_size") or d.get("intermediate_size") or 0)
-            if num_experts else 0,
+            num_experts_per_tok=(read.int("num_experts_per_tok") or 0) if num_experts else 0,
+            moe_intermediate_size=(read.int("moe_intermediate_size") or intermediate) if num_experts else 0,
             eos_token_ids=eos_ids,
             raw=dict(d),
         )
@@ -142,6 +172,37 @@ def _with_hf_quant_config(d: dict[str, Any], folder: Path) -> dict[str, Any]:
     return {**d, "quantization_config": merged}
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and v.is_integer()
+
+
+class _FieldReader:
+    """Typed reads of config.json fields: a wrong type is a ModelLoadError naming the field, its value and what
+    was expected (never a Python traceback from ``int("abc")``)."""
+
+    def __init__(self, d: dict, prefix: str = ""):
+        self.d, self.prefix = d, prefix
+
+    def int(self, key: str, *, required: bool = False, positive: bool = False) -> int | None:
+        v = self.d.get(key)
+        if v is None:
+            if required:
+                raise ModelLoadError(f"config.json lacks required field '{self.prefix}{key}'")
+            return None
+        if not _is_int(v) or (positive and v <= 0) or v < 0:
+            want = "a positive integer" if positive else "a non-negative integer"
+            raise ModelLoadError(f"config.json field '{self.prefix}{key}' must be {want}, got {v!r}")
+        return int(v)
+
+    def float(self, key: str) -> float | None:
+        v = self.d.get(key)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ModelLoadError(f"config.json field '{self.prefix}{key}' must be a number, got {v!r}")
+        return float(v)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine process is shaped (serve flags that reach the engine).
@@ -165,7 +226,8 @@ class EngineConfig:
             by timing decode steps.
         gpu_memory_limit: GiB of device memory ferrylm may use (``--gpu-memory-limit``); None = what is free.
         memory_ratio: share of the memory free at boot the memory plan may use (``--memory-ratio``, 0 < r <= 1).
-        memory_reserve: GiB the plan never hands out (``--memory-reserve``); None = max(1 GiB, 5% of total).
+        memory_reserve: GiB the plan never hands out (``--memory-reserve``); None = max(512 MiB, (1 - memory_ratio) x free at boot), or max(512 MiB, 5% of the limit) under
+            ``--gpu-memory-limit`` (memory/plan.py: one cut of what ferrylm may use).
         kv_reserve_tokens: KV pool floor in tokens (``--kv-reserve-tokens``); None = min(context, 512) as the
             boot minimum and, with ``moe_cache_auto``, the model context as the KV share.
         moe_cache_auto: give what the KV floor leaves to expert slots (``--moe-cache-auto``).

@@ -29,6 +29,15 @@ class InvalidRequest(FerryError):
     code = "invalid_request"
 
 
+class GrammarFailed(InvalidRequest):
+    """A request's output grammar (structured output, a forced tool call) could not go on mid-request: no token
+    it allows is left (another rule such as ``min_tokens`` or ``logit_bias`` banned them), or it matches no
+    document at all. The request ends with this error instead of going on unconstrained. HTTP 400 (an error
+    event once the stream started)."""
+
+    code = "grammar_failed"
+
+
 class ContextLengthExceeded(InvalidRequest):
     """Prompt (+ max_tokens) does not fit the model context or the KV pool. HTTP 400.
 
@@ -114,9 +123,10 @@ class InsufficientMemory(FerryError):
 def error_from_code(code: str | None, message: str | None) -> FerryError:
     """The typed error for an engine output's ``error_code`` (``context_length_exceeded``, ``invalid_request``,
     ``insufficient_memory``, ``queue_timeout``, ``engine_unavailable``, ``engine_stalled``, ``device_error``,
-    ``request_quarantined``, ``request_timeout``; any other code:
+    ``request_quarantined``, ``request_timeout``, ``grammar_failed``; any other code:
     :class:`EngineUnavailable` carrying it), with the engine's ``message``."""
     cls = {"context_length_exceeded": ContextLengthExceeded, "invalid_request": InvalidRequest,
+           "grammar_failed": GrammarFailed,
            "insufficient_memory": InsufficientMemory, "queue_timeout": QueueTimeout,
            "engine_unavailable": EngineUnavailable, "engine_stalled": EngineStalled, "device_error": DeviceError,
            "request_quarantined": RequestQuarantined, "request_timeout": RequestTimeout}.get(code or "",

@@ -81,10 +81,31 @@ class LLM:
                 encoded.append((None, [int(t) for t in p]))
         return self._run(encoded, params or SamplingParams())
 
-    def chat(self, conversations: Sequence[list[dict]], params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Like :meth:`generate` with each conversation rendered by the model's chat template."""
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]], params: SamplingParams | None = None, *,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Like :meth:`generate` with each conversation rendered by the model's chat template.
+
+        ``messages``: one conversation (a list of ``{"role", "content"}`` dicts, vLLM's usual form:
+        ``llm.chat([{"role": "user", "content": "Hi"}], params)``) or a list of conversations; one
+        RequestOutput per conversation either way.
+
+        Raises:
+            InvalidRequest: ``messages`` is neither form (``param: messages``).
+        """
+        from ferrylm.errors import InvalidRequest
+
         codec = self._require_codec()
-        encoded = [(None, codec.apply_chat_template(c, add_generation_prompt=True)) for c in conversations]
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+            raise InvalidRequest("'messages' must be a conversation (a list of message dicts) or a list of them",
+                                 param="messages")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        for i, conv in enumerate(conversations):
+            if isinstance(conv, (str, bytes)) or not isinstance(conv, Sequence) or not conv or \
+                    not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in conv):
+                raise InvalidRequest(f"conversation {i} must be a non-empty list of message dicts with a 'role'",
+                                     param="messages")
+        encoded = [(None, codec.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt))
+                   for c in conversations]
         return self._run(encoded, params or SamplingParams())
 
     def _require_codec(self):

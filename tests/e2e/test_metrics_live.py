@@ -13,8 +13,13 @@ pytestmark = pytest.mark.slow
 
 
 def sample(text: str, name: str, labels: str = "") -> float | None:
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else None
+    """The value of ``name{labels}`` (every sample also carries ``model_name``, whatever its value)."""
+    want = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+    for m in re.finditer(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", text, re.M):
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if "model_name" in got and {k: v for k, v in got.items() if k != "model_name"} == want:
+            return float(m.group(2))
+    return None
 
 
 def test_metrics_live(default_server) -> None:

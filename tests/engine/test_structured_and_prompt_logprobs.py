@@ -154,3 +154,32 @@ def test_prompt_logprobs_and_grammar_cross_the_ipc() -> None:
     p = SamplingParams(grammar=choice_grammar(["a", "b"], "c"), prompt_logprobs=3)
     msg = ipc.decode(ipc.encode(ipc.AddRequest("r", [1], p.to_dict())))
     assert SamplingParams.from_dict(msg.params) == p
+
+
+def test_a_grammar_that_fails_mid_request_ends_it_with_an_error(tok_dir) -> None:
+    """min_tokens bans EOS after the grammar is complete: the request ends with grammar_failed (it used to go on
+    unconstrained); the other request of the batch is untouched and the engine keeps serving."""
+    codec = TextCodec.from_pretrained(tok_dir)
+    eos = codec.eos_token_ids[0]
+    prompt = codec.encode("Hello world")
+    eng = make(codec.vocab_size, tok_dir, eos=eos)
+    outs = run(eng, {"g": (prompt, SamplingParams(temperature=0.0, max_tokens=30, min_tokens=8,
+                                                  grammar=choice_grammar(["yes"], "c"))),
+                     "free": (prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))})
+    last = outs["g"][-1]
+    assert last.error_code == "grammar_failed", outs["g"]
+    assert "grammar" in last.error_message and "structured output failed" in last.error_message
+    ids = [t for o in outs["g"] for t in o.new_token_ids]
+    assert codec.decode(ids).startswith("yes") and len(ids) <= 8
+    assert outs["free"][-1].finish_reason == "length"
+    assert not eng.requests and eng.pool.allocator.num_used == 0
+
+
+def test_a_grammar_matching_nothing_ends_the_request_with_an_error(tok_dir) -> None:
+    import llguidance
+
+    codec = TextCodec.from_pretrained(tok_dir)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema({"$ref": "#"})   # bypasses the frontend's check
+    out = run(make(codec.vocab_size, tok_dir, eos=codec.eos_token_ids[0]),
+              {"r": (codec.encode("Hi"), SamplingParams(temperature=0.0, max_tokens=20, grammar=grammar))})["r"]
+    assert out[-1].error_code == "grammar_failed", out

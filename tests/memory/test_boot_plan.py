@@ -21,7 +21,12 @@ def test_factory_plan_on_cpu(mixtral_dir, caplog):
     plan = eng.memory_plan
     assert plan.kind == "host" and plan.workspace_source == "estimated" and plan.weights_bytes > 0
     assert plan.kv_tokens == eng.limits.pool_tokens == 4 * 256          # max_running x context, host-capped
-    assert plan.reserve_bytes >= 1 << 30 and plan.headroom_bytes >= 0
+    from ferrylm.memory.plan import default_reserve
+
+    assert plan.reserve_bytes == default_reserve(plan.free_at_boot_bytes, 0.9)   # a tenth of the free memory
+    assert plan.budget_bytes == plan.free_at_boot_bytes - plan.reserve_bytes
+    assert plan.headroom_bytes == plan.budget_bytes - (plan.weights_bytes + plan.workspace_bytes + plan.graph_bytes
+                                                      + plan.kv_bytes + plan.expert_bytes) > 0
     json.dumps(plan.to_dict())
     assert "memory plan (cpu)" in caplog.text and "free at boot" in caplog.text
     assert "fault injection is ON" in caplog.text

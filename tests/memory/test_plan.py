@@ -33,8 +33,9 @@ def handed_out(p) -> int:
 
 def test_default_plan_budget_and_table():
     p = plan_memory(inputs())
-    assert p.reserve_bytes == default_reserve(80 * GiB) == 4 * GiB
-    assert p.budget_bytes == int(79 * GiB * 0.9) - 4 * GiB
+    # one cut of what ferrylm may use (the free memory): the ratio sets the reserve's share, not a second cut
+    assert p.reserve_bytes == default_reserve(79 * GiB, 0.9) == round(0.1 * 79 * GiB)
+    assert p.budget_bytes == 79 * GiB - p.reserve_bytes
     assert p.kv_tokens == p.kv_pages * 16 and p.kv_bytes == p.kv_tokens * PER_TOK
     assert handed_out(p) + p.headroom_bytes == p.budget_bytes
     assert p.kv_tokens <= 16 * 32768
@@ -45,8 +46,8 @@ def test_default_plan_budget_and_table():
     json.dumps(p.to_dict())  # served at /v1/memory
 
 
-def test_small_reserve_default_is_one_gib():
-    assert default_reserve(8 * GiB) == GiB
+def test_small_reserve_default_is_half_a_gib():
+    assert default_reserve(4 * GiB) == GiB // 2 and default_reserve(40 * GiB, 0.9) == 4 * GiB
 
 
 def test_explicit_kv_sizes_win():
@@ -94,10 +95,11 @@ def test_the_reserve_is_never_handed_out(total, free_pct, ratio, weights, ws, re
     except MemoryPlanError as e:
         assert "To fix:" in str(e)
         return
-    assert handed_out(p) <= int(free * ratio) - p.reserve_bytes
+    assert reserve is not None or p.reserve_bytes >= 512 * MiB
+    assert handed_out(p) <= free - p.reserve_bytes
     assert handed_out(p) + p.headroom_bytes <= p.budget_bytes
     if limit is not None:
-        assert handed_out(p) <= limit * GiB
+        assert handed_out(p) <= limit * GiB - p.reserve_bytes
     assert (kv_explicit is not None or p.kv_tokens >= 512) and p.headroom_bytes >= 0
 
 
@@ -161,7 +163,7 @@ def test_boot_checks_before_the_weights_load():
 
     others = (ProcessUsage(77, "trainer", 78 * GiB),)
     with pytest.raises(MemoryPlanError, match="nothing is left for the weights.*pid 77 \\(trainer\\)"):
-        check_budget(inputs(free_at_boot_bytes=GiB, other_processes=others))
+        check_budget(inputs(free_at_boot_bytes=256 * MiB, other_processes=others))
     check_budget(inputs())
     e = boot_failure(inputs(free_at_boot_bytes=5 * GiB, other_processes=others),
                      "loading the weights ran out of memory (CUDA out of memory)", smaller="the model size")
@@ -195,3 +197,76 @@ def test_default_kv_floor_falls_back_to_a_chunk_plus_short_requests_on_a_small_b
 def test_kv_floor_above_what_requests_can_use_is_honoured():
     p = plan_memory(inputs(max_running_requests=1, max_model_len=256, kv_reserve_tokens=4096))
     assert p.kv_tokens == 4096
+
+
+# --- issue 26: a GPU that others share ---------------------------------------------------------------------
+STEP = ExpertNeeds(slot_bytes=9 * MiB, fixed_bytes=512 * MiB, total_experts=48 * 128, min_slots=8, step_slots=64)
+
+
+def shared(free_gib: float, **kw) -> PlanInputs:
+    """Qwen3-30B-A3B-like on a 140 GiB card that another process mostly holds."""
+    base = dict(total_bytes=140 * GiB, free_at_boot_bytes=int(free_gib * GiB), weights_bytes=int(2.9 * GiB),
+                workspace_bytes=515 * MiB, max_model_len=40960, max_running_requests=16, max_prefill_length=8192,
+                experts=STEP, other_processes=(ProcessUsage(9, "other model", int((140 - free_gib) * GiB)),))
+    base.update(kw)
+    return inputs(**base)
+
+
+def test_reserve_scales_with_the_free_memory_not_the_card():
+    """10 GiB free on a 140 GiB card: the reserve was 7 GiB (5 % of the card) and the 0.9 ratio cut again (budget
+    2 GiB, no boot); now the reserve is a tenth of the free memory, cut once."""
+    p = plan_memory(shared(10))
+    assert p.reserve_bytes == GiB and p.budget_bytes == 9 * GiB
+    assert p.expert_slots >= STEP.step_slots and p.kv_tokens >= 512
+
+
+@pytest.mark.parametrize("free", [10, 16, 24])
+def test_boots_at_each_free_size_with_more_given_to_the_largest(free):
+    p = plan_memory(shared(free))
+    assert p.budget_bytes == free * GiB - max(512 * MiB, round(0.1 * free * GiB))
+    assert handed_out(p) <= p.budget_bytes
+
+
+def test_a_limit_above_the_free_memory_follows_the_free_memory():
+    p = plan_memory(shared(10, gpu_memory_limit_bytes=24 * GiB))
+    assert p.binding != "limit" and p.budget_bytes == 9 * GiB
+    assert "above the free memory" in p.format_table()
+    q = plan_memory(shared(100, gpu_memory_limit_bytes=12 * GiB))   # a limit below: the limit binds, no ratio cut
+    assert q.binding == "limit" and q.budget_bytes == 12 * GiB - int(0.6 * GiB)
+
+
+def test_explicit_reserve_is_one_cut_too():
+    p = plan_memory(shared(10, memory_reserve_bytes=2 * GiB))
+    assert p.reserve_bytes == 2 * GiB and p.budget_bytes == 8 * GiB and "--memory-reserve" in p.reserve_note
+
+
+def test_the_kv_floor_gives_way_to_one_decode_steps_slots():
+    """Default flags: the KV pool's default floor (a chunk + short requests) would leave fewer slots than one decode
+    step needs; it gives way down to its minimum and the server boots."""
+    big_step = ExpertNeeds(slot_bytes=64 * MiB, fixed_bytes=0, total_experts=48 * 128, min_slots=1, step_slots=48)
+    small = inputs(free_at_boot_bytes=int(9.5 * GiB), weights_bytes=4 * GiB, workspace_bytes=GiB, experts=big_step,
+                   max_model_len=32768, max_prefill_length=8192)
+    p = plan_memory(small)
+    assert p.expert_slots >= 48 and 512 <= p.kv_tokens < 8192 + 16 * 256
+
+
+def test_below_the_minimum_the_error_names_the_holders_and_the_minimum():
+    with pytest.raises(MemoryPlanError) as e:
+        plan_memory(shared(4))
+    msg = str(e.value)
+    assert "pid 9 (other model)" in msg and "held by others" in msg
+    assert "needs a budget of at least" in msg
+    p = shared(4)
+    from ferrylm.memory.plan import minimum_bytes, gib
+
+    m = minimum_bytes(p)
+    assert gib(m) in msg
+    assert m == p.weights_bytes + p.workspace_bytes + 512 * PER_TOK + STEP.bytes_for(64)
+
+
+def test_the_table_says_where_each_number_comes_from():
+    table = plan_memory(shared(10)).format_table()
+    for needle in ("CUDA driver", "measured before loading", "(1 - --memory-ratio 0.9) x free at boot",
+                   "free at boot - reserve", "measured after loading", "measured at the prefill chunk",
+                   "budget - the rows above", "minimum"):
+        assert needle in table, (needle, table)

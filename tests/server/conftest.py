@@ -19,7 +19,24 @@ from ferrylm.server.engine_client import HealthState, ModelInfo
 from ferrylm.server.tokenizer import TextCodec
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-QWEN3_TOKENIZER = PROJECT_ROOT.parent / "shared" / "data" / "qwen3-tokenizer"
+
+
+def _find_qwen3_tokenizer() -> Path:
+    """``$FERRYLM_TEST_TOKENIZER``, else ``shared/data/qwen3-tokenizer`` beside the checkout or beside any folder
+    above it (a git worktree under ``wt/NAME`` finds the one beside the main checkout)."""
+    import os
+
+    env = os.environ.get("FERRYLM_TEST_TOKENIZER")
+    if env:
+        return Path(env)
+    for parent in PROJECT_ROOT.parents:
+        cand = parent / "shared" / "data" / "qwen3-tokenizer"
+        if (cand / "tokenizer.json").is_file():
+            return cand
+    return PROJECT_ROOT.parent / "shared" / "data" / "qwen3-tokenizer"
+
+
+QWEN3_TOKENIZER = _find_qwen3_tokenizer()
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}"

@@ -19,9 +19,12 @@ MSGS = [{"role": "user", "content": "hi"}]
 
 
 def sample(text: str, name: str, labels: str = "") -> float:
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
-    assert m, f"{name}{labels} not in /metrics"
-    return float(m.group(1))
+    """The value of ``name{labels}``; every sample also carries ``model_name`` (the served name)."""
+    want = dict(re.findall(r'(\w+)="([^"]*)"', labels), model_name=SERVED)
+    for m in re.finditer(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", text, re.M):
+        if dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or "")) == want:
+            return float(m.group(2))
+    raise AssertionError(f"{name}{want} not in /metrics")
 
 
 def engine_with_stats(codec) -> FakeEngine:
@@ -224,3 +227,13 @@ async def test_queue_time_is_measured_by_the_engine(codec) -> None:
     assert second > 0   # waited for the whole first request (prefill in 2-token chunks + 4 tokens)
     assert sample(t, "ferrylm:request_queue_time_seconds_count") == 2
     assert sample(t, "ferrylm:request_queue_time_seconds_sum") == pytest.approx(first + second)
+
+
+async def test_every_sample_carries_model_name(codec) -> None:
+    """vLLM labels each metric with model_name (dashboards filter on it): every sample line of /metrics has it."""
+    async with make_client(create_app(engine_with_stats(codec), codec, "my-served-name")) as c:
+        await c.post(CHAT, json={"model": "my-served-name", "messages": MSGS, "max_tokens": 2})
+        text = (await c.get("/metrics")).text
+    lines = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+    assert len(lines) > 50
+    assert all('model_name="my-served-name"' in ln for ln in lines), [ln for ln in lines if "model_name" not in ln]

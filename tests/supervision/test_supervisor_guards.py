@@ -275,3 +275,49 @@ async def test_an_engine_that_hangs_before_scheduling_its_waiting_requests_is_st
         assert stalls and "between steps" in stalls[0]
     finally:
         await shutdown(sup, eng)
+
+
+async def test_the_deadline_follows_the_observed_tick_pace(tmp_path):
+    """Issue 26: on a saturated CPU the layers slowed to one tick per 12 s while the step's expected time (11.3 s
+    over 31 ticks) said 0.4 s: the watchdog killed a progressing engine. The deadline now follows the pace the
+    ticks were seen at; a hang (no more ticks) is still found, after 4x that pace."""
+    sup, eng = await ready_supervisor(tmp_path, watchdog_timeout=5)
+    stalls: list[str] = []
+    sup._stall = stalls.append
+    sup._streams["r"] = asyncio.Queue()
+    try:
+        t = t0 = 1000.0
+        sup._last_progress = sup.last_heartbeat = t0
+        ticks = 1
+        for gap in (4.0, 4.0, 4.0, 8.0, 12.0, 12.0, 12.0):   # the host gets busier and busier
+            end = t + gap
+            while t < end:
+                t += 0.5
+                sup.last_heartbeat = t
+                _beat(sup, t, ticks=ticks if t < end else ticks + 1, expected=11.3, per_step=31)
+                sup._check_progress(t)
+            ticks += 1
+        assert stalls == [], stalls
+        assert sup.stall_deadline() == pytest.approx(4 * 12.0, abs=0.6)
+        hang = t
+        while not stalls and t < hang + 100:                   # then it hangs
+            t += 0.5
+            sup.last_heartbeat = t
+            _beat(sup, t, ticks=ticks, expected=11.3, per_step=31)
+            sup._check_progress(t)
+        assert stalls and "inside a step" in stalls[0]
+        assert 4 * 12.0 - 1 <= t - hang <= 4 * 12.0 + 1.5
+    finally:
+        await shutdown(sup, eng)
+
+
+async def test_an_idle_spell_is_not_a_slow_tick(tmp_path):
+    sup, eng = await ready_supervisor(tmp_path, watchdog_timeout=5)
+    try:
+        t0 = 1000.0
+        sup._on_heartbeat(ipc.Heartbeat(stats={"num_running": 0}, progress={"ticks": 10, "num_running": 0}), t0)
+        sup._on_heartbeat(ipc.Heartbeat(stats={"num_running": 0}, progress={"ticks": 10, "num_running": 0}), t0 + 300)
+        _beat(sup, t0 + 300.5, ticks=12, expected=1.0, per_step=31)
+        assert sup.stall_deadline() == 5.0
+    finally:
+        await shutdown(sup, eng)

@@ -210,15 +210,16 @@ class Engine:
         pool = self.limits.pool_tokens
         if num_prompt_tokens < 1:
             raise FerryError("the prompt is empty", code="invalid_request", param="prompt")
+        if num_prompt_tokens >= L:   # the context first (a bigger KV pool would not help)
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {L} tokens. However, your prompt has {num_prompt_tokens} "
+                f"tokens, which leaves no room for completion tokens. Shorten the prompt (the limit is the "
+                f"server's --max-model-len, at most the model's own context).", param="messages")
         if num_prompt_tokens + 1 > pool:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {L} tokens. However, your prompt has {num_prompt_tokens} "
-                f"tokens, and the KV cache pool holds only {pool} tokens (prompt + 1 must fit). Raise the pool "
-                f"with --num-tokens / --num-pages or shorten the prompt.", param="messages")
-        if num_prompt_tokens >= L:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {L} tokens. However, your prompt has {num_prompt_tokens} "
-                f"tokens, which leaves no room for completion tokens. Shorten the prompt or raise --max-model-len.",
+                f"tokens, and the KV cache pool holds only {pool} tokens (prompt + 1 must fit). Shorten the "
+                f"prompt, or raise the pool with --num-tokens / --num-pages (or more memory: --gpu-memory-limit).",
                 param="messages")
         if max_tokens is None:
             return L - num_prompt_tokens
@@ -361,6 +362,9 @@ class Engine:
                 self.guard.note_oom(st, e)
             # NOTE: outside the except block: the exception, its traceback and the step's tensors are unreachable
             self.guard.release()
+            seqs = [s for s in seqs if s.request.status is not Status.FINISHED]   # aborted during the attempt
+            if not seqs:
+                break
             prefill = sum(s.num_tokens for s in seqs if s.num_tokens > 1)
             tokens = sum(s.num_tokens for s in seqs)
             phase = "prefill" if has_prefill(seqs) else "decode"
@@ -520,17 +524,29 @@ class Engine:
         self.runner.faults = self.faults
         res = self.runner.execute(batch.seqs)
         # NOTE: counters advance and tokens are appended only here, after every allocation of the step succeeded
-        # (the OOM guard retries a failed step from the same counters).
+        # (the OOM guard retries a failed step from the same counters). A request aborted during the step (the
+        # worker's layer-boundary poll) already gave its pages back: nothing is committed for it.
         for s in batch.seqs:
-            s.request.num_computed_tokens += s.num_tokens
+            if s.request.status is not Status.FINISHED:
+                s.request.num_computed_tokens += s.num_tokens
         if res is not None:
             for i, s in enumerate([s for s in batch.seqs if s.sample]):
+                if s.request.status is Status.FINISHED:
+                    continue
                 self._append_token(s.request, res.token_ids[i],
                                    None if res.logprobs[i] is None else [res.logprobs[i]])
 
     def _append_token(self, r: Request, tok: int, logprobs) -> None:
         r.output_token_ids.append(tok)
-        self.structured.advance(r, tok)
+        grammar_error = self.structured.advance(r, tok)
+        if grammar_error is not None:   # the constraint cannot hold: end the request, never go on unconstrained
+            self.scheduler.finish(r, "abort")
+            self.requests.pop(r.request_id, None)
+            self._pending.append(EngineOutput(
+                r.request_id, [], error_code="grammar_failed", num_prompt_tokens=r.num_prompt_tokens,
+                queue_time=r.take_queue_time(),
+                error_message=f"structured output failed after {r.num_output_tokens - 1} tokens: {grammar_error}"))
+            return
         p = r.params
         reason = None
         if not p.ignore_eos and tok in self.eos_ids and r.num_output_tokens >= p.min_tokens:

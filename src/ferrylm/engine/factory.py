@@ -95,6 +95,47 @@ def resolve_auto(model_path: str | Path, config: EngineConfig, device: torch.dev
                    cpu_share=options.cpu_share if choice.backend == "hybrid" else None)
 
 
+def model_host_bytes(mcfg: ModelConfig, device: torch.device, dtype: torch.dtype, backend: str) -> tuple[int, str]:
+    """``(bytes, what)`` of the model that will live in host memory, from config.json alone (before anything
+    loads; a synthetic preset's config is its size): every weight on a CPU device (routed experts at their
+    quantized size), the routed experts' host banks on a GPU with an offloading backend, nothing otherwise."""
+    from ferrylm.experts.auto import estimate_non_expert_bytes
+    from ferrylm.experts.banks import ExpertLayout
+    from ferrylm.models.quant import planned_expert_quant
+    from ferrylm.models.registry import get_model_class
+
+    elem = torch.empty((), dtype=dtype).element_size()
+    moe_layers = get_model_class(mcfg.architecture).moe_layer_indices(mcfg) if mcfg.is_moe else ()
+    experts = 0
+    if moe_layers:
+        layout = ExpertLayout(mcfg.hidden_size, mcfg.moe_intermediate_size, dtype,
+                              quant=planned_expert_quant(mcfg.raw))
+        experts = len(moe_layers) * mcfg.num_experts * layout.nbytes
+    dense = estimate_non_expert_bytes(mcfg, moe_layers, elem)   # dense MLPs of non-MoE layers included
+    if device.type != "cuda":
+        return dense + experts, (f"its weights ({gib_text(dense)} dense + {gib_text(experts)} routed experts, "
+                                 f"{str(dtype).removeprefix('torch.')})")
+    if moe_layers and backend != "resident":
+        return experts, f"the routed experts' host banks ({backend} backend)"
+    return 0, ""
+
+
+def gib_text(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def check_host_memory(model_path: str | Path, device: torch.device, dtype: torch.dtype, backend: str) -> None:
+    """Refuse, before loading, a model whose host part exceeds the host's available memory (both sizes named)."""
+    import psutil
+
+    from ferrylm.memory.plan import check_host_fits
+
+    need, what = model_host_bytes(ModelConfig.from_folder(model_path), device, dtype, backend)
+    if need:
+        vm = psutil.virtual_memory()
+        check_host_fits(need, int(vm.available), int(vm.total), what)
+
+
 def build_engine(model_path: str | Path, config: EngineConfig) -> Engine:
     """Load the model at ``model_path`` (a HF folder) and size the engine with the memory plan.
 
@@ -124,6 +165,10 @@ def build_engine(model_path: str | Path, config: EngineConfig) -> Engine:
     dtype = resolve_dtype(config.dtype, device)
     if config.dtype == "auto" and is_synthetic_folder(model_path):  # load_model builds it; bf16 halves its bytes
         dtype = torch.bfloat16
+    if device.type != "cuda" and config.gpu_memory_limit is not None:
+        log.warning("--gpu-memory-limit %g GiB is ignored: there is no GPU (device %s); the memory plan uses host "
+                    "memory", config.gpu_memory_limit, device)
+        config = replace(config, gpu_memory_limit=None)
     apply_memory_limit(device, config.gpu_memory_limit)
     boot = read_memory(device)
     gib_bytes = (lambda v: None if v is None else int(v * (1 << 30)))
@@ -140,6 +185,7 @@ def build_engine(model_path: str | Path, config: EngineConfig) -> Engine:
     check_budget(inputs)
     in_use = bytes_in_use(device)
     options = resolve_auto(model_path, config, device, dtype, expert_options(config))
+    check_host_memory(model_path, device, dtype, backend_name(options))
     torch.manual_seed(config.seed)
     try:
         loaded = load_model(model_path, device=device, dtype=dtype, moe_backend=options)

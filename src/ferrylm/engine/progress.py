@@ -23,11 +23,18 @@ read, the sampler), which is where the watchdog then sees the hang.
 Fault injection (``ferrylm/faults.py``): the layer hook is the site of ``step_delay`` (sleep per layer: long steps
 with progress) and ``device_error`` (a sticky device error raised inside the forward, as a real one would be).
 
+Abort at a layer boundary: ``layer_callback`` (set by the worker) runs after each layer of a step; it applies the
+frontend's AbortRequests at once (``Engine.abort`` frees the pages now; the step's remaining layers write K/V
+into pages nobody else can take before the next schedule, and the engine commits nothing for a request that
+finished during the step).
+
 Fields are plain ints, floats and tuples assigned whole, so the heartbeat thread reads them without a lock (the
 GIL makes each assignment atomic; a read may mix two steps' fields, which only costs one heartbeat's accuracy).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import logging
 import time
@@ -72,6 +79,9 @@ class StepProgress:
     sec_per_token: float | None = None
     decode_step_s: float | None = None
     faults: FaultInjector = field(default=NO_FAULTS, repr=False)
+    # called after every decoder layer while a step runs (the worker's abort poll: a client that left during a
+    # long prefill frees its pages at the next layer boundary, not after the chunk); None: nothing
+    layer_callback: Callable[[], None] | None = field(default=None, repr=False)
 
     # --- the model side ---------------------------------------------------------------------------------------
     def attach(self, model) -> int:
@@ -99,6 +109,9 @@ class StepProgress:
         self.ticks += 1
         if self.faults.enabled:
             self.faults.layer_hook(self.step_tokens)
+        cb = self.layer_callback
+        if cb is not None and self.in_step:
+            cb()
 
     # --- the engine side --------------------------------------------------------------------------------------
     def begin_step(self, request_ids: tuple[str, ...], tokens: int, prompt_tokens: int = 0) -> None:

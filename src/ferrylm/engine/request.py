@@ -66,6 +66,7 @@ class Request:
     isolate: bool = False
     times_passed_over: int = 0
     grammar: object | None = None
+    grammar_error: str | None = None   # why the grammar cannot go on (engine/structured.py); the request ends
     prompt_logprobs: list | None = None
     page_hashes: list[bytes] = field(default_factory=list)
     num_named_pages: int = 0

@@ -66,6 +66,7 @@ class SamplingParams:
     MAX_LOGPROBS = 20
     MAX_STOP = 16
     MAX_TOP_K = 2**31 - 1
+    MAX_TEMPERATURE = 100.0   # OpenAI allows 2; vLLM and llama.cpp any: past ~100 the distribution is flat anyway
     MAX_LOGIT_BIAS = 1024  # entries
 
     @property
@@ -79,8 +80,9 @@ class SamplingParams:
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
                 raise InvalidRequest(f"'{f}' must be a finite number, got {v!r}", param=f)
-        if self.temperature < 0:
-            raise InvalidRequest(f"'temperature' must be >= 0, got {self.temperature}", param="temperature")
+        if not 0 <= self.temperature <= self.MAX_TEMPERATURE:
+            raise InvalidRequest(f"'temperature' must be in [0, {self.MAX_TEMPERATURE:g}], got {self.temperature}",
+                                 param="temperature")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"'top_p' must be in (0, 1], got {self.top_p}", param="top_p")
         if not 0.0 <= self.min_p <= 1.0:
@@ -94,6 +96,9 @@ class SamplingParams:
         if self.repetition_penalty <= 0:
             raise InvalidRequest(f"'repetition_penalty' must be > 0, got {self.repetition_penalty}",
                                  param="repetition_penalty")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                                       or self.top_k < -1):
+            raise InvalidRequest(f"'top_k' must be -1 or 0 (off) or at least 1, got {self.top_k!r}", param="top_k")
         if self.top_k is None or self.top_k <= 0:
             self.top_k = -1
         elif self.top_k > self.MAX_TOP_K:

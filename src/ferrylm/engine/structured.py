@@ -128,6 +128,10 @@ class StructuredDecoder:
         words = (max(V, self.vocab_size) + 31) // 32
         bitmask = np.full((B, words), -1, dtype=np.int32)
         fill_next_token_bitmask_par(self._executor, [(reqs[i].grammar, i) for i in rows], bitmask)
+        for i in rows:
+            m = reqs[i].grammar
+            if m.is_error():   # e.g. a schema that matches no document: no token is allowed; the engine ends it
+                reqs[i].grammar_error = f"the output grammar allows no next token ({m.get_error()})"
         if logits.device.type == "cpu":   # numpy's unpackbits: ~50 µs for 8 x 151k ids, torch's shifts ~100x that
             forbid = torch.from_numpy(np.unpackbits((~bitmask).view(np.uint8), axis=1, bitorder="little")[:, :V]
                                       .view(np.bool_))
@@ -135,16 +139,23 @@ class StructuredDecoder:
             forbid = ~unpack_bitmask(torch.from_numpy(bitmask).to(logits.device, non_blocking=True), V)
         logits.masked_fill_(forbid, float("-inf"))
 
-    def advance(self, req: Any, token_id: int) -> None:
-        """Let ``req``'s matcher consume ``token_id`` (the token just appended). A token the grammar rejects
-        (only possible when another rule banned every allowed token, e.g. ``min_tokens`` against a finished
-        grammar) drops the constraint for the rest of the request, with a warning: the step never fails."""
+    def advance(self, req: Any, token_id: int) -> str | None:
+        """Let ``req``'s matcher consume ``token_id`` (the token just appended). Returns None, or the reason the
+        grammar cannot go on: a token it rejects (only possible when another rule banned every allowed token,
+        e.g. ``min_tokens`` against a finished grammar, or ``logit_bias``), or a mask that allowed nothing
+        (``mask_logits``). The engine then ends the request with ``grammar_failed``: it never goes on
+        unconstrained. The step itself never fails."""
         m = getattr(req, "grammar", None)
         if m is None:
-            return
+            return None
+        err = getattr(req, "grammar_error", None)
+        if err:
+            return err
         if m.is_stopped() and token_id in self.eos_ids:
-            return
+            return None
         if not m.consume_token(int(token_id)):
-            log.warning("request %s: token %d is outside its grammar (%s); the constraint is dropped",
-                        getattr(req, "request_id", "?"), token_id, m.get_error())
+            err = f"token {token_id} is outside the output grammar ({m.get_error() or 'rejected'})"
+            log.warning("request %s: %s; the request ends with grammar_failed", getattr(req, "request_id", "?"), err)
             req.grammar = None
+            return err
+        return None

@@ -195,6 +195,36 @@ def handle_message(engine, data: bytes) -> tuple[bool, list]:
     return False, []
 
 
+def make_layer_poll(engine, sock, deferred: list[bytes]):
+    """The abort poll run after each decoder layer of a step (``StepProgress.layer_callback``): reads what the
+    frontend sent meanwhile without blocking; an AbortRequest is applied at once (``Engine.abort``: the pages come
+    back at this layer boundary, not after the chunk), anything else waits in ``deferred`` for the main loop,
+    in order. Never raises (one bad message must not fail the step)."""
+    import zmq
+
+    from ferrylm.engine import ipc
+
+    def poll() -> None:
+        try:
+            while True:
+                try:
+                    data = sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    return
+                try:
+                    msg = ipc.decode(data)
+                except Exception:  # noqa: BLE001 - the main loop logs and drops it
+                    msg = None
+                if isinstance(msg, ipc.AbortRequest) and not deferred:
+                    handle_message(engine, data)
+                else:
+                    deferred.append(data)   # in order behind anything already waiting
+        except Exception as e:  # noqa: BLE001 - the poll must never fail the step
+            _log.error("abort poll failed: %r", e)
+
+    return poll
+
+
 def _fault_stall() -> None:
     logging.getLogger("ferrylm.engine").warning("fault injection (engine_stall): the engine loop hangs now")
     while True:
@@ -279,15 +309,20 @@ def engine_main(spec_dict: dict) -> None:
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     faults = engine.faults
+    deferred: list[bytes] = []   # messages the layer poll read during a step, for this loop
+    engine.progress.layer_callback = make_layer_poll(engine, pull, deferred)
     while True:
         state["iteration_start"] = time.monotonic()
-        timeout = 0 if engine.has_work() else int(HEARTBEAT_INTERVAL_S * 1000)
-        if poller.poll(timeout):
+        timeout = 0 if engine.has_work() or deferred else int(HEARTBEAT_INTERVAL_S * 1000)
+        if deferred or poller.poll(timeout):
             while True:
-                try:
-                    data = pull.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+                if deferred:
+                    data = deferred.pop(0)
+                else:
+                    try:
+                        data = pull.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
                 shutdown, rejected = handle_message(engine, data)
                 if rejected:
                     push.send(ipc.encode(ipc.Outputs(rejected)))

@@ -27,7 +27,7 @@ from ferrylm.experts.quantized import ALIGN, ExpertQuant, QuantTensor, RowFields
 
 log = logging.getLogger("ferrylm.experts")
 
-PAGEABLE_WARNING = ("expert banks are in pageable host memory (page-locking failed: %s); host->device expert "
+PAGEABLE_WARNING = ("expert banks are in pageable host memory (not page-locked: %s); host->device expert "
                     "copies run at roughly a third of pinned speed (about 19 vs 55 GB/s measured on an H200 "
                     "host), so offloading backends will be slower")
 
@@ -145,6 +145,25 @@ def _unregister(ptrs: list[int]) -> None:
         rt.cudaHostUnregister(p)
 
 
+PIN_KEEP_FRACTION = 0.10   # of host RAM never page-locked (the OS, the frontend, the tokenizer, page cache)
+PIN_KEEP_MIN = 4 << 30
+
+
+def pin_budget(bank_bytes: int, stacks_on_host: bool) -> tuple[int, str]:
+    """``(bytes, why)``: how much of the host ferrylm may page-lock for the banks now. Host RAM less what others
+    use and less ``max(4 GiB, 10 %)`` kept pageable; the experts' stacks being packed count as ours when they
+    are already in host memory (packing turns them into the banks). Page-locking past it fails half-way
+    (``cudaHostRegister``) or starves the host."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    keep = max(PIN_KEEP_MIN, int(PIN_KEEP_FRACTION * vm.total))
+    used_by_others = max(0, int(vm.total - vm.available) - (bank_bytes if stacks_on_host else 0))
+    budget = max(0, int(vm.total) - keep - used_by_others)
+    return budget, (f"{budget / 2**30:.2f} GiB = {vm.total / 2**30:.2f} GiB host RAM - {used_by_others / 2**30:.2f} "
+                    f"GiB used by others - {keep / 2**30:.2f} GiB kept pageable")
+
+
 def probe_pinning() -> str | None:
     """Try to page-lock a small buffer. None when pinning works here, else the reason it does not."""
     t = torch.empty(1 << 20, dtype=torch.uint8)
@@ -179,7 +198,7 @@ class HostBanks:
 
     @classmethod
     def from_layers(cls, layers: dict[int, LayerExperts], *, pin: bool | None = None,
-                    progress: bool | None = None) -> "HostBanks":
+                    progress: bool | None = None, pin_budget_bytes: int | None = None) -> "HostBanks":
         """Pack ``layers`` into host rows, layer by layer, and page-lock them.
 
         The given :class:`LayerExperts` objects are rewritten in place to views of the packed rows, so their
@@ -189,6 +208,8 @@ class HostBanks:
             layers: MoE layer -> stacked experts (any device; all layers the same shape and dtype).
             pin: page-lock (default: when CUDA is available). On failure: pageable, with a warning.
             progress: show a progress bar (default: when stderr is a terminal and the banks exceed 1 GiB).
+            pin_budget_bytes: what may be page-locked (default: :func:`pin_budget`, probed before pinning):
+                banks larger than it stay pageable from the start, with a warning stating the cost.
 
         Raises:
             ValueError: no layers, or layers of different shapes / dtypes.
@@ -213,6 +234,13 @@ class HostBanks:
         packed: dict[int, torch.Tensor] = {}
         registered: list[int] = []
         pin_error = None if want_pin else "not requested"
+        if want_pin:   # probe the budget first: never fail half-way through the load, never starve the host
+            on_host = first.gate.device.type == "cpu"
+            budget, why = (pin_budget_bytes, f"{pin_budget_bytes / 2**30:.2f} GiB given") \
+                if pin_budget_bytes is not None else pin_budget(total, on_host)
+            if total > budget:
+                pin_error = (f"the banks' {total / 2**30:.2f} GiB exceed the host's pin budget of {why}; nothing "
+                             f"was page-locked")
         for idx in sorted(layers):
             le = layers[idx]
             rows = torch.empty(e, layout.numel, dtype=layout.row_dtype)

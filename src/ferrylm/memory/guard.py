@@ -63,22 +63,40 @@ def is_oom(exc: BaseException) -> bool:
     return False
 
 
-_DEVICE_ERROR_TEXT = ("CUDA error", "HIP error", "device-side assert", "illegal memory access", "illegal instruction",
-                      "misaligned address", "unspecified launch failure", "CUBLAS_STATUS_EXECUTION_FAILED",
-                      "CUDNN_STATUS_EXECUTION_FAILED", "cudaErrorIllegalAddress", "cudaErrorAssert")
+# NOTE: sticky CUDA errors only: the ones that poison the context (every later call fails), by their cudaError_t
+# names (torch's messages say "Search for `cudaErrorIllegalAddress'") and their runtime message texts (CUDA,
+# HIP and Triton's "Triton Error [CUDA]: ..." all reuse them). Any other "CUDA error: ..." (invalid argument, no
+# kernel image, a capture misuse, too many resources requested for launch) leaves the context usable: the step
+# fails, the engine lives.
+STICKY_CUDA_ERRORS = {
+    "cudaErrorIllegalAddress": "an illegal memory access was encountered",          # 700
+    "cudaErrorLaunchTimeout": "the launch timed out and was terminated",              # 702
+    "cudaErrorAssert": "device-side assert triggered",                                # 710
+    "cudaErrorHardwareStackError": "hardware stack error",                            # 714
+    "cudaErrorIllegalInstruction": "an illegal instruction was encountered",         # 715
+    "cudaErrorMisalignedAddress": "misaligned address",                               # 716
+    "cudaErrorInvalidAddressSpace": "operation not supported on global/shared address space",  # 717
+    "cudaErrorInvalidPc": "invalid program counter",                                   # 718
+    "cudaErrorLaunchFailure": "unspecified launch failure",                           # 719
+    "cudaErrorECCUncorrectable": "uncorrectable ECC error encountered",               # 214
+    "cudaErrorNvlinkUncorrectable": "uncorrectable NVLink error detected during the execution",  # 220
+}
+# library statuses that report a kernel that failed on the device (the context is gone with it)
+_STICKY_STATUS = ("CUBLAS_STATUS_EXECUTION_FAILED", "CUDNN_STATUS_EXECUTION_FAILED")
 
 
 def is_device_error(exc: BaseException) -> bool:
     """True for a sticky device error, one that poisons the CUDA context so that every later call fails
-    (illegal memory access, device-side assert, launch failure): ``torch.AcceleratorError`` (torch >= 2.9) or a
-    RuntimeError carrying the CUDA error text. Never an allocation failure (:func:`is_oom` wins: "CUDA error:
-    out of memory" is an OOM). The engine must not retry it: it reports it and exits so it is restarted."""
-    if is_oom(exc):
+    (illegal memory access, device-side assert, launch failure, ECC ...): matched by its error kind
+    (:data:`STICKY_CUDA_ERRORS`: the cudaError_t name or its message; ``torch.AcceleratorError`` (torch >= 2.9)
+    and RuntimeError alike), never by "CUDA error" alone. Never an allocation failure (:func:`is_oom` wins:
+    "CUDA error: out of memory" is an OOM). The engine must not retry it: it reports it and exits so it is
+    restarted."""
+    if is_oom(exc) or not isinstance(exc, RuntimeError):
         return False
-    accel = getattr(torch, "AcceleratorError", None)
-    if accel is not None and isinstance(exc, accel):
-        return True
-    return isinstance(exc, RuntimeError) and any(t in str(exc) for t in _DEVICE_ERROR_TEXT)
+    text = str(exc)
+    return (any(name in text or msg in text for name, msg in STICKY_CUDA_ERRORS.items())
+            or any(t in text for t in _STICKY_STATUS))
 
 
 def oom_bytes(exc: BaseException) -> int | None:

@@ -4,9 +4,13 @@ Figures (bytes unless named otherwise), in the order the plan takes them:
 
 1. ``free_at_boot`` and ``total`` of the device (CUDA driver figures, or host RAM on the CPU), read before the
    weights load; ``others`` = ``total - free_at_boot`` is memory someone else (or the CUDA context) holds.
-2. ``budget = min(free_at_boot * memory_ratio - reserve, gpu_memory_limit - limit_reserve)``; ``reserve``
-   (``--memory-reserve``, default ``max(1 GiB, 5% of total)``; under a limit ``max(512 MiB, 5% of the limit)``) is
-   never handed out: it is the room the OOM guard, allocator fragmentation and the driver live in.
+2. ``budget = usable - reserve``, one cut (issue 26: the reserve was 5 % of the card's total and the ratio cut the
+   free memory again, so a model that serves at a 12 GiB limit did not boot with 10 GiB free on a 140 GiB card).
+   ``usable`` is what ferrylm may use: ``--gpu-memory-limit`` when it is at most the memory free at boot, else the
+   free memory itself. ``reserve`` scales with ``usable``, never with the card: under the limit ``max(512 MiB, 5%
+   of the limit)``, else ``max(512 MiB, (1 - memory_ratio) x free)``; ``--memory-reserve`` raises it (the larger
+   of the two is the one cut). It is never handed out: the room of the OOM guard, allocator fragmentation and the
+   driver.
 3. minus ``weights`` (measured after loading) and ``workspace`` (the peak extra memory of a warmup prefill at the
    maximum chunk and a decode step at the maximum batch; measured on CUDA, estimated on the CPU) leaves ``R``.
 4. ``R`` is split between the KV pool (pages of ``page_size`` tokens) and expert slots (offloading backends):
@@ -21,9 +25,12 @@ Figures (bytes unless named otherwise), in the order the plan takes them:
    ``min_slots`` (the engine sets it to what one layer of a full decode step can need: ``min(R * k, E)``).
 5. ``headroom`` = budget - weights - workspace - KV - experts (never negative).
 
-A plan that cannot work raises :class:`MemoryPlanError` naming the numbers, the other processes holding device
-memory (when nvidia-ml-py sees them) and the flag to change. It never suggests raising ``--memory-ratio`` when the
-memory is held by someone else.
+With default flags the plan takes the largest configuration that fits and gives way down to its minimum: the
+weights, the workspace of the chunk measured (the factory lowers a default chunk that does not fit, to 1024 tokens),
+the KV floor and the expert slots one decode step needs (the KV pool gives way to them). A plan that cannot work
+raises :class:`MemoryPlanError` naming the numbers, that minimum in GiB, the other processes holding device memory
+(when nvidia-ml-py sees them) and the flag to change. It never suggests raising ``--memory-ratio`` when the memory
+is held by someone else.
 
 Pure: :func:`plan_memory` takes readings as data, so tests feed it fake figures.
 """
@@ -46,9 +53,13 @@ class MemoryPlanError(FerryError):
     code = "insufficient_memory"
 
 
-def default_reserve(total_bytes: int) -> int:
-    """``max(1 GiB, 5% of total)`` bytes."""
-    return max(GiB, int(0.05 * total_bytes))
+RESERVE_FLOOR = GiB // 2
+
+
+def default_reserve(free_bytes: int, memory_ratio: float = 0.9) -> int:
+    """Without a limit: ``max(512 MiB, (1 - memory_ratio) x free)`` bytes (the ratio is the reserve's share of the
+    memory free at boot, not a second cut)."""
+    return max(RESERVE_FLOOR, round((1.0 - memory_ratio) * free_bytes))
 
 
 def gib(n: float) -> str:
@@ -167,6 +178,8 @@ class MemoryPlan:
     graph_bytes: int = 0
     max_prefill_length: int = 0
     prefill_note: str = ""
+    reserve_note: str = ""   # where the reserve comes from (the plan table's right column)
+    minimum_bytes: int = 0   # the budget this model needs at the least (weights, workspace, KV floor, step slots)
 
     def to_dict(self) -> dict:
         """JSON-ready (``GET /v1/memory``)."""
@@ -178,24 +191,29 @@ class MemoryPlan:
     def format_table(self) -> str:
         """The plan as an aligned text table (logged at boot)."""
         dev = "device" if self.kind == "cuda" else "host"
+        held = self.total_bytes - self.free_at_boot_bytes
+        limit = self.gpu_memory_limit_bytes
         rows = [
-            (f"{dev} total", gib(self.total_bytes), ""),
+            (f"{dev} total", gib(self.total_bytes), "CUDA driver" if self.kind == "cuda" else "host RAM (psutil)"),
             ("free at boot", gib(self.free_at_boot_bytes),
-             f"{gib(self.total_bytes - self.free_at_boot_bytes)} held by others" if self.kind == "cuda" else ""),
+             f"measured before loading; {gib(held)} held by others" if self.kind == "cuda"
+             else "measured before loading"),
             ("memory ratio / limit", f"{self.memory_ratio:g}",
-             "no limit" if self.gpu_memory_limit_bytes is None else f"limit {gib(self.gpu_memory_limit_bytes)}"),
-            ("reserve (never handed out)", gib(self.reserve_bytes), ""),
+             "no --gpu-memory-limit" if limit is None else f"--gpu-memory-limit {gib(limit)}"
+             + (" (above the free memory: the free memory binds)" if self.binding != "limit" else "")),
+            ("reserve (never handed out)", gib(self.reserve_bytes), self.reserve_note),
             ("budget", gib(self.budget_bytes),
-             "--gpu-memory-limit - reserve" if self.binding == "limit" else self.binding),
-            ("weights", gib(self.weights_bytes), ""),
-            ("workspace", gib(self.workspace_bytes), self.workspace_source),
+             "--gpu-memory-limit - reserve" if self.binding == "limit" else "free at boot - reserve"),
+            ("weights", gib(self.weights_bytes), "measured after loading"),
+            ("workspace", gib(self.workspace_bytes), f"{self.workspace_source} at the prefill chunk"),
             ("CUDA graphs", gib(self.graph_bytes), "measured at capture" if self.graph_bytes else "none"),
-            ("prefill chunk", f"{self.max_prefill_length} tok", self.prefill_note or "workspace measured at it"),
+            ("prefill chunk", f"{self.max_prefill_length} tok", self.prefill_note or "the default or the flag"),
             ("KV pool", gib(self.kv_bytes), f"{self.kv_pages} pages x {self.page_size} = {self.kv_tokens} tokens"),
             ("expert slots", gib(self.expert_bytes),
              f"{self.expert_slots} of {self.expert_total} x {gib(self.expert_slot_bytes)}" if self.expert_total
              else "none (experts resident or dense model)"),
-            ("headroom", gib(self.headroom_bytes), ""),
+            ("headroom", gib(self.headroom_bytes), "budget - the rows above"),
+            ("minimum", gib(self.minimum_bytes), "weights + workspace + KV floor + one decode step's expert slots"),
         ]
         w0 = max(len(r[0]) for r in rows)
         w1 = max(len(r[1]) for r in rows)
@@ -213,8 +231,9 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
         MemoryPlanError: the weights, workspace or an explicit size do not fit, or the KV pool would be smaller
             than its floor. The message gives the figures and the flag to change.
     """
-    reserve, budget, binding = _budget(p)
-    err = _Explainer(p, reserve, budget, binding)
+    reserve, budget, binding, reserve_note = _budget_why(p)
+    minimum = minimum_bytes(p)
+    err = _Explainer(p, reserve, budget, binding, minimum)
     rest = budget - p.weights_bytes - p.workspace_bytes - p.graph_bytes
     if rest <= 0:
         err.fail(f"the weights ({gib(p.weights_bytes)}), the workspace ({gib(p.workspace_bytes)}, "
@@ -287,6 +306,11 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
             room = rest - kv_bytes - ex.fixed_bytes
             slots = min(ex.total_experts, max(0, room // ex.slot_bytes))
             need = min(ex.total_experts, max(ex.min_slots, ex.step_slots))
+            if slots < need and kv_explicit is None and p.kv_reserve_tokens is None:
+                # the default KV floor gives way to the slots one decode step needs, down to its minimum
+                kv_tokens = max(min_kv, _pages(min(kv_tokens, (rest - ex.bytes_for(need)) // per_tok), ps) * ps)
+                kv_bytes = kv_tokens * per_tok
+                slots = min(ex.total_experts, max(0, (rest - kv_bytes - ex.fixed_bytes) // ex.slot_bytes))
             if slots < need:
                 err.fail(f"the {ex.backend} backend needs >= {need} expert slot(s) of "
                          f"{gib(ex.slot_bytes)} + {gib(ex.fixed_bytes)} prefill buffers after a KV pool of "
@@ -314,7 +338,29 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
         expert_slot_bytes=ex.slot_bytes if ex else 0, expert_bytes=expert_bytes,
         expert_total=ex.total_experts if ex else 0, headroom_bytes=headroom, max_model_len=p.max_model_len,
         binding=binding, other_processes=tuple(p.other_processes), warnings=tuple(warnings),
-        graph_bytes=p.graph_bytes, max_prefill_length=p.max_prefill_length)
+        graph_bytes=p.graph_bytes, max_prefill_length=p.max_prefill_length, reserve_note=reserve_note,
+        minimum_bytes=minimum)
+
+
+def minimum_bytes(p: PlanInputs) -> int:
+    """The least budget this configuration can serve in: the weights, the workspace measured (at the chunk the
+    inputs name), the CUDA graphs, the KV floor and, with an expert cache, the slots of one decode step (or the
+    explicit sizes)."""
+    ps, per_tok = p.page_size, p.kv_bytes_per_token
+    if p.num_pages is not None:
+        kv = p.num_pages * ps
+    elif p.num_tokens is not None:
+        kv = -(-p.num_tokens // ps) * ps
+    else:
+        kv = p.kv_reserve_tokens if p.kv_reserve_tokens is not None else min(p.max_model_len, DEFAULT_MIN_KV_TOKENS)
+        kv = -(-kv // ps) * ps
+    ex = p.experts
+    slots = 0
+    if ex is not None:
+        slots = (min(p.moe_cache_size, ex.total_experts) if p.moe_cache_size is not None
+                 else min(ex.total_experts, max(ex.min_slots, ex.step_slots)))
+    return (p.weights_bytes + p.workspace_bytes + p.graph_bytes + kv * per_tok
+            + (ex.bytes_for(slots) if ex is not None else 0))
 
 
 def kv_floor_tokens(p: PlanInputs, rest: int, min_kv: int) -> int:
@@ -332,6 +378,21 @@ def kv_floor_tokens(p: PlanInputs, rest: int, min_kv: int) -> int:
     return context if slots_left >= max(ex.min_slots, ex.total_experts // 10) else short
 
 
+def check_host_fits(need_bytes: int, available_bytes: int, total_bytes: int, what: str) -> None:
+    """Before loading: refuse a model whose host-resident part (all weights on a CPU host; the routed experts'
+    host banks on a GPU host with an offloading backend) is larger than the host's available memory, with both
+    sizes (issue 26: ``synthetic:qwen3-30b-a3b`` built ~57 GiB of weights on a 24 GiB machine, then died).
+
+    Raises:
+        MemoryPlanError: ``need_bytes`` > ``available_bytes``.
+    """
+    if need_bytes > available_bytes:
+        raise MemoryPlanError(
+            f"the model does not fit in host memory: {what} need {gib(need_bytes)}, and the host has "
+            f"{gib(available_bytes)} available ({gib(total_bytes)} total). To fix: use a smaller model (a synthetic "
+            f"preset takes :layers=N or :quant=int4), a GPU with --moe-backend resident, or a host with more memory.")
+
+
 def limit_reserve(limit_bytes: int) -> int:
     """Under ``--gpu-memory-limit`` (the allocator is capped at the limit): ``max(512 MiB, 5% of the limit)`` bytes
     kept out of the plan, for what the plan cannot see (allocator fragmentation, the lazily allocated piecewise graph
@@ -341,14 +402,23 @@ def limit_reserve(limit_bytes: int) -> int:
 
 def _budget(p: PlanInputs) -> tuple[int, int, str]:
     """``(reserve, budget, binding)`` bytes: see the module docstring, step 2."""
-    reserve = p.memory_reserve_bytes if p.memory_reserve_bytes is not None else default_reserve(p.total_bytes)
-    budget, binding = int(p.free_at_boot_bytes * p.memory_ratio) - reserve, "free at boot x ratio - reserve"
-    if p.gpu_memory_limit_bytes is not None:
-        lim_reserve = (p.memory_reserve_bytes if p.memory_reserve_bytes is not None
-                       else limit_reserve(p.gpu_memory_limit_bytes))
-        if p.gpu_memory_limit_bytes - lim_reserve < budget:
-            reserve, budget, binding = lim_reserve, p.gpu_memory_limit_bytes - lim_reserve, "limit"
-    return reserve, budget, binding
+    return _budget_why(p)[:3]
+
+
+def _budget_why(p: PlanInputs) -> tuple[int, int, str, str]:
+    """``(reserve, budget, binding, reserve_note)``: one cut of what ferrylm may use (module docstring, step 2)."""
+    limit = p.gpu_memory_limit_bytes
+    explicit = p.memory_reserve_bytes
+    if limit is not None and limit <= p.free_at_boot_bytes:
+        scaled, why = limit_reserve(limit), "max(512 MiB, 5% of --gpu-memory-limit)"
+        usable, binding = limit, "limit"
+    else:
+        scaled = default_reserve(p.free_at_boot_bytes, p.memory_ratio)
+        why = f"max(512 MiB, (1 - --memory-ratio {p.memory_ratio:g}) x free at boot)"
+        usable, binding = p.free_at_boot_bytes, "free at boot - reserve"
+    if explicit is not None and (explicit >= scaled or binding == "limit"):
+        scaled, why = explicit, "--memory-reserve"
+    return scaled, usable - scaled, binding, why
 
 
 def check_budget(p: PlanInputs) -> None:
@@ -359,7 +429,7 @@ def check_budget(p: PlanInputs) -> None:
     """
     reserve, budget, binding = _budget(p)
     if budget <= 0:
-        _Explainer(p, reserve, budget, binding).fail("nothing is left for the weights")
+        _Explainer(p, reserve, budget, binding, p.weights_bytes).fail("nothing is left for the weights")
 
 
 def boot_failure(p: PlanInputs, what: str, smaller: str = "") -> MemoryPlanError:
@@ -367,7 +437,7 @@ def boot_failure(p: PlanInputs, what: str, smaller: str = "") -> MemoryPlanError
     happened, the budget's derivation, who holds the memory, what to change."""
     reserve, budget, binding = _budget(p)
     try:
-        _Explainer(p, reserve, budget, binding).fail(what, smaller=smaller)
+        _Explainer(p, reserve, budget, binding, minimum_bytes(p)).fail(what, smaller=smaller)
     except MemoryPlanError as e:
         return e
     raise AssertionError("unreachable")
@@ -376,8 +446,8 @@ def boot_failure(p: PlanInputs, what: str, smaller: str = "") -> MemoryPlanError
 class _Explainer:
     """Builds the boot error: the shortfall, the budget's derivation, who holds the memory, what to change."""
 
-    def __init__(self, p: PlanInputs, reserve: int, budget: int, binding: str):
-        self.p, self.reserve, self.budget, self.binding = p, reserve, budget, binding
+    def __init__(self, p: PlanInputs, reserve: int, budget: int, binding: str, minimum: int = 0):
+        self.p, self.reserve, self.budget, self.binding, self.minimum = p, reserve, budget, binding, minimum
 
     def fail(self, what: str, *, left: int | None = None, smaller: str = "") -> None:
         p = self.p
@@ -388,12 +458,16 @@ class _Explainer:
             parts.append(f"but only {gib(max(0, left))} are left after the weights ({gib(p.weights_bytes)}) and "
                          f"the workspace ({gib(p.workspace_bytes)})")
         budget_why = (f"budget {gib(self.budget)} = {gib(p.free_at_boot_bytes)} free at boot of "
-                      f"{gib(p.total_bytes)} {dev} total x --memory-ratio {p.memory_ratio:g} - --memory-reserve "
-                      f"{gib(self.reserve)}")
+                      f"{gib(p.total_bytes)} {dev} total - reserve {gib(self.reserve)} (--memory-ratio "
+                      f"{p.memory_ratio:g} / --memory-reserve)")
         if self.binding == "limit":
             budget_why = (f"budget {gib(self.budget)} = --gpu-memory-limit {gib(p.gpu_memory_limit_bytes)} - reserve "
                           f"{gib(self.reserve)}")
         parts.append(budget_why)
+        if self.minimum:
+            parts.append(f"this configuration needs a budget of at least {gib(self.minimum)} (weights + workspace + "
+                         f"KV floor + one decode step's expert slots), {gib(self.minimum + self.reserve)} free with "
+                         f"the reserve")
         others_hold = p.kind == "cuda" and (bool(p.other_processes) or held > max(GiB, p.total_bytes // 10))
         fixes: list[str] = []
         if others_hold:

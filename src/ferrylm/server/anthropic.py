@@ -332,12 +332,15 @@ async def messages(srv: Any, request: Request, rid: str) -> Response:
     (ch,) = run.gen.choices
     res = whole_turn(run.turn, ch.text.text, ch.finish_reason)
     content: list[dict] = []
-    if res.reasoning:
-        content.append({"type": "thinking", "thinking": res.reasoning, "signature": ""})
-    if res.content or not res.calls:
-        content.append({"type": "text", "text": res.content})
-    for c in res.calls:
-        content.append({"type": "tool_use", "id": _tool_id(c), "name": c.name, "input": json.loads(c.arguments)})
+    for kind, x in res.blocks:   # in generation order
+        if kind == "reasoning":
+            content.append({"type": "thinking", "thinking": x, "signature": ""})
+        elif kind == "text":
+            content.append({"type": "text", "text": x})
+        else:
+            content.append({"type": "tool_use", "id": _tool_id(x), "name": x.name, "input": json.loads(x.arguments)})
+    if not any(b["type"] in ("text", "tool_use") for b in content):
+        content.append({"type": "text", "text": ""})
     reason, seq = stop_reason(res.finish_reason, ch.text.stops.matched)
     srv._log_done(rid, run.gen, _openai_usage(run))
     return JSONResponse({**base, "content": content, "stop_reason": reason, "stop_sequence": seq,

@@ -181,6 +181,16 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _message_text(message: Any) -> str:
+    """A template message's text content ("" for none): a string, or the text parts of a list."""
+    c = message.get("content") if isinstance(message, dict) else None
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        return "".join(p.get("text", "") for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
 def _choice_seed(seed: int, i: int) -> int:
     """Choice ``i``'s seed: ``seed + i``, wrapped into the valid int64 range [-2**63, 2**63) (a client's seed near
     the top of the range must not make choice 1 out of range)."""
@@ -201,7 +211,7 @@ class _Server:
         self.api_key = api_key or None
         self.max_request_bytes = max_request_bytes or None
         self.created = int(time.time())
-        self.metrics = Metrics(engine)
+        self.metrics = Metrics(engine, served_model_name)
         self.ping_interval: float | None = DEFAULT_SSE_PING_INTERVAL
         self.first_event_wait = FIRST_EVENT_WAIT_S
         self.responses = responses.ResponseStore(1024)   # previous_response_id (server/responses.py)
@@ -279,17 +289,20 @@ class _Server:
         p = len(prompt_ids)
         if p == 0:
             raise InvalidRequest(f"the {what} resulted in an empty prompt", param=prompt_param)
-        if pool and p + 1 > pool:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {limit} tokens. However, your {what} resulted in {p} "
-                f"tokens, and the KV cache pool holds only {pool} tokens (the prompt plus one generated token must "
-                f"fit). Shorten the {what}, or start the server with a larger --num-tokens / --num-pages.",
-                param=prompt_param)
+        # NOTE: the context first: a prompt past it is told the context (--max-model-len), never to grow the KV
+        # pool, which would not help
         if p >= limit:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {limit} tokens. However, your {what} resulted in {p} "
                 f"tokens, which leaves no room for the completion. Please reduce the length of the {what} "
-                f"(or raise --max-model-len up to the model's limit).", param=prompt_param)
+                f"(the limit is the server's --max-model-len, at most the model's own context).",
+                param=prompt_param)
+        if pool and p + 1 > pool:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {limit} tokens. However, your {what} resulted in {p} "
+                f"tokens, and this server's KV cache pool holds only {pool} tokens (the prompt plus one generated "
+                f"token must fit). Shorten the {what}, or start the server with a larger KV pool (--num-tokens / "
+                f"--num-pages, or more memory: --gpu-memory-limit).", param=prompt_param)
         room = min(limit, pool) - p if pool else limit - p
         if params.max_tokens is None:
             return room if default_max is None else max(1, min(default_max, room))
@@ -569,8 +582,9 @@ class _Server:
                          metrics=self.metrics, arrival=request.scope.get(ARRIVAL_KEY),
                          timeout_s=self._timeout(request))
         tools = tuple(t.name for t in job.tools) if job.tools and job.tool_choice.mode != "none" else None
+        prefill = _message_text(job.messages[-1]) if job.continue_final_message and job.messages else None
         turn = TurnConfig(reasoning=self.reasoning, starts_in_reasoning=self.reasoning and
-                          prompt_opens_thinking(text), tool_names=tools, tool_parser=self.tool_parser,
+                          prompt_opens_thinking(text, prefill), tool_names=tools, tool_parser=self.tool_parser,
                           tool_schemas={t.name: t.parameters for t in job.tools} if tools else None)
         first = await self._start(request, rid, gen, job.stream)
         return ChatRun(gen, first, prompt_ids, turn)

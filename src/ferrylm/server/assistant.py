@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 from ferrylm.engine.outputs import TokenLogprob
 from ferrylm.server.generation import Event, Generation
@@ -71,14 +71,21 @@ class AssistantTurn:
         self.num_calls = 0
 
     def feed(self, text: str, index: int = 0) -> TurnDelta:
-        r, c = self.reasoning.feed(text) if self.reasoning is not None else ("", text)
-        return self._content(index, r, self.tools.feed(c) if self.tools is not None else [Piece(c)])
+        return self._content(index, *self.split(text))
 
     def finish(self, index: int = 0) -> TurnDelta:
+        return self._content(index, *self.split_finish())
+
+    def split(self, text: str) -> tuple[str, list[Piece]]:
+        """``text`` as (reasoning, content pieces in generation order: text and calls)."""
+        r, c = self.reasoning.feed(text) if self.reasoning is not None else ("", text)
+        return r, self.tools.feed(c) if self.tools is not None else [Piece(c)]
+
+    def split_finish(self) -> tuple[str, list[Piece]]:
         r, c = self.reasoning.finish() if self.reasoning is not None else ("", "")
         if self.tools is None:
-            return self._content(index, r, [Piece(c)])
-        return self._content(index, r, self.tools.feed(c) + self.tools.finish())
+            return r, [Piece(c)]
+        return r, self.tools.feed(c) + self.tools.finish()
 
     def _content(self, index: int, reasoning: str, pieces: list[Piece]) -> TurnDelta:
         d = TurnDelta(index, reasoning=reasoning)
@@ -97,20 +104,41 @@ class AssistantTurn:
 
 @dataclass
 class TurnResult:
-    """A whole choice (non-stream)."""
+    """A whole choice (non-stream). ``blocks``: the same parts in generation order, adjacent text merged:
+    ``("reasoning", str)``, ``("text", str)``, ``("call", ToolCall)`` (Anthropic's content blocks and the
+    Responses API's output items follow it: text before a tool call only when it was generated before it)."""
 
     reasoning: str
     content: str
     calls: list[ToolCall]
     finish_reason: str | None
+    blocks: list[tuple[str, Any]] = field(default_factory=list)
 
 
 def whole_turn(cfg: TurnConfig, text: str, engine_reason: str | None) -> TurnResult:
     """Split a finished choice's ``text`` exactly as the stream would have."""
     turn = cfg.new_turn()
-    a, b = turn.feed(text), turn.finish()
-    return TurnResult(a.reasoning + b.reasoning, a.content + b.content, [c for _, c in a.calls + b.calls],
-                      turn.finish_reason(engine_reason))
+    blocks: list[tuple[str, Any]] = []
+
+    def add(kind: str, x: Any) -> None:
+        if kind != "call" and blocks and blocks[-1][0] == kind:
+            blocks[-1] = (kind, blocks[-1][1] + x)
+        else:
+            blocks.append((kind, x))
+
+    for r, pieces in (turn.split(text), turn.split_finish()):
+        if r:
+            add("reasoning", r)
+        for p in pieces:
+            if p.call is not None:
+                turn.num_calls += 1
+                add("call", p.call)
+            elif p.text:
+                add("text", p.text)
+    if any(k == "call" for k, _ in blocks):   # blank text between or around calls is no block of its own
+        blocks = [(k, x) for k, x in blocks if k != "text" or x.strip()]
+    return TurnResult("".join(x for k, x in blocks if k == "reasoning"), "".join(x for k, x in blocks if k == "text"),
+                      [x for k, x in blocks if k == "call"], turn.finish_reason(engine_reason), blocks)
 
 
 class _Ping:

@@ -141,6 +141,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
         content = m.content
         if content is None and m.role in ("system", "developer", "user"):
             raise InvalidRequest(f"messages[{i}] ({m.role}) has no 'content'", param="messages")
+        if isinstance(content, list) and not content and not (m.role == "assistant" and m.tool_calls):
+            raise InvalidRequest(f"'messages.{i}.content' is an empty list; give at least one content part or a "
+                                 f"string", param=f"messages.{i}.content")
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
@@ -272,7 +275,8 @@ async def _stream(srv: Any, rid: str, run: Any, base_id: str, created: int, mode
 
 def _delta_chunks(srv: Any, gen: Any, d: TurnDelta, want_ids: bool) -> list[ChatCompletionStreamChoice]:
     """A delta as stream choices: text / reasoning first, then per call a header (id, type, name, empty
-    arguments) and its arguments, keyed by the call's ``index``; ``finish_reason`` on the last."""
+    arguments) and its arguments, keyed by the call's ``index``; ``finish_reason`` on a last chunk of its own with an
+    empty delta (unless the delta brings nothing else)."""
     logprobs = None
     if gen.choices[d.index].params.logprobs is not None:
         logprobs = ChatChoiceLogprobs(content=chat_logprobs(d.logprobs, srv.codec))
@@ -289,10 +293,12 @@ def _delta_chunks(srv: Any, gen: Any, d: TurnDelta, want_ids: bool) -> list[Chat
         logprobs, ids = None, None
         out.append(ChatCompletionStreamChoice(index=d.index, delta=DeltaMessage(tool_calls=[
             {"index": k, "function": {"arguments": call.arguments}}])))
-    if d.finish_reason is not None:
-        if d.calls:
+    if d.finish_reason is not None:   # the finishing chunk carries no text (as OpenAI's and llama.cpp's)
+        last = out[-1] if out else None
+        if (last is not None and last.delta == DeltaMessage() and last.logprobs is None
+                and last.token_ids is None):
+            last.finish_reason = d.finish_reason
+        else:
             out.append(ChatCompletionStreamChoice(index=d.index, delta=DeltaMessage(),
                                                   finish_reason=d.finish_reason))
-        else:
-            out[-1].finish_reason = d.finish_reason
     return out

@@ -60,6 +60,9 @@ class Choice:
     engine_done: bool = False       # the engine reported this request finished (no abort needed)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
+    # logprobs (with offsets) of tokens whose text is not released yet (a possible stop string's start): they go
+    # out with their text, and are dropped when a stop string cuts them off
+    held_logprobs: list[tuple[TokenLogprob, int]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)   # every generated token id, in order
     prompt_logprobs: list | None = None    # the engine's prompt logprobs, when asked (first output)
     num_cached_tokens: int = 0              # prompt tokens served from the prefix cache (the engine's first output)
@@ -271,13 +274,33 @@ class Generation:
         ch.finish_reason = finish
         if finish is not None and self.metrics is not None:
             self.metrics.success.labels(finish).inc()
-        lps = out.logprobs if ch.params.logprobs is not None and out.logprobs else None
+        lps = None
+        if ch.params.logprobs is not None:
+            lps, offsets = _release_logprobs(ch, list(out.logprobs or ()), offsets, finish is not None)
         if lps:
             ch.logprobs.extend(lps)
             ch.offsets.extend(offsets)
         if not delta and finish is None and not lps and not ids:
             return None
         return Event(ch.index, delta, lps, offsets if lps else None, finish, token_ids=ids)
+
+
+def _release_logprobs(ch: Choice, lps: list[TokenLogprob], offsets: list[int],
+                      finished: bool) -> tuple[list[TokenLogprob], list[int]]:
+    """The logprobs to send with this output: those of tokens whose text starts inside the text released so far
+    (the rest wait with the held text). At the end: every held one, except after a stop string, where tokens
+    starting at or past the cut are dropped (logprobs never go past a stop string)."""
+    held = ch.held_logprobs
+    held.extend(zip(lps, offsets))
+    if not held:
+        return [], []
+    cut = len(ch.text.text)
+    if finished and not ch.text.stopped:
+        out, ch.held_logprobs = held, []
+    else:
+        out = [h for h in held if h[1] < cut]
+        ch.held_logprobs = [] if finished else [h for h in held if h[1] >= cut]
+    return [lp for lp, _ in out], [o for _, o in out]
 
 
 async def wait_disconnect(request: Request) -> None:

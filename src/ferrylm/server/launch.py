@@ -132,7 +132,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
     from ferrylm.models.checkpoint_check import verify_checkpoint
     from ferrylm.models.registry import supported_architectures
     from ferrylm.models.resolve import resolve_model
-    from ferrylm.server.tokenizer import TextCodec
+    from ferrylm.server.tokenizer import TextCodec, load_chat_template
 
     try:
         resolved = resolve_model(args.model)
@@ -143,6 +143,8 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
         if resolved.source != "synthetic":
             verify_checkpoint(resolved.path)   # a truncated file: one line naming it, exit 2 (not an engine crash)
         codec = TextCodec.from_pretrained(resolved.path)
+        if getattr(args, "chat_template", None):
+            codec.set_chat_template(load_chat_template(args.chat_template))
     except ModelLoadError as e:
         sock.close()
         return fail(e.message)

@@ -201,10 +201,27 @@ class EngineCollector:
                     yield g
 
 
-class Metrics:
-    """The app's metrics: a private registry with the request-level metrics and the engine collector."""
+class _ConstLabels:
+    """A registry's metrics with constant labels added to every sample at scrape time (vLLM labels each metric
+    with ``model_name``): the observing code stays label-free."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]):
+        self.registry, self.labels = registry, labels
+
+    def collect(self) -> Iterable[Metric]:
+        for m in self.registry.collect():
+            out = Metric(m.name, m.documentation, m.type, m.unit)
+            for smp in m.samples:
+                out.add_sample(smp.name, {**smp.labels, **self.labels}, smp.value, smp.timestamp, smp.exemplar)
+            yield out
+
+
+class Metrics:
+    """The app's metrics: a private registry with the request-level metrics and the engine collector; every
+    sample carries ``model_name`` (the served model name, as vLLM's)."""
+
+    def __init__(self, engine: Any, model_name: str | None = None):
+        self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.ttft = Histogram(P + "time_to_first_token_seconds",
@@ -230,4 +247,6 @@ class Metrics:
         r.register(EngineCollector(engine))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.model_name is None:
+            return generate_latest(self.registry)
+        return generate_latest(_ConstLabels(self.registry, {"model_name": self.model_name}))

@@ -191,16 +191,40 @@ def parse_request(model: type[_Request], body: Any) -> Any:
         raise invalid_from_errors(e.errors()) from None
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict", "any", "set", "tuple", "bytes"})
+
+
+def _is_union_tag(x: Any) -> bool:
+    """True for the parts of a pydantic error location that name a union member (``str``, ``list[str]``,
+    ``dict[str,any]``, ``TextPart``, ``function-after[...]``), not a request field (fields are snake_case)."""
+    return isinstance(x, str) and (x in _TYPE_TAGS or "[" in x or x[:1].isupper())
+
+
 def invalid_from_errors(errors: list[dict]) -> InvalidRequest:
-    """One InvalidRequest summarising pydantic/FastAPI validation errors (first error names ``param``)."""
-    parts = []
+    """One InvalidRequest summarising pydantic/FastAPI validation errors. ``param`` names the field of the first
+    error, without the union members pydantic puts in locations (``stop``, not ``stop.str``); of the errors one
+    union gave, the deepest names it (``messages.0.content.0.text``: the member the value got furthest in)."""
+    def loc_of(err: dict) -> list:
+        return [x for x in err.get("loc", ()) if x != "body"]
+
+    def clean(loc: list) -> str:
+        return ".".join(str(x) for x in loc if not _is_union_tag(x)) or "body"
+
     param = None
+    if errors:
+        first = loc_of(errors[0])
+        t = next((i for i, x in enumerate(first) if _is_union_tag(x)), None)
+        group = [errors[0]]
+        if t is not None:
+            group = [e for e in errors if loc_of(e)[:t] == first[:t] and len(loc_of(e)) > t
+                     and _is_union_tag(loc_of(e)[t])]
+        best = max(group, key=lambda e: len([x for x in loc_of(e) if not _is_union_tag(x)]))
+        param = clean(loc_of(best)) if loc_of(best) else None
+    parts: list[str] = []
     for err in errors[:5]:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        where = ".".join(loc) or "body"
-        if param is None and loc:
-            param = where
-        parts.append(f"{where}: {err.get('msg', 'invalid value')}")
+        part = f"{clean(loc_of(err))}: {err.get('msg', 'invalid value')}"
+        if part not in parts:
+            parts.append(part)
     more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
     return InvalidRequest("invalid request: " + "; ".join(parts) + more, param=param)
 

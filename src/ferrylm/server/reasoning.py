@@ -4,7 +4,7 @@ On for chat templates that write ``</think>`` (Qwen3, QwQ, DeepSeek-R1 style); o
 content only). Rules, decided on the text alone so that any chunking gives the same split:
 
 - The output starts in reasoning when the prompt ends inside an open ``<think>`` (templates that open the block
-  themselves), or when its first non-blank text is ``<think>``. Otherwise everything is content (a later
+  themselves, or a client prefill — a continued assistant message — that opened it, text after the tag or not), or when its first non-blank text is ``<think>``. Otherwise everything is content (a later
   ``<think>`` is content too).
 - Reasoning ends at ``</think>``; blank lines right after ``<think>``, right before ``</think>`` and right after
   it are dropped. An output that ends while thinking is all reasoning.
@@ -27,8 +27,18 @@ def template_has_reasoning(chat_template: object) -> bool:
     return isinstance(chat_template, str) and CLOSE in chat_template
 
 
-def prompt_opens_thinking(prompt_text: str) -> bool:
-    """True when the rendered prompt ends inside a ``<think>`` block it opened (the output starts reasoning)."""
+def prompt_opens_thinking(prompt_text: str, prefill: str | None = None) -> bool:
+    """True when the rendered prompt ends inside a ``<think>`` block it opened (the output starts reasoning).
+
+    ``prefill``: the text of the assistant message the output continues (``continue_final_message``, Anthropic's
+    trailing assistant turn), None otherwise. A prefill that opens ``<think>`` and does not close it is inside the
+    block whatever text follows the tag (``"<think>Let me see"``): the output goes on reasoning. Without a
+    prefill only a prompt that ends right after ``<think>`` counts (a ``<think>`` in earlier text followed by
+    more prompt is not the output's)."""
+    if prefill is not None:
+        j = prefill.rfind(OPEN)
+        if j >= 0 and prefill.find(CLOSE, j) < 0:
+            return True
     i = prompt_text.rfind(OPEN)
     return i >= 0 and prompt_text.find(CLOSE, i) < 0 and not prompt_text[i + len(OPEN):].strip()
 

@@ -89,6 +89,7 @@ async def read_body(request: Request, limit: int | None) -> bytes:
 async def read_json(request: Request) -> Any:
     """The request body as JSON. Raises InvalidRequest for an empty body, bad JSON, NaN or Infinity, and
     RequestTooLarge (413) past ``--max-request-bytes``."""
+    check_json_content_type(request.headers.get("content-type"))
     server = getattr(request.app.state, "server", None)
     body = await read_body(request, getattr(server, "max_request_bytes", None))
     if not body.strip():
@@ -103,6 +104,19 @@ async def read_json(request: Request) -> Any:
         raise InvalidRequest(f"invalid JSON body: {e}") from None
     reject_lone_surrogates(data)
     return data
+
+
+def check_json_content_type(content_type: str | None) -> None:
+    """A body declared as something other than JSON is a 400, as vLLM answers ("Only 'application/json' is
+    allowed"): ``application/json`` and ``application/<x>+json`` (any parameters, e.g. ``charset``) pass; no
+    Content-Type at all passes too (raw clients, ``curl --data-binary`` without ``-H``) and is read as JSON."""
+    if content_type is None or not content_type.strip():
+        return
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+        return
+    raise InvalidRequest(f"Unsupported Media Type: Content-Type {media!r}; only 'application/json' is allowed",
+                         param="Content-Type")
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

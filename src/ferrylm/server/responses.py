@@ -145,8 +145,8 @@ def _part_text(content: Any, param: str) -> str:
 
 def convert_input(items: Any) -> list[dict]:
     """``input`` (text or items) → template messages. Raises InvalidRequest naming the item."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+    if isinstance(items, str):   # "" is no turn, as [] is (both a 400 without a previous response)
+        return [{"role": "user", "content": items}] if items else []
     out: list[dict] = []
     for i, it in enumerate(items):
         where = f"input.{i}"
@@ -289,13 +289,19 @@ class ResponseShell:
                 "usage": usage, "user": r.user, "metadata": r.metadata or {}}
 
 
-def output_items(reasoning: str, content: str, calls: list[ToolCall]) -> list[dict]:
+def output_items(blocks: list[tuple[str, Any]]) -> list[dict]:
+    """A whole turn's output items in generation order (``TurnResult.blocks``); a turn of no text and no call
+    still has its (empty) message."""
     items = []
-    if reasoning:
-        items.append(_reasoning_item(f"rs_{_ids()}", reasoning))
-    if content or not calls:
-        items.append(_message_item(f"msg_{_ids()}", content))
-    items.extend(_call_item(c) for c in calls)
+    for kind, x in blocks:
+        if kind == "reasoning":
+            items.append(_reasoning_item(f"rs_{_ids()}", x))
+        elif kind == "text":
+            items.append(_message_item(f"msg_{_ids()}", x))
+        else:
+            items.append(_call_item(x))
+    if not any(it["type"] in ("message", "function_call") for it in items):
+        items.append(_message_item(f"msg_{_ids()}", ""))
     return items
 
 
@@ -428,7 +434,7 @@ async def create(srv: Any, request: Request, rid: str) -> Response:
         return SSEResponse(_stream(srv, rid, run, shell, conversation), headers=SSE_HEADERS)
     (ch,) = run.gen.choices
     res = whole_turn(run.turn, ch.text.text, ch.finish_reason)
-    output = output_items(res.reasoning, res.content, res.calls)
+    output = output_items(res.blocks)
     final = shell.object("incomplete" if res.finish_reason == "length" else "completed", output,
                          run.gen.completion_tokens, res.finish_reason == "length", run.gen.cached_tokens)
     _remember(srv, req, final, conversation)

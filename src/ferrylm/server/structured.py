@@ -59,11 +59,58 @@ def json_schema_grammar(schema: Any, param: str, *, strict: bool = True) -> str:
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):
         raise InvalidRequest(f"'{param}' must be a JSON schema object", param=param)
+    check_ref_cycles(schema, param)
     ll = _ll().LLMatcher
     grammar = ll.grammar_from_json_schema(schema, defaults=dict(JSON_OPTIONS))
     if not strict and ll.validate_grammar(grammar):
         grammar = ll.grammar_from_json_schema(schema, defaults={**JSON_OPTIONS, "lenient": True})
     return validate(grammar, param)
+
+
+# keywords that do not constrain a document: a node made of "$ref" and these is only its target
+_ANNOTATIONS = frozenset({"$ref", "$schema", "$id", "$comment", "$defs", "definitions", "title", "description",
+                          "default", "examples", "deprecated", "readOnly", "writeOnly"})
+
+
+def _pointer(root: Any, ref: str) -> Any:
+    """The node a local ``$ref`` (``#``, ``#/a/b``) points at; None when it does not resolve (llguidance then
+    reports it)."""
+    node = root
+    for part in ref[1:].split("/")[1:] if ref != "#" else ():
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def check_ref_cycles(schema: dict, param: str) -> None:
+    """A ``$ref`` chain that comes back to itself with nothing else on the way (``{"$ref": "#"}``) matches no
+    document: llguidance accepts the grammar, and the request would fail at its first token. Raises
+    InvalidRequest naming the field and the pointer instead. Recursion through a real keyword (``properties``,
+    ``items``, ``anyOf`` ...) is fine and left to llguidance."""
+    stack, seen_nodes = [(schema, "#")], 0
+    while stack and seen_nodes < 10_000:
+        node, where = stack.pop()
+        seen_nodes += 1
+        if isinstance(node, list):
+            stack.extend((x, f"{where}/{i}") for i, x in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        stack.extend((v, f"{where}/{k}") for k, v in node.items() if isinstance(v, (dict, list)))
+        chain, cur = [], node
+        while isinstance(cur, dict) and isinstance(cur.get("$ref"), str) and cur["$ref"].startswith("#") \
+                and set(cur) <= _ANNOTATIONS:
+            if any(cur is c for c in chain):
+                raise InvalidRequest(f"'{param}' cannot be enforced: '$ref' {node['$ref']!r} at {where} refers "
+                                     f"back to itself through {' -> '.join(c['$ref'] for c in chain)} and matches no "
+                                     f"document", param=param)
+            chain.append(cur)
+            cur = _pointer(schema, cur["$ref"])
 
 
 def regex_grammar(regex: Any, param: str) -> str:

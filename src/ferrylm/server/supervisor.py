@@ -32,6 +32,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import multiprocessing as mp
 import os
@@ -61,6 +62,7 @@ HEARTBEAT_STALE_S = 5.0       # no heartbeat for this long → /health says "sta
 WATCHDOG_TICK_S = 0.25        # how often the progress watchdog looks
 STACK_DUMP_WAIT_S = 0.5       # time the engine gets to write its stacks before SIGKILL
 STALL_MARGIN = 4.0            # x the expected time between progress ticks of the running step
+TICK_GAPS_KEPT = 16           # observed times per tick the watchdog's deadline follows (the slowest of them)
 FATAL_EXIT_WAIT_S = 2.0       # an engine that reported a fatal error is SIGKILLed if it has not exited by then
 MODEL_ERROR_CODES = frozenset({"model_load_error", "unsupported_architecture"})  # start-up failures: exit 2
 
@@ -158,6 +160,10 @@ class Supervisor:
         self._meta: dict[str, _InFlight] = {}
         self._progress: dict = {}     # the last heartbeat's progress report (engine/progress.py)
         self._last_ticks: int | None = None
+        self._last_tick_time: float | None = None   # frontend clock: when the tick count last changed
+        # seconds per tick observed lately (heartbeats that saw the count move): the watchdog's deadline follows
+        # the engine's real pace, so a slow but progressing engine (a saturated CPU) is not taken for a hang
+        self._tick_gaps: collections.deque[float] = collections.deque(maxlen=TICK_GAPS_KEPT)
         self.quarantine = Quarantine(window_s=restart_window_s)
         self.faults = faults
         self.fatal_exit_code = 1
@@ -187,6 +193,8 @@ class Supervisor:
         self.engine_pid = proc.pid
         self.state = "loading" if self.num_restarts == 0 else "restarting"
         self._progress, self._last_ticks = {}, None
+        self._last_tick_time = None
+        self._tick_gaps.clear()
         self.last_heartbeat = self._last_progress = time.monotonic()
         log.info("engine process %d started (generation %d)", proc.pid, self._gen)
         loop = asyncio.get_running_loop()
@@ -354,14 +362,17 @@ class Supervisor:
 
     def stall_deadline(self) -> float:
         """Seconds without progress after which the running engine is stalled: ``watchdog_timeout``, or more when
-        the running step is expected to take longer than that between two progress ticks (STALL_MARGIN x its
-        expected duration / ticks per step)."""
+        the running step is expected to take longer than that between two progress ticks: STALL_MARGIN x the
+        larger of its expected duration / ticks per step and the slowest time per tick observed over the last
+        TICK_GAPS_KEPT moves of the tick count (a saturated host slows every layer down; its ticks still come, at
+        its own pace). A hang stops the ticks, so it never feeds the observed pace."""
         wd = float(self.watchdog_timeout or 0.0)
         p = self._progress
         try:
             if p.get("in_step"):
                 per_tick = float(p.get("expected_step_s") or 0.0) / max(1, int(p.get("ticks_per_step") or 1))
-                return max(wd, STALL_MARGIN * per_tick)
+                observed = max(self._tick_gaps) if self._tick_gaps else 0.0
+                return max(wd, STALL_MARGIN * per_tick, STALL_MARGIN * observed)
         except (TypeError, ValueError, AttributeError):
             pass
         return wd
@@ -474,9 +485,20 @@ class Supervisor:
             # NOTE: idle is not stuck; but waiting requests are work (an engine that hangs before it schedules
             # them must be found: with nothing running every waiting request fits)
             self._last_progress = now
+            # the observed pace counts busy time only: an idle spell is no slow tick
+            self._last_tick_time = now
+            if ticks is not None:
+                self._last_ticks = ticks
         elif ticks is not None:
             if ticks != self._last_ticks:                  # a layer or a step boundary since the last beat
                 self._last_progress = now
+                try:
+                    moved = int(ticks) - int(self._last_ticks) if self._last_ticks is not None else 0
+                except (TypeError, ValueError):
+                    moved = 0
+                if moved > 0 and self._last_tick_time is not None:
+                    self._tick_gaps.append((now - self._last_tick_time) / moved)
+                self._last_tick_time = now
             self._last_ticks = ticks
         else:  # an engine without progress reports: the loop iteration's age
             self._last_progress = max(self._last_progress, now - float(msg.last_step_age))

@@ -246,6 +246,10 @@ class TextCodec:
         """The template source (a string, or named templates), None without one."""
         return getattr(self.tokenizer, "chat_template", None)
 
+    def set_chat_template(self, template: str) -> None:
+        """Use ``template`` (Jinja text) instead of the tokenizer's own (``--chat-template``)."""
+        self.tokenizer.chat_template = template
+
     def encode(self, prompt: str, add_special_tokens: bool = True, *, parse_special: bool = False) -> list[int]:
         """Token ids of client text ``prompt``: special-token strings in it are tokenized as text, never as the
         special tokens (``parse_special`` True parses them: text the server or the operator wrote, never a
@@ -483,3 +487,26 @@ class TextStream:
             delta += self.stops.flush()
         self.text += delta
         return delta
+
+
+def load_chat_template(value: str) -> str:
+    """``--chat-template``: a file path (read), or the Jinja text itself (vLLM takes both). Raises ModelLoadError
+    for a path that names no readable file and is no template either, and for a template Jinja cannot parse."""
+    text = value
+    looks_inline = "{{" in value or "{%" in value
+    if not looks_inline:
+        if not os.path.isfile(value):
+            raise ModelLoadError(f"--chat-template {value!r}: no such file (give a template file or the Jinja text "
+                                 f"itself)")
+        try:
+            with open(value, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"--chat-template {value!r}: cannot read it: {e}") from None
+    try:
+        import jinja2.sandbox
+
+        jinja2.sandbox.ImmutableSandboxedEnvironment().parse(text)
+    except Exception as e:  # noqa: BLE001 - jinja2.TemplateSyntaxError and friends
+        raise ModelLoadError(f"--chat-template: not a valid Jinja template: {e}") from None
+    return text

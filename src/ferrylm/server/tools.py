@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ferrylm.errors import InvalidRequest
-from ferrylm.server.structured import JSON_OPTIONS, lark_grammar
+from ferrylm.server.structured import JSON_OPTIONS, check_ref_cycles, lark_grammar
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 MAX_TOOLS = 128
@@ -105,6 +105,7 @@ def make_tool(name: Any, description: Any, parameters: Any, strict: Any, param: 
     if parameters.get("type", "object") != "object":
         raise InvalidRequest(f"'{param}.parameters' must describe an object (type 'object')",
                              param=f"{param}.parameters")
+    check_ref_cycles(parameters, f"{param}.parameters")
     return ToolSpec(name, description or "", parameters, strict is True)
 
 
@@ -193,9 +194,22 @@ def strict_schema(schema: Any) -> Any:
     return out
 
 
-def _call_schema(t: ToolSpec) -> dict:
-    return {"type": "object", "properties": {"name": {"const": t.name}, "arguments": strict_schema(t.parameters)},
+def _call_schema(t: ToolSpec, at: str = "#") -> dict:
+    """The schema of one call to ``t`` (strict, :func:`strict_schema`), placed at the JSON pointer ``at`` of the
+    grammar's schema: the parameters' local ``$ref`` s (``#``, ``#/$defs/x``) are rebased to where the parameters
+    now sit."""
+    args = _rebase_refs(strict_schema(t.parameters), f"{at}/properties/arguments")
+    return {"type": "object", "properties": {"name": {"const": t.name}, "arguments": args},
             "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _rebase_refs(node: Any, prefix: str) -> Any:
+    if isinstance(node, dict):
+        return {k: (prefix + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                    else _rebase_refs(v, prefix)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rebase_refs(v, prefix) for v in node]
+    return node
 
 
 def lark_term(codec: Any):
@@ -230,7 +244,8 @@ def tool_call_grammar(tools: list[ToolSpec], choice: ToolChoice, param: str = "t
     if not choice.forced:
         return None
     chosen = [t for t in tools if choice.mode == "required" or t.name == choice.name]
-    schemas = [_call_schema(t) for t in chosen]
+    schemas = ([_call_schema(chosen[0], "#")] if len(chosen) == 1
+               else [_call_schema(t, f"#/anyOf/{i}") for i, t in enumerate(chosen)])
     body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     body = {**body, "x-guidance": {**JSON_OPTIONS, "lenient": True}}
     repeat = f' ("\\n" call){{0,{MAX_FORCED_CALLS - 1}}}' if choice.mode == "required" and choice.parallel else ""
@@ -343,6 +358,27 @@ def _partial_suffix(buf: str, tag: str) -> int:
     return 0
 
 
+def _close_outside_json_string(buf: str, tag: str) -> int:
+    """Index of the first ``tag`` in ``buf`` that is not inside a JSON string literal (-1: none yet)."""
+    in_str = esc = False
+    i, n = 0, len(buf)
+    while i < n:
+        c = buf[i]
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c == "<" and buf.startswith(tag, i):
+            return i
+        i += 1
+    return -1
+
+
 class HermesToolParser(ToolParser):
     """``<tool_call>{json}</tool_call>`` blocks (see the module docstring for the rules).
 
@@ -363,13 +399,17 @@ class HermesToolParser(ToolParser):
         self._in_call = False
         self._ws = ""            # trailing whitespace of released text, held until we know what follows it
         self._after_call = False  # drop the whitespace that follows a call
+        self._raw_close = False   # finish(): a body whose strings never close ends at the first closing tag
 
     def feed(self, text: str) -> list[Piece]:
         self._buf += text
         out: list[Piece] = []
         while True:
             if self._in_call:
-                j = self._buf.find(self.CLOSE)
+                # NOTE: the closing tag that ends the call is the first one outside a JSON string: a string
+                # argument may hold "</tool_call>" itself (a forced call's grammar allows any string)
+                j = self._buf.find(self.CLOSE) if self._raw_close else _close_outside_json_string(self._buf,
+                                                                                                   self.CLOSE)
                 body = self._buf if j < 0 else self._buf[:j]
                 stripped = body.lstrip()
                 if stripped and not stripped.startswith("{"):   # not a call: the tag was just mentioned
@@ -402,6 +442,9 @@ class HermesToolParser(ToolParser):
 
     def finish(self) -> list[Piece]:
         out = self.feed("")
+        if self._in_call and self.CLOSE in self._buf:   # a malformed body (an unclosed string): the first tag
+            self._raw_close = True
+            out += self.feed("")
         rest = (self.OPEN if self._in_call else "") + self._buf
         self._buf, self._in_call = "", False
         self._text(rest, out)
