@@ -1,0 +1,163 @@
+"""The synthetic routing model: each calibrated profile reproduces its published statistics within tolerance,
+routing is deterministic per seed, a token's routing does not depend on the rest of the batch (nor on how its
+sequence is chunked), and a synthetic model routes through it (``synthetic:<preset>:routing=<profile>``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ferrylm.errors import ModelLoadError
+from ferrylm.models.moe import SparseMoeBlock
+from ferrylm.models.routing_model import RoutingContext, RoutingModel, hash_fold, sequence_key, to_uniform
+from ferrylm.models.routing_profiles import PROFILES, ROUTER, get_profile
+from ferrylm.models.routing_stats import lru_hit_rate, repeat_next, reuse_within, trace_stats
+from ferrylm.models.synthetic import PRESETS, SyntheticPreset, SyntheticSpec, parse_synthetic_spec
+from ferrylm.models.synthetic_build import build_synthetic
+from tests.models.test_synthetic import TINY_SHAPES, logits
+
+# |reproduced - published| allowed per statistic (absolute; reuse distance in tokens). The fits sit well inside
+# these (docs/ROUTING.md); the slack covers the sampling noise of 2 x 1024 tokens x 3 layers.
+TOLERANCE = {"repeat_next": 0.06, "reuse_within_8": 0.06, "median_reuse_distance": 1.0, "lru_40pct": 0.06,
+             "top_half_share": 0.06, "jaccard_next": 0.07, "lru_64": 0.06, "lru_128": 0.06,
+             "predict_recall": 0.12}
+
+
+def profile_trace(name: str, seqs: int = 2, tokens: int = 1024, layers=(3, 4, 5), seed: int = 0):
+    """``(trace [S, L, N, k], mean next-layer predict recall)`` of a profile at its published shape."""
+    prof = get_profile(name)
+    e, k = prof.shape
+    model = RoutingModel(prof, e, k, seed=seed, layers=range(8))
+    pos = torch.arange(tokens)
+    out = np.zeros((seqs, len(layers), tokens, k), np.int64)
+    recall = []
+    for s in range(seqs):
+        keys = torch.full((tokens,), sequence_key([s, 7, 7], seed), dtype=torch.int64)
+        for j, layer in enumerate(layers):
+            out[s, j] = model.route(layer, keys, pos).numpy()
+            pred = model.predict(layer + 1, keys, pos)
+            actual = torch.zeros(tokens, e, dtype=torch.bool).scatter_(1, model.route(layer + 1, keys, pos), True)
+            recall.append(actual.gather(1, pred).float().mean().item())
+    return out, float(np.mean(recall))
+
+
+@pytest.mark.parametrize("name", ["qwen3", "olmoe", "wide512"])
+def test_profile_reproduces_its_published_statistics(name):
+    prof = PROFILES[name]
+    # OLMoE's top-half share is a corpus figure: more, shorter sequences (a sticky sequence alone is skewed)
+    trace, recall = profile_trace(name, seqs=8, tokens=256) if name == "olmoe" else profile_trace(name)
+    stats = trace_stats(trace, prof.shape[0], lru_slots=(64, 128) if prof.shape[0] == 512 else ())
+    stats["predict_recall"] = recall
+    assert prof.targets
+    for key, target in prof.targets.items():
+        assert abs(stats[key] - target) <= TOLERANCE[key], (name, key, stats[key], target, stats)
+
+
+def test_uniform_has_no_locality_and_calibrated_profiles_do():
+    trace, recall = profile_trace("uniform", seqs=1, tokens=512)
+    u = trace_stats(trace, 128)
+    # independent uniform top-8 of 128: 1/16 repeat at the next token, LRU at 40 % residency hits ~40 %
+    assert abs(u["repeat_next"] - 8 / 128) < 0.02 and abs(u["lru_40pct"] - 0.4) < 0.04
+    assert recall < 0.15
+    q = trace_stats(profile_trace("qwen3", seqs=1, tokens=512)[0], 128)
+    assert q["repeat_next"] > 4 * u["repeat_next"] and q["lru_40pct"] > u["lru_40pct"] + 0.3
+
+
+def test_statistics_on_hand_made_traces():
+    ids = np.array([[0, 1], [0, 2], [3, 4], [0, 1]])
+    assert repeat_next(ids, 8) == pytest.approx((1 + 0 + 0) / (2 * 3))
+    assert reuse_within(ids, 8, window=2) == pytest.approx(1 / 4)  # of tokens 2-3, only t=3 expert 0
+    assert lru_hit_rate(ids, slots=2, warmup=0) == pytest.approx(1 / 8)
+
+
+def test_deterministic_per_seed_and_distinct_across_seeds():
+    prof = get_profile("qwen3")
+    keys, pos = torch.full((64,), 5, dtype=torch.int64), torch.arange(64)
+    a = RoutingModel(prof, 128, 8, seed=1, layers=range(2)).route(1, keys, pos)
+    b = RoutingModel(prof, 128, 8, seed=1, layers=range(2)).route(1, keys, pos)
+    c = RoutingModel(prof, 128, 8, seed=2, layers=range(2)).route(1, keys, pos)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert (a.sort(1).values.diff(1) > 0).all()  # k distinct experts per token
+    other_key = RoutingModel(prof, 128, 8, seed=1, layers=range(2)).route(1, keys + 1, pos)
+    assert not torch.equal(a, other_key)
+
+
+def test_a_requests_routing_ignores_the_rest_of_the_batch_and_the_chunking():
+    model = RoutingModel(get_profile("qwen3"), 128, 8, seed=0, layers=range(4))
+    key_a, key_b = sequence_key([1, 2, 3]), sequence_key([9, 9])
+    alone = model.route(2, torch.full((40,), key_a), torch.arange(40))
+    # the same sequence, decoded in a batch with another one at other positions, in two chunks
+    batch_pos = torch.cat([torch.arange(0, 25), torch.arange(100, 108), torch.arange(25, 40)])
+    batch_key = torch.cat([torch.full((25,), key_a), torch.full((8,), key_b), torch.full((15,), key_a)])
+    mixed = model.route(2, batch_key, batch_pos)
+    assert torch.equal(torch.cat([mixed[:25], mixed[33:]]), alone)
+    assert torch.equal(model.predict(3, batch_key, batch_pos)[33:], model.predict(3, torch.full((15,), key_a),
+                                                                                  torch.arange(25, 40)))
+
+
+def test_hash_is_uniform_enough():
+    u = to_uniform(hash_fold(3, torch.arange(200_000)))
+    assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.005
+    hist = torch.histc(u, bins=20, min=0, max=1) / u.numel()
+    assert (hist - 0.05).abs().max() < 0.003
+
+
+def tiny_qwen3(experts: int = 32, top_k: int = 4) -> SyntheticPreset:
+    cfg = {**PRESETS["qwen3-30b-a3b"].config, **TINY_SHAPES, "num_hidden_layers": 2, "num_experts": experts,
+           "num_experts_per_tok": top_k}
+    return SyntheticPreset("tiny-qwen3-30b-a3b", "test", cfg)
+
+
+def test_synthetic_model_routes_through_the_profile():
+    spec = SyntheticSpec(tiny_qwen3(), layers=2, seed=3, routing="qwen3")
+    loaded = build_synthetic(spec)
+    blocks = [m for m in loaded.model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks and all(b.routing is not None for b in blocks)
+    seen = {}
+    for b in blocks:
+        route = b.route
+
+        def record(hidden, b=b, route=route):
+            ids, w = route(hidden)
+            seen[b.layer_idx] = (ids, w)
+            return ids, w
+        b.route = record
+    n = 48
+    out = logits(loaded, torch.arange(n) % 90)
+    assert torch.isfinite(out).all()
+    ref = RoutingModel(get_profile("qwen3"), 32, 4, seed=3, layers=(0, 1))
+    for layer, (ids, w) in seen.items():
+        assert torch.equal(ids, ref.route(layer, torch.zeros(n, dtype=torch.int64), torch.arange(n)))
+        assert torch.allclose(w.sum(-1), torch.ones(n))  # Qwen3 renormalises the kept weights
+    # the router's own choice would differ (the routing model replaced it)
+    plain = build_synthetic(SyntheticSpec(tiny_qwen3(), layers=2, seed=3))
+    assert all(b.routing is None for b in plain.model.modules() if isinstance(b, SparseMoeBlock))
+
+
+def test_context_keys_separate_sequences():
+    ctx = RoutingContext()
+    with pytest.raises(RuntimeError):
+        ctx.current()
+    ctx.bind(torch.arange(4))
+    keys, _ = ctx.current()
+    assert keys.tolist() == [0, 0, 0, 0]
+    ctx.set_keys(torch.tensor([1, 1, 2, 2]))
+    assert ctx.current()[0].tolist() == [1, 1, 2, 2]
+    ctx.bind(torch.arange(3))  # a different step shape: stale keys are not used
+    assert ctx.current()[0].tolist() == [0, 0, 0]
+
+
+def test_spec_routing_option():
+    assert parse_synthetic_spec("synthetic:qwen3-30b-a3b:layers=2").routing == "qwen3"
+    assert parse_synthetic_spec("synthetic:olmoe-1b-7b").routing == "olmoe"
+    assert parse_synthetic_spec("synthetic:qwen3-30b-a3b:skew=1").routing == ROUTER
+    assert parse_synthetic_spec("synthetic:mixtral-8x7b").routing == ROUTER
+    s = parse_synthetic_spec("synthetic:qwen3-30b-a3b:layers=2:routing=uniform")
+    assert s.routing == "uniform" and s.name == "synthetic:qwen3-30b-a3b:layers=2:routing=uniform"
+    assert parse_synthetic_spec(s.name) == s
+    assert parse_synthetic_spec("synthetic:qwen3-30b-a3b:layers=2").name == "synthetic:qwen3-30b-a3b:layers=2"
+    with pytest.raises(ModelLoadError, match="unknown routing 'zipf'.*router, uniform, qwen3"):
+        parse_synthetic_spec("synthetic:qwen3-30b-a3b:routing=zipf")
+    cfg = parse_synthetic_spec("synthetic:qwen3-30b-a3b:layers=2:routing=wide512:seed=4").config()
+    assert cfg["ferrylm_routing"] == {"profile": "wide512", "seed": 4}
