@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from ferrylm.bench.routing_report import profile_statistics, profile_trace
 from ferrylm.errors import ModelLoadError
 from ferrylm.models.moe import SparseMoeBlock
 from ferrylm.models.routing_model import RoutingContext, RoutingModel, hash_fold, sequence_key, to_uniform
@@ -24,31 +25,10 @@ TOLERANCE = {"repeat_next": 0.06, "reuse_within_8": 0.06, "median_reuse_distance
              "predict_recall": 0.12}
 
 
-def profile_trace(name: str, seqs: int = 2, tokens: int = 1024, layers=(3, 4, 5), seed: int = 0):
-    """``(trace [S, L, N, k], mean next-layer predict recall)`` of a profile at its published shape."""
-    prof = get_profile(name)
-    e, k = prof.shape
-    model = RoutingModel(prof, e, k, seed=seed, layers=range(8))
-    pos = torch.arange(tokens)
-    out = np.zeros((seqs, len(layers), tokens, k), np.int64)
-    recall = []
-    for s in range(seqs):
-        keys = torch.full((tokens,), sequence_key([s, 7, 7], seed), dtype=torch.int64)
-        for j, layer in enumerate(layers):
-            out[s, j] = model.route(layer, keys, pos).numpy()
-            pred = model.predict(layer + 1, keys, pos)
-            actual = torch.zeros(tokens, e, dtype=torch.bool).scatter_(1, model.route(layer + 1, keys, pos), True)
-            recall.append(actual.gather(1, pred).float().mean().item())
-    return out, float(np.mean(recall))
-
-
 @pytest.mark.parametrize("name", ["qwen3", "olmoe", "wide512"])
 def test_profile_reproduces_its_published_statistics(name):
     prof = PROFILES[name]
-    # OLMoE's top-half share is a corpus figure: more, shorter sequences (a sticky sequence alone is skewed)
-    trace, recall = profile_trace(name, seqs=8, tokens=256) if name == "olmoe" else profile_trace(name)
-    stats = trace_stats(trace, prof.shape[0], lru_slots=(64, 128) if prof.shape[0] == 512 else ())
-    stats["predict_recall"] = recall
+    stats = profile_statistics(name)   # 2 x 1024 tokens x 3 layers (OLMoE: 8 x 256, a corpus-level share)
     assert prof.targets
     for key, target in prof.targets.items():
         assert abs(stats[key] - target) <= TOLERANCE[key], (name, key, stats[key], target, stats)

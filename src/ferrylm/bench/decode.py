@@ -224,7 +224,7 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
                     ex = build_from_banks(name, banks, device, ExpertOptions(
                         backend=name, cache_size=ec.moe_cache_size, cpu_threads=ec.moe_cpu_threads,
                         cpu_kernel=ec.moe_cpu_kernel, cpu_share=ec.moe_cpu_share if name == "hybrid" else None,
-                        prefetch=prefetch, bandwidths=bw))
+                        prefetch=prefetch, bandwidths=bw, cache_policy=ec.moe_cache_policy))
                     res.num_slots = ex.reserve(expert_budget(device, ec.gpu_memory_limit))
                 swap_executor(loaded.model, ex)  # the engine's runner drops the old executor's graphs on its next step
                 _generate(engine, warm, 4, f"{name}-warm", ex, device)

@@ -71,7 +71,7 @@ class RoutingProfile:
 PROFILES: dict[str, RoutingProfile] = {p.name: p for p in (
     RoutingProfile("uniform", targets={}, source="none: independent uniform top-k, the worst case for a cache"),
     RoutingProfile(
-        "qwen3", zipf=0.63, hot=(HotComponent(8, 0.125, 2.02), HotComponent(48, 0.263, 2.43)), phi=0.30,
+        "qwen3", zipf=0.67, hot=(HotComponent(6, 0.121, 2.04), HotComponent(64, 0.257, 2.74)), phi=0.27,
         targets={"repeat_next": 0.45, "reuse_within_8": 0.80, "median_reuse_distance": 2.0, "lru_40pct": 0.925,
                  "predict_recall": 0.78},
         source="kekzl/imp PR #1359 (Qwen3-30B-A3B decode traces, 3 prompts x 512 tokens); recall: issue 30",

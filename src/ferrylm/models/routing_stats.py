@@ -79,16 +79,19 @@ def lru_hit_rate(ids: np.ndarray, slots: int, warmup: int = WARMUP_TOKENS) -> fl
     hits = total = 0
     for t, row in enumerate(ids.tolist()):
         need = set(row)
-        for e in row:
+        missing = []
+        for e in row:           # as the engine: the token's cached experts are used (and kept) first
             if e in cache:
                 cache.move_to_end(e)
                 hits += t >= warmup
             else:
-                while len(cache) >= slots:
-                    victim = next(k for k in cache if k not in need)
-                    del cache[victim]
-                cache[e] = None
-            total += t >= warmup
+                missing.append(e)
+        for e in missing:
+            while len(cache) >= slots:
+                victim = next(k for k in cache if k not in need)
+                del cache[victim]
+            cache[e] = None
+        total += (t >= warmup) * len(row)
     return hits / max(1, total)
 
 
