@@ -239,11 +239,15 @@ def simulate_opt(trace: Trace, slots_per_layer: int) -> SimResult:
 
 
 def run(profiles=("qwen3", "olmoe", "wide512", "uniform"), batches=(1, 8), policies=DEFAULT_POLICIES, *,
-        layers: int = 8, steps: int = 384, seed: int = 0, progress=None) -> dict:
-    """Every curve and the prefetch figures as one JSON-ready dict (see :func:`main`)."""
+        layers: int = 8, steps: int = 384, seed: int = 0, progress=None, with_routing: bool = True) -> dict:
+    """Every curve and the prefetch figures as one JSON-ready dict (see :func:`main`); with ``with_routing``
+    the routing model's statistics next to the published ones (:func:`ferrylm.bench.routing_report.routing_report`)
+    as ``routing``."""
+    from ferrylm.bench.routing_report import routing_report
+
     out: dict = {"setup": {"layers": layers, "steps": steps, "warmup_steps": WARMUP_STEPS, "seed": seed,
                            "policies": list(policies), "batches": list(batches)},
-                 "curves": {}, "prefetch": {}}
+                 "routing": routing_report() if with_routing else {}, "curves": {}, "prefetch": {}}
     for name in profiles:
         prof = get_profile(name)
         e, k = prof.shape
@@ -289,7 +293,9 @@ def format_tables(result: dict) -> str:
                          "per layer")
             lines.append("| policy | " + " | ".join(str(c) for c in sizes) + " |")
             lines.append("|---|" + "---|" * len(sizes))
-            for pol, row in curve.items():
+            order = [p for p in DEFAULT_POLICIES if p in curve] + [p for p in curve if p not in DEFAULT_POLICIES]
+            for pol in order:
+                row = curve[pol]
                 lines.append(f"| {pol} | " + " | ".join(f"{row[str(c)]:.3f}" if str(c) in row else "-"
                                                          for c in sizes) + " |")
     return "\n".join(lines)

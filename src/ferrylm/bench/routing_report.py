@@ -16,8 +16,8 @@ from ferrylm.models.routing_model import RoutingModel, sequence_key
 from ferrylm.models.routing_profiles import PROFILES, get_profile
 from ferrylm.models.routing_stats import trace_stats
 
-#: ``(sequences, tokens)`` per profile: OLMoE's top-half share is a corpus figure, so more, shorter sequences
-SAMPLE = {"olmoe": (8, 256)}
+#: ``(sequences, tokens)`` per profile: OLMoE's top-half share is a corpus figure, so many short sequences
+SAMPLE = {"olmoe": (64, 128)}
 
 
 def profile_trace(name: str, seqs: int = 2, tokens: int = 1024, layers: tuple[int, ...] = (3, 4, 5),

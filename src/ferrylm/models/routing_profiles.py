@@ -77,7 +77,7 @@ PROFILES: dict[str, RoutingProfile] = {p.name: p for p in (
         source="kekzl/imp PR #1359 (Qwen3-30B-A3B decode traces, 3 prompts x 512 tokens); recall: issue 30",
         shape=(128, 8)),
     RoutingProfile(
-        "olmoe", zipf=2.3, hot=(HotComponent(128, 0.0, 11.5, continuous=True),), phi=0.5,
+        "olmoe", zipf=5.3, hot=(HotComponent(128, 0.0, 11.5, continuous=True),), phi=0.5,
         targets={"top_half_share": 0.765, "jaccard_next": 0.83},
         source="issue 30's paraphrase of OLMoE locality figures (see docs/ROUTING.md)", shape=(64, 8)),
     RoutingProfile(
