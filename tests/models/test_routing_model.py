@@ -141,3 +141,29 @@ def test_spec_routing_option():
         parse_synthetic_spec("synthetic:qwen3-30b-a3b:routing=zipf")
     cfg = parse_synthetic_spec("synthetic:qwen3-30b-a3b:layers=2:routing=wide512:seed=4").config()
     assert cfg["ferrylm_routing"] == {"profile": "wide512", "seed": 4}
+
+
+def test_engine_decode_routes_by_position(monkeypatch, tmp_path):
+    """Through the engine (paged KV, chunked prefill, batched decode): every token's experts are the routing
+    model's at its own position (positions bound by the decoder layers on every path the engine takes)."""
+    from ferrylm.engine.sampling_params import SamplingParams
+    from ferrylm.llm import LLM
+
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setitem(PRESETS, "tiny-routing", tiny_qwen3())
+    llm = LLM("synthetic:tiny-routing:routing=qwen3:seed=2", device="cpu", num_pages=32)
+    blocks = [m for m in llm.engine.model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks and all(b.routing is not None for b in blocks)
+    seen = []
+    run = blocks[0].executor.run
+
+    def record(layer, hidden, ids, weights, **kw):
+        seen.append((layer, blocks[0].routing_context.positions.clone(), ids.clone()))
+        return run(layer, hidden, ids, weights, **kw)
+    monkeypatch.setattr(blocks[0].executor, "run", record)
+    out = llm.generate([[1, 2, 3, 4, 5], [6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
+    ref = RoutingModel(get_profile("qwen3"), 32, 4, seed=2, layers=(0, 1))
+    assert len(seen) >= 2 * 4
+    for layer, pos, ids in seen:
+        assert torch.equal(ids, ref.route(layer, torch.zeros_like(pos), pos))
