@@ -30,7 +30,7 @@ def port_number(value: str) -> int:
 def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] = ()) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="built-in name (smollm2-moe, smollm2-135m), a local HF folder, a local .gguf file, or "
-                        "synthetic:<preset>[:layers=N][:skew=A][:seed=S] (see `ferry models`) "
+                        "synthetic:<preset>[:layers=N][:skew=A][:routing=R][:seed=S] (see `ferry models`) "
                         f"(default: {DEFAULT_MODEL})")
     p.add_argument("--tokenizer", default=None, metavar="FOLDER",
                    help="tokenizer folder for a synthetic: model (without it a synthetic model takes and prints "

@@ -13,8 +13,9 @@ sum_{d=1..D} F_{L-d}(p, e)``, ``ids = top-k(score)``.
   (Zipf's law; ``zipf = 0`` is flat). Reproduces the static share of the most used experts (OLMoE's top half
   carrying ~75-78 % of selections).
 - **Temporal reuse** (``hot``): component ``j`` gives every expert of a layer its own clock of period
-  ``period_j`` tokens and a seeded phase; in each period the expert is *hot* with probability ``hot_prob_j``
-  (a hash of ``(seed, key, layer, j, expert, epoch)``), and hot experts get ``bonus_j`` added to their score.
+  ``period_j`` tokens and a seeded phase; in each period the expert is *hot* with probability ``prob_j``
+  (a hash of ``(seed, key, layer, j, expert, epoch)``), and hot experts get ``bonus_j`` added to their score
+  (``continuous`` components add ``bonus_j * z`` with ``z`` a standard normal per period instead).
   The hot set churns smoothly (about ``E / period_j`` experts re-drawn per token), so a sequence keeps choosing
   from a slowly moving working set: this sets the repeat-at-next-token rate, the reuse-distance distribution and
   the per-layer LRU hit rate (Qwen3-30B-A3B's 45 % / 80 % within 8 / LRU 90-95 % at 40 % residency).
@@ -26,12 +27,15 @@ sum_{d=1..D} F_{L-d}(p, e)``, ``ids = top-k(score)``.
   calibrated to the 70-85 % one-layer-ahead recall reported for hidden-state predictors.
 
 Everything is device-side integer hashing plus ``ndtri`` and ``topk`` over ``[T, E]``: no host read, no Python
-branch on tensor values, so it captures in CUDA graphs. A token's ids depend on its own ``(key, position)`` and
-the seed only, never on the other tokens of the batch, so prefill chunking, batching and preemption by recompute
-give the same routing. Figures and their sources: docs/ROUTING.md; the profiles below were fitted by
-``python -m ferrylm.bench.routing_fit`` style grid search on the statistics of :mod:`ferrylm.models.routing_stats`.
+branch on tensor values, so it captures in CUDA graphs (tests/gpu/test_routing_model_cuda.py). A token's ids
+depend on its own ``(key, position)`` and the seed only, never on the other tokens of the batch, so prefill
+chunking, batching and preemption by recompute give the same routing. Figures and their sources:
+docs/ROUTING.md; the profiles (:mod:`ferrylm.models.routing_profiles`) were fitted by search on the statistics
+of :mod:`ferrylm.models.routing_stats`.
 
-This module imports torch only; it never reads model weights.
+The sequence key ``s`` names a token's sequence (:func:`sequence_key` of a request's opening prompt ids); the
+step's owner sets keys on the :class:`RoutingContext` (without them every token has key 0 and sequences at the
+same positions route alike). This module imports torch only; it never reads model weights.
 """
 
 from __future__ import annotations

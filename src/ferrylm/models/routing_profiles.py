@@ -66,8 +66,9 @@ class RoutingProfile:
                 raise ValueError(f"routing profile {self.name}: bad hot component {c}")
 
 
-#: Published figures (issue 30; sources in docs/ROUTING.md). Parameters fitted on the statistics of
-#: ferrylm.models.routing_stats (2 sequences x 1024 tokens x 4 layers per candidate; see docs/ROUTING.md).
+#: Published figures (issue 30; sources in docs/ROUTING.md). Parameters fitted by an ad-hoc random, then local,
+#: search on the statistics of ferrylm.models.routing_stats (1-2 sequences x 512-768 tokens x 3 layers per
+#: candidate; the search scripts were not kept: tests/models/test_routing_model.py checks the result).
 PROFILES: dict[str, RoutingProfile] = {p.name: p for p in (
     RoutingProfile("uniform", targets={}, source="none: independent uniform top-k, the worst case for a cache"),
     RoutingProfile(
@@ -79,11 +80,11 @@ PROFILES: dict[str, RoutingProfile] = {p.name: p for p in (
     RoutingProfile(
         "olmoe", zipf=5.3, hot=(HotComponent(128, 0.0, 11.5, continuous=True),), phi=0.5,
         targets={"top_half_share": 0.765, "jaccard_next": 0.83},
-        source="issue 30's paraphrase of OLMoE locality figures (see docs/ROUTING.md)", shape=(64, 8)),
+        source="JustVugg/colibri issue #864 (OLMoE-1B-7B-0924, 520 prompts, ~50k tokens)", shape=(64, 8)),
     RoutingProfile(
         "wide512", zipf=0.05, hot=(HotComponent(6, 0.02, 3.3), HotComponent(256, 0.12, 1.8)), phi=0.30,
         targets={"lru_64": 0.67, "lru_128": 0.81, "predict_recall": 0.78},
-        source="issue 30's paraphrase of 512-expert LRU figures (see docs/ROUTING.md)", shape=(512, 10)),
+        source="issue 30's 512-expert LRU figures (their source not located; docs/ROUTING.md)", shape=(512, 10)),
 )}
 
 #: ``routing=router``: no routing model; the random router's own top-k (with ``skew=``'s Zipf bias)
