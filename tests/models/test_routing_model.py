@@ -167,3 +167,33 @@ def test_engine_decode_routes_by_position(monkeypatch, tmp_path):
     assert len(seen) >= 2 * 4
     for layer, pos, ids in seen:
         assert torch.equal(ids, ref.route(layer, torch.zeros_like(pos), pos))
+
+
+@pytest.mark.parametrize("name", ["qwen3", "olmoe", "wide512", "uniform"])
+def test_route_all_layers_at_once_is_bit_identical_to_per_layer(name):
+    prof = get_profile(name)
+    e, k = prof.shape
+    model = RoutingModel(prof, e, k, seed=4, layers=(0, 1, 2, 5))
+    keys = torch.tensor([sequence_key([1]), sequence_key([2]), sequence_key([1])] * 3)
+    pos = torch.tensor([0, 7, 1, 300, 301, 2, 9000, 9001, 3])
+    ids, pred = model.route_all(keys, pos)
+    for i, layer in enumerate(model.layers):
+        assert model.layer_slot(layer) == i
+        assert torch.equal(ids[i], model.route(layer, keys, pos)), (name, layer)
+        assert torch.equal(pred[i], model.predict(layer, keys, pos)), (name, layer)
+    assert model.batches_layers(16) and not model.batches_layers(1 << 20)
+
+
+def test_context_routes_a_step_once_and_drops_it_at_the_next_first_layer():
+    model = RoutingModel(get_profile("qwen3"), 128, 8, seed=0, layers=(0, 1))
+    first, other = object(), object()
+    ctx = RoutingContext(first_layer=first)
+    ctx.bind(torch.arange(4), first)
+    a = ctx.choose(model, 1)
+    step = ctx._all
+    ctx.bind(torch.arange(4), other)            # a later layer of the same step: routed once, reused
+    assert torch.equal(ctx.choose(model, 1), a) and ctx._all is step
+    ctx.bind(torch.arange(10, 14), first)       # the next step
+    assert torch.equal(ctx.choose(model, 1), model.route(1, torch.zeros(4, dtype=torch.int64), torch.arange(10, 14)))
+    assert torch.equal(ctx.choose(model, 1, predict=True),
+                       model.predict(1, torch.zeros(4, dtype=torch.int64), torch.arange(10, 14)))

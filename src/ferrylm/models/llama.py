@@ -91,7 +91,7 @@ class DecoderLayer(nn.Module):
         decode graphs of ``engine/decode_graph.py`` run the halves apart). Binds ``positions`` into the routing
         context when a routing model chooses this model's experts."""
         if self.routing_context is not None:
-            self.routing_context.bind(positions)
+            self.routing_context.bind(positions, self)
         return x + self.self_attn(positions, self.input_layernorm(x), attn)
 
 

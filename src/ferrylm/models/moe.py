@@ -144,8 +144,7 @@ class SparseMoeBlock(nn.Module):
         """``hidden [T, H]`` -> ``(topk_ids [T, k] int64, topk_weights [T, k] float32)``."""
         logits = self.gate(hidden)
         if self.routing is not None:
-            keys, positions = self.routing_context.current()
-            ids = self.routing.route(self.layer_idx, keys, positions)
+            ids = self.routing_context.choose(self.routing, self.layer_idx)
             return ids, routed_weights(logits, ids, renormalize=self.renormalize)
         if use_triton(logits) and self.top_k & (self.top_k - 1) == 0:  # one kernel (models/kernels/norm_rope.py)
             from ferrylm.models.kernels.norm_rope import topk_softmax
@@ -159,8 +158,7 @@ class SparseMoeBlock(nn.Module):
         for prefetch prediction (Eliseev & Mazur 2023). With a routing model: its early evaluation of this layer
         (:meth:`~ferrylm.models.routing_model.RoutingModel.predict`; ``hidden`` is not read)."""
         if self.routing is not None:
-            keys, positions = self.routing_context.current()
-            return self.routing.predict(self.layer_idx, keys, positions)
+            return self.routing_context.choose(self.routing, self.layer_idx, predict=True)
         return torch.topk(self.gate(hidden), self.top_k, dim=-1).indices
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

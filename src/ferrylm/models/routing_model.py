@@ -132,6 +132,14 @@ class RoutingModel:
         self._labels: dict[int, torch.Tensor] = {}
         for layer in layers:
             self._tables(layer)
+        self.layers = tuple(layers)
+        self._slot = {layer: i for i, layer in enumerate(self.layers)}
+        # the listed layers' tables stacked [L, 1, E] and their indices [L, 1, 1], for route_all
+        self._stack = None
+        if self.layers:
+            self._stack = (torch.tensor(self.layers, dtype=torch.int64, device=self.device)[:, None, None],
+                           torch.stack([self._log_pop[layer] for layer in self.layers])[:, None, :],
+                           torch.stack([self._labels[layer] for layer in self.layers])[:, None, :])
 
     def _tables(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(log_pop [E] float32, labels [E] int64)`` of ``layer`` (made once, on the host, at construction for
@@ -145,21 +153,25 @@ class RoutingModel:
             self._labels[layer] = torch.randperm(e, generator=g).to(self.device)
         return self._log_pop[layer], self._labels[layer]
 
-    def _field(self, m: int, keys: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """``F_m [T, E]``: standard normals hashed from ``(seed, key, m, position, label)``."""
-        h = hash_fold(self.seed, keys[:, None], 0x1F1E1D + m, positions[:, None], labels[None, :])
+    def _field(self, m, keys: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``F_m``: standard normals hashed from ``(seed, key, m, position, label)``, broadcast over the shapes
+        given (``m`` an int or a tensor)."""
+        h = hash_fold(self.seed, keys, 0x1F1E1D + m, positions, labels)
         return torch.special.ndtri(to_uniform(h))
 
-    def _known_score(self, layer: int, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Every term of ``layer``'s score but its fresh field: ``[T, E]`` float32."""
+    def _known_score(self, layer, keys: torch.Tensor, positions: torch.Tensor, log_pop: torch.Tensor,
+                     labels: torch.Tensor) -> torch.Tensor:
+        """Every term of the score but the fresh field, float32. ``layer`` is an int (then ``keys``/``positions``
+        are ``[T, 1]``, tables ``[1, E]``: result ``[T, E]``) or an int64 tensor ``[L, 1, 1]`` (``[1, T, 1]`` and
+        ``[L, 1, E]``: ``[L, T, E]``); both give the same bits for the same layer (the hash folds an int and a
+        tensor part alike)."""
         p = self.profile
-        log_pop, labels = self._tables(layer)
-        score = (p.zipf * log_pop)[None, :].expand(positions.shape[0], -1)
-        experts = torch.arange(self.num_experts, device=positions.device)[None, :]
+        score = (p.zipf * log_pop).expand(*torch.broadcast_shapes(log_pop.shape, positions.shape))
+        experts = torch.arange(self.num_experts, device=positions.device)
         for j, c in enumerate(p.hot):
-            phase = hash_fold(self.seed, keys[:, None], layer, 0x407 + j, experts) % c.period
-            epoch = (positions[:, None] + phase) // c.period
-            u = to_uniform(hash_fold(self.seed, keys[:, None], layer, 0x4070 + j, experts, epoch))
+            phase = hash_fold(self.seed, keys, layer, 0x407 + j, experts) % c.period
+            epoch = (positions + phase) // c.period
+            u = to_uniform(hash_fold(self.seed, keys, layer, 0x4070 + j, experts, epoch))
             hot = torch.special.ndtri(u) if c.continuous else (u < c.prob).to(torch.float32)
             score = score + c.bonus * hot
         if p.phi < 1.0:
@@ -168,12 +180,16 @@ class RoutingModel:
                 score = score + w * self._field(layer - d, keys, positions, labels)
         return score
 
+    def _known(self, layer: int, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        log_pop, labels = self._tables(layer)
+        return self._known_score(layer, keys[:, None], positions[:, None], log_pop[None, :], labels[None, :])
+
     def scores(self, layer: int, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``[T, E]`` float32 routing scores of ``layer`` for tokens at ``positions [T]`` of sequences ``keys [T]``
         (int64, same device)."""
         _, labels = self._tables(layer)
-        fresh = self._field(layer, keys, positions, labels)
-        return self._known_score(layer, keys, positions) + math.sqrt(self.profile.phi) * fresh
+        fresh = self._field(layer, keys[:, None], positions[:, None], labels[None, :])
+        return self._known(layer, keys, positions) + math.sqrt(self.profile.phi) * fresh
 
     def route(self, layer: int, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``[T, k]`` int64: the experts ``layer`` chooses, best first."""
@@ -182,7 +198,31 @@ class RoutingModel:
     def predict(self, layer: int, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``[T, k]`` int64: the early evaluation of ``layer`` (made while the layer before runs): the top-k of
         its score without its fresh field (what a predictor reading the previous layer's state can know)."""
-        return torch.topk(self._known_score(layer, keys, positions), self.top_k, dim=-1).indices
+        return torch.topk(self._known(layer, keys, positions), self.top_k, dim=-1).indices
+
+    #: most ``layers x tokens x experts`` elements :meth:`route_all` works on at once (32 MiB per int64 temporary)
+    ALL_LAYERS_MAX_ELEMENTS = 1 << 22
+
+    def batches_layers(self, num_tokens: int) -> bool:
+        """True when a step of ``num_tokens`` tokens is routed for all layers at once (:meth:`route_all`): the
+        per-layer path costs a few hundred small kernels per layer, which at decode sizes is launch-bound."""
+        return self._stack is not None and \
+            len(self.layers) * num_tokens * self.num_experts <= self.ALL_LAYERS_MAX_ELEMENTS
+
+    def route_all(self, keys: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids [L, T, k], predicted [L, T, k])`` for every listed layer (``self.layers`` order) at once:
+        bit-identical to :meth:`route` / :meth:`predict` per layer, in one pass of kernels over ``[L, T, E]``."""
+        if self._stack is None:
+            raise ValueError("route_all needs the routing model built with its layers listed")
+        lt, log_pop, labels = self._stack
+        k3, p3 = keys[None, :, None], positions[None, :, None]
+        known = self._known_score(lt, k3, p3, log_pop, labels)
+        score = known + math.sqrt(self.profile.phi) * self._field(lt, k3, p3, labels)
+        return (torch.topk(score, self.top_k, dim=-1).indices, torch.topk(known, self.top_k, dim=-1).indices)
+
+    def layer_slot(self, layer: int) -> int:
+        """Index of ``layer`` in :meth:`route_all`'s outputs. Raises KeyError for an unlisted layer."""
+        return self._slot[layer]
 
 
 
@@ -200,16 +240,35 @@ class RoutingContext:
     would).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, first_layer: object | None = None) -> None:
         self.positions: torch.Tensor | None = None
         self.keys: torch.Tensor | None = None
+        self.first_layer = first_layer
+        self._all: tuple[torch.Tensor, torch.Tensor] | None = None  # route_all of the current step
 
-    def bind(self, positions: torch.Tensor) -> None:
+    def bind(self, positions: torch.Tensor, layer: object | None = None) -> None:
+        """The step's positions, bound by decoder ``layer``. Binding by the model's first layer (or by an unnamed
+        caller) starts a new step: the all-layers routing of the last one is dropped."""
         self.positions = positions
+        if layer is None or layer is self.first_layer:
+            self._all = None
 
     def set_keys(self, keys: torch.Tensor | None) -> None:
         """``keys [T]`` int64 on the positions' device, or None (all zero)."""
         self.keys = keys
+        self._all = None
+
+    def choose(self, routing: RoutingModel, layer: int, *, predict: bool = False) -> torch.Tensor:
+        """``[T, k]`` int64: ``routing``'s choice (or, ``predict``, its early evaluation) for ``layer`` this step.
+        Small steps route every layer in one :meth:`RoutingModel.route_all` at the first call of the step (kept
+        until the first layer binds again; in a captured graph those kernels replay with it); larger ones per
+        layer."""
+        keys, pos = self.current()
+        if routing.batches_layers(pos.shape[0]):
+            if self._all is None:
+                self._all = routing.route_all(keys, pos)
+            return self._all[1 if predict else 0][routing.layer_slot(layer)]
+        return routing.predict(layer, keys, pos) if predict else routing.route(layer, keys, pos)
 
     def current(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys [T], positions [T])`` of the step. Raises RuntimeError when no positions were bound."""

@@ -220,7 +220,7 @@ def attach_routing_model(model, config: ModelConfig, spec: SyntheticSpec, device
     moe_layers = tuple(model.moe_layer_indices(config))
     routing = RoutingModel(get_profile(spec.routing), config.num_experts, config.num_experts_per_tok, spec.seed,
                            layers=moe_layers, device=device)
-    context = RoutingContext()
+    context = RoutingContext(first_layer=model.model.layers[0])
     for i, layer in enumerate(model.model.layers):
         layer.routing_context = context
         if i in moe_layers:
