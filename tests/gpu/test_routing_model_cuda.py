@@ -39,9 +39,11 @@ def test_routing_is_sync_free_graph_capturable_and_matches_cpu(profile):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = gpu.route(1, static_keys, static_pos)
+        out_all, pred_all = gpu.route_all(static_keys, static_pos)
     new_keys, new_pos = torch.randint(0, 1 << 62, (16,), device=dev), torch.randint(0, 5000, (16,), device=dev)
     static_keys.copy_(new_keys)
     static_pos.copy_(new_pos)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, gpu.route(1, new_keys, new_pos))
+    assert torch.equal(out_all[gpu.layer_slot(1)], out) and torch.equal(pred_all[2], gpu.predict(2, new_keys, new_pos))
