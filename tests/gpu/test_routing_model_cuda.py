@@ -35,6 +35,7 @@ def test_routing_is_sync_free_graph_capturable_and_matches_cpu(profile):
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         gpu.route(1, static_keys, static_pos)  # warm-up outside the capture
+        gpu.route_all(static_keys, static_pos)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
