@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from ferrylm.config import ATTENTION_BACKENDS, CPU_KERNELS, EngineConfig
+from ferrylm.config import ATTENTION_BACKENDS, CACHE_POLICIES, CPU_KERNELS, EngineConfig
 from ferrylm.server.tool_formats import TOOL_PARSER_CHOICES
 
 _D = EngineConfig()  # the one source of the serve flags' defaults
@@ -42,7 +42,7 @@ def port_number(value: str) -> int:
 def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] = ()) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="built-in name (smollm2-moe, smollm2-135m), a local HF folder, a local .gguf file, or "
-                        "synthetic:<preset>[:layers=N][:skew=A][:seed=S] (see `ferry models`) "
+                        "synthetic:<preset>[:layers=N][:skew=A][:routing=R][:seed=S] (see `ferry models`) "
                         f"(default: {DEFAULT_MODEL})")
     p.add_argument("--tokenizer", default=None, metavar="FOLDER",
                    help="tokenizer folder for a synthetic: model (without it a synthetic model takes and prints "
@@ -72,6 +72,10 @@ def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] 
                    help="device expert slots for offload/cpu/hybrid (default: as many as the memory allows)")
     p.add_argument("--moe-cpu-threads", type=int, default=None, metavar="N",
                    help="threads computing experts on the CPU (default: physical cores)")
+    p.add_argument("--moe-cache-policy", default=_D.moe_cache_policy, choices=list(CACHE_POLICIES),
+                   help="expert slot eviction: layer-lru (LRU within per-layer shares), lru (one LRU over all "
+                        "layers), layer-lrfu (decaying use counts within the shares; docs/ROUTING.md) "
+                        f"(default: {_D.moe_cache_policy})")
     p.add_argument("--moe-cpu-kernel", default=_D.moe_cpu_kernel, choices=list(CPU_KERNELS),
                    help="CPU expert kernel: native (compiled on first use with the host C compiler; decode), "
                         "torch (oneDNN matmuls), auto: native when it builds (default: auto)")
@@ -137,6 +141,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         check_invariants=a.debug_invariants, seed=a.seed,
                         queue_timeout=a.queue_timeout or None, moe_cache_size=a.moe_cache_size,
                         moe_cpu_threads=a.moe_cpu_threads, moe_cpu_kernel=a.moe_cpu_kernel,
+                        moe_cache_policy=a.moe_cache_policy,
                         moe_cpu_share=a.moe_cpu_share, moe_decode_table=a.moe_decode_table,
                         gpu_memory_limit=a.gpu_memory_limit,
                         memory_ratio=a.memory_ratio, memory_reserve=a.memory_reserve,
@@ -303,6 +308,21 @@ def build_parser() -> argparse.ArgumentParser:
     ba.add_argument("--output-json", default=None, help="write the result (with the token ids) here")
     ba.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
 
+    bp = bsub.add_parser("cache-policy", help="expert-cache hit rate vs slots per layer by policy, and next-layer "
+                                              "prefetch, simulated on synthetic routing traces (CPU, no model)")
+    bp.add_argument("--profiles", default="qwen3,olmoe,wide512,uniform",
+                    help="routing profiles, comma-separated (default: qwen3,olmoe,wide512,uniform)")
+    bp.add_argument("--batches", default="1,8", help="sequences decoded together, comma-separated (default: 1,8)")
+    bp.add_argument("--policies", default="lru,layer-lru,layer-lfu,layer-lrfu-q0.5,layer-lrfu,layer-lrfu-q2,"
+                                          "layer-lrfu-q4,opt",
+                    help="policies, comma-separated (see ferrylm/bench/cache_policy.py)")
+    bp.add_argument("--layers", type=int, default=8, help="MoE layers simulated (default: 8)")
+    bp.add_argument("--steps", type=int, default=384, help="decode steps, the first 64 warm-up (default: 384)")
+    bp.add_argument("--seed", type=int, default=0)
+    bp.add_argument("--json", default=None, metavar="PATH", help="write every curve and the prefetch figures here")
+    bp.add_argument("--verbose", action="store_true", help="one line per simulation on stderr")
+    bp.add_argument("--log-level", default="WARNING")
+
     sub.add_parser("models", help="list built-in models, synthetic presets and supported architectures")
 
     g = sub.add_parser("generate", help="print a completion without a server")
@@ -386,6 +406,10 @@ def _bench(args: argparse.Namespace) -> int:
         from ferrylm.bench.kernels import main as bench_kernels
 
         return bench_kernels(args)
+    if args.bench_command == "cache-policy":
+        from ferrylm.bench.cache_policy import main as bench_cache_policy
+
+        return bench_cache_policy(args)
     if args.bench_command == "accelerate":
         from ferrylm.bench.accelerate_offload import main as bench_accelerate
 

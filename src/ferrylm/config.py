@@ -16,6 +16,8 @@ from ferrylm.errors import ModelLoadError
 
 # --moe-cpu-kernel (ferrylm/experts/cpu_kernel.py): auto = native when it builds, else torch
 CPU_KERNELS = ("auto", "native", "torch")
+#: ``--moe-cache-policy`` names (experts/cache.py ``make_policy``; measured in docs/ROUTING.md)
+CACHE_POLICIES = ("layer-lru", "lru", "layer-lrfu")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")  # EngineConfig.attention_backend, see engine/attention
 DECODE_GRAPH_MODES = ("auto", "off", "eager", "cuda")  # EngineConfig.decode_graphs, see engine/decode_graph.py
 
@@ -220,6 +222,7 @@ class EngineConfig:
         moe_cache_size: device expert slots (``--moe-cache-size``); None = as many as the device budget allows.
         moe_cpu_threads: CPU expert threads (``--moe-cpu-threads``); None = physical cores.
         moe_cpu_kernel: CPU expert kernel (``--moe-cpu-kernel``: auto, native, torch).
+        moe_cache_policy: expert slot eviction policy (``--moe-cache-policy``, one of ``CACHE_POLICIES``).
         moe_decode_table: offload decode from the device expert table (``--moe-decode-table``, default on; off:
             the host-planned path).
         moe_cpu_share: hybrid: predicted misses per layer planned for the CPU (``--moe-cpu-share``); None = tuned
@@ -262,6 +265,7 @@ class EngineConfig:
     moe_cache_size: int | None = None
     moe_cpu_threads: int | None = None
     moe_cpu_kernel: str = "auto"
+    moe_cache_policy: str = "layer-lru"
     moe_cpu_share: int | None = None
     moe_decode_table: bool = True
     gpu_memory_limit: float | None = None
@@ -301,6 +305,8 @@ class EngineConfig:
              f"--moe-cpu-share applies to --moe-backend hybrid, not {self.moe_backend}"),
             (self.moe_cpu_kernel in CPU_KERNELS,
              f"--moe-cpu-kernel must be one of {', '.join(CPU_KERNELS)}, got {self.moe_cpu_kernel!r}"),
+            (self.moe_cache_policy in CACHE_POLICIES,
+             f"--moe-cache-policy must be one of {', '.join(CACHE_POLICIES)}, got {self.moe_cache_policy!r}"),
             (self.gpu_memory_limit is None or self.gpu_memory_limit > 0, "--gpu-memory-limit must be > 0 GiB"),
             (0 < self.memory_ratio <= 1, f"--memory-ratio must be in (0, 1], got {self.memory_ratio}"),
             (self.memory_reserve is None or self.memory_reserve >= 0, "--memory-reserve must be >= 0 GiB"),

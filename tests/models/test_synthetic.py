@@ -118,7 +118,7 @@ def test_layers_keeps_per_layer_shapes_and_mlp_only_layers():
     full = synthetic.synthetic_config(parse_synthetic_spec("synthetic:qwen3-235b-a22b:layers=1"))
     assert full["num_hidden_layers"] == 1
     assert {k: v for k, v in full.items() if k not in ("num_hidden_layers", "max_window_layers", "torch_dtype",
-                                                        synthetic.RECIPE_KEY)} == \
+                                                        synthetic.RECIPE_KEY, synthetic.ROUTING_KEY)} == \
         {k: v for k, v in PRESETS["qwen3-235b-a22b"].config.items() if k not in ("num_hidden_layers",
                                                                                   "max_window_layers")}
 

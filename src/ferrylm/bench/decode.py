@@ -3,7 +3,10 @@
 For each backend: one warm-up request, then ``--batch`` requests of ``--prompt-len`` random prompt tokens decoding
 ``--tokens`` tokens each (EOS ignored; greedy, or ``--temperature`` sampling seeded per request). NOTE: greedy
 decoding of a random-weight ``synthetic:`` model soon repeats itself, so each layer keeps routing to the same
-experts and the hit rate climbs to ~99 %; sampling (``--temperature 1``) keeps the routing moving. Decode time runs
+experts and the hit rate climbs to ~99 %; sampling (``--temperature 1``) keeps the routing moving. That holds for
+``routing=router`` only: with a routing profile (``synthetic:<preset>:routing=<profile>``, the default for the
+Qwen-MoE and OLMoE presets) the experts follow the profile's calibrated locality whatever the tokens are
+(docs/ROUTING.md); without per-request sequence keys all requests of a batch share their routing there. Decode time runs
 from the end of the step that finished every prefill to the last token. Printed per backend: tok/s, hit rate, bytes
 over PCIe per token (expert copies plus CPU-expert activations), CPU expert bytes per token, the roofline tok/s for
 the measured hit rate, achieved / roofline, and a checksum of the generated token ids (equal checksums: identical
@@ -228,7 +231,7 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
                     ex = build_from_banks(base_name, banks, device, ExpertOptions(
                         backend=base_name, decode_table=not name.endswith("-host"), cache_size=ec.moe_cache_size, cpu_threads=ec.moe_cpu_threads,
                         cpu_kernel=ec.moe_cpu_kernel, cpu_share=ec.moe_cpu_share if name == "hybrid" else None,
-                        prefetch=prefetch, bandwidths=bw))
+                        prefetch=prefetch, bandwidths=bw, cache_policy=ec.moe_cache_policy))
                     res.num_slots = ex.reserve(expert_budget(device, ec.gpu_memory_limit))
                 swap_executor(loaded.model, ex)  # the engine's runner drops the old executor's graphs on its next step
                 _generate(engine, warm, 4, f"{name}-warm", ex, device)

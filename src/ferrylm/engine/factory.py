@@ -23,7 +23,8 @@ def expert_options(config: EngineConfig) -> ExpertOptions:
     """The ``--moe-*`` flags as :class:`ExpertOptions` (``fused`` -> ``resident``)."""
     return ExpertOptions(backend=backend_name(config.moe_backend), cache_size=config.moe_cache_size,
                          cpu_threads=config.moe_cpu_threads, cpu_kernel=config.moe_cpu_kernel,
-                         cpu_share=config.moe_cpu_share, decode_table=config.moe_decode_table).validate()
+                         cpu_share=config.moe_cpu_share, cache_policy=config.moe_cache_policy,
+                         decode_table=config.moe_decode_table).validate()
 
 
 def apply_memory_limit(device: torch.device, gpu_memory_limit: float | None) -> None:

@@ -14,6 +14,9 @@ Rules:
     Models with Offloading", §3.1): layers are visited in a fixed cycle every step, and one global LRU over a cache
     smaller than the per-step working set evicts each expert just before its layer comes round again (hit rate 0
     when routing repeats); with shares, every layer keeps its most recent ``N / L`` experts.
+    :class:`LayerLRFUPolicy` keeps the shares and evicts by a decaying use count (an LRU/LFU blend,
+    ``--moe-cache-policy layer-lrfu``); :func:`make_policy` maps the flag's names to policies. Hit rates of each
+    on routing-model traces: docs/ROUTING.md.
   * :meth:`SlotCache.lookup` counts a hit or a miss for the expert's layer (per-layer counters).
 """
 
@@ -123,6 +126,111 @@ class LayerLRUPolicy(LRUPolicy):
             if key not in pinned and len(self._layers[key[0]]) > self.quota:
                 return key
         return super().victim(pinned)
+
+
+class ScoredLayerPolicy(LayerLRUPolicy):
+    """:class:`LayerLRUPolicy`'s per-layer shares, with the victim inside the chosen group picked by the lowest
+    :meth:`score` instead of the oldest use (ties: the least recently used of a layer; among layers over their
+    share, the first layer listed). Subclasses define ``score`` and may hook every use (insert or hit) in
+    ``_used``. ``victim`` is O(cached keys of the group)."""
+
+    def _used(self, key: Key) -> None:
+        """``key`` was inserted or hit."""
+
+    def score(self, key: Key) -> float:
+        """How much ``key`` is worth keeping (lowest goes first)."""
+        raise NotImplementedError
+
+    def insert(self, key: Key) -> None:
+        super().insert(key)
+        self._used(key)
+
+    def touch(self, key: Key) -> None:
+        super().touch(key)
+        self._used(key)
+
+    def _lowest(self, keys: Iterable[Key]) -> Key | None:
+        best, best_score = None, 0.0
+        for key in keys:          # oldest first, so a tie keeps the least recently used
+            sc = self.score(key)
+            if best is None or sc < best_score:
+                best, best_score = key, sc
+        return best
+
+    def victim(self, pinned: Container[Key], incoming: Key | None = None) -> Key | None:
+        if incoming is not None:
+            own = self._layers.get(incoming[0], ())
+            if len(own) >= self.quota:
+                key = self._lowest(k for k in own if k not in pinned)
+                if key is not None:
+                    return key
+        over = [own for own in self._layers.values() if len(own) > self.quota]
+        key = self._lowest(k for own in over for k in own if k not in pinned)
+        if key is not None:
+            return key
+        return self._lowest(k for k in self._order if k not in pinned)
+
+
+class LayerLRFUPolicy(ScoredLayerPolicy):
+    """LRU/LFU blend within per-layer shares: LRFU (Lee et al. 2001, "LRFU: A Spectrum of Policies that Subsumes
+    the Least Recently Used and Least Frequently Used Policies", IEEE Trans. Computers 50(12)). Each expert has a
+    *combined recency and frequency* value ``crf = sum over its uses of 2^(-age / half_life)``, ages counted in
+    uses of its own layer (so the half-life means the same at every layer); the lowest ``crf`` goes first. A
+    half-life near 0 is LRU, an infinite one LFU. The value outlives an eviction (an expert coming back keeps its
+    decayed history). Measured against LRU / LFU on routing-model traces: docs/ROUTING.md.
+
+    Args:
+        quota: slots per layer (as :class:`LayerLRUPolicy`).
+        half_life: uses of a layer after which an old use counts half (> 0); None: ``half_life_slots * quota``
+            (the default ``--moe-cache-policy layer-lrfu``: a use counts half once the layer has seen as many
+            uses as it has slots, so the memory scales with the cache).
+        half_life_slots: the half-life in units of the quota when ``half_life`` is None (> 0).
+
+    Raises:
+        ValueError: a half-life <= 0.
+    """
+
+    def __init__(self, quota: int, half_life: float | None = None, half_life_slots: float = 1.0) -> None:
+        if not (half_life is None or half_life > 0) or not half_life_slots > 0:
+            raise ValueError(f"LRFU half-life must be > 0, got {half_life} / {half_life_slots} x quota")
+        super().__init__(quota)
+        self.half_life = None if half_life is None else float(half_life)
+        self.half_life_slots = float(half_life_slots)
+        self._clock: dict[int, int] = {}
+        self._crf: dict[Key, tuple[float, int]] = {}   # key -> (crf at its last use, layer clock then)
+
+    @property
+    def effective_half_life(self) -> float:
+        """The half-life in uses now (it follows the quota when given in slots)."""
+        return self.half_life if self.half_life is not None else self.half_life_slots * self.quota
+
+    def _used(self, key: Key) -> None:
+        now = self._clock.get(key[0], 0) + 1
+        self._clock[key[0]] = now
+        crf, last = self._crf.get(key, (0.0, now))
+        self._crf[key] = (crf * 2.0 ** (-(now - last) / self.effective_half_life) + 1.0, now)
+
+    def score(self, key: Key) -> float:
+        crf, last = self._crf.get(key, (0.0, 0))
+        return crf * 2.0 ** (-(self._clock.get(key[0], 0) - last) / self.effective_half_life)
+
+
+def make_policy(name: str, num_slots: int, num_layers: int) -> EvictionPolicy:
+    """The policy of ``--moe-cache-policy name`` (``ferrylm.config.CACHE_POLICIES``) for ``num_slots`` slots
+    shared by ``num_layers`` MoE layers: ``layer-lru`` (:class:`LayerLRUPolicy`, the default), ``lru``
+    (:class:`LRUPolicy`), ``layer-lrfu`` (:class:`LayerLRFUPolicy`, half-life one quota of uses).
+
+    Raises:
+        ValueError: unknown name.
+    """
+    quota = num_slots // max(1, num_layers)
+    if name == "layer-lru":
+        return LayerLRUPolicy(quota)
+    if name == "lru":
+        return LRUPolicy()
+    if name == "layer-lrfu":
+        return LayerLRFUPolicy(quota)
+    raise ValueError(f"unknown expert cache policy {name!r}; policies: layer-lru, lru, layer-lrfu")
 
 
 class SlotCache:

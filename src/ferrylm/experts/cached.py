@@ -28,7 +28,7 @@ import torch
 
 from ferrylm.errors import InsufficientMemory
 from ferrylm.experts.banks import HostBanks
-from ferrylm.experts.cache import Key, LayerLRUPolicy, LRUPolicy, SlotCache
+from ferrylm.experts.cache import Key, LayerLRUPolicy, SlotCache, make_policy
 from ferrylm.experts.cpu_pool import CpuExpertPool, CpuJob
 from ferrylm.experts.executor import ExpertExecutor
 from ferrylm.experts.options import Bandwidths, ExpertOptions
@@ -130,7 +130,7 @@ class CachedExecutor(ExpertExecutor):
         self._block_size = int(b)
         for blk in range(-(-n // b)):
             self._new_block(blk, min(b, n - blk * b))
-        policy = LRUPolicy() if self.options.cache_policy == "lru" else LayerLRUPolicy(n // len(self.banks.layers))
+        policy = make_policy(self.options.cache_policy, n, len(self.banks.layers))
         self.cache = SlotCache(n, policy)
         if self.options.stream_prefill:
             self.streamer = LayerStreamer(self.banks, self.device, self.copier)

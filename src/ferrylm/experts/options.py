@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ferrylm.config import CPU_KERNELS
+from ferrylm.config import CACHE_POLICIES, CPU_KERNELS
 
 # NOTE: names accepted by build_executor; "fused" is the vLLM/SGLang spelling of "resident".
 MOE_BACKENDS: tuple[str, ...] = ("auto", "cpu", "fused", "hybrid", "offload", "resident")
@@ -56,8 +56,9 @@ class ExpertOptions:
         prefetch_max_tokens: no prefetch for steps with more tokens than this (they need most experts anyway).
         bandwidths: measured rates for the hybrid split of steps without prefetch and for ``auto``; None =
             measured on first need.
-        cache_policy: ``"layer-lru"`` (LRU within per-layer shares, default) or ``"lru"`` (one LRU over all
-            layers); see :mod:`ferrylm.experts.cache`.
+        cache_policy: ``"layer-lru"`` (LRU within per-layer shares, default), ``"lru"`` (one LRU over all
+            layers) or ``"layer-lrfu"`` (decaying use counts within the shares); see :mod:`ferrylm.experts.cache`
+            (``--moe-cache-policy``).
         decode_table: offload: steps of up to 256 tokens run from the device expert table (one fused launch per
             layer, misses read over PCIe by the kernel, whole-step CUDA graphs: ``experts/slot_table.py``); False
             keeps the host-planned path (one device->host read per layer, DMA fetch + next-layer prefetch).
@@ -90,8 +91,9 @@ class ExpertOptions:
             raise ValueError(f"--moe-cpu-share applies to --moe-backend hybrid, not {self.backend}")
         if self.cpu_kernel not in CPU_KERNELS:
             raise ValueError(f"--moe-cpu-kernel must be one of {', '.join(CPU_KERNELS)}, got {self.cpu_kernel!r}")
-        if self.cache_policy not in ("layer-lru", "lru"):
-            raise ValueError(f"cache_policy must be 'layer-lru' or 'lru', got {self.cache_policy!r}")
+        if self.cache_policy not in CACHE_POLICIES:
+            raise ValueError(f"--moe-cache-policy must be one of {', '.join(CACHE_POLICIES)}, "
+                             f"got {self.cache_policy!r}")
         if self.stream_min_tokens is not None and self.stream_min_tokens < 1:
             raise ValueError(f"stream_min_tokens must be >= 1, got {self.stream_min_tokens}")
         return self

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ferrylm.models import builtin
 from ferrylm.models.registry import supported_architectures
+from ferrylm.models.routing_profiles import PROFILES, ROUTER
 from ferrylm.models.synthetic import SYNTHETIC_QUANT, describe_presets
 
 # NOTE: kept in step with ferrylm/models/quant/__init__.py (which imports torch; this module must not).
@@ -64,9 +65,13 @@ def describe_models() -> str:
     lines = ["Built-in models (--model NAME; converted into the cache on first use, nothing downloaded):"]
     width = max(len(n) for n in builtin.builtin_names())
     lines += [f"  {n:<{width}}  {_BUILTIN_NOTES.get(n, '')}".rstrip() for n in builtin.builtin_names()]
-    lines += ["", "Synthetic models (--model synthetic:<preset>[:layers=N][:skew=A][:seed=S]; random weights made "
-                  "in memory; token ids in and out unless --tokenizer FOLDER):"]
+    lines += ["", "Synthetic models (--model synthetic:<preset>[:layers=N][:skew=A][:routing=R][:seed=S]; "
+                  "random weights made in memory; token ids in and out unless --tokenizer FOLDER):"]
     lines += [f"  {line}" for line in describe_presets()]
+    lines += ["", "Routing of synthetic models (:routing=R; default: the family's calibrated profile, "
+                  "docs/ROUTING.md):"]
+    lines += [f"  routing={p.name:<8}  {p.source}" for p in PROFILES.values()]
+    lines += [f"  routing={ROUTER:<8}  the random router's own top-k (with skew=A)"]
     lines += ["", "Quantized routed experts of synthetic models (:quant=Q; random codes and scales in the stored format):"]
     width = max(len(n) for n in SYNTHETIC_QUANT)
     lines += [f"  quant={n:<{width}}  {d}" for n, d in SYNTHETIC_QUANT.items()]

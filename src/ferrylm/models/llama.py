@@ -80,6 +80,7 @@ class DecoderLayer(nn.Module):
                                    config.head_dim, rotary, **attention_kwargs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
+        self.routing_context = None  # synthetic routing model: the layer binds its positions there (models/moe.py)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``."""
@@ -88,7 +89,10 @@ class DecoderLayer(nn.Module):
 
     def attention_residual(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """The first half of :meth:`forward`: ``x + attention(input_layernorm(x))``, ``[T, H]`` -> ``[T, H]`` (the
-        decode graphs of ``engine/decode_graph.py`` run the halves apart)."""
+        decode graphs of ``engine/decode_graph.py`` run the halves apart). Binds ``positions`` into the routing
+        context when a routing model chooses this model's experts."""
+        if self.routing_context is not None:
+            self.routing_context.bind(positions, self)
         return x + self.self_attn(positions, self.input_layernorm(x), attn)
 
 

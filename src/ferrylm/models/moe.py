@@ -5,6 +5,11 @@ Routing (Shazeer et al. 2017 top-k gating; Mixtral: Jiang et al. 2024, "Mixtral 
 implementation does), optionally renormalise the kept probabilities to sum to 1, then
 ``y = sum_j p_j * expert_{id_j}(x)``.
 
+Routing model (synthetic checkpoints, ``routing=<profile>``): when a block has ``routing`` set, the *choice* of the
+top-k ids comes from :class:`~ferrylm.models.routing_model.RoutingModel` (a seeded function of the token's sequence
+key and position, read from the shared :class:`~ferrylm.models.routing_model.RoutingContext`), and the weights are
+the router's softmax at those ids (renormalised over them when ``renormalize``), so numerics stay the router's.
+
 Shared experts (Qwen1.5-MoE / Qwen2-MoE): a dense SwiGLU MLP every token passes through, scaled by a learned
 sigmoid gate, added to the routed sum: ``y += sigmoid(w_s . x) * shared_expert(x)``. It is an ordinary module of
 the model (the executor only ever sees routed experts).
@@ -82,6 +87,15 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, *, renormalize: bool
     return ids, weights
 
 
+def routed_weights(router_logits: torch.Tensor, ids: torch.Tensor, *, renormalize: bool) -> torch.Tensor:
+    """``[T, k]`` float32 weights of the chosen ``ids [T, k]`` under softmax routing: the softmax of the kept
+    logits with ``renormalize`` (as :func:`softmax_topk`), else the full softmax's values at ``ids``."""
+    logits = router_logits.float()
+    if renormalize:
+        return torch.softmax(logits.gather(1, ids), dim=-1)
+    return torch.softmax(logits, dim=-1).gather(1, ids)
+
+
 class SparseMoeBlock(nn.Module):
     """Router + routed experts (+ optional gated shared expert) of one decoder layer (HF ``mlp`` /
     ``block_sparse_moe``).
@@ -118,10 +132,20 @@ class SparseMoeBlock(nn.Module):
         executor.register_router(layer_idx, self.predict_experts)  # an offloading executor may predict this layer
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
+        self.routing = None           # a RoutingModel (synthetic routing=<profile>), set by the synthetic builder
+        self.routing_context = None   # its RoutingContext (positions, sequence keys)
+
+    def use_routing(self, routing, context) -> None:
+        """Let ``routing`` (a :class:`~ferrylm.models.routing_model.RoutingModel`) choose this block's experts,
+        reading positions and keys from ``context``."""
+        self.routing, self.routing_context = routing, context
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden [T, H]`` -> ``(topk_ids [T, k] int64, topk_weights [T, k] float32)``."""
         logits = self.gate(hidden)
+        if self.routing is not None:
+            ids = self.routing_context.choose(self.routing, self.layer_idx)
+            return ids, routed_weights(logits, ids, renormalize=self.renormalize)
         if use_triton(logits) and self.top_k & (self.top_k - 1) == 0:  # one kernel (models/kernels/norm_rope.py)
             from ferrylm.models.kernels.norm_rope import topk_softmax
 
@@ -131,7 +155,10 @@ class SparseMoeBlock(nn.Module):
     def predict_experts(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [T, H]`` -> ``[T, k]`` int64: the experts :meth:`route` would choose (top-k of the logits;
         softmax is monotonic, so only exact float ties may order differently), without the weights: two kernels,
-        for prefetch prediction (Eliseev & Mazur 2023)."""
+        for prefetch prediction (Eliseev & Mazur 2023). With a routing model: its early evaluation of this layer
+        (:meth:`~ferrylm.models.routing_model.RoutingModel.predict`; ``hidden`` is not read)."""
+        if self.routing is not None:
+            return self.routing_context.choose(self.routing, self.layer_idx, predict=True)
         return torch.topk(self.gate(hidden), self.top_k, dim=-1).indices
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

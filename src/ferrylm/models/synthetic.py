@@ -1,12 +1,17 @@
 """Synthetic models: real architecture shapes, random weights made in memory, optional Zipf-skewed routing.
 
-``--model synthetic:<preset>[:layers=N][:skew=A][:seed=S][:quant=Q][:tokenizer=FOLDER]``
+``--model synthetic:<preset>[:layers=N][:skew=A][:routing=R][:seed=S][:quant=Q][:tokenizer=FOLDER]``
 
 - ``preset``: a published model's shape (:data:`PRESETS`; ``ferry models`` lists them).
 - ``layers=N``: keep the first ``N`` decoder layers (``1 <= N <=`` the preset's); every layer keeps its shape, so
   per-layer cost is the real model's.
 - ``skew=A``: Zipf exponent ``A >= 0`` of expert popularity (0, the default, = uniform); see
   :mod:`ferrylm.models.synthetic_build` for the method.
+- ``routing=R``: who chooses each token's experts (:data:`~ferrylm.models.routing_profiles.ROUTING_CHOICES`):
+  ``router`` (the random router's own top-k, shaped by ``skew``) or a routing-model profile (``qwen3``, ``olmoe``,
+  ``wide512`` calibrated to published locality figures, ``uniform`` the worst case; see
+  :mod:`ferrylm.models.routing_model` and docs/ROUTING.md). Default: the preset family's calibrated profile
+  (Qwen-MoE presets ``qwen3``, OLMoE ``olmoe``), or ``router`` when ``skew`` is given or the family has none.
 - ``seed=S``: weight seed (default 0). Same spec → same weights → same logits, run after run.
 - ``quant=Q``: routed experts quantized (:data:`SYNTHETIC_QUANT`: ``fp8``, ``int4``, ``mxfp4``, ``nvfp4``): random
   codes and scales made directly in the stored format (nothing is quantized from bf16), so banks, slots and copies
@@ -37,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from ferrylm.errors import ModelLoadError
+from ferrylm.models.routing_profiles import ROUTER, ROUTING_CHOICES, default_routing
 
 SYNTHETIC_PREFIX = "synthetic:"
 RECIPE_KEY = "ferrylm_synthetic"  # config.json key holding the recipe; its presence marks a synthetic folder
@@ -44,6 +50,9 @@ RECIPE_FORMAT = 1
 # NOTE: a ferrylm-only config.json key (never in HF checkpoints): when true, every router has a bias ``gate.bias
 # [E]`` added to its logits (models/moe.py). Synthetic models with skew > 0 set it.
 ROUTER_BIAS_KEY = "ferrylm_router_bias"
+# NOTE: a ferrylm-only config.json key: ``{"profile": name, "seed": S}`` when a routing model chooses the experts
+# (synthetic ``routing=`` other than ``router``; models/moe.py, models/routing_model.py).
+ROUTING_KEY = "ferrylm_routing"
 #: ``quant=`` names -> what the routed experts become (:mod:`ferrylm.models.synthetic_build` has the formats)
 SYNTHETIC_QUANT = {
     "fp8": "fp8 e4m3, float32 scale per 128 inputs (as DeepSeek-V3 / Qwen3-FP8 128x128 blocks)",
@@ -158,6 +167,8 @@ class SyntheticSpec:
         seed: weight seed.
         tokenizer: absolute path of a tokenizer folder, or None.
         quant: a :data:`SYNTHETIC_QUANT` name for the routed experts, or None (plain weights).
+        routing: ``router`` or a routing profile name (see the module docstring); a spec built directly (not
+            parsed) keeps the router's own routing unless it says otherwise.
     """
 
     preset: SyntheticPreset
@@ -166,6 +177,7 @@ class SyntheticSpec:
     seed: int = 0
     tokenizer: str | None = None
     quant: str | None = None
+    routing: str = ROUTER
 
     @property
     def name(self) -> str:
@@ -176,6 +188,8 @@ class SyntheticSpec:
             parts.append(f"layers={self.layers}")
         if self.skew:
             parts.append(f"skew={self.skew:g}")
+        if self.routing != default_routing(self.preset.config.get("model_type", ""), self.skew):
+            parts.append(f"routing={self.routing}")
         if self.seed:
             parts.append(f"seed={self.seed}")
         if self.quant:
@@ -192,13 +206,14 @@ def is_synthetic_spec(spec: str) -> bool:
 
 
 def parse_synthetic_spec(spec: str) -> SyntheticSpec:
-    """Parse ``synthetic:<preset>[:layers=N][:skew=A][:seed=S][:quant=Q][:tokenizer=FOLDER]`` (options in any order,
-    each at most once, ``tokenizer`` last).
+    """Parse ``synthetic:<preset>[:layers=N][:skew=A][:routing=R][:seed=S][:quant=Q][:tokenizer=FOLDER]`` (options
+    in any order, each at most once, ``tokenizer`` last).
 
     Raises:
         ModelLoadError: not a synthetic spec, unknown preset (the message lists the presets), unknown or repeated
             option, a value out of range (``layers`` in ``1 .. preset layers``, ``skew >= 0`` and finite,
-            ``seed >= 0``, ``quant`` one of :data:`SYNTHETIC_QUANT`), a tokenizer folder that does not exist.
+            ``seed >= 0``, ``quant`` one of :data:`SYNTHETIC_QUANT`, ``routing`` one of ``ROUTING_CHOICES``), a
+            tokenizer folder that does not exist.
     """
     if not is_synthetic_spec(spec):
         raise ModelLoadError(f"{spec!r} is not a synthetic model spec (it starts with {SYNTHETIC_PREFIX!r})")
@@ -215,8 +230,9 @@ def parse_synthetic_spec(spec: str) -> SyntheticSpec:
     values: dict[str, str] = {}
     for opt in options:
         key, eq, value = opt.partition("=")
-        if key not in ("layers", "skew", "seed", "quant") or not eq:
-            raise ModelLoadError(f"{spec}: unknown option {opt!r}; options: layers=N, skew=A, seed=S, "
+        if key not in ("layers", "skew", "seed", "quant", "routing") or not eq:
+            raise ModelLoadError(f"{spec}: unknown option {opt!r}; options: layers=N, skew=A, "
+                                 f"routing={'|'.join(ROUTING_CHOICES)}, seed=S, "
                                  f"quant={'|'.join(SYNTHETIC_QUANT)}, tokenizer=FOLDER")
         if key in values:
             raise ModelLoadError(f"{spec}: option {key!r} given twice")
@@ -242,7 +258,10 @@ def parse_synthetic_spec(spec: str) -> SyntheticSpec:
         if not tok.is_dir():
             raise ModelLoadError(f"{spec}: tokenizer folder {tokenizer!r} does not exist")
         tokenizer = str(tok.resolve())
-    return SyntheticSpec(preset, layers, skew, seed, tokenizer, quant)
+    routing = values.get("routing", default_routing(preset.config.get("model_type", ""), skew))
+    if routing not in ROUTING_CHOICES:
+        raise ModelLoadError(f"{spec}: unknown routing {routing!r}; routing: {', '.join(ROUTING_CHOICES)}")
+    return SyntheticSpec(preset, layers, skew, seed, tokenizer, quant, routing)
 
 
 def with_tokenizer(spec: str, tokenizer: str | None) -> str:
@@ -263,8 +282,8 @@ def with_tokenizer(spec: str, tokenizer: str | None) -> str:
 
 def synthetic_config(spec: SyntheticSpec) -> dict[str, Any]:
     """The config.json dict: the preset's, with ``num_hidden_layers = spec.layers`` (``mlp_only_layers`` cut to
-    them), ``torch_dtype`` bfloat16, the router-bias switch when ``skew > 0``, and the recipe under
-    ``RECIPE_KEY``."""
+    them), ``torch_dtype`` bfloat16, the router-bias switch when ``skew > 0``, the routing-model key
+    (``ROUTING_KEY``) when ``routing`` is a profile, and the recipe under ``RECIPE_KEY``."""
     cfg = copy.deepcopy(spec.preset.config)
     cfg["num_hidden_layers"] = spec.layers
     if cfg.get("mlp_only_layers"):
@@ -279,6 +298,9 @@ def synthetic_config(spec: SyntheticSpec) -> dict[str, Any]:
                        "preset_config": spec.preset.config}
     if spec.quant:
         cfg[RECIPE_KEY]["quant"] = spec.quant
+    if spec.routing != ROUTER:
+        cfg[RECIPE_KEY]["routing"] = spec.routing
+        cfg[ROUTING_KEY] = {"profile": spec.routing, "seed": spec.seed}
     return cfg
 
 
@@ -311,7 +333,7 @@ def spec_from_folder(model_dir: str | os.PathLike) -> SyntheticSpec:
                              f"{RECIPE_FORMAT}; remove the folder and resolve the spec again")
     preset = SyntheticPreset(recipe["preset"], recipe.get("source", ""), recipe["preset_config"])
     return SyntheticSpec(preset, int(recipe["layers"]), float(recipe["skew"]), int(recipe["seed"]), None,
-                         recipe.get("quant"))
+                         recipe.get("quant"), recipe.get("routing", ROUTER))
 
 
 def _max_token_id(tokenizer_dir: Path) -> int | None:

@@ -48,6 +48,7 @@ from ferrylm.errors import ModelLoadError
 from ferrylm.experts import ExpertOptions, build_executor
 from ferrylm.experts.executor import LayerExperts
 from ferrylm.models.loader import LoadedModel, placement, prepare_for_inference, tensor_dtype
+from ferrylm.models.routing_profiles import ROUTER
 from ferrylm.models.synthetic import SyntheticSpec, parse_synthetic_spec, synthetic_config
 
 log = logging.getLogger("ferrylm.models")
@@ -208,6 +209,26 @@ def residual_scale(config: ModelConfig) -> float:
     return 1.0 / math.sqrt(2 * config.num_layers)
 
 
+def attach_routing_model(model, config: ModelConfig, spec: SyntheticSpec, device: torch.device | str):
+    """Let the routing model of ``spec.routing`` choose every MoE block's experts (models/moe.py): one
+    :class:`~ferrylm.models.routing_model.RoutingModel` (seeded by ``spec.seed``) and one
+    :class:`~ferrylm.models.routing_model.RoutingContext` shared by all blocks, bound by every decoder layer.
+    Returns the routing context (the step's owner sets sequence keys on it)."""
+    from ferrylm.models.routing_model import RoutingContext, RoutingModel
+    from ferrylm.models.routing_profiles import get_profile
+
+    moe_layers = tuple(model.moe_layer_indices(config))
+    routing = RoutingModel(get_profile(spec.routing), config.num_experts, config.num_experts_per_tok, spec.seed,
+                           layers=moe_layers, device=device)
+    context = RoutingContext(first_layer=model.model.layers[0])
+    for i, layer in enumerate(model.model.layers):
+        layer.routing_context = context
+        if i in moe_layers:
+            layer.mlp.use_routing(routing, context)
+    model.routing_context = context
+    return context
+
+
 def build_synthetic(spec: SyntheticSpec | str, *, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.bfloat16, moe_backend: str | ExpertOptions = "resident",
                     expert_device: torch.device | str | None = None, pin_experts: bool = False) -> LoadedModel:
@@ -279,6 +300,8 @@ def build_synthetic(spec: SyntheticSpec | str, *, device: torch.device | str = "
     model.requires_grad_(False)
     model.eval()
     prepare_for_inference(model)
+    if spec.routing != ROUTER:
+        attach_routing_model(model, config, spec, device)
     log.info("built %s: %d layers (%d MoE), %s on %s, experts on %s%s", spec.name, config.num_layers, len(stacks),
              str(dtype).removeprefix("torch."), device, exp_dev, f" ({quant.describe()})" if quant else "")
     return LoadedModel(model=model, config=config, executor=executor)
