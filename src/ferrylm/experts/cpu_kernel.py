@@ -154,13 +154,17 @@ class NativeExpertKernel:
         lib.ferry_isa.restype = ctypes.c_int
         return cls(path=lib_path, isa=_ISA.get(lib.ferry_isa(), "?"), _lib=lib)
 
-    SUPPORTED = "bfloat16 or float32 experts, or quantized int4 / int8 / fp4 / fp8 ones"
+    SUPPORTED = "bfloat16 or float32 experts, or quantized int4 / int8 / fp4 / fp8 ones (not GGML blocks)"
 
     @staticmethod
     def supports(layout) -> bool:
         """Whether the kernel reads experts of ``layout`` (an :class:`~ferrylm.experts.banks.ExpertLayout`):
-        plain bfloat16 and float32 rows, and quantized rows of every :mod:`~ferrylm.experts.quantized` format."""
-        return layout.quant is not None or layout.dtype in _WDTYPE
+        plain bfloat16 and float32 rows, and quantized rows of the element formats (int4 / int8 / fp4 / fp8). GGML
+        block formats (``q4_k`` ...) are not read by the C kernel: their CPU share runs as torch matmuls over the
+        reference dequantization."""
+        if layout.quant is not None:
+            return not (layout.quant.gate_up.is_block or layout.quant.down.is_block)
+        return layout.dtype in _WDTYPE
 
     def run(self, x: torch.Tensor, weights: torch.Tensor, rows: list[torch.Tensor], starts: list[int],
             counts: list[int], hidden: int, inter: int, threads: int, layout=None) -> torch.Tensor:

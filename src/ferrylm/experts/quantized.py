@@ -10,6 +10,10 @@ kind      ``data`` per expert           value of element ``(n, k)``, group ``g =
 ``int8``  uint8 ``[N, K]``              ``(u - 128) * s[n, g]``, or ``u * s[n, g] - m[n, g]`` with mins
 ``fp4``   uint8 ``[N, K/2]``, 2 codes   ``e2m1(u) * s[n, g]``
 ``fp8``   float8_e4m3fn ``[N, K]``      ``float(q) * s[n, g]``
+``q4_k``  uint8 ``[N, K/256*144]``      GGML blocks kept as the file's bytes (no ``scales`` field):
+``q5_k``  uint8 ``[N, K/256*176]``      :mod:`ferrylm.experts.gguf_blocks` has the layouts (ggml's
+``q6_k``  uint8 ``[N, K/256*210]``      ``ggml-common.h``) and their reference decoding; ``group`` is the
+``q8_0``  uint8 ``[N, K/32*34]``        block's element count (256, or 32 for Q8_0)
 ========  ============================  =============================================================
 
 * Packed 4-bit codes: element ``2j`` in the low nibble of byte ``j``, element ``2j + 1`` in the high nibble
@@ -36,7 +40,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-QUANT_KINDS = ("int4", "int8", "fp4", "fp8")
+from ferrylm.experts.gguf_blocks import BLOCK_TYPES, dequantize_blocks, fill_random_blocks
+
+BLOCK_KINDS = tuple(BLOCK_TYPES)  # GGML block formats: q8_0, q4_k, q5_k, q6_k
+QUANT_KINDS = ("int4", "int8", "fp4", "fp8", *BLOCK_KINDS)
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 ALIGN = 64  # byte alignment of every field inside an expert row (SIMD loads; dtype views need their item size)
 
@@ -50,9 +57,10 @@ class QuantFormat:
     """How one projection's experts are stored (see the module docstring).
 
     Attributes:
-        kind: ``int4``, ``int8``, ``fp4`` or ``fp8``.
-        group: inputs per scale along ``K`` (even for 4-bit kinds).
-        scale_dtype: dtype of ``scales`` and ``mins``.
+        kind: ``int4``, ``int8``, ``fp4``, ``fp8``, or a GGML block kind (``q4_k``, ``q5_k``, ``q6_k``, ``q8_0``;
+            :func:`block_format` makes one).
+        group: inputs per scale along ``K`` (even for 4-bit kinds); for a block kind the block's element count.
+        scale_dtype: dtype of ``scales`` and ``mins`` (unused by block kinds, whose scales live inside the blocks).
         mins: integer kinds only: affine ``u * s - m`` instead of symmetric ``(u - 2^(bits-1)) * s``.
         row_scale: a float32 multiplier per output row.
     """
@@ -66,6 +74,11 @@ class QuantFormat:
     def __post_init__(self) -> None:
         if self.kind not in QUANT_KINDS:
             raise ValueError(f"unknown quantized kind {self.kind!r}; kinds: {', '.join(QUANT_KINDS)}")
+        if self.kind in BLOCK_TYPES:
+            if self.group != BLOCK_TYPES[self.kind].elems or self.mins or self.row_scale:
+                raise ValueError(f"{self.kind}: group must be its block size {BLOCK_TYPES[self.kind].elems}, "
+                                 f"without mins or a row scale")
+            return
         if self.group < 1 or (self.bits == 4 and self.group % 2):
             raise ValueError(f"{self.kind}: group size must be >= 1 (even for 4-bit), got {self.group}")
         if self.scale_dtype not in SCALE_DTYPES:
@@ -75,7 +88,13 @@ class QuantFormat:
 
     @property
     def bits(self) -> int:
+        """Bits of one code (element kinds; block kinds: 8, the bytes being opaque to element arithmetic)."""
         return 4 if self.kind in ("int4", "fp4") else 8
+
+    @property
+    def is_block(self) -> bool:
+        """A GGML block kind: ``data`` holds whole blocks, scales included."""
+        return self.kind in BLOCK_TYPES
 
     @property
     def data_dtype(self) -> torch.dtype:
@@ -83,7 +102,15 @@ class QuantFormat:
 
     def packed_k(self, k: int) -> int:
         """Elements of ``data`` per row for ``k`` inputs."""
+        if self.is_block:
+            return k // self.group * BLOCK_TYPES[self.kind].nbytes
         return k // 2 if self.bits == 4 else k
+
+    def unpacked_k(self, kp: int) -> int:
+        """Inputs ``k`` of a row whose ``data`` has ``kp`` elements (inverse of :meth:`packed_k`)."""
+        if self.is_block:
+            return kp // BLOCK_TYPES[self.kind].nbytes * self.group
+        return kp * 2 if self.bits == 4 else kp
 
     def check_shape(self, n: int, k: int, what: str = "projection") -> None:
         """Raise ValueError unless ``[n, k]`` can be stored (``k`` a multiple of the group size)."""
@@ -94,6 +121,8 @@ class QuantFormat:
     def fields(self, n: int, k: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """``(name, dtype, per-expert shape)`` of every stored field, in row order."""
         g = k // self.group
+        if self.is_block:
+            return [("data", torch.uint8, (n, self.packed_k(k)))]
         out = [("data", self.data_dtype, (n, self.packed_k(k))), ("scales", self.scale_dtype, (n, g))]
         if self.mins:
             out.append(("mins", self.scale_dtype, (n, g)))
@@ -109,10 +138,25 @@ class QuantFormat:
         return 8 * self.expert_bytes(n, k) / (n * k)
 
     def describe(self) -> str:
-        """E.g. ``int4 g128 (bf16 scales, mins)``."""
+        """E.g. ``int4 g128 (bf16 scales, mins)``, or ``Q4_K (ggml blocks)``."""
+        if self.is_block:
+            return f"{BLOCK_TYPES[self.kind].name} (ggml blocks)"
         extra = [f"{_DTYPE_NAMES[self.scale_dtype]} scales"] + (["mins"] if self.mins else []) + (
             ["row scale"] if self.row_scale else [])
         return f"{self.kind} g{self.group} ({', '.join(extra)})"
+
+
+def block_format(gguf_type: str) -> QuantFormat:
+    """The format that keeps GGUF ``gguf_type`` blocks (``"Q4_K"``, ``"Q5_K"``, ``"Q6_K"``, ``"Q8_0"``) as bytes.
+
+    Raises:
+        ValueError: another type.
+    """
+    kind = gguf_type.lower()
+    if kind not in BLOCK_TYPES:
+        raise ValueError(f"GGUF type {gguf_type} is not kept as blocks; block types: "
+                         f"{', '.join(b.name for b in BLOCK_TYPES.values())}")
+    return QuantFormat(kind, BLOCK_TYPES[kind].elems)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -131,26 +175,36 @@ class QuantTensor:
     """One projection of ``E`` experts (leading ``[E]``) or of one expert (no leading dim), see the module docstring.
 
     Attributes:
-        fmt: the format. data: ``[..., N, K/2]`` uint8 (4-bit), ``[..., N, K]`` uint8 (int8) or float8_e4m3fn.
-        scales: ``[..., N, K/group]``. mins: same, or None. row_scale: ``[..., N]`` float32, or None.
+        fmt: the format. data: ``[..., N, K/2]`` uint8 (4-bit), ``[..., N, K]`` uint8 (int8) or float8_e4m3fn;
+            block kinds: uint8 ``[..., N, K / QK * BB]``, the GGML blocks of each row.
+        scales: ``[..., N, K/group]`` (None for block kinds). mins: same, or None. row_scale: ``[..., N]``
+            float32, or None.
         dtype: what :meth:`dequantize` returns by default (the model's compute dtype).
     """
 
     fmt: QuantFormat
     data: torch.Tensor
-    scales: torch.Tensor
+    scales: torch.Tensor | None = None
     mins: torch.Tensor | None = None
     row_scale: torch.Tensor | None = None
     dtype: torch.dtype = torch.bfloat16
 
     def __post_init__(self) -> None:
         f = self.fmt
+        if f.is_block:
+            if self.data.dtype != torch.uint8 or self.scales is not None or self.data.dim() < 2 or (
+                    self.data.shape[-1] % f.packed_k(f.group)):
+                raise ValueError(f"{f.describe()}: data must be uint8 [..., N, whole blocks] without scales, got "
+                                 f"{self.data.dtype} {list(self.data.shape)}")
+            return
+        if self.scales is None:
+            raise ValueError(f"{f.describe()}: scales are missing")
         if self.data.dtype != f.data_dtype or self.scales.dtype != f.scale_dtype:
             raise ValueError(f"{f.describe()}: data {self.data.dtype} / scales {self.scales.dtype} do not match")
         if (self.mins is not None) != f.mins or (self.row_scale is not None) != f.row_scale:
             raise ValueError(f"{f.describe()}: mins / row_scale presence does not match the format")
         n, kp = self.data.shape[-2:]
-        k = kp * 2 if f.bits == 4 else kp
+        k = f.unpacked_k(kp)
         want = (*self.data.shape[:-2], n, k // f.group)
         if k % f.group or tuple(self.scales.shape) != want or (
                 self.mins is not None and tuple(self.mins.shape) != want) or (
@@ -163,7 +217,7 @@ class QuantTensor:
     def shape(self) -> torch.Size:
         """The dequantized shape ``[..., N, K]``."""
         *lead, n, kp = self.data.shape
-        return torch.Size((*lead, n, kp * 2 if self.fmt.bits == 4 else kp))
+        return torch.Size((*lead, n, self.fmt.unpacked_k(kp)))
 
     @property
     def device(self) -> torch.device:
@@ -194,7 +248,8 @@ class QuantTensor:
 
     def rows(self, start: int, stop: int) -> "QuantTensor":
         """Output rows ``start:stop`` (a view): the gate / up halves of a fused gate|up block."""
-        return replace(self, data=self.data[..., start:stop, :], scales=self.scales[..., start:stop, :],
+        return replace(self, data=self.data[..., start:stop, :],
+                       scales=None if self.scales is None else self.scales[..., start:stop, :],
                        mins=None if self.mins is None else self.mins[..., start:stop, :],
                        row_scale=None if self.row_scale is None else self.row_scale[..., start:stop])
 
@@ -231,6 +286,8 @@ class QuantTensor:
         """The torch reference: ``[..., N, K]`` in ``dtype`` (default :attr:`dtype`), computed in float32 as the
         module docstring's table says, then rounded once to ``dtype``."""
         f = self.fmt
+        if f.is_block:
+            return dequantize_blocks(self.data, f.kind).to(dtype or self.dtype)
         *lead, n, k = self.shape
         g = k // f.group
         c = self.codes_f32().view(*lead, n, g, f.group)
@@ -277,13 +334,16 @@ def empty_quant(fmt: QuantFormat, lead: tuple[int, ...], n: int, k: int, *, devi
     fmt.check_shape(n, k)
     t = {name: torch.empty(*lead, *shape, dtype=dt, device=device, pin_memory=pin_memory)
          for name, dt, shape in fmt.fields(n, k)}
-    return QuantTensor(fmt, t["data"], t["scales"], t.get("mins"), t.get("row_scale"), dtype)
+    return QuantTensor(fmt, t["data"], t.get("scales"), t.get("mins"), t.get("row_scale"), dtype)
 
 
 def random_quant(fmt: QuantFormat, lead: tuple[int, ...], n: int, k: int, *, generator: torch.Generator,
                  std: float = 1.0, dtype: torch.dtype = torch.bfloat16) -> QuantTensor:
     """Random valid codes and positive scales (tests): values of roughly ``std`` spread, no NaN / inf codes."""
     qt = empty_quant(fmt, lead, n, k, dtype=dtype)
+    if fmt.is_block:
+        fill_random_blocks(qt.data, fmt.kind, generator=generator, std=std)
+        return qt
     shape = qt.data.shape
     if fmt.kind == "fp8":
         qt.data.copy_(torch.randn(shape, generator=generator).to(torch.float8_e4m3fn))
@@ -342,4 +402,4 @@ class RowFields:
         for name, off, dt, shape in self.fields:
             nb = _numel(shape) * _itemsize(dt)
             t[name] = rows[..., off:off + nb].view(dt).view(*lead, *shape)
-        return QuantTensor(fmt, t["data"], t["scales"], t.get("mins"), t.get("row_scale"), dtype)
+        return QuantTensor(fmt, t["data"], t.get("scales"), t.get("mins"), t.get("row_scale"), dtype)
