@@ -395,8 +395,9 @@ def _build_bpe_tokenizer(g: GGUFFile) -> Any:
     return tok
 
 
-def write_tokenizer_files(g: GGUFFile, dest: Path, max_len: int) -> None:
-    """Write ``tokenizer.json`` and ``tokenizer_config.json`` (special tokens, ``add_bos_token``, chat template).
+def tokenizer_parts(g: GGUFFile, max_len: int) -> tuple[Any, dict[str, Any]]:
+    """The tokenizer of ``g`` as ``(tokenizers.Tokenizer, tokenizer_config dict)``: the config holds the special
+    tokens, ``add_bos_token``, the chat template (``tokenizer.chat_template``) and ``model_max_length``.
 
     Byte-level BPE vocabularies with a pre-tokenizer we reproduce are built directly from the metadata (fast,
     exact to llama.cpp's splitting); anything else is delegated to transformers' GGUF tokenizer converter.
@@ -408,14 +409,11 @@ def write_tokenizer_files(g: GGUFFile, dest: Path, max_len: int) -> None:
     if not tokens:
         raise ModelLoadError(f"{g.path}: the GGUF has no tokenizer (tokenizer.ggml.tokens missing)")
     tok = _build_bpe_tokenizer(g)
-    if tok is not None:
-        tok.save(str(dest / "tokenizer.json"))
-    else:  # Other tokenizer families: transformers knows more of them than we do.
+    if tok is None:  # Other tokenizer families: transformers knows more of them than we do.
         try:
             from transformers import AutoTokenizer
 
-            hf = AutoTokenizer.from_pretrained(str(g.path.parent), gguf_file=g.path.name)
-            hf.backend_tokenizer.save(str(dest / "tokenizer.json"))
+            tok = AutoTokenizer.from_pretrained(str(g.path.parent), gguf_file=g.path.name).backend_tokenizer
         except Exception as e:  # noqa: BLE001 - any failure means the same thing to the user
             raise ModelLoadError(f"{g.path}: cannot build its tokenizer: {e}") from None
 
@@ -442,7 +440,37 @@ def write_tokenizer_files(g: GGUFFile, dest: Path, max_len: int) -> None:
     template = g.get("tokenizer.chat_template")
     if template:
         tc["chat_template"] = template
+    return tok, tc
+
+
+def write_tokenizer_files(g: GGUFFile, dest: Path, max_len: int) -> None:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` (:func:`tokenizer_parts`) into ``dest``.
+
+    Raises:
+        ModelLoadError: as :func:`tokenizer_parts`.
+    """
+    tok, tc = tokenizer_parts(g, max_len)
+    tok.save(str(dest / "tokenizer.json"))
     (dest / "tokenizer_config.json").write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n")
+
+
+def gguf_tokenizer(path: str | Path) -> Any:
+    """A ``transformers.PreTrainedTokenizerFast`` built in memory from a GGUF file's metadata (nothing written):
+    the same tokenizer a converted folder's ``tokenizer.json`` + ``tokenizer_config.json`` load as.
+
+    Raises:
+        ModelLoadError: as :func:`read_gguf` and :func:`tokenizer_parts`.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    g = read_gguf(path)
+    arch = g.get("general.architecture")
+    max_len = int(g.get(f"{arch}.context_length", 0) or 0) or 2048
+    tok, tc = tokenizer_parts(g, max_len)
+    kwargs = {k: v for k, v in tc.items() if k not in ("tokenizer_class", "added_tokens_decoder")}
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs)
+    hf.name_or_path = str(path)
+    return hf
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -626,7 +654,7 @@ def convert_gguf_into(gguf_path: str | Path, out_dir: str | Path, *, progress: b
         ModelLoadError: unreadable GGUF, unsupported architecture/tensor/tokenizer.
     """
     g = read_gguf(gguf_path)
-    from ferrylm.models.quant.gguf_moe import is_moe_gguf
+    from ferrylm.models.gguf_config import is_moe_gguf
 
     if is_moe_gguf(g):  # qwen3moe / qwen2moe / olmoe / llama with experts: experts stay quantized
         from ferrylm.models.quant.gguf_moe import convert_moe_gguf_into

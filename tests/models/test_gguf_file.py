@@ -1,0 +1,148 @@
+"""A MoE GGUF served from its file (models/quant/gguf_file.py): a tiny random qwen3moe GGUF (experts Q4_K gate/up and
+Q6_K down as llama.cpp's Q4_K_M has them, attention Q8_0, norms and router F32) resolves to the file itself and
+loads with nothing written beside it or under the cache dir; expert rows hold the file's bytes; expert values equal
+gguf-py's dequantize bit for bit; logits equal transformers on the gguf-py-dequantized weights; the planned layout
+counts the file's bits per weight; non-expert tensors take the model dtype; the tokenizer and chat template come
+from the file; every backend gives the same greedy tokens. A projection whose layers mix types is repacked (exact)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from tests.experts.helpers import greedy_trace, options
+from tests.models.gguf_moe_files import CHAT_TEMPLATE
+from tests.models.hf_checkpoints import token_ids
+from tests.models.quant_checkpoints import dense_reference
+from tests.models.test_parity import full_logits
+from tests.models.test_quant_gguf import VOCAB, _gguf_reference, _hf_model, _to_gguf
+
+from ferrylm.config import ModelConfig
+from ferrylm.experts.banks import ExpertLayout
+from ferrylm.experts.quantized import QuantTensor
+from ferrylm.models.gguf_convert import read_gguf, write_tokenizer_files
+from ferrylm.models.loader import load_model
+from ferrylm.models.quant import planned_expert_quant
+from ferrylm.models.resolve import resolve_model
+from ferrylm.server.tokenizer import TextCodec
+
+gguf = pytest.importorskip("gguf")
+H, I = 256, 256
+
+
+def _qwen3moe(tmp_path, down_types):
+    """The HF model, its GGUF and the name map; ``down_types[layer]`` is each MoE layer's ffn_down_exps type."""
+    model = _hf_model("qwen3_moe", hidden_size=H, intermediate_size=128, moe_intermediate_size=I, head_dim=64,
+                      num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
+                      rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+
+    def types(tensors):
+        t = {n: "Q4_K" for n in tensors if n.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight"))}
+        t.update({f"blk.{n}.ffn_down_exps.weight": ty for n, ty in down_types.items()})
+        t.update({n: "Q8_0" for n in tensors if n.endswith(("attn_q.weight", "attn_k.weight", "attn_v.weight",
+                                                            "attn_output.weight", "token_embd.weight"))})
+        return t
+
+    return _to_gguf(model, tmp_path, "qwen3moe", types)
+
+
+def _listing(root):
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_qwen3moe_gguf_is_served_from_its_file(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(cache))
+    hf_dir, path, where = _qwen3moe(tmp_path, {1: "Q6_K", 2: "Q6_K"})
+    before = _listing(tmp_path)
+
+    resolved = resolve_model(str(path))
+    assert resolved.path == path.resolve() and resolved.source == "gguf" and resolved.has_tokenizer
+    cfg = ModelConfig.from_folder(resolved.path)
+    quant = planned_expert_quant(cfg.raw)
+    assert (quant.gate_up.describe(), quant.down.describe()) == ("Q4_K (ggml blocks)", "Q6_K (ggml blocks)")
+    assert quant.gate_up.bits_per_weight(2 * I, H) == 4.5 and quant.down.bits_per_weight(H, I) == 6.5625
+    loaded = load_model(resolved.path)
+    codec = TextCodec.from_pretrained(resolved.path)
+    assert _listing(tmp_path) == before and not cache.exists()  # nothing written, no folder in the cache
+
+    # the memory plan's layout (planned from the header) is the loaded one, at the file's bits per weight
+    le = loaded.executor.layers[1]
+    layout = ExpertLayout.of(le)
+    assert layout == ExpertLayout(H, I, torch.float32, quant)
+    file_bytes = I * H // 256 * 144 * 2 + H * I // 256 * 210
+    assert file_bytes <= layout.nbytes < file_bytes + 128
+
+    # expert rows hold the file's bytes, byte for byte
+    reader = gguf.GGUFReader(str(path))
+    raw = {t.name: torch.from_numpy(np.array(t.data, copy=True)).reshape(-1) for t in reader.tensors}
+    rows = torch.zeros(4, layout.numel, dtype=torch.uint8)
+    for n in (1, 2):
+        lx = loaded.executor.layers[n]
+        assert isinstance(lx.gate, QuantTensor) and lx.down.fmt == quant.down
+        layout.pack(rows, lx)
+        gate, down = I * H // 256 * 144, H * I // 256 * 210
+        off = -(-2 * gate // 64) * 64
+        for e in range(4):
+            assert torch.equal(rows[e, :gate], raw[f"blk.{n}.ffn_gate_exps.weight"][e * gate:(e + 1) * gate])
+            assert torch.equal(rows[e, gate:2 * gate], raw[f"blk.{n}.ffn_up_exps.weight"][e * gate:(e + 1) * gate])
+            assert torch.equal(rows[e, off:off + down], raw[f"blk.{n}.ffn_down_exps.weight"][e * down:(e + 1) * down])
+
+    # values: experts equal gguf-py's dequantize; logits equal transformers on the dequantized weights
+    hf_cfg = json.loads((hf_dir / "config.json").read_text())
+    reference = _gguf_reference(path, where, "qwen3moe", hf_cfg)
+    for hf, w in reference.items():
+        if ".experts." in hf:
+            p = hf.split(".")
+            lx = loaded.executor.layers[int(p[2])]
+            qt = {"gate_proj": lx.gate, "up_proj": lx.up}.get(p[6], lx.down)
+            assert torch.equal(qt[int(p[5])].dequantize(torch.float32), w), hf
+    ref_model = dense_reference(hf_dir, tmp_path / "dequantized", reference)
+    ids = token_ids(20, VOCAB, seed=4)
+    with torch.no_grad():
+        ref = ref_model(input_ids=ids[None]).logits[0]
+    err = (full_logits(loaded.model, ids) - ref).abs().max().item()
+    assert err <= 1e-4, err
+
+    # tokenizer and chat template from the metadata
+    assert codec.tokenizer.chat_template == CHAT_TEMPLATE and codec.eos_token_ids == (VOCAB - 1,)
+    folder = tmp_path / "tokenizer-files"  # what a conversion writes, for comparison
+    folder.mkdir()
+    write_tokenizer_files(read_gguf(path), folder, 256)
+    old = TextCodec.from_pretrained(folder)
+    text = "<|im_start|>user\nthe theme, 12 <|im_end|>"
+    assert codec.tokenizer.encode(text) == old.tokenizer.encode(text) and VOCAB - 2 in codec.tokenizer.encode(text)
+    assert codec.special_strings == old.special_strings
+    chat = [{"role": "user", "content": "hi there"}]
+    assert codec.tokenizer.apply_chat_template(chat, tokenize=False) == old.tokenizer.apply_chat_template(
+        chat, tokenize=False)
+
+    # every backend: the same greedy tokens
+    prompt = token_ids(8, VOCAB, seed=9).tolist()
+    want = greedy_trace(loaded.model, prompt, 4)[0]
+    for backend in ("offload", "cpu", "hybrid"):
+        assert greedy_trace(load_model(path, moe_backend=options(backend, 1)).model, prompt, 4)[0] == want, backend
+
+
+def test_non_expert_tensors_take_the_model_dtype(tmp_path):
+    _, path, _ = _qwen3moe(tmp_path, {1: "Q6_K", 2: "Q6_K"})
+    loaded = load_model(path, dtype=torch.bfloat16)
+    dtypes = {p.dtype for p in loaded.model.parameters()}
+    assert dtypes == {torch.bfloat16}, dtypes
+    le = loaded.executor.layers[1]
+    assert le.gate.dtype == torch.bfloat16 and le.gate.data.dtype == torch.uint8
+
+
+def test_mixed_down_types_are_repacked_exactly(tmp_path):
+    """Q6_K in layer 1 and Q4_K in layer 2 (Q4_K_M's mix): one row layout for all layers, so down becomes int8 with
+    mins (exact); gate/up stay Q4_K blocks."""
+    hf_dir, path, where = _qwen3moe(tmp_path, {1: "Q6_K", 2: "Q4_K"})
+    loaded = load_model(path)
+    le = loaded.executor.layers[2]
+    assert (le.gate.fmt.describe(), le.down.fmt.describe()) == ("Q4_K (ggml blocks)", "int8 g16 (f32 scales, mins)")
+    reference = _gguf_reference(path, where, "qwen3moe", json.loads((hf_dir / "config.json").read_text()))
+    for n in (1, 2):
+        w = reference[f"model.layers.{n}.mlp.experts.3.down_proj.weight"]
+        assert torch.equal(loaded.executor.layers[n].down[3].dequantize(torch.float32), w)
