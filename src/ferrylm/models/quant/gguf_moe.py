@@ -1,4 +1,9 @@
-"""Convert a Mixture-of-Experts GGUF file into a model folder whose routed experts stay quantized.
+"""GGUF expert blocks repacked into element formats, and the conversion of a MoE GGUF into a model folder.
+
+Serving a MoE GGUF reads the file itself (:mod:`ferrylm.models.quant.gguf_file`, experts kept as GGML blocks); it
+uses this module only for a projection whose layers mix types (:func:`unified_format` + :func:`repack`). The folder
+conversion (:func:`convert_moe_gguf_into`) is kept for :func:`ferrylm.models.gguf_convert.convert_gguf` called on a
+MoE file (tests compare both paths); nothing at runtime calls it.
 
 Architectures (GGUF ``general.architecture`` -> HF class): ``qwen3moe`` -> Qwen3MoeForCausalLM, ``qwen2moe`` ->
 Qwen2MoeForCausalLM, ``olmoe`` -> OlmoeForCausalLM, ``llama`` with ``llama.expert_count > 0`` (Mixtral) ->
