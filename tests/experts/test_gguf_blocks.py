@@ -98,3 +98,28 @@ def test_every_backend_computes_block_experts():
                 assert (got - run_grouped(want[1], x[:t], ids[:t], w[:t])).abs().max().item() <= 1e-5, backend
         finally:
             ex.close()
+
+
+@pytest.mark.parametrize("quant", ["q4_k", "q4_k_m", "q8_0"])
+def test_synthetic_block_quant_builds_and_backends_agree(quant):
+    """``synthetic:...:quant=q4_k`` etc.: random whole blocks at the file's bits per weight, the init scale kept, the
+    same greedy tokens on every backend."""
+    from tests.experts.helpers import greedy_trace
+    from tests.models.test_synthetic import tiny
+
+    from ferrylm.models.synthetic import SyntheticSpec
+    from ferrylm.models.synthetic_build import build_synthetic
+
+    preset = tiny("qwen3-30b-a3b", moe_intermediate_size=256, hidden_size=256, head_dim=32)
+    spec = SyntheticSpec(preset, 2, quant=quant)
+    ref = build_synthetic(spec, dtype=torch.float32)
+    le = ref.executor.layers[0]
+    bpw = {"q4_k": (4.5, 4.5), "q4_k_m": (4.5, 6.5625), "q8_0": (8.5, 8.5)}[quant]
+    assert le.expert_bytes * 8 == (2 * bpw[0] + bpw[1]) * 256 * 256
+    assert 0.5 < le.gate.dequantize(torch.float32).std().item() * 256 ** 0.5 < 2.0
+    assert le.down.dequantize(torch.float32).isfinite().all()
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    want = greedy_trace(ref.model, prompt, 3)[0]
+    for backend in ("offload", "cpu", "hybrid"):
+        got = greedy_trace(build_synthetic(spec, dtype=torch.float32, moe_backend=options(backend, 2)).model, prompt, 3)
+        assert got[0] == want, backend
