@@ -146,3 +146,27 @@ def test_mixed_down_types_are_repacked_exactly(tmp_path):
     for n in (1, 2):
         w = reference[f"model.layers.{n}.mlp.experts.3.down_proj.weight"]
         assert torch.equal(loaded.executor.layers[n].down[3].dequantize(torch.float32), w)
+
+
+def test_llm_engine_serves_the_file(tmp_path, monkeypatch):
+    """The offline engine (resolve -> memory plan sized from the header -> load -> generate) on the GGUF path, with
+    an offloading backend, greedy tokens equal to the resident model's; a structured-output request compiles its
+    grammar with the tokenizer built from the file; still nothing written."""
+    from ferrylm.engine.sampling_params import SamplingParams
+    from ferrylm.llm import LLM
+
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path / "cache"))
+    _, path, _ = _qwen3moe(tmp_path, {1: "Q6_K", 2: "Q6_K"})
+    before = _listing(tmp_path)
+    prompt = token_ids(8, VOCAB, seed=9).tolist()
+    want = greedy_trace(load_model(path).model, prompt, 4)[0]
+    llm = LLM(str(path), moe_backend="offload", moe_cache_size=4, max_model_len=64)
+    out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert list(out.outputs[0].token_ids) == want
+    assert llm.engine.memory_plan is not None
+    from ferrylm.server.structured import choice_grammar
+
+    forced = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, grammar=choice_grammar(
+        ["the", "he"], "c")))[0]
+    assert forced.outputs[0].text in ("the", "he")
+    assert _listing(tmp_path) == before
