@@ -170,3 +170,24 @@ def test_llm_engine_serves_the_file(tmp_path, monkeypatch):
         ["the", "he"], "c")))[0]
     assert forced.outputs[0].text in ("the", "he")
     assert _listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("family,arch", [("mixtral", "llama"), ("qwen2_moe", "qwen2moe"), ("olmoe", "olmoe")])
+def test_other_moe_layouts_from_the_file_equal_the_converted_folder(tmp_path, family, arch):
+    """Mixtral as ``llama`` (Q/K rows un-permuted), Qwen2-MoE (shared expert and its gate), OLMoE, Q8_0 experts
+    kept as blocks: logits equal those of the converted folder (the older path: same values as int8)."""
+    from ferrylm.models.gguf_convert import convert_gguf
+
+    extra = dict(shared_expert_intermediate_size=64, moe_intermediate_size=64) if family == "qwen2_moe" else {}
+    kw = dict(num_local_experts=4) if family == "mixtral" else dict(num_experts=4)
+    model = _hf_model(family, hidden_size=64, intermediate_size=64, num_experts_per_tok=2,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **kw, **extra)
+    _, path, _ = _to_gguf(model, tmp_path, arch, lambda tensors: {
+        n: "Q8_0" for n in tensors if "_exps" in n or n.endswith(("ffn_gate_shexp.weight", "attn_q.weight"))})
+    served = load_model(path)
+    le = served.executor.layers[0]
+    assert le.gate.fmt.describe() == "Q8_0 (ggml blocks)"
+    folder = load_model(convert_gguf(path, tmp_path / "converted", progress=False))
+    ids = token_ids(16, VOCAB, seed=2)
+    err = (full_logits(served.model, ids) - full_logits(folder.model, ids)).abs().max().item()
+    assert err <= 1e-5, err
