@@ -191,3 +191,25 @@ def test_other_moe_layouts_from_the_file_equal_the_converted_folder(tmp_path, fa
     ids = token_ids(16, VOCAB, seed=2)
     err = (full_logits(served.model, ids) - full_logits(folder.model, ids)).abs().max().item()
     assert err <= 1e-5, err
+
+
+@pytest.mark.parametrize("types", [("Q5_K", "Q6_K"), ("Q4_K", "Q5_K", "Q8_0")])
+def test_mixed_projection_formats_repack_exactly(types):
+    """Every type of a mixed projection repacks into the unified int8 format (with mins) without changing a value:
+    equal to gguf-py's dequantize (Q5_K_M-style mixes included)."""
+    from ferrylm.experts.gguf_blocks import BLOCK_TYPES, fill_random_blocks
+    from ferrylm.models.gguf_convert import GGUFTensor
+    from ferrylm.models.quant.gguf_file import projection_format
+    from ferrylm.models.quant.gguf_moe import _DECODERS, repack
+
+    fmt = projection_format(list(types), "down")
+    assert fmt.kind == "int8" and fmt.mins
+    for name in types:
+        bt = BLOCK_TYPES[name.lower()]
+        raw = torch.empty(2, 8, 512 // bt.elems * bt.nbytes, dtype=torch.uint8)
+        fill_random_blocks(raw, name.lower(), generator=torch.Generator().manual_seed(5), std=0.1)
+        t = GGUFTensor("blk.0.ffn_down_exps.weight", (2, 8, 512), int(getattr(gguf.GGMLQuantizationType, name)), 0,
+                       raw.numel())
+        qt = repack(_DECODERS[name][0](raw.numpy().reshape(-1), t), fmt, torch.float32)
+        want = torch.from_numpy(np.array(gguf.quants.dequantize(raw.numpy(), getattr(gguf.GGMLQuantizationType, name))))
+        assert torch.equal(qt.dequantize(), want), name

@@ -9,7 +9,7 @@ changes). Then:
   is a view of the mapped tensor, so an expert's row holds exactly its blocks and offload moves the file's bits
   per weight. A projection whose layers use several types (llama.cpp's ``Q4_K_M`` puts ``Q6_K`` in some layers'
   ``ffn_down_exps``) is repacked without loss into one int8 format with mins
-  (:func:`ferrylm.models.quant.gguf_moe.unified_format`; only Q8_0 / Q4_K / Q6_K mix), because every layer of a
+  (:func:`ferrylm.models.quant.gguf_moe.unified_format`; Q8_0 / Q4_K / Q5_K / Q6_K mix), because every layer of a
   model shares one expert row layout. Float experts (F32 / F16 / BF16) become plain stacks in the model dtype.
 * Every other tensor is dequantized (gguf-py's ``dequantize``, exact) and cast to the model dtype (bfloat16 on a
   GPU by default) on its way to the device; Q/K rows of the ``llama`` architecture are un-permuted.
@@ -34,7 +34,7 @@ from ferrylm.models.gguf_config import EXPERT_TENSORS, expert_types, served_conf
 from ferrylm.models.gguf_convert import GGUFFile, GGUFTensor, dequantize_tensor, read_gguf, unpermute_rope_rows
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
-_MIXABLE = ("Q8_0", "Q4_K", "Q6_K")  # the types gguf_moe.unified_format can repack together
+_MIXABLE = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the types gguf_moe.unified_format can repack together
 _PART = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 
 

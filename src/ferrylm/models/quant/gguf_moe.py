@@ -127,10 +127,31 @@ def decode_q4_k(data: np.ndarray, t: GGUFTensor) -> Decoded:
     return Decoded(q.reshape(*lead, n, k), scales, mins, None, 32)
 
 
+def decode_q5_k(data: np.ndarray, t: GGUFTensor) -> Decoded:
+    """Q5_K (``experts/gguf_blocks.py``): Q4_K's scales and mins, a fifth code bit from ``qh[32]``."""
+    from gguf.quants import Q4_K
+
+    b = _blocks(data, t, 176)
+    nb = b.shape[0]
+    d, dmin = _f16(b[:, 0:2]).float(), _f16(b[:, 2:4]).float()
+    sc, m = Q4_K.get_scale_min(b[:, 4:16].numpy())
+    sc, m = torch.from_numpy(np.asarray(sc)).reshape(nb, 8), torch.from_numpy(np.asarray(m)).reshape(nb, 8)
+    qh = b[:, 16:48].reshape(nb, 1, 32)
+    qs = b[:, 48:].reshape(nb, 4, 32)
+    low = torch.stack((qs & 15, qs >> 4), 2).reshape(nb, 8, 32)
+    high = (qh >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1
+    q = (low | (high << 4)).reshape(nb, 256)  # 0..31
+    *lead, n, k = t.shape
+    scales = (d[:, None] * sc.float()).reshape(*lead, n, k // 32)
+    mins = (dmin[:, None] * m.float()).reshape(*lead, n, k // 32)
+    return Decoded(q.reshape(*lead, n, k), scales, mins, None, 32)
+
+
 _DECODERS: dict[str, tuple[Callable[[np.ndarray, GGUFTensor], Decoded], QuantFormat]] = {
     "Q8_0": (decode_q8_0, QuantFormat("int8", 32, torch.float16)),
     "Q6_K": (decode_q6_k, QuantFormat("int8", 16, torch.float32)),
     "Q4_K": (decode_q4_k, QuantFormat("int4", 32, torch.float32, mins=True)),
+    "Q5_K": (decode_q5_k, QuantFormat("int8", 32, torch.float32, mins=True)),
 }
 
 
