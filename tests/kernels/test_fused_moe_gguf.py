@@ -89,9 +89,13 @@ def test_weight_tile_decodes_blocks_bit_exact(gguf_type):
     dev = kernel_device()
     qt = random_quant(block_format(gguf_type), (2,), 24, 512, generator=torch.Generator().manual_seed(3), std=0.1,
                       dtype=torch.float32).to(dev)
-    args, kw = dq.weight_args(qt)
-    for block_k in (32, 128):
-        out = torch.full((2, 24, 512), float("nan"), device=dev)
-        kernel[(512 // block_k, 24 // 8, 2)](qt.data, out, 24, 512, *args[4:7], QKIND=kw["QKIND"],
-                                             GROUP=kw["GROUP"], BLOCK_K=block_k, BLOCK_N=8)
-        assert torch.equal(out.cpu(), qt.dequantize(torch.float32).cpu()), block_k
+    raw = qt._map(lambda t: torch.randint(0, 256, t.shape, dtype=torch.uint8,
+                                          generator=torch.Generator().manual_seed(4)).to(dev))
+    for q in (qt, raw):  # realistic blocks; arbitrary bytes (negative, subnormal, inf / NaN f16 scales)
+        args, kw = dq.weight_args(q)
+        want = q.dequantize(torch.float32).cpu().nan_to_num()
+        for block_k in (32, 128):
+            out = torch.full((2, 24, 512), -1234.5, device=dev)
+            kernel[(512 // block_k, 24 // 8, 2)](q.data, out, 24, 512, *args[4:7], QKIND=kw["QKIND"],
+                                                 GROUP=kw["GROUP"], BLOCK_K=block_k, BLOCK_N=8)
+            assert torch.equal(out.cpu().nan_to_num(), want), block_k
