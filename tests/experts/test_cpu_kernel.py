@@ -284,6 +284,7 @@ QUANT = {
     "Q4_K": ("q4_k", 256, torch.bfloat16, False, False),
     "Q5_K": ("q5_k", 256, torch.bfloat16, False, False),
     "Q6_K": ("q6_k", 256, torch.bfloat16, False, False),
+    "Q4_K|Q5_K|Q6_K": ("kmix", 256, torch.bfloat16, False, False),  # a kind per expert
 }
 
 
@@ -298,7 +299,8 @@ def test_quantized_rows_match_the_dequantized_reference(kernel, name, counts):
     from ferrylm.experts.quantized import ExpertQuant, QuantFormat, random_quant
 
     kind, group, sdt, mins, row = QUANT[name]
-    fmt = QuantFormat(kind, group, sdt, mins=mins, row_scale=row)
+    mix = ("q4_k", "q5_k", "q6_k") if kind == "kmix" else ()
+    fmt = QuantFormat(kind, group, sdt, mins=mins, row_scale=row, mix=mix)
     h, i, e = (128, 64, len(counts)) if group < 256 else (256, 256, len(counts))
     g = torch.Generator().manual_seed(len(name) + sum(counts))
     le = LayerExperts(random_quant(fmt, (e,), i, h, generator=g, std=h ** -0.5, dtype=torch.float32),

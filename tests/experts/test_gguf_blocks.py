@@ -123,3 +123,26 @@ def test_synthetic_block_quant_builds_and_backends_agree(quant):
     for backend in ("offload", "cpu", "hybrid"):
         got = greedy_trace(build_synthetic(spec, dtype=torch.float32, moe_backend=options(backend, 2)).model, prompt, 3)
         assert got[0] == want, backend
+
+
+def test_kmix_tags_each_expert_with_its_kind():
+    """``kmix``: rows padded to the widest kind, one tag byte per expert; each expert decodes as its kind (gguf-py's
+    dequantize on the leading bytes of its rows); a tag outside the mix is refused; the tag survives row views."""
+    from ferrylm.experts.quantized import mix_format
+
+    fmt = mix_format(["Q6_K", "Q4_K"])
+    assert fmt.mix == ("q4_k", "q6_k") and fmt.packed_k(512) == 420
+    with pytest.raises(ValueError, match="K-quant kinds"):
+        QuantFormat("kmix", 256, mix=("q6_k", "q4_k"))
+    with pytest.raises(ValueError, match="K-quant kinds"):
+        mix_format(["Q8_0", "Q4_K"])
+    qt = random_quant(fmt, (4,), 6, 512, generator=torch.Generator().manual_seed(2), std=0.1, dtype=torch.float32)
+    assert qt.tag.reshape(-1).tolist() == [6, 8, 6, 8]
+    w = qt.dequantize()
+    for e, name in enumerate(["Q4_K", "Q6_K"] * 2):
+        rb = 2 * BLOCK_TYPES[name.lower()].nbytes
+        assert torch.equal(w[e], _oracle(qt.data[e, :, :rb].contiguous(), name))
+        assert torch.equal(qt.rows(2, 5)[e].dequantize(), w[e, 2:5])
+    qt.tag[1] = 5
+    with pytest.raises(ValueError, match="not one of the mix"):
+        qt.dequantize()

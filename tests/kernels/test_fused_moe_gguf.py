@@ -11,7 +11,7 @@ import torch
 
 from ferrylm.experts.banks import ExpertLayout
 from ferrylm.experts.executor import LayerExperts
-from ferrylm.experts.quantized import ExpertQuant, block_format, random_quant
+from ferrylm.experts.quantized import ExpertQuant, block_format, mix_format, random_quant
 from ferrylm.experts.resident import run_grouped
 from tests.kernels.interp import kernel_device, load_kernels
 
@@ -20,6 +20,7 @@ FORMATS = {
     "Q6_K/Q4_K": ExpertQuant(block_format("Q6_K"), block_format("Q4_K")),
     "Q8_0": ExpertQuant(block_format("Q8_0"), block_format("Q8_0")),
     "Q5_K/Q8_0": ExpertQuant(block_format("Q5_K"), block_format("Q8_0")),
+    "Q4_K/kmix": ExpertQuant(block_format("Q4_K"), mix_format(["Q4_K", "Q6_K"])),  # Q4_K_M's mixed downs
 }
 
 
@@ -67,35 +68,38 @@ def _tile_kernel():
     globals().update(tl=tl, weight_tile=weight_tile)
 
     @triton.jit
-    def tile_kernel(w_ptr, out_ptr, N, K, swe, swn, swk, QKIND: tl.constexpr, GROUP: tl.constexpr,
+    def tile_kernel(w_ptr, s_ptr, out_ptr, N, K, swe, swn, swk, sse, QKIND: tl.constexpr, GROUP: tl.constexpr,
                     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
         pk = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         kk = pk * BLOCK_K + tl.arange(0, BLOCK_K)
         e = tl.program_id(2).to(tl.int64)
-        wt = weight_tile(w_ptr, w_ptr, w_ptr, w_ptr, e, n, pk * BLOCK_K, kk, n < N, kk < K, swe, swn, swk,
-                         0, 0, 0, 0, 0, QKIND, GROUP, False, False, BLOCK_K)
+        wt = weight_tile(w_ptr, s_ptr, w_ptr, w_ptr, e, n, pk * BLOCK_K, kk, n < N, kk < K, swe, swn, swk,
+                         sse, 0, 0, 0, 0, QKIND, GROUP, False, False, BLOCK_K)
         tl.store(out_ptr + e * N * K + n[None, :] * K + kk[:, None], wt, mask=(n[None, :] < N) & (kk[:, None] < K))
 
     return tile_kernel
 
 
-@pytest.mark.parametrize("gguf_type", ["Q4_K", "Q5_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("gguf_type", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_K|Q5_K|Q6_K"])
 def test_weight_tile_decodes_blocks_bit_exact(gguf_type):
     """Every element of a projection read through ``weight_tile`` equals the torch reference bit for bit (float32:
     every product is exact), for K tiles inside one block and spanning several (Q8_0)."""
     dq = load_kernels("ferrylm.experts.kernels.dequant")
     kernel = _tile_kernel()
     dev = kernel_device()
-    qt = random_quant(block_format(gguf_type), (2,), 24, 512, generator=torch.Generator().manual_seed(3), std=0.1,
+    fmt = mix_format(gguf_type.split("|")) if "|" in gguf_type else block_format(gguf_type)
+    qt = random_quant(fmt, (3,), 24, 512, generator=torch.Generator().manual_seed(3), std=0.1,
                       dtype=torch.float32).to(dev)
     raw = qt._map(lambda t: torch.randint(0, 256, t.shape, dtype=torch.uint8,
                                           generator=torch.Generator().manual_seed(4)).to(dev))
+    if raw.tag is not None:
+        raw.tag.copy_(qt.tag)
     for q in (qt, raw):  # realistic blocks; arbitrary bytes (negative, subnormal, inf / NaN f16 scales)
         args, kw = dq.weight_args(q)
         want = q.dequantize(torch.float32).cpu().nan_to_num()
         for block_k in (32, 128):
-            out = torch.full((2, 24, 512), -1234.5, device=dev)
-            kernel[(512 // block_k, 24 // 8, 2)](q.data, out, 24, 512, *args[4:7], QKIND=kw["QKIND"],
+            out = torch.full((3, 24, 512), -1234.5, device=dev)
+            kernel[(512 // block_k, 24 // 8, 3)](q.data, args[1], out, 24, 512, *args[4:8], QKIND=kw["QKIND"],
                                                  GROUP=kw["GROUP"], BLOCK_K=block_k, BLOCK_N=8)
             assert torch.equal(out.cpu().nan_to_num(), want), block_k

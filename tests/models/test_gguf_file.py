@@ -135,41 +135,29 @@ def test_non_expert_tensors_take_the_model_dtype(tmp_path):
     assert le.gate.dtype == torch.bfloat16 and le.gate.data.dtype == torch.uint8
 
 
-def test_mixed_down_types_are_repacked_exactly(tmp_path):
-    """Q6_K in layer 1 and Q4_K in layer 2 (Q4_K_M's mix): one row layout for all layers, so down becomes int8 with
-    mins (exact); gate/up stay Q4_K blocks."""
+def test_mixed_down_types_keep_their_blocks(tmp_path):
+    """Q6_K in layer 1 and Q4_K in layer 2 (Q4_K_M's mix): one row layout for all layers, so down is ``kmix`` (each
+    layer's blocks, padded to Q6_K's row, a tag per expert); values bit for bit, the rows' leading bytes the file's,
+    and every backend (the native CPU kernel's kmix path included) gives the resident model's tokens."""
     hf_dir, path, where = _qwen3moe(tmp_path, {1: "Q6_K", 2: "Q4_K"})
     loaded = load_model(path)
     le = loaded.executor.layers[2]
-    assert (le.gate.fmt.describe(), le.down.fmt.describe()) == ("Q4_K (ggml blocks)", "int8 g16 (f32 scales, mins)")
+    assert (le.gate.fmt.describe(), le.down.fmt.describe()) == ("Q4_K (ggml blocks)",
+                                                                "Q4_K|Q6_K (ggml blocks, a kind per expert)")
+    assert planned_expert_quant(ModelConfig.from_folder(path).raw) == ExpertLayout.of(le).quant
     reference = _gguf_reference(path, where, "qwen3moe", json.loads((hf_dir / "config.json").read_text()))
-    for n in (1, 2):
-        w = reference[f"model.layers.{n}.mlp.experts.3.down_proj.weight"]
-        assert torch.equal(loaded.executor.layers[n].down[3].dequantize(torch.float32), w)
-
-
-def test_llm_engine_serves_the_file(tmp_path, monkeypatch):
-    """The offline engine (resolve -> memory plan sized from the header -> load -> generate) on the GGUF path, with
-    an offloading backend, greedy tokens equal to the resident model's; a structured-output request compiles its
-    grammar with the tokenizer built from the file; still nothing written."""
-    from ferrylm.engine.sampling_params import SamplingParams
-    from ferrylm.llm import LLM
-
-    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path / "cache"))
-    _, path, _ = _qwen3moe(tmp_path, {1: "Q6_K", 2: "Q6_K"})
-    before = _listing(tmp_path)
+    reader = gguf.GGUFReader(str(path))
+    raw = {t.name: torch.from_numpy(np.array(t.data, copy=True)) for t in reader.tensors}
+    for n, rb in ((1, H // 256 * 210), (2, H // 256 * 144)):
+        down = loaded.executor.layers[n].down
+        assert torch.equal(down.data[..., :rb], raw[f"blk.{n}.ffn_down_exps.weight"].view(4, H, rb))
+        for e in range(4):
+            w = reference[f"model.layers.{n}.mlp.experts.{e}.down_proj.weight"]
+            assert torch.equal(down[e].dequantize(torch.float32), w)
     prompt = token_ids(8, VOCAB, seed=9).tolist()
-    want = greedy_trace(load_model(path).model, prompt, 4)[0]
-    llm = LLM(str(path), moe_backend="offload", moe_cache_size=4, max_model_len=64)
-    out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
-    assert list(out.outputs[0].token_ids) == want
-    assert llm.engine.memory_plan is not None
-    from ferrylm.server.structured import choice_grammar
-
-    forced = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, grammar=choice_grammar(
-        ["the", "he"], "c")))[0]
-    assert forced.outputs[0].text in ("the", "he")
-    assert _listing(tmp_path) == before
+    want = greedy_trace(loaded.model, prompt, 4)[0]
+    for backend in ("offload", "cpu", "hybrid"):
+        assert greedy_trace(load_model(path, moe_backend=options(backend, 1)).model, prompt, 4)[0] == want, backend
 
 
 @pytest.mark.parametrize("family,arch", [("mixtral", "llama"), ("qwen2_moe", "qwen2moe"), ("olmoe", "olmoe")])
@@ -195,14 +183,16 @@ def test_other_moe_layouts_from_the_file_equal_the_converted_folder(tmp_path, fa
 
 @pytest.mark.parametrize("types", [("Q5_K", "Q6_K"), ("Q4_K", "Q5_K", "Q8_0")])
 def test_mixed_projection_formats_repack_exactly(types):
-    """Every type of a mixed projection repacks into the unified int8 format (with mins) without changing a value:
-    equal to gguf-py's dequantize (Q5_K_M-style mixes included)."""
+    """K-quant mixes stay blocks (``kmix``); a mix with Q8_0 becomes the unified int8 format with mins, and every
+    type repacks into it without changing a value: equal to gguf-py's dequantize."""
     from ferrylm.experts.gguf_blocks import BLOCK_TYPES, fill_random_blocks
     from ferrylm.models.gguf_convert import GGUFTensor
     from ferrylm.models.quant.gguf_file import projection_format
-    from ferrylm.models.quant.gguf_moe import _DECODERS, repack
+    from ferrylm.models.quant.gguf_moe import _DECODERS, repack, unified_format
 
-    fmt = projection_format(list(types), "down")
+    chosen = projection_format(list(types), "down")
+    assert chosen.kind == ("int8" if "Q8_0" in types else "kmix")
+    fmt = unified_format(set(types))
     assert fmt.kind == "int8" and fmt.mins
     for name in types:
         bt = BLOCK_TYPES[name.lower()]

@@ -237,6 +237,9 @@ def _qproj(layout):
     vals = []
     for fmt, fields in ((layout.quant.gate_up, layout._rows[0]), (layout.quant.down, layout._rows[1])):
         off = {name: o for name, o, _, _ in fields.fields}
+        if fmt.kind == "kmix":  # the tag's offset in the scales slot, the widest kind (row padding) in sdtype
+            vals += [9, fmt.group, _QKIND[fmt.mix[-1]], 0, 0, off["data"], off["tag"], 0, 0]
+            continue
         vals += [_QKIND[fmt.kind], fmt.group, _SDTYPE[fmt.scale_dtype], int(fmt.mins), int(fmt.row_scale),
                  off["data"], off.get("scales", 0), off.get("mins", 0), off.get("row_scale", 0)]
     return (ctypes.c_int64 * len(vals))(*vals)

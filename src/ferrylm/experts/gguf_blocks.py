@@ -57,6 +57,9 @@ BLOCK_TYPES = {"q8_0": BlockType("Q8_0", 32, 34), "q4_k": BlockType("Q4_K", QK_K
                "q5_k": BlockType("Q5_K", QK_K, 176), "q6_k": BlockType("Q6_K", QK_K, 210)}
 #: GGUF type name -> internal kind
 KIND_OF_GGUF = {b.name: k for k, b in BLOCK_TYPES.items()}
+#: internal kind -> the code a mixed projection's per-expert ``tag`` byte holds (also the kernels' kind numbers)
+BLOCK_CODE = {"q8_0": 5, "q4_k": 6, "q5_k": 7, "q6_k": 8}
+KIND_OF_CODE = {v: k for k, v in BLOCK_CODE.items()}
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,9 @@ kind      ``data`` per expert           value of element ``(n, k)``, group ``g =
 ``q5_k``  uint8 ``[N, K/256*176]``      :mod:`ferrylm.experts.gguf_blocks` has the layouts (ggml's
 ``q6_k``  uint8 ``[N, K/256*210]``      ``ggml-common.h``) and their reference decoding; ``group`` is the
 ``q8_0``  uint8 ``[N, K/32*34]``        block's element count (256, or 32 for Q8_0)
+``kmix``  uint8 ``[N, K/256*BBmax]``    per expert one of the K-quant kinds ``mix`` (its ``tag`` byte
+                                        ``[1]`` holds :data:`~ferrylm.experts.gguf_blocks.BLOCK_CODE`); each
+                                        row its blocks, padded to the widest kind of the mix
 ========  ============================  =============================================================
 
 * Packed 4-bit codes: element ``2j`` in the low nibble of byte ``j``, element ``2j + 1`` in the high nibble
@@ -40,10 +43,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ferrylm.experts.gguf_blocks import BLOCK_TYPES, dequantize_blocks, fill_random_blocks
+from ferrylm.experts.gguf_blocks import (BLOCK_CODE, BLOCK_TYPES, KIND_OF_CODE, dequantize_blocks,
+                                         fill_random_blocks)
 
 BLOCK_KINDS = tuple(BLOCK_TYPES)  # GGML block formats: q8_0, q4_k, q5_k, q6_k
-QUANT_KINDS = ("int4", "int8", "fp4", "fp8", *BLOCK_KINDS)
+MIX_KIND = "kmix"  # K-quant blocks whose kind is chosen per expert (a projection mixing types across layers)
+QUANT_KINDS = ("int4", "int8", "fp4", "fp8", *BLOCK_KINDS, MIX_KIND)
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 ALIGN = 64  # byte alignment of every field inside an expert row (SIMD loads; dtype views need their item size)
 
@@ -63,6 +68,7 @@ class QuantFormat:
         scale_dtype: dtype of ``scales`` and ``mins`` (unused by block kinds, whose scales live inside the blocks).
         mins: integer kinds only: affine ``u * s - m`` instead of symmetric ``(u - 2^(bits-1)) * s``.
         row_scale: a float32 multiplier per output row.
+        mix: ``kmix`` only: the K-quant kinds its experts may have (sorted by block size; rows padded to the last).
     """
 
     kind: str
@@ -70,10 +76,20 @@ class QuantFormat:
     scale_dtype: torch.dtype = torch.bfloat16
     mins: bool = False
     row_scale: bool = False
+    mix: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in QUANT_KINDS:
             raise ValueError(f"unknown quantized kind {self.kind!r}; kinds: {', '.join(QUANT_KINDS)}")
+        if self.kind == MIX_KIND:
+            if (len(self.mix) < 2 or any(BLOCK_TYPES.get(m) is None or BLOCK_TYPES[m].elems != 256 for m in self.mix)
+                    or list(self.mix) != sorted(set(self.mix), key=lambda m: BLOCK_TYPES[m].nbytes)
+                    or self.group != 256 or self.mins or self.row_scale):
+                raise ValueError(f"kmix needs two or more K-quant kinds sorted by block size and group 256, got "
+                                 f"{self.mix} group {self.group}")
+            return
+        if self.mix:
+            raise ValueError(f"{self.kind}: only kmix has a mix")
         if self.kind in BLOCK_TYPES:
             if self.group != BLOCK_TYPES[self.kind].elems or self.mins or self.row_scale:
                 raise ValueError(f"{self.kind}: group must be its block size {BLOCK_TYPES[self.kind].elems}, "
@@ -93,8 +109,13 @@ class QuantFormat:
 
     @property
     def is_block(self) -> bool:
-        """A GGML block kind: ``data`` holds whole blocks, scales included."""
-        return self.kind in BLOCK_TYPES
+        """A GGML block kind (``kmix`` included): ``data`` holds whole blocks, scales included."""
+        return self.kind in BLOCK_TYPES or self.kind == MIX_KIND
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of a block kind (``kmix``: of its widest kind, the padded row's unit)."""
+        return BLOCK_TYPES[self.mix[-1] if self.kind == MIX_KIND else self.kind].nbytes
 
     @property
     def data_dtype(self) -> torch.dtype:
@@ -103,13 +124,13 @@ class QuantFormat:
     def packed_k(self, k: int) -> int:
         """Elements of ``data`` per row for ``k`` inputs."""
         if self.is_block:
-            return k // self.group * BLOCK_TYPES[self.kind].nbytes
+            return k // self.group * self.block_bytes
         return k // 2 if self.bits == 4 else k
 
     def unpacked_k(self, kp: int) -> int:
         """Inputs ``k`` of a row whose ``data`` has ``kp`` elements (inverse of :meth:`packed_k`)."""
         if self.is_block:
-            return kp // BLOCK_TYPES[self.kind].nbytes * self.group
+            return kp // self.block_bytes * self.group
         return kp * 2 if self.bits == 4 else kp
 
     def check_shape(self, n: int, k: int, what: str = "projection") -> None:
@@ -121,6 +142,8 @@ class QuantFormat:
     def fields(self, n: int, k: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """``(name, dtype, per-expert shape)`` of every stored field, in row order."""
         g = k // self.group
+        if self.kind == MIX_KIND:
+            return [("data", torch.uint8, (n, self.packed_k(k))), ("tag", torch.uint8, (1,))]
         if self.is_block:
             return [("data", torch.uint8, (n, self.packed_k(k)))]
         out = [("data", self.data_dtype, (n, self.packed_k(k))), ("scales", self.scale_dtype, (n, g))]
@@ -139,6 +162,8 @@ class QuantFormat:
 
     def describe(self) -> str:
         """E.g. ``int4 g128 (bf16 scales, mins)``, or ``Q4_K (ggml blocks)``."""
+        if self.kind == MIX_KIND:
+            return f"{'|'.join(BLOCK_TYPES[m].name for m in self.mix)} (ggml blocks, a kind per expert)"
         if self.is_block:
             return f"{BLOCK_TYPES[self.kind].name} (ggml blocks)"
         extra = [f"{_DTYPE_NAMES[self.scale_dtype]} scales"] + (["mins"] if self.mins else []) + (
@@ -159,6 +184,12 @@ def block_format(gguf_type: str) -> QuantFormat:
     return QuantFormat(kind, BLOCK_TYPES[kind].elems)
 
 
+def mix_format(gguf_types: list[str] | tuple[str, ...]) -> QuantFormat:
+    """The ``kmix`` format of K-quant GGUF types (``["Q4_K", "Q6_K"]``). Raises ValueError for other types."""
+    kinds = sorted({t.lower() for t in gguf_types}, key=lambda m: BLOCK_TYPES[m].nbytes if m in BLOCK_TYPES else 0)
+    return QuantFormat(MIX_KIND, 256, mix=tuple(kinds))
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
@@ -177,6 +208,7 @@ class QuantTensor:
     Attributes:
         fmt: the format. data: ``[..., N, K/2]`` uint8 (4-bit), ``[..., N, K]`` uint8 (int8) or float8_e4m3fn;
             block kinds: uint8 ``[..., N, K / QK * BB]``, the GGML blocks of each row.
+        tag: ``kmix`` only: uint8 ``[..., 1]``, each expert's block kind (``gguf_blocks.BLOCK_CODE``).
         scales: ``[..., N, K/group]`` (None for block kinds). mins: same, or None. row_scale: ``[..., N]``
             float32, or None.
         dtype: what :meth:`dequantize` returns by default (the model's compute dtype).
@@ -188,9 +220,12 @@ class QuantTensor:
     mins: torch.Tensor | None = None
     row_scale: torch.Tensor | None = None
     dtype: torch.dtype = torch.bfloat16
+    tag: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         f = self.fmt
+        if (self.tag is not None) != (f.kind == MIX_KIND):
+            raise ValueError(f"{f.describe()}: a per-expert tag [..., 1] goes with kmix only")
         if f.is_block:
             if self.data.dtype != torch.uint8 or self.scales is not None or self.data.dim() < 2 or (
                     self.data.shape[-1] % f.packed_k(f.group)):
@@ -228,7 +263,8 @@ class QuantTensor:
         return self.data.is_cuda
 
     def _parts(self) -> dict[str, torch.Tensor | None]:
-        return {"data": self.data, "scales": self.scales, "mins": self.mins, "row_scale": self.row_scale}
+        return {"data": self.data, "scales": self.scales, "mins": self.mins, "row_scale": self.row_scale,
+                "tag": self.tag}
 
     def _map(self, fn) -> "QuantTensor":
         return replace(self, **{k: None if v is None else fn(v) for k, v in self._parts().items()})
@@ -286,6 +322,8 @@ class QuantTensor:
         """The torch reference: ``[..., N, K]`` in ``dtype`` (default :attr:`dtype`), computed in float32 as the
         module docstring's table says, then rounded once to ``dtype``."""
         f = self.fmt
+        if f.kind == MIX_KIND:
+            return self._dequantize_mix().to(dtype or self.dtype)
         if f.is_block:
             return dequantize_blocks(self.data, f.kind).to(dtype or self.dtype)
         *lead, n, k = self.shape
@@ -297,6 +335,22 @@ class QuantTensor:
         else:
             w = c * s
         return w.reshape(*lead, n, k).to(dtype or self.dtype)
+
+
+    def _dequantize_mix(self) -> torch.Tensor:
+        """``kmix``: each expert's rows decoded as its tagged kind (the leading bytes of each padded row)."""
+        *lead, n, k = self.shape
+        data = self.data.reshape(-1, n, self.data.shape[-1])
+        tags = self.tag.reshape(-1)
+        out = torch.empty(data.shape[0], n, k, dtype=torch.float32, device=self.data.device)
+        for code in tags.unique().tolist():
+            kind = KIND_OF_CODE.get(int(code))
+            if kind not in self.fmt.mix:
+                raise ValueError(f"{self.fmt.describe()}: an expert is tagged {code}, not one of the mix")
+            idx = (tags == code).nonzero().reshape(-1)
+            rb = k // 256 * BLOCK_TYPES[kind].nbytes
+            out[idx] = dequantize_blocks(data[idx, :, :rb].contiguous(), kind)
+        return out.reshape(*lead, n, k)
 
 
 def e2m1_to_f32(c: torch.Tensor) -> torch.Tensor:
@@ -325,7 +379,10 @@ def cat_rows(parts: list[QuantTensor]) -> QuantTensor:
         ts = [getattr(p, name) for p in parts]
         return None if ts[0] is None else torch.cat(ts, dim=ts[0].dim() - (1 if name == "row_scale" else 2))
 
-    return QuantTensor(first.fmt, cat("data"), cat("scales"), cat("mins"), cat("row_scale"), first.dtype)
+    if first.tag is not None and any(not torch.equal(p.tag, first.tag) for p in parts):
+        raise ValueError("cannot concatenate kmix projections whose experts have different kinds")
+    return QuantTensor(first.fmt, cat("data"), cat("scales"), cat("mins"), cat("row_scale"), first.dtype,
+                       first.tag)
 
 
 def empty_quant(fmt: QuantFormat, lead: tuple[int, ...], n: int, k: int, *, device: torch.device | str = "cpu",
@@ -334,13 +391,23 @@ def empty_quant(fmt: QuantFormat, lead: tuple[int, ...], n: int, k: int, *, devi
     fmt.check_shape(n, k)
     t = {name: torch.empty(*lead, *shape, dtype=dt, device=device, pin_memory=pin_memory)
          for name, dt, shape in fmt.fields(n, k)}
-    return QuantTensor(fmt, t["data"], t.get("scales"), t.get("mins"), t.get("row_scale"), dtype)
+    return QuantTensor(fmt, t["data"], t.get("scales"), t.get("mins"), t.get("row_scale"), dtype, t.get("tag"))
 
 
 def random_quant(fmt: QuantFormat, lead: tuple[int, ...], n: int, k: int, *, generator: torch.Generator,
                  std: float = 1.0, dtype: torch.dtype = torch.bfloat16) -> QuantTensor:
     """Random valid codes and positive scales (tests): values of roughly ``std`` spread, no NaN / inf codes."""
     qt = empty_quant(fmt, lead, n, k, dtype=dtype)
+    if fmt.kind == MIX_KIND:  # expert e gets kind mix[e % len(mix)]; the padding is zero
+        qt.data.zero_()
+        data, tags = qt.data.reshape(-1, n, qt.data.shape[-1]), qt.tag.reshape(-1)
+        for e in range(data.shape[0]):
+            kind = fmt.mix[e % len(fmt.mix)]
+            part = torch.empty(n, k // 256 * BLOCK_TYPES[kind].nbytes, dtype=torch.uint8)
+            fill_random_blocks(part, kind, generator=generator, std=std)
+            data[e, :, :part.shape[1]] = part
+            tags[e] = BLOCK_CODE[kind]
+        return qt
     if fmt.is_block:
         fill_random_blocks(qt.data, fmt.kind, generator=generator, std=std)
         return qt
@@ -402,4 +469,4 @@ class RowFields:
         for name, off, dt, shape in self.fields:
             nb = _numel(shape) * _itemsize(dt)
             t[name] = rows[..., off:off + nb].view(dt).view(*lead, *shape)
-        return QuantTensor(fmt, t["data"], t.get("scales"), t.get("mins"), t.get("row_scale"), dtype)
+        return QuantTensor(fmt, t["data"], t.get("scales"), t.get("mins"), t.get("row_scale"), dtype, t.get("tag"))

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ferrylm.experts.quantized import QuantTensor
 
-QKIND = {None: 0, "int4": 1, "int8": 2, "fp4": 3, "fp8": 4, "q8_0": 5, "q4_k": 6, "q5_k": 7, "q6_k": 8}
+QKIND = {None: 0, "int4": 1, "int8": 2, "fp4": 3, "fp8": 4, "q8_0": 5, "q4_k": 6, "q5_k": 7, "q6_k": 8, "kmix": 9}
 
 
 def weight_args(w: torch.Tensor | QuantTensor) -> tuple[tuple, dict]:
@@ -37,6 +37,9 @@ def weight_args(w: torch.Tensor | QuantTensor) -> tuple[tuple, dict]:
         if w.data.stride(-1) != 1:
             raise ValueError(f"{f.describe()} rows must be contiguous along K (stride {w.data.stride(-1)})")
         d = w.data
+        if f.kind == "kmix":  # the per-expert tag rides in the scales slot (its expert stride in sse)
+            return ((d, w.tag, d, d, *d.stride(), w.tag.stride(0), 0, 0, 0, 0),
+                    dict(QKIND=9, GROUP=f.group, HAS_MINS=False, HAS_ROW=False))
         return ((d, d, d, d, *d.stride(), 0, 0, 0, 0, 0),
                 dict(QKIND=QKIND[f.kind], GROUP=f.group, HAS_MINS=False, HAS_ROW=False))
     mins = w.mins if w.mins is not None else w.scales
@@ -154,7 +157,8 @@ def weight_tile(w_ptr, s_ptr, m_ptr, r_ptr, e, n, k0, kk, n_ok, k_ok,
                 BLOCK_K: tl.constexpr):
     """``W[e, n, kk]`` as a ``[BLOCK_K, len(n)]`` tile, ``kk = k0 + arange(BLOCK_K)``: the weight dtype for plain
     weights (``QKIND == 0``), float32 dequantized values otherwise (``QKIND >= 5``: GGML blocks, ``GROUP`` their
-    element count, bytes at unit stride along a row, ``swk`` unused); masked elements are 0. ``e`` int64 scalar. When
+    element count, bytes at unit stride along a row, ``swk`` unused; ``QKIND == 9``: ``kmix``, the expert's kind
+    read from its tag byte at ``s_ptr + e * sse``); masked elements are 0. ``e`` int64 scalar. When
     the tile lies in one scale group (``GROUP % BLOCK_K == 0``) one scale per column is loaded, else one per
     element."""
     mask = k_ok[:, None] & n_ok[None, :]
@@ -162,6 +166,14 @@ def weight_tile(w_ptr, s_ptr, m_ptr, r_ptr, e, n, k0, kk, n_ok, k_ok,
     kc = kk[:, None].to(tl.int64)
     if QKIND == 0:
         w = tl.load(w_ptr + e * swe + nn * swn + kc * swk, mask=mask, other=0.0)
+    elif QKIND == 9:  # kmix: the expert's K-quant kind from its tag byte (one branch per program)
+        tag = tl.load(s_ptr + e * sse)
+        if tag == 6:
+            w = _block_tile(w_ptr, e, nn, n_ok, kc, k0, mask, swe, swn, 6, GROUP, BLOCK_K)
+        elif tag == 7:
+            w = _block_tile(w_ptr, e, nn, n_ok, kc, k0, mask, swe, swn, 7, GROUP, BLOCK_K)
+        else:
+            w = _block_tile(w_ptr, e, nn, n_ok, kc, k0, mask, swe, swn, 8, GROUP, BLOCK_K)
     elif QKIND >= 5:
         w = _block_tile(w_ptr, e, nn, n_ok, kc, k0, mask, swe, swn, QKIND, GROUP, BLOCK_K)
     else:

@@ -170,7 +170,9 @@ int ferry_expert_gemv(int wdtype, int nthreads, int k, const void *const *rows, 
  * instead of 16, and everything after the load is float32.
  *   kind: 1 int4 ((u - 8) * s, or u * s - m), 2 int8 ((u - 128) * s, or u * s - m), 3 fp4 e2m1 * s, 4 fp8 e4m3 * s,
  *         GGML blocks kept as a GGUF file's bytes (no scales field; layouts: experts/gguf_blocks.py, from ggml's
- *         ggml-common.h, decoded as ggml-quants.c's dequantize_row_*): 5 Q8_0, 6 Q4_K, 7 Q5_K, 8 Q6_K
+ *         ggml-common.h, decoded as ggml-quants.c's dequantize_row_*): 5 Q8_0, 6 Q4_K, 7 Q5_K, 8 Q6_K,
+ *         9 kmix: per expert one of 6..8, read from the tag byte at off_scales; rows padded to the widest kind of
+ *         the mix, whose code sdtype holds
  *   scale dtype: 0 float32, 1 bfloat16, 2 float16, 3 float8 e4m3;  s times the row scale (float32) when present
  * ------------------------------------------------------------------------------------------------------- */
 typedef struct {
@@ -258,6 +260,10 @@ static void dequant_blocks(int64_t kind, const uint8_t *d, int64_t K, float *buf
 
 /* row r (K inputs) of projection q of the expert row `base` -> buf[0:K] float32 */
 static void dequant_row(const qproj *q, const uint8_t *base, int64_t r, int64_t K, float *buf) {
+    if (q->kind == 9) {
+        dequant_blocks(base[q->off_scales], base + q->off_data + r * (K / 256) * BLOCK_BYTES[q->sdtype], K, buf);
+        return;
+    }
     if (q->kind >= 5) {
         dequant_blocks(q->kind, base + q->off_data + r * (K / q->group) * BLOCK_BYTES[q->kind], K, buf);
         return;
@@ -379,6 +385,7 @@ static void rows_dot_q(const qproj *q, const uint8_t *base, int64_t r0, int64_t 
 }
 
 static int q_ok(const qproj *q, int64_t K) {
+    if (q->kind == 9) return q->group == 256 && K % 256 == 0 && q->sdtype >= 6 && q->sdtype <= 8;
     if (q->kind >= 5 && q->kind <= 8)
         return q->group == (q->kind == 5 ? 32 : 256) && K % q->group == 0;
     return q->kind >= 1 && q->kind <= 4 && q->group > 0 && K % q->group == 0 && q->sdtype >= 0 && q->sdtype <= 3 &&

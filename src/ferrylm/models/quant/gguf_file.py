@@ -7,10 +7,12 @@ changes). Then:
   have one GGML block type in every layer (``Q4_K``, ``Q5_K``, ``Q6_K``, ``Q8_0``) keeps the file's bytes: its
   :class:`~ferrylm.experts.quantized.QuantTensor` (a block format, :func:`~ferrylm.experts.quantized.block_format`)
   is a view of the mapped tensor, so an expert's row holds exactly its blocks and offload moves the file's bits
-  per weight. A projection whose layers use several types (llama.cpp's ``Q4_K_M`` puts ``Q6_K`` in some layers'
-  ``ffn_down_exps``) is repacked without loss into one int8 format with mins
-  (:func:`ferrylm.models.quant.gguf_moe.unified_format`; Q8_0 / Q4_K / Q5_K / Q6_K mix), because every layer of a
-  model shares one expert row layout. Float experts (F32 / F16 / BF16) become plain stacks in the model dtype.
+  per weight. A projection whose layers use several K-quant types (llama.cpp's ``Q4_K_M`` puts ``Q6_K`` in some
+  layers' ``ffn_down_exps`` and ``Q4_K`` in the others) keeps its bytes too, as ``kmix``
+  (:func:`~ferrylm.experts.quantized.mix_format`): every layer of a model shares one expert row layout, so each
+  row holds its layer's blocks padded to the widest type of the mix, and a tag byte per expert names the type (the
+  bytes moved are the widest type's: Q4_K_M's downs at 6.56 bits). A mix with Q8_0 (32-value blocks) is repacked
+  without loss into one int8 format with mins (:func:`ferrylm.models.quant.gguf_moe.unified_format`). Float experts (F32 / F16 / BF16) become plain stacks in the model dtype.
 * Every other tensor is dequantized (gguf-py's ``dequantize``, exact) and cast to the model dtype (bfloat16 on a
   GPU by default) on its way to the device; Q/K rows of the ``llama`` architecture are un-permuted.
 
@@ -28,8 +30,8 @@ import torch
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts import ExpertOptions
 from ferrylm.experts.executor import LayerExperts
-from ferrylm.experts.gguf_blocks import KIND_OF_GGUF
-from ferrylm.experts.quantized import ExpertQuant, QuantFormat, QuantTensor, block_format
+from ferrylm.experts.gguf_blocks import BLOCK_CODE, BLOCK_TYPES, KIND_OF_GGUF
+from ferrylm.experts.quantized import ExpertQuant, QuantFormat, QuantTensor, block_format, empty_quant, mix_format
 from ferrylm.models.gguf_config import EXPERT_TENSORS, expert_types, served_config
 from ferrylm.models.gguf_convert import GGUFFile, GGUFTensor, dequantize_tensor, read_gguf, unpermute_rope_rows
 
@@ -40,7 +42,8 @@ _PART = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 
 def projection_format(types: list[str], what: str) -> QuantFormat | None:
     """The in-memory format of one projection (``gate_up`` or ``down``) whose layers use the GGUF ``types``: the
-    block format of a single block type, the unified int8 format of a mix, None for float types.
+    block format of a single block type, ``kmix`` of several K-quant types, the unified int8 format of another
+    mix, None for float types.
 
     Raises:
         ModelLoadError: float mixed with quantized types, or a type (or a mix) that is not read.
@@ -52,6 +55,8 @@ def projection_format(types: list[str], what: str) -> QuantFormat | None:
                              f"projection is supported")
     if len(types) == 1 and types[0] in KIND_OF_GGUF:
         return block_format(types[0])
+    if all(t in KIND_OF_GGUF and BLOCK_TYPES[KIND_OF_GGUF[t]].elems == 256 for t in types):
+        return mix_format(types)
     if set(types) <= set(_MIXABLE):
         from ferrylm.models.quant.gguf_moe import unified_format
 
@@ -102,6 +107,16 @@ def _expert_stack(data: np.ndarray, t: GGUFTensor, fmt: QuantFormat | None, dtyp
     if fmt is None:
         w = torch.from_numpy(dequantize_tensor(data, t)).to(dtype)
         return w.pin_memory() if pin else w.to(device)
+    if fmt.kind == "kmix":
+        kind = type_name(t.qtype).lower()
+        if kind not in fmt.mix:
+            raise ModelLoadError(f"GGUF tensor {t.name} is {type_name(t.qtype)}, not one of {fmt.describe()}")
+        qt = empty_quant(fmt, (e,), n, k, dtype=dtype, pin_memory=pin)
+        rb = k // 256 * BLOCK_TYPES[kind].nbytes
+        qt.data.zero_()
+        qt.data[..., :rb].copy_(_torch_view(data, t).view(e, n, rb))
+        qt.tag.fill_(BLOCK_CODE[kind])
+        return qt if device.type == "cpu" else qt.to(device)
     if fmt.is_block:
         if type_name(t.qtype).lower() != fmt.kind:
             raise ModelLoadError(f"GGUF tensor {t.name} is {type_name(t.qtype)}, not {fmt.describe()}")
