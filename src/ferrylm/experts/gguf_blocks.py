@@ -40,8 +40,8 @@ QK_K = 256
 
 @dataclass(frozen=True)
 class BlockType:
-    """One GGML block type: ``name`` (GGUF's ``GGMLQuantizationType`` name), ``elems`` per block (``QK``),
-    ``nbytes`` per block (``BB``), and the byte offsets of its f16 fields (``d`` and, for Q4_K / Q5_K, ``dmin``)."""
+    """One GGML block type: ``name`` (GGUF's ``GGMLQuantizationType`` name), ``elems`` per block (``QK``) and
+    ``nbytes`` per block (``BB``); the fields inside a block are in the module docstring's table."""
 
     name: str
     elems: int

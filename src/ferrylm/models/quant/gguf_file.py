@@ -107,6 +107,10 @@ def _expert_stack(data: np.ndarray, t: GGUFTensor, fmt: QuantFormat | None, dtyp
     if fmt is None:
         w = torch.from_numpy(dequantize_tensor(data, t)).to(dtype)
         return w.pin_memory() if pin else w.to(device)
+    try:
+        fmt.check_shape(n, k, t.name)
+    except ValueError as err:
+        raise ModelLoadError(str(err)) from None
     if fmt.kind == "kmix":
         kind = type_name(t.qtype).lower()
         if kind not in fmt.mix:
@@ -120,10 +124,6 @@ def _expert_stack(data: np.ndarray, t: GGUFTensor, fmt: QuantFormat | None, dtyp
     if fmt.is_block:
         if type_name(t.qtype).lower() != fmt.kind:
             raise ModelLoadError(f"GGUF tensor {t.name} is {type_name(t.qtype)}, not {fmt.describe()}")
-        try:
-            fmt.check_shape(n, k, t.name)
-        except ValueError as err:
-            raise ModelLoadError(str(err)) from None
         qt = QuantTensor(fmt, _torch_view(data, t).view(e, n, fmt.packed_k(k)), dtype=dtype)
     else:
         qt = repack(_DECODERS[type_name(t.qtype)][0](data, t), fmt, dtype)
