@@ -52,7 +52,7 @@ def _listing(root):
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 
 
-def test_qwen3moe_gguf_is_served_from_its_file(tmp_path, monkeypatch):
+def test_qwen3moe_gguf_is_served_from_its_file(tmp_path, monkeypatch, caplog):
     cache = tmp_path / "cache"
     monkeypatch.setenv("FERRYLM_CACHE_DIR", str(cache))
     hf_dir, path, where = _qwen3moe(tmp_path, {1: "Q6_K", 2: "Q6_K"})
@@ -64,7 +64,9 @@ def test_qwen3moe_gguf_is_served_from_its_file(tmp_path, monkeypatch):
     quant = planned_expert_quant(cfg.raw)
     assert (quant.gate_up.describe(), quant.down.describe()) == ("Q4_K (ggml blocks)", "Q6_K (ggml blocks)")
     assert quant.gate_up.bits_per_weight(2 * I, H) == 4.5 and quant.down.bits_per_weight(H, I) == 6.5625
-    loaded = load_model(resolved.path)
+    with caplog.at_level("INFO", logger="ferrylm.models"):
+        loaded = load_model(resolved.path)
+    assert "down Q6_K (ggml blocks), 5.19 bits/weight in memory (5.19 in the file)" in caplog.text
     codec = TextCodec.from_pretrained(resolved.path)
     assert _listing(tmp_path) == before and not cache.exists()  # nothing written, no folder in the cache
 

@@ -22,6 +22,8 @@ metadata (:func:`ferrylm.models.gguf_convert.gguf_tokenizer`).
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +37,7 @@ from ferrylm.experts.quantized import ExpertQuant, QuantFormat, QuantTensor, blo
 from ferrylm.models.gguf_config import EXPERT_TENSORS, expert_types, served_config
 from ferrylm.models.gguf_convert import GGUFFile, GGUFTensor, dequantize_tensor, read_gguf, unpermute_rope_rows
 
+log = logging.getLogger("ferrylm.models")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 _MIXABLE = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the types gguf_moe.unified_format can repack together
 _PART = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
@@ -159,6 +162,7 @@ def load_gguf_model(path: str | Path, *, device: torch.device | str = "cpu", dty
     from ferrylm.config import ModelConfig
     from ferrylm.models.loader import _finish, _module_name, placement
 
+    start = time.perf_counter()
     g = read_gguf(path)
     config = ModelConfig.from_dict(served_config(g))
     model_cls, device, exp_dev, pin = placement(config, device, moe_backend, expert_device, pin_experts)
@@ -197,7 +201,17 @@ def load_gguf_model(path: str | Path, *, device: torch.device | str = "cpu", dty
             missing = sorted({"gate", "up", "down"} - set(s))[0]
             raise ModelLoadError(f"{g.path}: GGUF lacks blk.{layer}.ffn_{missing}_exps.weight")
     experts = {n: LayerExperts(gate=s["gate"], up=s["up"], down=s["down"]) for n, s in stacks.items()}
-    return _finish(model_cls, config, device, moe_backend, experts or None, tensors, origin)
+    loaded = _finish(model_cls, config, device, moe_backend, experts or None, tensors, origin)
+    if experts:
+        h, i = config.hidden_size, config.moe_intermediate_size
+        weights = len(experts) * config.num_experts * 3 * h * i
+        file_bits = sum(8 * t.nbytes for t, _, _, p in _names(g) if p is not None) / weights
+        row_bits = 8 * next(iter(experts.values())).expert_bytes / (3 * h * i)
+        log.info("loaded %s from the file in %.1f s: %d layers, %s on %s; experts %s, %.2f bits/weight in memory "
+                 "(%.2f in the file)", Path(path).name, time.perf_counter() - start, config.num_layers,
+                 str(dtype).removeprefix("torch."), device,
+                 quant.describe() if quant else "plain", row_bits, file_bits)
+    return loaded
 
 
 __all__ = ["EXPERT_TENSORS", "GGUFPlanReader", "load_gguf_model", "planned_quant", "projection_format"]
