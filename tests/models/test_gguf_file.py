@@ -205,3 +205,27 @@ def test_mixed_projection_formats_repack_exactly(types):
         qt = repack(_DECODERS[name][0](raw.numpy().reshape(-1), t), fmt, torch.float32)
         want = torch.from_numpy(np.array(gguf.quants.dequantize(raw.numpy(), getattr(gguf.GGMLQuantizationType, name))))
         assert torch.equal(qt.dequantize(), want), name
+
+
+def test_truncated_file_and_unread_types_are_named(tmp_path):
+    """A GGUF cut short is refused at resolve, naming a tensor; an expert type that is not read (Q4_0) is refused
+    naming the types that are, before any weight is loaded."""
+    import tests.models.gguf_moe_files as files
+    from gguf import GGMLQuantizationType as QT
+
+    from ferrylm.errors import ModelLoadError
+
+    _, path, _ = _qwen3moe(tmp_path / "a", {1: "Q6_K", 2: "Q6_K"})
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(ModelLoadError, match="is truncated: tensor .* ends past the end of the file"):
+        resolve_model(str(cut))
+    files.TYPES["Q4_0"] = QT.Q4_0
+    try:
+        _, bad, _ = _qwen3moe(tmp_path / "b", {1: "Q4_0", 2: "Q4_0"})
+    finally:
+        del files.TYPES["Q4_0"]
+    with pytest.raises(ModelLoadError, match=r"down experts have GGUF types \['Q4_0'\]; read are one of Q8_0, Q4_K, Q5_K, Q6_K per projection"):
+        planned_expert_quant(ModelConfig.from_folder(bad).raw)
+    with pytest.raises(ModelLoadError, match=r"GGUF types \['Q4_0'\]"):
+        load_model(bad)
