@@ -25,7 +25,8 @@ FORMATS = {
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
-@pytest.mark.parametrize("t,slots", [(3, False), (2, True), (40, True)], ids=["decode", "decode-slots", "prefill-slots"])
+@pytest.mark.parametrize("t,slots", [(3, False), (2, True), (40, True)],
+                         ids=["decode", "decode-slots", "prefill-slots"])
 def test_block_fused_moe_matches_dequantize_then_matmul(name, t, slots):
     m = load_kernels("ferrylm.experts.kernels.fused_moe")
     dev = kernel_device()

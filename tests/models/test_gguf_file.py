@@ -225,7 +225,8 @@ def test_truncated_file_and_unread_types_are_named(tmp_path):
         _, bad, _ = _qwen3moe(tmp_path / "b", {1: "Q4_0", 2: "Q4_0"})
     finally:
         del files.TYPES["Q4_0"]
-    with pytest.raises(ModelLoadError, match=r"down experts have GGUF types \['Q4_0'\]; read are one of Q8_0, Q4_K, Q5_K, Q6_K per projection"):
+    with pytest.raises(ModelLoadError, match=r"down experts have GGUF types \['Q4_0'\]; read are one of Q8_0, "
+                                             r"Q4_K, Q5_K, Q6_K per projection"):
         planned_expert_quant(ModelConfig.from_folder(bad).raw)
     with pytest.raises(ModelLoadError, match=r"GGUF types \['Q4_0'\]"):
         load_model(bad)

@@ -3,11 +3,11 @@ read from plain weights or from a :class:`~ferrylm.experts.quantized.QuantTensor
 
 The formats and their values are those of :mod:`ferrylm.experts.quantized` (its ``dequantize`` is the reference the
 kernel tests compare against): codes in registers -> ``code * s - m`` / ``(code - zero) * s`` / ``e2m1 * s`` /
-``fp8 * s``, ``s`` the group's scale times the row scale; GGML blocks (``q8_0`` / ``q4_k`` / ``q5_k`` / ``q6_k``,
-the file's bytes, layouts in :mod:`ferrylm.experts.gguf_blocks`; ``kmix``: the kind named by the expert's tag) are
+``fp8 * s``, ``s`` the group's scale times the row scale; GGML blocks (``q8_0`` / ``q4_k`` / ``q5_k`` / ``q6_k``, the
+file's bytes, layouts in :mod:`ferrylm.experts.gguf_blocks`; ``kmix``: the kind named by the expert's tag) are
 decoded from the block bytes themselves: f16 ``d`` / ``dmin`` from their bits, 6-bit K-quant scales and mins
-unpacked per element, codes from their nibbles and high bits. The kernels then round the tile to the activation dtype before ``tl.dot`` (float32 accumulation), as the
-reference rounds the dequantized weight to it.
+unpacked per element, codes from their nibbles and high bits. The kernels then round the tile to the activation
+dtype before ``tl.dot`` (float32 accumulation), as the reference rounds the dequantized weight to it.
 
 :func:`weight_args` turns a projection (plain tensor or QuantTensor view, any strides) into the kernel arguments;
 ``QKIND`` and the group size are compile-time constants of a launch.

@@ -12,7 +12,8 @@ changes). Then:
   (:func:`~ferrylm.experts.quantized.mix_format`): every layer of a model shares one expert row layout, so each
   row holds its layer's blocks padded to the widest type of the mix, and a tag byte per expert names the type (the
   bytes moved are the widest type's: Q4_K_M's downs at 6.56 bits). A mix with Q8_0 (32-value blocks) is repacked
-  without loss into one int8 format with mins (:func:`ferrylm.models.quant.gguf_moe.unified_format`). Float experts (F32 / F16 / BF16) become plain stacks in the model dtype.
+  without loss into one int8 format with mins (:func:`ferrylm.models.quant.gguf_moe.unified_format`). Float
+  experts (F32 / F16 / BF16) become plain stacks in the model dtype.
 * Every other tensor is dequantized (gguf-py's ``dequantize``, exact) and cast to the model dtype (bfloat16 on a
   GPU by default) on its way to the device; Q/K rows of the ``llama`` architecture are un-permuted.
 
