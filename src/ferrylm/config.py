@@ -136,7 +136,13 @@ class ModelConfig:
 
     @classmethod
     def from_folder(cls, path: str | Path) -> "ModelConfig":
-        """Read ``path/config.json``. Raises ModelLoadError naming the missing or unreadable file."""
+        """Read ``path/config.json``, or the header of a MoE ``.gguf`` file ``path``
+        (:func:`ferrylm.models.gguf_config.gguf_config`). Raises ModelLoadError naming the missing or unreadable
+        file."""
+        if Path(path).suffix.lower() == ".gguf" and Path(path).is_file():
+            from ferrylm.models.gguf_config import gguf_config
+
+            return cls.from_dict(gguf_config(path))
         p = Path(path) / "config.json"
         if not p.is_file():
             raise ModelLoadError(f"{path} is not a model folder: config.json is missing")

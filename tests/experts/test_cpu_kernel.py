@@ -280,21 +280,28 @@ QUANT = {
     "fp4-mx": ("fp4", 32, torch.bfloat16, False, False),
     "fp4-nv": ("fp4", 16, torch.float8_e4m3fn, False, True),
     "fp8": ("fp8", 32, torch.float32, False, False),
+    "Q8_0": ("q8_0", 32, torch.bfloat16, False, False),  # GGML blocks, kept as a GGUF file's bytes
+    "Q4_K": ("q4_k", 256, torch.bfloat16, False, False),
+    "Q5_K": ("q5_k", 256, torch.bfloat16, False, False),
+    "Q6_K": ("q6_k", 256, torch.bfloat16, False, False),
+    "Q4_K|Q5_K|Q6_K": ("kmix", 256, torch.bfloat16, False, False),  # a kind per expert
 }
 
 
 @pytest.mark.parametrize("name", list(QUANT))
 @pytest.mark.parametrize("counts", [[1, 1, 1], [3, 1, 8]])
 def test_quantized_rows_match_the_dequantized_reference(kernel, name, counts):
-    """int4 / int8 (symmetric and with mins), fp4 (E8M0-like and fp8 scales with a row scale), fp8: the kernel's
+    """int4 / int8 (symmetric and with mins), fp4 (E8M0-like and fp8 scales with a row scale), fp8, GGML blocks
+    (Q8_0, Q4_K, Q5_K, Q6_K): the kernel's
     in-register dequantization against float64 SwiGLU on the torch reference's dequantized weights, and the pool
     routes decode jobs of quantized rows to it."""
     from ferrylm.experts.executor import LayerExperts
     from ferrylm.experts.quantized import ExpertQuant, QuantFormat, random_quant
 
     kind, group, sdt, mins, row = QUANT[name]
-    fmt = QuantFormat(kind, group, sdt, mins=mins, row_scale=row)
-    h, i, e = 128, 64, len(counts)
+    mix = ("q4_k", "q5_k", "q6_k") if kind == "kmix" else ()
+    fmt = QuantFormat(kind, group, sdt, mins=mins, row_scale=row, mix=mix)
+    h, i, e = (128, 64, len(counts)) if group < 256 else (256, 256, len(counts))
     g = torch.Generator().manual_seed(len(name) + sum(counts))
     le = LayerExperts(random_quant(fmt, (e,), i, h, generator=g, std=h ** -0.5, dtype=torch.float32),
                       random_quant(fmt, (e,), i, h, generator=g, std=h ** -0.5, dtype=torch.float32),

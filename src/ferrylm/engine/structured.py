@@ -78,7 +78,11 @@ class StructuredDecoder:
             from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
             path = self.tokenizer_path
-            if os.path.isfile(os.path.join(path, "tokenizer.json")):
+            if path.lower().endswith(".gguf") and os.path.isfile(path):
+                from ferrylm.models.gguf_convert import gguf_tokenizer
+
+                hf = gguf_tokenizer(path)
+            elif os.path.isfile(os.path.join(path, "tokenizer.json")):
                 hf = PreTrainedTokenizerFast.from_pretrained(path)
             else:
                 hf = AutoTokenizer.from_pretrained(path, trust_remote_code=False)

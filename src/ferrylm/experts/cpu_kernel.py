@@ -154,12 +154,13 @@ class NativeExpertKernel:
         lib.ferry_isa.restype = ctypes.c_int
         return cls(path=lib_path, isa=_ISA.get(lib.ferry_isa(), "?"), _lib=lib)
 
-    SUPPORTED = "bfloat16 or float32 experts, or quantized int4 / int8 / fp4 / fp8 ones"
+    SUPPORTED = "bfloat16 or float32 experts, or quantized int4 / int8 / fp4 / fp8 / GGML-block ones"
 
     @staticmethod
     def supports(layout) -> bool:
         """Whether the kernel reads experts of ``layout`` (an :class:`~ferrylm.experts.banks.ExpertLayout`):
-        plain bfloat16 and float32 rows, and quantized rows of every :mod:`~ferrylm.experts.quantized` format."""
+        plain bfloat16 and float32 rows, and quantized rows of every :mod:`~ferrylm.experts.quantized` format
+        (GGML blocks Q8_0 / Q4_K / Q5_K / Q6_K included: each weight row decoded into float32, then dotted)."""
         return layout.quant is not None or layout.dtype in _WDTYPE
 
     def run(self, x: torch.Tensor, weights: torch.Tensor, rows: list[torch.Tensor], starts: list[int],
@@ -226,7 +227,7 @@ class NativeExpertKernel:
         return out
 
 
-_QKIND = {"int4": 1, "int8": 2, "fp4": 3, "fp8": 4}
+_QKIND = {"int4": 1, "int8": 2, "fp4": 3, "fp8": 4, "q8_0": 5, "q4_k": 6, "q5_k": 7, "q6_k": 8}
 _SDTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}
 
 
@@ -236,8 +237,11 @@ def _qproj(layout):
     vals = []
     for fmt, fields in ((layout.quant.gate_up, layout._rows[0]), (layout.quant.down, layout._rows[1])):
         off = {name: o for name, o, _, _ in fields.fields}
+        if fmt.kind == "kmix":  # the tag's offset in the scales slot, the widest kind (row padding) in sdtype
+            vals += [9, fmt.group, _QKIND[fmt.mix[-1]], 0, 0, off["data"], off["tag"], 0, 0]
+            continue
         vals += [_QKIND[fmt.kind], fmt.group, _SDTYPE[fmt.scale_dtype], int(fmt.mins), int(fmt.row_scale),
-                 off["data"], off["scales"], off.get("mins", 0), off.get("row_scale", 0)]
+                 off["data"], off.get("scales", 0), off.get("mins", 0), off.get("row_scale", 0)]
     return (ctypes.c_int64 * len(vals))(*vals)
 
 

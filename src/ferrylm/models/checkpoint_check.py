@@ -103,6 +103,11 @@ def verify_checkpoint(model_dir: str | os.PathLike) -> int:
     Raises:
         ModelLoadError: the first bad file, or a shard the index names that is missing.
     """
+    if Path(model_dir).suffix.lower() == ".gguf" and Path(model_dir).is_file():
+        from ferrylm.models.gguf_convert import read_gguf
+
+        read_gguf(model_dir)  # raises on a bad header or a tensor past the end of the file
+        return 1
     files = checkpoint_files(model_dir)
     for f in files:
         if not f.is_file():

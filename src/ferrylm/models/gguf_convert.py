@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -142,7 +143,10 @@ class _Cursor:
 
 
 def read_gguf(path: str | Path) -> GGUFFile:
-    """Parse the header of a GGUF file (metadata and tensor table); tensor data is not read.
+    """Parse the header of a GGUF file (metadata and tensor table); tensor data is not read. The last few parses
+    are kept, keyed by the file's resolved path, size and mtime (a start reads one header for resolving, the config,
+    the checkpoint check and the tokenizer; a large vocabulary takes ~0.4 s to parse). Treat the result as
+    read-only.
 
     Layout per ggml ``docs/gguf.md``: magic ``GGUF``, u32 version (2 or 3), u64 tensor count, u64 metadata count,
     the key/value pairs, the tensor infos (name, u32 n_dims, u64 dims[ne0 first], u32 type, u64 offset), then the
@@ -151,9 +155,19 @@ def read_gguf(path: str | Path) -> GGUFFile:
     Raises:
         ModelLoadError: the file cannot be read, is not GGUF, has an unsupported version or is truncated.
     """
+    path = Path(path)
+    try:
+        st = path.stat()
+        key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    except OSError as e:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from None
+    return _read_gguf_cached(key, path)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_gguf_cached(key: tuple, path: Path) -> GGUFFile:
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    path = Path(path)
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             if buf[:4] != _GGUF_MAGIC:
@@ -395,8 +409,9 @@ def _build_bpe_tokenizer(g: GGUFFile) -> Any:
     return tok
 
 
-def write_tokenizer_files(g: GGUFFile, dest: Path, max_len: int) -> None:
-    """Write ``tokenizer.json`` and ``tokenizer_config.json`` (special tokens, ``add_bos_token``, chat template).
+def tokenizer_parts(g: GGUFFile, max_len: int) -> tuple[Any, dict[str, Any]]:
+    """The tokenizer of ``g`` as ``(tokenizers.Tokenizer, tokenizer_config dict)``: the config holds the special
+    tokens, ``add_bos_token``, the chat template (``tokenizer.chat_template``) and ``model_max_length``.
 
     Byte-level BPE vocabularies with a pre-tokenizer we reproduce are built directly from the metadata (fast,
     exact to llama.cpp's splitting); anything else is delegated to transformers' GGUF tokenizer converter.
@@ -408,14 +423,11 @@ def write_tokenizer_files(g: GGUFFile, dest: Path, max_len: int) -> None:
     if not tokens:
         raise ModelLoadError(f"{g.path}: the GGUF has no tokenizer (tokenizer.ggml.tokens missing)")
     tok = _build_bpe_tokenizer(g)
-    if tok is not None:
-        tok.save(str(dest / "tokenizer.json"))
-    else:  # Other tokenizer families: transformers knows more of them than we do.
+    if tok is None:  # Other tokenizer families: transformers knows more of them than we do.
         try:
             from transformers import AutoTokenizer
 
-            hf = AutoTokenizer.from_pretrained(str(g.path.parent), gguf_file=g.path.name)
-            hf.backend_tokenizer.save(str(dest / "tokenizer.json"))
+            tok = AutoTokenizer.from_pretrained(str(g.path.parent), gguf_file=g.path.name).backend_tokenizer
         except Exception as e:  # noqa: BLE001 - any failure means the same thing to the user
             raise ModelLoadError(f"{g.path}: cannot build its tokenizer: {e}") from None
 
@@ -442,7 +454,37 @@ def write_tokenizer_files(g: GGUFFile, dest: Path, max_len: int) -> None:
     template = g.get("tokenizer.chat_template")
     if template:
         tc["chat_template"] = template
+    return tok, tc
+
+
+def write_tokenizer_files(g: GGUFFile, dest: Path, max_len: int) -> None:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` (:func:`tokenizer_parts`) into ``dest``.
+
+    Raises:
+        ModelLoadError: as :func:`tokenizer_parts`.
+    """
+    tok, tc = tokenizer_parts(g, max_len)
+    tok.save(str(dest / "tokenizer.json"))
     (dest / "tokenizer_config.json").write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n")
+
+
+def gguf_tokenizer(path: str | Path) -> Any:
+    """A ``transformers.PreTrainedTokenizerFast`` built in memory from a GGUF file's metadata (nothing written):
+    the same tokenizer a converted folder's ``tokenizer.json`` + ``tokenizer_config.json`` load as.
+
+    Raises:
+        ModelLoadError: as :func:`read_gguf` and :func:`tokenizer_parts`.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    g = read_gguf(path)
+    arch = g.get("general.architecture")
+    max_len = int(g.get(f"{arch}.context_length", 0) or 0) or 2048
+    tok, tc = tokenizer_parts(g, max_len)
+    kwargs = {k: v for k, v in tc.items() if k not in ("tokenizer_class", "added_tokens_decoder")}
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs)
+    hf.name_or_path = str(path)
+    return hf
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -638,7 +680,7 @@ def convert_gguf_into(gguf_path: str | Path, out_dir: str | Path, *, progress: b
         ModelLoadError: unreadable GGUF, unsupported architecture/tensor/tokenizer.
     """
     g = read_gguf(gguf_path)
-    from ferrylm.models.quant.gguf_moe import is_moe_gguf
+    from ferrylm.models.gguf_config import is_moe_gguf
 
     if is_moe_gguf(g):  # qwen3moe / qwen2moe / olmoe / llama with experts: experts stay quantized
         from ferrylm.models.quant.gguf_moe import convert_moe_gguf_into

@@ -235,8 +235,9 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
     """Load the HF model folder ``model_dir`` (or build the synthetic model a synthetic folder describes).
 
     Args:
-        model_dir: folder with ``config.json`` and safetensors weights (single file or sharded with an index), or
-            a synthetic model folder (:func:`ferrylm.models.synthetic.materialize`).
+        model_dir: folder with ``config.json`` and safetensors weights (single file or sharded with an index),
+            a synthetic model folder (:func:`ferrylm.models.synthetic.materialize`), or a MoE ``.gguf`` file
+            (read in place: :mod:`ferrylm.models.quant.gguf_file`).
         device: where weights (and, for the resident backend, experts) are placed.
         dtype: floating-point tensors are cast to it.
         moe_backend: expert backend name (see ``ferrylm.experts.MOE_BACKENDS``) or ``ExpertOptions``; ignored for
@@ -256,9 +257,15 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
         UnsupportedArchitecture: ``architectures[0]`` is not registered (message lists the supported ones).
         ValueError: unknown ``moe_backend``.
     """
+    from ferrylm.models.gguf_config import is_gguf_file
     from ferrylm.models.synthetic import is_synthetic_folder
 
     model_dir = Path(model_dir)
+    if is_gguf_file(model_dir):  # a MoE GGUF served from the file itself
+        from ferrylm.models.quant.gguf_file import load_gguf_model
+
+        return load_gguf_model(model_dir, device=device, dtype=dtype, moe_backend=moe_backend,
+                               expert_device=expert_device, pin_experts=pin_experts)
     if is_synthetic_folder(model_dir):
         from ferrylm.models.synthetic import spec_from_folder
         from ferrylm.models.synthetic_build import build_synthetic

@@ -24,7 +24,9 @@ class ResolvedModel:
     Attributes:
         name: the served model name: the built-in name, the folder's name, the GGUF file's name without
             ``.gguf``, or the canonical synthetic spec (``synthetic:qwen3-30b-a3b:layers=2``, tokenizer left out).
-        path: the folder to load: an HF folder (config.json + *.safetensors + tokenizer), or for ``synthetic``
+        path: the folder to load: an HF folder (config.json + *.safetensors + tokenizer), a MoE ``.gguf`` file
+            itself (config, weights and tokenizer read from it: :mod:`ferrylm.models.quant.gguf_file`), or for
+            ``synthetic``
             a folder holding only config.json with the recipe (and the tokenizer files when one was named; see
             :mod:`ferrylm.models.synthetic`).
         source: ``"builtin"``, ``"folder"``, ``"gguf"`` or ``"synthetic"``.
@@ -41,7 +43,10 @@ class ResolvedModel:
 
 
 def has_tokenizer(path: Path) -> bool:
-    """True when ``path`` holds tokenizer.json, tokenizer.model or tokenizer_config.json."""
+    """True when ``path`` holds tokenizer.json, tokenizer.model or tokenizer_config.json, or is a ``.gguf`` file
+    (its tokenizer is in its metadata)."""
+    if Path(path).suffix.lower() == ".gguf" and Path(path).is_file():
+        return True
     return any((Path(path) / n).is_file() for n in TOKENIZER_FILES)
 
 
@@ -67,8 +72,9 @@ def resolve_model(spec: str, *, progress: bool = True) -> ResolvedModel:
     Accepts, in this order: a ``synthetic:`` spec (:func:`ferrylm.models.synthetic.parse_synthetic_spec`; a small
     recipe folder is written into the cache, no weights), a built-in name
     (:func:`ferrylm.models.builtin.builtin_names`; converted into the cache on first use), an existing local folder
-    (checked by :func:`check_model_folder`), or an existing local ``.gguf`` file (Llama architecture; converted
-    into the cache like the built-in, keyed by its size and mtime).
+    (checked by :func:`check_model_folder`), or an existing local ``.gguf`` file: a MoE GGUF (qwen3moe / qwen2moe /
+    olmoe / llama with experts) is served from the file; a dense Llama GGUF is converted into the cache like the
+    built-in, keyed by its size and mtime.
 
     Raises:
         ModelLoadError: a bad ``synthetic:`` spec (unknown preset or option, a tokenizer that does not fit); a
@@ -99,8 +105,11 @@ def resolve_model(spec: str, *, progress: bool = True) -> ResolvedModel:
         return ResolvedModel(p.name, p, "folder")
     if p.suffix.lower() != ".gguf":
         raise ModelLoadError(f"--model {spec} is a file but not a .gguf file; give a model folder or a .gguf file")
-    from ferrylm.models.gguf_convert import convert_gguf, source_key
+    from ferrylm.models.gguf_config import is_moe_gguf
+    from ferrylm.models.gguf_convert import convert_gguf, read_gguf, source_key
 
+    if is_moe_gguf(read_gguf(p)):  # served from the file itself: nothing converted, nothing written
+        return ResolvedModel(p.stem, p, "gguf")
     try:
         key = source_key(p)
     except OSError as e:

@@ -13,7 +13,8 @@
   :mod:`ferrylm.models.routing_model` and docs/ROUTING.md). Default: the preset family's calibrated profile
   (Qwen-MoE presets ``qwen3``, OLMoE ``olmoe``), or ``router`` when ``skew`` is given or the family has none.
 - ``seed=S``: weight seed (default 0). Same spec → same weights → same logits, run after run.
-- ``quant=Q``: routed experts quantized (:data:`SYNTHETIC_QUANT`: ``fp8``, ``int4``, ``mxfp4``, ``nvfp4``): random
+- ``quant=Q``: routed experts quantized (:data:`SYNTHETIC_QUANT`: ``fp8``, ``int4``, ``mxfp4``, ``nvfp4``, GGML
+  blocks ``q4_k``, ``q4_k_m``, ``q8_0``): random
   codes and scales made directly in the stored format (nothing is quantized from bf16), so banks, slots and copies
   carry the bytes a real checkpoint of that format has.
 - ``tokenizer=FOLDER``: a tokenizer folder for serving text (``ferry --tokenizer FOLDER`` appends it); it must be
@@ -59,6 +60,9 @@ SYNTHETIC_QUANT = {
     "int4": "int4 symmetric, bfloat16 scale per 128 inputs (as compressed-tensors W4A16)",
     "mxfp4": "fp4 e2m1, power-of-two scale per 32 inputs (OCP MXFP4, as gpt-oss)",
     "nvfp4": "fp4 e2m1, fp8 e4m3 scale per 16 inputs and a float32 scale per row (NVFP4)",
+    "q4_k": "GGML Q4_K blocks, 4.5 bits/weight (as a GGUF's experts, kept as bytes)",
+    "q4_k_m": "GGML Q4_K gate/up, Q6_K down blocks (llama.cpp Q4_K_M's heavier layers)",
+    "q8_0": "GGML Q8_0 blocks, 8.5 bits/weight",
 }
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
                     "special_tokens_map.json", "added_tokens.json")

@@ -146,7 +146,11 @@ class TextCodec:
         """
         path = os.fspath(path)
         try:
-            if os.path.isfile(os.path.join(path, "tokenizer.json")):
+            if path.lower().endswith(".gguf") and os.path.isfile(path):  # built from the file's metadata
+                from ferrylm.models.gguf_convert import gguf_tokenizer
+
+                tok = gguf_tokenizer(path)
+            elif os.path.isfile(os.path.join(path, "tokenizer.json")):
                 tok = _load_fast_tokenizer(path)
             else:  # slow / sentencepiece-only folders; this path may import torch inside transformers
                 from transformers import AutoTokenizer

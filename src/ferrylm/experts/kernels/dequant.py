@@ -3,8 +3,11 @@ read from plain weights or from a :class:`~ferrylm.experts.quantized.QuantTensor
 
 The formats and their values are those of :mod:`ferrylm.experts.quantized` (its ``dequantize`` is the reference the
 kernel tests compare against): codes in registers -> ``code * s - m`` / ``(code - zero) * s`` / ``e2m1 * s`` /
-``fp8 * s``, ``s`` the group's scale times the row scale. The kernels then round the tile to the activation dtype
-before ``tl.dot`` (float32 accumulation), as the reference rounds the dequantized weight to it.
+``fp8 * s``, ``s`` the group's scale times the row scale; GGML blocks (``q8_0`` / ``q4_k`` / ``q5_k`` / ``q6_k``, the
+file's bytes, layouts in :mod:`ferrylm.experts.gguf_blocks`; ``kmix``: the kind named by the expert's tag) are
+decoded from the block bytes themselves: f16 ``d`` / ``dmin`` from their bits, 6-bit K-quant scales and mins
+unpacked per element, codes from their nibbles and high bits. The kernels then round the tile to the activation
+dtype before ``tl.dot`` (float32 accumulation), as the reference rounds the dequantized weight to it.
 
 :func:`weight_args` turns a projection (plain tensor or QuantTensor view, any strides) into the kernel arguments;
 ``QKIND`` and the group size are compile-time constants of a launch.
@@ -18,7 +21,7 @@ import triton.language as tl
 
 from ferrylm.experts.quantized import QuantTensor
 
-QKIND = {None: 0, "int4": 1, "int8": 2, "fp4": 3, "fp8": 4}
+QKIND = {None: 0, "int4": 1, "int8": 2, "fp4": 3, "fp8": 4, "q8_0": 5, "q4_k": 6, "q5_k": 7, "q6_k": 8, "kmix": 9}
 
 
 def weight_args(w: torch.Tensor | QuantTensor) -> tuple[tuple, dict]:
@@ -31,6 +34,15 @@ def weight_args(w: torch.Tensor | QuantTensor) -> tuple[tuple, dict]:
     if not isinstance(w, QuantTensor):
         return (w, w, w, w, *w.stride(), 0, 0, 0, 0, 0), dict(QKIND=0, GROUP=1, HAS_MINS=False, HAS_ROW=False)
     f = w.fmt
+    if f.is_block:  # one field: the blocks' bytes (byte offsets computed in the kernel, unit stride along a row)
+        if w.data.stride(-1) != 1:
+            raise ValueError(f"{f.describe()} rows must be contiguous along K (stride {w.data.stride(-1)})")
+        d = w.data
+        if f.kind == "kmix":  # the per-expert tag rides in the scales slot (its expert stride in sse)
+            return ((d, w.tag, d, d, *d.stride(), w.tag.stride(0), 0, 0, 0, 0),
+                    dict(QKIND=9, GROUP=f.group, HAS_MINS=False, HAS_ROW=False))
+        return ((d, d, d, d, *d.stride(), 0, 0, 0, 0, 0),
+                dict(QKIND=QKIND[f.kind], GROUP=f.group, HAS_MINS=False, HAS_ROW=False))
     mins = w.mins if w.mins is not None else w.scales
     row = w.row_scale if w.row_scale is not None else w.scales
     rs = w.row_scale.stride() if w.row_scale is not None else (0, 0)
@@ -65,6 +77,81 @@ def _e4m3(c):
 
 
 @triton.jit
+def _u8(p, off, mask):
+    """Bytes at ``p + off`` as int32 (0 where masked)."""
+    return tl.load(p + off, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _f16(p, off, mask):
+    """The little-endian float16 at bytes ``p + off`` as float32, from its bits (IEEE 754 binary16: sign bit 15,
+    exponent bits 14-10 (bias 15), mantissa bits 9-0; exponent 0 is subnormal ``m * 2^-24``)."""
+    bits = _u8(p, off, mask) | (_u8(p, off + 1, mask) << 8)
+    sign = (bits >> 15) << 31
+    ex = (bits >> 10) & 31
+    man = bits & 1023
+    f32_ex = tl.where(ex == 31, 255, ex + 112)
+    normal = (sign | (f32_ex << 23) | (man << 13)).to(tl.float32, bitcast=True)
+    sub = man.to(tl.float32) * 5.960464477539063e-08
+    return tl.where(ex == 0, tl.where(sign != 0, -sub, sub), normal)
+
+
+@triton.jit
+def _k4_scale_min(p, base, j, mask):
+    """Sub-block ``j``'s 6-bit scale and min of a Q4_K / Q5_K block at bytes ``p + base`` (``scales[12]`` at offset
+    4; ggml's ``get_scale_min_k4``), as float32."""
+    x = _u8(p, base + 8 + j, mask)        # scales[j + 4]
+    y = _u8(p, base + 4 + (j & 3), mask)  # scales[j % 4]
+    z = _u8(p, base + 4 + j, mask)        # scales[j]
+    lo = j < 4
+    sc = tl.where(lo, y & 63, (x & 15) | ((y >> 6) << 4))
+    mn = tl.where(lo, x & 63, (x >> 4) | ((z >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _block_tile(w_ptr, e, nn, n_ok, kc, k0, mask, swe, swn, QKIND: tl.constexpr, GROUP: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """Float32 values of elements ``(kc, nn)`` of GGML block rows (layouts: :mod:`ferrylm.experts.gguf_blocks`).
+    When the K tile lies in one block (``GROUP % BLOCK_K == 0``) the block's f16 fields are loaded once per column."""
+    BB: tl.constexpr = 34 if QKIND == 5 else (144 if QKIND == 6 else (176 if QKIND == 7 else 210))  # block bytes
+    if GROUP % BLOCK_K == 0:
+        base_c = e * swe + nn * swn + (k0 // GROUP) * BB  # [1, BLOCK_N]
+        c_mask = n_ok[None, :]
+    else:
+        base_c = e * swe + nn * swn + (kc // GROUP) * BB  # [BLOCK_K, BLOCK_N]
+        c_mask = mask
+    base = e * swe + nn * swn + (kc // GROUP) * BB
+    v = kc % GROUP
+    if QKIND == 5:  # Q8_0: d * int8
+        q = _u8(w_ptr, base + 2 + v, mask)
+        q = tl.where(q >= 128, q - 256, q)
+        w = _f16(w_ptr, base_c, c_mask) * q.to(tl.float32)
+    elif QKIND == 8:  # Q6_K: d * scales[v / 16] * (q - 32)
+        h = v // 128
+        r = v % 128
+        low = (_u8(w_ptr, base + 64 * h + r % 64, mask) >> (4 * (r // 64))) & 15
+        high = (_u8(w_ptr, base + 128 + 32 * h + r % 32, mask) >> (2 * (r // 32))) & 3
+        sc = _u8(w_ptr, base + 192 + v // 16, mask)
+        sc = tl.where(sc >= 128, sc - 256, sc)
+        s = _f16(w_ptr, base_c + 208, c_mask) * sc.to(tl.float32)
+        w = s * ((low | (high << 4)) - 32).to(tl.float32)
+    else:  # Q4_K / Q5_K: d * sc * q - dmin * mn
+        j = v // 32
+        l = v % 32
+        sc, mn = _k4_scale_min(w_ptr, base, j, mask)
+        s = _f16(w_ptr, base_c, c_mask) * sc
+        m = _f16(w_ptr, base_c + 2, c_mask) * mn
+        if QKIND == 6:
+            q = (_u8(w_ptr, base + 16 + 32 * (j // 2) + l, mask) >> (4 * (j % 2))) & 15
+        else:
+            q = (_u8(w_ptr, base + 48 + 32 * (j // 2) + l, mask) >> (4 * (j % 2))) & 15
+            q = q | (((_u8(w_ptr, base + 16 + l, mask) >> j) & 1) << 4)
+        w = s * q.to(tl.float32) - m
+    return tl.where(mask, w, 0.0)
+
+
+@triton.jit
 def _codes(w_ptr, base, nn, kk, k0, n_ok, k_ok, swn, swk, QKIND: tl.constexpr, BLOCK_K: tl.constexpr):
     """The ``[BLOCK_K, len(n)]`` codes of a quantized tile. 4-bit kinds: the ``BLOCK_K / 2`` bytes of each column are
     loaded once (contiguous along k), split into low / high nibbles and interleaved back (element ``2j`` is the low
@@ -86,15 +173,27 @@ def weight_tile(w_ptr, s_ptr, m_ptr, r_ptr, e, n, k0, kk, n_ok, k_ok,
                 QKIND: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr, HAS_ROW: tl.constexpr,
                 BLOCK_K: tl.constexpr):
     """``W[e, n, kk]`` as a ``[BLOCK_K, len(n)]`` tile, ``kk = k0 + arange(BLOCK_K)``: the weight dtype for plain
-    weights (``QKIND == 0``), float32 dequantized values otherwise; masked elements are 0. ``e`` int64 scalar. When
-    the tile lies in one scale group (``GROUP % BLOCK_K == 0``) one scale per column is loaded; when it spans whole
-    groups (``BLOCK_K % GROUP == 0``) one per group and column, broadcast over the group's rows in registers; else
-    one per element."""
+    weights (``QKIND == 0``), float32 dequantized values otherwise (``QKIND >= 5``: GGML blocks, ``GROUP`` their
+    element count, bytes at unit stride along a row, ``swk`` unused; ``QKIND == 9``: ``kmix``, the expert's kind
+    read from its tag byte at ``s_ptr + e * sse``); masked elements are 0. ``e`` int64 scalar. When the tile lies in
+    one scale group (``GROUP % BLOCK_K == 0``) one scale per column is loaded; when it spans whole groups
+    (``BLOCK_K % GROUP == 0``) one per group and column, broadcast over the group's rows in registers; else one per
+    element."""
     mask = k_ok[:, None] & n_ok[None, :]
     nn = n[None, :].to(tl.int64)
+    kc = kk[:, None].to(tl.int64)
     if QKIND == 0:
-        kc = kk[:, None].to(tl.int64)
         w = tl.load(w_ptr + e * swe + nn * swn + kc * swk, mask=mask, other=0.0)
+    elif QKIND == 9:  # kmix: the expert's K-quant kind from its tag byte (one branch per program)
+        tag = tl.load(s_ptr + e * sse)
+        if tag == 6:
+            w = _block_tile(w_ptr, e, nn, n_ok, kc, k0, mask, swe, swn, 6, GROUP, BLOCK_K)
+        elif tag == 7:
+            w = _block_tile(w_ptr, e, nn, n_ok, kc, k0, mask, swe, swn, 7, GROUP, BLOCK_K)
+        else:
+            w = _block_tile(w_ptr, e, nn, n_ok, kc, k0, mask, swe, swn, 8, GROUP, BLOCK_K)
+    elif QKIND >= 5:
+        w = _block_tile(w_ptr, e, nn, n_ok, kc, k0, mask, swe, swn, QKIND, GROUP, BLOCK_K)
     else:
         c = _codes(w_ptr, e * swe, nn, kk, k0, n_ok, k_ok, swn, swk, QKIND, BLOCK_K)
         if QKIND == 4:
@@ -131,7 +230,6 @@ def weight_tile(w_ptr, s_ptr, m_ptr, r_ptr, e, n, k0, kk, n_ok, k_ok,
                 w3 = v3 * s[:, None, :]
             w = tl.reshape(w3, (BLOCK_K, v.shape[1]))
         else:  # a group size that does not divide the tile: one scale per element
-            kc = kk[:, None].to(tl.int64)
             s_off = e * sse + nn * ssn + (kc // GROUP) * ssg
             s = tl.load(s_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
             if HAS_ROW:

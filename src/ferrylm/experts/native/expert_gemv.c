@@ -168,7 +168,11 @@ int ferry_expert_gemv(int wdtype, int nthreads, int k, const void *const *rows, 
  * dequantized into a float32 buffer (codes -> values in registers, times its group's scale, minus its min), then
  * dotted with up to TB tokens by dot_f32: the expert's bytes are read once per TB tokens, at 4 or 8 bits per weight
  * instead of 16, and everything after the load is float32.
- *   kind: 1 int4 ((u - 8) * s, or u * s - m), 2 int8 ((u - 128) * s, or u * s - m), 3 fp4 e2m1 * s, 4 fp8 e4m3 * s
+ *   kind: 1 int4 ((u - 8) * s, or u * s - m), 2 int8 ((u - 128) * s, or u * s - m), 3 fp4 e2m1 * s, 4 fp8 e4m3 * s,
+ *         GGML blocks kept as a GGUF file's bytes (no scales field; layouts: experts/gguf_blocks.py, from ggml's
+ *         ggml-common.h, decoded as ggml-quants.c's dequantize_row_*): 5 Q8_0, 6 Q4_K, 7 Q5_K, 8 Q6_K,
+ *         9 kmix: per expert one of 6..8, read from the tag byte at off_scales; rows padded to the widest kind of
+ *         the mix, whose code sdtype holds
  *   scale dtype: 0 float32, 1 bfloat16, 2 float16, 3 float8 e4m3;  s times the row scale (float32) when present
  * ------------------------------------------------------------------------------------------------------- */
 typedef struct {
@@ -201,8 +205,69 @@ static inline float load_scale(const uint8_t *p, int64_t i, int64_t sdtype) {
     }
 }
 
+static inline float f16_at(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return f16_to_f32(h); }
+
+/* ggml's get_scale_min_k4: sub-block j's 6-bit scale and min from the 12 packed bytes s */
+static inline void scale_min_k4(const uint8_t *s, int j, float *sc, float *mn) {
+    if (j < 4) {
+        *sc = (float)(s[j] & 63);
+        *mn = (float)(s[j + 4] & 63);
+    } else {
+        *sc = (float)((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4));
+        *mn = (float)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+static const int64_t BLOCK_BYTES[9] = {0, 0, 0, 0, 0, 34, 144, 176, 210};
+
+/* row r (K inputs) of GGML blocks of kind 5..8 -> buf[0:K]; every product exact in float32 (gguf_blocks.py) */
+static void dequant_blocks(int64_t kind, const uint8_t *d, int64_t K, float *buf) {
+    if (kind == 5) {
+        for (int64_t b = 0; b < K / 32; b++, d += 34) {
+            const float s = f16_at(d);
+            for (int i = 0; i < 32; i++) buf[b * 32 + i] = s * (float)(int8_t)d[2 + i];
+        }
+        return;
+    }
+    for (int64_t b = 0; b < K / 256; b++, d += BLOCK_BYTES[kind]) {
+        float *o = buf + b * 256;
+        if (kind == 8) {  /* Q6_K: ql[128], qh[64], scales int8[16], d */
+            const float dd = f16_at(d + 208);
+            for (int v = 0; v < 256; v++) {
+                const int h = v >> 7, w = v & 127;
+                const int lo = (d[64 * h + (w & 63)] >> (4 * (w >> 6))) & 15;
+                const int hi = (d[128 + 32 * h + (w & 31)] >> (2 * (w >> 5))) & 3;
+                o[v] = dd * (float)(int8_t)d[192 + v / 16] * (float)((lo | (hi << 4)) - 32);
+            }
+            continue;
+        }
+        const float dd = f16_at(d), dmin = f16_at(d + 2);  /* Q4_K / Q5_K: d, dmin, scales[12], (qh[32]), qs[128] */
+        const uint8_t *qs = d + (kind == 6 ? 16 : 48), *qh = d + 16;
+        for (int j = 0; j < 8; j++) {
+            float sc, mn;
+            scale_min_k4(d + 4, j, &sc, &mn);
+            const float s = dd * sc, m = dmin * mn;
+            const uint8_t *c = qs + 32 * (j >> 1);
+            const int shift = 4 * (j & 1);
+            for (int l = 0; l < 32; l++) {
+                int u = (c[l] >> shift) & 15;
+                if (kind == 7) u |= ((qh[l] >> j) & 1) << 4;
+                o[32 * j + l] = s * (float)u - m;
+            }
+        }
+    }
+}
+
 /* row r (K inputs) of projection q of the expert row `base` -> buf[0:K] float32 */
 static void dequant_row(const qproj *q, const uint8_t *base, int64_t r, int64_t K, float *buf) {
+    if (q->kind == 9) {
+        dequant_blocks(base[q->off_scales], base + q->off_data + r * (K / 256) * BLOCK_BYTES[q->sdtype], K, buf);
+        return;
+    }
+    if (q->kind >= 5) {
+        dequant_blocks(q->kind, base + q->off_data + r * (K / q->group) * BLOCK_BYTES[q->kind], K, buf);
+        return;
+    }
     const int64_t g = q->group, G = K / g;
     const uint8_t *sc = base + q->off_scales, *mn = base + q->off_mins;
     float rs = 1.0f;
@@ -300,7 +365,7 @@ static void rows_dot_q(const qproj *q, const uint8_t *base, int64_t r0, int64_t 
                        int64_t ldx, int64_t nx, float *y, int64_t ldy, const float *scale, float *buf) {
     float res[TB];
 #if VW == 16
-    const int fused = q->group % 16 == 0;
+    const int fused = q->group % 16 == 0 && q->kind <= 4;  /* GGML blocks: dequant_row, then the float32 dot */
 #else
     const int fused = 0;
 #endif
@@ -320,6 +385,9 @@ static void rows_dot_q(const qproj *q, const uint8_t *base, int64_t r0, int64_t 
 }
 
 static int q_ok(const qproj *q, int64_t K) {
+    if (q->kind == 9) return q->group == 256 && K % 256 == 0 && q->sdtype >= 6 && q->sdtype <= 8;
+    if (q->kind >= 5 && q->kind <= 8)
+        return q->group == (q->kind == 5 ? 32 : 256) && K % q->group == 0;
     return q->kind >= 1 && q->kind <= 4 && q->group > 0 && K % q->group == 0 && q->sdtype >= 0 && q->sdtype <= 3 &&
            (q->group % 2 == 0 || q->kind == 2 || q->kind == 4);
 }

@@ -2,7 +2,9 @@
 :mod:`ferrylm.experts.quantized` at load (no requantization).
 
 ``quantization_config.quant_method`` (config.json) picks the reader (:func:`reader_for`); GGUF files are
-converted by :mod:`ferrylm.models.quant.gguf_moe` into a folder of the ``ferrylm`` method. :mod:`.load` streams a
+served from the file by :mod:`ferrylm.models.quant.gguf_file` (config method ``gguf``: experts kept as GGML blocks,
+:mod:`ferrylm.models.gguf_config`); :mod:`ferrylm.models.quant.gguf_moe` holds the lossless repack of mixed-type
+projections and the older conversion into a folder of the ``ferrylm`` method. :mod:`.load` streams a
 quantized checkpoint into the model; :mod:`.synthetic` makes random quantized experts for ``synthetic:`` models.
 
 | quant_method | module | formats |
@@ -14,13 +16,14 @@ quantized checkpoint into the model; :mod:`.synthetic` makes random quantized ex
 | ``awq`` | :mod:`.awq` | 4-bit AWQ, AutoAWQ's GEMM packing |
 | ``mxfp4`` | :mod:`.mxfp4` | gpt-oss ``*_blocks`` / ``*_scales`` expert stacks |
 | ``ferrylm`` | :mod:`.native` | our own fields (GGUF conversions) |
+| ``gguf`` | :mod:`.gguf_file` | a ``.gguf`` file read in place (Q4_K / Q5_K / Q6_K / Q8_0 blocks as bytes) |
 """
 
 from __future__ import annotations
 
 from ferrylm.errors import ModelLoadError
 
-SUPPORTED_METHODS = ("fp8", "compressed-tensors", "modelopt", "gptq", "awq", "mxfp4", "ferrylm")
+SUPPORTED_METHODS = ("fp8", "compressed-tensors", "modelopt", "gptq", "awq", "mxfp4", "ferrylm", "gguf")
 
 
 def reader_for(config: dict):
@@ -48,9 +51,11 @@ def reader_for(config: dict):
         from ferrylm.models.quant.mxfp4 import Mxfp4BlocksReader as cls
     elif method == "ferrylm":
         from ferrylm.models.quant.native import NativeReader as cls
+    elif method == "gguf":  # a MoE GGUF served from its file: plans only, models/quant/gguf_file.py loads it
+        from ferrylm.models.quant.gguf_file import GGUFPlanReader as cls
     else:
         raise ModelLoadError(f"quantization_config quant_method {method!r} is not supported; supported: "
-                             f"{', '.join(SUPPORTED_METHODS)} (and .gguf files: Q8_0, Q4_K, Q6_K experts)")
+                             f"{', '.join(SUPPORTED_METHODS)} (and .gguf files: Q8_0, Q4_K, Q5_K, Q6_K experts)")
     return cls(qcfg)
 
 

@@ -1,4 +1,9 @@
-"""Convert a Mixture-of-Experts GGUF file into a model folder whose routed experts stay quantized.
+"""GGUF expert blocks repacked into element formats, and the conversion of a MoE GGUF into a model folder.
+
+Serving a MoE GGUF reads the file itself (:mod:`ferrylm.models.quant.gguf_file`, experts kept as GGML blocks); it
+uses this module only for a projection whose layers mix types (:func:`unified_format` + :func:`repack`). The folder
+conversion (:func:`convert_moe_gguf_into`) is kept for :func:`ferrylm.models.gguf_convert.convert_gguf` called on a
+MoE file (tests compare both paths); nothing at runtime calls it.
 
 Architectures (GGUF ``general.architecture`` -> HF class): ``qwen3moe`` -> Qwen3MoeForCausalLM, ``qwen2moe`` ->
 Qwen2MoeForCausalLM, ``olmoe`` -> OlmoeForCausalLM, ``llama`` with ``llama.expert_count > 0`` (Mixtral) ->
@@ -49,18 +54,11 @@ from ferrylm.models.gguf_convert import (GGUFFile, GGUFTensor, TensorEntry, _f32
                                          progress_bar, unpermute_rope_rows, write_safetensors,
                                          write_tokenizer_files)
 from ferrylm.models.quant.native import format_to_json
+from ferrylm.models.gguf_config import MOE_ARCHS, is_moe_gguf, moe_config_from_gguf  # noqa: F401 (re-exported)
 
-MOE_ARCHS = {"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-             "llama": "MixtralForCausalLM"}
 EXPERT_TYPES = ("Q8_0", "Q4_K", "Q6_K", "F32", "F16", "BF16")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 _QK_K = 256
-
-
-def is_moe_gguf(g: GGUFFile) -> bool:
-    """True when ``g`` is one of the MoE layouts this module converts."""
-    arch = g.get("general.architecture")
-    return arch in MOE_ARCHS and (arch != "llama" or int(g.get("llama.expert_count", 0) or 0) > 0)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -129,10 +127,31 @@ def decode_q4_k(data: np.ndarray, t: GGUFTensor) -> Decoded:
     return Decoded(q.reshape(*lead, n, k), scales, mins, None, 32)
 
 
+def decode_q5_k(data: np.ndarray, t: GGUFTensor) -> Decoded:
+    """Q5_K (``experts/gguf_blocks.py``): Q4_K's scales and mins, a fifth code bit from ``qh[32]``."""
+    from gguf.quants import Q4_K
+
+    b = _blocks(data, t, 176)
+    nb = b.shape[0]
+    d, dmin = _f16(b[:, 0:2]).float(), _f16(b[:, 2:4]).float()
+    sc, m = Q4_K.get_scale_min(b[:, 4:16].numpy())
+    sc, m = torch.from_numpy(np.asarray(sc)).reshape(nb, 8), torch.from_numpy(np.asarray(m)).reshape(nb, 8)
+    qh = b[:, 16:48].reshape(nb, 1, 32)
+    qs = b[:, 48:].reshape(nb, 4, 32)
+    low = torch.stack((qs & 15, qs >> 4), 2).reshape(nb, 8, 32)
+    high = (qh >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1
+    q = (low | (high << 4)).reshape(nb, 256)  # 0..31
+    *lead, n, k = t.shape
+    scales = (d[:, None] * sc.float()).reshape(*lead, n, k // 32)
+    mins = (dmin[:, None] * m.float()).reshape(*lead, n, k // 32)
+    return Decoded(q.reshape(*lead, n, k), scales, mins, None, 32)
+
+
 _DECODERS: dict[str, tuple[Callable[[np.ndarray, GGUFTensor], Decoded], QuantFormat]] = {
     "Q8_0": (decode_q8_0, QuantFormat("int8", 32, torch.float16)),
     "Q6_K": (decode_q6_k, QuantFormat("int8", 16, torch.float32)),
     "Q4_K": (decode_q4_k, QuantFormat("int4", 32, torch.float32, mins=True)),
+    "Q5_K": (decode_q5_k, QuantFormat("int8", 32, torch.float32, mins=True)),
 }
 
 
@@ -174,73 +193,6 @@ def repack(dec: Decoded, fmt: QuantFormat, dtype: torch.dtype) -> QuantTensor:
     mins = dec.scales.float() * dec.zero if dec.mins is None else dec.mins
     mins = mins.repeat_interleave(rep, -1) if rep > 1 else mins
     return QuantTensor(fmt, packed(codes).contiguous(), scales.float().contiguous(), mins.contiguous(), dtype=dtype)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# config.json
-# --------------------------------------------------------------------------------------------------------------
-
-def moe_config_from_gguf(g: GGUFFile) -> dict[str, Any]:
-    """A HF config.json dict for a MoE GGUF (see the module docstring for the architectures).
-
-    Raises:
-        ModelLoadError: a required metadata key is missing, or a feature not converted (RoPE scaling, partial
-            rotary, per-layer head counts).
-    """
-    arch = g.get("general.architecture")
-
-    def key(name: str, default: Any = None, required: bool = True) -> Any:
-        v = g.get(f"{arch}.{name}", default)
-        if v is None and required:
-            raise ModelLoadError(f"{g.path}: GGUF metadata lacks '{arch}.{name}'")
-        if isinstance(v, np.ndarray):
-            raise ModelLoadError(f"{g.path}: per-layer '{arch}.{name}' is not supported")
-        return v
-
-    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    head_dim = int(key("attention.key_length", hidden // heads))
-    if int(key("rope.dimension_count", head_dim)) != head_dim:
-        raise ModelLoadError(f"{g.path}: partial rotary embeddings are not supported")
-    scaling = key("rope.scaling.type", None, required=False)
-    if scaling not in (None, "none"):
-        raise ModelLoadError(f"{g.path}: RoPE scaling {scaling!r} is not supported by the GGUF converter")
-    tokens = g.get("tokenizer.ggml.tokens")
-    vocab = int(key("vocab_size", None, required=False) or (len(tokens) if tokens is not None else 0))
-    names = {t.name for t in g.tensors}
-    layers = int(key("block_count"))
-    experts, used = int(key("expert_count")), int(key("expert_used_count"))
-    cfg: dict[str, Any] = {
-        "architectures": [MOE_ARCHS[arch]], "hidden_size": hidden, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": head_dim, "vocab_size": vocab, "max_position_embeddings": int(key("context_length")),
-        "rms_norm_eps": _f32_clean(key("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32_clean(key("rope.freq_base", 10000.0)), "hidden_act": "silu",
-        "tie_word_embeddings": "output.weight" not in names, "torch_dtype": "float32",
-        "num_experts_per_tok": used, "attention_dropout": 0.0,
-    }
-    moe_width = key("expert_feed_forward_length", None, required=False)
-    dense_width = int(key("feed_forward_length", 0, required=False) or 0)
-    if arch == "llama":
-        cfg.update(model_type="mixtral", num_local_experts=experts, intermediate_size=int(moe_width or dense_width),
-                   sliding_window=None)
-    else:
-        sparse = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" in names]
-        cfg.update(num_experts=experts, moe_intermediate_size=int(moe_width or dense_width),
-                   intermediate_size=dense_width or int(moe_width or 0))
-        if arch == "qwen3moe":
-            cfg.update(model_type="qwen3_moe", norm_topk_prob=True, decoder_sparse_step=1, attention_bias=False,
-                       mlp_only_layers=[i for i in range(layers) if i not in sparse])
-        elif arch == "qwen2moe":
-            cfg.update(model_type="qwen2_moe", norm_topk_prob=False, decoder_sparse_step=1,
-                       mlp_only_layers=[i for i in range(layers) if i not in sparse],
-                       shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length")))
-        else:
-            cfg.update(model_type="olmoe", norm_topk_prob=False, clip_qkv=None, attention_bias=False)
-    for gguf_key, hf_key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
-        v = g.get(f"tokenizer.ggml.{gguf_key}_token_id")
-        if v is not None:
-            cfg[hf_key] = int(v)
-    return cfg
 
 
 # --------------------------------------------------------------------------------------------------------------

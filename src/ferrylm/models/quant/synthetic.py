@@ -8,6 +8,9 @@ standard deviation (the same init scale the plain synthetic model uses), so logi
 Code pools (values before scaling):
 - ``int4``: ``clamp(round(2.5 z) + 8, 0, 15)``, ``z ~ N(0, 1)``; ``fp4``: the e2m1 code nearest ``2 z``;
   ``fp8``: ``z`` rounded to e4m3. The codes' standard deviation is measured on the pool.
+- GGML blocks (``q4_k``, ``q6_k``, ``q8_0``: the layouts a GGUF file holds, kept as bytes): a pool of whole random
+  blocks per (kind, standard deviation) (:func:`ferrylm.experts.gguf_blocks.fill_random_blocks`: random codes and
+  scale bytes, f16 ``d`` / ``dmin`` chosen for the spread), copied in whole blocks.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import random
 
 import torch
 
-from ferrylm.experts.quantized import E2M1_VALUES, ExpertQuant, QuantFormat, QuantTensor, empty_quant
+from ferrylm.experts.gguf_blocks import BLOCK_TYPES, fill_random_blocks
+from ferrylm.experts.quantized import (E2M1_VALUES, ExpertQuant, QuantFormat, QuantTensor, block_format,
+                                       empty_quant)
 
 POOL_BYTES = 1 << 23
 _CACHE: dict[tuple[int, str, int], tuple[torch.Tensor, float]] = {}  # (seed, kind, size) -> pool: built once
@@ -30,6 +35,9 @@ SYNTHETIC_FORMATS: dict[str, ExpertQuant] = {
     "mxfp4": ExpertQuant(QuantFormat("fp4", 32, torch.bfloat16), QuantFormat("fp4", 32, torch.bfloat16)),
     "nvfp4": ExpertQuant(QuantFormat("fp4", 16, torch.float8_e4m3fn, row_scale=True),
                          QuantFormat("fp4", 16, torch.float8_e4m3fn, row_scale=True)),
+    "q4_k": ExpertQuant(block_format("Q4_K"), block_format("Q4_K")),
+    "q4_k_m": ExpertQuant(block_format("Q4_K"), block_format("Q6_K")),
+    "q8_0": ExpertQuant(block_format("Q8_0"), block_format("Q8_0")),
 }
 
 
@@ -87,10 +95,33 @@ class CodePool:
             start += n
 
 
+def fill_blocks_(data: torch.Tensor, kind: str, std: float, seed: int, key: str) -> None:
+    """Fill ``data`` (contiguous uint8 rows of whole ``kind`` blocks) with windows of a pool of random blocks,
+    copied at block boundaries (so every block keeps valid f16 scales)."""
+    bt = BLOCK_TYPES[kind]
+    pkey = (seed, f"{kind}@{std!r}", POOL_BYTES)
+    if pkey not in _CACHE:
+        pool = torch.empty(POOL_BYTES // bt.nbytes, bt.nbytes, dtype=torch.uint8)
+        fill_random_blocks(pool, kind, generator=torch.Generator().manual_seed(_seed(seed, "blocks", kind)), std=std)
+        _CACHE[pkey] = (pool, std)
+    pool = _CACHE[pkey][0].to(data.device)
+    flat = data.view(-1, bt.nbytes)
+    rng = random.Random(_seed(seed, key))
+    start, total, chunk = 0, flat.shape[0], pool.shape[0] // 2
+    while start < total:
+        n = min(chunk, total - start)
+        off = rng.randrange(pool.shape[0] - n + 1)
+        flat[start:start + n].copy_(pool[off:off + n])
+        start += n
+
+
 def random_stack(pool: CodePool, fmt: QuantFormat, experts: int, n: int, k: int, std: float, key: str, *,
                  device: torch.device | str, dtype: torch.dtype, pin_memory: bool = False) -> QuantTensor:
     """``[experts, n, k]`` random quantized weights of ``fmt`` whose values have standard deviation ``std``."""
     qt = empty_quant(fmt, (experts,), n, k, device=device, dtype=dtype, pin_memory=pin_memory)
+    if fmt.is_block:
+        fill_blocks_(qt.data, fmt.kind, std, pool.seed, key)
+        return qt
     pool.fill_(qt.data, fmt.kind, key)
     scale = std / pool.pool(fmt.kind)[1]
     if fmt.kind == "fp4" and fmt.scale_dtype == torch.bfloat16:  # MXFP4: scales are powers of two
