@@ -5,6 +5,7 @@ backend choice names its flag."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from ferrylm.engine.attention import decode_splits, resolve_backend
 from ferrylm.engine.step_inputs import PackLayout, Staging, pack_step
+from ferrylm.models.routing_model import sequence_key
 
 
 @dataclass
@@ -19,6 +21,13 @@ class _Req:
     ids: list[int]
     page_table: list[int]
     num_prompt_tokens: int = 0
+    routing_key: int | None = None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.ids
+
+    params = SimpleNamespace(seed=None)
 
     def tokens(self, a, b):
         return self.ids[a:b]
@@ -56,6 +65,8 @@ def test_pack_matches_the_per_token_definition():
     assert host.sample_rows == v["sample_rows"].tolist() == [5, 6]       # last token of each sampling sequence
     assert host.max_query_len == 6 and host.num_tokens == 10 and host.num_seqs == 3
     assert host.host_seqs == [(6, 3, [7, 2, 9]), (1, 5, [5, 1]), (3, 0, [4])]
+    keys = [sequence_key(s.request.ids) for s in seqs]  # each token carries its request's routing key
+    assert v["routing_keys"].tolist() == [keys[0]] * 6 + [keys[1]] + [keys[2]] * 3 and len(set(keys)) == 3
 
 
 def test_padding_rows_write_nothing_and_read_nothing():
@@ -67,6 +78,7 @@ def test_padding_rows_write_nothing_and_read_nothing():
     assert v["seq_lens"].tolist() == [6, 0, 0, 0]                         # ... and attends to nothing
     assert v["query_start_loc"].tolist() == [0, 1, 2, 3, 4]
     assert v["block_table"].shape == (4, 8) and v["input_ids"].tolist()[1:] == [0, 0, 0]
+    assert v["routing_keys"].tolist()[1:] == [0, 0, 0]                   # padding rows route with key 0
     with pytest.raises(ValueError, match="longer than"):
         pack_step(decode, ps, pages=1)
 
@@ -81,7 +93,7 @@ def test_staging_packs_in_place_and_copies_from_its_own_buffer():
         pack_step(seqs, ps, np.empty(4, dtype=np.int64))
     with pytest.raises(ValueError, match="not packed into this staging buffer"):
         st.to_device(pack_step(seqs, ps))
-    assert PackLayout(tokens=2, seqs=1, pages=3, samples=1).size == 3 * 2 + 1 + 2 + 3 + 1
+    assert PackLayout(tokens=2, seqs=1, pages=3, samples=1).size == 4 * 2 + 1 + 2 + 3 + 1  # routing keys: [T]
 
 
 def test_attention_backend_choice():

@@ -145,7 +145,8 @@ def test_spec_routing_option():
 
 def test_engine_decode_routes_by_position(monkeypatch, tmp_path):
     """Through the engine (paged KV, chunked prefill, batched decode): every token's experts are the routing
-    model's at its own position (positions bound by the decoder layers on every path the engine takes)."""
+    model's at its own position and under its own request's key (positions bound by the decoder layers, keys by
+    the model runner from the packed step: two requests in one batch route as independent sequences)."""
     from ferrylm.engine.sampling_params import SamplingParams
     from ferrylm.llm import LLM
 
@@ -158,15 +159,20 @@ def test_engine_decode_routes_by_position(monkeypatch, tmp_path):
     run = blocks[0].executor.run
 
     def record(layer, hidden, ids, weights, **kw):
-        seen.append((layer, blocks[0].routing_context.positions.clone(), ids.clone()))
+        keys, pos = blocks[0].routing_context.current()
+        seen.append((layer, keys.clone(), pos.clone(), ids.clone()))
         return run(layer, hidden, ids, weights, **kw)
     monkeypatch.setattr(blocks[0].executor, "run", record)
     out = llm.generate([[1, 2, 3, 4, 5], [6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
     ref = RoutingModel(get_profile("qwen3"), 32, 4, seed=2, layers=(0, 1))
     assert len(seen) >= 2 * 4
-    for layer, pos, ids in seen:
-        assert torch.equal(ids, ref.route(layer, torch.zeros_like(pos), pos))
+    want = {sequence_key([1, 2, 3, 4, 5]), sequence_key([6, 7])}
+    used = set()
+    for layer, keys, pos, ids in seen:
+        assert torch.equal(ids, ref.route(layer, keys, pos))
+        used.update(keys.tolist())
+    assert used == want
 
 
 @pytest.mark.parametrize("name", ["qwen3", "olmoe", "wide512", "uniform"])

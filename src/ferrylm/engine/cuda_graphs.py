@@ -23,7 +23,7 @@ import torch
 
 from ferrylm.engine.attention import AttentionMetadata, TritonPagedAttention, decode_splits
 from ferrylm.engine.kv_cache import KVPool
-from ferrylm.engine.step_inputs import HostStep, PackLayout, Staging, pack_step
+from ferrylm.engine.step_inputs import HostStep, PackLayout, Staging, bind_routing_keys, pack_step
 from ferrylm.memory.guard import is_oom
 
 log = logging.getLogger("ferrylm.engine")
@@ -139,6 +139,7 @@ class StepGraphs:
 
     def _run(self, cap: _Captured) -> torch.Tensor:
         v = cap.layout.views(cap.packed)
+        bind_routing_keys(self.model, v["routing_keys"])  # the graph reads its static keys
         hidden = self.model(v["input_ids"], v["positions"], TritonPagedAttention(self.pool, cap.meta))
         return self.model.compute_logits(hidden)
 

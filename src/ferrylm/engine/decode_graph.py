@@ -46,6 +46,7 @@ import torch
 
 from ferrylm.config import DECODE_GRAPH_MODES
 from ferrylm.engine.kv_cache import KVPool, StaticDecodeAttention
+from ferrylm.engine.step_inputs import bind_routing_keys
 from ferrylm.experts.work import SMALL_STEP_TOKENS, ExpertStage, is_small_step, staged_moe_output
 from ferrylm.memory.guard import is_oom
 
@@ -108,7 +109,7 @@ class _Keyed:
     batch: int
     kv_len: int
     pages: int                           # page-table columns: ceil(L / page_size)
-    packed: torch.Tensor                 # [B * (3 + pages)] int64: ids | positions | lengths | page tables
+    packed: torch.Tensor                 # [B * (4 + pages)] int64: ids | positions | lengths | page tables | keys
     cos: torch.Tensor                    # [B, D] RoPE rows (activation dtype)
     sin: torch.Tensor
     moe_out: torch.Tensor                # [B, H] the last MoE layer's routed output (written between pieces)
@@ -131,7 +132,12 @@ class _Keyed:
     @property
     def page_table(self) -> torch.Tensor:
         """``[B, pages]`` each sequence's pages, padded with its first page."""
-        return self.packed[3 * self.batch:].view(self.batch, self.pages)
+        return self.packed[3 * self.batch:(3 + self.pages) * self.batch].view(self.batch, self.pages)
+
+    @property
+    def routing_keys(self) -> torch.Tensor:
+        """``[B]`` each sequence's routing key (a synthetic model's routing model; ``step_inputs.routing_key``)."""
+        return self.packed[(3 + self.pages) * self.batch:]
 
 
 class DecodeGraphRunner:
@@ -215,13 +221,15 @@ class DecodeGraphRunner:
                 + sum(st.index.nbytes + st.extra.nbytes for st in list(self._stages.values()) if st is not None)}
 
     # --- the step -----------------------------------------------------------------------------------------------
-    def run(self, token_ids: list[int], positions: list[int], page_tables: list[list[int]]) -> torch.Tensor:
+    def run(self, token_ids: list[int], positions: list[int], page_tables: list[list[int]],
+            routing_keys: list[int] | None = None) -> torch.Tensor:
         """Decode one new token per sequence.
 
         Args:
             token_ids: ``[B]`` the new token of each sequence.
             positions: ``[B]`` its position (= tokens already cached).
             page_tables: each sequence's KV pages (covering ``positions[b] + 1`` tokens).
+            routing_keys: ``[B]`` each sequence's routing key (synthetic models' routing model; default 0).
 
         Returns:
             ``[B, H]`` final-normed hidden states (a static buffer: read it before the next step).
@@ -239,7 +247,8 @@ class DecodeGraphRunner:
         table: list[int] = []
         for pt in page_tables:  # page tables padded with their first page (those slots are masked)
             table.extend(pt[:key.pages] + [pt[0]] * (key.pages - len(pt)))
-        host = torch.tensor(list(token_ids) + list(positions) + lens + table, dtype=torch.int64)
+        keys = list(routing_keys) if routing_keys is not None else [0] * b
+        host = torch.tensor(list(token_ids) + list(positions) + lens + table + keys, dtype=torch.int64)
         key.packed.copy_(host, non_blocking=False)
         if key.graphs is not None:
             out = self._replay(key)
@@ -266,7 +275,7 @@ class DecodeGraphRunner:
             h = self.stack.embed_tokens.weight.shape[1]
             pages = -(-kv_len // self.page_size)
             k = _Keyed(batch=batch, kv_len=kv_len, pages=pages,
-                       packed=torch.zeros(batch * (3 + pages), dtype=torch.int64, device=self.device),
+                       packed=torch.zeros(batch * (4 + pages), dtype=torch.int64, device=self.device),
                        cos=torch.zeros(batch, cfg.head_dim, dtype=self.dtype, device=self.device),
                        sin=torch.zeros(batch, cfg.head_dim, dtype=self.dtype, device=self.device),
                        moe_out=torch.zeros(batch, h, dtype=self.dtype, device=self.device))
@@ -334,6 +343,7 @@ class DecodeGraphRunner:
         pos = key.positions
         out: dict = {}
         if j == 0:  # the step's RoPE rows and attention indices, once: every later piece reads them
+            bind_routing_keys(self.model, key.routing_keys)
             stack.rotary.fill_tables(pos, key.cos, key.sin)
             x = stack.embed_tokens(key.ids)
             out["attn"] = attn = self._attention(key)

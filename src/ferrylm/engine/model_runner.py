@@ -29,7 +29,7 @@ from ferrylm.engine.cuda_graphs import StepGraphs
 from ferrylm.engine.decode_graph import DecodeGraphConfig, DecodeGraphRunner
 from ferrylm.engine.kv_cache import KVPool
 from ferrylm.engine.sampler import SampleResult, sample
-from ferrylm.engine.step_inputs import HostStep, Staging, pack_step
+from ferrylm.engine.step_inputs import HostStep, Staging, bind_routing_keys, pack_step, routing_key
 from ferrylm.faults import NO_FAULTS, FaultInjector
 from ferrylm.memory.guard import is_oom
 
@@ -163,7 +163,7 @@ class ModelRunner:
         failed = False
         try:
             hidden = g.run([s.request.tokens(s.start, s.start + 1)[0] for s in seqs], [s.start for s in seqs],
-                           [s.request.page_table for s in seqs])
+                           [s.request.page_table for s in seqs], [routing_key(s.request) for s in seqs])
         except Exception as e:  # a new key's buffers or first run did not fit: plain forward from now on
             if not is_oom(e):
                 raise
@@ -189,6 +189,7 @@ class ModelRunner:
                 faults.check("prefill_workspace", nbytes=8 * host.num_tokens * self.model.config.hidden_size
                              * torch.empty((), dtype=self.dtype).element_size())
         attn = make_backend(self.attention, self.pool, self._metadata(host, v), self.device, faults)
+        bind_routing_keys(self.model, v["routing_keys"])
         hidden = self.model(v["input_ids"], v["positions"], attn)
         prompt_logprobs.collect(seqs, hidden, self.model.compute_logits)  # only when a request asked for them
         rows = host.sample_rows
@@ -242,4 +243,4 @@ def _packed_bound(seqs) -> int:
     t = sum(s.num_tokens for s in seqs)
     b = len(seqs)
     p = max((len(s.request.page_table) for s in seqs), default=1)
-    return 3 * t + 3 * b + 1 + b * max(1, p)
+    return 4 * t + 3 * b + 1 + b * max(1, p)

@@ -72,6 +72,7 @@ class Request:
     num_named_pages: int = 0
     num_cached_tokens: int | None = None
     cached_tokens_reported: bool = False
+    routing_key: int | None = None  # synthetic routing model: the sequence's key (engine/step_inputs.routing_key)
 
     def take_queue_time(self) -> float | None:
         """Seconds from arrival to the first scheduling, the first time it is asked after that; else None."""

@@ -31,17 +31,20 @@ class PackLayout:
 
     @property
     def size(self) -> int:
-        return 3 * self.tokens + self.seqs + (self.seqs + 1) + self.seqs * self.pages + self.samples
+        return 4 * self.tokens + self.seqs + (self.seqs + 1) + self.seqs * self.pages + self.samples
 
     def views(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
         """``packed [size]`` -> named views: ``input_ids``, ``positions``, ``slot_mapping`` ``[T]``, ``seq_lens``
-        ``[B]``, ``query_start_loc`` ``[B + 1]``, ``block_table`` ``[B, P]``, ``sample_rows`` ``[S]`` (the flattened
-        row of each sampling sequence's last token)."""
+        ``[B]``, ``query_start_loc`` ``[B + 1]``, ``block_table`` ``[B, P]``, ``routing_keys`` ``[T]`` (each token's
+        sequence key, read by a synthetic model's routing model; 0 for padding), ``sample_rows`` ``[S]`` (the
+        flattened row of each sampling sequence's last token)."""
         t, b, p = self.tokens, self.seqs, self.pages
         o = [0, t, 2 * t, 3 * t, 3 * t + b, 3 * t + 2 * b + 1, 3 * t + 2 * b + 1 + b * p]
+        keys = o[6] + t  # the routing keys before the sample rows: a graph's static offsets depend on T, B, P only
         return {"input_ids": packed[o[0]:o[1]], "positions": packed[o[1]:o[2]], "slot_mapping": packed[o[2]:o[3]],
                 "seq_lens": packed[o[3]:o[4]], "query_start_loc": packed[o[4]:o[5]],
-                "block_table": packed[o[5]:o[6]].view(b, p), "sample_rows": packed[o[6]:o[6] + self.samples]}
+                "block_table": packed[o[5]:o[6]].view(b, p), "routing_keys": packed[o[6]:keys],
+                "sample_rows": packed[keys:keys + self.samples]}
 
 
 @dataclass
@@ -117,11 +120,34 @@ def pack_step(seqs, page_size: int, out: np.ndarray | None = None, *, pad_seqs: 
     lens = v["seq_lens"]
     lens[:b] = starts + q_lens
     lens[b:] = 0
+    keys = v["routing_keys"]
+    keys[:t_real] = np.fromiter((routing_key(s.request) for s in seqs), dtype=np.int64, count=b)[seq_of_row]
+    keys[t_real:] = 0
     v["sample_rows"][:] = qsl[1:b + 1][sampling] - 1
     sample_rows = v["sample_rows"].tolist()
     host_seqs = [(int(q_lens[i]), int(starts[i]), tables[i]) for i in range(b)]
     return HostStep(packed=out[:layout.size], layout=layout, num_tokens=t_real, num_seqs=b,
                     max_query_len=int(q_lens.max()) if b else 0, sample_rows=sample_rows, host_seqs=host_seqs)
+
+
+def routing_key(request) -> int:
+    """The request's sequence key for a synthetic model's routing model (``models/routing_model.sequence_key`` of its
+    prompt and sampling seed), computed once per request: each request routes as an independent sequence, a
+    preempted or resent one as before. Real models ignore it."""
+    key = request.routing_key
+    if key is None:
+        from ferrylm.models.routing_model import sequence_key
+
+        key = request.routing_key = sequence_key(request.prompt_token_ids, request.params.seed or 0)
+    return int(key)
+
+
+def bind_routing_keys(model, keys: torch.Tensor) -> None:
+    """Hand a synthetic model's routing model the step's ``keys [T]`` (each token's sequence key: requests route
+    independently); a no-op for models without one. Graph runners bind their static buffer before capture."""
+    ctx = getattr(model, "routing_context", None)
+    if ctx is not None:
+        ctx.set_keys(keys)
 
 
 class Staging:
