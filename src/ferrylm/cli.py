@@ -318,10 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="policies, comma-separated (see ferrylm/bench/cache_policy.py)")
     bp.add_argument("--layers", type=int, default=8, help="MoE layers simulated (default: 8)")
     bp.add_argument("--steps", type=int, default=384, help="decode steps, the first 64 warm-up (default: 384)")
-    bp.add_argument("--seed", type=int, default=0)
+    bp.add_argument("--seed", type=int, default=0, help="seed of the routing traces (default: 0)")
     bp.add_argument("--json", default=None, metavar="PATH", help="write every curve and the prefetch figures here")
     bp.add_argument("--verbose", action="store_true", help="one line per simulation on stderr")
-    bp.add_argument("--log-level", default="WARNING")
+    bp.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
 
     sub.add_parser("models", help="list built-in models, synthetic presets and supported architectures")
 

@@ -21,7 +21,7 @@ SYSTEM = ("You are a careful coding assistant working in a large repository. Rea
 
 
 def _metric(text: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)  # labels (model_name) allowed
     assert m, name
     return float(m.group(1))
 

@@ -94,6 +94,10 @@ class GGUFPlanReader:
     def planned(self) -> ExpertQuant | None:
         return planned_quant(self.types)
 
+    def planned_for(self, hidden: int, inter: int) -> ExpertQuant | None:
+        """As :meth:`planned` (GGML blocks do not depend on the shapes)."""
+        return self.planned()
+
 
 def _torch_view(data: np.ndarray, t: GGUFTensor) -> torch.Tensor:
     """The tensor's bytes in the mapped file as a uint8 torch view ``[nbytes]`` (no copy)."""
