@@ -8,31 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 from tests.models.hf_checkpoints import build_checkpoint, copy_config, token_ids
+from tests.gpu.test_decode_graph_cuda import _generate  # greedy tokens + logprobs per request
 from tests.models.test_sigmoid_families import hf_greedy
 
 from ferrylm.config import EngineConfig
 from ferrylm.engine.decode_graph import MIN_KV_BUCKET
 from ferrylm.engine.factory import build_engine
-from ferrylm.engine.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 NEW = 12
-
-
-def _generate(engine, prompts, new):
-    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, logprobs=1)
-    for rid, p in prompts.items():
-        engine.add_request(rid, p, params)
-    toks = {rid: [] for rid in prompts}
-    lps = {rid: [] for rid in prompts}
-    while engine.has_work():
-        for o in engine.step():
-            assert o.error_code is None, o.error_message
-            toks[o.request_id].extend(o.new_token_ids)
-            lps[o.request_id].extend(lp.logprob for lp in o.logprobs or [])
-    return toks, lps
 
 
 @pytest.mark.parametrize("case,backend", [("glm4_moe", "resident"), ("glm4_moe", "offload"),
