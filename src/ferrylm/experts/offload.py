@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ferrylm.experts.cached import CachedExecutor
-from ferrylm.experts.slot_table import SlotTable
+from ferrylm.experts.slot_table import FREQ_DECAY, SlotTable
 from ferrylm.experts.work import LayerWork
 from ferrylm.triton_util import triton_available
 
@@ -129,7 +129,7 @@ class TableDecode:
         at least ``ADMIT_MIN_USES`` times recently (decayed) and more than the layer-LRU victim it would replace
         (TinyLFU's admission, Einziger et al. 2017); free slots take any miss."""
         table, cache = self.table, self.cache
-        prior = table.freq * np.float32(0.9)  # this step's uses not yet counted
+        prior = table.freq * np.float32(FREQ_DECAY)  # aged, this step's uses not yet counted
         table.decay(ids)
         freq = table.freq
         step = self.counters.step
