@@ -95,6 +95,11 @@ class CachedExecutor(ExpertExecutor):
         self._table_stale = False   # the cache changed outside the table's bookkeeping: rebuild before next use
 
     # --- memory -----------------------------------------------------------------------------------------------
+    def table_bytes(self) -> int:
+        """Device bytes of the device-side expert table when this backend builds one (0 here; see
+        ``experts/offload.py``), set aside before the slots are sized."""
+        return 0
+
     def stream_bytes(self) -> int:
         """Device bytes of the prefill double buffer (0 when streaming is off)."""
         return 2 * self.num_experts * self.layout.nbytes if self.options.stream_prefill else 0
@@ -109,7 +114,7 @@ class CachedExecutor(ExpertExecutor):
         """
         total = len(self.banks.layers) * self.num_experts
         per = self.layout.nbytes
-        fixed = self.stream_bytes()
+        fixed = self.stream_bytes() + self.table_bytes()
         n = total if self.options.cache_size is None else min(self.options.cache_size, total)
         if budget_bytes is not None:
             n = min(n, max(0, (budget_bytes - fixed) // per))

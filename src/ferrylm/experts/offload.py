@@ -72,6 +72,15 @@ class TableDecode:
             return "the expert banks are not page-locked (the kernel reads misses from mapped host memory)"
         return None
 
+    def table_bytes(self) -> int:
+        """Device bytes the table path holds besides the slots (bytes): its reference row (one expert row), the
+        ``[L, E]`` int64 table and the ``[256, L, k <= 32]`` int64 routing buffer (an upper bound); 0 when the table
+        cannot run here."""
+        if self._table_possible() is not None:
+            return 0
+        layers = len(self.banks.layers)
+        return self.layout.nbytes + layers * self.num_experts * 8 + TABLE_MAX_TOKENS * layers * 32 * 8
+
     def _init_table(self) -> None:
         why = self._table_possible()
         if why is not None:
