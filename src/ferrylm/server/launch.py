@@ -27,6 +27,8 @@ import os
 import signal
 import socket
 import sys
+import _thread
+import threading
 import time
 
 from ferrylm.config import EngineConfig, ModelConfig
@@ -65,13 +67,33 @@ class BootSignals:
             signal.signal(sig, self._on_signal)
         return self
 
-    def _on_signal(self, sig: int, frame) -> None:  # noqa: ARG002 - signal handler signature
+    def _on_signal(self, sig: int, frame) -> None:
+        if self.armed and not self.received and _in_finalizer(frame):
+            # An exception raised inside a ``__del__`` is printed ("Exception ignored in ...") and dropped, so
+            # the start-up would go on: deliver the signal again once the finalizer has returned.
+            timer = threading.Timer(REDELIVER_S, _thread.interrupt_main, args=(sig,))
+            timer.daemon = True
+            timer.start()
+            return
         self.received.append(sig)
         if len(self.received) > 1:
             os._exit(128 + sig)
         if self.armed:
             self.armed = False
             raise BootInterrupted(sig)
+
+
+REDELIVER_S = 0.01  # seconds before a signal that arrived inside a finalizer is delivered again
+
+
+def _in_finalizer(frame, depth: int = 64) -> bool:
+    """True when ``frame`` or one of its ``depth`` callers is a ``__del__``: Python swallows what a finalizer
+    raises, so a :class:`BootInterrupted` raised there would be lost."""
+    while frame is not None and depth > 0:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame, depth = frame.f_back, depth - 1
+    return False
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
