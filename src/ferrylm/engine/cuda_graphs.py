@@ -82,7 +82,7 @@ class StepGraphs:
         self._pool_handle = None
         props = torch.cuda.get_device_properties(device)
         self._sms = props.multi_processor_count
-        self._hkv = pool.k[0].shape[1] if pool.k else 1
+        self._hkv = max(1, pool.layout.k_heads)
         self.captures = 0
         self.replays = 0
         self.graph_bytes = 0

@@ -19,7 +19,7 @@ import torch
 
 from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.engine import prompt_logprobs
-from ferrylm.engine.kv_cache import KVPool
+from ferrylm.engine.kv_cache import KVLayout, KVPool
 from ferrylm.engine.model_runner import ModelRunner, has_prefill
 from ferrylm.engine.outputs import EngineOutput
 from ferrylm.engine.prefix_cache import PrefixCache, cache_seed
@@ -102,8 +102,7 @@ def plan_limits(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtyp
         return limits_with_pages(cfg, mcfg, device, -(-cfg.num_tokens // cfg.page_size))
     lim = limits_with_pages(cfg, mcfg, device, 0)
     reading = read_memory(device)
-    per_tok = KVPool.bytes_per_token(num_layers=mcfg.num_layers, num_kv_heads=mcfg.num_kv_heads,
-                                     head_dim=mcfg.head_dim, dtype=dtype)
+    per_tok = KVLayout.of(mcfg).bytes_per_token(dtype)
     plan = plan_memory(PlanInputs(
         kind=reading.kind, total_bytes=reading.total_bytes, free_at_boot_bytes=reading.free_bytes,
         memory_ratio=cfg.memory_ratio, gpu_memory_limit_bytes=_gib_to_bytes(cfg.gpu_memory_limit),
@@ -158,9 +157,8 @@ class Engine:
         self.config = config
         self.device = device
         self.limits = limits or plan_limits(config, model_config, device, dtype)
-        self.pool = KVPool(num_layers=model_config.num_layers, num_pages=self.limits.num_pages,
-                           page_size=self.limits.page_size, num_kv_heads=model_config.num_kv_heads,
-                           head_dim=model_config.head_dim, dtype=dtype, device=device)
+        self.pool = KVPool(layout=KVLayout.of(model_config), num_pages=self.limits.num_pages,
+                           page_size=self.limits.page_size, dtype=dtype, device=device)
         self.prefix_cache = None
         if config.enable_prefix_caching:
             seed = cache_seed("ferrylm-prefix-cache-v1", model_id, model_config, str(dtype))

@@ -10,7 +10,7 @@ import torch
 
 from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.engine.engine import Engine, EngineLimits, limits_with_pages, resolve_device, resolve_dtype
-from ferrylm.engine.kv_cache import KVPool
+from ferrylm.engine.kv_cache import KVLayout
 from ferrylm.experts import ExpertOptions, backend_name
 
 log = logging.getLogger("ferrylm.engine")
@@ -203,9 +203,7 @@ def build_engine(model_path: str | Path, config: EngineConfig) -> Engine:
     base = limits_with_pages(config, mcfg, device, 0)
     inputs = replace(inputs, weights_bytes=weights, experts=needs, max_model_len=base.max_model_len,
                      max_prefill_length=base.max_prefill_length,
-                     kv_bytes_per_token=KVPool.bytes_per_token(num_layers=mcfg.num_layers,
-                                                               num_kv_heads=mcfg.num_kv_heads,
-                                                               head_dim=mcfg.head_dim, dtype=dtype))
+                     kv_bytes_per_token=KVLayout.of(mcfg).bytes_per_token(dtype))
     if needs is not None and needs.backend in ("offload", "hybrid"):
         # the GPU computes every expert it routes to: a decode step of R sequences needs up to R * k of a layer at
         # once, the floor of an automatically sized cache (an explicit --moe-cache-size below it runs in waves)

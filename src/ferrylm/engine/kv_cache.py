@@ -31,31 +31,81 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
-class KVPool:
-    """The K/V tensors of every layer: ``k[layer]``, ``v[layer]`` each ``[num_pages * page_size, Hkv, D]``.
+@dataclass(frozen=True)
+class KVLayout:
+    """What one token stores in the pool, per layer that has attention state.
 
-    Memory: ``2 * num_layers * num_pages * page_size * num_kv_heads * head_dim * dtype_bytes`` bytes.
+    Attributes:
+        num_layers: decoder layers of the model (the pool's per-layer lists are indexed by layer number).
+        layers: the layers that store K/V (a linear-attention layer of a hybrid stores none: its pool entries
+            are empty tensors).
+        k_heads, k_dim: the K tensor of one token of one layer is ``[k_heads, k_dim]``.
+        v_heads, v_dim: the V tensor likewise; ``v_heads == 0`` for a layout with one cached tensor per token
+            (multi-head latent attention keeps the compressed latent and the rope key in ``k`` only).
+
+    A model class may define ``kv_layout(config) -> KVLayout``; :meth:`of` asks it, else every layer stores
+    ``num_kv_heads x head_dim`` K and V.
     """
 
-    def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+    num_layers: int
+    layers: tuple[int, ...]
+    k_heads: int
+    k_dim: int
+    v_heads: int
+    v_dim: int
+
+    @staticmethod
+    def standard(config) -> "KVLayout":
+        """Every layer stores K and V of ``num_kv_heads x head_dim`` (``config``: a ModelConfig)."""
+        return KVLayout(num_layers=config.num_layers, layers=tuple(range(config.num_layers)),
+                        k_heads=config.num_kv_heads, k_dim=config.head_dim, v_heads=config.num_kv_heads,
+                        v_dim=config.head_dim)
+
+    @staticmethod
+    def of(config) -> "KVLayout":
+        """The layout of ``config``'s architecture (its model class's ``kv_layout`` when it has one)."""
+        from ferrylm.models.registry import MODEL_REGISTRY, get_model_class
+
+        if config.architecture in MODEL_REGISTRY:
+            cls = get_model_class(config.architecture)
+            if hasattr(cls, "kv_layout"):
+                return cls.kv_layout(config)
+        return KVLayout.standard(config)
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes one token takes across all layers that store K/V."""
+        per_layer = self.k_heads * self.k_dim + self.v_heads * self.v_dim
+        return len(self.layers) * per_layer * torch.empty((), dtype=dtype).element_size()
+
+
+class KVPool:
+    """The cached tensors of every layer: ``k[layer]`` ``[num_pages * page_size, k_heads, k_dim]`` and ``v[layer]``
+    ``[num_pages * page_size, v_heads, v_dim]`` (empty ``[0]`` tensors for layers outside ``layout.layers``).
+
+    Memory: ``num_pages * page_size * layout.bytes_per_token(dtype)`` bytes.
+    """
+
+    def __init__(self, *, layout: KVLayout, num_pages: int, page_size: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        self.layout = layout
         self.num_pages = num_pages
         self.page_size = page_size
         slots = num_pages * page_size
-        self.k = [torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        stored = set(layout.layers)
+
+        def tensor(i: int, heads: int, dim: int) -> torch.Tensor:
+            if i not in stored or heads == 0:
+                return torch.empty(0, dtype=dtype, device=device)
+            return torch.zeros(slots, heads, dim, dtype=dtype, device=device)
+
+        self.k = [tensor(i, layout.k_heads, layout.k_dim) for i in range(layout.num_layers)]
+        self.v = [tensor(i, layout.v_heads, layout.v_dim) for i in range(layout.num_layers)]
         self.allocator = PageAllocator(num_pages)
 
     @property
     def num_tokens(self) -> int:
         """Tokens the whole pool holds."""
         return self.num_pages * self.page_size
-
-    @staticmethod
-    def bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """K + V bytes of one token across all layers."""
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -203,7 +203,7 @@ class ModelRunner:
         splits = 1
         if host.max_query_len == 1 and self.device.type == "cuda" and self.attention == "triton":
             from ferrylm.engine.attention import decode_splits
-            splits = decode_splits(host.num_seqs, self.pool.k[0].shape[1],
+            splits = decode_splits(host.num_seqs, max(1, self.pool.layout.k_heads),
                                    torch.cuda.get_device_properties(self.device).multi_processor_count)
         return AttentionMetadata(slot_mapping=v["slot_mapping"], block_table=v["block_table"],
                                  seq_lens=v["seq_lens"], query_start_loc=v["query_start_loc"],

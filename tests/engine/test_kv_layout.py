@@ -1,0 +1,38 @@
+"""The KV pool's layout: which layers store K/V and what one token stores (engine/kv_cache.KVLayout)."""
+
+import torch
+
+from ferrylm.config import ModelConfig
+from ferrylm.engine.kv_cache import KVLayout, KVPool
+
+
+def _config(**over) -> ModelConfig:
+    raw = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "vocab_size": 100, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    raw.update(over)
+    return ModelConfig.from_dict(raw)
+
+
+def test_standard_layout_counts_k_and_v_of_every_layer():
+    layout = KVLayout.of(_config())
+    assert layout.layers == (0, 1, 2)
+    # 3 layers x (K + V) x 2 heads x 16 dims x 2 bytes
+    assert layout.bytes_per_token(torch.bfloat16) == 3 * 2 * 2 * 16 * 2
+
+
+def test_layers_without_kv_get_empty_tensors_and_cost_nothing():
+    layout = KVLayout(num_layers=4, layers=(3,), k_heads=2, k_dim=8, v_heads=2, v_dim=8)
+    pool = KVPool(layout=layout, num_pages=2, page_size=4, dtype=torch.float32, device="cpu")
+    assert [t.numel() for t in pool.k] == [0, 0, 0, 8 * 2 * 8]
+    assert pool.v[3].shape == (8, 2, 8)
+    assert layout.bytes_per_token(torch.float32) == 1 * (16 + 16) * 4
+    assert pool.k[0].dtype == torch.float32
+
+
+def test_one_tensor_layout_has_no_v():
+    # latent attention: one [1, 576] entry per token and layer, no V
+    layout = KVLayout(num_layers=2, layers=(0, 1), k_heads=1, k_dim=576, v_heads=0, v_dim=0)
+    pool = KVPool(layout=layout, num_pages=1, page_size=2, dtype=torch.bfloat16, device="cpu")
+    assert pool.k[1].shape == (2, 1, 576) and pool.v[1].numel() == 0
+    assert layout.bytes_per_token(torch.bfloat16) == 2 * 576 * 2
