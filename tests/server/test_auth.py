@@ -22,6 +22,9 @@ PROTECTED = [
     ("POST", "/tokenize", {"model": SERVED, "prompt": "hi"}),
     ("POST", "/detokenize", {"model": SERVED, "tokens": [1, 2]}),
     ("POST", "/v1/responses", {"model": SERVED, "input": "hi", "max_output_tokens": 2}),
+    ("POST", "/v1/chat/completions/render", {"model": SERVED, "messages": MSGS}),
+    ("POST", "/v1/completions/render", {"model": SERVED, "prompt": "hi"}),
+    ("POST", "/v1/responses/render", {"model": SERVED, "input": "hi"}),
 ]
 # Anthropic's routes answer 401 in Anthropic's error shape
 ANTHROPIC = [

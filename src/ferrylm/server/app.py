@@ -36,7 +36,7 @@ from ferrylm.errors import ContextLengthExceeded, EngineUnavailable, FerryError,
 from ferrylm.server.engine_client import EngineClient
 from ferrylm.server.errors import (Unauthorized, error_payload, error_response,
                                    install_exception_handlers, request_id_of, retry_after_for)
-from ferrylm.server import anthropic, chat, responses
+from ferrylm.server import anthropic, chat, render, responses
 from ferrylm.server.assistant import PING, TurnConfig, next_or_ping
 from ferrylm.server.chat import (DONE as _DONE, SSE_HEADERS as _SSE_HEADERS, SSE_PING, ChatJob, check_continue,
                                  render_prompt, template_messages)
@@ -80,6 +80,31 @@ HEALTH_GENERATE_TIMEOUT_S = 5.0  # default bound on GET /health/generate (``?tim
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # --max-request-bytes: larger bodies get 413 in the OpenAI error shape
 DEFAULT_SSE_PING_INTERVAL = 15.0   # --sse-ping-interval: seconds of silence before an SSE comment keep-alive
 FIRST_EVENT_WAIT_S = 1.0           # a stream's headers wait this long for the first event (admission errors)
+
+
+@dataclasses.dataclass
+class PreparedChat:
+    """A chat-like request rendered and checked, not started: the prompt text and ids, and the ``max_tokens`` the
+    context leaves it (its own, or the rest of the context)."""
+
+    text: str
+    prompt_ids: list[int]
+    max_tokens: int
+
+
+@dataclasses.dataclass
+class PreparedCompletion:
+    """A completions request checked, not started: ``req`` (``max_tokens`` 0 with echo already turned into 1),
+    its sampling parameters, the token ids, echo text and ``max_tokens`` of each prompt, and the two echo
+    switches: ``prompt_only`` (score the prompt, generate nothing) and ``echo_logprobs``."""
+
+    req: CompletionRequest
+    params: SamplingParams
+    prompts: list[list[int]]
+    echo_texts: list[str]
+    max_tokens: list[int]
+    prompt_only: bool
+    echo_logprobs: bool
 
 
 @dataclasses.dataclass
@@ -150,6 +175,10 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
                       openapi_extra=doc(pr.ChatCompletionRequest, pr.ChatCompletionResponse, stream=True), **v1)
     app.add_api_route("/v1/completions", server.completions, methods=["POST"],
                       openapi_extra=doc(pr.CompletionRequest, pr.CompletionResponse, stream=True), **v1)
+    app.add_api_route("/v1/chat/completions/render", server.render_chat, methods=["POST"],
+                      openapi_extra=doc(pr.ChatCompletionRequest, render.RenderedPrompt), **v1)
+    app.add_api_route("/v1/completions/render", server.render_completions, methods=["POST"],
+                      openapi_extra=doc(pr.CompletionRequest, render.RenderedPrompt, many=True), **v1)
     av1 = {"responses": ANTHROPIC_ERROR_RESPONSES}
     app.add_api_route("/v1/messages", server.messages, methods=["POST"],
                       openapi_extra=doc(anthropic.MessagesRequest, None, stream=True), **av1)
@@ -157,6 +186,8 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
                       openapi_extra=doc(anthropic.CountTokensRequest, None), **av1)
     app.add_api_route("/v1/responses", server.create_response, methods=["POST"],
                       openapi_extra=doc(responses.ResponsesRequest, None, stream=True), **v1)
+    app.add_api_route("/v1/responses/render", server.render_responses, methods=["POST"],
+                      openapi_extra=doc(responses.ResponsesRequest, render.RenderedPrompt), **v1)
     app.add_api_route("/v1/responses/{response_id}", server.get_response, methods=["GET"], **v1)
     app.add_api_route("/v1/memory", server.memory, methods=["GET"], **v1)
     app.add_api_route("/health", server.health, methods=["GET"], responses=HEALTH_RESPONSES)
@@ -553,15 +584,27 @@ class _Server:
         """POST /v1/completions (stream and non-stream)."""
         return await self._handle(request, self._completion)
 
+    async def render_chat(self, request: Request) -> Response:
+        """POST /v1/chat/completions/render: the prompt's token ids, nothing run (server/render.py)."""
+        return await self._handle(request, functools.partial(render.chat, self))
+
+    async def render_completions(self, request: Request) -> Response:
+        """POST /v1/completions/render: each prompt's token ids, nothing run (server/render.py)."""
+        return await self._handle(request, functools.partial(render.completions, self))
+
+    async def render_responses(self, request: Request) -> Response:
+        """POST /v1/responses/render: the prompt's token ids, nothing run (server/render.py)."""
+        return await self._handle(request, functools.partial(render.responses, self))
+
     # ---- chat-like requests (chat completions, Anthropic Messages, Responses) ----------------------------
-    async def run_chat(self, request: Request, rid: str, job: ChatJob, kind: str, base_id: str) -> "ChatRun":
-        """Render, admit and start ``job`` (engine request ids ``base_id`` or ``{base_id}-{i}``): the forced-call
-        grammar, the template (tools native or the fallback), context check, one engine request per choice, the
-        first event awaited (stream: up to ``FIRST_EVENT_WAIT_S``) before any header.
+    async def prepare_chat(self, job: ChatJob) -> "PreparedChat":
+        """Everything a chat-like request goes through before the engine: the forced-call grammar, the template
+        (tools native or the fallback), the token ids checked, the context check. ``job.params`` is updated in
+        place (grammar, ``skip_special_tokens``). Used by :meth:`run_chat` and the render routes
+        (server/render.py), so both see the same prompt.
 
         Raises:
             InvalidRequest / ContextLengthExceeded: bad messages, template errors, too long (400).
-            EngineUnavailable etc.: the engine cannot take it now (503).
         """
         await _off_loop(job.apply_tool_choice, self.tool_tags, self.tool_parser, self.tool_term)
         if job.params.grammar is not None and self.reasoning and "enable_thinking" not in job.template_kwargs:
@@ -576,6 +619,19 @@ class _Server:
         self._check_param_ids(params)
         max_tokens = self._fit_context(prompt_ids, params, default_max=None, what="messages",
                                        prompt_param=job.prompt_param, max_param=job.max_param)
+        return PreparedChat(text, prompt_ids, max_tokens)
+
+    async def run_chat(self, request: Request, rid: str, job: ChatJob, kind: str, base_id: str) -> "ChatRun":
+        """Render, admit and start ``job`` (engine request ids ``base_id`` or ``{base_id}-{i}``): see
+        :meth:`prepare_chat`, then one engine request per choice, the first event awaited (stream: up to
+        ``FIRST_EVENT_WAIT_S``) before any header.
+
+        Raises:
+            InvalidRequest / ContextLengthExceeded: bad messages, template errors, too long (400).
+            EngineUnavailable etc.: the engine cannot take it now (503).
+        """
+        prep = await self.prepare_chat(job)
+        text, prompt_ids, max_tokens, params = prep.text, prep.prompt_ids, prep.max_tokens, job.params
         self._log_request(rid, kind, job, [prompt_ids], [max_tokens], params)
         self._check_ready()
         gen = Generation(self.engine, rid, self._make_choices(base_id, [prompt_ids], [max_tokens], params),
@@ -616,9 +672,15 @@ class _Server:
                 texts.append(self.codec.decode(ids, skip_special_tokens=False) if req.echo else "")
         return ids_list, texts
 
-    async def _completion(self, request: Request, rid: str) -> Response:
-        req: CompletionRequest = parse_request(CompletionRequest, await read_json(request))
-        model = self._check_model(req.model)
+    async def prepare_completion(self, req: CompletionRequest) -> PreparedCompletion:
+        """Everything a completions request goes through before the engine: sampling parameters and output
+        grammar, the prompts' token ids (checked), the context check of each. Used by the completions route and
+        its render route (server/render.py), so both see the same prompts.
+
+        Raises:
+            InvalidRequest / ContextLengthExceeded: a field's value, an empty or out-of-vocabulary prompt, too
+                long (400, naming the field).
+        """
         prompt_only = req.requested_max_tokens == 0   # echo + max_tokens 0: score the prompt, generate nothing
         if prompt_only:
             if not req.echo:
@@ -638,6 +700,15 @@ class _Server:
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = [self._fit_context(ids, params, default_max=16, what="prompt", prompt_param="prompt",
                                         max_param=max_param) for ids in prompts]
+        return PreparedCompletion(req, params, prompts, echo_texts, max_tokens, prompt_only, echo_lp)
+
+    async def _completion(self, request: Request, rid: str) -> Response:
+        req: CompletionRequest = parse_request(CompletionRequest, await read_json(request))
+        model = self._check_model(req.model)
+        prep = await self.prepare_completion(req)
+        req, params, prompts, echo_texts, max_tokens = prep.req, prep.params, prep.prompts, prep.echo_texts, \
+            prep.max_tokens
+        prompt_only, echo_lp = prep.prompt_only, prep.echo_logprobs
         self._log_request(rid, "completion", req, prompts, max_tokens, params)
         self._check_ready()
         base_id = f"cmpl-{uuid.uuid4().hex}"

@@ -35,15 +35,17 @@ HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
           "content": {"application/json": {"schema": _HEALTH_BODY}}}}
 
 
-def route_doc(req: type | None, resp: type | None, *, stream: bool = False) -> dict:
+def route_doc(req: type | None, resp: type | None, *, stream: bool = False, many: bool = False) -> dict:
     """``openapi_extra`` for a route that parses its body itself: the request body and 200 schemas (as references to
-    the components :func:`install_openapi` adds); ``stream``: the 200 may also be ``text/event-stream``."""
+    the components :func:`install_openapi` adds); ``stream``: the 200 may also be ``text/event-stream``; ``many``:
+    the 200 is a JSON array of ``resp``."""
     extra: dict[str, Any] = {}
     if req is not None:
         extra["requestBody"] = {"required": True, "content": {"application/json": {
             "schema": {"$ref": f"#/components/schemas/{req.__name__}"}}}}
     if resp is not None:
-        content: dict[str, Any] = {"application/json": {"schema": {"$ref": f"#/components/schemas/{resp.__name__}"}}}
+        one = {"$ref": f"#/components/schemas/{resp.__name__}"}
+        content: dict[str, Any] = {"application/json": {"schema": {"type": "array", "items": one} if many else one}}
         extra["responses"] = {"200": {"description": "OK", "content": content}}
     if stream:   # OpenAPI < 3.2: `schema` describes one event
         content = extra.setdefault("responses", {"200": {"description": "OK", "content": {
@@ -69,13 +71,15 @@ def install_openapi(app: FastAPI) -> None:
 
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             from ferrylm.server.anthropic import CountTokensRequest, MessagesRequest
+            from ferrylm.server.render import RenderedPrompt
             from ferrylm.server.responses import ResponsesRequest
 
             models = [(m, "validation") for m in (pr.ChatCompletionRequest, pr.CompletionRequest,
                                                   pr.TokenizeRequest, pr.DetokenizeRequest, MessagesRequest,
                                                   CountTokensRequest, ResponsesRequest)]
             models += [(m, "serialization") for m in (pr.ChatCompletionResponse, pr.CompletionResponse,
-                                                      pr.ModelCard, pr.ModelList, pr.ErrorResponse)]
+                                                      pr.ModelCard, pr.ModelList, pr.ErrorResponse,
+                                                      RenderedPrompt)]
             _, top = models_json_schema(models, ref_template="#/components/schemas/{model}")
             schema.setdefault("components", {}).setdefault("schemas", {}).update(top.get("$defs", {}))
             # FastAPI documents a 422 for every route with parameters; this server answers validation errors
