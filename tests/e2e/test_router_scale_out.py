@@ -165,10 +165,10 @@ def _ask(client, system: str, question: str, max_tokens: int = 2):
         {"role": "system", "content": system}, {"role": "user", "content": question}])
 
 
+@pytest.mark.timeout(240)   # ~25 s on 2 idle cores, boot included; a loaded host stretches the boot
 def test_router_spreads_keeps_prefixes_and_fails_over(fleet) -> None:
     router, replicas = fleet
     client = openai.OpenAI(base_url=f"{router.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
-    t_start = time.monotonic()
     sent = 0
 
     # (a) distinct long prompts at once: none finds a useful prefix anywhere (match below --cache-threshold), so
@@ -188,8 +188,9 @@ def test_router_spreads_keeps_prefixes_and_fails_over(fleet) -> None:
     before = [_counts(r) for r in replicas]
     first = _ask(client, hot_system, "Question 0: where are the tests?")
     sent += 1
-    hot = next(i for i, (r, b) in enumerate(zip(replicas, before)) if _counts(r)[0] - b[0] == 1)
-    cold = 1 - hot
+    got = [_counts(r)[0] - b[0] for r, b in zip(replicas, before)]
+    assert sorted(got) == [0, 1], got
+    hot, cold = got.index(1), got.index(0)
     prompt_tokens = first.usage.prompt_tokens
     for q in range(1, 4):
         resp = _ask(client, hot_system, f"Question {q}: where are the tests?")
@@ -207,7 +208,7 @@ def test_router_spreads_keeps_prefixes_and_fails_over(fleet) -> None:
     os.kill(engine_pid, signal.SIGKILL)
     before_other = _counts(other)
     cached = []
-    for q in range(4):   # at once: the first may meet the dead engine; the router retries it elsewhere
+    for q in range(4):   # right after the kill: the first meets the dead engine; the router retries it elsewhere
         resp = _ask(client, hot_system, f"Failover {q}: where are the tests?")
         sent += 1
         assert resp.choices[0].message.content is not None
@@ -220,10 +221,9 @@ def test_router_spreads_keeps_prefixes_and_fails_over(fleet) -> None:
     # the replica comes back (its engine restarted, /health 200) and the router takes it back
     router.wait_health(victim, True, timeout=45)
 
-    # the router prepared every request through the render routes (its other source, POST /tokenize, is a
-    # fallback for workers without them): one render per worker and request
+    # the router prepared every request through the render routes (its other source, POST /tokenize, is the
+    # fallback for workers without them): at least one render per request (0.1.17 renders on every worker)
     inputs = dict(router.metric("vllm_router_kv_routing_inputs_total"))
     render = sum(v for labels, v in inputs.items() if 'result="render"' in labels)
     other_results = {labels: v for labels, v in inputs.items() if 'result="render"' not in labels}
     assert render >= sent and not other_results, inputs
-    assert time.monotonic() - t_start < 60
