@@ -33,10 +33,10 @@ pytestmark = pytest.mark.slow
 
 CASES = int(os.environ.get("FERRYLM_FUZZ_CASES", "300"))
 URL = os.environ.get("FERRYLM_FUZZ_URL")
-# Spread over the operations that take inputs (10 now: chat, completions, tokenize, detokenize, models/{id},
-# health/generate, messages, messages/count_tokens, responses, responses/{id}); an operation without parameters
-# has one distinct case however many are asked.
-PER_OPERATION = max(5, CASES // 10)
+# Spread over the operations that take inputs (13 now: chat, completions, tokenize, detokenize, models/{id},
+# health/generate, messages, messages/count_tokens, responses, responses/{id}, and the render routes of chat,
+# completions and responses); an operation without parameters has one distinct case however many are asked.
+PER_OPERATION = max(5, CASES // 13)
 COVERAGE = CASES >= 1000
 CALL_TIMEOUT_S = 30.0                    # one call (a valid one is a prefill and <= 2 tokens)
 MAX_GEN = 2
