@@ -68,6 +68,7 @@ async def test_chat_render_equals_the_chat_routes_prompt(client: httpx.AsyncClie
         assert sp[k] == getattr(params, k), k
     if "max_tokens" not in body:
         assert sp["max_tokens"] == engine.model_info.max_model_len - len(prompt_ids)
+    assert sp["logit_bias"] is None                    # none given: null, as vLLM's
 
 
 async def test_chat_render_stream_fields_and_logit_bias(client: httpx.AsyncClient) -> None:
