@@ -133,9 +133,14 @@ class Checkpoint:
 
 def _randomize_(model: torch.nn.Module, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
+    # Qwen3-Next's norms scale by (1 + w): drawn around 0 so they scale by about 1, like the others' around 1 (the
+    # gated norm of its DeltaNet layers is a plain weight)
+    zero_centred = getattr(model.config, "model_type", "") in ("qwen3_next", "qwen3_5_moe_text")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name and zero_centred and "linear_attn.norm" not in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            elif "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
             elif name.endswith(".gate.weight"):  # router: decisive, well-separated top-k choices
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))

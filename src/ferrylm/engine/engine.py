@@ -26,6 +26,7 @@ from ferrylm.engine.prefix_cache import PrefixCache, cache_seed
 from ferrylm.engine.progress import StepProgress
 from ferrylm.engine.request import Request, Status
 from ferrylm.engine.sampling_params import SamplingParams
+from ferrylm.engine.state_pool import StateLayout, StatePool
 from ferrylm.engine.scheduler import Batch, ScheduledSeq, Scheduler, SchedulerConfig
 from ferrylm.engine.structured import StructuredDecoder
 from ferrylm.errors import ContextLengthExceeded, FerryError
@@ -159,13 +160,23 @@ class Engine:
         self.limits = limits or plan_limits(config, model_config, device, dtype)
         self.pool = KVPool(layout=KVLayout.of(model_config), num_pages=self.limits.num_pages,
                            page_size=self.limits.page_size, dtype=dtype, device=device)
+        # hybrid models (linear-attention layers): one recurrent-state slot per running request (engine/state_pool.py)
+        layout = StateLayout.of(model_config)
+        self.state_pool = (StatePool(layout, self.limits.max_running_requests, dtype, device)
+                           if layout is not None else None)
         self.prefix_cache = None
-        if config.enable_prefix_caching:
+        if config.enable_prefix_caching and self.state_pool is not None:
+            # NOTE: a cached KV prefix is only valid with the recurrent state at its end, which is not kept (no state
+            # snapshots yet): prefix mapping is off for these models
+            _log_once(f"prefix caching is off for {model_config.architecture}: its linear-attention layers' state "
+                      f"is not snapshotted at page boundaries, so a cached KV prefix cannot be resumed")
+        elif config.enable_prefix_caching:
             seed = cache_seed("ferrylm-prefix-cache-v1", model_id, model_config, str(dtype))
             self.prefix_cache = PrefixCache(self.pool.allocator, self.limits.page_size, seed)
         self.scheduler = Scheduler(SchedulerConfig(self.limits.max_running_requests,
                                                    self.limits.max_prefill_length, self.limits.page_size),
-                                   self.pool.allocator, faults, prefix_cache=self.prefix_cache)
+                                   self.pool.allocator, faults, prefix_cache=self.prefix_cache,
+                                   state_pool=self.state_pool)
         self.guard = guard or OomGuard(device, elastic_cache_of(expert_executor),
                                        prefill_limit=self.limits.max_prefill_length,
                                        reserve_bytes=memory_plan.reserve_bytes if memory_plan else 0,
@@ -175,6 +186,7 @@ class Engine:
         self.runner = ModelRunner(model, self.pool, device, dtype, config, self.limits.max_model_len,
                                   expert_executor, self.eos_ids)
         self.runner.faults = faults
+        self.runner.state_pool = self.state_pool
         self.structured = StructuredDecoder(tokenizer_path, model_config.vocab_size, self.eos_ids)
         self.runner.structured = self.structured
         self.requests: dict[str, Request] = {}
@@ -361,6 +373,7 @@ class Engine:
             # NOTE: outside the except block: the exception, its traceback and the step's tensors are unreachable
             self.guard.release()
             seqs = [s for s in seqs if s.request.status is not Status.FINISHED]   # aborted during the attempt
+            seqs = self._drop_lost_states(seqs)
             if not seqs:
                 break
             prefill = sum(s.num_tokens for s in seqs if s.num_tokens > 1)
@@ -395,6 +408,23 @@ class Engine:
             budget = self.guard.step_succeeded()
             if budget is not None:
                 self.scheduler.set_prefill_budget(budget)
+
+    def _drop_lost_states(self, seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """After a failed step of a hybrid model whose linear layers already wrote states: the sequences that
+        continued from a state (``start > 0``) lost it (it was partly advanced), so they are preempted (they
+        recompute from token 0, like any preemption) and leave the step; those starting at 0 simply retry (their
+        state is read as zeros). Other models: ``seqs`` unchanged."""
+        rs = self.runner.last_recurrent
+        self.runner.last_recurrent = None
+        if self.state_pool is None or rs is None or not rs.written:
+            return seqs
+        lost = [s for s in seqs if s.start > 0]
+        for s in lost:
+            self.scheduler.preempt(s.request)
+        if lost:
+            log.warning("failed step: %d request(s) %s lost their recurrent state and recompute from token 0",
+                        len(lost), [s.request.request_id for s in lost])
+        return [s for s in seqs if s.start == 0]
 
     def _preemption_victims(self, seqs: list[ScheduledSeq]) -> list[Request]:
         """A decode-only step preempts its newest request (the last admitted). (A step with a prefill defers
@@ -566,6 +596,9 @@ class Engine:
         d = {"num_running": self.num_running, "num_waiting": self.num_waiting,
              "kv_pages_used": self.pool.allocator.num_used, "kv_pages_total": self.pool.num_pages,
              "num_preemptions": self.scheduler.num_preemptions, "num_steps": self.num_steps}
+        if self.state_pool is not None:
+            d["state_slots_used"] = self.state_pool.num_slots - self.state_pool.num_free
+            d["state_slots_total"] = self.state_pool.num_slots
         if self.prefix_cache is not None:
             pc = self.prefix_cache.stats
             d["prefix_cache"] = {"queries": pc.queries, "hits": pc.hits,
@@ -580,6 +613,16 @@ class Engine:
         if graphs is not None:
             d["decode_graphs"] = graphs
         return d
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    """Log ``message`` (warning) the first time only in this process."""
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        log.warning("%s", message)
 
 
 def _without_deferred_prefills(seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:

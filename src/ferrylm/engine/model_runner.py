@@ -67,6 +67,8 @@ class ModelRunner:
         self.executor = expert_executor
         self.eos_ids = eos_ids
         self.faults: FaultInjector = NO_FAULTS
+        self.state_pool = None  # the engine's StatePool (engine/state_pool.py) for models with linear layers
+        self.last_recurrent = None  # the RecurrentStep of the last eager step (the engine's OOM recovery reads it)
         self.structured = None  # the engine's StructuredDecoder (engine/structured.py): grammar masks on the logits
         self.attention = resolve_backend(config.attention_backend, device)
         self.max_model_len = max_model_len
@@ -91,6 +93,10 @@ class ModelRunner:
         self.executor = executor
         self.step_graphs = self.piecewise = None
         if self._graph_mode == "off" or not self._is_stack:
+            return
+        if not getattr(self.model, "decode_graphs_supported", True):
+            log.info("decode CUDA graphs are not captured for %s (its linear-attention layers run eager)",
+                     type(self.model).__name__)
             return
         max_batch = self.config.cuda_graph_max_batch or self.config.max_running_requests
         safe = executor is None or bool(getattr(executor, "graph_safe", False))
@@ -189,6 +195,13 @@ class ModelRunner:
                 faults.check("prefill_workspace", nbytes=8 * host.num_tokens * self.model.config.hidden_size
                              * torch.empty((), dtype=self.dtype).element_size())
         attn = make_backend(self.attention, self.pool, self._metadata(host, v), self.device, faults)
+        if self.state_pool is not None:  # linear layers reach their sequences' states through the backend
+            from ferrylm.engine.state_pool import WithRecurrentState, recurrent_step
+
+            rs = recurrent_step(self.state_pool, seqs, v["query_start_loc"], self.device)
+            rs.faults = faults
+            self.last_recurrent = rs
+            attn = WithRecurrentState(attn, rs)
         bind_routing_keys(self.model, v["routing_keys"])
         hidden = self.model(v["input_ids"], v["positions"], attn)
         prompt_logprobs.collect(seqs, hidden, self.model.compute_logits)  # only when a request asked for them

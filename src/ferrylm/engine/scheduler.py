@@ -23,6 +23,10 @@ Each step builds one batch under two limits: at most ``max_running_requests`` ru
    the free pages. It is admitted only if the rest fits too (the looked-up pages count: mapping an unheld cached
    page takes it out of the available ones), so a skipped request holds nothing.
 
+Recurrent state (models with linear-attention layers, ``state_pool`` given): a request is admitted only while a
+state slot is free (it then takes one; otherwise it waits like a request short of pages, holding nothing), and
+every release (finish, abort, preemption, the OOM guard) gives the slot back in :meth:`Scheduler._release`.
+
 Pages computed so far are named (``PrefixCache.commit``) at the start of each plan and before any release
 (finish, preemption), so what a finished or preempted request computed stays cached.
 
@@ -89,8 +93,9 @@ class Scheduler:
     pinned on it). ``prefix_cache``: automatic prefix caching over ``allocator`` (None: off)."""
 
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, faults: FaultInjector = NO_FAULTS,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, state_pool=None):
         self.config = config
+        self.state_pool = state_pool   # engine/state_pool.StatePool of a hybrid model (None: no recurrent state)
         self.allocator = allocator
         self.faults = faults
         self.prefix_cache = prefix_cache
@@ -187,9 +192,12 @@ class Scheduler:
                 req = self.waiting[0]
                 if req.isolate and (self.running or seqs):
                     break  # it runs alone: admit nothing past it until the running requests are done
+                if self.state_pool is not None and req.state_slot is None and self.state_pool.num_free == 0:
+                    n = None  # no state slot free: it waits, holding nothing (like a request short of pages)
+                else:
+                    n = self._admit_pages(req, budget)
                 # NOTE: popped only after _admit_pages returns: an allocation failure raised inside it leaves req
                 # queued (with the cached pages it mapped, which a retry keeps and a failure releases)
-                n = self._admit_pages(req, budget)
                 self.waiting.popleft()
                 if n is None:
                     skipped.append(req)  # does not fit the free pages now; let smaller ones behind it run
@@ -199,6 +207,8 @@ class Scheduler:
                 for r in skipped:
                     r.times_passed_over += 1
                 req.status = Status.RUNNING
+                if self.state_pool is not None and req.state_slot is None:
+                    req.state_slot = self.state_pool.allocate()
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = time.monotonic()
                     if self.prefix_cache is not None:
@@ -257,9 +267,13 @@ class Scheduler:
             self.allocator.free(reversed(req.page_table))
             req.page_table = []
         req.num_named_pages = 0
+        if req.state_slot is not None:
+            self.state_pool.free(req.state_slot)
+            req.state_slot = None
 
     def _preempt(self, req: Request) -> None:
-        """Free ``req``'s pages and requeue it first in line; it recomputes prompt + output later."""
+        """Free ``req``'s pages (and state slot) and requeue it first in line; it recomputes prompt + output later
+        (from token 0: its recurrent state is gone with its slot)."""
         self.running.remove(req)
         self._release(req)
         req.num_computed_tokens = 0
@@ -283,3 +297,7 @@ class Scheduler:
                 assert self.allocator.name_of(r.page_table[i]) is None, (
                     f"{r.request_id}: page {i} is named but tokens {i * self.config.page_size}.. are not computed")
         assert len(self.running) <= self.config.max_running_requests
+        if self.state_pool is not None:   # each running request owns exactly one slot, none owned twice
+            self.state_pool.check([r.state_slot for r in self.running + list(self.waiting)], len(self.running))
+        else:
+            assert all(r.state_slot is None for r in self.running), "a state slot without a state pool"

@@ -142,6 +142,7 @@ class RecurrentStep:
             once per step by the first linear layer and shared by the others.
         written: set by a linear layer once it wrote a state (the engine's OOM recovery reads it: a failed step
             that wrote states cannot simply be retried).
+        faults: the fault injector of the step (point ``deltanet_scratch``), or None.
     """
 
     pool: StatePool
@@ -152,6 +153,7 @@ class RecurrentStep:
     q_lens: list[int] | None = None
     conv_index: torch.Tensor | None = None
     written: bool = False
+    faults: object | None = None
 
     @property
     def decode_only(self) -> bool:

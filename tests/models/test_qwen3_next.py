@@ -1,0 +1,190 @@
+"""Qwen3-Next (Qwen3NextForCausalLM) and Qwen3.5-MoE (Qwen3_5MoeForCausalLM) against transformers (5.x) on tiny
+random checkpoints written by ``save_pretrained``: float32 logits within 1e-4 for a whole prompt and for a chunked
+prefill + decode, and through ferrylm's engine (paged KV, the recurrent-state pool, chunked prefill across pages,
+three concurrent requests of different lengths) on every expert backend: every sampled row's logits within 1e-4 of
+transformers' full-sequence logits, greedy tokens identical to transformers' greedy continuation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tests.experts.helpers import options
+from tests.models.hf_checkpoints import reference_logits, token_ids
+
+from ferrylm.config import EngineConfig, ModelConfig
+from ferrylm.engine.engine import Engine
+from ferrylm.engine.kv_cache import KVLayout
+from ferrylm.engine.sampling_params import SamplingParams
+from ferrylm.engine.state_pool import StateLayout
+from ferrylm.errors import ModelLoadError
+from ferrylm.models.attention import DenseCausalAttention, SequenceCacheAttention
+from ferrylm.models.loader import load_model
+
+TOL = 1e-4
+CASES = ["qwen3_next", "qwen3_5_moe"]
+NEW_TOKENS = 10
+
+
+def hf_greedy(reference, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation, every token from a full forward of the sequence so far (no cache)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(torch.argmax(reference(input_ids=torch.tensor([ids])).logits[0, -1])))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_whole_and_chunked_match_transformers(checkpoints, case):
+    ckpt = checkpoints(case)
+    model = load_model(ckpt.path).model
+    ids = token_ids(37, ckpt.vocab_size, seed=11)
+    ref = reference_logits(ckpt, ids)
+    with torch.no_grad():
+        whole = model.compute_logits(model(ids, torch.arange(37), DenseCausalAttention()))
+        cache, pieces = SequenceCacheAttention(), []
+        for lo, hi in [(0, 5), (5, 22)] + [(t, t + 1) for t in range(22, 37)]:
+            pieces.append(model.compute_logits(model(ids[lo:hi], torch.arange(lo, hi), cache)))
+    assert (whole - ref).abs().max().item() <= TOL
+    assert (torch.cat(pieces) - ref).abs().max().item() <= TOL
+
+
+def _run_engine(loaded, prompts: dict[str, list[int]], *, new_tokens: int, **cfg_kw):
+    """Run ``prompts`` concurrently through an Engine; return ``(tokens by id, [(id, position, logits [V])])``:
+    every sampled row's logits with the position of the token it was computed at."""
+    kw = dict(device="cpu", check_invariants=True, num_pages=40, page_size=4, max_prefill_length=9,
+              max_running_requests=3, max_model_len=128)
+    kw.update(cfg_kw)
+    engine = Engine(loaded.model, loaded.config, EngineConfig(**kw), device=torch.device("cpu"),
+                    dtype=torch.float32)
+    rows: list[tuple[str, int, torch.Tensor]] = []
+    eager = engine.runner._eager
+
+    def recording(seqs):
+        logits = eager(seqs)
+        for s, row in zip([s for s in seqs if s.sample], logits):
+            rows.append((s.request.request_id, s.start + s.num_tokens - 1, row.clone()))
+        return logits
+
+    engine.runner._eager = recording
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens)
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, params)
+    out: dict[str, list[int]] = {rid: [] for rid in prompts}
+    for _ in range(500):
+        if not engine.has_work():
+            break
+        for o in engine.step():
+            assert o.error_code is None, o.error_message
+            out[o.request_id].extend(o.new_token_ids)
+    assert not engine.has_work()
+    assert engine.state_pool.num_free == engine.state_pool.num_slots   # every slot came back
+    return out, rows, engine
+
+
+@pytest.mark.parametrize("backend", ["resident", "offload", "cpu", "hybrid"])
+@pytest.mark.parametrize("case", CASES)
+def test_engine_matches_transformers_on_every_backend(checkpoints, case, backend):
+    """Prompts of 5, 14 and 23 tokens, 9-token steps on 4-token pages: chunks cross pages and run beside the other
+    requests' decodes; a state slot leaking between requests would change their logits."""
+    ckpt = checkpoints(case)
+    k = int(json.loads((ckpt.path / "config.json").read_text())["num_experts_per_tok"])
+    moe = "resident" if backend == "resident" else options(backend, max(1, k - 1), stream_prefill=False)
+    loaded = load_model(ckpt.path, moe_backend=moe)
+    prompts = {f"r{n}": token_ids(n, ckpt.vocab_size, seed=n).tolist() for n in (5, 14, 23)}
+    out, rows, engine = _run_engine(loaded, prompts, new_tokens=NEW_TOKENS)
+    assert engine.scheduler.num_preemptions == 0
+    refs = {rid: reference_logits(ckpt, torch.tensor(p + out[rid])) for rid, p in prompts.items()}
+    assert len(rows) == 3 * NEW_TOKENS
+    worst = max((row - refs[rid][pos]).abs().max().item() for rid, pos, row in rows)
+    assert worst <= TOL, f"{case}/{backend}: logits differ by {worst}"
+    for rid, p in prompts.items():
+        assert out[rid] == hf_greedy(ckpt.reference, p, NEW_TOKENS), f"{case}/{backend}: {rid}"
+    if backend != "resident":
+        loaded.executor.close()
+
+
+def test_preempted_request_recomputes_its_state(checkpoints):
+    """A pool too small for three requests: the newest is preempted (its state slot released with its pages) and
+    recomputes from token 0; every logit still matches transformers."""
+    ckpt = checkpoints("qwen3_next")
+    loaded = load_model(ckpt.path)
+    prompts = {f"r{n}": token_ids(n, ckpt.vocab_size, seed=n + 1).tolist() for n in (6, 11, 17)}
+    out, rows, engine = _run_engine(loaded, prompts, new_tokens=12, num_pages=12)
+    assert engine.scheduler.num_preemptions > 0
+    refs = {rid: reference_logits(ckpt, torch.tensor(p + out[rid])) for rid, p in prompts.items()}
+    assert max((row - refs[rid][pos]).abs().max().item() for rid, pos, row in rows) <= TOL
+
+
+def test_layouts_store_kv_only_in_full_attention_layers(checkpoints):
+    cfg = ModelConfig.from_folder(checkpoints("qwen3_next").path)
+    kv = KVLayout.of(cfg)
+    assert kv.layers == (1,) and kv.num_layers == 4
+    st = StateLayout.of(cfg)
+    assert st.layers == (0, 2, 3) and st.conv_channels == 2 * 2 * 16 + 4 * 8 and st.conv_kernel == 4
+    # per slot: 3 layers x (3 conv rows x 96 channels x 4 bytes + 4 heads x 16 x 8 x 4 bytes)
+    assert st.bytes_per_slot(torch.float32) == 3 * (3 * 96 * 4 + 4 * 16 * 8 * 4)
+    cfg35 = ModelConfig.from_folder(checkpoints("qwen3_5_moe").path)
+    assert KVLayout.of(cfg35).layers == (1, 3) and StateLayout.of(cfg35).layers == (0, 2)
+    assert StateLayout.of(ModelConfig.from_folder(checkpoints("qwen3_moe").path)) is None
+
+
+def test_prefix_caching_is_off_for_hybrid_models(checkpoints):
+    """A cached KV prefix without its recurrent state would be wrong: the engine keeps no prefix cache for these
+    models, and a repeated prompt is computed again with the same logits."""
+    ckpt = checkpoints("qwen3_5_moe")
+    loaded = load_model(ckpt.path)
+    p = token_ids(13, ckpt.vocab_size, seed=3).tolist()
+    engine = Engine(loaded.model, loaded.config, EngineConfig(device="cpu", check_invariants=True, num_pages=20,
+                                                              page_size=4, max_running_requests=2,
+                                                              enable_prefix_caching=True),
+                    device=torch.device("cpu"), dtype=torch.float32)
+    assert engine.prefix_cache is None and engine.scheduler.prefix_cache is None
+    got = []
+    for rid in ("a", "b"):
+        engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4))
+        toks = []
+        while engine.has_work():
+            for o in engine.step():
+                toks.extend(o.new_token_ids)
+        got.append(toks)
+    assert got[0] == got[1] == hf_greedy(ckpt.reference, p, 4)
+
+
+def _config(**raw) -> ModelConfig:
+    base = dict(architectures=["Qwen3NextForCausalLM"], hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=32, num_hidden_layers=4, vocab_size=100, moe_intermediate_size=16, num_experts=8,
+                num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4)
+    return ModelConfig.from_dict({**base, **raw})
+
+
+def test_layer_pattern_from_the_interval_and_default_rotary():
+    from ferrylm.models.qwen3_next import Qwen3NextForCausalLM, layer_types
+
+    assert layer_types(_config(full_attention_interval=2)) == ("linear_attention", "full_attention") * 2
+    assert layer_types(_config()) == ("linear_attention",) * 3 + ("full_attention",)   # interval 4 by default
+    with torch.device("meta"):
+        from ferrylm.experts.resident import ResidentExecutor  # noqa: F401 (import check only)
+    # no partial_rotary_factor anywhere: a quarter of the head rotates (the reference config's default)
+    from ferrylm.models.qwen3_next import HybridStack
+
+    stack = HybridStack(_config(num_experts=0, intermediate_size=32), [torch.nn.Identity()] * 4,
+                        Qwen3NextForCausalLM.linear_cls)
+    assert stack.rotary.rotary_dim == 8
+
+
+@pytest.mark.parametrize("raw,field", [
+    ({"layer_types": ["linear_attention", "sliding_attention", "full_attention", "full_attention"]}, "layer_types"),
+    ({"layer_types": ["full_attention"]}, "layer_types"),
+    ({"linear_num_value_heads": 3}, "linear_num_value_heads"),
+    ({"linear_conv_kernel_dim": 1}, "linear_conv_kernel_dim"),
+    ({"full_attention_interval": 0}, "full_attention_interval"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+])
+def test_bad_configs_raise_model_load_error_naming_the_field(raw, field):
+    from ferrylm.models.qwen3_next import Qwen3NextForCausalLM
+
+    with pytest.raises(ModelLoadError, match=field):
+        Qwen3NextForCausalLM.check_config(_config(**raw))
