@@ -153,6 +153,40 @@ def test_prefix_caching_is_off_for_hybrid_models(checkpoints):
     assert got[0] == got[1] == hf_greedy(ckpt.reference, p, 4)
 
 
+def test_engine_survives_a_deltanet_scratch_oom(checkpoints):
+    """OOMs injected inside the DeltaNet layers of prefill steps (after their conv state was written): the guard's
+    ladder runs, requests that lost their state recompute, and every token equals transformers' greedy choice."""
+    from ferrylm.faults import FaultInjector
+    from ferrylm.memory.guard import GuardConfig, NoElasticCache, OomGuard
+
+    ckpt = checkpoints("qwen3_next")
+    loaded = load_model(ckpt.path)
+    # the 5th-7th DeltaNet layer calls of prefill steps fail: in the second step, whose chunks continue from states
+    faults = FaultInjector.parse("deltanet_scratch:after=4:times=3")
+    guard = OomGuard(torch.device("cpu"), NoElasticCache(), prefill_limit=9, config=GuardConfig(prefill_floor=2))
+    engine = Engine(loaded.model, loaded.config, EngineConfig(device="cpu", check_invariants=True, num_pages=40,
+                                                              page_size=4, max_prefill_length=9,
+                                                              max_running_requests=3),
+                    device=torch.device("cpu"), dtype=torch.float32, faults=faults, guard=guard)
+    prompts = {f"r{n}": token_ids(n, ckpt.vocab_size, seed=n + 7).tolist() for n in (8, 19, 26)}
+    params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, params)
+    out = {rid: [] for rid in prompts}
+    for _ in range(300):
+        if not engine.has_work():
+            break
+        for o in engine.step():
+            assert o.error_code is None, o.error_message
+            out[o.request_id].extend(o.new_token_ids)
+    assert faults._fired["deltanet_scratch"] == 3
+    assert sum(engine.guard.recoveries.values()) >= 2 and engine.guard.failed_requests == 0
+    assert engine.scheduler.num_preemptions > 0   # a chunk that had advanced its state was recomputed from 0
+    for rid, p in prompts.items():
+        assert out[rid] == hf_greedy(ckpt.reference, p, 6), rid
+    assert engine.state_pool.num_free == engine.state_pool.num_slots
+
+
 def _config(**raw) -> ModelConfig:
     base = dict(architectures=["Qwen3NextForCausalLM"], hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                 head_dim=32, num_hidden_layers=4, vocab_size=100, moe_intermediate_size=16, num_experts=8,
