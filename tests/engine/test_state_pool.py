@@ -113,3 +113,25 @@ def test_page_shortage_preemption_releases_the_state_slot():
         assert r.state_slot is None
     assert sched.state_pool.num_free == 3 - len(sched.running)
 
+
+
+def test_the_plan_counts_one_state_slot_per_running_request():
+    """The recurrent state comes out of the budget before the KV pool: (max_running_requests + 1) slots, shown in
+    the plan's table; a state that does not fit is a boot error naming it."""
+    from tests.memory.test_plan import inputs
+
+    from ferrylm.memory.plan import MemoryPlanError, plan_memory
+    from ferrylm.memory.probe import GiB, MiB
+
+    per_slot = LAYOUT.bytes_per_slot(torch.bfloat16) * 100_000           # ~ 16 MiB, a real model's size
+    base = plan_memory(inputs(num_tokens=None))
+    with_state = plan_memory(inputs(state_slot_bytes=per_slot))
+    assert with_state.state_slots == 17 and with_state.state_bytes == 17 * per_slot
+    assert with_state.kv_bytes + with_state.state_bytes <= base.kv_bytes
+    assert base.kv_bytes - with_state.kv_bytes >= with_state.state_bytes - with_state.kv_bytes_per_token * 16
+    table = with_state.format_table()
+    assert "recurrent state" in table and "17 slots" in table
+    assert "none (no linear-attention layers)" in base.format_table()
+    assert with_state.minimum_bytes == base.minimum_bytes + 17 * per_slot
+    with pytest.raises(MemoryPlanError, match="recurrent state"):
+        plan_memory(inputs(state_slot_bytes=5 * GiB, max_running_requests=15, weights_bytes=10 * GiB + 512 * MiB))

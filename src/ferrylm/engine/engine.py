@@ -104,6 +104,7 @@ def plan_limits(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtyp
     lim = limits_with_pages(cfg, mcfg, device, 0)
     reading = read_memory(device)
     per_tok = KVLayout.of(mcfg).bytes_per_token(dtype)
+    state = StateLayout.of(mcfg)
     plan = plan_memory(PlanInputs(
         kind=reading.kind, total_bytes=reading.total_bytes, free_at_boot_bytes=reading.free_bytes,
         memory_ratio=cfg.memory_ratio, gpu_memory_limit_bytes=_gib_to_bytes(cfg.gpu_memory_limit),
@@ -111,7 +112,8 @@ def plan_limits(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtyp
         workspace_source="not measured", kv_bytes_per_token=per_tok, page_size=cfg.page_size,
         max_model_len=lim.max_model_len, max_running_requests=lim.max_running_requests,
         max_prefill_length=lim.max_prefill_length, kv_reserve_tokens=cfg.kv_reserve_tokens,
-        host_kv_fraction=cfg.kv_memory_fraction if device.type == "cpu" else None))
+        host_kv_fraction=cfg.kv_memory_fraction if device.type == "cpu" else None,
+        state_slot_bytes=state.bytes_per_slot(dtype) if state is not None else 0))
     return limits_with_pages(cfg, mcfg, device, plan.kv_pages)
 
 

@@ -487,6 +487,17 @@ class Qwen3NextForCausalLM(nn.Module):
         return StateLayout(layers=linear, conv_channels=s.conv_channels, conv_kernel=s.conv_kernel,
                            heads=s.value_heads, key_dim=s.key_dim, value_dim=s.value_dim)
 
+    @classmethod
+    def workspace_extra_bytes(cls, config: ModelConfig, tokens: int) -> int:
+        """Peak scratch of one linear layer's chunk form over a prefill chunk of ``tokens`` (bytes, float32): the
+        chunked q / k / v and the solved ``[beta V | beta G K]`` (``~ 3 Dk + 2 Dv`` per token and head) and the
+        ``C x C`` decay, ``K K^T``, ``A`` and ``Q K^T`` matrices (``4 C``), ``C = 64``. The boot plan adds it to
+        the estimated workspace on the CPU (on CUDA the warmup's full chunk measures it)."""
+        if LINEAR not in layer_types(config):
+            return 0
+        s = LinearShape.of(config)
+        return 4 * tokens * s.value_heads * (3 * s.key_dim + 3 * s.value_dim + 4 * gd.DEFAULT_CHUNK)
+
     def _build_mlp(self, config: ModelConfig, layer_idx: int, executor: ExpertExecutor | None) -> nn.Module:
         if layer_idx not in self.moe_layer_indices(config):
             return SwiGLUMLP(config.hidden_size, config.intermediate_size)
