@@ -188,7 +188,7 @@ class Engine:
         self.runner = ModelRunner(model, self.pool, device, dtype, config, self.limits.max_model_len,
                                   expert_executor, self.eos_ids)
         self.runner.faults = faults
-        self.runner.state_pool = self.state_pool
+        self.runner.attach_state_pool(self.state_pool)
         self.structured = StructuredDecoder(tokenizer_path, model_config.vocab_size, self.eos_ids)
         self.runner.structured = self.structured
         self.requests: dict[str, Request] = {}

@@ -94,10 +94,7 @@ class ModelRunner:
         self.step_graphs = self.piecewise = None
         if self._graph_mode == "off" or not self._is_stack:
             return
-        if not getattr(self.model, "decode_graphs_supported", True):
-            log.info("decode CUDA graphs are not captured for %s (its linear-attention layers run eager)",
-                     type(self.model).__name__)
-            return
+        whole_step_only = getattr(self.model, "decode_graphs", "all") == "step"
         max_batch = self.config.cuda_graph_max_batch or self.config.max_running_requests
         safe = executor is None or bool(getattr(executor, "graph_safe", False))
         min_batch = int(getattr(executor, "table_min_tokens", 1)) if safe and executor is not None else 1
@@ -105,10 +102,25 @@ class ModelRunner:
             self.step_graphs = StepGraphs(self.model, self.pool, self.device, max_batch, self.max_model_len,
                                           on_replay=getattr(executor, "count_replayed_step", None),
                                           min_batch=min_batch)
+        if self.step_graphs is not None:
+            self.step_graphs.state_pool = self.state_pool
+        if whole_step_only:
+            # NOTE: the piecewise runner composes the layers itself and knows no linear-attention layer: decode
+            # steps the whole-step graphs do not take run eager for these models
+            if self.step_graphs is None or min_batch > 1:
+                log.info("%s: decode steps outside the whole-step CUDA graphs run eager (no piecewise graphs for "
+                         "linear-attention layers)", type(self.model).__name__)
+            return
         if self.step_graphs is None or min_batch > 1:  # the steps the whole-step graphs do not take
             self.piecewise = DecodeGraphRunner(self.model, self.pool, self.device, DecodeGraphConfig(
                 mode=self.config.decode_graphs, max_batch=max_batch if self.step_graphs is None else min_batch - 1,
                 max_kv_len=self.config.cuda_graph_max_len), self.dtype, self.pool.page_size)
+
+    def attach_state_pool(self, pool) -> None:
+        """Give the runner (and its whole-step graphs, before they capture) the engine's recurrent-state pool."""
+        self.state_pool = pool
+        if self.step_graphs is not None:
+            self.step_graphs.state_pool = pool
 
     def capture_graphs(self) -> None:
         """Capture the whole-step graphs now (boot, after the KV pool and the warmup). No-op without them."""
