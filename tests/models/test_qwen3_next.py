@@ -222,3 +222,56 @@ def test_bad_configs_raise_model_load_error_naming_the_field(raw, field):
 
     with pytest.raises(ModelLoadError, match=field):
         Qwen3NextForCausalLM.check_config(_config(**raw))
+
+
+@pytest.mark.parametrize("name,layers,linear,experts,top_k,vocab", [
+    ("qwen3-next-80b-a3b", 48, 36, 512, 10, 151936), ("qwen3.5-35b-a3b", 40, 30, 256, 8, 248320)])
+def test_synthetic_presets_have_the_published_shapes(name, layers, linear, experts, top_k, vocab):
+    from ferrylm.models.catalog import describe_models
+    from ferrylm.models.synthetic import PRESETS, parse_synthetic_spec
+
+    cfg = ModelConfig.from_dict(PRESETS[name].config)
+    assert (cfg.num_layers, cfg.num_experts, cfg.num_experts_per_tok, cfg.vocab_size) == (layers, experts, top_k,
+                                                                                          vocab)
+    assert (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.moe_intermediate_size) == (
+        2048, 16, 2, 256, 512)
+    st, kv = StateLayout.of(cfg), KVLayout.of(cfg)
+    assert len(st.layers) == linear and len(kv.layers) == layers - linear and kv.layers[0] == 3
+    # per linear layer: 3 conv rows of 2*16*128 + 32*128 channels (bf16) and a 32 x 128 x 128 float32 state
+    assert st.bytes_per_slot(torch.bfloat16) == linear * (3 * 8192 * 2 + 32 * 128 * 128 * 4)
+    assert kv.bytes_per_token(torch.bfloat16) == (layers - linear) * 2 * 2 * 256 * 2
+    spec = parse_synthetic_spec(f"synthetic:{name}:layers=6")
+    assert spec.routing == "qwen3" and spec.name == f"synthetic:{name}:layers=6"   # the qwen family's profile
+    six = ModelConfig.from_dict(spec.config())
+    assert StateLayout.of(six).layers == (0, 1, 2, 4, 5) and KVLayout.of(six).layers == (3,)
+    from ferrylm.models.layers import config_rotary_dim
+    from ferrylm.models.qwen3_next import _with_default_rotary
+
+    assert config_rotary_dim(_with_default_rotary(cfg), allow_partial=True) == 64
+    assert f"synthetic:{name}" in describe_models()
+
+
+@pytest.mark.parametrize("name", ["qwen3-next-80b-a3b", "qwen3.5-35b-a3b"])
+def test_synthetic_hybrid_model_serves_through_the_engine(name):
+    """The preset's layer shapes with few experts and a small vocabulary (the memory of a test): built in memory,
+    zero-centred norms at 0, two requests through the engine with the routing model choosing experts."""
+    from ferrylm.models.synthetic import PRESETS, SyntheticPreset, SyntheticSpec
+    from ferrylm.models.synthetic_build import build_synthetic
+
+    small = SyntheticPreset(name, "test", {**PRESETS[name].config, "num_experts": 8, "num_experts_per_tok": 2,
+                                           "vocab_size": 512})
+    loaded = build_synthetic(SyntheticSpec(small, 4, routing="qwen3"), dtype=torch.float32)
+    layer0 = loaded.model.model.layers[0]
+    assert layer0.kind == "linear_attention" and float(layer0.input_layernorm.weight.abs().max()) == 0.0
+    assert float(layer0.linear_attn.norm.weight.min()) == 1.0
+    engine = Engine(loaded.model, loaded.config, EngineConfig(device="cpu", num_pages=16, page_size=16,
+                                                              max_running_requests=2, check_invariants=True),
+                    device=torch.device("cpu"), dtype=torch.float32)
+    for rid, n in (("a", 39), ("b", 15)):
+        engine.add_request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=3, temperature=0.0))
+    out: dict[str, list[int]] = {}
+    while engine.has_work():
+        for o in engine.step():
+            assert o.error_code is None, o.error_message
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert {k: len(v) for k, v in out.items()} == {"a": 3, "b": 3}

@@ -490,6 +490,18 @@ class Qwen3NextForCausalLM(nn.Module):
                            heads=s.value_heads, key_dim=s.key_dim, value_dim=s.value_dim)
 
     @classmethod
+    def synthetic_constant(cls, name: str) -> float | None:
+        """Constant initial values of a synthetic model's tensors: zero-centred norms 0 (they scale by 1 + w), the
+        DeltaNet gated norm 1, ``A_log`` 0 and ``dt_bias`` 0 (a decay of ``exp(-softplus(a))`` per token)."""
+        if name.endswith("linear_attn.norm.weight"):
+            return 1.0
+        if name.endswith("norm.weight"):
+            return 0.0
+        if name.endswith(("linear_attn.A_log", "linear_attn.dt_bias")):
+            return 0.0
+        return None
+
+    @classmethod
     def workspace_extra_bytes(cls, config: ModelConfig, tokens: int) -> int:
         """Peak scratch of one linear layer's chunk form over a prefill chunk of ``tokens`` (bytes, float32): the
         chunked q / k / v and the solved ``[beta V | beta G K]`` (``~ 3 Dk + 2 Dv`` per token and head) and the
