@@ -137,6 +137,11 @@ class StepGraphs:
             self.on_replay(size)
         return cap.logits, host
 
+    def recurrent_of(self, size: int):
+        """The static :class:`~ferrylm.engine.state_pool.RecurrentStep` of a captured size (None without state)."""
+        cap = self._graphs.get(size)
+        return None if cap is None else cap.recurrent
+
     def _static(self, size: int) -> _Captured:
         layout = PackLayout(tokens=size, seqs=size, pages=self.pages, samples=size)
         packed = torch.zeros(layout.size, dtype=torch.int64, device=self.device)

@@ -146,6 +146,7 @@ class ModelRunner:
         if self._moe0 is not None and self._moe0.executor is not self.executor:
             self._configure(self._moe0.executor)  # the executor was swapped: its graphs are stale
         faults = self.faults
+        self.last_recurrent = None
         begin = getattr(self.executor, "begin_step", None)
         if begin is not None:  # host decisions of the executor, made between steps (experts/slot_table.py)
             begin(sum(s.num_tokens for s in seqs))
@@ -170,6 +171,8 @@ class ModelRunner:
         if self.step_graphs is not None:
             size = self.step_graphs.size_for(b)
             if size is not None:
+                # a failed replay may have advanced the states (the engine then recomputes the requests)
+                self.last_recurrent = self.step_graphs.recurrent_of(size)
                 logits, host = self.step_graphs.replay(seqs, self.staging, size)
                 return _rows(logits, host.sample_rows, b)
             if b >= self.step_graphs.min_batch:

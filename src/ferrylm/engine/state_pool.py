@@ -160,6 +160,24 @@ class RecurrentStep:
         """Every sequence has one token (a decode step; always so in a captured graph)."""
         return self.q_lens is None or all(n == 1 for n in self.q_lens)
 
+    def split(self) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
+        """For a mixed step (host ``q_lens`` known): ``(starts, decode_seqs, decode_rows)``: each sequence's first
+        row (host list, ``B + 1`` entries), and the device indices of the one-token sequences and of their rows
+        (None when there are none). Computed once per step (one small copy), shared by the linear layers."""
+        cached = self.__dict__.get("_split")
+        if cached is None:
+            starts = [0]
+            for n in self.q_lens:
+                starts.append(starts[-1] + n)
+            decodes = [i for i, n in enumerate(self.q_lens) if n == 1]
+            seqs = rows = None
+            if decodes:
+                host = torch.tensor([decodes, [starts[i] for i in decodes]], dtype=torch.long)
+                dev = host.to(self.slots.device, non_blocking=True) if self.slots.is_cuda else host
+                seqs, rows = dev[0], dev[1]
+            cached = self.__dict__["_split"] = (starts, seqs, rows)
+        return cached
+
 
 class WithRecurrentState:
     """An attention backend (``models/attention.AttentionBackend``) carrying the step's :class:`RecurrentStep` as

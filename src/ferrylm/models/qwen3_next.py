@@ -236,13 +236,8 @@ class GatedDeltaNet(nn.Module):
             return o
         out = torch.empty_like(v)
         q_lens = rs.q_lens
-        starts = [0]
-        for n in q_lens:
-            starts.append(starts[-1] + n)
-        decodes = [i for i, n in enumerate(q_lens) if n == 1]
-        if decodes:
-            idx = torch.tensor(decodes, dtype=torch.long).to(v.device, non_blocking=True)
-            rows = torch.tensor([starts[i] for i in decodes], dtype=torch.long).to(v.device, non_blocking=True)
+        starts, idx, rows = rs.split()
+        if idx is not None:
             slots = rs.slots[idx]
             state = torch.where(fresh[idx], 0.0, rec_state[slots])
             o, state = gd.gated_delta_step(q[rows], k[rows], v[rows], g[rows], beta[rows], state)
