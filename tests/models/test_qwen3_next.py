@@ -275,3 +275,30 @@ def test_synthetic_hybrid_model_serves_through_the_engine(name):
             assert o.error_code is None, o.error_message
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
     assert {k: len(v) for k, v in out.items()} == {"a": 3, "b": 3}
+
+
+def test_multimodal_qwen35_checkpoint_serves_its_text_model(checkpoints, tmp_path):
+    """The published Qwen3.5-MoE form: ``Qwen3_5MoeForConditionalGeneration`` with the text model's config under
+    ``text_config`` and its tensors under ``model.language_model.*``, beside a vision tower and MTP tensors (not
+    read): the text model loads and gives transformers' logits."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt = checkpoints("qwen3_5_moe")
+    text = json.loads((ckpt.path / "config.json").read_text())
+    dst = tmp_path / "mm"
+    dst.mkdir()
+    cfg = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+           "tie_word_embeddings": text.pop("tie_word_embeddings", False), "text_config": text,
+           "vision_config": {"depth": 1, "hidden_size": 16}}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    tensors = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+               for k, v in load_file(str(ckpt.path / "model.safetensors")).items()}
+    tensors["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(48, 16)
+    tensors["mtp.fc.weight"] = torch.zeros(64, 128)
+    save_file(tensors, str(dst / "model.safetensors"))
+    loaded = load_model(dst)
+    assert loaded.config.architecture == "Qwen3_5MoeForCausalLM"
+    ids = token_ids(21, ckpt.vocab_size, seed=8)
+    with torch.no_grad():
+        got = loaded.model.compute_logits(loaded.model(ids, torch.arange(21), DenseCausalAttention()))
+    assert (got - reference_logits(ckpt, ids)).abs().max().item() <= TOL
