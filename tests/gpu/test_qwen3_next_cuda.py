@@ -84,7 +84,8 @@ def test_deltanet_scratch_oom_on_cuda_is_survived(tmp_path):
     cfg = EngineConfig(device="cuda", dtype="float32", num_pages=100, page_size=4, max_prefill_length=16,
                        max_running_requests=2, faults="deltanet_scratch:after=3:times=1")
     engine = build_engine(ckpt.path, cfg)
-    prompts = {"a": token_ids(40, ckpt.vocab_size, seed=4).tolist(), "b": token_ids(12, ckpt.vocab_size, seed=5).tolist()}
+    prompts = {"a": token_ids(40, ckpt.vocab_size, seed=4).tolist(),
+               "b": token_ids(12, ckpt.vocab_size, seed=5).tolist()}
     toks, _ = _generate(engine, prompts, 6)
     for rid, p in prompts.items():
         assert toks[rid] == hf_greedy(ckpt.reference, p, 6), rid

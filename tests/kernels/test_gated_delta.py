@@ -65,8 +65,9 @@ def test_chunked_matches_transformers_reference(t):
     v = torch.randn(t, hv, dv, generator=gen)
     g, beta = -torch.rand(t, hv, generator=gen), torch.rand(t, hv, generator=gen)
     s0 = torch.randn(hv, dk, dv, generator=gen)
-    ref, ref_state = torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], initial_state=s0[None],
-                                                  output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ref, ref_state = torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None],
+                                                  initial_state=s0[None], output_final_state=True,
+                                                  use_qk_l2norm_in_kernel=True)
     qn = (l2_normalize(q) * dk ** -0.5).repeat_interleave(2, dim=1)
     kn = l2_normalize(k).repeat_interleave(2, dim=1)
     out, state = gated_delta_chunked(qn, kn, v, g, beta, s0)

@@ -39,7 +39,6 @@ eager for these models, and the model runner says so).
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 import torch.nn.functional as F
@@ -52,8 +51,6 @@ from ferrylm.models.attention import AttentionBackend
 from ferrylm.models.kernels import gated_delta as gd
 from ferrylm.models.layers import RotaryEmbedding, SwiGLUMLP, config_rotary_dim
 from ferrylm.models.moe import SparseMoeBlock, check_moe_config, router_has_bias, sparse_layer_indices
-
-log = logging.getLogger("ferrylm.models")
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -202,7 +199,7 @@ class GatedDeltaNet(nn.Module):
         fresh = rs.fresh
         prev = torch.where(fresh[:, None, None], 0.0, conv_state[rs.slots]).to(qkv.dtype)
         if rs.conv_index is None:
-            rs.conv_index = gd.conv_window_index(rs.query_start_loc, t, s.conv_kernel)
+            rs.conv_index = gd.conv_window_index(rs.query_start_loc, t, s.conv_kernel, one_token_each=rs.decode_only)
         mixed, new_prev = gd.causal_conv_varlen(qkv, self.conv1d.weight[:, 0, :], prev, rs.query_start_loc,
                                                 rs.conv_index)
         conv_state.index_copy_(0, rs.slots, new_prev.to(conv_state.dtype))

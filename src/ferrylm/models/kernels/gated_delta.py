@@ -154,20 +154,27 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
 # --- the short causal convolution ------------------------------------------------------------------------------
 
 
-def conv_window_index(query_start_loc: torch.Tensor, num_tokens: int, kernel: int) -> torch.Tensor:
+def conv_window_index(query_start_loc: torch.Tensor, num_tokens: int, kernel: int,
+                      one_token_each: bool = False) -> torch.Tensor:
     """Rows of ``cat([prev.reshape(B * (K-1), C), x])`` (:func:`causal_conv_varlen`) that token ``t``'s window
     reads, oldest first: ``[T, K]`` int64. Device ops only (no host read: ``num_tokens`` is the host's ``T``).
 
     Args:
         query_start_loc: ``[B + 1]`` offsets of each sequence's tokens in the flattened batch (any int dtype).
         num_tokens: ``T``. kernel: ``K``.
+        one_token_each: every sequence has one token (a decode step, ``T == B``): the index is built from
+            ``arange`` alone (what a captured decode graph runs).
     """
     qsl = query_start_loc.long()
     b = qsl.shape[0] - 1
     dev = qsl.device
-    lens = qsl[1:] - qsl[:-1]
-    seq = torch.repeat_interleave(torch.arange(b, device=dev), lens, output_size=num_tokens)   # [T]
-    start = qsl[:-1][seq]
+    if one_token_each:
+        seq = torch.arange(b, device=dev)
+        start = seq
+    else:
+        lens = qsl[1:] - qsl[:-1]
+        seq = torch.repeat_interleave(torch.arange(b, device=dev), lens, output_size=num_tokens)   # [T]
+        start = qsl[:-1][seq]
     local = torch.arange(num_tokens, device=dev) - start                                     # position in its chunk
     pos = local[:, None] + torch.arange(kernel, device=dev)[None, :] - (kernel - 1)           # [T, K]
     from_tokens = b * (kernel - 1) + start[:, None] + pos

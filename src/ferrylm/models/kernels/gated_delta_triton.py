@@ -95,6 +95,7 @@ def chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     s0 = state.float().contiguous() if state is not None else final
     bv = min(32, _block(dv))
     grid = (h, triton.cdiv(dv, bv))
-    _chunk_kernel[grid](q, k, v, g, beta, s0, out, final, t, h, DK=dk, DV=dv, BK=_block(dk), BV=bv, C=CHUNK,
-                        HAS_S0=state is not None)
+    bk = _block(dk)
+    _chunk_kernel[grid](q, k, v, g, beta, s0, out, final, t, h, DK=dk, DV=dv, BK=bk, BV=bv, C=CHUNK,
+                        HAS_S0=state is not None, num_warps=8 if bk >= 128 else 4)
     return out, final
