@@ -130,8 +130,29 @@ def test_the_plan_counts_one_state_slot_per_running_request():
     assert with_state.kv_bytes + with_state.state_bytes <= base.kv_bytes
     assert base.kv_bytes - with_state.kv_bytes >= with_state.state_bytes - with_state.kv_bytes_per_token * 16
     table = with_state.format_table()
-    assert "recurrent state" in table and "17 slots" in table
+    assert "recurrent state" in table and "17 x" in table
     assert "none (no linear-attention layers)" in base.format_table()
     assert with_state.minimum_bytes == base.minimum_bytes + 17 * per_slot
     with pytest.raises(MemoryPlanError, match="recurrent state"):
         plan_memory(inputs(state_slot_bytes=5 * GiB, max_running_requests=15, weights_bytes=10 * GiB + 512 * MiB))
+
+
+def test_snapshots_evict_least_recently_used_and_restore_exact_states():
+    from ferrylm.engine.state_snapshots import StateSnapshots
+
+    pool = StatePool(LAYOUT, 3, torch.float32, "cpu")
+    snaps = StateSnapshots(pool, capacity=2)
+    for slot in range(3):
+        for layer in LAYOUT.layers:
+            pool.conv[layer][slot].fill_(slot + 1)
+            pool.rec[layer][slot].fill_(10 * (slot + 1))
+    snaps.save(b"a", 0)
+    snaps.save(b"b", 1)
+    snaps.restore(b"a", 2)                      # "a" used again: "b" is now the least recently used
+    assert float(pool.conv[0][2].max()) == 1 and float(pool.rec[2][2].min()) == 10
+    snaps.save(b"c", 2)
+    assert snaps.has(b"a") and snaps.has(b"c") and not snaps.has(b"b") and snaps.evictions == 1
+    assert snaps.usable([b"x", b"a", b"b"], 3) == 2 and snaps.usable([b"b"], 1) == 0
+    snaps.check()
+    with pytest.raises(KeyError):
+        snaps.restore(b"b", 0)

@@ -131,26 +131,50 @@ def test_layouts_store_kv_only_in_full_attention_layers(checkpoints):
     assert StateLayout.of(ModelConfig.from_folder(checkpoints("qwen3_moe").path)) is None
 
 
-def test_prefix_caching_is_off_for_hybrid_models(checkpoints):
-    """A cached KV prefix without its recurrent state would be wrong: the engine keeps no prefix cache for these
-    models, and a repeated prompt is computed again with the same logits."""
+def test_prefix_cache_resumes_from_state_snapshots(checkpoints):
+    """Prefix caching with recurrent-state snapshots: a repeated prompt maps its cached pages up to the last page
+    boundary with a snapshot (chunks end on page boundaries, so that is the prompt's last full page), a follow-up
+    turn (prompt + answer + more) maps past the answer's page boundaries too; every logit matches transformers."""
     ckpt = checkpoints("qwen3_5_moe")
     loaded = load_model(ckpt.path)
-    p = token_ids(13, ckpt.vocab_size, seed=3).tolist()
-    engine = Engine(loaded.model, loaded.config, EngineConfig(device="cpu", check_invariants=True, num_pages=20,
-                                                              page_size=4, max_running_requests=2,
-                                                              enable_prefix_caching=True),
-                    device=torch.device("cpu"), dtype=torch.float32)
-    assert engine.prefix_cache is None and engine.scheduler.prefix_cache is None
-    got = []
-    for rid in ("a", "b"):
-        engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4))
-        toks = []
-        while engine.has_work():
-            for o in engine.step():
-                toks.extend(o.new_token_ids)
-        got.append(toks)
-    assert got[0] == got[1] == hf_greedy(ckpt.reference, p, 4)
+    p = token_ids(30, ckpt.vocab_size, seed=3).tolist()
+    out, rows, engine = _run_engine(loaded, {"a": p}, new_tokens=6)
+    assert engine.prefix_cache is not None and engine.state_snapshots.saves >= 5   # at 8, 16, 24, 28, 32
+    turn2 = p + out["a"] + token_ids(5, ckpt.vocab_size, seed=4).tolist()
+    prompts = {"b": p, "c": turn2}
+    params = SamplingParams(temperature=0.0, max_tokens=5, min_tokens=5)
+    cached: dict[str, int] = {}
+    eager = engine.runner._eager
+
+    def recording(seqs):
+        logits = eager(seqs)
+        for s, row in zip([s for s in seqs if s.sample], logits):
+            rows.append((s.request.request_id, s.start + s.num_tokens - 1, row.clone()))
+        return logits
+
+    engine.runner._eager = recording
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    got: dict[str, list[int]] = {rid: [] for rid in prompts}
+    while engine.has_work():
+        for o in engine.step():
+            assert o.error_code is None, o.error_message
+            got[o.request_id].extend(o.new_token_ids)
+            if o.num_cached_tokens is not None:
+                cached[o.request_id] = o.num_cached_tokens
+    assert cached == {"b": 28, "c": 32}
+    assert engine.state_snapshots.restores == 2
+    prompts["a"] = p
+    got["a"] = out["a"]
+    refs = {rid: reference_logits(ckpt, torch.tensor(prompts[rid] + got[rid])) for rid in prompts}
+    assert max((row - refs[rid][pos]).abs().max().item() for rid, pos, row in rows) <= TOL
+    assert got["b"] == hf_greedy(ckpt.reference, p, 5) and got["c"] == hf_greedy(ckpt.reference, turn2, 5)
+
+
+def test_without_prefix_caching_there_is_no_snapshot_store(checkpoints):
+    loaded = load_model(checkpoints("qwen3_next").path)
+    _, _, engine = _run_engine(loaded, {"a": [1, 2, 3, 4, 5, 6, 7]}, new_tokens=2, enable_prefix_caching=False)
+    assert engine.prefix_cache is None and engine.state_snapshots is None
 
 
 def test_engine_survives_a_deltanet_scratch_oom(checkpoints):
@@ -166,7 +190,7 @@ def test_engine_survives_a_deltanet_scratch_oom(checkpoints):
     guard = OomGuard(torch.device("cpu"), NoElasticCache(), prefill_limit=9, config=GuardConfig(prefill_floor=2))
     engine = Engine(loaded.model, loaded.config, EngineConfig(device="cpu", check_invariants=True, num_pages=40,
                                                               page_size=4, max_prefill_length=9,
-                                                              max_running_requests=3),
+                                                              max_running_requests=3, enable_prefix_caching=False),
                     device=torch.device("cpu"), dtype=torch.float32, faults=faults, guard=guard)
     prompts = {f"r{n}": token_ids(n, ckpt.vocab_size, seed=n + 7).tolist() for n in (8, 19, 26)}
     params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)

@@ -113,8 +113,15 @@ def plan_limits(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtyp
         max_model_len=lim.max_model_len, max_running_requests=lim.max_running_requests,
         max_prefill_length=lim.max_prefill_length, kv_reserve_tokens=cfg.kv_reserve_tokens,
         host_kv_fraction=cfg.kv_memory_fraction if device.type == "cpu" else None,
-        state_slot_bytes=state.bytes_per_slot(dtype) if state is not None else 0))
+        state_slot_bytes=state.bytes_per_slot(dtype) if state is not None else 0,
+        state_snapshots=state_snapshot_count(lim) if cfg.enable_prefix_caching and state is not None else 0))
     return limits_with_pages(cfg, mcfg, device, plan.kv_pages)
+
+
+def state_snapshot_count(limits: EngineLimits) -> int:
+    """Recurrent-state snapshots a hybrid model keeps for prefix caching: one per running request (the memory
+    plan counts them with the state slots)."""
+    return limits.max_running_requests
 
 
 def _gib_to_bytes(v: float | None) -> int | None:
@@ -167,18 +174,18 @@ class Engine:
         self.state_pool = (StatePool(layout, self.limits.max_running_requests, dtype, device)
                            if layout is not None else None)
         self.prefix_cache = None
-        if config.enable_prefix_caching and self.state_pool is not None:
-            # NOTE: a cached KV prefix is only valid with the recurrent state at its end, which is not kept (no state
-            # snapshots yet): prefix mapping is off for these models
-            _log_once(f"prefix caching is off for {model_config.architecture}: its linear-attention layers' state "
-                      f"is not snapshotted at page boundaries, so a cached KV prefix cannot be resumed")
-        elif config.enable_prefix_caching:
+        self.state_snapshots = None
+        if config.enable_prefix_caching:
             seed = cache_seed("ferrylm-prefix-cache-v1", model_id, model_config, str(dtype))
             self.prefix_cache = PrefixCache(self.pool.allocator, self.limits.page_size, seed)
+            if self.state_pool is not None:   # a cached KV prefix needs the recurrent state at its end
+                from ferrylm.engine.state_snapshots import StateSnapshots
+
+                self.state_snapshots = StateSnapshots(self.state_pool, state_snapshot_count(self.limits))
         self.scheduler = Scheduler(SchedulerConfig(self.limits.max_running_requests,
                                                    self.limits.max_prefill_length, self.limits.page_size),
                                    self.pool.allocator, faults, prefix_cache=self.prefix_cache,
-                                   state_pool=self.state_pool)
+                                   state_pool=self.state_pool, state_snapshots=self.state_snapshots)
         self.guard = guard or OomGuard(device, elastic_cache_of(expert_executor),
                                        prefill_limit=self.limits.max_prefill_length,
                                        reserve_bytes=memory_plan.reserve_bytes if memory_plan else 0,
@@ -559,12 +566,25 @@ class Engine:
         for s in batch.seqs:
             if s.request.status is not Status.FINISHED:
                 s.request.num_computed_tokens += s.num_tokens
+        if self.state_snapshots is not None and self.scheduler.prefix_cache is not None:
+            self._save_snapshots(batch.seqs)
         if res is not None:
             for i, s in enumerate([s for s in batch.seqs if s.sample]):
                 if s.request.status is Status.FINISHED:
                     continue
                 self._append_token(s.request, res.token_ids[i],
                                    None if res.logprobs[i] is None else [res.logprobs[i]])
+
+    def _save_snapshots(self, seqs: list[ScheduledSeq]) -> None:
+        """Keep the state of every sequence of the (successful) step whose computed tokens end on a page boundary,
+        under that page's name (``engine/state_snapshots.py``)."""
+        ps = self.limits.page_size
+        for s in seqs:
+            r = s.request
+            n = r.num_computed_tokens
+            if r.status is Status.FINISHED or r.state_slot is None or n == 0 or n % ps:
+                continue
+            self.state_snapshots.save(self.prefix_cache.names(r, n // ps)[-1], r.state_slot)
 
     def _append_token(self, r: Request, tok: int, logprobs) -> None:
         r.output_token_ids.append(tok)
@@ -601,6 +621,8 @@ class Engine:
         if self.state_pool is not None:
             d["state_slots_used"] = self.state_pool.num_slots - self.state_pool.num_free
             d["state_slots_total"] = self.state_pool.num_slots
+        if self.state_snapshots is not None:
+            d["state_snapshots"] = self.state_snapshots.stats()
         if self.prefix_cache is not None:
             pc = self.prefix_cache.stats
             d["prefix_cache"] = {"queries": pc.queries, "hits": pc.hits,
@@ -615,16 +637,6 @@ class Engine:
         if graphs is not None:
             d["decode_graphs"] = graphs
         return d
-
-
-_LOGGED: set[str] = set()
-
-
-def _log_once(message: str) -> None:
-    """Log ``message`` (warning) the first time only in this process."""
-    if message not in _LOGGED:
-        _LOGGED.add(message)
-        log.warning("%s", message)
 
 
 def _without_deferred_prefills(seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:

@@ -207,7 +207,9 @@ def build_engine(model_path: str | Path, config: EngineConfig) -> Engine:
     inputs = replace(inputs, weights_bytes=weights, experts=needs, max_model_len=base.max_model_len,
                      max_prefill_length=base.max_prefill_length,
                      kv_bytes_per_token=KVLayout.of(mcfg).bytes_per_token(dtype),
-                     state_slot_bytes=state.bytes_per_slot(dtype) if state is not None else 0)
+                     state_slot_bytes=state.bytes_per_slot(dtype) if state is not None else 0,
+                     state_snapshots=(base.max_running_requests if state is not None and config.enable_prefix_caching
+                                      else 0))
     if needs is not None and needs.backend in ("offload", "hybrid"):
         # the GPU computes every expert it routes to: a decode step of R sequences needs up to R * k of a layer at
         # once, the floor of an automatically sized cache (an explicit --moe-cache-size below it runs in waves)

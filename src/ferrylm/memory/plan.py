@@ -122,6 +122,8 @@ class PlanInputs:
             warmup (they stay allocated while the engine runs).
         state_slot_bytes: one request's recurrent state over the linear-attention layers (hybrid models,
             ``engine/state_pool.StateLayout.bytes_per_slot``; 0 for others).
+        state_snapshots: recurrent-state snapshots kept for prefix caching (``engine/state_snapshots.py``), each
+            ``state_slot_bytes``.
     """
 
     kind: str
@@ -148,11 +150,13 @@ class PlanInputs:
     other_processes: tuple[ProcessUsage, ...] = ()
     graph_bytes: int = 0
     state_slot_bytes: int = 0
+    state_snapshots: int = 0
 
     @property
     def state_slots(self) -> int:
-        """Slots of the recurrent-state pool: one per running request plus the scratch slot (0 without state)."""
-        return self.max_running_requests + 1 if self.state_slot_bytes else 0
+        """Slots of the recurrent-state pool (one per running request plus the scratch slot) and the prefix
+        cache's snapshots (0 without state)."""
+        return self.max_running_requests + 1 + self.state_snapshots if self.state_slot_bytes else 0
 
     @property
     def state_bytes(self) -> int:
@@ -194,7 +198,8 @@ class MemoryPlan:
     prefill_note: str = ""
     reserve_note: str = ""   # where the reserve comes from (the plan table's right column)
     minimum_bytes: int = 0   # the budget this model needs at the least (weights, workspace, KV floor, step slots)
-    state_slots: int = 0     # recurrent-state slots of a hybrid model (max running requests + the scratch slot)
+    state_slots: int = 0     # recurrent-state slots of a hybrid model (max running + scratch + prefix snapshots)
+    state_snapshots: int = 0
     state_slot_bytes: int = 0
     state_bytes: int = 0
 
@@ -225,8 +230,9 @@ class MemoryPlan:
             ("workspace", gib(self.workspace_bytes), f"{self.workspace_source} at the prefill chunk"),
             ("CUDA graphs", gib(self.graph_bytes), "measured at capture" if self.graph_bytes else "none"),
             ("recurrent state", gib(self.state_bytes),
-             f"{self.state_slots} slots x {gib(self.state_slot_bytes)} (linear-attention layers; one per running "
-             f"request + scratch)" if self.state_slots else "none (no linear-attention layers)"),
+             f"{self.state_slots} x {gib(self.state_slot_bytes)} (linear-attention layers; one per running request "
+             f"+ scratch{f' + {self.state_snapshots} prefix-cache snapshots' if self.state_snapshots else ''})"
+             if self.state_slots else "none (no linear-attention layers)"),
             ("prefill chunk", f"{self.max_prefill_length} tok", self.prefill_note or "the default or the flag"),
             ("KV pool", gib(self.kv_bytes), f"{self.kv_pages} pages x {self.page_size} = {self.kv_tokens} tokens"),
             ("expert slots", gib(self.expert_bytes),
@@ -362,7 +368,7 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
         binding=binding, other_processes=tuple(p.other_processes), warnings=tuple(warnings),
         graph_bytes=p.graph_bytes, max_prefill_length=p.max_prefill_length, reserve_note=reserve_note,
         minimum_bytes=minimum, state_slots=p.state_slots, state_slot_bytes=p.state_slot_bytes,
-        state_bytes=p.state_bytes)
+        state_bytes=p.state_bytes, state_snapshots=p.state_snapshots if p.state_slot_bytes else 0)
 
 
 def minimum_bytes(p: PlanInputs) -> int:
