@@ -9,7 +9,9 @@ admitted only when a slot is free, and finish, abort, preemption and the OOM gua
 ``StateLayout.bytes_per_slot`` for each, ``memory/plan.py``) plus one scratch slot, :attr:`StatePool.scratch`, that
 padding rows of a captured decode graph read and write.
 
-A preempted request recomputes from token 0 (its state is gone with its slot). A sequence whose step starts at token
+A preempted request recomputes from token 0 (its state is gone with its slot), or, with prefix caching on, from the
+last page boundary of its own whose state snapshot is still kept (``engine/state_snapshots.py``). A sequence whose
+step starts at token
 0 reads zeros, whatever its slot held before (:class:`RecurrentStep.fresh`), so a slot is never cleared on release.
 
 How a layer reaches its state: the per-step :class:`RecurrentStep` (slots, fresh flags, the batch layout) rides on

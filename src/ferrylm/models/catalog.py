@@ -37,7 +37,7 @@ ARCHITECTURE_NOTES: dict[str, tuple[str, str]] = {
     "Glm4MoeForCausalLM": ("GLM-4.5, GLM-4.5-Air, GLM-4.6",
                            "biased sigmoid group-limited router, shared expert, partial rotary; MTP layers not read"),
     "Qwen3NextForCausalLM": ("Qwen3-Next-80B-A3B", "hybrid: Gated DeltaNet + gated attention (3:1), recurrent-state "
-                                                   "pool, shared expert; prefix caching off; decode eager"),
+                                                   "pool, prefix caching by state snapshots, shared expert"),
     "Qwen3_5MoeForCausalLM": ("Qwen3.5-35B-A3B (text)", "as Qwen3-Next with four DeltaNet projections; vision tower "
                                                         "and MTP not read"),
     "MiniMaxM2ForCausalLM": ("MiniMax-M2", "biased sigmoid router, q/k norm over the projection, partial rotary; "
