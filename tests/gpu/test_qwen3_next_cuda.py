@@ -63,7 +63,7 @@ def test_engine_on_cuda_matches_transformers_with_and_without_graphs(tmp_path, c
                            max_running_requests=3, moe_backend=backend, moe_cache_size=3, decode_graphs=mode,
                            check_invariants=True)
         engine = build_engine(ckpt.path, cfg)
-        assert engine.state_pool is not None and engine.prefix_cache is None
+        assert engine.state_pool is not None and engine.state_snapshots is not None
         results[mode] = _generate(engine, prompts, NEW)
         assert engine.state_pool.num_free == engine.state_pool.num_slots
         if mode == "cuda" and backend == "resident":

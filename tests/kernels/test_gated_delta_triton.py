@@ -24,7 +24,7 @@ def _inputs(t, h, dk, dv, seed, dev):
 
 @pytest.mark.parametrize("t,h,dk,dv,with_state", [
     (1, 2, 16, 16, True), (37, 2, 16, 8, True), (64, 1, 16, 16, False), (70, 3, 12, 20, True),
-    (130, 2, 32, 48, True),
+    (130, 2, 32, 48, True), (70, 1, 128, 64, True),
 ])
 def test_triton_chunk_matches_torch(t, h, dk, dv, with_state):
     kern = load_kernels("ferrylm.models.kernels.gated_delta_triton")
