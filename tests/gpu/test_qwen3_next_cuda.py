@@ -14,6 +14,7 @@ from tests.models.hf_checkpoints import build_checkpoint, copy_config, token_ids
 from tests.models.test_qwen3_next import hf_greedy
 
 from ferrylm.config import EngineConfig
+from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.engine.factory import build_engine
 from ferrylm.models.kernels.gated_delta import gated_delta_chunked, l2_normalize
 
@@ -91,3 +92,24 @@ def test_deltanet_scratch_oom_on_cuda_is_survived(tmp_path):
         assert toks[rid] == hf_greedy(ckpt.reference, p, 6), rid
     assert engine.faults._fired["deltanet_scratch"] == 1
     assert sum(engine.guard.recoveries.values()) + engine.scheduler.num_preemptions >= 1
+
+
+def test_prefix_cache_snapshots_on_cuda(tmp_path):
+    """A repeated prompt on the GPU maps its cached pages and restores the recurrent-state snapshot at their end:
+    the same greedy tokens as the first run and as transformers, with its cached tokens reported."""
+    ckpt = build_checkpoint("qwen3_5_moe", tmp_path / "m", seed=9)
+    cfg = EngineConfig(device="cuda", dtype="float32", num_pages=100, page_size=4, max_prefill_length=16,
+                       max_running_requests=2, check_invariants=True)
+    engine = build_engine(ckpt.path, cfg)
+    p = token_ids(45, ckpt.vocab_size, seed=6).tolist()
+    first, _ = _generate(engine, {"a": p}, 6)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("b", p, params)
+    toks, cached = [], None
+    while engine.has_work():
+        for o in engine.step():
+            assert o.error_code is None, o.error_message
+            toks.extend(o.new_token_ids)
+            cached = o.num_cached_tokens if o.num_cached_tokens is not None else cached
+    assert cached == 44 and engine.state_snapshots.restores == 1
+    assert toks == first["a"] == hf_greedy(ckpt.reference, p, 6)
