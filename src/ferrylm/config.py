@@ -74,6 +74,7 @@ class ModelConfig:
 
         if not isinstance(d, dict):
             raise ModelLoadError(f"config.json must hold a JSON object, got {type(d).__name__}")
+        d = text_model_config(d)
         archs = d.get("architectures")
         if not archs:
             raise ModelLoadError("config.json has no 'architectures' field (e.g. [\"Qwen3MoeForCausalLM\"])")
@@ -151,6 +152,29 @@ class ModelConfig:
         except (OSError, json.JSONDecodeError) as e:
             raise ModelLoadError(f"cannot read {p}: {e}") from None
         return cls.from_dict(_with_hf_quant_config(d, Path(path)))
+
+
+#: multimodal architectures whose text model ferrylm serves: wrapper -> the text model's architecture (its config is
+#: the wrapper's ``text_config``; the loader maps ``model.language_model.*`` and skips the vision tower)
+TEXT_MODEL_OF = {"Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
+
+
+def text_model_config(d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` itself, or for a multimodal checkpoint in :data:`TEXT_MODEL_OF` its ``text_config`` as the config of
+    the text model (``architectures`` renamed; ``tie_word_embeddings``, ``eos_token_id`` and
+    ``quantization_config`` taken from the top level where the text config lacks them; the wrapper's name kept
+    under ``ferrylm_text_model_of``)."""
+    archs = d.get("architectures")
+    text = d.get("text_config")
+    if not (isinstance(archs, list) and archs and archs[0] in TEXT_MODEL_OF and isinstance(text, dict)):
+        return d
+    out = dict(text)
+    for key in ("tie_word_embeddings", "eos_token_id", "quantization_config"):
+        if key not in out and key in d:
+            out[key] = d[key]
+    out["architectures"] = [TEXT_MODEL_OF[archs[0]]]
+    out["ferrylm_text_model_of"] = archs[0]
+    return out
 
 
 def _with_hf_quant_config(d: dict[str, Any], folder: Path) -> dict[str, Any]:

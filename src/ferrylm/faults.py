@@ -15,6 +15,8 @@ point                  site                                                     
 =====================  ================================================================  ======================
 ``prefill_workspace``  ``Engine._run``: inputs of a step holding a prefill chunk           torch.OutOfMemoryError
 ``attention_scratch``  ``PagedAttention.attend``: K/V gather, after the step's K/V write   torch.OutOfMemoryError
+``deltanet_scratch``   ``GatedDeltaNet.forward``: chunk-form scratch of a step with a     torch.OutOfMemoryError
+                       prefill, after the layer's conv-state write (models/qwen3_next.py)
 ``expert_fetch``       ``experts/cached.py``: slot fetch and prefill layer staging         torch.OutOfMemoryError
 ``kv_page_alloc``      ``Scheduler._grow``: pages for a request's next tokens              torch.OutOfMemoryError
 ``logits``             ``Engine._run``: logits of the sampled rows and sampling            torch.OutOfMemoryError
@@ -57,7 +59,7 @@ ENV = "FERRYLM_FAULTS"
 STALL_FILE_ENV = "FERRYLM_FAULT_STALL_FILE"
 POINTS: tuple[str, ...] = ("prefill_workspace", "attention_scratch", "expert_fetch", "kv_page_alloc", "logits",
                            "detokenize", "engine_stall", "step_delay", "device_error", "heartbeat_error",
-                           "ipc_garbage")
+                           "ipc_garbage", "deltanet_scratch")
 FRONTEND_POINTS = frozenset({"detokenize", "ipc_garbage"})
 # what torch raises for an illegal address on CUDA (torch >= 2.9: torch.AcceleratorError, a RuntimeError)
 DEVICE_ERROR_TEXT = ("CUDA error: an illegal memory access was encountered\nSearch for `cudaErrorIllegalAddress' in "

@@ -85,6 +85,25 @@ CASES: dict[str, tuple[str, dict]] = {
     "minimax_m2": ("minimax_m2", dict(vocab_size=160, intermediate_size=48, head_dim=32, num_local_experts=8,
                                       num_experts_per_tok=2, rotary_dim=16,
                                       rope_parameters={"rope_type": "default", "rope_theta": 5000000.0})),
+    # Qwen3-Next: layers linear, full, linear, linear (layer_types); layer 3 dense (mlp_only_layers); GVA (2 key
+    # heads for 4 value heads); a quarter of the head rotated; renormalised top-2 and a gated shared expert
+    "qwen3_next": ("qwen3_next", dict(vocab_size=160, intermediate_size=96, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+                                      norm_topk_prob=True, head_dim=32, num_hidden_layers=4, mlp_only_layers=[3],
+                                      layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                   "linear_attention"],
+                                      linear_num_key_heads=2, linear_key_head_dim=16, linear_num_value_heads=4,
+                                      linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                       "partial_rotary_factor": 0.25})),
+    # Qwen3.5-MoE text model: four DeltaNet projections, full_attention_interval 2 (layers 1 and 3 full), half the
+    # head rotated, equal key and value heads, top-3
+    "qwen3_5_moe": ("qwen3_5_moe", dict(vocab_size=144, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                                        num_experts=6, num_experts_per_tok=3, head_dim=16, num_hidden_layers=4,
+                                        full_attention_interval=2, linear_num_key_heads=2, linear_key_head_dim=16,
+                                        linear_num_value_heads=2, linear_value_head_dim=16, linear_conv_kernel_dim=3,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                                         "partial_rotary_factor": 0.5})),
     "qwen2": ("qwen2", dict(vocab_size=160, intermediate_size=96,
                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     "qwen3": ("qwen3", dict(vocab_size=160, intermediate_size=96, head_dim=32, tie_word_embeddings=True,
@@ -94,9 +113,11 @@ CASES: dict[str, tuple[str, dict]] = {
 CONFIG_CLASSES = {
     "llama": "LlamaConfig", "mixtral": "MixtralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
     "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig", "olmoe": "OlmoeConfig",
-    "glm4_moe": "Glm4MoeConfig", "minimax_m2": "MiniMaxM2Config",
+    "glm4_moe": "Glm4MoeConfig", "minimax_m2": "MiniMaxM2Config", "qwen3_next": "Qwen3NextConfig",
+    "qwen3_5_moe": "Qwen3_5MoeTextConfig",
 }
-MOE_FAMILIES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2"})
+MOE_FAMILIES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2", "qwen3_next",
+                          "qwen3_5_moe"})
 
 
 def is_moe_case(case: str) -> bool:
@@ -112,14 +133,23 @@ class Checkpoint:
 
 def _randomize_(model: torch.nn.Module, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
+    # Qwen3-Next's norms scale by (1 + w): drawn around 0 so they scale by about 1, like the others' around 1 (the
+    # gated norm of its DeltaNet layers is a plain weight)
+    zero_centred = getattr(model.config, "model_type", "") in ("qwen3_next", "qwen3_5_moe_text")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name and zero_centred and "linear_attn.norm" not in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            elif "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
             elif name.endswith(".gate.weight"):  # router: decisive, well-separated top-k choices
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            if name.endswith("linear_attn.A_log"):  # Gated DeltaNet: slow decay, so the state carries far
+                p.copy_(torch.empty(p.shape).uniform_(0.01, 0.3, generator=g).log())
+            elif name.endswith("linear_attn.dt_bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g) - 2.0)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # sigmoid routers: a bias that changes the choice
                 b.copy_(0.3 * torch.randn(b.shape, generator=g))

@@ -55,6 +55,8 @@ def test_presets_have_the_published_shapes():
         "qwen2-57b-a14b": ("Qwen2MoeForCausalLM", 28, 3584, 64, 8, 2560, 28, 4, 128, 151936),
         "glm-4.5-air": ("Glm4MoeForCausalLM", 46, 4096, 128, 8, 1408, 96, 8, 128, 151552),
         "minimax-m2": ("MiniMaxM2ForCausalLM", 62, 3072, 256, 8, 1536, 48, 8, 128, 200064),
+        "qwen3-next-80b-a3b": ("Qwen3NextForCausalLM", 48, 2048, 512, 10, 512, 16, 2, 256, 151936),
+        "qwen3.5-35b-a3b": ("Qwen3_5MoeForCausalLM", 40, 2048, 256, 8, 512, 16, 2, 256, 248320),
     }
     from ferrylm.config import ModelConfig
 

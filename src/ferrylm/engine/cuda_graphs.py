@@ -7,6 +7,11 @@ backend on CUDA), a decode step of ``B`` sequences replays the graph of the smal
 forward is written once; nothing here re-implements it), reading static input buffers the step fills with one
 host->device copy (``engine/step_inputs.py``; padding sequences write no K/V and attend to nothing).
 
+Hybrid models (linear-attention layers, ``engine/state_pool.py``): each captured size also holds static ``[B]``
+buffers of the rows' state slots and fresh flags (a :class:`~ferrylm.engine.state_pool.RecurrentStep` the linear
+layers read through the backend); a replay fills them with one small copy, padding rows pointing at the pool's
+scratch slot. The linear layers' decode update is torch ops on those buffers (no host read), so it captures as is.
+
 Graphs are captured at boot (``capture_all``), largest first, into one memory pool; their bytes are measured and
 counted in the memory plan. A size whose capture fails for lack of memory is disabled and captured again on its
 first use after ``RETRY_AFTER_S`` (a transient shortage costs speed for a while, never a restart); any other
@@ -51,6 +56,8 @@ class _Captured:
     meta: AttentionMetadata
     logits: torch.Tensor | None = None   # [size, V] float32, written by each replay
     graph: torch.cuda.CUDAGraph | None = None
+    recurrent: object | None = None      # RecurrentStep over static slot / fresh buffers (hybrid models)
+    state_rows: torch.Tensor | None = None   # [2, size] int64 device: slots, then fresh flags (0/1)
 
 
 class StepGraphs:
@@ -86,6 +93,8 @@ class StepGraphs:
         self.captures = 0
         self.replays = 0
         self.graph_bytes = 0
+        self.state_pool = None   # the engine's StatePool for hybrid models (set before the first capture)
+        self._state_host: torch.Tensor | None = None   # pinned [2, max size] staging of the slot / fresh rows
 
     @property
     def enabled(self) -> bool:
@@ -120,11 +129,18 @@ class StepGraphs:
         host = pack_step(seqs, self.pool.page_size, staging.next(cap.layout.size), pad_seqs=size - len(seqs),
                          pages=self.pages)
         staging.to_device(host, cap.packed)
+        if cap.recurrent is not None:
+            self._fill_state_rows(cap, seqs)
         cap.graph.replay()
         self.replays += 1
         if self.on_replay is not None:
             self.on_replay(size)
         return cap.logits, host
+
+    def recurrent_of(self, size: int):
+        """The static :class:`~ferrylm.engine.state_pool.RecurrentStep` of a captured size (None without state)."""
+        cap = self._graphs.get(size)
+        return None if cap is None else cap.recurrent
 
     def _static(self, size: int) -> _Captured:
         layout = PackLayout(tokens=size, seqs=size, pages=self.pages, samples=size)
@@ -135,12 +151,44 @@ class StepGraphs:
         meta = AttentionMetadata(slot_mapping=v["slot_mapping"], block_table=v["block_table"],
                                  seq_lens=v["seq_lens"], query_start_loc=v["query_start_loc"], max_query_len=1,
                                  num_splits=decode_splits(size, self._hkv, self._sms))
-        return _Captured(size=size, layout=layout, packed=packed, meta=meta)
+        cap = _Captured(size=size, layout=layout, packed=packed, meta=meta)
+        if self.state_pool is not None:
+            from ferrylm.engine.state_pool import RecurrentStep
+
+            rows = torch.empty(2, size, dtype=torch.int64, device=self.device)
+            rows[0].fill_(self.state_pool.scratch)
+            rows[1].fill_(1)
+            cap.state_rows = rows
+            cap.recurrent = RecurrentStep(pool=self.state_pool, slots=rows[0], fresh=rows[1] == 1,
+                                          query_start_loc=v["query_start_loc"], num_tokens=size, q_lens=None)
+        return cap
+
+    def _fill_state_rows(self, cap: _Captured, seqs) -> None:
+        """Write the real rows' state slots and fresh flags (a decode continuing from token ``start > 0`` is never
+        fresh) into the static buffers; padding rows read and write the scratch slot, as zeros."""
+        size = cap.size
+        if self._state_host is None or self._state_host.shape[1] < size:
+            self._state_host = torch.empty(2, max(self.sizes), dtype=torch.int64, pin_memory=True)
+        h = self._state_host[:, :size]
+        h[0].fill_(self.state_pool.scratch)
+        h[1].fill_(1)
+        n = len(seqs)
+        h[0, :n] = torch.tensor([s.request.state_slot for s in seqs], dtype=torch.int64)
+        h[1, :n] = torch.tensor([1 if s.start == 0 else 0 for s in seqs], dtype=torch.int64)
+        cap.state_rows.copy_(h, non_blocking=True)
+        # NOTE: the graph reads the static bool buffer ``fresh`` (made at capture), refreshed here in place
+        cap.recurrent.fresh.copy_(cap.state_rows[1] == 1)
 
     def _run(self, cap: _Captured) -> torch.Tensor:
         v = cap.layout.views(cap.packed)
         bind_routing_keys(self.model, v["routing_keys"])  # the graph reads its static keys
-        hidden = self.model(v["input_ids"], v["positions"], TritonPagedAttention(self.pool, cap.meta))
+        attn = TritonPagedAttention(self.pool, cap.meta)
+        if cap.recurrent is not None:
+            from ferrylm.engine.state_pool import WithRecurrentState
+
+            cap.recurrent.conv_index = None   # computed inside the graph, from the static offsets
+            attn = WithRecurrentState(attn, cap.recurrent)
+        hidden = self.model(v["input_ids"], v["positions"], attn)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()

@@ -26,6 +26,7 @@ from ferrylm.engine.prefix_cache import PrefixCache, cache_seed
 from ferrylm.engine.progress import StepProgress
 from ferrylm.engine.request import Request, Status
 from ferrylm.engine.sampling_params import SamplingParams
+from ferrylm.engine.state_pool import StateLayout, StatePool
 from ferrylm.engine.scheduler import Batch, ScheduledSeq, Scheduler, SchedulerConfig
 from ferrylm.engine.structured import StructuredDecoder
 from ferrylm.errors import ContextLengthExceeded, FerryError
@@ -103,6 +104,7 @@ def plan_limits(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtyp
     lim = limits_with_pages(cfg, mcfg, device, 0)
     reading = read_memory(device)
     per_tok = KVLayout.of(mcfg).bytes_per_token(dtype)
+    state = StateLayout.of(mcfg)
     plan = plan_memory(PlanInputs(
         kind=reading.kind, total_bytes=reading.total_bytes, free_at_boot_bytes=reading.free_bytes,
         memory_ratio=cfg.memory_ratio, gpu_memory_limit_bytes=_gib_to_bytes(cfg.gpu_memory_limit),
@@ -110,8 +112,16 @@ def plan_limits(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtyp
         workspace_source="not measured", kv_bytes_per_token=per_tok, page_size=cfg.page_size,
         max_model_len=lim.max_model_len, max_running_requests=lim.max_running_requests,
         max_prefill_length=lim.max_prefill_length, kv_reserve_tokens=cfg.kv_reserve_tokens,
-        host_kv_fraction=cfg.kv_memory_fraction if device.type == "cpu" else None))
+        host_kv_fraction=cfg.kv_memory_fraction if device.type == "cpu" else None,
+        state_slot_bytes=state.bytes_per_slot(dtype) if state is not None else 0,
+        state_snapshots=state_snapshot_count(lim) if cfg.enable_prefix_caching and state is not None else 0))
     return limits_with_pages(cfg, mcfg, device, plan.kv_pages)
+
+
+def state_snapshot_count(limits: EngineLimits) -> int:
+    """Recurrent-state snapshots a hybrid model keeps for prefix caching: one per running request (the memory
+    plan counts them with the state slots)."""
+    return limits.max_running_requests
 
 
 def _gib_to_bytes(v: float | None) -> int | None:
@@ -159,13 +169,23 @@ class Engine:
         self.limits = limits or plan_limits(config, model_config, device, dtype)
         self.pool = KVPool(layout=KVLayout.of(model_config), num_pages=self.limits.num_pages,
                            page_size=self.limits.page_size, dtype=dtype, device=device)
+        # hybrid models (linear-attention layers): one recurrent-state slot per running request (engine/state_pool.py)
+        layout = StateLayout.of(model_config)
+        self.state_pool = (StatePool(layout, self.limits.max_running_requests, dtype, device)
+                           if layout is not None else None)
         self.prefix_cache = None
+        self.state_snapshots = None
         if config.enable_prefix_caching:
             seed = cache_seed("ferrylm-prefix-cache-v1", model_id, model_config, str(dtype))
             self.prefix_cache = PrefixCache(self.pool.allocator, self.limits.page_size, seed)
+            if self.state_pool is not None:   # a cached KV prefix needs the recurrent state at its end
+                from ferrylm.engine.state_snapshots import StateSnapshots
+
+                self.state_snapshots = StateSnapshots(self.state_pool, state_snapshot_count(self.limits))
         self.scheduler = Scheduler(SchedulerConfig(self.limits.max_running_requests,
                                                    self.limits.max_prefill_length, self.limits.page_size),
-                                   self.pool.allocator, faults, prefix_cache=self.prefix_cache)
+                                   self.pool.allocator, faults, prefix_cache=self.prefix_cache,
+                                   state_pool=self.state_pool, state_snapshots=self.state_snapshots)
         self.guard = guard or OomGuard(device, elastic_cache_of(expert_executor),
                                        prefill_limit=self.limits.max_prefill_length,
                                        reserve_bytes=memory_plan.reserve_bytes if memory_plan else 0,
@@ -175,6 +195,7 @@ class Engine:
         self.runner = ModelRunner(model, self.pool, device, dtype, config, self.limits.max_model_len,
                                   expert_executor, self.eos_ids)
         self.runner.faults = faults
+        self.runner.attach_state_pool(self.state_pool)
         self.structured = StructuredDecoder(tokenizer_path, model_config.vocab_size, self.eos_ids)
         self.runner.structured = self.structured
         self.requests: dict[str, Request] = {}
@@ -361,6 +382,7 @@ class Engine:
             # NOTE: outside the except block: the exception, its traceback and the step's tensors are unreachable
             self.guard.release()
             seqs = [s for s in seqs if s.request.status is not Status.FINISHED]   # aborted during the attempt
+            seqs = self._drop_lost_states(seqs)
             if not seqs:
                 break
             prefill = sum(s.num_tokens for s in seqs if s.num_tokens > 1)
@@ -395,6 +417,23 @@ class Engine:
             budget = self.guard.step_succeeded()
             if budget is not None:
                 self.scheduler.set_prefill_budget(budget)
+
+    def _drop_lost_states(self, seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """After a failed step of a hybrid model whose linear layers already wrote states: the sequences that
+        continued from a state (``start > 0``) lost it (it was partly advanced), so they are preempted (they
+        recompute from token 0, like any preemption) and leave the step; those starting at 0 simply retry (their
+        state is read as zeros). Other models: ``seqs`` unchanged."""
+        rs = self.runner.last_recurrent
+        self.runner.last_recurrent = None
+        if self.state_pool is None or rs is None or not rs.written:
+            return seqs
+        lost = [s for s in seqs if s.start > 0]
+        for s in lost:
+            self.scheduler.preempt(s.request)
+        if lost:
+            log.warning("failed step: %d request(s) %s lost their recurrent state and recompute from token 0",
+                        len(lost), [s.request.request_id for s in lost])
+        return [s for s in seqs if s.start == 0]
 
     def _preemption_victims(self, seqs: list[ScheduledSeq]) -> list[Request]:
         """A decode-only step preempts its newest request (the last admitted). (A step with a prefill defers
@@ -527,12 +566,25 @@ class Engine:
         for s in batch.seqs:
             if s.request.status is not Status.FINISHED:
                 s.request.num_computed_tokens += s.num_tokens
+        if self.state_snapshots is not None and self.scheduler.prefix_cache is not None:
+            self._save_snapshots(batch.seqs)
         if res is not None:
             for i, s in enumerate([s for s in batch.seqs if s.sample]):
                 if s.request.status is Status.FINISHED:
                     continue
                 self._append_token(s.request, res.token_ids[i],
                                    None if res.logprobs[i] is None else [res.logprobs[i]])
+
+    def _save_snapshots(self, seqs: list[ScheduledSeq]) -> None:
+        """Keep the state of every sequence of the (successful) step whose computed tokens end on a page boundary,
+        under that page's name (``engine/state_snapshots.py``)."""
+        ps = self.limits.page_size
+        for s in seqs:
+            r = s.request
+            n = r.num_computed_tokens
+            if r.status is Status.FINISHED or r.state_slot is None or n == 0 or n % ps:
+                continue
+            self.state_snapshots.save(self.prefix_cache.names(r, n // ps)[-1], r.state_slot)
 
     def _append_token(self, r: Request, tok: int, logprobs) -> None:
         r.output_token_ids.append(tok)
@@ -566,6 +618,11 @@ class Engine:
         d = {"num_running": self.num_running, "num_waiting": self.num_waiting,
              "kv_pages_used": self.pool.allocator.num_used, "kv_pages_total": self.pool.num_pages,
              "num_preemptions": self.scheduler.num_preemptions, "num_steps": self.num_steps}
+        if self.state_pool is not None:
+            d["state_slots_used"] = self.state_pool.num_slots - self.state_pool.num_free
+            d["state_slots_total"] = self.state_pool.num_slots
+        if self.state_snapshots is not None:
+            d["state_snapshots"] = self.state_snapshots.stats()
         if self.prefix_cache is not None:
             pc = self.prefix_cache.stats
             d["prefix_cache"] = {"queries": pc.queries, "hits": pc.hits,

@@ -201,9 +201,15 @@ def build_engine(model_path: str | Path, config: EngineConfig) -> Engine:
     mcfg, executor = loaded.config, loaded.executor
     needs = expert_needs(executor)
     base = limits_with_pages(config, mcfg, device, 0)
+    from ferrylm.engine.state_pool import StateLayout
+
+    state = StateLayout.of(mcfg)   # hybrid models: one recurrent-state slot per running request (the plan counts it)
     inputs = replace(inputs, weights_bytes=weights, experts=needs, max_model_len=base.max_model_len,
                      max_prefill_length=base.max_prefill_length,
-                     kv_bytes_per_token=KVLayout.of(mcfg).bytes_per_token(dtype))
+                     kv_bytes_per_token=KVLayout.of(mcfg).bytes_per_token(dtype),
+                     state_slot_bytes=state.bytes_per_slot(dtype) if state is not None else 0,
+                     state_snapshots=(base.max_running_requests if state is not None and config.enable_prefix_caching
+                                      else 0))
     if needs is not None and needs.backend in ("offload", "hybrid"):
         # the GPU computes every expert it routes to: a decode step of R sequences needs up to R * k of a layer at
         # once, the floor of an automatically sized cache (an explicit --moe-cache-size below it runs in waves)
@@ -339,4 +345,9 @@ def _measure_workspace(loaded, config: EngineConfig, device: torch.device, dtype
                              num_experts_per_tok=mcfg.num_experts_per_tok, prefill_tokens=base.max_prefill_length,
                              decode_seqs=base.max_running_requests, max_model_len=base.max_model_len,
                              dtype_bytes=torch.empty((), dtype=dtype).element_size())
+    from ferrylm.models.registry import get_model_class
+
+    extra = getattr(get_model_class(mcfg.architecture), "workspace_extra_bytes", None)
+    if extra is not None:   # e.g. the chunk form's scratch of the Gated DeltaNet layers at the largest chunk
+        est += int(extra(mcfg, base.max_prefill_length))
     return est, "estimated", graph_bytes

@@ -67,6 +67,8 @@ class ModelRunner:
         self.executor = expert_executor
         self.eos_ids = eos_ids
         self.faults: FaultInjector = NO_FAULTS
+        self.state_pool = None  # the engine's StatePool (engine/state_pool.py) for models with linear layers
+        self.last_recurrent = None  # the RecurrentStep of the last eager step (the engine's OOM recovery reads it)
         self.structured = None  # the engine's StructuredDecoder (engine/structured.py): grammar masks on the logits
         self.attention = resolve_backend(config.attention_backend, device)
         self.max_model_len = max_model_len
@@ -92,6 +94,7 @@ class ModelRunner:
         self.step_graphs = self.piecewise = None
         if self._graph_mode == "off" or not self._is_stack:
             return
+        whole_step_only = getattr(self.model, "decode_graphs", "all") == "step"
         max_batch = self.config.cuda_graph_max_batch or self.config.max_running_requests
         safe = executor is None or bool(getattr(executor, "graph_safe", False))
         min_batch = int(getattr(executor, "table_min_tokens", 1)) if safe and executor is not None else 1
@@ -99,10 +102,25 @@ class ModelRunner:
             self.step_graphs = StepGraphs(self.model, self.pool, self.device, max_batch, self.max_model_len,
                                           on_replay=getattr(executor, "count_replayed_step", None),
                                           min_batch=min_batch)
+        if self.step_graphs is not None:
+            self.step_graphs.state_pool = self.state_pool
+        if whole_step_only:
+            # NOTE: the piecewise runner composes the layers itself and knows no linear-attention layer: decode
+            # steps the whole-step graphs do not take run eager for these models
+            if self.step_graphs is None or min_batch > 1:
+                log.info("%s: decode steps outside the whole-step CUDA graphs run eager (no piecewise graphs for "
+                         "linear-attention layers)", type(self.model).__name__)
+            return
         if self.step_graphs is None or min_batch > 1:  # the steps the whole-step graphs do not take
             self.piecewise = DecodeGraphRunner(self.model, self.pool, self.device, DecodeGraphConfig(
                 mode=self.config.decode_graphs, max_batch=max_batch if self.step_graphs is None else min_batch - 1,
                 max_kv_len=self.config.cuda_graph_max_len), self.dtype, self.pool.page_size)
+
+    def attach_state_pool(self, pool) -> None:
+        """Give the runner (and its whole-step graphs, before they capture) the engine's recurrent-state pool."""
+        self.state_pool = pool
+        if self.step_graphs is not None:
+            self.step_graphs.state_pool = pool
 
     def capture_graphs(self) -> None:
         """Capture the whole-step graphs now (boot, after the KV pool and the warmup). No-op without them."""
@@ -128,6 +146,7 @@ class ModelRunner:
         if self._moe0 is not None and self._moe0.executor is not self.executor:
             self._configure(self._moe0.executor)  # the executor was swapped: its graphs are stale
         faults = self.faults
+        self.last_recurrent = None
         begin = getattr(self.executor, "begin_step", None)
         if begin is not None:  # host decisions of the executor, made between steps (experts/slot_table.py)
             begin(sum(s.num_tokens for s in seqs))
@@ -152,6 +171,8 @@ class ModelRunner:
         if self.step_graphs is not None:
             size = self.step_graphs.size_for(b)
             if size is not None:
+                # a failed replay may have advanced the states (the engine then recomputes the requests)
+                self.last_recurrent = self.step_graphs.recurrent_of(size)
                 logits, host = self.step_graphs.replay(seqs, self.staging, size)
                 return _rows(logits, host.sample_rows, b)
             if b >= self.step_graphs.min_batch:
@@ -189,6 +210,13 @@ class ModelRunner:
                 faults.check("prefill_workspace", nbytes=8 * host.num_tokens * self.model.config.hidden_size
                              * torch.empty((), dtype=self.dtype).element_size())
         attn = make_backend(self.attention, self.pool, self._metadata(host, v), self.device, faults)
+        if self.state_pool is not None:  # linear layers reach their sequences' states through the backend
+            from ferrylm.engine.state_pool import WithRecurrentState, recurrent_step
+
+            rs = recurrent_step(self.state_pool, seqs, v["query_start_loc"], self.device)
+            rs.faults = faults
+            self.last_recurrent = rs
+            attn = WithRecurrentState(attn, rs)
         bind_routing_keys(self.model, v["routing_keys"])
         hidden = self.model(v["input_ids"], v["positions"], attn)
         prompt_logprobs.collect(seqs, hidden, self.model.compute_logits)  # only when a request asked for them

@@ -83,6 +83,10 @@ class PrefixCache:
             chain_hashes(self.seed, hs, req.tokens(0, end), self.page_size)
         return hs[:num_pages]
 
+    def names(self, req: Request, num_pages: int) -> list[bytes]:
+        """The names of ``req``'s first ``num_pages`` full pages (fewer if it has fewer), computed as needed."""
+        return self._hashes(req, num_pages)
+
     def lookup(self, req: Request) -> list[int]:
         """The cached pages ``req`` can map (a prefix of its pages; nothing changes). Empty for a request that
         holds pages already or asks for prompt logprobs."""

@@ -23,6 +23,13 @@ Each step builds one batch under two limits: at most ``max_running_requests`` ru
    the free pages. It is admitted only if the rest fits too (the looked-up pages count: mapping an unheld cached
    page takes it out of the available ones), so a skipped request holds nothing.
 
+Recurrent state (models with linear-attention layers, ``state_pool`` given): a request is admitted only while a
+state slot is free (it then takes one; otherwise it waits like a request short of pages, holding nothing), and
+every release (finish, abort, preemption, the OOM guard) gives the slot back in :meth:`Scheduler._release`.
+With prefix caching on, such a model also has state snapshots (``engine/state_snapshots.py``): a request maps only
+the cached pages up to the last one whose end has a snapshot, which is copied into its slot at admission, and
+prefill chunks of several pages end on page boundaries (so each prompt's last full page gets a snapshot).
+
 Pages computed so far are named (``PrefixCache.commit``) at the start of each plan and before any release
 (finish, preemption), so what a finished or preempted request computed stays cached.
 
@@ -89,8 +96,10 @@ class Scheduler:
     pinned on it). ``prefix_cache``: automatic prefix caching over ``allocator`` (None: off)."""
 
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, faults: FaultInjector = NO_FAULTS,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, state_pool=None, state_snapshots=None):
         self.config = config
+        self.state_pool = state_pool   # engine/state_pool.StatePool of a hybrid model (None: no recurrent state)
+        self.state_snapshots = state_snapshots   # engine/state_snapshots.StateSnapshots (hybrid + prefix caching)
         self.allocator = allocator
         self.faults = faults
         self.prefix_cache = prefix_cache
@@ -152,7 +161,7 @@ class Scheduler:
                 decodes_left -= 1
                 n = 1
             else:
-                n = min(left, budget - decodes_left)
+                n = self._page_aligned(req.num_computed_tokens, min(left, budget - decodes_left))
                 if n <= 0:
                     i += 1   # no room beside the decodes this step: its next chunk waits
                     continue
@@ -187,9 +196,12 @@ class Scheduler:
                 req = self.waiting[0]
                 if req.isolate and (self.running or seqs):
                     break  # it runs alone: admit nothing past it until the running requests are done
+                if self.state_pool is not None and req.state_slot is None and self.state_pool.num_free == 0:
+                    n = None  # no state slot free: it waits, holding nothing (like a request short of pages)
+                else:
+                    n = self._admit_pages(req, budget)
                 # NOTE: popped only after _admit_pages returns: an allocation failure raised inside it leaves req
                 # queued (with the cached pages it mapped, which a retry keeps and a failure releases)
-                n = self._admit_pages(req, budget)
                 self.waiting.popleft()
                 if n is None:
                     skipped.append(req)  # does not fit the free pages now; let smaller ones behind it run
@@ -199,6 +211,11 @@ class Scheduler:
                 for r in skipped:
                     r.times_passed_over += 1
                 req.status = Status.RUNNING
+                if self.state_pool is not None and req.state_slot is None:
+                    req.state_slot = self.state_pool.allocate()
+                    if req.num_computed_tokens and self._snapshots_on:   # mapped cached pages: their end state
+                        name = self.prefix_cache.names(req, req.num_computed_tokens // self.config.page_size)[-1]
+                        self.state_snapshots.restore(name, req.state_slot)
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = time.monotonic()
                     if self.prefix_cache is not None:
@@ -219,14 +236,16 @@ class Scheduler:
         needs are not available now."""
         cache = self.prefix_cache
         hit = cache.lookup(req) if cache is not None else []
+        if hit and self.state_snapshots is not None:   # only up to a page boundary whose state is kept
+            hit = hit[:self.state_snapshots.usable(cache.names(req, len(hit)), len(hit))]
         if hit or (cache is not None and not req.page_table):
             start = len(hit) * self.config.page_size
-            n = min(req.num_tokens - start, budget)
+            n = self._page_aligned(start, min(req.num_tokens - start, budget))
             need = pages_needed(start + n, self.config.page_size) - len(hit)
             if need > self.allocator.num_free - self.allocator.num_unheld(hit):
                 return None
             cache.map(req, hit)
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        n = self._page_aligned(req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
         if self._grow(req, req.num_computed_tokens + n):
             return n
         # short of pages while holding some (mapped ones, or what a retry after an allocation failure kept): a
@@ -234,6 +253,20 @@ class Scheduler:
         self._release(req)
         req.num_computed_tokens = 0
         return None
+
+    @property
+    def _snapshots_on(self) -> bool:
+        return self.state_snapshots is not None and self.prefix_cache is not None
+
+    def _page_aligned(self, start: int, n: int) -> int:
+        """``n`` new tokens from ``start``, cut back to end on a page boundary when they would end inside a later
+        page (hybrid models with state snapshots only: every chunk reaching past a page boundary then ends on one,
+        so the state there can be kept)."""
+        if not self._snapshots_on:
+            return n
+        ps = self.config.page_size
+        boundary = (start + n) // ps * ps
+        return boundary - start if boundary > start else n
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Give ``req`` pages for ``num_tokens`` tokens. False (nothing allocated) when the pool is short."""
@@ -257,9 +290,13 @@ class Scheduler:
             self.allocator.free(reversed(req.page_table))
             req.page_table = []
         req.num_named_pages = 0
+        if req.state_slot is not None:
+            self.state_pool.free(req.state_slot)
+            req.state_slot = None
 
     def _preempt(self, req: Request) -> None:
-        """Free ``req``'s pages and requeue it first in line; it recomputes prompt + output later."""
+        """Free ``req``'s pages (and state slot) and requeue it first in line; it recomputes prompt + output later
+        (from token 0: its recurrent state is gone with its slot)."""
         self.running.remove(req)
         self._release(req)
         req.num_computed_tokens = 0
@@ -283,3 +320,9 @@ class Scheduler:
                 assert self.allocator.name_of(r.page_table[i]) is None, (
                     f"{r.request_id}: page {i} is named but tokens {i * self.config.page_size}.. are not computed")
         assert len(self.running) <= self.config.max_running_requests
+        if self.state_snapshots is not None:
+            self.state_snapshots.check()
+        if self.state_pool is not None:   # each running request owns exactly one slot, none owned twice
+            self.state_pool.check([r.state_slot for r in self.running + list(self.waiting)], len(self.running))
+        else:
+            assert all(r.state_slot is None for r in self.running), "a state slot without a state pool"

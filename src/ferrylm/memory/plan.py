@@ -11,7 +11,9 @@ Figures (bytes unless named otherwise), in the order the plan takes them:
    of the limit)``, else ``max(512 MiB, (1 - memory_ratio) x free)``; ``--memory-reserve`` raises it (the larger
    of the two is the one cut). It is never handed out: the room of the OOM guard, allocator fragmentation and the
    driver.
-3. minus ``weights`` (measured after loading) and ``workspace`` (the peak extra memory of a warmup prefill at the
+3. minus ``weights`` (measured after loading), the recurrent-state pool of a hybrid model (``state_slot_bytes`` per
+   slot, ``max_running_requests + 1`` slots: one per running request and a scratch slot, ``engine/state_pool.py``)
+   and ``workspace`` (the peak extra memory of a warmup prefill at the
    maximum chunk and a decode step at the maximum batch; measured on CUDA, estimated on the CPU) leaves ``R``.
 4. ``R`` is split between the KV pool (pages of ``page_size`` tokens) and expert slots (offloading backends):
    explicit ``--num-pages`` / ``--num-tokens`` / ``--moe-cache-size`` always win, and one that does not fit is a
@@ -118,6 +120,10 @@ class PlanInputs:
         other_processes: other processes holding device memory (for messages).
         graph_bytes: the decode CUDA graphs' private memory pool, measured by capturing them during the boot
             warmup (they stay allocated while the engine runs).
+        state_slot_bytes: one request's recurrent state over the linear-attention layers (hybrid models,
+            ``engine/state_pool.StateLayout.bytes_per_slot``; 0 for others).
+        state_snapshots: recurrent-state snapshots kept for prefix caching (``engine/state_snapshots.py``), each
+            ``state_slot_bytes``.
     """
 
     kind: str
@@ -143,6 +149,18 @@ class PlanInputs:
     host_kv_fraction: float | None = None
     other_processes: tuple[ProcessUsage, ...] = ()
     graph_bytes: int = 0
+    state_slot_bytes: int = 0
+    state_snapshots: int = 0
+
+    @property
+    def state_slots(self) -> int:
+        """Slots of the recurrent-state pool (one per running request plus the scratch slot) and the prefix
+        cache's snapshots (0 without state)."""
+        return self.max_running_requests + 1 + self.state_snapshots if self.state_slot_bytes else 0
+
+    @property
+    def state_bytes(self) -> int:
+        return self.state_slots * self.state_slot_bytes
 
 
 @dataclass(frozen=True)
@@ -180,6 +198,10 @@ class MemoryPlan:
     prefill_note: str = ""
     reserve_note: str = ""   # where the reserve comes from (the plan table's right column)
     minimum_bytes: int = 0   # the budget this model needs at the least (weights, workspace, KV floor, step slots)
+    state_slots: int = 0     # recurrent-state slots of a hybrid model (max running + scratch + prefix snapshots)
+    state_snapshots: int = 0
+    state_slot_bytes: int = 0
+    state_bytes: int = 0
 
     def to_dict(self) -> dict:
         """JSON-ready (``GET /v1/memory``)."""
@@ -207,6 +229,10 @@ class MemoryPlan:
             ("weights", gib(self.weights_bytes), "measured after loading"),
             ("workspace", gib(self.workspace_bytes), f"{self.workspace_source} at the prefill chunk"),
             ("CUDA graphs", gib(self.graph_bytes), "measured at capture" if self.graph_bytes else "none"),
+            ("recurrent state", gib(self.state_bytes),
+             f"{self.state_slots} x {gib(self.state_slot_bytes)} (linear-attention layers; one per running request "
+             f"+ scratch{f' + {self.state_snapshots} prefix-cache snapshots' if self.state_snapshots else ''})"
+             if self.state_slots else "none (no linear-attention layers)"),
             ("prefill chunk", f"{self.max_prefill_length} tok", self.prefill_note or "the default or the flag"),
             ("KV pool", gib(self.kv_bytes), f"{self.kv_pages} pages x {self.page_size} = {self.kv_tokens} tokens"),
             ("expert slots", gib(self.expert_bytes),
@@ -234,13 +260,14 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
     reserve, budget, binding, reserve_note = _budget_why(p)
     minimum = minimum_bytes(p)
     err = _Explainer(p, reserve, budget, binding, minimum)
-    rest = budget - p.weights_bytes - p.workspace_bytes - p.graph_bytes
+    rest = budget - p.weights_bytes - p.workspace_bytes - p.graph_bytes - p.state_bytes
     if rest <= 0:
+        state = f", the recurrent state ({gib(p.state_bytes)})" if p.state_bytes else ""
         err.fail(f"the weights ({gib(p.weights_bytes)}), the workspace ({gib(p.workspace_bytes)}, "
-                 f"{p.workspace_source}) and the CUDA graphs ({gib(p.graph_bytes)}) need "
-                 f"{gib(p.weights_bytes + p.workspace_bytes + p.graph_bytes)}",
-                 smaller="--max-prefill-length / --max-running-requests (workspace), --moe-backend offload "
-                         "(experts off the device)")
+                 f"{p.workspace_source}){state} and the CUDA graphs ({gib(p.graph_bytes)}) need "
+                 f"{gib(p.weights_bytes + p.workspace_bytes + p.graph_bytes + p.state_bytes)}",
+                 smaller="--max-prefill-length / --max-running-requests (workspace, recurrent state), "
+                         "--moe-backend offload (experts off the device)")
     per_tok = p.kv_bytes_per_token
     ps = p.page_size
     want_tokens = p.max_running_requests * p.max_model_len
@@ -325,7 +352,8 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
             kv_tokens = max(kv_tokens, _pages(min(room_tokens, want_tokens), ps) * ps)
             kv_bytes = kv_tokens * per_tok
 
-    headroom = max(0, budget - p.weights_bytes - p.workspace_bytes - p.graph_bytes - kv_bytes - expert_bytes)
+    headroom = max(0, budget - p.weights_bytes - p.workspace_bytes - p.graph_bytes - p.state_bytes - kv_bytes
+                   - expert_bytes)
     if kv_tokens < p.max_model_len:
         warnings.append(f"the KV pool holds {kv_tokens} tokens, fewer than the model context of {p.max_model_len} "
                         f"tokens: longer requests are rejected (raise --num-tokens or lower --max-model-len)")
@@ -339,7 +367,8 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
         expert_total=ex.total_experts if ex else 0, headroom_bytes=headroom, max_model_len=p.max_model_len,
         binding=binding, other_processes=tuple(p.other_processes), warnings=tuple(warnings),
         graph_bytes=p.graph_bytes, max_prefill_length=p.max_prefill_length, reserve_note=reserve_note,
-        minimum_bytes=minimum)
+        minimum_bytes=minimum, state_slots=p.state_slots, state_slot_bytes=p.state_slot_bytes,
+        state_bytes=p.state_bytes, state_snapshots=p.state_snapshots if p.state_slot_bytes else 0)
 
 
 def minimum_bytes(p: PlanInputs) -> int:
@@ -359,7 +388,7 @@ def minimum_bytes(p: PlanInputs) -> int:
     if ex is not None:
         slots = (min(p.moe_cache_size, ex.total_experts) if p.moe_cache_size is not None
                  else min(ex.total_experts, max(ex.min_slots, ex.step_slots)))
-    return (p.weights_bytes + p.workspace_bytes + p.graph_bytes + kv * per_tok
+    return (p.weights_bytes + p.workspace_bytes + p.graph_bytes + p.state_bytes + kv * per_tok
             + (ex.bytes_for(slots) if ex is not None else 0))
 
 

@@ -36,6 +36,10 @@ ARCHITECTURE_NOTES: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("Qwen3-30B-A3B, Qwen3-235B-A22B", "per-head q/k norm"),
     "Glm4MoeForCausalLM": ("GLM-4.5, GLM-4.5-Air, GLM-4.6",
                            "biased sigmoid group-limited router, shared expert, partial rotary; MTP layers not read"),
+    "Qwen3NextForCausalLM": ("Qwen3-Next-80B-A3B", "hybrid: Gated DeltaNet + gated attention (3:1), recurrent-state "
+                                                   "pool, prefix caching by state snapshots, shared expert"),
+    "Qwen3_5MoeForCausalLM": ("Qwen3.5-35B-A3B (text)", "as Qwen3-Next with four DeltaNet projections; vision tower "
+                                                        "and MTP not read"),
     "MiniMaxM2ForCausalLM": ("MiniMax-M2", "biased sigmoid router, q/k norm over the projection, partial rotary; "
                                            "MTP modules not read"),
 }

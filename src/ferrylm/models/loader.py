@@ -166,6 +166,14 @@ def _module_name(name: str, model_cls: type, config: ModelConfig) -> str | None:
     return name
 
 
+def _renamed(name: str, model_cls: type) -> str:
+    """``name`` with the class's ``hf_renames`` applied (an expert tensor under a prefix the class renames, e.g. a
+    multimodal checkpoint's ``model.language_model.layers.N.mlp.experts...``, is placed like the plain name)."""
+    for old, new in model_cls.hf_renames:
+        name = name.replace(old, new)
+    return name
+
+
 def tensor_dtype(model_cls: type, key: str, dtype: torch.dtype) -> torch.dtype:
     """The dtype a floating checkpoint tensor placed at state-dict name ``key`` is stored in: ``dtype``, or float32
     for the names the class keeps in float32 (``float32_tensors``, e.g. GLM-4.5's ``e_score_correction_bias``)."""
@@ -310,7 +318,7 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
                 t = f.get_tensor(name)
                 if bar is not None:
                     bar.update(t.numel() * t.element_size())
-                if experts is not None and experts.add(name, t):
+                if experts is not None and experts.add(_renamed(name, model_cls), t):
                     continue
                 key = _module_name(name, model_cls, config)
                 if key is None:

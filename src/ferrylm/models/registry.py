@@ -17,6 +17,8 @@ MODEL_REGISTRY: dict[str, str] = {
     "Qwen2MoeForCausalLM": "ferrylm.models.qwen2_moe:Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM": "ferrylm.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "ferrylm.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM": "ferrylm.models.qwen3_next:Qwen3NextForCausalLM",
+    "Qwen3_5MoeForCausalLM": "ferrylm.models.qwen3_next:Qwen3_5MoeForCausalLM",
 }
 
 

@@ -92,7 +92,8 @@ ROUTER = "router"
 #: every ``routing=`` value
 ROUTING_CHOICES = (ROUTER, *PROFILES)
 #: the calibrated profile a preset's ``model_type`` gets when the spec names none (and gives no ``skew=``)
-FAMILY_PROFILE = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen3", "olmoe": "olmoe", "mixtral": ROUTER}
+FAMILY_PROFILE = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen3", "olmoe": "olmoe", "mixtral": ROUTER,
+                  "qwen3_next": "qwen3", "qwen3_5_moe_text": "qwen3"}
 
 
 def default_routing(model_type: str, skew: float) -> str:

@@ -48,6 +48,7 @@ from ferrylm.errors import ModelLoadError
 from ferrylm.experts import ExpertOptions, build_executor
 from ferrylm.experts.executor import LayerExperts
 from ferrylm.models.loader import LoadedModel, placement, prepare_for_inference, tensor_dtype
+from ferrylm.models.registry import get_model_class
 from ferrylm.models.routing_profiles import ROUTER
 from ferrylm.models.synthetic import SyntheticSpec, parse_synthetic_spec, synthetic_config
 
@@ -178,8 +179,13 @@ def calibrated_bias(num_experts: int, skew: float, seed: int, layer_idx: int,
 
 
 def _init_(t: torch.Tensor, name: str, config: ModelConfig, spec: SyntheticSpec, pool: SeededPool) -> None:
-    """Initialise the model tensor ``name`` in place (scales in the module docstring)."""
-    if name.endswith("norm.weight"):
+    """Initialise the model tensor ``name`` in place (scales in the module docstring; a model class may name
+    constants of its own: ``synthetic_constant(name) -> float | None``, e.g. zero-centred norms start at 0)."""
+    constant = getattr(get_model_class(config.architecture), "synthetic_constant", None)
+    value = constant(name) if constant is not None else None
+    if value is not None:
+        t.fill_(value)
+    elif name.endswith("norm.weight"):
         t.fill_(1.0)
     elif name.endswith(".mlp.gate.bias"):  # router bias: the Zipf law of this layer
         layer = int(name.split(".")[2])

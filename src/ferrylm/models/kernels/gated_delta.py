@@ -1,0 +1,213 @@
+"""The gated delta rule (Yang, Kautz & Hatamizadeh 2024, "Gated Delta Networks: Improving Mamba2 with Delta Rule",
+eq. 10) and the short causal convolution in front of it: torch implementations, the CPU path and the reference
+the Triton kernels (``models/kernels/gated_delta_triton.py``) are tested against.
+
+Per head, with a state ``S`` of ``[Dk, Dv]`` (keys index the rows), a token ``t`` with unit-norm key ``k_t``,
+query ``q_t`` (scaled by ``Dk ** -0.5``), value ``v_t``, log decay ``g_t <= 0`` and write strength ``beta_t``::
+
+    S_t = exp(g_t) * S_{t-1} + k_t (beta_t * (v_t - exp(g_t) * S_{t-1}^T k_t))^T     (the delta rule, gated)
+    o_t = S_t^T q_t
+
+Chunk form (the WY / UT-transform form of Yang et al. 2024, "Parallelizing Linear Transformers with the Delta Rule
+over Sequence Length", §3.2, with the decay of the gated variant folded in): in a chunk of ``C`` tokens starting
+from the state ``S_0``, with ``G_t = exp(sum_{s<=t} g_s)`` the decay accumulated from the chunk start and
+``u_t = beta_t (v_t - G_t S_0^T k_t - sum_{s<t} (G_t / G_s)(k_t . k_s) u_s)`` the written values:
+
+    (I + A) U = diag(beta) V - diag(beta G) K S_0,     A[t, s] = beta_t (G_t / G_s) (k_t . k_s) for s < t, else 0
+    O   = diag(G) Q S_0 + ((Q K^T) * D) U,             D[t, s] = G_t / G_s for s <= t, else 0
+    S_C = G_C S_0 + (K * (G_C / G))^T U
+
+so a chunk costs a unit lower-triangular solve and a few ``C x C`` / ``C x D`` matrix products, and only the
+scan over chunks is sequential. Ratios ``G_t / G_s`` are taken as ``exp(gamma_t - gamma_s)`` of the cumulative log
+decays (masked to the lower triangle before the exponential, so nothing overflows).
+
+All functions compute in float32 and take the heads already expanded (``H`` = value heads: a key head serving
+several value heads is repeated by the caller).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_CHUNK = 64
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x * rsqrt(sum(x^2) + eps)`` over the last dim (the query/key normalisation of Gated DeltaNet), float32."""
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the recurrence for ``B`` independent sequences (decode). Fixed shapes, no host reads: safe to
+    capture in a CUDA graph.
+
+    Args:
+        q, k: ``[B, H, Dk]`` float32 (``k`` unit-norm, ``q`` unit-norm times ``Dk ** -0.5``).
+        v: ``[B, H, Dv]`` float32. g: ``[B, H]`` log decay (<= 0). beta: ``[B, H]`` in (0, 1).
+        state: ``[B, H, Dk, Dv]`` float32, the state before the token (not modified).
+
+    Returns:
+        ``(o [B, H, Dv], new state [B, H, Dk, Dv])`` float32.
+    """
+    s = state * g.exp()[..., None, None]
+    predicted = torch.einsum("bhkv,bhk->bhv", s, k)
+    delta = (v - predicted) * beta[..., None]
+    s = s + k[..., :, None] * delta[..., None, :]
+    return torch.einsum("bhkv,bhk->bhv", s, q), s
+
+
+def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence token by token for one sequence: the test reference of :func:`gated_delta_chunked` (a Python
+    loop over tokens: not a serving path).
+
+    Args:
+        q, k: ``[T, H, Dk]``; v: ``[T, H, Dv]``; g, beta: ``[T, H]`` (as :func:`gated_delta_step`).
+        state: ``[H, Dk, Dv]`` initial state, or None for zeros.
+
+    Returns:
+        ``(o [T, H, Dv], final state [H, Dk, Dv])`` float32.
+    """
+    t, h, dk = k.shape
+    s = torch.zeros(h, dk, v.shape[-1], dtype=torch.float32, device=v.device) if state is None else state.float()
+    out = []
+    for i in range(t):
+        o, s = gated_delta_step(q[i:i + 1].float(), k[i:i + 1].float(), v[i:i + 1].float(), g[i:i + 1].float(),
+                                beta[i:i + 1].float(), s[None])
+        s = s[0]
+        out.append(o[0])
+    return (torch.stack(out) if out else v.new_zeros((0, h, v.shape[-1]), dtype=torch.float32)), s
+
+
+def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        state: torch.Tensor | None = None, chunk: int = DEFAULT_CHUNK
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk form (module docstring) for one sequence of any length (the last chunk is zero-padded: a padded
+    token has ``beta = 0`` and ``g = 0``, so it writes nothing and decays nothing).
+
+    Args:
+        q, k: ``[T, H, Dk]``; v: ``[T, H, Dv]``; g, beta: ``[T, H]``; state: ``[H, Dk, Dv]`` or None (zeros).
+        chunk: tokens per chunk ``C``.
+
+    Returns:
+        ``(o [T, H, Dv], final state [H, Dk, Dv])`` float32.
+
+    Memory: ``O(T * H * (Dk + Dv + C))`` float32 scratch (the per-chunk ``C x C`` matrices of every chunk at once).
+    """
+    t, h, dk = k.shape
+    dv = v.shape[-1]
+    s = torch.zeros(h, dk, dv, dtype=torch.float32, device=v.device) if state is None else state.float()
+    if t == 0:
+        return v.new_zeros((0, h, dv), dtype=torch.float32), s
+    n = -(-t // chunk)
+    pad = n * chunk - t
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [H, n, C, ...]
+        x = x.float()
+        x = F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)) if pad else x
+        x = x.reshape(n, chunk, *x.shape[1:])
+        return x.permute(2, 0, 1, *range(3, x.dim())).contiguous()
+
+    qb, kb, vb = blocks(q), blocks(k), blocks(v)          # [H, n, C, D]
+    gb, bb = blocks(g), blocks(beta)                      # [H, n, C]
+    gamma = gb.cumsum(-1)                                 # log G_t within each chunk
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril()
+    strict = lower.clone().fill_diagonal_(False)
+    diff = gamma[..., :, None] - gamma[..., None, :]      # log(G_t / G_s)
+    decay = torch.where(lower, diff, torch.full_like(diff, float("-inf"))).exp()   # D, inclusive lower triangle
+    kk = kb @ kb.transpose(-1, -2)                        # k_t . k_s
+    a = torch.where(strict, kk * decay * bb[..., :, None], torch.zeros_like(kk))
+    eye = torch.eye(chunk, dtype=torch.float32, device=v.device)
+    g_exp = gamma.exp()
+    rhs = torch.cat([vb * bb[..., None], kb * (bb * g_exp)[..., None]], dim=-1)    # [beta V | beta G K]
+    solved = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
+    w_v, w_k = solved[..., :dv], solved[..., dv:]         # U = w_v - w_k S_0
+    attn = (qb @ kb.transpose(-1, -2)) * decay            # (Q K^T) * D
+    q_dec = qb * g_exp[..., None]                         # diag(G) Q
+    k_end = kb * (gamma[..., -1:] - gamma).exp()[..., None]   # K * (G_C / G)
+    g_end = g_exp[..., -1]                                # G_C, [H, n]
+    out = torch.empty(h, n, chunk, dv, dtype=torch.float32, device=v.device)
+    for c in range(n):  # the scan over chunks (a loop over chunks, not tokens)
+        u = w_v[:, c] - w_k[:, c] @ s
+        out[:, c] = q_dec[:, c] @ s + attn[:, c] @ u
+        s = s * g_end[:, c, None, None] + k_end[:, c].transpose(-1, -2) @ u
+    out = out.reshape(h, n * chunk, dv)[:, :t].transpose(0, 1).contiguous()
+    return out, s
+
+
+def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gated_delta_chunked` through the Triton kernel on CUDA (``models/kernels/gated_delta_triton.py``),
+    the torch chunk form elsewhere. Same arguments and results."""
+    from ferrylm.triton_util import use_triton
+
+    if use_triton(v):
+        from ferrylm.models.kernels.gated_delta_triton import chunked_triton
+
+        return chunked_triton(q, k, v, g, beta, state)
+    return gated_delta_chunked(q, k, v, g, beta, state)
+
+
+# --- the short causal convolution ------------------------------------------------------------------------------
+
+
+def conv_window_index(query_start_loc: torch.Tensor, num_tokens: int, kernel: int,
+                      one_token_each: bool = False) -> torch.Tensor:
+    """Rows of ``cat([prev.reshape(B * (K-1), C), x])`` (:func:`causal_conv_varlen`) that token ``t``'s window
+    reads, oldest first: ``[T, K]`` int64. Device ops only (no host read: ``num_tokens`` is the host's ``T``).
+
+    Args:
+        query_start_loc: ``[B + 1]`` offsets of each sequence's tokens in the flattened batch (any int dtype).
+        num_tokens: ``T``. kernel: ``K``.
+        one_token_each: every sequence has one token (a decode step, ``T == B``): the index is built from
+            ``arange`` alone (what a captured decode graph runs).
+    """
+    qsl = query_start_loc.long()
+    b = qsl.shape[0] - 1
+    dev = qsl.device
+    if one_token_each:
+        seq = torch.arange(b, device=dev)
+        start = seq
+    else:
+        lens = qsl[1:] - qsl[:-1]
+        seq = torch.repeat_interleave(torch.arange(b, device=dev), lens, output_size=num_tokens)   # [T]
+        start = qsl[:-1][seq]
+    local = torch.arange(num_tokens, device=dev) - start                                     # position in its chunk
+    pos = local[:, None] + torch.arange(kernel, device=dev)[None, :] - (kernel - 1)           # [T, K]
+    from_tokens = b * (kernel - 1) + start[:, None] + pos
+    from_state = seq[:, None] * (kernel - 1) + (kernel - 1) + pos
+    return torch.where(pos >= 0, from_tokens, from_state)
+
+
+def causal_conv_varlen(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor, query_start_loc: torch.Tensor,
+                       index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution + SiLU over a flattened batch of sequences, each continuing from its own last
+    ``K - 1`` inputs (Gated DeltaNet's short convolution, as Mamba's ``causal_conv1d``).
+
+    Args:
+        x: ``[T, C]`` the step's inputs (sequence ``i``'s tokens are rows ``qsl[i] .. qsl[i+1]-1``).
+        weight: ``[C, K]`` filter taps, tap ``K - 1`` on the current input.
+        prev: ``[B, K - 1, C]`` each sequence's previous inputs, oldest first (zeros for a sequence starting now).
+        query_start_loc: ``[B + 1]`` (every sequence has at least one token).
+        index: :func:`conv_window_index` of the batch when already computed (shared by the layers of a step).
+
+    Returns:
+        ``(y [T, C] in x's dtype, new prev [B, K - 1, C])``: ``y_t = silu(sum_j w[:, j] * x_{t - K + 1 + j})`` in
+        float32, and each sequence's last ``K - 1`` inputs after the step (state rows where it has fewer tokens).
+    """
+    t, c = x.shape
+    b, km1, _ = prev.shape
+    k = km1 + 1
+    if index is None:
+        index = conv_window_index(query_start_loc, t, k)
+    ext = torch.cat([prev.reshape(b * km1, c).to(x.dtype), x])
+    w = weight.float()
+    acc = ext[index[:, 0]].float() * w[:, 0]
+    for j in range(1, k):   # K taps (4): one gather + multiply-add each, no [T, K, C] temporary
+        acc = acc + ext[index[:, j]].float() * w[:, j]
+    last = index[query_start_loc[1:].long() - 1]         # [B, K]: the window of each sequence's last token
+    new_prev = ext[last[:, 1:]]                           # its newest K - 1 inputs
+    return F.silu(acc).to(x.dtype), new_prev
