@@ -72,7 +72,7 @@ def gib(n: float) -> str:
 @dataclass(frozen=True)
 class ExpertNeeds:
     """What an offloading expert backend needs from the plan: ``slot_bytes`` per expert slot, ``fixed_bytes``
-    (prefill stream buffers), ``total_experts`` (slots that would hold every routed expert), ``min_slots``, and
+    (prefill stream buffers and the offload device table), ``total_experts`` (slots that would hold every routed expert), ``min_slots``, and
     ``backend`` (name, for messages)."""
 
     slot_bytes: int
@@ -92,7 +92,7 @@ def expert_needs(executor) -> ExpertNeeds | None:
     if executor is None or not hasattr(executor, "plan_slots") or not hasattr(executor, "layout"):
         return None
     banks = executor.banks
-    return ExpertNeeds(slot_bytes=int(executor.layout.nbytes), fixed_bytes=int(executor.stream_bytes()),
+    return ExpertNeeds(slot_bytes=int(executor.layout.nbytes), fixed_bytes=int(executor.stream_bytes()) + int(getattr(executor, "table_bytes", lambda: 0)()),
                        total_experts=len(banks.layers) * int(executor.num_experts),
                        min_slots=int(getattr(executor, "min_slots", 0)), backend=str(getattr(executor, "name", "?")))
 
