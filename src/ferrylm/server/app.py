@@ -98,7 +98,8 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
                allowed_origins: Sequence[str] | None = None,
                sse_ping_interval: float | None = DEFAULT_SSE_PING_INTERVAL,
                responses_store_size: int = 1024, request_timeout: float | None = None,
-               tool_call_parser: str = "auto", architecture: str | None = None) -> FastAPI:
+               tool_call_parser: str = "auto", architecture: str | None = None,
+               model_type: str | None = None) -> FastAPI:
     """Build the FastAPI app serving ``engine`` under the name ``served_model_name``.
 
     Args:
@@ -114,16 +115,18 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
         responses_store_size: responses kept for ``previous_response_id`` (oldest evicted first).
         request_timeout: seconds from arrival after which the engine ends a request with 408 ``request_timeout``
             (``--request-timeout``; a request's ``x-request-timeout`` header overrides it); None = no deadline.
-        tool_call_parser: the tool-call format (``--tool-call-parser``: ``auto`` | ``hermes`` | ``glm45`` |
-            ``minimax_m2``; auto: from the chat template, then ``architecture``, see
-            :func:`ferrylm.server.tool_formats.choose_tool_parser`).
+        tool_call_parser: the tool-call format (``--tool-call-parser``: ``auto`` or a name of
+            :data:`ferrylm.server.tool_formats.TOOL_PARSER_NAMES`; auto: from the chat template, then
+            ``model_type``, then ``architecture``, see :func:`ferrylm.server.tool_formats.choose_tool_parser`).
         architecture: the served model's ``architectures[0]``, for the ``auto`` choice.
+        model_type: its config's ``model_type`` (Kimi-K2 is ``kimi_k2`` on a DeepSeek-V3 architecture), for
+            the ``auto`` choice.
 
     Raises:
         ValueError: an unknown ``tool_call_parser``.
     """
     server = _Server(engine, codec, served_model_name, api_key, max_request_bytes, request_timeout,
-                     tool_call_parser=tool_call_parser, architecture=architecture)
+                     tool_call_parser=tool_call_parser, architecture=architecture, model_type=model_type)
     server.ping_interval = sse_ping_interval or None
     server.responses = responses.ResponseStore(responses_store_size)
     app = FastAPI(title="ferrylm", version=__version__, docs_url=None, redoc_url=None,
@@ -203,7 +206,7 @@ class _Server:
 
     def __init__(self, engine: EngineClient, codec: TextCodec, served_model_name: str, api_key: str | None,
                  max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, request_timeout: float | None = None,
-                 tool_call_parser: str = "auto", architecture: str | None = None):
+                 tool_call_parser: str = "auto", architecture: str | None = None, model_type: str | None = None):
         self.engine = engine
         self.request_timeout = request_timeout or None
         self.codec = codec
@@ -220,7 +223,7 @@ class _Server:
         self.reasoning = template_has_reasoning(template)       # split <think> … </think> into reasoning
         self.tool_tags = tag_terms(codec)                       # <tool_call> as the vocabulary has it
         self.tool_term = lark_term(codec)                       # any tag as the vocabulary has it
-        self.tool_parser = choose_tool_parser(tool_call_parser, architecture, template)  # the call format
+        self.tool_parser = choose_tool_parser(tool_call_parser, architecture, template, model_type)  # call format
         # markup the vocabulary holds as special tokens (GLM-4.5's <tool_call>, <arg_key>, <think>): a chat turn that
         # may contain it is detokenized with skip_special_tokens off, else the parsers would never see it
         special = frozenset(getattr(codec, "special_strings", ()) or ())
