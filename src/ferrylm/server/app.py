@@ -45,7 +45,7 @@ from ferrylm.server.protocol import (CompletionChoice, CompletionRequest, Comple
                                      ModelCard, ModelList, TokenizeRequest, UsageInfo, chunk_json,
                                      completion_logprobs, parse_request, to_sampling_params)
 from ferrylm.server.completions_logprobs import echo_logprobs, join_logprobs, vllm_prompt_logprobs
-from ferrylm.server.reasoning import prompt_opens_thinking, template_has_reasoning
+from ferrylm.server.reasoning import THINKING_SWITCHES, prompt_opens_thinking, template_has_reasoning
 from ferrylm.server.structured import request_grammar
 from ferrylm.server.tool_formats import FORMAT_MARKUP, choose_tool_parser
 from ferrylm.server.tools import ToolChoice, lark_term, parse_openai_tools, tag_terms, template_supports_tools
@@ -567,9 +567,10 @@ class _Server:
             EngineUnavailable etc.: the engine cannot take it now (503).
         """
         await _off_loop(job.apply_tool_choice, self.tool_tags, self.tool_parser, self.tool_term)
-        if job.params.grammar is not None and self.reasoning and "enable_thinking" not in job.template_kwargs:
-            # a constrained output starts at its first token: a template that thinks first is told not to
-            job.template_kwargs = {**job.template_kwargs, "enable_thinking": False}
+        if job.params.grammar is not None and self.reasoning:
+            # a constrained output starts at its first token: a template that thinks first is told not to (Qwen3's
+            # switch, DeepSeek-V3.1's), unless the client said otherwise
+            job.template_kwargs = {**{k: False for k in THINKING_SWITCHES}, **job.template_kwargs}
         text, prompt_ids = await _off_loop(render_prompt, self.codec, job, native_tools=self.native_tools,
                                            tool_format=self.tool_parser)
         params = job.params
@@ -586,8 +587,10 @@ class _Server:
                          timeout_s=self._timeout(request))
         tools = tuple(t.name for t in job.tools) if job.tools and job.tool_choice.mode != "none" else None
         prefill = _message_text(job.messages[-1]) if job.continue_final_message and job.messages else None
-        turn = TurnConfig(reasoning=self.reasoning, starts_in_reasoning=self.reasoning and
-                          prompt_opens_thinking(text, prefill), tool_names=tools, tool_parser=self.tool_parser,
+        # a grammar constrains the output from its first token, so it is never reasoning, even after a prompt
+        # that opened <think> (an R1 template always does; a client may turn thinking on for a forced call)
+        turn = TurnConfig(reasoning=self.reasoning, starts_in_reasoning=self.reasoning and params.grammar is None
+                          and prompt_opens_thinking(text, prefill), tool_names=tools, tool_parser=self.tool_parser,
                           tool_schemas={t.name: t.parameters for t in job.tools} if tools else None)
         first = await self._start(request, rid, gen, job.stream)
         return ChatRun(gen, first, prompt_ids, turn)

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 OPEN = "<think>"
 CLOSE = "</think>"
+#: ``chat_template_kwargs`` that turn a template's thinking off when False (Qwen3 / Qwen3.5: ``enable_thinking``;
+#: DeepSeek-V3.1: ``thinking``); the server sets them for a constrained output (a forced tool call, a JSON schema)
+THINKING_SWITCHES = ("enable_thinking", "thinking")
 
 
 def template_has_reasoning(chat_template: object) -> bool:
