@@ -223,3 +223,51 @@ async def test_anthropic_messages_tool_use_in_each_format(codec, fmt: str) -> No
     text, use = body["content"]
     assert text == {"type": "text", "text": "Let me look."}
     assert (use["type"], use["name"], use["input"]) == ("tool_use", "get_weather", {"city": "Paris", "days": 2})
+
+
+QWEN35_LIKE_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def qwen35_like_codec(tmp_path_factory):
+    from ferrylm.server.tokenizer import TextCodec
+
+    from .conftest import build_tiny_tokenizer
+
+    return TextCodec.from_pretrained(build_tiny_tokenizer(tmp_path_factory.mktemp("qwen35-like"),
+                                                          QWEN35_LIKE_TEMPLATE))
+
+
+@pytest.mark.parametrize("family,kwargs,out,want", [
+    # R1: the generation prompt always opens <think>; the output starts inside it
+    ("deepseek", {}, "Weather, so a tool.\n</think>\n\nHello.", ("Weather, so a tool.", "Hello.")),
+    ("deepseek", {}, "Still thinking when it stopped", ("Still thinking when it stopped", "")),
+    # V3.1: thinking on opens the block; off closes an empty one, so a later </think> is just text
+    ("deepseek", {"thinking": True}, "Hmm.</think>Hello.", ("Hmm.", "Hello.")),
+    ("deepseek", {"thinking": False}, "Hello.</think>", ("", "Hello.</think>")),
+    # Qwen3.5 / Qwen3-Next thinking: <think>\n in the prompt unless enable_thinking is false
+    ("qwen35", {}, "Let me see.\n</think>\n\nHello.", ("Let me see.", "Hello.")),
+    ("qwen35", {"enable_thinking": False}, "Hello.", ("", "Hello.")),
+    # Kimi-K2 (non-thinking): no reasoning at all
+    ("kimi", {}, "<think>not a block</think>Hello.", ("", "<think>not a block</think>Hello.")),
+])
+async def test_output_that_starts_in_reasoning_per_family(request, family: str, kwargs: dict, out: str,
+                                                          want: tuple[str, str]) -> None:
+    codec = request.getfixturevalue(f"{family}_codec" if family != "qwen35" else "qwen35_like_codec")
+    eng = FakeEngine(codec, max_model_len=4096)
+    eng.script = lambda rid, prompt, p: codec.encode(out, add_special_tokens=False, parse_special=True) + [eng.eos]
+    client = oai(create_app(eng, codec, SERVED))
+    r = await client.chat.completions.create(model=SERVED, messages=MSGS, extra_body={"chat_template_kwargs": kwargs})
+    msg = r.choices[0].message
+    assert ((msg.model_extra or {}).get("reasoning_content") or "", msg.content or "") == want
+    stream = await client.chat.completions.create(model=SERVED, messages=MSGS, stream=True,
+                                                  extra_body={"chat_template_kwargs": kwargs})
+    reasoning, content = "", ""
+    async for chunk in stream:
+        for ch in chunk.choices:
+            reasoning += (ch.delta.model_extra or {}).get("reasoning_content") or ""
+            content += ch.delta.content or ""
+    assert (reasoning, content) == want
