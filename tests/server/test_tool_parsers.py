@@ -227,6 +227,9 @@ def test_choice_of_parser() -> None:
     # a Qwen3-Next checkpoint whose template teaches Hermes JSON calls keeps Hermes
     assert choose_tool_parser("auto", "Qwen3NextForCausalLM", HERMES_TEMPLATE) == "hermes"
     assert choose_tool_parser("auto", "Qwen3NextForCausalLM", "{{ messages }}") == "qwen3_coder"
+    # Llama 3.1's <function=name>{json}</function> prompts are not Qwen3-Coder's
+    assert choose_tool_parser("auto", "LlamaForCausalLM", "<function=example_function_name>{...}</function>") == \
+        "hermes"
     assert choose_tool_parser("kimi_k2", "Qwen3NextForCausalLM", QWEN3_CODER_TEMPLATE) == "kimi_k2"  # flag wins
     for name in PARSERS:
         assert type(make_tool_parser(name, NAMES, SCHEMAS)) is PARSERS[name]

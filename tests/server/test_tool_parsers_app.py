@@ -45,7 +45,8 @@ SEARCH_CALL = {
     "qwen3_coder": "<tool_call>\n<function=search>\n<parameter=q>\nParis\n</parameter>\n</function>\n</tool_call>",
 }
 TAUGHT = {"deepseek_v3": ds.CALLS_BEGIN, "kimi_k2": kimi.SECTION_BEGIN, "qwen3_coder": "<function="}
-MARK = {"deepseek_v3": json.dumps(ds.SEP)[1:-1], "kimi_k2": "functions.get_weather:", "qwen3_coder": "<function=get_weather>"}
+MARK = {"deepseek_v3": json.dumps(ds.SEP)[1:-1], "kimi_k2": "functions.get_weather:",
+        "qwen3_coder": "<function=get_weather>"}   # how each grammar writes the call (non-ASCII escaped)
 
 
 def scripted(codec, text: str) -> FakeEngine:

@@ -208,7 +208,7 @@ def make_tool_parser(name: str, tool_names: Iterable[str] | None,
 _TEMPLATE_MARKS: tuple[tuple[str, re.Pattern], ...] = (
     ("minimax_m2", re.compile(re.escape(MiniMaxM2ToolParser.OPEN))),
     ("glm45", re.compile(re.escape("<arg_key>"))),
-    ("qwen3_coder", re.compile(re.escape(qwen3_coder.FUNCTION))),
+    ("qwen3_coder", re.compile(re.escape(qwen3_coder.PARAMETER))),   # <function= alone: Llama 3.1 prompt guides
     ("kimi_k2", re.compile(re.escape(kimi_k2.SECTION_BEGIN) + "|" + re.escape(kimi_k2.CALL_BEGIN))),
     ("deepseek_v3", re.compile("<\uff5ctool[\u2581 ]calls?[\u2581 ]begin\uff5c>")),
     ("hermes", re.compile(r'<tool_call>(?:\\n|\s)*\{\\?"name\\?"')),
@@ -230,7 +230,7 @@ def choose_tool_parser(flag: str | None, architecture: str | None = None, chat_t
                        model_type: str | None = None) -> str:
     """The tool-call format of a served model: ``flag`` (``--tool-call-parser``) unless it is ``auto`` / None;
     then the chat template's own markup (:func:`template_format`: ``<minimax:tool_call>`` → ``minimax_m2``,
-    ``<arg_key>`` → ``glm45``, ``<function=`` → ``qwen3_coder``, ``<|tool_calls_section_begin|>`` → ``kimi_k2``,
+    ``<arg_key>`` → ``glm45``, ``<parameter=`` → ``qwen3_coder``, ``<|tool_calls_section_begin|>`` → ``kimi_k2``,
     ``<｜tool▁calls▁begin｜>`` → ``deepseek_v3``, Hermes' ``<tool_call>{"name": ...`` → ``hermes``), then the
     config's ``model_type`` (``kimi_k2``), then the architecture (:data:`_ARCH_PARSERS`), else ``hermes``.
 

@@ -13,9 +13,11 @@ and fence the JSON arguments (calls on their own lines)::
     {"q": "x"}
     ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
 
-V3.1 writes the function name first and plain JSON arguments, calls back to back::
+V3.1 writes the function name first and plain JSON arguments, calls back to back (one a line here)::
 
-    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+    <｜tool▁calls▁begin｜>
+    <｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>
+    <｜tool▁calls▁end｜>
 
 Both are read (a fence around V3.1's arguments too). The arguments must be a JSON object (a JSON string holding
 one is accepted); a section becomes calls only once ``<｜tool▁calls▁end｜>`` is seen and every call in it is

@@ -1,7 +1,11 @@
 """Kimi-K2 tool calls (``kimi_k2``), as Moonshot's chat template writes them: one section, each call named by an id
-``functions.NAME:IDX`` (IDX counts the calls of the conversation) and given JSON arguments::
+``functions.NAME:IDX`` (IDX counts the calls of the conversation) and given JSON arguments (written here one tag a
+line; the model writes them back to back)::
 
-    <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.search:1<|tool_call_argument_begin|>{"q": "x"}<|tool_call_end|><|tool_calls_section_end|>
+    <|tool_calls_section_begin|>
+    <|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>
+    <|tool_call_begin|>functions.search:1<|tool_call_argument_begin|>{"q": "x"}<|tool_call_end|>
+    <|tool_calls_section_end|>
 
 Blanks between the tags are allowed, and the ``functions.`` prefix may be missing. The call keeps the model's id as
 its ``id`` (the template writes ``tool_call.id`` back into the history, so the model sees its own ids again). The
