@@ -80,6 +80,10 @@ def test_qwen3_coder_values_follow_the_schema() -> None:
     assert calls == [("get_weather", {"city": "Paris", "days": 3}),
                      ("search", {"q": "if a < b:\n    print('<tool_call>')", "filters": {"lang": "fr"},
                                  "exact": False})]
+    # a value may hold the block's closing tag (code that writes it): the block ends at the one outside values
+    code = ("<tool_call>\n<function=search>\n<parameter=q>\nend = '</tool_call>'\n</parameter>\n</function>\n"
+            "</tool_call>")
+    assert run(Qwen3CoderToolParser(NAMES, SCHEMAS), [code]) == ("", [("search", {"q": "end = '</tool_call>'"})])
     two = "<tool_call>\n<function=get_weather>\n<parameter=city>\nA\n</parameter>\n</function>\n" \
           "<function=search>\n</function>\n</tool_call>"   # several functions in one block
     assert run(Qwen3CoderToolParser(NAMES, SCHEMAS), [two])[1] == [("get_weather", {"city": "A"}), ("search", {})]

@@ -99,6 +99,7 @@ class BlockToolParser(ToolParser):
         self._in_block = False
         self._ws = ""
         self._after_call = False
+        self._raw_close = False   # finish(): a body close_at never ends (a value never closed) ends at the first CLOSE
 
     # -- format hooks -------------------------------------------------------------------------------------
     def viable(self, body: str) -> bool:
@@ -114,13 +115,19 @@ class BlockToolParser(ToolParser):
         """The calls of a whole block body, or None when it is not a well-formed block of known tools."""
         raise NotImplementedError
 
+    def close_at(self, buf: str) -> int:
+        """Index of the ``CLOSE`` that ends the block whose body starts ``buf`` (-1: not seen yet). Default: the
+        first one. A format whose values may hold the tag overrides it; the answer for a prefix of ``buf`` must
+        hold for ``buf`` (a left-to-right scan), so that chunking does not change it."""
+        return buf.find(self.CLOSE)
+
     # -- the loop (HermesToolParser's rules) -------------------------------------------------------------
     def feed(self, text: str) -> list[Piece]:
         self._buf += text
         out: list[Piece] = []
         while True:
             if self._in_block:
-                j = self._buf.find(self.CLOSE)
+                j = self._buf.find(self.CLOSE) if self._raw_close else self.close_at(self._buf)
                 body = self._buf if j < 0 else self._buf[:j]
                 if not self.viable(body):
                     self._in_block = False
@@ -152,6 +159,9 @@ class BlockToolParser(ToolParser):
 
     def finish(self) -> list[Piece]:
         out = self.feed("")
+        if self._in_block and self.CLOSE in self._buf:   # a malformed body (a value never closed): the first tag
+            self._raw_close = True
+            out += self.feed("")
         rest = (self.OPEN if self._in_block else "") + self._buf
         self._buf, self._in_block = "", False
         self._text(rest, out)

@@ -15,9 +15,10 @@
 Values are text typed by the tool's parameter schema (:func:`~ferrylm.server.tool_parsers.block.coerce_value`:
 a ``string`` property keeps the text, others are read as JSON as the template writes them with ``tojson``); one
 newline after the opening tag and one before the closing tag are layout. A value ends at the first
-``</parameter>``, so a string may hold ``<`` and other tags (code). A block becomes calls only once
-``</tool_call>`` is seen and its body is one or more well-formed functions of the request's tools, else it is
-text.
+``</parameter>``, so a string may hold ``<`` and other tags (code), ``</tool_call>`` included: the block ends at
+the first ``</tool_call>`` outside values (at the end of the output, a value never closed gives way to the first
+one). A block becomes calls only once it is closed and its body is one or more well-formed functions of the
+request's tools, else it is text.
 
 This module must not import torch.
 """
@@ -45,6 +46,19 @@ class Qwen3CoderToolParser(BlockToolParser):
     OPEN = OPEN
     CLOSE = CLOSE
     LEAD = FUNCTION
+
+    def close_at(self, buf: str) -> int:
+        """The first ``</tool_call>`` outside parameter values (a string value may hold one: code), scanning left
+        to right; -1 while a value is open or no closing tag came yet."""
+        pos = 0
+        while True:
+            close, param = buf.find(CLOSE, pos), buf.find(PARAMETER, pos)
+            if param < 0 or 0 <= close < param:
+                return close
+            end = buf.find(PARAMETER_END, param)
+            if end < 0:
+                return -1
+            pos = end + len(PARAMETER_END)
 
     def parse_block(self, body: str) -> list[ToolCall] | None:
         calls, pos = [], 0
