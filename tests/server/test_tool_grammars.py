@@ -179,6 +179,11 @@ def test_format_variants_and_free_text() -> None:
     q = forced_call_grammar("qwen3_coder", TOOLS, ToolChoice("named", "search", parallel=False))
     assert accepts(q, _qc(("search", [("q", "if a < b:\n    return '<tool_call>'")])))
     assert not accepts(q, _qc(("search", [("q", "a</parameter>b")])))
+    code = _qc(("search", [("q", "x = '</tool_call>'")]))   # the block's own closing tag, inside a value
+    assert accepts(q, code)
+    parser = make_tool_parser("qwen3_coder", [t.name for t in TOOLS], SCHEMAS)
+    (piece,) = parser.feed(code) + parser.finish()
+    assert json.loads(piece.call.arguments) == {"q": "x = '</tool_call>'"}
     k = forced_call_grammar("kimi_k2", TOOLS, ToolChoice("named", "search", parallel=False))
     assert accepts(k, _kimi(("search", [("q", "x")])))
     assert not accepts(k, _kimi(("search", [("q", "x")])).replace("functions.search", "functions.ping"))
