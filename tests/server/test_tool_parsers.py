@@ -235,5 +235,6 @@ def test_choice_of_parser() -> None:
     assert choose_tool_parser("auto", "LlamaForCausalLM", "<function=example_function_name>{...}</function>") == \
         "hermes"
     assert choose_tool_parser("kimi_k2", "Qwen3NextForCausalLM", QWEN3_CODER_TEMPLATE) == "kimi_k2"  # flag wins
+    assert choose_tool_parser("deepseek_v31") == "deepseek_v3" and choose_tool_parser("qwen3_xml") == "qwen3_coder"
     for name in PARSERS:
         assert type(make_tool_parser(name, NAMES, SCHEMAS)) is PARSERS[name]

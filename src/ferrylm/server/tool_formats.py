@@ -51,7 +51,10 @@ __all__ = ["BlockToolParser", "DeepSeekV3ToolParser", "Glm45ToolParser", "KimiK2
            "format_calls_as", "make_tool_parser"]
 
 TOOL_PARSER_NAMES = ("hermes", "glm45", "minimax_m2", "deepseek_v3", "kimi_k2", "qwen3_coder")
-TOOL_PARSER_CHOICES = ("auto", *TOOL_PARSER_NAMES)
+#: vLLM's other names for the same formats (its V3.1 parser; its XML variant of Qwen3-Coder's): accepted by
+#: ``--tool-call-parser``, served by the parser they name here
+TOOL_PARSER_ALIASES = {"deepseek_v31": "deepseek_v3", "qwen3_xml": "qwen3_coder"}
+TOOL_PARSER_CHOICES = ("auto", *TOOL_PARSER_NAMES, *TOOL_PARSER_ALIASES)
 _ARCH_PARSERS = {"Glm4MoeForCausalLM": "glm45", "MiniMaxM2ForCausalLM": "minimax_m2",
                  "DeepseekV3ForCausalLM": "deepseek_v3", "Qwen3NextForCausalLM": "qwen3_coder",
                  "Qwen3_5MoeForCausalLM": "qwen3_coder"}
@@ -228,7 +231,8 @@ def template_format(chat_template: Any) -> str | None:
 
 def choose_tool_parser(flag: str | None, architecture: str | None = None, chat_template: Any = None,
                        model_type: str | None = None) -> str:
-    """The tool-call format of a served model: ``flag`` (``--tool-call-parser``) unless it is ``auto`` / None;
+    """The tool-call format of a served model: ``flag`` (``--tool-call-parser``; an alias of
+    :data:`TOOL_PARSER_ALIASES` gives the format it names) unless it is ``auto`` / None;
     then the chat template's own markup (:func:`template_format`: ``<minimax:tool_call>`` → ``minimax_m2``,
     ``<arg_key>`` → ``glm45``, ``<parameter=`` → ``qwen3_coder``, ``<|tool_calls_section_begin|>`` → ``kimi_k2``,
     ``<｜tool▁calls▁begin｜>`` → ``deepseek_v3``, Hermes' ``<tool_call>{"name": ...`` → ``hermes``), then the
@@ -240,6 +244,6 @@ def choose_tool_parser(flag: str | None, architecture: str | None = None, chat_t
     if flag not in (None, *TOOL_PARSER_CHOICES):
         raise ValueError(f"unknown tool-call parser {flag!r}; choose from {', '.join(TOOL_PARSER_CHOICES)}")
     if flag not in (None, "auto"):
-        return flag
+        return TOOL_PARSER_ALIASES.get(flag, flag)
     return (template_format(chat_template) or _MODEL_TYPE_PARSERS.get(model_type or "")
             or _ARCH_PARSERS.get(architecture or "", "hermes"))
