@@ -208,6 +208,12 @@ async def test_kimi_like_vocabulary_native_template(kimi_codec) -> None:
     await client.chat.completions.create(model=SERVED, messages=history, tools=[WEATHER])
     prompt = codec.decode(eng.requests[-1][1], skip_special_tokens=False)
     assert f"{kimi.CALL_BEGIN}functions.get_weather:0{kimi.ARGS_BEGIN}" in prompt
+    # a forced call's grammar writes the section's tags as the vocabulary's special tokens
+    eng.script = lambda rid, prompt, p: _special_ids(codec, CALL["kimi_k2"]) + [eng.eos]
+    r = await client.chat.completions.create(model=SERVED, messages=MSGS, tools=[WEATHER], tool_choice="required")
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
+    args_id = codec.encode(kimi.ARGS_BEGIN, add_special_tokens=False, parse_special=True)[0]
+    assert f"<[{args_id}]>" in eng.requests[-1][2].grammar
 
 
 @pytest.mark.parametrize("fmt", sorted(CALL))
