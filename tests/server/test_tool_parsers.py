@@ -89,6 +89,15 @@ def test_qwen3_coder_values_follow_the_schema() -> None:
     assert run(Qwen3CoderToolParser(NAMES, SCHEMAS), [two])[1] == [("get_weather", {"city": "A"}), ("search", {})]
 
 
+BARE = "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>"
+
+
+def test_qwen3_coder_function_without_the_wrapper() -> None:
+    """A model that drops <tool_call> still calls; only a well-formed function of a request tool counts."""
+    assert run(Qwen3CoderToolParser(NAMES, SCHEMAS), ["Sure.\n" + BARE + "\n" + QC]) == \
+        ("Sure.", [("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Paris", "days": 3})])
+
+
 def test_a_reply_of_calls_only_has_no_text() -> None:
     for fmt, call in (("deepseek_v3", DS_V3), ("kimi_k2", KIMI), ("qwen3_coder", QC)):
         text, calls = run(PARSERS[fmt](NAMES, SCHEMAS), ["\n" + call + "\n\n"])
@@ -121,6 +130,10 @@ def test_a_reply_of_calls_only_has_no_text() -> None:
     ("qwen3_coder", "<tool_call>\n<function=search>\n</function>\nstray\n</tool_call>"),
     ("qwen3_coder", "<tool_call>\n<function=search>\n</function>"),
     ("qwen3_coder", "<tool_call>\n</tool_call>"),
+    ("qwen3_coder", "Write <function=name> then </function>."),                       # a mention
+    ("qwen3_coder", "<function=rm_rf>\n<parameter=path>\n/\n</parameter>\n</function>"),  # bare, unknown tool
+    ("qwen3_coder", "<function=get_weather\n<parameter=city>x</parameter></function>"),   # no '>' after the name
+    ("qwen3_coder", "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"),    # bare, never closed
 ])
 def test_text_that_is_not_a_call_is_never_swallowed(fmt: str, raw: str) -> None:
     assert run(PARSERS[fmt](NAMES, SCHEMAS), [raw]) == (raw, [])
@@ -131,7 +144,7 @@ _PIECES = {
                     " ", "hi", "<", "<\uff5c", "é🙂", "get_weather"],
     "kimi_k2": [KIMI, KS, KE, KB, KA, KC, "functions.search:0", "functions.", ":1", '{"q": "x"}', "<|", "<|tool_",
                 "\n", " ", "hi", "é🙂"],
-    "qwen3_coder": [QC, QC2, "<tool_call>", "</tool_call>", "<function=search>", "</function>", "<parameter=q>",
+    "qwen3_coder": [QC, QC2, BARE, "<tool_call>", "</tool_call>", "<function=search>", "</function>", "<parameter=q>",
                     "</parameter>", "<function=", "\n", " ", "x", "<", "é🙂", "<tool_", "call>"],
 }
 

@@ -80,7 +80,10 @@ class BlockToolParser(ToolParser):
     call is not content (the blank runs before, between and after calls are dropped), as in Hermes.
 
     ``LEAD``: when set, the tag a block body must start with (after blanks); a body that cannot start with it ends
-    the block at once (the ``OPEN`` was a mention), see :meth:`viable`.
+    the block at once (the ``OPEN`` was a mention), see :meth:`viable`. ``EXTRA_BLOCKS``: other ``(open, close)``
+    pairs a block may be written with (a tag a model drops at times); the hooks see the pair of the block at hand
+    in ``self._open`` / ``self._close``. No opening tag may hold another past its first character (then the first
+    opening tag in the text is certain as soon as it is whole).
 
     Args:
         tool_names: the request's tools; a call naming another function leaves its block as text. None: any name.
@@ -90,6 +93,7 @@ class BlockToolParser(ToolParser):
     OPEN = ""
     CLOSE = ""
     LEAD = ""
+    EXTRA_BLOCKS: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, tool_names: Iterable[str] | None = None, schemas: Mapping[str, dict] | None = None):
         self.names = None if tool_names is None else frozenset(tool_names)
@@ -100,13 +104,16 @@ class BlockToolParser(ToolParser):
         self._ws = ""
         self._after_call = False
         self._raw_close = False   # finish(): a body close_at never ends (a value never closed) ends at the first CLOSE
+        self._open, self._close = self.OPEN, self.CLOSE   # the tags of the block at hand
+        self._pairs = ((self.OPEN, self.CLOSE), *self.EXTRA_BLOCKS)
 
     # -- format hooks -------------------------------------------------------------------------------------
     def viable(self, body: str) -> bool:
         """False once the text after ``OPEN`` can no longer be a block (then ``OPEN`` was a mention). Must be
         monotone: a False body stays False whatever follows (chunking invariance). Default: the body (after
-        blanks) starts with ``LEAD`` or could still; any body when there is no ``LEAD``."""
-        if not self.LEAD:
+        blanks) starts with ``LEAD`` or could still; any body when there is no ``LEAD`` (or the block is one of
+        ``EXTRA_BLOCKS``)."""
+        if not self.LEAD or self._open != self.OPEN:
             return True
         s = body.lstrip()
         return s.startswith(self.LEAD) or self.LEAD.startswith(s)
@@ -116,10 +123,10 @@ class BlockToolParser(ToolParser):
         raise NotImplementedError
 
     def close_at(self, buf: str) -> int:
-        """Index of the ``CLOSE`` that ends the block whose body starts ``buf`` (-1: not seen yet). Default: the
+        """Index of the closing tag that ends the block whose body starts ``buf`` (-1: not seen yet). Default: the
         first one. A format whose values may hold the tag overrides it; the answer for a prefix of ``buf`` must
         hold for ``buf`` (a left-to-right scan), so that chunking does not change it."""
-        return buf.find(self.CLOSE)
+        return buf.find(self._close)
 
     # -- the loop (HermesToolParser's rules) -------------------------------------------------------------
     def feed(self, text: str) -> list[Piece]:
@@ -127,42 +134,43 @@ class BlockToolParser(ToolParser):
         out: list[Piece] = []
         while True:
             if self._in_block:
-                j = self._buf.find(self.CLOSE) if self._raw_close else self.close_at(self._buf)
+                j = self._buf.find(self._close) if self._raw_close else self.close_at(self._buf)
                 body = self._buf if j < 0 else self._buf[:j]
                 if not self.viable(body):
                     self._in_block = False
-                    self._text(self.OPEN, out)
+                    self._text(self._open, out)
                     continue
                 if j < 0:
                     return out
-                self._buf = self._buf[j + len(self.CLOSE):]
+                self._buf = self._buf[j + len(self._close):]
                 self._in_block = False
                 calls = self.parse_block(body)
                 if not calls:
-                    self._text(self.OPEN + body + self.CLOSE, out)
+                    self._text(self._open + body + self._close, out)
                 else:
                     self._ws = ""
                     self._after_call = True
                     self.calls += len(calls)
                     out.extend(Piece(call=c) for c in calls)
                 continue
-            i = self._buf.find(self.OPEN)
-            if i >= 0:
+            found = [(i, -len(o), o, c) for o, c in self._pairs if (i := self._buf.find(o)) >= 0]
+            if found:
+                i, _, self._open, self._close = min(found)
                 self._text(self._buf[:i], out)
-                self._buf = self._buf[i + len(self.OPEN):]
+                self._buf = self._buf[i + len(self._open):]
                 self._in_block = True
                 continue
-            keep = _partial_suffix(self._buf, self.OPEN)
+            keep = max(_partial_suffix(self._buf, o) for o, _ in self._pairs)
             self._text(self._buf[:len(self._buf) - keep], out)
             self._buf = self._buf[len(self._buf) - keep:]
             return out
 
     def finish(self) -> list[Piece]:
         out = self.feed("")
-        if self._in_block and self.CLOSE in self._buf:   # a malformed body (a value never closed): the first tag
+        if self._in_block and self._close in self._buf:   # a malformed body (a value never closed): the first tag
             self._raw_close = True
             out += self.feed("")
-        rest = (self.OPEN if self._in_block else "") + self._buf
+        rest = (self._open if self._in_block else "") + self._buf
         self._buf, self._in_block = "", False
         self._text(rest, out)
         if self._ws and not self.calls:

@@ -18,7 +18,8 @@ newline after the opening tag and one before the closing tag are layout. A value
 ``</parameter>``, so a string may hold ``<`` and other tags (code), ``</tool_call>`` included: the block ends at
 the first ``</tool_call>`` outside values (at the end of the output, a value never closed gives way to the first
 one). A block becomes calls only once it is closed and its body is one or more well-formed functions of the
-request's tools, else it is text.
+request's tools, else it is text. A function the model wrote without the ``<tool_call>`` wrapper (models drop it
+at times) is read too: ``<function=NAME>`` + parameters + ``</function>`` of a request tool, else text.
 
 This module must not import torch.
 """
@@ -37,6 +38,7 @@ PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
 MARKUP = (OPEN, CLOSE)
 
 _FUNCTION = re.compile(r"\s*<function=([^<>\n]+)>")
+_NAME_PART = re.compile(r"[^<>\n]*")
 _PARAM = re.compile(r"\s*<parameter=([^<>\n]+)>(.*?)</parameter>", re.S)
 
 
@@ -46,13 +48,22 @@ class Qwen3CoderToolParser(BlockToolParser):
     OPEN = OPEN
     CLOSE = CLOSE
     LEAD = FUNCTION
+    EXTRA_BLOCKS = ((FUNCTION, FUNCTION_END),)   # no wrapper
+
+    def viable(self, body: str) -> bool:
+        """A wrapped block starts with ``<function=``; a bare function's body with its name up to ``>``."""
+        if self._open == FUNCTION:
+            end = _NAME_PART.match(body).end()
+            return end == len(body) or body[end] == ">"
+        return super().viable(body)
 
     def close_at(self, buf: str) -> int:
-        """The first ``</tool_call>`` outside parameter values (a string value may hold one: code), scanning left
-        to right; -1 while a value is open or no closing tag came yet."""
+        """The first closing tag (``</tool_call>``; ``</function>`` without the wrapper) outside parameter values
+        (a string value may hold one: code), scanning left to right; -1 while a value is open or no closing tag
+        came yet."""
         pos = 0
         while True:
-            close, param = buf.find(CLOSE, pos), buf.find(PARAMETER, pos)
+            close, param = buf.find(self._close, pos), buf.find(PARAMETER, pos)
             if param < 0 or 0 <= close < param:
                 return close
             end = buf.find(PARAMETER_END, param)
@@ -61,6 +72,8 @@ class Qwen3CoderToolParser(BlockToolParser):
             pos = end + len(PARAMETER_END)
 
     def parse_block(self, body: str) -> list[ToolCall] | None:
+        if self._open == FUNCTION:   # one function without the wrapper
+            body = FUNCTION + body + FUNCTION_END
         calls, pos = [], 0
         while (head := _FUNCTION.match(body, pos)) is not None:
             params = match_all(_PARAM, body, head.end(), end=FUNCTION_END)
