@@ -175,8 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None, help="require this bearer key on /v1/* (env FERRYLM_API_KEY)")
     s.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSER_CHOICES,
                    help="tool-call format of the model's output (vLLM's names): hermes (<tool_call>{json}), glm45 "
-                        "(GLM-4.5/4.6 <tool_call>name<arg_key>...), minimax_m2 (<minimax:tool_call><invoke ...>); "
-                        "auto (default): from the chat template's markup, then the architecture, else hermes")
+                        "(GLM-4.5/4.6 <tool_call>name<arg_key>...), minimax_m2 (<minimax:tool_call><invoke ...>), "
+                        "deepseek_v3 (DeepSeek-V3/V3.1/R1 <｜tool▁calls▁begin｜>...), kimi_k2 "
+                        "(<|tool_calls_section_begin|>...), qwen3_coder (Qwen3-Coder/Qwen3-Next/Qwen3.5 "
+                        "<tool_call><function=...>); auto (default): from the chat template's markup, then the "
+                        "config's model_type, then the architecture, else hermes")
     s.add_argument("--max-request-bytes", type=int, default=8 << 20, metavar="N",
                    help="refuse request bodies larger than N bytes with 413 (default: 8 MiB)")
     s.add_argument("--sse-ping-interval", type=float, default=15.0, metavar="S",

@@ -1,4 +1,5 @@
-"""Forced tool calls in the GLM-4.5 and MiniMax-M2 formats (server/tool_grammars.py), checked with llguidance's
+"""Forced tool calls in the GLM-4.5, MiniMax-M2, DeepSeek-V3, Kimi-K2 and Qwen3-Coder formats
+(server/tool_grammars.py), checked with llguidance's
 own matcher over a byte vocabulary: well-formed calls are accepted, calls that break OpenAI's strict semantics
 (a missing required key, a key the schema does not name, a wrong type) are not, and random walks through the
 grammar always end in markup the format's parser turns into calls of the right shape (no text left over)."""
@@ -37,7 +38,48 @@ def _mm(*invokes: tuple[str, list[tuple[str, str]]]) -> str:
     return f"<minimax:tool_call>\n{body}\n</minimax:tool_call>"
 
 
-FORMAT = {"glm45": lambda *inv: "\n".join(_glm(n, ps) for n, ps in inv), "minimax_m2": _mm}
+def _json_value(v: str, schema: dict | None) -> str:
+    """A value's text in a JSON object: a string property's quoted; another property's as it is (so a bad value
+    stays bad); a key no schema names: as it is when it is JSON, else quoted."""
+    if schema is not None:
+        return json.dumps(v) if schema.get("type") == "string" else v
+    try:
+        json.loads(v)
+        return v
+    except ValueError:
+        return json.dumps(v)
+
+
+def _json_args(name: str, pairs: list[tuple[str, str]]) -> str:
+    """The pairs as a JSON object's text (:func:`_json_value`)."""
+    props = SCHEMAS.get(name, {}).get("properties", {})
+    return "{" + ", ".join(f"{json.dumps(k)}: {_json_value(v, props.get(k))}" for k, v in pairs) + "}"
+
+
+def _ds(*invokes: tuple[str, list[tuple[str, str]]], v3: bool = False) -> str:
+    from ferrylm.server.tool_parsers import deepseek_v3 as ds
+
+    calls = (f"{ds.CALL_BEGIN}function{ds.SEP}{n}\n```json\n{_json_args(n, ps)}\n```{ds.CALL_END}" if v3 else
+             f"{ds.CALL_BEGIN}{n}{ds.SEP}{_json_args(n, ps)}{ds.CALL_END}" for n, ps in invokes)
+    return ds.CALLS_BEGIN + ("\n" if v3 else "").join(calls) + ds.CALLS_END
+
+
+def _kimi(*invokes: tuple[str, list[tuple[str, str]]]) -> str:
+    from ferrylm.server.tool_parsers import kimi_k2 as k
+
+    return k.SECTION_BEGIN + "".join(f"{k.CALL_BEGIN}functions.{n}:{i}{k.ARGS_BEGIN}{_json_args(n, ps)}{k.CALL_END}"
+                                     for i, (n, ps) in enumerate(invokes)) + k.SECTION_END
+
+
+def _qc(*invokes: tuple[str, list[tuple[str, str]]]) -> str:
+    return "\n".join(f"<tool_call>\n<function={n}>\n" + "".join(f"<parameter={k}>\n{v}\n</parameter>\n"
+                                                                for k, v in ps) + "</function>\n</tool_call>"
+                     for n, ps in invokes)
+
+
+FORMAT = {"glm45": lambda *inv: "\n".join(_glm(n, ps) for n, ps in inv), "minimax_m2": _mm,
+          "deepseek_v3": _ds, "kimi_k2": _kimi, "qwen3_coder": _qc}
+ALL = sorted(FORMAT)
 
 
 def accepts(grammar: str, text: str) -> bool:
@@ -47,7 +89,7 @@ def accepts(grammar: str, text: str) -> bool:
     return m.consume_tokens(list(text.encode())) and m.is_accepting()
 
 
-@pytest.mark.parametrize("fmt", ["glm45", "minimax_m2"])
+@pytest.mark.parametrize("fmt", ALL)
 def test_well_formed_calls_are_accepted_and_strict_violations_are_not(fmt: str) -> None:
     g = forced_call_grammar(fmt, TOOLS, ToolChoice("required"))
     make = FORMAT[fmt]
@@ -72,6 +114,11 @@ def test_well_formed_calls_are_accepted_and_strict_violations_are_not(fmt: str) 
     assert not accepts(one, make(("ping", [])))
 
 
+#: closers a walk tries now and then (free text that only a whole closing tag ends, as Qwen3-Coder's values, would
+#: not end by chance)
+HINTS = ("</parameter>\n", "</function>\n")
+
+
 def _random_walk(grammar: str, rng: random.Random, limit: int = 3000) -> str:
     """Random tokens the matcher allows (tags and closers favoured so walks end) until it stops."""
     tok = llguidance.LLTokenizer("byte")
@@ -80,6 +127,11 @@ def _random_walk(grammar: str, rng: random.Random, limit: int = 3000) -> str:
     for _ in range(limit):
         if m.is_stopped():
             break
+        hint = list(rng.choice(HINTS).encode())
+        if rng.random() < 0.05 and m.validate_tokens(hint) == len(hint):
+            assert m.consume_tokens(hint), m.get_error()
+            out.extend(hint)
+            continue
         mask = m.compute_bitmask()
         allowed = [i for i in range(tok.vocab_size) if mask[i // 8] >> (i % 8) & 1]
         if allowed == [tok.eos_token] or (m.is_accepting() and rng.random() < 0.5):
@@ -94,7 +146,7 @@ def _random_walk(grammar: str, rng: random.Random, limit: int = 3000) -> str:
 
 
 @pytest.mark.parametrize("mode", ["required", "named"])
-@pytest.mark.parametrize("fmt", ["glm45", "minimax_m2"])
+@pytest.mark.parametrize("fmt", ALL)
 def test_any_walk_through_the_grammar_parses_into_strict_calls(fmt: str, mode: str) -> None:
     choice = ToolChoice("required") if mode == "required" else ToolChoice("named", "get_weather", parallel=False)
     g = forced_call_grammar(fmt, TOOLS, choice)
@@ -115,6 +167,26 @@ def test_any_walk_through_the_grammar_parses_into_strict_calls(fmt: str, mode: s
                 assert args["units"] in ("c", "f")
             if "extra" in args:
                 assert set(args["extra"]) == {"hourly"} and isinstance(args["extra"]["hourly"], bool)
+
+
+def test_format_variants_and_free_text() -> None:
+    """DeepSeek: V3 / R1's fenced form and V3.1's plain form are both allowed (the model writes its own).
+    Qwen3-Coder: a string value may hold ``<`` and other tags (code), only ``</parameter>`` ends it; Kimi: the id
+    names the function."""
+    g = forced_call_grammar("deepseek_v3", TOOLS, ToolChoice("required"))
+    assert accepts(g, _ds(("get_weather", [("city", "Paris"), ("days", "2")]), ("ping", []), v3=True))
+    assert not accepts(g, _ds(("get_weather", [("city", "Paris"), ("days", "x")]), v3=True))
+    q = forced_call_grammar("qwen3_coder", TOOLS, ToolChoice("named", "search", parallel=False))
+    assert accepts(q, _qc(("search", [("q", "if a < b:\n    return '<tool_call>'")])))
+    assert not accepts(q, _qc(("search", [("q", "a</parameter>b")])))
+    code = _qc(("search", [("q", "x = '</tool_call>'")]))   # the block's own closing tag, inside a value
+    assert accepts(q, code)
+    parser = make_tool_parser("qwen3_coder", [t.name for t in TOOLS], SCHEMAS)
+    (piece,) = parser.feed(code) + parser.finish()
+    assert json.loads(piece.call.arguments) == {"q": "x = '</tool_call>'"}
+    k = forced_call_grammar("kimi_k2", TOOLS, ToolChoice("named", "search", parallel=False))
+    assert accepts(k, _kimi(("search", [("q", "x")])))
+    assert not accepts(k, _kimi(("search", [("q", "x")])).replace("functions.search", "functions.ping"))
 
 
 def test_none_and_auto_force_nothing_and_bad_schemas_are_refused() -> None:
@@ -146,7 +218,7 @@ def test_hermes_forced_calls_are_strict_and_bounded() -> None:
     assert not accepts(g, "\n".join([ok] * (MAX_FORCED_CALLS + 1)))
 
 
-@pytest.mark.parametrize("fmt", ["glm45", "minimax_m2"])
+@pytest.mark.parametrize("fmt", ALL)
 def test_nested_objects_are_strict_and_calls_bounded(fmt: str) -> None:
     from ferrylm.server.tools import MAX_FORCED_CALLS
 

@@ -45,7 +45,7 @@ from ferrylm.server.protocol import (CompletionChoice, CompletionRequest, Comple
                                      ModelCard, ModelList, TokenizeRequest, UsageInfo, chunk_json,
                                      completion_logprobs, parse_request, to_sampling_params)
 from ferrylm.server.completions_logprobs import echo_logprobs, join_logprobs, vllm_prompt_logprobs
-from ferrylm.server.reasoning import prompt_opens_thinking, template_has_reasoning
+from ferrylm.server.reasoning import THINKING_SWITCHES, prompt_opens_thinking, template_has_reasoning
 from ferrylm.server.structured import request_grammar
 from ferrylm.server.tool_formats import FORMAT_MARKUP, choose_tool_parser
 from ferrylm.server.tools import ToolChoice, lark_term, parse_openai_tools, tag_terms, template_supports_tools
@@ -123,7 +123,8 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
                allowed_origins: Sequence[str] | None = None,
                sse_ping_interval: float | None = DEFAULT_SSE_PING_INTERVAL,
                responses_store_size: int = 1024, request_timeout: float | None = None,
-               tool_call_parser: str = "auto", architecture: str | None = None) -> FastAPI:
+               tool_call_parser: str = "auto", architecture: str | None = None,
+               model_type: str | None = None) -> FastAPI:
     """Build the FastAPI app serving ``engine`` under the name ``served_model_name``.
 
     Args:
@@ -139,16 +140,18 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
         responses_store_size: responses kept for ``previous_response_id`` (oldest evicted first).
         request_timeout: seconds from arrival after which the engine ends a request with 408 ``request_timeout``
             (``--request-timeout``; a request's ``x-request-timeout`` header overrides it); None = no deadline.
-        tool_call_parser: the tool-call format (``--tool-call-parser``: ``auto`` | ``hermes`` | ``glm45`` |
-            ``minimax_m2``; auto: from the chat template, then ``architecture``, see
-            :func:`ferrylm.server.tool_formats.choose_tool_parser`).
+        tool_call_parser: the tool-call format (``--tool-call-parser``: ``auto`` or a name of
+            :data:`ferrylm.server.tool_formats.TOOL_PARSER_NAMES`; auto: from the chat template, then
+            ``model_type``, then ``architecture``, see :func:`ferrylm.server.tool_formats.choose_tool_parser`).
         architecture: the served model's ``architectures[0]``, for the ``auto`` choice.
+        model_type: its config's ``model_type`` (Kimi-K2 is ``kimi_k2`` on a DeepSeek-V3 architecture), for
+            the ``auto`` choice.
 
     Raises:
         ValueError: an unknown ``tool_call_parser``.
     """
     server = _Server(engine, codec, served_model_name, api_key, max_request_bytes, request_timeout,
-                     tool_call_parser=tool_call_parser, architecture=architecture)
+                     tool_call_parser=tool_call_parser, architecture=architecture, model_type=model_type)
     server.ping_interval = sse_ping_interval or None
     server.responses = responses.ResponseStore(responses_store_size)
     app = FastAPI(title="ferrylm", version=__version__, docs_url=None, redoc_url=None,
@@ -234,7 +237,7 @@ class _Server:
 
     def __init__(self, engine: EngineClient, codec: TextCodec, served_model_name: str, api_key: str | None,
                  max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, request_timeout: float | None = None,
-                 tool_call_parser: str = "auto", architecture: str | None = None):
+                 tool_call_parser: str = "auto", architecture: str | None = None, model_type: str | None = None):
         self.engine = engine
         self.request_timeout = request_timeout or None
         self.codec = codec
@@ -251,7 +254,7 @@ class _Server:
         self.reasoning = template_has_reasoning(template)       # split <think> … </think> into reasoning
         self.tool_tags = tag_terms(codec)                       # <tool_call> as the vocabulary has it
         self.tool_term = lark_term(codec)                       # any tag as the vocabulary has it
-        self.tool_parser = choose_tool_parser(tool_call_parser, architecture, template)  # the call format
+        self.tool_parser = choose_tool_parser(tool_call_parser, architecture, template, model_type)  # call format
         # markup the vocabulary holds as special tokens (GLM-4.5's <tool_call>, <arg_key>, <think>): a chat turn that
         # may contain it is detokenized with skip_special_tokens off, else the parsers would never see it
         special = frozenset(getattr(codec, "special_strings", ()) or ())
@@ -607,9 +610,10 @@ class _Server:
             InvalidRequest / ContextLengthExceeded: bad messages, template errors, too long (400).
         """
         await _off_loop(job.apply_tool_choice, self.tool_tags, self.tool_parser, self.tool_term)
-        if job.params.grammar is not None and self.reasoning and "enable_thinking" not in job.template_kwargs:
-            # a constrained output starts at its first token: a template that thinks first is told not to
-            job.template_kwargs = {**job.template_kwargs, "enable_thinking": False}
+        if job.params.grammar is not None and self.reasoning:
+            # a constrained output starts at its first token: a template that thinks first is told not to (Qwen3's
+            # switch, DeepSeek-V3.1's), unless the client said otherwise
+            job.template_kwargs = {**{k: False for k in THINKING_SWITCHES}, **job.template_kwargs}
         text, prompt_ids = await _off_loop(render_prompt, self.codec, job, native_tools=self.native_tools,
                                            tool_format=self.tool_parser)
         params = job.params
@@ -639,8 +643,10 @@ class _Server:
                          timeout_s=self._timeout(request))
         tools = tuple(t.name for t in job.tools) if job.tools and job.tool_choice.mode != "none" else None
         prefill = _message_text(job.messages[-1]) if job.continue_final_message and job.messages else None
-        turn = TurnConfig(reasoning=self.reasoning, starts_in_reasoning=self.reasoning and
-                          prompt_opens_thinking(text, prefill), tool_names=tools, tool_parser=self.tool_parser,
+        # a grammar constrains the output from its first token, so it is never reasoning, even after a prompt
+        # that opened <think> (an R1 template always does; a client may turn thinking on for a forced call)
+        turn = TurnConfig(reasoning=self.reasoning, starts_in_reasoning=self.reasoning and params.grammar is None
+                          and prompt_opens_thinking(text, prefill), tool_names=tools, tool_parser=self.tool_parser,
                           tool_schemas={t.name: t.parameters for t in job.tools} if tools else None)
         first = await self._start(request, rid, gen, job.stream)
         return ChatRun(gen, first, prompt_ids, turn)

@@ -10,6 +10,15 @@ content only). Rules, decided on the text alone so that any chunking gives the s
   it are dropped. An output that ends while thinking is all reasoning.
 - ``chat_template_kwargs.enable_thinking: false`` makes Qwen3's template close an empty block in the prompt, so
   the output is content from the first token.
+- The families, by what their templates render (the split follows the prompt, never the model's name): DeepSeek-R1
+  always ends the prompt with ``<think>\n`` (the output starts in reasoning); DeepSeek-V3.1 ends it with
+  ``<think>`` when ``thinking`` is true and ``</think>`` (content) otherwise; Qwen3 / Qwen3.5 / Qwen3-Next thinking
+  with ``<think>\n`` unless ``enable_thinking`` is false; Kimi-K2's (non-thinking) template writes no
+  ``</think>``, so its output is content; DeepSeek-V3's prompt never opens a block, and the model does not
+  write one, so its output is content too.
+- A grammar-constrained output (a forced tool call, a JSON schema) is never reasoning: the server turns the
+  template's :data:`THINKING_SWITCHES` off for it, and a prompt that still opened ``<think>`` (R1's) does not put
+  the constrained output in reasoning (``server/app.py``).
 
 This module must not import torch.
 """
@@ -18,6 +27,9 @@ from __future__ import annotations
 
 OPEN = "<think>"
 CLOSE = "</think>"
+#: ``chat_template_kwargs`` that turn a template's thinking off when False (Qwen3 / Qwen3.5: ``enable_thinking``;
+#: DeepSeek-V3.1: ``thinking``); the server sets them for a constrained output (a forced tool call, a JSON schema)
+THINKING_SWITCHES = ("enable_thinking", "thinking")
 
 
 def template_has_reasoning(chat_template: object) -> bool:

@@ -1,5 +1,10 @@
-"""Tool-call output formats besides Hermes: GLM-4.5 and MiniMax-M2, behind the :class:`~ferrylm.server.tools.ToolParser`
-interface, and the choice of format for a served model (``--tool-call-parser``, vLLM's flag and names).
+"""Tool-call output formats besides Hermes behind the :class:`~ferrylm.server.tools.ToolParser` interface, the choice
+of format for a served model (``--tool-call-parser``, vLLM's flag and names) and the rendering of earlier calls in
+each format (:func:`format_calls_as`, :func:`fallback_footer`: the fallback tools section of ``tools.py``).
+
+GLM-4.5 and MiniMax-M2 are here; DeepSeek-V3 (``deepseek_v3``), Kimi-K2 (``kimi_k2``) and Qwen3-Coder
+(``qwen3_coder``) have a module each in :mod:`ferrylm.server.tool_parsers`, as does the loop they all share
+(:class:`~ferrylm.server.tool_parsers.block.BlockToolParser`).
 
 GLM-4.5 / 4.6 (``glm45``; the format of zai-org's chat template and of vLLM's ``glm45`` parser)::
 
@@ -30,136 +35,32 @@ This module must not import torch.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, Iterable, Mapping
 
-from ferrylm.server.tools import HermesToolParser, Piece, ToolCall, ToolParser, _partial_suffix
+from ferrylm.server.tool_parsers import deepseek_v3, kimi_k2, qwen3_coder
+from ferrylm.server.tool_parsers.block import (BlockToolParser, coerce_value, match_all, strip_newline,
+                                               value_text)
+from ferrylm.server.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
+from ferrylm.server.tool_parsers.kimi_k2 import KimiK2ToolParser
+from ferrylm.server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
+from ferrylm.server.tools import HermesToolParser, ToolCall, ToolParser
 
-TOOL_PARSER_NAMES = ("hermes", "glm45", "minimax_m2")
-TOOL_PARSER_CHOICES = ("auto", *TOOL_PARSER_NAMES)
-_ARCH_PARSERS = {"Glm4MoeForCausalLM": "glm45", "MiniMaxM2ForCausalLM": "minimax_m2"}
+__all__ = ["BlockToolParser", "DeepSeekV3ToolParser", "Glm45ToolParser", "KimiK2ToolParser", "MiniMaxM2ToolParser",
+           "Qwen3CoderToolParser", "choose_tool_parser", "coerce_value", "fallback_footer", "format_call_as",
+           "format_calls_as", "make_tool_parser"]
 
-
-def coerce_value(text: str, schema: Any) -> Any:
-    """One argument's text as a JSON value, by its property ``schema`` (None: not in the schema).
-
-    ``type`` ``string`` (or a list of types holding ``string``): the text itself. Otherwise ``json.loads`` of the
-    stripped text; when that fails, the text as a string (what the reference parsers do).
-    """
-    types = schema.get("type") if isinstance(schema, dict) else None
-    if types == "string" or (isinstance(types, list) and "string" in types):
-        return text
-    try:
-        return json.loads(text.strip())
-    except ValueError:
-        return text
-
-
-class BlockToolParser(ToolParser):
-    """Shared loop of the tag-delimited formats: text outside ``OPEN`` … ``CLOSE`` is content; a block is held
-    until its ``CLOSE`` and then becomes calls (:meth:`parse_block`) or, failing that, text. Whitespace next to a
-    call is not content (the blank runs before, between and after calls are dropped), as in Hermes.
-
-    Args:
-        tool_names: the request's tools; a call naming another function leaves its block as text. None: any name.
-        schemas: ``name -> parameters`` JSON schema, for :func:`coerce_value` (absent tools: values read as JSON).
-    """
-
-    OPEN = ""
-    CLOSE = ""
-
-    def __init__(self, tool_names: Iterable[str] | None = None, schemas: Mapping[str, dict] | None = None):
-        self.names = None if tool_names is None else frozenset(tool_names)
-        self.schemas = dict(schemas or {})
-        self.calls = 0
-        self._buf = ""
-        self._in_block = False
-        self._ws = ""
-        self._after_call = False
-
-    # -- format hooks -------------------------------------------------------------------------------------
-    def viable(self, body: str) -> bool:
-        """False once the text after ``OPEN`` can no longer be a block (then ``OPEN`` was a mention). Must be
-        monotone: a False body stays False whatever follows (chunking invariance)."""
-        return True
-
-    def parse_block(self, body: str) -> list[ToolCall] | None:
-        """The calls of a whole block body, or None when it is not a well-formed block of known tools."""
-        raise NotImplementedError
-
-    # -- the loop (HermesToolParser's rules) -------------------------------------------------------------
-    def feed(self, text: str) -> list[Piece]:
-        self._buf += text
-        out: list[Piece] = []
-        while True:
-            if self._in_block:
-                j = self._buf.find(self.CLOSE)
-                body = self._buf if j < 0 else self._buf[:j]
-                if not self.viable(body):
-                    self._in_block = False
-                    self._text(self.OPEN, out)
-                    continue
-                if j < 0:
-                    return out
-                self._buf = self._buf[j + len(self.CLOSE):]
-                self._in_block = False
-                calls = self.parse_block(body)
-                if not calls:
-                    self._text(self.OPEN + body + self.CLOSE, out)
-                else:
-                    self._ws = ""
-                    self._after_call = True
-                    self.calls += len(calls)
-                    out.extend(Piece(call=c) for c in calls)
-                continue
-            i = self._buf.find(self.OPEN)
-            if i >= 0:
-                self._text(self._buf[:i], out)
-                self._buf = self._buf[i + len(self.OPEN):]
-                self._in_block = True
-                continue
-            keep = _partial_suffix(self._buf, self.OPEN)
-            self._text(self._buf[:len(self._buf) - keep], out)
-            self._buf = self._buf[len(self._buf) - keep:]
-            return out
-
-    def finish(self) -> list[Piece]:
-        out = self.feed("")
-        rest = (self.OPEN if self._in_block else "") + self._buf
-        self._buf, self._in_block = "", False
-        self._text(rest, out)
-        if self._ws and not self.calls:
-            out.append(Piece(self._ws))
-        self._ws = ""
-        return out
-
-    def _text(self, text: str, out: list[Piece]) -> None:
-        if not text:
-            return
-        if self._after_call:
-            text = text.lstrip()
-            if not text:
-                return
-            self._after_call = False
-        body = text.rstrip()
-        if body:
-            out.append(Piece(self._ws + body))
-            self._ws = ""
-        self._ws += text[len(body):]
-
-    def _call(self, name: str, pairs: list[tuple[str, str]]) -> ToolCall | None:
-        """A call of ``name`` with the raw ``(key, value text)`` pairs, or None for an unknown tool or a key given
-        twice."""
-        if self.names is not None and name not in self.names:
-            return None
-        props = (self.schemas.get(name) or {}).get("properties") or {}
-        args: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in args:
-                return None
-            args[key] = coerce_value(value, props.get(key))
-        return ToolCall(name, json.dumps(args, ensure_ascii=False))
+TOOL_PARSER_NAMES = ("hermes", "glm45", "minimax_m2", "deepseek_v3", "kimi_k2", "qwen3_coder")
+#: vLLM's other names for the same formats (its V3.1 parser; its XML variant of Qwen3-Coder's): accepted by
+#: ``--tool-call-parser``, served by the parser they name here
+TOOL_PARSER_ALIASES = {"deepseek_v31": "deepseek_v3", "qwen3_xml": "qwen3_coder"}
+TOOL_PARSER_CHOICES = ("auto", *TOOL_PARSER_NAMES, *TOOL_PARSER_ALIASES)
+_ARCH_PARSERS = {"Glm4MoeForCausalLM": "glm45", "MiniMaxM2ForCausalLM": "minimax_m2",
+                 "DeepseekV3ForCausalLM": "deepseek_v3", "Qwen3NextForCausalLM": "qwen3_coder",
+                 "Qwen3_5MoeForCausalLM": "qwen3_coder"}
+#: ``config.json`` ``model_type`` values whose format differs from their architecture's (Kimi-K2 is a
+#: ``DeepseekV3ForCausalLM``)
+_MODEL_TYPE_PARSERS = {"kimi_k2": "kimi_k2"}
 
 
 _GLM_NAME = re.compile(r"[A-Za-z0-9_.\-]*")
@@ -203,50 +104,27 @@ def _unquote(s: str) -> str:
     return s[1:-1] if len(s) >= 2 and s[0] == s[-1] and s[0] in "\"'" else s
 
 
-def _strip_newline(value: str) -> str:
-    """The template writes values on their own line at times: one leading and one trailing newline are layout."""
-    if value.startswith("\n"):
-        value = value[1:]
-    if value.endswith("\n"):
-        value = value[:-1]
-    return value
-
-
 class MiniMaxM2ToolParser(BlockToolParser):
     """MiniMax-M2 ``<minimax:tool_call>`` blocks of ``<invoke name=...>`` calls with ``<parameter name=...>``
     values (module docstring)."""
 
     OPEN = "<minimax:tool_call>"
     CLOSE = "</minimax:tool_call>"
-    _INVOKE = "<invoke"
-
-    def viable(self, body: str) -> bool:
-        """The body (after blanks) starts with ``<invoke``, or could still."""
-        s = body.lstrip()
-        return s.startswith(self._INVOKE) or self._INVOKE.startswith(s)
+    LEAD = "<invoke"
 
     def parse_block(self, body: str) -> list[ToolCall] | None:
-        calls, pos = [], 0
-        while True:
-            m = _MM_INVOKE.match(body, pos)
-            if m is None:
-                break
-            inner, pairs, ipos = m[2], [], 0
-            while True:
-                p = _MM_PARAM.match(inner, ipos)
-                if p is None:
-                    break
-                pairs.append((_unquote(p[1]), _strip_newline(p[2])))
-                ipos = p.end()
-            if inner[ipos:].strip():
+        invokes = match_all(_MM_INVOKE, body)
+        if not invokes or not invokes[0]:
+            return None
+        calls = []
+        for m in invokes[0]:
+            params = match_all(_MM_PARAM, m[2])
+            if params is None:
                 return None
-            call = self._call(_unquote(m[1]), pairs)
+            call = self._call(_unquote(m[1]), [(_unquote(p[1]), strip_newline(p[2])) for p in params[0]])
             if call is None:
                 return None
             calls.append(call)
-            pos = m.end()
-        if not calls or body[pos:].strip():
-            return None
         return calls
 
 
@@ -256,38 +134,65 @@ FORMAT_MARKUP: dict[str, tuple[str, ...]] = {
     "hermes": (HermesToolParser.OPEN, HermesToolParser.CLOSE),
     "glm45": ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
     "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>"),
+    "deepseek_v3": deepseek_v3.MARKUP,
+    "kimi_k2": kimi_k2.MARKUP,
+    "qwen3_coder": qwen3_coder.MARKUP,
 }
 
-def _value_text(v: Any) -> str:
-    """An argument value as the templates write it: strings as they are, anything else as JSON."""
-    return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
 
-
-def format_call_as(fmt: str, call: Any) -> str:
-    """One earlier call (OpenAI ``tool_calls`` entry) as a block of format ``fmt`` (``glm45`` | ``minimax_m2``), the
-    markup the format's parser reads back (arguments that are not an object become one ``arguments`` value)."""
+def _fields(call: Any) -> tuple[Any, Any, Any]:
+    """``(name, arguments, id)`` of an earlier call (OpenAI ``tool_calls`` entry); arguments that are not an object
+    become ``{"arguments": value}``."""
     from ferrylm.server.tools import call_fields
 
     name, args = call_fields(call)
-    pairs = list(args.items()) if isinstance(args, dict) else [("arguments", args)]
-    if fmt == "glm45":
-        return f"<tool_call>{name}\n" + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{_value_text(v)}</arg_value>\n"
-                                                for k, v in pairs) + "</tool_call>"
-    if fmt == "minimax_m2":
-        params = "".join(f'<parameter name="{k}">{_value_text(v)}</parameter>\n' for k, v in pairs)
-        return f'<minimax:tool_call>\n<invoke name="{name}">\n{params}</invoke>\n</minimax:tool_call>'
-    raise ValueError(f"no call rendering for format {fmt!r}")
+    return name, args if isinstance(args, dict) else {"arguments": args}, \
+        call.get("id") if isinstance(call, dict) else None
+
+
+def format_calls_as(fmt: str, calls: list[Any]) -> str:
+    """Earlier calls (OpenAI ``tool_calls`` entries) of one assistant turn as the markup of format ``fmt`` (not
+    ``hermes``: :func:`ferrylm.server.tools.format_call`), the text the format's parser reads back: one section
+    for the formats that group calls (``deepseek_v3``, ``kimi_k2``), else one block per call, a newline apart."""
+    fields = [_fields(c) for c in calls]
+    if fmt == "deepseek_v3":
+        return deepseek_v3.render_calls([(n, a) for n, a, _ in fields])
+    if fmt == "kimi_k2":
+        return kimi_k2.render_calls(fields)
+    blocks = []
+    for name, args, _ in fields:
+        if fmt == "glm45":
+            blocks.append(f"<tool_call>{name}\n" + "".join(
+                f"<arg_key>{k}</arg_key>\n<arg_value>{value_text(v)}</arg_value>\n" for k, v in args.items()) +
+                "</tool_call>")
+        elif fmt == "minimax_m2":
+            params = "".join(f'<parameter name="{k}">{value_text(v)}</parameter>\n' for k, v in args.items())
+            blocks.append(f'<minimax:tool_call>\n<invoke name="{name}">\n{params}</invoke>\n</minimax:tool_call>')
+        elif fmt == "qwen3_coder":
+            blocks.append(qwen3_coder.render_call(name, list(args.items())))
+        else:
+            raise ValueError(f"no call rendering for format {fmt!r}")
+    return "\n".join(blocks)
+
+
+def format_call_as(fmt: str, call: Any) -> str:
+    """One earlier call (OpenAI ``tool_calls`` entry) as the markup of format ``fmt`` (:func:`format_calls_as`)."""
+    return format_calls_as(fmt, [call])
 
 
 def fallback_footer(fmt: str) -> str:
     """The call-format instructions of the fallback tools section (``tools.fallback_messages``) for ``fmt``."""
     example = format_call_as(fmt, {"name": "<function name>", "arguments": {"<parameter>": "<value>"}})
+    if fmt in ("deepseek_v3", "kimi_k2"):
+        return ("\n</tools>\n\nTo call functions, answer with one section holding one entry per call, of the "
+                "form\n" + example + "\nwith the arguments as one JSON object.")
     return ("\n</tools>\n\nTo call a function, answer with one block per call, each of the form\n" + example +
             "\nwith one parameter entry per argument (strings as they are, other values as JSON).")
 
 
 PARSER_CLASSES: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "glm45": Glm45ToolParser,
-                                               "minimax_m2": MiniMaxM2ToolParser}
+                                               "minimax_m2": MiniMaxM2ToolParser, "deepseek_v3": DeepSeekV3ToolParser,
+                                               "kimi_k2": KimiK2ToolParser, "qwen3_coder": Qwen3CoderToolParser}
 
 
 def make_tool_parser(name: str, tool_names: Iterable[str] | None,
@@ -301,10 +206,37 @@ def make_tool_parser(name: str, tool_names: Iterable[str] | None,
     return cls(tool_names, schemas)
 
 
-def choose_tool_parser(flag: str | None, architecture: str | None = None, chat_template: Any = None) -> str:
-    """The tool-call format of a served model: ``flag`` (``--tool-call-parser``) unless it is ``auto`` / None;
-    then the chat template's own markup (``<minimax:tool_call>`` → ``minimax_m2``, ``<arg_key>`` → ``glm45``), then
-    the architecture (``MiniMaxM2ForCausalLM``, ``Glm4MoeForCausalLM``), else ``hermes``.
+#: what a chat template writes that names its call format, checked in this order (Qwen3-Coder's and GLM's
+#: templates also write ``<tool_call>``, so Hermes' JSON instructions come last)
+_TEMPLATE_MARKS: tuple[tuple[str, re.Pattern], ...] = (
+    ("minimax_m2", re.compile(re.escape(MiniMaxM2ToolParser.OPEN))),
+    ("glm45", re.compile(re.escape("<arg_key>"))),
+    ("qwen3_coder", re.compile(re.escape(qwen3_coder.PARAMETER))),   # <function= alone: Llama 3.1 prompt guides
+    ("kimi_k2", re.compile(re.escape(kimi_k2.SECTION_BEGIN) + "|" + re.escape(kimi_k2.CALL_BEGIN))),
+    ("deepseek_v3", re.compile("<\uff5ctool[\u2581 ]calls?[\u2581 ]begin\uff5c>")),
+    ("hermes", re.compile(r'<tool_call>(?:\\n|\s)*\{\\?"name\\?"')),
+)
+
+
+def template_format(chat_template: Any) -> str | None:
+    """The call format a chat template (a string, or a dict of named templates) writes, or None when it shows
+    none (:data:`_TEMPLATE_MARKS`)."""
+    texts = list(chat_template.values()) if isinstance(chat_template, dict) else [chat_template]
+    texts = [t for t in texts if isinstance(t, str)]
+    for fmt, mark in _TEMPLATE_MARKS:
+        if any(mark.search(t) for t in texts):
+            return fmt
+    return None
+
+
+def choose_tool_parser(flag: str | None, architecture: str | None = None, chat_template: Any = None,
+                       model_type: str | None = None) -> str:
+    """The tool-call format of a served model: ``flag`` (``--tool-call-parser``; an alias of
+    :data:`TOOL_PARSER_ALIASES` gives the format it names) unless it is ``auto`` / None;
+    then the chat template's own markup (:func:`template_format`: ``<minimax:tool_call>`` → ``minimax_m2``,
+    ``<arg_key>`` → ``glm45``, ``<parameter=`` → ``qwen3_coder``, ``<|tool_calls_section_begin|>`` → ``kimi_k2``,
+    ``<｜tool▁calls▁begin｜>`` → ``deepseek_v3``, Hermes' ``<tool_call>{"name": ...`` → ``hermes``), then the
+    config's ``model_type`` (``kimi_k2``), then the architecture (:data:`_ARCH_PARSERS`), else ``hermes``.
 
     Raises:
         ValueError: ``flag`` is not one of :data:`TOOL_PARSER_CHOICES`.
@@ -312,11 +244,6 @@ def choose_tool_parser(flag: str | None, architecture: str | None = None, chat_t
     if flag not in (None, *TOOL_PARSER_CHOICES):
         raise ValueError(f"unknown tool-call parser {flag!r}; choose from {', '.join(TOOL_PARSER_CHOICES)}")
     if flag not in (None, "auto"):
-        return flag
-    texts = list(chat_template.values()) if isinstance(chat_template, dict) else [chat_template]
-    for t in texts:
-        if isinstance(t, str) and MiniMaxM2ToolParser.OPEN in t:
-            return "minimax_m2"
-        if isinstance(t, str) and "<arg_key>" in t:
-            return "glm45"
-    return _ARCH_PARSERS.get(architecture or "", "hermes")
+        return TOOL_PARSER_ALIASES.get(flag, flag)
+    return (template_format(chat_template) or _MODEL_TYPE_PARSERS.get(model_type or "")
+            or _ARCH_PARSERS.get(architecture or "", "hermes"))

@@ -1,13 +1,17 @@
-"""Forced tool calls (``tool_choice: "required"`` or a named function) in the GLM-4.5 and MiniMax-M2 formats: Lark
+"""Forced tool calls (``tool_choice: "required"`` or a named function) in the formats of
+:mod:`ferrylm.server.tool_formats` (GLM-4.5, MiniMax-M2, DeepSeek-V3, Kimi-K2, Qwen3-Coder): Lark
 grammars (llguidance) that emit exactly the markup :mod:`ferrylm.server.tool_formats` parses, with OpenAI's strict
 semantics for the arguments: every ``required`` key present, only keys the schema's ``properties`` name (as if
 ``additionalProperties`` were false), each value of its property's type. So a forced call always closes and parses.
 
-Keys come in the schema's ``properties`` order, the optional ones skippable. Values: a ``string`` property is free
-text without ``<`` (the formats end a value at the next tag), or one of its ``enum``; every other property is JSON
+The JSON formats (DeepSeek, Kimi) take the arguments as one JSON object valid against the tool's schema, made
+strict the same way (a schema without ``properties`` admits no keys unless it allows ``additionalProperties``). In the
+XML-style formats keys come in the schema's ``properties`` order, the optional ones skippable. Values: a ``string``
+property is free text without ``<`` (GLM-4.5, MiniMax-M2: the formats end a value at the next tag; Qwen3-Coder: any
+text without ``</parameter>``), or one of its ``enum``; every other property is JSON
 valid against its schema (``%json``, llguidance's JSON-schema lexer; keywords it cannot enforce are ignored, as
 for Hermes' forced calls; nested objects get ``additionalProperties: false`` unless they say otherwise,
-:func:`ferrylm.server.tools.strict_schema`). A schema without ``properties`` admits no arguments. A ``required``
+:func:`ferrylm.server.tools.strict_schema`). There a schema without ``properties`` admits no arguments. A ``required``
 reply holds at most ``MAX_FORCED_CALLS`` calls. The Hermes format's grammar is
 :func:`ferrylm.server.tools.tool_call_grammar`.
 
@@ -30,20 +34,40 @@ def _literal(text: str) -> str:
     return json.dumps(text)
 
 
-def _value_rule(schema: Any) -> str:
-    """The Lark expansion of one argument value (module docstring)."""
+FREE_TEXT = r"/[^<]*/"
+
+
+def _value_rule(schema: Any, free_text: str = FREE_TEXT) -> str:
+    """The Lark expansion of one argument value (module docstring); ``free_text``: the expansion of a string
+    without an enum."""
     schema = schema if isinstance(schema, dict) else {}
     types = schema.get("type")
     if types == "string" or (isinstance(types, list) and types == ["string"]):
         enum = schema.get("enum")
         if isinstance(enum, list) and enum and all(isinstance(e, str) and "<" not in e for e in enum):
             return " | ".join(_literal(e) for e in enum)
-        return r"/[^<]*/"
+        return free_text
+    return _json_rule(schema)
+
+
+def _arguments_json(tool: ToolSpec) -> str:
+    """The arguments of a JSON-format call: an object valid against the tool's schema, strict as the XML-style
+    formats are (a schema without ``properties`` that says nothing of ``additionalProperties`` admits no keys)."""
+    schema = tool.parameters
+    if "properties" not in schema and "additionalProperties" not in schema:
+        schema = {**schema, "properties": {}}
+    return _json_rule(schema)
+
+
+def _json_rule(schema: dict) -> str:
+    """JSON valid against ``schema`` made strict (llguidance's ``%json``)."""
     return "%json" + json.dumps({**strict_schema(schema), "x-guidance": {**JSON_OPTIONS, "lenient": True}})
 
 
-def _arguments(tool: ToolSpec, prefix: str, pair: Callable[[str, str], str], rules: list[str]) -> str:
-    """Rules for the key/value pairs of ``tool`` (one rule per key, optional keys ``?``); returns the sequence."""
+def _arguments(tool: ToolSpec, prefix: str, pair: Callable[[str, str], str], rules: list[str],
+               free_text: str = FREE_TEXT) -> str:
+    """Rules for the key/value pairs of ``tool`` (one rule per key, optional keys ``?``); returns the sequence.
+    ``free_text``: the expansion of a string value without an enum (:func:`_value_rule`)."""
     props = tool.parameters.get("properties") or {}
     required = set(tool.parameters.get("required") or ())
     missing = required - set(props)
@@ -53,7 +77,7 @@ def _arguments(tool: ToolSpec, prefix: str, pair: Callable[[str, str], str], rul
     seq = []
     for j, (key, sub) in enumerate(props.items()):
         name = f"{prefix}_k{j}"
-        rules.append(f"{name}: {pair(key, _value_rule(sub))}")
+        rules.append(f"{name}: {pair(key, _value_rule(sub, free_text))}")
         seq.append(name if key in required else f"{name}?")
     return " ".join(seq)
 
@@ -98,11 +122,86 @@ def minimax_m2_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _
     return lark_grammar(lark, "tools")
 
 
-GRAMMARS = {"glm45": glm45_grammar, "minimax_m2": minimax_m2_grammar}
+def _repeat(choice: ToolChoice, sep: str = '"\\n"', what: str = "call") -> str:
+    """The tail of a ``required`` reply with parallel calls: up to ``MAX_FORCED_CALLS - 1`` more ``what``."""
+    if choice.mode != "required" or not choice.parallel:
+        return ""
+    return f" ({sep} {what}){{0,{MAX_FORCED_CALLS - 1}}}" if sep else f" {what}{{0,{MAX_FORCED_CALLS - 1}}}"
+
+
+_OPTIONAL_NEWLINE = '"\\n"?'
+
+
+def deepseek_v3_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _literal) -> str:
+    """One ``<｜tool▁calls▁begin｜>`` section of calls, each in V3 / R1's form (``function`` type, name line,
+    fenced JSON) or V3.1's (name, plain JSON): the model writes the one it was trained on. ``required`` with
+    parallel calls allows several calls, optionally a newline apart."""
+    from ferrylm.server.tool_parsers import deepseek_v3 as ds
+
+    b_open, b_close, c_open, c_close, sep = (term(x) for x in (ds.CALLS_BEGIN, ds.CALLS_END, ds.CALL_BEGIN,
+                                                               ds.CALL_END, ds.SEP))
+    rules, alts = [], []
+    for i, tool in enumerate(_chosen(tools, choice)):
+        name = _literal(tool.name)
+        rules.append(f"a{i}: {_arguments_json(tool)}")
+        rules.append(f'c{i}: {c_open} ({_literal(ds.CALL_TYPE)} {sep} {name} "\\n```json\\n" a{i} "\\n```" '
+                     f"| {name} {sep} a{i}) {c_close}")
+        alts.append(f"c{i}")
+    lark = "\n".join([f"start: {b_open} call{_repeat(choice, _OPTIONAL_NEWLINE)} {b_close}",
+                      f"call: {' | '.join(alts)}", *rules]) + "\n"
+    return lark_grammar(lark, "tools")
+
+
+def kimi_k2_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _literal) -> str:
+    """One ``<|tool_calls_section_begin|>`` section of ``functions.NAME:IDX`` calls with JSON arguments; ``required``
+    with parallel calls allows several calls."""
+    from ferrylm.server.tool_parsers import kimi_k2 as kimi
+
+    s_open, s_close, c_open, a_open, c_close = (term(x) for x in (kimi.SECTION_BEGIN, kimi.SECTION_END,
+                                                                  kimi.CALL_BEGIN, kimi.ARGS_BEGIN, kimi.CALL_END))
+    rules, alts = [], []
+    for i, tool in enumerate(_chosen(tools, choice)):
+        rules.append(f"c{i}: {c_open} {_literal(kimi.PREFIX + tool.name + ':')} /[0-9]{{1,4}}/ {a_open} "
+                     f"{_arguments_json(tool)} {c_close}")
+        alts.append(f"c{i}")
+    lark = "\n".join([f"start: {s_open} call{_repeat(choice, '')} {s_close}", f"call: {' | '.join(alts)}",
+                      *rules]) + "\n"
+    return lark_grammar(lark, "tools")
+
+
+#: a Qwen3-Coder string value and its closing tag: any text up to the first ``</parameter>`` (the parser ends the
+#: value there; llguidance's lexer is greedy, so the closer is part of the terminal)
+_QC_TEXT = r"/(?s:.*)<\/parameter>/ & ~/(?s:.*<\/parameter>(?s:.)+)/"
+
+
+def qwen3_coder_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _literal) -> str:
+    """``<tool_call>\\n<function=f>\\n<parameter=k>\\nv\\n</parameter>\\n...</function>\\n</tool_call>``; a string
+    value is any text without ``</parameter>`` (``<`` allowed: code), or one of its ``enum``; ``required`` with
+    parallel calls allows several blocks, one per line."""
+    from ferrylm.server.tool_parsers import qwen3_coder as qc
+
+    t_open, t_close = term(qc.OPEN), term(qc.CLOSE)
+    rules, alts = ["QC_TEXT: " + _QC_TEXT], []
+    for i, tool in enumerate(_chosen(tools, choice)):
+        def pair(key: str, value: str) -> str:
+            head = _literal(f"{qc.PARAMETER}{key}>")
+            if value == "QC_TEXT":
+                return f'{head} QC_TEXT "\\n"'
+            return f'{head} "\\n" ({value}) {_literal(chr(10) + qc.PARAMETER_END + chr(10))}'
+        args = _arguments(tool, f"t{i}", pair, rules, free_text="QC_TEXT")
+        rules.append(f'c{i}: {t_open} {_literal(chr(10) + qc.FUNCTION + tool.name + ">" + chr(10))} {args} '
+                     f'{_literal(qc.FUNCTION_END + chr(10))} {t_close}')
+        alts.append(f"c{i}")
+    lark = "\n".join([f"start: call{_repeat(choice)}", f"call: {' | '.join(alts)}", *rules]) + "\n"
+    return lark_grammar(lark, "tools")
+
+
+GRAMMARS = {"glm45": glm45_grammar, "minimax_m2": minimax_m2_grammar, "deepseek_v3": deepseek_v3_grammar,
+            "kimi_k2": kimi_k2_grammar, "qwen3_coder": qwen3_coder_grammar}
 
 
 def forced_call_grammar(fmt: str, tools: list[ToolSpec], choice: ToolChoice, term: Term = _literal) -> str | None:
-    """The forcing grammar of format ``fmt`` (``glm45`` | ``minimax_m2``) for ``choice``; None unless the choice
+    """The forcing grammar of format ``fmt`` (a key of :data:`GRAMMARS`) for ``choice``; None unless the choice
     forces a call. Raises InvalidRequest when a schema cannot be enforced, ValueError for another format."""
     if not choice.forced:
         return None

@@ -21,7 +21,8 @@ and complete calls. A call is reported once its closing tag is seen and its body
 the request's tools with object arguments; anything else between the tags goes out as ordinary text, so text
 that only mentions ``<tool_call>`` is never swallowed. Decisions depend only on the text, never on how it was
 split, so a stream and a non-stream response carry the same calls and text. Other formats are subclasses of
-:class:`ToolParser` in ``server/tool_formats.py`` (GLM-4.5, MiniMax-M2; the served model's is chosen there), their
+:class:`ToolParser` in ``server/tool_formats.py`` and ``server/tool_parsers/`` (GLM-4.5, MiniMax-M2, DeepSeek-V3,
+Kimi-K2, Qwen3-Coder; the served model's is chosen in ``tool_formats``), their
 forcing grammars in ``server/tool_grammars.py``.
 
 This module must not import torch.
@@ -275,21 +276,21 @@ def fallback_messages(messages: list[dict], tools: list[ToolSpec], fmt: str = "h
     """Messages for a template without a tools section: the tool schemas and the call format appended to the
     system turn (one is added at the front when there is none); assistant ``tool_calls`` become call blocks in its
     text; ``tool`` results become user turns ``<tool_response>\\n...\\n</tool_response>``. ``fmt``: the served
-    call format (``hermes``; ``glm45`` / ``minimax_m2`` through :mod:`ferrylm.server.tool_formats`), so the model is
-    taught, and shown, the markup its parser reads."""
+    call format (``hermes``; the others through :mod:`ferrylm.server.tool_formats`: one block per call, or one
+    section for a turn's calls in the DeepSeek and Kimi formats), so the model is taught, and shown, the markup its
+    parser reads."""
     if fmt == "hermes":
-        footer, render = FALLBACK_FOOTER, format_call
+        footer, render = FALLBACK_FOOTER, (lambda cs: "\n".join(format_call(c) for c in cs))
     else:
-        from ferrylm.server.tool_formats import fallback_footer, format_call_as
+        from ferrylm.server.tool_formats import fallback_footer, format_calls_as
 
-        footer, render = fallback_footer(fmt), (lambda c: format_call_as(fmt, c))
+        footer, render = fallback_footer(fmt), (lambda cs: format_calls_as(fmt, cs))
     out: list[dict] = []
     for m in messages:
         m = dict(m)
         calls = m.pop("tool_calls", None)
         if m.get("role") == "assistant" and calls:
-            blocks = [render(c) for c in calls]
-            m["content"] = "\n".join(([m["content"]] if m.get("content") else []) + blocks)
+            m["content"] = "\n".join(([m["content"]] if m.get("content") else []) + [render(calls)])
         elif m.get("role") == "tool":
             m = {"role": "user", "content": f"<tool_response>\n{m.get('content', '')}\n</tool_response>"}
         out.append(m)
@@ -377,6 +378,17 @@ def _close_outside_json_string(buf: str, tag: str) -> int:
             return i
         i += 1
     return -1
+
+
+def decode_arguments(value: Any) -> dict | None:
+    """A call's arguments as an object: ``value`` itself when it is one, the object a JSON string holds (models
+    and templates that encode the arguments twice), else None."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    return value if isinstance(value, dict) else None
 
 
 class HermesToolParser(ToolParser):
@@ -476,13 +488,8 @@ class HermesToolParser(ToolParser):
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError:
-                return None
-        if not isinstance(args, dict):
+        args = decode_arguments(obj.get("arguments", obj.get("parameters", {})))
+        if args is None:
             return None
         if self.names is not None and obj["name"] not in self.names:
             return None
