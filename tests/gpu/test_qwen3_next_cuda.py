@@ -1,6 +1,7 @@
 """Qwen3-Next and Qwen3.5-MoE on a GPU (float32): the Triton chunk kernel of the gated delta rule against the torch
 chunk form at the published head shapes; the engine (boot warmup, Triton attention, the Triton DeltaNet prefill
-kernel, the recurrent-state pool, whole-step decode CUDA graphs with the linear layers' slots as static buffers)
+kernel, the recurrent-state pool, whole-step and piecewise decode CUDA graphs with the linear layers' slots as
+static buffers)
 against transformers (greedy tokens equal, each chosen token's logprob within 1e-4 of transformers' full-sequence
 log-softmax) with three concurrent requests of different lengths, and the graphs against the eager engine. Skipped
 without CUDA. Written without a GPU at hand (the CPU parity is tests/models/test_qwen3_next.py)."""
@@ -67,9 +68,12 @@ def test_engine_on_cuda_matches_transformers_with_and_without_graphs(tmp_path, c
         assert engine.state_pool is not None and engine.state_snapshots is not None
         results[mode] = _generate(engine, prompts, NEW)
         assert engine.state_pool.num_free == engine.state_pool.num_slots
-        if mode == "cuda" and backend == "resident":
+        if mode == "cuda":   # the linear layers ran inside captured graphs (whole-step, or piecewise for hybrid)
             st = engine.stats()["decode_graphs"]
-            assert st["kind"] == "step" and st["replays"] >= NEW, st   # the linear layers ran inside the graphs
+            replays = st.get("replays", 0) + (st.get("piecewise") or {}).get("replays", 0)
+            assert replays >= 1, st
+            if backend == "resident":
+                assert st["kind"] == "step" and st["replays"] >= NEW, st
     assert results["cuda"][0] == results["off"][0]
     for rid, p in prompts.items():
         assert results["cuda"][1][rid] == pytest.approx(results["off"][1][rid], abs=1e-4)

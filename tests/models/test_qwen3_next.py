@@ -106,6 +106,41 @@ def test_engine_matches_transformers_on_every_backend(checkpoints, case, backend
         loaded.executor.close()
 
 
+@pytest.mark.parametrize("backend", ["resident", "offload", "hybrid"])
+@pytest.mark.parametrize("case", CASES)
+def test_piecewise_decode_runner_matches_transformers(checkpoints, case, backend):
+    """``--decode-graphs eager``: decode steps go through the piecewise decode runner (``engine/decode_graph.py``,
+    its static per-row state-slot buffer), prefills eager; tokens and each chosen token's logprob match
+    transformers."""
+    ckpt = checkpoints(case)
+    k = int(json.loads((ckpt.path / "config.json").read_text())["num_experts_per_tok"])
+    moe = "resident" if backend == "resident" else options(backend, max(1, k - 1), stream_prefill=False)
+    loaded = load_model(ckpt.path, moe_backend=moe)
+    engine = Engine(loaded.model, loaded.config, EngineConfig(device="cpu", check_invariants=True, num_pages=40,
+                                                              page_size=4, max_prefill_length=9,
+                                                              max_running_requests=3, decode_graphs="eager"),
+                    device=torch.device("cpu"), dtype=torch.float32)
+    prompts = {f"r{n}": token_ids(n, ckpt.vocab_size, seed=n + 3).tolist() for n in (1, 12, 21)}
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, params)
+    toks = {rid: [] for rid in prompts}
+    lps = {rid: [] for rid in prompts}
+    while engine.has_work():
+        for o in engine.step():
+            assert o.error_code is None, o.error_message
+            toks[o.request_id].extend(o.new_token_ids)
+            lps[o.request_id].extend(lp.logprob for lp in o.logprobs or [])
+    assert engine.stats()["decode_graphs"]["steps"] >= NEW_TOKENS - 1
+    for rid, p in prompts.items():
+        assert toks[rid] == hf_greedy(ckpt.reference, p, NEW_TOKENS), rid
+        ref = torch.log_softmax(reference_logits(ckpt, torch.tensor(p + toks[rid])), dim=-1)
+        want = [float(ref[len(p) - 1 + i, t]) for i, t in enumerate(toks[rid])]
+        assert lps[rid] == pytest.approx(want, abs=TOL), rid
+    if backend != "resident":
+        loaded.executor.close()
+
+
 def test_preempted_request_recomputes_its_state(checkpoints):
     """A pool too small for three requests: the newest is preempted (its state slot released with its pages) and
     recomputes from token 0; every logit still matches transformers."""

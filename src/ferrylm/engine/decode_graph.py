@@ -116,6 +116,7 @@ class _Keyed:
     stage: ExpertStage | None = None     # staged expert GEMMs (computed in the next piece), see below
     outputs: list[dict] = field(default_factory=list)   # per piece: the tensors it produced
     graphs: list | None = None
+    state_slots: torch.Tensor | None = None   # [B] int64 recurrent-state slot of each row (hybrid models)
 
     @property
     def ids(self) -> torch.Tensor:
@@ -169,6 +170,7 @@ class DecodeGraphRunner:
         self.device = device
         self.dtype = dtype
         self.page_size = page_size
+        self.state_pool = None    # the engine's StatePool for models with linear-attention layers (set before use)
         self._keys: dict[tuple[int, int], _Keyed] = {}
         self._stages: dict[int, ExpertStage | None] = {}  # batch size -> its stage (shared by its KV buckets)
         self._stage_rows: torch.Tensor | None = None       # the rows every batch size's stage views
@@ -222,7 +224,7 @@ class DecodeGraphRunner:
 
     # --- the step -----------------------------------------------------------------------------------------------
     def run(self, token_ids: list[int], positions: list[int], page_tables: list[list[int]],
-            routing_keys: list[int] | None = None) -> torch.Tensor:
+            routing_keys: list[int] | None = None, state_slots: list[int] | None = None) -> torch.Tensor:
         """Decode one new token per sequence.
 
         Args:
@@ -230,6 +232,8 @@ class DecodeGraphRunner:
             positions: ``[B]`` its position (= tokens already cached).
             page_tables: each sequence's KV pages (covering ``positions[b] + 1`` tokens).
             routing_keys: ``[B]`` each sequence's routing key (synthetic models' routing model; default 0).
+            state_slots: ``[B]`` each sequence's recurrent-state slot (models with linear-attention layers, whose
+                runner has a ``state_pool``): the linear layers read and write them (fresh when the position is 0).
 
         Returns:
             ``[B, H]`` final-normed hidden states (a static buffer: read it before the next step).
@@ -250,6 +254,8 @@ class DecodeGraphRunner:
         keys = list(routing_keys) if routing_keys is not None else [0] * b
         host = torch.tensor(list(token_ids) + list(positions) + lens + table + keys, dtype=torch.int64)
         key.packed.copy_(host, non_blocking=False)
+        if key.state_slots is not None:
+            key.state_slots.copy_(torch.tensor(state_slots, dtype=torch.int64), non_blocking=False)
         if key.graphs is not None:
             out = self._replay(key)
         else:
@@ -279,6 +285,8 @@ class DecodeGraphRunner:
                        cos=torch.zeros(batch, cfg.head_dim, dtype=self.dtype, device=self.device),
                        sin=torch.zeros(batch, cfg.head_dim, dtype=self.dtype, device=self.device),
                        moe_out=torch.zeros(batch, h, dtype=self.dtype, device=self.device))
+            if self.state_pool is not None:   # linear-attention layers: each row's state slot, filled per step
+                k.state_slots = torch.full((batch,), self.state_pool.scratch, dtype=torch.int64, device=self.device)
             self._keys[(batch, kv_len)] = k  # before the stage: a failure there still marks the key
             k.stage = self._stage_for(batch)
         return k
@@ -371,15 +379,24 @@ class DecodeGraphRunner:
             out["planned"] = torch.cat([ids, predict(normed)])
         return out
 
-    def _attention(self, key: _Keyed) -> StaticDecodeAttention:
+    def _attention(self, key: _Keyed):
         """The step's attention backend from ``key``'s page tables and lengths: slot table ``[B, L]`` (each page
-        expanded to its slots), the new tokens' slots, the ``[B, L]`` mask of held positions."""
+        expanded to its slots), the new tokens' slots, the ``[B, L]`` mask of held positions; for a hybrid model
+        wrapped with the rows' recurrent state (``engine/state_pool.py``: static slots, fresh where the position
+        is 0)."""
         ps = self.page_size
         slot_table = (key.page_table[:, :, None] * ps + torch.arange(ps, device=self.device)).view(key.batch, -1)
         slot_table = slot_table[:, :key.kv_len]
         mask = torch.arange(key.kv_len, device=self.device)[None, :] < key.lengths[:, None]
         new_slots = slot_table.gather(1, (key.lengths - 1)[:, None])[:, 0]
-        return StaticDecodeAttention(self.pool, slot_table, new_slots, mask)
+        attn = StaticDecodeAttention(self.pool, slot_table, new_slots, mask)
+        if key.state_slots is None:
+            return attn
+        from ferrylm.engine.state_pool import RecurrentStep, WithRecurrentState
+
+        return WithRecurrentState(attn, RecurrentStep(
+            pool=self.state_pool, slots=key.state_slots, fresh=key.positions == 0,
+            query_start_loc=torch.arange(key.batch + 1, device=self.device), num_tokens=key.batch, q_lens=None))
 
     # --- capture ------------------------------------------------------------------------------------------------
     def _capture(self, key: _Keyed) -> None:

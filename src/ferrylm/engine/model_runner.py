@@ -88,13 +88,13 @@ class ModelRunner:
 
     def _configure(self, executor) -> None:
         """Choose the graph path for ``executor``: whole-step graphs when it is ``graph_safe`` (or the model is
-        dense), else the piecewise runner; drop the graphs of the previous executor."""
+        dense), else the piecewise runner; drop the graphs of the previous executor. Both carry the engine's
+        recurrent-state pool for models with linear-attention layers (static slot buffers per graph row)."""
         self.close()
         self.executor = executor
         self.step_graphs = self.piecewise = None
         if self._graph_mode == "off" or not self._is_stack:
             return
-        whole_step_only = getattr(self.model, "decode_graphs", "all") == "step"
         max_batch = self.config.cuda_graph_max_batch or self.config.max_running_requests
         safe = executor is None or bool(getattr(executor, "graph_safe", False))
         min_batch = int(getattr(executor, "table_min_tokens", 1)) if safe and executor is not None else 1
@@ -102,25 +102,18 @@ class ModelRunner:
             self.step_graphs = StepGraphs(self.model, self.pool, self.device, max_batch, self.max_model_len,
                                           on_replay=getattr(executor, "count_replayed_step", None),
                                           min_batch=min_batch)
-        if self.step_graphs is not None:
-            self.step_graphs.state_pool = self.state_pool
-        if whole_step_only:
-            # NOTE: the piecewise runner composes the layers itself and knows no linear-attention layer: decode
-            # steps the whole-step graphs do not take run eager for these models
-            if self.step_graphs is None or min_batch > 1:
-                log.info("%s: decode steps outside the whole-step CUDA graphs run eager (no piecewise graphs for "
-                         "linear-attention layers)", type(self.model).__name__)
-            return
         if self.step_graphs is None or min_batch > 1:  # the steps the whole-step graphs do not take
             self.piecewise = DecodeGraphRunner(self.model, self.pool, self.device, DecodeGraphConfig(
                 mode=self.config.decode_graphs, max_batch=max_batch if self.step_graphs is None else min_batch - 1,
                 max_kv_len=self.config.cuda_graph_max_len), self.dtype, self.pool.page_size)
+        self.attach_state_pool(self.state_pool)
 
     def attach_state_pool(self, pool) -> None:
-        """Give the runner (and its whole-step graphs, before they capture) the engine's recurrent-state pool."""
+        """Give the runner and its graph runners (before they capture) the engine's recurrent-state pool."""
         self.state_pool = pool
-        if self.step_graphs is not None:
-            self.step_graphs.state_pool = pool
+        for g in (self.step_graphs, self.piecewise):
+            if g is not None:
+                g.state_pool = pool
 
     def capture_graphs(self) -> None:
         """Capture the whole-step graphs now (boot, after the KV pool and the warmup). No-op without them."""
@@ -182,15 +175,24 @@ class ModelRunner:
         if g is None or not g.accepts(b, longest):
             return None
         failed = False
+        slots = None
+        if self.state_pool is not None:   # a failed run may have advanced states: the engine recomputes them
+            slots = [s.request.state_slot for s in seqs]
+            self.last_recurrent = _STATES_WRITTEN
         try:
             hidden = g.run([s.request.tokens(s.start, s.start + 1)[0] for s in seqs], [s.start for s in seqs],
-                           [s.request.page_table for s in seqs], [routing_key(s.request) for s in seqs])
+                           [s.request.page_table for s in seqs], [routing_key(s.request) for s in seqs], slots)
         except Exception as e:  # a new key's buffers or first run did not fit: plain forward from now on
             if not is_oom(e):
                 raise
             failed = True
         if failed:  # outside the except block: the failure's frames and tensors are gone
             g.disable(b, longest)
+            if self.state_pool is not None:
+                # NOTE: not the plain forward in this step: linear layers may have advanced their states already;
+                # the engine's OOM handling preempts the requests whose state was lost
+                raise torch.OutOfMemoryError(f"decode graph buffers for batch {b} did not fit (recurrent states "
+                                             f"may be advanced)")
             return None
         rows = [i for i, s in enumerate(seqs) if s.sample]
         sel = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=hidden.device)]
@@ -257,6 +259,15 @@ class ModelRunner:
         for g in (self.step_graphs, self.piecewise):
             if g is not None:
                 g.close()
+
+
+class _Written:
+    """Stands for a recurrent step whose states were (possibly) written: what the engine's OOM recovery reads."""
+
+    written = True
+
+
+_STATES_WRITTEN = _Written()
 
 
 def _rows(logits: torch.Tensor, rows: list[int], batch: int) -> torch.Tensor:

@@ -31,9 +31,8 @@ Checkpoint names follow transformers: ``model.layers.N.linear_attn.{in_proj_qkvz
 norm,out_proj}``, ``model.layers.N.self_attn.{q,k,v,o}_proj / q_norm / k_norm``, ``mlp.gate``, ``mlp.experts``,
 ``mlp.shared_expert``, ``mlp.shared_expert_gate``. Multi-token-prediction tensors (``mtp.*``) are not read; a
 Qwen3.5 checkpoint's ``model.language_model.*`` names map onto ``model.*`` and its vision tower is not read.
-Decode CUDA graphs: the whole-step graphs (``engine/cuda_graphs.py``) capture these models, the linear layers
-reading static slot / fresh buffers; the piecewise graphs of the offloading backends do not (their decode steps run
-eager for these models, and the model runner says so).
+Decode CUDA graphs: the whole-step graphs (``engine/cuda_graphs.py``) and the piecewise graphs of the offloading
+backends (``engine/decode_graph.py``) capture these models, the linear layers reading static slot / fresh buffers.
 """
 
 from __future__ import annotations
@@ -414,7 +413,6 @@ class Qwen3NextForCausalLM(nn.Module):
     hf_renames: tuple[tuple[str, str], ...] = ()
     float32_tensors: tuple[str, ...] = ()
     partial_rotary = True
-    decode_graphs = "step"   # whole-step decode graphs only (the piecewise runner knows no linear layer)
 
     def __init__(self, config: ModelConfig, *, executor: ExpertExecutor | None = None,
                  device: torch.device | str | None = None):

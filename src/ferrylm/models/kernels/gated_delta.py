@@ -27,8 +27,12 @@ several value heads is repeated by the caller).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger("ferrylm.models")
 
 DEFAULT_CHUNK = 64
 
@@ -144,11 +148,19 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     the torch chunk form elsewhere. Same arguments and results."""
     from ferrylm.triton_util import use_triton
 
-    if use_triton(v):
-        from ferrylm.models.kernels.gated_delta_triton import chunked_triton
+    if use_triton(v) and not _TRITON_BROKEN:
+        from ferrylm.models.kernels.gated_delta_triton import KernelUnavailable, chunked_triton
 
-        return chunked_triton(q, k, v, g, beta, state)
+        try:
+            return chunked_triton(q, k, v, g, beta, state)
+        except KernelUnavailable as e:   # it does not compile for these shapes here: the torch form from now on
+            _TRITON_BROKEN.append(str(e))
+            log.warning("the Triton gated-delta chunk kernel is unavailable (%s); prefill chunks of linear-attention "
+                        "layers use the torch chunk form", str(e).split("\n")[0][:200])
     return gated_delta_chunked(q, k, v, g, beta, state)
+
+
+_TRITON_BROKEN: list[str] = []   # why the Triton chunk kernel failed to build (empty: not failed)
 
 
 # --- the short causal convolution ------------------------------------------------------------------------------

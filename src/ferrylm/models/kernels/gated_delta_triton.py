@@ -22,6 +22,11 @@ import triton.language as tl
 CHUNK = 64
 
 
+class KernelUnavailable(RuntimeError):
+    """The kernel cannot be built for these shapes on this device (Triton's compile or resource limits); not an
+    allocation failure, which propagates as itself."""
+
+
 @triton.jit
 def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, s0_ptr, o_ptr, s_ptr, T, H,
                   DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
@@ -85,7 +90,11 @@ def chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunk form for one sequence (arguments and results as
     :func:`ferrylm.models.kernels.gated_delta.gated_delta_chunked`): ``(o [T, H, Dv], final state [H, Dk, Dv])``
-    float32. Launches one kernel of ``H * ceil(Dv / BV)`` programs; no host synchronisation."""
+    float32. Launches one kernel of ``H * ceil(Dv / BV)`` programs; no host synchronisation.
+
+    Raises:
+        KernelUnavailable: Triton cannot compile the kernel for these shapes here (the caller takes the torch form).
+    """
     t, h, dk = k.shape
     dv = v.shape[-1]
     q, k, v = (x.float().contiguous() for x in (q, k, v))
@@ -96,6 +105,9 @@ def chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     bv = min(32, _block(dv))
     grid = (h, triton.cdiv(dv, bv))
     bk = _block(dk)
-    _chunk_kernel[grid](q, k, v, g, beta, s0, out, final, t, h, DK=dk, DV=dv, BK=bk, BV=bv, C=CHUNK,
-                        HAS_S0=state is not None, num_warps=8 if bk >= 128 else 4)
+    try:
+        _chunk_kernel[grid](q, k, v, g, beta, s0, out, final, t, h, DK=dk, DV=dv, BK=bk, BV=bv, C=CHUNK,
+                            HAS_S0=state is not None, num_warps=8 if bk >= 128 else 4)
+    except (triton.CompilationError, triton.runtime.errors.OutOfResources) as e:
+        raise KernelUnavailable(f"{type(e).__name__}: {e}") from e
     return out, final
