@@ -36,6 +36,9 @@ ARCHITECTURE_NOTES: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("Qwen3-30B-A3B, Qwen3-235B-A22B", "per-head q/k norm"),
     "Glm4MoeForCausalLM": ("GLM-4.5, GLM-4.5-Air, GLM-4.6",
                            "biased sigmoid group-limited router, shared expert, partial rotary; MTP layers not read"),
+    "DeepseekV3ForCausalLM": ("DeepSeek-V3 / R1, Kimi-K2",
+                              "multi-head latent attention (latent KV pool), noaux_tc sigmoid group-limited router, "
+                              "shared expert; MTP layers not read"),
     "MiniMaxM2ForCausalLM": ("MiniMax-M2", "biased sigmoid router, q/k norm over the projection, partial rotary; "
                                            "MTP modules not read"),
 }

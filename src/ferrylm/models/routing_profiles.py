@@ -92,7 +92,9 @@ ROUTER = "router"
 #: every ``routing=`` value
 ROUTING_CHOICES = (ROUTER, *PROFILES)
 #: the calibrated profile a preset's ``model_type`` gets when the spec names none (and gives no ``skew=``)
-FAMILY_PROFILE = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen3", "olmoe": "olmoe", "mixtral": ROUTER}
+FAMILY_PROFILE = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen3", "olmoe": "olmoe", "mixtral": ROUTER,
+                  # DeepSeek-V3 / Kimi-K2 (no published locality figures of their own): the Qwen3 profile, top-8 too
+                  "deepseek_v3": "qwen3", "kimi_k2": "qwen3"}
 
 
 def default_routing(model_type: str, skew: float) -> str:
