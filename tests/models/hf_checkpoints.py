@@ -99,7 +99,7 @@ CASES: dict[str, tuple[str, dict]] = {
                                                          "mscale_all_dim": 0.7, "beta_fast": 32, "beta_slow": 1})),
     # DeepSeek-V2-Lite shape: q_lora_rank null (one q_proj), attention biases, half-split rope, plain top-2 of one
     # group, raw sigmoid weights, two shared experts, layer 0 dense
-    "deepseek_v3_lite": ("deepseek_v3", dict(vocab_size=144, intermediate_size=80, moe_intermediate_size=24,
+    "deepseek_v3_lite": ("deepseek_v3", dict(vocab_size=144, intermediate_size=80, moe_intermediate_size=32,
                                              num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=None,
                                              kv_lora_rank=16, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
                                              n_routed_experts=6, num_experts_per_tok=2, n_group=1, topk_group=1,
