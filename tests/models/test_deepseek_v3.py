@@ -309,3 +309,57 @@ def test_piecewise_decode_pieces_match_transformers(checkpoints, backend):
     for rid, p in prompts.items():
         assert runs["eager"][rid][0] == runs["off"][rid][0] == hf_greedy(ckpt.reference, p, 8)
         assert runs["eager"][rid][1] == pytest.approx(runs["off"][rid][1], abs=1e-4)
+
+
+def _tiny_synthetic(preset: str):
+    """The ``preset`` (deepseek-v3 / kimi-k2) at test size: its architecture and options, MLA and MoE shrunk, the
+    vocabulary kept (129280 / 163840 ids: the embedding and head are the large tensors at this size)."""
+    from ferrylm.models.synthetic import PRESETS, SyntheticPreset
+
+    cfg = {**PRESETS[preset].config, "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16,
+           "num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 3, "kv_lora_rank": 16,
+           "q_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8, "n_routed_experts": 16,
+           "max_position_embeddings": 256, "first_k_dense_replace": 1}
+    cfg["n_group"], cfg["topk_group"] = (4, 2) if cfg["n_group"] > 1 else (1, 1)
+    return SyntheticPreset(f"tiny-{preset}", "test", cfg)
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3", "kimi-k2"])
+def test_synthetic_presets_route_by_the_qwen3_profile_and_generate(monkeypatch, tmp_path, preset):
+    """Default routing of the DeepSeek family's presets is the calibrated ``qwen3`` profile: the sigmoid blocks take
+    the routing model's ids (weights their sigmoid scores); token ids in and out at the published vocabularies
+    through the offline API, prompt ids drawn across the whole vocabulary."""
+    from ferrylm.engine.sampling_params import SamplingParams
+    from ferrylm.llm import LLM
+    from ferrylm.models.synthetic import PRESETS, default_prompt_ids, parse_synthetic_spec
+    from ferrylm.models.synthetic_build import build_synthetic
+
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path / "cache"))
+    tiny = _tiny_synthetic(preset)
+    monkeypatch.setitem(PRESETS, tiny.name, tiny)
+    spec = parse_synthetic_spec(f"synthetic:{tiny.name}")
+    assert spec.routing == "qwen3" and parse_synthetic_spec(f"synthetic:{preset}:layers=2").routing == "qwen3"
+    loaded = build_synthetic(spec, dtype=torch.float32)
+    block = loaded.model.model.layers[1].mlp
+    assert isinstance(block, SigmoidMoeBlock) and block.routing is not None
+    ids = torch.tensor([5, tiny.config["vocab_size"] - 1, 3, 90_000])
+    seen = {}
+    original = block.executor.run
+
+    def run(layer, hidden, topk_ids, topk_weights, **kw):
+        seen.setdefault(layer, (topk_ids.clone(), topk_weights.clone()))
+        return original(layer, hidden, topk_ids, topk_weights, **kw)
+
+    monkeypatch.setattr(block.executor, "run", run)
+    with torch.no_grad():
+        loaded.model(ids, torch.arange(4), SequenceCacheAttention())
+        want = block.routing_context.choose(block.routing, 1)
+    got_ids, got_w = seen[1]
+    assert torch.equal(got_ids, want)
+    assert torch.allclose(got_w.sum(-1), torch.full((4,), block.rule.scale))  # renormalised, then scaled
+    llm = LLM(f"synthetic:{tiny.name}", device="cpu", num_pages=32, check_invariants=True)
+    prompt = default_prompt_ids(tiny.config["vocab_size"])
+    assert max(prompt) > 100_000 and max(prompt) < tiny.config["vocab_size"]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    toks = out[0].outputs[0].token_ids
+    assert len(toks) == 4 and all(0 <= t < tiny.config["vocab_size"] for t in toks)
