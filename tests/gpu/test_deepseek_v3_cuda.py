@@ -2,10 +2,12 @@
 a GPU at hand (the CPU parity against transformers is tests/models/test_deepseek_v3.py).
 
 * float32: decode CUDA graphs (whole-step graphs for resident / offload, whose captured decode runs
-  ``TritonPagedAttention.attend_latent``'s device-only path; the piecewise graphs for hybrid / cpu, whose decode runs
+  ``TritonPagedAttention.attend_latent``: the Triton row store and latent decode kernel of
+  ``engine/attention/triton_latent.py``; the piecewise graphs for hybrid / cpu, whose decode runs
   ``StaticDecodeAttention.attend_latent``) give the eager engine's greedy tokens exactly and its logprobs within
   1e-4, and both give transformers' greedy tokens;
-* the Triton backend (latent attention in torch ops there) equals the torch backend;
+* the Triton backend (its latent decode kernel for decodes, the torch dispatch for prefill chunks) equals the torch
+  backend, and the kernel alone equals the torch absorbed decode at DeepSeek-V3's shapes (R 512, P 64, 128 heads);
 * bfloat16: graph and eager tokens identical; the first token's logprob within 0.1 of float32's (bf16 activations
   and a bf16 latent pool: about 3 significant digits per product, 0.1 nats covers the tiny models' logits);
 * a second turn whose first pages come from the prefix cache gives transformers' tokens.
@@ -99,3 +101,28 @@ def test_prefix_cached_turn_matches_transformers(tmp_path):
     toks, _ = _generate(engine, {"b": second}, NEW)
     assert toks["b"] == hf_greedy(ckpt.reference, second, NEW)
     assert engine.stats()["prefix_cache"]["hits"] >= 32
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
+def test_latent_decode_kernel_at_deepseek_v3_shapes(dtype, tol):
+    """The Triton latent decode kernel against the torch absorbed decode: 128 heads, R 512, P 64, 16-token pages,
+    lengths from 1 to 3000 (float32: TF32-free ``ieee`` dots, tolerance for the summation order; bfloat16 inputs,
+    float32 accumulation)."""
+    import ferrylm.models.latent_attention as la
+    from ferrylm.engine.attention.triton_latent import latent_decode_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    heads, r, p, ps, lens = 128, 512, 64, 16, [1, 17, 640, 3000]
+    pages = -(-max(lens) // ps)
+    cache = torch.randn(len(lens) * pages * ps, 1, r + p, device="cuda", generator=g).to(dtype)
+    table = torch.randperm(len(lens) * pages, device="cuda", generator=g).view(len(lens), pages).to(torch.int32)
+    q_abs = torch.randn(len(lens), heads, r, device="cuda", generator=g).to(dtype) * 0.05
+    q_pe = torch.randn(len(lens), heads, p, device="cuda", generator=g).to(dtype) * 0.05
+    scale = (128 + 64) ** -0.5
+    got = latent_decode_attention(q_abs, q_pe, cache, table, torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                                  scale, ps)
+    for b, n in enumerate(lens):
+        slots = (table[b].long()[:, None] * ps + torch.arange(ps, device="cuda")).reshape(-1)[:n]
+        want = la.absorbed_attention(q_abs[b:b + 1, :, None].float(), q_pe[b:b + 1, :, None].float(),
+                                     cache[slots, 0][None].float(), r, scale)[0, :, 0]
+        torch.testing.assert_close(got[b].float(), want, atol=tol, rtol=tol)
