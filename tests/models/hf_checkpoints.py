@@ -104,6 +104,27 @@ CASES: dict[str, tuple[str, dict]] = {
                                         linear_num_value_heads=2, linear_value_head_dim=16, linear_conv_kernel_dim=3,
                                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
                                                          "partial_rotary_factor": 0.5})),
+    # DeepSeek-V3 shape: MLA with a low-rank query (q_lora_rank), v_head_dim != qk_nope_head_dim, interleaved
+    # rope over 8 dims with yarn (mscale_all_dim in the softmax scale), layers 0-1 dense, 2-3 group-limited top-3
+    # (4 groups of 2, best 2), renormalised and scaled, one shared expert
+    "deepseek_v3": ("deepseek_v3", dict(vocab_size=160, intermediate_size=96, moe_intermediate_size=32,
+                                        num_hidden_layers=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
+                                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=8,
+                                        num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                        norm_topk_prob=True, n_shared_experts=1, first_k_dense_replace=2,
+                                        rope_interleave=True,
+                                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                         "original_max_position_embeddings": 64, "mscale": 1.0,
+                                                         "mscale_all_dim": 0.7, "beta_fast": 32, "beta_slow": 1})),
+    # DeepSeek-V2-Lite shape: q_lora_rank null (one q_proj), attention biases, half-split rope, plain top-2 of one
+    # group, raw sigmoid weights, two shared experts, layer 0 dense
+    "deepseek_v3_lite": ("deepseek_v3", dict(vocab_size=144, intermediate_size=80, moe_intermediate_size=32,
+                                             num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=None,
+                                             kv_lora_rank=16, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+                                             n_routed_experts=6, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                             routed_scaling_factor=1.0, norm_topk_prob=False, n_shared_experts=2,
+                                             first_k_dense_replace=1, attention_bias=True, rope_interleave=False,
+                                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     "qwen2": ("qwen2", dict(vocab_size=160, intermediate_size=96,
                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     "qwen3": ("qwen3", dict(vocab_size=160, intermediate_size=96, head_dim=32, tie_word_embeddings=True,
@@ -114,10 +135,10 @@ CONFIG_CLASSES = {
     "llama": "LlamaConfig", "mixtral": "MixtralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
     "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig", "olmoe": "OlmoeConfig",
     "glm4_moe": "Glm4MoeConfig", "minimax_m2": "MiniMaxM2Config", "qwen3_next": "Qwen3NextConfig",
-    "qwen3_5_moe": "Qwen3_5MoeTextConfig",
+    "qwen3_5_moe": "Qwen3_5MoeTextConfig", "deepseek_v3": "DeepseekV3Config",
 }
 MOE_FAMILIES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2", "qwen3_next",
-                          "qwen3_5_moe"})
+                          "qwen3_5_moe", "deepseek_v3"})
 
 
 def is_moe_case(case: str) -> bool:

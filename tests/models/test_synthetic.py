@@ -38,6 +38,11 @@ def tiny(preset: str, experts: int = 8, **overrides) -> SyntheticPreset:
         cfg["intermediate_size"] = 16
     if "rotary_dim" in cfg:  # MiniMax-M2: half of the head rotated, as published (64 of 128)
         cfg["rotary_dim"] = cfg["head_dim"] // 2
+    if "kv_lora_rank" in cfg:  # DeepSeek-V3 / Kimi-K2: MLA at test size, groups of 4 experts, one dense layer
+        cfg.pop("num_experts")
+        cfg.update(n_routed_experts=experts, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16,
+                   qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, num_key_value_heads=4,
+                   n_group=min(cfg["n_group"], experts // 4), topk_group=1)
     return SyntheticPreset(f"tiny-{preset}", "test", cfg)
 
 
@@ -60,7 +65,21 @@ def test_presets_have_the_published_shapes():
     }
     from ferrylm.config import ModelConfig
 
-    assert set(PRESETS) == set(want)
+    mla = {  # name: (layers, hidden, experts, top_k, width, heads, q_lora, kv_lora, nope, rope, v, dense layers,
+        #        n_group, topk_group, routed_scaling_factor, vocab, yarn factor)
+        "deepseek-v3": (61, 7168, 256, 8, 2048, 128, 1536, 512, 128, 64, 128, 3, 8, 4, 2.5, 129280, 40),
+        "kimi-k2": (61, 7168, 384, 8, 2048, 64, 1536, 512, 128, 64, 128, 1, 1, 1, 2.827, 163840, 64),
+    }
+    assert set(PRESETS) == set(want) | set(mla)
+    for name, w in mla.items():
+        c = ModelConfig.from_dict(PRESETS[name].config)
+        r = c.raw
+        got = (c.num_layers, c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+               c.num_heads, r["q_lora_rank"], r["kv_lora_rank"], r["qk_nope_head_dim"], r["qk_rope_head_dim"],
+               r["v_head_dim"], r["first_k_dense_replace"], r["n_group"], r["topk_group"], r["routed_scaling_factor"],
+               c.vocab_size, c.rope_scaling["factor"])
+        assert c.architecture == "DeepseekV3ForCausalLM" and got == w, name
+        assert r["n_shared_experts"] == 1 and c.intermediate_size == 18432
     for name, w in want.items():
         c = ModelConfig.from_dict(PRESETS[name].config)
         got = (c.architecture, c.num_layers, c.hidden_size, c.num_experts, c.num_experts_per_tok,
@@ -101,8 +120,9 @@ def test_every_architecture_builds_seeded(preset):
     assert la.shape == (6, 96) and torch.isfinite(la).all()
     assert torch.equal(la, logits(b, ids))  # same seed, same weights, same logits
     assert not torch.equal(la, logits(build_synthetic(SyntheticSpec(spec.preset, 3, 0.8, seed=4)), ids))
-    assert {p.dtype for n, p in a.model.named_parameters() if "e_score_correction" not in n} == {torch.bfloat16}
-    assert {p.dtype for n, p in a.model.named_parameters() if "e_score_correction" in n} <= {torch.float32}
+    keep32 = type(a.model).float32_tensors  # routing tensors the class keeps in float32
+    assert {p.dtype for n, p in a.model.named_parameters() if not n.endswith(keep32)} == {torch.bfloat16}
+    assert {p.dtype for n, p in a.model.named_parameters() if n.endswith(keep32)} <= {torch.float32}
     blocks = [m for m in a.model.modules() if isinstance(m, SparseMoeBlock)]
     assert blocks and all(blk.gate.bias is not None for blk in blocks)
     assert sorted(a.executor.layers) == [blk.layer_idx for blk in blocks]
@@ -312,16 +332,23 @@ def _parameter_counts(preset: str) -> tuple[int, int]:
     return dense + len(moe) * e * per_expert, dense - embed + len(moe) * config.num_experts_per_tok * per_expert
 
 
-@pytest.mark.parametrize("preset,total,active", [("glm-4.5-air", 106e9, 12e9), ("minimax-m2", 230e9, 10e9)])
-def test_preset_parameter_counts_match_the_published_totals(preset, total, active):
-    """GLM-4.5-Air: 106B total / 12B active (zai-org model card); MiniMax-M2: 230B / 10B (MiniMax model card).
+@pytest.mark.parametrize("preset,total,active,embeddings", [
+    ("glm-4.5-air", 106e9, 12e9, False), ("minimax-m2", 230e9, 10e9, False),
+    ("deepseek-v3", 671e9, 37e9, True), ("kimi-k2", 1.04e12, 32.6e9, True)])
+def test_preset_parameter_counts_match_the_published_totals(preset, total, active, embeddings):
+    """GLM-4.5-Air: 106B total / 12B active (zai-org model card); MiniMax-M2: 230B / 10B (MiniMax model card);
+    DeepSeek-V3: 671B / 37B without its 14B MTP module (technical report, §1); Kimi-K2: 1.04T / 32.6B (its
+    technical report); those two count the embedding and the output head as active (``embeddings``).
     Within 3 %: the published totals round, and leave out the MTP layers ferrylm does not build."""
     got_total, got_active = _parameter_counts(preset)
+    if embeddings:
+        c = PRESETS[preset].config
+        got_active += 2 * c["vocab_size"] * c["hidden_size"]
     assert abs(got_total / total - 1) < 0.03, f"{preset}: {got_total / 1e9:.1f}B total"
     assert abs(got_active / active - 1) < 0.03, f"{preset}: {got_active / 1e9:.2f}B active"
 
 
-@pytest.mark.parametrize("preset", ["glm-4.5-air", "minimax-m2"])
+@pytest.mark.parametrize("preset", ["glm-4.5-air", "minimax-m2", "deepseek-v3", "kimi-k2"])
 def test_memory_estimate_counts_what_the_model_holds(preset):
     """experts/auto.py's estimate of the non-expert bytes (what the auto backend choice plans with) agrees with
     the model's parameters within 0.1 % (GLM's ungated shared experts, its dense first layer)."""

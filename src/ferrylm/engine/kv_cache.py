@@ -218,6 +218,36 @@ class PagedAttention:
             enable_gqa=group > 1 and mask is None)
         return o[:, :, 0, :]                                        # [B, Hq, D]
 
+    def attend_latent(self, layer_idx: int, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
+                      k_pe: torch.Tensor, proj, scale: float) -> torch.Tensor:
+        """Multi-head latent attention over a latent pool (``KVLayout`` with ``v_heads == 0``; the math in
+        ``models/latent_attention.py``): stores ``[c_kv ; k_pe]`` ``[T, R + P]`` at the new tokens' slots, then per
+        sequence: decodes batched, absorbed; a prefill chunk over its gathered prefix + chunk, absorbed or expanded
+        (``absorb_wins``). Shapes ``q_nope [T, H, N]``, ``q_pe [T, H, P]``, ``c_kv [T, R]``, ``k_pe [T, P]`` ->
+        ``[T, H, V]``."""
+        from ferrylm.models.latent_attention import latent_chunk_attention, latent_decode, latent_row
+
+        kc = self.pool.k[layer_idx]
+        kc.index_copy_(0, self.new_slots, _as(latent_row(c_kv, k_pe), kc.dtype))
+        faults, dt = self.faults, q_nope.dtype
+        with sdpa_kernel(CUDA_SDPA_BACKENDS) if q_nope.is_cuda else contextlib.nullcontext():
+            if self.decode_only:
+                if faults.enabled:
+                    faults.check("attention_scratch", nbytes=self.decode_slots.numel() * kc.shape[2] * kc.element_size())
+                return latent_decode(q_nope, q_pe, _as(kc[self.decode_slots, 0], dt), proj, scale, self.decode_mask)
+            out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], proj.w_uv.shape[1])
+            for s in self.prefill:
+                if faults.enabled:
+                    faults.check("attention_scratch", nbytes=s.slots.numel() * kc.shape[2] * kc.element_size())
+                sl = slice(s.q_start, s.q_start + s.q_len)
+                out[sl] = latent_chunk_attention(q_nope[sl], q_pe[sl], _as(kc[s.slots, 0], dt), proj, scale,
+                                                 q_offset=s.ctx_len)
+            if self.decode:
+                idx = self.decode_q_idx
+                out[idx] = latent_decode(q_nope[idx], q_pe[idx], _as(kc[self.decode_slots, 0], dt), proj, scale,
+                                         self.decode_mask)
+            return out
+
 
 class StaticDecodeAttention:
     """AttentionBackend of a decode step with fixed shapes (the decode CUDA graphs, ``engine/decode_graph.py``):
@@ -236,6 +266,7 @@ class StaticDecodeAttention:
         self.slot_table = slot_table
         self.new_slots = new_slots
         self.mask = mask[:, None, None, :]  # [B, 1, 1, L]: broadcast over KV heads and query rows
+        self.slot_mask = mask               # [B, L] (latent attention)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
@@ -253,3 +284,16 @@ class StaticDecodeAttention:
         with sdpa_kernel(CUDA_SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
             o = torch.nn.functional.scaled_dot_product_attention(qg, kd, vd, attn_mask=self.mask, scale=scale)
         return o.reshape(b, hq, d)
+
+    def attend_latent(self, layer_idx: int, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
+                      k_pe: torch.Tensor, proj, scale: float) -> torch.Tensor:
+        """Absorbed multi-head latent attention of the ``B`` new tokens over the latent pool
+        (``models/latent_attention.py``): ``q_nope [B, H, N]``, ``q_pe [B, H, P]``, ``c_kv [B, R]``, ``k_pe [B, P]``
+        -> ``[B, H, V]``; torch ops only, no host sync (capturable)."""
+        from ferrylm.models.latent_attention import latent_decode, latent_row
+
+        kc = self.pool.k[layer_idx]
+        kc.index_copy_(0, self.new_slots, _as(latent_row(c_kv, k_pe), kc.dtype))
+        with sdpa_kernel(CUDA_SDPA_BACKENDS) if q_nope.is_cuda else contextlib.nullcontext():
+            return latent_decode(q_nope, q_pe, _as(kc[self.slot_table, 0], q_nope.dtype), proj, scale,
+                                 self.slot_mask)

@@ -71,14 +71,26 @@ def choose_backend(*, expert_bytes_total: int, budget_bytes: int | None, expert_
                       + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in times.items()), times)
 
 
+def _attention_params(config) -> int:
+    """Weights of one layer's attention: q/k/v/o of GQA, or multi-head latent attention's projections (DeepSeek-V3:
+    ``kv_lora_rank`` in the config; q_a / q_b or q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj)."""
+    raw, h, heads = config.raw, config.hidden_size, config.num_heads
+    if raw.get("kv_lora_rank"):
+        r, ql = int(raw["kv_lora_rank"]), raw.get("q_lora_rank")
+        nope, rope, vd = int(raw["qk_nope_head_dim"]), int(raw["qk_rope_head_dim"]), int(raw["v_head_dim"])
+        q = h * heads * (nope + rope) if ql is None else int(ql) * (h + heads * (nope + rope))
+        return q + h * (r + rope) + r * heads * (nope + vd) + heads * vd * h
+    q, kv = heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return 2 * h * q + 2 * h * kv
+
+
 def estimate_non_expert_bytes(config, moe_layers: tuple[int, ...], dtype_bytes: int) -> int:
     """Bytes of every weight except the routed experts, from a :class:`~ferrylm.config.ModelConfig`: embedding
     (and an untied ``lm_head``), attention projections, dense MLPs of non-MoE layers, routers and shared experts.
     Norms and biases are left out (under 0.1 %)."""
     h, v = config.hidden_size, config.vocab_size
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     n = v * h * (1 if config.tie_word_embeddings else 2)
-    n += config.num_layers * (2 * h * q + 2 * h * kv)
+    n += config.num_layers * _attention_params(config)
     n += (config.num_layers - len(moe_layers)) * 3 * h * config.intermediate_size
     shared = int(config.raw.get("shared_expert_intermediate_size") or 0)  # Qwen2-MoE: with a [1, H] gate
     gate = h if shared else 0

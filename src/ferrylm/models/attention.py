@@ -37,6 +37,12 @@ class AttentionBackend(Protocol):
         """
         ...
 
+    # Backends of models with multi-head latent attention (DeepSeek-V3) also implement:
+    #   attend_latent(layer_idx, q_nope [T, H, N], q_pe [T, H, P], c_kv [T, R], k_pe [T, P],
+    #                 proj: LatentProjection, scale) -> [T, H, V]
+    # storing ``[c_kv ; k_pe]`` per token and returning the attention output per head
+    # (``models/latent_attention.py`` has the contract and the math).
+
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      q_offset: int = 0) -> torch.Tensor:
@@ -75,6 +81,13 @@ class DenseCausalAttention:
                scale: float) -> torch.Tensor:
         return causal_attention(q, k, v, scale)
 
+    def attend_latent(self, layer_idx: int, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
+                      k_pe: torch.Tensor, proj, scale: float) -> torch.Tensor:
+        """MLA over the call's own tokens (``models/latent_attention.py``): ``[T, H, V]``."""
+        from ferrylm.models.latent_attention import latent_chunk_attention, latent_row
+
+        return latent_chunk_attention(q_nope, q_pe, latent_row(c_kv, k_pe)[:, 0], proj, scale, q_offset=0)
+
 
 class SequenceCacheAttention:
     """One sequence with a growing K/V cache (per layer, concatenated), no pages. The reference for chunked
@@ -96,3 +109,14 @@ class SequenceCacheAttention:
         ks.append(k)
         vs.append(v)
         return causal_attention(q, torch.cat(ks), torch.cat(vs), scale, q_offset=offset)
+
+    def attend_latent(self, layer_idx: int, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
+                      k_pe: torch.Tensor, proj, scale: float) -> torch.Tensor:
+        """MLA (``models/latent_attention.py``); the new latent rows ``[c_kv ; k_pe]`` follow everything cached
+        (kept in ``k``; ``v`` stays empty for the layer)."""
+        from ferrylm.models.latent_attention import latent_chunk_attention, latent_row
+
+        rows = self.k.setdefault(layer_idx, [])
+        offset = sum(t.shape[0] for t in rows)
+        rows.append(latent_row(c_kv, k_pe)[:, 0])
+        return latent_chunk_attention(q_nope, q_pe, torch.cat(rows), proj, scale, q_offset=offset)

@@ -40,6 +40,9 @@ ARCHITECTURE_NOTES: dict[str, tuple[str, str]] = {
                                                    "pool, prefix caching by state snapshots, shared expert"),
     "Qwen3_5MoeForCausalLM": ("Qwen3.5-35B-A3B (text)", "as Qwen3-Next with four DeltaNet projections; vision tower "
                                                         "and MTP not read"),
+    "DeepseekV3ForCausalLM": ("DeepSeek-V3 / R1, Kimi-K2",
+                              "multi-head latent attention (latent KV pool), noaux_tc sigmoid group-limited router, "
+                              "shared expert; MTP layers not read"),
     "MiniMaxM2ForCausalLM": ("MiniMax-M2", "biased sigmoid router, q/k norm over the projection, partial rotary; "
                                            "MTP modules not read"),
 }

@@ -8,6 +8,7 @@ from ferrylm.errors import UnsupportedArchitecture
 
 # NOTE: values are "module:Class" so that importing the registry does not import torch-heavy model code.
 MODEL_REGISTRY: dict[str, str] = {
+    "DeepseekV3ForCausalLM": "ferrylm.models.deepseek_v3:DeepseekV3ForCausalLM",
     "Glm4MoeForCausalLM": "ferrylm.models.glm4_moe:Glm4MoeForCausalLM",
     "LlamaForCausalLM": "ferrylm.models.llama:LlamaForCausalLM",
     "MiniMaxM2ForCausalLM": "ferrylm.models.minimax_m2:MiniMaxM2ForCausalLM",

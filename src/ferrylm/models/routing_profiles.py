@@ -93,7 +93,9 @@ ROUTER = "router"
 ROUTING_CHOICES = (ROUTER, *PROFILES)
 #: the calibrated profile a preset's ``model_type`` gets when the spec names none (and gives no ``skew=``)
 FAMILY_PROFILE = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen3", "olmoe": "olmoe", "mixtral": ROUTER,
-                  "qwen3_next": "qwen3", "qwen3_5_moe_text": "qwen3"}
+                  "qwen3_next": "qwen3", "qwen3_5_moe_text": "qwen3",
+                  # DeepSeek-V3 / Kimi-K2 (no published locality figures of their own): the Qwen3 profile, top-8 too
+                  "deepseek_v3": "qwen3", "kimi_k2": "qwen3"}
 
 
 def default_routing(model_type: str, skew: float) -> str:

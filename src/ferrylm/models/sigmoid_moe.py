@@ -90,6 +90,15 @@ def sigmoid_topk(router_logits: torch.Tensor, bias: torch.Tensor, rule: SigmoidR
     return ids, weights
 
 
+def sigmoid_weights(router_logits: torch.Tensor, ids: torch.Tensor, rule: SigmoidRouting) -> torch.Tensor:
+    """``[T, k]`` float32 weights of chosen ``ids [T, k]`` under ``rule``: the plain sigmoid scores at ``ids``,
+    renormalised and scaled as :func:`sigmoid_topk` does (for ids a routing model chose)."""
+    weights = torch.sigmoid(router_logits.float()).gather(1, ids)
+    if rule.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + rule.eps)
+    return weights * rule.scale if rule.scale != 1.0 else weights
+
+
 class SigmoidRouter(nn.Module):
     """The router's parameters: ``weight [E, H]`` and the selection bias ``e_score_correction_bias [E]`` (a
     parameter so that the loader fills it; the model class keeps it in float32). ``forward`` gives the ``[T, E]``
@@ -135,12 +144,19 @@ class SigmoidMoeBlock(SparseMoeBlock):
         self.shared_experts = shared_experts
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``hidden [T, H]`` -> ``(topk_ids [T, k] int64, topk_weights [T, k] float32)`` (:func:`sigmoid_topk`)."""
+        """``hidden [T, H]`` -> ``(topk_ids [T, k] int64, topk_weights [T, k] float32)`` (:func:`sigmoid_topk`; with a
+        synthetic routing model, its ids weighted by :func:`sigmoid_weights`)."""
+        if self.routing is not None:
+            ids = self.routing_context.choose(self.routing, self.layer_idx)
+            return ids, sigmoid_weights(self.gate(hidden), ids, self.rule)
         return sigmoid_topk(self.gate(hidden), self.gate.e_score_correction_bias, self.rule)
 
     def predict_experts(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [T, H]`` -> ``[T, k]`` int64: the experts :meth:`route` chooses (the bias and the groups decide
-        the choice, so this is the routing itself, less the weights)."""
+        the choice, so this is the routing itself, less the weights; a routing model's early evaluation when one
+        chooses)."""
+        if self.routing is not None:
+            return self.routing_context.choose(self.routing, self.layer_idx, predict=True)
         return self.route(hidden)[0]
 
     def shared_output(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -92,6 +92,9 @@ class SyntheticPreset:
         layer_gib = experts * 3 * c["hidden_size"] * width * 2 / 2**30
         shared = c.get("shared_expert_intermediate_size") or (c.get("n_shared_experts") or 0) * width
         extra = f", shared expert {shared}" if shared else ""
+        if c.get("kv_lora_rank"):  # multi-head latent attention: what a head computes and what a token caches
+            head_dim = (f"{c['qk_nope_head_dim']}+{c['qk_rope_head_dim']} (MLA, latent {c['kv_lora_rank']}+"
+                        f"{c['qk_rope_head_dim']} cached per token)")
         return (f"{c['architectures'][0]}: {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, "
                 f"{experts} experts top-{c['num_experts_per_tok']} width {width}{extra}, {heads} x {head_dim}, "
                 f"vocab {c['vocab_size']}; routed experts {layer_gib:.2f} GiB/layer in bf16 (from {self.source})")
@@ -105,6 +108,18 @@ def _qwen3_moe(**shape: Any) -> dict[str, Any]:
         "num_experts": 128, "num_experts_per_tok": 8, "num_key_value_heads": 4, "rms_norm_eps": 1e-6,
         "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": None, "use_sliding_window": False,
         "tie_word_embeddings": False, "vocab_size": 151936,
+    }
+    return {**base, **shape}
+
+
+def _deepseek_v3(**shape: Any) -> dict[str, Any]:
+    """The fields DeepSeek-V3 and Kimi-K2 share (their config.json), updated by ``shape``."""
+    base = {
+        "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "hidden_act": "silu",
+        "hidden_size": 7168, "intermediate_size": 18432, "kv_lora_rank": 512, "moe_intermediate_size": 2048,
+        "moe_layer_freq": 1, "n_shared_experts": 1, "norm_topk_prob": True, "num_experts_per_tok": 8,
+        "num_hidden_layers": 61, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "scoring_func": "sigmoid", "tie_word_embeddings": False, "topk_method": "noaux_tc", "v_head_dim": 128,
     }
     return {**base, **shape}
 
@@ -174,6 +189,21 @@ PRESETS: dict[str, SyntheticPreset] = {p.name: p for p in (
         "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25,
                             "rope_theta": 10000000, "rope_type": "default"},
         "shared_expert_intermediate_size": 512, "tie_word_embeddings": False, "vocab_size": 248320}),
+    # 671B total / 37B active; FP8 128x128 blocks as published; the MTP layer (num_nextn_predict_layers) not built
+    SyntheticPreset("deepseek-v3", "deepseek-ai/DeepSeek-V3", _deepseek_v3(
+        model_type="deepseek_v3", bos_token_id=0, eos_token_id=1, first_k_dense_replace=3, max_position_embeddings=163840,
+        n_group=8, n_routed_experts=256, num_attention_heads=128, num_key_value_heads=128, rms_norm_eps=1e-6,
+        rope_theta=10000.0, routed_scaling_factor=2.5, topk_group=4, vocab_size=129280, num_nextn_predict_layers=1,
+        rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                      "original_max_position_embeddings": 4096, "type": "yarn"})),
+    # 1T total / 32B active: DeepSeek-V3's architecture with 384 experts, 64 heads, one dense layer, no groups
+    SyntheticPreset("kimi-k2", "moonshotai/Kimi-K2-Instruct-0905", _deepseek_v3(
+        model_type="kimi_k2", bos_token_id=163584, eos_token_id=163585, first_k_dense_replace=1,
+        max_position_embeddings=262144, n_group=1, n_routed_experts=384, num_attention_heads=64,
+        num_key_value_heads=64, rms_norm_eps=1e-5, rope_theta=50000.0, routed_scaling_factor=2.827, topk_group=1,
+        vocab_size=163840, num_nextn_predict_layers=0,
+        rope_scaling={"beta_fast": 1.0, "beta_slow": 1.0, "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                      "original_max_position_embeddings": 4096, "type": "yarn"})),
     SyntheticPreset("qwen2-57b-a14b", "Qwen/Qwen2-57B-A14B", {
         "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "bos_token_id": 151643,
         "eos_token_id": 151643, "decoder_sparse_step": 1, "hidden_act": "silu", "hidden_size": 3584,

@@ -1,0 +1,164 @@
+"""Multi-head latent attention (MLA) over a cache of compressed latents: the math every backend shares.
+
+MLA (DeepSeek-AI 2024, "DeepSeek-V2: A Strong, Economical, and Efficient Mixture-of-Experts Language Model", §2.1;
+kept unchanged in "DeepSeek-V3 Technical Report", §2.1.1) caches per token only the compressed latent
+``c = RMSNorm(W_DKV h)`` ``[R]`` (``R = kv_lora_rank``) and one decoupled rope key ``k_pe`` ``[P]`` shared by all
+heads. Head ``h``'s key and value are ``k_h = [W_UK_h c ; k_pe]`` and ``v_h = W_UV_h c`` with
+``W_UK_h [N, R]``, ``W_UV_h [V, R]`` the rows of ``kv_b_proj`` (``N = qk_nope_head_dim``, ``V = v_head_dim``).
+
+Two ways to compute the same attention (V2 paper §2.1.2, "absorb" ``W_UK`` into the query and ``W_UV`` into the
+output):
+
+* **absorbed**: ``q_abs_h = W_UK_h^T q_nope_h`` ``[R]``; score ``q_abs_h . c + q_pe_h . k_pe``; the output
+  ``o_h = W_UV_h (sum_j p_j c_j)``. The latent is read once for all heads (an MQA with one ``R + P`` key head and one
+  ``R`` value head); per key and head it costs ``2R + P`` multiply-adds. Used for decode.
+* **expanded**: ``k_nope, v = kv_b_proj(c)`` for every cached token, then ordinary causal attention with q/k head dim
+  ``N + P`` and v head dim ``V``: ``N + P + V`` per key and head, plus ``R (N + V)`` per key and head to expand.
+  Cheaper once a chunk has more queries than :func:`absorb_wins` says; used for long prefill chunks.
+
+Both are exact rewrites of the same sums (up to float rounding). The cache row of a token is ``[c ; k_pe]``
+``[R + P]`` (the pool's ``KVLayout(k_heads=1, k_dim=R + P, v_heads=0)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ferrylm.models.attention import causal_attention
+
+
+@dataclass(frozen=True)
+class LatentProjection:
+    """The up-projection of one MLA layer, viewed per head (no copy of ``kv_b_proj``'s weight).
+
+    Attributes:
+        weight: ``kv_b_proj.weight`` ``[H * (N + V), R]`` (rows head-major: head ``h``'s ``N`` key rows, then its
+            ``V`` value rows).
+        w_uk: ``[H, N, R]`` view: the key part of each head.
+        w_uv: ``[H, V, R]`` view: the value part of each head.
+    """
+
+    weight: torch.Tensor
+    w_uk: torch.Tensor
+    w_uv: torch.Tensor
+
+    @staticmethod
+    def of(weight: torch.Tensor, num_heads: int, nope_dim: int, v_dim: int) -> "LatentProjection":
+        """Views of ``weight [H * (N + V), R]``. Raises ValueError when the shape does not fit."""
+        rows, rank = weight.shape
+        if rows != num_heads * (nope_dim + v_dim):
+            raise ValueError(f"kv_b_proj weight has {rows} rows, expected {num_heads} x ({nope_dim} + {v_dim})")
+        per_head = weight.view(num_heads, nope_dim + v_dim, rank)
+        return LatentProjection(weight=weight, w_uk=per_head[:, :nope_dim], w_uv=per_head[:, nope_dim:])
+
+    @property
+    def num_heads(self) -> int:
+        return self.w_uk.shape[0]
+
+    @property
+    def rank(self) -> int:
+        return self.w_uk.shape[2]
+
+    def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """``q_nope [T, H, N]`` -> ``q_abs [T, H, R]`` (``q_abs_h = W_UK_h^T q_nope_h``): one batched GEMM over heads."""
+        return torch.bmm(q_nope.transpose(0, 1), self.w_uk.to(q_nope.dtype)).transpose(0, 1)
+
+    def value_out(self, o_latent: torch.Tensor) -> torch.Tensor:
+        """``o_latent [T, H, R]`` -> ``[T, H, V]`` (``o_h = W_UV_h o_latent_h``)."""
+        return torch.bmm(o_latent.transpose(0, 1), self.w_uv.to(o_latent.dtype).transpose(1, 2)).transpose(0, 1)
+
+    def expand(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of cached tokens: ``c_kv [L, R]``, ``k_pe [L, P]`` -> ``k [L, H, N + P]``, ``v [L, H, V]``."""
+        h, n = self.num_heads, self.w_uk.shape[1]
+        kv = F.linear(c_kv, self.weight.to(c_kv.dtype)).view(c_kv.shape[0], h, -1)
+        k = torch.cat((kv[..., :n], k_pe[:, None, :].expand(-1, h, -1)), dim=-1)
+        return k, kv[..., n:]
+
+
+def latent_row(c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """The cached row of each token: ``c_kv [T, R]``, ``k_pe [T, P]`` -> ``[T, 1, R + P]``."""
+    return torch.cat((c_kv, k_pe), dim=-1)[:, None, :]
+
+
+def absorb_wins(q_len: int, rank: int, nope_dim: int, rope_dim: int, v_dim: int) -> bool:
+    """True when the absorbed form costs fewer multiply-adds than the expanded one for a chunk of ``q_len``
+    queries over ``L`` keys (per key and head: absorbed ``q_len (2R + P)``; expanded ``R (N + V)`` to expand the key
+    plus ``q_len (N + P + V)``; the query absorption and output projection, ``q_len R (N + V)`` per head, are counted
+    as one more key). DeepSeek-V3's shapes (R 512, N 128, P 64, V 128): absorbed below 171 queries."""
+    absorbed = q_len * (2 * rank + rope_dim)
+    expanded = rank * (nope_dim + v_dim) + q_len * (nope_dim + rope_dim + v_dim)
+    return absorbed < expanded
+
+
+def absorbed_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, rank: int, scale: float,
+                       mask: torch.Tensor | None = None, q_offset: int | None = None) -> torch.Tensor:
+    """Attention of absorbed queries over cached latents, as one-KV-head attention (every query head a query row).
+
+    Args:
+        q_abs: ``[B, H, Tq, R]`` absorbed queries; q_pe: ``[B, H, Tq, P]`` rotated rope queries.
+        latent: ``[B, L, R + P]`` cached rows ``[c ; k_pe]``.
+        rank: ``R``.
+        scale: softmax scale (MLA's: ``(N + P) ** -0.5`` times the yarn mscale squared).
+        mask: ``[B, 1, Tq or 1, L]`` bool, True = attend; or None.
+        q_offset: with ``mask`` None and ``Tq > 1``: causal, query ``i`` at position ``q_offset + i`` (``B == 1``).
+
+    Returns:
+        ``[B, H, Tq, R]`` the attention-weighted latents (apply :meth:`LatentProjection.value_out`).
+    """
+    b, h, tq, _ = q_abs.shape
+    q = torch.cat((q_abs, q_pe), dim=-1).reshape(b, 1, h * tq, -1)     # heads x queries as the query rows
+    k = latent[:, None]                                                  # [B, 1, L, R + P]
+    v = latent[:, None, :, :rank]                                        # [B, 1, L, R]
+    if mask is None and q_offset is not None and tq > 1:
+        qpos = torch.arange(q_offset, q_offset + tq, device=q.device)
+        mask = (torch.arange(latent.shape[1], device=q.device)[None, :] <= qpos[:, None])[None, None]
+    if mask is not None and mask.shape[-2] == tq and tq > 1:            # per-query mask: repeat over heads
+        mask = mask.expand(b, 1, tq, -1).repeat(1, 1, h, 1)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, 1, H * Tq, R]
+    return o.view(b, h, tq, rank)
+
+
+def latent_chunk_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                           proj: LatentProjection, scale: float, q_offset: int) -> torch.Tensor:
+    """Causal MLA of one sequence's chunk over its cached rows (prefix + the chunk), absorbed or expanded as
+    :func:`absorb_wins` chooses.
+
+    Args:
+        q_nope: ``[Tq, H, N]``; q_pe: ``[Tq, H, P]`` rotated; at positions ``q_offset .. q_offset + Tq - 1``.
+        latent: ``[L, R + P]`` the sequence's rows at positions ``0 .. L - 1`` (``L >= q_offset + Tq``).
+        proj: the layer's :class:`LatentProjection`; scale: softmax scale.
+
+    Returns:
+        ``[Tq, H, V]``.
+    """
+    tq, _, n = q_nope.shape
+    r, p, vd = proj.rank, q_pe.shape[-1], proj.w_uv.shape[1]
+    if absorb_wins(tq, r, n, p, vd):
+        q_abs = proj.absorb_query(q_nope)
+        o = absorbed_attention(q_abs.transpose(0, 1)[None], q_pe.transpose(0, 1)[None], latent[None], r, scale,
+                               q_offset=q_offset)
+        return proj.value_out(o[0].transpose(0, 1))
+    k, v = proj.expand(latent[:, :r], latent[:, r:])
+    return causal_attention(torch.cat((q_nope, q_pe), dim=-1), k, v, scale, q_offset=q_offset)
+
+
+def latent_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, proj: LatentProjection,
+                  scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+    """Absorbed MLA of ``B`` sequences with one new token each.
+
+    Args:
+        q_nope: ``[B, H, N]``; q_pe: ``[B, H, P]``.
+        latent: ``[B, L, R + P]`` each sequence's gathered rows (past its length: anything finite, masked).
+        proj, scale: as :func:`latent_chunk_attention`.
+        mask: ``[B, L]`` bool, True where the slot holds one of the sequence's tokens; None = all held.
+
+    Returns:
+        ``[B, H, V]``.
+    """
+    q_abs = proj.absorb_query(q_nope)                                    # [B, H, R]
+    m = None if mask is None else mask[:, None, None, :]
+    o = absorbed_attention(q_abs[:, :, None], q_pe[:, :, None], latent, proj.rank, scale, mask=m)
+    return proj.value_out(o[:, :, 0])
