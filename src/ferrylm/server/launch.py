@@ -162,6 +162,11 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
         if mcfg.architecture not in supported_architectures():
             raise UnsupportedArchitecture(f"{resolved.path}: architecture {mcfg.architecture!r} is not supported; "
                                           f"supported: {', '.join(supported_architectures())}")
+        try:
+            engine_config.check_model(mcfg)   # --tensor-parallel-size against the heads and widths
+        except ValueError as e:
+            sock.close()
+            return fail(str(e))
         if resolved.source != "synthetic":
             verify_checkpoint(resolved.path)   # a truncated file: one line naming it, exit 2 (not an engine crash)
         codec = TextCodec.from_pretrained(resolved.path)
