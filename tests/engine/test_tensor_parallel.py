@@ -48,3 +48,118 @@ def test_out_of_range_and_device_index_refused():
         EngineConfig(tensor_parallel_size=0).validate()
     with pytest.raises(ValueError, match="cuda:r"):
         EngineConfig(tensor_parallel_size=2, device="cuda:1").validate()
+
+
+# --- sharded models against TP = 1 (two CPU processes over gloo) ----------------------------------------------
+
+import multiprocessing as mp  # noqa: E402
+import zlib  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+PROMPTS = [[5, 9, 17, 33, 2 + 1, 40, 41, 7], [11, 12, 13], [60, 3, 3, 3, 3, 21]]
+MAX_TOKENS = 6
+TP_CASES = ["llama_tied_bias", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe"]
+
+
+def _engine_config(tp: int):
+    # float32 on the CPU, a pool of explicit size (no plan variance), no prefix caching: runs are comparable
+    return EngineConfig(device="cpu", dtype="float32", num_pages=64, page_size=4, max_running_requests=4,
+                        max_prefill_length=16, tensor_parallel_size=tp, enable_prefix_caching=False,
+                        check_invariants=True)
+
+
+def _greedy(engine) -> tuple[dict[str, list[int]], list]:
+    """Run PROMPTS greedily (chunked prefill of 16 tokens a step, batched decode); every logits tensor computed."""
+    import torch
+
+    from ferrylm.engine.sampling_params import SamplingParams
+
+    seen: list = []
+    model = engine.model
+    inner = model.compute_logits
+
+    def recording(hidden):
+        out = inner(hidden)
+        seen.append(out.detach().clone())
+        return out
+
+    model.compute_logits = recording
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
+    with torch.inference_mode():
+        while engine.has_work():
+            for out in engine.step():
+                assert out.error_code is None, out.error_message
+                tokens[out.request_id] += out.new_token_ids
+    return tokens, seen
+
+
+def _rank_main(rank: int, path: str, rdv: str, q) -> None:
+    import torch
+
+    from ferrylm.engine.parallel.group import init_group
+    from ferrylm.engine.parallel.step_sync import SHUTDOWN
+    from ferrylm.models.tensor_parallel import TPShard
+
+    try:
+        group = init_group(TPShard(rank, 2), torch.device("cpu"), rdv)
+        if rank == 0:
+            from ferrylm.engine.factory import build_engine
+
+            engine = build_engine(path, _engine_config(2), tp=group)
+            tokens, logits = _greedy(engine)
+            kv_heads = engine.pool.k[0].shape[1]
+            assert engine.tp.send_final(SHUTDOWN)
+            q.put(("ok", tokens, [t.numpy() for t in logits], kv_heads))
+        else:
+            from ferrylm.engine.parallel.follower import build_follower
+
+            runner = build_follower(path, _engine_config(2), group)
+            assert runner.serve() == SHUTDOWN
+            q.put(("follower", runner.steps, runner.pool.k[0].shape[1]))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        import traceback
+
+        q.put(("error", rank, f"{e!r}\n{traceback.format_exc()}"))
+
+
+def _run_tp2(path: Path, tmp: Path):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    rdv = str(tmp / f"rdv-{zlib.crc32(str(path).encode())}")
+    procs = [ctx.Process(target=_rank_main, args=(r, str(path), rdv, q), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = []
+    try:
+        for _ in range(2):
+            results.append(q.get(timeout=240))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    errors = [r for r in results if r[0] == "error"]
+    assert not errors, errors[0][2]
+    return next(r for r in results if r[0] == "ok"), next(r for r in results if r[0] == "follower")
+
+
+@pytest.mark.parametrize("case", TP_CASES)
+def test_tp2_matches_tp1(case, tmp_path):
+    import numpy as np
+
+    from ferrylm.engine.factory import build_engine
+    from tests.models.hf_checkpoints import build_checkpoint
+
+    path = tmp_path / case
+    build_checkpoint(case, path, seed=zlib.crc32(case.encode()) % 1000 + 1)
+    want_tokens, want_logits = _greedy(build_engine(path, _engine_config(1)))
+    (_, tokens, logits, kv_heads), (_, follower_steps, follower_kv_heads) = _run_tp2(path, tmp_path)
+    assert tokens == want_tokens
+    assert len(logits) == len(want_logits)
+    for got, want in zip(logits, want_logits):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-4)
+    full_kv = ModelConfig.from_folder(path).num_kv_heads
+    assert kv_heads == follower_kv_heads == max(1, full_kv // 2)   # each rank's pool holds its heads only
+    assert follower_steps >= MAX_TOKENS   # the warmup's steps and every served step ran on the follower too
