@@ -106,8 +106,9 @@ def _rank_main(rank: int, path: str, rdv: str, q) -> None:
         group = init_group(TPShard(rank, 2), torch.device("cpu"), rdv)
         if rank == 0:
             from ferrylm.engine.factory import build_engine
+            from ferrylm.engine.parallel.step_sync import StepBroadcaster
 
-            engine = build_engine(path, _engine_config(2), tp=group)
+            engine = build_engine(path, _engine_config(2), tp=StepBroadcaster(group))
             tokens, logits = _greedy(engine)
             kv_heads = engine.pool.k[0].shape[1]
             assert engine.tp.send_final(SHUTDOWN)

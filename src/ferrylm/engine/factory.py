@@ -151,7 +151,8 @@ def build_engine(model_path: str | Path, config: EngineConfig, tp=None) -> Engin
     planned sizes → on CUDA the warmup again, so the allocator keeps the workspace blocks. The plan is logged as
     a table and kept on the engine (``engine.memory_plan``).
 
-    ``tp``: rank 0's :class:`~ferrylm.engine.parallel.group.TPGroup` under ``--tensor-parallel-size N > 1`` (the
+    ``tp``: rank 0's :class:`~ferrylm.engine.parallel.step_sync.StepBroadcaster` (over its
+    :class:`~ferrylm.engine.parallel.group.TPGroup`) under ``--tensor-parallel-size N > 1`` (the
     followers, ``engine/parallel/follower.py``, run every forward of this boot with it, warmups included): the model
     is loaded as rank 0's shard, its layers sum over the group, every step is broadcast before it runs; the plan is
     rank 0's (the ranks hold equal shares).
@@ -174,12 +175,9 @@ def build_engine(model_path: str | Path, config: EngineConfig, tp=None) -> Engin
         raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} runs one engine process per rank: "
                          f"use `ferry serve` (the offline engine is one process)")
     faults = FaultInjector.from_config(config.faults)
-    device = resolve_device(config.device) if tp is None else tp.device
-    broadcaster = None
-    if tp is not None:
-        from ferrylm.engine.parallel.step_sync import StepBroadcaster
-
-        broadcaster = StepBroadcaster(tp)
+    broadcaster = tp
+    group = tp.group if tp is not None else None
+    device = resolve_device(config.device) if group is None else group.device
     dtype = resolve_dtype(config.dtype, device)
     if config.dtype == "auto" and is_synthetic_folder(model_path):  # load_model builds it; bf16 halves its bytes
         dtype = torch.bfloat16
@@ -207,7 +205,7 @@ def build_engine(model_path: str | Path, config: EngineConfig, tp=None) -> Engin
     torch.manual_seed(config.seed)
     try:
         loaded = load_model(model_path, device=device, dtype=dtype, moe_backend=options,
-                            tp=tp.shard if tp is not None else None)
+                            tp=group.shard if group is not None else None)
     except Exception as e:
         if not is_oom(e):
             raise
@@ -217,10 +215,10 @@ def build_engine(model_path: str | Path, config: EngineConfig, tp=None) -> Engin
                                                  "the device") from None
     weights = max(0, bytes_in_use(device) - in_use)
     mcfg, executor = loaded.config, loaded.executor   # under tensor parallel: rank 0's shard
-    if tp is not None:
+    if group is not None:
         from ferrylm.models.tensor_parallel import attach_reduce
 
-        attach_reduce(loaded.model, tp.all_reduce)
+        attach_reduce(loaded.model, group.all_reduce)
     needs = expert_needs(executor)
     base = limits_with_pages(config, mcfg, device, 0)
     inputs = replace(inputs, weights_bytes=weights, experts=needs, max_model_len=base.max_model_len,
