@@ -164,3 +164,165 @@ def test_tp2_matches_tp1(case, tmp_path):
     full_kv = ModelConfig.from_folder(path).num_kv_heads
     assert kv_heads == follower_kv_heads == max(1, full_kv // 2)   # each rank's pool holds its heads only
     assert follower_steps >= MAX_TOKENS   # the warmup's steps and every served step ran on the follower too
+
+
+# --- end to end: `ferry serve --tensor-parallel-size 2`, a follower SIGKILLed mid-stream --------------------------
+
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+def _shared_dir() -> Path:
+    """``../shared`` beside the checkout, or beside the main checkout when this one is a git worktree."""
+    root = Path(__file__).resolve().parents[2]
+    dot_git = root / ".git"
+    if dot_git.is_file():   # a worktree: "gitdir: <main>/.git/worktrees/<name>"
+        gitdir = Path(dot_git.read_text().split("gitdir:", 1)[1].strip())
+        main = gitdir.parents[2] if gitdir.parent.name == "worktrees" else root
+        if (main.parent / "shared").is_dir():
+            return main.parent / "shared"
+    return root.parent / "shared"
+
+
+TOKENIZER_DIR = _shared_dir() / "data" / "qwen3-tokenizer"
+MSGS = [{"role": "user", "content": "Count to a thousand."}]
+
+
+def _tiny_qwen3_moe(folder: Path) -> Path:
+    """Qwen3-MoE with the real Qwen3 vocabulary and chat template, everything else tiny; 2 query heads over 1 KV
+    head, so TP = 2 replicates the KV head."""
+    import torch
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, max_position_embeddings=4096, bos_token_id=151643, eos_token_id=151645,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER_DIR / name, folder / name)
+    return folder
+
+
+class _Stream(threading.Thread):
+    """One SSE chat stream; ``events``: (monotonic time, payload) of every data line."""
+
+    def __init__(self, base_url: str):
+        super().__init__(daemon=True)
+        self.base_url = base_url
+        self.events: list[tuple[float, str]] = []
+        self.exc: BaseException | None = None
+
+    def run(self) -> None:
+        import httpx
+
+        body = {"messages": MSGS, "max_tokens": 3000, "ignore_eos": True, "temperature": 0, "stream": True}
+        try:
+            with httpx.stream("POST", f"{self.base_url}/v1/chat/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append((time.monotonic(), line[len("data: "):]))
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.exc = e
+
+
+def _health(base_url: str) -> tuple[int, dict]:
+    import httpx
+
+    r = httpx.get(f"{base_url}/health", timeout=5)
+    return r.status_code, r.json()
+
+
+def _wait(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def _ready_pids(base_url: str) -> list[int]:
+    def ready() -> bool:
+        try:
+            return _health(base_url)[0] == 200
+        except Exception:  # noqa: BLE001 - restarting
+            return False
+
+    _wait(ready, 120, "/health 200")
+    return _health(base_url)[1]["tensor_parallel_pids"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_serve_tp2_follower_killed_mid_stream(tmp_path):
+    import httpx
+    import psutil
+
+    from tests.e2e.conftest import start_server, stop_server
+
+    if not (TOKENIZER_DIR / "tokenizer.json").is_file():
+        pytest.skip(f"the real Qwen3 tokenizer is absent: {TOKENIZER_DIR}")
+    folder = _tiny_qwen3_moe(tmp_path / "tiny-qwen3-moe")
+    srv = start_server(tmp_path, "--model", str(folder), "--device", "cpu", "--num-tokens", "4096",
+                       "--tensor-parallel-size", "2", "--max-engine-restarts", "3")
+    seen: set[int] = set()
+    try:
+        rank0, rank1 = _ready_pids(srv.base_url)
+        seen |= {rank0, rank1}
+        server = psutil.Process(srv.proc.pid)
+        assert {rank0, rank1} <= {c.pid for c in server.children()}   # both ranks are the frontend's children
+        assert "ferrylm-engine-tp1" in " ".join(psutil.Process(rank1).cmdline()) or \
+            psutil.Process(rank1).name().startswith("ferrylm-engine")
+
+        # 1. a follower SIGKILLed mid-stream: the stream ends with an error event, the group restarts
+        stream = _Stream(srv.base_url)
+        stream.start()
+        _wait(lambda: len(stream.events) >= 5 or not stream.is_alive(), 60, "the stream to start")
+        t_kill = time.monotonic()
+        os.kill(rank1, signal.SIGKILL)
+        stream.join(30)
+        assert not stream.is_alive() and stream.exc is None, stream.exc
+        errors = [(t, json.loads(p)["error"]) for t, p in stream.events if p != "[DONE]" and "error" in p]
+        assert errors, stream.events[-3:]
+        t_err, err = errors[0]
+        assert err["code"] == "engine_unavailable" and "rank 1" in err["message"], err
+        assert t_err - t_kill < 2.0
+        assert stream.events[-1][1] == "[DONE]"
+        _wait(lambda: not psutil.pid_exists(rank0) or psutil.Process(rank0).status() == psutil.STATUS_ZOMBIE, 10,
+              "rank 0 of the failed group to go")
+
+        # 2. the restarted group answers
+        new0, new1 = _ready_pids(srv.base_url)
+        seen |= {new0, new1}
+        assert {new0, new1}.isdisjoint({rank0, rank1})
+        r = httpx.post(f"{srv.base_url}/v1/chat/completions", timeout=60,
+                       json={"messages": MSGS, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 8
+        assert _health(srv.base_url)[1]["restarts"] == 1
+
+        # 3. rank 0 killed: its follower goes with it, the group restarts again
+        os.kill(new0, signal.SIGKILL)
+        _wait(lambda: not psutil.pid_exists(new1) or psutil.Process(new1).status() == psutil.STATUS_ZOMBIE, 10,
+              "the follower of a dead rank 0 to exit")
+        seen |= set(_ready_pids(srv.base_url))
+
+        # 4. the frontend SIGKILLed: no rank outlives it
+        os.kill(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait(10)
+        procs = []
+        for pid in seen:
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=10)
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, alive
+    finally:
+        stop_server(srv)
