@@ -326,3 +326,74 @@ def test_serve_tp2_follower_killed_mid_stream(tmp_path):
         assert not alive, alive
     finally:
         stop_server(srv)
+
+
+# --- what tensor parallel refuses, and TP = 1 untouched -----------------------------------------------------------
+
+
+def test_whole_projection_qk_norm_refused_before_loading(tmp_path):
+    from ferrylm.errors import ModelLoadError
+    from ferrylm.models.loader import load_model
+    from ferrylm.models.tensor_parallel import TPShard
+    from tests.models.hf_checkpoints import build_checkpoint
+
+    build_checkpoint("olmoe", tmp_path / "olmoe", seed=1)
+    with pytest.raises(ModelLoadError, match="--tensor-parallel-size 2.*whole projection"):
+        load_model(tmp_path / "olmoe", tp=TPShard(0, 2))
+
+
+def test_offline_engine_refuses_tp_without_a_group(tmp_path):
+    from ferrylm.engine.factory import build_engine
+    from tests.models.hf_checkpoints import build_checkpoint
+
+    build_checkpoint("llama", tmp_path / "llama", seed=1)
+    with pytest.raises(ValueError, match="ferry serve"):
+        build_engine(tmp_path / "llama", _engine_config(2))
+
+
+def test_tp1_is_the_unsplit_model(tmp_path):
+    import torch
+
+    from ferrylm.models.loader import load_model
+    from ferrylm.models.llama import DecoderLayer
+    from ferrylm.models.tensor_parallel import TPShard
+    from tests.models.hf_checkpoints import build_checkpoint
+
+    build_checkpoint("qwen3_moe", tmp_path / "m", seed=1)
+    plain, one = load_model(tmp_path / "m"), load_model(tmp_path / "m", tp=TPShard(0, 1))
+    assert plain.config == one.config
+    for (k, a), (_, b) in zip(plain.model.state_dict().items(), one.model.state_dict().items()):
+        assert torch.equal(a, b), k
+    assert all(m.tp_reduce is None for m in plain.model.modules() if isinstance(m, DecoderLayer))
+
+
+def test_shards_tile_the_full_tensors(tmp_path):
+    """Concatenating the ranks' column-parallel rows / row-parallel columns gives back the full weights."""
+    import torch
+
+    from ferrylm.models.loader import load_model
+    from ferrylm.models.tensor_parallel import TPShard
+    from tests.models.hf_checkpoints import build_checkpoint
+
+    build_checkpoint("mixtral", tmp_path / "m", seed=1)
+    full = load_model(tmp_path / "m")
+    parts = [load_model(tmp_path / "m", tp=TPShard(r, 2)) for r in range(2)]
+    layer = lambda lm: lm.model.model.layers[0]  # noqa: E731
+    q = torch.cat([layer(p).self_attn.q_proj.weight for p in parts])
+    assert torch.equal(q, layer(full).self_attn.q_proj.weight)
+    o = torch.cat([layer(p).self_attn.o_proj.weight for p in parts], dim=1)
+    assert torch.equal(o, layer(full).self_attn.o_proj.weight)
+    ex = [p.executor.layers[0] for p in parts]
+    assert torch.equal(torch.cat([e.gate for e in ex], dim=1), full.executor.layers[0].gate)
+    assert torch.equal(torch.cat([e.down for e in ex], dim=2), full.executor.layers[0].down)
+    assert ex[0].gate.shape[1] * 2 == full.executor.layers[0].gate.shape[1]   # a rank holds half of each expert
+
+
+def test_tp2_replicated_kv_head_matches_tp1(tmp_path, monkeypatch):
+    """One KV head over two ranks: each rank holds a copy of it (and its pool a copy of its K/V)."""
+    from tests.models import hf_checkpoints
+
+    monkeypatch.setitem(hf_checkpoints.CASES, "llama_mqa", ("llama", dict(
+        vocab_size=160, intermediate_size=128, num_key_value_heads=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})))
+    test_tp2_matches_tp1("llama_mqa", tmp_path)

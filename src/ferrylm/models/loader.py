@@ -283,6 +283,8 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
     full = ModelConfig.from_folder(model_dir)
     config = shard_config(full, tp) if split else full
     model_cls, device, exp_dev, pin = placement(config, device, moe_backend, expert_device, pin_experts)
+    if split:
+        check_shardable(model_cls, config, tp)
     moe_layers = model_cls.moe_layer_indices(config)
     from ferrylm.models.quant import reader_for
 
@@ -337,11 +339,8 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
 
     if bar is not None:
         bar.close()
-    loaded = _finish(model_cls, config, device, moe_backend, experts.finish() if experts is not None else None,
-                     tensors, origin)
-    if split:
-        check_shardable(loaded.model, tp)
-    return loaded
+    return _finish(model_cls, config, device, moe_backend, experts.finish() if experts is not None else None,
+                   tensors, origin)
 
 
 def _finish(model_cls: type, config: ModelConfig, device: torch.device, moe_backend, stacks, tensors: dict,

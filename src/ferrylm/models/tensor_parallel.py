@@ -139,17 +139,15 @@ def shard_tensor(name: str, t: torch.Tensor, config: ModelConfig, shard: TPShard
     return t
 
 
-def check_shardable(model: nn.Module, shard: TPShard) -> None:
-    """Raise ModelLoadError when ``model`` has a part this layout cannot split (N > 1): a whole-projection q/k
-    norm (its statistic spans every head)."""
+def check_shardable(model_cls: type, config: ModelConfig, shard: TPShard) -> None:
+    """Raise ModelLoadError, before anything is read, when ``model_cls`` computes something this layout cannot split
+    over ``shard.size > 1`` ranks: a whole-projection q/k norm (OLMoE, MiniMax-M2: its statistic spans every head,
+    a second collective per attention block)."""
     if not shard.is_split:
         return
-    from ferrylm.models.layers import Attention
-
-    for m in model.modules():
-        if isinstance(m, Attention) and m.qk_norm == "proj":
-            raise ModelLoadError(f"--tensor-parallel-size {shard.size}: {type(model).__name__} normalises q/k over "
-                                 f"the whole projection (all heads), which tensor parallel does not split yet")
+    if model_cls.attention_kwargs(config).get("qk_norm") == "proj":
+        raise ModelLoadError(f"--tensor-parallel-size {shard.size}: {config.architecture} normalises q/k over the "
+                             f"whole projection (all heads), which tensor parallel does not split yet")
 
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
