@@ -269,7 +269,7 @@ def test_serve_tp2_follower_killed_mid_stream(tmp_path):
         pytest.skip(f"the real Qwen3 tokenizer is absent: {TOKENIZER_DIR}")
     folder = _tiny_qwen3_moe(tmp_path / "tiny-qwen3-moe")
     srv = start_server(tmp_path, "--model", str(folder), "--device", "cpu", "--num-tokens", "4096",
-                       "--tensor-parallel-size", "2", "--max-engine-restarts", "3")
+                       "--tensor-parallel-size", "2", "--max-engine-restarts", "4", "--watchdog-timeout", "6")
     seen: set[int] = set()
     try:
         rank0, rank1 = _ready_pids(srv.base_url)
@@ -312,7 +312,25 @@ def test_serve_tp2_follower_killed_mid_stream(tmp_path):
               "the follower of a dead rank 0 to exit")
         seen |= set(_ready_pids(srv.base_url))
 
-        # 4. the frontend SIGKILLed: no rank outlives it
+        # 4. a follower stopped (SIGSTOP) mid-stream: rank 0 waits in a collective, its ticks stop, the watchdog
+        #    answers the stream and restarts the group (the stopped follower is killed too)
+        stuck0, stuck1 = _ready_pids(srv.base_url)
+        seen |= {stuck0, stuck1}
+        stream = _Stream(srv.base_url)
+        stream.start()
+        _wait(lambda: len(stream.events) >= 5 or not stream.is_alive(), 60, "the second stream to start")
+        t_stop = time.monotonic()
+        os.kill(stuck1, signal.SIGSTOP)
+        stream.join(40)
+        assert not stream.is_alive() and stream.exc is None, stream.exc
+        errors = [(t, json.loads(p)["error"]) for t, p in stream.events if p != "[DONE]" and "error" in p]
+        assert errors and errors[0][1]["code"] == "engine_stalled", stream.events[-3:]
+        assert errors[0][0] - t_stop < 30
+        _wait(lambda: not psutil.pid_exists(stuck1) or psutil.Process(stuck1).status() == psutil.STATUS_ZOMBIE, 10,
+              "the stopped follower to be killed")
+        seen |= set(_ready_pids(srv.base_url))
+
+        # 5. the frontend SIGKILLed: no rank outlives it
         os.kill(srv.proc.pid, signal.SIGKILL)
         srv.proc.wait(10)
         procs = []

@@ -209,19 +209,30 @@ class ModelRunner:
 
     def _forward_tp(self, host: HostStep, v: dict[str, torch.Tensor], attn) -> torch.Tensor:
         """The forward under tensor parallel: broadcast the step to the followers, then run it (its all-reduces
-        meet theirs). Raises TensorParallelError when the broadcast or the forward fails: the followers may be
-        inside the step's collectives, so the step can be neither retried nor skipped (the group is restarted)."""
+        meet theirs).
+
+        Raises:
+            TensorParallelError: the broadcast failed, or the forward ran out of memory: the followers may be inside
+                the step's collectives, so the step can be neither retried nor shrunk by the OOM guard; the worker
+                reports it and the group is restarted. Other errors (a sticky device error ...) pass unchanged,
+                as fatal as at TP = 1.
+        """
         from ferrylm.engine.parallel.group import TensorParallelError
 
         self.tp.send_step(self._tp_runner, self.pool.num_pages, self.pool.page_size, host, self.staging.current())
         try:
             hidden = self.model(v["input_ids"], v["positions"], attn)
-        except Exception as e:  # noqa: BLE001 - whatever failed, the group cannot go on from inside a step
-            # NOTE: the original text is left out on purpose: an allocator message would make the OOM guard retry
-            raise TensorParallelError(f"tensor parallel: the forward failed on rank 0 ({type(e).__name__}); the "
-                                      f"rank group is restarted") from e
-        self.tp.step_done()
-        return hidden
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            oom = type(e).__name__
+        else:
+            self.tp.step_done()
+            return hidden
+        # NOTE: outside the except block, without the allocator's text (the OOM guard would take it for a retryable
+        # allocation failure)
+        raise TensorParallelError(f"tensor parallel: the forward ran out of memory on rank 0 ({oom}) inside the "
+                                  f"step's collectives; the rank group is restarted")
 
     def _metadata(self, host: HostStep, v: dict[str, torch.Tensor]) -> AttentionMetadata:
         return step_metadata(host, v, self.device, self.attention, self.pool)

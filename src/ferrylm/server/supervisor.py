@@ -232,8 +232,13 @@ class Supervisor:
         return [p.pid for p in procs if p.pid is not None]
 
     def _kill_followers(self, followers: list) -> None:
-        """SIGKILL and reap ``followers`` (their rank 0 is gone or going: none may outlive it)."""
+        """SIGKILL and reap ``followers`` (their rank 0 is gone or going: none may outlive it). Their sentinels are
+        no longer watched: their exit is ours, not a failure to report."""
         for f in followers:
+            try:
+                asyncio.get_running_loop().remove_reader(f.sentinel)
+            except (RuntimeError, ValueError, OSError):   # no running loop (kill_now), or a closed sentinel
+                pass
             try:
                 if f.exitcode is None:
                     f.kill()
@@ -250,6 +255,12 @@ class Supervisor:
         if gen != self._gen or self._closing or proc.exitcode == 0:
             return
         how = describe_exit(proc.exitcode)
+        leader = self._proc
+        if self.state == "loading":   # the first start: a restart would fail the same way (its log says why)
+            self._give_up(f"tensor-parallel rank {rank} failed to start ({how}); see its log above")
+            if leader is not None and leader.exitcode is None:
+                leader.kill()
+            return
         log.error("tensor-parallel rank %d (process %d) exited (%s); answering %d in-flight requests, restarting "
                   "the rank group", rank, proc.pid, how, len(self._streams))
         if gen != self._failed_gen:
@@ -259,7 +270,6 @@ class Supervisor:
                                 blame=proc.exitcode != -signal.SIGKILL)
         if self.state == "ready":
             self.state, self.detail = "restarting", f"tensor-parallel rank {rank} exited ({how})"
-        leader = self._proc
         if leader is not None and leader.exitcode is None:
             leader.kill()   # its sentinel: teardown, the followers' end, the restart
 
@@ -472,8 +482,12 @@ class Supervisor:
         self.state = "stalled"
         self.detail = why
         stopped = _is_stopped(proc.pid)   # SIGSTOP / a debugger: not the requests' doing
+        # NOTE: under tensor parallel rank 0 also stalls when a follower it waits for in a collective is stopped
+        stopped_follower = any(_is_stopped(f.pid) for f in self._followers if f.pid is not None)
+        if stopped_follower:
+            log.error("a tensor-parallel follower of engine process %d is stopped (SIGSTOP or a debugger)", proc.pid)
         self._engine_failed(gen, "it stalled", EngineStalled(f"the engine stalled ({why}); it is being restarted"),
-                            blame=not stopped)
+                            blame=not (stopped or stopped_follower))
         self._teardown_sockets()   # nothing more from or to this generation
         if stopped:
             log.error("cannot dump the stalled engine's Python stacks: process %d is stopped (SIGSTOP or a "

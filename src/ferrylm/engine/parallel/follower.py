@@ -145,7 +145,7 @@ def build_follower(model_path: str, config: EngineConfig, group: TPGroup) -> Fol
     """Load this rank's shard as rank 0's ``build_engine`` loads its own (same dtype, backend, seed)."""
     from ferrylm.engine.attention import resolve_backend
     from ferrylm.engine.engine import resolve_dtype
-    from ferrylm.engine.factory import expert_options, resolve_auto
+    from ferrylm.engine.factory import apply_memory_limit, expert_options, resolve_auto
     from ferrylm.models.loader import load_model
     from ferrylm.models.synthetic import is_synthetic_folder
     from ferrylm.models.tensor_parallel import attach_reduce
@@ -155,6 +155,7 @@ def build_follower(model_path: str, config: EngineConfig, group: TPGroup) -> Fol
     dtype = resolve_dtype(config.dtype, device)
     if config.dtype == "auto" and is_synthetic_folder(model_path):
         dtype = torch.bfloat16
+    apply_memory_limit(device, config.gpu_memory_limit)   # --gpu-memory-limit caps every rank
     options = resolve_auto(model_path, config, device, dtype, expert_options(config))
     torch.manual_seed(config.seed)
     loaded = load_model(model_path, device=device, dtype=dtype, moe_backend=options, tp=group.shard)
