@@ -415,3 +415,15 @@ def test_tp2_replicated_kv_head_matches_tp1(tmp_path, monkeypatch):
         vocab_size=160, intermediate_size=128, num_key_value_heads=1,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})))
     test_tp2_matches_tp1("llama_mqa", tmp_path)
+
+
+def test_more_ranks_than_gpus_refused_at_the_cli(monkeypatch):
+    from ferrylm.server.launch import check_tp_devices, visible_gpus
+
+    assert check_tp_devices(EngineConfig(tensor_parallel_size=2, device="cuda"), gpus=2) is None
+    err = check_tp_devices(EngineConfig(tensor_parallel_size=4, device="cuda"), gpus=2)
+    assert err and "--tensor-parallel-size 4 needs 4 GPUs" in err and "2 visible" in err
+    assert check_tp_devices(EngineConfig(tensor_parallel_size=4, device="auto"), gpus=0) is None   # CPU ranks
+    assert check_tp_devices(EngineConfig(tensor_parallel_size=4, device="cpu"), gpus=1) is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,-1,3")
+    assert visible_gpus() == 2
