@@ -56,16 +56,17 @@ import multiprocessing as mp  # noqa: E402
 import zlib  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-PROMPTS = [[5, 9, 17, 33, 2 + 1, 40, 41, 7], [11, 12, 13], [60, 3, 3, 3, 3, 21]]
+# the first prompt is longer than a prefill chunk (16): chunks beside running decodes
+PROMPTS = [[5, 9, 17, 33, 3, 40, 41, 7] * 3 + [1, 2, 3], [11, 12, 13], [60, 3, 3, 3, 3, 21]]
 MAX_TOKENS = 6
 TP_CASES = ["llama_tied_bias", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe"]
 
 
-def _engine_config(tp: int):
+def _engine_config(tp: int, **over):
     # float32 on the CPU, a pool of explicit size (no plan variance), no prefix caching: runs are comparable
-    return EngineConfig(device="cpu", dtype="float32", num_pages=64, page_size=4, max_running_requests=4,
-                        max_prefill_length=16, tensor_parallel_size=tp, enable_prefix_caching=False,
-                        check_invariants=True)
+    return EngineConfig(**{**dict(device="cpu", dtype="float32", num_pages=64, page_size=4, max_running_requests=4,
+                                  max_prefill_length=16, tensor_parallel_size=tp, enable_prefix_caching=False,
+                                  check_invariants=True), **over})
 
 
 def _greedy(engine) -> tuple[dict[str, list[int]], list]:
@@ -95,7 +96,7 @@ def _greedy(engine) -> tuple[dict[str, list[int]], list]:
     return tokens, seen
 
 
-def _rank_main(rank: int, path: str, rdv: str, q) -> None:
+def _rank_main(rank: int, path: str, rdv: str, q, over: dict) -> None:
     import torch
 
     from ferrylm.engine.parallel.group import init_group
@@ -108,7 +109,7 @@ def _rank_main(rank: int, path: str, rdv: str, q) -> None:
             from ferrylm.engine.factory import build_engine
             from ferrylm.engine.parallel.step_sync import StepBroadcaster
 
-            engine = build_engine(path, _engine_config(2), tp=StepBroadcaster(group))
+            engine = build_engine(path, _engine_config(2, **over), tp=StepBroadcaster(group))
             tokens, logits = _greedy(engine)
             kv_heads = engine.pool.k[0].shape[1]
             assert engine.tp.send_final(SHUTDOWN)
@@ -116,7 +117,7 @@ def _rank_main(rank: int, path: str, rdv: str, q) -> None:
         else:
             from ferrylm.engine.parallel.follower import build_follower
 
-            runner = build_follower(path, _engine_config(2), group)
+            runner = build_follower(path, _engine_config(2, **over), group)
             assert runner.serve() == SHUTDOWN
             q.put(("follower", runner.steps, runner.pool.k[0].shape[1]))
     except BaseException as e:  # noqa: BLE001 - reported to the test
@@ -125,11 +126,11 @@ def _rank_main(rank: int, path: str, rdv: str, q) -> None:
         q.put(("error", rank, f"{e!r}\n{traceback.format_exc()}"))
 
 
-def _run_tp2(path: Path, tmp: Path):
+def _run_tp2(path: Path, tmp: Path, over: dict):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     rdv = str(tmp / f"rdv-{zlib.crc32(str(path).encode())}")
-    procs = [ctx.Process(target=_rank_main, args=(r, str(path), rdv, q), daemon=True) for r in range(2)]
+    procs = [ctx.Process(target=_rank_main, args=(r, str(path), rdv, q, over), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
     results = []
@@ -147,7 +148,7 @@ def _run_tp2(path: Path, tmp: Path):
 
 
 @pytest.mark.parametrize("case", TP_CASES)
-def test_tp2_matches_tp1(case, tmp_path):
+def test_tp2_matches_tp1(case, tmp_path, over: dict | None = None):
     import numpy as np
 
     from ferrylm.engine.factory import build_engine
@@ -155,8 +156,9 @@ def test_tp2_matches_tp1(case, tmp_path):
 
     path = tmp_path / case
     build_checkpoint(case, path, seed=zlib.crc32(case.encode()) % 1000 + 1)
-    want_tokens, want_logits = _greedy(build_engine(path, _engine_config(1)))
-    (_, tokens, logits, kv_heads), (_, follower_steps, follower_kv_heads) = _run_tp2(path, tmp_path)
+    over = over or {}
+    want_tokens, want_logits = _greedy(build_engine(path, _engine_config(1, **over)))
+    (_, tokens, logits, kv_heads), (_, follower_steps, follower_kv_heads) = _run_tp2(path, tmp_path, over)
     assert tokens == want_tokens
     assert len(logits) == len(want_logits)
     for got, want in zip(logits, want_logits):
@@ -427,3 +429,9 @@ def test_more_ranks_than_gpus_refused_at_the_cli(monkeypatch):
     assert check_tp_devices(EngineConfig(tensor_parallel_size=4, device="cpu"), gpus=1) is None
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,-1,3")
     assert visible_gpus() == 2
+
+
+def test_tp2_offloaded_experts_match_tp1(tmp_path):
+    """The offload backend over each rank's shard: host banks of half-width experts, a small slot cache reserved on
+    the follower from rank 0's budget (the header's), misses every step."""
+    test_tp2_matches_tp1("qwen3_moe", tmp_path, over=dict(moe_backend="offload", moe_cache_size=3))
