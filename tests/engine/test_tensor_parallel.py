@@ -96,8 +96,14 @@ def _greedy(engine) -> tuple[dict[str, list[int]], list]:
     return tokens, seen
 
 
-def _rank_main(rank: int, path: str, rdv: str, q, over: dict) -> None:
+def _rank_main(rank: int, path: str, rdv: str, q, over: dict, presets: dict | None = None) -> None:
     import torch
+
+    if presets:   # synthetic presets a test registered (this process is a fresh interpreter)
+        from ferrylm.models import synthetic
+
+        for name, (source, cfg) in presets.items():
+            synthetic.PRESETS[name] = synthetic.SyntheticPreset(name, source, cfg)
 
     from ferrylm.engine.parallel.group import init_group
     from ferrylm.engine.parallel.step_sync import SHUTDOWN
@@ -126,11 +132,12 @@ def _rank_main(rank: int, path: str, rdv: str, q, over: dict) -> None:
         q.put(("error", rank, f"{e!r}\n{traceback.format_exc()}"))
 
 
-def _run_tp2(path: Path, tmp: Path, over: dict):
+def _run_tp2(path: Path, tmp: Path, over: dict, presets: dict | None = None):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     rdv = str(tmp / f"rdv-{zlib.crc32(str(path).encode())}")
-    procs = [ctx.Process(target=_rank_main, args=(r, str(path), rdv, q, over), daemon=True) for r in range(2)]
+    procs = [ctx.Process(target=_rank_main, args=(r, str(path), rdv, q, over, presets), daemon=True)
+             for r in range(2)]
     for p in procs:
         p.start()
     results = []
@@ -435,3 +442,57 @@ def test_tp2_offloaded_experts_match_tp1(tmp_path):
     """The offload backend over each rank's shard: host banks of half-width experts, a small slot cache reserved on
     the follower from rank 0's budget (the header's), misses every step."""
     test_tp2_matches_tp1("qwen3_moe", tmp_path, over=dict(moe_backend="offload", moe_cache_size=3))
+
+
+# a Qwen3-MoE of published proportions, tiny: 4 query heads over 2 KV heads, a dense layer, 8 experts of width 32
+TINY_PRESET = ("tests/tiny", {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False, "head_dim": 16,
+    "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+    "max_position_embeddings": 512, "mlp_only_layers": [0], "decoder_sparse_step": 1, "norm_topk_prob": True,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 8, "num_experts_per_tok": 2,
+    "num_hidden_layers": 3, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+    "vocab_size": 160, "eos_token_id": 2, "bos_token_id": 1})
+
+
+@pytest.fixture
+def tiny_synthetic(tmp_path, monkeypatch):
+    from ferrylm.models import synthetic
+
+    monkeypatch.setitem(synthetic.PRESETS, "tp-tiny", synthetic.SyntheticPreset("tp-tiny", *TINY_PRESET))
+    return synthetic.materialize(synthetic.parse_synthetic_spec("synthetic:tp-tiny:layers=3"), tmp_path / "syn")
+
+
+def test_synthetic_shards_are_cut_from_the_whole_model(tiny_synthetic):
+    import torch
+
+    from ferrylm.models.loader import load_model
+    from ferrylm.models.tensor_parallel import TPShard
+
+    full = load_model(tiny_synthetic, dtype=torch.float32)
+    parts = [load_model(tiny_synthetic, dtype=torch.float32, tp=TPShard(r, 2)) for r in range(2)]
+    sd = [p.model.state_dict() for p in parts]
+    for name, t in full.model.state_dict().items():
+        if "q_proj" in name or "gate_proj" in name or "up_proj" in name:
+            assert torch.equal(torch.cat([d[name] for d in sd]), t), name
+        elif "o_proj" in name or "down_proj" in name:
+            assert torch.equal(torch.cat([d[name] for d in sd], dim=1), t), name
+        elif "k_proj" not in name and "v_proj" not in name:
+            assert all(torch.equal(d[name], t) for d in sd), name   # replicated
+    layer = 1   # a MoE layer
+    assert torch.equal(torch.cat([p.executor.layers[layer].up for p in parts], dim=1), full.executor.layers[layer].up)
+    assert torch.equal(torch.cat([p.executor.layers[layer].down for p in parts], dim=2),
+                       full.executor.layers[layer].down)
+
+
+def test_tp2_synthetic_matches_tp1(tiny_synthetic, tmp_path):
+    """A synthetic model (routing model choosing the experts) under TP = 2 computes what TP = 1 does."""
+    import numpy as np
+
+    from ferrylm.engine.factory import build_engine
+
+    over = dict(dtype="float32")
+    want_tokens, want_logits = _greedy(build_engine(tiny_synthetic, _engine_config(1, **over)))
+    (_, tokens, logits, _), _ = _run_tp2(tiny_synthetic, tmp_path, over, presets={"tp-tiny": TINY_PRESET})
+    assert tokens == want_tokens
+    for got, want in zip(logits, want_logits, strict=True):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-4)

@@ -266,9 +266,9 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
 
     model_dir = Path(model_dir)
     split = tp is not None and tp.is_split
-    if split and (is_gguf_file(model_dir) or is_synthetic_folder(model_dir)):
-        raise ModelLoadError(f"--tensor-parallel-size {tp.size}: {model_dir.name} is a GGUF file or a synthetic "
-                             f"model; tensor parallel loads safetensors folders only (for now)")
+    if split and is_gguf_file(model_dir):
+        raise ModelLoadError(f"--tensor-parallel-size {tp.size}: {model_dir.name} is a GGUF file; tensor parallel "
+                             f"loads safetensors folders and synthetic models only (for now)")
     if is_gguf_file(model_dir):  # a MoE GGUF served from the file itself
         from ferrylm.models.quant.gguf_file import load_gguf_model
 
@@ -279,7 +279,7 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
         from ferrylm.models.synthetic_build import build_synthetic
 
         return build_synthetic(spec_from_folder(model_dir), device=device, dtype=dtype, moe_backend=moe_backend,
-                               expert_device=expert_device, pin_experts=pin_experts)
+                               expert_device=expert_device, pin_experts=pin_experts, tp=tp if split else None)
     full = ModelConfig.from_folder(model_dir)
     config = shard_config(full, tp) if split else full
     model_cls, device, exp_dev, pin = placement(config, device, moe_backend, expert_device, pin_experts)

@@ -109,34 +109,61 @@ def _part(t: torch.Tensor, dim: int, index: int, parts: int) -> torch.Tensor:
     return t.narrow(dim, index * step, step).contiguous()
 
 
-def shard_tensor(name: str, t: torch.Tensor, config: ModelConfig, shard: TPShard) -> torch.Tensor:
-    """This rank's part of checkpoint tensor ``name`` (full shape ``t``; ``config`` the *unsharded* config).
+Split = tuple[int, int, int]   # (dim, parts, index): this rank holds part ``index`` of ``parts`` along ``dim``
 
-    Column-parallel weights ``[out, in]`` keep rows, row-parallel ones columns; a row-parallel bias is ``t`` on rank
-    0 and zeros elsewhere; replicated tensors come back unchanged. See the module docstring for the layout.
-    """
+
+def split_of(name: str, config: ModelConfig, shard: TPShard) -> Split | str | None:
+    """How tensor ``name`` (a checkpoint or state-dict name; ``config`` the *unsharded* config) is split: a
+    :data:`Split`, ``"rank0"`` for a row-parallel bias (kept on rank 0, zeros elsewhere), or None (replicated).
+    The fused ``experts.gate_up_proj`` (two halves split alike) is :func:`shard_tensor`'s own case."""
+    n, r = shard.size, shard.rank
+    if n == 1:
+        return None
+    if _Q.search(name) or _COL.search(name):
+        return (0, n, r)
+    if _KV.search(name):
+        kv = config.num_kv_heads
+        return (0, n, r) if kv % n == 0 else (0, kv, r // (n // kv))   # the one KV head its query heads read
+    if _O.search(name) or _ROW.search(name):
+        return "rank0" if name.endswith(".bias") else (-1, n, r)
+    if _FUSED_DOWN.search(name):
+        return (2, n, r)
+    return None
+
+
+def shard_tensor(name: str, t: torch.Tensor, config: ModelConfig, shard: TPShard) -> torch.Tensor:
+    """This rank's part of checkpoint tensor ``name`` (full shape ``t``; ``config`` the *unsharded* config), by
+    :func:`split_of`: column-parallel weights keep rows, row-parallel ones columns; a row-parallel bias is ``t`` on
+    rank 0 and zeros elsewhere; replicated tensors come back unchanged. See the module docstring for the layout."""
     n, r = shard.size, shard.rank
     if n == 1:
         return t
-    if _Q.search(name):
-        return _part(t, 0, r, n)
-    if _KV.search(name):
-        kv = config.num_kv_heads
-        if kv % n == 0:
-            return _part(t, 0, r, n)
-        return _part(t, 0, r // (n // kv), kv)   # the one KV head this rank's query heads read
-    if _O.search(name) or _ROW.search(name):
-        if name.endswith(".bias"):
-            return t if r == 0 else torch.zeros_like(t)
-        return _part(t, t.ndim - 1, r, n)
-    if _COL.search(name):
-        return _part(t, 0, r, n)
     if _FUSED_GATE_UP.search(name):
         i = t.shape[1] // 2
         return torch.cat([_part(t[:, :i], 1, r, n), _part(t[:, i:], 1, r, n)], dim=1)
-    if _FUSED_DOWN.search(name):
-        return _part(t, 2, r, n)
-    return t
+    how = split_of(name, config, shard)
+    if how is None:
+        return t
+    if how == "rank0":
+        return t if r == 0 else torch.zeros_like(t)
+    dim, parts, index = how
+    return _part(t, dim % t.ndim, index, parts)
+
+
+def full_shape(name: str, shape: tuple[int, ...], config: ModelConfig, shard: TPShard) -> tuple[int, ...]:
+    """The unsplit shape of tensor ``name`` whose shard has ``shape`` (inverse of :func:`split_of`)."""
+    how = split_of(name, config, shard)
+    if not isinstance(how, tuple):
+        return tuple(shape)
+    dim, parts, _ = how
+    out = list(shape)
+    out[dim % len(out)] *= parts
+    return tuple(out)
+
+
+def split_part(t: torch.Tensor, dim: int, shard: TPShard) -> torch.Tensor:
+    """Rank ``shard.rank``'s part of ``t`` cut in ``shard.size`` equal parts along ``dim`` (contiguous)."""
+    return _part(t, dim % t.ndim, shard.rank, shard.size)
 
 
 def check_shardable(model_cls: type, config: ModelConfig, shard: TPShard) -> None:
