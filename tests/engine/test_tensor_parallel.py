@@ -496,3 +496,13 @@ def test_tp2_synthetic_matches_tp1(tiny_synthetic, tmp_path):
     assert tokens == want_tokens
     for got, want in zip(logits, want_logits, strict=True):
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_an_oom_inside_a_tp_step_is_not_retryable():
+    """The OOM guard retries what ``is_oom`` matches; a retry while the followers wait in the step's collectives
+    would mismatch them, so the TP error must not read as an allocation failure."""
+    from ferrylm.engine.parallel.group import TensorParallelError, oom_inside_step
+    from ferrylm.memory.guard import is_oom
+
+    err = oom_inside_step("OutOfMemoryError")
+    assert isinstance(err, TensorParallelError) and not is_oom(err)

@@ -217,7 +217,7 @@ class ModelRunner:
                 reports it and the group is restarted. Other errors (a sticky device error ...) pass unchanged,
                 as fatal as at TP = 1.
         """
-        from ferrylm.engine.parallel.group import TensorParallelError
+        from ferrylm.engine.parallel.group import oom_inside_step
 
         self.tp.send_step(self._tp_runner, self.pool.num_pages, self.pool.page_size, host, self.staging.current())
         try:
@@ -229,10 +229,7 @@ class ModelRunner:
         else:
             self.tp.step_done()
             return hidden
-        # NOTE: outside the except block, without the allocator's text (the OOM guard would take it for a retryable
-        # allocation failure)
-        raise TensorParallelError(f"tensor parallel: the forward ran out of memory on rank 0 ({oom}) inside the "
-                                  f"step's collectives; the rank group is restarted")
+        raise oom_inside_step(oom)   # outside the except block: the failed step's frames are gone
 
     def _metadata(self, host: HostStep, v: dict[str, torch.Tensor]) -> AttentionMetadata:
         return step_metadata(host, v, self.device, self.attention, self.pool)

@@ -33,6 +33,15 @@ class TensorParallelError(RuntimeError):
     collectives other ranks may already be inside."""
 
 
+def oom_inside_step(kind: str) -> TensorParallelError:
+    """The error for an allocation failure (exception type name ``kind``) inside a tensor-parallel forward.
+
+    NOTE: its text must not read as an allocator's (``memory/guard.is_oom`` matches "out of memory"): the OOM guard
+    would retry the step while the followers wait inside its collectives."""
+    return TensorParallelError(f"tensor parallel: an allocation failed on rank 0 ({kind}) inside the step's "
+                               f"collectives; the step cannot be retried, the rank group is restarted")
+
+
 @dataclass
 class TPGroup:
     """One rank's membership in the group.
