@@ -5,8 +5,9 @@ It has no scheduler, sampler or IPC of its own: rank 0 is the engine the fronten
 follower computes reaches rank 0 through the all-reduces. Its life (process ``ferrylm-engine-tp<r>``, spawned by the
 supervisor):
 
-* dies with the frontend (``PR_SET_PDEATHSIG``, as the engine) and with rank 0 (a watch thread on rank 0's pid,
-  and the group's connections, which fail when rank 0 exits);
+* dies with the frontend (``PR_SET_PDEATHSIG``, as the engine) and with rank 0 (a watch thread on rank 0's pid: a
+  collective waiting on a dead peer does not reliably fail by itself; the supervisor also kills the followers when
+  rank 0 exits);
 * ``SHUTDOWN`` -> exit 0; ``ABANDON``, a lost rank 0, or any error of its own -> exit 1 (logged): the supervisor
   restarts the whole group;
 * ``SIGUSR1`` dumps its Python stacks (faulthandler), as the engine does.

@@ -6,8 +6,9 @@ rendezvous is a file store in the engine's private IPC dir (one file per engine 
 beyond gloo's / NCCL's own loopback connections.
 
 NOTE: the timeout of the collectives is long (``IDLE_TIMEOUT``): a follower waits in the step broadcast for as long
-as rank 0 is idle. A dead peer is found otherwise: gloo's connections fail at once when a rank exits, each follower
-watches rank 0's pid, and the supervisor watches every rank's process sentinel.
+as rank 0 is idle. A dead peer is found otherwise, because a pending collective does not reliably fail when its peer
+dies (measured: gloo's all-reduce waited on a SIGKILLed peer until its timeout): the supervisor watches every rank's
+process sentinel and kills the group when one exits, and each follower watches rank 0's pid.
 """
 
 from __future__ import annotations

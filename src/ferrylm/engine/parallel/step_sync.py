@@ -111,7 +111,7 @@ class StepBroadcaster:
 
     def send_final(self, kind: int) -> bool:
         """Send ``SHUTDOWN`` or ``ABANDON``; returns whether it went out (never while a step may be inside its
-        collectives, never raises: the followers' parent watch and failed connections end them otherwise)."""
+        collectives, never raises: the followers' watch of rank 0 and the supervisor end them otherwise)."""
         if self.in_step:
             return False
         try:
