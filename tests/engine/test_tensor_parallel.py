@@ -121,7 +121,7 @@ def _rank_main(rank: int, path: str, rdv: str, q, over: dict, presets: dict | No
             assert engine.tp.send_final(SHUTDOWN)
             q.put(("ok", tokens, [t.numpy() for t in logits], kv_heads))
         else:
-            from ferrylm.engine.parallel.follower import build_follower
+            from ferrylm.engine.parallel.follower_runner import build_follower
 
             runner = build_follower(path, _engine_config(2, **over), group)
             assert runner.serve() == SHUTDOWN
@@ -506,3 +506,14 @@ def test_an_oom_inside_a_tp_step_is_not_retryable():
 
     err = oom_inside_step("OutOfMemoryError")
     assert isinstance(err, TensorParallelError) and not is_oom(err)
+
+
+def test_the_frontend_starts_followers_without_importing_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import ferrylm.server.supervisor, ferrylm.engine.parallel.follower, ferrylm.server.launch\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

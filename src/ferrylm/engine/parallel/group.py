@@ -88,7 +88,8 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 def init_group(shard: TPShard, device: torch.device, rendezvous: str) -> TPGroup:
     """Join the group of ``shard.size`` ranks meeting at file ``rendezvous`` (created by the first rank to arrive;
-    it must not hold a previous group's store). On CUDA the current device becomes ``cuda:rank``.
+    it must not hold a previous group's store). On CUDA the current device becomes ``cuda:rank``; on the CPU each
+    rank takes ``1 / size`` of torch's threads unless ``OMP_NUM_THREADS`` says otherwise.
 
     Raises:
         ValueError: CUDA with fewer visible devices than ranks (names ``--tensor-parallel-size``).
@@ -102,6 +103,8 @@ def init_group(shard: TPShard, device: torch.device, rendezvous: str) -> TPGroup
         torch.cuda.set_device(dev)
     else:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # ranks of one host meet on loopback
+        if "OMP_NUM_THREADS" not in os.environ:   # the ranks share the host's cores: no oversubscription
+            torch.set_num_threads(max(1, torch.get_num_threads() // shard.size))
     backend = "nccl" if dev.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, init_method=f"file://{rendezvous}", rank=shard.rank,
                             world_size=shard.size, timeout=IDLE_TIMEOUT)
