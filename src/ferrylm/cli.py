@@ -391,6 +391,9 @@ def _main(argv: list[str] | None, boot=None) -> int:
 
         return serve(args, engine_config, boot)
     if args.command == "generate":
+        if engine_config.tensor_parallel_size > 1:
+            parser.error(f"--tensor-parallel-size {engine_config.tensor_parallel_size} runs one engine process per "
+                         f"rank: use `ferry serve` (generate runs the engine in this process)")
         return _generate(args, engine_config)
     parser.error(f"unknown command {args.command}")
     return 2

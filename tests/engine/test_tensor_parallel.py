@@ -517,3 +517,11 @@ def test_the_frontend_starts_followers_without_importing_torch():
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_generate_refuses_tp(capsys):
+    from ferrylm.cli import _main
+
+    with pytest.raises(SystemExit) as e:   # _main: the CLI without main()'s process-wide signal handlers
+        _main(["generate", "--model", "x", "--tensor-parallel-size", "2"])
+    assert e.value.code == 2 and "use `ferry serve`" in capsys.readouterr().err
