@@ -196,7 +196,9 @@ def build_engine(model_path: str | Path, config: EngineConfig, tp=None) -> Engin
         max_running_requests=config.max_running_requests, max_prefill_length=1, num_pages=config.num_pages,
         num_tokens=config.num_tokens, moe_cache_size=config.moe_cache_size, moe_cache_auto=config.moe_cache_auto,
         kv_reserve_tokens=config.kv_reserve_tokens,
-        host_kv_fraction=config.kv_memory_fraction if device.type == "cpu" else None,
+        # NOTE: CPU ranks of a tensor-parallel group share the host's memory: each rank's pool (the same size on
+        # every rank) takes its share of the fraction
+        host_kv_fraction=config.kv_memory_fraction / config.tensor_parallel_size if device.type == "cpu" else None,
         other_processes=tuple(other_processes(device)))
     check_budget(inputs)
     in_use = bytes_in_use(device)
