@@ -127,6 +127,11 @@ def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] 
                    help="automatic prefix caching: full KV pages of earlier requests are reused by requests that "
                         "start with the same tokens (--no-enable-prefix-caching turns it off; default: "
                         f"{'on' if _D.enable_prefix_caching else 'off'})")
+    p.add_argument("--tensor-parallel-size", "--tp-size", type=int, dest="tensor_parallel_size",
+                   default=_D.tensor_parallel_size, metavar="N",
+                   help="split the model over N ranks of this host, one engine process each (NCCL on CUDA: rank r "
+                        "on cuda:r; gloo on the CPU); N must divide the attention heads and the MLP / expert widths "
+                        f"(default: {_D.tensor_parallel_size})")
     p.add_argument("--debug-invariants", action="store_true", help="check KV/scheduler invariants every step")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="logging level (default: INFO)")
@@ -150,7 +155,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         cuda_graph_max_batch=a.cuda_graph_max_batch,
                         cuda_graph_max_len=a.cuda_graph_max_len,
                         attention_backend=a.attention_backend,
-                        enable_prefix_caching=a.enable_prefix_caching).validate()
+                        enable_prefix_caching=a.enable_prefix_caching,
+                        tensor_parallel_size=a.tensor_parallel_size).validate()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -388,6 +394,9 @@ def _main(argv: list[str] | None, boot=None) -> int:
 
         return serve(args, engine_config, boot)
     if args.command == "generate":
+        if engine_config.tensor_parallel_size > 1:
+            parser.error(f"--tensor-parallel-size {engine_config.tensor_parallel_size} runs one engine process per "
+                         f"rank: use `ferry serve` (generate runs the engine in this process)")
         return _generate(args, engine_config)
     parser.error(f"unknown command {args.command}")
     return 2

@@ -281,6 +281,9 @@ class EngineConfig:
         cuda_graph_max_len: longest sequence (tokens) run through CUDA graphs (``--cuda-graph-max-len``).
         enable_prefix_caching: automatic prefix caching, full KV pages shared across requests by content hash
             (``--enable-prefix-caching`` / ``--no-enable-prefix-caching``; ``engine/prefix_cache.py``).
+        tensor_parallel_size: ranks one model is split over inside one host (``--tensor-parallel-size`` /
+            ``--tp-size``; ``models/tensor_parallel.py``, ``engine/parallel/``); 1 = one engine process, today's
+            path unchanged. The model-dependent rules are :meth:`check_model`.
     """
 
     device: str = "auto"
@@ -313,6 +316,7 @@ class EngineConfig:
     cuda_graph_max_len: int = 8192
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
 
     def to_dict(self) -> dict:
         from dataclasses import asdict
@@ -354,6 +358,10 @@ class EngineConfig:
             (self.cuda_graph_max_len >= 1, "--cuda-graph-max-len must be >= 1 token"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"),
+            (self.tensor_parallel_size >= 1, f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}"),
+            (self.tensor_parallel_size == 1 or not self.device.startswith("cuda:"),
+             f"--tensor-parallel-size {self.tensor_parallel_size} places rank r on cuda:r; use --device cuda or "
+             f"auto, not {self.device!r}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -365,4 +373,31 @@ class EngineConfig:
                 parse_rules(self.faults)
             except ValueError as e:
                 raise ValueError(f"--faults: {e}") from None
+        return self
+
+    def check_model(self, model: "ModelConfig") -> "EngineConfig":
+        """Raise ValueError naming ``--tensor-parallel-size`` when ``model`` cannot be split over that many ranks.
+
+        Rules (``models/tensor_parallel.py`` shards this way): N divides ``num_attention_heads``; N divides
+        ``num_key_value_heads`` (each rank holds ``kv / N`` KV heads), or ``num_key_value_heads`` divides N (each
+        KV head replicated on ``N / kv`` ranks, one KV head per rank); N divides ``intermediate_size`` (when a layer
+        is dense), ``moe_intermediate_size`` and ``shared_expert_intermediate_size``. No-op for N = 1.
+        """
+        n = self.tensor_parallel_size
+        if n == 1:
+            return self
+        flag = f"--tensor-parallel-size {n}"
+        if model.num_heads % n:
+            raise ValueError(f"{flag} must divide num_attention_heads ({model.num_heads})")
+        kv = model.num_kv_heads
+        if kv % n and n % kv:
+            raise ValueError(f"{flag} must divide num_key_value_heads ({kv}) or be a multiple of it (KV heads "
+                             f"replicated)")
+        widths = [("moe_intermediate_size", model.moe_intermediate_size),
+                  ("shared_expert_intermediate_size", int(model.raw.get("shared_expert_intermediate_size") or 0))]
+        if not model.is_moe or model.intermediate_size:
+            widths.append(("intermediate_size", model.intermediate_size))
+        for name, width in widths:
+            if width and width % n:
+                raise ValueError(f"{flag} must divide {name} ({width})")
         return self

@@ -144,6 +144,8 @@ class Engine:
         tokenizer_path: the model folder whose tokenizer compiles structured-output grammars (None: such
             requests are refused).
         model_id: what names the weights (the model path or spec), part of the prefix cache's seed.
+        tp: rank 0's step broadcaster under tensor parallel (``engine/parallel/step_sync.py``), None for one rank;
+            ``model`` and ``model_config`` are then this rank's shard (the KV pool holds its heads only).
 
     ``prefix_cache`` (:class:`~ferrylm.engine.prefix_cache.PrefixCache`, None when
     ``config.enable_prefix_caching`` is off): full KV pages shared across requests by content hash.
@@ -156,7 +158,7 @@ class Engine:
                  dtype: torch.dtype, limits: EngineLimits | None = None, expert_executor=None,
                  faults: FaultInjector = NO_FAULTS, guard: OomGuard | None = None,
                  memory_plan: MemoryPlan | None = None, tokenizer_path: str | None = None,
-                 model_id: str | None = None):
+                 model_id: str | None = None, tp=None):
         self.model = model
         self.expert_executor = expert_executor
         self.faults = faults
@@ -192,8 +194,9 @@ class Engine:
                                        config=GuardConfig(workspace_bytes=memory_plan.workspace_bytes
                                                           if memory_plan else 0))
         self.eos_ids = tuple(model_config.eos_token_ids)
+        self.tp = tp
         self.runner = ModelRunner(model, self.pool, device, dtype, config, self.limits.max_model_len,
-                                  expert_executor, self.eos_ids)
+                                  expert_executor, self.eos_ids, tp=tp)
         self.runner.faults = faults
         self.runner.attach_state_pool(self.state_pool)
         self.structured = StructuredDecoder(tokenizer_path, model_config.vocab_size, self.eos_ids)

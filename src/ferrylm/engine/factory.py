@@ -60,6 +60,10 @@ def resolve_auto(model_path: str | Path, config: EngineConfig, device: torch.dev
     if backend_name(options) != "auto":
         return options
     mcfg = ModelConfig.from_folder(model_path)
+    if config.tensor_parallel_size > 1:   # a rank's experts: the shard's widths
+        from ferrylm.models.tensor_parallel import TPShard, shard_config
+
+        mcfg = shard_config(mcfg, TPShard(0, config.tensor_parallel_size))
     if device.type != "cuda" or not mcfg.is_moe:
         if options.cpu_share is not None:
             log.warning("--moe-cpu-share %d ignored: --moe-backend auto chose resident", options.cpu_share)
@@ -137,7 +141,7 @@ def check_host_memory(model_path: str | Path, device: torch.device, dtype: torch
         check_host_fits(need, int(vm.available), int(vm.total), what)
 
 
-def build_engine(model_path: str | Path, config: EngineConfig) -> Engine:
+def build_engine(model_path: str | Path, config: EngineConfig, tp=None) -> Engine:
     """Load the model at ``model_path`` (a HF folder) and size the engine with the memory plan.
 
     Boot sequence: read the device's free/total memory (and who else holds it) → load the weights (measured) →
@@ -146,6 +150,12 @@ def build_engine(model_path: str | Path, config: EngineConfig) -> Engine:
     workspace is estimated) → :func:`ferrylm.memory.plan.plan_memory` → the KV pool and the expert slots at their
     planned sizes → on CUDA the warmup again, so the allocator keeps the workspace blocks. The plan is logged as
     a table and kept on the engine (``engine.memory_plan``).
+
+    ``tp``: rank 0's :class:`~ferrylm.engine.parallel.step_sync.StepBroadcaster` (over its
+    :class:`~ferrylm.engine.parallel.group.TPGroup`) under ``--tensor-parallel-size N > 1`` (the
+    followers, ``engine/parallel/follower.py``, run every forward of this boot with it, warmups included): the model
+    is loaded as rank 0's shard, its layers sum over the group, every step is broadcast before it runs; the plan is
+    rank 0's (the ranks hold equal shares).
 
     Raises:
         ModelLoadError / UnsupportedArchitecture: the folder cannot be served.
@@ -161,8 +171,13 @@ def build_engine(model_path: str | Path, config: EngineConfig) -> Engine:
     from ferrylm.models.synthetic import is_synthetic_folder
 
     config.validate()
+    if config.tensor_parallel_size > 1 and tp is None:
+        raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} runs one engine process per rank: "
+                         f"use `ferry serve` (the offline engine is one process)")
     faults = FaultInjector.from_config(config.faults)
-    device = resolve_device(config.device)
+    broadcaster = tp
+    group = tp.group if tp is not None else None
+    device = resolve_device(config.device) if group is None else group.device
     dtype = resolve_dtype(config.dtype, device)
     if config.dtype == "auto" and is_synthetic_folder(model_path):  # load_model builds it; bf16 halves its bytes
         dtype = torch.bfloat16
@@ -181,7 +196,9 @@ def build_engine(model_path: str | Path, config: EngineConfig) -> Engine:
         max_running_requests=config.max_running_requests, max_prefill_length=1, num_pages=config.num_pages,
         num_tokens=config.num_tokens, moe_cache_size=config.moe_cache_size, moe_cache_auto=config.moe_cache_auto,
         kv_reserve_tokens=config.kv_reserve_tokens,
-        host_kv_fraction=config.kv_memory_fraction if device.type == "cpu" else None,
+        # NOTE: CPU ranks of a tensor-parallel group share the host's memory: each rank's pool (the same size on
+        # every rank) takes its share of the fraction
+        host_kv_fraction=config.kv_memory_fraction / config.tensor_parallel_size if device.type == "cpu" else None,
         other_processes=tuple(other_processes(device)))
     check_budget(inputs)
     in_use = bytes_in_use(device)
@@ -189,7 +206,8 @@ def build_engine(model_path: str | Path, config: EngineConfig) -> Engine:
     check_host_memory(model_path, device, dtype, backend_name(options))
     torch.manual_seed(config.seed)
     try:
-        loaded = load_model(model_path, device=device, dtype=dtype, moe_backend=options)
+        loaded = load_model(model_path, device=device, dtype=dtype, moe_backend=options,
+                            tp=group.shard if group is not None else None)
     except Exception as e:
         if not is_oom(e):
             raise
@@ -198,7 +216,11 @@ def build_engine(model_path: str | Path, config: EngineConfig) -> Engine:
         raise boot_failure(inputs, what, smaller="the model size: --moe-backend offload keeps the experts off "
                                                  "the device") from None
     weights = max(0, bytes_in_use(device) - in_use)
-    mcfg, executor = loaded.config, loaded.executor
+    mcfg, executor = loaded.config, loaded.executor   # under tensor parallel: rank 0's shard
+    if group is not None:
+        from ferrylm.models.tensor_parallel import attach_reduce
+
+        attach_reduce(loaded.model, group.all_reduce)
     needs = expert_needs(executor)
     base = limits_with_pages(config, mcfg, device, 0)
     from ferrylm.engine.state_pool import StateLayout
@@ -224,12 +246,16 @@ def build_engine(model_path: str | Path, config: EngineConfig) -> Engine:
         warm_slots = (min(config.moe_cache_size, needs.total_experts) if config.moe_cache_size is not None
                       else max(1, needs.min_slots))
         executor.reserve(needs.bytes_for(warm_slots))
-    plan, base = _plan_with_chunk(loaded, config, device, dtype, base, weights, inputs, floor)
+        if broadcaster is not None:
+            broadcaster.expert_budget = int(needs.bytes_for(warm_slots))
+    plan, base = _plan_with_chunk(loaded, config, device, dtype, base, weights, inputs, floor, broadcaster)
     if needs is not None:
         executor.reserve(plan.expert_bytes)
+        if broadcaster is not None:
+            broadcaster.expert_budget = int(plan.expert_bytes)
     engine = Engine(loaded.model, mcfg, config, device=device, dtype=dtype,
                     limits=replace(base, num_pages=plan.kv_pages), expert_executor=executor, faults=faults,
-                    memory_plan=plan, tokenizer_path=str(model_path), model_id=str(model_path))
+                    memory_plan=plan, tokenizer_path=str(model_path), model_id=str(model_path), tp=broadcaster)
     workspace = plan.workspace_bytes
     if device.type == "cuda":
         try:  # the allocator keeps these blocks: request-time steps reuse them
@@ -260,7 +286,7 @@ MIN_PREFILL_CHUNK = 1024  # tokens: the plan lowers a default chunk that does no
 
 
 def _plan_with_chunk(loaded, config: EngineConfig, device: torch.device, dtype: torch.dtype, base: EngineLimits,
-                     weights: int, inputs, floor: int):
+                     weights: int, inputs, floor: int, tp=None):
     """Measure the workspace at the prefill chunk and plan; when the plan does not fit and the chunk is the default
     (no ``--max-prefill-length``), halve the chunk and measure again, down to ``floor`` tokens. An explicit chunk is
     never changed. Returns ``(plan, limits with the chunk used)``; the plan's table says when the chunk was lowered.
@@ -274,7 +300,7 @@ def _plan_with_chunk(loaded, config: EngineConfig, device: torch.device, dtype: 
     while True:
         limits = replace(base, max_prefill_length=chunk)
         try:
-            workspace, source, graph_bytes = _measure_workspace(loaded, config, device, dtype, limits, weights)
+            workspace, source, graph_bytes = _measure_workspace(loaded, config, device, dtype, limits, weights, tp)
             plan = plan_memory(replace(inputs, max_prefill_length=chunk, workspace_bytes=workspace,
                                        workspace_source=source, graph_bytes=graph_bytes))
         except MemoryPlanError as e:
@@ -298,7 +324,7 @@ CPU_WARMUP_DECODE = 4
 
 
 def _measure_workspace(loaded, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                       base: EngineLimits, weights: int) -> tuple[int, str, int]:
+                       base: EngineLimits, weights: int, tp=None) -> tuple[int, str, int]:
     """Warm up a throwaway engine with a pool just large enough and return ``(workspace bytes, "measured" |
     "estimated", CUDA graph bytes)``: on CUDA the throwaway engine also captures its decode graphs, whose pool is
     measured (it stays allocated in the real engine, beside the workspace). Raises MemoryPlanError when the warmup
@@ -316,7 +342,7 @@ def _measure_workspace(loaded, config: EngineConfig, device: torch.device, dtype
     ps = base.page_size
     pages = n_pref * -(-(per + 1) // ps) + max(1, decode) * -(-3 // ps) + 1
     warm = Engine(loaded.model, mcfg, config, device=device, dtype=dtype, limits=replace(base, num_pages=pages),
-                  expert_executor=loaded.executor)
+                  expert_executor=loaded.executor, tp=tp)
     try:
         peak = measure_peak(device, lambda: warm.warmup(prefill, decode))
     except Exception as e:

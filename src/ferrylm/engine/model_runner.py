@@ -52,13 +52,16 @@ class ModelRunner:
         max_model_len: the context limit (tokens).
         expert_executor: the MoE executor (None: dense or a test double).
         eos_ids: EOS token ids (banned before ``min_tokens``).
+        tp: rank 0's :class:`~ferrylm.engine.parallel.step_sync.StepBroadcaster` under tensor parallel (the
+            followers run each step's forward on their shard: it is broadcast right before the forward); None for
+            one rank. With it every step runs eager (CUDA graphs with the collectives inside: not yet).
 
     Raises:
         ValueError: an attention backend or graph mode that cannot run on ``device`` (message names the flag).
     """
 
     def __init__(self, model, pool: KVPool, device: torch.device, dtype: torch.dtype, config: EngineConfig,
-                 max_model_len: int, expert_executor=None, eos_ids: tuple[int, ...] = ()):
+                 max_model_len: int, expert_executor=None, eos_ids: tuple[int, ...] = (), tp=None):
         self.model = model
         self.pool = pool
         self.device = device
@@ -75,7 +78,9 @@ class ModelRunner:
         self.staging = Staging(device)
         self.step_graphs: StepGraphs | None = None
         self.piecewise: DecodeGraphRunner | None = None
-        self._graph_mode = DecodeGraphConfig(mode=config.decode_graphs).resolved(device)
+        self.tp = tp
+        self._tp_runner = tp.runner_id() if tp is not None else 0   # names this runner's KV pool to the followers
+        self._graph_mode = "off" if tp is not None else DecodeGraphConfig(mode=config.decode_graphs).resolved(device)
         stack = getattr(model, "model", None)
         self._is_stack = hasattr(stack, "layers")
         self._moe0 = next((layer.mlp for layer in getattr(stack, "layers", [])
@@ -220,7 +225,10 @@ class ModelRunner:
             self.last_recurrent = rs
             attn = WithRecurrentState(attn, rs)
         bind_routing_keys(self.model, v["routing_keys"])
-        hidden = self.model(v["input_ids"], v["positions"], attn)
+        if self.tp is None:
+            hidden = self.model(v["input_ids"], v["positions"], attn)
+        else:
+            hidden = self._forward_tp(host, v, attn)
         prompt_logprobs.collect(seqs, hidden, self.model.compute_logits)  # only when a request asked for them
         rows = host.sample_rows
         if not rows:
@@ -229,15 +237,32 @@ class ModelRunner:
         sel = hidden if len(rows) == hidden.shape[0] else hidden[v["sample_rows"]]
         return self.model.compute_logits(sel).float()
 
+    def _forward_tp(self, host: HostStep, v: dict[str, torch.Tensor], attn) -> torch.Tensor:
+        """The forward under tensor parallel: broadcast the step to the followers, then run it (its all-reduces
+        meet theirs).
+
+        Raises:
+            TensorParallelError: the broadcast failed, or the forward ran out of memory: the followers may be inside
+                the step's collectives, so the step can be neither retried nor shrunk by the OOM guard; the worker
+                reports it and the group is restarted. Other errors (a sticky device error ...) pass unchanged,
+                as fatal as at TP = 1.
+        """
+        from ferrylm.engine.parallel.group import oom_inside_step
+
+        self.tp.send_step(self._tp_runner, self.pool.num_pages, self.pool.page_size, host, self.staging.current())
+        try:
+            hidden = self.model(v["input_ids"], v["positions"], attn)
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            oom = type(e).__name__
+        else:
+            self.tp.step_done()
+            return hidden
+        raise oom_inside_step(oom)   # outside the except block: the failed step's frames are gone
+
     def _metadata(self, host: HostStep, v: dict[str, torch.Tensor]) -> AttentionMetadata:
-        splits = 1
-        if host.max_query_len == 1 and self.device.type == "cuda" and self.attention == "triton":
-            from ferrylm.engine.attention import decode_splits
-            splits = decode_splits(host.num_seqs, max(1, self.pool.layout.k_heads),
-                                   torch.cuda.get_device_properties(self.device).multi_processor_count)
-        return AttentionMetadata(slot_mapping=v["slot_mapping"], block_table=v["block_table"],
-                                 seq_lens=v["seq_lens"], query_start_loc=v["query_start_loc"],
-                                 max_query_len=host.max_query_len, num_splits=splits, host_seqs=host.host_seqs)
+        return step_metadata(host, v, self.device, self.attention, self.pool)
 
     def _check_logits(self, n: int) -> None:
         if self.faults.enabled:
@@ -268,6 +293,20 @@ class _Written:
 
 
 _STATES_WRITTEN = _Written()
+
+
+def step_metadata(host: HostStep, v: dict[str, torch.Tensor], device: torch.device, attention: str,
+                  pool: KVPool) -> AttentionMetadata:
+    """The attention metadata of an eager step: the packed views ``v`` (on ``device``) and the host figures of
+    ``host``; split-KV decode for the Triton backend on CUDA. Shared by rank 0 and the tensor-parallel followers."""
+    splits = 1
+    if host.max_query_len == 1 and device.type == "cuda" and attention == "triton":
+        from ferrylm.engine.attention import decode_splits
+        splits = decode_splits(host.num_seqs, max(1, pool.layout.k_heads),
+                               torch.cuda.get_device_properties(device).multi_processor_count)
+    return AttentionMetadata(slot_mapping=v["slot_mapping"], block_table=v["block_table"],
+                             seq_lens=v["seq_lens"], query_start_loc=v["query_start_loc"],
+                             max_query_len=host.max_query_len, num_splits=splits, host_seqs=host.host_seqs)
 
 
 def _rows(logits: torch.Tensor, rows: list[int], batch: int) -> torch.Tensor:

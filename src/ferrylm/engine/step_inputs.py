@@ -169,6 +169,10 @@ class Staging:
             self._bufs[self._turn] = self._alloc(max(size, 2 * self._bufs[self._turn].numel()))
         return self._bufs[self._turn].numpy()
 
+    def current(self) -> torch.Tensor:
+        """The torch tensor of the buffer :meth:`next` handed out last (what a step was packed into)."""
+        return self._bufs[self._turn]
+
     def to_device(self, host: HostStep, dst: torch.Tensor | None = None) -> torch.Tensor:
         """Copy ``host.packed`` (packed into :meth:`next`'s buffer) to the device, into ``dst`` when given (a static
         buffer), in one non-blocking copy from page-locked memory; returns the device tensor."""

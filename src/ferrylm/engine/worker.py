@@ -43,6 +43,8 @@ class EngineSpec:
 
     ``in_addr``: zmq address the engine PULLs requests from; ``out_addr``: where it PUSHes outputs/heartbeats.
     ``parent_pid``: the frontend's pid (the engine exits when it goes away).
+    ``tp_rendezvous``: under ``--tensor-parallel-size N > 1``, the rank group's file store (this process is rank 0;
+    the followers are ``engine/parallel/follower.py``); None for one rank.
     """
 
     model_path: str
@@ -51,6 +53,7 @@ class EngineSpec:
     out_addr: str
     parent_pid: int
     log_level: str = "INFO"
+    tp_rendezvous: str | None = None
 
 
 STACK_DUMP_SIGNAL = signal.SIGUSR1
@@ -225,6 +228,33 @@ def make_layer_poll(engine, sock, deferred: list[bytes]):
     return poll
 
 
+def _join_group(config, rendezvous: str | None):
+    """Rank 0's step broadcaster under ``--tensor-parallel-size N > 1`` (joins the group at ``rendezvous``), else
+    None."""
+    if config.tensor_parallel_size == 1:
+        return None
+    if not rendezvous:
+        raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size}: the engine was started without "
+                         f"a rank group (the supervisor starts one process per rank)")
+    from ferrylm.engine.engine import resolve_device
+    from ferrylm.engine.parallel.group import init_group
+    from ferrylm.engine.parallel.step_sync import StepBroadcaster
+    from ferrylm.models.tensor_parallel import TPShard
+
+    group = init_group(TPShard(0, config.tensor_parallel_size), resolve_device(config.device), rendezvous)
+    return StepBroadcaster(group)
+
+
+def _leave_group(tp, *, ok: bool) -> None:
+    """Tell the followers the engine stops (``SHUTDOWN`` when ``ok``, else ``ABANDON``), unless a step may be
+    inside its collectives (they are ended by rank 0's exit then). No-op for one rank; never raises."""
+    if tp is None:
+        return
+    from ferrylm.engine.parallel.step_sync import ABANDON, SHUTDOWN
+
+    tp.send_final(SHUTDOWN if ok else ABANDON)
+
+
 def _fault_stall() -> None:
     logging.getLogger("ferrylm.engine").warning("fault injection (engine_stall): the engine loop hangs now")
     while True:
@@ -284,14 +314,18 @@ def engine_main(spec_dict: dict) -> None:
             ctx.term()
 
     log = logging.getLogger("ferrylm.engine")
+    tp = None   # rank 0's step broadcaster under tensor parallel (engine/parallel/step_sync.py)
     try:
         from ferrylm.engine.factory import build_engine
 
-        engine = build_engine(spec.model_path, EngineConfig(**spec.engine_config))
+        config = EngineConfig(**spec.engine_config)
+        tp = _join_group(config, spec.tp_rendezvous)
+        engine = build_engine(spec.model_path, config, tp=tp)
     except Exception as e:
         log.error("engine failed to start: %s", e)
         msg = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
         push.send(ipc.encode(ipc.Fatal(msg, code=str(getattr(e, "code", "") or "start_failed"))))
+        _leave_group(tp, ok=False)
         close_ipc()
         os._exit(1)
     state["engine"] = engine
@@ -328,6 +362,7 @@ def engine_main(spec_dict: dict) -> None:
                     push.send(ipc.encode(ipc.Outputs(rejected)))
                 if shutdown:
                     log.info("engine shutting down (%d requests still running)", engine.num_running)
+                    _leave_group(tp, ok=True)
                     close_ipc()
                     # NOTE: skip the interpreter's teardown (seconds of freeing tensors, atexit hooks): the OS
                     # reclaims memory at once and the frontend is waiting on our exit.
@@ -355,6 +390,7 @@ def engine_main(spec_dict: dict) -> None:
                     fatal = ipc.Fatal(f"engine step failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                                       f"see the engine log", code="step_failed", request_ids=ids)
                 push.send(ipc.encode(fatal))
+                _leave_group(tp, ok=False)
                 close_ipc()
                 os._exit(1)
             if outs:

@@ -81,11 +81,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
         self.routing_context = None  # synthetic routing model: the layer binds its positions there (models/moe.py)
+        # tensor parallel (models/tensor_parallel.attach_reduce): sums a rank's partial attention / MLP output over
+        # the group, ``[T, H] -> [T, H]``; None (TP = 1) skips it
+        self.tp_reduce = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``."""
         h = self.attention_residual(positions, x, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        out = self.mlp(self.post_attention_layernorm(h))
+        return h + (out if self.tp_reduce is None else self.tp_reduce(out))
 
     def attention_residual(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """The first half of :meth:`forward`: ``x + attention(input_layernorm(x))``, ``[T, H]`` -> ``[T, H]`` (the
@@ -93,7 +97,8 @@ class DecoderLayer(nn.Module):
         context when a routing model chooses this model's experts."""
         if self.routing_context is not None:
             self.routing_context.bind(positions, self)
-        return x + self.self_attn(positions, self.input_layernorm(x), attn)
+        out = self.self_attn(positions, self.input_layernorm(x), attn)
+        return x + (out if self.tp_reduce is None else self.tp_reduce(out))
 
 
 class DecoderStack(nn.Module):

@@ -33,6 +33,7 @@ from ferrylm.errors import ModelLoadError
 from ferrylm.experts import ExpertOptions, build_executor, check_backend, expert_home
 from ferrylm.experts.executor import ExpertExecutor, LayerExperts
 from ferrylm.models.registry import get_model_class
+from ferrylm.models.tensor_parallel import TPShard, check_shardable, shard_config, shard_tensor
 
 _PER_EXPERT = re.compile(
     r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
@@ -239,7 +240,7 @@ def prepare_for_inference(model: torch.nn.Module) -> torch.nn.Module:
 
 def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                moe_backend: str | ExpertOptions = "resident", expert_device: torch.device | str | None = None,
-               pin_experts: bool = False) -> LoadedModel:
+               pin_experts: bool = False, tp: TPShard | None = None) -> LoadedModel:
     """Load the HF model folder ``model_dir`` (or build the synthetic model a synthetic folder describes).
 
     Args:
@@ -254,6 +255,9 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
             backend, host memory for the offloading ones, see ``ferrylm.experts.expert_home``); the resident
             backend then moves them to ``device``.
         pin_experts: assemble CPU expert stacks in page-locked memory (only when CUDA is available).
+        tp: this rank's tensor-parallel shard (:mod:`ferrylm.models.tensor_parallel`): every tensor is cut to it as
+            it is read and the model is built at shard shape (``LoadedModel.config`` is the per-rank config); None
+            or size 1 = the whole model. Plain (unquantized) safetensors folders only.
 
     Returns:
         :class:`LoadedModel` with the model in eval mode, gradients off.
@@ -269,6 +273,10 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
     from ferrylm.models.synthetic import is_synthetic_folder
 
     model_dir = Path(model_dir)
+    split = tp is not None and tp.is_split
+    if split and is_gguf_file(model_dir):
+        raise ModelLoadError(f"--tensor-parallel-size {tp.size}: {model_dir.name} is a GGUF file; tensor parallel "
+                             f"loads safetensors folders and synthetic models only (for now)")
     if is_gguf_file(model_dir):  # a MoE GGUF served from the file itself
         from ferrylm.models.quant.gguf_file import load_gguf_model
 
@@ -279,13 +287,19 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
         from ferrylm.models.synthetic_build import build_synthetic
 
         return build_synthetic(spec_from_folder(model_dir), device=device, dtype=dtype, moe_backend=moe_backend,
-                               expert_device=expert_device, pin_experts=pin_experts)
-    config = ModelConfig.from_folder(model_dir)
+                               expert_device=expert_device, pin_experts=pin_experts, tp=tp if split else None)
+    full = ModelConfig.from_folder(model_dir)
+    config = shard_config(full, tp) if split else full
     model_cls, device, exp_dev, pin = placement(config, device, moe_backend, expert_device, pin_experts)
+    if split:
+        check_shardable(model_cls, config, tp)
     moe_layers = model_cls.moe_layer_indices(config)
     from ferrylm.models.quant import reader_for
 
     reader = reader_for(config.raw)
+    if reader is not None and split:
+        raise ModelLoadError(f"--tensor-parallel-size {tp.size}: quantized checkpoints ({reader.method}) are not "
+                             f"split by tensor parallel yet")
     if reader is not None:
         from ferrylm.models.quant.load import read_quantized
 
@@ -318,6 +332,8 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
                 t = f.get_tensor(name)
                 if bar is not None:
                     bar.update(t.numel() * t.element_size())
+                if split:   # this rank's part only: the stacks below are allocated at shard shape
+                    t = shard_tensor(name, t, full, tp)
                 if experts is not None and experts.add(_renamed(name, model_cls), t):
                     continue
                 key = _module_name(name, model_cls, config)

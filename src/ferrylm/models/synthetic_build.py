@@ -51,6 +51,8 @@ from ferrylm.models.loader import LoadedModel, placement, prepare_for_inference,
 from ferrylm.models.registry import get_model_class
 from ferrylm.models.routing_profiles import ROUTER
 from ferrylm.models.synthetic import SyntheticSpec, parse_synthetic_spec, synthetic_config
+from ferrylm.models.tensor_parallel import (TPShard, check_shardable, full_shape, shard_config, split_of,
+                                            split_part)
 
 log = logging.getLogger("ferrylm.models")
 
@@ -237,7 +239,8 @@ def attach_routing_model(model, config: ModelConfig, spec: SyntheticSpec, device
 
 def build_synthetic(spec: SyntheticSpec | str, *, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.bfloat16, moe_backend: str | ExpertOptions = "resident",
-                    expert_device: torch.device | str | None = None, pin_experts: bool = False) -> LoadedModel:
+                    expert_device: torch.device | str | None = None, pin_experts: bool = False,
+                    tp: TPShard | None = None) -> LoadedModel:
     """Make the model of ``spec`` with seeded random weights; nothing is read from or written to disk.
 
     Args:
@@ -250,6 +253,9 @@ def build_synthetic(spec: SyntheticSpec | str, *, device: torch.device | str = "
             host memory for the offloading ones, see ``ferrylm.experts.expert_home``).
         pin_experts: allocate CPU expert stacks in page-locked memory (only when CUDA is available; ignored
             otherwise).
+        tp: a tensor-parallel rank's shard (:mod:`ferrylm.models.tensor_parallel`): the same values as the whole
+            model's, cut to this rank (each split tensor is made whole, one at a time, then cut: an expert stack of
+            one layer and projection at most), so TP = N computes what TP = 1 does. Plain (unquantized) only.
 
     Returns:
         :class:`~ferrylm.models.loader.LoadedModel`, model in eval mode, gradients off. Memory: about
@@ -262,8 +268,15 @@ def build_synthetic(spec: SyntheticSpec | str, *, device: torch.device | str = "
     """
     if isinstance(spec, str):
         spec = parse_synthetic_spec(spec)
-    config = ModelConfig.from_dict(synthetic_config(spec))
+    full = ModelConfig.from_dict(synthetic_config(spec))
+    split = tp is not None and tp.is_split
+    if split and spec.quant:
+        raise ModelLoadError(f"--tensor-parallel-size {tp.size}: quantized synthetic experts ({spec.quant}) are not "
+                             f"split by tensor parallel yet")
+    config = shard_config(full, tp) if split else full
     model_cls, device, exp_dev, pin = placement(config, device, moe_backend, expert_device, pin_experts)
+    if split:
+        check_shardable(model_cls, config, tp)
     if pin_experts and not pin:
         log.info("pin_experts ignored: experts are on %s or CUDA is unavailable", exp_dev)
     pool = SeededPool(spec.seed)
@@ -288,19 +301,35 @@ def build_synthetic(spec: SyntheticSpec | str, *, device: torch.device | str = "
                 fmt = quant.down if part == "down" else quant.gate_up
                 return random_stack(codes, fmt, *shape, scale / math.sqrt(fan_in), key, device=exp_dev,
                                     dtype=dtype, pin_memory=pin)
+            if split:   # the whole stack's values (one layer, one projection), then this rank's part
+                cut = 1 if part != "down" else 2
+                whole = list(shape)
+                whole[cut] *= tp.size
+                values = pool.fill_(torch.empty(*whole, device=exp_dev, dtype=dtype), scale / math.sqrt(fan_in), key)
+                t = torch.empty(*shape, device=exp_dev, dtype=dtype, pin_memory=pin)
+                return t.copy_(split_part(values, cut, tp))
             t = torch.empty(*shape, device=exp_dev, dtype=dtype, pin_memory=pin)
             return pool.fill_(t, scale / math.sqrt(fan_in), key)
+        i_full = full.moe_intermediate_size   # the fan-in of down: the whole expert's width
         stacks[layer] = LayerExperts(gate=stack("gate", e, i, h, fan_in=h), up=stack("up", e, i, h, fan_in=h),
-                                     down=stack("down", e, h, i, fan_in=i, scale=residual_scale(config)))
+                                     down=stack("down", e, h, i, fan_in=i_full, scale=residual_scale(config)))
     executor = build_executor(moe_backend, stacks, device) if stacks else None
 
     with torch.device("meta"):
         model = model_cls(config, executor=executor, device=device)
     tensors: dict[str, torch.Tensor] = {}
     for name, meta in model.state_dict().items():
-        t = torch.empty(meta.shape, device=device,
-                        dtype=tensor_dtype(model_cls, name, dtype) if meta.is_floating_point() else meta.dtype)
-        _init_(t, name, config, spec, pool)
+        kind = tensor_dtype(model_cls, name, dtype) if meta.is_floating_point() else meta.dtype
+        how = split_of(name, full, tp) if split else None
+        if isinstance(how, tuple):   # made whole (the same values as TP = 1), then cut
+            whole = torch.empty(full_shape(name, tuple(meta.shape), full, tp), device=device, dtype=kind)
+            _init_(whole, name, full, spec, pool)
+            t = split_part(whole, how[0], TPShard(how[2], how[1]))
+        else:
+            t = torch.empty(meta.shape, device=device, dtype=kind)
+            _init_(t, name, full, spec, pool)
+            if how == "rank0" and tp.rank:
+                t.zero_()
         tensors[name] = t
     model.load_state_dict(tensors, strict=True, assign=True)
     model.requires_grad_(False)

@@ -122,6 +122,38 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSigna
         return 0
 
 
+def visible_gpus() -> int:
+    """GPUs a CUDA process started now would see, without importing torch: the ids of ``CUDA_VISIBLE_DEVICES`` up
+    to the first invalid one (CUDA's rule), else the ``/dev/nvidia<N>`` device nodes."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is None:
+        import glob
+
+        return len(glob.glob("/dev/nvidia[0-9]*"))
+    n = 0
+    for part in env.split(","):
+        part = part.strip()
+        if not part or part.startswith("-"):
+            break
+        n += 1
+    return n
+
+
+def check_tp_devices(engine_config: EngineConfig, gpus: int | None = None) -> str | None:
+    """The error line when ``--tensor-parallel-size`` asks for more GPUs than are visible (rank r runs on
+    ``cuda:r``; ``--device auto`` means CUDA when there is a GPU), else None."""
+    n = engine_config.tensor_parallel_size
+    if n == 1 or engine_config.device == "cpu":
+        return None
+    gpus = visible_gpus() if gpus is None else gpus
+    if engine_config.device == "auto" and gpus == 0:
+        return None   # auto runs on the CPU: the ranks are CPU processes (gloo)
+    if n > gpus:
+        return (f"--tensor-parallel-size {n} needs {n} GPUs (rank r on cuda:r); {gpus} visible "
+                f"(CUDA_VISIBLE_DEVICES / --device cpu)")
+    return None
+
+
 def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSignals) -> int:
     def fail(msg: str) -> int:
         print(f"ferry serve: {msg}", file=sys.stderr)
@@ -142,6 +174,9 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
         return fail("--responses-store-size must be >= 0")
     if args.max_engine_restarts < 0:
         return fail("--max-engine-restarts must be >= 0")
+    tp_error = check_tp_devices(engine_config)
+    if tp_error:
+        return fail(tp_error)
     rt = getattr(args, "request_timeout", None)
     if rt is not None and not (rt >= 0 and math.isfinite(rt)):
         return fail("--request-timeout must be >= 0 seconds (0 = no deadline)")
@@ -162,6 +197,11 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
         if mcfg.architecture not in supported_architectures():
             raise UnsupportedArchitecture(f"{resolved.path}: architecture {mcfg.architecture!r} is not supported; "
                                           f"supported: {', '.join(supported_architectures())}")
+        try:
+            engine_config.check_model(mcfg)   # --tensor-parallel-size against the heads and widths
+        except ValueError as e:
+            sock.close()
+            return fail(str(e))
         if resolved.source != "synthetic":
             verify_checkpoint(resolved.path)   # a truncated file: one line naming it, exit 2 (not an engine crash)
         codec = TextCodec.from_pretrained(resolved.path)

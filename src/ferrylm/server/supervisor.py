@@ -25,6 +25,11 @@
 - drain: ``begin_drain`` refuses new requests (``draining``); ``drain`` waits for the running ones; an engine that
   dies while the server drains is not restarted.
 - each engine generation gets fresh IPC endpoints, so nothing queued for a dead engine reaches its successor.
+- tensor parallel (``--tensor-parallel-size N > 1``): a generation is a group of N rank processes started together
+  (rank 0 = the engine above; ranks 1..N-1 = followers, ``engine/parallel/follower.py``, meeting rank 0 at a file
+  store in the IPC dir). Every rank's sentinel is watched: a follower's death fails the in-flight requests like
+  the engine's and kills rank 0, whose exit restarts the whole group; rank 0's exit kills the followers. Heartbeats
+  and the watchdog stay rank 0's: a follower stuck in a collective stalls rank 0.
 - one guard per boundary: the reader task survives any message it cannot decode or handle (logged), the watchdog
   survives its own errors.
 """
@@ -63,6 +68,7 @@ WATCHDOG_TICK_S = 0.25        # how often the progress watchdog looks
 STACK_DUMP_WAIT_S = 0.5       # time the engine gets to write its stacks before SIGKILL
 STALL_MARGIN = 4.0            # x the expected time between progress ticks of the running step
 TICK_GAPS_KEPT = 16           # observed times per tick the watchdog's deadline follows (the slowest of them)
+FOLLOWER_EXIT_WAIT_S = 2.0    # tensor-parallel followers get this long to follow rank 0's shutdown
 FATAL_EXIT_WAIT_S = 2.0       # an engine that reported a fatal error is SIGKILLed if it has not exited by then
 MODEL_ERROR_CODES = frozenset({"model_load_error", "unsupported_architecture"})  # start-up failures: exit 2
 
@@ -149,6 +155,8 @@ class Supervisor:
         self._dir = self._ipc.path
         self._gen = 0
         self._proc: mp.process.BaseProcess | None = None
+        self._followers: list[mp.process.BaseProcess] = []   # tensor-parallel ranks 1..N-1 of this generation
+        self.tp_size = int(engine_config.get("tensor_parallel_size", 1) or 1)
         self._push: zmq.asyncio.Socket | None = None
         self._pull: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
@@ -185,12 +193,15 @@ class Supervisor:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(out_addr)
-        spec = EngineSpec(self.model_path, self.engine_config, in_addr, out_addr, os.getpid(), self.log_level)
+        rendezvous = f"{self._dir}/tp-{self._gen}" if self.tp_size > 1 else None
+        spec = EngineSpec(self.model_path, self.engine_config, in_addr, out_addr, os.getpid(), self.log_level,
+                          tp_rendezvous=rendezvous)
         proc = mp.get_context("spawn").Process(target=engine_main, args=(asdict(spec),), name="ferrylm-engine",
                                                daemon=True)
         proc.start()
         self._proc = proc
         self.engine_pid = proc.pid
+        self._followers = [self._spawn_follower(rank, rendezvous, proc.pid) for rank in range(1, self.tp_size)]
         self.state = "loading" if self.num_restarts == 0 else "restarting"
         self._progress, self._last_ticks = {}, None
         self._last_tick_time = None
@@ -199,7 +210,68 @@ class Supervisor:
         log.info("engine process %d started (generation %d)", proc.pid, self._gen)
         loop = asyncio.get_running_loop()
         loop.add_reader(proc.sentinel, self._on_engine_exit, proc, self._gen)
+        for rank, f in enumerate(self._followers, start=1):
+            loop.add_reader(f.sentinel, self._on_follower_exit, f, self._gen, rank)
         self._reader = loop.create_task(self._read_loop(self._pull, self._gen))
+
+    def _spawn_follower(self, rank: int, rendezvous: str, leader_pid: int) -> mp.process.BaseProcess:
+        from ferrylm.engine.parallel.follower import FollowerSpec, follower_main
+
+        spec = FollowerSpec(self.model_path, self.engine_config, rank, self.tp_size, rendezvous, os.getpid(),
+                            leader_pid, self.log_level)
+        f = mp.get_context("spawn").Process(target=follower_main, args=(asdict(spec),),
+                                            name=f"ferrylm-engine-tp{rank}", daemon=True)
+        f.start()
+        log.info("tensor-parallel rank %d process %d started (generation %d)", rank, f.pid, self._gen)
+        return f
+
+    @property
+    def rank_pids(self) -> list[int]:
+        """The pids of the current generation's rank processes (rank 0 first; one entry without tensor parallel)."""
+        procs = ([self._proc] if self._proc is not None else []) + list(self._followers)
+        return [p.pid for p in procs if p.pid is not None]
+
+    def _kill_followers(self, followers: list) -> None:
+        """SIGKILL and reap ``followers`` (their rank 0 is gone or going: none may outlive it). Their sentinels are
+        no longer watched: their exit is ours, not a failure to report."""
+        for f in followers:
+            try:
+                asyncio.get_running_loop().remove_reader(f.sentinel)
+            except (RuntimeError, ValueError, OSError):   # no running loop (kill_now), or a closed sentinel
+                pass
+            try:
+                if f.exitcode is None:
+                    f.kill()
+                f.join(timeout=2)
+            except Exception as e:  # noqa: BLE001 - best effort; PR_SET_PDEATHSIG is the backstop
+                log.warning("could not stop tensor-parallel process %s: %r", f.pid, e)
+
+    def _on_follower_exit(self, proc, gen: int, rank: int) -> None:
+        """Rank ``rank`` of generation ``gen`` exited: unless it followed rank 0's shutdown, the group cannot
+        compute any more: its requests are answered now and rank 0 is killed, whose exit restarts the group."""
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(proc.sentinel)
+        proc.join(timeout=1.0)
+        if gen != self._gen or self._closing or proc.exitcode == 0:
+            return
+        how = describe_exit(proc.exitcode)
+        leader = self._proc
+        if self.state == "loading":   # the first start: a restart would fail the same way (its log says why)
+            self._give_up(f"tensor-parallel rank {rank} failed to start ({how}); see its log above")
+            if leader is not None and leader.exitcode is None:
+                leader.kill()
+            return
+        log.error("tensor-parallel rank %d (process %d) exited (%s); answering %d in-flight requests, restarting "
+                  "the rank group", rank, proc.pid, how, len(self._streams))
+        if gen != self._failed_gen:
+            self._engine_failed(gen, f"tensor-parallel rank {rank} exited ({how})",
+                                EngineUnavailable(f"tensor-parallel rank {rank} of the engine exited ({how}); the "
+                                                  f"engine is restarting"),
+                                blame=proc.exitcode != -signal.SIGKILL)
+        if self.state == "ready":
+            self.state, self.detail = "restarting", f"tensor-parallel rank {rank} exited ({how})"
+        if leader is not None and leader.exitcode is None:
+            leader.kill()   # its sentinel: teardown, the followers' end, the restart
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """Ask the engine to stop, wait up to ``timeout_s``, then kill it; answer what is left; remove the IPC
@@ -224,6 +296,11 @@ class Supervisor:
                 log.warning("engine process %d did not stop within %.0f s; killing it", proc.pid, timeout_s)
                 proc.kill()
             proc.join(timeout=5)
+        if self._followers:   # they exit on rank 0's SHUTDOWN header, or with rank 0
+            deadline = time.monotonic() + FOLLOWER_EXIT_WAIT_S
+            while any(f.exitcode is None for f in self._followers) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            self._kill_followers(self._followers)
         self._fail_all(EngineUnavailable("the server is shutting down"))
         self._teardown_sockets()
         self._ctx.term()
@@ -232,8 +309,9 @@ class Supervisor:
     def kill_now(self) -> None:
         """Synchronous last resort (second signal): SIGKILL the engine, reap it, remove the IPC dir."""
         self._closing = True
-        proc = self._proc
-        if proc is not None and proc.pid is not None:
+        for proc in [self._proc, *self._followers]:
+            if proc is None or proc.pid is None:
+                continue
             try:
                 proc.kill()
                 proc.join(timeout=2)
@@ -258,6 +336,7 @@ class Supervisor:
         proc.join(timeout=1.0)
         if gen != self._gen or self._closing:
             return
+        self._kill_followers(self._followers)   # no rank outlives rank 0
         how = describe_exit(proc.exitcode)
         stalled = gen == self._stalled_gen
         log.error("engine process %d exited (%s)%s; answering %d in-flight requests", proc.pid, how,
@@ -403,14 +482,23 @@ class Supervisor:
         self.state = "stalled"
         self.detail = why
         stopped = _is_stopped(proc.pid)   # SIGSTOP / a debugger: not the requests' doing
+        # NOTE: under tensor parallel rank 0 also stalls when a follower it waits for in a collective is stopped
+        stopped_follower = any(_is_stopped(f.pid) for f in self._followers if f.pid is not None)
+        if stopped_follower:
+            log.error("a tensor-parallel follower of engine process %d is stopped (SIGSTOP or a debugger)", proc.pid)
         self._engine_failed(gen, "it stalled", EngineStalled(f"the engine stalled ({why}); it is being restarted"),
-                            blame=not stopped)
+                            blame=not (stopped or stopped_follower))
         self._teardown_sockets()   # nothing more from or to this generation
         if stopped:
             log.error("cannot dump the stalled engine's Python stacks: process %d is stopped (SIGSTOP or a "
                       "debugger) and cannot run a signal handler; killing it", proc.pid)
             delay = 0.0
         else:
+            for f in self._followers:   # a follower stuck in a collective is the usual cause: its stacks too
+                try:
+                    os.kill(f.pid, STACK_DUMP_SIGNAL)
+                except (ProcessLookupError, TypeError):
+                    pass
             try:
                 os.kill(proc.pid, STACK_DUMP_SIGNAL)
                 log.error("asked engine process %d to dump its Python stacks (%s) to the log", proc.pid,
@@ -556,6 +644,7 @@ class Supervisor:
         p = self._progress
         step = {k: p.get(k) for k in ("in_step", "step_age_s", "step_tokens", "expected_step_s")} if p else {}
         extra = {"engine_pid": self.engine_pid, "restarts": self.num_restarts,
+                 **({"tensor_parallel_pids": self.rank_pids} if self.tp_size > 1 else {}),
                  "heartbeat_age_s": None if hb_age is None else round(hb_age, 2),
                  "in_flight": len(self._streams), "engine": dict(self.last_stats), "step": step,
                  "stall_deadline_s": round(self.stall_deadline(), 2) if self.watchdog_timeout else None,

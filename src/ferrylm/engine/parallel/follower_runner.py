@@ -1,0 +1,111 @@
+"""A tensor-parallel follower's runner: rank 0's broadcast steps run on this rank's shard and KV pool
+(``follower.py`` is the process around it)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ferrylm.config import EngineConfig
+from ferrylm.engine.attention import make_backend
+from ferrylm.engine.kv_cache import KVLayout, KVPool
+from ferrylm.engine.model_runner import step_metadata
+from ferrylm.engine.parallel.group import TPGroup
+from ferrylm.engine.parallel.step_sync import StepHeader, StepReceiver, host_step
+from ferrylm.engine.step_inputs import bind_routing_keys
+
+log = logging.getLogger("ferrylm.engine")
+
+
+class FollowerRunner:
+    """Runs rank 0's steps on this rank's shard.
+
+    Args:
+        model: this rank's shard of the model, its layers attached to the group's all-reduce.
+        executor: its routed-expert executor (None: dense).
+        group: the rank group.
+        dtype: the KV pool's dtype (the model's activations).
+        attention: the resolved attention backend name (``triton`` / ``torch``), as rank 0's.
+    """
+
+    def __init__(self, model, executor, group: TPGroup, dtype: torch.dtype, attention: str):
+        self.model = model
+        self.executor = executor
+        self.group = group
+        self.dtype = dtype
+        self.attention = attention
+        self.receiver = StepReceiver(group)
+        self.pool = None
+        self._runner = None
+        self._budget = -1
+        self._copied = None   # CUDA event: the last step's inputs left the receive buffer
+        self.steps = 0
+
+    def serve(self) -> int:
+        """Run steps until a final header; returns its kind (``SHUTDOWN`` or ``ABANDON``). Raises
+        TensorParallelError when rank 0 is lost."""
+        while True:
+            if self._copied is not None:
+                self._copied.synchronize()   # the receive buffer is about to be overwritten
+            header, packed = self.receiver.recv()
+            if packed is None:
+                return header.kind
+            self.run(header, packed)
+
+    def _pool_for(self, header: StepHeader):
+        if header.runner != self._runner:
+            self.pool = None   # the previous runner's pool goes first (the boot warmup's is small)
+            self.pool = KVPool(layout=KVLayout.of(self.model.config), num_pages=header.num_pages,
+                               page_size=header.page_size, dtype=self.dtype, device=self.group.device)
+            self._runner = header.runner
+            log.info("tensor parallel rank %d: KV pool of %d pages x %d tokens (runner %d)", self.group.rank,
+                     header.num_pages, header.page_size, header.runner)
+        if header.expert_budget != self._budget and hasattr(self.executor, "reserve"):
+            self.executor.reserve(header.expert_budget if header.expert_budget >= 0 else None)
+            self._budget = header.expert_budget
+        return self.pool
+
+    @torch.inference_mode()
+    def run(self, header: StepHeader, packed: torch.Tensor) -> None:
+        """One forward of ``header.num_tokens`` tokens; the hidden states are dropped (rank 0 samples)."""
+        pool = self._pool_for(header)
+        begin = getattr(self.executor, "begin_step", None)
+        if begin is not None:
+            begin(header.num_tokens)
+        host = host_step(header, packed)
+        device = self.group.device
+        if device.type == "cuda":
+            dev = packed.to(device, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            dev = packed
+        v = header.layout.views(dev)
+        attn = make_backend(self.attention, pool, step_metadata(host, v, device, self.attention, pool), device)
+        bind_routing_keys(self.model, v["routing_keys"])
+        self.model(v["input_ids"], v["positions"], attn)
+        self.steps += 1
+
+
+def build_follower(model_path: str, config: EngineConfig, group: TPGroup) -> FollowerRunner:
+    """Load this rank's shard as rank 0's ``build_engine`` loads its own (same dtype, backend, seed)."""
+    from ferrylm.engine.attention import resolve_backend
+    from ferrylm.engine.engine import resolve_dtype
+    from ferrylm.engine.factory import apply_memory_limit, expert_options, resolve_auto
+    from ferrylm.models.loader import load_model
+    from ferrylm.models.synthetic import is_synthetic_folder
+    from ferrylm.models.tensor_parallel import attach_reduce
+
+    config.validate()
+    device = group.device
+    dtype = resolve_dtype(config.dtype, device)
+    if config.dtype == "auto" and is_synthetic_folder(model_path):
+        dtype = torch.bfloat16
+    apply_memory_limit(device, config.gpu_memory_limit)   # --gpu-memory-limit caps every rank
+    options = resolve_auto(model_path, config, device, dtype, expert_options(config))
+    torch.manual_seed(config.seed)
+    loaded = load_model(model_path, device=device, dtype=dtype, moe_backend=options, tp=group.shard)
+    attach_reduce(loaded.model, group.all_reduce)
+    return FollowerRunner(loaded.model, loaded.executor, group, dtype,
+                          resolve_backend(config.attention_backend, device))
