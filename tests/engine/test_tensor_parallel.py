@@ -525,3 +525,19 @@ def test_generate_refuses_tp(capsys):
     with pytest.raises(SystemExit) as e:   # _main: the CLI without main()'s process-wide signal handlers
         _main(["generate", "--model", "x", "--tensor-parallel-size", "2"])
     assert e.value.code == 2 and "use `ferry serve`" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_next"])
+def test_latent_and_linear_attention_models_are_refused_over_two_ranks(family, tmp_path):
+    """Latent attention (DeepSeek-V3) and Gated DeltaNet layers (Qwen3-Next) are not split yet: refused by name
+    before anything loads, instead of a wrong forward."""
+    from ferrylm.errors import ModelLoadError
+    from ferrylm.models.registry import get_model_class
+    from ferrylm.models.tensor_parallel import TPShard, check_shardable
+    from tests.models.hf_checkpoints import build_checkpoint
+
+    build_checkpoint(family, tmp_path)
+    cfg = ModelConfig.from_folder(tmp_path)
+    with pytest.raises(ModelLoadError, match="tensor-parallel-size 2"):
+        check_shardable(get_model_class(cfg.architecture), cfg, TPShard(rank=0, size=2))
+    check_shardable(get_model_class(cfg.architecture), cfg, TPShard(rank=0, size=1))

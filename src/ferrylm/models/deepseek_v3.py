@@ -177,6 +177,7 @@ class LatentDecoderLayer(DecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
         self.routing_context = None
+        self.tp_reduce = None  # tensor parallel does not split latent attention (refused before loading)
 
 
 class LatentDecoderStack(DecoderStack):

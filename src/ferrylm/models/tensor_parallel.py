@@ -172,6 +172,13 @@ def check_shardable(model_cls: type, config: ModelConfig, shard: TPShard) -> Non
     a second collective per attention block)."""
     if not shard.is_split:
         return
+    from ferrylm.engine.kv_cache import KVLayout
+    from ferrylm.engine.state_pool import StateLayout
+
+    layout = KVLayout.of(config)
+    if layout.v_heads == 0 or StateLayout.of(config) is not None:
+        raise ModelLoadError(f"--tensor-parallel-size {shard.size}: {config.architecture} has latent or "
+                             f"linear-attention layers, which tensor parallel does not split yet")
     if model_cls.attention_kwargs(config).get("qk_norm") == "proj":
         raise ModelLoadError(f"--tensor-parallel-size {shard.size}: {config.architecture} normalises q/k over the "
                              f"whole projection (all heads), which tensor parallel does not split yet")
