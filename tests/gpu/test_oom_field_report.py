@@ -31,6 +31,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
 ROOT = Path(__file__).resolve().parents[2]
 GiB = 1 << 30
 MODEL = "synthetic:qwen3-30b-a3b:layers=6"
+#: the field report on each family with its own cache shape: K/V pages (Qwen3-MoE), Gated DeltaNet state slots and
+#: their chunked-prefill scratch (Qwen3.5-MoE), MLA latent pages with fp8 block-quantized experts (DeepSeek-V3;
+#: 3 dense layers + 1 MoE layer)
+FIELD_MODELS = (MODEL, "synthetic:qwen3.5-35b-a3b:layers=6", "synthetic:deepseek-v3:layers=4:quant=fp8")
 SERVE_ARGS = ("--moe-backend", "offload", "--moe-cache-auto", "--max-prefill-length", "1024",
               "--max-running-requests", "4", "--max-model-len", "8192")
 PROMPT_SIZES = (1000, 1600, 2200, 3300, 6000)
@@ -93,8 +97,18 @@ class Grabber:
                 self.proc.wait()
 
 
-def serve(tmp_path):
-    return start_server(tmp_path, "--model", MODEL, "--tokenizer", tokenizer_dir(), *SERVE_ARGS, timeout=600)
+def tokenizer_for(model: str, tmp_path: Path) -> str:
+    """The qwen3 tokenizer folder, or for DeepSeek-V3 (129280 ids, fewer than the qwen3 tokenizer's) a word-level
+    one at its vocabulary built under ``tmp_path``."""
+    if "deepseek-v3" in model:
+        from tests.server.family_like import build_deepseek_v3_vocab
+        return str(build_deepseek_v3_vocab(tmp_path / "ds-tokenizer"))
+    return tokenizer_dir()
+
+
+def serve(tmp_path, model: str = MODEL):
+    return start_server(tmp_path, "--model", model, "--tokenizer", tokenizer_for(model, tmp_path), *SERVE_ARGS,
+                        timeout=600)
 
 
 def health(srv) -> dict:
@@ -122,13 +136,14 @@ def complete(srv, n: int, seed: int = 0) -> tuple[int, float, dict]:
     return r.status_code, time.monotonic() - t0, body
 
 
-def test_memory_taken_after_ready(tmp_path):
-    srv = serve(tmp_path)
+@pytest.mark.parametrize("model", FIELD_MODELS)
+def test_memory_taken_after_ready(tmp_path, model):
+    srv = serve(tmp_path, model)
     grab = None
     try:
         pid = health(srv)["engine_pid"]
         plan = memory(srv)["plan"]
-        print(f"[measured] plan: workspace {plan['workspace_bytes'] / GiB:.2f} GiB ({plan['workspace_source']}), "
+        print(f"[measured] {model}: plan: workspace {plan['workspace_bytes'] / GiB:.2f} GiB ({plan['workspace_source']}), "
               f"KV {plan['kv_tokens']} tokens, expert slots {plan['expert_slots']}/{plan['expert_total']}, "
               f"headroom {plan['headroom_bytes'] / GiB:.2f} GiB")
         # less free than a 3k-token prefill needs: the workspace was measured for one 1024-token chunk

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.models.hf_checkpoints import build_checkpoint, copy_config, token_ids
 from tests.gpu.test_decode_graph_cuda import _generate  # greedy tokens + logprobs per request
-from tests.models.test_sigmoid_families import hf_greedy
+from tests.models.hf_checkpoints import build_checkpoint, copy_config, hf_greedy, token_ids
 
 from ferrylm.config import EngineConfig
 from ferrylm.engine.decode_graph import MIN_KV_BUCKET

@@ -209,3 +209,28 @@ def reference_logits(ckpt: Checkpoint, ids: torch.Tensor) -> torch.Tensor:
 
 def token_ids(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _cache_argument(reference) -> str:
+    """The name transformers' ``forward`` gives its KV cache: ``cache`` from 5.2x, ``past_key_values`` before (the
+    GPU machine has 5.17). Passed under the wrong name it lands in ``**kwargs`` and is ignored silently, so every
+    step would see only its own token."""
+    import inspect
+
+    params = inspect.signature(reference.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def hf_greedy(reference, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation through its own KV cache (``generate`` would suppress or stop at EOS; the
+    tiny random models pick it). ``n`` tokens; works on transformers 5.17 and 5.2x."""
+    from transformers import DynamicCache
+
+    out, cache, ids = [], DynamicCache(), torch.tensor([prompt])
+    name = _cache_argument(reference)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = reference(input_ids=ids, use_cache=True, **{name: cache}).logits[0, -1]
+            out.append(int(torch.argmax(logits)))
+            ids = torch.tensor([[out[-1]]])
+    return out

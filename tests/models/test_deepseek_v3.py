@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tests.experts.helpers import greedy_trace, options
-from tests.models.hf_checkpoints import reference_logits, token_ids
+from tests.models.hf_checkpoints import hf_greedy, reference_logits, token_ids
 from tests.models.test_parity import full_logits
 
 from ferrylm.config import EngineConfig, ModelConfig
@@ -29,19 +29,6 @@ from ferrylm.models.sigmoid_moe import SigmoidMoeBlock, SigmoidRouting
 TOL = 1e-4
 CASES = ["deepseek_v3", "deepseek_v3_lite"]
 BACKENDS = ["resident", "offload", "cpu", "hybrid"]
-
-
-def hf_greedy(reference, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy continuation through its own cache (no EOS handling: the tiny models may pick it)."""
-    from transformers import DynamicCache
-
-    out, cache, ids = [], DynamicCache(), torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(n):
-            logits = reference(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
-            out.append(int(torch.argmax(logits)))
-            ids = torch.tensor([[out[-1]]])
-    return out
 
 
 @pytest.fixture(params=["absorbed", "expanded", "cost"])

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tests.experts.helpers import greedy_trace, options
-from tests.models.hf_checkpoints import copy_config, reference_logits, token_ids
+from tests.models.hf_checkpoints import copy_config, hf_greedy, reference_logits, token_ids
 from tests.models.test_parity import full_logits
 
 from ferrylm.config import ModelConfig
@@ -24,20 +24,6 @@ from ferrylm.models.sigmoid_moe import SigmoidMoeBlock, SigmoidRouting, sigmoid_
 TOL = 1e-4
 NEW_TOKENS = 12
 CASES = ["glm4_moe", "glm4_moe_air", "minimax_m2"]
-
-
-def hf_greedy(reference, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy continuation through its KV cache (``generate`` would suppress or stop at EOS; the tiny
-    random models pick it)."""
-    from transformers import DynamicCache
-
-    out, cache, ids = [], DynamicCache(), torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(n):
-            logits = reference(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
-            out.append(int(torch.argmax(logits)))
-            ids = torch.tensor([[out[-1]]])
-    return out
 
 
 @pytest.mark.parametrize("case", CASES)

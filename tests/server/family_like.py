@@ -68,3 +68,32 @@ def build_deepseek_like(folder: Path) -> Path:
 
 def build_kimi_like(folder: Path) -> Path:
     return build_family_tokenizer(folder, KIMI_SPECIALS, KIMI_TEMPLATE, "<|im_end|>")
+
+
+def build_wordlevel_tokenizer(folder: Path, vocab_size: int, specials: list[str], template: str, eos: str,
+                              bos: str | None = None) -> Path:
+    """A tokenizer folder whose ids cover ``[0, vocab_size)``: ``specials`` first, then one word ``w<id>`` per id
+    (whitespace-split, so every id a random-weight model samples decodes to text). For serving synthetic presets
+    at their published vocabularies, where the real tokenizer needs the hub."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = {s: i for i, s in enumerate(specials)}
+    vocab.update({f"w{i}": i for i in range(len(specials), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=specials[0]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.add_special_tokens([AddedToken(s, special=True) for s in specials])
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "clean_up_tokenization_spaces": False,
+              "model_max_length": 1 << 17, "chat_template": template,
+              "additional_special_tokens": [s for s in specials if s not in (eos, bos)]}
+    if bos is not None:
+        config["bos_token"] = bos
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def build_deepseek_v3_vocab(folder: Path) -> Path:
+    """DeepSeek-V3's 129280 ids, its chat markup as special tokens (:func:`build_wordlevel_tokenizer`)."""
+    return build_wordlevel_tokenizer(folder, 129280, DEEPSEEK_SPECIALS, DEEPSEEK_R1_TEMPLATE, EOS, BOS)
