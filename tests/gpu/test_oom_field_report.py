@@ -143,7 +143,8 @@ def test_memory_taken_after_ready(tmp_path, model):
     try:
         pid = health(srv)["engine_pid"]
         plan = memory(srv)["plan"]
-        print(f"[measured] {model}: plan: workspace {plan['workspace_bytes'] / GiB:.2f} GiB ({plan['workspace_source']}), "
+        print(f"[measured] {model}: plan: workspace {plan['workspace_bytes'] / GiB:.2f} GiB "
+              f"({plan['workspace_source']}), "
               f"KV {plan['kv_tokens']} tokens, expert slots {plan['expert_slots']}/{plan['expert_total']}, "
               f"headroom {plan['headroom_bytes'] / GiB:.2f} GiB")
         # less free than a 3k-token prefill needs: the workspace was measured for one 1024-token chunk
