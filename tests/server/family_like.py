@@ -41,6 +41,20 @@ KIMI_TEMPLATE = (
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}")
 
 
+def _save_tokenizer(folder: Path, tok, specials: list[str], template: str, eos: str, bos: str | None,
+                    model_max_length: int) -> Path:
+    """Write ``tok`` as ``folder/tokenizer.json`` and a ``tokenizer_config.json`` naming ``eos`` / ``bos``, the chat
+    ``template`` and the other ``specials``."""
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "clean_up_tokenization_spaces": False,
+              "model_max_length": model_max_length, "chat_template": template,
+              "additional_special_tokens": [s for s in specials if s not in (eos, bos)]}
+    if bos is not None:
+        config["bos_token"] = bos
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
 def build_family_tokenizer(folder: Path, specials: list[str], template: str, eos: str, bos: str | None = None) -> Path:
     """Write a tokenizer folder (tokenizer.json + tokenizer_config.json with ``template``) into ``folder``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -52,14 +66,7 @@ def build_family_tokenizer(folder: Path, specials: list[str], template: str, eos
     trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(['Hello world! Let me look. get_weather city Paris days {"city": "Paris"}'] * 50, trainer)
-    tok.save(str(folder / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "clean_up_tokenization_spaces": False,
-              "model_max_length": 4096, "chat_template": template,
-              "additional_special_tokens": [s for s in specials if s not in (eos, bos)]}
-    if bos is not None:
-        config["bos_token"] = bos
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
+    return _save_tokenizer(folder, tok, specials, template, eos, bos, model_max_length=4096)
 
 
 def build_deepseek_like(folder: Path) -> Path:
@@ -84,14 +91,7 @@ def build_wordlevel_tokenizer(folder: Path, vocab_size: int, specials: list[str]
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     tok.add_special_tokens([AddedToken(s, special=True) for s in specials])
-    tok.save(str(folder / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "clean_up_tokenization_spaces": False,
-              "model_max_length": 1 << 17, "chat_template": template,
-              "additional_special_tokens": [s for s in specials if s not in (eos, bos)]}
-    if bos is not None:
-        config["bos_token"] = bos
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
+    return _save_tokenizer(folder, tok, specials, template, eos, bos, model_max_length=1 << 17)
 
 
 def build_deepseek_v3_vocab(folder: Path) -> Path:
