@@ -60,6 +60,53 @@ def test_chunk_forms_equal_the_reference(monkeypatch, absorbed):
     torch.testing.assert_close(got, _reference(q_nope[6:], q_pe[6:], c, k_pe, proj, 6), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("absorbed", [True, False])
+@pytest.mark.parametrize("q_offset,tq,key_block,score_bytes", [
+    (0, 23, 5, 12 * H * 5 * 3),     # no prefix: 5 key blocks, query blocks of 3 rows crossing the diagonal
+    (17, 9, 4, 12 * H * 4 * 2),     # a prefix not a multiple of the key block; 2-row query blocks
+    (40, 1, 7, 1 << 30),            # one query over a long prefix (one query block)
+    (8, 16, 8, 12 * H * 8 * 5),     # key blocks aligned with the prefix; query block (5) not dividing the chunk
+])
+def test_blocked_chunk_attention_equals_the_reference(monkeypatch, absorbed, q_offset, tq, key_block, score_bytes):
+    """The online-softmax key blocks (small blocks, so every boundary case runs) give the unblocked result; rows of
+    the latent past the chunk are never read (they are NaN here)."""
+    monkeypatch.setattr(la, "absorb_wins", lambda *a, **k: absorbed)
+    monkeypatch.setattr(la, "KEY_BLOCK", key_block)
+    monkeypatch.setattr(la, "SCORE_BLOCK_BYTES", score_bytes)
+    real = la.blocked_causal_attention
+    reads: list[tuple[int, int]] = []
+
+    def spy(q_main, q_pe, key_block_fn, length, q_off, scale):
+        def counted(j0, j1):
+            reads.append((j0, j1))
+            return key_block_fn(j0, j1)
+        return real(q_main, q_pe, counted, length, q_off, scale, key_block_size=la.KEY_BLOCK,
+                    score_bytes=la.SCORE_BLOCK_BYTES)
+
+    monkeypatch.setattr(la, "blocked_causal_attention", spy)
+    proj = _proj(8)
+    q_nope, q_pe, c, k_pe = _rand(q_offset + tq, 9)
+    latent = torch.cat((la.latent_row(c, k_pe)[:, 0], torch.full((3, R + P), float("nan"))))
+    got = la.latent_chunk_attention(q_nope[q_offset:], q_pe[q_offset:], latent, proj, SCALE, q_offset=q_offset)
+    want = _reference(q_nope[q_offset:], q_pe[q_offset:], c, k_pe, proj, q_offset)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert max(j1 - j0 for j0, j1 in reads) <= key_block and reads[-1][1] == q_offset + tq
+    assert [j0 for j0, _ in reads] == list(range(0, q_offset + tq, key_block))   # each key block expanded once
+
+
+def test_blocked_attention_bf16_close_to_float32():
+    """In bfloat16 (scores in the input dtype, softmax in float32) within bfloat16 rounding of the float32 result."""
+    proj = _proj(10)
+    q_nope, q_pe, c, k_pe = _rand(300, 11)
+    latent = la.latent_row(c, k_pe)[:, 0]
+    want = la.latent_chunk_attention(q_nope[100:], q_pe[100:], latent, proj, SCALE, q_offset=100)
+    bf = la.LatentProjection.of(proj.weight.bfloat16(), H, N, V)
+    got = la.latent_chunk_attention(q_nope[100:].bfloat16(), q_pe[100:].bfloat16(), latent.bfloat16(), bf, SCALE,
+                                    q_offset=100)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.05)
+
+
 def test_absorb_threshold_at_deepseek_v3_shapes():
     assert la.absorb_wins(170, 512, 128, 64, 128) and not la.absorb_wins(171, 512, 128, 64, 128)
     assert la.absorb_wins(1, 512, 128, 64, 128)

@@ -22,12 +22,11 @@ Both are exact rewrites of the same sums (up to float rounding). The cache row o
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from ferrylm.models.attention import causal_attention
 
 
 @dataclass(frozen=True)
@@ -121,10 +120,95 @@ def absorbed_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, latent: torch.Te
     return o.view(b, h, tq, rank)
 
 
+# NOTE: bytes of one block's scores (float32 scores and probabilities, the probabilities' bf16 copy, a mask: ~12
+# bytes per score): the chunk attention below never holds more than this at once, whatever the prefix length
+SCORE_BLOCK_BYTES = 256 * 2**20
+KEY_BLOCK = 1024  # keys per block (also the rows of the latent expanded at once by the expanded form)
+
+
+def blocked_causal_attention(q_main: torch.Tensor, q_pe: torch.Tensor, key_block, length: int, q_offset: int,
+                             scale: float, key_block_size: int = KEY_BLOCK,
+                             score_bytes: int = SCORE_BLOCK_BYTES) -> torch.Tensor:
+    """Causal attention in key blocks with an online softmax (FlashAttention's rescaling: Dao et al. 2022,
+    "FlashAttention", Alg. 1; Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"), so the
+    memory it takes is bounded by the chunk and the block sizes, never by the prefix length.
+
+    Scores are ``q_main . k_main + q_pe . k_pe`` (the two parts of MLA's query: the nope or absorbed part and the
+    rope part), computed and softmaxed in float32 (half-precision operands upcast exactly); the probabilities are
+    cast to ``v``'s dtype for the value product, as FlashAttention does.
+
+    Args:
+        q_main: ``[H, Tq, D]`` queries at positions ``q_offset .. q_offset + Tq - 1``; q_pe: ``[H, Tq, P]``.
+        key_block: ``key_block(j0, j1) -> (k_main [Hk, n, D], k_pe [n, P], v [Hk, n, Dv])`` the keys and values
+            of positions ``j0 .. j1 - 1`` (``Hk`` is ``H``, or 1 for one key head shared by every query head).
+        length: keys at positions ``0 .. length - 1`` exist (``length >= q_offset + Tq``; later ones are never
+            read).
+        q_offset: position of the first query; scale: softmax scale.
+        key_block_size: keys per block; score_bytes: the byte bound of one block's scores (sets the query block).
+
+    Returns:
+        ``[H, Tq, Dv]`` in ``q_main``'s dtype. Memory: ``H * Tq * (Dv + 2)`` float32 of running state, one key
+        block, and at most ``score_bytes`` of scores.
+    """
+    with _exact_upcast_matmul(q_main):
+        return _blocked(q_main, q_pe, key_block, length, q_offset, scale, key_block_size, score_bytes)
+
+
+@contextlib.contextmanager
+def _exact_upcast_matmul(x: torch.Tensor):
+    """float32 matmuls of upcast bfloat16 / float16 operands on CUDA run as TF32 inside: exact for those operands
+    (TF32 keeps 10 mantissa bits, bfloat16 has 7, float16 10) and accumulated in float32, i.e. a half-precision
+    GEMM with a float32 result, at tensor-core speed. Restores the previous setting on exit."""
+    m = torch.backends.cuda.matmul
+    if not x.is_cuda or x.dtype == torch.float32 or not hasattr(m, "fp32_precision"):
+        yield
+        return
+    before = m.fp32_precision
+    m.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        m.fp32_precision = before
+
+
+def _blocked(q_main, q_pe, key_block, length, q_offset, scale, key_block_size, score_bytes) -> torch.Tensor:
+    """:func:`blocked_causal_attention`'s loop."""
+    h, tq, _ = q_main.shape
+    end = min(length, q_offset + tq)             # causal: no query reads past its own position
+    bq = max(1, min(tq, score_bytes // (12 * h * key_block_size)))
+    acc = m = denom = None
+    qpos = torch.arange(q_offset, q_offset + tq, device=q_main.device)
+    for j0 in range(0, end, key_block_size):
+        j1 = min(end, j0 + key_block_size)
+        k_main, k_pe, v = key_block(j0, j1)
+        k_main_t, k_pe_t = k_main.float().transpose(-1, -2), k_pe.float().transpose(0, 1)
+        if acc is None:
+            acc = q_main.new_zeros(h, tq, v.shape[-1], dtype=torch.float32)
+            m = q_main.new_full((h, tq), float("-inf"), dtype=torch.float32)
+            denom = q_main.new_zeros(h, tq, dtype=torch.float32)
+        first = max(0, j0 - q_offset)             # queries before this row see no key of the block
+        for i0 in range(first - first % bq, tq, bq):
+            i1 = min(tq, i0 + bq)
+            s = (torch.matmul(q_main[:, i0:i1].float(), k_main_t) + torch.matmul(q_pe[:, i0:i1].float(), k_pe_t))
+            s.mul_(scale)
+            if j1 - 1 > q_offset + i0:             # the block crosses the diagonal for some query
+                kpos = torch.arange(j0, j1, device=q_main.device)
+                s.masked_fill_(kpos[None, None, :] > qpos[None, i0:i1, None], float("-inf"))
+            m_new = torch.maximum(m[:, i0:i1], s.amax(dim=-1))
+            alpha = torch.exp(m[:, i0:i1] - m_new)
+            p = torch.exp(s - m_new[..., None])
+            denom[:, i0:i1] = denom[:, i0:i1] * alpha + p.sum(dim=-1)
+            acc[:, i0:i1] = acc[:, i0:i1] * alpha[..., None] + torch.matmul(p.to(v.dtype), v).float()
+            m[:, i0:i1] = m_new
+    return (acc / denom[..., None]).to(q_main.dtype)
+
+
 def latent_chunk_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
                            proj: LatentProjection, scale: float, q_offset: int) -> torch.Tensor:
     """Causal MLA of one sequence's chunk over its cached rows (prefix + the chunk), absorbed or expanded as
-    :func:`absorb_wins` chooses.
+    :func:`absorb_wins` chooses, in key blocks (:func:`blocked_causal_attention`): the expanded form expands one
+    key block of the latent at a time, so neither form's memory grows with the prefix (a long prompt's later chunks
+    take what its first chunk took, which the boot plan measured).
 
     Args:
         q_nope: ``[Tq, H, N]``; q_pe: ``[Tq, H, P]`` rotated; at positions ``q_offset .. q_offset + Tq - 1``.
@@ -136,13 +220,24 @@ def latent_chunk_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: tor
     """
     tq, _, n = q_nope.shape
     r, p, vd = proj.rank, q_pe.shape[-1], proj.w_uv.shape[1]
+    dt = q_nope.dtype
+    qp = q_pe.transpose(0, 1)                                             # [H, Tq, P]
     if absorb_wins(tq, r, n, p, vd):
-        q_abs = proj.absorb_query(q_nope)
-        o = absorbed_attention(q_abs.transpose(0, 1)[None], q_pe.transpose(0, 1)[None], latent[None], r, scale,
-                               q_offset=q_offset)
-        return proj.value_out(o[0].transpose(0, 1))
-    k, v = proj.expand(latent[:, :r], latent[:, r:])
-    return causal_attention(torch.cat((q_nope, q_pe), dim=-1), k, v, scale, q_offset=q_offset)
+        def absorbed_block(j0: int, j1: int):
+            c = latent[j0:j1, :r]
+            return c[None], latent[j0:j1, r:], c[None]                   # one key head: the latent itself
+
+        q_abs = proj.absorb_query(q_nope).transpose(0, 1)                 # [H, Tq, R]
+        o = blocked_causal_attention(q_abs, qp, absorbed_block, latent.shape[0], q_offset, scale)
+        return proj.value_out(o.transpose(0, 1))
+    w = proj.weight.to(dt)
+
+    def expanded_block(j0: int, j1: int):
+        kv = F.linear(latent[j0:j1, :r], w).view(j1 - j0, proj.num_heads, n + vd).transpose(0, 1)  # [H, n, N + V]
+        return kv[..., :n], latent[j0:j1, r:], kv[..., n:]
+
+    o = blocked_causal_attention(q_nope.transpose(0, 1), qp, expanded_block, latent.shape[0], q_offset, scale)
+    return o.transpose(0, 1)
 
 
 def latent_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, proj: LatentProjection,
