@@ -12,7 +12,8 @@ from tests.models.hf_checkpoints import token_ids
 
 from ferrylm.cli import build_parser, engine_config_from_args, main
 from ferrylm.config import EngineConfig
-from ferrylm.engine.factory import build_engine
+from ferrylm.engine.factory import build_engine, expert_options
+from ferrylm.experts import ExpertOptions
 from ferrylm.engine.sampling_params import SamplingParams
 
 NEW = 10
@@ -171,3 +172,35 @@ def test_auto_backend_drops_cpu_share_with_a_warning(expert_checkpoints, caplog)
         opts = resolve_auto(ckpt.path, cfg, torch.device("cpu"), torch.float32, expert_options(cfg))
     assert (opts.backend, opts.cpu_share) == ("resident", None)
     assert "--moe-cpu-share 1 ignored: --moe-backend auto chose resident" in caplog.text
+
+
+def test_prefill_stream_turned_off_where_its_buffer_would_crowd_out_the_slots(tmp_path, monkeypatch):
+    """DeepSeek-V3 fp8 (two whole layers of buffers: 21.7 GiB): a 24 GiB cap turns prefill streaming off (auto then
+    offloads with the slots it frees instead of falling to cpu), 64 GiB keeps it; a named backend is fitted alike;
+    the function keeps a buffer within its share."""
+    from dataclasses import replace as _replace
+
+    import ferrylm.experts.bandwidth as bandwidth
+    from ferrylm.engine.factory import STREAM_BUDGET_SHARE, fit_prefill_stream, resolve_auto
+    from ferrylm.experts.options import Bandwidths
+    from ferrylm.models.synthetic import materialize, parse_synthetic_spec
+
+    folder = materialize(parse_synthetic_spec("synthetic:deepseek-v3:layers=8:quant=fp8"), tmp_path)
+    monkeypatch.setattr(bandwidth, "measure_bandwidths",
+                        lambda *a, **k: Bandwidths(pcie=55e9, host=87e9, cpu=60e9, hbm=4e12))
+    monkeypatch.setattr("ferrylm.experts.banks.probe_pinning", lambda: None)
+    cuda = torch.device("cuda")
+
+    def resolved(cap: float, backend: str):
+        cfg = EngineConfig(gpu_memory_limit=cap, moe_backend=backend)
+        return resolve_auto(folder, cfg, cuda, torch.bfloat16, expert_options(cfg))
+
+    small, large = resolved(24, "auto"), resolved(64, "auto")
+    assert (small.backend, small.stream_prefill) == ("offload", False)
+    assert large.stream_prefill and large.backend == "offload"
+    assert not resolved(24, "cpu").stream_prefill and resolved(64, "hybrid").stream_prefill
+    opts = ExpertOptions(backend="offload")
+    assert fit_prefill_stream(opts, int(STREAM_BUDGET_SHARE * 100), 100) is opts
+    assert not fit_prefill_stream(opts, int(STREAM_BUDGET_SHARE * 100) + 1, 100).stream_prefill
+    off = _replace(opts, stream_prefill=False)
+    assert fit_prefill_stream(off, 0, 100) is off

@@ -56,14 +56,18 @@ def expert_budget(device: torch.device, gpu_memory_limit: float | None) -> int |
 def resolve_auto(model_path: str | Path, config: EngineConfig, device: torch.device, dtype: torch.dtype,
                  options: ExpertOptions) -> ExpertOptions:
     """Replace ``auto`` by a concrete backend (:func:`ferrylm.experts.auto.choose_backend`) from the model's
-    shapes, the device budget and, only when the experts do not fit, measured bandwidths."""
-    if backend_name(options) != "auto":
+    shapes, the device budget and, only when the experts do not fit, measured bandwidths. For every offloading
+    backend on CUDA (chosen or named), prefill streaming is kept only when it fits (:func:`fit_prefill_stream`)."""
+    name = backend_name(options)
+    if name not in ("auto", "offload", "hybrid", "cpu"):
         return options
     mcfg = ModelConfig.from_folder(model_path)
     if config.tensor_parallel_size > 1:   # a rank's experts: the shard's widths
         from ferrylm.models.tensor_parallel import TPShard, shard_config
 
         mcfg = shard_config(mcfg, TPShard(0, config.tensor_parallel_size))
+    if name != "auto" and (device.type != "cuda" or not mcfg.is_moe):
+        return options
     if device.type != "cuda" or not mcfg.is_moe:
         if options.cpu_share is not None:
             log.warning("--moe-cpu-share %d ignored: --moe-backend auto chose resident", options.cpu_share)
@@ -82,6 +86,9 @@ def resolve_auto(model_path: str | Path, config: EngineConfig, device: torch.dev
     kv = 0 if (config.num_pages or config.num_tokens) else int(cap * config.kv_memory_fraction)
     elem = torch.empty((), dtype=dtype).element_size()
     budget = cap - estimate_non_expert_bytes(mcfg, moe_layers, elem) - kv - WORKSPACE_RESERVE
+    options = fit_prefill_stream(options, 2 * mcfg.num_experts * layout.nbytes, budget)
+    if name != "auto":
+        return options
     measured: list = []
 
     def measure():
@@ -98,6 +105,30 @@ def resolve_auto(model_path: str | Path, config: EngineConfig, device: torch.dev
         log.warning("--moe-cpu-share %d ignored: --moe-backend auto chose %s", options.cpu_share, choice.backend)
     return replace(options, backend=choice.backend, bandwidths=measured[0] if measured else options.bandwidths,
                    cpu_share=options.cpu_share if choice.backend == "hybrid" else None)
+
+
+STREAM_BUDGET_SHARE = 0.5  # the prefill double buffer may take at most this share of the experts' device budget
+
+
+def fit_prefill_stream(options: ExpertOptions, stream_bytes: int, budget_bytes: int) -> ExpertOptions:
+    """Turn prefill layer streaming off when its double buffer (two whole expert layers, ``stream_bytes``) would
+    take more than ``STREAM_BUDGET_SHARE`` of the experts' device budget (``budget_bytes``, estimated before
+    loading): the slots it would displace serve every decode step, while a prefill without it still runs
+    (offload and hybrid copy a chunk's misses into the slots in waves, cpu computes them on the host).
+    DeepSeek-V3 (256 experts of 42 MiB at fp8): 21.7 GiB of buffers, more than a 24 GiB cap leaves for experts.
+
+    Args:
+        options: the backend's options; stream_bytes, budget_bytes: bytes.
+
+    Returns:
+        ``options``, with ``stream_prefill`` False when the buffer does not fit its share (logged).
+    """
+    if not options.stream_prefill or stream_bytes <= STREAM_BUDGET_SHARE * budget_bytes:
+        return options
+    log.info("prefill layer streaming off: its double buffer (%s) would take more than %d%% of the %s the experts "
+             "may use on the device; prefill chunks use the slot cache", gib_text(stream_bytes),
+             round(STREAM_BUDGET_SHARE * 100), gib_text(max(0, budget_bytes)))
+    return replace(options, stream_prefill=False)
 
 
 def model_host_bytes(mcfg: ModelConfig, device: torch.device, dtype: torch.dtype, backend: str) -> tuple[int, str]:
