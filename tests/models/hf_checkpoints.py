@@ -74,17 +74,22 @@ CASES: dict[str, tuple[str, dict]] = {
                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                    "partial_rotary_factor": 0.5})),
     # GLM-4.5-Air shape: no q/k norm, plain top-2 (one group), raw sigmoid weights, two shared experts fused,
-    # every layer MoE, a quarter of the head rotated
+    # every layer MoE, a quarter of the head rotated. The factor is stated at the top level too: transformers 5.17's
+    # Glm4MoeConfig lets its top-level default (0.5) override the one inside rope_parameters (5.2x does not)
     "glm4_moe_air": ("glm4_moe", dict(vocab_size=144, intermediate_size=64, moe_intermediate_size=24, head_dim=16,
                                       n_routed_experts=6, num_experts_per_tok=2, n_group=1, topk_group=1,
                                       routed_scaling_factor=1.0, norm_topk_prob=False, n_shared_experts=2,
                                       first_k_dense_replace=0, attention_bias=False, use_qk_norm=False,
+                                      partial_rotary_factor=0.25,
                                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
                                                        "partial_rotary_factor": 0.25})),
-    # MiniMax-M2 shape: q/k norm over the whole projection, rotary_dim 16 of head_dim 32, biased sigmoid top-2
+    # MiniMax-M2 shape: q/k norm over the whole projection, rotary_dim 16 of head_dim 32, biased sigmoid top-2. The
+    # published field is rotary_dim; transformers 5.17 ignores it (rotates the whole head; 5.2x converts it), so the
+    # factor it implies is stated in rope_parameters as well
     "minimax_m2": ("minimax_m2", dict(vocab_size=160, intermediate_size=48, head_dim=32, num_local_experts=8,
                                       num_experts_per_tok=2, rotary_dim=16,
-                                      rope_parameters={"rope_type": "default", "rope_theta": 5000000.0})),
+                                      rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
+                                                       "partial_rotary_factor": 0.5})),
     # Qwen3-Next: layers linear, full, linear, linear (layer_types); layer 3 dense (mlp_only_layers); GVA (2 key
     # heads for 4 value heads); a quarter of the head rotated; renormalised top-2 and a gated shared expert
     "qwen3_next": ("qwen3_next", dict(vocab_size=160, intermediate_size=96, moe_intermediate_size=32,
@@ -102,6 +107,9 @@ CASES: dict[str, tuple[str, dict]] = {
                                         num_experts=6, num_experts_per_tok=3, head_dim=16, num_hidden_layers=4,
                                         full_attention_interval=2, linear_num_key_heads=2, linear_key_head_dim=16,
                                         linear_num_value_heads=2, linear_value_head_dim=16, linear_conv_kernel_dim=3,
+                                        # top level too: transformers 5.17 reads its top-level default 0.25 over
+                                        # rope_parameters' factor
+                                        partial_rotary_factor=0.5,
                                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
                                                          "partial_rotary_factor": 0.5})),
     # DeepSeek-V3 shape: MLA with a low-rank query (q_lora_rank), v_head_dim != qk_nope_head_dim, interleaved
