@@ -94,6 +94,32 @@ def test_blocked_chunk_attention_equals_the_reference(monkeypatch, absorbed, q_o
     assert [j0 for j0, _ in reads] == list(range(0, q_offset + tq, key_block))   # each key block expanded once
 
 
+def _flash_reference(q, k, v, scale, causal):
+    """What ``aten._scaled_dot_product_flash_attention`` returns (output, log-sum-exp), written out."""
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype), torch.logsumexp(s, dim=-1)
+
+
+@pytest.mark.parametrize("q_offset,tq", [(0, 11), (7, 9), (12, 1), (5, 4)])
+def test_flash_expanded_blocks_equal_the_reference(monkeypatch, q_offset, tq):
+    """The flash form's query blocks, key blocks and diagonal blocks, merged by log-sum-exp (small blocks so every
+    boundary runs; the kernel replaced by its written-out semantics), give causal attention over the expanded
+    keys; rows of the latent past the chunk are never read (NaN here)."""
+    monkeypatch.setattr(la, "_flash", _flash_reference)
+    monkeypatch.setattr(la, "flash_usable", lambda x: True)
+    monkeypatch.setattr(la, "absorb_wins", lambda *a, **k: False)
+    monkeypatch.setattr(la, "FLASH_QUERY_BLOCK", 4)
+    monkeypatch.setattr(la, "FLASH_KEY_BLOCK", 3)
+    proj = _proj(12)
+    q_nope, q_pe, c, k_pe = _rand(q_offset + tq, 13)
+    latent = torch.cat((la.latent_row(c, k_pe)[:, 0], torch.full((2, R + P), float("nan"))))
+    got = la.latent_chunk_attention(q_nope[q_offset:], q_pe[q_offset:], latent, proj, SCALE, q_offset=q_offset)
+    want = _reference(q_nope[q_offset:], q_pe[q_offset:], c, k_pe, proj, q_offset)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_blocked_attention_bf16_close_to_float32():
     """In bfloat16 (scores in the input dtype, softmax in float32) within bfloat16 rounding of the float32 result."""
     proj = _proj(10)
@@ -220,22 +246,30 @@ def test_triton_backend_eager_step_uses_the_torch_dispatch():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_latent_decode_kernel_over_head_blocks_and_tiles():
-    """20 heads (two head blocks, the second partly masked), lengths 70 / 1 / 33 (several 32-token tiles, one row,
-    a tile boundary), pages in any order: the kernel equals the torch absorbed decode."""
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_latent_decode_kernel_over_head_blocks_and_tiles(num_splits):
+    """20 heads (two head blocks, the second partly masked), lengths 70 / 1 / 33 / 0 (several 32-token tiles, one
+    row, a tile boundary, a padding sequence), pages in any order, with and without split-KV (4 splits: a range of
+    32 rows each at length 70, empty ranges at the shorter ones): the kernel equals the torch absorbed decode, and a
+    padding sequence's output is zeros."""
     from tests.kernels.interp import load_kernels
 
     k = load_kernels("ferrylm.engine.attention.triton_latent")
     g = torch.Generator().manual_seed(9)
-    heads, lens, ps = 20, [70, 1, 33], 8
+    heads, lens, ps = 20, [70, 1, 33, 0], 8
     cache = torch.randn(40 * ps, 1, R + P, generator=g)
     perm = torch.randperm(40, generator=g)
-    tables = [perm[:9], perm[9:10], perm[10:15]]
+    tables = [perm[:9], perm[9:10], perm[10:15], perm[15:16]]
     width = max(len(t) for t in tables)
     block_table = torch.stack([torch.cat((t, t[:1].repeat(width - len(t)))) for t in tables]).to(torch.int32)
-    q_abs, q_pe = torch.randn(3, heads, R, generator=g), torch.randn(3, heads, P, generator=g)
-    got = k.latent_decode_attention(q_abs, q_pe, cache, block_table, torch.tensor(lens, dtype=torch.int32), SCALE, ps)
-    for b, n in enumerate(lens):
+    q_abs, q_pe = torch.randn(4, heads, R, generator=g), torch.randn(4, heads, P, generator=g)
+    got = k.latent_decode_attention(q_abs, q_pe, cache, block_table, torch.tensor(lens, dtype=torch.int32), SCALE, ps,
+                                    num_splits=num_splits)
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+    for b, n in enumerate(lens[:3]):
         slots = (block_table[b].long()[:, None] * ps + torch.arange(ps)).reshape(-1)[:n]
         want = la.absorbed_attention(q_abs[b:b + 1, :, None], q_pe[b:b + 1, :, None], cache[slots, 0][None], R, SCALE)
         torch.testing.assert_close(got[b], want[0, :, 0], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="num_splits"):
+        k.latent_decode_attention(q_abs, q_pe, cache, block_table, torch.tensor(lens, dtype=torch.int32), SCALE, ps,
+                                  num_splits=3)

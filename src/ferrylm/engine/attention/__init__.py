@@ -141,10 +141,11 @@ class TritonPagedAttention:
 
         kc = self.pool.k[layer_idx]
         if self.faults.enabled:
-            self.faults.check("attention_scratch", nbytes=4 * q_nope.shape[0] * q_nope.shape[1] * proj.rank)
+            self.faults.check("attention_scratch",
+                              nbytes=4 * q_nope.shape[0] * q_nope.shape[1] * (proj.rank + 2) * m.num_splits)
         store_rows(latent_row(c_kv, k_pe)[:, 0].contiguous(), kc, m.slot_mapping)
         o = latent_decode_attention(proj.absorb_query(q_nope), q_pe, kc, m.block_table, m.seq_lens, scale,
-                                    self.pool.page_size)
+                                    self.pool.page_size, num_splits=m.num_splits)
         return proj.value_out(o)
 
 

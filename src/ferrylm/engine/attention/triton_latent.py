@@ -8,7 +8,10 @@
   (score ``q_abs . c + q_pe . k_pe``, online softmax as FlashAttention, Dao et al. 2022, Alg. 1), accumulating
   ``sum_j p_j c_j`` ``[BLOCK_H, R]``; every latent tile is read once per head block (MQA-style: the latent is the one
   KV head of all query heads). Reads only each sequence's own ``seq_len`` rows; grid from host sizes only
-  (capturable). Not tuned (no split-KV yet).
+  (capturable). Split-KV (flash-decoding) with ``num_splits > 1``: each sequence's rows cut into ``num_splits``
+  ranges computed by separate programs (grid ``(B, head blocks, splits)``), whose unnormalised outputs, running
+  maxima and sums are merged by a second kernel (``m = max m_i``, ``l = sum l_i e^{m_i - m}``,
+  ``o = sum o_i e^{m_i - m} / l``), so one long sequence fills the GPU instead of ``H / BLOCK_H`` programs.
 
 Imported only where Triton and CUDA are (or under ``TRITON_INTERPRET=1`` in tests), as ``triton_paged``.
 """
@@ -51,10 +54,12 @@ def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tens
 @triton.jit
 def _latent_decode_kernel(qa_ptr, qp_ptr, cache_ptr, bt_ptr, lens_ptr, out_ptr, scale, num_heads, page_size,
                           stride_qa_b, stride_qa_h, stride_qp_b, stride_qp_h, stride_cache, stride_bt,
-                          stride_o_b, stride_o_h,
+                          stride_o_b, stride_o_h, part_o_ptr, part_ml_ptr,
                           R: tl.constexpr, P: tl.constexpr, R_PAD: tl.constexpr, P_PAD: tl.constexpr,
-                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                          PRECISION: tl.constexpr):
     b = tl.program_id(0)
+    split = tl.program_id(2)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = heads < num_heads
     r = tl.arange(0, R_PAD)
@@ -69,9 +74,16 @@ def _latent_decode_kernel(qa_ptr, qp_ptr, cache_ptr, bt_ptr, lens_ptr, out_ptr, 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, R_PAD], tl.float32)
-    for start in range(0, seq_len, BLOCK_N):
+    if NUM_SPLITS == 1:
+        lo = 0
+        hi = seq_len
+    else:
+        per = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * per
+        hi = tl.minimum(seq_len, lo + per)
+    for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        nm = n < seq_len
+        nm = n < hi
         page = tl.load(bt_ptr + b * stride_bt + n // page_size, mask=nm, other=0).to(tl.int64)
         row = (page * page_size + n % page_size) * stride_cache
         c = tl.load(cache_ptr + row[:, None] + r[None, :], mask=nm[:, None] & rm[None, :], other=0.0)
@@ -85,38 +97,83 @@ def _latent_decode_kernel(qa_ptr, qp_ptr, cache_ptr, bt_ptr, lens_ptr, out_ptr, 
         l_i = l_i * alpha + tl.sum(e, 1)
         acc = acc * alpha[:, None] + tl.dot(e.to(qa.dtype), c.to(qa.dtype), input_precision=PRECISION)
         m_i = m_new
-    l_i = tl.where(l_i > 0, l_i, 1.0)  # a padding sequence (seq_len 0) reads nothing: output 0
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + b * stride_o_b + heads[:, None] * stride_o_h + r[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=hm[:, None] & rm[None, :])
+    if NUM_SPLITS == 1:
+        l_i = tl.where(l_i > 0, l_i, 1.0)  # a padding sequence (seq_len 0) reads nothing: output 0
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + b * stride_o_b + heads[:, None] * stride_o_h + r[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=hm[:, None] & rm[None, :])
+    else:
+        # partials [B, H, NUM_SPLITS, R] (unnormalised o) and [B, H, NUM_SPLITS, 2] (m, l), fp32; an empty range
+        # leaves m = -inf, l = 0, o = 0
+        base = ((b * num_heads + heads) * NUM_SPLITS + split).to(tl.int64)
+        tl.store(part_o_ptr + base[:, None] * R + r[None, :], acc, mask=hm[:, None] & rm[None, :])
+        tl.store(part_ml_ptr + base * 2, m_i, mask=hm)
+        tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=hm)
+
+
+@triton.jit
+def _merge_latent_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, num_heads, stride_o_b, stride_o_h,
+                                R: tl.constexpr, R_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """One (sequence, head): merge its ``NUM_SPLITS`` partial outputs (module docstring)."""
+    row = tl.program_id(0)          # sequence * num_heads + head
+    b = row // num_heads
+    h = row % num_heads
+    sp = tl.arange(0, NUM_SPLITS)
+    base = (row * NUM_SPLITS + sp).to(tl.int64)
+    m = tl.load(part_ml_ptr + base * 2)
+    l = tl.load(part_ml_ptr + base * 2 + 1)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+    l_sum = tl.sum(l * w, 0)
+    r = tl.arange(0, R_PAD)
+    o = tl.load(part_o_ptr + base[:, None] * R + r[None, :], mask=r[None, :] < R, other=0.0)
+    o = tl.sum(o * w[:, None], 0) / tl.where(l_sum == 0.0, 1.0, l_sum)
+    tl.store(out_ptr + b.to(tl.int64) * stride_o_b + h * stride_o_h + r, o.to(out_ptr.dtype.element_ty), mask=r < R)
 
 
 def latent_decode_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
-                            seq_lens: torch.Tensor, scale: float, page_size: int) -> torch.Tensor:
+                            seq_lens: torch.Tensor, scale: float, page_size: int,
+                            num_splits: int = 1) -> torch.Tensor:
     """Absorbed MLA decode over the latent pool (module docstring).
 
     Args:
         q_abs: ``[B, H, R]`` absorbed queries (``LatentProjection.absorb_query``); q_pe: ``[B, H, P]`` rotated.
         cache: the layer's pool ``[num_slots, 1, R + P]`` (contiguous rows).
-        block_table: ``[B, pages]`` int32 pages of each sequence; seq_lens: ``[B]`` tokens of each (new one
+        block_table: ``[B, pages]`` integer pages of each sequence; seq_lens: ``[B]`` tokens of each (new one
             included; 0 = a padding sequence, whose output is zeros).
         scale: softmax scale; page_size: tokens per page.
+        num_splits: KV ranges per sequence computed apart, then merged (split-KV; 1 = none); a power of two
+            (``engine.attention.decode_splits``). Its fp32 partials take ``B * H * num_splits * (R + 2) * 4`` bytes.
 
     Returns:
         ``[B, H, R]`` in ``q_abs``'s dtype: the attention-weighted latents (apply ``LatentProjection.value_out``).
+
+    Raises:
+        ValueError: ``num_splits`` not a power of two.
     """
     b, h, r = q_abs.shape
     p = q_pe.shape[-1]
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     q_abs, q_pe = q_abs.contiguous(), q_pe.contiguous()
     out = torch.empty_like(q_abs)
     if b == 0:
         return out
     block_h = 16
-    grid = (b, triton.cdiv(h, block_h))
+    r_pad = triton.next_power_of_2(max(16, r))
+    grid = (b, triton.cdiv(h, block_h), num_splits)
+    part_o = part_ml = out
+    if num_splits > 1:
+        part_o = torch.empty(b, h, num_splits, r, dtype=torch.float32, device=q_abs.device)
+        part_ml = torch.empty(b, h, num_splits, 2, dtype=torch.float32, device=q_abs.device)
     _latent_decode_kernel[grid](q_abs, q_pe, cache, block_table, seq_lens, out, float(scale), h, page_size,
                                 q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
-                                block_table.stride(0), out.stride(0), out.stride(1), R=r, P=p,
-                                R_PAD=triton.next_power_of_2(max(16, r)), P_PAD=triton.next_power_of_2(max(16, p)),
-                                BLOCK_H=block_h, BLOCK_N=32, PRECISION=dot_precision(q_abs.dtype),
-                                num_warps=8 if r >= 256 else 4)
+                                block_table.stride(0), out.stride(0), out.stride(1), part_o, part_ml, R=r, P=p,
+                                R_PAD=r_pad, P_PAD=triton.next_power_of_2(max(16, p)),
+                                BLOCK_H=block_h, BLOCK_N=32, NUM_SPLITS=num_splits,
+                                PRECISION=dot_precision(q_abs.dtype), num_warps=8 if r >= 256 else 4)
+    if num_splits > 1:
+        _merge_latent_splits_kernel[(b * h,)](part_o, part_ml, out, h, out.stride(0), out.stride(1), R=r,
+                                              R_PAD=r_pad, NUM_SPLITS=num_splits)
     return out
