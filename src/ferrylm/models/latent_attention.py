@@ -208,7 +208,8 @@ def latent_chunk_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: tor
     """Causal MLA of one sequence's chunk over its cached rows (prefix + the chunk), absorbed or expanded as
     :func:`absorb_wins` chooses, in key blocks (:func:`blocked_causal_attention`): the expanded form expands one
     key block of the latent at a time, so neither form's memory grows with the prefix (a long prompt's later chunks
-    take what its first chunk took, which the boot plan measured).
+    take what its first chunk took, which the boot plan measured). On CUDA in 16 bit the expanded form runs on flash
+    attention kernels instead (:func:`flash_expanded_attention`, bounded the same way).
 
     Args:
         q_nope: ``[Tq, H, N]``; q_pe: ``[Tq, H, P]`` rotated; at positions ``q_offset .. q_offset + Tq - 1``.
@@ -230,6 +231,8 @@ def latent_chunk_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: tor
         q_abs = proj.absorb_query(q_nope).transpose(0, 1)                 # [H, Tq, R]
         o = blocked_causal_attention(q_abs, qp, absorbed_block, latent.shape[0], q_offset, scale)
         return proj.value_out(o.transpose(0, 1))
+    if flash_usable(q_nope):
+        return flash_expanded_attention(q_nope, q_pe, latent, proj, scale, q_offset)
     w = proj.weight.to(dt)
 
     def expanded_block(j0: int, j1: int):
@@ -238,6 +241,72 @@ def latent_chunk_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: tor
 
     o = blocked_causal_attention(q_nope.transpose(0, 1), qp, expanded_block, latent.shape[0], q_offset, scale)
     return o.transpose(0, 1)
+
+
+FLASH_QUERY_BLOCK = 2048   # query rows per flash call (the merged output of a block is held in float32)
+FLASH_KEY_BLOCK = 2048     # latent rows expanded into keys and values at once
+
+
+def flash_usable(x: torch.Tensor) -> bool:
+    """The expanded form runs on FlashAttention-2 (torch's ``_scaled_dot_product_flash_attention``, which returns
+    the log-sum-exp the key blocks are merged with): a 16-bit CUDA tensor on an sm80+ device with the op present."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and torch.cuda.get_device_capability(x.device) >= (8, 0)
+            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention"))
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [1, H, Tq, D]``, ``k`` / ``v [1, H, n, D]`` -> ``(o [1, H, Tq, D], lse [1, H, Tq] float32)``; ``causal``
+    aligns the first query with the first key (used on square diagonal blocks only)."""
+    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return out[0], out[1]
+
+
+def flash_expanded_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                             proj: LatentProjection, scale: float, q_offset: int) -> torch.Tensor:
+    """The expanded form of :func:`latent_chunk_attention` on flash attention kernels, in blocks whose memory is
+    bounded by the block sizes, never by the prefix.
+
+    For each block of :data:`FLASH_QUERY_BLOCK` query rows at positions ``a .. b - 1`` (after ``q_offset``): the
+    keys before ``q_offset + a`` in blocks of :data:`FLASH_KEY_BLOCK` latent rows expanded at a time (no mask), then
+    the square diagonal block ``q_offset + a .. q_offset + b - 1`` (causal), merged by their log-sum-exps
+    (``lse = logaddexp(lse_1, lse_2)``, ``o = o_1 e^{lse_1 - lse} + o_2 e^{lse_2 - lse}``: the merge of
+    FlashAttention's split-KV partials, as vLLM's chunked-context MLA prefill does). ``v`` is zero-padded from ``V``
+    to the ``N + P`` head dim the kernel needs for ``q`` and ``k`` (the padded output columns are dropped).
+
+    Args/returns as :func:`latent_chunk_attention` (``q_nope [Tq, H, N]``, ``q_pe [Tq, H, P]``, ``latent [L, R + P]``
+    -> ``[Tq, H, V]``, 16-bit CUDA tensors: :func:`flash_usable`).
+    """
+    tq, h, n = q_nope.shape
+    r, vd = proj.rank, proj.w_uv.shape[1]
+    d = n + q_pe.shape[-1]
+    w = proj.weight.to(q_nope.dtype)
+    q = torch.cat((q_nope, q_pe), dim=-1)                                  # [Tq, H, D]
+    out = q_nope.new_empty(tq, h, vd)
+
+    def expand(j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = F.linear(latent[j0:j1, :r], w).view(j1 - j0, h, n + vd)
+        k = torch.cat((kv[..., :n], latent[j0:j1, None, r:].expand(-1, h, -1)), dim=-1)
+        v = F.pad(kv[..., n:], (0, d - vd))
+        return k.transpose(0, 1)[None], v.transpose(0, 1)[None]           # [1, H, n, D] each
+
+    for a in range(0, tq, FLASH_QUERY_BLOCK):
+        b = min(tq, a + FLASH_QUERY_BLOCK)
+        qb = q[a:b].transpose(0, 1)[None]                                  # [1, H, b - a, D]
+        k, v = expand(q_offset + a, q_offset + b)
+        o, lse = _flash(qb, k, v, scale, causal=True)
+        acc = o[..., :vd].float()
+        del k, v, o
+        for j0 in range(0, q_offset + a, FLASH_KEY_BLOCK):
+            k, v = expand(j0, min(q_offset + a, j0 + FLASH_KEY_BLOCK))
+            o, lse_j = _flash(qb, k, v, scale, causal=False)
+            new = torch.logaddexp(lse, lse_j)
+            acc.mul_(torch.exp(lse - new)[..., None]).add_(o[..., :vd].float() * torch.exp(lse_j - new)[..., None])
+            lse = new
+            del k, v, o
+        out[a:b] = acc[0].transpose(0, 1).to(out.dtype)
+    return out
 
 
 def latent_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, proj: LatentProjection,
