@@ -125,3 +125,104 @@ def test_latent_decode_kernel_at_deepseek_v3_shapes(dtype, tol):
         want = la.absorbed_attention(q_abs[b:b + 1, :, None].float(), q_pe[b:b + 1, :, None].float(),
                                      cache[slots, 0][None].float(), r, scale)[0, :, 0]
         torch.testing.assert_close(got[b].float(), want, atol=tol, rtol=tol)
+
+
+def _chunk_inputs(tq: int, prefix: int, seed: int = 1):
+    """DeepSeek-V3's MLA shapes (128 heads, N 128, P 64, V 128, R 512) in bf16: a chunk of ``tq`` queries after
+    ``prefix`` cached rows."""
+    import ferrylm.models.latent_attention as la
+
+    h, n, p, v, r = 128, 128, 64, 128, 512
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    proj = la.LatentProjection.of((torch.randn(h * (n + v), r, device="cuda", generator=g) * r ** -0.5).bfloat16(),
+                                  h, n, v)
+    latent = torch.randn(prefix + tq, r + p, device="cuda", generator=g).bfloat16()
+    q_nope = torch.randn(tq, h, n, device="cuda", generator=g).bfloat16()
+    q_pe = torch.randn(tq, h, p, device="cuda", generator=g).bfloat16()
+    return q_nope, q_pe, latent, proj, (n + p) ** -0.5
+
+
+def _timed_chunk(q_nope, q_pe, latent, proj, scale, prefix):
+    """(output, ms, peak bytes above what was allocated before the call)."""
+    import ferrylm.models.latent_attention as la
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    got = la.latent_chunk_attention(q_nope, q_pe, latent, proj, scale, q_offset=prefix)
+    end.record()
+    torch.cuda.synchronize()
+    return got, start.elapsed_time(end), torch.cuda.max_memory_allocated() - base
+
+
+@pytest.mark.parametrize("tq", [128, 2048, 8192])   # absorbed, expanded, a whole default chunk
+@pytest.mark.parametrize("flash", [True, False])
+def test_chunk_attention_workspace_bounded_by_the_chunk(monkeypatch, tq, flash):
+    """A bf16 prefill chunk of ``tq`` queries after a 14k-token prefix takes no more memory than after a 2k one
+    (unblocked float32 scores alone would be ``128 * tq * 16384 * 4`` bytes: 17 GiB at 2048), under 1.5 GiB above
+    its inputs up to 2048 queries; sampled rows equal float32 attention over the expanded keys. ``flash``: the
+    expanded form on flash kernels (the default on CUDA) or the torch key blocks. Times printed as [measured]."""
+    import ferrylm.models.latent_attention as la
+
+    if not flash:
+        monkeypatch.setattr(la, "flash_usable", lambda x: False)
+    r, short, prefix = 512, 2048, 14336
+    _, _, peak_short = _timed_chunk(*_chunk_inputs(tq, short), short)
+    q_nope, q_pe, latent, proj, scale = _chunk_inputs(tq, prefix)
+    _timed_chunk(q_nope, q_pe, latent, proj, scale, prefix)           # first call: kernels compiled / loaded
+    got, ms, peak = _timed_chunk(q_nope, q_pe, latent, proj, scale, prefix)
+    form = "absorbed" if la.absorb_wins(tq, r, 128, 64, 128) else ("expanded/flash" if flash else "expanded/torch")
+    flops = 2 * 128 * tq * (prefix + tq / 2) * (192 + 128)
+    print(f"\n[measured] MLA chunk tq={tq} prefix={prefix} {form}: {ms:.1f} ms ({flops / ms / 1e9:.0f} TFLOP/s of "
+          f"attention), peak workspace {peak / 2**20:.0f} MiB (prefix {short}: {peak_short / 2**20:.0f} MiB)")
+    assert peak <= peak_short * 1.1 + 64 * 2**20
+    if tq <= 2048:
+        assert peak < 1.5 * 2**30
+    length = prefix + tq
+    rows = torch.tensor([0, 1, tq // 2, tq - 1], device="cuda")
+    k, vals = proj.expand(latent.float()[:, :r], latent.float()[:, r:])            # [L, H, N + P], [L, H, V]
+    q = torch.cat((q_nope, q_pe), dim=-1).float()[rows]                            # [4, H, N + P]
+    s = torch.einsum("thd,lhd->htl", q, k) * scale
+    s = s.masked_fill(torch.arange(length, device="cuda")[None, None] > (prefix + rows)[None, :, None], float("-inf"))
+    want = torch.einsum("htl,lhv->thv", torch.softmax(s, dim=-1), vals)
+    torch.testing.assert_close(got[rows].float(), want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_latent_decode_kernel_at_30k_context(batch):
+    """The Triton latent decode kernel at a 30000-token context (bf16, 128 heads, R 512, P 64), without split-KV
+    and with the splits a decode step gets (``decode_splits``): equal to the torch absorbed decode, and its time
+    against the latent bytes it must read from HBM (printed as [measured])."""
+    import ferrylm.models.latent_attention as la
+    from ferrylm.engine.attention import decode_splits
+    from ferrylm.engine.attention.triton_latent import latent_decode_attention
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    heads, r, p, ps, n = 128, 512, 64, 16, 30000
+    pages = -(-n // ps)
+    cache = torch.randn(batch * pages * ps, 1, r + p, device="cuda", generator=g).bfloat16()
+    table = torch.randperm(batch * pages, device="cuda", generator=g).view(batch, pages).to(torch.int32)
+    q_abs = (torch.randn(batch, heads, r, device="cuda", generator=g) * 0.05).bfloat16()
+    q_pe = (torch.randn(batch, heads, p, device="cuda", generator=g) * 0.05).bfloat16()
+    lens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
+    scale = (128 + 64) ** -0.5
+    nbytes = batch * n * (r + p) * 2
+    splits = decode_splits(batch, 1, torch.cuda.get_device_properties(0).multi_processor_count)
+    for num_splits in sorted({1, splits}):
+        got = latent_decode_attention(q_abs, q_pe, cache, table, lens, scale, ps, num_splits=num_splits)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            latent_decode_attention(q_abs, q_pe, cache, table, lens, scale, ps, num_splits=num_splits)
+        end.record()
+        torch.cuda.synchronize()
+        ms = start.elapsed_time(end) / 10
+        print(f"\n[measured] MLA decode kernel, batch {batch} x {n} tokens, {num_splits} splits: {ms:.3f} ms per "
+              f"layer, {nbytes / 2**20:.1f} MiB of latent -> {nbytes / ms / 1e6:.0f} GB/s")
+        for b in range(batch):
+            slots = (table[b].long()[:, None] * ps + torch.arange(ps, device="cuda")).reshape(-1)[:n]
+            want = la.absorbed_attention(q_abs[b:b + 1, :, None].float(), q_pe[b:b + 1, :, None].float(),
+                                         cache[slots, 0][None].float(), r, scale)[0, :, 0]
+            torch.testing.assert_close(got[b].float(), want, atol=3e-2, rtol=3e-2)
