@@ -188,18 +188,35 @@ def moe_rows(dev, e=128, k=8, h=2048, i=768) -> list[dict]:
     return rows
 
 
-def mapped_rows(dev, e=128, k=8, h=2048, i=768) -> list[dict]:
+def mapped_cases() -> list[tuple[str, int, int, int, int, dict]]:
+    """``(shape name, experts, top-k, hidden, intermediate, {quant name: ExpertQuant | None})`` of
+    :func:`mapped_rows`: Qwen3-30B-A3B's experts in bf16 and int4 (g32, bf16 scales), DeepSeek-V3's in fp8 with
+    128-wide float32 scales (its published checkpoints' format; 32 of its 256 experts, to bound host memory)."""
+    from ferrylm.experts.quantized import ExpertQuant, QuantFormat
+
+    fp8 = QuantFormat("fp8", 128, torch.float32)
+    return [("qwen3-30b-a3b", 128, 8, 2048, 768,
+             {"bf16": None, "int4": ExpertQuant(QuantFormat("int4", 32), QuantFormat("int4", 32))}),
+            ("deepseek-v3", 32, 8, 7168, 2048, {"fp8": ExpertQuant(fp8, fp8)})]
+
+
+def mapped_rows(dev) -> list[dict]:
     """The offloading backends' table launch (``fused_moe(..., row_offset=...)``): one layer's experts read from
-    device slot rows, from mapped pinned host rows over PCIe (zero-copy, the table path's misses), or half each;
-    bf16 and int4 (g32, bf16 scales); beside a pinned DMA copy of the same bytes (the host-planned path's fetch).
+    device slot rows, from mapped pinned host rows over PCIe (zero-copy, the table path's misses), or half each,
+    for each of :func:`mapped_cases`; beside a pinned DMA copy of the same bytes (the host-planned path's fetch).
     GB/s counts the experts' bytes read once (the PCIe roofline for the host rows)."""
+    rows = []
+    for shape, e, k, h, i, quants in mapped_cases():
+        rows += [dict(r, shape=shape) for r in _mapped_case(dev, e, k, h, i, quants)]
+    return rows
+
+
+def _mapped_case(dev, e: int, k: int, h: int, i: int, quants: dict) -> list[dict]:
     from ferrylm.experts.banks import ExpertLayout
     from ferrylm.experts.kernels.fused_moe import MoeTiles, fused_moe
-    from ferrylm.experts.quantized import ExpertQuant, QuantFormat
     from ferrylm.experts.slot_table import device_address
 
     rows = []
-    quants = {"bf16": None, "int4": ExpertQuant(QuantFormat("int4", 32), QuantFormat("int4", 32))}
     for qname, q in quants.items():
         lay = ExpertLayout(h, i, torch.bfloat16, quant=q)
         host = torch.randint(0, 255, (e, lay.numel), dtype=torch.uint8).view(lay.row_dtype) if q else \
@@ -238,8 +255,9 @@ def mapped_rows(dev, e=128, k=8, h=2048, i=768) -> list[dict]:
                              "graph_ms": gms, "gbs": wbytes / gms / 1e6 if gms else None,
                              "experts_used": len(used)})
             if t in (1, 16):  # tiles for the PCIe reads
-                for bn1, bk1, bn2, bk2, nw, st in ((64, 128, 128, 128, 4, 4), (32, 256, 64, 256, 4, 3),
-                                                   (128, 64, 128, 64, 4, 4), (64, 64, 64, 64, 4, 6)):
+                for bn1, bk1, bn2, bk2, nw, st in ((32, 128, 64, 128, 4, 2), (64, 128, 128, 128, 4, 4),
+                                                   (32, 256, 64, 256, 4, 3), (128, 64, 128, 64, 4, 4),
+                                                   (64, 64, 64, 64, 4, 6), (32, 128, 64, 128, 4, 6)):
                     tiles = (MoeTiles(16, bn1, bk1, nw, st), MoeTiles(16, bn2, bk2, nw, st))
                     gms = _bench_graph(lambda: fused_moe(x, views.gate, views.up, views.down, ids, w,
                                                          row_offset=off_host, tiles=tiles))
