@@ -204,3 +204,17 @@ def test_prefill_stream_turned_off_where_its_buffer_would_crowd_out_the_slots(tm
     assert not fit_prefill_stream(opts, int(STREAM_BUDGET_SHARE * 100) + 1, 100).stream_prefill
     off = _replace(opts, stream_prefill=False)
     assert fit_prefill_stream(off, 0, 100) is off
+
+
+def test_the_watchdog_knows_prefill_speed_before_the_first_request(expert_checkpoints):
+    """The boot warmup's measured step times seed the engine's estimates: before any request a prefill-sized step
+    is expected to take its tokens x the measured seconds per token, not one decode step's time (which let the
+    watchdog kill a long first prefill on a slow CPU)."""
+    ckpt = expert_checkpoints("qwen3_moe")
+    engine = build_engine(ckpt.path, EngineConfig(device="cpu", num_pages=64, page_size=4, max_prefill_length=64,
+                                                  max_running_requests=2))
+    p = engine.progress
+    assert p.steps == 0                      # nothing ran on this engine yet
+    assert p.sec_per_token is not None and p.sec_per_token > 0 and p.decode_step_s is not None
+    assert p.expected(2000) == pytest.approx(2000 * p.sec_per_token)
+    assert p.expected(2000) > p.expected(1)

@@ -11,6 +11,7 @@ import torch
 from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.engine.engine import Engine, EngineLimits, limits_with_pages, resolve_device, resolve_dtype
 from ferrylm.engine.kv_cache import KVLayout
+from ferrylm.engine.progress import StepProgress
 from ferrylm.experts import ExpertOptions, backend_name
 
 log = logging.getLogger("ferrylm.engine")
@@ -279,7 +280,8 @@ def build_engine(model_path: str | Path, config: EngineConfig, tp=None) -> Engin
         executor.reserve(needs.bytes_for(warm_slots))
         if broadcaster is not None:
             broadcaster.expert_budget = int(needs.bytes_for(warm_slots))
-    plan, base = _plan_with_chunk(loaded, config, device, dtype, base, weights, inputs, floor, broadcaster)
+    plan, base, step_times = _plan_with_chunk(loaded, config, device, dtype, base, weights, inputs, floor,
+                                              broadcaster)
     if needs is not None:
         executor.reserve(plan.expert_bytes)
         if broadcaster is not None:
@@ -287,6 +289,7 @@ def build_engine(model_path: str | Path, config: EngineConfig, tp=None) -> Engin
     engine = Engine(loaded.model, mcfg, config, device=device, dtype=dtype,
                     limits=replace(base, num_pages=plan.kv_pages), expert_executor=executor, faults=faults,
                     memory_plan=plan, tokenizer_path=str(model_path), model_id=str(model_path), tp=broadcaster)
+    engine.progress.seed_from(step_times)   # the watchdog's step-time estimates before the first request
     workspace = plan.workspace_bytes
     if device.type == "cuda":
         try:  # the allocator keeps these blocks: request-time steps reuse them
@@ -320,7 +323,8 @@ def _plan_with_chunk(loaded, config: EngineConfig, device: torch.device, dtype: 
                      weights: int, inputs, floor: int, tp=None):
     """Measure the workspace at the prefill chunk and plan; when the plan does not fit and the chunk is the default
     (no ``--max-prefill-length``), halve the chunk and measure again, down to ``floor`` tokens. An explicit chunk is
-    never changed. Returns ``(plan, limits with the chunk used)``; the plan's table says when the chunk was lowered.
+    never changed. Returns ``(plan, limits with the chunk used, the warmup's StepProgress)``; the plan's table says
+    when the chunk was lowered.
 
     Raises:
         MemoryPlanError: the plan does not fit at the floor (or at the explicit chunk).
@@ -331,7 +335,8 @@ def _plan_with_chunk(loaded, config: EngineConfig, device: torch.device, dtype: 
     while True:
         limits = replace(base, max_prefill_length=chunk)
         try:
-            workspace, source, graph_bytes = _measure_workspace(loaded, config, device, dtype, limits, weights, tp)
+            workspace, source, graph_bytes, step_times = _measure_workspace(loaded, config, device, dtype, limits,
+                                                                            weights, tp)
             plan = plan_memory(replace(inputs, max_prefill_length=chunk, workspace_bytes=workspace,
                                        workspace_source=source, graph_bytes=graph_bytes))
         except MemoryPlanError as e:
@@ -346,7 +351,7 @@ def _plan_with_chunk(loaded, config: EngineConfig, device: torch.device, dtype: 
             plan = replace(plan, prefill_note=f"lowered from {first}: the default chunk did not fit")
             log.warning("memory plan: prefill chunk lowered from %d to %d tokens to fit (set --max-prefill-length to "
                         "choose it)", first, chunk)
-        return plan, limits
+        return plan, limits, step_times
 
 
 # NOTE: on the CPU no peak can be measured; a short warmup still runs every path, the workspace is estimated.
@@ -355,9 +360,10 @@ CPU_WARMUP_DECODE = 4
 
 
 def _measure_workspace(loaded, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                       base: EngineLimits, weights: int, tp=None) -> tuple[int, str, int]:
+                       base: EngineLimits, weights: int, tp=None) -> tuple[int, str, int, StepProgress]:
     """Warm up a throwaway engine with a pool just large enough and return ``(workspace bytes, "measured" |
-    "estimated", CUDA graph bytes)``: on CUDA the throwaway engine also captures its decode graphs, whose pool is
+    "estimated", CUDA graph bytes, its step times)``: the step times (seconds per prefill token, per decode step)
+    seed the real engine's watchdog estimates, so a long first prefill on a slow host is not taken for a hang; on CUDA the throwaway engine also captures its decode graphs, whose pool is
     measured (it stays allocated in the real engine, beside the workspace). Raises MemoryPlanError when the warmup
     itself runs out of memory."""
     from ferrylm.memory.guard import is_oom
@@ -392,10 +398,11 @@ def _measure_workspace(loaded, config: EngineConfig, device: torch.device, dtype
         warm.runner.capture_graphs()
         graph_bytes = warm.runner.graph_bytes
         warm.runner.close()
+    step_times = warm.progress
     del warm
     release_cached(device)
     if peak is not None:
-        return peak, "measured", graph_bytes
+        return peak, "measured", graph_bytes, step_times
     est = estimate_workspace(hidden_size=mcfg.hidden_size, intermediate_size=mcfg.moe_intermediate_size
                              if mcfg.is_moe else mcfg.intermediate_size, num_heads=mcfg.num_heads,
                              num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim, vocab_size=mcfg.vocab_size,
@@ -407,4 +414,4 @@ def _measure_workspace(loaded, config: EngineConfig, device: torch.device, dtype
     extra = getattr(get_model_class(mcfg.architecture), "workspace_extra_bytes", None)
     if extra is not None:   # e.g. the chunk form's scratch of the Gated DeltaNet layers at the largest chunk
         est += int(extra(mcfg, base.max_prefill_length))
-    return est, "estimated", graph_bytes
+    return est, "estimated", graph_bytes, step_times

@@ -138,6 +138,17 @@ class StepProgress:
         self.ticks += 1
         return dt
 
+    def seed_from(self, other: "StepProgress | None") -> None:
+        """Take ``other``'s measured step times where this object has none yet (the boot warmup's throwaway engine
+        measured them on this model and host: without them the first prefill-sized step would be expected to take
+        a decode step's time, and on a slow host a long first chunk could outlast ``--watchdog-timeout``)."""
+        if other is None:
+            return
+        if self.sec_per_token is None:
+            self.sec_per_token = other.sec_per_token
+        if self.decode_step_s is None:
+            self.decode_step_s = other.decode_step_s
+
     def expected(self, tokens: int) -> float:
         """Expected seconds for a step of ``tokens`` tokens (0.0 while nothing was measured)."""
         per_token = (self.sec_per_token or 0.0) * tokens if tokens >= PREFILL_SIZED_TOKENS else 0.0
