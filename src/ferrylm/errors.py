@@ -22,6 +22,14 @@ class FerryError(Exception):
         if code is not None:
             self.code = code
 
+    def rename_param(self, name: str) -> None:
+        """The field was sent under another name (``max_completion_tokens`` for ``max_tokens``): name it in
+        ``param`` and in the message, where the old name is quoted."""
+        if self.param:
+            self.message = self.message.replace(f"'{self.param}'", f"'{name}'")
+            self.args = (self.message,)
+        self.param = name
+
 
 class InvalidRequest(FerryError):
     """The client sent something we cannot serve (bad value, bad type, template error). HTTP 400."""

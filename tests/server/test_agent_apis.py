@@ -327,8 +327,10 @@ async def test_responses_store_is_bounded(codec) -> None:
     ({"max_output_tokens": 0}, "max_output_tokens"),
 ])
 async def test_responses_bad_input(client: httpx.AsyncClient, extra, param) -> None:
-    assert_error(await client.post("/v1/responses", json={"model": SERVED, "input": "x", **extra}), 400,
-                 param=param)
+    err = assert_error(await client.post("/v1/responses", json={"model": SERVED, "input": "x", **extra}), 400,
+                       param=param)
+    if param == "max_output_tokens":
+        assert "'max_output_tokens'" in err["message"] and "'max_tokens'" not in err["message"], err
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -87,6 +87,8 @@ def test_out_of_range_values_name_the_field(field, value, param) -> None:
     with pytest.raises(InvalidRequest) as ei:
         to_sampling_params(chat(**{field: value}, **extra))
     assert ei.value.param == param
+    if param in ("max_tokens", "max_completion_tokens"):   # the message names the field as the client sent it
+        assert f"'{param}'" in ei.value.message and f"'{param}'" in str(ei.value)
 
 
 @pytest.mark.parametrize("body,param", [

@@ -306,7 +306,7 @@ def to_sampling_params(req: _SamplingRequest) -> SamplingParams:
         params.validate()
     except InvalidRequest as e:
         if e.param == "max_tokens" and req.max_completion_tokens is not None:
-            e.param = "max_completion_tokens"
+            e.rename_param("max_completion_tokens")
         raise
     return params
 

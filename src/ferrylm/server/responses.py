@@ -227,7 +227,7 @@ def job_from_request(req: ResponsesRequest, store: ResponseStore) -> tuple[ChatJ
         params.validate()
     except InvalidRequest as e:
         if e.param == "max_tokens":
-            e.param = "max_output_tokens"
+            e.rename_param("max_output_tokens")
         raise
     params.grammar = response_format_grammar(fmt, "text.format")
     job = ChatJob(messages, params, tools, choice, grammar_param="text.format", max_param="max_output_tokens",
