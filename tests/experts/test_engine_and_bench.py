@@ -218,3 +218,16 @@ def test_the_watchdog_knows_prefill_speed_before_the_first_request(expert_checkp
     assert p.sec_per_token is not None and p.sec_per_token > 0 and p.decode_step_s is not None
     assert p.expected(2000) == pytest.approx(2000 * p.sec_per_token)
     assert p.expected(2000) > p.expected(1)
+
+
+def test_cpu_bf16_support_is_read_from_the_cpu_flags(tmp_path):
+    from ferrylm.engine.factory import cpu_has_native_bf16
+
+    amx, avx2, other = tmp_path / "amx", tmp_path / "avx2", tmp_path / "other"
+    amx.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f amx_bf16 amx_tile\n")
+    avx2.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 fma\n")
+    other.write_text("Processor\t: ARMv8\nFeatures\t: fp asimd\n")
+    assert cpu_has_native_bf16(str(amx)) is True
+    assert cpu_has_native_bf16(str(avx2)) is False
+    assert cpu_has_native_bf16(str(other)) is None
+    assert cpu_has_native_bf16(str(tmp_path / "missing")) is None

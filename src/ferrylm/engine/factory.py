@@ -213,6 +213,11 @@ def build_engine(model_path: str | Path, config: EngineConfig, tp=None) -> Engin
     dtype = resolve_dtype(config.dtype, device)
     if config.dtype == "auto" and is_synthetic_folder(model_path):  # load_model builds it; bf16 halves its bytes
         dtype = torch.bfloat16
+        if device.type == "cpu" and cpu_has_native_bf16() is False:
+            log.warning("--dtype auto: a synthetic model is built in bfloat16, and this CPU has no bfloat16 "
+                        "instructions (avx512_bf16 / amx_bf16): its matmuls run several times slower than in float32 "
+                        "(a long prefill chunk can take minutes); --dtype float32 if host memory holds twice the "
+                        "weights")
     if device.type != "cuda" and config.gpu_memory_limit is not None:
         log.warning("--gpu-memory-limit %g GiB is ignored: there is no GPU (device %s); the memory plan uses host "
                     "memory", config.gpu_memory_limit, device)
@@ -352,6 +357,20 @@ def _plan_with_chunk(loaded, config: EngineConfig, device: torch.device, dtype: 
             log.warning("memory plan: prefill chunk lowered from %d to %d tokens to fit (set --max-prefill-length to "
                         "choose it)", first, chunk)
         return plan, limits, step_times
+
+
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
+    """True when the host CPU lists ``avx512_bf16`` or ``amx_bf16`` among its flags (Linux ``/proc/cpuinfo``),
+    False when it lists neither, None when that cannot be read (not Linux)."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[-1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        return None
+    return None
 
 
 # NOTE: on the CPU no peak can be measured; a short warmup still runs every path, the workspace is estimated.
