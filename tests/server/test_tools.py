@@ -121,6 +121,21 @@ def test_turn_with_reasoning_and_calls() -> None:
     assert whole_turn(TurnConfig(), CALL, "stop").content == CALL   # no tools offered: nothing is parsed
 
 
+
+def test_a_forced_reply_cut_by_max_tokens_leaves_no_markup_in_content() -> None:
+    """A forced reply (``calls_only``) cut inside its second call: the first call is parsed and the unfinished one
+    is dropped; without forcing the same text stays visible as content (it may be the model's prose)."""
+    cut = CALL + '\n<tool_call>\n{"name":'
+    forced = whole_turn(TurnConfig(tool_names=NAMES, calls_only=True), cut, "length")
+    assert [c.name for c in forced.calls] == ["get_weather"] and forced.content == ""
+    assert forced.finish_reason == "length"
+    free = whole_turn(TurnConfig(tool_names=NAMES), cut, "length")
+    assert [c.name for c in free.calls] == ["get_weather"] and '{"name":' in free.content
+    streamed = TurnConfig(tool_names=NAMES, calls_only=True).new_turn()
+    deltas = [streamed.feed(cut[i:i + 7]) for i in range(0, len(cut), 7)] + [streamed.finish()]
+    assert "".join(d.content for d in deltas) == "" and sum(len(d.calls) for d in deltas) == 1
+
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}},
