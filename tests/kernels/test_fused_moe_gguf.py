@@ -76,7 +76,7 @@ def _tile_kernel():
         kk = pk * BLOCK_K + tl.arange(0, BLOCK_K)
         e = tl.program_id(2).to(tl.int64)
         wt = weight_tile(w_ptr, s_ptr, w_ptr, w_ptr, e, n, pk * BLOCK_K, kk, n < N, kk < K, swe, swn, swk,
-                         sse, 0, 0, 0, 0, QKIND, GROUP, False, False, BLOCK_K)
+                         sse, 0, 0, 0, 0, QKIND, GROUP, False, False, BLOCK_K, False)
         tl.store(out_ptr + e * N * K + n[None, :] * K + kk[:, None], wt, mask=(n[None, :] < N) & (kk[:, None] < K))
 
     return tile_kernel

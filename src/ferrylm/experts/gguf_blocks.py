@@ -80,13 +80,18 @@ def _q8_0(b: torch.Tensor) -> torch.Tensor:
     return _f16(b[:, 0:2])[:, None] * b[:, 2:].view(torch.int8).float()
 
 
+def _ints(b: torch.Tensor, *values: int) -> torch.Tensor:
+    """``values`` as an int32 tensor on ``b``'s device (shift amounts of the decoders below)."""
+    return torch.tensor(values, dtype=torch.int32, device=b.device)
+
+
 def _q4_k(b: torch.Tensor) -> torch.Tensor:
     nb = b.shape[0]
     sc, mn = _scale_min_k4(b[:, 4:16])
     s = _f16(b[:, 0:2])[:, None] * sc  # [B, 8], exact
     m = _f16(b[:, 2:4])[:, None] * mn
     qs = b[:, 16:144].view(nb, 4, 1, 32).to(torch.int32)
-    q = ((qs >> torch.tensor([0, 4], dtype=torch.int32).view(1, 1, 2, 1)) & 15).reshape(nb, 8, 32).float()
+    q = ((qs >> _ints(b, 0, 4).view(1, 1, 2, 1)) & 15).reshape(nb, 8, 32).float()
     return (s[..., None] * q - m[..., None]).reshape(nb, QK_K)
 
 
@@ -97,8 +102,8 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
     m = _f16(b[:, 2:4])[:, None] * mn
     qh = b[:, 16:48].view(nb, 1, 32).to(torch.int32)
     qs = b[:, 48:176].view(nb, 4, 1, 32).to(torch.int32)
-    low = ((qs >> torch.tensor([0, 4], dtype=torch.int32).view(1, 1, 2, 1)) & 15).reshape(nb, 8, 32)
-    high = (qh >> torch.arange(8, dtype=torch.int32).view(1, 8, 1)) & 1
+    low = ((qs >> _ints(b, 0, 4).view(1, 1, 2, 1)) & 15).reshape(nb, 8, 32)
+    high = (qh >> _ints(b, *range(8)).view(1, 8, 1)) & 1
     q = (low | (high << 4)).float()
     return (s[..., None] * q - m[..., None]).reshape(nb, QK_K)
 
@@ -109,8 +114,8 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     qh = b[:, 128:192].view(nb, 2, 1, 32).to(torch.int32)
     sc = b[:, 192:208].view(torch.int8).float()
     s = _f16(b[:, 208:210])[:, None] * sc  # [B, 16], exact
-    low = ((ql >> torch.tensor([0, 4], dtype=torch.int32).view(1, 1, 2, 1)) & 15).reshape(nb, 2, 128)
-    high = ((qh >> torch.tensor([0, 2, 4, 6], dtype=torch.int32).view(1, 1, 4, 1)) & 3).reshape(nb, 2, 128)
+    low = ((ql >> _ints(b, 0, 4).view(1, 1, 2, 1)) & 15).reshape(nb, 2, 128)
+    high = ((qh >> _ints(b, 0, 2, 4, 6).view(1, 1, 4, 1)) & 3).reshape(nb, 2, 128)
     q = ((low | (high << 4)) - 32).float().reshape(nb, 16, 16)
     return (s[..., None] * q).reshape(nb, QK_K)
 

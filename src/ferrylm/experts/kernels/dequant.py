@@ -72,8 +72,8 @@ def _e4m3(c):
     ex = (ci >> 3) & 15
     man = ci & 7
     normal = (sign | ((ex + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
-    sub = man.to(tl.float32) * 0.001953125
-    return tl.where(ex == 0, tl.where(sign != 0, -sub, sub), normal)
+    sub = ((man.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return tl.where(ex == 0, sub, normal)
 
 
 @triton.jit
@@ -168,10 +168,61 @@ def _codes(w_ptr, base, nn, kk, k0, n_ok, k_ok, swn, swk, QKIND: tl.constexpr, B
 
 
 @triton.jit
+def weight_values(w_ptr, e, n, k0, kk, n_ok, k_ok, swe, swn, swk, QKIND: tl.constexpr, HAS_MINS: tl.constexpr,
+                  BLOCK_K: tl.constexpr, HW_FP8: tl.constexpr):
+    """The ``[BLOCK_K, len(n)]`` element values of a code-and-scale tile (``QKIND`` 1-4) BEFORE scaling: ``u - 8`` /
+    ``u - 128`` (no mins) or ``u`` (mins) and e2m1 values as float32; fp8 as ``tl.float8e4nv`` through the
+    hardware conversion when ``HW_FP8`` (sm89+: the caller's ``.to`` is one ``cvt`` per pair of elements), else
+    decoded from the bits as float32. Every value is exact in bfloat16 / float16 (at most 8 significant bits).
+    Masked elements hold the value of code 0 (finite): callers mask the activations or the columns instead."""
+    c = _codes(w_ptr, e * swe, n[None, :].to(tl.int64), kk, k0, n_ok, k_ok, swn, swk, QKIND, BLOCK_K)
+    if QKIND == 4:
+        if HW_FP8:
+            v = c.to(tl.float8e4nv, bitcast=True)
+        else:
+            v = _e4m3(c)
+    elif QKIND == 3:
+        v = _e2m1(c)
+    else:
+        v = c.to(tl.float32)
+        if not HAS_MINS:
+            v = v - (8.0 if QKIND == 1 else 128.0)
+    return v
+
+
+@triton.jit
+def column_scale(s_ptr, r_ptr, e, n, k0, n_ok, sse, ssn, ssg, sre, srn, GROUP: tl.constexpr,
+                 HAS_ROW: tl.constexpr):
+    """``[1, len(n)]`` float32: the scale of group ``k0 // GROUP`` of each column (times the row scale when
+    ``HAS_ROW``), for a K tile that lies inside one group; 0 for masked columns."""
+    nn = n[None, :].to(tl.int64)
+    s_off = e * sse + nn * ssn + (k0 // GROUP) * ssg
+    s = tl.load(s_ptr + s_off, mask=n_ok[None, :], other=0.0).to(tl.float32)
+    if HAS_ROW:
+        s = s * tl.load(r_ptr + e * sre + nn * srn, mask=n_ok[None, :], other=0.0).to(tl.float32)
+    return s
+
+
+def scale_after_dot(kind: dict, block_k: int) -> bool:
+    """Whether a launch over a projection of constexprs ``kind`` (:func:`weight_args`) with K tiles of ``block_k``
+    applies the group scale after the dot (``acc += (a @ v) * s``, one multiply per output instead of one per
+    weight element, as the block-FP8 GEMMs of DeepGEMM / vLLM do): code-and-scale kinds without mins whose group
+    holds whole K tiles. The values are exact in the activation dtype, so the only change from scaling first is that
+    the scaled weight is no longer rounded to that dtype (the float32 product is kept)."""
+    return kind["QKIND"] in (1, 2, 3, 4) and not kind["HAS_MINS"] and kind["GROUP"] % block_k == 0
+
+
+def hardware_fp8(device: torch.device) -> bool:
+    """Whether Triton converts float8 e4m3 in hardware on ``device`` (CUDA compute capability 8.9 or newer); the
+    interpreter and older GPUs decode the bits."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@triton.jit
 def weight_tile(w_ptr, s_ptr, m_ptr, r_ptr, e, n, k0, kk, n_ok, k_ok,
                 swe, swn, swk, sse, ssn, ssg, sre, srn,
                 QKIND: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr, HAS_ROW: tl.constexpr,
-                BLOCK_K: tl.constexpr):
+                BLOCK_K: tl.constexpr, HW_FP8: tl.constexpr):
     """``W[e, n, kk]`` as a ``[BLOCK_K, len(n)]`` tile, ``kk = k0 + arange(BLOCK_K)``: the weight dtype for plain
     weights (``QKIND == 0``), float32 dequantized values otherwise (``QKIND >= 5``: GGML blocks, ``GROUP`` their
     element count, bytes at unit stride along a row, ``swk`` unused; ``QKIND == 9``: ``kmix``, the expert's kind
@@ -195,15 +246,8 @@ def weight_tile(w_ptr, s_ptr, m_ptr, r_ptr, e, n, k0, kk, n_ok, k_ok,
     elif QKIND >= 5:
         w = _block_tile(w_ptr, e, nn, n_ok, kc, k0, mask, swe, swn, QKIND, GROUP, BLOCK_K)
     else:
-        c = _codes(w_ptr, e * swe, nn, kk, k0, n_ok, k_ok, swn, swk, QKIND, BLOCK_K)
-        if QKIND == 4:
-            v = _e4m3(c)
-        elif QKIND == 3:
-            v = _e2m1(c)
-        else:
-            v = c.to(tl.float32)
-            if not HAS_MINS:
-                v = v - (8.0 if QKIND == 1 else 128.0)
+        v = weight_values(w_ptr, e, n, k0, kk, n_ok, k_ok, swe, swn, swk, QKIND, HAS_MINS, BLOCK_K,
+                          HW_FP8).to(tl.float32)
         if GROUP % BLOCK_K == 0:  # the tile is inside one group: a scale per column
             s_off = e * sse + nn * ssn + (k0 // GROUP) * ssg  # [1, BLOCK_N]
             s = tl.load(s_ptr + s_off, mask=n_ok[None, :], other=0.0).to(tl.float32)

@@ -26,6 +26,10 @@ so the offload cache's slots run through the same kernels.
 Quantized experts (:mod:`ferrylm.experts.quantized`: int4 / int8 / fp4 / fp8 with group scales) stay quantized in
 device memory: the kernels read their codes and scales and dequantize each ``[BLOCK_K, BLOCK_N]`` weight tile in
 registers (:func:`~ferrylm.experts.kernels.dequant.weight_tile`), the format a compile-time constant of the launch.
+Where a format without mins has groups that hold whole K tiles (fp8 with 128-wide block scales, int4 / int8 at
+group 128) the tile's unscaled values go into the dot and the group scale multiplies its result
+(:func:`~ferrylm.experts.kernels.dequant.scale_after_dot`), and on sm89+ e4m3 converts in hardware: that is what
+lets the fp8 kernel read faster than PCIe delivers (docs/BENCHMARKS.md, session 12).
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrylm.experts.kernels.dequant import weight_args, weight_tile
+from ferrylm.experts.kernels.dequant import (column_scale, hardware_fp8, scale_after_dot, weight_args, weight_tile,
+                                            weight_values)
 from ferrylm.experts.quantized import QuantTensor
 from ferrylm.triton_util import dot_precision
 
@@ -200,7 +205,7 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr, off_
                     HAS_SLOTS: tl.constexpr, HAS_OFF: tl.constexpr, ITEM_W: tl.constexpr, ITEM_S: tl.constexpr,
                     ITEM_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PRECISION: tl.constexpr, QKIND: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr,
-                    HAS_ROW: tl.constexpr):
+                    HAS_ROW: tl.constexpr, SCALE_AFTER: tl.constexpr, HW_FP8: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
@@ -226,12 +231,24 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr, off_
     for k0 in range(0, K, BLOCK_K):
         k_ok = k + k0 < K
         a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        bg = weight_tile(wg_ptr, sg_ptr, mg_ptr, rg_ptr, e, n, k0, k + k0, n_ok, k_ok, stride_ge, stride_gn,
-                         stride_gk, sgse, sgsn, sgsg, sgre, sgrn, QKIND, GROUP, HAS_MINS, HAS_ROW, BLOCK_K)
-        bu = weight_tile(wu_ptr, su_ptr, mu_ptr, ru_ptr, e, n, k0, k + k0, n_ok, k_ok, stride_ue, stride_un,
-                         stride_uk, suse, susn, susg, sure, surn, QKIND, GROUP, HAS_MINS, HAS_ROW, BLOCK_K)
-        acc_g = tl.dot(a, bg.to(a.dtype), acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, bu.to(a.dtype), acc_u, input_precision=PRECISION)
+        if SCALE_AFTER:  # unscaled values (exact in a's dtype) into the dot, the group's scale on its result
+            vg = weight_values(wg_ptr, e, n, k0, k + k0, n_ok, k_ok, stride_ge, stride_gn, stride_gk, QKIND,
+                               HAS_MINS, BLOCK_K, HW_FP8)
+            vu = weight_values(wu_ptr, e, n, k0, k + k0, n_ok, k_ok, stride_ue, stride_un, stride_uk, QKIND,
+                               HAS_MINS, BLOCK_K, HW_FP8)
+            acc_g += tl.dot(a, vg.to(a.dtype), input_precision=PRECISION) * column_scale(
+                sg_ptr, rg_ptr, e, n, k0, n_ok, sgse, sgsn, sgsg, sgre, sgrn, GROUP, HAS_ROW)
+            acc_u += tl.dot(a, vu.to(a.dtype), input_precision=PRECISION) * column_scale(
+                su_ptr, ru_ptr, e, n, k0, n_ok, suse, susn, susg, sure, surn, GROUP, HAS_ROW)
+        else:
+            bg = weight_tile(wg_ptr, sg_ptr, mg_ptr, rg_ptr, e, n, k0, k + k0, n_ok, k_ok, stride_ge, stride_gn,
+                             stride_gk, sgse, sgsn, sgsg, sgre, sgrn, QKIND, GROUP, HAS_MINS, HAS_ROW, BLOCK_K,
+                             HW_FP8)
+            bu = weight_tile(wu_ptr, su_ptr, mu_ptr, ru_ptr, e, n, k0, k + k0, n_ok, k_ok, stride_ue, stride_un,
+                             stride_uk, suse, susn, susg, sure, surn, QKIND, GROUP, HAS_MINS, HAS_ROW, BLOCK_K,
+                             HW_FP8)
+            acc_g = tl.dot(a, bg.to(a.dtype), acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, bu.to(a.dtype), acc_u, input_precision=PRECISION)
         x_ptrs += BLOCK_K
     out_ty = h_ptr.dtype.element_ty
     g = acc_g.to(out_ty).to(tl.float32)
@@ -248,7 +265,7 @@ def _down_kernel(h_ptr, out_ptr, w_ptr, dest_ptr, sorted_ptr, bexp_ptr, npad_ptr
                  HAS_SLOTS: tl.constexpr, HAS_OFF: tl.constexpr, ITEM_W: tl.constexpr, ITEM_S: tl.constexpr,
                  ITEM_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PRECISION: tl.constexpr, QKIND: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr,
-                 HAS_ROW: tl.constexpr):
+                 HAS_ROW: tl.constexpr, SCALE_AFTER: tl.constexpr, HW_FP8: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
@@ -270,9 +287,16 @@ def _down_kernel(h_ptr, out_ptr, w_ptr, dest_ptr, sorted_ptr, bexp_ptr, npad_ptr
     for k0 in range(0, K, BLOCK_K):
         k_ok = k + k0 < K
         a = tl.load(h_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        b = weight_tile(wd_ptr, sd_ptr, md_ptr, rd_ptr, e, n, k0, k + k0, n_ok, k_ok, stride_de, stride_dn,
-                        stride_dk, sdse, sdsn, sdsg, sdre, sdrn, QKIND, GROUP, HAS_MINS, HAS_ROW, BLOCK_K)
-        acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
+        if SCALE_AFTER:  # as in _gate_up_kernel
+            v = weight_values(wd_ptr, e, n, k0, k + k0, n_ok, k_ok, stride_de, stride_dn, stride_dk, QKIND,
+                              HAS_MINS, BLOCK_K, HW_FP8)
+            acc += tl.dot(a, v.to(a.dtype), input_precision=PRECISION) * column_scale(
+                sd_ptr, rd_ptr, e, n, k0, n_ok, sdse, sdsn, sdsg, sdre, sdrn, GROUP, HAS_ROW)
+        else:
+            b = weight_tile(wd_ptr, sd_ptr, md_ptr, rd_ptr, e, n, k0, k + k0, n_ok, k_ok, stride_de, stride_dn,
+                            stride_dk, sdse, sdsn, sdsg, sdre, sdrn, QKIND, GROUP, HAS_MINS, HAS_ROW, BLOCK_K,
+                            HW_FP8)
+            acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
         h_ptrs += BLOCK_K
     out_ty = out_ptr.dtype.element_ty
     w = tl.load(w_ptr + a64, mask=m_ok, other=0.0).to(tl.float32)
@@ -354,6 +378,7 @@ def fused_moe(hidden: torch.Tensor, gate: torch.Tensor | QuantTensor, up: torch.
     (g_args, g_kind), (u_args, _), (d_args, d_kind) = weight_args(gate), weight_args(up), weight_args(down)
     offs = row_offset if row_offset is not None else sorted_ids  # unused without HAS_OFF
     g_items, d_items = _items(g_args), _items(d_args)
+    hw_fp8 = hardware_fp8(hidden.device)
     if g_kind["QKIND"] or d_kind["QKIND"]:
         # dequantizing tiles in registers: two pipeline stages (three ran out of shared memory at 64-row tiles with
         # int4 + mins on the H200, Triton 3.6)
@@ -364,7 +389,8 @@ def fused_moe(hidden: torch.Tensor, gate: torch.Tensor | QuantTensor, up: torch.
         HAS_SLOTS=slot_of is not None, HAS_OFF=row_offset is not None, **g_items,
         BLOCK_M=gu_tiles.block_m, BLOCK_N=gu_tiles.block_n,
         BLOCK_K=gu_tiles.block_k, PRECISION=dot_precision(hidden.dtype), num_warps=gu_tiles.num_warps,
-        num_stages=gu_tiles.num_stages, **g_kind)
+        num_stages=gu_tiles.num_stages, SCALE_AFTER=scale_after_dot(g_kind, gu_tiles.block_k), HW_FP8=hw_fp8,
+        **g_kind)
     rows = torch.empty(n, hdim, dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1)
     if weights.dtype != torch.float32:
@@ -375,6 +401,7 @@ def fused_moe(hidden: torch.Tensor, gate: torch.Tensor | QuantTensor, up: torch.
         HAS_SLOTS=slot_of is not None, HAS_OFF=row_offset is not None, **d_items,
         BLOCK_M=d_tiles.block_m, BLOCK_N=d_tiles.block_n,
         BLOCK_K=d_tiles.block_k, PRECISION=dot_precision(hidden.dtype), num_warps=d_tiles.num_warps,
-        num_stages=d_tiles.num_stages, **d_kind)
+        num_stages=d_tiles.num_stages, SCALE_AFTER=scale_after_dot(d_kind, d_tiles.block_k), HW_FP8=hw_fp8,
+        **d_kind)
     # one kernel: a 16-bit sum accumulates in float32 and rounds once, as sum(dtype=float32).to(dtype) does
     return rows.view(t, k, hdim).sum(1)
