@@ -91,21 +91,3 @@ def test_decode_step_forward_makes_no_host_sync(tmp_path, backend):
     prompts = {"a": token_ids(30, ckpt.vocab_size, seed=1).tolist(), "b": token_ids(20, ckpt.vocab_size, seed=2).tolist()}
     _generate(eng, prompts, 8)
     assert len(checked) >= 6, checked
-
-
-def test_one_token_steps_choose_their_path_by_time(tmp_path):
-    """Plain experts, one sequence: one-token steps time the host-planned path (piecewise graphs) and the table
-    (a whole-step graph of one token, captured on the table path) and settle on one (experts/path_choice.py);
-    greedy tokens equal resident's whichever path ran each step."""
-    ckpt = build_checkpoint("qwen3_moe", tmp_path / "m", seed=5)
-    copy_config(ckpt.path, ckpt.path, max_position_embeddings=2048)
-    prompts = {"a": token_ids(50, ckpt.vocab_size, seed=4).tolist()}
-    ref = _generate(_engine(ckpt.path, "resident", num_pages=128, decode_graphs="off"), prompts, 40)
-    eng = _engine(ckpt.path, "offload", num_pages=128, moe_cache_size=3)
-    got = _generate(eng, prompts, 40)
-    assert got[0] == ref[0], "greedy tokens differ from resident"
-    st = eng.stats()
-    path = st["experts"]["one_token_path"]
-    assert set(path["trials"]) == {"host", "table"} and path["settled"] in ("host", "table"), path
-    g = st["decode_graphs"]
-    assert g["replays"] >= 8 and g["piecewise"]["replays"] >= 7, g  # both paths ran graphed steps

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -73,15 +72,11 @@ class StepGraphs:
         on_replay: called with the padded size after each replay (the expert executor counts the step).
         min_batch: decode steps of fewer sequences are not graphed here (an executor whose small steps take
             another path: the model runner sends them to the piecewise runner).
-        capture_context: a callable returning a context manager that the warm-up and the capture of a size run
-            inside (the offload executor's ``table_forced``: a step whose path is chosen per step is captured on the
-            table path); None: none.
     """
 
     def __init__(self, model, pool: KVPool, device: torch.device, max_batch: int, max_model_len: int,
-                 on_replay=None, min_batch: int = 1, capture_context=None):
+                 on_replay=None, min_batch: int = 1):
         self.model = model
-        self.capture_context = capture_context
         self.pool = pool
         self.device = device
         self.min_batch = max(1, int(min_batch))  # smaller decode steps are not graphed here (size_for: None)
@@ -202,16 +197,15 @@ class StepGraphs:
         before = torch.cuda.memory_reserved(self.device)
         failed: BaseException | None = None
         try:
-            with self.capture_context() if self.capture_context is not None else nullcontext():
-                cap = self._static(size)
-                self._run(cap)  # warm-up on padding-only inputs (writes no K/V): compiles and autotunes the kernels
-                torch.cuda.synchronize(self.device)
-                if self._pool_handle is None:
-                    self._pool_handle = torch.cuda.graph_pool_handle()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self._pool_handle, capture_error_mode="thread_local"):
-                    cap.logits = self._run(cap)
-                cap.graph = g
+            cap = self._static(size)
+            self._run(cap)  # warm-up on padding-only inputs (writes no K/V): compiles and autotunes the kernels
+            torch.cuda.synchronize(self.device)
+            if self._pool_handle is None:
+                self._pool_handle = torch.cuda.graph_pool_handle()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._pool_handle, capture_error_mode="thread_local"):
+                cap.logits = self._run(cap)
+            cap.graph = g
         except Exception as e:  # noqa: BLE001 - graphs are an optimisation: the step runs eagerly instead
             failed = e
         finally:

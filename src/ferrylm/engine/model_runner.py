@@ -103,15 +103,10 @@ class ModelRunner:
         max_batch = self.config.cuda_graph_max_batch or self.config.max_running_requests
         safe = executor is None or bool(getattr(executor, "graph_safe", False))
         min_batch = int(getattr(executor, "table_min_tokens", 1)) if safe and executor is not None else 1
-        # an executor that chooses the path of one-token steps per step (experts/path_choice.py): a whole-step graph
-        # for one token as well, replayed when the executor's table_step(1) says so, the piecewise runner otherwise
-        self._tuned_one = bool(safe and executor is not None and getattr(executor, "tunes_one_token_path", False))
-        self._table_min = min_batch
         if self._graph_mode == "cuda" and self.attention == "triton" and safe:
             self.step_graphs = StepGraphs(self.model, self.pool, self.device, max_batch, self.max_model_len,
                                           on_replay=getattr(executor, "count_replayed_step", None),
-                                          min_batch=1 if self._tuned_one else min_batch,
-                                          capture_context=getattr(executor, "table_forced", None))
+                                          min_batch=min_batch)
         if self.step_graphs is None or min_batch > 1:  # the steps the whole-step graphs do not take
             self.piecewise = DecodeGraphRunner(self.model, self.pool, self.device, DecodeGraphConfig(
                 mode=self.config.decode_graphs, max_batch=max_batch if self.step_graphs is None else min_batch - 1,
@@ -171,8 +166,7 @@ class ModelRunner:
         """Logits ``[N, V]`` of a decode step run through a graph (N = sampling sequences), or None when no graph
         takes it."""
         b = len(seqs)
-        if self.step_graphs is not None and (b >= self._table_min or not self._tuned_one
-                                             or self.executor.table_step(b)):
+        if self.step_graphs is not None:
             size = self.step_graphs.size_for(b)
             if size is not None:
                 # a failed replay may have advanced the states (the engine then recomputes the requests)

@@ -13,13 +13,11 @@ Offloading", §3.2). A wrong guess costs copy bandwidth and a slot, never correc
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
 
 import numpy as np
 import torch
 
 from ferrylm.experts.cached import CachedExecutor
-from ferrylm.experts.path_choice import OneTokenPath
 from ferrylm.experts.slot_table import FREQ_DECAY, SlotTable
 from ferrylm.experts.work import LayerWork
 from ferrylm.triton_util import triton_available
@@ -31,7 +29,7 @@ log = logging.getLogger("ferrylm.experts")
 # about once per launch up to here (one 16- or 64-row block per expert), so the kernel moves the bytes streaming
 # would, with no host decision inside the step
 TABLE_MAX_TOKENS = 256
-TABLE_MIN_TOKENS_PLAIN = 2  # bf16/fp16 experts: one-token steps choose their path by timing (see table_min_tokens)
+TABLE_MIN_TOKENS_PLAIN = 2  # bf16/fp16 experts: one-token steps keep the host-planned path (see table_min_tokens)
 ADMIT_MIN_USES = 1.0  # a missed expert is installed only if its decayed use count before this step was at least this
 INSTALL_FRACTION = 8  # at most max(1, used // this) installs per layer and step (bounds churn under uniform routing)
 
@@ -42,8 +40,6 @@ class TableDecode:
 
     #: run the table path on the CPU too (tests, through Triton's interpreter)
     table_on_cpu = False
-    _table_forced = False  # table_forced(): a whole-step graph of one token is being captured
-    _path: OneTokenPath | None = None
 
     @property
     def graph_safe(self) -> bool:
@@ -53,44 +49,13 @@ class TableDecode:
 
     @property
     def table_min_tokens(self) -> int:
-        """The smallest step that always runs from the table: 1 for quantized experts; 2 for plain ones, whose
-        one-token steps choose between the table and the host-planned path with next-layer prefetch by DMA by
-        timing both (:attr:`tunes_one_token_path`; the host path won on Qwen3-30B-A3B at a 24 GiB cap, 20.4 vs
-        15.4 tok/s, docs/BENCHMARKS.md session 7; at 16 tokens the table path won, 24.9 vs 22.0 tok/s).
-        ``table_on_cpu`` (tests) runs every size from the table."""
+        """The smallest step run from the table: 1 for quantized experts; 2 for plain ones, whose one-token steps
+        keep the host-planned path with next-layer prefetch by DMA (measured faster there on the H200: 20.4 vs
+        15.4 tok/s at a 24 GiB cap, bf16, docs/BENCHMARKS.md session 7; at 16 tokens the table path won, 24.9 vs
+        22.0 tok/s). ``table_on_cpu`` (tests) runs every size from the table."""
         if self.table_on_cpu or self.layout.quant is not None:
             return 1
         return TABLE_MIN_TOKENS_PLAIN
-
-    @property
-    def tunes_one_token_path(self) -> bool:
-        """One-token steps of plain experts on CUDA choose per step between the host-planned path and the table,
-        by measured step time (:mod:`ferrylm.experts.path_choice`); the model runner then captures a whole-step
-        graph for one token too and replays it only when :meth:`table_step` says so."""
-        return self.graph_safe and self.table_min_tokens > 1
-
-    def table_step(self, num_tokens: int) -> bool:
-        """:meth:`CachedExecutor.table_step`, except that a one-token step of :attr:`tunes_one_token_path` runs
-        from the table when the path chooser says so at :meth:`begin_step` (or while :meth:`table_forced`)."""
-        if num_tokens == 1 and self.tunes_one_token_path:
-            return self._table_forced or self._path.table
-        return super().table_step(num_tokens)
-
-    @contextmanager
-    def table_forced(self):
-        """One-token steps run from the table inside this block (the capture of their whole-step graph)."""
-        self._table_forced = True
-        try:
-            yield
-        finally:
-            self._table_forced = False
-
-    def stats(self) -> dict:
-        """:meth:`CachedExecutor.stats` plus ``one_token_path`` (:meth:`OneTokenPath.describe`) when tuned."""
-        d = super().stats()
-        if self.tunes_one_token_path:
-            d["one_token_path"] = self._path.describe()
-        return d
 
     def count_replayed_step(self, num_tokens: int) -> None:
         """A graph replay ran the step; :meth:`begin_step` already opened its counters."""
@@ -129,7 +94,6 @@ class TableDecode:
         self.table.reset(self.slot_offsets())
         self._table_stale = False
         self.table.publish(self.copier, {})
-        self._path = OneTokenPath()
 
     def _run_table(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                    topk_weights: torch.Tensor) -> torch.Tensor:
@@ -150,8 +114,6 @@ class TableDecode:
         table = self.table
         if table is None or self.cache is None:
             return
-        if self.tunes_one_token_path:
-            self._path.step_begins(num_tokens)
         if self._table_stale:
             table.reset(self.slot_offsets())
             self._table_stale = False
