@@ -501,9 +501,11 @@ def _apply_tokenizer_flag(args: argparse.Namespace) -> str | None:
     """Fold ``--tokenizer`` into a synthetic ``--model`` spec (``:tokenizer=<abs path>``, so every reader of the
     spec sees it); return an error message, or None."""
     from ferrylm.errors import ModelLoadError
-    from ferrylm.models.synthetic import is_synthetic_spec, with_tokenizer
+    from ferrylm.models.synthetic import is_synthetic_spec, parse_synthetic_spec, with_tokenizer
 
     try:
+        if is_synthetic_spec(args.model):
+            parse_synthetic_spec(args.model)   # an unknown preset is named before a missing --tokenizer
         args.model = with_tokenizer(args.model, args.tokenizer)
     except ModelLoadError as e:
         return e.message

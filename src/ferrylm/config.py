@@ -342,7 +342,8 @@ class EngineConfig:
             (self.moe_cache_policy in CACHE_POLICIES,
              f"--moe-cache-policy must be one of {', '.join(CACHE_POLICIES)}, got {self.moe_cache_policy!r}"),
             (self.gpu_memory_limit is None or self.gpu_memory_limit > 0, "--gpu-memory-limit must be > 0 GiB"),
-            (0 < self.memory_ratio <= 1, f"--memory-ratio must be in (0, 1], got {self.memory_ratio}"),
+            (0 < self.memory_ratio <= 1,
+             f"--memory-ratio / --gpu-memory-utilization must be in (0, 1], got {self.memory_ratio}"),
             (self.memory_reserve is None or self.memory_reserve >= 0, "--memory-reserve must be >= 0 GiB"),
             (self.kv_reserve_tokens is None or self.kv_reserve_tokens >= 1, "--kv-reserve-tokens must be >= 1"),
             (not (self.moe_cache_auto and self.moe_cache_size is not None),
@@ -376,13 +377,20 @@ class EngineConfig:
         return self
 
     def check_model(self, model: "ModelConfig") -> "EngineConfig":
-        """Raise ValueError naming ``--tensor-parallel-size`` when ``model`` cannot be split over that many ranks.
+        """Raise ValueError naming ``--max-model-len`` when it exceeds the model's own context
+        (``max_position_embeddings``: positions past it were never trained, and RoPE tables and rope scaling are
+        sized by it; vLLM refuses the same), and naming ``--tensor-parallel-size`` when ``model`` cannot be split
+        over that many ranks.
 
         Rules (``models/tensor_parallel.py`` shards this way): N divides ``num_attention_heads``; N divides
         ``num_key_value_heads`` (each rank holds ``kv / N`` KV heads), or ``num_key_value_heads`` divides N (each
         KV head replicated on ``N / kv`` ranks, one KV head per rank); N divides ``intermediate_size`` (when a layer
         is dense), ``moe_intermediate_size`` and ``shared_expert_intermediate_size``. No-op for N = 1.
         """
+        ctx = model.max_position_embeddings
+        if self.max_model_len is not None and ctx and self.max_model_len > ctx:
+            raise ValueError(f"--max-model-len {self.max_model_len} is larger than the model's context of {ctx} "
+                             f"tokens (max_position_embeddings); give at most {ctx}, or leave it out")
         n = self.tensor_parallel_size
         if n == 1:
             return self

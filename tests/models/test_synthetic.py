@@ -292,6 +292,9 @@ def test_cli_models_and_tokenizer_flag_errors(capsys, tmp_path):
     with pytest.raises(SystemExit):
         cli.main(["serve", "--model", "synthetic:qwen3-30b-a3b:layers=1", "--port", "1"])
     assert "needs --tokenizer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):   # the unknown preset first, not the missing --tokenizer (fresh-user trial)
+        cli.main(["serve", "--model", "synthetic:nosuchpreset", "--port", "1"])
+    assert "unknown synthetic preset 'nosuchpreset'" in capsys.readouterr().err
 
 
 @pytest.mark.slow

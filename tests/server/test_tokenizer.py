@@ -217,3 +217,32 @@ def test_chat_template_markup_is_special_but_message_content_is_text(which, code
     assert clean == c.encode(c.render_chat([{"role": "system", "content": "be brief"},
                                             {"role": "user", "content": "hi"}]), add_special_tokens=False,
                              parse_special=True)
+
+
+def test_client_text_encodes_without_holding_the_gil(codec: TextCodec) -> None:
+    """A long prompt tokenized in a worker thread leaves the interpreter to the event loop: the main thread keeps
+    running while it encodes (``encode`` of the tokenizers binding holds the GIL for the whole call, its batch form
+    does not; a 4.5M-character prompt stalled /health for 5.5 s)."""
+    import threading
+    import time
+
+    assert codec._text_backend is not None  # client text with special strings: the path under test
+    text = "hello there, a long prompt with words " * 60000
+    done = threading.Event()
+    took = []
+
+    def work():
+        t = time.perf_counter()
+        codec.encode(text)
+        took.append(time.perf_counter() - t)
+        done.set()
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    ticks = 0
+    while not done.is_set():
+        time.sleep(0.005)
+        ticks += 1
+    worker.join()
+    assert took[0] > 0.1, "the prompt is too short to tell"
+    assert ticks >= 0.25 * took[0] / 0.005, (ticks, took)

@@ -285,7 +285,7 @@ def parse_synthetic_spec(spec: str) -> SyntheticSpec:
     preset = PRESETS.get(name)
     if preset is None:
         raise ModelLoadError(f"unknown synthetic preset {name!r}; presets: {', '.join(PRESETS)} "
-                             f"(spec: synthetic:<preset>[:layers=N][:skew=A][:seed=S][:quant=Q])")
+                             f"(spec: synthetic:<preset>[:layers=N][:skew=A][:routing=R][:seed=S][:quant=Q])")
     values: dict[str, str] = {}
     for opt in options:
         key, eq, value = opt.partition("=")

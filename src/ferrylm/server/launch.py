@@ -198,7 +198,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
             raise UnsupportedArchitecture(f"{resolved.path}: architecture {mcfg.architecture!r} is not supported; "
                                           f"supported: {', '.join(supported_architectures())}")
         try:
-            engine_config.check_model(mcfg)   # --tensor-parallel-size against the heads and widths
+            engine_config.check_model(mcfg)   # --max-model-len against the context, --tensor-parallel-size
         except ValueError as e:
             sock.close()
             return fail(str(e))
