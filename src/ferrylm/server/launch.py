@@ -84,6 +84,8 @@ class BootSignals:
 
 
 REDELIVER_S = 0.01  # seconds before a signal that arrived inside a finalizer is delivered again
+ENGINE_STOP_S = 5.0  # at exit, seconds the engine process gets to obey the stop message before it is killed
+ENGINE_STOP_AFTER_TIMEOUT_S = 1.0  # the same when --shutdown-timeout ran out with requests still running
 
 
 def _in_finalizer(frame, depth: int = 64) -> bool:
@@ -281,6 +283,9 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
             sup.fail_in_flight(EngineUnavailable(
                 f"the server is shutting down; the request did not finish within --shutdown-timeout "
                 f"{shutdown_timeout:g} s"))
+            # the engine is mid-step on what was just answered: it reads the stop message only after that step,
+            # which can take seconds (a long prefill chunk); nothing is left to wait for, so it gets a short grace
+            server_box["engine_stop_s"] = ENGINE_STOP_AFTER_TIMEOUT_S
             await sup.drain(2.0)  # the error events go out
         log.info("shutting down: drained in %.2f s; stopping", time.monotonic() - t0)
         server.should_exit = True
@@ -313,7 +318,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
             try:
                 await server.serve(sockets=[sock])
             finally:
-                await sup.close()
+                await sup.close(server_box.get("engine_stop_s", ENGINE_STOP_S))
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)   # resets to SIG_DFL: record-only until the process exits
