@@ -88,6 +88,11 @@ async def test_supervisor_health_states(tmp_path) -> None:
         h = sup.health()
         assert h.status == "stalled" and "heartbeat" in h.detail and "engine_pid" in h.extra
         sup.last_heartbeat += 6
+        sup.last_stats = {"num_running": 2}
+        assert sup.health().extra["engine"] == {"num_running": 2}
+        sup.state = "restarting"   # the engine died: its last figures are not the new engine's
+        assert sup.health().extra["engine"] == {}
+        sup.state = "ready"
         sup.begin_drain()
         assert sup.health().status == "draining"
         with pytest.raises(EngineUnavailable, match="shutting down"):

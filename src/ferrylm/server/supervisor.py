@@ -646,7 +646,10 @@ class Supervisor:
         extra = {"engine_pid": self.engine_pid, "restarts": self.num_restarts,
                  **({"tensor_parallel_pids": self.rank_pids} if self.tp_size > 1 else {}),
                  "heartbeat_age_s": None if hb_age is None else round(hb_age, 2),
-                 "in_flight": len(self._streams), "engine": dict(self.last_stats), "step": step,
+                 "in_flight": len(self._streams), "step": step,
+                 # the figures of the engine that is running: none while it loads or restarts (the last
+                 # heartbeat's are the dead engine's: fresh-user trial, "num_running": 2 during a restart)
+                 "engine": dict(self.last_stats) if self.state == "ready" else {},
                  "stall_deadline_s": round(self.stall_deadline(), 2) if self.watchdog_timeout else None,
                  "quarantine": self.quarantine.stats()}
         if self._draining:
