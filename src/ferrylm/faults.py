@@ -30,6 +30,9 @@ point                  site                                                     
                        the forward (illegal memory access; the engine must exit)           (RuntimeError before
                                                                                            torch 2.9)
 ``heartbeat_error``    ``engine/worker.py`` heartbeat thread: the stats read fails         RuntimeError
+``boot_delay``         ``engine/worker.py``: sleep ``ms`` before the engine is built        (slow boot)
+                       (every boot of the process, restarts included: a restart that
+                       takes a known time)
 ``ipc_garbage``        frontend ``Supervisor.generate``: before the request, send the      (malformed messages)
                        engine an undecodable message and an AddRequest with bad fields
 =====================  ================================================================  ======================
@@ -40,7 +43,8 @@ every matching hit); ``min_prompt=N`` match only when the request concerned has 
 when it has at most N; ``phase=prefill|decode``
 match only steps of that kind; ``bytes=N`` the size the error reports (default: the site's own estimate, at least
 1 MiB); ``file=PATH`` (``engine_stall`` only; the last key of its rule, so PATH may contain ``:``); ``ms=N``
-(``step_delay`` only: milliseconds per layer, default 100).
+(``step_delay``: milliseconds per layer, default 100; ``boot_delay``: milliseconds before the build, default
+1000).
 
 The error is the real type: ``torch.OutOfMemoryError`` with a CUDA-like message ("CUDA out of memory. Tried to
 allocate ..."), so the engine's OOM guard cannot tell it from a real one; the frontend site raises ``MemoryError``.
@@ -59,7 +63,7 @@ ENV = "FERRYLM_FAULTS"
 STALL_FILE_ENV = "FERRYLM_FAULT_STALL_FILE"
 POINTS: tuple[str, ...] = ("prefill_workspace", "attention_scratch", "expert_fetch", "kv_page_alloc", "logits",
                            "detokenize", "engine_stall", "step_delay", "device_error", "heartbeat_error",
-                           "ipc_garbage", "deltanet_scratch")
+                           "ipc_garbage", "deltanet_scratch", "boot_delay")
 FRONTEND_POINTS = frozenset({"detokenize", "ipc_garbage"})
 # what torch raises for an illegal address on CUDA (torch >= 2.9: torch.AcceleratorError, a RuntimeError)
 DEVICE_ERROR_TEXT = ("CUDA error: an illegal memory access was encountered\nSearch for `cudaErrorIllegalAddress' in "
@@ -116,8 +120,8 @@ def parse_rules(spec: str | None) -> list[FaultRule]:
                     raise ValueError(f"phase must be prefill or decode, got {value!r} in {part!r}")
                 kw["phase"] = value
             elif key in ("after", "times", "min_prompt", "max_prompt", "bytes", "ms"):
-                if key == "ms" and name != "step_delay":
-                    raise ValueError(f"ms= applies to step_delay only, not {name!r}")
+                if key == "ms" and name not in ("step_delay", "boot_delay"):
+                    raise ValueError(f"ms= applies to step_delay and boot_delay only, not {name!r}")
                 try:
                     n = int(value)
                 except ValueError:
@@ -249,6 +253,15 @@ class FaultInjector:
             time.sleep((100 if rule.ms is None else rule.ms) / 1000)
         if "device_error" in self.rules and self.fires("device_error"):
             raise device_error(f"(ferrylm fault injection at 'device_error', firing {self._fired['device_error']})")
+
+    def boot_hook(self) -> None:
+        """The engine process's boot site (``engine/worker.py``, before the engine is built): sleep for
+        ``boot_delay``."""
+        rule = self.rules.get("boot_delay") if self.enabled else None
+        if rule is not None and self.fires("boot_delay"):
+            import time
+
+            time.sleep((1000 if rule.ms is None else rule.ms) / 1000)
 
     def should_stall(self) -> bool:
         """``engine_stall``: True when the loop must hang now. With ``file=PATH``: PATH exists (it is removed, so

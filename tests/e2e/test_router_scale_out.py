@@ -36,7 +36,11 @@ pytest.importorskip("vllm_router")
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m"
-REPLICA_ARGS = ("--model", MODEL, "--num-tokens", "4096", "--max-model-len", "2048")
+# every engine boot waits 10 s first (fault point boot_delay): the victim of (c) stays down for at least that long,
+# so the failover requests are served while it is (they take ~2 s; its restart alone took ~3 s on an idle host and
+# sometimes beat them)
+REPLICA_ARGS = ("--model", MODEL, "--num-tokens", "4096", "--max-model-len", "2048",
+                "--faults", "boot_delay:ms=10000")
 BODY = "Read the repository carefully, answer in one short sentence, cite the file you used and never guess. "
 
 

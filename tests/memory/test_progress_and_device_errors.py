@@ -77,8 +77,13 @@ def test_a_sticky_device_error_leaves_the_step_with_its_requests_named(offload_m
 def test_faults_parse_the_new_points():
     f = FaultInjector.parse("step_delay:ms=5:min_prompt=10,device_error:times=1,heartbeat_error:after=2")
     assert f.rules["step_delay"].ms == 5 and f.rules["device_error"].times == 1
-    with pytest.raises(ValueError, match="ms= applies to step_delay only"):
+    with pytest.raises(ValueError, match="ms= applies to step_delay and boot_delay only"):
         FaultInjector.parse("device_error:ms=3")
     assert FaultInjector.parse("ipc_garbage:times=2").rules["ipc_garbage"].times == 2
+    boot = FaultInjector.parse("boot_delay:ms=30")
+    t0 = time.monotonic()
+    boot.boot_hook()
+    assert time.monotonic() - t0 >= 0.03 and boot.rules["boot_delay"].ms == 30
+    FaultInjector.parse(None).boot_hook()   # disabled: returns at once
     band = FaultInjector.parse("logits:min_prompt=10:max_prompt=20")
     assert [band.fires("logits", prompt_tokens=n) for n in (9, 10, 20, 21)] == [False, True, True, False]

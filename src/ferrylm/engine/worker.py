@@ -317,8 +317,10 @@ def engine_main(spec_dict: dict) -> None:
     tp = None   # rank 0's step broadcaster under tensor parallel (engine/parallel/step_sync.py)
     try:
         from ferrylm.engine.factory import build_engine
+        from ferrylm.faults import FaultInjector
 
         config = EngineConfig(**spec.engine_config)
+        FaultInjector.from_config(config.faults).boot_hook()   # point boot_delay (tests: a slow restart)
         tp = _join_group(config, spec.tp_rendezvous)
         engine = build_engine(spec.model_path, config, tp=tp)
     except Exception as e:
