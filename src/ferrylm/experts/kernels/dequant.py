@@ -15,6 +15,8 @@ dtype before ``tl.dot`` (float32 accumulation), as the reference rounds the dequ
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -214,8 +216,35 @@ def scale_after_dot(kind: dict, block_k: int) -> bool:
 
 def hardware_fp8(device: torch.device) -> bool:
     """Whether Triton converts float8 e4m3 in hardware on ``device`` (CUDA compute capability 8.9 or newer); the
-    interpreter and older GPUs decode the bits."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    interpreter and older GPUs decode the bits. Asked at every launch: the capability is looked up once per
+    device."""
+    return device.type == "cuda" and _capability(device.index if device.index is not None
+                                                  else torch.cuda.current_device()) >= (8, 9)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@triton.jit
+def tile_dot(acc, a, w_ptr, s_ptr, m_ptr, r_ptr, e, n, k0, kk, n_ok, k_ok,
+             swe, swn, swk, sse, ssn, ssg, sre, srn,
+             QKIND: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr, HAS_ROW: tl.constexpr,
+             BLOCK_K: tl.constexpr, HW_FP8: tl.constexpr, SCALE_AFTER: tl.constexpr, PRECISION: tl.constexpr):
+    """``acc [BLOCK_M, BLOCK_N] + a [BLOCK_M, BLOCK_K] @ W[e, n, kk]^T`` in float32, for one K tile of one
+    projection (the fused MoE kernels' inner step). ``SCALE_AFTER`` (:func:`scale_after_dot`): the tile's unscaled
+    values (exact in ``a``'s dtype) go into the dot and the group scale multiplies its result; otherwise the
+    dequantized tile (:func:`weight_tile`) is rounded to ``a``'s dtype, then multiplied."""
+    if SCALE_AFTER:
+        v = weight_values(w_ptr, e, n, k0, kk, n_ok, k_ok, swe, swn, swk, QKIND, HAS_MINS, BLOCK_K, HW_FP8)
+        acc += tl.dot(a, v.to(a.dtype), input_precision=PRECISION) * column_scale(
+            s_ptr, r_ptr, e, n, k0, n_ok, sse, ssn, ssg, sre, srn, GROUP, HAS_ROW)
+    else:
+        b = weight_tile(w_ptr, s_ptr, m_ptr, r_ptr, e, n, k0, kk, n_ok, k_ok, swe, swn, swk, sse, ssn, ssg, sre,
+                        srn, QKIND, GROUP, HAS_MINS, HAS_ROW, BLOCK_K, HW_FP8)
+        acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
@@ -249,11 +278,9 @@ def weight_tile(w_ptr, s_ptr, m_ptr, r_ptr, e, n, k0, kk, n_ok, k_ok,
         v = weight_values(w_ptr, e, n, k0, kk, n_ok, k_ok, swe, swn, swk, QKIND, HAS_MINS, BLOCK_K,
                           HW_FP8).to(tl.float32)
         if GROUP % BLOCK_K == 0:  # the tile is inside one group: a scale per column
-            s_off = e * sse + nn * ssn + (k0 // GROUP) * ssg  # [1, BLOCK_N]
-            s = tl.load(s_ptr + s_off, mask=n_ok[None, :], other=0.0).to(tl.float32)
-            if HAS_ROW:
-                s = s * tl.load(r_ptr + e * sre + nn * srn, mask=n_ok[None, :], other=0.0).to(tl.float32)
+            s = column_scale(s_ptr, r_ptr, e, n, k0, n_ok, sse, ssn, ssg, sre, srn, GROUP, HAS_ROW)
             if HAS_MINS:
+                s_off = e * sse + nn * ssn + (k0 // GROUP) * ssg  # [1, BLOCK_N]
                 m = tl.load(m_ptr + s_off, mask=n_ok[None, :], other=0.0).to(tl.float32)
                 w = v * s - m
             else:

@@ -40,8 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrylm.experts.kernels.dequant import (column_scale, hardware_fp8, scale_after_dot, weight_args, weight_tile,
-                                            weight_values)
+from ferrylm.experts.kernels.dequant import hardware_fp8, scale_after_dot, tile_dot, weight_args
 from ferrylm.experts.quantized import QuantTensor
 from ferrylm.triton_util import dot_precision
 
@@ -231,24 +230,12 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr, off_
     for k0 in range(0, K, BLOCK_K):
         k_ok = k + k0 < K
         a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if SCALE_AFTER:  # unscaled values (exact in a's dtype) into the dot, the group's scale on its result
-            vg = weight_values(wg_ptr, e, n, k0, k + k0, n_ok, k_ok, stride_ge, stride_gn, stride_gk, QKIND,
-                               HAS_MINS, BLOCK_K, HW_FP8)
-            vu = weight_values(wu_ptr, e, n, k0, k + k0, n_ok, k_ok, stride_ue, stride_un, stride_uk, QKIND,
-                               HAS_MINS, BLOCK_K, HW_FP8)
-            acc_g += tl.dot(a, vg.to(a.dtype), input_precision=PRECISION) * column_scale(
-                sg_ptr, rg_ptr, e, n, k0, n_ok, sgse, sgsn, sgsg, sgre, sgrn, GROUP, HAS_ROW)
-            acc_u += tl.dot(a, vu.to(a.dtype), input_precision=PRECISION) * column_scale(
-                su_ptr, ru_ptr, e, n, k0, n_ok, suse, susn, susg, sure, surn, GROUP, HAS_ROW)
-        else:
-            bg = weight_tile(wg_ptr, sg_ptr, mg_ptr, rg_ptr, e, n, k0, k + k0, n_ok, k_ok, stride_ge, stride_gn,
-                             stride_gk, sgse, sgsn, sgsg, sgre, sgrn, QKIND, GROUP, HAS_MINS, HAS_ROW, BLOCK_K,
-                             HW_FP8)
-            bu = weight_tile(wu_ptr, su_ptr, mu_ptr, ru_ptr, e, n, k0, k + k0, n_ok, k_ok, stride_ue, stride_un,
-                             stride_uk, suse, susn, susg, sure, surn, QKIND, GROUP, HAS_MINS, HAS_ROW, BLOCK_K,
-                             HW_FP8)
-            acc_g = tl.dot(a, bg.to(a.dtype), acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(a, bu.to(a.dtype), acc_u, input_precision=PRECISION)
+        acc_g = tile_dot(acc_g, a, wg_ptr, sg_ptr, mg_ptr, rg_ptr, e, n, k0, k + k0, n_ok, k_ok, stride_ge,
+                         stride_gn, stride_gk, sgse, sgsn, sgsg, sgre, sgrn, QKIND, GROUP, HAS_MINS, HAS_ROW,
+                         BLOCK_K, HW_FP8, SCALE_AFTER, PRECISION)
+        acc_u = tile_dot(acc_u, a, wu_ptr, su_ptr, mu_ptr, ru_ptr, e, n, k0, k + k0, n_ok, k_ok, stride_ue,
+                         stride_un, stride_uk, suse, susn, susg, sure, surn, QKIND, GROUP, HAS_MINS, HAS_ROW,
+                         BLOCK_K, HW_FP8, SCALE_AFTER, PRECISION)
         x_ptrs += BLOCK_K
     out_ty = h_ptr.dtype.element_ty
     g = acc_g.to(out_ty).to(tl.float32)
@@ -287,16 +274,9 @@ def _down_kernel(h_ptr, out_ptr, w_ptr, dest_ptr, sorted_ptr, bexp_ptr, npad_ptr
     for k0 in range(0, K, BLOCK_K):
         k_ok = k + k0 < K
         a = tl.load(h_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if SCALE_AFTER:  # as in _gate_up_kernel
-            v = weight_values(wd_ptr, e, n, k0, k + k0, n_ok, k_ok, stride_de, stride_dn, stride_dk, QKIND,
-                              HAS_MINS, BLOCK_K, HW_FP8)
-            acc += tl.dot(a, v.to(a.dtype), input_precision=PRECISION) * column_scale(
-                sd_ptr, rd_ptr, e, n, k0, n_ok, sdse, sdsn, sdsg, sdre, sdrn, GROUP, HAS_ROW)
-        else:
-            b = weight_tile(wd_ptr, sd_ptr, md_ptr, rd_ptr, e, n, k0, k + k0, n_ok, k_ok, stride_de, stride_dn,
-                            stride_dk, sdse, sdsn, sdsg, sdre, sdrn, QKIND, GROUP, HAS_MINS, HAS_ROW, BLOCK_K,
-                            HW_FP8)
-            acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
+        acc = tile_dot(acc, a, wd_ptr, sd_ptr, md_ptr, rd_ptr, e, n, k0, k + k0, n_ok, k_ok, stride_de, stride_dn,
+                       stride_dk, sdse, sdsn, sdsg, sdre, sdrn, QKIND, GROUP, HAS_MINS, HAS_ROW, BLOCK_K, HW_FP8,
+                       SCALE_AFTER, PRECISION)
         h_ptrs += BLOCK_K
     out_ty = out_ptr.dtype.element_ty
     w = tl.load(w_ptr + a64, mask=m_ok, other=0.0).to(tl.float32)
