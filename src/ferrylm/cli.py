@@ -234,6 +234,27 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--multi-turn: tokens of the system prefix every conversation starts with")
     bs.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
 
+    bu = bsub.add_parser("suite", help="named scenarios: each one `ferry serve` (default flags + its own) measured "
+                                        "by `ferry bench serve`, one JSON per scenario with its roofline")
+    bu.add_argument("--only", default=None, help="comma list of scenario names (default: all; --list shows them)")
+    bu.add_argument("--list", action="store_true", help="print the scenarios and exit")
+    bu.add_argument("--scenarios", default=None, help="scenario file (default: the package's bench/scenarios.toml)")
+    bu.add_argument("--tokenizer", default=None, help="tokenizer folder for the synthetic models' scenarios")
+    bu.add_argument("--out-dir", default="docs/bench", help="where the JSON goes (default: docs/bench)")
+    bu.add_argument("--log-dir", default=None, help="where the servers' logs go (default: --out-dir)")
+    bu.add_argument("--date", default=None, help="date prefix of the JSON names (default: today)")
+    bu.add_argument("--port", type=port_number, default=8391, help="port of the servers (default: 8391)")
+    bu.add_argument("--ready-timeout", type=float, default=600.0,
+                    help="seconds a server may take to become ready (default: 600)")
+    bu.add_argument("--vocab-upper", type=int, default=1000, help="prompt token ids from [1, N) (default: 1000)")
+    bu.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+
+    bt = bsub.add_parser("tables", help="write the headline tables of BENCHMARKS.md from the suite's JSON")
+    bt.add_argument("--bench-dir", default="docs/bench", help="the JSON folder (default: docs/bench)")
+    bt.add_argument("--doc", default="docs/BENCHMARKS.md", help="the document (default: docs/BENCHMARKS.md)")
+    bt.add_argument("--check", action="store_true", help="exit 1 when the document differs from the JSON's tables")
+    bt.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+
     bd = bsub.add_parser("decode", help="decode speed of the MoE backends: tok/s, hit rate, PCIe bytes/token, "
                                         "measured bandwidths, roofline")
     _add_model_args(bd, extra_backends=("all",))
@@ -410,6 +431,14 @@ def _bench(args: argparse.Namespace) -> int:
         from ferrylm.bench.decode import main as bench_decode
 
         return bench_decode(args)
+    if args.bench_command == "suite":
+        from ferrylm.bench.suite import main as bench_suite
+
+        return bench_suite(args)
+    if args.bench_command == "tables":
+        from ferrylm.bench.tables import main as bench_tables
+
+        return bench_tables(args)
     if args.bench_command == "cpu-experts":
         from ferrylm.bench.cpu_experts import main as bench_cpu_experts
 

@@ -43,6 +43,7 @@ from ferrylm.bench.common import bench_prompts, sync, token_checksum
 from ferrylm.errors import FerryError
 from ferrylm.experts import ExpertOptions, backend_name, build_from_banks
 from ferrylm.experts.options import Bandwidths
+from ferrylm.models.sizes import non_expert_step_bytes
 
 log = logging.getLogger("ferrylm.bench")
 
@@ -82,16 +83,6 @@ class DecodeResult:
     decode_graphs: dict = field(default_factory=dict)  # the engine's decode graph stats after this backend's run
     cpu_share: dict | None = None  # hybrid: per step size, the CPU share its tuner uses / settled on
     error: str | None = None
-
-
-def non_expert_step_bytes(model) -> int:
-    """``W`` of the module docstring: bytes of the model's parameters (routed experts are not parameters), less the
-    embedding table unless the output layer is tied to it."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if embed is not None and getattr(model, "lm_head", None) is not None:
-        total -= embed.weight.numel() * embed.weight.element_size()
-    return total
 
 
 def roofline_seconds(backend: str, per_step: dict, expert_bytes: int, base_bytes: int, bw: Bandwidths) -> float:

@@ -33,6 +33,7 @@ from ferrylm.errors import ContextLengthExceeded, FerryError
 from ferrylm.faults import NO_FAULTS, FaultInjector
 from ferrylm.memory.guard import GuardConfig, OomGuard, StepRecovery, elastic_cache_of, is_oom
 from ferrylm.memory.plan import MemoryPlan, gib
+from ferrylm.models.sizes import non_expert_step_bytes
 
 log = logging.getLogger("ferrylm.engine")
 
@@ -219,6 +220,14 @@ class Engine:
         if self.expert_executor is None:
             return "dense"
         return str(getattr(self.expert_executor, "name", type(self.expert_executor).__name__))
+
+    @property
+    def model_bytes(self) -> dict:
+        """What a step reads of the weights (rooflines): ``dense_step_bytes`` (the model's own weights, see
+        ``models/sizes.py``) and ``expert_bytes`` (one routed expert as its backend reads it; 0 for a dense model)."""
+        ex = self.expert_executor
+        return {"dense_step_bytes": non_expert_step_bytes(self.model),
+                "expert_bytes": ex.expert_bytes if ex is not None else 0}
 
     @property
     def decode_graphs(self):

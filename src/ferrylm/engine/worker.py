@@ -341,6 +341,7 @@ def engine_main(spec_dict: dict) -> None:
                                     "moe_backend": engine.expert_backend, "attention_backend": engine.runner.attention,
                                     "dtype": str(engine.pool.k[0].dtype).removeprefix("torch.") if engine.pool.k
                                     else None, "engine_config": engine.config.to_dict(),
+                                    "model_bytes": engine.model_bytes,
                                     "memory_plan": plan.to_dict() if plan is not None else None})))
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)

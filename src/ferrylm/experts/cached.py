@@ -95,6 +95,10 @@ class CachedExecutor(ExpertExecutor):
         self._table_stale = False   # the cache changed outside the table's bookkeeping: rebuild before next use
 
     # --- memory -----------------------------------------------------------------------------------------------
+    @property
+    def expert_bytes(self) -> int:
+        return self.layout.nbytes
+
     def table_bytes(self) -> int:
         """Device bytes of the device-side expert table when this backend builds one (0 here; see
         ``experts/offload.py``), set aside before the slots are sized."""

@@ -72,6 +72,11 @@ class ExpertExecutor(ABC):
     #: whether :meth:`run` can hand a small step's expert GEMMs to the caller's graph (its ``stage`` argument)
     stages = False
 
+    @property
+    @abstractmethod
+    def expert_bytes(self) -> int:
+        """Bytes of one routed expert as this backend reads it (gate + up + down; quantized: every field)."""
+
     @abstractmethod
     def run(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
             ids_and_predicted: torch.Tensor | None = None, stage=None) -> torch.Tensor | None:

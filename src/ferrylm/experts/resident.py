@@ -84,6 +84,11 @@ class ResidentExecutor(ExpertExecutor):
         first = next(iter(self.layers.values()), None)
         return first is not None and first.gate.is_cuda and fused_available()
 
+    @property
+    def expert_bytes(self) -> int:
+        first = next(iter(self.layers.values()), None)
+        return first.expert_bytes if first is not None else 0
+
     def count_replayed_step(self, num_tokens: int) -> None:
         """Count a step that ran as a CUDA graph replay (its Python :meth:`run` calls did not run; the distinct
         experts were counted on the device by the graph)."""
