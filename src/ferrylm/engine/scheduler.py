@@ -10,6 +10,9 @@ Each step builds one batch under two limits: at most ``max_running_requests`` ru
    When the pool is out of pages, the newest running request is preempted (pages freed, requeued at the front
    of the waiting queue, recomputed later) — the scheduler never crashes for lack of pages.
    A request alone in the pool that still cannot grow ends with finish reason "length" instead of thrashing.
+   Short prompts waiting: a running prefill chunk leaves room (at most a quarter of the budget) for the waiting
+   prompts short enough to fit it, so a short request that arrives during a long prefill starts in the next step
+   instead of after the whole prompt (vLLM's long-prefill threshold plays this part).
 2. ``_schedule_waiting``: waiting requests in arrival order join while slots, budget and free pages allow. A
    request that does not fit the free pages *now* is skipped, not waited on, so it never blocks smaller requests
    behind it (no head-of-line deadlock). Requests that can never fit were rejected at admission.
@@ -38,6 +41,7 @@ Design after vLLM v1's token-budget scheduler (request counters catching up), sp
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -142,11 +146,27 @@ class Scheduler:
         if self.prefix_cache is not None:
             for r in self.running:   # what the last step computed becomes shareable
                 self.prefix_cache.commit(r)
-        seqs, preempted, truncated, budget = self._schedule_running(budget)
+        seqs, preempted, truncated, budget = self._schedule_running(budget, self._short_waiting_tokens(budget))
         seqs += self._schedule_waiting(budget)
         return Batch(seqs=seqs, preempted=preempted, truncated=truncated)
 
-    def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], list[Request], list[Request], int]:
+    def _short_waiting_tokens(self, budget: int) -> int:
+        """Tokens the waiting short prompts need (each at most a quarter of ``budget``, in arrival order, at most a
+        quarter of ``budget`` in all; 0 when no slot is free for them): what a running prefill leaves for them."""
+        cap = budget // 4
+        free_slots = self.config.max_running_requests - len(self.running)
+        need = 0
+        for req in itertools.islice(self.waiting, max(0, free_slots)):
+            left = req.num_tokens - req.num_computed_tokens
+            if req.isolate or left > cap or need + left > cap:
+                break
+            need += left
+        return need
+
+    def _schedule_running(self, budget: int, reserve: int = 0
+                          ) -> tuple[list[ScheduledSeq], list[Request], list[Request], int]:
+        """Plan the running requests' tokens within ``budget``; a prefill chunk leaves ``reserve`` tokens for the
+        waiting short prompts. Returns (seqs, preempted, truncated, budget left)."""
         seqs: list[ScheduledSeq] = []
         preempted: list[Request] = []
         truncated: list[Request] = []
@@ -161,7 +181,7 @@ class Scheduler:
                 decodes_left -= 1
                 n = 1
             else:
-                n = self._page_aligned(req.num_computed_tokens, min(left, budget - decodes_left))
+                n = self._page_aligned(req.num_computed_tokens, min(left, budget - decodes_left - reserve))
                 if n <= 0:
                     i += 1   # no room beside the decodes this step: its next chunk waits
                     continue
