@@ -122,18 +122,16 @@ def test_turn_with_reasoning_and_calls() -> None:
 
 
 
-def test_a_forced_reply_cut_by_max_tokens_leaves_no_markup_in_content() -> None:
-    """A forced reply (``calls_only``) cut inside its second call: the first call is parsed and the unfinished one
-    is dropped; without forcing the same text stays visible as content (it may be the model's prose)."""
+def test_a_reply_cut_inside_a_call_keeps_the_unfinished_call_as_content() -> None:
+    """A reply cut inside its second call (``max_tokens``): the first call is parsed and the unfinished one stays
+    content, streamed or not (the client sees every generated token)."""
     cut = CALL + '\n<tool_call>\n{"name":'
-    forced = whole_turn(TurnConfig(tool_names=NAMES, calls_only=True), cut, "length")
-    assert [c.name for c in forced.calls] == ["get_weather"] and forced.content == ""
-    assert forced.finish_reason == "length"
-    free = whole_turn(TurnConfig(tool_names=NAMES), cut, "length")
-    assert [c.name for c in free.calls] == ["get_weather"] and '{"name":' in free.content
-    streamed = TurnConfig(tool_names=NAMES, calls_only=True).new_turn()
+    whole = whole_turn(TurnConfig(tool_names=NAMES), cut, "length")
+    assert [c.name for c in whole.calls] == ["get_weather"] and whole.content == '<tool_call>\n{"name":'
+    assert whole.finish_reason == "length"
+    streamed = TurnConfig(tool_names=NAMES).new_turn()
     deltas = [streamed.feed(cut[i:i + 7]) for i in range(0, len(cut), 7)] + [streamed.finish()]
-    assert "".join(d.content for d in deltas) == "" and sum(len(d.calls) for d in deltas) == 1
+    assert "".join(d.content for d in deltas) == whole.content and sum(len(d.calls) for d in deltas) == 1
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",

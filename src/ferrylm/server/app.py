@@ -626,8 +626,7 @@ class _Server(CompletionRoutes):
         # that opened <think> (an R1 template always does; a client may turn thinking on for a forced call)
         turn = TurnConfig(reasoning=self.reasoning, starts_in_reasoning=self.reasoning and params.grammar is None
                           and prompt_opens_thinking(text, prefill), tool_names=tools, tool_parser=self.tool_parser,
-                          tool_schemas={t.name: t.parameters for t in job.tools} if tools else None,
-                          calls_only=bool(tools) and job.tool_choice.forced and params.grammar is not None)
+                          tool_schemas={t.name: t.parameters for t in job.tools} if tools else None)
         first = await self._start(request, rid, gen, job.stream)
         return ChatRun(gen, first, prompt_ids, turn)
 

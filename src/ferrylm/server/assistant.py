@@ -46,16 +46,15 @@ class TurnConfig:
     """How a request's output is read: ``reasoning`` on (template with ``</think>``), whether the prompt opened
     the block already, the tool names to parse calls for (None: no tool parsing), the call format
     (``tool_parser``: a name of :data:`ferrylm.server.tool_formats.TOOL_PARSER_NAMES`) and the tools' parameter
-    schemas (``name -> schema``; the XML-style formats type argument values by them); ``calls_only``: a grammar
-    forces the output to be calls (``tool_choice`` required or named), so text the parser still holds when the
-    output ends is a call cut short (``max_tokens``) and is dropped, not shown as content."""
+    schemas (``name -> schema``; the XML-style formats type argument values by them). Text the parser still holds
+    when the output ends (a call cut by ``max_tokens``, forced or not) is content: the client sees every generated
+    token."""
 
     reasoning: bool = False
     starts_in_reasoning: bool = False
     tool_names: tuple[str, ...] | None = None
     tool_parser: str = "hermes"
     tool_schemas: dict[str, dict] | None = None
-    calls_only: bool = False
 
     def new_turn(self) -> "AssistantTurn":
         if self.tool_parser == "hermes":
@@ -71,7 +70,6 @@ class AssistantTurn:
     def __init__(self, cfg: TurnConfig, tool_parser: Callable[[tuple[str, ...]], ToolParser] = HermesToolParser):
         self.reasoning = ReasoningSplitter(cfg.starts_in_reasoning) if cfg.reasoning else None
         self.tools = tool_parser(cfg.tool_names) if cfg.tool_names is not None else None
-        self.calls_only = cfg.calls_only
         self.num_calls = 0
 
     def feed(self, text: str, index: int = 0) -> TurnDelta:
@@ -89,10 +87,7 @@ class AssistantTurn:
         r, c = self.reasoning.finish() if self.reasoning is not None else ("", "")
         if self.tools is None:
             return r, [Piece(c)]
-        pieces = self.tools.feed(c) + self.tools.finish()
-        if self.calls_only:   # held text at the end of a forced reply: an unfinished call
-            pieces = [p for p in pieces if p.call is not None]
-        return r, pieces
+        return r, self.tools.feed(c) + self.tools.finish()
 
     def _content(self, index: int, reasoning: str, pieces: list[Piece]) -> TurnDelta:
         d = TurnDelta(index, reasoning=reasoning)
