@@ -14,8 +14,9 @@ Reply: content blocks ``thinking`` / ``text`` / ``tool_use``, ``stop_reason`` ``
 ``stop_sequence`` (with ``stop_sequence``) | ``tool_use``, ``usage`` in tokens. Stream: the Anthropic event
 sequence ``message_start``, per block ``content_block_start`` / ``content_block_delta`` (``text_delta``,
 ``thinking_delta``, ``input_json_delta``) / ``content_block_stop``, ``message_delta`` (stop reason, output
-tokens), ``message_stop``; ``ping`` events while nothing else comes; an error after the start is an ``error``
-event. Errors use Anthropic's shape ``{"type": "error", "error": {"type", "message"}}``.
+tokens), ``message_stop``; ``ping`` events while nothing else comes (SSE comments before ``message_start``, which
+waits for the engine's first output: its usage carries the prompt's cache figures); an error after the start is an
+``error`` event. Errors use Anthropic's shape ``{"type": "error", "error": {"type", "message"}}``.
 
 This module must not import torch.
 """
@@ -33,8 +34,8 @@ from pydantic import Field
 
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.errors import InvalidRequest
-from ferrylm.server.assistant import PING, TurnDelta, turn_deltas, whole_turn
-from ferrylm.server.chat import SSE_HEADERS, ChatJob, off_loop, render_prompt
+from ferrylm.server.assistant import PING, TurnDelta, next_or_ping, turn_deltas, whole_turn
+from ferrylm.server.chat import SSE_HEADERS, SSE_PING, ChatJob, off_loop, render_prompt
 from ferrylm.server.errors import error_payload, status_for
 from ferrylm.server.prompt_hygiene import strip_billing_header
 from ferrylm.server.protocol import _Request, parse_request
@@ -354,12 +355,23 @@ def _openai_usage(run: Any) -> Any:
 
 
 async def _stream(srv: Any, rid: str, run: Any, base: dict) -> AsyncIterator[str]:
+    """The event sequence. ``message_start`` carries the prompt's cache figures, which come with the engine's
+    first output: until it arrives (a long prefill, a busy engine) the stream sends SSE comments only."""
     gen = run.gen
-    enc = StreamEncoder({**base, "content": [], "stop_reason": None, "stop_sequence": None,
-                         "usage": _usage(len(run.prompt_ids), 0, gen.cached_tokens)})
     try:
+        first = run.first
+        while first is None:
+            ev = await next_or_ping(gen, srv.ping_interval)
+            if ev is None:
+                break
+            if ev is PING:
+                yield SSE_PING
+            else:
+                first = ev
+        enc = StreamEncoder({**base, "content": [], "stop_reason": None, "stop_sequence": None,
+                             "usage": _usage(len(run.prompt_ids), 0, gen.cached_tokens)})
         yield enc.start()
-        async for d in turn_deltas(gen, run.first, run.turn, srv.ping_interval):
+        async for d in turn_deltas(gen, first, run.turn, srv.ping_interval):
             if d is PING:
                 yield _event("ping", {"type": "ping"})
                 continue

@@ -1,0 +1,111 @@
+"""What a new user's trial found in the HTTP face (issue 43), through the real ``openai`` / ``anthropic`` SDKs
+against the ASGI app with a scripted engine: a forced tool call cut by ``max_tokens`` keeps its text, Anthropic's
+``message_start`` carries the cache figures, error ``param`` names, HEAD on the probe routes, CORS."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from ferrylm.server.app import create_app
+
+from .conftest import SERVED, FakeEngine, make_client
+
+openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
+
+pytestmark = pytest.mark.anyio
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ANTH_WEATHER = {"name": "get_weather", "description": "Weather of a city",
+                "input_schema": WEATHER["function"]["parameters"]}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+MSGS = [{"role": "user", "content": "Weather in Oslo?"}]
+CUT = 10   # max_tokens: the call is cut inside its JSON
+
+
+def scripted(codec, text: str, **kw) -> FakeEngine:
+    eng = FakeEngine(codec, max_model_len=4096, **kw)
+    eng.script = lambda rid, ids, p: codec.encode(text, add_special_tokens=False) + [eng.eos]
+    return eng
+
+
+def oai(app) -> "openai.AsyncOpenAI":
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False))
+    return openai.AsyncOpenAI(http_client=http, base_url="http://test/v1", api_key="x", max_retries=0)
+
+
+def anth(app) -> "anthropic.AsyncAnthropic":
+    hx = pytest.importorskip("httpx2") if "httpx2" in anthropic._base_client.__dict__ else httpx
+    http = hx.AsyncClient(transport=hx.ASGITransport(app=app, raise_app_exceptions=False))
+    return anthropic.AsyncAnthropic(http_client=http, base_url="http://test", api_key="x", max_retries=0)
+
+
+# ---- item 1: a forced call cut by max_tokens ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+async def test_forced_call_cut_by_max_tokens_keeps_the_generated_text_openai(codec, tool_choice) -> None:
+    eng = scripted(codec, CALL)
+    generated = codec.decode(codec.encode(CALL, add_special_tokens=False)[:CUT])
+    client = oai(create_app(eng, codec, SERVED))
+    resp = await client.chat.completions.create(model=SERVED, messages=MSGS, tools=[WEATHER], max_tokens=CUT,
+                                                tool_choice=tool_choice)
+    assert eng.requests[-1][2].grammar   # forced
+    (choice,) = resp.choices
+    assert (choice.finish_reason, choice.message.content) == ("length", generated)
+    assert not choice.message.tool_calls
+    stream = await client.chat.completions.create(model=SERVED, messages=MSGS, tools=[WEATHER], max_tokens=CUT,
+                                                  tool_choice=tool_choice, stream=True)
+    text, finish = "", None
+    async for chunk in stream:
+        for ch in chunk.choices:
+            text += ch.delta.content or ""
+            finish = ch.finish_reason or finish
+    assert (finish, text) == ("length", generated)
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+async def test_forced_call_cut_by_max_tokens_keeps_the_generated_text_anthropic(codec, tool_choice) -> None:
+    eng = scripted(codec, CALL)
+    generated = codec.decode(codec.encode(CALL, add_special_tokens=False)[:CUT])
+    client = anth(create_app(eng, codec, SERVED))
+    kw = dict(model=SERVED, max_tokens=CUT, messages=MSGS, tools=[ANTH_WEATHER], tool_choice=tool_choice)
+    msg = await client.messages.create(**kw)
+    assert msg.stop_reason == "max_tokens"
+    assert [(b.type, b.text) for b in msg.content] == [("text", generated)]
+    async with client.messages.stream(**kw) as s:
+        final = await s.get_final_message()
+    assert final.stop_reason == "max_tokens"
+    assert [(b.type, b.text) for b in final.content] == [("text", generated)]
+
+
+# ---- item 2: Anthropic message_start and the prefix cache ---------------------------------------------
+
+
+async def test_anthropic_message_start_has_the_cache_figures_of_a_slow_first_token(codec) -> None:
+    """The headers leave before the first token (a long prefill): ``message_start`` still reports the prompt's
+    cached tokens, equal to ``message_delta``'s and the non-stream reply's."""
+    eng = scripted(codec, "Hello world! done.", prefix_pages=4, delay=0.05)
+    app = create_app(eng, codec, SERVED, sse_ping_interval=0.01)
+    app.state.server.first_event_wait = 0.001
+    client = anth(app)
+    kw = dict(model=SERVED, max_tokens=20, system="You are a helpful assistant. Say hello to the world.",
+              messages=[{"role": "user", "content": "hi"}])
+    whole = await client.messages.create(**kw)   # fills the cache
+    whole = await client.messages.create(**kw)
+    assert whole.usage.cache_read_input_tokens > 0
+    starts, deltas = [], []
+    async with client.messages.stream(**kw) as s:
+        async for ev in s:
+            if ev.type == "message_start":
+                starts.append(ev.message.usage)
+            elif ev.type == "message_delta":
+                deltas.append(ev.usage)
+    (start,), (delta,) = starts, deltas
+    assert (start.input_tokens, start.cache_read_input_tokens) == \
+        (whole.usage.input_tokens, whole.usage.cache_read_input_tokens)
+    assert (delta.input_tokens, delta.cache_read_input_tokens) == \
+        (whole.usage.input_tokens, whole.usage.cache_read_input_tokens)
