@@ -395,7 +395,7 @@ async def test_tokenization_runs_off_the_event_loop(engine, codec, monkeypatch) 
     ({"messages": MSGS, "logit_bias": {"3": 101}}, "logit_bias", "[-100, 100]"),
     ({"messages": MSGS, "top_logprobs": 3}, "top_logprobs", "'logprobs': true"),
     ({"messages": MSGS, "logprobs": True, "top_logprobs": 50}, "top_logprobs", "'top_logprobs' must be in"),
-    ({"messages": [{"role": "user"}]}, "messages", "no 'content'"),
+    ({"messages": [{"role": "user"}]}, "messages.0.content", "'messages.0.content' is required"),
 ])
 async def test_found_by_the_fresh_clone_trial(client: httpx.AsyncClient, body: dict, param: str, words: str) -> None:
     """The fresh-clone trial (2026-11-30) found logit_bias silently ignored, top_logprobs without logprobs and a

@@ -140,7 +140,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
         d["role"] = "system" if m.role == "developer" else m.role
         content = m.content
         if content is None and m.role in ("system", "developer", "user"):
-            raise InvalidRequest(f"messages[{i}] ({m.role}) has no 'content'", param="messages")
+            raise InvalidRequest(f"'messages.{i}.content' is required for a {m.role} message (a string or a list of "
+                                 f"text parts)", param=f"messages.{i}.content")
         if isinstance(content, list) and not content and not (m.role == "assistant" and m.tool_calls):
             raise InvalidRequest(f"'messages.{i}.content' is an empty list; give at least one content part or a "
                                  f"string", param=f"messages.{i}.content")

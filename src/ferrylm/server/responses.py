@@ -229,7 +229,7 @@ def job_from_request(req: ResponsesRequest, store: ResponseStore) -> tuple[ChatJ
         if e.param == "max_tokens":
             e.rename_param("max_output_tokens")
         raise
-    params.grammar = response_format_grammar(fmt, "text.format")
+    params.grammar = response_format_grammar(fmt, "text.format", nested=False)
     job = ChatJob(messages, params, tools, choice, grammar_param="text.format", max_param="max_output_tokens",
                   prompt_param="input", stream=bool(req.stream))
     return job, conversation

@@ -142,10 +142,13 @@ def lark_grammar(text: str, param: str) -> str:
     return validate(_ll().LLMatcher.grammar_from_lark(text), param)
 
 
-def response_format_grammar(rf: Any, param: str = "response_format") -> str | None:
+def response_format_grammar(rf: Any, param: str = "response_format", nested: bool = True) -> str | None:
     """OpenAI ``response_format`` (chat) / ``text.format`` (Responses) → grammar, or None for plain text.
+    ``nested``: the schema's object sits under ``json_schema`` (chat) rather than on the format itself
+    (Responses).
 
-    Raises InvalidRequest naming the field for an unknown type or a bad schema.
+    Raises InvalidRequest naming the field for an unknown type, a missing ``json_schema`` / ``schema`` or a bad
+    schema.
     """
     if rf is None:
         return None
@@ -157,11 +160,11 @@ def response_format_grammar(rf: Any, param: str = "response_format") -> str | No
     if kind == "json_object":
         return json_schema_grammar({"type": "object"}, param)
     if kind == "json_schema":
-        # chat nests the schema under "json_schema"; the Responses API puts it on the format itself
-        spec = rf.get("json_schema", rf)
+        spec, where = (rf.get("json_schema"), f"{param}.json_schema") if nested else (rf, param)
+        if spec is None:
+            raise InvalidRequest(f"'{where}' is required with type 'json_schema'", param=where)
         if not isinstance(spec, dict):
-            raise InvalidRequest(f"'{param}.json_schema' must be an object", param=f"{param}.json_schema")
-        where = f"{param}.json_schema" if "json_schema" in rf else param
+            raise InvalidRequest(f"'{where}' must be an object", param=where)
         if "schema" not in spec:
             raise InvalidRequest(f"'{where}.schema' is required", param=f"{where}.schema")
         return json_schema_grammar(spec["schema"], f"{where}.schema", strict=spec.get("strict") is not False)
