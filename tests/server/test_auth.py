@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ferrylm.server.app import create_app
+from ferrylm.server.app import CorsPolicy, create_app
 
 from .conftest import SERVED, assert_error, make_client
 
@@ -143,7 +143,7 @@ async def test_cors_off_by_default_on_when_allowed(codec, engine) -> None:
     async with make_client(create_app(engine, codec, SERVED)) as c:
         r = await c.get("/v1/models", headers={"Origin": "https://ui.example"})
         assert "access-control-allow-origin" not in r.headers
-    async with make_client(create_app(engine, codec, SERVED, allowed_origins=["https://ui.example"])) as c:
+    async with make_client(create_app(engine, codec, SERVED, cors=CorsPolicy(["https://ui.example"]))) as c:
         r = await c.options("/v1/chat/completions", headers=hdr)
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ui.example"
         r = await c.options("/v1/chat/completions", headers={**hdr, "Origin": "https://evil.example"})

@@ -109,3 +109,74 @@ async def test_anthropic_message_start_has_the_cache_figures_of_a_slow_first_tok
         (whole.usage.input_tokens, whole.usage.cache_read_input_tokens)
     assert (delta.input_tokens, delta.cache_read_input_tokens) == \
         (whole.usage.input_tokens, whole.usage.cache_read_input_tokens)
+
+
+# ---- item 8: error param names ------------------------------------------------------------------------
+
+BAD = [
+    ("/v1/chat/completions", {"messages": MSGS, "response_format": {"type": "json_schema"}},
+     "response_format.json_schema"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "x"}, {"role": "user"}]},
+     "messages.1.content"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", BAD, ids=[p for _, _, p in BAD])
+async def test_errors_name_the_missing_field(client: httpx.AsyncClient, path, body, param) -> None:
+    r = await client.post(path, json={"model": SERVED, "max_tokens": 2, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+async def test_sdk_sees_the_param_of_a_null_content(codec) -> None:
+    client = oai(create_app(FakeEngine(codec), codec, SERVED))
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": None}])
+    assert e.value.param == "messages.0.content"
+
+
+# ---- item 9: HEAD -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/models", "/version", "/metrics", f"/v1/models/{SERVED}"])
+async def test_head_answers_as_get_without_a_body(client: httpx.AsyncClient, path) -> None:
+    get = await client.get(path)
+    head = await client.head(path)
+    assert head.status_code == get.status_code == 200
+    assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"]
+
+
+async def test_head_of_an_unready_engine_and_of_a_post_route(codec) -> None:
+    async with make_client(create_app(FakeEngine(codec, health_status="loading"), codec, SERVED)) as c:
+        r = await c.head("/health")
+        assert r.status_code == 503 and r.content == b""
+        assert (await c.head("/v1/chat/completions")).status_code == 405
+
+
+# ---- item 11: CORS ---------------------------------------------------------------------------------------
+
+
+async def test_cors_preflight_and_simple_requests_follow_the_flags(codec) -> None:
+    from ferrylm.server.app import CorsPolicy
+
+    ui = "https://chat.example"
+    pre = {"Origin": ui, "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization,content-type"}
+    async with make_client(create_app(FakeEngine(codec), codec, SERVED, api_key="k")) as c:   # off by default
+        r = await c.options("/v1/chat/completions", headers=pre)
+        assert "access-control-allow-origin" not in r.headers
+    app = create_app(FakeEngine(codec), codec, SERVED, api_key="k",
+                     cors=CorsPolicy([ui], methods=("GET", "POST"), headers=("authorization", "content-type"),
+                                     credentials=True))
+    async with make_client(app) as c:
+        r = await c.options("/v1/chat/completions", headers=pre)   # no key on a preflight: still answered
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ui
+        assert set(r.headers["access-control-allow-methods"].replace(" ", "").split(",")) >= {"GET", "POST"}
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        assert r.headers["access-control-allow-credentials"] == "true"
+        r = await c.options("/v1/chat/completions", headers={**pre, "Access-Control-Request-Method": "DELETE"})
+        assert r.status_code == 400
+        r = await c.post("/v1/chat/completions", headers={"Origin": ui, "Authorization": "Bearer k"},
+                         json={"model": SERVED, "messages": MSGS, "max_tokens": 2})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ui
+        assert "x-request-id" in r.headers["access-control-expose-headers"]

@@ -50,7 +50,8 @@ from ferrylm.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ferrylm.server.metrics import Metrics
 from ferrylm.server.openapi import (ANTHROPIC_ERROR_RESPONSES, ERROR_RESPONSES, HEALTH_RESPONSES, install_openapi,
                                     route_doc)
-from ferrylm.server.request_io import ARRIVAL_KEY, RequestIdMiddleware, RequestTooLarge, read_json
+from ferrylm.server.request_io import (ARRIVAL_KEY, HeadAsGetMiddleware, RequestIdMiddleware, RequestTooLarge,
+                                      read_json)
 from ferrylm.server.tokenizer import TextCodec, TextStream, client_template_kwargs
 
 logger = logging.getLogger("ferrylm.server")
@@ -97,9 +98,21 @@ class ChatRun:
     turn: TurnConfig
 
 
+@dataclasses.dataclass(frozen=True)
+class CorsPolicy:
+    """CORS as vLLM's flags set it: ``origins`` (``--allowed-origins``, ``*`` any), ``methods``
+    (``--allowed-methods``), ``headers`` (``--allowed-headers``; ``*`` any), ``credentials``
+    (``--allow-credentials``: cookies and auth headers may be sent)."""
+
+    origins: Sequence[str]
+    methods: Sequence[str] = ("*",)
+    headers: Sequence[str] = ("*",)
+    credentials: bool = False
+
+
 def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *,
                api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               allowed_origins: Sequence[str] | None = None,
+               cors: "CorsPolicy | None" = None,
                sse_ping_interval: float | None = DEFAULT_SSE_PING_INTERVAL,
                responses_store_size: int = 1024, request_timeout: float | None = None,
                tool_call_parser: str = "auto", architecture: str | None = None,
@@ -113,7 +126,8 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
         api_key: when set, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need ``Authorization: Bearer KEY`` or
             ``x-api-key: KEY``; ``/health``, ``/metrics`` and ``/version`` stay open.
         max_request_bytes: larger request bodies are refused with 413 (``request_too_large``, OpenAI shape).
-        allowed_origins: CORS origins (``--allowed-origins``); None or empty = no CORS middleware at all.
+        cors: who browsers on other origins may call as (``--allowed-origins`` and its flags); None = no CORS
+            headers at all.
         sse_ping_interval: seconds without an event after which a stream gets an SSE comment (``: ping``) so
             proxies keep it open (``--sse-ping-interval``; 0 or None: never).
         responses_store_size: responses kept for ``previous_response_id`` (oldest evicted first).
@@ -138,12 +152,14 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
     app.state.server = server
     app.state.metrics = server.metrics
     install_exception_handlers(app)
-    if allowed_origins:
+    if cors is not None:   # answers preflight OPTIONS itself, before auth and routing
         from starlette.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["*"], expose_headers=["x-request-id"])
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors.origins), allow_methods=list(cors.methods),
+                           allow_headers=list(cors.headers), allow_credentials=cors.credentials,
+                           expose_headers=["x-request-id"])
     app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(HeadAsGetMiddleware)
 
     from ferrylm.server import protocol as pr
 

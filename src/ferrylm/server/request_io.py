@@ -23,6 +23,28 @@ from ferrylm.server.generation import ClientGone
 ARRIVAL_KEY = "ferrylm.arrival"  # scope key: time.monotonic() when the request reached the app
 
 
+class HeadAsGetMiddleware:
+    """Pure-ASGI middleware: a ``HEAD`` request is answered as ``GET`` without a body (same status and headers,
+    ``Content-Length`` included), for every route (FastAPI registers ``GET`` routes without ``HEAD``)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_headers_only(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                if message.get("more_body", False):
+                    return
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, send_headers_only)
+
+
 class RequestTooLarge(InvalidRequest):
     """The request body is larger than ``--max-request-bytes``. HTTP 413 (OpenAI error shape)."""
 
