@@ -6,10 +6,15 @@ import argparse
 import logging
 import sys
 
+from typing import TYPE_CHECKING
+
 from ferrylm.config import ATTENTION_BACKENDS, CACHE_POLICIES, CPU_KERNELS, EngineConfig
 from ferrylm.server.tool_formats import TOOL_PARSER_CHOICES
 
 _D = EngineConfig()  # the one source of the serve flags' defaults
+
+if TYPE_CHECKING:
+    from ferrylm.engine.sampling_params import SamplingParams
 
 DEFAULT_MODEL = "smollm2-moe"
 
@@ -28,6 +33,22 @@ def _version() -> str:
         return ferrylm.__version__
 
 
+def _name_list(value: str) -> list[str]:
+    """argparse type of the CORS flags: a JSON list (vLLM's form, ``'["https://a"]'``) or comma-separated names."""
+    import json
+
+    if value.lstrip().startswith("["):
+        try:
+            items = json.loads(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a JSON list") from None
+        if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+            raise argparse.ArgumentTypeError(f"{value!r} must be a JSON list of strings")
+    else:
+        items = value.split(",")
+    return [x.strip() for x in items if x.strip()]
+
+
 def port_number(value: str) -> int:
     """argparse type for ``--port``: an integer in 1..65535 (argparse names the flag in its error)."""
     try:
@@ -37,6 +58,36 @@ def port_number(value: str) -> int:
     if not 1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port {port} is out of range 1..65535")
     return port
+
+
+#: vLLM ``serve`` flags people copy that change nothing here: flag -> (takes a value, why it changes nothing)
+VLLM_NOOP_FLAGS: dict[str, tuple[bool, str]] = {
+    "--trust-remote-code": (False, "ferrylm runs no code from checkpoints; its architectures are built in"),
+    "--enable-auto-tool-choice": (False, "tool_choice 'auto' is always served (calls parsed per "
+                                         "--tool-call-parser)"),
+    "--enable-chunked-prefill": (False, "prefill is always chunked (--max-prefill-length)"),
+    "--disable-log-requests": (False, "one line per finished request is logged at INFO (--log-level)"),
+    "--disable-log-stats": (False, "engine figures are served at GET /metrics, not logged"),
+    "--swap-space": (True, "preempted requests are recomputed, not swapped to host memory"),
+    "--download-dir": (True, "nothing is downloaded: --model is a local folder, a .gguf file or a built-in name"),
+    "--reasoning-parser": (True, "<think> blocks are split from the chat template's own markup"),
+}
+
+
+class _NoopFlag(argparse.Action):
+    """A vLLM flag that changes nothing: parsed (with its value, if it takes one) and noted in
+    ``namespace.notes`` (one line each, printed at start-up)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        note = f"note: {option_string} changes nothing here: {VLLM_NOOP_FLAGS[option_string][1]}"
+        namespace.notes = [*namespace.notes, note]
+
+
+def _add_vllm_noop_args(p: argparse.ArgumentParser) -> None:
+    p.set_defaults(notes=[])
+    for flag, (takes_value, why) in VLLM_NOOP_FLAGS.items():
+        p.add_argument(flag, action=_NoopFlag, nargs=None if takes_value else 0, default=argparse.SUPPRESS,
+                       metavar="VALUE" if takes_value else None, help=f"accepted for vLLM command lines; {why}")
 
 
 def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] = ()) -> None:
@@ -159,8 +210,22 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         tensor_parallel_size=a.tensor_parallel_size).validate()
 
 
+def sampling_params_from_args(a: argparse.Namespace) -> "SamplingParams":
+    """``ferry generate``'s sampling flags, checked before anything loads. Raises ValueError naming the flag."""
+    from ferrylm.engine.sampling_params import SamplingParams
+    from ferrylm.errors import InvalidRequest
+
+    try:
+        return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                              top_k=a.top_k).validate()
+    except InvalidRequest as e:
+        field = e.param or ""
+        raise ValueError(e.message.replace(f"'{field}'", "--" + field.replace("_", "-"))) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferry", description="ferrylm: serve MoE LLMs larger than your GPU")
+    parser.set_defaults(usage_parser=parser)   # a command's own parser replaces it: its usage line on errors
     parser.add_argument("--version", action="version", version=f"ferry (ferrylm) {_version()}",
                         help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -169,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
                    help="the model, as vLLM takes it (`ferry serve MODEL`); the same as --model")
     _add_model_args(s)
+    s.set_defaults(model=None, usage_parser=s)   # None: --model not given (the positional may be)
+    _add_vllm_noop_args(s)
     s.add_argument("--chat-template", default=None, metavar="FILE_OR_JINJA",
                    help="chat template replacing the tokenizer's: a file path, or the Jinja text itself (default: "
                         "the tokenizer's own)")
@@ -194,8 +261,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--responses-store-size", type=int, default=1024, metavar="N",
                    help="responses kept in memory for the Responses API's previous_response_id (oldest evicted "
                         "first; default 1024)")
-    s.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
-                   help="comma-separated CORS origins ('*' for any); CORS is off when not set")
+    s.add_argument("--allowed-origins", type=_name_list, action="extend", default=None,
+                   metavar="ORIGIN",
+                   help="CORS: origins browsers may call from ('*' for any), as vLLM takes them: a JSON list, "
+                        "or comma-separated, or the flag repeated; CORS is off when not set (default: off)")
+    s.add_argument("--allowed-methods", type=_name_list, action="extend", default=None,
+                   metavar="METHOD", help="CORS: methods a preflight allows (needs --allowed-origins; default: *)")
+    s.add_argument("--allowed-headers", type=_name_list, action="extend", default=None,
+                   metavar="HEADER",
+                   help="CORS: request headers a preflight allows (needs --allowed-origins; default: *)")
+    s.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: let browsers send cookies / credentials (needs --allowed-origins; default: off)")
     s.add_argument("--max-engine-restarts", type=int, default=3,
                    help="engine restarts allowed within 10 minutes before the server exits non-zero (default: 3)")
     s.add_argument("--watchdog-timeout", type=float, default=120.0,
@@ -357,6 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="print a completion without a server")
     _add_model_args(g)
+    g.set_defaults(usage_parser=g)
     g.add_argument("prompt", nargs="?", default=None,
                    help="prompt text (default: stdin); for a synthetic model without --tokenizer, token ids such "
                         "as '1 2 3' (default: a fixed 16-token prompt)")
@@ -371,11 +448,11 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """Parse ``argv``; ``ferry serve MODEL`` (vLLM's positional form) sets ``--model``."""
     args = parser.parse_args(argv)
-    pos = getattr(args, "model_pos", None)
-    if pos is not None:
-        if args.model not in (DEFAULT_MODEL, pos):
-            parser.error(f"the model is given twice: {pos!r} and --model {args.model!r}")
-        args.model = pos
+    if args.command == "serve":
+        if args.model_pos is not None and args.model is not None:
+            args.usage_parser.error(f"the model is given twice: as MODEL ({args.model_pos!r}) and as --model "
+                                    f"({args.model!r}); give one")
+        args.model = args.model_pos or args.model or DEFAULT_MODEL
     return args
 
 
@@ -401,24 +478,31 @@ def _main(argv: list[str] | None, boot=None) -> int:
         print(describe_models())
         return 0
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    usage = args.usage_parser   # errors print the command's own usage line, as argparse's do
     if args.command == "bench":
         return _bench(args)
     try:
         engine_config = engine_config_from_args(args)
+        params = sampling_params_from_args(args) if args.command == "generate" else None
     except ValueError as e:
-        parser.error(str(e))
+        usage.error(str(e))
     tokenizer_error = _apply_tokenizer_flag(args)
     if tokenizer_error:
-        parser.error(tokenizer_error)
+        usage.error(tokenizer_error)
     if args.command == "serve":
-        from ferrylm.server.launch import serve
+        from ferrylm.server.launch import check_serve_args, serve
 
+        flag_error = check_serve_args(args, engine_config)
+        if flag_error:
+            usage.error(flag_error)
+        for note in args.notes:
+            print(f"ferry serve: {note}", file=sys.stderr)
         return serve(args, engine_config, boot)
     if args.command == "generate":
         if engine_config.tensor_parallel_size > 1:
-            parser.error(f"--tensor-parallel-size {engine_config.tensor_parallel_size} runs one engine process per "
-                         f"rank: use `ferry serve` (generate runs the engine in this process)")
-        return _generate(args, engine_config)
+            usage.error(f"--tensor-parallel-size {engine_config.tensor_parallel_size} runs one engine process per "
+                        f"rank: use `ferry serve` (generate runs the engine in this process)")
+        return _generate(args, engine_config, params)
     parser.error(f"unknown command {args.command}")
     return 2
 
@@ -543,8 +627,7 @@ def _apply_tokenizer_flag(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:
-    from ferrylm.engine.sampling_params import SamplingParams
+def _generate(args: argparse.Namespace, engine_config: EngineConfig, params: "SamplingParams") -> int:
     from ferrylm.errors import ModelLoadError
     from ferrylm.experts.cpu_kernel import KernelBuildError
     from ferrylm.llm import LLM
@@ -571,8 +654,6 @@ def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     except ValueError as e:  # a flag out of range or a device that is not there (the message names the flag)
         print(f"ferry generate: {e}", file=sys.stderr)
         return 2
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k)
     if ids_only:
         from ferrylm.models.synthetic import default_prompt_ids
 

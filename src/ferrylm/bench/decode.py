@@ -335,6 +335,9 @@ def main(args) -> int:
         if v < 1:
             print(f"ferry bench decode: {flag} must be >= 1", file=sys.stderr)
             return 2
+    if not args.temperature >= 0:
+        print(f"ferry bench decode: --temperature must be >= 0, got {args.temperature}", file=sys.stderr)
+        return 2
     if args.moe_backend == "all":
         backends = list(BACKEND_ORDER)
     elif backend_name(args.moe_backend) == "auto":

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import logging
 import math
 import os
@@ -156,6 +157,54 @@ def check_tp_devices(engine_config: EngineConfig, gpus: int | None = None) -> st
     return None
 
 
+def listen_error(host: str, port: int, e: OSError) -> str:
+    """The line for a failed bind: a port in use or not ours to take names ``--port``, anything else (an address
+    not on this machine) ``--host``."""
+    flag = "--port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "--host"
+    return f"cannot listen on {host}:{port}: {e.strerror or e} (choose another {flag})"
+
+
+def check_device(device: str, gpus: int | None = None) -> str | None:
+    """The error line when ``--device`` names a CUDA device this host does not show (no GPU visible, or an index
+    past the visible ones), else None. Without importing torch: :func:`visible_gpus`."""
+    if not device.startswith("cuda"):
+        return None
+    gpus = visible_gpus() if gpus is None else gpus
+    index = int(device.partition(":")[2] or 0)
+    if index < gpus:
+        return None
+    seen = "no GPU is visible here" if gpus == 0 else f"{gpus} GPU(s) are visible (cuda:0..cuda:{gpus - 1})"
+    return f"--device {device}: {seen} (CUDA_VISIBLE_DEVICES, /dev/nvidia*); use --device cpu or auto"
+
+
+def check_serve_args(args: argparse.Namespace, engine_config: EngineConfig) -> str | None:
+    """The first error line among ``ferry serve``'s own flags (each names its flag), else None. Run by the CLI
+    before anything loads; ``engine_config`` is already validated."""
+    for flag, value, ok, rule in (
+            ("--watchdog-timeout", args.watchdog_timeout, args.watchdog_timeout >= 0, ">= 0 seconds (0: off)"),
+            ("--shutdown-timeout", args.shutdown_timeout, args.shutdown_timeout >= 0, ">= 0 seconds"),
+            ("--max-request-bytes", args.max_request_bytes, args.max_request_bytes >= 1, ">= 1"),
+            ("--sse-ping-interval", args.sse_ping_interval, args.sse_ping_interval >= 0, ">= 0 seconds (0: never)"),
+            ("--responses-store-size", args.responses_store_size, args.responses_store_size >= 0, ">= 0"),
+            ("--max-engine-restarts", args.max_engine_restarts, args.max_engine_restarts >= 0, ">= 0"),
+            ("--request-timeout", args.request_timeout,
+             args.request_timeout >= 0 and math.isfinite(args.request_timeout), ">= 0 seconds (0: no deadline)")):
+        if not ok:
+            return f"{flag} must be {rule}, got {value}"
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        return "--served-model-name must not be empty (leave it out to use the model's name)"
+    cors = {"--allowed-methods": args.allowed_methods, "--allowed-headers": args.allowed_headers,
+            "--allow-credentials": args.allow_credentials or None}
+    if not args.allowed_origins and any(v is not None for v in cors.values()):
+        given = ", ".join(k for k, v in cors.items() if v is not None)
+        return f"{given} needs --allowed-origins (CORS is off without it)"
+    try:
+        socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        return f"--host {args.host!r} does not resolve: {e}"
+    return check_device(engine_config.device) or check_tp_devices(engine_config)
+
+
 def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSignals) -> int:
     def fail(msg: str) -> int:
         print(f"ferry serve: {msg}", file=sys.stderr)
@@ -163,29 +212,11 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
 
     watchdog_timeout = float(getattr(args, "watchdog_timeout", 120.0))
     shutdown_timeout = float(getattr(args, "shutdown_timeout", 30.0))
-    if watchdog_timeout < 0:
-        return fail("--watchdog-timeout must be >= 0 seconds (0 turns the watchdog off)")
-    if shutdown_timeout < 0:
-        return fail("--shutdown-timeout must be >= 0 seconds")
-    if int(getattr(args, "max_request_bytes", 1)) < 1:
-        return fail("--max-request-bytes must be >= 1")
     ping = float(getattr(args, "sse_ping_interval", 15.0))
-    if not ping >= 0:
-        return fail("--sse-ping-interval must be >= 0 seconds (0 turns pings off)")
-    if int(getattr(args, "responses_store_size", 1024)) < 0:
-        return fail("--responses-store-size must be >= 0")
-    if args.max_engine_restarts < 0:
-        return fail("--max-engine-restarts must be >= 0")
-    tp_error = check_tp_devices(engine_config)
-    if tp_error:
-        return fail(tp_error)
-    rt = getattr(args, "request_timeout", None)
-    if rt is not None and not (rt >= 0 and math.isfinite(rt)):
-        return fail("--request-timeout must be >= 0 seconds (0 = no deadline)")
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
-        return fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e} (choose another --port)")
+        return fail(listen_error(args.host, args.port, e))
 
     from ferrylm.errors import UnsupportedArchitecture
     from ferrylm.models.checkpoint_check import verify_checkpoint
@@ -226,7 +257,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
     import uvicorn
 
     from ferrylm.errors import EngineUnavailable
-    from ferrylm.server.app import create_app
+    from ferrylm.server.app import CorsPolicy, create_app
     from ferrylm.server.engine_client import ModelInfo
     from ferrylm.server.supervisor import Supervisor
 
@@ -258,9 +289,10 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
                      on_fatal=on_fatal, log_level=args.log_level, watchdog_timeout=watchdog_timeout,
                      faults=faults)
     api_key = args.api_key or os.environ.get("FERRYLM_API_KEY") or None
-    origins = [o.strip() for o in (getattr(args, "allowed_origins", None) or "").split(",") if o.strip()]
+    cors = CorsPolicy(args.allowed_origins, args.allowed_methods or ["*"], args.allowed_headers or ["*"],
+                      args.allow_credentials) if args.allowed_origins else None
     app = create_app(sup, codec, name, api_key=api_key,
-                     max_request_bytes=int(getattr(args, "max_request_bytes", 8 << 20)), allowed_origins=origins,
+                     max_request_bytes=int(getattr(args, "max_request_bytes", 8 << 20)), cors=cors,
                      request_timeout=getattr(args, "request_timeout", None) or None,
                      sse_ping_interval=ping, responses_store_size=int(getattr(args, "responses_store_size", 1024)),
                      tool_call_parser=getattr(args, "tool_call_parser", None) or "auto",

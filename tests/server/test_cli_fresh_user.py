@@ -1,0 +1,107 @@
+"""What a new user's command lines met (issue 43): vLLM flags accepted with a note, sampling flags and serve flags
+checked before anything loads, each error one line naming the flag under the command's own usage line."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from ferrylm import cli
+from ferrylm.cli import build_parser, parse_args
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    return parse_args(build_parser(), argv)
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Loading a model or starting a server fails the test: validation must come first."""
+    import ferrylm.llm
+    import ferrylm.server.launch
+
+    def boom(*a, **k):
+        raise AssertionError("loaded before validating the flags")
+
+    monkeypatch.setattr(ferrylm.llm, "LLM", boom)
+    monkeypatch.setattr(ferrylm.server.launch, "serve", boom)
+
+
+def run_error(argv: list[str], capsys) -> str:
+    """``argv`` must exit 2 with an argparse-style error; returns stderr."""
+    with pytest.raises(SystemExit) as e:
+        cli._main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+# ---- item 4: vLLM flags -------------------------------------------------------------------------------
+
+
+def test_vllm_flags_people_copy_are_accepted_with_a_note() -> None:
+    a = parse(["serve", "Qwen/Qwen3-30B-A3B", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+               "--trust-remote-code", "--swap-space", "4", "--disable-log-requests"])
+    assert a.model == "Qwen/Qwen3-30B-A3B" and a.tool_call_parser == "hermes"
+    assert len(a.notes) == 4
+    for flag in ("--enable-auto-tool-choice", "--trust-remote-code", "--swap-space", "--disable-log-requests"):
+        (note,) = [n for n in a.notes if flag in n]
+        assert "changes nothing" in note and "\n" not in note
+
+
+def test_cors_flags_take_vllm_forms() -> None:
+    a = parse(["serve", "--allowed-origins", '["https://a.example", "https://b.example"]', "--allowed-methods",
+               "GET,POST", "--allowed-headers", "content-type", "--allowed-headers", "authorization",
+               "--allow-credentials"])
+    assert a.allowed_origins == ["https://a.example", "https://b.example"]
+    assert (a.allowed_methods, a.allowed_headers, a.allow_credentials) == \
+        (["GET", "POST"], ["content-type", "authorization"], True)
+    d = parse(["serve"])
+    assert (d.allowed_origins, d.allowed_methods, d.allowed_headers, d.allow_credentials) == (None, None, None, False)
+
+
+# ---- item 5: sampling flags before loading ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--max-tokens", "0"], "--max-tokens"), (["--max-tokens", "-3"], "--max-tokens"),
+    (["--temperature", "-1"], "--temperature"), (["--top-p", "0"], "--top-p"), (["--top-k", "-2"], "--top-k"),
+    (["--temperature", "nan"], "--temperature"),
+])
+def test_generate_checks_sampling_flags_before_loading(argv, flag, capsys, nothing_loads) -> None:
+    err = run_error(["generate", *argv, "hi"], capsys)
+    assert err.startswith("usage: ferry generate") and f"error: {flag} " in err and "Traceback" not in err
+
+
+# ---- item 6: serve flags, with serve's usage line ----------------------------------------------------
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--device", "cuda"], "--device cuda: no GPU is visible"),
+    (["--device", "cuda:1"], "--device cuda:1: no GPU is visible"),
+    (["--host", "no-such-host.invalid"], "--host 'no-such-host.invalid' does not resolve"),
+    (["smollm2-135m", "--model", "smollm2-135m"], "as MODEL ('smollm2-135m') and as --model ('smollm2-135m')"),
+    (["smollm2-135m", "--model", "smollm2-moe"], "as MODEL ('smollm2-135m') and as --model ('smollm2-moe')"),
+    (["--served-model-name", ""], "--served-model-name must not be empty"),
+    (["--served-model-name", "  "], "--served-model-name must not be empty"),
+    (["--watchdog-timeout", "-1"], "--watchdog-timeout must be >= 0"),
+    (["--request-timeout", "inf"], "--request-timeout must be >= 0 seconds"),
+    (["--allowed-methods", "GET"], "--allowed-methods needs --allowed-origins"),
+    (["--allow-credentials"], "--allow-credentials needs --allowed-origins"),
+])
+def test_serve_flag_errors_name_the_flag_under_serve_usage(argv, needle, capsys, monkeypatch, nothing_loads) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")   # a host without a GPU
+    err = run_error(["serve", *argv], capsys)
+    assert err.startswith("usage: ferry serve"), err
+    assert needle in err and "ferry serve: error:" in err and err.count(needle) == 1, err
+
+
+def test_listen_error_names_host_or_port() -> None:
+    import errno
+
+    from ferrylm.server.launch import listen_error
+
+    assert listen_error("127.0.0.1", 80, OSError(errno.EADDRINUSE, "Address already in use")).endswith(
+        "(choose another --port)")
+    assert listen_error("192.0.2.1", 8000, OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address")).endswith(
+        "(choose another --host)")
