@@ -287,18 +287,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
-    bs = bsub.add_parser("serve", help="load generator against a running server (TTFT, ITL, throughput)")
-    bs.add_argument("--host", default="127.0.0.1", help="server address (default: 127.0.0.1)")
-    bs.add_argument("--port", type=port_number, default=8000, help="server port (default: 8000)")
-    bs.add_argument("--model", default=None, help="model id (default: the server's first model)")
-    bs.add_argument("--concurrency", type=int, default=1, help="requests in flight (default: 1)")
-    bs.add_argument("--num-prompts", type=int, default=32, help="requests sent in all (default: 32)")
+    bs = bsub.add_parser("serve", help="load generator against a running server (TTFT, ITL, throughput)",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    bs.add_argument("--host", default="127.0.0.1", help="server address")
+    bs.add_argument("--port", type=port_number, default=8000, help="server port")
+    bs.add_argument("--model", default=None, help="model id; None: the server's first model")
+    bs.add_argument("--concurrency", type=int, default=1, help="requests in flight")
+    bs.add_argument("--num-prompts", type=int, default=32, help="requests sent in all")
     bs.add_argument("--input-len", type=int, default=128, help="prompt tokens")
     bs.add_argument("--output-len", type=int, default=64, help="generated tokens per request (ignore_eos)")
     bs.add_argument("--random-lengths", action="store_true", help="lengths uniform in [0.5x, 1.5x]")
     bs.add_argument("--vocab-upper", type=int, default=1000, help="prompt token ids are drawn from [1, N)")
-    bs.add_argument("--seed", type=int, default=0, help="seed of the prompts and lengths (default: 0)")
-    bs.add_argument("--api-key", default=None, help="bearer key of the server (default: none)")
+    bs.add_argument("--seed", type=int, default=0, help="seed of the prompts and lengths")
+    bs.add_argument("--api-key", default=None, help="bearer key of the server (the server's --api-key)")
     bs.add_argument("--output-json", default=None, help="write the summary here")
     bs.add_argument("--multi-turn", action="store_true",
                     help="agent-like conversations: each turn re-sends the history, the previous answer and "
@@ -308,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--num-turns", type=int, default=8, help="--multi-turn: turns per conversation")
     bs.add_argument("--shared-prefix-len", type=int, default=2048,
                     help="--multi-turn: tokens of the system prefix every conversation starts with")
-    bs.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    bs.add_argument("--log-level", default="WARNING", help="logging level")
 
     bu = bsub.add_parser("suite", help="named scenarios: each one `ferry serve` (default flags + its own) measured "
                                         "by `ferry bench serve`, one JSON per scenario with its roofline")
@@ -552,7 +553,7 @@ def _bench(args: argparse.Namespace) -> int:
               f"output throughput {res['output_throughput']:.1f} tok/s  ({res['duration_s']:.1f} s)")
         return 0
 
-    from ferrylm.bench.serve import BenchConfig, format_summary, run_bench
+    from ferrylm.bench.serve import BenchConfig, BenchError, format_summary, run_bench
 
     if args.multi_turn:
         return _bench_multi_turn(args)
@@ -567,6 +568,9 @@ def _bench(args: argparse.Namespace) -> int:
                       api_key=args.api_key)
     try:
         summary = asyncio.run(run_bench(cfg, progress=sys.stderr.isatty()))
+    except BenchError as e:
+        print(f"ferry bench serve: {cfg.base_url}: {e}", file=sys.stderr)
+        return 1
     except Exception as e:  # connection refused and the like: one line, not a traceback
         print(f"ferry bench serve: cannot benchmark {cfg.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -584,6 +588,7 @@ def _bench_multi_turn(args: argparse.Namespace) -> int:
     import json
 
     from ferrylm.bench.multi_turn import MultiTurnConfig, format_multi_turn, run_multi_turn
+    from ferrylm.bench.serve import BenchError
 
     for flag, v in (("--num-conversations", args.num_conversations), ("--num-turns", args.num_turns),
                     ("--input-len", args.input_len), ("--output-len", args.output_len)):
@@ -600,6 +605,9 @@ def _bench_multi_turn(args: argparse.Namespace) -> int:
                           api_key=args.api_key)
     try:
         summary = asyncio.run(run_multi_turn(cfg))
+    except BenchError as e:
+        print(f"ferry bench serve: {cfg.base_url}: {e}", file=sys.stderr)
+        return 1
     except Exception as e:  # connection refused and the like: one line, not a traceback
         print(f"ferry bench serve: cannot benchmark {cfg.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

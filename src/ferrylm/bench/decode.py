@@ -36,6 +36,7 @@ import logging
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import torch
 
@@ -251,7 +252,7 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
             graph_mode = res.decode_graphs.get("mode", graph_mode)
             res.cpu_share = ex.stats().get("cpu_share")
             results.append(res)
-            progress(format_row(res))
+            progress(format_row(res, device.type != "cpu"))
             if profile_steps > 0:
                 progress(profile_decode(engine, prompts, profile_steps, f"{name}-profile", ex, device, temperature))
             ex = _release(ex, device)
@@ -296,27 +297,46 @@ def _release(ex, device: torch.device):
     return None
 
 
-HEADER = (f"{'batch':>5} {'backend':<9} {'tok/s':>8} {'hit%':>6} {'PCIe MB/tok':>12} {'CPU MB/tok':>11} {'slots':>6} "
-          f"{'roofline':>9} {'ach/roof':>9} {'exposed':>8}  checksum")
+#: the table's columns: (title, width, cell of a result, shown on a CPU-only run). The device columns (PCIe, slots,
+#: copy time exposed) mean nothing without a GPU.
+_COLUMNS: tuple[tuple[str, int, Callable[[DecodeResult], str], bool], ...] = (
+    ("tok/s", 8, lambda r: f"{r.tok_s:.2f}", True),
+    ("hit%", 6, lambda r: f"{100 * r.hit_rate:.1f}", False),
+    ("PCIe MB/tok", 12, lambda r: f"{r.pcie_bytes_per_token / 1e6:.1f}", False),
+    ("CPU MB/tok", 11, lambda r: f"{r.cpu_bytes_per_token / 1e6:.1f}", True),
+    ("slots", 6, lambda r: f"{r.num_slots:d}", False),
+    ("roofline", 9, lambda r: f"{r.roofline_tok_s:.2f}", True),
+    ("ach/roof", 9, lambda r: f"{r.achieved_over_roofline:.2f}", True),
+    ("exposed", 8, lambda r: f"{100 * r.counters.get('copy_exposed_s', 0.0) / r.decode_s if r.decode_s else 0.0:.0f}%",
+     False),
+)
+_DEVICE_BANDWIDTHS = ("pcie", "hbm")
 
 
-def format_row(r: DecodeResult) -> str:
-    if r.error:
-        return f"{r.batch:>5} {r.backend:<9} {'-':>8}  {r.error}"
-    c = r.counters
-    exposed = c.get("copy_exposed_s", 0.0) / r.decode_s if r.decode_s else 0.0
-    return (f"{r.batch:>5} {r.backend:<9} {r.tok_s:8.2f} {100 * r.hit_rate:6.1f} {r.pcie_bytes_per_token / 1e6:12.1f} "
-            f"{r.cpu_bytes_per_token / 1e6:11.1f} {r.num_slots:6d} {r.roofline_tok_s:9.2f} "
-            f"{r.achieved_over_roofline:9.2f} {100 * exposed:7.0f}%  {r.checksum}")
+def _columns(on_gpu: bool) -> list[tuple[str, int, Callable[[DecodeResult], str], bool]]:
+    return [c for c in _COLUMNS if on_gpu or c[3]]
+
+
+def format_header(on_gpu: bool = True) -> str:
+    return f"{'batch':>5} {'backend':<9} " + " ".join(f"{t:>{w}}" for t, w, _, _ in _columns(on_gpu)) + "  checksum"
+
+
+def format_row(r: DecodeResult, on_gpu: bool = True) -> str:
+    """One aligned row; a failed run shows ``-`` in every column, then its error."""
+    cells = [("-" if r.error else cell(r), w) for _, w, cell, _ in _columns(on_gpu)]
+    tail = r.error if r.error else r.checksum
+    return f"{r.batch:>5} {r.backend:<9} " + " ".join(f"{c:>{w}}" for c, w in cells) + f"  {tail}"
 
 
 def format_table(summary: dict) -> str:
-    bw = summary["bandwidths"]
+    """The decode table; on a CPU-only run (``device`` cpu) without the device columns and bandwidths."""
+    on_gpu = not str(summary["device"]).startswith("cpu")
+    bw = {k: v for k, v in summary["bandwidths"].items() if on_gpu or k not in _DEVICE_BANDWIDTHS}
     lines = [f"model {summary['model']}  device {summary['device']} {summary['dtype']}  batch {summary['batch']}  "
              f"tokens {summary['tokens']}  gpu limit {summary['gpu_memory_limit_gib']} GiB  "
              f"decode graphs {summary.get('decode_graphs', 'off')}",
-             "measured GB/s: " + "  ".join(f"{k} {v / 1e9:.1f}" for k, v in bw.items()), HEADER]
-    lines += [format_row(DecodeResult(**r)) for r in summary["results"]]
+             "measured GB/s: " + "  ".join(f"{k} {v / 1e9:.1f}" for k, v in bw.items()), format_header(on_gpu)]
+    lines += [format_row(DecodeResult(**r), on_gpu) for r in summary["results"]]
     return "\n".join(lines)
 
 

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
-from ferrylm.bench.serve import RequestResult, _one, percentiles, server_snapshot
+from ferrylm.bench.serve import RequestResult, _one, percentiles, served_model, server_snapshot
 
 
 @dataclass
@@ -107,7 +107,7 @@ async def run_multi_turn(cfg: MultiTurnConfig, transport: httpx.AsyncBaseTranspo
     limits = httpx.Limits(max_connections=cfg.num_conversations + 4)
     async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=None, limits=limits,
                                  transport=transport) as client:
-        model = cfg.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+        model = await served_model(client, cfg.model)
         system = _ids(random.Random(cfg.seed), cfg.shared_prefix_len, cfg.vocab_upper)
         before = await server_snapshot(client)
         t0 = time.perf_counter()

@@ -48,6 +48,37 @@ class BenchConfig:
     api_key: str | None = None
 
 
+class BenchError(Exception):
+    """The server cannot be benchmarked as asked (a key is needed, no model is served); the message is one line."""
+
+
+def http_failure(status: int, body: bytes | str) -> str:
+    """One line for a refused request: the status, the server's own error message when it sent one (else the
+    start of the body as text), and for 401 the flag to pass."""
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    try:
+        err = json.loads(text).get("error")
+        message = err.get("message") if isinstance(err, dict) else err
+    except (ValueError, AttributeError):
+        message = None
+    line = f"the server answered {status}: {message or text[:200].strip() or '(no body)'}"
+    return line + (" (pass --api-key KEY)" if status == 401 else "")
+
+
+async def served_model(client: httpx.AsyncClient, model: str | None) -> str:
+    """``model``, else the first id ``GET /v1/models`` lists. Raises BenchError when the server refuses the list
+    (401 without --api-key) or lists none."""
+    if model:
+        return model
+    r = await client.get("/v1/models")
+    if r.status_code != 200:
+        raise BenchError(f"GET /v1/models: {http_failure(r.status_code, r.content)}")
+    try:
+        return r.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise BenchError(f"GET /v1/models listed no model: {r.text[:200]}") from None
+
+
 def percentiles(values: list[float], ps=(50, 90, 99)) -> dict[str, float]:
     """Nearest-rank percentiles (``p50``, ``p90``, ``p99``) and the mean; zeros for an empty list."""
     if not values:
@@ -85,7 +116,7 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig | None, model: str, p
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                res.error = http_failure(r.status_code, await r.aread())
                 return res
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
@@ -151,7 +182,7 @@ async def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=cfg.concurrency + 4)
     async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=None, limits=limits) as client:
-        model = cfg.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+        model = await served_model(client, cfg.model)
         prompts = make_prompts(cfg)
         sem = asyncio.Semaphore(cfg.concurrency)
         bar = tqdm(total=len(prompts), desc=f"bench c={cfg.concurrency}", disable=not progress, unit="req")
