@@ -76,3 +76,34 @@ def test_other_messages_read_mid_step_wait_for_the_loop_in_order(offload_model):
     time.sleep(0.05)
     poll()
     assert len(deferred) == 2 and deferred[0] == add and "x" not in eng.requests
+
+
+def test_a_step_whose_requests_all_left_stops_at_the_next_layer_boundary(offload_model):
+    """Issue 43: the client of the only request in a long prefill chunk leaves; the chunk stops at the next layer
+    boundary (not after every layer), nothing of it is committed, the engine reads busy while it computes, and the
+    next request's tokens equal a run without the abort."""
+    eng = make_engine(offload_model, "step_delay:ms=40:min_prompt=150", prefill=256)
+    pull, push = pipe()
+    deferred: list[bytes] = []
+    poll = make_layer_poll(eng, pull, deferred)
+    layers_run: list[bool] = []                  # busy as /health reads it, at each layer boundary
+
+    def callback():
+        if not layers_run:
+            push.send(ipc.encode(ipc.AbortRequest(["long"])))
+            time.sleep(0.01)
+        poll()
+        layers_run.append(eng.stats()["busy"])
+
+    eng.progress.layer_callback = callback
+    eng.add_request("long", LONG, greedy(4))
+    outs = eng.step()
+    assert offload_model.config.num_layers > 1 and layers_run == [True], layers_run   # one layer ran, not all
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("long", "abort")]
+    assert eng.pool.allocator.num_used == 0 and not eng.stats()["busy"]
+    eng.progress.layer_callback = poll
+    eng.add_request("short", SHORT, greedy(4))
+    got = drain(eng, time.monotonic())["short"]["tokens"]
+    ref = make_engine(offload_model)
+    ref.add_request("short", SHORT, greedy(4))
+    assert got == drain(ref, time.monotonic())["short"]["tokens"]

@@ -23,7 +23,7 @@ from ferrylm.engine.kv_cache import KVLayout, KVPool
 from ferrylm.engine.model_runner import ModelRunner, has_prefill
 from ferrylm.engine.outputs import EngineOutput
 from ferrylm.engine.prefix_cache import PrefixCache, cache_seed
-from ferrylm.engine.progress import StepProgress
+from ferrylm.engine.progress import StepAbandoned, StepProgress
 from ferrylm.engine.request import Request, Status
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.engine.state_pool import StateLayout, StatePool
@@ -298,12 +298,18 @@ class Engine:
         self.scheduler.add(req)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request and free its pages now. Unknown ids are ignored (it may have just finished)."""
+        """Stop a request and free its pages now. Unknown ids are ignored (it may have just finished). During a
+        step (the worker's layer-boundary poll) that leaves the step no request, the step is abandoned at the next
+        layer boundary (not under tensor parallelism: the other ranks wait in the layer's all-reduce)."""
         req = self.requests.pop(request_id, None)
         if req is not None:
             self.scheduler.finish(req, "abort")
             self._pending.append(EngineOutput(request_id, [], finish_reason="abort",
                                               num_prompt_tokens=req.num_prompt_tokens))
+            p = self.progress
+            if (p.in_step and self.config.tensor_parallel_size == 1
+                    and not any(rid in self.requests for rid in p.step_request_ids)):
+                p.abandoned = True
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)
@@ -331,8 +337,7 @@ class Engine:
                                      max(s.request.num_prompt_tokens for s in batch.seqs))
             ok = False
             try:
-                self._run_guarded(batch.seqs)
-                ok = True
+                ok = self._run_guarded(batch.seqs)
             finally:
                 self.progress.end_step(measured=ok)
             self.num_steps += 1
@@ -378,14 +383,19 @@ class Engine:
                 self._fail_oom([req], st, "scheduling", chunk)
                 st = None
 
-    def _run_guarded(self, seqs: list[ScheduledSeq]) -> None:
+    def _run_guarded(self, seqs: list[ScheduledSeq]) -> bool:
         """Run the step's sequences; on an allocation failure climb the guard's ladder until the (possibly
-        smaller) step succeeds or its requests are failed."""
+        smaller) step succeeds or its requests are failed. Returns False when the step was abandoned (its requests
+        all aborted mid-step), so its duration teaches the estimates nothing."""
         st: StepRecovery | None = None
         while seqs:
             try:
                 self._run(Batch(seqs=seqs, preempted=[], truncated=[]))
                 break
+            except StepAbandoned:   # every request aborted at a layer boundary: nothing to commit
+                log.info("step of %d token(s) abandoned at a layer boundary: its requests were all aborted",
+                         sum(s.num_tokens for s in seqs))
+                return False
             except Exception as e:
                 if not is_oom(e):
                     raise
@@ -429,6 +439,7 @@ class Engine:
             budget = self.guard.step_succeeded()
             if budget is not None:
                 self.scheduler.set_prefill_budget(budget)
+        return True
 
     def _drop_lost_states(self, seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
         """After a failed step of a hybrid model whose linear layers already wrote states: the sequences that
@@ -627,7 +638,8 @@ class Engine:
 
     def stats(self) -> dict:
         """Live figures for heartbeats and /metrics (``experts``: the expert executor's counters, when MoE)."""
-        d = {"num_running": self.num_running, "num_waiting": self.num_waiting,
+        d = {"busy": self.progress.in_step or self.has_work(),   # a step still computing is not idle
+             "num_running": self.num_running, "num_waiting": self.num_waiting,
              "kv_pages_used": self.pool.allocator.num_used, "kv_pages_total": self.pool.num_pages,
              "num_preemptions": self.scheduler.num_preemptions, "num_steps": self.num_steps}
         if self.state_pool is not None:

@@ -24,9 +24,10 @@ Fault injection (``ferrylm/faults.py``): the layer hook is the site of ``step_de
 with progress) and ``device_error`` (a sticky device error raised inside the forward, as a real one would be).
 
 Abort at a layer boundary: ``layer_callback`` (set by the worker) runs after each layer of a step; it applies the
-frontend's AbortRequests at once (``Engine.abort`` frees the pages now; the step's remaining layers write K/V
-into pages nobody else can take before the next schedule, and the engine commits nothing for a request that
-finished during the step).
+frontend's AbortRequests at once (``Engine.abort`` frees the pages now and the engine commits nothing for a request
+that finished during the step). When that leaves the step no request, the engine sets ``abandoned`` and the next
+layer boundary raises :class:`StepAbandoned`: the rest of the chunk is not computed (a host flag, no device sync;
+layers replayed inside a CUDA graph have no boundary, so such a step runs to its end).
 
 Fields are plain ints, floats and tuples assigned whole, so the heartbeat thread reads them without a lock (the
 GIL makes each assignment atomic; a read may mix two steps' fields, which only costs one heartbeat's accuracy).
@@ -48,6 +49,12 @@ PREFILL_SIZED_TOKENS = 32   # steps with at least this many tokens estimate by s
 EMA_ALPHA = 0.3             # weight of the newest measurement in the step-time averages
 _HOOKS_ATTR = "_ferrylm_progress_hooks"
 _TARGET_ATTR = "_ferrylm_progress"
+
+
+class StepAbandoned(BaseException):
+    """Raised at a layer boundary of a step whose requests were all aborted meanwhile; the engine drops the step
+    (nothing of it is committed). A BaseException so that no ``except Exception`` inside the forward (a graph
+    fallback, a kernel probe) mistakes it for a failure."""
 
 
 @dataclass
@@ -82,6 +89,8 @@ class StepProgress:
     # called after every decoder layer while a step runs (the worker's abort poll: a client that left during a
     # long prefill frees its pages at the next layer boundary, not after the chunk); None: nothing
     layer_callback: Callable[[], None] | None = field(default=None, repr=False)
+    # set by the engine when every request of the running step was aborted: the next layer boundary raises
+    abandoned: bool = False
 
     # --- the model side ---------------------------------------------------------------------------------------
     def attach(self, model) -> int:
@@ -105,19 +114,23 @@ class StepProgress:
         return len(layers)
 
     def on_layer(self) -> None:
-        """A decoder layer finished its forward (host side). Raises what an injected fault raises."""
+        """A decoder layer finished its forward (host side). Raises what an injected fault raises, and
+        StepAbandoned when the step was abandoned."""
         self.ticks += 1
         if self.faults.enabled:
             self.faults.layer_hook(self.step_tokens)
         cb = self.layer_callback
         if cb is not None and self.in_step:
             cb()
+        if self.abandoned and self.in_step:
+            raise StepAbandoned()
 
     # --- the engine side --------------------------------------------------------------------------------------
     def begin_step(self, request_ids: tuple[str, ...], tokens: int, prompt_tokens: int = 0) -> None:
         """A step of ``tokens`` tokens for ``request_ids`` starts now. ``prompt_tokens``: the largest prompt of the
         step (the fault rules' ``min_prompt``)."""
         self.step_request_ids = request_ids
+        self.abandoned = False
         self.step_tokens = tokens
         self.expected_step_s = self.expected(tokens)
         self.step_started = time.monotonic()
