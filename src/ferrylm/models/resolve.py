@@ -106,13 +106,12 @@ def resolve_model(spec: str, *, progress: bool = True) -> ResolvedModel:
     if p.suffix.lower() != ".gguf":
         raise ModelLoadError(f"--model {spec} is a file but not a .gguf file; give a model folder or a .gguf file")
     from ferrylm.models.gguf_config import is_moe_gguf
-    from ferrylm.models.gguf_convert import convert_gguf, read_gguf, source_key
+    from ferrylm.models.gguf_convert import convert_gguf, read_gguf
 
     if is_moe_gguf(read_gguf(p)):  # served from the file itself: nothing converted, nothing written
         return ResolvedModel(p.stem, p, "gguf")
     try:
-        key = source_key(p)
+        dest = builtin.converted_gguf_dir(p)
     except OSError as e:
         raise ModelLoadError(f"--model {spec}: cannot read it: {e}") from None
-    dest = builtin.cache_dir() / f"{p.stem}-{key}"
     return ResolvedModel(p.stem, convert_gguf(p, dest, progress=progress), "gguf")
