@@ -272,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CORS: request headers a preflight allows (needs --allowed-origins; default: *)")
     s.add_argument("--allow-credentials", action="store_true",
                    help="CORS: let browsers send cookies / credentials (needs --allowed-origins; default: off)")
+    s.add_argument("--webui", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve the web page at / (chat, and a live view of the memory plan, the expert cache and "
+                        "the engine; its data at GET /v1/live, behind --api-key); --no-webui: neither (default: on)")
     s.add_argument("--max-engine-restarts", type=int, default=3,
                    help="engine restarts allowed within 10 minutes before the server exits non-zero (default: 3)")
     s.add_argument("--watchdog-timeout", type=float, default=120.0,

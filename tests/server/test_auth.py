@@ -19,6 +19,7 @@ PROTECTED = [
     ("POST", "/v1/chat/completions", {"model": SERVED, "messages": MSGS, "max_tokens": 2}),
     ("POST", "/v1/completions", {"model": SERVED, "prompt": "hi", "max_tokens": 2}),
     ("GET", "/v1/memory", None),
+    ("GET", "/v1/live", None),
     ("POST", "/tokenize", {"model": SERVED, "prompt": "hi"}),
     ("POST", "/detokenize", {"model": SERVED, "tokens": [1, 2]}),
     ("POST", "/v1/responses", {"model": SERVED, "input": "hi", "max_output_tokens": 2}),
@@ -32,7 +33,7 @@ ANTHROPIC = [
     ("POST", "/v1/messages/count_tokens", {"model": SERVED, "messages": MSGS}),
 ]
 UNKNOWN_RESPONSE = "/v1/responses/resp_unknown"
-OPEN = ["/health", "/metrics", "/version", "/openapi.json"]
+OPEN = ["/health", "/metrics", "/version", "/openapi.json", "/", "/webui/main.js"]
 
 
 @pytest.fixture

@@ -53,6 +53,7 @@ from ferrylm.server.openapi import (ANTHROPIC_ERROR_RESPONSES, ERROR_RESPONSES, 
 from ferrylm.server.request_io import (ARRIVAL_KEY, HeadAsGetMiddleware, RequestIdMiddleware, RequestTooLarge,
                                       read_json)
 from ferrylm.server.tokenizer import TextCodec, TextStream, client_template_kwargs
+from ferrylm.server.webui import LiveView, install_webui
 
 logger = logging.getLogger("ferrylm.server")
 
@@ -116,7 +117,7 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
                sse_ping_interval: float | None = DEFAULT_SSE_PING_INTERVAL,
                responses_store_size: int = 1024, request_timeout: float | None = None,
                tool_call_parser: str = "auto", architecture: str | None = None,
-               model_type: str | None = None) -> FastAPI:
+               model_type: str | None = None, webui: bool = True) -> FastAPI:
     """Build the FastAPI app serving ``engine`` under the name ``served_model_name``.
 
     Args:
@@ -139,6 +140,7 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
         architecture: the served model's ``architectures[0]``, for the ``auto`` choice.
         model_type: its config's ``model_type`` (Kimi-K2 is ``kimi_k2`` on a DeepSeek-V3 architecture), for
             the ``auto`` choice.
+        webui: serve the web page at ``/`` and its data at ``/v1/live`` (server/webui/; ``--no-webui``: off).
 
     Raises:
         ValueError: an unknown ``tool_call_parser``.
@@ -147,8 +149,9 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
                      tool_call_parser=tool_call_parser, architecture=architecture, model_type=model_type)
     server.ping_interval = sse_ping_interval or None
     server.responses = responses.ResponseStore(responses_store_size)
+    live = LiveView(server) if webui else None
     app = FastAPI(title="ferrylm", version=__version__, docs_url=None, redoc_url=None,
-                  openapi_url="/openapi.json")
+                  openapi_url="/openapi.json", lifespan=live.lifespan if live else None)
     app.state.server = server
     app.state.metrics = server.metrics
     install_exception_handlers(app)
@@ -200,6 +203,8 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
                       **v1)
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"],
                       openapi_extra=doc(pr.DetokenizeRequest, None), **v1)
+    if live is not None:
+        install_webui(app, server, live)
 
     install_openapi(app)
     return app
@@ -453,12 +458,17 @@ class _Server(CompletionRoutes):
         """GET /v1/memory: the engine's memory plan (bytes, pages, tokens, slots) and live figures (free memory
         now, expert slots now, OOM recoveries so far). 503 before the engine reported its plan."""
         async def work(request: Request, rid: str) -> Response:
-            get = getattr(self.engine, "memory", None)
-            info = get() if callable(get) else None
+            info = self.memory_info()
             if info is None:
                 raise EngineUnavailable("the engine has not reported its memory plan yet")
             return JSONResponse(info)
         return await self._handle(request, work)
+
+    def memory_info(self) -> dict | None:
+        """The body of ``GET /v1/memory`` (the engine client's ``memory()``), None before the engine reported its
+        plan or for an engine client without one."""
+        get = getattr(self.engine, "memory", None)
+        return get() if callable(get) else None
 
     async def health(self, request: Request) -> Response:
         """200 ``{"status": "ready"}``; else 503 ``{"status": <state>, "detail": ...}`` with Retry-After."""

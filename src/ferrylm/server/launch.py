@@ -296,7 +296,8 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
                      request_timeout=getattr(args, "request_timeout", None) or None,
                      sse_ping_interval=ping, responses_store_size=int(getattr(args, "responses_store_size", 1024)),
                      tool_call_parser=getattr(args, "tool_call_parser", None) or "auto",
-                     architecture=mcfg.architecture, model_type=(mcfg.raw or {}).get("model_type"))
+                     architecture=mcfg.architecture, model_type=(mcfg.raw or {}).get("model_type"),
+                     webui=args.webui)
     # uvicorn's own graceful wait only covers the HTTP tail after our drain (the last bytes of answered streams)
     config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False, timeout_graceful_shutdown=5)
     server = Server(config)
