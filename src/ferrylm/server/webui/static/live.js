@@ -107,9 +107,9 @@ export class LiveView {
       `<li data-part="${part}" data-bytes="${p[key] || 0}"><span class="sw" style="background:var(--${part})"></span>` +
       `${label}<span class="v">${gib(p[key] || 0)}</span></li>`).join("");
     const where = p.kind === "cuda" ? "device memory" : "host memory (no GPU)";
-    // without a GPU the expert "copies" are host-to-host: say so instead of PCIe
+    // without a GPU the expert copies stay in host memory: no PCIe to name
     $("plot-pcie").querySelector("figcaption span").textContent = p.kind === "cuda" ? "PCIe, experts"
-                                                                                   : "expert copies (no GPU)";
+                                                                                   : "expert copies";
     $("plan-kind").textContent = `${where}, ${gib(p.reserve_bytes + p.budget_bytes)} for ferrylm of ${gib(p.total_bytes)}`;
     const live = mem.live || {};
     const kv = `KV: ${mem.kv_pages_used ?? "–"} of ${p.kv_pages} pages in use (${(used * 100).toFixed(1)}%), ` +
