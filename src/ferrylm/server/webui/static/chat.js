@@ -119,10 +119,11 @@ export class Chat {
     const messages = s.system ? [{ role: "system", content: s.system }] : [];
     // earlier tool calls stay on the page only: the page runs no tools, so it has no results to send back
     for (const m of c.messages) messages.push({ role: m.role, content: m.content || "" });
-    const body = { messages, temperature: Number(s.temperature), top_p: Number(s.top_p),
-                   stream_options: { include_usage: true } };
+    const body = { messages, stream_options: { include_usage: true } };
     if (this.model()) body.model = this.model();
-    if (s.max_tokens !== "" && s.max_tokens != null) body.max_tokens = Number(s.max_tokens);
+    for (const k of ["temperature", "top_p", "max_tokens"]) {   // an empty field: the server's default
+      if (s[k] !== "" && s[k] != null) body[k] = Number(s[k]);
+    }
     if (s.tools && s.tools.trim()) body.tools = JSON.parse(s.tools);
     return body;
   }
