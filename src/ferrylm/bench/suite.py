@@ -55,13 +55,15 @@ class RunShape:
 @dataclass(frozen=True)
 class Scenario:
     """One served configuration: ``model`` (``${VARS}`` expanded from the environment), the flags after the
-    defaults, whether it takes the suite's tokenizer, and its runs in order."""
+    defaults, whether it takes the suite's tokenizer, its runs in order, and the free GPU memory another program
+    leaves it (``bench/gpu_hold.py``; None: the GPU is its own)."""
 
     name: str
     model: str
     args: tuple[str, ...] = ()
     tokenizer: bool = False
     runs: tuple[RunShape, ...] = field(default_factory=tuple)
+    hold_leave_gib: float | None = None   # another program holds all but this much GPU memory before the boot
 
 
 def default_scenarios_path() -> Path:
@@ -81,7 +83,7 @@ def load_scenarios(path: Path | None = None) -> list[Scenario]:
     out = []
     for sc in data.get("scenario") or []:
         name = sc.get("name", "?")
-        unknown = set(sc) - {"name", "model", "args", "tokenizer", "runs"}
+        unknown = set(sc) - {"name", "model", "args", "tokenizer", "runs", "hold_leave_gib"}
         if unknown:
             raise SuiteError(f"scenario {name!r}: unknown keys {sorted(unknown)}")
         missing = [r for r in sc.get("runs", []) if r not in shapes]
@@ -89,7 +91,8 @@ def load_scenarios(path: Path | None = None) -> list[Scenario]:
             raise SuiteError(f"scenario {name!r}: runs {missing} are not defined under [runs]")
         out.append(Scenario(name=name, model=sc["model"], args=tuple(sc.get("args", ())),
                             tokenizer=bool(sc.get("tokenizer", False)),
-                            runs=tuple(shapes[r] for r in sc.get("runs", ()))))
+                            runs=tuple(shapes[r] for r in sc.get("runs", ())),
+                            hold_leave_gib=sc.get("hold_leave_gib")))
     names = [s.name for s in out]
     if len(set(names)) != len(names):
         raise SuiteError("scenario names repeat")
@@ -229,6 +232,7 @@ def run_scenario(sc: Scenario, *, out_dir: Path, log_dir: Path, date: str, port:
     rec: dict = {"kind": SUITE_KIND, "version": SUITE_VERSION, "date": date, "scenario": sc.name,
                  "model": sc.model, "args": list(sc.args), "command": cmd[2:], "commit": _git_commit(),
                  "machine": {"bandwidths": bw.to_dict(), "gpu_used_mib_before": gpu_used_mib()}, "runs": {}}
+    holder = _start_holder(sc.hold_leave_gib, rec) if sc.hold_leave_gib is not None else None
     srv = ServerProcess(cmd, port, log_dir / f"{sc.name}.log")
     try:
         rec["ready_s"] = srv.wait_ready(ready_timeout_s)
@@ -251,8 +255,22 @@ def run_scenario(sc: Scenario, *, out_dir: Path, log_dir: Path, date: str, port:
             _write(path, rec)
     finally:
         rec["exit_code"] = srv.stop()
+        if holder is not None:
+            holder.kill()
+            holder.wait()
         _write(path, rec)
     return rec
+
+
+def _start_holder(leave_gib: float, rec: dict) -> subprocess.Popen:
+    """Start ``bench/gpu_hold.py`` and wait until it holds its memory; note the bytes held in ``rec``."""
+    proc = subprocess.Popen([sys.executable, "-m", "ferrylm.bench.gpu_hold", "--leave-gib", str(leave_gib)],
+                            stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    rec["hold_leave_gib"] = leave_gib
+    rec["held_by_other_bytes"] = int(line.split()[1]) if line.startswith("held ") else None
+    rec["gpu_used_mib_held"] = gpu_used_mib()
+    return proc
 
 
 def _write(path: Path, rec: dict) -> None:

@@ -44,6 +44,8 @@ def _run(rec: dict, name: str) -> dict:
 
 def _cap(rec: dict) -> str:
     args = rec.get("args") or []
+    if rec.get("hold_leave_gib") is not None:
+        return f"none; {rec['hold_leave_gib']:g} GiB left free by another program"
     return f"{args[args.index('--gpu-memory-limit') + 1]} GiB" if "--gpu-memory-limit" in args else "none"
 
 
