@@ -22,6 +22,7 @@ def test_packaged_scenarios_parse_and_name_their_runs():
     assert q.args == ("--gpu-memory-limit", "24") and q.tokenizer
     assert [r.name for r in q.runs] == ["c1", "c16", "p8k"]
     assert all(r.num_prompts >= 3 for s in scs for r in s.runs if not r.multi_turn)   # p50/p90 of >= 3 requests
+    assert next(s for s in scs if s.name == "q30b-shared-leave10g").hold_leave_gib == 10
 
 
 @pytest.mark.parametrize("text, needle", [
