@@ -9,7 +9,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from ferrylm.config import ATTENTION_BACKENDS, CACHE_POLICIES, CPU_KERNELS, EngineConfig
-from ferrylm.server.tool_formats import TOOL_PARSER_CHOICES
+from ferrylm.server.text.tool_formats import TOOL_PARSER_CHOICES
 
 _D = EngineConfig()  # the one source of the serve flags' defaults
 
@@ -464,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     if (sys.argv[1:] if argv is None else argv)[:1] != ["serve"]:
         return _main(argv)
     # NOTE: before anything slow: a SIGTERM during start-up must exit 0, not kill us by its default action
-    from ferrylm.server.launch import BootInterrupted, BootSignals
+    from ferrylm.server.process.launch import BootInterrupted, BootSignals
 
     boot = BootSignals().install()
     try:
@@ -477,7 +477,7 @@ def _main(argv: list[str] | None, boot=None) -> int:
     parser = build_parser()
     args = parse_args(parser, argv)
     if args.command == "models":
-        from ferrylm.models.catalog import describe_models
+        from ferrylm.checkpoints.catalog import describe_models
 
         print(describe_models())
         return 0
@@ -494,7 +494,7 @@ def _main(argv: list[str] | None, boot=None) -> int:
     if tokenizer_error:
         usage.error(tokenizer_error)
     if args.command == "serve":
-        from ferrylm.server.launch import check_serve_args, serve
+        from ferrylm.server.process.launch import check_serve_args, serve
 
         flag_error = check_serve_args(args, engine_config)
         if flag_error:
@@ -546,7 +546,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.bench_command == "hf":
         from ferrylm.bench.hf_baseline import run_hf_baseline
         from ferrylm.bench.serve import BenchConfig
-        from ferrylm.models.resolve import resolve_model
+        from ferrylm.checkpoints.resolve import resolve_model
 
         cfg = BenchConfig(base_url="", model=None, concurrency=args.batch, num_prompts=args.num_prompts,
                           input_len=args.input_len, output_len=args.output_len, vocab_upper=args.vocab_upper,
@@ -625,7 +625,7 @@ def _apply_tokenizer_flag(args: argparse.Namespace) -> str | None:
     """Fold ``--tokenizer`` into a synthetic ``--model`` spec (``:tokenizer=<abs path>``, so every reader of the
     spec sees it); return an error message, or None."""
     from ferrylm.errors import ModelLoadError
-    from ferrylm.models.synthetic import is_synthetic_spec, parse_synthetic_spec, with_tokenizer
+    from ferrylm.synthetic.spec import is_synthetic_spec, parse_synthetic_spec, with_tokenizer
 
     try:
         if is_synthetic_spec(args.model):
@@ -642,7 +642,7 @@ def _generate(args: argparse.Namespace, engine_config: EngineConfig, params: "Sa
     from ferrylm.errors import ModelLoadError
     from ferrylm.experts.cpu_kernel import KernelBuildError
     from ferrylm.llm import LLM
-    from ferrylm.models.synthetic import is_synthetic_spec
+    from ferrylm.synthetic.spec import is_synthetic_spec
 
     ids_only = is_synthetic_spec(args.model) and ":tokenizer=" not in args.model  # token ids in and out
     if ids_only:
@@ -666,7 +666,7 @@ def _generate(args: argparse.Namespace, engine_config: EngineConfig, params: "Sa
         print(f"ferry generate: {e}", file=sys.stderr)
         return 2
     if ids_only:
-        from ferrylm.models.synthetic import default_prompt_ids
+        from ferrylm.synthetic.spec import default_prompt_ids
 
         vocab = llm.engine.mcfg.vocab_size
         if any(not 0 <= t < vocab for t in prompt):

@@ -138,10 +138,10 @@ class ModelConfig:
     @classmethod
     def from_folder(cls, path: str | Path) -> "ModelConfig":
         """Read ``path/config.json``, or the header of a MoE ``.gguf`` file ``path``
-        (:func:`ferrylm.models.gguf_config.gguf_config`). Raises ModelLoadError naming the missing or unreadable
+        (:func:`ferrylm.checkpoints.gguf_config.gguf_config`). Raises ModelLoadError naming the missing or unreadable
         file."""
         if Path(path).suffix.lower() == ".gguf" and Path(path).is_file():
-            from ferrylm.models.gguf_config import gguf_config
+            from ferrylm.checkpoints.gguf_config import gguf_config
 
             return cls.from_dict(gguf_config(path))
         p = Path(path) / "config.json"
@@ -280,7 +280,7 @@ class EngineConfig:
             (``--attention-backend``, ``engine/attention``).
         cuda_graph_max_len: longest sequence (tokens) run through CUDA graphs (``--cuda-graph-max-len``).
         enable_prefix_caching: automatic prefix caching, full KV pages shared across requests by content hash
-            (``--enable-prefix-caching`` / ``--no-enable-prefix-caching``; ``engine/prefix_cache.py``).
+            (``--enable-prefix-caching`` / ``--no-enable-prefix-caching``; ``engine/cache/prefix_cache.py``).
         tensor_parallel_size: ranks one model is split over inside one host (``--tensor-parallel-size`` /
             ``--tp-size``; ``models/tensor_parallel.py``, ``engine/parallel/``); 1 = one engine process, today's
             path unchanged. The model-dependent rules are :meth:`check_model`.

@@ -1,6 +1,6 @@
 """Typed errors raised inside ferrylm.
 
-Each error carries the numbers that explain it. Only the HTTP edge (``server/errors.py``) maps them to status
+Each error carries the numbers that explain it. Only the HTTP edge (``server/api/errors.py``) maps them to status
 codes and OpenAI-style error JSON ``{"error": {"message", "type", "param", "code"}}``; inside the engine and the
 model code they are ordinary exceptions.
 """
@@ -103,7 +103,7 @@ class DeviceError(EngineUnavailable):
 
 class RequestQuarantined(FerryError):
     """This request (same prompt and parameters) was running when the engine failed, twice: it is refused for a
-    while so that it cannot take the server down (``server/quarantine.py``). HTTP 500: the server cannot serve
+    while so that it cannot take the server down (``server/process/quarantine.py``). HTTP 500: the server cannot serve
     it; retrying does not help."""
 
     code = "request_quarantined"

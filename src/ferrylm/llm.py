@@ -50,8 +50,8 @@ class LLM:
 
     def __init__(self, model: str = "smollm2-moe", *, engine_config: EngineConfig | None = None, **overrides):
         from ferrylm.engine.factory import build_engine
-        from ferrylm.models.resolve import resolve_model
-        from ferrylm.server.tokenizer import TextCodec
+        from ferrylm.checkpoints.resolve import resolve_model
+        from ferrylm.server.text.tokenizer import TextCodec
 
         cfg = engine_config or EngineConfig()
         if overrides:
@@ -121,7 +121,7 @@ class LLM:
 
         from ferrylm.engine.outputs import EngineOutput
         from ferrylm.errors import ContextLengthExceeded, InvalidRequest
-        from ferrylm.server.tokenizer import TextStream
+        from ferrylm.server.text.tokenizer import TextStream
 
         params.validate()
         if self.codec is None and params.stop:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ferrylm import cli
-from ferrylm.models.synthetic import PRESETS, SyntheticPreset, SyntheticSpec, parse_synthetic_spec
+from ferrylm.synthetic.spec import PRESETS, SyntheticPreset, SyntheticSpec, parse_synthetic_spec
 
 from ferrylm.bench import accelerate_offload as ao
 

@@ -45,7 +45,7 @@ import httpx
 import psutil
 import pytest
 
-from ferrylm.server.launch import bind_socket
+from ferrylm.server.process.launch import bind_socket
 from tests.e2e.conftest import free_port
 
 pytestmark = [pytest.mark.slow]

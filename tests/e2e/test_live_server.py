@@ -9,8 +9,8 @@ import httpx
 import openai
 import pytest
 
-from ferrylm.models.resolve import resolve_model
-from ferrylm.server.tokenizer import TextCodec
+from ferrylm.checkpoints.resolve import resolve_model
+from ferrylm.server.text.tokenizer import TextCodec
 from tests.e2e.conftest import free_port
 
 pytestmark = pytest.mark.slow

@@ -8,9 +8,9 @@ import torch
 
 from ferrylm.config import EngineConfig
 from ferrylm.engine.engine import Engine
-from ferrylm.models import builtin
-from ferrylm.models.loader import load_model
-from ferrylm.server.tokenizer import TextCodec
+from ferrylm.checkpoints import builtin
+from ferrylm.checkpoints.loader import load_model
+from ferrylm.server.text.tokenizer import TextCodec
 from tests.engine.test_batch_invariance import generate
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ferrylm.engine.kv_cache import PageAllocator
+from ferrylm.engine.cache.page_allocator import PageAllocator
 from ferrylm.engine.request import Request, Status
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.engine.scheduler import Scheduler, SchedulerConfig

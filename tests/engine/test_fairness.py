@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from ferrylm.engine.kv_cache import PageAllocator
+from ferrylm.engine.cache.page_allocator import PageAllocator
 from ferrylm.engine.request import Request
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.engine.scheduler import Scheduler, SchedulerConfig

@@ -19,10 +19,10 @@ import transformers
 from ferrylm.config import EngineConfig
 from ferrylm.engine.engine import Engine
 from ferrylm.engine.sampling_params import SamplingParams
-from ferrylm.models.loader import load_model
-from ferrylm.server.assistant import TurnConfig, whole_turn
-from ferrylm.server.tool_grammars import forced_call_grammar
-from ferrylm.server.tools import MAX_FORCED_CALLS, ToolChoice, ToolSpec, lark_term, tag_terms, tool_call_grammar
+from ferrylm.checkpoints.loader import load_model
+from ferrylm.server.api.assistant import TurnConfig, whole_turn
+from ferrylm.server.text.tool_grammars import forced_call_grammar
+from ferrylm.server.text.tools import MAX_FORCED_CALLS, ToolChoice, ToolSpec, lark_term, tag_terms, tool_call_grammar
 from tests.models.hf_checkpoints import _randomize_
 from tests.server.glm_like import build_glm_like_tokenizer
 
@@ -38,7 +38,7 @@ TOOLS = [ToolSpec("set_mode", "", {"type": "object", "required": ["mode", "loud"
 @pytest.fixture(scope="module")
 def glm_codec(tmp_path_factory):
     """A GLM-4.5-like vocabulary (its tool tags special tokens) and template (tests/server/glm_like.py)."""
-    from ferrylm.server.tokenizer import TextCodec
+    from ferrylm.server.text.tokenizer import TextCodec
 
     return TextCodec.from_pretrained(build_glm_like_tokenizer(tmp_path_factory.mktemp("glm-like-tokenizer")))
 

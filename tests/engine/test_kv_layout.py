@@ -1,9 +1,9 @@
-"""The KV pool's layout: which layers store K/V and what one token stores (engine/kv_cache.KVLayout)."""
+"""The KV pool's layout: which layers store K/V and what one token stores (engine/cache/kv_pool.KVLayout)."""
 
 import torch
 
 from ferrylm.config import ModelConfig
-from ferrylm.engine.kv_cache import KVLayout, KVPool
+from ferrylm.engine.cache.kv_pool import KVLayout, KVPool
 
 
 def _config(**over) -> ModelConfig:

@@ -8,8 +8,11 @@ import pytest
 import torch
 
 import ferrylm.models.latent_attention as la
-from ferrylm.engine.attention import AttentionMetadata, TritonPagedAttention, torch_attention
-from ferrylm.engine.kv_cache import KVLayout, KVPool, StaticDecodeAttention
+from ferrylm.engine.attention.metadata import AttentionMetadata
+from ferrylm.engine.attention.torch_backend import torch_attention
+from ferrylm.engine.attention.triton_backend import TritonPagedAttention
+from ferrylm.engine.attention.torch_backend import StaticDecodeAttention
+from ferrylm.engine.cache.kv_pool import KVLayout, KVPool
 from ferrylm.models.attention import causal_attention
 
 H, N, P, V, R = 4, 16, 8, 12, 32

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from ferrylm.config import EngineConfig
 from ferrylm.engine.engine import Engine
-from ferrylm.engine.page_allocator import OutOfPages, PageAllocator
-from ferrylm.engine.prefix_cache import cache_seed, chain_hashes
+from ferrylm.engine.cache.page_allocator import OutOfPages, PageAllocator
+from ferrylm.engine.cache.prefix_cache import cache_seed, chain_hashes
 from ferrylm.engine.sampling_params import SamplingParams
 from tests.engine.fake_model import FakeModel, fake_config
 

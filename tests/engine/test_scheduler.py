@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from ferrylm.config import EngineConfig
 from ferrylm.engine.engine import Engine
-from ferrylm.engine.kv_cache import OutOfPages, PageAllocator
+from ferrylm.engine.cache.page_allocator import OutOfPages, PageAllocator
 from ferrylm.engine.sampling_params import SamplingParams
 from tests.engine.fake_model import FakeModel, fake_config
 

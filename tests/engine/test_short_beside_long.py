@@ -3,7 +3,7 @@ the long prompt loses at most one step to it (issue 47 item 5)."""
 
 from __future__ import annotations
 
-from ferrylm.engine.kv_cache import PageAllocator
+from ferrylm.engine.cache.page_allocator import PageAllocator
 from ferrylm.engine.request import Request
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.engine.scheduler import Scheduler, SchedulerConfig

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferrylm.engine.page_allocator import PageAllocator
+from ferrylm.engine.cache.page_allocator import PageAllocator
 from ferrylm.engine.request import Request, Status
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.engine.scheduler import Scheduler, SchedulerConfig
-from ferrylm.engine.state_pool import StateLayout, StatePool
+from ferrylm.engine.cache.state_pool import StateLayout, StatePool
 
 LAYOUT = StateLayout(layers=(0, 2), conv_channels=8, conv_kernel=4, heads=2, key_dim=4, value_dim=4)
 
@@ -138,7 +138,7 @@ def test_the_plan_counts_one_state_slot_per_running_request():
 
 
 def test_snapshots_evict_least_recently_used_and_restore_exact_states():
-    from ferrylm.engine.state_snapshots import StateSnapshots
+    from ferrylm.engine.cache.state_snapshots import StateSnapshots
 
     pool = StatePool(LAYOUT, 3, torch.float32, "cpu")
     snaps = StateSnapshots(pool, capacity=2)

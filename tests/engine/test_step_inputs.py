@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from ferrylm.engine.attention import decode_splits, resolve_backend
+from ferrylm.engine.attention import resolve_backend
+from ferrylm.engine.attention.metadata import decode_splits
 from ferrylm.engine.step_inputs import PackLayout, Staging, pack_step
-from ferrylm.models.routing_model import sequence_key
+from ferrylm.synthetic.routing_model import sequence_key
 
 
 @dataclass

@@ -11,8 +11,8 @@ from ferrylm.config import EngineConfig
 from ferrylm.engine.engine import Engine
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.engine.structured import unpack_bitmask
-from ferrylm.server.structured import choice_grammar, json_schema_grammar
-from ferrylm.server.tokenizer import TextCodec
+from ferrylm.server.text.structured import choice_grammar, json_schema_grammar
+from ferrylm.server.text.tokenizer import TextCodec
 from tests.engine.fake_model import FakeModel, fake_config
 from tests.server.conftest import build_tiny_tokenizer, qwen_codec  # noqa: F401 (fixture)
 
@@ -104,7 +104,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 
 def test_forced_tool_call_through_the_engine(tok_dir) -> None:
-    from ferrylm.server.tools import HermesToolParser, ToolChoice, parse_openai_tools, tag_terms, tool_call_grammar
+    from ferrylm.server.text.tools import HermesToolParser, ToolChoice, parse_openai_tools, tag_terms, tool_call_grammar
 
     codec = TextCodec.from_pretrained(tok_dir)
     eos = codec.eos_token_ids[0]
@@ -124,7 +124,7 @@ def test_tool_tags_are_single_tokens_in_qwen3_vocabulary(qwen_codec) -> None:
     """Qwen's <tool_call> is one added token (151657): the forcing grammar must accept exactly the tokens the
     model writes, not the tag spelled out in characters."""
     from ferrylm.engine.structured import StructuredDecoder
-    from ferrylm.server.tools import ToolChoice, parse_openai_tools, tag_terms, tool_call_grammar
+    from ferrylm.server.text.tools import ToolChoice, parse_openai_tools, tag_terms, tool_call_grammar
 
     assert tag_terms(qwen_codec) == ("<[151657]>", "<[151658]>")
     g = tool_call_grammar(parse_openai_tools(TOOLS), ToolChoice("required"), tags=tag_terms(qwen_codec))

@@ -100,7 +100,7 @@ def _rank_main(rank: int, path: str, rdv: str, q, over: dict, presets: dict | No
     import torch
 
     if presets:   # synthetic presets a test registered (this process is a fresh interpreter)
-        from ferrylm.models import synthetic
+        from ferrylm.synthetic import spec as synthetic
 
         for name, (source, cfg) in presets.items():
             synthetic.PRESETS[name] = synthetic.SyntheticPreset(name, source, cfg)
@@ -360,7 +360,7 @@ def test_serve_tp2_follower_killed_mid_stream(tmp_path):
 
 def test_whole_projection_qk_norm_refused_before_loading(tmp_path):
     from ferrylm.errors import ModelLoadError
-    from ferrylm.models.loader import load_model
+    from ferrylm.checkpoints.loader import load_model
     from ferrylm.models.tensor_parallel import TPShard
     from tests.models.hf_checkpoints import build_checkpoint
 
@@ -381,7 +381,7 @@ def test_offline_engine_refuses_tp_without_a_group(tmp_path):
 def test_tp1_is_the_unsplit_model(tmp_path):
     import torch
 
-    from ferrylm.models.loader import load_model
+    from ferrylm.checkpoints.loader import load_model
     from ferrylm.models.llama import DecoderLayer
     from ferrylm.models.tensor_parallel import TPShard
     from tests.models.hf_checkpoints import build_checkpoint
@@ -398,7 +398,7 @@ def test_shards_tile_the_full_tensors(tmp_path):
     """Concatenating the ranks' column-parallel rows / row-parallel columns gives back the full weights."""
     import torch
 
-    from ferrylm.models.loader import load_model
+    from ferrylm.checkpoints.loader import load_model
     from ferrylm.models.tensor_parallel import TPShard
     from tests.models.hf_checkpoints import build_checkpoint
 
@@ -427,7 +427,7 @@ def test_tp2_replicated_kv_head_matches_tp1(tmp_path, monkeypatch):
 
 
 def test_more_ranks_than_gpus_refused_at_the_cli(monkeypatch):
-    from ferrylm.server.launch import check_tp_devices, visible_gpus
+    from ferrylm.server.process.launch import check_tp_devices, visible_gpus
 
     assert check_tp_devices(EngineConfig(tensor_parallel_size=2, device="cuda"), gpus=2) is None
     err = check_tp_devices(EngineConfig(tensor_parallel_size=4, device="cuda"), gpus=2)
@@ -456,7 +456,7 @@ TINY_PRESET = ("tests/tiny", {
 
 @pytest.fixture
 def tiny_synthetic(tmp_path, monkeypatch):
-    from ferrylm.models import synthetic
+    from ferrylm.synthetic import spec as synthetic
 
     monkeypatch.setitem(synthetic.PRESETS, "tp-tiny", synthetic.SyntheticPreset("tp-tiny", *TINY_PRESET))
     return synthetic.materialize(synthetic.parse_synthetic_spec("synthetic:tp-tiny:layers=3"), tmp_path / "syn")
@@ -465,7 +465,7 @@ def tiny_synthetic(tmp_path, monkeypatch):
 def test_synthetic_shards_are_cut_from_the_whole_model(tiny_synthetic):
     import torch
 
-    from ferrylm.models.loader import load_model
+    from ferrylm.checkpoints.loader import load_model
     from ferrylm.models.tensor_parallel import TPShard
 
     full = load_model(tiny_synthetic, dtype=torch.float32)
@@ -513,7 +513,7 @@ def test_the_frontend_starts_followers_without_importing_torch():
     import sys
 
     code = ("import sys\n"
-            "import ferrylm.server.supervisor, ferrylm.engine.parallel.follower, ferrylm.server.launch\n"
+            "import ferrylm.server.process.supervisor, ferrylm.engine.parallel.follower, ferrylm.server.process.launch\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]

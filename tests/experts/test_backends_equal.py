@@ -12,7 +12,7 @@ from tests.models.hf_checkpoints import CASES, token_ids
 
 from ferrylm.bench.decode import swap_executor
 from ferrylm.experts import build_from_banks
-from ferrylm.models.loader import load_model
+from ferrylm.checkpoints.loader import load_model
 from ferrylm.models.registry import MODEL_REGISTRY
 
 TOL = 1e-4
@@ -98,7 +98,7 @@ def test_backend_equals_resident(expert_checkpoints, case, backend, stream):
 
 def test_builtin_moe_all_backends_equal_resident():
     """The built-in smollm2-moe (30 layers, 8 experts, top-2) loaded once; every backend shares its host banks."""
-    from ferrylm.models.builtin import ensure_builtin
+    from ferrylm.checkpoints.builtin import ensure_builtin
 
     loaded = load_model(ensure_builtin("smollm2-moe", progress=False), moe_backend=options("offload", 3))
     banks = loaded.executor.banks

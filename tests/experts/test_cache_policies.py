@@ -12,7 +12,7 @@ from ferrylm.bench.cache_policy import LayerLFUPolicy, make_trace, simulate
 from ferrylm.config import CACHE_POLICIES, EngineConfig
 from ferrylm.experts.cache import LayerLRFUPolicy, LayerLRUPolicy, LRUPolicy, SlotCache, make_policy
 from ferrylm.experts.options import ExpertOptions
-from ferrylm.models.routing_stats import lru_hit_rate
+from ferrylm.synthetic.routing_stats import lru_hit_rate
 
 
 def _drive(cache: SlotCache, accesses, seed: int = 0) -> list:

@@ -20,7 +20,7 @@ from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.experts import build_from_banks
 from ferrylm.faults import FaultInjector
 from ferrylm.memory.guard import GuardConfig, OomGuard, elastic_cache_of
-from ferrylm.models.loader import load_model
+from ferrylm.checkpoints.loader import load_model
 
 TOL = 1e-4
 NEW = 5

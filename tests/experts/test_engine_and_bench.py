@@ -183,7 +183,7 @@ def test_prefill_stream_turned_off_where_its_buffer_would_crowd_out_the_slots(tm
     import ferrylm.experts.bandwidth as bandwidth
     from ferrylm.engine.factory import STREAM_BUDGET_SHARE, fit_prefill_stream, resolve_auto
     from ferrylm.experts.options import Bandwidths
-    from ferrylm.models.synthetic import materialize, parse_synthetic_spec
+    from ferrylm.synthetic.spec import materialize, parse_synthetic_spec
 
     folder = materialize(parse_synthetic_spec("synthetic:deepseek-v3:layers=8:quant=fp8"), tmp_path)
     monkeypatch.setattr(bandwidth, "measure_bandwidths",

@@ -17,8 +17,8 @@ from ferrylm.experts.quantized import E2M1_VALUES, ExpertQuant, QuantFormat, Qua
 from ferrylm.experts.resident import run_grouped
 from ferrylm.experts.work import ExpertStage, LayerWork, staged_moe_output
 from ferrylm.memory.plan import expert_needs
-from ferrylm.models.synthetic import SyntheticSpec, parse_synthetic_spec
-from ferrylm.models.synthetic_build import build_synthetic
+from ferrylm.synthetic.spec import SyntheticSpec, parse_synthetic_spec
+from ferrylm.synthetic.build import build_synthetic
 
 FORMATS = {
     "int4": ExpertQuant(QuantFormat("int4", 16), QuantFormat("int4", 16)),
@@ -159,7 +159,7 @@ def test_synthetic_quant_builds_and_backends_agree(quant):
 
 
 def test_ferry_models_lists_the_formats():
-    from ferrylm.models.catalog import describe_models
+    from ferrylm.checkpoints.catalog import describe_models
 
     text = describe_models()
     assert "quant=int4" in text and "quant=nvfp4" in text

@@ -14,7 +14,7 @@ from tests.models.hf_checkpoints import CASES, token_ids
 
 from ferrylm.experts.offload import OffloadExecutor
 from ferrylm.models.attention import SequenceCacheAttention
-from ferrylm.models.loader import load_model
+from ferrylm.checkpoints.loader import load_model
 
 NEW_TOKENS = 10
 TOL = 1e-4

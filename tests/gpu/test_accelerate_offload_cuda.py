@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from ferrylm.models.synthetic import PRESETS, SyntheticPreset, SyntheticSpec
+from ferrylm.synthetic.spec import PRESETS, SyntheticPreset, SyntheticSpec
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),

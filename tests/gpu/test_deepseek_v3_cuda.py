@@ -196,7 +196,7 @@ def test_latent_decode_kernel_at_30k_context(batch):
     and with the splits a decode step gets (``decode_splits``): equal to the torch absorbed decode, and its time
     against the latent bytes it must read from HBM (printed as [measured])."""
     import ferrylm.models.latent_attention as la
-    from ferrylm.engine.attention import decode_splits
+    from ferrylm.engine.attention.metadata import decode_splits
     from ferrylm.engine.attention.triton_latent import latent_decode_attention
 
     g = torch.Generator(device="cuda").manual_seed(2)

@@ -9,7 +9,7 @@ from tests.experts.helpers import options
 from tests.models.hf_checkpoints import build_checkpoint, token_ids
 
 from ferrylm.models.attention import SequenceCacheAttention
-from ferrylm.models.loader import load_model
+from ferrylm.checkpoints.loader import load_model
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferrylm.models.routing_model import RoutingModel
-from ferrylm.models.routing_profiles import get_profile
+from ferrylm.synthetic.routing_model import RoutingModel
+from ferrylm.synthetic.routing_profiles import get_profile
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

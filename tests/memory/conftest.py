@@ -37,7 +37,7 @@ def mixtral_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def offload_model(mixtral_dir):
-    from ferrylm.models.loader import load_model
+    from ferrylm.checkpoints.loader import load_model
 
     loaded = load_model(mixtral_dir, device="cpu", dtype=torch.float32,
                         moe_backend=ExpertOptions(backend="offload", cache_size=4))

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from ferrylm.faults import FaultInjector
-from ferrylm.server.app import create_app
-from ferrylm.server.tokenizer import TextCodec
+from ferrylm.server.api.app import create_app
+from ferrylm.server.text.tokenizer import TextCodec
 from tests.server.conftest import SERVED, FakeEngine, make_client, tiny_tokenizer_dir  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.anyio

@@ -13,7 +13,7 @@ from ferrylm.config import ModelConfig
 from ferrylm.engine import factory
 from ferrylm.memory.plan import MemoryPlanError, check_host_fits
 from ferrylm.memory.probe import GiB
-from ferrylm.models.synthetic import parse_synthetic_spec, synthetic_config
+from ferrylm.synthetic.spec import parse_synthetic_spec, synthetic_config
 
 CPU = torch.device("cpu")
 
@@ -65,7 +65,7 @@ def test_build_engine_refuses_before_loading_and_warns_about_the_limit(tmp_path,
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=20 * GiB, total=24 * GiB,
                                                                            percent=real.percent, used=real.used))
     loaded = []
-    monkeypatch.setattr("ferrylm.models.loader.load_model", lambda *a, **k: loaded.append(1))
+    monkeypatch.setattr("ferrylm.checkpoints.loader.load_model", lambda *a, **k: loaded.append(1))
     from ferrylm.config import EngineConfig
 
     with caplog.at_level(logging.WARNING, logger="ferrylm.engine"), pytest.raises(MemoryPlanError):

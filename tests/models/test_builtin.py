@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from ferrylm.errors import ModelLoadError
-from ferrylm.models import builtin, gguf_convert
-from ferrylm.models.resolve import resolve_model
+from ferrylm.checkpoints import builtin, gguf_convert
+from ferrylm.checkpoints.resolve import resolve_model
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in 3 words, then count to 12."}]
 
@@ -341,7 +341,7 @@ def test_missing_package_message(monkeypatch):
 # ----------------------------------------------------------------------------------------------------------------
 
 def test_ferrylm_model_matches_transformers_gguf(dense_dir, reference, prompt_ids):
-    loader = pytest.importorskip("ferrylm.models.loader")
+    loader = pytest.importorskip("ferrylm.checkpoints.loader")
     from ferrylm.models.attention import DenseCausalAttention
 
     model = loader.load_model(dense_dir, dtype=torch.float32).model

@@ -16,7 +16,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from ferrylm.errors import ModelLoadError
-from ferrylm.models.checkpoint_check import verify_checkpoint, verify_safetensors
+from ferrylm.checkpoints.verify import verify_checkpoint, verify_safetensors
 from tests.e2e.conftest import free_port
 from tests.server.conftest import build_tiny_tokenizer
 

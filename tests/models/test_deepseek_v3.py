@@ -18,12 +18,12 @@ from tests.models.test_parity import full_logits
 
 from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.engine.engine import Engine
-from ferrylm.engine.kv_cache import KVLayout
+from ferrylm.engine.cache.kv_pool import KVLayout
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.errors import ModelLoadError
 from ferrylm.models.attention import SequenceCacheAttention
 from ferrylm.models.deepseek_v3 import DeepseekV3ForCausalLM, LatentAttention
-from ferrylm.models.loader import load_model
+from ferrylm.checkpoints.loader import load_model
 from ferrylm.models.sigmoid_moe import SigmoidMoeBlock, SigmoidRouting
 
 TOL = 1e-4
@@ -220,7 +220,7 @@ def test_bad_configs_raise_model_load_error_naming_the_field(raw, field):
 
 
 def test_ferry_models_lists_deepseek():
-    from ferrylm.models.catalog import ARCHITECTURE_NOTES, describe_models
+    from ferrylm.checkpoints.catalog import ARCHITECTURE_NOTES, describe_models
     from ferrylm.models.registry import supported_architectures
 
     assert set(ARCHITECTURE_NOTES) == set(supported_architectures())
@@ -301,7 +301,7 @@ def test_piecewise_decode_pieces_match_transformers(checkpoints, backend):
 def _tiny_synthetic(preset: str):
     """The ``preset`` (deepseek-v3 / kimi-k2) at test size: its architecture and options, MLA and MoE shrunk, the
     vocabulary kept (129280 / 163840 ids: the embedding and head are the large tensors at this size)."""
-    from ferrylm.models.synthetic import PRESETS, SyntheticPreset
+    from ferrylm.synthetic.spec import PRESETS, SyntheticPreset
 
     cfg = {**PRESETS[preset].config, "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16,
            "num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 3, "kv_lora_rank": 16,
@@ -318,8 +318,8 @@ def test_synthetic_presets_route_by_the_qwen3_profile_and_generate(monkeypatch, 
     through the offline API, prompt ids drawn across the whole vocabulary."""
     from ferrylm.engine.sampling_params import SamplingParams
     from ferrylm.llm import LLM
-    from ferrylm.models.synthetic import PRESETS, default_prompt_ids, parse_synthetic_spec
-    from ferrylm.models.synthetic_build import build_synthetic
+    from ferrylm.synthetic.spec import PRESETS, default_prompt_ids, parse_synthetic_spec
+    from ferrylm.synthetic.build import build_synthetic
 
     monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path / "cache"))
     tiny = _tiny_synthetic(preset)

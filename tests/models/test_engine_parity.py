@@ -9,7 +9,7 @@ import torch
 from ferrylm.config import EngineConfig
 from ferrylm.engine.engine import Engine
 from ferrylm.engine.sampling_params import SamplingParams
-from ferrylm.models.loader import load_model
+from ferrylm.checkpoints.loader import load_model
 from tests.models.hf_checkpoints import token_ids
 
 NEW_TOKENS = 16

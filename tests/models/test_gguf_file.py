@@ -1,4 +1,4 @@
-"""A MoE GGUF served from its file (models/quant/gguf_file.py): a tiny random qwen3moe GGUF (experts Q4_K gate/up and
+"""A MoE GGUF served from its file (checkpoints/quant/gguf_file.py): a tiny random qwen3moe GGUF (experts Q4_K gate/up and
 Q6_K down as llama.cpp's Q4_K_M has them, attention Q8_0, norms and router F32) resolves to the file itself and
 loads with nothing written beside it or under the cache dir; expert rows hold the file's bytes; expert values equal
 gguf-py's dequantize bit for bit; logits equal transformers on the gguf-py-dequantized weights; the planned layout
@@ -22,11 +22,11 @@ from tests.models.test_quant_gguf import VOCAB, _gguf_reference, _hf_model, _to_
 from ferrylm.config import ModelConfig
 from ferrylm.experts.banks import ExpertLayout
 from ferrylm.experts.quantized import QuantTensor
-from ferrylm.models.gguf_convert import read_gguf, write_tokenizer_files
-from ferrylm.models.loader import load_model
-from ferrylm.models.quant import planned_expert_quant
-from ferrylm.models.resolve import resolve_model
-from ferrylm.server.tokenizer import TextCodec
+from ferrylm.checkpoints.gguf_convert import read_gguf, write_tokenizer_files
+from ferrylm.checkpoints.loader import load_model
+from ferrylm.checkpoints.quant import planned_expert_quant
+from ferrylm.checkpoints.resolve import resolve_model
+from ferrylm.server.text.tokenizer import TextCodec
 
 gguf = pytest.importorskip("gguf")
 H, I = 256, 256
@@ -166,7 +166,7 @@ def test_mixed_down_types_keep_their_blocks(tmp_path):
 def test_other_moe_layouts_from_the_file_equal_the_converted_folder(tmp_path, family, arch):
     """Mixtral as ``llama`` (Q/K rows un-permuted), Qwen2-MoE (shared expert and its gate), OLMoE, Q8_0 experts
     kept as blocks: logits equal those of the converted folder (the older path: same values as int8)."""
-    from ferrylm.models.gguf_convert import convert_gguf
+    from ferrylm.checkpoints.gguf_convert import convert_gguf
 
     extra = dict(shared_expert_intermediate_size=64, moe_intermediate_size=64) if family == "qwen2_moe" else {}
     kw = dict(num_local_experts=4) if family == "mixtral" else dict(num_experts=4)
@@ -188,9 +188,9 @@ def test_mixed_projection_formats_repack_exactly(types):
     """K-quant mixes stay blocks (``kmix``); a mix with Q8_0 becomes the unified int8 format with mins, and every
     type repacks into it without changing a value: equal to gguf-py's dequantize."""
     from ferrylm.experts.gguf_blocks import BLOCK_TYPES, fill_random_blocks
-    from ferrylm.models.gguf_convert import GGUFTensor
-    from ferrylm.models.quant.gguf_file import projection_format
-    from ferrylm.models.quant.gguf_moe import _DECODERS, repack, unified_format
+    from ferrylm.checkpoints.gguf_convert import GGUFTensor
+    from ferrylm.checkpoints.quant.gguf_file import projection_format
+    from ferrylm.checkpoints.quant.gguf_moe import _DECODERS, repack, unified_format
 
     chosen = projection_format(list(types), "down")
     assert chosen.kind == ("int8" if "Q8_0" in types else "kmix")

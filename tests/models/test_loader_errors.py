@@ -9,7 +9,7 @@ from tests.models.hf_checkpoints import copy_checkpoint, copy_config
 from safetensors.torch import load_file, save_file
 
 from ferrylm.errors import ModelLoadError, UnsupportedArchitecture
-from ferrylm.models.loader import load_model
+from ferrylm.checkpoints.loader import load_model
 from ferrylm.models.registry import get_model_class, supported_architectures
 
 

@@ -9,7 +9,7 @@ from tests.models.hf_checkpoints import CASES, copy_config, is_moe_case, referen
 from safetensors.torch import load_file, save_file
 
 from ferrylm.models.attention import DenseCausalAttention, SequenceCacheAttention
-from ferrylm.models.loader import load_model
+from ferrylm.checkpoints.loader import load_model
 
 TOL = 1e-4
 

@@ -25,8 +25,8 @@ from safetensors.torch import load_file
 from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.quantized import QuantTensor
-from ferrylm.models.loader import load_model
-from ferrylm.models.quant import planned_expert_quant
+from ferrylm.checkpoints.loader import load_model
+from ferrylm.checkpoints.quant import planned_expert_quant
 
 LOGIT_TOL = 1e-4
 BACKENDS = ("offload", "cpu", "hybrid")
@@ -361,7 +361,7 @@ def test_float_quantized_block_linear_with_edge_blocks_dequantizes_as_compressed
     our dequantization against compressed-tensors' own ``decompress``."""
     from tests.models.quant_checkpoints import ct_compressor, ct_scheme
 
-    from ferrylm.models.quant.compressed_tensors import CompressedTensorsReader
+    from ferrylm.checkpoints.quant.compressed_tensors import CompressedTensorsReader
 
     scheme, fmt = ct_scheme("fp8", strategy="block", block=(16, 16))
     gen = torch.Generator().manual_seed(0)

@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.quantized import QuantTensor
-from ferrylm.models.gguf_convert import convert_gguf, unpermute_rope_rows
-from ferrylm.models.loader import load_model
+from ferrylm.checkpoints.gguf_convert import convert_gguf, unpermute_rope_rows
+from ferrylm.checkpoints.loader import load_model
 
 VOCAB = len(byte_vocab()[0])
 _NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",

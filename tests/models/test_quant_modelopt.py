@@ -23,7 +23,7 @@ from tests.models.modelopt_checkpoints import (block_checkpoint, layout_export, 
 from tests.models.test_quant_formats import check_format
 
 from ferrylm.errors import ModelLoadError
-from ferrylm.models.loader import load_model
+from ferrylm.checkpoints.loader import load_model
 
 needs_modelopt = pytest.mark.skipif(not modelopt_available(),
                                     reason="nvidia-modelopt is not installed (it installs and runs on a CPU)")
@@ -186,7 +186,7 @@ def test_planned_quant_matches_the_loaded(checkpoints, tmp_path, algo):
     """`--moe-backend auto` sizes experts from the config before loading (hf_quant_config.json included); FP8 per
     tensor has group K: H for gate / up, I for down."""
     from ferrylm.config import ModelConfig
-    from ferrylm.models.quant import planned_expert_quant
+    from ferrylm.checkpoints.quant import planned_expert_quant
 
     qdir, _ = layout_export(checkpoints("qwen3_moe").path, tmp_path / "q", algo)
     planned = planned_expert_quant(ModelConfig.from_folder(qdir).raw)
@@ -195,8 +195,8 @@ def test_planned_quant_matches_the_loaded(checkpoints, tmp_path, algo):
 
 
 def test_ferry_models_lists_the_formats():
-    from ferrylm.models.catalog import CHECKPOINT_FORMATS, describe_models
-    from ferrylm.models.quant import SUPPORTED_METHODS
+    from ferrylm.checkpoints.catalog import CHECKPOINT_FORMATS, describe_models
+    from ferrylm.checkpoints.quant import SUPPORTED_METHODS
 
     text = describe_models()
     assert "modelopt NVFP4" in text and "modelopt FP8" in text and "compressed-tensors float-quantized" in text

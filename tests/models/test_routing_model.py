@@ -11,11 +11,11 @@ import torch
 from ferrylm.bench.routing_report import profile_statistics, profile_trace
 from ferrylm.errors import ModelLoadError
 from ferrylm.models.moe import SparseMoeBlock
-from ferrylm.models.routing_model import RoutingContext, RoutingModel, hash_fold, sequence_key, to_uniform
-from ferrylm.models.routing_profiles import PROFILES, ROUTER, get_profile
-from ferrylm.models.routing_stats import lru_hit_rate, repeat_next, reuse_within, trace_stats
-from ferrylm.models.synthetic import PRESETS, SyntheticPreset, SyntheticSpec, parse_synthetic_spec
-from ferrylm.models.synthetic_build import build_synthetic
+from ferrylm.synthetic.routing_model import RoutingContext, RoutingModel, hash_fold, sequence_key, to_uniform
+from ferrylm.synthetic.routing_profiles import PROFILES, ROUTER, get_profile
+from ferrylm.synthetic.routing_stats import lru_hit_rate, repeat_next, reuse_within, trace_stats
+from ferrylm.synthetic.spec import PRESETS, SyntheticPreset, SyntheticSpec, parse_synthetic_spec
+from ferrylm.synthetic.build import build_synthetic
 from tests.models.test_synthetic import TINY_SHAPES, logits
 
 # |reproduced - published| allowed per statistic (absolute; reuse distance in tokens). The fits sit well inside

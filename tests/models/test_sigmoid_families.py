@@ -18,7 +18,7 @@ from tests.models.test_parity import full_logits
 from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.models.attention import SequenceCacheAttention
-from ferrylm.models.loader import load_model
+from ferrylm.checkpoints.loader import load_model
 from ferrylm.models.sigmoid_moe import SigmoidMoeBlock, SigmoidRouting, sigmoid_topk
 
 TOL = 1e-4
@@ -160,7 +160,7 @@ def test_bad_configs_raise_model_load_error_naming_the_field(arch, raw, field):
 
 
 def test_ferry_models_lists_the_families():
-    from ferrylm.models.catalog import ARCHITECTURE_NOTES, describe_models
+    from ferrylm.checkpoints.catalog import ARCHITECTURE_NOTES, describe_models
     from ferrylm.models.registry import supported_architectures
 
     assert set(ARCHITECTURE_NOTES) == set(supported_architectures())

@@ -14,13 +14,13 @@ import torch
 
 from ferrylm import cli
 from ferrylm.errors import InvalidRequest, ModelLoadError
-from ferrylm.models import synthetic
+from ferrylm.synthetic import spec as synthetic
 from ferrylm.models.attention import DenseCausalAttention
-from ferrylm.models.loader import load_model
+from ferrylm.checkpoints.loader import load_model
 from ferrylm.models.moe import SparseMoeBlock
-from ferrylm.models.resolve import resolve_model
-from ferrylm.models.synthetic import PRESETS, SyntheticPreset, SyntheticSpec, parse_synthetic_spec
-from ferrylm.models.synthetic_build import build_synthetic, expert_ranks, top1_probs, zipf_probs
+from ferrylm.checkpoints.resolve import resolve_model
+from ferrylm.synthetic.spec import PRESETS, SyntheticPreset, SyntheticSpec, parse_synthetic_spec
+from ferrylm.synthetic.build import build_synthetic, expert_ranks, top1_probs, zipf_probs
 
 TINY_SHAPES = dict(hidden_size=64, intermediate_size=48, moe_intermediate_size=16, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, vocab_size=96, max_position_embeddings=128)
@@ -185,7 +185,7 @@ def test_skew_gives_zipf_top1_popularity(skew, preset_name, layers):
 
 
 def test_calibrated_bias_solves_the_gaussian_top1_law():
-    from ferrylm.models.synthetic_build import calibrated_bias
+    from ferrylm.synthetic.build import calibrated_bias
 
     for e, skew in [(8, 1.0), (64, 2.0), (128, 0.5)]:
         bias = calibrated_bias(e, skew, seed=0, layer_idx=0)
@@ -225,7 +225,7 @@ def test_resolve_synthetic_with_tokenizer(cache_env, tmp_path):
     assert r.name == "synthetic:qwen3-30b-a3b:layers=2" and r.has_tokenizer
     assert (r.path / "tokenizer.json").read_bytes() == (tok_dir / "tokenizer.json").read_bytes()
     assert r.path != resolve_model("synthetic:qwen3-30b-a3b:layers=2").path
-    from ferrylm.server.tokenizer import TextCodec
+    from ferrylm.server.text.tokenizer import TextCodec
 
     assert TextCodec.from_pretrained(r.path).encode("Hello world!", add_special_tokens=False) == [9707, 1879, 0]
     with pytest.raises(ModelLoadError, match="beyond the vocabulary of mixtral-8x7b"):

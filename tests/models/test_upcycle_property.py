@@ -8,9 +8,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ferrylm.models import builtin
+from ferrylm.checkpoints import builtin
 from ferrylm.models.attention import DenseCausalAttention
-from ferrylm.models.loader import load_model
+from ferrylm.checkpoints.loader import load_model
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ import pytest
 
 from ferrylm.engine.outputs import EngineOutput, TokenLogprob
 from ferrylm.engine.sampling_params import SamplingParams
-from ferrylm.server.app import create_app
-from ferrylm.server.engine_client import HealthState, ModelInfo
-from ferrylm.server.tokenizer import TextCodec
+from ferrylm.server.api.app import create_app
+from ferrylm.server.process.engine_client import HealthState, ModelInfo
+from ferrylm.server.text.tokenizer import TextCodec
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ferrylm.server.tool_parsers import deepseek_v3 as ds
-from ferrylm.server.tool_parsers import kimi_k2 as kimi
+from ferrylm.server.text.tool_parsers import deepseek_v3 as ds
+from ferrylm.server.text.tool_parsers import kimi_k2 as kimi
 
 BOS, EOS = "<\uff5cbegin\u2581of\u2581sentence\uff5c>", "<\uff5cend\u2581of\u2581sentence\uff5c>"
 USER, ASSISTANT = "<\uff5cUser\uff5c>", "<\uff5cAssistant\uff5c>"

@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from ferrylm.server.app import create_app
+from ferrylm.server.api.app import create_app
 
 from .conftest import SERVED, FakeEngine, assert_error, make_client, parse_sse
 

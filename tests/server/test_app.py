@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from ferrylm.errors import InsufficientMemory
-from ferrylm.server.app import create_app
-from ferrylm.server.tokenizer import TextCodec
+from ferrylm.server.api.app import create_app
+from ferrylm.server.text.tokenizer import TextCodec
 
 from .conftest import SCRIPT_TEXT, SERVED, FakeEngine, endless, make_client, parse_sse
 

@@ -7,7 +7,7 @@ import pytest
 from pydantic import BaseModel
 
 from ferrylm.errors import EngineUnavailable, InsufficientMemory, QueueTimeout
-from ferrylm.server.app import create_app
+from ferrylm.server.api.app import create_app
 
 from .conftest import SERVED, FakeEngine, assert_error, make_client
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ferrylm.server.app import CorsPolicy, create_app
+from ferrylm.server.api.app import CorsPolicy, create_app
 
 from .conftest import SERVED, assert_error, make_client
 

@@ -12,7 +12,7 @@ from ferrylm.bench.decode import DecodeResult, format_table
 from ferrylm.bench.multi_turn import MultiTurnConfig, run_multi_turn
 from ferrylm.bench.serve import BenchConfig, BenchError, _one
 from ferrylm.cli import build_parser
-from ferrylm.server.app import create_app
+from ferrylm.server.api.app import create_app
 
 from .conftest import SERVED, FakeEngine
 

@@ -9,7 +9,7 @@ import pytest
 
 from ferrylm.bench.multi_turn import MultiTurnConfig, format_multi_turn, run_multi_turn
 from ferrylm.cli import build_parser
-from ferrylm.server.app import create_app
+from ferrylm.server.api.app import create_app
 
 from .conftest import SERVED, FakeEngine
 

@@ -19,13 +19,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def nothing_loads(monkeypatch):
     """Loading a model or starting a server fails the test: validation must come first."""
     import ferrylm.llm
-    import ferrylm.server.launch
+    import ferrylm.server.process.launch
 
     def boom(*a, **k):
         raise AssertionError("loaded before validating the flags")
 
     monkeypatch.setattr(ferrylm.llm, "LLM", boom)
-    monkeypatch.setattr(ferrylm.server.launch, "serve", boom)
+    monkeypatch.setattr(ferrylm.server.process.launch, "serve", boom)
 
 
 def run_error(argv: list[str], capsys) -> str:
@@ -99,7 +99,7 @@ def test_serve_flag_errors_name_the_flag_under_serve_usage(argv, needle, capsys,
 def test_listen_error_names_host_or_port() -> None:
     import errno
 
-    from ferrylm.server.launch import listen_error
+    from ferrylm.server.process.launch import listen_error
 
     assert listen_error("127.0.0.1", 80, OSError(errno.EADDRINUSE, "Address already in use")).endswith(
         "(choose another --port)")

@@ -12,7 +12,7 @@ import pytest
 
 from ferrylm.cli import build_parser, engine_config_from_args, parse_args
 from ferrylm.errors import ModelLoadError
-from ferrylm.server.tokenizer import TextCodec, load_chat_template
+from ferrylm.server.text.tokenizer import TextCodec, load_chat_template
 
 ROOT = Path(__file__).resolve().parents[2]
 

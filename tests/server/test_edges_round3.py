@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from ferrylm.server.app import create_app
+from ferrylm.server.api.app import create_app
 
 from .conftest import SERVED, FakeEngine, assert_error, make_client, parse_sse
 
@@ -188,7 +188,7 @@ async def test_tool_call_with_close_tag_inside_a_string_argument(codec, stream: 
 
 
 def test_unclosed_string_body_still_ends_at_the_tag() -> None:
-    from ferrylm.server.tools import HermesToolParser
+    from ferrylm.server.text.tools import HermesToolParser
 
     p = HermesToolParser(["f"])
     pieces = p.feed('<tool_call>{"name": "f", "arguments": {"x": "oops}}</tool_call> after') + p.finish()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from ferrylm.server.app import create_app
+from ferrylm.server.api.app import create_app
 
 from .conftest import SERVED, FakeEngine, make_client
 
@@ -157,7 +157,7 @@ async def test_head_of_an_unready_engine_and_of_a_post_route(codec) -> None:
 
 
 async def test_cors_preflight_and_simple_requests_follow_the_flags(codec) -> None:
-    from ferrylm.server.app import CorsPolicy
+    from ferrylm.server.api.app import CorsPolicy
 
     ui = "https://chat.example"
     pre = {"Origin": ui, "Access-Control-Request-Method": "POST",

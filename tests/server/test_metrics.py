@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from ferrylm.server.app import create_app
+from ferrylm.server.api.app import create_app
 
 from .conftest import SERVED, FakeEngine, make_client
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from ferrylm.server.app import create_app
+from ferrylm.server.api.app import create_app
 
 from .conftest import SCRIPT_TEXT, SERVED, FakeEngine
 

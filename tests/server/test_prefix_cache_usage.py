@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from ferrylm.server.app import create_app
+from ferrylm.server.api.app import create_app
 
 from .conftest import SERVED, FakeEngine, make_client, parse_sse
 from .test_agent_apis import anth, oai

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ferrylm.server.app import create_app
-from ferrylm.server.prompt_hygiene import strip_billing_header
+from ferrylm.server.api.app import create_app
+from ferrylm.server.text.prompt_hygiene import strip_billing_header
 
 from .conftest import SERVED, FakeEngine, make_client
 

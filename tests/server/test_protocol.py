@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ferrylm.errors import InvalidRequest
-from ferrylm.server.protocol import (ChatCompletionChunk, ChatCompletionStreamChoice, ChatCompletionRequest,
+from ferrylm.server.api.protocol import (ChatCompletionChunk, ChatCompletionStreamChoice, ChatCompletionRequest,
                                      CompletionRequest, DeltaMessage, chunk_json, parse_request,
                                      to_sampling_params)
 

@@ -1,4 +1,4 @@
-"""The render routes (server/render.py): a request's prompt ids in vLLM's ``GenerateRequest`` shape, equal to what
+"""The render routes (server/api/render.py): a request's prompt ids in vLLM's ``GenerateRequest`` shape, equal to what
 the generation route hands the engine for the same body, nothing run; bad input is the generation route's 400
 naming the field."""
 
@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from ferrylm.engine.sampling_params import SamplingParams
-from ferrylm.server.render import VLLM_SAMPLING_FIELDS
+from ferrylm.server.api.render import VLLM_SAMPLING_FIELDS
 
 from .conftest import SERVED, FakeEngine, assert_error
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from ferrylm.engine.outputs import EngineOutput
-from ferrylm.server.app import create_app
+from ferrylm.server.api.app import create_app
 from tests.server.conftest import SERVED, FakeEngine, assert_error, make_client
 
 pytestmark = pytest.mark.anyio

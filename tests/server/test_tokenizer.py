@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ferrylm.errors import InvalidRequest
-from ferrylm.server.tokenizer import IncrementalDetokenizer, StopChecker, TextCodec, TextStream
+from ferrylm.server.text.tokenizer import IncrementalDetokenizer, StopChecker, TextCodec, TextStream
 
 from .conftest import build_tiny_tokenizer
 
@@ -87,7 +87,7 @@ def test_per_step_cost_is_bounded_by_the_window(codec: TextCodec) -> None:
 
 
 def test_long_invalid_byte_run_is_not_held_forever(codec: TextCodec) -> None:
-    from ferrylm.server.tokenizer import _bytes_to_unicode
+    from ferrylm.server.text.tokenizer import _bytes_to_unicode
 
     cont = codec.tokenizer.convert_tokens_to_ids(_bytes_to_unicode()[0x80])  # a lone continuation byte
     d = codec.detokenizer()
@@ -179,8 +179,8 @@ def test_server_and_tokenizer_load_without_torch(tiny_tokenizer_dir: Path, tmp_p
     import sys
 
     code = ("import sys\n"
-            "from ferrylm.server.tokenizer import TextCodec\n"
-            "import ferrylm.server.app\n"
+            "from ferrylm.server.text.tokenizer import TextCodec\n"
+            "import ferrylm.server.api.app\n"
             f"c = TextCodec.from_pretrained({str(tiny_tokenizer_dir)!r})\n"
             "c.apply_chat_template([{'role': 'user', 'content': 'hi'}])\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")

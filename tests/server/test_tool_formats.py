@@ -1,4 +1,4 @@
-"""GLM-4.5 and MiniMax-M2 tool-call parsers (server/tool_formats.py): calls and text separated, values typed by
+"""GLM-4.5 and MiniMax-M2 tool-call parsers (server/text/tool_formats.py): calls and text separated, values typed by
 the tool's schema, text that is not a call never swallowed, any chunking of the stream giving the same calls and
 text (hypothesis), reasoning split before them, and the choice of parser for a model."""
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ferrylm.server.assistant import TurnConfig, whole_turn
-from ferrylm.server.tool_formats import (Glm45ToolParser, MiniMaxM2ToolParser, choose_tool_parser, coerce_value,
+from ferrylm.server.api.assistant import TurnConfig, whole_turn
+from ferrylm.server.text.tool_formats import (Glm45ToolParser, MiniMaxM2ToolParser, choose_tool_parser, coerce_value,
                                          make_tool_parser)
 
 NAMES = ("get_weather", "search")
@@ -145,8 +145,8 @@ def test_choice_of_parser() -> None:
 def test_fallback_teaches_and_shows_the_served_format(fmt: str) -> None:
     """A template without a tools section gets the fallback in the served format: its instructions show that
     markup, and an earlier call rendered into the history parses back to the same call."""
-    from ferrylm.server.tool_formats import format_call_as
-    from ferrylm.server.tools import ToolSpec, fallback_messages
+    from ferrylm.server.text.tool_formats import format_call_as
+    from ferrylm.server.text.tools import ToolSpec, fallback_messages
 
     specs = [ToolSpec("get_weather", "", SCHEMAS["get_weather"])]
     call = {"id": "c1", "type": "function",

@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from ferrylm.server.app import create_app
+from ferrylm.server.api.app import create_app
 
 from .conftest import SERVED, FakeEngine
 
@@ -94,7 +94,7 @@ def test_an_unknown_parser_is_refused(codec) -> None:
 @pytest.fixture(scope="module")
 def glm_codec(tmp_path_factory):
     """A GLM-4.5-like vocabulary and template (tests/server/glm_like.py)."""
-    from ferrylm.server.tokenizer import TextCodec
+    from ferrylm.server.text.tokenizer import TextCodec
 
     from .glm_like import build_glm_like_tokenizer
 

@@ -1,5 +1,5 @@
 """Forced tool calls in the GLM-4.5, MiniMax-M2, DeepSeek-V3, Kimi-K2 and Qwen3-Coder formats
-(server/tool_grammars.py), checked with llguidance's
+(server/text/tool_grammars.py), checked with llguidance's
 own matcher over a byte vocabulary: well-formed calls are accepted, calls that break OpenAI's strict semantics
 (a missing required key, a key the schema does not name, a wrong type) are not, and random walks through the
 grammar always end in markup the format's parser turns into calls of the right shape (no text left over)."""
@@ -12,9 +12,9 @@ import random
 import pytest
 
 from ferrylm.errors import InvalidRequest
-from ferrylm.server.tool_formats import make_tool_parser
-from ferrylm.server.tool_grammars import forced_call_grammar
-from ferrylm.server.tools import ToolChoice, ToolSpec
+from ferrylm.server.text.tool_formats import make_tool_parser
+from ferrylm.server.text.tool_grammars import forced_call_grammar
+from ferrylm.server.text.tools import ToolChoice, ToolSpec
 
 llguidance = pytest.importorskip("llguidance")
 
@@ -57,7 +57,7 @@ def _json_args(name: str, pairs: list[tuple[str, str]]) -> str:
 
 
 def _ds(*invokes: tuple[str, list[tuple[str, str]]], v3: bool = False) -> str:
-    from ferrylm.server.tool_parsers import deepseek_v3 as ds
+    from ferrylm.server.text.tool_parsers import deepseek_v3 as ds
 
     calls = (f"{ds.CALL_BEGIN}function{ds.SEP}{n}\n```json\n{_json_args(n, ps)}\n```{ds.CALL_END}" if v3 else
              f"{ds.CALL_BEGIN}{n}{ds.SEP}{_json_args(n, ps)}{ds.CALL_END}" for n, ps in invokes)
@@ -65,7 +65,7 @@ def _ds(*invokes: tuple[str, list[tuple[str, str]]], v3: bool = False) -> str:
 
 
 def _kimi(*invokes: tuple[str, list[tuple[str, str]]]) -> str:
-    from ferrylm.server.tool_parsers import kimi_k2 as k
+    from ferrylm.server.text.tool_parsers import kimi_k2 as k
 
     return k.SECTION_BEGIN + "".join(f"{k.CALL_BEGIN}functions.{n}:{i}{k.ARGS_BEGIN}{_json_args(n, ps)}{k.CALL_END}"
                                      for i, (n, ps) in enumerate(invokes)) + k.SECTION_END
@@ -204,7 +204,7 @@ def test_hermes_forced_calls_are_strict_and_bounded() -> None:
     """OpenAI strict semantics for the Hermes grammar too: no keys the schema does not name (top level and nested,
     when the schema says nothing of additionalProperties), at most MAX_FORCED_CALLS calls (a greedy model that
     repeats its call still ends)."""
-    from ferrylm.server.tools import MAX_FORCED_CALLS, tool_call_grammar
+    from ferrylm.server.text.tools import MAX_FORCED_CALLS, tool_call_grammar
 
     tools = [ToolSpec("get_weather", "", {"type": "object", "required": ["city"], "properties": {
         "city": {"type": "string"}, "opts": {"type": "object", "properties": {"hourly": {"type": "boolean"}}}}})]
@@ -220,7 +220,7 @@ def test_hermes_forced_calls_are_strict_and_bounded() -> None:
 
 @pytest.mark.parametrize("fmt", ALL)
 def test_nested_objects_are_strict_and_calls_bounded(fmt: str) -> None:
-    from ferrylm.server.tools import MAX_FORCED_CALLS
+    from ferrylm.server.text.tools import MAX_FORCED_CALLS
 
     tools = [ToolSpec("f", "", {"type": "object", "properties": {
         "opts": {"type": "object", "properties": {"a": {"type": "integer"}}}}})]
@@ -233,7 +233,7 @@ def test_nested_objects_are_strict_and_calls_bounded(fmt: str) -> None:
 
 
 def test_strict_schema() -> None:
-    from ferrylm.server.tools import strict_schema
+    from ferrylm.server.text.tools import strict_schema
 
     src = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}}},
                                             "l": {"type": "array", "items": {"type": "object", "properties": {}}},

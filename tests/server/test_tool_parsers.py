@@ -1,4 +1,4 @@
-"""DeepSeek-V3, Kimi-K2 and Qwen3-Coder tool-call parsers (server/tool_parsers/): calls and text separated, both
+"""DeepSeek-V3, Kimi-K2 and Qwen3-Coder tool-call parsers (server/text/tool_parsers/): calls and text separated, both
 DeepSeek forms (V3 / R1 fenced, V3.1 plain), Kimi's ids kept, Qwen3-Coder values typed by the schema, text that
 is not a call never swallowed, any chunking of the stream giving the same calls and text (hypothesis), earlier
 calls rendered back into markup the parser reads, and the choice of parser for a model."""
@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ferrylm.server.assistant import TurnConfig, whole_turn
-from ferrylm.server.tool_formats import (TOOL_PARSER_NAMES, DeepSeekV3ToolParser, KimiK2ToolParser,
+from ferrylm.server.api.assistant import TurnConfig, whole_turn
+from ferrylm.server.text.tool_formats import (TOOL_PARSER_NAMES, DeepSeekV3ToolParser, KimiK2ToolParser,
                                          Qwen3CoderToolParser, choose_tool_parser, format_calls_as, make_tool_parser)
-from ferrylm.server.tool_parsers import deepseek_v3 as ds
-from ferrylm.server.tool_parsers import kimi_k2 as kimi
+from ferrylm.server.text.tool_parsers import deepseek_v3 as ds
+from ferrylm.server.text.tool_parsers import kimi_k2 as kimi
 
 NAMES = ("get_weather", "search")
 SCHEMAS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
@@ -212,7 +212,7 @@ def test_kimi_rendering_keeps_kimi_ids_and_numbers_others() -> None:
 
 @pytest.mark.parametrize("fmt", sorted(PARSERS))
 def test_fallback_teaches_and_shows_the_served_format(fmt: str) -> None:
-    from ferrylm.server.tools import ToolSpec, fallback_messages
+    from ferrylm.server.text.tools import ToolSpec, fallback_messages
 
     specs = [ToolSpec("get_weather", "", SCHEMAS["get_weather"])]
     out = fallback_messages([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Checking.",

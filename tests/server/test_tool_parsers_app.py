@@ -11,9 +11,9 @@ import json
 import httpx
 import pytest
 
-from ferrylm.server.app import create_app
-from ferrylm.server.tool_parsers import deepseek_v3 as ds
-from ferrylm.server.tool_parsers import kimi_k2 as kimi
+from ferrylm.server.api.app import create_app
+from ferrylm.server.text.tool_parsers import deepseek_v3 as ds
+from ferrylm.server.text.tool_parsers import kimi_k2 as kimi
 
 from .conftest import SERVED, FakeEngine
 
@@ -125,7 +125,7 @@ async def test_required_and_named_tool_choice_use_the_formats_grammar(codec, fmt
 
 @pytest.fixture(scope="module")
 def deepseek_codec(tmp_path_factory):
-    from ferrylm.server.tokenizer import TextCodec
+    from ferrylm.server.text.tokenizer import TextCodec
 
     from .family_like import build_deepseek_like
 
@@ -134,7 +134,7 @@ def deepseek_codec(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def kimi_codec(tmp_path_factory):
-    from ferrylm.server.tokenizer import TextCodec
+    from ferrylm.server.text.tokenizer import TextCodec
 
     from .family_like import build_kimi_like
 
@@ -240,7 +240,7 @@ QWEN35_LIKE_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def qwen35_like_codec(tmp_path_factory):
-    from ferrylm.server.tokenizer import TextCodec
+    from ferrylm.server.text.tokenizer import TextCodec
 
     from .conftest import build_tiny_tokenizer
 

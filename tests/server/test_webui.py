@@ -10,8 +10,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from ferrylm.cli import build_parser
-from ferrylm.server.app import create_app
-from ferrylm.server.engine_client import HealthState
+from ferrylm.server.api.app import create_app
+from ferrylm.server.process.engine_client import HealthState
 from ferrylm.server.webui import STATIC_DIR
 from ferrylm.server.webui.live import LiveView
 

@@ -13,8 +13,8 @@ import zmq.asyncio
 
 from ferrylm.engine import ipc
 from ferrylm.engine.outputs import EngineOutput
-from ferrylm.server.engine_client import ModelInfo
-from ferrylm.server.supervisor import Supervisor
+from ferrylm.server.process.engine_client import ModelInfo
+from ferrylm.server.process.supervisor import Supervisor
 
 
 @dataclass

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ferrylm.server.launch import BootInterrupted, BootSignals
+from ferrylm.server.process.launch import BootInterrupted, BootSignals
 
 
 class _SignalsInFinalizer:

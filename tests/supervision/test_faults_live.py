@@ -33,7 +33,7 @@ import httpx
 import psutil
 import pytest
 
-from ferrylm.server.launch import bind_socket
+from ferrylm.server.process.launch import bind_socket
 from tests.e2e.conftest import LiveServer, free_port, stop_server
 
 pytestmark = pytest.mark.slow

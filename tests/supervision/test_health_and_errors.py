@@ -14,10 +14,10 @@ import pytest
 
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.errors import EngineStalled, EngineUnavailable
-from ferrylm.server.app import create_app
-from ferrylm.server.engine_client import HealthState, ModelInfo
-from ferrylm.server.errors import status_for
-from ferrylm.server.supervisor import Supervisor, describe_exit, sweep_stale_ipc_dirs
+from ferrylm.server.api.app import create_app
+from ferrylm.server.process.engine_client import HealthState, ModelInfo
+from ferrylm.server.api.errors import status_for
+from ferrylm.server.process.supervisor import Supervisor, describe_exit, sweep_stale_ipc_dirs
 from tests.server.conftest import SERVED, FakeEngine, assert_error, endless, make_client, parse_sse
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
@@ -128,7 +128,7 @@ def test_sweep_removes_only_dead_servers_ipc_dirs(tmp_path) -> None:
 def test_the_ipc_dir_goes_when_its_server_is_sigkilled(tmp_path) -> None:
     """Issue 18: the IPC temp folder was left behind when the frontend was SIGKILLed (the kernel kills the engine
     at once, so it cannot clean up): the server's janitor removes it."""
-    code = ("import sys, time; from ferrylm.server.ipc_dir import IpcDir; d = IpcDir(tmpdir=sys.argv[1]); "
+    code = ("import sys, time; from ferrylm.server.process.ipc_dir import IpcDir; d = IpcDir(tmpdir=sys.argv[1]); "
             "print(d.path, d.janitor_pid, flush=True); time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     path, janitor = proc.stdout.readline().split()
@@ -146,7 +146,7 @@ def test_the_ipc_dir_goes_when_its_server_is_sigkilled(tmp_path) -> None:
 
 
 def test_a_clean_close_removes_the_dir_and_reaps_the_janitor(tmp_path) -> None:
-    from ferrylm.server.ipc_dir import IpcDir
+    from ferrylm.server.process.ipc_dir import IpcDir
 
     d = IpcDir(tmpdir=str(tmp_path))
     pid = d.janitor_pid

@@ -250,7 +250,7 @@ def test_a_resent_request_has_the_same_fingerprint_whatever_its_deadline():
     """The quarantine must recognise the same request sent again: the server-side deadline (arrival + timeout)
     differs on every send and is left out of the fingerprint; what the request computes is not."""
     from ferrylm.engine.sampling_params import SamplingParams
-    from ferrylm.server.quarantine import fingerprint
+    from ferrylm.server.process.quarantine import fingerprint
 
     a = SamplingParams(max_tokens=2, deadline=100.0).to_dict()
     b = SamplingParams(max_tokens=2, deadline=250.5).to_dict()

@@ -66,10 +66,10 @@ def require_accelerate():
 
 
 def hf_config(spec):
-    """The transformers config of a :class:`~ferrylm.models.synthetic.SyntheticSpec` (its ``layers`` applied)."""
+    """The transformers config of a :class:`~ferrylm.synthetic.spec.SyntheticSpec` (its ``layers`` applied)."""
     import transformers
 
-    from ferrylm.models.synthetic import synthetic_config
+    from ferrylm.synthetic.spec import synthetic_config
 
     cfg = synthetic_config(spec)
     model_type = cfg["model_type"]
@@ -347,7 +347,7 @@ def run_accelerate_bench(*, model, device: str = "auto", dtype: str = "bfloat16"
                          reserve: float = 1.0, cpu_memory_limit: float | None = None, progress=print,
                          keep_model: bool = False) -> AccelerateResult | tuple[AccelerateResult, Any]:
     """Run the baseline (module docstring). ``model``: a ``synthetic:`` spec string or a
-    :class:`~ferrylm.models.synthetic.SyntheticSpec`. ``gpu_memory_limit``, ``reserve``, ``cpu_memory_limit``: GiB
+    :class:`~ferrylm.synthetic.spec.SyntheticSpec`. ``gpu_memory_limit``, ``reserve``, ``cpu_memory_limit``: GiB
     (``gpu_memory_limit`` None = no offload, all on the device). ``batch`` prompts of ``prompt_tokens`` ids, then
     ``tokens`` greedy decode steps. ``keep_model`` also returns the dispatched model (tests).
 
@@ -360,7 +360,7 @@ def run_accelerate_bench(*, model, device: str = "auto", dtype: str = "bfloat16"
     import torch
     import transformers
 
-    from ferrylm.models.synthetic import SyntheticSpec, parse_synthetic_spec
+    from ferrylm.synthetic.spec import SyntheticSpec, parse_synthetic_spec
 
     spec = model if isinstance(model, SyntheticSpec) else parse_synthetic_spec(model)
     if device == "auto":
@@ -464,7 +464,7 @@ def result_json(r: AccelerateResult) -> dict:
 def main(args) -> int:
     """``ferry bench accelerate``."""
     from ferrylm.errors import ModelLoadError
-    from ferrylm.models.synthetic import is_synthetic_spec, parse_synthetic_spec
+    from ferrylm.synthetic.spec import is_synthetic_spec, parse_synthetic_spec
 
     for flag, v in (("--batch", args.batch), ("--tokens", args.tokens), ("--prompt-tokens", args.prompt_tokens)):
         if v < 1:

@@ -1,7 +1,7 @@
 """``ferry bench cache-policy``: expert-cache hit rate vs slots per layer, by simulation on routing-model traces.
 
-CPU only, no model weights: traces come from :class:`~ferrylm.models.routing_model.RoutingModel` (the profiles of
-:mod:`ferrylm.models.routing_profiles`), the cache is the engine's own :class:`~ferrylm.experts.cache.SlotCache`
+CPU only, no model weights: traces come from :class:`~ferrylm.synthetic.routing_model.RoutingModel` (the profiles of
+:mod:`ferrylm.synthetic.routing_profiles`), the cache is the engine's own :class:`~ferrylm.experts.cache.SlotCache`
 driven the way the offloading executors drive it.
 
 Simulated step (one decode step of ``B`` sequences, layers in order): a layer's *needed* experts are the union of
@@ -36,8 +36,8 @@ import torch
 
 from ferrylm.experts.cache import (CacheFull, LayerLRFUPolicy, LayerLRUPolicy, LRUPolicy, ScoredLayerPolicy,
                                    SlotCache)
-from ferrylm.models.routing_model import RoutingModel, sequence_key
-from ferrylm.models.routing_profiles import get_profile
+from ferrylm.synthetic.routing_model import RoutingModel, sequence_key
+from ferrylm.synthetic.routing_profiles import get_profile
 
 WARMUP_STEPS = 64
 #: bytes of one bf16 expert (gate + up + down = 3 * H * I * 2) of the shape each profile stands for

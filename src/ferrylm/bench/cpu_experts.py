@@ -91,7 +91,7 @@ def _bank(layout: ExpertLayout, quant: str, bank_experts: int, pin: bool) -> tor
     bank = torch.empty(bank_experts, layout.numel, dtype=layout.row_dtype, pin_memory=pin)
     if layout.quant is None:
         return bank.copy_(torch.randn(bank_experts, layout.numel).mul_(0.02))
-    from ferrylm.models.quant.synthetic import CodePool, random_stack
+    from ferrylm.synthetic.quant import CodePool, random_stack
 
     pool, h, i = CodePool(0), layout.hidden, layout.inter
     le = {p: random_stack(pool, fmt, bank_experts, n, k, k ** -0.5, f"bench.{p}", device="cpu", dtype=layout.dtype)
@@ -112,7 +112,7 @@ def run_cpu_experts_bench(*, hidden: int, inter: int, dtype: torch.dtype, kernel
         ValueError / KernelBuildError: as :class:`~ferrylm.experts.cpu_pool.CpuExpertPool` (``native`` that does
             not build, an unknown kernel).
     """
-    from ferrylm.models.quant.synthetic import SYNTHETIC_FORMATS
+    from ferrylm.synthetic.quant import SYNTHETIC_FORMATS
 
     rows = []
     for quant in quants:
@@ -173,7 +173,7 @@ def main(args) -> int:
         if args.gap_ms < 0:
             raise ValueError(f"--gap-ms must be >= 0, got {args.gap_ms}")
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-        from ferrylm.models.synthetic import SYNTHETIC_QUANT
+        from ferrylm.synthetic.spec import SYNTHETIC_QUANT
 
         quants = tuple(q.strip() for q in args.quant.split(",") if q.strip())
         if not quants or any(q != "none" and q not in SYNTHETIC_QUANT for q in quants):

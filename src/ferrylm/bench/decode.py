@@ -168,9 +168,9 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
     from ferrylm.engine.factory import apply_memory_limit, expert_budget
     from ferrylm.experts.bandwidth import measure_bandwidths
     from ferrylm.experts.cpu_pool import CpuExpertPool
-    from ferrylm.models.loader import load_model
-    from ferrylm.models.resolve import resolve_model
-    from ferrylm.models.synthetic import is_synthetic_folder
+    from ferrylm.checkpoints.loader import load_model
+    from ferrylm.checkpoints.resolve import resolve_model
+    from ferrylm.synthetic.spec import is_synthetic_folder
 
     ec = engine_config
     device = resolve_device(ec.device)

@@ -57,9 +57,10 @@ def _hbm_gbs(dev) -> float:
 
 
 def attention_rows(dev, hq=32, hkv=4, d=128, ps=16) -> list[dict]:
-    from ferrylm.engine.attention import decode_splits
+    from ferrylm.engine.attention.metadata import decode_splits
     from ferrylm.engine.attention.triton_paged import paged_attention
-    from ferrylm.engine.kv_cache import KVPool, PagedAttention, SeqSlice
+    from ferrylm.engine.attention.torch_backend import PagedAttention, SeqSlice
+    from ferrylm.engine.cache.kv_pool import KVPool
     from ferrylm.models.attention import causal_attention
 
     rows = []

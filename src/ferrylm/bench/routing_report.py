@@ -3,7 +3,7 @@ and the ``routing`` section of ``ferry bench cache-policy --json``).
 
 For each profile, at its published shape ``(E, k)``: ``S`` sequences (keys from :func:`sequence_key`) of ``N``
 tokens at layers ``3..3+L-1`` of the routing model, summarised by
-:func:`ferrylm.models.routing_stats.trace_stats`, plus ``predict_recall``: the share of layer ``l + 1``'s chosen
+:func:`ferrylm.synthetic.routing_stats.trace_stats`, plus ``predict_recall``: the share of layer ``l + 1``'s chosen
 experts that its early evaluation (:meth:`RoutingModel.predict`) names, per token.
 """
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ferrylm.models.routing_model import RoutingModel, sequence_key
-from ferrylm.models.routing_profiles import PROFILES, get_profile
-from ferrylm.models.routing_stats import trace_stats
+from ferrylm.synthetic.routing_model import RoutingModel, sequence_key
+from ferrylm.synthetic.routing_profiles import PROFILES, get_profile
+from ferrylm.synthetic.routing_stats import trace_stats
 
 #: ``(sequences, tokens)`` per profile: OLMoE's top-half share is a corpus figure, so many short sequences
 SAMPLE = {"olmoe": (64, 128)}

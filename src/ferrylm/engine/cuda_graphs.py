@@ -7,8 +7,8 @@ backend on CUDA), a decode step of ``B`` sequences replays the graph of the smal
 forward is written once; nothing here re-implements it), reading static input buffers the step fills with one
 host->device copy (``engine/step_inputs.py``; padding sequences write no K/V and attend to nothing).
 
-Hybrid models (linear-attention layers, ``engine/state_pool.py``): each captured size also holds static ``[B]``
-buffers of the rows' state slots and fresh flags (a :class:`~ferrylm.engine.state_pool.RecurrentStep` the linear
+Hybrid models (linear-attention layers, ``engine/cache/state_pool.py``): each captured size also holds static ``[B]``
+buffers of the rows' state slots and fresh flags (a :class:`~ferrylm.engine.cache.state_pool.RecurrentStep` the linear
 layers read through the backend); a replay fills them with one small copy, padding rows pointing at the pool's
 scratch slot. The linear layers' decode update is torch ops on those buffers (no host read), so it captures as is.
 
@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ferrylm.engine.attention import AttentionMetadata, TritonPagedAttention, decode_splits
-from ferrylm.engine.kv_cache import KVPool
+from ferrylm.engine.attention.metadata import AttentionMetadata, decode_splits
+from ferrylm.engine.attention.triton_backend import TritonPagedAttention
+from ferrylm.engine.cache.kv_pool import KVPool
 from ferrylm.engine.step_inputs import HostStep, PackLayout, Staging, bind_routing_keys, pack_step
 from ferrylm.memory.guard import is_oom
 
@@ -138,7 +139,7 @@ class StepGraphs:
         return cap.logits, host
 
     def recurrent_of(self, size: int):
-        """The static :class:`~ferrylm.engine.state_pool.RecurrentStep` of a captured size (None without state)."""
+        """The static :class:`~ferrylm.engine.cache.state_pool.RecurrentStep` of a captured size (None without state)."""
         cap = self._graphs.get(size)
         return None if cap is None else cap.recurrent
 
@@ -153,7 +154,7 @@ class StepGraphs:
                                  num_splits=decode_splits(size, self._hkv, self._sms))
         cap = _Captured(size=size, layout=layout, packed=packed, meta=meta)
         if self.state_pool is not None:
-            from ferrylm.engine.state_pool import RecurrentStep
+            from ferrylm.engine.cache.state_pool import RecurrentStep
 
             rows = torch.empty(2, size, dtype=torch.int64, device=self.device)
             rows[0].fill_(self.state_pool.scratch)
@@ -184,7 +185,7 @@ class StepGraphs:
         bind_routing_keys(self.model, v["routing_keys"])  # the graph reads its static keys
         attn = TritonPagedAttention(self.pool, cap.meta)
         if cap.recurrent is not None:
-            from ferrylm.engine.state_pool import WithRecurrentState
+            from ferrylm.engine.cache.state_pool import WithRecurrentState
 
             cap.recurrent.conv_index = None   # computed inside the graph, from the static offsets
             attn = WithRecurrentState(attn, cap.recurrent)

@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ferrylm.config import DECODE_GRAPH_MODES
-from ferrylm.engine.kv_cache import KVPool, StaticDecodeAttention
+from ferrylm.engine.attention.torch_backend import StaticDecodeAttention
+from ferrylm.engine.cache.kv_pool import KVPool
 from ferrylm.engine.step_inputs import bind_routing_keys
 from ferrylm.experts.work import SMALL_STEP_TOKENS, ExpertStage, is_small_step, staged_moe_output
 from ferrylm.memory.guard import is_oom
@@ -382,7 +383,7 @@ class DecodeGraphRunner:
     def _attention(self, key: _Keyed):
         """The step's attention backend from ``key``'s page tables and lengths: slot table ``[B, L]`` (each page
         expanded to its slots), the new tokens' slots, the ``[B, L]`` mask of held positions; for a hybrid model
-        wrapped with the rows' recurrent state (``engine/state_pool.py``: static slots, fresh where the position
+        wrapped with the rows' recurrent state (``engine/cache/state_pool.py``: static slots, fresh where the position
         is 0)."""
         ps = self.page_size
         slot_table = (key.page_table[:, :, None] * ps + torch.arange(ps, device=self.device)).view(key.batch, -1)
@@ -392,7 +393,7 @@ class DecodeGraphRunner:
         attn = StaticDecodeAttention(self.pool, slot_table, new_slots, mask)
         if key.state_slots is None:
             return attn
-        from ferrylm.engine.state_pool import RecurrentStep, WithRecurrentState
+        from ferrylm.engine.cache.state_pool import RecurrentStep, WithRecurrentState
 
         return WithRecurrentState(attn, RecurrentStep(
             pool=self.state_pool, slots=key.state_slots, fresh=key.positions == 0,

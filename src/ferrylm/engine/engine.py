@@ -19,14 +19,14 @@ import torch
 
 from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.engine import prompt_logprobs
-from ferrylm.engine.kv_cache import KVLayout, KVPool
+from ferrylm.engine.cache.kv_pool import KVLayout, KVPool
 from ferrylm.engine.model_runner import ModelRunner, has_prefill
 from ferrylm.engine.outputs import EngineOutput
-from ferrylm.engine.prefix_cache import PrefixCache, cache_seed
+from ferrylm.engine.cache.prefix_cache import PrefixCache, cache_seed
 from ferrylm.engine.progress import StepAbandoned, StepProgress
 from ferrylm.engine.request import Request, Status
 from ferrylm.engine.sampling_params import SamplingParams
-from ferrylm.engine.state_pool import StateLayout, StatePool
+from ferrylm.engine.cache.state_pool import StateLayout, StatePool
 from ferrylm.engine.scheduler import Batch, ScheduledSeq, Scheduler, SchedulerConfig
 from ferrylm.engine.structured import StructuredDecoder
 from ferrylm.errors import ContextLengthExceeded, FerryError
@@ -148,7 +148,7 @@ class Engine:
         tp: rank 0's step broadcaster under tensor parallel (``engine/parallel/step_sync.py``), None for one rank;
             ``model`` and ``model_config`` are then this rank's shard (the KV pool holds its heads only).
 
-    ``prefix_cache`` (:class:`~ferrylm.engine.prefix_cache.PrefixCache`, None when
+    ``prefix_cache`` (:class:`~ferrylm.engine.cache.prefix_cache.PrefixCache`, None when
     ``config.enable_prefix_caching`` is off): full KV pages shared across requests by content hash.
 
     ``progress`` (:class:`~ferrylm.engine.progress.StepProgress`): ticks per layer and per step, the running
@@ -172,7 +172,7 @@ class Engine:
         self.limits = limits or plan_limits(config, model_config, device, dtype)
         self.pool = KVPool(layout=KVLayout.of(model_config), num_pages=self.limits.num_pages,
                            page_size=self.limits.page_size, dtype=dtype, device=device)
-        # hybrid models (linear-attention layers): one recurrent-state slot per running request (engine/state_pool.py)
+        # hybrid models (linear-attention layers): one recurrent-state slot per running request (engine/cache/state_pool.py)
         layout = StateLayout.of(model_config)
         self.state_pool = (StatePool(layout, self.limits.max_running_requests, dtype, device)
                            if layout is not None else None)
@@ -182,7 +182,7 @@ class Engine:
             seed = cache_seed("ferrylm-prefix-cache-v1", model_id, model_config, str(dtype))
             self.prefix_cache = PrefixCache(self.pool.allocator, self.limits.page_size, seed)
             if self.state_pool is not None:   # a cached KV prefix needs the recurrent state at its end
-                from ferrylm.engine.state_snapshots import StateSnapshots
+                from ferrylm.engine.cache.state_snapshots import StateSnapshots
 
                 self.state_snapshots = StateSnapshots(self.state_pool, state_snapshot_count(self.limits))
         self.scheduler = Scheduler(SchedulerConfig(self.limits.max_running_requests,
@@ -266,7 +266,7 @@ class Engine:
         """Admit a request or report its rejection as a terminal error output (never raises for a client
         mistake, nor for a malformed message: token ids that are not ints in the vocabulary are rejected here).
         A duplicate running id is rejected too. ``isolate``: run it in steps of its own (a suspect of an earlier
-        engine failure; ``server/quarantine.py``)."""
+        engine failure; ``server/process/quarantine.py``)."""
         try:
             if request_id in self.requests:
                 raise FerryError(f"request id {request_id!r} is already running", code="invalid_request")
@@ -600,7 +600,7 @@ class Engine:
 
     def _save_snapshots(self, seqs: list[ScheduledSeq]) -> None:
         """Keep the state of every sequence of the (successful) step whose computed tokens end on a page boundary,
-        under that page's name (``engine/state_snapshots.py``)."""
+        under that page's name (``engine/cache/state_snapshots.py``)."""
         ps = self.limits.page_size
         for s in seqs:
             r = s.request

@@ -10,7 +10,7 @@ import torch
 
 from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.engine.engine import Engine, EngineLimits, limits_with_pages, resolve_device, resolve_dtype
-from ferrylm.engine.kv_cache import KVLayout
+from ferrylm.engine.cache.kv_pool import KVLayout
 from ferrylm.engine.progress import StepProgress
 from ferrylm.experts import ExpertOptions, backend_name
 
@@ -78,7 +78,7 @@ def resolve_auto(model_path: str | Path, config: EngineConfig, device: torch.dev
     from ferrylm.experts.bandwidth import measure_bandwidths
     from ferrylm.models.registry import get_model_class
 
-    from ferrylm.models.quant import planned_expert_quant
+    from ferrylm.checkpoints.quant import planned_expert_quant
 
     moe_layers = get_model_class(mcfg.architecture).moe_layer_indices(mcfg)
     layout = ExpertLayout(mcfg.hidden_size, mcfg.moe_intermediate_size, dtype, quant=planned_expert_quant(mcfg.raw))
@@ -138,7 +138,7 @@ def model_host_bytes(mcfg: ModelConfig, device: torch.device, dtype: torch.dtype
     quantized size), the routed experts' host banks on a GPU with an offloading backend, nothing otherwise."""
     from ferrylm.experts.auto import estimate_non_expert_bytes
     from ferrylm.experts.banks import ExpertLayout
-    from ferrylm.models.quant import planned_expert_quant
+    from ferrylm.checkpoints.quant import planned_expert_quant
     from ferrylm.models.registry import get_model_class
 
     elem = torch.empty((), dtype=dtype).element_size()
@@ -199,8 +199,8 @@ def build_engine(model_path: str | Path, config: EngineConfig, tp=None) -> Engin
     from ferrylm.memory.guard import is_oom
     from ferrylm.memory.plan import PlanInputs, boot_failure, check_budget, expert_needs, plan_memory
     from ferrylm.memory.probe import bytes_in_use, other_processes, read_memory
-    from ferrylm.models.loader import load_model
-    from ferrylm.models.synthetic import is_synthetic_folder
+    from ferrylm.checkpoints.loader import load_model
+    from ferrylm.synthetic.spec import is_synthetic_folder
 
     config.validate()
     if config.tensor_parallel_size > 1 and tp is None:
@@ -260,7 +260,7 @@ def build_engine(model_path: str | Path, config: EngineConfig, tp=None) -> Engin
         attach_reduce(loaded.model, group.all_reduce)
     needs = expert_needs(executor)
     base = limits_with_pages(config, mcfg, device, 0)
-    from ferrylm.engine.state_pool import StateLayout
+    from ferrylm.engine.cache.state_pool import StateLayout
 
     state = StateLayout.of(mcfg)   # hybrid models: one recurrent-state slot per running request (the plan counts it)
     inputs = replace(inputs, weights_bytes=weights, experts=needs, max_model_len=base.max_model_len,

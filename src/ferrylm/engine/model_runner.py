@@ -24,10 +24,11 @@ import torch
 
 from ferrylm.config import EngineConfig
 from ferrylm.engine import prompt_logprobs
-from ferrylm.engine.attention import AttentionMetadata, make_backend, resolve_backend
+from ferrylm.engine.attention import make_backend, resolve_backend
+from ferrylm.engine.attention.metadata import AttentionMetadata
 from ferrylm.engine.cuda_graphs import StepGraphs
 from ferrylm.engine.decode_graph import DecodeGraphConfig, DecodeGraphRunner
-from ferrylm.engine.kv_cache import KVPool
+from ferrylm.engine.cache.kv_pool import KVPool
 from ferrylm.engine.sampler import SampleResult, sample
 from ferrylm.engine.step_inputs import HostStep, Staging, bind_routing_keys, pack_step, routing_key
 from ferrylm.faults import NO_FAULTS, FaultInjector
@@ -70,7 +71,7 @@ class ModelRunner:
         self.executor = expert_executor
         self.eos_ids = eos_ids
         self.faults: FaultInjector = NO_FAULTS
-        self.state_pool = None  # the engine's StatePool (engine/state_pool.py) for models with linear layers
+        self.state_pool = None  # the engine's StatePool (engine/cache/state_pool.py) for models with linear layers
         self.last_recurrent = None  # the RecurrentStep of the last eager step (the engine's OOM recovery reads it)
         self.structured = None  # the engine's StructuredDecoder (engine/structured.py): grammar masks on the logits
         self.attention = resolve_backend(config.attention_backend, device)
@@ -218,7 +219,7 @@ class ModelRunner:
                              * torch.empty((), dtype=self.dtype).element_size())
         attn = make_backend(self.attention, self.pool, self._metadata(host, v), self.device, faults)
         if self.state_pool is not None:  # linear layers reach their sequences' states through the backend
-            from ferrylm.engine.state_pool import WithRecurrentState, recurrent_step
+            from ferrylm.engine.cache.state_pool import WithRecurrentState, recurrent_step
 
             rs = recurrent_step(self.state_pool, seqs, v["query_start_loc"], self.device)
             rs.faults = faults
@@ -301,7 +302,7 @@ def step_metadata(host: HostStep, v: dict[str, torch.Tensor], device: torch.devi
     ``host``; split-KV decode for the Triton backend on CUDA. Shared by rank 0 and the tensor-parallel followers."""
     splits = 1
     if host.max_query_len == 1 and device.type == "cuda" and attention == "triton":
-        from ferrylm.engine.attention import decode_splits
+        from ferrylm.engine.attention.metadata import decode_splits
         splits = decode_splits(host.num_seqs, max(1, pool.layout.k_heads),
                                torch.cuda.get_device_properties(device).multi_processor_count)
     return AttentionMetadata(slot_mapping=v["slot_mapping"], block_table=v["block_table"],

@@ -46,7 +46,7 @@ class EngineOutput:
         queue_time: seconds (the engine's monotonic clock) from the engine receiving the request to its first
             scheduling (first prefill chunk); set once, on the request's first output after it was scheduled
             (None on every other output and for a request never scheduled).
-        num_cached_tokens: prompt tokens whose K/V came from the prefix cache (``engine/prefix_cache.py``), on the
+        num_cached_tokens: prompt tokens whose K/V came from the prefix cache (``engine/cache/prefix_cache.py``), on the
             request's first output with a token (None on every other output).
     """
 

@@ -14,7 +14,7 @@ So the engine exposes :class:`StepProgress`:
   ticks_per_step)``, so a step that is slow by nature is never taken for a hang, and a hang inside a fast step is
   still found at ``--watchdog-timeout``.
 - ``step_request_ids``: the requests of the running step: when the engine dies or stalls in a step, these are the
-  suspects the supervisor isolates (and quarantines when they fail again; ``server/quarantine.py``).
+  suspects the supervisor isolates (and quarantines when they fail again; ``server/process/quarantine.py``).
 
 On CUDA the forward is asynchronous: a layer's hook runs when the host has *queued* the layer, so ticks measure
 host progress; a kernel that never finishes stops the ticks at the next synchronising call (the expert routing

@@ -42,11 +42,11 @@ class Request:
             admitted (the scheduler's aging: past ``SchedulerConfig.aging_rounds`` nothing passes it any more).
         grammar: its structured-output matcher (``engine/structured.py``), None when unconstrained.
         prompt_logprobs: prompt-token logprobs gathered so far (``engine/prompt_logprobs.py``), when asked.
-        page_hashes: names of its full pages so far (``engine/prefix_cache.py``; tokens never change, so they
+        page_hashes: names of its full pages so far (``engine/cache/prefix_cache.py``; tokens never change, so they
             stay valid across preemption).
         num_named_pages: leading pages of ``page_table`` the prefix cache has seen (mapped from the cache or
             named after being computed); reset when its pages are released.
-        state_slot: the slot of its linear layers' recurrent state (``engine/state_pool.py``) while it runs, for
+        state_slot: the slot of its linear layers' recurrent state (``engine/cache/state_pool.py``) while it runs, for
             models with linear-attention layers; None otherwise.
         num_cached_tokens: prompt tokens mapped from the prefix cache at its first scheduling (None before; 0
             when nothing matched or caching is off); reported once, on its first output with tokens.
@@ -74,7 +74,7 @@ class Request:
     num_named_pages: int = 0
     num_cached_tokens: int | None = None
     cached_tokens_reported: bool = False
-    state_slot: int | None = None   # its slot in the recurrent-state pool (engine/state_pool.py), hybrid models
+    state_slot: int | None = None   # its slot in the recurrent-state pool (engine/cache/state_pool.py), hybrid models
     routing_key: int | None = None  # synthetic routing model: the sequence's key (engine/step_inputs.routing_key)
 
     def take_queue_time(self) -> float | None:

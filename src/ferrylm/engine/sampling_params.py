@@ -29,7 +29,7 @@ class SamplingParams:
     - ``logprobs``: None = off, k >= 0 = return the sampled token's logprob and the top-k alternatives.
     - ``logit_bias``: ``[[token id, bias], ...]`` added to the logits before everything else (OpenAI's
       ``logit_bias``; bias in [-100, 100]); ids outside the vocabulary are rejected by the frontend.
-    - ``grammar``: an llguidance grammar (JSON text, built by ``ferrylm.server.structured``) the output must
+    - ``grammar``: an llguidance grammar (JSON text, built by ``ferrylm.server.text.structured``) the output must
       match; tokens it forbids are masked before sampling (``engine/structured.py``). None: unconstrained.
     - ``prompt_logprobs``: None = off, k >= 0 = the logprob of every prompt token after the first, given the
       tokens before it, with the top-k alternatives (vLLM's ``prompt_logprobs``; reported on the first output).

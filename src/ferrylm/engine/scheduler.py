@@ -22,14 +22,14 @@ Each step builds one batch under two limits: at most ``max_running_requests`` ru
    Isolation: a request marked ``isolate`` (a suspect of an earlier engine failure) waits until nothing runs,
    then runs alone, and nothing is admitted while it runs.
    Prefix caching (``prefix_cache`` given): a request with no pages first maps the longest cached run of its full
-   pages (``engine/prefix_cache.py``); its chunk starts past them and only the rest counts against the budget and
+   pages (``engine/cache/prefix_cache.py``); its chunk starts past them and only the rest counts against the budget and
    the free pages. It is admitted only if the rest fits too (the looked-up pages count: mapping an unheld cached
    page takes it out of the available ones), so a skipped request holds nothing.
 
 Recurrent state (models with linear-attention layers, ``state_pool`` given): a request is admitted only while a
 state slot is free (it then takes one; otherwise it waits like a request short of pages, holding nothing), and
 every release (finish, abort, preemption, the OOM guard) gives the slot back in :meth:`Scheduler._release`.
-With prefix caching on, such a model also has state snapshots (``engine/state_snapshots.py``): a request maps only
+With prefix caching on, such a model also has state snapshots (``engine/cache/state_snapshots.py``): a request maps only
 the cached pages up to the last one whose end has a snapshot, which is copied into its slot at admission, and
 prefill chunks of several pages end on page boundaries (so each prompt's last full page gets a snapshot).
 
@@ -46,8 +46,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from ferrylm.engine.kv_cache import PageAllocator, pages_needed
-from ferrylm.engine.prefix_cache import PrefixCache
+from ferrylm.engine.cache.kv_pool import pages_needed
+from ferrylm.engine.cache.page_allocator import PageAllocator
+from ferrylm.engine.cache.prefix_cache import PrefixCache
 from ferrylm.engine.request import Request, Status
 from ferrylm.faults import NO_FAULTS, FaultInjector
 
@@ -102,8 +103,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, faults: FaultInjector = NO_FAULTS,
                  prefix_cache: PrefixCache | None = None, state_pool=None, state_snapshots=None):
         self.config = config
-        self.state_pool = state_pool   # engine/state_pool.StatePool of a hybrid model (None: no recurrent state)
-        self.state_snapshots = state_snapshots   # engine/state_snapshots.StateSnapshots (hybrid + prefix caching)
+        self.state_pool = state_pool   # engine/cache/state_pool.StatePool of a hybrid model (None: no recurrent state)
+        self.state_snapshots = state_snapshots   # engine/cache/state_snapshots.StateSnapshots (hybrid + prefix caching)
         self.allocator = allocator
         self.faults = faults
         self.prefix_cache = prefix_cache

@@ -131,12 +131,12 @@ def pack_step(seqs, page_size: int, out: np.ndarray | None = None, *, pad_seqs: 
 
 
 def routing_key(request) -> int:
-    """The request's sequence key for a synthetic model's routing model (``models/routing_model.sequence_key`` of its
+    """The request's sequence key for a synthetic model's routing model (``synthetic/routing_model.sequence_key`` of its
     prompt and sampling seed), computed once per request: each request routes as an independent sequence, a
     preempted or resent one as before. Real models ignore it."""
     key = request.routing_key
     if key is None:
-        from ferrylm.models.routing_model import sequence_key
+        from ferrylm.synthetic.routing_model import sequence_key
 
         key = request.routing_key = sequence_key(request.prompt_token_ids, request.params.seed or 0)
     return int(key)

@@ -2,7 +2,7 @@
 per step for the batch, the matcher advanced after each accepted token.
 
 The frontend turns a request's ``response_format`` / ``structured_outputs`` / forced tool call into an llguidance
-grammar string (``ferrylm.server.structured``) and sends it as ``SamplingParams.grammar``; the engine only
+grammar string (``ferrylm.server.text.structured``) and sends it as ``SamplingParams.grammar``; the engine only
 compiles and runs it. Three calls, made by :class:`ferrylm.engine.engine.Engine`:
 
 - :meth:`StructuredDecoder.attach` at admission: builds the request's matcher (``Request.grammar``); raises
@@ -79,7 +79,7 @@ class StructuredDecoder:
 
             path = self.tokenizer_path
             if path.lower().endswith(".gguf") and os.path.isfile(path):
-                from ferrylm.models.gguf_convert import gguf_tokenizer
+                from ferrylm.checkpoints.gguf_convert import gguf_tokenizer
 
                 hf = gguf_tokenizer(path)
             elif os.path.isfile(os.path.join(path, "tokenizer.json")):

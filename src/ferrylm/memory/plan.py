@@ -12,7 +12,7 @@ Figures (bytes unless named otherwise), in the order the plan takes them:
    of the two is the one cut). It is never handed out: the room of the OOM guard, allocator fragmentation and the
    driver.
 3. minus ``weights`` (measured after loading), the recurrent-state pool of a hybrid model (``state_slot_bytes`` per
-   slot, ``max_running_requests + 1`` slots: one per running request and a scratch slot, ``engine/state_pool.py``)
+   slot, ``max_running_requests + 1`` slots: one per running request and a scratch slot, ``engine/cache/state_pool.py``)
    and ``workspace`` (the peak extra memory of a warmup prefill at the
    maximum chunk and a decode step at the maximum batch; measured on CUDA, estimated on the CPU) leaves ``R``.
 4. ``R`` is split between the KV pool (pages of ``page_size`` tokens) and expert slots (offloading backends):
@@ -121,8 +121,8 @@ class PlanInputs:
         graph_bytes: the decode CUDA graphs' private memory pool, measured by capturing them during the boot
             warmup (they stay allocated while the engine runs).
         state_slot_bytes: one request's recurrent state over the linear-attention layers (hybrid models,
-            ``engine/state_pool.StateLayout.bytes_per_slot``; 0 for others).
-        state_snapshots: recurrent-state snapshots kept for prefix caching (``engine/state_snapshots.py``), each
+            ``engine/cache/state_pool.StateLayout.bytes_per_slot``; 0 for others).
+        state_snapshots: recurrent-state snapshots kept for prefix caching (``engine/cache/state_snapshots.py``), each
             ``state_slot_bytes``.
     """
 

@@ -2,7 +2,7 @@
 
 Model code never owns KV memory. Each forward pass receives an :class:`AttentionBackend` that, for one layer,
 stores the new keys/values and returns the attention output for the batch's query tokens. The engine passes a
-paged implementation (``engine/kv_cache.py``); tests and reference runs use :class:`DenseCausalAttention`
+paged implementations (``engine/attention/``); tests and reference runs use :class:`DenseCausalAttention`
 (one sequence, no cache).
 
 Batch layout (the "flattened" layout of vLLM / SGLang): all query tokens of all sequences in the step are

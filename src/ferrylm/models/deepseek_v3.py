@@ -23,7 +23,7 @@ Report"): the Llama decoder's pre-norm blocks with
 Checkpoint names are transformers'/DeepSeek's (``self_attn.q_a_proj`` ... ``mlp.gate.e_score_correction_bias``,
 ``mlp.experts.E.{gate,up,down}_proj``, ``mlp.shared_experts.*``); the published checkpoints' multi-token-prediction
 layers (``model.layers.<num_hidden_layers>...``) are not read. FP8 block checkpoints go through
-:mod:`ferrylm.models.quant.fp8`: routed experts stay FP8, MLA's own linears are dequantized to the model dtype.
+:mod:`ferrylm.checkpoints.quant.fp8`: routed experts stay FP8, MLA's own linears are dequantized to the model dtype.
 """
 
 from __future__ import annotations
@@ -241,7 +241,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def kv_layout(cls, config: ModelConfig):
         """One ``[1, kv_lora_rank + qk_rope_head_dim]`` row per token and layer, no V (the latent and the rope key)."""
-        from ferrylm.engine.kv_cache import KVLayout
+        from ferrylm.engine.cache.kv_pool import KVLayout
 
         s = MLAShape.of(config)
         return KVLayout(num_layers=config.num_layers, layers=tuple(range(config.num_layers)), k_heads=1,

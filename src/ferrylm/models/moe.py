@@ -6,8 +6,8 @@ implementation does), optionally renormalise the kept probabilities to sum to 1,
 ``y = sum_j p_j * expert_{id_j}(x)``.
 
 Routing model (synthetic checkpoints, ``routing=<profile>``): when a block has ``routing`` set, the *choice* of the
-top-k ids comes from :class:`~ferrylm.models.routing_model.RoutingModel` (a seeded function of the token's sequence
-key and position, read from the shared :class:`~ferrylm.models.routing_model.RoutingContext`), and the weights are
+top-k ids comes from :class:`~ferrylm.synthetic.routing_model.RoutingModel` (a seeded function of the token's sequence
+key and position, read from the shared :class:`~ferrylm.synthetic.routing_model.RoutingContext`), and the weights are
 the router's softmax at those ids (renormalised over them when ``renormalize``), so numerics stay the router's.
 
 Shared experts (Qwen1.5-MoE / Qwen2-MoE): a dense SwiGLU MLP every token passes through, scaled by a learned
@@ -23,7 +23,7 @@ from torch import nn
 from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.executor import ExpertExecutor
-from ferrylm.models.synthetic import ROUTER_BIAS_KEY
+from ferrylm.synthetic.spec import ROUTER_BIAS_KEY
 from ferrylm.triton_util import use_triton
 
 
@@ -136,7 +136,7 @@ class SparseMoeBlock(nn.Module):
         self.routing_context = None   # its RoutingContext (positions, sequence keys)
 
     def use_routing(self, routing, context) -> None:
-        """Let ``routing`` (a :class:`~ferrylm.models.routing_model.RoutingModel`) choose this block's experts,
+        """Let ``routing`` (a :class:`~ferrylm.synthetic.routing_model.RoutingModel`) choose this block's experts,
         reading positions and keys from ``context``."""
         self.routing, self.routing_context = routing, context
 
@@ -156,7 +156,7 @@ class SparseMoeBlock(nn.Module):
         """``hidden [T, H]`` -> ``[T, k]`` int64: the experts :meth:`route` would choose (top-k of the logits;
         softmax is monotonic, so only exact float ties may order differently), without the weights: two kernels,
         for prefetch prediction (Eliseev & Mazur 2023). With a routing model: its early evaluation of this layer
-        (:meth:`~ferrylm.models.routing_model.RoutingModel.predict`; ``hidden`` is not read)."""
+        (:meth:`~ferrylm.synthetic.routing_model.RoutingModel.predict`; ``hidden`` is not read)."""
         if self.routing is not None:
             return self.routing_context.choose(self.routing, self.layer_idx, predict=True)
         return torch.topk(self.gate(hidden), self.top_k, dim=-1).indices

@@ -23,7 +23,7 @@ Layer pattern: config ``layer_types`` (``"linear_attention"`` / ``"full_attentio
   Qwen3.5), plus ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` (``models/moe.SparseMoeBlock``).
 
 State: only the full-attention layers store K/V (:meth:`Qwen3NextForCausalLM.kv_layout`); each linear layer keeps a
-per-sequence recurrent state in the engine's state pool (``engine/state_pool.py``,
+per-sequence recurrent state in the engine's state pool (``engine/cache/state_pool.py``,
 :meth:`Qwen3NextForCausalLM.state_layout`), reached through ``attn.recurrent``. Without one (a reference backend
 such as ``models/attention.DenseCausalAttention``) the backend object holds one sequence's state itself.
 
@@ -293,7 +293,7 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
 def _own_state(attn, layer: GatedDeltaNet, hidden: torch.Tensor):
     """A backend without a state pool (``DenseCausalAttention``, ``SequenceCacheAttention``): one sequence, whose
     state the backend object keeps (one private one-slot pool per layer; zeros on the first call)."""
-    from ferrylm.engine.state_pool import RecurrentStep, StateLayout, StatePool
+    from ferrylm.engine.cache.state_pool import RecurrentStep, StateLayout, StatePool
 
     pools = attn.__dict__.setdefault("_linear_state_pools", {})
     s, dev, t = layer.shape, hidden.device, hidden.shape[0]
@@ -460,8 +460,8 @@ class Qwen3NextForCausalLM(nn.Module):
 
     @classmethod
     def kv_layout(cls, config: ModelConfig):
-        """Only the full-attention layers store K/V (``engine/kv_cache.KVLayout``)."""
-        from ferrylm.engine.kv_cache import KVLayout
+        """Only the full-attention layers store K/V (``engine/cache/kv_pool.KVLayout``)."""
+        from ferrylm.engine.cache.kv_pool import KVLayout
 
         full = tuple(i for i, k in enumerate(layer_types(config)) if k == FULL)
         return KVLayout(num_layers=config.num_layers, layers=full, k_heads=config.num_kv_heads, k_dim=config.head_dim,
@@ -469,8 +469,8 @@ class Qwen3NextForCausalLM(nn.Module):
 
     @classmethod
     def state_layout(cls, config: ModelConfig):
-        """The linear layers' per-sequence state (``engine/state_pool.StateLayout``), or None without any."""
-        from ferrylm.engine.state_pool import StateLayout
+        """The linear layers' per-sequence state (``engine/cache/state_pool.StateLayout``), or None without any."""
+        from ferrylm.engine.cache.state_pool import StateLayout
 
         linear = tuple(i for i, k in enumerate(layer_types(config)) if k == LINEAR)
         if not linear:

@@ -172,8 +172,8 @@ def check_shardable(model_cls: type, config: ModelConfig, shard: TPShard) -> Non
     a second collective per attention block)."""
     if not shard.is_split:
         return
-    from ferrylm.engine.kv_cache import KVLayout
-    from ferrylm.engine.state_pool import StateLayout
+    from ferrylm.engine.cache.kv_pool import KVLayout
+    from ferrylm.engine.cache.state_pool import StateLayout
 
     layout = KVLayout.of(config)
     if layout.v_heads == 0 or StateLayout.of(config) is not None:

@@ -1,7 +1,7 @@
 """Triton kernels that read the paged KV pool in place: the K/V store and one attention kernel for prefill chunks
 over a cached prefix, ragged batches and decode steps with mixed lengths (a flattened batch of any mix).
 
-Layout (``engine/kv_cache.py``): a layer's K and V are ``[num_slots, Hkv, D]`` with ``slot = page * page_size +
+Layout (``engine/cache/kv_pool.py``): a layer's K and V are ``[num_slots, Hkv, D]`` with ``slot = page * page_size +
 offset``; a sequence's pages are a row of the ``[B, max_pages]`` int32 block table.
 
 Attention (the online-softmax tiling of Dao et al. 2022, "FlashAttention", Alg. 1, over KV tiles gathered

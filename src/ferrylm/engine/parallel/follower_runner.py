@@ -9,7 +9,7 @@ import torch
 
 from ferrylm.config import EngineConfig
 from ferrylm.engine.attention import make_backend
-from ferrylm.engine.kv_cache import KVLayout, KVPool
+from ferrylm.engine.cache.kv_pool import KVLayout, KVPool
 from ferrylm.engine.model_runner import step_metadata
 from ferrylm.engine.parallel.group import TPGroup
 from ferrylm.engine.parallel.step_sync import StepHeader, StepReceiver, host_step
@@ -93,8 +93,8 @@ def build_follower(model_path: str, config: EngineConfig, group: TPGroup) -> Fol
     from ferrylm.engine.attention import resolve_backend
     from ferrylm.engine.engine import resolve_dtype
     from ferrylm.engine.factory import apply_memory_limit, expert_options, resolve_auto
-    from ferrylm.models.loader import load_model
-    from ferrylm.models.synthetic import is_synthetic_folder
+    from ferrylm.checkpoints.loader import load_model
+    from ferrylm.synthetic.spec import is_synthetic_folder
     from ferrylm.models.tensor_parallel import attach_reduce
 
     config.validate()

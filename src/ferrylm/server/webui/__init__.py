@@ -17,11 +17,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from ferrylm.server.openapi import ERROR_RESPONSES
+from ferrylm.server.api.openapi import ERROR_RESPONSES
 from ferrylm.server.webui.live import LiveView, parse_since
 
 if TYPE_CHECKING:
-    from ferrylm.server.app import _Server
+    from ferrylm.server.api.app import _Server
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 

@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry
 from ferrylm.errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from ferrylm.server.app import _Server
+    from ferrylm.server.api.app import _Server
 
 log = logging.getLogger("ferrylm.server.webui")
 

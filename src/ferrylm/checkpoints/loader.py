@@ -1,0 +1,364 @@
+"""Load a Hugging Face model folder (config.json + safetensors) into a ferrylm model and an expert executor.
+
+Steps: read config.json → pick the class from the registry and check the config → stream every tensor of the
+checkpoint, routed experts into preallocated ``[E, …]`` stacks, everything else into a name → tensor dict →
+build the executor → build the model on the ``meta`` device and assign the tensors. Every checkpoint tensor
+must find a place and every parameter / expert slot must be filled, else ModelLoadError names the tensor.
+Only tensors are read: no code from the folder is ever imported or run. A synthetic model folder (config.json with
+a ``ferrylm_synthetic`` recipe, see ``synthetic/spec.py``) has no weights: its model is built in memory instead.
+
+A checkpoint with a ``quantization_config`` goes through :mod:`ferrylm.checkpoints.quant.load` instead: routed experts
+repacked into :class:`~ferrylm.experts.quantized.QuantTensor` stacks, other quantized linears dequantized.
+
+Expert layouts accepted (per MoE layer N, block named ``block_sparse_moe`` or ``mlp``):
+  * per expert: ``model.layers.N.<block>.experts.E.{w1,w3,w2}.weight`` (Mixtral) or
+    ``….experts.E.{gate_proj,up_proj,down_proj}.weight`` (Qwen-MoE), each ``[I, H]`` / ``[I, H]`` / ``[H, I]``.
+  * fused (transformers v5 in-memory layout, written by ``save_pretrained(save_original_format=False)``):
+    ``….experts.gate_up_proj [E, 2I, H]`` (gate rows first, then up) and ``….experts.down_proj [E, H, I]``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from ferrylm.config import ModelConfig
+from ferrylm.errors import ModelLoadError
+from ferrylm.experts import ExpertOptions, build_executor, check_backend, expert_home
+from ferrylm.experts.executor import ExpertExecutor, LayerExperts
+from ferrylm.models.registry import get_model_class
+from ferrylm.models.tensor_parallel import TPShard, check_shardable, shard_config, shard_tensor
+
+_PER_EXPERT = re.compile(
+    r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+    r"(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)$")
+_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+_PART_NAMES = {"gate": "w1 / gate_proj", "up": "w3 / up_proj", "down": "w2 / down_proj"}
+
+
+@dataclass
+class LoadedModel:
+    """A loaded model. ``executor`` runs the routed experts (None for dense models)."""
+
+    model: nn.Module
+    config: ModelConfig
+    executor: ExpertExecutor | None
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files holding the weights.
+
+    ``model.safetensors.index.json`` present → the files its ``weight_map`` names (so stray extra files such as
+    ``consolidated.safetensors`` are not read twice); else ``model.safetensors``; else every ``*.safetensors``.
+
+    Raises:
+        ModelLoadError: no safetensors weights, an unreadable index, or a shard the index names is missing.
+    """
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"cannot read {index}: {e!r}") from None
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{index.name} names shard {f.name}, which is missing from {model_dir}")
+        return files
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir} holds no *.safetensors weights (.bin / .pt checkpoints are not read)")
+    return files
+
+
+class ExpertAssembler:
+    """Collects routed-expert tensors into preallocated per-layer stacks and tracks which slots are filled.
+
+    Args:
+        layers: decoder layers that hold routed experts.
+        num_experts, hidden_size, intermediate_size: ``E``, ``H``, ``I``.
+        device, dtype: where and how the stacks are stored.
+        pin_memory: allocate the stacks in page-locked host memory (``device`` must be the CPU).
+    """
+
+    def __init__(self, layers: tuple[int, ...], num_experts: int, hidden_size: int, intermediate_size: int,
+                 device: torch.device, dtype: torch.dtype, pin_memory: bool = False):
+        e, h, i = num_experts, hidden_size, intermediate_size
+        self.shapes = {"gate": (i, h), "up": (i, h), "down": (h, i)}
+        self.num_experts = e
+
+        def empty(*shape: int) -> torch.Tensor:
+            return torch.empty(*shape, device=device, dtype=dtype, pin_memory=pin_memory)
+
+        self.stacks = {n: LayerExperts(gate=empty(e, i, h), up=empty(e, i, h), down=empty(e, h, i)) for n in layers}
+        self.filled: dict[tuple[int, str], set[int]] = {(n, p): set() for n in layers for p in self.shapes}
+
+    def add(self, name: str, tensor: torch.Tensor) -> bool:
+        """Place ``tensor`` if ``name`` is a routed-expert tensor; return False if it is not one.
+
+        Raises:
+            ModelLoadError: expert tensor of a non-MoE layer, expert id out of range, wrong shape, duplicate.
+        """
+        m = _PER_EXPERT.match(name)
+        if m:
+            layer, expert, part = int(m[1]), int(m[2]), _PART[m[3]]
+            self._put(name, layer, part, [expert], tensor[None])
+            return True
+        m = _FUSED.match(name)
+        if not m:
+            return False
+        layer, experts = int(m[1]), list(range(self.num_experts))
+        if m[2] == "down_proj":
+            self._put(name, layer, "down", experts, tensor)
+            return True
+        i = self.shapes["gate"][0]
+        if tensor.ndim != 3 or tensor.shape[1] != 2 * i:
+            raise ModelLoadError(f"{name}: expected shape [{self.num_experts}, {2 * i}, {self.shapes['gate'][1]}] "
+                                 f"(gate rows then up rows), got {list(tensor.shape)}")
+        self._put(name, layer, "gate", experts, tensor[:, :i])
+        self._put(name, layer, "up", experts, tensor[:, i:])
+        return True
+
+    def _put(self, name: str, layer: int, part: str, experts: list[int], tensor: torch.Tensor) -> None:
+        stack = self.stacks.get(layer)
+        if stack is None:
+            raise ModelLoadError(f"checkpoint tensor {name!r}: layer {layer} has no routed experts")
+        if experts[-1] >= self.num_experts:
+            raise ModelLoadError(f"checkpoint tensor {name!r}: expert {experts[-1]} out of range "
+                                 f"(num_local_experts={self.num_experts})")
+        want = (len(experts), *self.shapes[part])
+        if tuple(tensor.shape) != want:
+            raise ModelLoadError(f"checkpoint tensor {name!r}: expected shape {list(want)}, got "
+                                 f"{list(tensor.shape)}")
+        done = self.filled[(layer, part)]
+        if done.intersection(experts):
+            raise ModelLoadError(f"checkpoint tensor {name!r} duplicates expert weights already loaded")
+        getattr(stack, part)[experts[0]:experts[-1] + 1].copy_(tensor)
+        done.update(experts)
+
+    def finish(self) -> dict[int, LayerExperts]:
+        """The completed stacks. Raises ModelLoadError naming the first missing expert tensor."""
+        for (layer, part), done in sorted(self.filled.items()):
+            missing = sorted(set(range(self.num_experts)) - done)
+            if missing:
+                raise ModelLoadError(f"checkpoint lacks routed expert weights: model.layers.{layer} expert "
+                                     f"{missing[0]} {part} projection ({_PART_NAMES[part]})")
+        return self.stacks
+
+
+def _module_name(name: str, model_cls: type, config: ModelConfig) -> str | None:
+    """Map a checkpoint name onto the model's state-dict name; None for tensors that are deliberately skipped
+    (cached RoPE frequencies; ``lm_head.weight`` of a tied model)."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    if config.tie_word_embeddings and name == "lm_head.weight":
+        return None
+    for old, new in model_cls.hf_renames:
+        name = name.replace(old, new)
+    return name
+
+
+def _renamed(name: str, model_cls: type) -> str:
+    """``name`` with the class's ``hf_renames`` applied (an expert tensor under a prefix the class renames, e.g. a
+    multimodal checkpoint's ``model.language_model.layers.N.mlp.experts...``, is placed like the plain name)."""
+    for old, new in model_cls.hf_renames:
+        name = name.replace(old, new)
+    return name
+
+
+def tensor_dtype(model_cls: type, key: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a floating checkpoint tensor placed at state-dict name ``key`` is stored in: ``dtype``, or float32
+    for the names the class keeps in float32 (``float32_tensors``, e.g. GLM-4.5's ``e_score_correction_bias``)."""
+    keep = getattr(model_cls, "float32_tensors", ())
+    return torch.float32 if keep and key.endswith(tuple(keep)) else dtype
+
+
+def _assign(model: nn.Module, tensors: dict[str, torch.Tensor], origin: dict[str, str]) -> None:
+    """Assign ``tensors`` onto the meta-built ``model``; every parameter filled, nothing left over."""
+    expected = model.state_dict()
+    for key, t in tensors.items():
+        if key not in expected:
+            raise ModelLoadError(f"checkpoint tensor {origin[key]!r} has no place in "
+                                 f"{type(model).__name__}")
+        if tuple(t.shape) != tuple(expected[key].shape):
+            raise ModelLoadError(f"checkpoint tensor {origin[key]!r}: expected shape "
+                                 f"{list(expected[key].shape)}, got {list(t.shape)}")
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks tensor {missing[0]!r}"
+                             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    model.load_state_dict(tensors, strict=True, assign=True)
+
+
+def _progress(total: int, desc: str):
+    """A tqdm byte counter on stderr, or None when stderr is not a terminal (logs and tests stay quiet)."""
+    import sys
+
+    if not sys.stderr.isatty():
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False)
+
+
+def placement(config: ModelConfig, device: torch.device | str, moe_backend: str | ExpertOptions,
+              expert_device: torch.device | str | None, pin_experts: bool) -> tuple[type, torch.device,
+                                                                                  torch.device, bool]:
+    """Shared by :func:`load_model` and the synthetic builder: check the config against its model class and the
+    backend name, and decide where routed experts are assembled.
+
+    Returns ``(model class, compute device, expert device, pin)``; ``pin`` is True only for CPU expert stacks when
+    CUDA is available. Raises UnsupportedArchitecture / ModelLoadError (config) or ValueError (backend).
+    """
+    model_cls = get_model_class(config.architecture)
+    model_cls.check_config(config)
+    check_backend(moe_backend)
+    device = torch.device(device)
+    exp_dev = expert_home(moe_backend, device) if expert_device is None else torch.device(expert_device)
+    return model_cls, device, exp_dev, bool(pin_experts and exp_dev.type == "cpu" and torch.cuda.is_available())
+
+
+def prepare_for_inference(model: torch.nn.Module) -> torch.nn.Module:
+    """Inference-only layout changes after the weights are in place: every attention layer's q/k/v projections
+    become one matrix multiply (:meth:`~ferrylm.models.layers.Attention.fuse_projections`). Returns ``model``."""
+    from ferrylm.models.layers import Attention
+
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.fuse_projections()
+    return model
+
+
+def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+               moe_backend: str | ExpertOptions = "resident", expert_device: torch.device | str | None = None,
+               pin_experts: bool = False, tp: TPShard | None = None) -> LoadedModel:
+    """Load the HF model folder ``model_dir`` (or build the synthetic model a synthetic folder describes).
+
+    Args:
+        model_dir: folder with ``config.json`` and safetensors weights (single file or sharded with an index),
+            a synthetic model folder (:func:`ferrylm.synthetic.spec.materialize`), or a MoE ``.gguf`` file
+            (read in place: :mod:`ferrylm.checkpoints.quant.gguf_file`).
+        device: where weights (and, for the resident backend, experts) are placed.
+        dtype: floating-point tensors are cast to it.
+        moe_backend: expert backend name (see ``ferrylm.experts.MOE_BACKENDS``) or ``ExpertOptions``; ignored for
+            dense models.
+        expert_device: where the routed-expert stacks are assembled (default: ``device`` for the resident
+            backend, host memory for the offloading ones, see ``ferrylm.experts.expert_home``); the resident
+            backend then moves them to ``device``.
+        pin_experts: assemble CPU expert stacks in page-locked memory (only when CUDA is available).
+        tp: this rank's tensor-parallel shard (:mod:`ferrylm.models.tensor_parallel`): every tensor is cut to it as
+            it is read and the model is built at shard shape (``LoadedModel.config`` is the per-rank config); None
+            or size 1 = the whole model. Plain (unquantized) safetensors folders only.
+
+    Returns:
+        :class:`LoadedModel` with the model in eval mode, gradients off.
+
+    Raises:
+        ModelLoadError: missing/unreadable files, unsupported config, a checkpoint tensor without a place, a
+            parameter or expert without a tensor, a shape mismatch, a truncated file, an unsupported quantization
+            method or a quantized tensor whose scales do not fit its weight (the message names the tensor).
+        UnsupportedArchitecture: ``architectures[0]`` is not registered (message lists the supported ones).
+        ValueError: unknown ``moe_backend``.
+    """
+    from ferrylm.checkpoints.gguf_config import is_gguf_file
+    from ferrylm.synthetic.spec import is_synthetic_folder
+
+    model_dir = Path(model_dir)
+    split = tp is not None and tp.is_split
+    if split and is_gguf_file(model_dir):
+        raise ModelLoadError(f"--tensor-parallel-size {tp.size}: {model_dir.name} is a GGUF file; tensor parallel "
+                             f"loads safetensors folders and synthetic models only (for now)")
+    if is_gguf_file(model_dir):  # a MoE GGUF served from the file itself
+        from ferrylm.checkpoints.quant.gguf_file import load_gguf_model
+
+        return load_gguf_model(model_dir, device=device, dtype=dtype, moe_backend=moe_backend,
+                               expert_device=expert_device, pin_experts=pin_experts)
+    if is_synthetic_folder(model_dir):
+        from ferrylm.synthetic.spec import spec_from_folder
+        from ferrylm.synthetic.build import build_synthetic
+
+        return build_synthetic(spec_from_folder(model_dir), device=device, dtype=dtype, moe_backend=moe_backend,
+                               expert_device=expert_device, pin_experts=pin_experts, tp=tp if split else None)
+    full = ModelConfig.from_folder(model_dir)
+    config = shard_config(full, tp) if split else full
+    model_cls, device, exp_dev, pin = placement(config, device, moe_backend, expert_device, pin_experts)
+    if split:
+        check_shardable(model_cls, config, tp)
+    moe_layers = model_cls.moe_layer_indices(config)
+    from ferrylm.checkpoints.quant import reader_for
+
+    reader = reader_for(config.raw)
+    if reader is not None and split:
+        raise ModelLoadError(f"--tensor-parallel-size {tp.size}: quantized checkpoints ({reader.method}) are not "
+                             f"split by tensor parallel yet")
+    if reader is not None:
+        from ferrylm.checkpoints.quant.load import read_quantized
+
+        files = checkpoint_files(model_dir)
+        bar = _progress(sum(p.stat().st_size for p in files), f"loading {model_dir.name} ({reader.method})")
+        try:
+            tensors, origin, stacks = read_quantized(files, reader, model_cls, config, device=device, dtype=dtype,
+                                                     expert_device=exp_dev, pin=pin, moe_layers=moe_layers,
+                                                     progress=bar)
+        finally:
+            if bar is not None:
+                bar.close()
+        return _finish(model_cls, config, device, moe_backend, stacks, tensors, origin)
+    experts = ExpertAssembler(moe_layers, config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                              exp_dev, dtype, pin_memory=pin) if moe_layers else None
+
+    tensors: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
+    files = checkpoint_files(model_dir)
+    from ferrylm.checkpoints.quant.load import check_complete
+
+    for path in files:
+        check_complete(path)
+    bar = _progress(sum(p.stat().st_size for p in files), f"loading {model_dir.name}")
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if model_cls.skips_tensor(name, config):
+                    continue
+                t = f.get_tensor(name)
+                if bar is not None:
+                    bar.update(t.numel() * t.element_size())
+                if split:   # this rank's part only: the stacks below are allocated at shard shape
+                    t = shard_tensor(name, t, full, tp)
+                if experts is not None and experts.add(_renamed(name, model_cls), t):
+                    continue
+                key = _module_name(name, model_cls, config)
+                if key is None:
+                    continue
+                if key in tensors:
+                    raise ModelLoadError(f"checkpoint tensor {name!r} appears twice (also as {origin[key]!r})")
+                tensors[key] = (t.to(device=device, dtype=tensor_dtype(model_cls, key, dtype)) if t.is_floating_point()
+                                else t.to(device))
+                origin[key] = name
+
+    if bar is not None:
+        bar.close()
+    return _finish(model_cls, config, device, moe_backend, experts.finish() if experts is not None else None,
+                   tensors, origin)
+
+
+def _finish(model_cls: type, config: ModelConfig, device: torch.device, moe_backend, stacks, tensors: dict,
+            origin: dict) -> LoadedModel:
+    """Build the executor over the expert ``stacks`` (None: dense) and the model on ``meta``, assign ``tensors``."""
+    executor = build_executor(moe_backend, stacks, device) if stacks is not None else None
+    with torch.device("meta"):
+        model = model_cls(config, executor=executor, device=device)
+    _assign(model, tensors, origin)
+    model.requires_grad_(False)
+    model.eval()
+    prepare_for_inference(model)
+    return LoadedModel(model=model, config=config, executor=executor)

@@ -1,0 +1,368 @@
+"""GGUF expert blocks repacked into element formats, and the conversion of a MoE GGUF into a model folder.
+
+Serving a MoE GGUF reads the file itself (:mod:`ferrylm.checkpoints.quant.gguf_file`, experts kept as GGML blocks); it
+uses this module only for a projection whose layers mix types (:func:`unified_format` + :func:`repack`). The folder
+conversion (:func:`convert_moe_gguf_into`) is kept for :func:`ferrylm.checkpoints.gguf_convert.convert_gguf` called on a
+MoE file (tests compare both paths); nothing at runtime calls it.
+
+Architectures (GGUF ``general.architecture`` -> HF class): ``qwen3moe`` -> Qwen3MoeForCausalLM, ``qwen2moe`` ->
+Qwen2MoeForCausalLM, ``olmoe`` -> OlmoeForCausalLM, ``llama`` with ``llama.expert_count > 0`` (Mixtral) ->
+MixtralForCausalLM. Tensor names and metadata keys: gguf-py's ``constants.py`` (``MODEL_TENSOR`` names,
+``Keys.LLM``); the stacked expert tensors ``blk.N.ffn_{gate,up,down}_exps`` are ``[E, I, H]`` / ``[E, H, I]`` in
+PyTorch order. Only the ``llama`` architecture stores Q/K rows permuted for GGML's interleaved RoPE (llama.cpp's
+``convert_hf_to_gguf.py``: ``LlamaModel`` permutes, the Qwen-MoE and OLMoE converters do not), so only there are
+they un-permuted (:func:`ferrylm.checkpoints.gguf_convert.unpermute_rope_rows`).
+
+Routed experts are repacked without loss into :mod:`ferrylm.experts.quantized` formats and written with the
+``ferrylm`` quant method (:mod:`ferrylm.checkpoints.quant.native`). Block layouts (ggml's ``ggml-common.h`` /
+``ggml-quants.c``, and gguf-py's ``quants.py`` whose ``dequantize`` the tests compare against):
+
+* ``Q8_0``: blocks of 32: ``d`` float16, 32 int8 ``q``; ``w = d * q``. -> ``int8`` group 32, float16 scales,
+  code ``q + 128``.
+* ``Q6_K``: super-blocks of 256: ``ql[128]`` (low 4 bits), ``qh[64]`` (high 2 bits), ``scales[16]`` int8 (one per
+  16), ``d`` float16; ``w = d * sc * (q - 32)`` with ``q`` 6 bits. Element ``v = 128h + 64s + t`` (``t < 64``) has
+  its low bits in nibble ``s`` of ``ql[64h + t]``; element ``128h + 32s + l`` its high bits at ``2s`` of
+  ``qh[32h + l]``. -> ``int8`` group 16, float32 scales ``d * sc`` (exact), code ``q - 32 + 128``.
+* ``Q4_K``: super-blocks of 256: ``d``, ``dmin`` float16, ``scales[12]`` (6-bit scale and min of 8 sub-blocks of
+  32, unpacked by gguf-py's ``Q4_K.get_scale_min``), ``qs[128]``: chunk ``c`` of 64 elements is 32 bytes, low
+  nibbles the first 32 elements, high nibbles the next 32; ``w = d * sc * q - dmin * m``. -> ``int4`` group 32
+  with mins, float32 ``s = d * sc`` and ``m = dmin * m`` (exact products; the one rounding is the subtraction, as
+  in the reference).
+
+When one projection (gate and up together, or down) has several of these types across layers (llama.cpp's
+``Q4_K_M`` puts ``Q6_K`` in some layers' ``ffn_down_exps``), every layer of it becomes ``int8`` with float32
+scales and mins at the finest group of the types (still exact: each type's ``(q - z) * s`` is ``q * s - z * s``
+with both products exact in float32). Float experts (F32 / F16 / BF16) stay plain; other types are refused naming
+the tensor and the supported types.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ferrylm.errors import ModelLoadError
+from ferrylm.experts.quantized import QuantFormat, QuantTensor
+from ferrylm.checkpoints.gguf_convert import (GGUFFile, GGUFTensor, TensorEntry, _f32_clean, dequantize_tensor,
+                                         progress_bar, unpermute_rope_rows, write_safetensors,
+                                         write_tokenizer_files)
+from ferrylm.checkpoints.quant.native import format_to_json
+from ferrylm.checkpoints.gguf_config import MOE_ARCHS, is_moe_gguf, moe_config_from_gguf  # noqa: F401 (re-exported)
+
+EXPERT_TYPES = ("Q8_0", "Q4_K", "Q6_K", "F32", "F16", "BF16")
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+_QK_K = 256
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Block formats -> integer codes, scales, mins
+# --------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Decoded:
+    """A GGUF tensor ``[..., N, K]`` as its raw integer codes: value ``u * s - m`` (``mins``) or ``(u - zero) * s``.
+
+    Attributes:
+        codes: uint8 ``[..., N, K]`` (Q8_0: ``q + 128``; Q6_K: ``q`` in 0..63; Q4_K: ``q`` in 0..15).
+        scales: ``[..., N, K / group]`` (float16 for Q8_0, float32 otherwise). mins: float32 like scales, or None.
+        zero: the symmetric zero code (None with mins). group: K per scale.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    zero: int | None
+    group: int
+
+
+def _blocks(data: np.ndarray, t: GGUFTensor, block_bytes: int) -> torch.Tensor:
+    raw = data[t.offset:t.offset + t.nbytes]
+    return torch.from_numpy(np.array(raw, copy=True)).view(-1, block_bytes)  # one tensor's bytes, writable
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float16).reshape(b.shape[:-1])
+
+
+def decode_q8_0(data: np.ndarray, t: GGUFTensor) -> Decoded:
+    b = _blocks(data, t, 34)
+    *lead, n, k = t.shape
+    codes = (b[:, 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    return Decoded(codes.reshape(*lead, n, k), _f16(b[:, :2]).reshape(*lead, n, k // 32), None, 128, 32)
+
+
+def decode_q6_k(data: np.ndarray, t: GGUFTensor) -> Decoded:
+    b = _blocks(data, t, 210)
+    nb = b.shape[0]
+    ql, qh, sc = b[:, :128], b[:, 128:192], b[:, 192:208].contiguous().view(torch.int8)
+    d = _f16(b[:, 208:210]).float()
+    low = torch.stack((ql.view(nb, 2, 64) & 15, ql.view(nb, 2, 64) >> 4), 2).reshape(nb, 256)  # (h, s, t)
+    high = torch.stack([(qh.view(nb, 2, 32) >> (2 * s)) & 3 for s in range(4)], 2).reshape(nb, 256)  # (h, s, l)
+    q = low | (high << 4)  # 0..63
+    *lead, n, k = t.shape
+    scales = (d[:, None] * sc.float()).reshape(*lead, n, k // 16)
+    return Decoded(q.reshape(*lead, n, k), scales, None, 32, 16)
+
+
+def decode_q4_k(data: np.ndarray, t: GGUFTensor) -> Decoded:
+    from gguf.quants import Q4_K
+
+    b = _blocks(data, t, 144)
+    nb = b.shape[0]
+    d, dmin = _f16(b[:, 0:2]).float(), _f16(b[:, 2:4]).float()
+    sc, m = Q4_K.get_scale_min(b[:, 4:16].numpy())
+    sc, m = torch.from_numpy(np.asarray(sc)).reshape(nb, 8), torch.from_numpy(np.asarray(m)).reshape(nb, 8)
+    qs = b[:, 16:].reshape(nb, 4, 32)
+    q = torch.stack((qs & 15, qs >> 4), 2).reshape(nb, 256)  # chunk c: 32 low nibbles, then 32 high nibbles
+    *lead, n, k = t.shape
+    scales = (d[:, None] * sc.float()).reshape(*lead, n, k // 32)
+    mins = (dmin[:, None] * m.float()).reshape(*lead, n, k // 32)
+    return Decoded(q.reshape(*lead, n, k), scales, mins, None, 32)
+
+
+def decode_q5_k(data: np.ndarray, t: GGUFTensor) -> Decoded:
+    """Q5_K (``experts/gguf_blocks.py``): Q4_K's scales and mins, a fifth code bit from ``qh[32]``."""
+    from gguf.quants import Q4_K
+
+    b = _blocks(data, t, 176)
+    nb = b.shape[0]
+    d, dmin = _f16(b[:, 0:2]).float(), _f16(b[:, 2:4]).float()
+    sc, m = Q4_K.get_scale_min(b[:, 4:16].numpy())
+    sc, m = torch.from_numpy(np.asarray(sc)).reshape(nb, 8), torch.from_numpy(np.asarray(m)).reshape(nb, 8)
+    qh = b[:, 16:48].reshape(nb, 1, 32)
+    qs = b[:, 48:].reshape(nb, 4, 32)
+    low = torch.stack((qs & 15, qs >> 4), 2).reshape(nb, 8, 32)
+    high = (qh >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1
+    q = (low | (high << 4)).reshape(nb, 256)  # 0..31
+    *lead, n, k = t.shape
+    scales = (d[:, None] * sc.float()).reshape(*lead, n, k // 32)
+    mins = (dmin[:, None] * m.float()).reshape(*lead, n, k // 32)
+    return Decoded(q.reshape(*lead, n, k), scales, mins, None, 32)
+
+
+_DECODERS: dict[str, tuple[Callable[[np.ndarray, GGUFTensor], Decoded], QuantFormat]] = {
+    "Q8_0": (decode_q8_0, QuantFormat("int8", 32, torch.float16)),
+    "Q6_K": (decode_q6_k, QuantFormat("int8", 16, torch.float32)),
+    "Q4_K": (decode_q4_k, QuantFormat("int4", 32, torch.float32, mins=True)),
+    "Q5_K": (decode_q5_k, QuantFormat("int8", 32, torch.float32, mins=True)),
+}
+
+
+def _type_name(t: GGUFTensor) -> str:
+    from gguf.constants import GGMLQuantizationType
+
+    return GGMLQuantizationType(t.qtype).name
+
+
+def unified_format(types: set[str]) -> QuantFormat:
+    """The format one projection takes when its layers use the GGUF ``types`` (module docstring)."""
+    if len(types) == 1:
+        return _DECODERS[next(iter(types))][1]
+    group = math.gcd(*(_DECODERS[ty][1].group for ty in types))
+    return QuantFormat("int8", group, torch.float32, mins=True)
+
+
+def repack(dec: Decoded, fmt: QuantFormat, dtype: torch.dtype) -> QuantTensor:
+    """``dec`` in ``fmt`` (its own natural format, or the unified int8 one). Raises ValueError when ``fmt`` cannot
+    hold it exactly."""
+    rep = dec.group // fmt.group
+    if dec.group % fmt.group:
+        raise ValueError(f"cannot express groups of {dec.group} in groups of {fmt.group}")
+    scales = dec.scales.repeat_interleave(rep, -1) if rep > 1 else dec.scales
+    codes = dec.codes
+
+    def packed(c: torch.Tensor) -> torch.Tensor:
+        return (c[..., 0::2] | (c[..., 1::2] << 4)) if fmt.bits == 4 else c
+
+    if not fmt.mins:  # symmetric: shift the raw codes onto the format's zero code 2^(bits-1)
+        if dec.zero is None:
+            raise ValueError(f"affine codes do not fit the symmetric {fmt.describe()}")
+        shift = (1 << (fmt.bits - 1)) - dec.zero
+        if int(codes.max()) + shift >= 1 << fmt.bits or int(codes.min()) + shift < 0:
+            raise ValueError(f"codes around {dec.zero} do not fit {fmt.describe()}")
+        codes = (codes.to(torch.int16) + shift).to(torch.uint8)
+        return QuantTensor(fmt, packed(codes).contiguous(), scales.to(fmt.scale_dtype).contiguous(), dtype=dtype)
+    # affine: the raw codes, m = zero * s for a symmetric type (both products exact in float32)
+    mins = dec.scales.float() * dec.zero if dec.mins is None else dec.mins
+    mins = mins.repeat_interleave(rep, -1) if rep > 1 else mins
+    return QuantTensor(fmt, packed(codes).contiguous(), scales.float().contiguous(), mins.contiguous(), dtype=dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# tensor names
+# --------------------------------------------------------------------------------------------------------------
+
+_ATTN = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+         "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+         "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+_DENSE_FFN = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+              "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+              "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+
+
+def _hf_name(arch: str, name: str) -> tuple[str, str | None]:
+    """``(hf name, expert projection or None)`` for a GGUF tensor name. Raises ModelLoadError when unmapped."""
+    if name in _GLOBAL:
+        return _GLOBAL[name], None
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] in ("weight", "bias"):
+        block = "block_sparse_moe" if arch == "llama" else "mlp"
+        base, kind, leaf = f"model.layers.{parts[1]}", parts[2], parts[3]
+        if kind in _ATTN:
+            return f"{base}.{_ATTN[kind]}.{leaf}", None
+        if kind == "ffn_gate_inp":
+            return f"{base}.{block}.gate.{leaf}", None
+        if kind in _DENSE_FFN and arch != "llama":
+            return f"{base}.{_DENSE_FFN[kind]}.{leaf}", None
+        if kind in _EXPERTS:
+            return f"{base}.{block}.experts.{_EXPERTS[kind]}", _EXPERTS[kind]
+    raise ModelLoadError(f"GGUF tensor {name!r} is not part of the {arch} MoE layout ferrylm converts")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# conversion
+# --------------------------------------------------------------------------------------------------------------
+
+def _st_dtype(t: torch.Tensor) -> str:
+    return {torch.uint8: "U8", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+            torch.float8_e4m3fn: "F8_E4M3"}[t.dtype]
+
+
+def _expert_entries(g: GGUFFile, data: np.ndarray, experts: dict[str, list[GGUFTensor]]
+                    ) -> tuple[list[TensorEntry], dict | None]:
+    """Entries for the routed-expert tensors and the ``quantization_config`` (None when they are all float)."""
+    types = {proj: {_type_name(t) for t in ts} for proj, ts in experts.items()}
+    everything = set().union(*types.values()) if types else set()
+    for proj, ts in experts.items():
+        for t in ts:
+            if _type_name(t) not in EXPERT_TYPES:
+                raise ModelLoadError(f"{g.path}: GGUF tensor {t.name} has type {_type_name(t)}; routed experts "
+                                     f"are read as {', '.join(EXPERT_TYPES)}")
+    if everything and everything <= set(_FLOAT_TYPES):
+        entries = []
+        for ts in experts.values():
+            for t in ts:
+                hf, _ = _hf_name(g.get("general.architecture"), t.name)
+                entries.append(TensorEntry(f"{hf}.weight", "F32", t.shape,
+                                           lambda t=t: dequantize_tensor(data, t)))
+        return _as_per_expert(entries), None
+    if everything & set(_FLOAT_TYPES):
+        raise ModelLoadError(f"{g.path}: routed experts mix float and quantized GGUF types ({sorted(everything)}); "
+                             f"one kind per model is supported")
+    formats = {"gate_up": unified_format(types.get("gate_proj", set()) | types.get("up_proj", set())),
+               "down": unified_format(types["down_proj"])}
+    arch = g.get("general.architecture")
+    entries: list[TensorEntry] = []
+    for proj, ts in experts.items():
+        fmt = formats["down" if proj == "down_proj" else "gate_up"]
+        for t in ts:
+            hf, _ = _hf_name(arch, t.name)
+            cache: dict[str, QuantTensor] = {}
+
+            def get(t: GGUFTensor = t, fmt: QuantFormat = fmt, cache=cache) -> QuantTensor:
+                if "qt" not in cache:
+                    decode = _DECODERS[_type_name(t)][0]
+                    cache["qt"] = repack(decode(data, t), fmt, torch.float32)
+                return cache["qt"]
+
+            *lead, n, k = t.shape
+            try:
+                fmt.check_shape(n, k, t.name)
+            except ValueError as e:
+                raise ModelLoadError(f"{g.path}: {e}") from None
+            for field, dt, shape in fmt.fields(n, k):
+                suffix = {"data": "qdata", "scales": "qscales", "mins": "qmins", "row_scale": "qrow_scale"}[field]
+                st = _st_dtype(torch.empty(0, dtype=dt))
+
+                def produce(field: str = field, get=get, cache=cache, last=field == fmt.fields(n, k)[-1][0]):
+                    v = getattr(get(), field)
+                    if last:
+                        cache.clear()
+                    return v
+
+                entries.append(TensorEntry(f"{hf}.{suffix}", st, (*lead, *shape), produce))
+    qcfg = {"quant_method": "ferrylm", "gate_up": format_to_json(formats["gate_up"]),
+            "down": format_to_json(formats["down"]), "source": "gguf",
+            "gguf_types": {p: sorted(v) for p, v in types.items()}}
+    return entries, qcfg
+
+
+def _as_per_expert(entries: list[TensorEntry]) -> list[TensorEntry]:
+    """Float expert stacks ``…experts.gate_proj.weight [E, N, K]`` as one tensor per expert (the plain layout)."""
+    out = []
+    for e in entries:
+        stem = e.name[:-len(".weight")]
+        base, proj = stem.rsplit(".", 1)
+        cache: dict[str, np.ndarray] = {}
+
+        def expert(i: int, e: TensorEntry = e, cache=cache) -> np.ndarray:
+            if "stack" not in cache:  # dequantized once per stack, released after its last expert
+                cache["stack"] = e.produce()
+            w = cache["stack"][i]
+            if i == e.shape[0] - 1:
+                cache.clear()
+            return np.ascontiguousarray(w)
+
+        for i in range(e.shape[0]):
+            out.append(TensorEntry(f"{base}.{i}.{proj}.weight", "F32", e.shape[1:], lambda i=i, f=expert: f(i)))
+    return out
+
+
+def convert_moe_gguf_into(g: GGUFFile, out: Path, *, progress: bool = True) -> None:
+    """Write the folder for the MoE GGUF ``g`` into the existing empty folder ``out`` (see the module docstring).
+
+    Raises:
+        ModelLoadError: an unmapped tensor, an unsupported expert type, missing metadata or tensors.
+    """
+    cfg = moe_config_from_gguf(g)
+    arch = g.get("general.architecture")
+    data = np.asarray(np.memmap(g.path, dtype=np.uint8, mode="r"))
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    plain: list[TensorEntry] = []
+    experts: dict[str, list[GGUFTensor]] = {}
+    for t in g.tensors:
+        hf, proj = _hf_name(arch, t.name)
+        if proj is not None:
+            experts.setdefault(proj, []).append(t)
+            continue
+        perm = 0
+        if arch == "llama":
+            perm = heads if ".attn_q." in t.name else kv_heads if ".attn_k." in t.name else 0
+        shape = (1, t.shape[-1]) if hf.endswith("shared_expert_gate.weight") else t.shape
+
+        def produce(t: GGUFTensor = t, perm: int = perm, shape=shape) -> np.ndarray:
+            w = dequantize_tensor(data, t)
+            return (unpermute_rope_rows(w, perm) if perm else w).reshape(shape)
+
+        plain.append(TensorEntry(hf, "F32", shape, produce))
+    if set(experts) != set(_EXPERTS.values()):
+        raise ModelLoadError(f"{g.path}: GGUF lacks routed expert tensors (ffn_gate_exps / ffn_up_exps / "
+                             f"ffn_down_exps)")
+    expert_entries, qcfg = _expert_entries(g, data, experts)
+    if qcfg is not None:
+        cfg["quantization_config"] = qcfg
+    entries = plain + expert_entries
+    total = sum(int(np.prod(e.shape)) * _ITEM[e.dtype] for e in entries)
+    bar = progress_bar(total, f"converting {g.path.name}") if progress else None
+    try:
+        write_safetensors(out / "model.safetensors", entries, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    write_tokenizer_files(g, out, cfg["max_position_embeddings"])
+    gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+_ITEM = {"F32": 4, "F16": 2, "BF16": 2, "U8": 1, "F8_E4M3": 1}

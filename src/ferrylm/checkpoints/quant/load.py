@@ -1,0 +1,247 @@
+"""Stream a quantized safetensors checkpoint into a model: routed experts repacked into
+:class:`~ferrylm.experts.quantized.QuantTensor` stacks, every other quantized linear dequantized to the model dtype.
+
+Steps (:func:`read_quantized`): index every tensor name of every shard → group the names of each quantized module
+(a prefix whose marker part exists, see :class:`~ferrylm.checkpoints.quant.base.QuantReader`) → for each module: a
+routed expert (per expert ``…experts.E.{w1,w3,w2,gate_proj,up_proj,down_proj}`` or a fused stack
+``…experts.{gate_up_proj,gate_proj,up_proj,down_proj}``) is decoded and copied into its layer's stack
+(:class:`QuantAssembler`); any other is dequantized and treated as a plain weight. Plain tensors go the way
+:func:`ferrylm.checkpoints.loader.load_model` takes them. Every stack slot must be filled exactly once; gate and up share
+one format model-wide, down one format model-wide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ferrylm.config import ModelConfig
+from ferrylm.errors import ModelLoadError
+from ferrylm.experts.executor import LayerExperts
+from ferrylm.experts.quantized import QuantFormat, QuantTensor, empty_quant
+from ferrylm.checkpoints.quant.base import QuantReader
+
+_PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+                         r"(w1|w3|w2|gate_proj|up_proj|down_proj)$")
+_FUSED = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|gate_proj|up_proj|"
+                    r"down_proj)$")
+_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+
+
+class QuantAssembler:
+    """Per-layer quantized expert stacks ``gate/up [E, I, H]``, ``down [E, H, I]``, allocated on first use in the
+    format the checkpoint's first module of that projection has.
+
+    Args:
+        layers: MoE decoder layers. num_experts, hidden_size, intermediate_size: ``E``, ``H``, ``I``.
+        device, dtype: where the stacks live; the compute dtype. pin_memory: page-locked host stacks.
+    """
+
+    def __init__(self, layers: tuple[int, ...], num_experts: int, hidden_size: int, intermediate_size: int,
+                 device: torch.device, dtype: torch.dtype, pin_memory: bool = False):
+        self.num_experts = num_experts
+        self.shapes = {"gate": (intermediate_size, hidden_size), "up": (intermediate_size, hidden_size),
+                       "down": (hidden_size, intermediate_size)}
+        self.device, self.dtype, self.pin = device, dtype, pin_memory
+        self.formats: dict[str, QuantFormat] = {}
+        self.stacks: dict[int, dict[str, QuantTensor]] = {n: {} for n in layers}
+        self.filled: dict[tuple[int, str], set[int]] = {(n, p): set() for n in layers for p in self.shapes}
+
+    def put(self, name: str, layer: int, part: str, experts: list[int], qt: QuantTensor) -> None:
+        """Place ``qt`` (one expert ``[N, K]`` or ``len(experts)`` consecutive experts ``[n, N, K]``).
+
+        Raises:
+            ModelLoadError: a layer without experts, an expert out of range, a wrong shape, a duplicate, or a
+                format other than the one the projection already has (names the checkpoint tensor).
+        """
+        stacks = self.stacks.get(layer)
+        if stacks is None:
+            raise ModelLoadError(f"checkpoint tensor {name!r}: layer {layer} has no routed experts")
+        if experts[-1] >= self.num_experts:
+            raise ModelLoadError(f"checkpoint tensor {name!r}: expert {experts[-1]} out of range "
+                                 f"(num_experts={self.num_experts})")
+        one = qt.data.dim() == 2
+        want = self.shapes[part] if one else (len(experts), *self.shapes[part])
+        if tuple(qt.shape) != tuple(want):
+            raise ModelLoadError(f"checkpoint tensor {name!r}: expected a weight of shape {list(want)}, got "
+                                 f"{list(qt.shape)}")
+        key = "down" if part == "down" else "gate_up"
+        fmt = self.formats.setdefault(key, qt.fmt)
+        if qt.fmt != fmt:
+            raise ModelLoadError(f"checkpoint tensor {name!r} is stored as {qt.fmt.describe()} but other {key} "
+                                 f"expert projections as {fmt.describe()}; one format per projection is supported")
+        if part not in stacks:
+            try:
+                stacks[part] = empty_quant(fmt, (self.num_experts,), *self.shapes[part], device=self.device,
+                                           dtype=self.dtype, pin_memory=self.pin)
+            except ValueError as e:
+                raise ModelLoadError(f"checkpoint tensor {name!r}: {e}") from None
+        done = self.filled[(layer, part)]
+        if done.intersection(experts):
+            raise ModelLoadError(f"checkpoint tensor {name!r} duplicates expert weights already loaded")
+        dst = stacks[part][experts[0]] if one else stacks[part][experts[0]:experts[-1] + 1]
+        dst.copy_(qt)
+        done.update(experts)
+
+    def finish(self) -> dict[int, LayerExperts]:
+        """The stacks as :class:`LayerExperts`. Raises ModelLoadError naming the first missing expert."""
+        for (layer, part), done in sorted(self.filled.items()):
+            missing = sorted(set(range(self.num_experts)) - done)
+            if missing:
+                raise ModelLoadError(f"checkpoint lacks routed expert weights: model.layers.{layer} expert "
+                                     f"{missing[0]} {part} projection")
+        return {n: LayerExperts(gate=s["gate"], up=s["up"], down=s["down"]) for n, s in self.stacks.items()}
+
+
+def check_complete(path: Path) -> None:
+    """Raise ModelLoadError naming the first tensor that ends past the end of the safetensors file ``path``
+    (a truncated download), or when the header itself is cut. Reads only the header."""
+    import json
+    import struct
+
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if 8 + n > size:
+                raise ModelLoadError(f"{path} is truncated: its header needs {n} bytes, the file has {size}")
+            header = json.loads(f.read(n))
+    except (OSError, struct.error, ValueError) as e:
+        raise ModelLoadError(f"cannot read the safetensors header of {path}: {e}") from None
+    data = 8 + n
+    cut = sorted((v["data_offsets"][1], k) for k, v in header.items()
+                 if k != "__metadata__" and data + v["data_offsets"][1] > size)
+    if cut:
+        raise ModelLoadError(f"{path} is truncated: tensor {cut[0][1]!r} ends at byte {data + cut[0][0]}, past the "
+                             f"end of the file ({size} bytes)")
+
+
+def read_quantized(files: list[Path], reader: QuantReader, model_cls: type, config: ModelConfig, *,
+                   device: torch.device, dtype: torch.dtype, expert_device: torch.device, pin: bool,
+                   moe_layers: tuple[int, ...], progress=None):
+    """Read every tensor of ``files`` (see the module docstring).
+
+    Returns:
+        ``(tensors, origin, experts)``: model state-dict name -> plain tensor (on ``device`` in ``dtype``), that
+        name -> checkpoint name, and MoE layer -> :class:`LayerExperts` (quantized stacks, or plain ones when the
+        checkpoint left the experts unquantized) or None for a dense model.
+
+    Raises:
+        ModelLoadError: a tensor without a place, a quantized module that does not decode, experts partly
+            quantized, a missing expert (the message names the tensor).
+    """
+    from ferrylm.checkpoints.loader import ExpertAssembler, _module_name, tensor_dtype
+
+    with contextlib.ExitStack() as stack:
+        where: dict[str, object] = {}
+        for path in files:
+            check_complete(path)
+            try:
+                h = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+                raise ModelLoadError(f"cannot read {path}: {e}") from None
+            for name in h.keys():
+                if model_cls.skips_tensor(name, config):
+                    continue
+                if name in where:
+                    raise ModelLoadError(f"checkpoint tensor {name!r} appears in two shards")
+                where[name] = h
+
+        def get(name: str) -> torch.Tensor:
+            try:
+                t = where[name].get_tensor(name)
+            except Exception as e:  # noqa: BLE001
+                raise ModelLoadError(f"cannot read checkpoint tensor {name!r}: {e}") from None
+            if progress is not None:
+                progress.update(t.numel() * t.element_size())
+            return t
+
+        marked = {sp[0] for sp in map(reader.split, where) if sp is not None and sp[1] == reader.marker}
+        modules: dict[str, dict[str, str]] = {}
+        plain: list[str] = []
+        for name in where:
+            if reader.skip(name):
+                continue
+            sp = reader.split(name)
+            if sp is not None and sp[0] in marked:
+                modules.setdefault(sp[0], {})[sp[1]] = name
+            else:
+                plain.append(name)
+
+        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        quant = QuantAssembler(moe_layers, e, h, i, expert_device, dtype, pin) if moe_layers else None
+        dense = ExpertAssembler(moe_layers, e, h, i, expert_device, dtype, pin_memory=pin) if moe_layers else None
+        used_quant = used_dense = False
+        tensors: dict[str, torch.Tensor] = {}
+        origin: dict[str, str] = {}
+
+        def put_plain(name: str, key: str | None, t: torch.Tensor) -> None:
+            if key is None:
+                return
+            if key in tensors:
+                raise ModelLoadError(f"checkpoint tensor {name!r} appears twice (also as {origin[key]!r})")
+            tensors[key] = (t.to(device=device, dtype=tensor_dtype(model_cls, key, dtype)) if t.is_floating_point()
+                            else t.to(device))
+            origin[key] = name
+
+        for prefix, names in modules.items():
+            parts = {suffix: get(n) for suffix, n in names.items()}
+            label = names[reader.marker]
+            m_one, m_fused = _PER_EXPERT.match(prefix), _FUSED.match(prefix)
+            if quant is not None and (m_one or m_fused):
+                qt = reader.decode(prefix, parts, dtype)
+                used_quant = True
+                if m_one:
+                    quant.put(label, int(m_one[1]), _PART[m_one[3]], [int(m_one[2])], qt)
+                    continue
+                layer, kind = int(m_fused[1]), m_fused[2]
+                experts = list(range(qt.shape[0])) if qt.data.dim() == 3 else [0]
+                if kind != "gate_up_proj":
+                    quant.put(label, layer, _PART[kind], experts, qt)
+                    continue
+                n2 = qt.shape[-2]
+                if n2 % 2:
+                    raise ModelLoadError(f"checkpoint tensor {label!r}: gate_up rows ({n2}) are not even")
+                if reader.gate_up_rows(prefix) == "interleaved":
+                    gate, up = _take_rows(qt, 0), _take_rows(qt, 1)
+                else:
+                    gate, up = qt.rows(0, n2 // 2), qt.rows(n2 // 2, n2)
+                quant.put(label, layer, "gate", experts, gate)
+                quant.put(label, layer, "up", experts, up)
+                continue
+            weight = reader.dequantize(prefix, parts, dtype)
+            wname = prefix + ".weight"
+            if dense is not None and dense.add(wname, weight):
+                used_dense = True
+                continue
+            put_plain(label, _module_name(wname, model_cls, config), weight)
+
+        for name in plain:
+            t = get(name)
+            if dense is not None and dense.add(name, t):
+                used_dense = True
+                continue
+            put_plain(name, _module_name(name, model_cls, config), t)
+
+    if used_quant and used_dense:
+        raise ModelLoadError("the checkpoint quantizes some routed experts and leaves others plain; ferrylm needs "
+                             "one format for all routed experts")
+    experts = (quant.finish() if used_quant else dense.finish()) if moe_layers else None
+    return tensors, origin, experts
+
+
+def _take_rows(qt: QuantTensor, start: int) -> QuantTensor:
+    """Every second output row from ``start`` (gpt-oss's interleaved gate / up rows), contiguous."""
+    def rows(t: torch.Tensor | None, dim: int) -> torch.Tensor | None:
+        if t is None:
+            return None
+        index = [slice(None)] * t.dim()
+        index[dim] = slice(start, None, 2)
+        return t[tuple(index)].contiguous()
+
+    return QuantTensor(qt.fmt, rows(qt.data, -2), rows(qt.scales, -2), rows(qt.mins, -2),
+                       rows(qt.row_scale, -1), qt.dtype)

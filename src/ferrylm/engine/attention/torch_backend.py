@@ -1,0 +1,221 @@
+"""The torch attention backends over the paged KV pool: gather each sequence's K/V and call SDPA. The CPU path,
+the test oracle, and the fixed-shape decode of the decode CUDA graphs (``engine/decode_graph.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ferrylm.engine.attention.metadata import AttentionMetadata
+from ferrylm.engine.cache.kv_pool import KVPool
+from ferrylm.faults import NO_FAULTS, FaultInjector
+from ferrylm.models.attention import causal_attention
+
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``, without dispatching a no-op ``.to`` (host time on the per-layer hot path)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+@dataclass
+class SeqSlice:
+    """One sequence's part of a step: ``q_len`` new tokens after ``ctx_len`` cached ones.
+
+    ``q_start`` is the offset of its first new token in the flattened batch; ``slots`` (``[ctx_len + q_len]``
+    int64, on the pool's device) are the cache slots of all its tokens, new ones last.
+    """
+
+    q_start: int
+    q_len: int
+    ctx_len: int
+    slots: torch.Tensor
+
+
+class PagedAttention:
+    """AttentionBackend over a :class:`KVPool` for one step's batch.
+
+    Built by the engine per step. ``attend`` writes the step's new K/V into their slots, then computes causal
+    attention per sequence over the gathered cached + new K/V. Decode sequences (``q_len == 1``) are batched in
+    one padded SDPA call; prefill chunks run one SDPA call each. ``faults``: point ``attention_scratch``, checked
+    before each gather (after the K/V write, as a real failure there would leave it).
+    """
+
+    def __init__(self, pool: KVPool, seqs: list[SeqSlice], device: torch.device | str,
+                 faults: FaultInjector = NO_FAULTS):
+        self.pool = pool
+        self.seqs = seqs
+        self.faults = faults
+        self.new_slots = torch.cat([s.slots[s.ctx_len:] for s in seqs]) if seqs else torch.empty(0, dtype=torch.long)
+        self.new_slots = self.new_slots.to(device)
+        self.decode = [s for s in seqs if s.q_len == 1 and s.ctx_len > 0]
+        self.prefill = [s for s in seqs if not (s.q_len == 1 and s.ctx_len > 0)]
+        if self.decode:
+            host_lens = [s.ctx_len + 1 for s in self.decode]
+            max_len = max(host_lens)  # from the host list: no device->host sync
+            lens = torch.tensor(host_lens).to(device, non_blocking=True)
+            pad = torch.zeros(len(self.decode), max_len, dtype=torch.long, device=device)
+            for i, s in enumerate(self.decode):
+                pad[i, : s.ctx_len + 1] = s.slots
+            self.decode_slots = pad                                               # [B, L]
+            # no mask when every sequence has the same length (batch 1 always): SDPA may then pick flash attention
+            same = len({s.ctx_len for s in self.decode}) == 1
+            self.decode_mask = None if same else torch.arange(max_len, device=device)[None, :] < lens[:, None]
+            self.decode_q_idx = torch.tensor([s.q_start for s in self.decode], device=device)
+        # a step of decodes only, in batch order: attention output is the decode output, no scatter
+        self.decode_only = not self.prefill and [s.q_start for s in self.decode] == list(range(len(self.decode)))
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """See :class:`ferrylm.models.attention.AttentionBackend`. Shapes ``q [T,Hq,D]``, ``k/v [T,Hkv,D]``.
+
+        On CUDA the cuDNN SDPA kernel is excluded: it builds a new plan for every new KV length (~7 ms per decode
+        attention call measured on the H200 machine, torch 2.11); flash / memory-efficient / math have no such
+        cost.
+        """
+        if q.is_cuda:
+            with sdpa_kernel(CUDA_SDPA_BACKENDS):
+                return self._attend(layer_idx, q, k, v, scale)
+        return self._attend(layer_idx, q, k, v, scale)
+
+    def _attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        kc, vc = self.pool.k[layer_idx], self.pool.v[layer_idx]
+        kc.index_copy_(0, self.new_slots, _as(k, kc.dtype))
+        vc.index_copy_(0, self.new_slots, _as(v, vc.dtype))
+        faults = self.faults
+        if self.decode_only:
+            if faults.enabled:
+                faults.check("attention_scratch", nbytes=2 * self.decode_slots.numel() * k.shape[1] * k.shape[2]
+                             * kc.element_size())
+            return self._decode(q, kc, vc, scale)
+        out = torch.empty_like(q)
+        for s in self.prefill:
+            if faults.enabled:
+                faults.check("attention_scratch", nbytes=2 * s.slots.numel() * k.shape[1] * k.shape[2]
+                             * kc.element_size() + 4 * q.shape[1] * s.q_len * s.slots.numel())
+            ks, vs = kc[s.slots], vc[s.slots]
+            qs = q[s.q_start: s.q_start + s.q_len]
+            out[s.q_start: s.q_start + s.q_len] = causal_attention(qs, ks.to(q.dtype), vs.to(q.dtype), scale,
+                                                                   q_offset=s.ctx_len)
+        if self.decode:
+            if faults.enabled:
+                faults.check("attention_scratch", nbytes=2 * self.decode_slots.numel() * k.shape[1] * k.shape[2]
+                             * kc.element_size())
+            out[self.decode_q_idx] = self._decode(q, kc, vc, scale)
+        return out
+
+    def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float) -> torch.Tensor:
+        qd = q if self.decode_only else q[self.decode_q_idx]       # [B, Hq, D]
+        kd = _as(kc[self.decode_slots], q.dtype)                    # [B, L, Hkv, D]
+        vd = _as(vc[self.decode_slots], q.dtype)
+        group = qd.shape[1] // kd.shape[2]
+        mask = None if self.decode_mask is None else self.decode_mask[:, None, None, :]  # [B, 1, 1, L]
+        if group > 1 and mask is not None:  # masked GQA: expand the K/V heads (enable_gqa needs no mask on CUDA)
+            kd = kd.repeat_interleave(group, dim=2)
+            vd = vd.repeat_interleave(group, dim=2)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qd[:, :, None, :], kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=mask, scale=scale,
+            enable_gqa=group > 1 and mask is None)
+        return o[:, :, 0, :]                                        # [B, Hq, D]
+
+    def attend_latent(self, layer_idx: int, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
+                      k_pe: torch.Tensor, proj, scale: float) -> torch.Tensor:
+        """Multi-head latent attention over a latent pool (``KVLayout`` with ``v_heads == 0``; the math in
+        ``models/latent_attention.py``): stores ``[c_kv ; k_pe]`` ``[T, R + P]`` at the new tokens' slots, then per
+        sequence: decodes batched, absorbed; a prefill chunk over its gathered prefix + chunk, absorbed or expanded
+        (``absorb_wins``). Shapes ``q_nope [T, H, N]``, ``q_pe [T, H, P]``, ``c_kv [T, R]``, ``k_pe [T, P]`` ->
+        ``[T, H, V]``."""
+        from ferrylm.models.latent_attention import latent_chunk_attention, latent_decode, latent_row
+
+        kc = self.pool.k[layer_idx]
+        kc.index_copy_(0, self.new_slots, _as(latent_row(c_kv, k_pe), kc.dtype))
+        faults, dt = self.faults, q_nope.dtype
+        with sdpa_kernel(CUDA_SDPA_BACKENDS) if q_nope.is_cuda else contextlib.nullcontext():
+            if self.decode_only:
+                if faults.enabled:
+                    faults.check("attention_scratch", nbytes=self.decode_slots.numel() * kc.shape[2] * kc.element_size())
+                return latent_decode(q_nope, q_pe, _as(kc[self.decode_slots, 0], dt), proj, scale, self.decode_mask)
+            out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], proj.w_uv.shape[1])
+            for s in self.prefill:
+                if faults.enabled:
+                    faults.check("attention_scratch", nbytes=s.slots.numel() * kc.shape[2] * kc.element_size())
+                sl = slice(s.q_start, s.q_start + s.q_len)
+                out[sl] = latent_chunk_attention(q_nope[sl], q_pe[sl], _as(kc[s.slots, 0], dt), proj, scale,
+                                                 q_offset=s.ctx_len)
+            if self.decode:
+                idx = self.decode_q_idx
+                out[idx] = latent_decode(q_nope[idx], q_pe[idx], _as(kc[self.decode_slots, 0], dt), proj, scale,
+                                         self.decode_mask)
+            return out
+
+
+class StaticDecodeAttention:
+    """AttentionBackend of a decode step with fixed shapes (the decode CUDA graphs, ``engine/decode_graph.py``):
+    ``B`` sequences of one new token each, attending over the first ``L`` slots of a ``[B, L]`` slot table.
+
+    Args:
+        pool: the KV pool (``k``/``v`` ``[num_slots, Hkv, D]`` per layer).
+        slot_table: ``[B, L]`` int64 cache slots of each sequence's positions ``0 .. L-1`` (past its length: any
+            valid slot, masked).
+        new_slots: ``[B]`` int64 slot of each new token.
+        mask: ``[B, L]`` bool, True where the slot holds one of the sequence's tokens (new one included).
+    """
+
+    def __init__(self, pool: KVPool, slot_table: torch.Tensor, new_slots: torch.Tensor, mask: torch.Tensor):
+        self.pool = pool
+        self.slot_table = slot_table
+        self.new_slots = new_slots
+        self.mask = mask[:, None, None, :]  # [B, 1, 1, L]: broadcast over KV heads and query rows
+        self.slot_mask = mask               # [B, L] (latent attention)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """``q [B, Hq, D]``, ``k/v [B, Hkv, D]`` -> ``[B, Hq, D]`` (see ``models/attention.py``). Query head ``h``
+        reads KV head ``h // G``, ``G = Hq // Hkv``. On CUDA without the cuDNN kernel, as
+        :meth:`PagedAttention.attend`."""
+        kc, vc = self.pool.k[layer_idx], self.pool.v[layer_idx]
+        kc.index_copy_(0, self.new_slots, _as(k, kc.dtype))
+        vc.index_copy_(0, self.new_slots, _as(v, vc.dtype))
+        b, hq, d = q.shape
+        hkv = k.shape[1]
+        kd = _as(kc[self.slot_table], q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = _as(vc[self.slot_table], q.dtype).transpose(1, 2)
+        qg = q.view(b, hkv, hq // hkv, d)                        # the G query heads of a KV head as its query rows
+        with sdpa_kernel(CUDA_SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
+            o = torch.nn.functional.scaled_dot_product_attention(qg, kd, vd, attn_mask=self.mask, scale=scale)
+        return o.reshape(b, hq, d)
+
+    def attend_latent(self, layer_idx: int, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
+                      k_pe: torch.Tensor, proj, scale: float) -> torch.Tensor:
+        """Absorbed multi-head latent attention of the ``B`` new tokens over the latent pool
+        (``models/latent_attention.py``): ``q_nope [B, H, N]``, ``q_pe [B, H, P]``, ``c_kv [B, R]``, ``k_pe [B, P]``
+        -> ``[B, H, V]``; torch ops only, no host sync (capturable)."""
+        from ferrylm.models.latent_attention import latent_decode, latent_row
+
+        kc = self.pool.k[layer_idx]
+        kc.index_copy_(0, self.new_slots, _as(latent_row(c_kv, k_pe), kc.dtype))
+        with sdpa_kernel(CUDA_SDPA_BACKENDS) if q_nope.is_cuda else contextlib.nullcontext():
+            return latent_decode(q_nope, q_pe, _as(kc[self.slot_table, 0], q_nope.dtype), proj, scale,
+                                 self.slot_mask)
+
+
+def torch_attention(pool: KVPool, meta: AttentionMetadata, device: torch.device,
+                    faults: FaultInjector = NO_FAULTS) -> PagedAttention:
+    """The torch reference backend for ``meta`` (needs ``meta.host_seqs``): per sequence, its slots from its page
+    table, then :class:`~ferrylm.engine.attention.torch_backend.PagedAttention`."""
+    ps = pool.page_size
+    seqs, q_start = [], 0
+    for q_len, ctx_len, pages in meta.host_seqs:
+        end = ctx_len + q_len
+        pt = torch.tensor(pages, dtype=torch.long)
+        slots = (pt[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)[:end]
+        seqs.append(SeqSlice(q_start=q_start, q_len=q_len, ctx_len=ctx_len, slots=slots.to(device)))
+        q_start += q_len
+    return PagedAttention(pool, seqs, device, faults=faults)

@@ -1,0 +1,65 @@
+"""The ``triton`` attention backend: the paged attention kernels (``triton_paged.py``, ``triton_latent.py``) reading
+K/V in place through the block table. CUDA only (and Triton's CPU interpreter in tests)."""
+
+from __future__ import annotations
+
+import torch
+
+from ferrylm.engine.attention.metadata import AttentionMetadata
+from ferrylm.engine.attention.torch_backend import PagedAttention, torch_attention
+from ferrylm.engine.cache.kv_pool import KVPool
+from ferrylm.faults import NO_FAULTS, FaultInjector
+
+
+class TritonPagedAttention:
+    """:class:`~ferrylm.models.attention.AttentionBackend` over a :class:`KVPool` with the Triton kernels.
+
+    Args:
+        pool: the KV pool (layer ``i``: ``pool.k[i]``, ``pool.v[i]`` ``[num_slots, Hkv, D]``).
+        meta: the step's metadata (its tensors may be a CUDA graph's static buffers).
+        faults: point ``attention_scratch`` is checked before each call (eager steps only).
+    """
+
+    def __init__(self, pool: KVPool, meta: AttentionMetadata, faults: FaultInjector = NO_FAULTS):
+        from ferrylm.engine.attention import triton_paged
+
+        self.pool = pool
+        self.meta = meta
+        self.faults = faults
+        self._k = triton_paged
+        self._torch: PagedAttention | None = None     # latent attention of steps with a prefill (attend_latent)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """``q [T, Hq, D]``, ``k/v [T, Hkv, D]`` -> ``[T, Hq, D]`` (see ``models/attention.py``)."""
+        kc, vc, m = self.pool.k[layer_idx], self.pool.v[layer_idx], self.meta
+        if self.faults.enabled:
+            self.faults.check("attention_scratch", nbytes=4 * q.numel() * max(1, m.num_splits))
+        self._k.store_kv(k, v, kc, vc, m.slot_mapping)
+        return self._k.paged_attention(q, kc, vc, m.block_table, m.seq_lens, m.query_start_loc, scale=scale,
+                                       page_size=self.pool.page_size, max_query_len=m.max_query_len,
+                                       num_splits=m.num_splits)
+
+    def attend_latent(self, layer_idx: int, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
+                      k_pe: torch.Tensor, proj, scale: float) -> torch.Tensor:
+        """Multi-head latent attention (``models/latent_attention.py``). Decode-only steps (eager or captured):
+        the rows stored by a Triton kernel that skips padding rows, then the absorbed decode kernel reading each
+        sequence's rows in place through the block table (``triton_latent.py``). Steps with a prefill chunk: the
+        torch backend's per-sequence dispatch (:meth:`~ferrylm.engine.attention.torch_backend.PagedAttention.attend_latent`:
+        absorbed or expanded), which needs ``meta.host_seqs``."""
+        m = self.meta
+        if m.max_query_len > 1:
+            if self._torch is None:
+                self._torch = torch_attention(self.pool, m, m.slot_mapping.device, self.faults)
+            return self._torch.attend_latent(layer_idx, q_nope, q_pe, c_kv, k_pe, proj, scale)
+        from ferrylm.engine.attention.triton_latent import latent_decode_attention, store_rows
+        from ferrylm.models.latent_attention import latent_row
+
+        kc = self.pool.k[layer_idx]
+        if self.faults.enabled:
+            self.faults.check("attention_scratch",
+                              nbytes=4 * q_nope.shape[0] * q_nope.shape[1] * (proj.rank + 2) * m.num_splits)
+        store_rows(latent_row(c_kv, k_pe)[:, 0].contiguous(), kc, m.slot_mapping)
+        o = latent_decode_attention(proj.absorb_query(q_nope), q_pe, kc, m.block_table, m.seq_lens, scale,
+                                    self.pool.page_size, num_splits=m.num_splits)
+        return proj.value_out(o)

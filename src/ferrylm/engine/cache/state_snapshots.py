@@ -1,0 +1,101 @@
+"""Prefix caching for hybrid models: snapshots of the recurrent state at named page boundaries.
+
+A cached KV prefix of a model with linear-attention layers is only usable with the recurrent state of the sequence
+right after that prefix (the KV pages alone give the full-attention layers their past; the linear layers keep none).
+As in SGLang's cache for Mamba-style layers, the engine keeps copies of request states taken where a step ends on
+a page boundary, keyed by the name of the page that ends there (``engine/cache/prefix_cache.py``: the name covers every
+token up to the boundary, so equal names mean equal states). Admission maps the longest run of cached pages whose
+last page has a snapshot and copies that snapshot into the request's state slot; the request continues from there.
+
+- Saves: after every successful step, each sequence whose computed tokens now end on a page boundary
+  (:meth:`StateSnapshots.save`, called by the engine): one device copy per linear layer and tensor. For the last
+  full page of a prompt to be such a boundary, the scheduler ends prefill chunks on page boundaries (the prompt's
+  final partial page then runs as a chunk of its own, one step later).
+- Capacity: ``capacity`` snapshots (the memory plan counts them beside the state slots), least recently used
+  evicted first; a snapshot outlives its pages' names harmlessly (a lookup needs the pages too).
+- The store lives in the engine process (a restart starts empty); the warmup runs with the prefix cache off.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from ferrylm.engine.cache.state_pool import StatePool
+
+
+class StateSnapshots:
+    """``capacity`` copies of state slots, named by page names (module docstring).
+
+    Memory: ``capacity * pool.layout.bytes_per_slot(dtype)`` bytes.
+
+    Raises:
+        ValueError: ``capacity < 1``.
+    """
+
+    def __init__(self, pool: StatePool, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"the snapshot store needs at least one entry, got {capacity}")
+        self.pool = pool
+        self.capacity = capacity
+        self.conv = {i: torch.zeros((capacity, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                     for i, t in pool.conv.items()}
+        self.rec = {i: torch.zeros((capacity, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                    for i, t in pool.rec.items()}
+        self._by_name: OrderedDict[bytes, int] = OrderedDict()   # LRU: least recently used first
+        self._free = list(range(capacity - 1, -1, -1))
+        self.saves = 0
+        self.restores = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def has(self, name: bytes) -> bool:
+        return name in self._by_name
+
+    def usable(self, names: list[bytes], num_pages: int) -> int:
+        """The most leading pages (``<= num_pages``) of a run named ``names`` whose last page has a snapshot
+        (0: none)."""
+        for j in range(min(num_pages, len(names)), 0, -1):
+            if names[j - 1] in self._by_name:
+                return j
+        return 0
+
+    def save(self, name: bytes, slot: int) -> None:
+        """Copy state slot ``slot`` (the state right after the page named ``name``) into the store (a name stored
+        already is only marked used: its state is the same)."""
+        if name in self._by_name:
+            self._by_name.move_to_end(name)
+            return
+        if self._free:
+            idx = self._free.pop()
+        else:
+            _, idx = self._by_name.popitem(last=False)
+            self.evictions += 1
+        for layer, t in self.pool.conv.items():
+            self.conv[layer][idx].copy_(t[slot])
+            self.rec[layer][idx].copy_(self.pool.rec[layer][slot])
+        self._by_name[name] = idx
+        self.saves += 1
+
+    def restore(self, name: bytes, slot: int) -> None:
+        """Copy the snapshot ``name`` into state slot ``slot``. Raises KeyError when it is not stored."""
+        idx = self._by_name[name]
+        self._by_name.move_to_end(name)
+        for layer, t in self.pool.conv.items():
+            t[slot].copy_(self.conv[layer][idx])
+            self.pool.rec[layer][slot].copy_(self.rec[layer][idx])
+        self.restores += 1
+
+    def check(self) -> None:
+        """Assert: names and entries one to one, stored + free = capacity. Raises AssertionError."""
+        held = list(self._by_name.values())
+        assert len(set(held)) == len(held), "a snapshot entry holds two names"
+        assert not set(held) & set(self._free), "a snapshot entry is both stored and free"
+        assert len(held) + len(self._free) == self.capacity, "snapshot entries leaked"
+
+    def stats(self) -> dict:
+        return {"stored": len(self._by_name), "capacity": self.capacity, "saves": self.saves,
+                "restores": self.restores, "evictions": self.evictions}

@@ -1,0 +1,683 @@
+"""The OpenAI-compatible HTTP app: routes, request lifecycle, streaming.
+
+Lifecycle of a completion request (chat or legacy):
+
+1. request id (``x-request-id`` echoed, else generated) → API key → JSON (NaN/Infinity rejected) → pydantic model
+   → model name → :func:`to_sampling_params` (validated).
+2. tokenize (chat template or prompt) → context check (``ContextLengthExceeded``, 400) → default ``max_tokens``.
+3. engine health pre-check (503) → one engine request per choice (``{id}-{i}`` when there are several).
+4. wait for the first engine event BEFORE sending headers, so that errors raised at admission (engine
+   unavailable, queue timeout, insufficient memory) are real HTTP statuses, not stream events.
+5. stream SSE chunks / collect the full response. A stop string, a client disconnect, or leaving early for any
+   reason aborts the engine request(s).
+
+This module must not import torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import hmac
+import json
+import logging
+import math
+import time
+import uuid
+from typing import Any, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from ferrylm.engine.sampling_params import SamplingParams
+from ferrylm.errors import ContextLengthExceeded, EngineUnavailable, FerryError, InvalidRequest, ModelNotFound
+from ferrylm.server.process.engine_client import EngineClient
+from ferrylm.server.api.errors import (Unauthorized, error_payload, error_response,
+                                   install_exception_handlers, request_id_of, retry_after_for)
+from ferrylm.server.api import anthropic, chat, render, responses
+from ferrylm.server.api.assistant import TurnConfig
+from ferrylm.server.api.chat import ChatJob, check_continue, render_prompt, template_messages
+from ferrylm.server.api.chat import off_loop as _off_loop
+from ferrylm.server.api.completions import CompletionRoutes
+from ferrylm.server.api.protocol import (DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, UsageInfo,
+                                     parse_request, to_sampling_params)
+from ferrylm.server.text.reasoning import THINKING_SWITCHES, prompt_opens_thinking, template_has_reasoning
+from ferrylm.server.text.tool_formats import FORMAT_MARKUP, choose_tool_parser
+from ferrylm.server.text.tools import ToolChoice, lark_term, parse_openai_tools, tag_terms, template_supports_tools
+from ferrylm.server.api.generation import ClientGone, Choice, Event, Generation, cleanup, race_disconnect, sse_event
+from ferrylm.server.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from ferrylm.server.api.metrics import Metrics
+from ferrylm.server.api.openapi import (ANTHROPIC_ERROR_RESPONSES, ERROR_RESPONSES, HEALTH_RESPONSES, install_openapi,
+                                    route_doc)
+from ferrylm.server.api.request_io import (ARRIVAL_KEY, HeadAsGetMiddleware, RequestIdMiddleware, RequestTooLarge,
+                                      read_json)
+from ferrylm.server.text.tokenizer import TextCodec, TextStream, client_template_kwargs
+from ferrylm.server.webui import LiveView, install_webui
+
+logger = logging.getLogger("ferrylm.server")
+
+def _version() -> str:
+    import ferrylm
+
+    if getattr(ferrylm, "__version__", None):
+        return str(ferrylm.__version__)
+    try:
+        from importlib.metadata import version
+
+        return version("ferrylm")
+    except Exception:  # noqa: BLE001 - not installed (running from a source tree)
+        return "unknown"
+
+
+__version__ = _version()
+
+HEALTH_GENERATE_TIMEOUT_S = 5.0  # default bound on GET /health/generate (``?timeout=`` overrides, up to 60 s)
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # --max-request-bytes: larger bodies get 413 in the OpenAI error shape
+DEFAULT_SSE_PING_INTERVAL = 15.0   # --sse-ping-interval: seconds of silence before an SSE comment keep-alive
+FIRST_EVENT_WAIT_S = 1.0           # a stream's headers wait this long for the first event (admission errors)
+
+
+@dataclasses.dataclass
+class PreparedChat:
+    """A chat-like request rendered and checked, not started: the prompt text and ids, and the ``max_tokens`` the
+    context leaves it (its own, or the rest of the context)."""
+
+    text: str
+    prompt_ids: list[int]
+    max_tokens: int
+
+
+@dataclasses.dataclass
+class ChatRun:
+    """A started chat-like request: its generation, the first event (None when the headers go out before it),
+    the prompt ids and how its output is read."""
+
+    gen: Generation
+    first: Event | None
+    prompt_ids: list[int]
+    turn: TurnConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class CorsPolicy:
+    """CORS as vLLM's flags set it: ``origins`` (``--allowed-origins``, ``*`` any), ``methods``
+    (``--allowed-methods``), ``headers`` (``--allowed-headers``; ``*`` any), ``credentials``
+    (``--allow-credentials``: cookies and auth headers may be sent)."""
+
+    origins: Sequence[str]
+    methods: Sequence[str] = ("*",)
+    headers: Sequence[str] = ("*",)
+    credentials: bool = False
+
+
+def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *,
+               api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               cors: "CorsPolicy | None" = None,
+               sse_ping_interval: float | None = DEFAULT_SSE_PING_INTERVAL,
+               responses_store_size: int = 1024, request_timeout: float | None = None,
+               tool_call_parser: str = "auto", architecture: str | None = None,
+               model_type: str | None = None, webui: bool = True) -> FastAPI:
+    """Build the FastAPI app serving ``engine`` under the name ``served_model_name``.
+
+    Args:
+        engine: the :class:`EngineClient` (supervisor in production, a fake in tests).
+        codec: tokenizer/chat template/detokenizer for the served model.
+        served_model_name: the model id clients must send (a missing ``model`` field is accepted too).
+        api_key: when set, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need ``Authorization: Bearer KEY`` or
+            ``x-api-key: KEY``; ``/health``, ``/metrics`` and ``/version`` stay open.
+        max_request_bytes: larger request bodies are refused with 413 (``request_too_large``, OpenAI shape).
+        cors: who browsers on other origins may call as (``--allowed-origins`` and its flags); None = no CORS
+            headers at all.
+        sse_ping_interval: seconds without an event after which a stream gets an SSE comment (``: ping``) so
+            proxies keep it open (``--sse-ping-interval``; 0 or None: never).
+        responses_store_size: responses kept for ``previous_response_id`` (oldest evicted first).
+        request_timeout: seconds from arrival after which the engine ends a request with 408 ``request_timeout``
+            (``--request-timeout``; a request's ``x-request-timeout`` header overrides it); None = no deadline.
+        tool_call_parser: the tool-call format (``--tool-call-parser``: ``auto`` or a name of
+            :data:`ferrylm.server.text.tool_formats.TOOL_PARSER_NAMES`; auto: from the chat template, then
+            ``model_type``, then ``architecture``, see :func:`ferrylm.server.text.tool_formats.choose_tool_parser`).
+        architecture: the served model's ``architectures[0]``, for the ``auto`` choice.
+        model_type: its config's ``model_type`` (Kimi-K2 is ``kimi_k2`` on a DeepSeek-V3 architecture), for
+            the ``auto`` choice.
+        webui: serve the web page at ``/`` and its data at ``/v1/live`` (server/webui/; ``--no-webui``: off).
+
+    Raises:
+        ValueError: an unknown ``tool_call_parser``.
+    """
+    server = _Server(engine, codec, served_model_name, api_key, max_request_bytes, request_timeout,
+                     tool_call_parser=tool_call_parser, architecture=architecture, model_type=model_type)
+    server.ping_interval = sse_ping_interval or None
+    server.responses = responses.ResponseStore(responses_store_size)
+    live = LiveView(server) if webui else None
+    app = FastAPI(title="ferrylm", version=__version__, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json", lifespan=live.lifespan if live else None)
+    app.state.server = server
+    app.state.metrics = server.metrics
+    app.state.live_view = live
+    install_exception_handlers(app)
+    if cors is not None:   # answers preflight OPTIONS itself, before auth and routing
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors.origins), allow_methods=list(cors.methods),
+                           allow_headers=list(cors.headers), allow_credentials=cors.credentials,
+                           expose_headers=["x-request-id"])
+    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(HeadAsGetMiddleware)
+
+    from ferrylm.server.api import protocol as pr
+
+    doc = route_doc
+    v1 = {"responses": ERROR_RESPONSES}
+    app.add_api_route("/v1/models", server.list_models, methods=["GET"], openapi_extra=doc(None, pr.ModelList),
+                      **v1)
+    app.add_api_route("/v1/models/{model_id:path}", server.get_model, methods=["GET"],
+                      openapi_extra=doc(None, pr.ModelCard), **v1)
+    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"],
+                      openapi_extra=doc(pr.ChatCompletionRequest, pr.ChatCompletionResponse, stream=True), **v1)
+    app.add_api_route("/v1/completions", server.completions, methods=["POST"],
+                      openapi_extra=doc(pr.CompletionRequest, pr.CompletionResponse, stream=True), **v1)
+    app.add_api_route("/v1/chat/completions/render", server.render_chat, methods=["POST"],
+                      openapi_extra=doc(pr.ChatCompletionRequest, render.RenderedPrompt), **v1)
+    app.add_api_route("/v1/completions/render", server.render_completions, methods=["POST"],
+                      openapi_extra=doc(pr.CompletionRequest, render.RenderedPrompt, many=True), **v1)
+    av1 = {"responses": ANTHROPIC_ERROR_RESPONSES}
+    app.add_api_route("/v1/messages", server.messages, methods=["POST"],
+                      openapi_extra=doc(anthropic.MessagesRequest, None, stream=True), **av1)
+    app.add_api_route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"],
+                      openapi_extra=doc(anthropic.CountTokensRequest, None), **av1)
+    app.add_api_route("/v1/responses", server.create_response, methods=["POST"],
+                      openapi_extra=doc(responses.ResponsesRequest, None, stream=True), **v1)
+    app.add_api_route("/v1/responses/render", server.render_responses, methods=["POST"],
+                      openapi_extra=doc(responses.ResponsesRequest, render.RenderedPrompt), **v1)
+    app.add_api_route("/v1/responses/{response_id}", server.get_response, methods=["GET"], **v1)
+    app.add_api_route("/v1/memory", server.memory, methods=["GET"], **v1)
+    app.add_api_route("/health", server.health, methods=["GET"], responses=HEALTH_RESPONSES)
+    app.add_api_route("/health/generate", server.health_generate, methods=["GET"],
+                      responses={**HEALTH_RESPONSES, 400: ERROR_RESPONSES[400]}, openapi_extra={"parameters": [
+                          {"name": "timeout", "in": "query", "required": False, "description":
+                           "seconds to wait for the token (default 5; clamped to 0.1 .. 60)",
+                           "schema": {"type": "number"}}]})
+    app.add_api_route("/metrics", server.metrics_route, methods=["GET"], response_class=PlainTextResponse)
+    app.add_api_route("/version", server.version, methods=["GET"])
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"], openapi_extra=doc(pr.TokenizeRequest, None),
+                      **v1)
+    app.add_api_route("/detokenize", server.detokenize, methods=["POST"],
+                      openapi_extra=doc(pr.DetokenizeRequest, None), **v1)
+    if live is not None:
+        install_webui(app, server, live)
+
+    install_openapi(app)
+    return app
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the server
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _message_text(message: Any) -> str:
+    """A template message's text content ("" for none): a string, or the text parts of a list."""
+    c = message.get("content") if isinstance(message, dict) else None
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        return "".join(p.get("text", "") for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def _choice_seed(seed: int, i: int) -> int:
+    """Choice ``i``'s seed: ``seed + i``, wrapped into the valid int64 range [-2**63, 2**63) (a client's seed near
+    the top of the range must not make choice 1 out of range)."""
+    s = seed + i
+    return s - 2**64 if s >= 2**63 else s
+
+
+class _Server(CompletionRoutes):
+    """Route handlers and the state they share."""
+
+    def __init__(self, engine: EngineClient, codec: TextCodec, served_model_name: str, api_key: str | None,
+                 max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, request_timeout: float | None = None,
+                 tool_call_parser: str = "auto", architecture: str | None = None, model_type: str | None = None):
+        self.engine = engine
+        self.request_timeout = request_timeout or None
+        self.codec = codec
+        self.served_model_name = served_model_name
+        self.api_key = api_key or None
+        self.max_request_bytes = max_request_bytes or None
+        self.created = int(time.time())
+        self.metrics = Metrics(engine, served_model_name)
+        self.ping_interval: float | None = DEFAULT_SSE_PING_INTERVAL
+        self.first_event_wait = FIRST_EVENT_WAIT_S
+        self.responses = responses.ResponseStore(1024)   # previous_response_id (server/api/responses.py)
+        template = getattr(codec, "chat_template", None)
+        self.native_tools = template_supports_tools(template)   # else tools go in the system turn (fallback)
+        self.reasoning = template_has_reasoning(template)       # split <think> … </think> into reasoning
+        self.tool_tags = tag_terms(codec)                       # <tool_call> as the vocabulary has it
+        self.tool_term = lark_term(codec)                       # any tag as the vocabulary has it
+        self.tool_parser = choose_tool_parser(tool_call_parser, architecture, template, model_type)  # call format
+        # markup the vocabulary holds as special tokens (GLM-4.5's <tool_call>, <arg_key>, <think>): a chat turn that
+        # may contain it is detokenized with skip_special_tokens off, else the parsers would never see it
+        special = frozenset(getattr(codec, "special_strings", ()) or ())
+        self.special_tool_markup = any(m in special for m in FORMAT_MARKUP[self.tool_parser])
+        self.special_think_markup = self.reasoning and any(m in special for m in ("<think>", "</think>"))
+        logger.info("tool-call format: %s", self.tool_parser)
+
+    # ---- helpers -----------------------------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.model_info.max_model_len)
+
+    def _check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        want = self.api_key.encode()
+        candidates = []
+        auth = request.headers.get("authorization", "")
+        if auth[:7].lower() == "bearer ":
+            candidates.append(auth[7:].strip())
+        if "x-api-key" in request.headers:
+            candidates.append(request.headers["x-api-key"].strip())
+        if not any(hmac.compare_digest(c.encode(), want) for c in candidates if c):
+            raise Unauthorized("invalid or missing API key; send 'Authorization: Bearer <key>' or 'x-api-key'")
+
+    def _check_model(self, name: str | None) -> str:
+        if not name or name == self.served_model_name:
+            return self.served_model_name
+        info_name = getattr(self.engine.model_info, "name", "")
+        if info_name and name == info_name:
+            return self.served_model_name
+        raise ModelNotFound(f"The model '{name}' does not exist; this server serves '{self.served_model_name}'",
+                            param="model")
+
+    def _check_ready(self) -> None:
+        try:
+            h = self.engine.health()
+        except Exception as e:  # noqa: BLE001
+            raise EngineUnavailable(f"engine health unknown: {e}") from e
+        if not h.ready:
+            raise EngineUnavailable(f"engine is {h.status}" + (f": {h.detail}" if h.detail else ""))
+
+    def _check_param_ids(self, params: SamplingParams) -> None:
+        """Raise InvalidRequest when ``stop_token_ids`` or ``logit_bias`` names a token outside the vocabulary."""
+        self._check_token_ids(params.stop_token_ids, "stop_token_ids")
+        self._check_token_ids([int(t) for t, _ in params.logit_bias], "logit_bias")
+
+    def _check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        vocab = self.codec.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is out of range [0, {vocab})", param=param)
+
+    def _fit_context(self, prompt_ids: list[int], params: SamplingParams, *, default_max: int | None,
+                     what: str, prompt_param: str, max_param: str) -> int:
+        """Check that the request can ever run; return its max_tokens.
+
+        Rules (the engine applies the same ones): prompt + 1 token must fit the whole KV pool; prompt + max_tokens
+        must fit the model context (``--max-model-len``). ``default_max`` None means "the rest of the context"
+        (chat; bounded by the pool too, so the request can finish); otherwise it is clipped to the rest.
+        Raises ContextLengthExceeded (400) with the wording clients detect, InvalidRequest for empty prompts.
+        """
+        info = self.engine.model_info
+        limit = int(info.max_model_len)
+        pool = int(info.kv_pool_tokens or 0)
+        p = len(prompt_ids)
+        if p == 0:
+            raise InvalidRequest(f"the {what} resulted in an empty prompt", param=prompt_param)
+        # NOTE: the context first: a prompt past it is told the context (--max-model-len), never to grow the KV
+        # pool, which would not help
+        if p >= limit:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {limit} tokens. However, your {what} resulted in {p} "
+                f"tokens, which leaves no room for the completion. Please reduce the length of the {what} "
+                f"(the limit is the server's --max-model-len, at most the model's own context).",
+                param=prompt_param)
+        if pool and p + 1 > pool:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {limit} tokens. However, your {what} resulted in {p} "
+                f"tokens, and this server's KV cache pool holds only {pool} tokens (the prompt plus one generated "
+                f"token must fit). Shorten the {what}, or start the server with a larger KV pool (--num-tokens / "
+                f"--num-pages, or more memory: --gpu-memory-limit).", param=prompt_param)
+        room = min(limit, pool) - p if pool else limit - p
+        if params.max_tokens is None:
+            return room if default_max is None else max(1, min(default_max, room))
+        if p + params.max_tokens > limit:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{p + params.max_tokens} tokens ({p} in the {what}, {params.max_tokens} in the completion). "
+                f"Please reduce the length of the {what} or completion.", param=max_param)
+        return params.max_tokens
+
+    def _timeout(self, request: Request) -> float | None:
+        """The request's server-side deadline in seconds from arrival: the ``x-request-timeout`` header, else
+        ``--request-timeout`` (None: none). Raises InvalidRequest naming the header for a value that is not a
+        positive number of seconds."""
+        raw = request.headers.get("x-request-timeout")
+        if raw is None:
+            return self.request_timeout
+        try:
+            v = float(raw)
+        except ValueError:
+            v = float("nan")
+        if not math.isfinite(v) or v <= 0:
+            raise InvalidRequest(f"x-request-timeout must be a positive number of seconds, got {raw!r}",
+                                 param="x-request-timeout")
+        return v
+
+    def _make_choices(self, base_id: str, prompts: list[list[int]], max_tokens: list[int],
+                      params: SamplingParams) -> list[Choice]:
+        n = params.n
+        total = len(prompts) * n
+        skip_ids = frozenset(self.engine.model_info.eos_token_ids) | frozenset(self.codec.eos_token_ids) | \
+            frozenset(params.stop_token_ids)
+        choices = []
+        for pi, ids in enumerate(prompts):
+            for i in range(n):
+                idx = pi * n + i
+                p = dataclasses.replace(params, n=1, max_tokens=max_tokens[pi],
+                                        seed=None if params.seed is None else _choice_seed(params.seed, i),
+                                        stop=list(params.stop), stop_token_ids=list(params.stop_token_ids))
+                p.validate()
+                text = TextStream(self.codec, ids, stop=p.stop, skip_special_tokens=p.skip_special_tokens,
+                                  include_stop_str_in_output=p.include_stop_str_in_output)
+                choices.append(Choice(idx, base_id if total == 1 else f"{base_id}-{idx}", ids, p, text,
+                                       skip_ids))
+        return choices
+
+    async def _start(self, request: Request, rid: str, gen: Generation, stream: bool) -> Event | None:
+        """Start the engine requests; for a stream wait for the first event up to ``FIRST_EVENT_WAIT_S`` (an
+        admission refusal is still an HTTP status; a long prefill gets its headers and keep-alive pings),
+        otherwise for all of them. Client disconnect → ClientGone. On any failure the generation is closed."""
+        gen.start()
+        try:
+            if stream:
+                return await race_disconnect(request, gen.first_event(self.first_event_wait))
+            await race_disconnect(request, gen.drain())
+            return None
+        except BaseException:
+            await gen.close()
+            raise
+
+    async def _handle(self, request: Request, work: Any, errors: Any = error_response) -> Response:
+        """Run ``work(request, rid)``; every exception leaves as an error response built by ``errors(exc, rid)``
+        (the OpenAI shape unless the route speaks another API)."""
+        rid = request_id_of(request) or uuid.uuid4().hex
+        t0 = time.monotonic()
+        try:
+            self._check_auth(request)
+            return await work(request, rid)
+        except ClientGone:
+            logger.info("[%s] client disconnected after %.3f s; engine request aborted", rid,
+                        time.monotonic() - t0)
+            self.metrics.errors.labels("client_disconnected").inc()
+            return Response(status_code=499)
+        except Exception as e:  # noqa: BLE001 - every error leaves in the route's error shape
+            resp = errors(e, rid)
+            if isinstance(e, RequestTooLarge):
+                resp.status_code = 413
+            code = self._count_error(e)
+            logger.info("[%s] done error=%s status=%d after %.3f s", rid, code, resp.status_code,
+                        time.monotonic() - t0)
+            return resp
+
+    def _count_error(self, e: BaseException) -> str:
+        code = str(error_payload(e)["error"].get("code") or "unknown")
+        self.metrics.errors.labels(code).inc()
+        return code
+
+    async def metrics_route(self, request: Request) -> Response:
+        """GET /metrics: Prometheus text format (open, like /health)."""
+        return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    def _log_request(self, rid: str, kind: str, req: Any, prompts: list[list[int]], max_tokens: list[int],
+                     params: SamplingParams) -> None:
+        unknown = req.unknown_fields() if hasattr(req, "unknown_fields") else []
+        if unknown:
+            logger.debug("[%s] ignoring unknown fields: %s", rid, unknown)
+        logger.info("[%s] %s prompt_tokens=%s max_tokens=%s n=%d stream=%s%s", rid, kind,
+                    [len(p) for p in prompts], max_tokens, params.n, bool(req.stream),
+                    " constrained" if params.grammar else "")
+
+    # ---- routes ------------------------------------------------------------------------------------------
+    async def list_models(self, request: Request) -> Response:
+        async def work(request: Request, rid: str) -> Response:
+            return JSONResponse(ModelList(data=[self._model_card()]).model_dump())
+        return await self._handle(request, work)
+
+    async def get_model(self, request: Request, model_id: str) -> Response:
+        async def work(request: Request, rid: str) -> Response:
+            self._check_model(model_id)
+            return JSONResponse(self._model_card().model_dump())
+        return await self._handle(request, work)
+
+    def _model_card(self) -> ModelCard:
+        info = self.engine.model_info
+        return ModelCard(id=self.served_model_name, created=self.created, root=info.path or None,
+                         max_model_len=int(info.max_model_len))
+
+    async def memory(self, request: Request) -> Response:
+        """GET /v1/memory: the engine's memory plan (bytes, pages, tokens, slots) and live figures (free memory
+        now, expert slots now, OOM recoveries so far). 503 before the engine reported its plan."""
+        async def work(request: Request, rid: str) -> Response:
+            info = self.memory_info()
+            if info is None:
+                raise EngineUnavailable("the engine has not reported its memory plan yet")
+            return JSONResponse(info)
+        return await self._handle(request, work)
+
+    def memory_info(self) -> dict | None:
+        """The body of ``GET /v1/memory`` (the engine client's ``memory()``), None before the engine reported its
+        plan or for an engine client without one."""
+        get = getattr(self.engine, "memory", None)
+        return get() if callable(get) else None
+
+    async def health(self, request: Request) -> Response:
+        """200 ``{"status": "ready"}``; else 503 ``{"status": <state>, "detail": ...}`` with Retry-After."""
+        try:
+            h = self.engine.health()
+        except Exception as e:  # noqa: BLE001
+            return JSONResponse({"status": "unknown", "detail": repr(e)}, status_code=503,
+                                headers={"Retry-After": "5"})
+        extra = dict(h.extra or {})  # engine_pid, restarts, heartbeat_age_s ... (supervisor)
+        if h.ready:
+            return JSONResponse({"status": "ready", **extra})
+        return JSONResponse({"status": h.status, "detail": h.detail, **extra}, status_code=503,
+                            headers={"Retry-After": str(retry_after_for(EngineUnavailable("")) or 5)})
+
+    async def health_generate(self, request: Request) -> Response:
+        """Readiness probe that proves a token can be produced: one greedy token through the engine within
+        ``?timeout=`` seconds (default 5). 200 ``{"status": "ok", "latency_s", ...}``; otherwise 503 with the
+        engine's status, ``timeout`` or the error code."""
+        raw = request.query_params.get("timeout")
+        try:
+            timeout = HEALTH_GENERATE_TIMEOUT_S if raw is None else float(raw)
+        except ValueError:
+            timeout = math.nan
+        if not math.isfinite(timeout):   # NaN would pass min/max and reach the event loop's timer heap
+            return error_response(InvalidRequest(f"'timeout' must be a number of seconds, got {raw!r}",
+                                                 param="timeout"), request_id_of(request))
+        timeout = min(max(timeout, 0.1), 60.0)
+        unavailable = {"Retry-After": str(retry_after_for(EngineUnavailable("")) or 5)}
+        h = self.engine.health()
+        if not h.ready:
+            return JSONResponse({"status": h.status, "detail": h.detail}, status_code=503, headers=unavailable)
+        rid = f"health-{uuid.uuid4().hex}"
+        prompt = self.codec.encode("ping") or [0]
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        t0 = time.monotonic()
+        agen = self.engine.generate(rid, prompt, params)
+
+        async def one_token() -> int:
+            n = 0
+            async for out in agen:
+                n += len(out.new_token_ids)
+                if out.finished:
+                    break
+            return n
+
+        try:
+            n = await asyncio.wait_for(one_token(), timeout)
+        except asyncio.TimeoutError:
+            logger.warning("[%s] /health/generate: no token within %g s", rid, timeout)
+            return JSONResponse({"status": "timeout", "detail": f"no token within {timeout:g} s"},
+                                status_code=503, headers=unavailable)
+        except FerryError as e:
+            return JSONResponse({"status": "error", "code": e.code, "detail": e.message}, status_code=503,
+                                headers=unavailable)
+        finally:
+            aclose = getattr(agen, "aclose", None)
+            if aclose is not None:
+                await cleanup(aclose(), "closing the probe", rid)
+        return JSONResponse({"status": "ok", "tokens": n, "latency_s": round(time.monotonic() - t0, 4)},
+                            status_code=200 if n >= 1 else 503)
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": __version__})
+
+    async def tokenize(self, request: Request) -> Response:
+        async def work(request: Request, rid: str) -> Response:
+            req = parse_request(TokenizeRequest, await read_json(request))
+            self._check_model(req.model)
+            if req.messages is not None:
+                messages = template_messages(req.messages)
+                cont = bool(req.continue_final_message)
+                add_gen = check_continue(messages, cont, req.add_generation_prompt
+                                         if "add_generation_prompt" in req.model_fields_set else None)
+                tools = parse_openai_tools(req.tools)
+                job = ChatJob(messages, SamplingParams(), tools, ToolChoice("auto" if tools else "none"),
+                              client_template_kwargs(req.chat_template_kwargs), add_gen, cont)
+                _, ids = await _off_loop(render_prompt, self.codec, job, native_tools=self.native_tools,
+                                         tool_format=self.tool_parser)
+            elif req.prompt is not None:
+                ids = await _off_loop(self.codec.encode, req.prompt,
+                                      add_special_tokens=req.add_special_tokens is not False)
+            else:
+                raise InvalidRequest("either 'prompt' or 'messages' is required", param="prompt")
+            body: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+            if (req.model_extra or {}).get("return_token_strs") is True:   # vLLM
+                body["token_strs"] = [self.codec.token_text(t) for t in ids]
+            return JSONResponse(body)
+        return await self._handle(request, work)
+
+    async def detokenize(self, request: Request) -> Response:
+        async def work(request: Request, rid: str) -> Response:
+            req = parse_request(DetokenizeRequest, await read_json(request))
+            self._check_model(req.model)
+            self._check_token_ids(req.tokens, "tokens")
+            return JSONResponse({"prompt": self.codec.decode(req.tokens, skip_special_tokens=False)})
+        return await self._handle(request, work)
+
+    async def chat_completions(self, request: Request) -> Response:
+        """POST /v1/chat/completions (stream and non-stream): server/api/chat.py."""
+        return await self._handle(request, functools.partial(chat.chat_completions, self))
+
+    async def messages(self, request: Request) -> Response:
+        """POST /v1/messages (Anthropic): server/api/anthropic.py."""
+        return await self._handle(request, functools.partial(anthropic.messages, self), anthropic.error_response)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """POST /v1/messages/count_tokens (Anthropic): server/api/anthropic.py."""
+        return await self._handle(request, functools.partial(anthropic.count_tokens, self),
+                                  anthropic.error_response)
+
+    async def create_response(self, request: Request) -> Response:
+        """POST /v1/responses (OpenAI Responses API): server/api/responses.py."""
+        return await self._handle(request, functools.partial(responses.create, self))
+
+    async def get_response(self, request: Request, response_id: str) -> Response:
+        """GET /v1/responses/{response_id}: a stored response."""
+        return await self._handle(request, functools.partial(responses.retrieve, self,
+                                                             response_id=response_id))
+
+    async def completions(self, request: Request) -> Response:
+        """POST /v1/completions (stream and non-stream)."""
+        return await self._handle(request, self._completion)
+
+    async def render_chat(self, request: Request) -> Response:
+        """POST /v1/chat/completions/render: the prompt's token ids, nothing run (server/api/render.py)."""
+        return await self._handle(request, functools.partial(render.chat, self))
+
+    async def render_completions(self, request: Request) -> Response:
+        """POST /v1/completions/render: each prompt's token ids, nothing run (server/api/render.py)."""
+        return await self._handle(request, functools.partial(render.completions, self))
+
+    async def render_responses(self, request: Request) -> Response:
+        """POST /v1/responses/render: the prompt's token ids, nothing run (server/api/render.py)."""
+        return await self._handle(request, functools.partial(render.responses, self))
+
+    # ---- chat-like requests (chat completions, Anthropic Messages, Responses) ----------------------------
+    async def prepare_chat(self, job: ChatJob) -> "PreparedChat":
+        """Everything a chat-like request goes through before the engine: the forced-call grammar, the template
+        (tools native or the fallback), the token ids checked, the context check. ``job.params`` is updated in
+        place (grammar, ``skip_special_tokens``). Used by :meth:`run_chat` and the render routes
+        (server/api/render.py), so both see the same prompt.
+
+        Raises:
+            InvalidRequest / ContextLengthExceeded: bad messages, template errors, too long (400).
+        """
+        await _off_loop(job.apply_tool_choice, self.tool_tags, self.tool_parser, self.tool_term)
+        if job.params.grammar is not None and self.reasoning:
+            # a constrained output starts at its first token: a template that thinks first is told not to (Qwen3's
+            # switch, DeepSeek-V3.1's), unless the client said otherwise
+            job.template_kwargs = {**{k: False for k in THINKING_SWITCHES}, **job.template_kwargs}
+        text, prompt_ids = await _off_loop(render_prompt, self.codec, job, native_tools=self.native_tools,
+                                           tool_format=self.tool_parser)
+        params = job.params
+        tools_on = bool(job.tools) and job.tool_choice.mode != "none"
+        if (self.special_tool_markup and tools_on) or self.special_think_markup:
+            params.skip_special_tokens = False  # as vLLM's glm45 / minimax_m2 parsers do (EOS ids stay out anyway)
+        self._check_param_ids(params)
+        max_tokens = self._fit_context(prompt_ids, params, default_max=None, what="messages",
+                                       prompt_param=job.prompt_param, max_param=job.max_param)
+        return PreparedChat(text, prompt_ids, max_tokens)
+
+    async def run_chat(self, request: Request, rid: str, job: ChatJob, kind: str, base_id: str) -> "ChatRun":
+        """Render, admit and start ``job`` (engine request ids ``base_id`` or ``{base_id}-{i}``): see
+        :meth:`prepare_chat`, then one engine request per choice, the first event awaited (stream: up to
+        ``FIRST_EVENT_WAIT_S``) before any header.
+
+        Raises:
+            InvalidRequest / ContextLengthExceeded: bad messages, template errors, too long (400).
+            EngineUnavailable etc.: the engine cannot take it now (503).
+        """
+        prep = await self.prepare_chat(job)
+        text, prompt_ids, max_tokens, params = prep.text, prep.prompt_ids, prep.max_tokens, job.params
+        self._log_request(rid, kind, job, [prompt_ids], [max_tokens], params)
+        self._check_ready()
+        gen = Generation(self.engine, rid, self._make_choices(base_id, [prompt_ids], [max_tokens], params),
+                         metrics=self.metrics, arrival=request.scope.get(ARRIVAL_KEY),
+                         timeout_s=self._timeout(request))
+        tools = tuple(t.name for t in job.tools) if job.tools and job.tool_choice.mode != "none" else None
+        prefill = _message_text(job.messages[-1]) if job.continue_final_message and job.messages else None
+        # a grammar constrains the output from its first token, so it is never reasoning, even after a prompt
+        # that opened <think> (an R1 template always does; a client may turn thinking on for a forced call)
+        turn = TurnConfig(reasoning=self.reasoning, starts_in_reasoning=self.reasoning and params.grammar is None
+                          and prompt_opens_thinking(text, prefill), tool_names=tools, tool_parser=self.tool_parser,
+                          tool_schemas={t.name: t.parameters for t in job.tools} if tools else None)
+        first = await self._start(request, rid, gen, job.stream)
+        return ChatRun(gen, first, prompt_ids, turn)
+
+    # ---- shared ------------------------------------------------------------------------------------------
+    def _stream_error(self, rid: str, e: Exception) -> str:
+        code = self._count_error(e)
+        logger.info("[%s] done error=%s (after the stream started)", rid, code)
+        if isinstance(e, FerryError):
+            logger.warning("[%s] error after the stream started: %s: %s", rid, type(e).__name__, e)
+        else:
+            logger.error("[%s] unexpected error after the stream started: %r", rid, e, exc_info=e)
+        return sse_event(json.dumps(error_payload(e)))
+
+    def _log_done(self, rid: str, gen: Generation, usage: UsageInfo) -> None:
+        """The one line per finished request (and its end-to-end latency)."""
+        now = time.monotonic()
+        e2e = now - gen.arrival
+        self.metrics.e2e.observe(e2e)
+        ttft = gen.ttft
+        first = min((ch.first_token_time for ch in gen.choices if ch.first_token_time is not None), default=None)
+        last = gen.last_token_time
+        decode_s = (last - first) if first is not None and last is not None else 0.0
+        n = usage.completion_tokens
+        tps = (n - len(gen.choices)) / decode_s if decode_s > 0 and n > len(gen.choices) else 0.0
+        logger.info("[%s] done finish=%s prompt_tokens=%d completion_tokens=%d ttft=%s e2e=%.3fs tok/s=%.1f",
+                    rid, ",".join(str(ch.finish_reason) for ch in gen.choices), usage.prompt_tokens, n,
+                    "-" if ttft is None else f"{ttft:.3f}s", e2e, tps)

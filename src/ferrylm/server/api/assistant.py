@@ -1,0 +1,200 @@
+"""An assistant turn as every chat-like API sees it: reasoning, text and tool calls, released as they become certain.
+
+Shared by chat completions, Anthropic Messages and the Responses API: each turns the same :class:`TurnDelta` s into
+its own wire format. :func:`turn_deltas` is the one stream loop: it drains a
+:class:`~ferrylm.server.api.generation.Generation`, runs each choice's text through its :class:`AssistantTurn`
+(reasoning split, then the tool-call parser), and yields a delta per event, or :data:`PING` when nothing came for
+``ping_interval`` seconds (the SSE layers write a keep-alive then). A non-stream response runs the finished text
+through a fresh :class:`AssistantTurn` in one piece: the parsers decide on the text only, so it equals the stream.
+
+This module must not import torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from ferrylm.engine.outputs import TokenLogprob
+from ferrylm.server.api.generation import Event, Generation
+from ferrylm.server.text.reasoning import ReasoningSplitter
+from ferrylm.server.text.tools import HermesToolParser, Piece, ToolCall, ToolParser
+
+
+@dataclass
+class TurnDelta:
+    """What one event adds to choice ``index``: ``reasoning`` text, ``content`` text, complete ``calls`` (with
+    their position among the choice's calls, from 0), the token ``logprobs``, and at the end ``finish_reason``
+    (``tool_calls`` when the turn ended on its own after making calls)."""
+
+    index: int
+    reasoning: str = ""
+    content: str = ""
+    calls: list[tuple[int, ToolCall]] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.reasoning or self.content or self.calls or self.finish_reason is not None)
+
+
+@dataclass
+class TurnConfig:
+    """How a request's output is read: ``reasoning`` on (template with ``</think>``), whether the prompt opened
+    the block already, the tool names to parse calls for (None: no tool parsing), the call format
+    (``tool_parser``: a name of :data:`ferrylm.server.text.tool_formats.TOOL_PARSER_NAMES`) and the tools' parameter
+    schemas (``name -> schema``; the XML-style formats type argument values by them). Text the parser still holds
+    when the output ends (a call cut by ``max_tokens``, forced or not) is content: the client sees every generated
+    token."""
+
+    reasoning: bool = False
+    starts_in_reasoning: bool = False
+    tool_names: tuple[str, ...] | None = None
+    tool_parser: str = "hermes"
+    tool_schemas: dict[str, dict] | None = None
+
+    def new_turn(self) -> "AssistantTurn":
+        if self.tool_parser == "hermes":
+            return AssistantTurn(self)
+        from ferrylm.server.text.tool_formats import make_tool_parser
+
+        return AssistantTurn(self, lambda names: make_tool_parser(self.tool_parser, names, self.tool_schemas))
+
+
+class AssistantTurn:
+    """One choice's text → reasoning / content / calls."""
+
+    def __init__(self, cfg: TurnConfig, tool_parser: Callable[[tuple[str, ...]], ToolParser] = HermesToolParser):
+        self.reasoning = ReasoningSplitter(cfg.starts_in_reasoning) if cfg.reasoning else None
+        self.tools = tool_parser(cfg.tool_names) if cfg.tool_names is not None else None
+        self.num_calls = 0
+
+    def feed(self, text: str, index: int = 0) -> TurnDelta:
+        return self._content(index, *self.split(text))
+
+    def finish(self, index: int = 0) -> TurnDelta:
+        return self._content(index, *self.split_finish())
+
+    def split(self, text: str) -> tuple[str, list[Piece]]:
+        """``text`` as (reasoning, content pieces in generation order: text and calls)."""
+        r, c = self.reasoning.feed(text) if self.reasoning is not None else ("", text)
+        return r, self.tools.feed(c) if self.tools is not None else [Piece(c)]
+
+    def split_finish(self) -> tuple[str, list[Piece]]:
+        r, c = self.reasoning.finish() if self.reasoning is not None else ("", "")
+        if self.tools is None:
+            return r, [Piece(c)]
+        return r, self.tools.feed(c) + self.tools.finish()
+
+    def _content(self, index: int, reasoning: str, pieces: list[Piece]) -> TurnDelta:
+        d = TurnDelta(index, reasoning=reasoning)
+        for p in pieces:
+            if p.call is not None:
+                d.calls.append((self.num_calls, p.call))
+                self.num_calls += 1
+            else:
+                d.content += p.text
+        return d
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        """``tool_calls`` for a turn that stopped by itself after making calls, else the engine's reason."""
+        return "tool_calls" if engine_reason == "stop" and self.num_calls else engine_reason
+
+
+@dataclass
+class TurnResult:
+    """A whole choice (non-stream). ``blocks``: the same parts in generation order, adjacent text merged:
+    ``("reasoning", str)``, ``("text", str)``, ``("call", ToolCall)`` (Anthropic's content blocks and the
+    Responses API's output items follow it: text before a tool call only when it was generated before it)."""
+
+    reasoning: str
+    content: str
+    calls: list[ToolCall]
+    finish_reason: str | None
+    blocks: list[tuple[str, Any]] = field(default_factory=list)
+
+
+def whole_turn(cfg: TurnConfig, text: str, engine_reason: str | None) -> TurnResult:
+    """Split a finished choice's ``text`` exactly as the stream would have."""
+    turn = cfg.new_turn()
+    blocks: list[tuple[str, Any]] = []
+
+    def add(kind: str, x: Any) -> None:
+        if kind != "call" and blocks and blocks[-1][0] == kind:
+            blocks[-1] = (kind, blocks[-1][1] + x)
+        else:
+            blocks.append((kind, x))
+
+    for r, pieces in (turn.split(text), turn.split_finish()):
+        if r:
+            add("reasoning", r)
+        for p in pieces:
+            if p.call is not None:
+                turn.num_calls += 1
+                add("call", p.call)
+            elif p.text:
+                add("text", p.text)
+    if any(k == "call" for k, _ in blocks):   # blank text between or around calls is no block of its own
+        blocks = [(k, x) for k, x in blocks if k != "text" or x.strip()]
+    return TurnResult("".join(x for k, x in blocks if k == "reasoning"), "".join(x for k, x in blocks if k == "text"),
+                      [x for k, x in blocks if k == "call"], turn.finish_reason(engine_reason), blocks)
+
+
+class _Ping:
+    def __repr__(self) -> str:
+        return "PING"
+
+
+PING = _Ping()
+
+
+async def turn_deltas(gen: Generation, first: Event | None, cfg: TurnConfig,
+                      ping_interval: float | None = None) -> AsyncIterator[TurnDelta | _Ping]:
+    """The stream loop shared by every chat-like route: yields a :class:`TurnDelta` per engine event that adds
+    something (its ``finish_reason`` set on the choice's last), and :data:`PING` after each ``ping_interval``
+    seconds without one (None or 0: never). ``first`` is the event already awaited before the headers (None when
+    the headers went out before it came). Raises what :meth:`Generation.next_event` raises."""
+    turns = [cfg.new_turn() for _ in gen.choices]
+    pending: dict[int, list[TokenLogprob]] = {}
+    pending_ids: dict[int, list[int]] = {}
+    ev = first if first is not None else await next_or_ping(gen, ping_interval)
+    while ev is not None:
+        if ev is PING:
+            yield PING
+            ev = await next_or_ping(gen, ping_interval)
+            continue
+        assert isinstance(ev, Event)
+        turn = turns[ev.index]
+        lps = pending.setdefault(ev.index, [])
+        lps.extend(ev.logprobs or ())
+        ids = pending_ids.setdefault(ev.index, [])
+        ids.extend(ev.token_ids)
+        d = turn.feed(ev.text, ev.index) if ev.text else TurnDelta(ev.index)
+        if ev.finish_reason is not None:
+            end = turn.finish(ev.index)
+            d.reasoning += end.reasoning
+            d.content += end.content
+            d.calls += end.calls
+            d.finish_reason = turn.finish_reason(ev.finish_reason)
+        if not d.empty or (ev.text and lps):
+            d.logprobs, pending[ev.index] = lps, []
+            d.token_ids, pending_ids[ev.index] = ids, []
+            yield d
+        ev = await next_or_ping(gen, ping_interval)
+
+
+async def next_or_ping(gen: Generation, ping_interval: float | None) -> Event | _Ping | None:
+    """The next event, or PING when none came within ``ping_interval`` seconds (the wait is not cancelled: the
+    same pending read continues on the next call, and a read left pending by ``Generation.first_event`` is the
+    one awaited here)."""
+    if not ping_interval and not gen.has_pending_read:
+        return await gen.next_event()
+    task = gen.pending_read()
+    done, _ = await asyncio.wait({task}, timeout=ping_interval or None)
+    if not done:
+        return PING
+    gen.clear_pending_read()
+    return task.result()

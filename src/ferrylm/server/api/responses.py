@@ -1,0 +1,490 @@
+"""OpenAI Responses API: ``POST /v1/responses`` and ``GET /v1/responses/{id}`` (what Codex and the ``openai``
+SDK's ``client.responses`` send).
+
+Request → :class:`~ferrylm.server.api.chat.ChatJob`: ``instructions`` is the system turn (not carried to later turns,
+as OpenAI has it); ``input`` is text (one user turn) or items: messages (``input_text`` / ``output_text`` parts),
+``function_call`` (an assistant tool call) and ``function_call_output`` (a tool turn); ``reasoning`` items are
+skipped. ``previous_response_id`` prepends the conversation of a stored response (its input and output);
+responses are kept in a bounded in-memory :class:`ResponseStore` (``--responses-store-size`` entries and 256 MiB,
+oldest evicted first; ``store: false`` keeps none); an unknown id is a 400 naming ``previous_response_id``. Function ``tools``
+and ``tool_choice`` use the shared tool machinery; ``text.format`` (``json_object`` / ``json_schema``) is
+enforced by a grammar; ``max_output_tokens``, ``temperature``, ``top_p`` map as named.
+
+Output items: ``reasoning`` (``reasoning_text`` content), ``message`` (``output_text``), ``function_call``.
+Stream: ``response.created``, ``response.in_progress``, per item ``response.output_item.added``, its deltas
+(``response.reasoning_text.delta``, ``response.content_part.added`` + ``response.output_text.delta`` + ``.done``,
+``response.function_call_arguments.delta`` + ``.done``), ``response.output_item.done``, then
+``response.completed`` (``response.incomplete`` when cut by ``max_output_tokens``); every event carries
+``sequence_number``; an error after the start is an ``error`` event. Errors before it use the OpenAI shape.
+
+This module must not import torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional, Union
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from ferrylm.engine.sampling_params import SamplingParams
+from ferrylm.errors import InvalidRequest, NotFound
+from ferrylm.server.api.assistant import PING, TurnDelta, turn_deltas, whole_turn
+from ferrylm.server.api.chat import SSE_HEADERS, SSE_PING, ChatJob, off_loop
+from ferrylm.server.api.errors import error_payload
+from ferrylm.server.api.protocol import _Request, parse_request
+from ferrylm.server.api.request_io import read_json
+from ferrylm.server.text.structured import response_format_grammar
+from ferrylm.server.text.tools import ToolCall, ToolSpec, check_unique, make_tool, parse_tool_choice
+
+
+class ResponsesRequest(_Request):
+    """POST /v1/responses."""
+
+    model: Optional[str] = None
+    input: Union[str, list[dict[str, Any]]]
+    instructions: Optional[str] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
+    max_output_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stream: Optional[bool] = False
+    previous_response_id: Optional[str] = None
+    store: Optional[bool] = True
+    text: Optional[dict[str, Any]] = None
+    reasoning: Optional[dict[str, Any]] = None
+    metadata: Optional[dict[str, Any]] = None
+    user: Optional[str] = None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the store
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StoredResponse:
+    """A finished response: its object (for GET) and the conversation to continue from (template messages: the
+    previous turns, this input and this output; without this request's ``instructions``)."""
+
+    response: dict
+    conversation: list[dict]
+
+
+class ResponseStore:
+    """Bounded, thread-safe map response id → :class:`StoredResponse`; the oldest entries go first when it holds
+    more than ``capacity`` entries or more than ``max_bytes`` of conversation text (an agent's chain of turns
+    stores each turn's whole conversation: the byte bound keeps a few huge ones from holding the memory).
+
+    Args:
+        capacity: entries kept (0: nothing is stored).
+        max_bytes: bound on the summed size of the stored conversations and responses (as JSON, bytes).
+    """
+
+    DEFAULT_MAX_BYTES = 256 << 20
+
+    def __init__(self, capacity: int, max_bytes: int = DEFAULT_MAX_BYTES):
+        self.capacity = max(0, int(capacity))
+        self.max_bytes = int(max_bytes)
+        self.bytes = 0
+        self._items: collections.OrderedDict[str, tuple[StoredResponse, int]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, rid: str, entry: StoredResponse) -> None:
+        if self.capacity == 0:
+            return
+        size = len(json.dumps(entry.conversation, ensure_ascii=False)) + len(json.dumps(entry.response))
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            old = self._items.pop(rid, None)
+            if old is not None:
+                self.bytes -= old[1]
+            self._items[rid] = (entry, size)
+            self.bytes += size
+            while len(self._items) > self.capacity or self.bytes > self.max_bytes:
+                _, (_, n) = self._items.popitem(last=False)
+                self.bytes -= n
+
+    def get(self, rid: str) -> StoredResponse | None:
+        with self._lock:
+            item = self._items.get(rid)
+            return None if item is None else item[0]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# request → job
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _part_text(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"'{param}' must be a string or a list of content parts", param=param)
+    out = []
+    for j, p in enumerate(content):
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(p.get("text"), str):
+            raise InvalidRequest(f"'{param}.{j}.type' {kind!r} is not supported (only text parts are)",
+                                 param=f"{param}.{j}.type")
+        out.append(p["text"])
+    return "\n".join(out)
+
+
+def convert_input(items: Any) -> list[dict]:
+    """``input`` (text or items) → template messages. Raises InvalidRequest naming the item."""
+    if isinstance(items, str):   # "" is no turn, as [] is (both a 400 without a previous response)
+        return [{"role": "user", "content": items}] if items else []
+    out: list[dict] = []
+    for i, it in enumerate(items):
+        where = f"input.{i}"
+        kind = it.get("type", "message" if "role" in it else None)
+        if kind == "message":
+            role = it.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise InvalidRequest(f"'{where}.role' must be user, system, developer or assistant; got {role!r}",
+                                     param=f"{where}.role")
+            out.append({"role": "system" if role == "developer" else role,
+                        "content": _part_text(it.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            name, args = it.get("name"), it.get("arguments", "{}")
+            if not isinstance(name, str) or not isinstance(it.get("call_id"), str):
+                raise InvalidRequest(f"'{where}' needs 'name' and 'call_id'", param=where)
+            try:
+                parsed = json.loads(args) if isinstance(args, str) else args
+            except ValueError:
+                raise InvalidRequest(f"'{where}.arguments' is not valid JSON", param=f"{where}.arguments") from None
+            if not isinstance(parsed, dict):
+                raise InvalidRequest(f"'{where}.arguments' must be a JSON object", param=f"{where}.arguments")
+            call = {"id": it["call_id"], "type": "function", "function": {"name": name, "arguments": parsed}}
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(it.get("call_id"), str):
+                raise InvalidRequest(f"'{where}.call_id' is required", param=f"{where}.call_id")
+            output = it.get("output", "")
+            output = output if isinstance(output, str) else _part_text(output, f"{where}.output")
+            out.append({"role": "tool", "tool_call_id": it["call_id"], "content": output})
+        elif kind == "reasoning":
+            continue
+        else:
+            raise InvalidRequest(f"'{where}.type' {kind!r} is not supported (message, function_call, "
+                                 f"function_call_output and reasoning items are)", param=f"{where}.type")
+    return out
+
+
+def convert_tools(tools: Any) -> list[ToolSpec]:
+    """Responses ``tools`` (``{"type": "function", "name", "description", "parameters", "strict"}``)."""
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise InvalidRequest("'tools' must be a list", param="tools")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+            raise InvalidRequest(f"'tools.{i}.type' {kind!r} is not supported (only function tools are)",
+                                 param=f"tools.{i}.type")
+        out.append(make_tool(t.get("name"), t.get("description"), t.get("parameters"), t.get("strict"),
+                             f"tools.{i}"))
+    check_unique(out, "tools")
+    return out
+
+
+def job_from_request(req: ResponsesRequest, store: ResponseStore) -> tuple[ChatJob, list[dict]]:
+    """A Responses request → ``(ChatJob, conversation without instructions)``. Raises InvalidRequest."""
+    history: list[dict] = []
+    if req.previous_response_id is not None:
+        prev = store.get(req.previous_response_id)
+        if prev is None:
+            raise InvalidRequest(f"no stored response with id {req.previous_response_id!r} (it was never stored, "
+                                 f"or was evicted)", param="previous_response_id")
+        history = list(prev.conversation)
+    conversation = history + convert_input(req.input)
+    if not conversation:
+        raise InvalidRequest("'input' must not be empty", param="input")
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
+    tools = convert_tools(req.tools)
+    choice = parse_tool_choice(req.tool_choice, tools, parallel=req.parallel_tool_calls)
+    fmt = (req.text or {}).get("format") if isinstance(req.text, dict) else None
+    params = SamplingParams(temperature=1.0 if req.temperature is None else float(req.temperature),
+                            top_p=1.0 if req.top_p is None else float(req.top_p), max_tokens=req.max_output_tokens)
+    try:
+        params.validate()
+    except InvalidRequest as e:
+        if e.param == "max_tokens":
+            e.rename_param("max_output_tokens")
+        raise
+    params.grammar = response_format_grammar(fmt, "text.format", nested=False)
+    job = ChatJob(messages, params, tools, choice, grammar_param="text.format", max_param="max_output_tokens",
+                  prompt_param="input", stream=bool(req.stream))
+    return job, conversation
+
+
+# ---------------------------------------------------------------------------------------------------------
+# output
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _ids() -> str:
+    return uuid.uuid4().hex
+
+
+def _message_item(item_id: str, text: str, status: str = "completed") -> dict:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _reasoning_item(item_id: str, text: str) -> dict:
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _call_item(call: ToolCall, status: str = "completed", arguments: str | None = None) -> dict:
+    return {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
+            "name": call.name, "arguments": call.arguments if arguments is None else arguments, "status": status}
+
+
+@dataclass
+class ResponseShell:
+    """The parts of a response object that do not depend on the output."""
+
+    id: str
+    created_at: int
+    model: str
+    req: ResponsesRequest
+    prompt_tokens: int = 0
+
+    def object(self, status: str, output: list[dict], output_tokens: int = 0,
+               incomplete: bool = False, cached_tokens: int = 0) -> dict:
+        """The response object; ``cached_tokens``: prompt tokens served from the prefix cache."""
+        r = self.req
+        fmt = (r.text or {}).get("format") if isinstance(r.text, dict) else None
+        usage = None
+        if status != "in_progress":
+            usage = {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+                     "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                     "total_tokens": self.prompt_tokens + output_tokens}
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+                "error": None, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+                "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.model,
+                "output": output, "parallel_tool_calls": r.parallel_tool_calls is not False,
+                "previous_response_id": r.previous_response_id, "reasoning": {"effort": None, "summary": None},
+                "store": r.store is not False, "temperature": 1.0 if r.temperature is None else r.temperature,
+                "text": {"format": fmt or {"type": "text"}}, "tool_choice": r.tool_choice or "auto",
+                "tools": r.tools or [], "top_p": 1.0 if r.top_p is None else r.top_p, "truncation": "disabled",
+                "usage": usage, "user": r.user, "metadata": r.metadata or {}}
+
+
+def output_items(blocks: list[tuple[str, Any]]) -> list[dict]:
+    """A whole turn's output items in generation order (``TurnResult.blocks``); a turn of no text and no call
+    still has its (empty) message."""
+    items = []
+    for kind, x in blocks:
+        if kind == "reasoning":
+            items.append(_reasoning_item(f"rs_{_ids()}", x))
+        elif kind == "text":
+            items.append(_message_item(f"msg_{_ids()}", x))
+        else:
+            items.append(_call_item(x))
+    if not any(it["type"] in ("message", "function_call") for it in items):
+        items.append(_message_item(f"msg_{_ids()}", ""))
+    return items
+
+
+def conversation_of(output: list[dict]) -> list[dict]:
+    """A response's output items as the assistant turn to continue from."""
+    msg: dict[str, Any] = {"role": "assistant", "content": ""}
+    for it in output:
+        if it["type"] == "message":
+            msg["content"] += "".join(p["text"] for p in it["content"])
+        elif it["type"] == "reasoning":
+            msg["reasoning_content"] = "".join(p["text"] for p in it.get("content", []))
+        elif it["type"] == "function_call":
+            msg.setdefault("tool_calls", []).append({"id": it["call_id"], "type": "function", "function": {
+                "name": it["name"], "arguments": json.loads(it["arguments"])}})
+    return [msg]
+
+
+@dataclass
+class StreamEncoder:
+    """Turns :class:`TurnDelta` s into Responses stream events; one output item open at a time."""
+
+    shell: ResponseShell
+    seq: int = 0
+    output: list[dict] = field(default_factory=list)
+    open: dict | None = None
+    text: str = ""
+
+    def event(self, kind: str, **data: Any) -> str:
+        body = {"type": kind, "sequence_number": self.seq, **data}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def start(self) -> list[str]:
+        r = self.shell.object("in_progress", [])
+        return [self.event("response.created", response=r), self.event("response.in_progress", response=r)]
+
+    def _open(self, kind: str) -> list[str]:
+        if self.open is not None and self.open["type"] == kind:
+            return []
+        out = self._close()
+        idx = len(self.output)
+        if kind == "message":
+            self.open = {"type": "message", "id": f"msg_{_ids()}", "status": "in_progress", "role": "assistant",
+                         "content": []}
+            out.append(self.event("response.output_item.added", output_index=idx, item=self.open))
+            out.append(self.event("response.content_part.added", item_id=self.open["id"], output_index=idx,
+                                  content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                         "logprobs": []}))
+        else:
+            self.open = {"type": "reasoning", "id": f"rs_{_ids()}", "summary": [], "content": []}
+            out.append(self.event("response.output_item.added", output_index=idx, item=self.open))
+        self.text = ""
+        return out
+
+    def _close(self) -> list[str]:
+        if self.open is None:
+            return []
+        idx = len(self.output)
+        item_id = self.open["id"]
+        if self.open["type"] == "message":
+            item = _message_item(item_id, self.text)
+            part = item["content"][0]
+            out = [self.event("response.output_text.done", item_id=item_id, output_index=idx, content_index=0,
+                              text=self.text, logprobs=[]),
+                   self.event("response.content_part.done", item_id=item_id, output_index=idx, content_index=0,
+                              part=part)]
+        else:
+            item = _reasoning_item(item_id, self.text)
+            out = [self.event("response.reasoning_text.done", item_id=item_id, output_index=idx, content_index=0,
+                              text=self.text)]
+        out.append(self.event("response.output_item.done", output_index=idx, item=item))
+        self.output.append(item)
+        self.open = None
+        return out
+
+    def feed(self, d: TurnDelta) -> list[str]:
+        out: list[str] = []
+        if d.reasoning:
+            out += self._open("reasoning")
+            self.text += d.reasoning
+            out.append(self.event("response.reasoning_text.delta", item_id=self.open["id"],
+                                  output_index=len(self.output), content_index=0, delta=d.reasoning))
+        if d.content:
+            out += self._open("message")
+            self.text += d.content
+            out.append(self.event("response.output_text.delta", item_id=self.open["id"],
+                                  output_index=len(self.output), content_index=0, delta=d.content, logprobs=[]))
+        for _, call in d.calls:
+            out += self._close()
+            idx = len(self.output)
+            added = _call_item(call, "in_progress", arguments="")
+            out.append(self.event("response.output_item.added", output_index=idx, item=added))
+            out.append(self.event("response.function_call_arguments.delta", item_id=added["id"], output_index=idx,
+                                  delta=call.arguments))
+            out.append(self.event("response.function_call_arguments.done", item_id=added["id"], output_index=idx,
+                                  arguments=call.arguments, name=call.name))
+            item = _call_item(call)
+            out.append(self.event("response.output_item.done", output_index=idx, item=item))
+            self.output.append(item)
+        return out
+
+    def finish(self, output_tokens: int, incomplete: bool, cached_tokens: int = 0) -> tuple[list[str], dict]:
+        out = []
+        if not self.output and self.open is None:   # an empty reply is one empty message
+            out += self._open("message")
+        out += self._close()
+        final = self.shell.object("incomplete" if incomplete else "completed", self.output, output_tokens,
+                                  incomplete, cached_tokens)
+        out.append(self.event("response.incomplete" if incomplete else "response.completed", response=final))
+        return out, final
+
+
+# ---------------------------------------------------------------------------------------------------------
+# routes
+# ---------------------------------------------------------------------------------------------------------
+
+
+async def create(srv: Any, request: Request, rid: str) -> Response:
+    """POST /v1/responses (stream and non-stream). ``srv`` is the app's ``_Server`` (``srv.responses`` is its
+    :class:`ResponseStore`)."""
+    from ferrylm.server.api.generation import SSEResponse
+
+    req: ResponsesRequest = parse_request(ResponsesRequest, await read_json(request))
+    model = srv._check_model(req.model)
+    job, conversation = await off_loop(job_from_request, req, srv.responses)
+    resp_id = f"resp_{_ids()}"
+    run = await srv.run_chat(request, rid, job, "responses", resp_id)
+    shell = ResponseShell(resp_id, int(time.time()), model, req, len(run.prompt_ids))
+    if req.stream:
+        return SSEResponse(_stream(srv, rid, run, shell, conversation), headers=SSE_HEADERS)
+    (ch,) = run.gen.choices
+    res = whole_turn(run.turn, ch.text.text, ch.finish_reason)
+    output = output_items(res.blocks)
+    final = shell.object("incomplete" if res.finish_reason == "length" else "completed", output,
+                         run.gen.completion_tokens, res.finish_reason == "length", run.gen.cached_tokens)
+    _remember(srv, req, final, conversation)
+    srv._log_done(rid, run.gen, _usage(run))
+    return JSONResponse(final)
+
+
+def _usage(run: Any) -> Any:
+    from ferrylm.server.api.protocol import UsageInfo
+
+    return UsageInfo.of(len(run.prompt_ids), run.gen.completion_tokens)
+
+
+def _remember(srv: Any, req: ResponsesRequest, final: dict, conversation: list[dict]) -> None:
+    if req.store is not False:
+        srv.responses.put(final["id"], StoredResponse(final, conversation + conversation_of(final["output"])))
+
+
+async def _stream(srv: Any, rid: str, run: Any, shell: ResponseShell,
+                  conversation: list[dict]) -> AsyncIterator[str]:
+    gen = run.gen
+    enc = StreamEncoder(shell)
+    try:
+        for e in enc.start():
+            yield e
+        async for d in turn_deltas(gen, run.first, run.turn, srv.ping_interval):
+            if d is PING:
+                yield SSE_PING
+                continue
+            assert isinstance(d, TurnDelta)
+            for e in enc.feed(d):
+                yield e
+            if d.finish_reason is not None:
+                events, final = enc.finish(gen.completion_tokens, d.finish_reason == "length", gen.cached_tokens)
+                _remember(srv, shell.req, final, conversation)
+                for e in events:
+                    yield e
+        srv._log_done(rid, gen, _usage(run))
+    except Exception as e:  # noqa: BLE001 - after the headers an error can only be an event
+        srv._stream_error(rid, e)
+        err = error_payload(e)["error"]
+        yield enc.event("error", code=err["code"], message=err["message"], param=err["param"])
+    finally:
+        await gen.close()
+
+
+async def retrieve(srv: Any, request: Request, rid: str, response_id: str) -> Response:
+    """GET /v1/responses/{id}: a stored response, 404 when unknown or evicted."""
+    entry = srv.responses.get(response_id)
+    if entry is None:
+        raise NotFound(f"no stored response with id {response_id!r} (never stored, or evicted)",
+                       param="response_id", code="response_not_found")
+    return JSONResponse(entry.response)

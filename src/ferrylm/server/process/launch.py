@@ -1,0 +1,365 @@
+"""``ferry serve``: check the port, resolve the model, start the supervisor and uvicorn, exit with a status
+a service manager understands (0 after a clean shutdown, 1 when the engine is dead for good, 2 for bad flags or
+a port in use, 128+N after a second signal N).
+
+Shutdown (our own signal handlers; uvicorn's are switched off because they re-raise the signal after a graceful
+exit, which turns exit 0 into "killed by SIGTERM"):
+
+1. first SIGTERM/SIGINT: new requests get 503 ``engine_unavailable`` and /health 503 ``draining``; running
+   requests continue for up to ``--shutdown-timeout`` seconds; those still running then get an error (stream: an
+   error event, then ``[DONE]``); uvicorn closes the listener and connections; the engine is stopped; exit 0.
+2. a second signal: SIGKILL the engine, remove the IPC dir, exit 128+N at once.
+
+Before the event loop runs (resolving and converting the model, loading the tokenizer, importing uvicorn), the
+signals are :class:`BootSignals`' (installed by ``cli.main`` before anything slow): the first SIGTERM/SIGINT
+unwinds the start-up (:class:`BootInterrupted`), nothing has been spawned yet, and the server exits 0; a second one
+exits 128+N at once. The event loop takes the signals over before it spawns the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import errno
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+import _thread
+import threading
+import time
+
+from ferrylm.config import EngineConfig, ModelConfig
+from ferrylm.errors import ModelLoadError
+
+log = logging.getLogger("ferrylm.serve")
+
+
+class BootInterrupted(BaseException):
+    """SIGTERM/SIGINT arrived while ``ferry serve`` was starting, before the event loop handled signals.
+
+    A BaseException (like KeyboardInterrupt) so that no ``except Exception`` on the way swallows it. ``sig``: the
+    signal number."""
+
+    def __init__(self, sig: int):
+        super().__init__(sig)
+        self.sig = sig
+
+
+class BootSignals:
+    """SIGTERM/SIGINT handling from the first line of ``ferry serve`` until the event loop installs its own.
+
+    While *armed*, the first signal raises :class:`BootInterrupted` in the main thread (the start-up unwinds; no
+    child exists yet); a second signal exits ``128+N`` at once. Disarmed, a signal is only recorded in
+    ``received`` (the event loop is about to take over and replays it). The default action of SIGTERM (die with
+    status -15) never applies once :meth:`install` ran.
+    """
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.armed = False
+
+    def install(self, *, armed: bool = True) -> "BootSignals":
+        self.armed = armed
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, sig: int, frame) -> None:
+        if self.armed and not self.received and _in_finalizer(frame):
+            # An exception raised inside a ``__del__`` is printed ("Exception ignored in ...") and dropped, so
+            # the start-up would go on: deliver the signal again once the finalizer has returned.
+            timer = threading.Timer(REDELIVER_S, _thread.interrupt_main, args=(sig,))
+            timer.daemon = True
+            timer.start()
+            return
+        self.received.append(sig)
+        if len(self.received) > 1:
+            os._exit(128 + sig)
+        if self.armed:
+            self.armed = False
+            raise BootInterrupted(sig)
+
+
+REDELIVER_S = 0.01  # seconds before a signal that arrived inside a finalizer is delivered again
+ENGINE_STOP_S = 5.0  # at exit, seconds the engine process gets to obey the stop message before it is killed
+ENGINE_STOP_AFTER_TIMEOUT_S = 1.0  # the same when --shutdown-timeout ran out with requests still running
+
+
+def _in_finalizer(frame, depth: int = 64) -> bool:
+    """True when ``frame`` or one of its ``depth`` callers is a ``__del__``: Python swallows what a finalizer
+    raises, so a :class:`BootInterrupted` raised there would be lost."""
+    while frame is not None and depth > 0:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame, depth = frame.f_back, depth - 1
+    return False
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the listening socket now, before the model loads. Raises OSError when the port is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    return sock  # NOTE: not inheritable: the engine (spawned, fds closed) must never hold the port
+
+
+def serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSignals | None = None) -> int:
+    """Run the server until SIGINT/SIGTERM or engine death. Returns the process exit code.
+
+    ``boot``: the signal handling installed before this call (``cli.main``); installed here when None."""
+    boot = boot or BootSignals().install()
+    try:
+        return _serve(args, engine_config, boot)
+    except BootInterrupted as e:
+        log.info("received %s while starting: exiting", signal.Signals(e.sig).name)
+        return 0
+
+
+def visible_gpus() -> int:
+    """GPUs a CUDA process started now would see, without importing torch: the ids of ``CUDA_VISIBLE_DEVICES`` up
+    to the first invalid one (CUDA's rule), else the ``/dev/nvidia<N>`` device nodes."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is None:
+        import glob
+
+        return len(glob.glob("/dev/nvidia[0-9]*"))
+    n = 0
+    for part in env.split(","):
+        part = part.strip()
+        if not part or part.startswith("-"):
+            break
+        n += 1
+    return n
+
+
+def check_tp_devices(engine_config: EngineConfig, gpus: int | None = None) -> str | None:
+    """The error line when ``--tensor-parallel-size`` asks for more GPUs than are visible (rank r runs on
+    ``cuda:r``; ``--device auto`` means CUDA when there is a GPU), else None."""
+    n = engine_config.tensor_parallel_size
+    if n == 1 or engine_config.device == "cpu":
+        return None
+    gpus = visible_gpus() if gpus is None else gpus
+    if engine_config.device == "auto" and gpus == 0:
+        return None   # auto runs on the CPU: the ranks are CPU processes (gloo)
+    if n > gpus:
+        return (f"--tensor-parallel-size {n} needs {n} GPUs (rank r on cuda:r); {gpus} visible "
+                f"(CUDA_VISIBLE_DEVICES / --device cpu)")
+    return None
+
+
+def listen_error(host: str, port: int, e: OSError) -> str:
+    """The line for a failed bind: a port in use or not ours to take names ``--port``, anything else (an address
+    not on this machine) ``--host``."""
+    flag = "--port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "--host"
+    return f"cannot listen on {host}:{port}: {e.strerror or e} (choose another {flag})"
+
+
+def check_device(device: str, gpus: int | None = None) -> str | None:
+    """The error line when ``--device`` names a CUDA device this host does not show (no GPU visible, or an index
+    past the visible ones), else None. Without importing torch: :func:`visible_gpus`."""
+    if not device.startswith("cuda"):
+        return None
+    gpus = visible_gpus() if gpus is None else gpus
+    index = int(device.partition(":")[2] or 0)
+    if index < gpus:
+        return None
+    seen = "no GPU is visible here" if gpus == 0 else f"{gpus} GPU(s) are visible (cuda:0..cuda:{gpus - 1})"
+    return f"--device {device}: {seen} (CUDA_VISIBLE_DEVICES, /dev/nvidia*); use --device cpu or auto"
+
+
+def check_serve_args(args: argparse.Namespace, engine_config: EngineConfig) -> str | None:
+    """The first error line among ``ferry serve``'s own flags (each names its flag), else None. Run by the CLI
+    before anything loads; ``engine_config`` is already validated."""
+    for flag, value, ok, rule in (
+            ("--watchdog-timeout", args.watchdog_timeout, args.watchdog_timeout >= 0, ">= 0 seconds (0: off)"),
+            ("--shutdown-timeout", args.shutdown_timeout, args.shutdown_timeout >= 0, ">= 0 seconds"),
+            ("--max-request-bytes", args.max_request_bytes, args.max_request_bytes >= 1, ">= 1"),
+            ("--sse-ping-interval", args.sse_ping_interval, args.sse_ping_interval >= 0, ">= 0 seconds (0: never)"),
+            ("--responses-store-size", args.responses_store_size, args.responses_store_size >= 0, ">= 0"),
+            ("--max-engine-restarts", args.max_engine_restarts, args.max_engine_restarts >= 0, ">= 0"),
+            ("--request-timeout", args.request_timeout,
+             args.request_timeout >= 0 and math.isfinite(args.request_timeout), ">= 0 seconds (0: no deadline)")):
+        if not ok:
+            return f"{flag} must be {rule}, got {value}"
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        return "--served-model-name must not be empty (leave it out to use the model's name)"
+    cors = {"--allowed-methods": args.allowed_methods, "--allowed-headers": args.allowed_headers,
+            "--allow-credentials": args.allow_credentials or None}
+    if not args.allowed_origins and any(v is not None for v in cors.values()):
+        given = ", ".join(k for k, v in cors.items() if v is not None)
+        return f"{given} needs --allowed-origins (CORS is off without it)"
+    try:
+        socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        return f"--host {args.host!r} does not resolve: {e}"
+    return check_device(engine_config.device) or check_tp_devices(engine_config)
+
+
+def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSignals) -> int:
+    def fail(msg: str) -> int:
+        print(f"ferry serve: {msg}", file=sys.stderr)
+        return 2
+
+    watchdog_timeout = float(getattr(args, "watchdog_timeout", 120.0))
+    shutdown_timeout = float(getattr(args, "shutdown_timeout", 30.0))
+    ping = float(getattr(args, "sse_ping_interval", 15.0))
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        return fail(listen_error(args.host, args.port, e))
+
+    from ferrylm.errors import UnsupportedArchitecture
+    from ferrylm.checkpoints.verify import verify_checkpoint
+    from ferrylm.models.registry import supported_architectures
+    from ferrylm.checkpoints.resolve import resolve_model
+    from ferrylm.server.text.tokenizer import TextCodec, load_chat_template
+
+    try:
+        resolved = resolve_model(args.model)
+        mcfg = ModelConfig.from_folder(resolved.path)
+        if mcfg.architecture not in supported_architectures():
+            raise UnsupportedArchitecture(f"{resolved.path}: architecture {mcfg.architecture!r} is not supported; "
+                                          f"supported: {', '.join(supported_architectures())}")
+        try:
+            engine_config.check_model(mcfg)   # --max-model-len against the context, --tensor-parallel-size
+        except ValueError as e:
+            sock.close()
+            return fail(str(e))
+        if resolved.source != "synthetic":
+            verify_checkpoint(resolved.path)   # a truncated file: one line naming it, exit 2 (not an engine crash)
+        codec = TextCodec.from_pretrained(resolved.path)
+        if getattr(args, "chat_template", None):
+            codec.set_chat_template(load_chat_template(args.chat_template))
+    except ModelLoadError as e:
+        sock.close()
+        return fail(e.message)
+    from ferrylm.faults import FRONTEND_POINTS, FaultInjector
+
+    try:
+        faults = FaultInjector.from_config(engine_config.faults)
+    except ValueError as e:
+        sock.close()
+        return fail(str(e))
+    if any(p in FRONTEND_POINTS for p in faults.rules):
+        codec.faults = faults  # the frontend's own points (the engine builds its own injector from the same spec)
+        log.warning("fault injection is ON in the frontend: %s", faults)
+
+    import uvicorn
+
+    from ferrylm.errors import EngineUnavailable
+    from ferrylm.server.api.app import CorsPolicy, create_app
+    from ferrylm.server.process.engine_client import ModelInfo
+    from ferrylm.server.process.supervisor import Supervisor
+
+    class Server(uvicorn.Server):
+        """uvicorn without its signal handling (ours drains first, then sets ``should_exit``)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # uvicorn >= 0.29
+            yield
+
+        def install_signal_handlers(self) -> None:  # older uvicorn
+            pass
+
+    name = args.served_model_name or resolved.name
+    max_len = engine_config.max_model_len or mcfg.max_position_embeddings
+    info = ModelInfo(name=name, path=str(resolved.path), max_model_len=max_len,
+                     eos_token_ids=tuple(mcfg.eos_token_ids))
+    exit_code = 0
+    server_box: dict = {}
+
+    def on_fatal() -> None:
+        nonlocal exit_code
+        exit_code = sup.fatal_exit_code   # 1; 2 when the engine's first start failed on the model itself
+        srv = server_box.get("server")
+        if srv is not None:
+            srv.should_exit = True
+
+    sup = Supervisor(str(resolved.path), engine_config.to_dict(), info, max_restarts=args.max_engine_restarts,
+                     on_fatal=on_fatal, log_level=args.log_level, watchdog_timeout=watchdog_timeout,
+                     faults=faults)
+    api_key = args.api_key or os.environ.get("FERRYLM_API_KEY") or None
+    cors = CorsPolicy(args.allowed_origins, args.allowed_methods or ["*"], args.allowed_headers or ["*"],
+                      args.allow_credentials) if args.allowed_origins else None
+    app = create_app(sup, codec, name, api_key=api_key,
+                     max_request_bytes=int(getattr(args, "max_request_bytes", 8 << 20)), cors=cors,
+                     request_timeout=getattr(args, "request_timeout", None) or None,
+                     sse_ping_interval=ping, responses_store_size=int(getattr(args, "responses_store_size", 1024)),
+                     tool_call_parser=getattr(args, "tool_call_parser", None) or "auto",
+                     architecture=mcfg.architecture, model_type=(mcfg.raw or {}).get("model_type"),
+                     webui=args.webui)
+    # uvicorn's own graceful wait only covers the HTTP tail after our drain (the last bytes of answered streams)
+    config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False, timeout_graceful_shutdown=5)
+    server = Server(config)
+    server_box["server"] = server
+    signals_seen: list[int] = []
+
+    async def drain_and_stop() -> None:
+        t0 = time.monotonic()
+        n = sup.num_in_flight
+        log.info("shutting down: refusing new requests; waiting up to %g s for %d running requests",
+                 shutdown_timeout, n)
+        left = await sup.drain(shutdown_timeout)
+        if left:
+            log.warning("shutting down: %d requests still running after --shutdown-timeout %g s; answering them "
+                        "with an error", left, shutdown_timeout)
+            sup.fail_in_flight(EngineUnavailable(
+                f"the server is shutting down; the request did not finish within --shutdown-timeout "
+                f"{shutdown_timeout:g} s"))
+            # the engine is mid-step on what was just answered: it reads the stop message only after that step,
+            # which can take seconds (a long prefill chunk); nothing is left to wait for, so it gets a short grace
+            server_box["engine_stop_s"] = ENGINE_STOP_AFTER_TIMEOUT_S
+            await sup.drain(2.0)  # the error events go out
+        log.info("shutting down: drained in %.2f s; stopping", time.monotonic() - t0)
+        server.should_exit = True
+
+    def on_signal(sig: int) -> None:
+        signals_seen.append(sig)
+        name_ = signal.Signals(sig).name
+        if len(signals_seen) > 1:
+            log.warning("second signal (%s): exiting now", name_)
+            sup.kill_now()
+            logging.shutdown()
+            os._exit(128 + sig)
+        log.info("received %s: graceful shutdown (send it again to exit at once)", name_)
+        sup.begin_drain()
+        server_box["drain"] = asyncio.get_running_loop().create_task(drain_and_stop())  # keep a reference
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        boot.armed = False            # from here a signal is recorded, then replayed through on_signal
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal, sig)
+        for sig in boot.received:     # arrived between disarming and the loop's handlers
+            on_signal(sig)
+        if signals_seen:              # shutting down before the engine was ever spawned
+            await sup.close()
+            return
+        try:
+            await sup.start()
+            log.info("serving %s (%s) on http://%s:%d", name, resolved.path, args.host, args.port)
+            try:
+                await server.serve(sockets=[sock])
+            finally:
+                await sup.close(server_box.get("engine_stop_s", ENGINE_STOP_S))
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)   # resets to SIG_DFL: record-only until the process exits
+            boot.received.clear()
+            boot.install(armed=False)
+
+    try:
+        asyncio.run(main())
+    finally:
+        sock.close()
+    return exit_code

@@ -1,0 +1,519 @@
+"""Text in and out of token ids for the HTTP frontend: chat templates, encoding, incremental detokenization and
+stop strings.
+
+The engine sees token ids only; everything textual happens here (DESIGN.md, "Processes"). This module must not
+import torch: it loads the tokenizer through ``PreTrainedTokenizerFast`` when the folder has a ``tokenizer.json``
+(that path of transformers does not import torch) and falls back to ``AutoTokenizer`` otherwise.
+
+Text-out pipeline per choice (see :class:`TextStream`)::
+
+    token ids ─▶ IncrementalDetokenizer ─▶ StopChecker ─▶ text safe to send
+
+- :class:`IncrementalDetokenizer` never emits half a UTF-8 character and costs O(window) per step.
+- :class:`StopChecker` finds stop strings spanning tokens and holds back text that could start one.
+
+Text in: client text is never parsed as control tokens. :meth:`TextCodec.encode` tokenizes its text with the
+special tokens (``<|im_end|>``, ``<|endoftext|>``, ... : the added tokens flagged special) spelled as text, so a
+prompt cannot end a turn or forge a role; :meth:`TextCodec.apply_chat_template` renders the template with every
+special-token string inside the client's messages (and tools, and string template arguments) replaced by a
+placeholder, tokenizes the template's own markup with the special tokens parsed, and the placeholders as text.
+Any route that tokenizes through TextCodec gets this. Added tokens that are not flagged special (Qwen3's
+``<think>``, ``<tool_call>``) are still parsed: chat templates look for them in message content, and the model
+writes them itself. Token-id prompts are the way to send control tokens on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+from functools import lru_cache
+from typing import Any, Callable, Iterable, Sequence
+
+from ferrylm.errors import InvalidRequest, ModelLoadError
+from ferrylm.faults import NO_FAULTS, FaultInjector
+
+logger = logging.getLogger(__name__)
+
+REPLACEMENT_CHAR = "\ufffd"
+
+# chat_template_kwargs a client may not override: they change what apply_chat_template returns, replace the
+# conversation, or inject a template of the client's choosing.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+def client_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """A request's ``chat_template_kwargs`` without the reserved names (ignored, logged at debug), safe to pass
+    as ``**kwargs`` next to :meth:`TextCodec.apply_chat_template`'s own arguments."""
+    if not kwargs:
+        return {}
+    out = {k: v for k, v in kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS}
+    if len(out) < len(kwargs):
+        logger.debug("ignoring reserved chat_template_kwargs: %s", sorted(set(kwargs) - set(out)))
+    return out
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The GPT-2 byte-level alphabet: each byte 0..255 as a printable character."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+_BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
+_BYTE_FALLBACK_RE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _load_fast_tokenizer(path: str) -> Any:
+    """Load a folder with a ``tokenizer.json`` without importing torch.
+
+    ``AutoTokenizer`` imports the model-config machinery (and with it torch), so the class named by
+    ``tokenizer_config.json`` (``tokenizer_class``) is looked up on the ``transformers`` package directly, which
+    imports only that tokenizer's module; ``PreTrainedTokenizerFast`` is the fallback.
+    """
+    import transformers
+
+    name = ""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            name = str(json.load(f).get("tokenizer_class") or "")
+    except (OSError, ValueError):
+        pass
+    if name.endswith(("Tokenizer", "TokenizerFast")):
+        klass = getattr(transformers, name, None)
+        if isinstance(klass, type) and issubclass(klass, transformers.PreTrainedTokenizerBase):
+            try:
+                return klass.from_pretrained(path)
+            except Exception as e:  # noqa: BLE001 - fall back to the generic fast tokenizer
+                logger.warning("loading %s with %s failed (%s); using PreTrainedTokenizerFast", path, name, e)
+    return transformers.PreTrainedTokenizerFast.from_pretrained(path)
+
+
+class TextCodec:
+    """A Hugging Face tokenizer plus the operations the server needs.
+
+    Args:
+        tokenizer: a transformers tokenizer (fast tokenizers are decoded through their ``tokenizers`` backend).
+        name_or_path: for logs.
+
+    All methods are synchronous and cheap enough for the event loop for ordinary prompt sizes.
+
+    Attributes:
+        faults: the frontend's fault injector (point ``detokenize``), handed to every detokenizer; off unless
+            the server sets it (``server/process/launch.py``).
+    """
+
+    def __init__(self, tokenizer: Any, name_or_path: str = ""):
+        self.tokenizer = tokenizer
+        self.name_or_path = name_or_path
+        self.faults = NO_FAULTS
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        decoder = getattr(self._backend, "decoder", None) if self._backend is not None else None
+        self._byte_level = type(decoder).__name__ == "ByteLevel"
+        self.token_text = lru_cache(maxsize=65536)(self._token_text)  # type: ignore[method-assign]
+        self.token_bytes = lru_cache(maxsize=65536)(self._token_bytes)  # type: ignore[method-assign]
+        self.special_strings = _special_strings(tokenizer)
+        self._special_re = re.compile("|".join(re.escape(t) for t in sorted(self.special_strings, key=len,
+                                                                            reverse=True))) \
+            if self.special_strings else None
+        self._text_backend = None
+        if self._backend is not None and self.special_strings:
+            # NOTE: a copy of its own: ``encode_special_tokens`` is a setting of the whole Tokenizer object, and
+            # tokenization runs in worker threads (never toggle a shared one)
+            from tokenizers import Tokenizer
+
+            self._text_backend = Tokenizer.from_str(self._backend.to_str())
+            self._text_backend.encode_special_tokens = True
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "TextCodec":
+        """Load the tokenizer in a Hugging Face folder (``trust_remote_code=False``).
+
+        Raises:
+            ModelLoadError: the folder has no loadable tokenizer.
+        """
+        path = os.fspath(path)
+        try:
+            if path.lower().endswith(".gguf") and os.path.isfile(path):  # built from the file's metadata
+                from ferrylm.checkpoints.gguf_convert import gguf_tokenizer
+
+                tok = gguf_tokenizer(path)
+            elif os.path.isfile(os.path.join(path, "tokenizer.json")):
+                tok = _load_fast_tokenizer(path)
+            else:  # slow / sentencepiece-only folders; this path may import torch inside transformers
+                from transformers import AutoTokenizer
+
+                tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        except Exception as e:  # noqa: BLE001 - any loader failure is a model-load problem
+            raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {e}") from e
+        return cls(tok, name_or_path=path)
+
+    # ---- facts -------------------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows (base vocabulary + added tokens)."""
+        return len(self.tokenizer)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The tokenizer's EOS id (empty when it has none)."""
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return () if eos is None else (int(eos),)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    # ---- text in -----------------------------------------------------------------------------------------
+    def render_chat(self, messages: list[dict], /, add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None, *, continue_final_message: bool = False,
+                    **chat_template_kwargs: Any) -> str:
+        """Render ``messages`` with the tokenizer's chat template and return the prompt text.
+
+        ``tools``: OpenAI-shape tool definitions for templates that render them. ``continue_final_message``: the
+        last (assistant) message is left open so the model continues it (vLLM's field; no generation prompt).
+
+        Raises:
+            InvalidRequest: no chat template, or the template failed on these messages (param ``messages``).
+        """
+        if not self.has_chat_template:
+            raise InvalidRequest("this model has no chat template; use /v1/completions with a raw prompt",
+                                 param="messages")
+        kwargs = {k: v for k, v in chat_template_kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS}
+        dropped = set(chat_template_kwargs) - set(kwargs)
+        if dropped:
+            logger.debug("ignoring reserved chat_template_kwargs: %s", sorted(dropped))
+        try:
+            if continue_final_message:
+                kwargs["continue_final_message"] = True
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **kwargs)
+        except Exception as e:  # noqa: BLE001 - jinja2 TemplateError, TypeError, ... all come from the input
+            logger.debug("chat template failed", exc_info=True)
+            raise InvalidRequest(f"chat template error: {e}", param="messages") from e
+        if not isinstance(text, str):
+            raise InvalidRequest("chat template did not render to text", param="messages")
+        return text
+
+    def apply_chat_template(self, messages: list[dict], /, add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, *, continue_final_message: bool = False,
+                            **chat_template_kwargs: Any) -> list[int]:
+        """Render ``messages`` with the chat template and tokenize the result (no extra special tokens: the
+        template writes its own BOS). Special-token strings inside the messages, tools and string arguments are
+        tokenized as text; the template's own markup as the special tokens (module docstring). Raises
+        InvalidRequest like :meth:`render_chat`."""
+        if self._special_re is None:
+            text = self.render_chat(messages, add_generation_prompt, tools,
+                                    continue_final_message=continue_final_message, **chat_template_kwargs)
+            return self._encode_markup(text)
+        nonce = secrets.token_hex(8)
+        found: list[str] = []
+
+        def protect(value: Any) -> Any:
+            if isinstance(value, str):
+                def mark(m: re.Match) -> str:
+                    found.append(m.group(0))
+                    return f"\ufdd0{nonce}{len(found) - 1}\ufdd1"
+                return self._special_re.sub(mark, value)
+            if isinstance(value, dict):
+                return {k: protect(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [protect(v) for v in value]
+            return value
+
+        text = self.render_chat(protect(messages), add_generation_prompt, protect(tools) if tools else tools,
+                                continue_final_message=continue_final_message, **protect(chat_template_kwargs))
+        if not found:
+            return self._encode_markup(text)
+        ids: list[int] = []
+        pos = 0
+        for m in re.finditer(f"\ufdd0{nonce}(\\d+)\ufdd1", text):
+            ids += self._encode_markup(text[pos:m.start()])
+            ids += self.encode(found[int(m.group(1))], add_special_tokens=False)
+            pos = m.end()
+        return ids + self._encode_markup(text[pos:])
+
+    @property
+    def chat_template(self) -> Any:
+        """The template source (a string, or named templates), None without one."""
+        return getattr(self.tokenizer, "chat_template", None)
+
+    def set_chat_template(self, template: str) -> None:
+        """Use ``template`` (Jinja text) instead of the tokenizer's own (``--chat-template``)."""
+        self.tokenizer.chat_template = template
+
+    def encode(self, prompt: str, add_special_tokens: bool = True, *, parse_special: bool = False) -> list[int]:
+        """Token ids of client text ``prompt``: special-token strings in it are tokenized as text, never as the
+        special tokens (``parse_special`` True parses them: text the server or the operator wrote, never a
+        client's). ``add_special_tokens`` adds the tokenizer's BOS/EOS policy."""
+        if parse_special or not self.special_strings:
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        if self._text_backend is not None:
+            # NOTE: encode_batch, not encode: the tokenizers binding releases the GIL only in the batch call, and
+            # prompts are tokenized in worker threads beside the event loop (a 4.5M-character prompt held the GIL
+            # for 5.5 s through encode: /health stalled with it; fresh-user trial, session 12)
+            return list(self._text_backend.encode_batch([prompt], add_special_tokens=add_special_tokens)[0].ids)
+        # a tokenizer without a fast backend (sentencepiece-only folders)
+        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens, split_special_tokens=True))
+
+    def _encode_markup(self, text: str) -> list[int]:
+        """Token ids of text the chat template wrote (its special-token strings are the special tokens)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+    # ---- text out ----------------------------------------------------------------------------------------
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` (no clean-up of tokenization spaces, so incremental and whole decodes agree)."""
+        if self._backend is not None:
+            return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    def _token_text(self, token_id: int) -> str:
+        """Text of one token as the logprobs ``token`` field (special tokens spelled out; may contain U+FFFD
+        when the token is part of a multi-byte character)."""
+        return self.decode([token_id], skip_special_tokens=False)
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        """Raw UTF-8 bytes of one token (exact for byte-level BPE and ``<0xNN>`` byte-fallback tokens)."""
+        piece = self.tokenizer.convert_ids_to_tokens(int(token_id))
+        if isinstance(piece, str):
+            if self._byte_level and all(c in _BYTE_DECODER for c in piece):
+                return bytes(_BYTE_DECODER[c] for c in piece)
+            m = _BYTE_FALLBACK_RE.match(piece)
+            if m:
+                return bytes([int(m.group(1), 16)])
+        return self.token_text(token_id).encode("utf-8")
+
+    def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+        """A fresh :class:`IncrementalDetokenizer` whose context is the tail of ``prompt_ids``."""
+        return IncrementalDetokenizer(self.decode, prompt_ids, skip_special_tokens=skip_special_tokens,
+                                      faults=self.faults)
+
+
+def _special_strings(tokenizer: Any) -> frozenset[str]:
+    """The text of every added token flagged special (``added_tokens_decoder``; ``all_special_tokens`` as a
+    fallback): the strings a client must not be able to turn into control tokens."""
+    out: set[str] = set()
+    try:
+        for tok in getattr(tokenizer, "added_tokens_decoder", {}).values():
+            if getattr(tok, "special", False) and getattr(tok, "content", ""):
+                out.add(str(tok.content))
+    except Exception:  # noqa: BLE001 - an exotic tokenizer: fall back below
+        pass
+    if not out:
+        out.update(str(t) for t in (getattr(tokenizer, "all_special_tokens", None) or []) if t)
+    return frozenset(out)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text, one step at a time.
+
+    Prefix-offset technique: keep two offsets into the token list. ``prefix`` marks the start of a small window of
+    already-emitted tokens that give the decoder its context (leading spaces, byte pieces); ``read`` marks the
+    first token whose text has not been emitted. Each step decodes ``tokens[prefix:read]`` and
+    ``tokens[prefix:]`` and emits the difference, so the cost is O(window), not O(sequence). When the new text
+    ends with U+FFFD it is an incomplete UTF-8 sequence: nothing is emitted and the tokens wait for the bytes
+    that complete the character. :meth:`flush` emits whatever is left at the end (a genuinely invalid sequence
+    then appears as U+FFFD).
+
+    Args:
+        decode: ``decode(ids, skip_special_tokens) -> str``.
+        prompt_ids: the prompt; its last :attr:`CONTEXT` tokens seed the window (their text is never emitted).
+        skip_special_tokens: drop special tokens from the text.
+        faults: fault injector (point ``detokenize``: :meth:`step` raises MemoryError when it fires).
+    """
+
+    CONTEXT = 5          # prompt tokens used as the initial decode context
+    MAX_PENDING = 16     # a held tail longer than this cannot be one incomplete character: emit it anyway
+    _TRIM_AT = 1024      # drop emitted tokens before ``prefix`` once this many accumulate
+
+    def __init__(self, decode: Callable[[Sequence[int], bool], str], prompt_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True, faults: FaultInjector = NO_FAULTS):
+        self._decode = decode
+        self._faults = faults
+        self._prompt_len = len(prompt_ids)
+        self._skip = skip_special_tokens
+        self._tokens: list[int] = list(prompt_ids[-self.CONTEXT:]) if self.CONTEXT else []
+        self._prefix = 0
+        self._read = len(self._tokens)
+        self.text = ""          # all text emitted so far
+        self.num_tokens = 0     # generated tokens fed so far
+
+    def step(self, token_ids: Iterable[int]) -> str:
+        """Feed new token ids; return the newly complete text ('' when it is held back).
+
+        Raises:
+            MemoryError: a host allocation failed (or the ``detokenize`` fault fired); the caller fails only
+                this request (503 ``insufficient_memory``).
+        """
+        if self._faults.enabled:
+            self._faults.check_host("detokenize", prompt_tokens=self._prompt_len)
+        for t in token_ids:
+            self._tokens.append(int(t))
+            self.num_tokens += 1
+        if self._read >= len(self._tokens):
+            return ""
+        prefix_text = self._decode(self._tokens[self._prefix:self._read], self._skip)
+        new_text = self._decode(self._tokens[self._prefix:], self._skip)
+        pending = len(self._tokens) - self._read
+        if new_text.endswith(REPLACEMENT_CHAR) and pending <= self.MAX_PENDING:
+            return ""
+        return self._advance(prefix_text, new_text)
+
+    def flush(self) -> str:
+        """Emit the text of every token fed so far, even an incomplete character (call once at the end)."""
+        if self._read >= len(self._tokens):
+            return ""
+        prefix_text = self._decode(self._tokens[self._prefix:self._read], self._skip)
+        new_text = self._decode(self._tokens[self._prefix:], self._skip)
+        return self._advance(prefix_text, new_text)
+
+    def _advance(self, prefix_text: str, new_text: str) -> str:
+        if new_text == prefix_text:  # e.g. a skipped special token: nothing to emit, nothing to wait for
+            self._read = len(self._tokens)
+            return ""
+        if len(new_text) < len(prefix_text):  # the decoder rewrote the context; wait for more tokens
+            return ""
+        delta = new_text[len(prefix_text):]
+        self._prefix = self._read
+        self._read = len(self._tokens)
+        if self._prefix >= self._TRIM_AT:
+            del self._tokens[:self._prefix]
+            self._read -= self._prefix
+            self._prefix = 0
+        self.text += delta
+        return delta
+
+
+class StopChecker:
+    """Finds stop strings in streamed text, across token boundaries.
+
+    Text is fed in pieces; :meth:`feed` returns the part that is safe to send. A tail that could be the start of
+    a stop string is held back until the next piece decides it. When a stop string is found the output is cut
+    before it (or after it with ``include_stop_str_in_output``), :attr:`stopped` becomes True and every later
+    piece is ignored; the caller must then abort the engine request. At the end of a request that did not stop,
+    :meth:`flush` returns the held tail.
+    """
+
+    def __init__(self, stop: Sequence[str] = (), include_stop_str_in_output: bool = False):
+        self.stop = [s for s in stop if s]
+        self.include = include_stop_str_in_output
+        self._held = ""
+        self.stopped = False
+        self.matched: str | None = None
+
+    def feed(self, text: str) -> str:
+        """Add ``text``; return what may be sent now."""
+        if self.stopped or not text:
+            return ""
+        if not self.stop:
+            return text
+        buf = self._held + text
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = buf.find(s)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is not None:
+            i, s = best
+            self.stopped, self.matched, self._held = True, s, ""
+            return buf[:i + len(s)] if self.include else buf[:i]
+        keep = self._partial_suffix_len(buf)
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep]
+
+    def flush(self) -> str:
+        """Return (and forget) the held tail; call when the request ends without a stop string."""
+        out, self._held = ("" if self.stopped else self._held), ""
+        return out
+
+    def _partial_suffix_len(self, buf: str) -> int:
+        """Length of the longest suffix of ``buf`` that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+
+class TextStream:
+    """One choice's text pipeline: detokenize incrementally, then apply stop strings.
+
+    Attributes:
+        text: all text released so far (what the client has been, or will be, sent).
+        stopped: a stop string ended the output; the caller must abort the engine request.
+    """
+
+    def __init__(self, codec: TextCodec, prompt_ids: Sequence[int], *, stop: Sequence[str] = (),
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
+        self.detok = codec.detokenizer(prompt_ids, skip_special_tokens=skip_special_tokens)
+        self.stops = StopChecker(stop, include_stop_str_in_output)
+        self.text = ""
+
+    @property
+    def stopped(self) -> bool:
+        return self.stops.stopped
+
+    def add(self, token_ids: Sequence[int]) -> tuple[str, list[int]]:
+        """Feed generated tokens one by one; return ``(released text, text offsets)``.
+
+        ``offsets[i]`` is the character offset, in the detokenized output, at which token ``i``'s text starts
+        (the legacy completions ``text_offset``).
+        """
+        out: list[str] = []
+        offsets: list[int] = []
+        for t in token_ids:
+            offsets.append(len(self.detok.text))
+            if self.stops.stopped:
+                continue
+            out.append(self.stops.feed(self.detok.step((t,))))
+        delta = "".join(out)
+        self.text += delta
+        return delta, offsets
+
+    def finish(self) -> str:
+        """Release everything held (incomplete bytes, a possible stop prefix) at the end of the request."""
+        if self.stops.stopped:
+            return ""
+        delta = self.stops.feed(self.detok.flush())
+        if not self.stops.stopped:
+            delta += self.stops.flush()
+        self.text += delta
+        return delta
+
+
+def load_chat_template(value: str) -> str:
+    """``--chat-template``: a file path (read), or the Jinja text itself (vLLM takes both). Raises ModelLoadError
+    for a path that names no readable file and is no template either, and for a template Jinja cannot parse."""
+    text = value
+    looks_inline = "{{" in value or "{%" in value
+    if not looks_inline:
+        if not os.path.isfile(value):
+            raise ModelLoadError(f"--chat-template {value!r}: no such file (give a template file or the Jinja text "
+                                 f"itself)")
+        try:
+            with open(value, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"--chat-template {value!r}: cannot read it: {e}") from None
+    try:
+        import jinja2.sandbox
+
+        jinja2.sandbox.ImmutableSandboxedEnvironment().parse(text)
+    except Exception as e:  # noqa: BLE001 - jinja2.TemplateSyntaxError and friends
+        raise ModelLoadError(f"--chat-template: not a valid Jinja template: {e}") from None
+    return text

@@ -1,0 +1,496 @@
+"""Tool calling: the request side (tool definitions, ``tool_choice``, rendering tools into the prompt, the grammar
+that forces a call) and the output side (a parser interface and the Hermes / Qwen ``<tool_call>`` parser).
+
+Output format (Hermes, used by Qwen2.5 / Qwen3 / QwQ and the other families served today)::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+Rendering: a chat template that mentions ``tools`` gets them through ``apply_chat_template(tools=...)`` in the
+OpenAI shape ``{"type": "function", "function": {...}}`` and the messages as they are. A template without a tools
+section (the built-in SmolLM2 models) gets the documented fallback of :func:`fallback_messages`: the tool schemas
+and the call format written into the system turn, earlier assistant calls as ``<tool_call>`` blocks, tool results
+as user turns wrapped in ``<tool_response>``.
+
+``tool_choice``: ``none`` (tools not rendered, nothing parsed), ``auto`` (rendered, parsed), ``required`` and a
+named function (rendered, and enforced by a grammar: :func:`tool_call_grammar`).
+
+A parser (:class:`ToolParser`) is fed the assistant's text incrementally and returns what is now certain: text
+and complete calls. A call is reported once its closing tag is seen and its body is a JSON object naming one of
+the request's tools with object arguments; anything else between the tags goes out as ordinary text, so text
+that only mentions ``<tool_call>`` is never swallowed. Decisions depend only on the text, never on how it was
+split, so a stream and a non-stream response carry the same calls and text. Other formats are subclasses of
+:class:`ToolParser` in ``server/text/tool_formats.py`` and ``server/text/tool_parsers/`` (GLM-4.5, MiniMax-M2, DeepSeek-V3,
+Kimi-K2, Qwen3-Coder; the served model's is chosen in ``tool_formats``), their
+forcing grammars in ``server/text/tool_grammars.py``.
+
+This module must not import torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from ferrylm.errors import InvalidRequest
+from ferrylm.server.text.structured import JSON_OPTIONS, check_ref_cycles, lark_grammar
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+MAX_TOOLS = 128
+#: calls a forced ``required`` reply may hold when parallel calls are allowed (a bound, so that a model repeating
+#: its call, as greedy decoding of a small model does, still ends)
+MAX_FORCED_CALLS = 8
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """One function tool: ``parameters`` is its JSON schema (``{"type": "object"}`` when not given)."""
+
+    name: str
+    description: str = ""
+    parameters: dict = field(default_factory=lambda: {"type": "object"})
+    strict: bool = False
+
+    def openai(self) -> dict:
+        """The OpenAI chat shape templates expect: ``{"type": "function", "function": {...}}``."""
+        fn: dict[str, Any] = {"name": self.name}
+        if self.description:
+            fn["description"] = self.description
+        fn["parameters"] = self.parameters
+        return {"type": "function", "function": fn}
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """``mode``: ``none`` | ``auto`` | ``required`` | ``named`` (then ``name``); ``parallel``: more than one call
+    allowed (``parallel_tool_calls``)."""
+
+    mode: str = "auto"
+    name: str | None = None
+    parallel: bool = True
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "named")
+
+
+@dataclass
+class ToolCall:
+    """A parsed call; ``arguments`` is JSON text of an object."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# request side
+# ---------------------------------------------------------------------------------------------------------
+
+
+def make_tool(name: Any, description: Any, parameters: Any, strict: Any, param: str) -> ToolSpec:
+    """Validate one tool's fields (``param`` is where it sits in the request). Raises InvalidRequest."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise InvalidRequest(f"'{param}.name' must be 1-64 characters of letters, digits, '_', '-' or '.'; got "
+                             f"{name!r}", param=f"{param}.name")
+    if description is not None and not isinstance(description, str):
+        raise InvalidRequest(f"'{param}.description' must be a string", param=f"{param}.description")
+    if parameters is None:
+        parameters = {"type": "object", "properties": {}}
+    if not isinstance(parameters, dict):
+        raise InvalidRequest(f"'{param}.parameters' must be a JSON schema object", param=f"{param}.parameters")
+    if parameters.get("type", "object") != "object":
+        raise InvalidRequest(f"'{param}.parameters' must describe an object (type 'object')",
+                             param=f"{param}.parameters")
+    check_ref_cycles(parameters, f"{param}.parameters")
+    return ToolSpec(name, description or "", parameters, strict is True)
+
+
+def parse_openai_tools(tools: Any, param: str = "tools") -> list[ToolSpec]:
+    """Chat completions ``tools`` (``[{"type": "function", "function": {name, description, parameters,
+    strict}}]``) → ToolSpecs. Raises InvalidRequest naming the element for anything else."""
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise InvalidRequest(f"'{param}' must be a list", param=param)
+    if len(tools) > MAX_TOOLS:
+        raise InvalidRequest(f"at most {MAX_TOOLS} tools are allowed, got {len(tools)}", param=param)
+    out = []
+    for i, t in enumerate(tools):
+        where = f"{param}.{i}"
+        if not isinstance(t, dict) or t.get("type", "function") != "function":
+            raise InvalidRequest(f"'{where}.type' must be 'function' (the only tool type served)",
+                                 param=f"{where}.type")
+        fn = t.get("function")
+        if not isinstance(fn, dict):
+            raise InvalidRequest(f"'{where}.function' must be an object", param=f"{where}.function")
+        out.append(make_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), fn.get("strict"),
+                             f"{where}.function"))
+    check_unique(out, param)
+    return out
+
+
+def check_unique(tools: list[ToolSpec], param: str) -> None:
+    seen: set[str] = set()
+    for t in tools:
+        if t.name in seen:
+            raise InvalidRequest(f"two tools are named {t.name!r}", param=param)
+        seen.add(t.name)
+
+
+def parse_tool_choice(choice: Any, tools: list[ToolSpec], *, parallel: Any = None,
+                      param: str = "tool_choice") -> ToolChoice:
+    """OpenAI ``tool_choice`` (``"none"`` | ``"auto"`` | ``"required"`` | ``{"type": "function", "function":
+    {"name"}}``; the Responses API's ``{"type": "function", "name"}`` too) → ToolChoice.
+
+    Default: ``auto`` with tools, ``none`` without. Raises InvalidRequest (``param``) for an unknown value, a name
+    that is not among the tools, or ``auto`` / ``required`` / a name with no tools.
+    """
+    par = parallel is not False
+    if choice is None:
+        return ToolChoice("auto" if tools else "none", parallel=par)
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise InvalidRequest(f"'{param}' must be 'none', 'auto', 'required' or a named function; got "
+                                 f"{choice!r}", param=param)
+        if choice != "none" and not tools:
+            raise InvalidRequest(f"'{param}' {choice!r} needs 'tools'", param=param)
+        return ToolChoice(choice, parallel=par)
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else choice.get("name")
+        if not isinstance(name, str):
+            raise InvalidRequest(f"'{param}.function.name' is required", param=f"{param}.function.name")
+        if name not in {t.name for t in tools}:
+            raise InvalidRequest(f"'{param}' names the function {name!r}, which is not among 'tools'",
+                                 param=param)
+        return ToolChoice("named", name, parallel=False)
+    raise InvalidRequest(f"'{param}' must be 'none', 'auto', 'required' or {{\"type\": \"function\", "
+                         f"\"function\": {{\"name\": ...}}}}", param=param)
+
+
+def strict_schema(schema: Any) -> Any:
+    """``schema`` with OpenAI's strict semantics for a forced call: every object schema that names ``properties``
+    and says nothing of ``additionalProperties`` gets ``additionalProperties: false`` (no keys the schema does not
+    name), recursively through properties, items and the ``anyOf`` / ``oneOf`` / ``allOf`` branches and ``$defs``.
+    Other keywords are kept; the input is not modified."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in ("properties", "$defs", "definitions", "patternProperties") and isinstance(v, dict):
+            out[k] = {name: strict_schema(sub) for name, sub in v.items()}
+        elif k in ("items", "additionalItems", "anyOf", "oneOf", "allOf", "prefixItems", "not"):
+            out[k] = strict_schema(v)
+        else:
+            out[k] = v
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _call_schema(t: ToolSpec, at: str = "#") -> dict:
+    """The schema of one call to ``t`` (strict, :func:`strict_schema`), placed at the JSON pointer ``at`` of the
+    grammar's schema: the parameters' local ``$ref`` s (``#``, ``#/$defs/x``) are rebased to where the parameters
+    now sit."""
+    args = _rebase_refs(strict_schema(t.parameters), f"{at}/properties/arguments")
+    return {"type": "object", "properties": {"name": {"const": t.name}, "arguments": args},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _rebase_refs(node: Any, prefix: str) -> Any:
+    if isinstance(node, dict):
+        return {k: (prefix + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                    else _rebase_refs(v, prefix)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rebase_refs(v, prefix) for v in node]
+    return node
+
+
+def lark_term(codec: Any):
+    """``text -> Lark term`` with ``codec``'s vocabulary: a tag that is one added token (Qwen's ``<tool_call>`` =
+    151657, GLM-4.5's ``<arg_key>``) must be generated as that token, so it is written ``<[id]>``; otherwise the
+    literal text."""
+    added = getattr(getattr(codec, "tokenizer", None), "added_tokens_decoder", None) or {}
+
+    def term(text: str) -> str:
+        ids = codec.encode(text, add_special_tokens=False, parse_special=True) if codec is not None else []
+        return f"<[{ids[0]}]>" if len(ids) == 1 and ids[0] in added else json.dumps(text)
+
+    return term
+
+
+def tag_terms(codec: Any) -> tuple[str, str]:
+    """Lark terms for Hermes' opening and closing tags with ``codec``'s vocabulary (:func:`lark_term`)."""
+    term = lark_term(codec)
+    return term(HermesToolParser.OPEN), term(HermesToolParser.CLOSE)
+
+
+def tool_call_grammar(tools: list[ToolSpec], choice: ToolChoice, param: str = "tool_choice",
+                      tags: tuple[str, str] | None = None) -> str | None:
+    """The grammar that forces calls for ``required`` (one or more calls, or exactly one when parallel calls
+    are off) and a named function (exactly one call to it); None for ``none`` / ``auto``.
+
+    The output is Hermes format, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, calls joined by
+    a newline (at most :data:`MAX_FORCED_CALLS`), the arguments valid against each tool's schema with OpenAI's
+    strict semantics (:func:`strict_schema`: no keys the schema does not name). ``tags``: the Lark terms of the two tags
+    (:func:`tag_terms`; default the literal text). Raises InvalidRequest when a schema cannot be enforced.
+    """
+    if not choice.forced:
+        return None
+    chosen = [t for t in tools if choice.mode == "required" or t.name == choice.name]
+    schemas = ([_call_schema(chosen[0], "#")] if len(chosen) == 1
+               else [_call_schema(t, f"#/anyOf/{i}") for i, t in enumerate(chosen)])
+    body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    body = {**body, "x-guidance": {**JSON_OPTIONS, "lenient": True}}
+    repeat = f' ("\\n" call){{0,{MAX_FORCED_CALLS - 1}}}' if choice.mode == "required" and choice.parallel else ""
+    open_, close = tags or (json.dumps(HermesToolParser.OPEN), json.dumps(HermesToolParser.CLOSE))
+    lark = (f"start: call{repeat}\n"
+            f"call: {open_} \"\\n\" body \"\\n\" {close}\n"
+            f"body: %json{json.dumps(body)}\n")
+    return lark_grammar(lark, "tools")
+
+
+def template_supports_tools(chat_template: Any) -> bool:
+    """True when the chat template renders ``tools`` itself (it refers to the variable)."""
+    if isinstance(chat_template, dict):   # named templates: the default one, or a "tool_use" one
+        return any(template_supports_tools(v) for v in chat_template.values())
+    if isinstance(chat_template, list):
+        return any(template_supports_tools(t.get("template")) for t in chat_template if isinstance(t, dict))
+    return isinstance(chat_template, str) and re.search(r"\btools\b", chat_template) is not None
+
+
+FALLBACK_HEADER = ("# Tools\n\nYou can call functions to help with the request. Their signatures, as JSON, are "
+                   "between <tools> and </tools>:\n<tools>\n")
+FALLBACK_FOOTER = ("\n</tools>\n\nTo call a function, answer with one line per call, each of the form\n"
+                   "<tool_call>\n{\"name\": <function name>, \"arguments\": <JSON object of arguments>}\n</tool_call>")
+
+
+def fallback_messages(messages: list[dict], tools: list[ToolSpec], fmt: str = "hermes") -> list[dict]:
+    """Messages for a template without a tools section: the tool schemas and the call format appended to the
+    system turn (one is added at the front when there is none); assistant ``tool_calls`` become call blocks in its
+    text; ``tool`` results become user turns ``<tool_response>\\n...\\n</tool_response>``. ``fmt``: the served
+    call format (``hermes``; the others through :mod:`ferrylm.server.text.tool_formats`: one block per call, or one
+    section for a turn's calls in the DeepSeek and Kimi formats), so the model is taught, and shown, the markup its
+    parser reads."""
+    if fmt == "hermes":
+        footer, render = FALLBACK_FOOTER, (lambda cs: "\n".join(format_call(c) for c in cs))
+    else:
+        from ferrylm.server.text.tool_formats import fallback_footer, format_calls_as
+
+        footer, render = fallback_footer(fmt), (lambda cs: format_calls_as(fmt, cs))
+    out: list[dict] = []
+    for m in messages:
+        m = dict(m)
+        calls = m.pop("tool_calls", None)
+        if m.get("role") == "assistant" and calls:
+            m["content"] = "\n".join(([m["content"]] if m.get("content") else []) + [render(calls)])
+        elif m.get("role") == "tool":
+            m = {"role": "user", "content": f"<tool_response>\n{m.get('content', '')}\n</tool_response>"}
+        out.append(m)
+    if tools:
+        text = FALLBACK_HEADER + "\n".join(json.dumps(t.openai()["function"], ensure_ascii=False) for t in tools) \
+            + footer
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{text}".lstrip()}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def call_fields(call: Any) -> tuple[Any, Any]:
+    """``(name, arguments)`` of an earlier call (OpenAI ``tool_calls`` entry), arguments decoded from JSON text when
+    they are (else left as given)."""
+    fn = call.get("function", call) if isinstance(call, dict) else {}
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            pass
+    return fn.get("name"), args
+
+
+def format_call(call: Any) -> str:
+    """One earlier call (OpenAI ``tool_calls`` entry) as a Hermes block."""
+    fn = call.get("function", call) if isinstance(call, dict) else {}
+    _, args = call_fields(call)
+    return "<tool_call>\n" + json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False) + \
+        "\n</tool_call>"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# output side
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Piece:
+    """What a parser releases: ``text`` (ordinary content) or a complete ``call``."""
+
+    text: str = ""
+    call: ToolCall | None = None
+
+
+class ToolParser:
+    """Interface: ``feed(text)`` → pieces now certain; ``finish()`` → the rest at the end of the output.
+    ``calls`` counts the calls released so far."""
+
+    calls: int = 0
+
+    def feed(self, text: str) -> list[Piece]:
+        raise NotImplementedError
+
+    def finish(self) -> list[Piece]:
+        raise NotImplementedError
+
+
+def _partial_suffix(buf: str, tag: str) -> int:
+    """Length of the longest suffix of ``buf`` that is a proper prefix of ``tag``."""
+    for k in range(min(len(tag) - 1, len(buf)), 0, -1):
+        if buf.endswith(tag[:k]):
+            return k
+    return 0
+
+
+def _close_outside_json_string(buf: str, tag: str) -> int:
+    """Index of the first ``tag`` in ``buf`` that is not inside a JSON string literal (-1: none yet)."""
+    in_str = esc = False
+    i, n = 0, len(buf)
+    while i < n:
+        c = buf[i]
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c == "<" and buf.startswith(tag, i):
+            return i
+        i += 1
+    return -1
+
+
+def decode_arguments(value: Any) -> dict | None:
+    """A call's arguments as an object: ``value`` itself when it is one, the object a JSON string holds (models
+    and templates that encode the arguments twice), else None."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    return value if isinstance(value, dict) else None
+
+
+class HermesToolParser(ToolParser):
+    """``<tool_call>{json}</tool_call>`` blocks (see the module docstring for the rules).
+
+    Whitespace next to a call is not content: the blank run before a call, between calls and after the last one
+    is dropped (so a reply made only of calls has no text).
+
+    Args:
+        tool_names: the request's tools; a block naming another function stays text. None: any name.
+    """
+
+    OPEN = "<tool_call>"
+    CLOSE = "</tool_call>"
+
+    def __init__(self, tool_names: Iterable[str] | None = None):
+        self.names = None if tool_names is None else frozenset(tool_names)
+        self.calls = 0
+        self._buf = ""
+        self._in_call = False
+        self._ws = ""            # trailing whitespace of released text, held until we know what follows it
+        self._after_call = False  # drop the whitespace that follows a call
+        self._raw_close = False   # finish(): a body whose strings never close ends at the first closing tag
+
+    def feed(self, text: str) -> list[Piece]:
+        self._buf += text
+        out: list[Piece] = []
+        while True:
+            if self._in_call:
+                # NOTE: the closing tag that ends the call is the first one outside a JSON string: a string
+                # argument may hold "</tool_call>" itself (a forced call's grammar allows any string)
+                j = self._buf.find(self.CLOSE) if self._raw_close else _close_outside_json_string(self._buf,
+                                                                                                   self.CLOSE)
+                body = self._buf if j < 0 else self._buf[:j]
+                stripped = body.lstrip()
+                if stripped and not stripped.startswith("{"):   # not a call: the tag was just mentioned
+                    self._in_call = False
+                    self._text(self.OPEN, out)
+                    continue
+                if j < 0:
+                    return out
+                self._buf = self._buf[j + len(self.CLOSE):]
+                self._in_call = False
+                call = self._parse(body)
+                if call is None:
+                    self._text(self.OPEN + body + self.CLOSE, out)
+                else:
+                    self._ws = ""
+                    self._after_call = True
+                    self.calls += 1
+                    out.append(Piece(call=call))
+                continue
+            i = self._buf.find(self.OPEN)
+            if i >= 0:
+                self._text(self._buf[:i], out)
+                self._buf = self._buf[i + len(self.OPEN):]
+                self._in_call = True
+                continue
+            keep = _partial_suffix(self._buf, self.OPEN)
+            self._text(self._buf[:len(self._buf) - keep], out)
+            self._buf = self._buf[len(self._buf) - keep:]
+            return out
+
+    def finish(self) -> list[Piece]:
+        out = self.feed("")
+        if self._in_call and self.CLOSE in self._buf:   # a malformed body (an unclosed string): the first tag
+            self._raw_close = True
+            out += self.feed("")
+        rest = (self.OPEN if self._in_call else "") + self._buf
+        self._buf, self._in_call = "", False
+        self._text(rest, out)
+        if self._ws and not self.calls:
+            out.append(Piece(self._ws))
+        self._ws = ""
+        return out
+
+    def _text(self, text: str, out: list[Piece]) -> None:
+        """Release ``text`` as content, holding its trailing whitespace (and dropping leading whitespace right
+        after a call)."""
+        if not text:
+            return
+        if self._after_call:
+            text = text.lstrip()
+            if not text:
+                return
+            self._after_call = False
+        body = text.rstrip()
+        if body:
+            out.append(Piece(self._ws + body))
+            self._ws = ""
+        self._ws += text[len(body):]
+
+    def _parse(self, body: str) -> ToolCall | None:
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        args = decode_arguments(obj.get("arguments", obj.get("parameters", {})))
+        if args is None:
+            return None
+        if self.names is not None and obj["name"] not in self.names:
+            return None
+        return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
