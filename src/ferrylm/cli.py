@@ -8,8 +8,10 @@ import sys
 
 from typing import TYPE_CHECKING
 
-from ferrylm.config import ATTENTION_BACKENDS, CACHE_POLICIES, CPU_KERNELS, EngineConfig
-from ferrylm.server.text.tool_formats import TOOL_PARSER_CHOICES
+from ferrylm.config import CACHE_POLICIES, CPU_KERNELS, EngineConfig
+from ferrylm.engine.attention import ATTENTION_CHOICES
+from ferrylm.experts.options import MOE_BACKENDS
+from ferrylm.server.text.tool_parsers import TOOL_PARSER_CHOICES
 
 _D = EngineConfig()  # the one source of the serve flags' defaults
 
@@ -19,7 +21,6 @@ if TYPE_CHECKING:
 DEFAULT_MODEL = "smollm2-moe"
 
 
-MOE_BACKEND_CHOICES = ["auto", "resident", "fused", "offload", "cpu", "hybrid"]
 
 
 def _version() -> str:
@@ -113,7 +114,7 @@ def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] 
                    type=int, dest="max_prefill_length", default=None,
                    help="token budget per step (prefill chunk + decodes); --max-num-batched-tokens is vLLM's name, "
                         "--max-extend-length / --chunked-prefill-size SGLang's (default: 2048 on CPU, 8192 on GPU)")
-    p.add_argument("--moe-backend", default=_D.moe_backend, choices=MOE_BACKEND_CHOICES + list(extra_backends),
+    p.add_argument("--moe-backend", default=_D.moe_backend, choices=[*MOE_BACKENDS, *extra_backends],
                    help="where routed experts live and run: resident (= fused) all on the device; offload: a "
                         "device expert cache fed over PCIe; cpu: cache misses computed on the CPU; hybrid: misses "
                         "split between both; auto: resident if it fits, else the fastest predicted"
@@ -167,7 +168,7 @@ def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] 
                         "--cuda-graph-max-batch sequences are captured in CUDA graphs on a CUDA device)")
     p.add_argument("--cuda-graph-max-batch", type=int, default=None, metavar="N",
                    help="largest decode batch run through CUDA graphs (default: --max-running-requests)")
-    p.add_argument("--attention-backend", default=_D.attention_backend, choices=list(ATTENTION_BACKENDS),
+    p.add_argument("--attention-backend", default=_D.attention_backend, choices=list(ATTENTION_CHOICES),
                    help="attention kernels: triton (reads the paged KV pool in place; CUDA), torch (gathers, SDPA; "
                         "the CPU path), auto: triton on CUDA (default: auto)")
     p.add_argument("--cuda-graph-max-len", type=int, default=_D.cuda_graph_max_len, metavar="TOKENS",

@@ -18,7 +18,6 @@ from ferrylm.errors import ModelLoadError
 CPU_KERNELS = ("auto", "native", "torch")
 #: ``--moe-cache-policy`` names (experts/cache.py ``make_policy``; measured in docs/ROUTING.md)
 CACHE_POLICIES = ("layer-lru", "lru", "layer-lrfu")
-ATTENTION_BACKENDS = ("auto", "triton", "torch")  # EngineConfig.attention_backend, see engine/attention
 DECODE_GRAPH_MODES = ("auto", "off", "eager", "cuda")  # EngineConfig.decode_graphs, see engine/decode_graph.py
 
 @dataclass(frozen=True)
@@ -354,8 +353,6 @@ class EngineConfig:
              f"decode_graphs must be one of {', '.join(DECODE_GRAPH_MODES)}, got {self.decode_graphs!r}"),
             (self.cuda_graph_max_batch is None or self.cuda_graph_max_batch >= 1,
              "--cuda-graph-max-batch must be >= 1"),
-            (self.attention_backend in ATTENTION_BACKENDS,
-             f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"),
             (self.cuda_graph_max_len >= 1, "--cuda-graph-max-len must be >= 1 token"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"),

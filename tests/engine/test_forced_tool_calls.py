@@ -21,7 +21,7 @@ from ferrylm.engine.engine import Engine
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.checkpoints.loader import load_model
 from ferrylm.server.api.assistant import TurnConfig, whole_turn
-from ferrylm.server.text.tool_grammars import forced_call_grammar
+from ferrylm.server.text.tool_parsers.grammars import forced_call_grammar
 from ferrylm.server.text.tools import MAX_FORCED_CALLS, ToolChoice, ToolSpec, lark_term, tag_terms, tool_call_grammar
 from tests.models.hf_checkpoints import _randomize_
 from tests.server.glm_like import build_glm_like_tokenizer

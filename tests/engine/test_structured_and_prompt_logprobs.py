@@ -104,7 +104,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 
 def test_forced_tool_call_through_the_engine(tok_dir) -> None:
-    from ferrylm.server.text.tools import HermesToolParser, ToolChoice, parse_openai_tools, tag_terms, tool_call_grammar
+    from ferrylm.server.text.tool_parsers.hermes import HermesToolParser
+    from ferrylm.server.text.tools import ToolChoice, parse_openai_tools, tag_terms, tool_call_grammar
 
     codec = TextCodec.from_pretrained(tok_dir)
     eos = codec.eos_token_ids[0]

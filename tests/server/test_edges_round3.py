@@ -188,7 +188,7 @@ async def test_tool_call_with_close_tag_inside_a_string_argument(codec, stream: 
 
 
 def test_unclosed_string_body_still_ends_at_the_tag() -> None:
-    from ferrylm.server.text.tools import HermesToolParser
+    from ferrylm.server.text.tool_parsers.hermes import HermesToolParser
 
     p = HermesToolParser(["f"])
     pieces = p.feed('<tool_call>{"name": "f", "arguments": {"x": "oops}}</tool_call> after') + p.finish()

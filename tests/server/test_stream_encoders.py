@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from ferrylm.server.api import anthropic as an
 from ferrylm.server.api import responses as rs
 from ferrylm.server.api.assistant import TurnDelta
-from ferrylm.server.text.tools import ToolCall
+from ferrylm.server.text.tool_parsers.base import ToolCall
 
 _CALLS = st.builds(lambda n, a: ToolCall(n, json.dumps({"x": a})), st.sampled_from(["f", "g"]), st.integers(0, 9))
 _DELTA = st.tuples(st.sampled_from(["", "think "]), st.sampled_from(["", "text ", "é🙂"]),

@@ -1,4 +1,4 @@
-"""GLM-4.5 and MiniMax-M2 tool-call parsers (server/text/tool_formats.py): calls and text separated, values typed by
+"""GLM-4.5 and MiniMax-M2 tool-call parsers (server/text/tool_parsers/glm45.py, minimax_m2.py): calls and text separated, values typed by
 the tool's schema, text that is not a call never swallowed, any chunking of the stream giving the same calls and
 text (hypothesis), reasoning split before them, and the choice of parser for a model."""
 
@@ -11,8 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ferrylm.server.api.assistant import TurnConfig, whole_turn
-from ferrylm.server.text.tool_formats import (Glm45ToolParser, MiniMaxM2ToolParser, choose_tool_parser, coerce_value,
-                                         make_tool_parser)
+from ferrylm.server.text.tool_parsers import choose_tool_parser, make_tool_parser
+from ferrylm.server.text.tool_parsers.block import coerce_value
+from ferrylm.server.text.tool_parsers.glm45 import Glm45ToolParser
+from ferrylm.server.text.tool_parsers.minimax_m2 import MiniMaxM2ToolParser
 
 NAMES = ("get_weather", "search")
 SCHEMAS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
@@ -145,7 +147,7 @@ def test_choice_of_parser() -> None:
 def test_fallback_teaches_and_shows_the_served_format(fmt: str) -> None:
     """A template without a tools section gets the fallback in the served format: its instructions show that
     markup, and an earlier call rendered into the history parses back to the same call."""
-    from ferrylm.server.text.tool_formats import format_call_as
+    from ferrylm.server.text.tool_parsers import format_call_as
     from ferrylm.server.text.tools import ToolSpec, fallback_messages
 
     specs = [ToolSpec("get_weather", "", SCHEMAS["get_weather"])]

@@ -1,5 +1,5 @@
 """Forced tool calls in the GLM-4.5, MiniMax-M2, DeepSeek-V3, Kimi-K2 and Qwen3-Coder formats
-(server/text/tool_grammars.py), checked with llguidance's
+(server/text/tool_parsers/grammars.py), checked with llguidance's
 own matcher over a byte vocabulary: well-formed calls are accepted, calls that break OpenAI's strict semantics
 (a missing required key, a key the schema does not name, a wrong type) are not, and random walks through the
 grammar always end in markup the format's parser turns into calls of the right shape (no text left over)."""
@@ -12,8 +12,8 @@ import random
 import pytest
 
 from ferrylm.errors import InvalidRequest
-from ferrylm.server.text.tool_formats import make_tool_parser
-from ferrylm.server.text.tool_grammars import forced_call_grammar
+from ferrylm.server.text.tool_parsers import make_tool_parser
+from ferrylm.server.text.tool_parsers.grammars import forced_call_grammar
 from ferrylm.server.text.tools import ToolChoice, ToolSpec
 
 llguidance = pytest.importorskip("llguidance")

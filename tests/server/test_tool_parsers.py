@@ -12,8 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ferrylm.server.api.assistant import TurnConfig, whole_turn
-from ferrylm.server.text.tool_formats import (TOOL_PARSER_NAMES, DeepSeekV3ToolParser, KimiK2ToolParser,
-                                         Qwen3CoderToolParser, choose_tool_parser, format_calls_as, make_tool_parser)
+from ferrylm.server.text.tool_parsers import TOOL_PARSERS, choose_tool_parser, format_calls_as, make_tool_parser
+from ferrylm.server.text.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
+from ferrylm.server.text.tool_parsers.kimi_k2 import KimiK2ToolParser
+from ferrylm.server.text.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 from ferrylm.server.text.tool_parsers import deepseek_v3 as ds
 from ferrylm.server.text.tool_parsers import kimi_k2 as kimi
 
@@ -231,7 +233,7 @@ HERMES_TEMPLATE = ('{{- "<tool_call>\\n{\\"name\\": <function-name>, \\"argument
 
 
 def test_choice_of_parser() -> None:
-    assert {"deepseek_v3", "kimi_k2", "qwen3_coder"} <= set(TOOL_PARSER_NAMES)
+    assert {"deepseek_v3", "kimi_k2", "qwen3_coder"} <= set(TOOL_PARSERS.names)
     assert choose_tool_parser("auto", "DeepseekV3ForCausalLM") == "deepseek_v3"
     assert choose_tool_parser("auto", "DeepseekV3ForCausalLM", None, "kimi_k2") == "kimi_k2"
     assert choose_tool_parser(None, "Qwen3NextForCausalLM") == "qwen3_coder"

@@ -50,7 +50,7 @@ ARCHITECTURE_NOTES: dict[str, tuple[str, str]] = {
 
 def architecture_lines() -> list[str]:
     """One line per registered architecture: name, families, tool-call format (``--tool-call-parser auto``), notes."""
-    from ferrylm.server.text.tool_formats import choose_tool_parser
+    from ferrylm.server.text.tool_parsers import choose_tool_parser
 
     archs = supported_architectures()
     width = max(len(a) for a in archs)

@@ -114,13 +114,9 @@ def build_from_banks(name: str, banks, device: torch.device | str, options: Expe
             placed[i] = LayerExperts(gate=le.gate.to(dev), up=le.up.to(dev), down=le.down.to(dev))
         return ResidentExecutor(placed)
     if name not in CACHED_BACKENDS:
-        raise ValueError(f"cannot build backend {name!r} from banks; valid: resident, {', '.join(CACHED_BACKENDS)}")
-    if name == "offload":
-        from ferrylm.experts.offload import OffloadExecutor as cls
-    elif name == "cpu":
-        from ferrylm.experts.cpu import CpuExecutor as cls
-    else:
-        from ferrylm.experts.hybrid import HybridExecutor as cls
+        raise ValueError(f"cannot build backend {name!r} from banks; valid: resident, "
+                         f"{', '.join(CACHED_BACKENDS.names)}")
+    cls = CACHED_BACKENDS.get(name)
     return cls(banks, dev, options)
 
 

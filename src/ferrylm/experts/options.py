@@ -5,10 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ferrylm.config import CACHE_POLICIES, CPU_KERNELS
+from ferrylm.registry import Registry
 
+#: the backends that keep experts in host banks behind a device slot cache: name -> executor class, built as
+#: ``cls(banks, device, options)``
+CACHED_BACKENDS = Registry("--moe-backend", {
+    "cpu": "ferrylm.experts.cpu:CpuExecutor",
+    "hybrid": "ferrylm.experts.hybrid:HybridExecutor",
+    "offload": "ferrylm.experts.offload:OffloadExecutor",
+})
 # NOTE: names accepted by build_executor; "fused" is the vLLM/SGLang spelling of "resident".
-MOE_BACKENDS: tuple[str, ...] = ("auto", "cpu", "fused", "hybrid", "offload", "resident")
-CACHED_BACKENDS: tuple[str, ...] = ("cpu", "hybrid", "offload")
+MOE_BACKENDS: tuple[str, ...] = tuple(sorted(("auto", "fused", "resident", *CACHED_BACKENDS.names)))
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,24 @@ Backends (``--attention-backend``):
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from ferrylm.config import ATTENTION_BACKENDS
-from ferrylm.engine.attention.metadata import AttentionMetadata
-from ferrylm.engine.cache.kv_pool import KVPool
 from ferrylm.faults import NO_FAULTS, FaultInjector
+from ferrylm.registry import Registry
+
+if TYPE_CHECKING:
+    import torch
+
+    from ferrylm.engine.attention.metadata import AttentionMetadata
+    from ferrylm.engine.cache.kv_pool import KVPool
+
+#: resolved backend name -> ``(pool, meta, device, faults) -> backend object`` of a step (``auto`` is a choice,
+#: :func:`resolve_backend`)
+ATTENTION_BACKENDS = Registry("--attention-backend", {
+    "triton": "ferrylm.engine.attention.triton_backend:triton_attention",
+    "torch": "ferrylm.engine.attention.torch_backend:torch_attention",
+})
+ATTENTION_CHOICES = ("auto", *ATTENTION_BACKENDS.names)
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
@@ -34,8 +46,7 @@ def resolve_backend(name: str, device: torch.device) -> str:
         ValueError: unknown name, or ``triton`` asked for where it cannot run (message names
             ``--attention-backend``).
     """
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
+    ATTENTION_BACKENDS.check(name, extra=("auto",))
     if name == "torch":
         return "torch"
     ok = device.type == "cuda" and _triton_available()
@@ -56,10 +67,4 @@ def _triton_available() -> bool:
 def make_backend(name: str, pool: KVPool, meta: AttentionMetadata, device: torch.device,
                  faults: FaultInjector = NO_FAULTS):
     """The attention backend object of a step: ``name`` is a resolved backend (``triton`` or ``torch``)."""
-    if name == "triton":
-        from ferrylm.engine.attention.triton_backend import TritonPagedAttention
-
-        return TritonPagedAttention(pool, meta, faults)
-    from ferrylm.engine.attention.torch_backend import torch_attention
-
-    return torch_attention(pool, meta, device, faults)
+    return ATTENTION_BACKENDS.get(name)(pool, meta, device, faults)

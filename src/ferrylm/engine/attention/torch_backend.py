@@ -209,7 +209,7 @@ class StaticDecodeAttention:
 def torch_attention(pool: KVPool, meta: AttentionMetadata, device: torch.device,
                     faults: FaultInjector = NO_FAULTS) -> PagedAttention:
     """The torch reference backend for ``meta`` (needs ``meta.host_seqs``): per sequence, its slots from its page
-    table, then :class:`~ferrylm.engine.attention.torch_backend.PagedAttention`."""
+    table, then :class:`PagedAttention`."""
     ps = pool.page_size
     seqs, q_start = [], 0
     for q_len, ctx_len, pages in meta.host_seqs:

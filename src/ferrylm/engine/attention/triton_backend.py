@@ -63,3 +63,9 @@ class TritonPagedAttention:
         o = latent_decode_attention(proj.absorb_query(q_nope), q_pe, kc, m.block_table, m.seq_lens, scale,
                                     self.pool.page_size, num_splits=m.num_splits)
         return proj.value_out(o)
+
+
+def triton_attention(pool: KVPool, meta: AttentionMetadata, device: torch.device,
+                     faults: FaultInjector = NO_FAULTS) -> TritonPagedAttention:
+    """The ``triton`` backend for a step (``device``: the pool's, read from ``meta``'s tensors)."""
+    return TritonPagedAttention(pool, meta, faults)

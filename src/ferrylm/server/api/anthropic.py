@@ -40,7 +40,8 @@ from ferrylm.server.api.errors import error_payload, status_for
 from ferrylm.server.text.prompt_hygiene import strip_billing_header
 from ferrylm.server.api.protocol import _Request, parse_request
 from ferrylm.server.api.request_io import read_json
-from ferrylm.server.text.tools import ToolCall, ToolChoice, ToolSpec, check_unique, make_tool
+from ferrylm.server.text.tool_parsers.base import ToolCall
+from ferrylm.server.text.tools import ToolChoice, ToolSpec, check_unique, make_tool
 
 # ---------------------------------------------------------------------------------------------------------
 # request

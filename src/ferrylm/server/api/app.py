@@ -43,7 +43,7 @@ from ferrylm.server.api.completions import CompletionRoutes
 from ferrylm.server.api.protocol import (DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, UsageInfo,
                                      parse_request, to_sampling_params)
 from ferrylm.server.text.reasoning import THINKING_SWITCHES, prompt_opens_thinking, template_has_reasoning
-from ferrylm.server.text.tool_formats import FORMAT_MARKUP, choose_tool_parser
+from ferrylm.server.text.tool_parsers import choose_tool_parser, format_markup
 from ferrylm.server.text.tools import ToolChoice, lark_term, parse_openai_tools, tag_terms, template_supports_tools
 from ferrylm.server.api.generation import ClientGone, Choice, Event, Generation, cleanup, race_disconnect, sse_event
 from ferrylm.server.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -135,8 +135,8 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
         request_timeout: seconds from arrival after which the engine ends a request with 408 ``request_timeout``
             (``--request-timeout``; a request's ``x-request-timeout`` header overrides it); None = no deadline.
         tool_call_parser: the tool-call format (``--tool-call-parser``: ``auto`` or a name of
-            :data:`ferrylm.server.text.tool_formats.TOOL_PARSER_NAMES`; auto: from the chat template, then
-            ``model_type``, then ``architecture``, see :func:`ferrylm.server.text.tool_formats.choose_tool_parser`).
+            :data:`ferrylm.server.text.tool_parsers.TOOL_PARSERS`; auto: from the chat template, then
+            ``model_type``, then ``architecture``, see :func:`ferrylm.server.text.tool_parsers.choose_tool_parser`).
         architecture: the served model's ``architectures[0]``, for the ``auto`` choice.
         model_type: its config's ``model_type`` (Kimi-K2 is ``kimi_k2`` on a DeepSeek-V3 architecture), for
             the ``auto`` choice.
@@ -259,7 +259,7 @@ class _Server(CompletionRoutes):
         # markup the vocabulary holds as special tokens (GLM-4.5's <tool_call>, <arg_key>, <think>): a chat turn that
         # may contain it is detokenized with skip_special_tokens off, else the parsers would never see it
         special = frozenset(getattr(codec, "special_strings", ()) or ())
-        self.special_tool_markup = any(m in special for m in FORMAT_MARKUP[self.tool_parser])
+        self.special_tool_markup = any(m in special for m in format_markup(self.tool_parser))
         self.special_think_markup = self.reasoning and any(m in special for m in ("<think>", "</think>"))
         logger.info("tool-call format: %s", self.tool_parser)
 

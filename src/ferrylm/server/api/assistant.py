@@ -19,7 +19,8 @@ from typing import Any, AsyncIterator, Callable
 from ferrylm.engine.outputs import TokenLogprob
 from ferrylm.server.api.generation import Event, Generation
 from ferrylm.server.text.reasoning import ReasoningSplitter
-from ferrylm.server.text.tools import HermesToolParser, Piece, ToolCall, ToolParser
+from ferrylm.server.text.tool_parsers import make_tool_parser
+from ferrylm.server.text.tool_parsers.base import Piece, ToolCall, ToolParser
 
 
 @dataclass
@@ -45,7 +46,7 @@ class TurnDelta:
 class TurnConfig:
     """How a request's output is read: ``reasoning`` on (template with ``</think>``), whether the prompt opened
     the block already, the tool names to parse calls for (None: no tool parsing), the call format
-    (``tool_parser``: a name of :data:`ferrylm.server.text.tool_formats.TOOL_PARSER_NAMES`) and the tools' parameter
+    (``tool_parser``: a name of :data:`ferrylm.server.text.tool_parsers.TOOL_PARSERS`) and the tools' parameter
     schemas (``name -> schema``; the XML-style formats type argument values by them). Text the parser still holds
     when the output ends (a call cut by ``max_tokens``, forced or not) is content: the client sees every generated
     token."""
@@ -57,17 +58,13 @@ class TurnConfig:
     tool_schemas: dict[str, dict] | None = None
 
     def new_turn(self) -> "AssistantTurn":
-        if self.tool_parser == "hermes":
-            return AssistantTurn(self)
-        from ferrylm.server.text.tool_formats import make_tool_parser
-
         return AssistantTurn(self, lambda names: make_tool_parser(self.tool_parser, names, self.tool_schemas))
 
 
 class AssistantTurn:
     """One choice's text → reasoning / content / calls."""
 
-    def __init__(self, cfg: TurnConfig, tool_parser: Callable[[tuple[str, ...]], ToolParser] = HermesToolParser):
+    def __init__(self, cfg: TurnConfig, tool_parser: Callable[[tuple[str, ...]], ToolParser]):
         self.reasoning = ReasoningSplitter(cfg.starts_in_reasoning) if cfg.reasoning else None
         self.tools = tool_parser(cfg.tool_names) if cfg.tool_names is not None else None
         self.num_calls = 0

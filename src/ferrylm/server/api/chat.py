@@ -29,8 +29,8 @@ from ferrylm.server.api.protocol import (ChatChoiceLogprobs, ChatCompletionChoic
                                      UsageInfo, chat_logprobs, chunk_json, parse_request, to_sampling_params)
 from ferrylm.server.api.request_io import read_json
 from ferrylm.server.text.structured import request_grammar
-from ferrylm.server.text.tools import (ToolCall, ToolChoice, ToolSpec, fallback_messages, parse_openai_tools,
-                                  parse_tool_choice, tool_call_grammar)
+from ferrylm.server.text.tool_parsers.base import ToolCall
+from ferrylm.server.text.tools import ToolChoice, ToolSpec, fallback_messages, parse_openai_tools, parse_tool_choice, tool_call_grammar
 from ferrylm.server.text.tokenizer import TextCodec, client_template_kwargs
 
 SSE_PING = ": ping\n\n"
@@ -85,7 +85,7 @@ class ChatJob:
         if fmt == "hermes":
             grammar = tool_call_grammar(self.tools, self.tool_choice, tags=tags)
         else:
-            from ferrylm.server.text.tool_grammars import forced_call_grammar
+            from ferrylm.server.text.tool_parsers.grammars import forced_call_grammar
 
             grammar = forced_call_grammar(fmt, self.tools, self.tool_choice, *([term] if term else []))
         if grammar is None:

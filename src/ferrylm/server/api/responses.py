@@ -41,7 +41,8 @@ from ferrylm.server.api.errors import error_payload
 from ferrylm.server.api.protocol import _Request, parse_request
 from ferrylm.server.api.request_io import read_json
 from ferrylm.server.text.structured import response_format_grammar
-from ferrylm.server.text.tools import ToolCall, ToolSpec, check_unique, make_tool, parse_tool_choice
+from ferrylm.server.text.tool_parsers.base import ToolCall
+from ferrylm.server.text.tools import ToolSpec, check_unique, make_tool, parse_tool_choice
 
 
 class ResponsesRequest(_Request):

@@ -1,29 +1,16 @@
-"""Tool calling: the request side (tool definitions, ``tool_choice``, rendering tools into the prompt, the grammar
-that forces a call) and the output side (a parser interface and the Hermes / Qwen ``<tool_call>`` parser).
-
-Output format (Hermes, used by Qwen2.5 / Qwen3 / QwQ and the other families served today)::
-
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+"""Tool calling, the request side: tool definitions, ``tool_choice``, rendering tools into the prompt, the grammar
+that forces a Hermes call. The output side (parsing calls out of the model's text, one parser per format) is
+``server/text/tool_parsers/``.
 
 Rendering: a chat template that mentions ``tools`` gets them through ``apply_chat_template(tools=...)`` in the
 OpenAI shape ``{"type": "function", "function": {...}}`` and the messages as they are. A template without a tools
 section (the built-in SmolLM2 models) gets the documented fallback of :func:`fallback_messages`: the tool schemas
-and the call format written into the system turn, earlier assistant calls as ``<tool_call>`` blocks, tool results
+and the call format written into the system turn, earlier assistant calls in the served call format, tool results
 as user turns wrapped in ``<tool_response>``.
 
 ``tool_choice``: ``none`` (tools not rendered, nothing parsed), ``auto`` (rendered, parsed), ``required`` and a
-named function (rendered, and enforced by a grammar: :func:`tool_call_grammar`).
-
-A parser (:class:`ToolParser`) is fed the assistant's text incrementally and returns what is now certain: text
-and complete calls. A call is reported once its closing tag is seen and its body is a JSON object naming one of
-the request's tools with object arguments; anything else between the tags goes out as ordinary text, so text
-that only mentions ``<tool_call>`` is never swallowed. Decisions depend only on the text, never on how it was
-split, so a stream and a non-stream response carry the same calls and text. Other formats are subclasses of
-:class:`ToolParser` in ``server/text/tool_formats.py`` and ``server/text/tool_parsers/`` (GLM-4.5, MiniMax-M2, DeepSeek-V3,
-Kimi-K2, Qwen3-Coder; the served model's is chosen in ``tool_formats``), their
-forcing grammars in ``server/text/tool_grammars.py``.
+named function (rendered, and enforced by a grammar: :func:`tool_call_grammar` for Hermes,
+``tool_parsers/grammars.py`` for the other formats).
 
 This module must not import torch.
 """
@@ -32,12 +19,13 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from ferrylm.errors import InvalidRequest
 from ferrylm.server.text.structured import JSON_OPTIONS, check_ref_cycles, lark_grammar
+from ferrylm.server.text.tool_parsers import fallback_footer, format_calls_as
+from ferrylm.server.text.tool_parsers.hermes import HermesToolParser
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 MAX_TOOLS = 128
@@ -76,20 +64,6 @@ class ToolChoice:
     @property
     def forced(self) -> bool:
         return self.mode in ("required", "named")
-
-
-@dataclass
-class ToolCall:
-    """A parsed call; ``arguments`` is JSON text of an object."""
-
-    name: str
-    arguments: str
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# request side
-# ---------------------------------------------------------------------------------------------------------
 
 
 def make_tool(name: Any, description: Any, parameters: Any, strict: Any, param: str) -> ToolSpec:
@@ -268,23 +242,16 @@ def template_supports_tools(chat_template: Any) -> bool:
 
 FALLBACK_HEADER = ("# Tools\n\nYou can call functions to help with the request. Their signatures, as JSON, are "
                    "between <tools> and </tools>:\n<tools>\n")
-FALLBACK_FOOTER = ("\n</tools>\n\nTo call a function, answer with one line per call, each of the form\n"
-                   "<tool_call>\n{\"name\": <function name>, \"arguments\": <JSON object of arguments>}\n</tool_call>")
 
 
 def fallback_messages(messages: list[dict], tools: list[ToolSpec], fmt: str = "hermes") -> list[dict]:
     """Messages for a template without a tools section: the tool schemas and the call format appended to the
     system turn (one is added at the front when there is none); assistant ``tool_calls`` become call blocks in its
     text; ``tool`` results become user turns ``<tool_response>\\n...\\n</tool_response>``. ``fmt``: the served
-    call format (``hermes``; the others through :mod:`ferrylm.server.text.tool_formats`: one block per call, or one
-    section for a turn's calls in the DeepSeek and Kimi formats), so the model is taught, and shown, the markup its
+    call format (:mod:`ferrylm.server.text.tool_parsers`: one block per call, or one section for a turn's calls in
+    the DeepSeek and Kimi formats), so the model is taught, and shown, the markup its
     parser reads."""
-    if fmt == "hermes":
-        footer, render = FALLBACK_FOOTER, (lambda cs: "\n".join(format_call(c) for c in cs))
-    else:
-        from ferrylm.server.text.tool_formats import fallback_footer, format_calls_as
-
-        footer, render = fallback_footer(fmt), (lambda cs: format_calls_as(fmt, cs))
+    footer, render = fallback_footer(fmt), (lambda cs: format_calls_as(fmt, cs))
     out: list[dict] = []
     for m in messages:
         m = dict(m)
@@ -302,195 +269,3 @@ def fallback_messages(messages: list[dict], tools: list[ToolSpec], fmt: str = "h
         else:
             out.insert(0, {"role": "system", "content": text})
     return out
-
-
-def call_fields(call: Any) -> tuple[Any, Any]:
-    """``(name, arguments)`` of an earlier call (OpenAI ``tool_calls`` entry), arguments decoded from JSON text when
-    they are (else left as given)."""
-    fn = call.get("function", call) if isinstance(call, dict) else {}
-    args = fn.get("arguments", {})
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            pass
-    return fn.get("name"), args
-
-
-def format_call(call: Any) -> str:
-    """One earlier call (OpenAI ``tool_calls`` entry) as a Hermes block."""
-    fn = call.get("function", call) if isinstance(call, dict) else {}
-    _, args = call_fields(call)
-    return "<tool_call>\n" + json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False) + \
-        "\n</tool_call>"
-
-
-# ---------------------------------------------------------------------------------------------------------
-# output side
-# ---------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Piece:
-    """What a parser releases: ``text`` (ordinary content) or a complete ``call``."""
-
-    text: str = ""
-    call: ToolCall | None = None
-
-
-class ToolParser:
-    """Interface: ``feed(text)`` → pieces now certain; ``finish()`` → the rest at the end of the output.
-    ``calls`` counts the calls released so far."""
-
-    calls: int = 0
-
-    def feed(self, text: str) -> list[Piece]:
-        raise NotImplementedError
-
-    def finish(self) -> list[Piece]:
-        raise NotImplementedError
-
-
-def _partial_suffix(buf: str, tag: str) -> int:
-    """Length of the longest suffix of ``buf`` that is a proper prefix of ``tag``."""
-    for k in range(min(len(tag) - 1, len(buf)), 0, -1):
-        if buf.endswith(tag[:k]):
-            return k
-    return 0
-
-
-def _close_outside_json_string(buf: str, tag: str) -> int:
-    """Index of the first ``tag`` in ``buf`` that is not inside a JSON string literal (-1: none yet)."""
-    in_str = esc = False
-    i, n = 0, len(buf)
-    while i < n:
-        c = buf[i]
-        if in_str:
-            if esc:
-                esc = False
-            elif c == "\\":
-                esc = True
-            elif c == '"':
-                in_str = False
-        elif c == '"':
-            in_str = True
-        elif c == "<" and buf.startswith(tag, i):
-            return i
-        i += 1
-    return -1
-
-
-def decode_arguments(value: Any) -> dict | None:
-    """A call's arguments as an object: ``value`` itself when it is one, the object a JSON string holds (models
-    and templates that encode the arguments twice), else None."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            return None
-    return value if isinstance(value, dict) else None
-
-
-class HermesToolParser(ToolParser):
-    """``<tool_call>{json}</tool_call>`` blocks (see the module docstring for the rules).
-
-    Whitespace next to a call is not content: the blank run before a call, between calls and after the last one
-    is dropped (so a reply made only of calls has no text).
-
-    Args:
-        tool_names: the request's tools; a block naming another function stays text. None: any name.
-    """
-
-    OPEN = "<tool_call>"
-    CLOSE = "</tool_call>"
-
-    def __init__(self, tool_names: Iterable[str] | None = None):
-        self.names = None if tool_names is None else frozenset(tool_names)
-        self.calls = 0
-        self._buf = ""
-        self._in_call = False
-        self._ws = ""            # trailing whitespace of released text, held until we know what follows it
-        self._after_call = False  # drop the whitespace that follows a call
-        self._raw_close = False   # finish(): a body whose strings never close ends at the first closing tag
-
-    def feed(self, text: str) -> list[Piece]:
-        self._buf += text
-        out: list[Piece] = []
-        while True:
-            if self._in_call:
-                # NOTE: the closing tag that ends the call is the first one outside a JSON string: a string
-                # argument may hold "</tool_call>" itself (a forced call's grammar allows any string)
-                j = self._buf.find(self.CLOSE) if self._raw_close else _close_outside_json_string(self._buf,
-                                                                                                   self.CLOSE)
-                body = self._buf if j < 0 else self._buf[:j]
-                stripped = body.lstrip()
-                if stripped and not stripped.startswith("{"):   # not a call: the tag was just mentioned
-                    self._in_call = False
-                    self._text(self.OPEN, out)
-                    continue
-                if j < 0:
-                    return out
-                self._buf = self._buf[j + len(self.CLOSE):]
-                self._in_call = False
-                call = self._parse(body)
-                if call is None:
-                    self._text(self.OPEN + body + self.CLOSE, out)
-                else:
-                    self._ws = ""
-                    self._after_call = True
-                    self.calls += 1
-                    out.append(Piece(call=call))
-                continue
-            i = self._buf.find(self.OPEN)
-            if i >= 0:
-                self._text(self._buf[:i], out)
-                self._buf = self._buf[i + len(self.OPEN):]
-                self._in_call = True
-                continue
-            keep = _partial_suffix(self._buf, self.OPEN)
-            self._text(self._buf[:len(self._buf) - keep], out)
-            self._buf = self._buf[len(self._buf) - keep:]
-            return out
-
-    def finish(self) -> list[Piece]:
-        out = self.feed("")
-        if self._in_call and self.CLOSE in self._buf:   # a malformed body (an unclosed string): the first tag
-            self._raw_close = True
-            out += self.feed("")
-        rest = (self.OPEN if self._in_call else "") + self._buf
-        self._buf, self._in_call = "", False
-        self._text(rest, out)
-        if self._ws and not self.calls:
-            out.append(Piece(self._ws))
-        self._ws = ""
-        return out
-
-    def _text(self, text: str, out: list[Piece]) -> None:
-        """Release ``text`` as content, holding its trailing whitespace (and dropping leading whitespace right
-        after a call)."""
-        if not text:
-            return
-        if self._after_call:
-            text = text.lstrip()
-            if not text:
-                return
-            self._after_call = False
-        body = text.rstrip()
-        if body:
-            out.append(Piece(self._ws + body))
-            self._ws = ""
-        self._ws += text[len(body):]
-
-    def _parse(self, body: str) -> ToolCall | None:
-        try:
-            obj = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return None
-        args = decode_arguments(obj.get("arguments", obj.get("parameters", {})))
-        if args is None:
-            return None
-        if self.names is not None and obj["name"] not in self.names:
-            return None
-        return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))

@@ -4,7 +4,7 @@ the block into calls or, failing that, releases it as text, so text that only me
 the result never depends on how the text was split into deltas.
 
 Argument values written as text (the XML-style formats) are typed by the tool's JSON schema (:func:`coerce_value`);
-the JSON formats (DeepSeek, Kimi) go through :func:`ferrylm.server.text.tools.decode_arguments`.
+the JSON formats (DeepSeek, Kimi) go through :func:`~ferrylm.server.text.tool_parsers.base.decode_arguments`.
 
 This module must not import torch.
 """
@@ -15,7 +15,7 @@ import json
 import re
 from typing import Any, Iterable, Mapping
 
-from ferrylm.server.text.tools import Piece, ToolCall, ToolParser, _partial_suffix, decode_arguments
+from ferrylm.server.text.tool_parsers.base import Piece, ToolCall, ToolParser, decode_arguments, partial_suffix
 
 
 def coerce_value(text: str, schema: Any) -> Any:
@@ -72,6 +72,11 @@ def unfence(text: str) -> str:
         if nl and re.fullmatch(r"[A-Za-z]*", first.strip()):
             s = rest
     return s.strip()
+
+
+def object_args(calls: list[tuple[Any, Any, Any]]) -> list[tuple[Any, dict, Any]]:
+    """Earlier calls ``(name, arguments, id)`` with arguments that are not an object as ``{"arguments": value}``."""
+    return [(name, args if isinstance(args, dict) else {"arguments": args}, cid) for name, args, cid in calls]
 
 
 class BlockToolParser(ToolParser):
@@ -160,7 +165,7 @@ class BlockToolParser(ToolParser):
                 self._buf = self._buf[i + len(self._open):]
                 self._in_block = True
                 continue
-            keep = max(_partial_suffix(self._buf, o) for o, _ in self._pairs)
+            keep = max(partial_suffix(self._buf, o) for o, _ in self._pairs)
             self._text(self._buf[:len(self._buf) - keep], out)
             self._buf = self._buf[len(self._buf) - keep:]
             return out

@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
-from ferrylm.server.text.tool_parsers.block import BlockToolParser, match_all, unfence
-from ferrylm.server.text.tools import ToolCall
+from ferrylm.server.text.tool_parsers.base import ToolCall
+from ferrylm.server.text.tool_parsers.block import BlockToolParser, match_all, object_args, unfence
 
 _BAR, _SP = "\uff5c", "\u2581"
 
@@ -43,7 +44,7 @@ def _tag(words: str) -> str:
 
 CALLS_BEGIN, CALLS_END = _tag("tool calls begin"), _tag("tool calls end")
 CALL_BEGIN, CALL_END, SEP = _tag("tool call begin"), _tag("tool call end"), _tag("tool sep")
-#: the tags of the format (tool_formats.FORMAT_MARKUP)
+#: the tags of the format (``ToolParser.MARKUP``)
 MARKUP = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
 #: the call type V3 / R1 write before the separator
 CALL_TYPE = "function"
@@ -69,6 +70,9 @@ class DeepSeekV3ToolParser(BlockToolParser):
     OPEN = CALLS_BEGIN
     CLOSE = CALLS_END
     LEAD = CALL_BEGIN
+    MARKUP = MARKUP
+    TEMPLATE_MARK = "<\uff5ctool[\u2581 ]calls?[\u2581 ]begin\uff5c>"
+    ONE_SECTION = True
 
     def parse_block(self, body: str) -> list[ToolCall] | None:
         found = match_all(_CALL, body)
@@ -81,6 +85,10 @@ class DeepSeekV3ToolParser(BlockToolParser):
                 return None
             calls.append(call)
         return calls
+
+    @classmethod
+    def render_calls(cls, calls: list[tuple[Any, Any, Any]]) -> str:
+        return render_calls([(name, args) for name, args, _ in object_args(calls)])
 
 
 def render_calls(calls: list[tuple[str, object]]) -> str:

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
-from ferrylm.server.text.tool_parsers.block import BlockToolParser, match_all
-from ferrylm.server.text.tools import ToolCall
+from ferrylm.server.text.tool_parsers.base import ToolCall
+from ferrylm.server.text.tool_parsers.block import BlockToolParser, match_all, object_args
 
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CALL_BEGIN, ARGS_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
-#: the tags of the format (tool_formats.FORMAT_MARKUP)
+#: the tags of the format (``ToolParser.MARKUP``)
 MARKUP = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGS_BEGIN, CALL_END)
 #: the prefix of a call id
 PREFIX = "functions."
@@ -42,6 +43,9 @@ class KimiK2ToolParser(BlockToolParser):
     OPEN = SECTION_BEGIN
     CLOSE = SECTION_END
     LEAD = CALL_BEGIN
+    MARKUP = MARKUP
+    TEMPLATE_MARK = re.escape(SECTION_BEGIN) + "|" + re.escape(CALL_BEGIN)
+    ONE_SECTION = True
 
     def parse_block(self, body: str) -> list[ToolCall] | None:
         found = match_all(_CALL, body)
@@ -55,6 +59,10 @@ class KimiK2ToolParser(BlockToolParser):
                 return None
             calls.append(call)
         return calls
+
+    @classmethod
+    def render_calls(cls, calls: list[tuple[Any, Any, Any]]) -> str:
+        return render_calls(object_args(calls))
 
 
 def call_id(name: str, given: object, index: int) -> str:

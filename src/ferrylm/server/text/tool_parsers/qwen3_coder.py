@@ -27,14 +27,15 @@ This module must not import torch.
 from __future__ import annotations
 
 import re
+from typing import Any
 
-from ferrylm.server.text.tool_parsers.block import BlockToolParser, match_all, strip_newline, value_text
-from ferrylm.server.text.tools import ToolCall
+from ferrylm.server.text.tool_parsers.base import ToolCall
+from ferrylm.server.text.tool_parsers.block import BlockToolParser, match_all, object_args, strip_newline, value_text
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END = "<function=", "</function>"
 PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
-#: the tags of the format (tool_formats.FORMAT_MARKUP)
+#: the tags of the format (``ToolParser.MARKUP``)
 MARKUP = (OPEN, CLOSE)
 
 _FUNCTION = re.compile(r"\s*<function=([^<>\n]+)>")
@@ -48,6 +49,8 @@ class Qwen3CoderToolParser(BlockToolParser):
     OPEN = OPEN
     CLOSE = CLOSE
     LEAD = FUNCTION
+    MARKUP = MARKUP
+    TEMPLATE_MARK = re.escape(PARAMETER)   # <function= alone: Llama 3.1 prompt guides
     EXTRA_BLOCKS = ((FUNCTION, FUNCTION_END),)   # no wrapper
 
     def viable(self, body: str) -> bool:
@@ -87,6 +90,10 @@ class Qwen3CoderToolParser(BlockToolParser):
         if not calls or body[pos:].strip():
             return None
         return calls
+
+    @classmethod
+    def render_calls(cls, calls: list[tuple[Any, Any, Any]]) -> str:
+        return "\n".join(render_call(name, list(args.items())) for name, args, _ in object_args(calls))
 
 
 def render_call(name: str, pairs: list[tuple[str, object]]) -> str:

@@ -1,6 +1,6 @@
 """Forced tool calls (``tool_choice: "required"`` or a named function) in the formats of
-:mod:`ferrylm.server.text.tool_formats` (GLM-4.5, MiniMax-M2, DeepSeek-V3, Kimi-K2, Qwen3-Coder): Lark
-grammars (llguidance) that emit exactly the markup :mod:`ferrylm.server.text.tool_formats` parses, with OpenAI's strict
+:mod:`ferrylm.server.text.tool_parsers` (GLM-4.5, MiniMax-M2, DeepSeek-V3, Kimi-K2, Qwen3-Coder): Lark
+grammars (llguidance) that emit exactly the markup :mod:`ferrylm.server.text.tool_parsers` parses, with OpenAI's strict
 semantics for the arguments: every ``required`` key present, only keys the schema's ``properties`` name (as if
 ``additionalProperties`` were false), each value of its property's type. So a forced call always closes and parses.
 

@@ -1,0 +1,102 @@
+"""What every tool-call parser provides, and what they share: a parser is fed the assistant's text incrementally
+and returns what is now certain, text and complete calls (:class:`Piece`).
+
+A call is reported once its closing tag is seen and its body has the format's shape, naming one of the request's
+tools with object arguments; anything else goes out as ordinary text, so text that only mentions a tag is never
+swallowed. Decisions depend only on the text, never on how it was split, so a stream and a non-stream response
+carry the same calls and text. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+
+@dataclass
+class ToolCall:
+    """A parsed call; ``arguments`` is JSON text of an object."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+
+@dataclass
+class Piece:
+    """What a parser releases: ``text`` (ordinary content) or a complete ``call``."""
+
+    text: str = ""
+    call: ToolCall | None = None
+
+
+class ToolParser:
+    """Interface: ``feed(text)`` → pieces now certain; ``finish()`` → the rest at the end of the output.
+    ``calls`` counts the calls released so far.
+
+    Per format (class attributes): ``MARKUP``, the tags its calls are written with (when the vocabulary has them
+    as *special* tokens a chat turn is detokenized with ``skip_special_tokens`` off, or they would vanish before
+    the parser sees them); ``TEMPLATE_MARK``, a regular expression a chat template that writes this format
+    matches; ``ONE_SECTION``, whether a turn's calls are written as one section (else one block per call);
+    :meth:`render_calls`, earlier calls written back in the format.
+    """
+
+    MARKUP: tuple[str, ...] = ()
+    TEMPLATE_MARK = ""
+    ONE_SECTION = False
+    calls: int = 0
+
+    def __init__(self, tool_names: Iterable[str] | None = None, schemas: Mapping[str, dict] | None = None):
+        raise NotImplementedError
+
+    @classmethod
+    def render_calls(cls, calls: list[tuple[Any, Any, Any]]) -> str:
+        """Earlier calls ``(name, arguments, id)`` of one assistant turn as this format's markup, the text its
+        parser reads back."""
+        raise NotImplementedError
+
+    def feed(self, text: str) -> list[Piece]:
+        raise NotImplementedError
+
+    def finish(self) -> list[Piece]:
+        raise NotImplementedError
+
+
+def partial_suffix(buf: str, tag: str) -> int:
+    """Length of the longest suffix of ``buf`` that is a proper prefix of ``tag``."""
+    for k in range(min(len(tag) - 1, len(buf)), 0, -1):
+        if buf.endswith(tag[:k]):
+            return k
+    return 0
+
+
+def decode_arguments(value: Any) -> dict | None:
+    """A call's arguments as an object: ``value`` itself when it is one, the object a JSON string holds (models
+    and templates that encode the arguments twice), else None."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    return value if isinstance(value, dict) else None
+
+
+def call_fields(call: Any) -> tuple[Any, Any]:
+    """``(name, arguments)`` of an earlier call (OpenAI ``tool_calls`` entry), arguments decoded from JSON text when
+    they are (else left as given)."""
+    fn = call.get("function", call) if isinstance(call, dict) else {}
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            pass
+    return fn.get("name"), args
+
+
+def call_items(calls: list[Any]) -> list[tuple[Any, Any, Any]]:
+    """``(name, arguments, id)`` of earlier calls (OpenAI ``tool_calls`` entries), arguments as
+    :func:`call_fields` reads them."""
+    return [(*call_fields(c), c.get("id") if isinstance(c, dict) else None) for c in calls]
