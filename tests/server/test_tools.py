@@ -13,7 +13,8 @@ from ferrylm.errors import InvalidRequest
 from ferrylm.server.api.assistant import TurnConfig, whole_turn
 from ferrylm.server.text.reasoning import ReasoningSplitter, prompt_opens_thinking, template_has_reasoning
 from ferrylm.server.text.tool_parsers.hermes import HermesToolParser
-from ferrylm.server.text.tools import ToolChoice, ToolSpec, fallback_messages, parse_openai_tools, parse_tool_choice, template_supports_tools, tool_call_grammar
+from ferrylm.server.text.tools import (ToolChoice, ToolSpec, fallback_messages, parse_openai_tools, parse_tool_choice,
+                                      template_supports_tools, tool_call_grammar)
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 NAMES = ("get_weather", "search")

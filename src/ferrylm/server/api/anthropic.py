@@ -35,10 +35,11 @@ from pydantic import Field
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.errors import InvalidRequest
 from ferrylm.server.api.assistant import PING, TurnDelta, next_or_ping, turn_deltas, whole_turn
-from ferrylm.server.api.chat import SSE_HEADERS, SSE_PING, ChatJob, off_loop, render_prompt
+from ferrylm.server.api.chat import SSE_HEADERS, SSE_PING, off_loop, render_prompt
 from ferrylm.server.api.errors import error_payload, status_for
 from ferrylm.server.text.prompt_hygiene import strip_billing_header
 from ferrylm.server.api.protocol import _Request, parse_request
+from ferrylm.server.api.context import ChatJob, ChatRun, RouteContext
 from ferrylm.server.api.request_io import read_json
 from ferrylm.server.text.tool_parsers.base import ToolCall
 from ferrylm.server.text.tools import ToolChoice, ToolSpec, check_unique, make_tool
@@ -319,18 +320,18 @@ class StreamEncoder:
 # ---------------------------------------------------------------------------------------------------------
 
 
-async def messages(srv: Any, request: Request, rid: str) -> Response:
-    """POST /v1/messages (stream and non-stream). ``srv`` is the app's ``_Server``."""
+async def messages(ctx: RouteContext, request: Request, rid: str) -> Response:
+    """POST /v1/messages (stream and non-stream). ``ctx``: the app's :class:`RouteContext`."""
     from ferrylm.server.api.generation import SSEResponse
 
     req: MessagesRequest = parse_request(MessagesRequest, await read_json(request))
-    model = srv._check_model(req.model)
+    model = ctx.check_model(req.model)
     job = await off_loop(job_from_messages, req)   # grammars compile off the event loop
     msg_id = f"msg_{uuid.uuid4().hex}"
-    run = await srv.run_chat(request, rid, job, "messages", msg_id)
+    run = await ctx.run_chat(request, rid, job, "messages", msg_id)
     base = {"id": msg_id, "type": "message", "role": "assistant", "model": model}
     if req.stream:
-        return SSEResponse(_stream(srv, rid, run, base), headers=SSE_HEADERS)
+        return SSEResponse(_stream(ctx, rid, run, base), headers=SSE_HEADERS)
     (ch,) = run.gen.choices
     res = whole_turn(run.turn, ch.text.text, ch.finish_reason)
     content: list[dict] = []
@@ -344,25 +345,25 @@ async def messages(srv: Any, request: Request, rid: str) -> Response:
     if not any(b["type"] in ("text", "tool_use") for b in content):
         content.append({"type": "text", "text": ""})
     reason, seq = stop_reason(res.finish_reason, ch.text.stops.matched)
-    srv._log_done(rid, run.gen, _openai_usage(run))
+    ctx.log_done(rid, run.gen, _openai_usage(run))
     return JSONResponse({**base, "content": content, "stop_reason": reason, "stop_sequence": seq,
                          "usage": _usage(len(run.prompt_ids), run.gen.completion_tokens, run.gen.cached_tokens)})
 
 
-def _openai_usage(run: Any) -> Any:
+def _openai_usage(run: ChatRun) -> Any:
     from ferrylm.server.api.protocol import UsageInfo
 
     return UsageInfo.of(len(run.prompt_ids), run.gen.completion_tokens, run.gen.cached_tokens)
 
 
-async def _stream(srv: Any, rid: str, run: Any, base: dict) -> AsyncIterator[str]:
+async def _stream(ctx: RouteContext, rid: str, run: ChatRun, base: dict) -> AsyncIterator[str]:
     """The event sequence. ``message_start`` carries the prompt's cache figures, which come with the engine's
     first output: until it arrives (a long prefill, a busy engine) the stream sends SSE comments only."""
     gen = run.gen
     try:
         first = run.first
         while first is None:
-            ev = await next_or_ping(gen, srv.ping_interval)
+            ev = await next_or_ping(gen, ctx.ping_interval)
             if ev is None:
                 break
             if ev is PING:
@@ -372,7 +373,7 @@ async def _stream(srv: Any, rid: str, run: Any, base: dict) -> AsyncIterator[str
         enc = StreamEncoder({**base, "content": [], "stop_reason": None, "stop_sequence": None,
                              "usage": _usage(len(run.prompt_ids), 0, gen.cached_tokens)})
         yield enc.start()
-        async for d in turn_deltas(gen, first, run.turn, srv.ping_interval):
+        async for d in turn_deltas(gen, first, run.turn, ctx.ping_interval):
             if d is PING:
                 yield _event("ping", {"type": "ping"})
                 continue
@@ -384,21 +385,21 @@ async def _stream(srv: Any, rid: str, run: Any, base: dict) -> AsyncIterator[str
                 for e in enc.finish(reason, seq, gen.completion_tokens,
                                     _usage(len(run.prompt_ids), gen.completion_tokens, gen.cached_tokens)):
                     yield e
-        srv._log_done(rid, gen, _openai_usage(run))
+        ctx.log_done(rid, gen, _openai_usage(run))
     except Exception as e:  # noqa: BLE001 - after the headers an error can only be an event
-        srv._stream_error(rid, e)   # logs and counts it
+        ctx.stream_error(rid, e)   # logs and counts it
         yield _event("error", error_body(e))
     finally:
         await gen.close()
 
 
-async def count_tokens(srv: Any, request: Request, rid: str) -> Response:
+async def count_tokens(ctx: RouteContext, request: Request, rid: str) -> Response:
     """POST /v1/messages/count_tokens: ``{"input_tokens": N}`` for the prompt the request would render."""
     req: CountTokensRequest = parse_request(CountTokensRequest, await read_json(request))
-    srv._check_model(req.model)
+    ctx.check_model(req.model)
     if req.max_tokens is None:
         req = req.model_copy(update={"max_tokens": 1})
     job = await off_loop(job_from_messages, req)
-    _, ids = await off_loop(render_prompt, srv.codec, job, native_tools=srv.native_tools,
-                            tool_format=srv.tool_parser)
+    _, ids = await off_loop(render_prompt, ctx.codec, job, native_tools=ctx.native_tools,
+                            tool_format=ctx.tool_parser)
     return JSONResponse({"input_tokens": len(ids)})

@@ -37,9 +37,10 @@ from ferrylm.server.api.errors import (Unauthorized, error_payload, error_respon
                                    install_exception_handlers, request_id_of, retry_after_for)
 from ferrylm.server.api import anthropic, chat, render, responses
 from ferrylm.server.api.assistant import TurnConfig
-from ferrylm.server.api.chat import ChatJob, check_continue, render_prompt, template_messages
+from ferrylm.server.api.chat import check_continue, render_prompt, template_messages
 from ferrylm.server.api.chat import off_loop as _off_loop
 from ferrylm.server.api.completions import CompletionRoutes
+from ferrylm.server.api.context import ChatJob, ChatRun, PreparedChat
 from ferrylm.server.api.protocol import (DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, UsageInfo,
                                      parse_request, to_sampling_params)
 from ferrylm.server.text.reasoning import THINKING_SWITCHES, prompt_opens_thinking, template_has_reasoning
@@ -76,27 +77,6 @@ HEALTH_GENERATE_TIMEOUT_S = 5.0  # default bound on GET /health/generate (``?tim
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # --max-request-bytes: larger bodies get 413 in the OpenAI error shape
 DEFAULT_SSE_PING_INTERVAL = 15.0   # --sse-ping-interval: seconds of silence before an SSE comment keep-alive
 FIRST_EVENT_WAIT_S = 1.0           # a stream's headers wait this long for the first event (admission errors)
-
-
-@dataclasses.dataclass
-class PreparedChat:
-    """A chat-like request rendered and checked, not started: the prompt text and ids, and the ``max_tokens`` the
-    context leaves it (its own, or the rest of the context)."""
-
-    text: str
-    prompt_ids: list[int]
-    max_tokens: int
-
-
-@dataclasses.dataclass
-class ChatRun:
-    """A started chat-like request: its generation, the first event (None when the headers go out before it),
-    the prompt ids and how its output is read."""
-
-    gen: Generation
-    first: Event | None
-    prompt_ids: list[int]
-    turn: TurnConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,7 +261,7 @@ class _Server(CompletionRoutes):
         if not any(hmac.compare_digest(c.encode(), want) for c in candidates if c):
             raise Unauthorized("invalid or missing API key; send 'Authorization: Bearer <key>' or 'x-api-key'")
 
-    def _check_model(self, name: str | None) -> str:
+    def check_model(self, name: str | None) -> str:
         if not name or name == self.served_model_name:
             return self.served_model_name
         info_name = getattr(self.engine.model_info, "name", "")
@@ -446,7 +426,7 @@ class _Server(CompletionRoutes):
 
     async def get_model(self, request: Request, model_id: str) -> Response:
         async def work(request: Request, rid: str) -> Response:
-            self._check_model(model_id)
+            self.check_model(model_id)
             return JSONResponse(self._model_card().model_dump())
         return await self._handle(request, work)
 
@@ -537,7 +517,7 @@ class _Server(CompletionRoutes):
     async def tokenize(self, request: Request) -> Response:
         async def work(request: Request, rid: str) -> Response:
             req = parse_request(TokenizeRequest, await read_json(request))
-            self._check_model(req.model)
+            self.check_model(req.model)
             if req.messages is not None:
                 messages = template_messages(req.messages)
                 cont = bool(req.continue_final_message)
@@ -562,7 +542,7 @@ class _Server(CompletionRoutes):
     async def detokenize(self, request: Request) -> Response:
         async def work(request: Request, rid: str) -> Response:
             req = parse_request(DetokenizeRequest, await read_json(request))
-            self._check_model(req.model)
+            self.check_model(req.model)
             self._check_token_ids(req.tokens, "tokens")
             return JSONResponse({"prompt": self.codec.decode(req.tokens, skip_special_tokens=False)})
         return await self._handle(request, work)
@@ -606,7 +586,7 @@ class _Server(CompletionRoutes):
         return await self._handle(request, functools.partial(render.responses, self))
 
     # ---- chat-like requests (chat completions, Anthropic Messages, Responses) ----------------------------
-    async def prepare_chat(self, job: ChatJob) -> "PreparedChat":
+    async def prepare_chat(self, job: ChatJob) -> PreparedChat:
         """Everything a chat-like request goes through before the engine: the forced-call grammar, the template
         (tools native or the fallback), the token ids checked, the context check. ``job.params`` is updated in
         place (grammar, ``skip_special_tokens``). Used by :meth:`run_chat` and the render routes
@@ -631,7 +611,7 @@ class _Server(CompletionRoutes):
                                        prompt_param=job.prompt_param, max_param=job.max_param)
         return PreparedChat(text, prompt_ids, max_tokens)
 
-    async def run_chat(self, request: Request, rid: str, job: ChatJob, kind: str, base_id: str) -> "ChatRun":
+    async def run_chat(self, request: Request, rid: str, job: ChatJob, kind: str, base_id: str) -> ChatRun:
         """Render, admit and start ``job`` (engine request ids ``base_id`` or ``{base_id}-{i}``): see
         :meth:`prepare_chat`, then one engine request per choice, the first event awaited (stream: up to
         ``FIRST_EVENT_WAIT_S``) before any header.
@@ -658,7 +638,7 @@ class _Server(CompletionRoutes):
         return ChatRun(gen, first, prompt_ids, turn)
 
     # ---- shared ------------------------------------------------------------------------------------------
-    def _stream_error(self, rid: str, e: Exception) -> str:
+    def stream_error(self, rid: str, e: Exception) -> str:
         code = self._count_error(e)
         logger.info("[%s] done error=%s (after the stream started)", rid, code)
         if isinstance(e, FerryError):
@@ -667,7 +647,7 @@ class _Server(CompletionRoutes):
             logger.error("[%s] unexpected error after the stream started: %r", rid, e, exc_info=e)
         return sse_event(json.dumps(error_payload(e)))
 
-    def _log_done(self, rid: str, gen: Generation, usage: UsageInfo) -> None:
+    def log_done(self, rid: str, gen: Generation, usage: UsageInfo) -> None:
         """The one line per finished request (and its end-to-end latency)."""
         now = time.monotonic()
         e2e = now - gen.arrival

@@ -1,10 +1,11 @@
-"""POST /v1/chat/completions, and the chat job every chat-like surface (chat completions, Anthropic Messages, the
-Responses API) is turned into before it runs.
+"""POST /v1/chat/completions, and the turning of its request into the chat job every chat-like surface (chat
+completions, Anthropic Messages, the Responses API) is run as.
 
-:class:`ChatJob` is a request in the server's own terms: template messages, tools and ``tool_choice``, sampling
-parameters (``grammar`` set for structured output or a forced tool call), template switches. The surface modules
-build one from their request shape; ``_Server.run_chat`` (server/api/app.py) renders, admits and starts it; the
-surface encodes the :class:`~ferrylm.server.api.assistant.TurnDelta` s of the shared loop in its own wire format.
+:class:`~ferrylm.server.api.context.ChatJob` is a request in the server's own terms: template messages, tools and
+``tool_choice``, sampling parameters (``grammar`` set for structured output or a forced tool call), template
+switches. The surface modules build one from their request shape; ``RouteContext.run_chat`` (server/api/context.py,
+implemented by server/api/app.py) renders, admits and starts it; the surface encodes the
+:class:`~ferrylm.server.api.assistant.TurnDelta` s of the shared loop in its own wire format.
 
 This module must not import torch.
 """
@@ -14,23 +15,22 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.errors import InvalidRequest
 from ferrylm.server.api.assistant import PING, TurnDelta, turn_deltas, whole_turn
 from ferrylm.server.api.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk,
                                      ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamChoice,
                                      ChatMessage, ChatResponseMessage, DeltaMessage, FunctionCall, ToolCallOut,
                                      UsageInfo, chat_logprobs, chunk_json, parse_request, to_sampling_params)
+from ferrylm.server.api.context import ChatJob, ChatRun, RouteContext
 from ferrylm.server.api.request_io import read_json
 from ferrylm.server.text.structured import request_grammar
 from ferrylm.server.text.tool_parsers.base import ToolCall
-from ferrylm.server.text.tools import ToolChoice, ToolSpec, fallback_messages, parse_openai_tools, parse_tool_choice, tool_call_grammar
+from ferrylm.server.text.tools import fallback_messages, parse_openai_tools, parse_tool_choice
 from ferrylm.server.text.tokenizer import TextCodec, client_template_kwargs
 
 SSE_PING = ": ping\n\n"
@@ -46,55 +46,6 @@ async def off_loop(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
 DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-@dataclass
-class ChatJob:
-    """A chat-like request ready to render and run.
-
-    Attributes:
-        messages: template messages (OpenAI chat shape: ``role``, ``content`` text, ``tool_calls``,
-            ``tool_call_id``, ``reasoning_content``).
-        params: sampling parameters; ``params.grammar`` is the output constraint (``grammar_param`` names the
-            request field it came from, for errors).
-        tools / tool_choice: the function tools and how they may be used.
-        template_kwargs: ``chat_template_kwargs`` the client may set (``enable_thinking`` ...).
-        continue_final_message: the last (assistant) message is continued instead of starting a new one.
-        max_param / prompt_param: request field names for context-length errors.
-    """
-
-    messages: list[dict]
-    params: SamplingParams
-    tools: list[ToolSpec] = field(default_factory=list)
-    tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
-    template_kwargs: dict = field(default_factory=dict)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    grammar_param: str | None = None
-    max_param: str = "max_tokens"
-    prompt_param: str = "messages"
-    tool_choice_param: str = "tool_choice"
-    stream: bool = False
-
-    def apply_tool_choice(self, tags: tuple[str, str] | None = None, fmt: str = "hermes", term=None) -> None:
-        """Set ``params.grammar`` for a forced tool call in the served model's call format ``fmt`` (``tags``: the
-        Hermes tags' Lark terms for the served vocabulary, :func:`ferrylm.server.text.tools.tag_terms`; ``term``: the
-        text -> Lark term function the other formats use, :func:`ferrylm.server.text.tools.lark_term`). Raises
-        InvalidRequest when the request also asks for another output constraint (the tool call and, say, a JSON
-        schema cannot both hold)."""
-        if fmt == "hermes":
-            grammar = tool_call_grammar(self.tools, self.tool_choice, tags=tags)
-        else:
-            from ferrylm.server.text.tool_parsers.grammars import forced_call_grammar
-
-            grammar = forced_call_grammar(fmt, self.tools, self.tool_choice, *([term] if term else []))
-        if grammar is None:
-            return
-        if self.params.grammar is not None:
-            raise InvalidRequest(f"'{self.tool_choice_param}' {self.tool_choice.mode!r} forces a tool call; it "
-                                 f"cannot be combined with '{self.grammar_param}'", param=self.tool_choice_param)
-        self.params.grammar = grammar
-        self.grammar_param = self.tool_choice_param
 
 
 def check_continue(messages: list[dict], continue_final: bool, add_generation_prompt: bool | None,
@@ -208,36 +159,36 @@ def out_calls(calls: list[ToolCall]) -> list[ToolCallOut] | None:
     return [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls] or None
 
 
-async def chat_completions(srv: Any, request: Request, rid: str) -> Response:
-    """POST /v1/chat/completions (stream and non-stream). ``srv`` is the app's ``_Server``."""
+async def chat_completions(ctx: RouteContext, request: Request, rid: str) -> Response:
+    """POST /v1/chat/completions (stream and non-stream). ``ctx``: the app's :class:`RouteContext`."""
     from ferrylm.server.api.generation import SSEResponse
 
     req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await read_json(request))
-    model = srv._check_model(req.model)
+    model = ctx.check_model(req.model)
     job = await off_loop(job_from_chat, req)   # schemas and grammars compile off the event loop
     base_id = f"chatcmpl-{uuid.uuid4().hex}"
-    run = await srv.run_chat(request, rid, job, "chat", base_id)
+    run = await ctx.run_chat(request, rid, job, "chat", base_id)
     created = int(time.time())
     if req.stream:
-        return SSEResponse(_stream(srv, rid, run, base_id, created, model, req), headers=SSE_HEADERS)
+        return SSEResponse(_stream(ctx, rid, run, base_id, created, model, req), headers=SSE_HEADERS)
     choices = []
     for ch in run.gen.choices:
         res = whole_turn(run.turn, ch.text.text, ch.finish_reason)
         lp = None
         if ch.params.logprobs is not None:
-            lp = ChatChoiceLogprobs(content=chat_logprobs(ch.logprobs, srv.codec))
+            lp = ChatChoiceLogprobs(content=chat_logprobs(ch.logprobs, ctx.codec))
         msg = ChatResponseMessage(content=res.content if res.content or not res.calls else None,
                                   reasoning_content=res.reasoning or None, tool_calls=out_calls(res.calls))
         choices.append(ChatCompletionChoice(index=ch.index, message=msg, logprobs=lp, finish_reason=res.finish_reason,
                                             token_ids=list(ch.token_ids) if req.return_token_ids else None))
     usage = UsageInfo.of(len(run.prompt_ids), run.gen.completion_tokens, run.gen.cached_tokens)
-    srv._log_done(rid, run.gen, usage)
+    ctx.log_done(rid, run.gen, usage)
     resp = ChatCompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage,
                                   prompt_token_ids=list(run.prompt_ids) if req.return_token_ids else None)
     return Response(resp.model_dump_json(), media_type="application/json")
 
 
-async def _stream(srv: Any, rid: str, run: Any, base_id: str, created: int, model: str,
+async def _stream(ctx: RouteContext, rid: str, run: ChatRun, base_id: str, created: int, model: str,
                   req: ChatCompletionRequest) -> AsyncIterator[str]:
     gen = run.gen
     include_usage, continuous = req.include_usage, req.continuous_usage
@@ -255,32 +206,32 @@ async def _stream(srv: Any, rid: str, run: Any, base_id: str, created: int, mode
     try:
         for ch in gen.choices:
             yield chunk([ChatCompletionStreamChoice(index=ch.index, delta=DeltaMessage(role="assistant", content=""))])
-        async for d in turn_deltas(gen, run.first, run.turn, srv.ping_interval):
+        async for d in turn_deltas(gen, run.first, run.turn, ctx.ping_interval):
             if d is PING:
                 yield SSE_PING
                 continue
             assert isinstance(d, TurnDelta)
-            for c in _delta_chunks(srv, gen, d, want_ids):
+            for c in _delta_chunks(ctx, gen, d, want_ids):
                 yield chunk([c])
         usage = usage_now()
         if include_usage:
             yield chunk([], usage)
-        srv._log_done(rid, gen, usage)
+        ctx.log_done(rid, gen, usage)
         yield DONE
     except Exception as e:  # noqa: BLE001 - after the headers an error can only be an event
-        yield srv._stream_error(rid, e)
+        yield ctx.stream_error(rid, e)
         yield DONE
     finally:
         await gen.close()
 
 
-def _delta_chunks(srv: Any, gen: Any, d: TurnDelta, want_ids: bool) -> list[ChatCompletionStreamChoice]:
+def _delta_chunks(ctx: RouteContext, gen: Any, d: TurnDelta, want_ids: bool) -> list[ChatCompletionStreamChoice]:
     """A delta as stream choices: text / reasoning first, then per call a header (id, type, name, empty
     arguments) and its arguments, keyed by the call's ``index``; ``finish_reason`` on a last chunk of its own with an
     empty delta (unless the delta brings nothing else)."""
     logprobs = None
     if gen.choices[d.index].params.logprobs is not None:
-        logprobs = ChatChoiceLogprobs(content=chat_logprobs(d.logprobs, srv.codec))
+        logprobs = ChatChoiceLogprobs(content=chat_logprobs(d.logprobs, ctx.codec))
     ids = list(d.token_ids) if want_ids else None
     out = []
     if d.content or d.reasoning or logprobs is not None and d.logprobs or not d.calls:

@@ -109,7 +109,7 @@ class CompletionRoutes:
 
     async def _completion(self, request: Request, rid: str) -> Response:
         req: CompletionRequest = parse_request(CompletionRequest, await read_json(request))
-        model = self._check_model(req.model)
+        model = self.check_model(req.model)
         prep = await self.prepare_completion(req)
         req, params, prompts, echo_texts, max_tokens = prep.req, prep.params, prep.prompts, prep.echo_texts, \
             prep.max_tokens
@@ -144,7 +144,7 @@ class CompletionRoutes:
             c.finish_reason = ch.finish_reason
             choices.append(c)
         usage = UsageInfo.of(prompt_tokens, shape.completion_tokens(gen), gen.cached_tokens)
-        self._log_done(rid, gen, usage)
+        self.log_done(rid, gen, usage)
         resp = CompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage)
         return Response(resp.model_dump_json(), media_type="application/json")
 
@@ -201,10 +201,10 @@ class CompletionRoutes:
             usage = UsageInfo.of(prompt_tokens, shape.completion_tokens(gen), gen.cached_tokens)
             if include_usage:
                 yield chunk([], usage)
-            self._log_done(rid, gen, usage)
+            self.log_done(rid, gen, usage)
             yield _DONE
         except Exception as e:  # noqa: BLE001
-            yield self._stream_error(rid, e)
+            yield self.stream_error(rid, e)
             yield _DONE
         finally:
             await gen.close()

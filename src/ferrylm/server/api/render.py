@@ -1,11 +1,11 @@
 """The render routes: a generation request's prompt as token ids, without running it (vLLM's shapes).
 
 ``POST /v1/chat/completions/render``, ``POST /v1/completions/render`` and ``POST /v1/responses/render`` take the
-body of their generation route and answer what that route would hand the engine: the same validation, chat
-template, tools, output grammar and context check (``_Server.prepare_chat`` / ``prepare_completion`` in
-server/api/app.py, shared with the generation routes), then nothing is admitted or generated, so the engine need
-not be ready. ``vllm-router`` calls them on a worker before it routes a request (cache-aware routing by prompt
-token ids; docs/SCALE-OUT.md); when they answer 404 it falls back to ``POST /tokenize``, one more round trip.
+body of their generation route and answer what that route would hand the engine: the same validation, chat template,
+tools, output grammar and context check (``RouteContext.prepare_chat`` / ``prepare_completion``, implemented in
+server/api/app.py, shared with the generation routes), then nothing is admitted or generated, so the engine need not
+be ready. ``vllm-router`` calls them on a worker before it routes a request (cache-aware routing by prompt token
+ids; docs/SCALE-OUT.md); when they answer 404 it falls back to ``POST /tokenize``, one more round trip.
 
 Reply (vLLM's ``GenerateRequest``; a list of them, one per prompt, for completions)::
 
@@ -28,7 +28,7 @@ This module must not import torch.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -38,7 +38,10 @@ from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.server.api.chat import job_from_chat, off_loop
 from ferrylm.server.api.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions, parse_request
 from ferrylm.server.api.request_io import read_json
-from ferrylm.server.api.responses import ResponsesRequest, job_from_request
+from ferrylm.server.api.responses import ResponsesContext, ResponsesRequest, job_from_request
+
+if TYPE_CHECKING:
+    from ferrylm.server.api.completions import PreparedCompletion
 
 # SamplingParams fields that vLLM's SamplingParams has under the same name and meaning (logit_bias is reshaped)
 VLLM_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
@@ -81,33 +84,42 @@ def rendered(rid: str, token_ids: list[int], params: SamplingParams, max_tokens:
                           sampling_params=vllm_sampling_params(params, max_tokens)).model_dump()
 
 
-async def chat(srv: Any, request: Request, rid: str) -> Response:
-    """POST /v1/chat/completions/render. ``srv`` is the app's ``_Server``. Raises the chat route's errors."""
+class RenderContext(ResponsesContext, Protocol):
+    """What the render routes use of the app: the Responses routes' context and the completions route's
+    preparation."""
+
+    async def prepare_completion(self, req: CompletionRequest) -> PreparedCompletion:
+        """Render and check a completions request without starting it."""
+
+
+async def chat(ctx: RenderContext, request: Request, rid: str) -> Response:
+    """POST /v1/chat/completions/render (``ctx``: the app's :class:`RenderContext`). Raises the chat route's
+    errors."""
     req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await read_json(request))
-    model = srv._check_model(req.model)
+    model = ctx.check_model(req.model)
     job = await off_loop(job_from_chat, req)
-    prep = await srv.prepare_chat(job)
+    prep = await ctx.prepare_chat(job)
     return JSONResponse(rendered(rid, prep.prompt_ids, job.params, prep.max_tokens, model,
                                  stream=bool(req.stream), stream_options=req.stream_options))
 
 
-async def completions(srv: Any, request: Request, rid: str) -> Response:
+async def completions(ctx: RenderContext, request: Request, rid: str) -> Response:
     """POST /v1/completions/render: one object per prompt (``n`` copies are not listed). Raises the completions
     route's errors."""
     req: CompletionRequest = parse_request(CompletionRequest, await read_json(request))
-    model = srv._check_model(req.model)
-    prep = await srv.prepare_completion(req)
+    model = ctx.check_model(req.model)
+    prep = await ctx.prepare_completion(req)
     return JSONResponse([rendered(rid if len(prep.prompts) == 1 else f"{rid}-{i}", ids, prep.params, mt, model,
                                   stream=bool(req.stream), stream_options=req.stream_options)
                          for i, (ids, mt) in enumerate(zip(prep.prompts, prep.max_tokens))])
 
 
-async def responses(srv: Any, request: Request, rid: str) -> Response:
+async def responses(ctx: RenderContext, request: Request, rid: str) -> Response:
     """POST /v1/responses/render. ``previous_response_id`` is read from this replica's store (an id another
     replica stored is a 400 naming it). Raises the Responses route's errors."""
     req: ResponsesRequest = parse_request(ResponsesRequest, await read_json(request))
-    model = srv._check_model(req.model)
-    job, _ = await off_loop(job_from_request, req, srv.responses)
-    prep = await srv.prepare_chat(job)
+    model = ctx.check_model(req.model)
+    job, _ = await off_loop(job_from_request, req, ctx.responses)
+    prep = await ctx.prepare_chat(job)
     return JSONResponse(rendered(rid, prep.prompt_ids, job.params, prep.max_tokens, model,
                                  stream=bool(req.stream)))

@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any, AsyncIterator, Optional, Protocol, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -36,9 +36,10 @@ from fastapi.responses import JSONResponse, Response
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.errors import InvalidRequest, NotFound
 from ferrylm.server.api.assistant import PING, TurnDelta, turn_deltas, whole_turn
-from ferrylm.server.api.chat import SSE_HEADERS, SSE_PING, ChatJob, off_loop
+from ferrylm.server.api.chat import SSE_HEADERS, SSE_PING, off_loop
 from ferrylm.server.api.errors import error_payload
 from ferrylm.server.api.protocol import _Request, parse_request
+from ferrylm.server.api.context import ChatJob, ChatRun, RouteContext
 from ferrylm.server.api.request_io import read_json
 from ferrylm.server.text.structured import response_format_grammar
 from ferrylm.server.text.tool_parsers.base import ToolCall
@@ -259,6 +260,13 @@ def _call_item(call: ToolCall, status: str = "completed", arguments: str | None 
             "name": call.name, "arguments": call.arguments if arguments is None else arguments, "status": status}
 
 
+class ResponsesContext(RouteContext, Protocol):
+    """What the Responses routes use of the app: the route context and the store of earlier responses
+    (``previous_response_id``)."""
+
+    responses: ResponseStore
+
+
 @dataclass
 class ResponseShell:
     """The parts of a response object that do not depend on the output."""
@@ -420,48 +428,48 @@ class StreamEncoder:
 # ---------------------------------------------------------------------------------------------------------
 
 
-async def create(srv: Any, request: Request, rid: str) -> Response:
-    """POST /v1/responses (stream and non-stream). ``srv`` is the app's ``_Server`` (``srv.responses`` is its
-    :class:`ResponseStore`)."""
+async def create(ctx: ResponsesContext, request: Request, rid: str) -> Response:
+    """POST /v1/responses (stream and non-stream). ``ctx``: the app's :class:`ResponsesContext` (``ctx.responses``
+    is its :class:`ResponseStore`)."""
     from ferrylm.server.api.generation import SSEResponse
 
     req: ResponsesRequest = parse_request(ResponsesRequest, await read_json(request))
-    model = srv._check_model(req.model)
-    job, conversation = await off_loop(job_from_request, req, srv.responses)
+    model = ctx.check_model(req.model)
+    job, conversation = await off_loop(job_from_request, req, ctx.responses)
     resp_id = f"resp_{_ids()}"
-    run = await srv.run_chat(request, rid, job, "responses", resp_id)
+    run = await ctx.run_chat(request, rid, job, "responses", resp_id)
     shell = ResponseShell(resp_id, int(time.time()), model, req, len(run.prompt_ids))
     if req.stream:
-        return SSEResponse(_stream(srv, rid, run, shell, conversation), headers=SSE_HEADERS)
+        return SSEResponse(_stream(ctx, rid, run, shell, conversation), headers=SSE_HEADERS)
     (ch,) = run.gen.choices
     res = whole_turn(run.turn, ch.text.text, ch.finish_reason)
     output = output_items(res.blocks)
     final = shell.object("incomplete" if res.finish_reason == "length" else "completed", output,
                          run.gen.completion_tokens, res.finish_reason == "length", run.gen.cached_tokens)
-    _remember(srv, req, final, conversation)
-    srv._log_done(rid, run.gen, _usage(run))
+    _remember(ctx, req, final, conversation)
+    ctx.log_done(rid, run.gen, _usage(run))
     return JSONResponse(final)
 
 
-def _usage(run: Any) -> Any:
+def _usage(run: ChatRun) -> Any:
     from ferrylm.server.api.protocol import UsageInfo
 
     return UsageInfo.of(len(run.prompt_ids), run.gen.completion_tokens)
 
 
-def _remember(srv: Any, req: ResponsesRequest, final: dict, conversation: list[dict]) -> None:
+def _remember(ctx: ResponsesContext, req: ResponsesRequest, final: dict, conversation: list[dict]) -> None:
     if req.store is not False:
-        srv.responses.put(final["id"], StoredResponse(final, conversation + conversation_of(final["output"])))
+        ctx.responses.put(final["id"], StoredResponse(final, conversation + conversation_of(final["output"])))
 
 
-async def _stream(srv: Any, rid: str, run: Any, shell: ResponseShell,
+async def _stream(ctx: ResponsesContext, rid: str, run: ChatRun, shell: ResponseShell,
                   conversation: list[dict]) -> AsyncIterator[str]:
     gen = run.gen
     enc = StreamEncoder(shell)
     try:
         for e in enc.start():
             yield e
-        async for d in turn_deltas(gen, run.first, run.turn, srv.ping_interval):
+        async for d in turn_deltas(gen, run.first, run.turn, ctx.ping_interval):
             if d is PING:
                 yield SSE_PING
                 continue
@@ -470,21 +478,21 @@ async def _stream(srv: Any, rid: str, run: Any, shell: ResponseShell,
                 yield e
             if d.finish_reason is not None:
                 events, final = enc.finish(gen.completion_tokens, d.finish_reason == "length", gen.cached_tokens)
-                _remember(srv, shell.req, final, conversation)
+                _remember(ctx, shell.req, final, conversation)
                 for e in events:
                     yield e
-        srv._log_done(rid, gen, _usage(run))
+        ctx.log_done(rid, gen, _usage(run))
     except Exception as e:  # noqa: BLE001 - after the headers an error can only be an event
-        srv._stream_error(rid, e)
+        ctx.stream_error(rid, e)
         err = error_payload(e)["error"]
         yield enc.event("error", code=err["code"], message=err["message"], param=err["param"])
     finally:
         await gen.close()
 
 
-async def retrieve(srv: Any, request: Request, rid: str, response_id: str) -> Response:
+async def retrieve(ctx: ResponsesContext, request: Request, rid: str, response_id: str) -> Response:
     """GET /v1/responses/{id}: a stored response, 404 when unknown or evicted."""
-    entry = srv.responses.get(response_id)
+    entry = ctx.responses.get(response_id)
     if entry is None:
         raise NotFound(f"no stored response with id {response_id!r} (never stored, or evicted)",
                        param="response_id", code="response_not_found")
