@@ -49,7 +49,7 @@ class LLM:
     """
 
     def __init__(self, model: str = "smollm2-moe", *, engine_config: EngineConfig | None = None, **overrides):
-        from ferrylm.engine.factory import build_engine
+        from ferrylm.engine.boot import build_engine
         from ferrylm.checkpoints.resolve import resolve_model
         from ferrylm.server.text.tokenizer import TextCodec
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ferrylm.config import EngineConfig
+from ferrylm.engine.boot import engine_for_model
 from ferrylm.engine.engine import Engine
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.checkpoints.loader import load_model
@@ -21,7 +22,7 @@ def ckpt(request, tmp_path_factory):
 def engine_for(ckpt, **kw) -> Engine:
     loaded = load_model(ckpt.path, device="cpu", dtype=torch.float32)
     cfg = EngineConfig(device="cpu", check_invariants=True, **kw)
-    return Engine(loaded.model, loaded.config, cfg, device=torch.device("cpu"), dtype=torch.float32)
+    return engine_for_model(loaded.model, loaded.config, cfg, device=torch.device("cpu"), dtype=torch.float32)
 
 
 def generate(engine: Engine, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:

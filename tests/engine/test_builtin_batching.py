@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ferrylm.config import EngineConfig
+from ferrylm.engine.boot import engine_for_model
 from ferrylm.engine.engine import Engine
 from ferrylm.checkpoints import builtin
 from ferrylm.checkpoints.loader import load_model
@@ -32,7 +33,7 @@ def loaded(request):
 
 def make(loaded_model, **kw) -> Engine:
     cfg = EngineConfig(device="cpu", check_invariants=True, **kw)
-    return Engine(loaded_model.model, loaded_model.config, cfg, device=torch.device("cpu"), dtype=torch.float32)
+    return engine_for_model(loaded_model.model, loaded_model.config, cfg, device=torch.device("cpu"), dtype=torch.float32)
 
 
 def test_builtin_batch_invariance(loaded):

@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from ferrylm.config import EngineConfig
-from ferrylm.engine.engine import Engine
+from ferrylm.engine.boot import engine_for_model
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.checkpoints.loader import load_model
 from ferrylm.server.api.assistant import TurnConfig, whole_turn
@@ -60,7 +60,7 @@ def glm_model(glm_codec, tmp_path_factory):
 def _generate(loaded, codec, prompt: list[int], params: SamplingParams) -> tuple[list[int], str]:
     tok_dir = codec.tokenizer.name_or_path
     ec = EngineConfig(device="cpu", num_pages=128, page_size=8, max_running_requests=4, max_prefill_length=256)
-    engine = Engine(loaded.model, loaded.config, ec, device=torch.device("cpu"), dtype=torch.float32,
+    engine = engine_for_model(loaded.model, loaded.config, ec, device=torch.device("cpu"), dtype=torch.float32,
                     tokenizer_path=tok_dir)
     engine.add_request("r", prompt, params)
     ids, reason = [], None

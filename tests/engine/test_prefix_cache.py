@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ferrylm.config import EngineConfig
+from ferrylm.engine.boot import engine_for_model
 from ferrylm.engine.engine import Engine
 from ferrylm.engine.cache.page_allocator import OutOfPages, PageAllocator
 from ferrylm.engine.cache.prefix_cache import cache_seed, chain_hashes
@@ -25,7 +26,7 @@ def make_engine(*, caching=True, num_pages=64, max_running=4, budget=16, invaria
     cfg = fake_config(max_len=512)
     ec = EngineConfig(device="cpu", page_size=PAGE, num_pages=num_pages, max_running_requests=max_running,
                       max_prefill_length=budget, check_invariants=invariants, enable_prefix_caching=caching)
-    return Engine(FakeModel(cfg), cfg, ec, device=torch.device("cpu"), dtype=torch.float32)
+    return engine_for_model(FakeModel(cfg), cfg, ec, device=torch.device("cpu"), dtype=torch.float32)
 
 
 def greedy(n):
@@ -254,7 +255,7 @@ def test_oom_ladder_keeps_the_cache_consistent(faults, arrivals):
                       check_invariants=True)
     model = FakeModel(cfg)
     model.config = cfg   # the fault sites size their errors from it
-    eng = Engine(model, cfg, ec, device=torch.device("cpu"), dtype=torch.float32, faults=FaultInjector.parse(spec))
+    eng = engine_for_model(model, cfg, ec, device=torch.device("cpu"), dtype=torch.float32, faults=FaultInjector.parse(spec))
     prompts = {}
     for i, (pi, cut, suffix, mt) in enumerate(arrivals):
         prompts[f"r{i}"] = (PREFIXES[pi][:cut] + suffix, mt)

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ferrylm.config import EngineConfig
+from ferrylm.engine.boot import engine_for_model
 from ferrylm.engine.engine import Engine
 from ferrylm.engine.cache.page_allocator import OutOfPages, PageAllocator
 from ferrylm.engine.sampling_params import SamplingParams
@@ -20,7 +21,7 @@ def make_engine(num_pages=64, page_size=4, max_running=4, budget=16, max_len=512
     cfg = fake_config(max_len=max_len, eos=eos)
     ec = EngineConfig(device="cpu", page_size=page_size, num_pages=num_pages, max_running_requests=max_running,
                       max_prefill_length=budget, check_invariants=True)
-    return Engine(FakeModel(cfg), cfg, ec, device=torch.device("cpu"), dtype=torch.float32)
+    return engine_for_model(FakeModel(cfg), cfg, ec, device=torch.device("cpu"), dtype=torch.float32)
 
 
 def run_all(engine: Engine, max_steps=10_000) -> dict[str, list]:
@@ -164,7 +165,7 @@ def test_queue_timeout_fails_only_the_waiting_request(monkeypatch):
     cfg = fake_config()
     ec = EngineConfig(device="cpu", page_size=4, num_pages=8, max_running_requests=1, max_prefill_length=64,
                       check_invariants=True, queue_timeout=5.0)
-    eng = Engine(FakeModel(cfg), cfg, ec, device=torch.device("cpu"), dtype=torch.float32)
+    eng = engine_for_model(FakeModel(cfg), cfg, ec, device=torch.device("cpu"), dtype=torch.float32)
     clock = [1000.0]
     monkeypatch.setattr(_time, "monotonic", lambda: clock[0])
     eng.add_request("running", [1, 2, 3], greedy(30))
@@ -187,12 +188,13 @@ def test_engine_ends_requests_past_their_deadline_and_frees_their_pages():
     import torch
 
     from ferrylm.config import EngineConfig
+    from ferrylm.engine.boot import engine_for_model
     from ferrylm.engine.engine import Engine
     from ferrylm.engine.sampling_params import SamplingParams
     from tests.engine.fake_model import FakeModel, fake_config
 
     mcfg = fake_config()
-    eng = Engine(FakeModel(mcfg), mcfg, EngineConfig(device="cpu", num_pages=64, page_size=4, max_running_requests=1),
+    eng = engine_for_model(FakeModel(mcfg), mcfg, EngineConfig(device="cpu", num_pages=64, page_size=4, max_running_requests=1),
                  device=torch.device("cpu"), dtype=torch.float32)
     soon = time.monotonic() + 0.05
     greedy = dict(ignore_eos=True, temperature=0.0)

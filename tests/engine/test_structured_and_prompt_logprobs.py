@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ferrylm.config import EngineConfig
+from ferrylm.engine.boot import engine_for_model
 from ferrylm.engine.engine import Engine
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.engine.structured import unpack_bitmask
@@ -26,7 +27,7 @@ def make(vocab: int, tokenizer=None, budget: int = 64, eos: int = 0) -> Engine:
     cfg = fake_config(vocab=vocab, eos=eos)
     ec = EngineConfig(device="cpu", num_pages=64, page_size=4, max_running_requests=8, max_prefill_length=budget,
                       check_invariants=True)
-    return Engine(FakeModel(cfg), cfg, ec, device=torch.device("cpu"), dtype=torch.float32,
+    return engine_for_model(FakeModel(cfg), cfg, ec, device=torch.device("cpu"), dtype=torch.float32,
                   tokenizer_path=None if tokenizer is None else str(tokenizer))
 
 

@@ -112,7 +112,7 @@ def _rank_main(rank: int, path: str, rdv: str, q, over: dict, presets: dict | No
     try:
         group = init_group(TPShard(rank, 2), torch.device("cpu"), rdv)
         if rank == 0:
-            from ferrylm.engine.factory import build_engine
+            from ferrylm.engine.boot import build_engine
             from ferrylm.engine.parallel.step_sync import StepBroadcaster
 
             engine = build_engine(path, _engine_config(2, **over), tp=StepBroadcaster(group))
@@ -158,7 +158,7 @@ def _run_tp2(path: Path, tmp: Path, over: dict, presets: dict | None = None):
 def test_tp2_matches_tp1(case, tmp_path, over: dict | None = None):
     import numpy as np
 
-    from ferrylm.engine.factory import build_engine
+    from ferrylm.engine.boot import build_engine
     from tests.models.hf_checkpoints import build_checkpoint
 
     path = tmp_path / case
@@ -370,7 +370,7 @@ def test_whole_projection_qk_norm_refused_before_loading(tmp_path):
 
 
 def test_offline_engine_refuses_tp_without_a_group(tmp_path):
-    from ferrylm.engine.factory import build_engine
+    from ferrylm.engine.boot import build_engine
     from tests.models.hf_checkpoints import build_checkpoint
 
     build_checkpoint("llama", tmp_path / "llama", seed=1)
@@ -488,7 +488,7 @@ def test_tp2_synthetic_matches_tp1(tiny_synthetic, tmp_path):
     """A synthetic model (routing model choosing the experts) under TP = 2 computes what TP = 1 does."""
     import numpy as np
 
-    from ferrylm.engine.factory import build_engine
+    from ferrylm.engine.boot import build_engine
 
     over = dict(dtype="float32")
     want_tokens, want_logits = _greedy(build_engine(tiny_synthetic, _engine_config(1, **over)))

@@ -13,7 +13,7 @@ from tests.models.hf_checkpoints import copy_checkpoint, copy_config, token_ids
 from ferrylm.cli import build_parser, engine_config_from_args
 from ferrylm.config import EngineConfig
 from ferrylm.engine.decode_graph import MIN_KV_BUCKET, DecodeGraphConfig, kv_bucket
-from ferrylm.engine.factory import build_engine
+from ferrylm.engine.boot import build_engine
 from ferrylm.engine.sampling_params import SamplingParams
 
 

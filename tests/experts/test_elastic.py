@@ -15,7 +15,7 @@ from tests.models.hf_checkpoints import token_ids
 
 from ferrylm.bench.decode import swap_executor
 from ferrylm.config import EngineConfig
-from ferrylm.engine.engine import Engine
+from ferrylm.engine.boot import engine_for_model
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.experts import build_from_banks
 from ferrylm.faults import FaultInjector
@@ -162,7 +162,7 @@ def test_fetch_failure_after_admit_leaves_nothing_cached(ckpt, prompt, reference
 def _engine(loaded, spec, guard=None):
     cfg = EngineConfig(device="cpu", page_size=16, num_pages=16, max_running_requests=2, max_prefill_length=64,
                        check_invariants=True)
-    return Engine(loaded.model, loaded.config, cfg, device=torch.device("cpu"), dtype=torch.float32,
+    return engine_for_model(loaded.model, loaded.config, cfg, device=torch.device("cpu"), dtype=torch.float32,
                   expert_executor=loaded.executor, faults=FaultInjector.parse(spec), guard=guard)
 
 

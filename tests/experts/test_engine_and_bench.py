@@ -12,7 +12,8 @@ from tests.models.hf_checkpoints import token_ids
 
 from ferrylm.cli import build_parser, engine_config_from_args, main
 from ferrylm.config import EngineConfig
-from ferrylm.engine.factory import build_engine, expert_options
+from ferrylm.engine.boot import build_engine
+from ferrylm.engine.expert_choice import expert_options
 from ferrylm.experts import ExpertOptions
 from ferrylm.engine.sampling_params import SamplingParams
 
@@ -75,7 +76,7 @@ def test_cli_moe_flags_reach_the_engine_config():
     ec = engine_config_from_args(a)
     assert (ec.moe_backend, ec.moe_cache_size, ec.moe_cpu_threads, ec.gpu_memory_limit) == ("hybrid", 12, 3, 24.0)
     assert (ec.moe_cpu_kernel, ec.moe_cpu_share) == ("torch", 2)
-    from ferrylm.engine.factory import expert_options
+    from ferrylm.engine.expert_choice import expert_options
 
     opts = expert_options(ec)
     assert (opts.cpu_kernel, opts.cpu_share, opts.cpu_threads) == ("torch", 2, 3)
@@ -164,12 +165,13 @@ def test_bench_decode_native_kernel_without_compiler_is_one_line(expert_checkpoi
 def test_auto_backend_drops_cpu_share_with_a_warning(expert_checkpoints, caplog):
     import logging
 
-    from ferrylm.engine.factory import expert_options, resolve_auto
+    from ferrylm.config import ModelConfig
+    from ferrylm.engine.expert_choice import resolve_expert_backend
 
     ckpt = expert_checkpoints("qwen3_moe")
     cfg = _config(moe_backend="auto", moe_cpu_share=1)
     with caplog.at_level(logging.WARNING, logger="ferrylm.engine"):
-        opts = resolve_auto(ckpt.path, cfg, torch.device("cpu"), torch.float32, expert_options(cfg))
+        opts = resolve_expert_backend(ModelConfig.from_folder(ckpt.path), cfg, torch.device("cpu"), torch.float32)
     assert (opts.backend, opts.cpu_share) == ("resident", None)
     assert "--moe-cpu-share 1 ignored: --moe-backend auto chose resident" in caplog.text
 
@@ -181,7 +183,8 @@ def test_prefill_stream_turned_off_where_its_buffer_would_crowd_out_the_slots(tm
     from dataclasses import replace as _replace
 
     import ferrylm.experts.bandwidth as bandwidth
-    from ferrylm.engine.factory import STREAM_BUDGET_SHARE, fit_prefill_stream, resolve_auto
+    from ferrylm.config import ModelConfig
+    from ferrylm.engine.expert_choice import STREAM_BUDGET_SHARE, fit_prefill_stream, resolve_expert_backend
     from ferrylm.experts.options import Bandwidths
     from ferrylm.synthetic.spec import materialize, parse_synthetic_spec
 
@@ -193,7 +196,7 @@ def test_prefill_stream_turned_off_where_its_buffer_would_crowd_out_the_slots(tm
 
     def resolved(cap: float, backend: str):
         cfg = EngineConfig(gpu_memory_limit=cap, moe_backend=backend)
-        return resolve_auto(folder, cfg, cuda, torch.bfloat16, expert_options(cfg))
+        return resolve_expert_backend(ModelConfig.from_folder(folder), cfg, cuda, torch.bfloat16)
 
     small, large = resolved(24, "auto"), resolved(64, "auto")
     assert (small.backend, small.stream_prefill) == ("offload", False)
@@ -221,7 +224,7 @@ def test_the_watchdog_knows_prefill_speed_before_the_first_request(expert_checkp
 
 
 def test_cpu_bf16_support_is_read_from_the_cpu_flags(tmp_path):
-    from ferrylm.engine.factory import cpu_has_native_bf16
+    from ferrylm.engine.boot import cpu_has_native_bf16
 
     amx, avx2, other = tmp_path / "amx", tmp_path / "avx2", tmp_path / "other"
     amx.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f amx_bf16 amx_tile\n")

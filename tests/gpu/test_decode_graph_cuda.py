@@ -10,7 +10,7 @@ from tests.models.hf_checkpoints import build_checkpoint, copy_config, token_ids
 
 from ferrylm.config import EngineConfig
 from ferrylm.engine.decode_graph import MIN_KV_BUCKET
-from ferrylm.engine.factory import build_engine
+from ferrylm.engine.boot import build_engine
 from ferrylm.engine.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.gpu,

@@ -22,7 +22,7 @@ from tests.models.hf_checkpoints import build_checkpoint, copy_config, hf_greedy
 
 from ferrylm.config import EngineConfig
 from ferrylm.engine.decode_graph import MIN_KV_BUCKET
-from ferrylm.engine.factory import build_engine
+from ferrylm.engine.boot import build_engine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -16,7 +16,7 @@ from tests.models.test_qwen3_next import hf_greedy
 
 from ferrylm.config import EngineConfig
 from ferrylm.engine.sampling_params import SamplingParams
-from ferrylm.engine.factory import build_engine
+from ferrylm.engine.boot import build_engine
 from ferrylm.models.kernels.gated_delta import gated_delta_chunked, l2_normalize
 
 pytestmark = [pytest.mark.gpu,

@@ -12,7 +12,7 @@ from tests.gpu.test_decode_graph_cuda import _generate
 from tests.models.hf_checkpoints import build_checkpoint, copy_config, token_ids
 
 from ferrylm.config import EngineConfig
-from ferrylm.engine.factory import build_engine
+from ferrylm.engine.boot import build_engine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

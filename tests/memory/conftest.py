@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ferrylm.config import EngineConfig
+from ferrylm.engine.boot import engine_for_model
 from ferrylm.engine.engine import Engine
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.experts import ExpertOptions
@@ -63,7 +64,7 @@ def make_engine(loaded, spec: str | None = None, *, guard=None, prefill: int = 2
                 pages: int = 64) -> Engine:
     cfg = EngineConfig(device="cpu", page_size=16, num_pages=pages, max_running_requests=running,
                        max_prefill_length=prefill, check_invariants=True)
-    return Engine(loaded.model, loaded.config, cfg, device=torch.device("cpu"), dtype=torch.float32,
+    return engine_for_model(loaded.model, loaded.config, cfg, device=torch.device("cpu"), dtype=torch.float32,
                   expert_executor=loaded.executor, faults=FaultInjector.parse(spec), guard=guard)
 
 

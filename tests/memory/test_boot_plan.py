@@ -1,4 +1,4 @@
-"""The boot plan through the real engine factory on the CPU: the warmup runs, the plan is logged and kept, the
+"""The boot plan through the real boot (engine/boot.py) on the CPU: the warmup runs, the plan is logged and kept, the
 engine is left clean; an infeasible plan is a boot error with the numbers."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from ferrylm.config import EngineConfig
-from ferrylm.engine.factory import build_engine
+from ferrylm.engine.boot import build_engine
 from ferrylm.memory.plan import MemoryPlanError
 from tests.memory.conftest import SHORT, run
 

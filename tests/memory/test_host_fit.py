@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ferrylm.config import ModelConfig
-from ferrylm.engine import factory
+from ferrylm.engine import boot, expert_choice
 from ferrylm.memory.plan import MemoryPlanError, check_host_fits
 from ferrylm.memory.probe import GiB
 from ferrylm.synthetic.spec import parse_synthetic_spec, synthetic_config
@@ -23,17 +23,17 @@ def preset(spec: str) -> ModelConfig:
 
 
 def test_qwen3_30b_a3b_counts_about_57_gib_in_bf16() -> None:
-    need, what = factory.model_host_bytes(preset("synthetic:qwen3-30b-a3b"), CPU, torch.bfloat16, "resident")
+    need, what = expert_choice.model_host_bytes(preset("synthetic:qwen3-30b-a3b"), CPU, torch.bfloat16, "resident")
     assert 55 * GiB < need < 60 * GiB and "routed experts" in what
-    q, _ = factory.model_host_bytes(preset("synthetic:qwen3-30b-a3b:quant=int4"), CPU, torch.bfloat16, "resident")
+    q, _ = expert_choice.model_host_bytes(preset("synthetic:qwen3-30b-a3b:quant=int4"), CPU, torch.bfloat16, "resident")
     assert q < need / 2.5   # quantized experts are counted at their size
 
 
 def test_gpu_host_counts_only_the_expert_banks_of_an_offloading_backend() -> None:
     cfg = preset("synthetic:qwen3-30b-a3b")
     cuda = torch.device("cuda")
-    assert factory.model_host_bytes(cfg, cuda, torch.bfloat16, "resident")[0] == 0
-    banks, what = factory.model_host_bytes(cfg, cuda, torch.bfloat16, "offload")
+    assert expert_choice.model_host_bytes(cfg, cuda, torch.bfloat16, "resident")[0] == 0
+    banks, what = expert_choice.model_host_bytes(cfg, cuda, torch.bfloat16, "offload")
     assert 50 * GiB < banks < 57 * GiB and "host banks" in what
 
 
@@ -52,7 +52,7 @@ def test_check_host_memory_before_loading(tmp_path, monkeypatch) -> None:
     (tmp_path / "config.json").write_text(json.dumps(synthetic_config(parse_synthetic_spec("synthetic:qwen3-30b-a3b"))))
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=20 * GiB, total=24 * GiB))
     with pytest.raises(MemoryPlanError, match="does not fit in host memory"):
-        factory.check_host_memory(tmp_path, CPU, torch.bfloat16, "resident")
+        expert_choice.check_host_memory(ModelConfig.from_folder(tmp_path), CPU, torch.bfloat16, "resident")
 
 
 def test_build_engine_refuses_before_loading_and_warns_about_the_limit(tmp_path, monkeypatch, caplog) -> None:
@@ -65,10 +65,10 @@ def test_build_engine_refuses_before_loading_and_warns_about_the_limit(tmp_path,
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=20 * GiB, total=24 * GiB,
                                                                            percent=real.percent, used=real.used))
     loaded = []
-    monkeypatch.setattr("ferrylm.checkpoints.loader.load_model", lambda *a, **k: loaded.append(1))
+    monkeypatch.setattr("ferrylm.engine.boot.load_model", lambda *a, **k: loaded.append(1))
     from ferrylm.config import EngineConfig
 
     with caplog.at_level(logging.WARNING, logger="ferrylm.engine"), pytest.raises(MemoryPlanError):
-        factory.build_engine(tmp_path, EngineConfig(device="cpu", gpu_memory_limit=24.0))
+        boot.build_engine(tmp_path, EngineConfig(device="cpu", gpu_memory_limit=24.0))
     assert not loaded
     assert any("--gpu-memory-limit 24 GiB is ignored: there is no GPU" in r.message for r in caplog.records)

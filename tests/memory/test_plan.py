@@ -163,8 +163,8 @@ def test_boot_checks_before_the_weights_load():
 
     others = (ProcessUsage(77, "trainer", 78 * GiB),)
     with pytest.raises(MemoryPlanError, match="nothing is left for the weights.*pid 77 \\(trainer\\)"):
-        check_budget(inputs(free_at_boot_bytes=256 * MiB, other_processes=others))
-    check_budget(inputs())
+        check_budget(inputs(free_at_boot_bytes=256 * MiB, other_processes=others).budget)
+    check_budget(inputs().budget)
     e = boot_failure(inputs(free_at_boot_bytes=5 * GiB, other_processes=others),
                      "loading the weights ran out of memory (CUDA out of memory)", smaller="the model size")
     assert "loading the weights ran out of memory" in str(e) and "pid 77" in str(e)

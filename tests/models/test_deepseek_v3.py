@@ -17,6 +17,7 @@ from tests.models.hf_checkpoints import hf_greedy, reference_logits, token_ids
 from tests.models.test_parity import full_logits
 
 from ferrylm.config import EngineConfig, ModelConfig
+from ferrylm.engine.boot import engine_for_model
 from ferrylm.engine.engine import Engine
 from ferrylm.engine.cache.kv_pool import KVLayout
 from ferrylm.engine.sampling_params import SamplingParams
@@ -135,7 +136,7 @@ def test_engine_path_matches_transformers(checkpoints, case, backend, prefill_pa
     loaded = load_model(ckpt.path, moe_backend=_moe(backend, ckpt))
     cfg = EngineConfig(device="cpu", check_invariants=True, num_pages=48, page_size=4, max_prefill_length=8,
                        max_running_requests=2, max_model_len=128, enable_prefix_caching=True)
-    engine = Engine(loaded.model, loaded.config, cfg, device=torch.device("cpu"), dtype=torch.float32)
+    engine = engine_for_model(loaded.model, loaded.config, cfg, device=torch.device("cpu"), dtype=torch.float32)
     n = 8
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=5)
     first = {"a": token_ids(14, ckpt.vocab_size, seed=21).tolist(), "b": token_ids(9, ckpt.vocab_size, seed=22).tolist()}

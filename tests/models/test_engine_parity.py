@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ferrylm.config import EngineConfig
-from ferrylm.engine.engine import Engine
+from ferrylm.engine.boot import engine_for_model
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.checkpoints.loader import load_model
 from tests.models.hf_checkpoints import token_ids
@@ -34,7 +34,7 @@ def test_engine_greedy_equals_transformers_generate(checkpoints, case):
     # 4-token pages and an 8-token step budget: prompts are prefilled in chunks while the other one decodes
     cfg = EngineConfig(device="cpu", check_invariants=True, num_pages=32, page_size=4, max_prefill_length=8,
                        max_running_requests=2, max_model_len=128)
-    engine = Engine(loaded.model, loaded.config, cfg, device=torch.device("cpu"), dtype=torch.float32)
+    engine = engine_for_model(loaded.model, loaded.config, cfg, device=torch.device("cpu"), dtype=torch.float32)
     prompts = {"a": token_ids(11, ckpt.vocab_size, seed=21).tolist(),
                "b": token_ids(23, ckpt.vocab_size, seed=22).tolist()}
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ferrylm.config import EngineConfig
+from ferrylm.engine.boot import engine_for_model
 from ferrylm.engine.engine import Engine
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.checkpoints.loader import load_model
@@ -19,7 +20,7 @@ CASES = ["qwen3_moe", "llama"]
 def _engine(loaded, caching: bool) -> Engine:
     cfg = EngineConfig(device="cpu", check_invariants=True, num_pages=40, page_size=4, max_prefill_length=12,
                        max_running_requests=2, max_model_len=256, enable_prefix_caching=caching)
-    return Engine(loaded.model, loaded.config, cfg, device=torch.device("cpu"), dtype=torch.float32)
+    return engine_for_model(loaded.model, loaded.config, cfg, device=torch.device("cpu"), dtype=torch.float32)
 
 
 def _conversations(engine: Engine, vocab: int) -> tuple[dict[str, list[int]], dict[str, int]]:

@@ -14,6 +14,7 @@ from tests.experts.helpers import options
 from tests.models.hf_checkpoints import reference_logits, token_ids
 
 from ferrylm.config import EngineConfig, ModelConfig
+from ferrylm.engine.boot import engine_for_model
 from ferrylm.engine.engine import Engine
 from ferrylm.engine.cache.kv_pool import KVLayout
 from ferrylm.engine.sampling_params import SamplingParams
@@ -57,7 +58,7 @@ def _run_engine(loaded, prompts: dict[str, list[int]], *, new_tokens: int, **cfg
     kw = dict(device="cpu", check_invariants=True, num_pages=40, page_size=4, max_prefill_length=9,
               max_running_requests=3, max_model_len=128)
     kw.update(cfg_kw)
-    engine = Engine(loaded.model, loaded.config, EngineConfig(**kw), device=torch.device("cpu"),
+    engine = engine_for_model(loaded.model, loaded.config, EngineConfig(**kw), device=torch.device("cpu"),
                     dtype=torch.float32)
     rows: list[tuple[str, int, torch.Tensor]] = []
     eager = engine.runner._eager
@@ -116,7 +117,7 @@ def test_piecewise_decode_runner_matches_transformers(checkpoints, case, backend
     k = int(json.loads((ckpt.path / "config.json").read_text())["num_experts_per_tok"])
     moe = "resident" if backend == "resident" else options(backend, max(1, k - 1), stream_prefill=False)
     loaded = load_model(ckpt.path, moe_backend=moe)
-    engine = Engine(loaded.model, loaded.config, EngineConfig(device="cpu", check_invariants=True, num_pages=40,
+    engine = engine_for_model(loaded.model, loaded.config, EngineConfig(device="cpu", check_invariants=True, num_pages=40,
                                                               page_size=4, max_prefill_length=9,
                                                               max_running_requests=3, decode_graphs="eager"),
                     device=torch.device("cpu"), dtype=torch.float32)
@@ -223,7 +224,7 @@ def test_engine_survives_a_deltanet_scratch_oom(checkpoints):
     # the 5th-7th DeltaNet layer calls of prefill steps fail: in the second step, whose chunks continue from states
     faults = FaultInjector.parse("deltanet_scratch:after=4:times=3")
     guard = OomGuard(torch.device("cpu"), NoElasticCache(), prefill_limit=9, config=GuardConfig(prefill_floor=2))
-    engine = Engine(loaded.model, loaded.config, EngineConfig(device="cpu", check_invariants=True, num_pages=40,
+    engine = engine_for_model(loaded.model, loaded.config, EngineConfig(device="cpu", check_invariants=True, num_pages=40,
                                                               page_size=4, max_prefill_length=9,
                                                               max_running_requests=3, enable_prefix_caching=False),
                     device=torch.device("cpu"), dtype=torch.float32, faults=faults, guard=guard)
@@ -321,7 +322,7 @@ def test_synthetic_hybrid_model_serves_through_the_engine(name):
     layer0 = loaded.model.model.layers[0]
     assert layer0.kind == "linear_attention" and float(layer0.input_layernorm.weight.abs().max()) == 0.0
     assert float(layer0.linear_attn.norm.weight.min()) == 1.0
-    engine = Engine(loaded.model, loaded.config, EngineConfig(device="cpu", num_pages=16, page_size=16,
+    engine = engine_for_model(loaded.model, loaded.config, EngineConfig(device="cpu", num_pages=16, page_size=16,
                                                               max_running_requests=2, check_invariants=True),
                     device=torch.device("cpu"), dtype=torch.float32)
     for rid, n in (("a", 39), ("b", 15)):

@@ -204,13 +204,14 @@ async def test_queue_time_is_measured_by_the_engine(codec) -> None:
     import torch
 
     from ferrylm.config import EngineConfig
+    from ferrylm.engine.boot import engine_for_model
     from ferrylm.engine.engine import Engine
     from tests.engine.fake_model import FakeModel, fake_config
 
     cfg = fake_config(vocab=codec.vocab_size, max_len=256, eos=codec.eos_token_ids[0])
     ec = EngineConfig(device="cpu", page_size=4, num_pages=64, max_running_requests=1, max_prefill_length=2,
                       check_invariants=True)
-    core = Engine(FakeModel(cfg), cfg, ec, device=torch.device("cpu"), dtype=torch.float32)
+    core = engine_for_model(FakeModel(cfg), cfg, ec, device=torch.device("cpu"), dtype=torch.float32)
     eng = _InProcessEngine(codec, core)
     body = {"model": SERVED, "messages": MSGS, "max_tokens": 4, "ignore_eos": True, "temperature": 0}
     async with make_client(create_app(eng, codec, SERVED)) as c:

@@ -164,8 +164,10 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
         "results": [DecodeResult as dict, ...]}``.
     """
     from ferrylm.config import EngineConfig
-    from ferrylm.engine.engine import Engine, resolve_device, resolve_dtype
-    from ferrylm.engine.factory import apply_memory_limit, expert_budget
+    from ferrylm.engine.boot import engine_for_model
+    from ferrylm.engine.engine import resolve_device, resolve_dtype
+    from ferrylm.engine.boot import apply_memory_limit
+    from ferrylm.engine.expert_choice import expert_budget
     from ferrylm.experts.bandwidth import measure_bandwidths
     from ferrylm.experts.cpu_pool import CpuExpertPool
     from ferrylm.checkpoints.loader import load_model
@@ -205,7 +207,7 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
                            num_pages=pages, max_running_requests=batch, max_prefill_length=max(64, batch * prompt_len),
                            moe_backend="resident", decode_graphs=ec.decode_graphs,
                            cuda_graph_max_batch=ec.cuda_graph_max_batch, cuda_graph_max_len=ec.cuda_graph_max_len)
-        engine = Engine(loaded.model, loaded.config, cfg, device=device, dtype=dtype)
+        engine = engine_for_model(loaded.model, loaded.config, cfg, device=device, dtype=dtype)
         # as many warm-up prompts as the batch: decode graphs for the batch size are captured before the timed run
         prompts, warm = bench_prompts(loaded.config.vocab_size, batch, prompt_len, ec.seed, num_warm=batch)
 

@@ -87,46 +87,10 @@ def limits_with_pages(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device
                         max_running_requests=cfg.max_running_requests)
 
 
-def plan_limits(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> EngineLimits:
-    """Limits for an Engine built without the boot plan (tests, tools): explicit ``--num-pages`` /
-    ``--num-tokens`` win; otherwise :func:`ferrylm.memory.plan.plan_memory` over a reading taken now (the weights
-    are already in it; no workspace is measured). The engine factory uses the measured plan instead.
-
-    Raises:
-        MemoryPlanError: the pool cannot get its minimum.
-    """
-    from ferrylm.memory.plan import PlanInputs, plan_memory
-    from ferrylm.memory.probe import read_memory
-
-    if cfg.num_pages is not None:
-        return limits_with_pages(cfg, mcfg, device, cfg.num_pages)
-    if cfg.num_tokens is not None:
-        return limits_with_pages(cfg, mcfg, device, -(-cfg.num_tokens // cfg.page_size))
-    lim = limits_with_pages(cfg, mcfg, device, 0)
-    reading = read_memory(device)
-    per_tok = KVLayout.of(mcfg).bytes_per_token(dtype)
-    state = StateLayout.of(mcfg)
-    plan = plan_memory(PlanInputs(
-        kind=reading.kind, total_bytes=reading.total_bytes, free_at_boot_bytes=reading.free_bytes,
-        memory_ratio=cfg.memory_ratio, gpu_memory_limit_bytes=_gib_to_bytes(cfg.gpu_memory_limit),
-        memory_reserve_bytes=_gib_to_bytes(cfg.memory_reserve), weights_bytes=0, workspace_bytes=0,
-        workspace_source="not measured", kv_bytes_per_token=per_tok, page_size=cfg.page_size,
-        max_model_len=lim.max_model_len, max_running_requests=lim.max_running_requests,
-        max_prefill_length=lim.max_prefill_length, kv_reserve_tokens=cfg.kv_reserve_tokens,
-        host_kv_fraction=cfg.kv_memory_fraction if device.type == "cpu" else None,
-        state_slot_bytes=state.bytes_per_slot(dtype) if state is not None else 0,
-        state_snapshots=state_snapshot_count(lim) if cfg.enable_prefix_caching and state is not None else 0))
-    return limits_with_pages(cfg, mcfg, device, plan.kv_pages)
-
-
 def state_snapshot_count(limits: EngineLimits) -> int:
     """Recurrent-state snapshots a hybrid model keeps for prefix caching: one per running request (the memory
     plan counts them with the state slots)."""
     return limits.max_running_requests
-
-
-def _gib_to_bytes(v: float | None) -> int | None:
-    return None if v is None else int(v * (1 << 30))
 
 
 class Engine:
@@ -136,7 +100,8 @@ class Engine:
         model: a ferrylm model (``forward(input_ids [T], positions [T], attn) -> [T, H]``,
             ``compute_logits([N, H]) -> [N, V]``).
         model_config: its ModelConfig.
-        config: EngineConfig; ``limits`` (derived sizes) may be passed to skip :func:`plan_limits`.
+        config: EngineConfig. limits: the sizes (the boot's plan, ``engine/boot.py``; ``boot.engine_for_model``
+            sizes one without the boot's profile).
         device, dtype: where the KV pool lives and its dtype.
         expert_executor: the model's routed-expert executor, whose ``stats()`` join the engine's (None: dense).
         faults: the fault injector (default: off).
@@ -156,7 +121,7 @@ class Engine:
     """
 
     def __init__(self, model, model_config: ModelConfig, config: EngineConfig, *, device: torch.device,
-                 dtype: torch.dtype, limits: EngineLimits | None = None, expert_executor=None,
+                 dtype: torch.dtype, limits: EngineLimits, expert_executor=None,
                  faults: FaultInjector = NO_FAULTS, guard: OomGuard | None = None,
                  memory_plan: MemoryPlan | None = None, tokenizer_path: str | None = None,
                  model_id: str | None = None, tp=None):
@@ -169,7 +134,7 @@ class Engine:
         self.mcfg = model_config
         self.config = config
         self.device = device
-        self.limits = limits or plan_limits(config, model_config, device, dtype)
+        self.limits = limits
         self.pool = KVPool(layout=KVLayout.of(model_config), num_pages=self.limits.num_pages,
                            page_size=self.limits.page_size, dtype=dtype, device=device)
         # hybrid models (linear-attention layers): one recurrent-state slot per running request (engine/cache/state_pool.py)
@@ -209,10 +174,6 @@ class Engine:
         self.progress = StepProgress(faults=faults)
         self.progress.attach(model)
         self._bytes_per_elem = torch.empty((), dtype=dtype).element_size()
-        if limits is None and self.limits.pool_tokens < self.limits.max_model_len:
-            log.warning("the KV pool holds %d tokens, fewer than the model context of %d tokens: long requests "
-                        "will be rejected; raise --num-tokens/--num-pages or lower --max-model-len",
-                        self.limits.pool_tokens, self.limits.max_model_len)
 
     @property
     def expert_backend(self) -> str:
@@ -486,65 +447,6 @@ class Engine:
                     "(prefill budget now %d tokens, expert slots %d)", phase, tokens, len(reqs),
                     gib(st.oom_bytes) if st.oom_bytes else "size unknown", st.message, len(st.actions), action,
                     self.scheduler.prefill_budget, self.guard.cache.num_slots)
-
-    # --- warmup -----------------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def warmup(self, prefill_tokens: int, decode_seqs: int) -> None:
-        """Run the forward paths whose memory the plan measures: prefill steps of ``prefill_tokens`` new tokens
-        in all (split over requests no longer than the context) through every layer, then one decode step of
-        ``decode_seqs`` requests. No guard and no fault injection: a failure here raises (a boot error). Leaves
-        the engine empty, its counters at zero.
-
-        Raises:
-            RuntimeError: a warmup request was rejected or the pool could not hold the warmup (a sizing bug).
-            torch.OutOfMemoryError: the warmup does not fit the device.
-        """
-        faults = self.faults
-        self.faults = self.scheduler.faults = self.progress.faults = NO_FAULTS
-        self.scheduler.prefix_cache = None   # every warmup prompt runs its whole prefill; nothing stays cached
-        ex = self.expert_executor
-        if ex is not None and hasattr(ex, "faults"):
-            ex.faults = NO_FAULTS
-        try:
-            vocab = self.mcfg.vocab_size
-            per = max(1, min(prefill_tokens, self.limits.max_model_len - 1, self.limits.pool_tokens - 1))
-            n_pref = max(1, min(self.limits.max_running_requests, -(-prefill_tokens // per)))
-            greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-            for i in range(n_pref):
-                self.add_request(f"warmup-prefill-{i}", [(i + j) % vocab for j in range(per)], greedy)
-            self._warmup_drain()
-            # short prompts too: kernels whose tiles depend on the step size are compiled now, not at request time
-            for n in sorted({min(n, per) for n in (24, 100)}):
-                self.add_request(f"warmup-short-{n}", [(7 + j) % vocab for j in range(n)], greedy)
-                self._warmup_drain()
-            two = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-            for i in range(max(1, decode_seqs)):
-                self.add_request(f"warmup-decode-{i}", [(i + 1) % vocab, (i + 2) % vocab], two)
-            self._warmup_drain()
-        finally:
-            self.faults = self.scheduler.faults = self.progress.faults = faults
-            self.scheduler.prefix_cache = self.prefix_cache
-            if ex is not None and hasattr(ex, "faults"):
-                ex.faults = faults
-        bad = [o for o in self._pending if o.error_code]
-        self._pending = []
-        self.num_steps = 0
-        self.scheduler.num_preemptions = 0
-        if bad:
-            raise RuntimeError(f"warmup request rejected: {bad[0].error_code}: {bad[0].error_message}")
-
-    def _warmup_drain(self) -> None:
-        for _ in range(10_000):
-            if not self.scheduler.has_work():
-                return
-            batch = self.scheduler.schedule()
-            self._end_truncated(batch.truncated)
-            if not batch.seqs:
-                break
-            self.progress.begin_step(tuple(s.request.request_id for s in batch.seqs), batch.num_tokens)
-            self._run(batch)
-            self.progress.end_step()   # the first measurement of a full prefill chunk: the watchdog's estimate
-        raise RuntimeError("warmup did not finish: the KV pool cannot hold the warmup requests")
 
     def _expire_waiting(self) -> None:
         """Fail requests that waited longer than ``queue_timeout`` without being scheduled (503 queue_timeout).

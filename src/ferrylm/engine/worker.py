@@ -316,7 +316,7 @@ def engine_main(spec_dict: dict) -> None:
     log = logging.getLogger("ferrylm.engine")
     tp = None   # rank 0's step broadcaster under tensor parallel (engine/parallel/step_sync.py)
     try:
-        from ferrylm.engine.factory import build_engine
+        from ferrylm.engine.boot import build_engine
         from ferrylm.faults import FaultInjector
 
         config = EngineConfig(**spec.engine_config)

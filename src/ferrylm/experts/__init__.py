@@ -42,27 +42,6 @@ def expert_home(backend: str | ExpertOptions, device: torch.device | str) -> tor
     return torch.device(device) if backend_name(backend) == "resident" else torch.device("cpu")
 
 
-def _resolve_auto(layers: dict[int, LayerExperts], device: torch.device, options: ExpertOptions) -> str:
-    """``auto`` without a planned budget: resident on the CPU or when the experts fit in free device memory (minus
-    1 GiB of headroom); otherwise :func:`ferrylm.experts.auto.choose_backend`."""
-    if device.type != "cuda":
-        return "resident"
-    from ferrylm.experts.auto import choose_backend
-    from ferrylm.experts.banks import ExpertLayout
-    from ferrylm.experts.bandwidth import measure_bandwidths
-
-    first = next(iter(layers.values()))
-    layout = ExpertLayout.of(first)
-    free = torch.cuda.mem_get_info(device)[0] - (1 << 30)
-    choice = choose_backend(
-        expert_bytes_total=len(layers) * first.num_experts * layout.nbytes, budget_bytes=free,
-        expert_bytes=layout.nbytes, num_layers=len(layers), num_experts=first.num_experts,
-        top_k=1, stream_bytes=2 * first.num_experts * layout.nbytes if options.stream_prefill else 0,
-        bandwidths=options.bandwidths or (lambda: measure_bandwidths(device, layout)))
-    log.info("--moe-backend auto -> %s (%s)", choice.backend, choice.reason)
-    return choice.backend
-
-
 def build_executor(backend: str | ExpertOptions, layers: dict[int, LayerExperts],
                    device: torch.device | str) -> ExpertExecutor:
     """Build the executor for ``--moe-backend backend``.
@@ -74,14 +53,15 @@ def build_executor(backend: str | ExpertOptions, layers: dict[int, LayerExperts]
         device: the compute device.
 
     Raises:
-        ValueError: unknown backend name (the message lists the valid ones) or an out-of-range option.
+        ValueError: unknown backend name (the message lists the valid ones), ``auto`` (the boot resolves it before
+            loading: ``engine/expert_choice.resolve_expert_backend``) or an out-of-range option.
     """
     options = backend if isinstance(backend, ExpertOptions) else ExpertOptions(backend=check_backend(backend))
     options.validate()
     dev = torch.device(device)
     name = backend_name(options)
     if name == "auto":
-        name = _resolve_auto(layers, dev, options)
+        raise ValueError("--moe-backend auto is resolved before loading (engine/expert_choice.py); pass a backend")
     if name == "resident":
         from ferrylm.experts.resident import ResidentExecutor
 

@@ -131,7 +131,7 @@ class CachedExecutor(ExpertExecutor):
 
     def reserve(self, budget_bytes: int | None = None) -> int:
         """Allocate the slot cache (and stream buffers) within ``budget_bytes`` and warm it; returns ``N``.
-        Called by the engine factory once the weights and KV pool are placed; otherwise on the first run with
+        Called by the boot (engine/boot.py) once the weights and KV pool are placed; otherwise on the first run with
         no budget. Re-reserving drops the cache first."""
         self._drop_device_memory()
         n = self.plan_slots(budget_bytes)

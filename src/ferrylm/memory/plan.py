@@ -28,7 +28,7 @@ Figures (bytes unless named otherwise), in the order the plan takes them:
 5. ``headroom`` = budget - weights - workspace - KV - experts (never negative).
 
 With default flags the plan takes the largest configuration that fits and gives way down to its minimum: the
-weights, the workspace of the chunk measured (the factory lowers a default chunk that does not fit, to 1024 tokens),
+weights, the workspace of the chunk measured (the boot lowers a default chunk that does not fit, to 1024 tokens),
 the KV floor and the expert slots one decode step needs (the KV pool gives way to them). A plan that cannot work
 raises :class:`MemoryPlanError` naming the numbers, that minimum in GiB, the other processes holding device memory
 (when nvidia-ml-py sees them) and the flag to change. It never suggests raising ``--memory-ratio`` when the memory
@@ -98,6 +98,21 @@ def expert_needs(executor) -> ExpertNeeds | None:
 
 
 @dataclass(frozen=True)
+class MemoryBudget:
+    """What the plan may hand out, known before the weights load: the reading (``kind`` ``"cuda"`` or ``"host"``,
+    ``total_bytes``, ``free_at_boot_bytes``), the flags that cut it (``memory_ratio``, ``gpu_memory_limit_bytes``,
+    ``memory_reserve_bytes``: bytes or None) and the other processes holding device memory (for messages)."""
+
+    kind: str
+    total_bytes: int
+    free_at_boot_bytes: int
+    memory_ratio: float
+    gpu_memory_limit_bytes: int | None
+    memory_reserve_bytes: int | None
+    other_processes: tuple[ProcessUsage, ...] = ()
+
+
+@dataclass(frozen=True)
 class PlanInputs:
     """Everything :func:`plan_memory` needs (bytes, tokens, requests).
 
@@ -151,6 +166,16 @@ class PlanInputs:
     graph_bytes: int = 0
     state_slot_bytes: int = 0
     state_snapshots: int = 0
+
+    @classmethod
+    def of(cls, budget: MemoryBudget, **figures) -> "PlanInputs":
+        """The budget and the model's figures (every other field, by name) as one input."""
+        return cls(**asdict(budget) | {"other_processes": budget.other_processes}, **figures)
+
+    @property
+    def budget(self) -> MemoryBudget:
+        return MemoryBudget(self.kind, self.total_bytes, self.free_at_boot_bytes, self.memory_ratio,
+                            self.gpu_memory_limit_bytes, self.memory_reserve_bytes, self.other_processes)
 
     @property
     def state_slots(self) -> int:
@@ -429,12 +454,12 @@ def limit_reserve(limit_bytes: int) -> int:
     return max(GiB // 2, limit_bytes // 20)
 
 
-def _budget(p: PlanInputs) -> tuple[int, int, str]:
+def _budget(p: MemoryBudget | PlanInputs) -> tuple[int, int, str]:
     """``(reserve, budget, binding)`` bytes: see the module docstring, step 2."""
     return _budget_why(p)[:3]
 
 
-def _budget_why(p: PlanInputs) -> tuple[int, int, str, str]:
+def _budget_why(p: MemoryBudget | PlanInputs) -> tuple[int, int, str, str]:
     """``(reserve, budget, binding, reserve_note)``: one cut of what ferrylm may use (module docstring, step 2)."""
     limit = p.gpu_memory_limit_bytes
     explicit = p.memory_reserve_bytes
@@ -450,23 +475,24 @@ def _budget_why(p: PlanInputs) -> tuple[int, int, str, str]:
     return scaled, usable - scaled, binding, why
 
 
-def check_budget(p: PlanInputs) -> None:
+def check_budget(b: MemoryBudget) -> None:
     """Before the weights load: fail at once when the reading leaves no budget at all.
 
     Raises:
         MemoryPlanError: ``free_at_boot * memory_ratio - reserve`` (or the limit) is not positive.
     """
-    reserve, budget, binding = _budget(p)
+    reserve, budget, binding = _budget(b)
     if budget <= 0:
-        _Explainer(p, reserve, budget, binding, p.weights_bytes).fail("nothing is left for the weights")
+        _Explainer(b, reserve, budget, binding).fail("nothing is left for the weights")
 
 
-def boot_failure(p: PlanInputs, what: str, smaller: str = "") -> MemoryPlanError:
-    """The boot error for a failure outside :func:`plan_memory` (e.g. the weights did not load): ``what``
-    happened, the budget's derivation, who holds the memory, what to change."""
+def boot_failure(p: MemoryBudget | PlanInputs, what: str, smaller: str = "") -> MemoryPlanError:
+    """The boot error for a failure outside :func:`plan_memory`: ``what`` happened, the budget's derivation, who
+    holds the memory, what to change (with complete inputs: the least budget this configuration needs too)."""
     reserve, budget, binding = _budget(p)
+    minimum = minimum_bytes(p) if isinstance(p, PlanInputs) else 0
     try:
-        _Explainer(p, reserve, budget, binding, minimum_bytes(p)).fail(what, smaller=smaller)
+        _Explainer(p, reserve, budget, binding, minimum).fail(what, smaller=smaller)
     except MemoryPlanError as e:
         return e
     raise AssertionError("unreachable")
@@ -475,7 +501,7 @@ def boot_failure(p: PlanInputs, what: str, smaller: str = "") -> MemoryPlanError
 class _Explainer:
     """Builds the boot error: the shortfall, the budget's derivation, who holds the memory, what to change."""
 
-    def __init__(self, p: PlanInputs, reserve: int, budget: int, binding: str, minimum: int = 0):
+    def __init__(self, p: MemoryBudget | PlanInputs, reserve: int, budget: int, binding: str, minimum: int = 0):
         self.p, self.reserve, self.budget, self.binding, self.minimum = p, reserve, budget, binding, minimum
 
     def fail(self, what: str, *, left: int | None = None, smaller: str = "") -> None:

@@ -89,23 +89,18 @@ class FollowerRunner:
 
 
 def build_follower(model_path: str, config: EngineConfig, group: TPGroup) -> FollowerRunner:
-    """Load this rank's shard as rank 0's ``build_engine`` loads its own (same dtype, backend, seed)."""
+    """Load this rank's shard by the boot's own steps up to loading (``engine/boot.py``: same dtype, backend,
+    seed)."""
+    from ferrylm.config import ModelConfig
     from ferrylm.engine.attention import resolve_backend
-    from ferrylm.engine.engine import resolve_dtype
-    from ferrylm.engine.factory import apply_memory_limit, expert_options, resolve_auto
-    from ferrylm.checkpoints.loader import load_model
-    from ferrylm.synthetic.spec import is_synthetic_folder
+    from ferrylm.engine.boot import load_weights, resolve_target
+    from ferrylm.engine.expert_choice import resolve_expert_backend
     from ferrylm.models.tensor_parallel import attach_reduce
 
     config.validate()
-    device = group.device
-    dtype = resolve_dtype(config.dtype, device)
-    if config.dtype == "auto" and is_synthetic_folder(model_path):
-        dtype = torch.bfloat16
-    apply_memory_limit(device, config.gpu_memory_limit)   # --gpu-memory-limit caps every rank
-    options = resolve_auto(model_path, config, device, dtype, expert_options(config))
-    torch.manual_seed(config.seed)
-    loaded = load_model(model_path, device=device, dtype=dtype, moe_backend=options, tp=group.shard)
+    target = resolve_target(model_path, config, group.device)   # --gpu-memory-limit caps every rank
+    options = resolve_expert_backend(ModelConfig.from_folder(model_path), target.config, target.device, target.dtype)
+    loaded, _ = load_weights(model_path, target, options, group.shard)
     attach_reduce(loaded.model, group.all_reduce)
-    return FollowerRunner(loaded.model, loaded.executor, group, dtype,
-                          resolve_backend(config.attention_backend, device))
+    return FollowerRunner(loaded.model, loaded.executor, group, target.dtype,
+                          resolve_backend(config.attention_backend, group.device))
