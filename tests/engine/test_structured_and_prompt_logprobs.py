@@ -28,7 +28,7 @@ def make(vocab: int, tokenizer=None, budget: int = 64, eos: int = 0) -> Engine:
     ec = EngineConfig(device="cpu", num_pages=64, page_size=4, max_running_requests=8, max_prefill_length=budget,
                       check_invariants=True)
     return engine_for_model(FakeModel(cfg), cfg, ec, device=torch.device("cpu"), dtype=torch.float32,
-                  tokenizer_path=None if tokenizer is None else str(tokenizer))
+                            tokenizer_path=None if tokenizer is None else str(tokenizer))
 
 
 def run(engine: Engine, reqs: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list]:

@@ -330,13 +330,14 @@ async def test_prompt_within_the_context_but_over_the_pool_names_the_pool(codec)
 
 
 def test_engine_admission_names_the_context_first() -> None:
-    from ferrylm.errors import ContextLengthExceeded
+    from ferrylm.engine.sampling_params import SamplingParams
     from tests.engine.test_structured_and_prompt_logprobs import make
 
     eng = make(32)   # fake model: context 512, pool 64 pages x 4 = 256 tokens
-    with pytest.raises(ContextLengthExceeded) as e:
-        eng.check_admission(600, None)
-    assert "--num-tokens" not in e.value.message and "--max-model-len" in e.value.message
-    with pytest.raises(ContextLengthExceeded) as e:
-        eng.check_admission(300, None)
-    assert "--num-tokens" in e.value.message
+    eng.add_request("over-context", [1] * 600, SamplingParams())
+    eng.add_request("over-pool", [1] * 300, SamplingParams())
+    out = {o.request_id: o for o in eng.step()}
+    assert {o.error_code for o in out.values()} == {"context_length_exceeded"}
+    ctx, pool = out["over-context"].error_message, out["over-pool"].error_message
+    assert "--num-tokens" not in ctx and "--max-model-len" in ctx
+    assert "--num-tokens" in pool

@@ -2,11 +2,12 @@
 
 Pure (no I/O): ``engine/worker.py`` wraps it in a process with IPC, and ``llm.py`` drives it in-process.
 
-OOM containment (``memory/guard.py``): every allocation failure inside a step (scheduling, forward, logits,
-sampling) is caught at the step boundary; the step's requests keep their counters (``num_computed_tokens``
-advances and sampled tokens are appended only after the whole step succeeded, so K/V a failed forward wrote past
-the computed tokens is simply overwritten later) and the guard's ladder retries, halves the prefill chunk, shrinks
-the expert cache, preempts, or fails only that step's requests with ``insufficient_memory``.
+OOM containment (``memory/ladder.py`` applying the decisions of ``memory/guard.py``): every allocation failure
+inside a step (scheduling, forward, logits, sampling) is caught at the step boundary; the step's requests keep
+their counters (``Scheduler.update`` advances them and appends sampled tokens only after the whole step
+succeeded, so K/V a failed forward wrote past the computed tokens is simply overwritten later) and the ladder
+retries, shrinks the expert cache, halves the prefill chunk, defers or preempts, or fails only that step's
+requests with ``insufficient_memory``.
 """
 
 from __future__ import annotations
@@ -19,20 +20,22 @@ import torch
 
 from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.engine import prompt_logprobs
+from ferrylm.engine.admission import admit
 from ferrylm.engine.cache.kv_pool import KVLayout, KVPool
-from ferrylm.engine.model_runner import ModelRunner, has_prefill
+from ferrylm.engine.model_runner import ModelRunner
 from ferrylm.engine.outputs import EngineOutput
 from ferrylm.engine.cache.prefix_cache import PrefixCache, cache_seed
 from ferrylm.engine.progress import StepAbandoned, StepProgress
 from ferrylm.engine.request import Request, Status
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.engine.cache.state_pool import StateLayout, StatePool
-from ferrylm.engine.scheduler import Batch, ScheduledSeq, Scheduler, SchedulerConfig
+from ferrylm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, TokenUpdate
 from ferrylm.engine.structured import StructuredDecoder
-from ferrylm.errors import ContextLengthExceeded, FerryError
+from ferrylm.errors import FerryError
 from ferrylm.faults import NO_FAULTS, FaultInjector
-from ferrylm.memory.guard import GuardConfig, OomGuard, StepRecovery, elastic_cache_of, is_oom
-from ferrylm.memory.plan import MemoryPlan, gib
+from ferrylm.memory.guard import GuardConfig, OomGuard, elastic_cache_of
+from ferrylm.memory.ladder import OomLadder
+from ferrylm.memory.plan import MemoryPlan
 from ferrylm.models.sizes import non_expert_step_bytes
 
 log = logging.getLogger("ferrylm.engine")
@@ -100,8 +103,8 @@ class Engine:
         model: a ferrylm model (``forward(input_ids [T], positions [T], attn) -> [T, H]``,
             ``compute_logits([N, H]) -> [N, V]``).
         model_config: its ModelConfig.
-        config: EngineConfig. limits: the sizes (the boot's plan, ``engine/boot.py``; ``boot.engine_for_model``
-            sizes one without the boot's profile).
+        config: EngineConfig. limits: the sizes (the boot's plan, ``engine/boot.py``; ``boot.engine_for_model`` sizes
+            one without the boot's profile).
         device, dtype: where the KV pool lives and its dtype.
         expert_executor: the model's routed-expert executor, whose ``stats()`` join the engine's (None: dense).
         faults: the fault injector (default: off).
@@ -159,6 +162,7 @@ class Engine:
                                        reserve_bytes=memory_plan.reserve_bytes if memory_plan else 0,
                                        config=GuardConfig(workspace_bytes=memory_plan.workspace_bytes
                                                           if memory_plan else 0))
+        self.ladder = OomLadder(self.guard, self, device, StepAbandoned)
         self.eos_ids = tuple(model_config.eos_token_ids)
         self.tp = tp
         self.runner = ModelRunner(model, self.pool, device, dtype, config, self.limits.max_model_len,
@@ -195,33 +199,6 @@ class Engine:
         """The piecewise decode graph runner (offloading executors), or None."""
         return self.runner.piecewise
 
-    # --- admission --------------------------------------------------------------------------------------------
-    def check_admission(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
-        """Return the resolved max_tokens, or raise ContextLengthExceeded (the request can never run)."""
-        L = self.limits.max_model_len
-        pool = self.limits.pool_tokens
-        if num_prompt_tokens < 1:
-            raise FerryError("the prompt is empty", code="invalid_request", param="prompt")
-        if num_prompt_tokens >= L:   # the context first (a bigger KV pool would not help)
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {L} tokens. However, your prompt has {num_prompt_tokens} "
-                f"tokens, which leaves no room for completion tokens. Shorten the prompt (the limit is the "
-                f"server's --max-model-len, at most the model's own context).", param="messages")
-        if num_prompt_tokens + 1 > pool:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {L} tokens. However, your prompt has {num_prompt_tokens} "
-                f"tokens, and the KV cache pool holds only {pool} tokens (prompt + 1 must fit). Shorten the "
-                f"prompt, or raise the pool with --num-tokens / --num-pages (or more memory: --gpu-memory-limit).",
-                param="messages")
-        if max_tokens is None:
-            return L - num_prompt_tokens
-        if num_prompt_tokens + max_tokens > L:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {L} tokens. However, you requested "
-                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, {max_tokens} in "
-                f"the completion). Reduce the prompt or max_tokens, or raise --max-model-len.", param="max_tokens")
-        return max_tokens
-
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     isolate: bool = False) -> None:
         """Admit a request or report its rejection as a terminal error output (never raises for a client
@@ -234,7 +211,8 @@ class Engine:
             if not isinstance(prompt_token_ids, (list, tuple)):
                 raise FerryError("prompt token ids must be a list", code="invalid_request", param="prompt")
             params.validate()
-            params.max_tokens = self.check_admission(len(prompt_token_ids), params.max_tokens)
+            params.max_tokens = admit(len(prompt_token_ids), params.max_tokens,
+                                      max_model_len=self.limits.max_model_len, pool_tokens=self.limits.pool_tokens)
             vocab, ids = self.mcfg.vocab_size, prompt_token_ids
             if not all(type(t) is int for t in ids) or min(ids) < 0 or max(ids) >= vocab:
                 raise FerryError(f"prompt token ids must be integers in [0, {vocab})", code="invalid_request",
@@ -283,7 +261,7 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
-    # --- the step ---------------------------------------------------------------------------------------------
+    # --- the step: schedule -> run (the OOM ladder around the forward) -> Scheduler.update ---------------------
     @torch.inference_mode()
     def step(self) -> list[EngineOutput]:
         """Run one batch (if any) and return every output produced since the last call. An allocation failure
@@ -291,14 +269,14 @@ class Engine:
         self._expire_waiting()
         self._expire_deadlines()
         self.guard.tick()
-        batch = self._schedule_guarded()
+        batch = self.ladder.schedule()
         self._end_truncated(batch.truncated)
         if batch.seqs:
             self.progress.begin_step(tuple(s.request.request_id for s in batch.seqs), batch.num_tokens,
                                      max(s.request.num_prompt_tokens for s in batch.seqs))
             ok = False
             try:
-                ok = self._run_guarded(batch.seqs)
+                ok = self.ladder.run(batch.seqs)
             finally:
                 self.progress.end_step(measured=ok)
             self.num_steps += 1
@@ -316,137 +294,33 @@ class Engine:
             self._pending.append(EngineOutput(r.request_id, [], finish_reason="length",
                                               num_prompt_tokens=r.num_prompt_tokens, queue_time=r.take_queue_time()))
 
-    # --- OOM containment --------------------------------------------------------------------------------------
-    def _schedule_guarded(self) -> Batch:
-        """``scheduler.schedule()``; an allocation failure while a request's pages are allocated is retried,
-        then the budget halved, then that request failed (the others are scheduled)."""
-        st: StepRecovery | None = None
-        while True:
-            try:
-                return self.scheduler.schedule()
-            except Exception as e:
-                if not is_oom(e):
-                    raise
-                st = st or self.guard.begin()
-                self.guard.note_oom(st, e)
-            req, self.scheduler.growing = self.scheduler.growing, None
-            if req is None:
-                raise RuntimeError(f"allocation failure while scheduling, not pinned on a request: {st.message}")
-            self.guard.release()
-            chunk = min(req.num_tokens - req.num_computed_tokens, self.scheduler.prefill_budget)
-            action = self.guard.next_action(st, prefill_tokens=chunk, num_seqs=1)
-            detail = ""
-            if action == "halve":
-                self.scheduler.set_prefill_budget(self.guard.halved(chunk))
-                detail = f" to {self.scheduler.prefill_budget} tokens"
-            self._log_recovery(action + detail, st, "scheduling", chunk, [req])
-            if action == "fail":
-                self._fail_oom([req], st, "scheduling", chunk)
-                st = None
+    # --- the ladder's host (memory/ladder.StepHost) -----------------------------------------------------------
+    def run_step(self, seqs: list[ScheduledSeq]) -> None:
+        """One attempt of the step: forward and sample (the model runner), then :meth:`Scheduler.update` commits
+        it (counters advance and tokens are appended only after every allocation of the step succeeded)."""
+        self.runner.faults = self.faults
+        res = self.runner.execute(seqs)
+        updates = self.scheduler.update(seqs, res.token_ids if res is not None else None, eos_ids=self.eos_ids,
+                                        max_model_len=self.limits.max_model_len, advance=self.structured.advance)
+        for u in updates:
+            self._emit(u, res.logprobs[u.row])
 
-    def _run_guarded(self, seqs: list[ScheduledSeq]) -> bool:
-        """Run the step's sequences; on an allocation failure climb the guard's ladder until the (possibly
-        smaller) step succeeds or its requests are failed. Returns False when the step was abandoned (its requests
-        all aborted mid-step), so its duration teaches the estimates nothing."""
-        st: StepRecovery | None = None
-        while seqs:
-            try:
-                self._run(Batch(seqs=seqs, preempted=[], truncated=[]))
-                break
-            except StepAbandoned:   # every request aborted at a layer boundary: nothing to commit
-                log.info("step of %d token(s) abandoned at a layer boundary: its requests were all aborted",
-                         sum(s.num_tokens for s in seqs))
-                return False
-            except Exception as e:
-                if not is_oom(e):
-                    raise
-                st = st or self.guard.begin()
-                self.guard.note_oom(st, e)
-            # NOTE: outside the except block: the exception, its traceback and the step's tensors are unreachable
-            self.guard.release()
-            seqs = [s for s in seqs if s.request.status is not Status.FINISHED]   # aborted during the attempt
-            seqs = self._drop_lost_states(seqs)
-            if not seqs:
-                break
-            prefill = sum(s.num_tokens for s in seqs if s.num_tokens > 1)
-            tokens = sum(s.num_tokens for s in seqs)
-            phase = "prefill" if has_prefill(seqs) else "decode"
-            action = self.guard.next_action(st, prefill_tokens=prefill, num_seqs=len(seqs),
-                                            has_prefill=phase == "prefill")
-            reqs, detail = [s.request for s in seqs], ""
-            if action == "halve":
-                n = self.guard.halved(prefill)
-                self.scheduler.set_prefill_budget(n + sum(1 for s in seqs if s.num_tokens == 1))
-                seqs = _trim_prefill(seqs, n)
-                detail = f": prefill chunk {prefill} -> {n} tokens"
-            elif action == "defer":
-                # NOTE: the deferred requests keep their pages and counters (nothing of this step was committed);
-                # the scheduler gives them their chunk again next step, by then with the decodes' room back
-                kept = _without_deferred_prefills(seqs)
-                deferred = [s.request.request_id for s in seqs if s not in kept]
-                seqs = kept
-                detail = f" the prefill of {len(deferred)} request(s) {deferred} to a later step"
-            elif action == "preempt":
-                victims = self._preemption_victims(seqs)
-                for r in victims:
-                    self.scheduler.preempt(r)
-                seqs = [s for s in seqs if s.request not in victims]
-                detail = f" {len(victims)} request(s) {[r.request_id for r in victims]}"
-            self._log_recovery(action + detail, st, phase, tokens, reqs)
-            if action == "fail":
-                self._fail_oom([s.request for s in seqs], st, phase, tokens)
-                seqs = []
-        if st is None:
-            budget = self.guard.step_succeeded()
-            if budget is not None:
-                self.scheduler.set_prefill_budget(budget)
-        return True
+    def states_lost(self) -> bool:
+        rs, self.runner.last_recurrent = self.runner.last_recurrent, None
+        return self.state_pool is not None and rs is not None and bool(rs.written)
 
-    def _drop_lost_states(self, seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
-        """After a failed step of a hybrid model whose linear layers already wrote states: the sequences that
-        continued from a state (``start > 0``) lost it (it was partly advanced), so they are preempted (they
-        recompute from token 0, like any preemption) and leave the step; those starting at 0 simply retry (their
-        state is read as zeros). Other models: ``seqs`` unchanged."""
-        rs = self.runner.last_recurrent
-        self.runner.last_recurrent = None
-        if self.state_pool is None or rs is None or not rs.written:
-            return seqs
-        lost = [s for s in seqs if s.start > 0]
-        for s in lost:
-            self.scheduler.preempt(s.request)
-        if lost:
-            log.warning("failed step: %d request(s) %s lost their recurrent state and recompute from token 0",
-                        len(lost), [s.request.request_id for s in lost])
-        return [s for s in seqs if s.start == 0]
+    def finished(self, request: Request) -> bool:
+        return request.status is Status.FINISHED
 
-    def _preemption_victims(self, seqs: list[ScheduledSeq]) -> list[Request]:
-        """A decode-only step preempts its newest request (the last admitted). (A step with a prefill defers
-        its prefill chunks instead: :func:`_without_deferred_prefills`.)"""
-        order = {id(r): i for i, r in enumerate(self.scheduler.running)}
-        return [max((s.request for s in seqs), key=lambda r: order.get(id(r), -1))]
-
-    def _fail_oom(self, reqs: list[Request], st: StepRecovery, phase: str, tokens: int) -> None:
-        """End ``reqs`` with ``insufficient_memory`` (HTTP 503 + Retry-After at the edge), freeing their pages."""
-        free = self.guard.read_free_now()
-        msg = (f"out of memory: a {phase} step of {tokens} tokens for {len(reqs)} request(s) could not be computed "
-               f"(failed allocation: {gib(st.oom_bytes) if st.oom_bytes else 'size unknown'}; "
-               f"{gib(free) + ' free' if free is not None else 'free memory unknown'} on {self.device}, reserve "
-               f"{gib(self.guard.reserve_bytes)}; tried: {', '.join(st.actions)}). Retry later or send a shorter "
-               f"prompt.")
-        for r in reqs:
+    def fail_requests(self, requests: list[Request], message: str) -> None:
+        """End ``requests`` with ``insufficient_memory`` (HTTP 503 + Retry-After at the edge), freeing their pages."""
+        for r in requests:
             if r.status != Status.FINISHED:
                 self.scheduler.finish(r, "abort")
             self.requests.pop(r.request_id, None)
-            self._pending.append(EngineOutput(r.request_id, [], error_code="insufficient_memory", error_message=msg,
-                                              num_prompt_tokens=r.num_prompt_tokens, queue_time=r.take_queue_time()))
-        self.guard.count_failed(len(reqs))
-        log.error("OOM: failed %d request(s) %s: %s", len(reqs), [r.request_id for r in reqs], msg)
-
-    def _log_recovery(self, action: str, st: StepRecovery, phase: str, tokens: int, reqs: list[Request]) -> None:
-        log.warning("OOM in a %s step of %d tokens (%d requests; failed allocation %s: %s); recovery %d: %s "
-                    "(prefill budget now %d tokens, expert slots %d)", phase, tokens, len(reqs),
-                    gib(st.oom_bytes) if st.oom_bytes else "size unknown", st.message, len(st.actions), action,
-                    self.scheduler.prefill_budget, self.guard.cache.num_slots)
+            self._pending.append(EngineOutput(r.request_id, [], error_code="insufficient_memory",
+                                              error_message=message, num_prompt_tokens=r.num_prompt_tokens,
+                                              queue_time=r.take_queue_time()))
 
     def _expire_waiting(self) -> None:
         """Fail requests that waited longer than ``queue_timeout`` without being scheduled (503 queue_timeout).
@@ -480,60 +354,20 @@ class Engine:
                               f"header sets it)"))
             log.warning("request %s ended at its deadline after %d tokens", r.request_id, r.num_output_tokens)
 
-    def _run(self, batch: Batch) -> None:
-        """Forward and sample the batch (the model runner), then advance every sequence's counters and append the
-        sampled tokens."""
-        self.runner.faults = self.faults
-        res = self.runner.execute(batch.seqs)
-        # NOTE: counters advance and tokens are appended only here, after every allocation of the step succeeded
-        # (the OOM guard retries a failed step from the same counters). A request aborted during the step (the
-        # worker's layer-boundary poll) already gave its pages back: nothing is committed for it.
-        for s in batch.seqs:
-            if s.request.status is not Status.FINISHED:
-                s.request.num_computed_tokens += s.num_tokens
-        if self.state_snapshots is not None and self.scheduler.prefix_cache is not None:
-            self._save_snapshots(batch.seqs)
-        if res is not None:
-            for i, s in enumerate([s for s in batch.seqs if s.sample]):
-                if s.request.status is Status.FINISHED:
-                    continue
-                self._append_token(s.request, res.token_ids[i],
-                                   None if res.logprobs[i] is None else [res.logprobs[i]])
-
-    def _save_snapshots(self, seqs: list[ScheduledSeq]) -> None:
-        """Keep the state of every sequence of the (successful) step whose computed tokens end on a page boundary,
-        under that page's name (``engine/cache/state_snapshots.py``)."""
-        ps = self.limits.page_size
-        for s in seqs:
-            r = s.request
-            n = r.num_computed_tokens
-            if r.status is Status.FINISHED or r.state_slot is None or n == 0 or n % ps:
-                continue
-            self.state_snapshots.save(self.prefix_cache.names(r, n // ps)[-1], r.state_slot)
-
-    def _append_token(self, r: Request, tok: int, logprobs) -> None:
-        r.output_token_ids.append(tok)
-        grammar_error = self.structured.advance(r, tok)
-        if grammar_error is not None:   # the constraint cannot hold: end the request, never go on unconstrained
-            self.scheduler.finish(r, "abort")
+    def _emit(self, u: TokenUpdate, logprobs) -> None:
+        """The output of a committed token (a grammar failure ends its request with an error instead)."""
+        r = u.request
+        if u.grammar_error is not None:   # the constraint cannot hold: end the request, never go on unconstrained
             self.requests.pop(r.request_id, None)
             self._pending.append(EngineOutput(
                 r.request_id, [], error_code="grammar_failed", num_prompt_tokens=r.num_prompt_tokens,
                 queue_time=r.take_queue_time(),
-                error_message=f"structured output failed after {r.num_output_tokens - 1} tokens: {grammar_error}"))
+                error_message=f"structured output failed after {r.num_output_tokens - 1} tokens: {u.grammar_error}"))
             return
-        p = r.params
-        reason = None
-        if not p.ignore_eos and tok in self.eos_ids and r.num_output_tokens >= p.min_tokens:
-            reason = "stop"
-        elif tok in p.stop_token_ids and r.num_output_tokens >= p.min_tokens:
-            reason = "stop"
-        elif r.num_output_tokens >= p.max_tokens or r.num_tokens >= self.limits.max_model_len:
-            reason = "length"
-        if reason is not None:
-            self.scheduler.finish(r, reason)
+        if u.finish_reason is not None:
             self.requests.pop(r.request_id, None)
-        self._pending.append(EngineOutput(r.request_id, [tok], finish_reason=reason, logprobs=logprobs,
+        self._pending.append(EngineOutput(r.request_id, [u.token], finish_reason=u.finish_reason,
+                                          logprobs=None if logprobs is None else [logprobs],
                                           num_prompt_tokens=r.num_prompt_tokens, queue_time=r.take_queue_time(),
                                           prompt_logprobs=prompt_logprobs.take(r),
                                           num_cached_tokens=r.take_cached_tokens()))
@@ -563,29 +397,3 @@ class Engine:
         if graphs is not None:
             d["decode_graphs"] = graphs
         return d
-
-
-def _without_deferred_prefills(seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
-    """The OOM guard's ``defer``: the step without its prefill chunks when it holds decodes too (decodes of running
-    requests are never held back by a prompt that does not fit now); with prefill chunks only, the first of
-    them alone."""
-    decodes = [s for s in seqs if not (s.num_tokens > 1 or s.start == 0)]
-    if decodes:
-        return decodes
-    return seqs[:1]
-
-
-def _trim_prefill(seqs: list[ScheduledSeq], limit: int) -> list[ScheduledSeq]:
-    """The step with its prefill chunks (sequences of more than one token) cut to ``limit`` tokens in all, in
-    order; decode sequences are kept. A chunk cut short no longer samples (its request just progresses less)."""
-    out: list[ScheduledSeq] = []
-    left = limit
-    for s in seqs:
-        if s.num_tokens <= 1:
-            out.append(s)
-            continue
-        n = min(s.num_tokens, left)
-        if n > 0:
-            out.append(ScheduledSeq(s.request, s.start, n))
-            left -= n
-    return out

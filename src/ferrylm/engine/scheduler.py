@@ -44,6 +44,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ferrylm.engine.cache.kv_pool import pages_needed
@@ -90,6 +91,28 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.seqs)
+
+
+@dataclass
+class TokenUpdate:
+    """A sampled token committed to its request (``row``: its row in the step's samples). ``finish_reason`` when
+    it ended the request; ``grammar_error`` when the request's structured output cannot go on (it ended, aborted)."""
+
+    request: Request
+    token: int
+    row: int
+    finish_reason: str | None = None
+    grammar_error: str | None = None
+
+
+def stop_reason(r: Request, tok: int, eos_ids: tuple[int, ...], max_model_len: int) -> str | None:
+    """``"stop"`` (EOS, a stop token), ``"length"`` (max_tokens, the context) or None after ``tok`` was appended."""
+    p = r.params
+    if r.num_output_tokens >= p.min_tokens and ((not p.ignore_eos and tok in eos_ids) or tok in p.stop_token_ids):
+        return "stop"
+    if r.num_output_tokens >= p.max_tokens or r.num_tokens >= max_model_len:
+        return "length"
+    return None
 
 
 class Scheduler:
@@ -325,6 +348,49 @@ class Scheduler:
         req.status = Status.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1
+
+    def update(self, seqs: list[ScheduledSeq], token_ids: list[int] | None, *, eos_ids: tuple[int, ...],
+               max_model_len: int, advance: Callable[[Request, int], str | None] | None = None) -> list[TokenUpdate]:
+        """Commit a step that succeeded: every sequence's computed tokens advance (a request aborted during the
+        step gave its pages back already: nothing is committed for it), hybrid models keep the state snapshots
+        of page boundaries, then each sampled token (``token_ids``, one per sampling sequence) is appended,
+        checked by ``advance`` (the grammar: an error string ends the request) and the stop rules, and finished
+        requests are released.
+
+        Returns:
+            one :class:`TokenUpdate` per token kept.
+        """
+        for s in seqs:
+            if s.request.status is not Status.FINISHED:
+                s.request.num_computed_tokens += s.num_tokens
+        if self.state_snapshots is not None and self.prefix_cache is not None:
+            self._save_snapshots(seqs)
+        if token_ids is None:
+            return []
+        out: list[TokenUpdate] = []
+        for i, s in enumerate([s for s in seqs if s.sample]):
+            r = s.request
+            if r.status is Status.FINISHED:
+                continue
+            tok = token_ids[i]
+            r.output_token_ids.append(tok)
+            error = advance(r, tok) if advance is not None else None
+            reason = "abort" if error is not None else stop_reason(r, tok, eos_ids, max_model_len)
+            if reason is not None:
+                self.finish(r, reason)
+            out.append(TokenUpdate(r, tok, i, None if error else reason, error))
+        return out
+
+    def _save_snapshots(self, seqs: list[ScheduledSeq]) -> None:
+        """Keep the state of every sequence whose computed tokens end on a page boundary, under that page's name
+        (``engine/cache/state_snapshots.py``)."""
+        ps = self.config.page_size
+        for s in seqs:
+            r = s.request
+            n = r.num_computed_tokens
+            if r.status is Status.FINISHED or r.state_slot is None or n == 0 or n % ps:
+                continue
+            self.state_snapshots.save(self.prefix_cache.names(r, n // ps)[-1], r.state_slot)
 
     def check_invariants(self) -> None:
         """Assert: every page free, cached or owned, reference counts matching the tables, only named pages

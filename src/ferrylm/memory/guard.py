@@ -1,10 +1,9 @@
 """The OOM guard: decisions of the recovery ladder at the engine's step boundary, its counters, and the elastic
-expert cache.
+expert cache. The ladder (``memory/ladder.py``) applies the decisions.
 
-The engine (``Engine.step``) catches every allocation failure of a step (:func:`is_oom`), leaves the ``except``
-block so the step's tensors lose their last references, calls :meth:`OomGuard.release` (garbage collection, then
-the CUDA allocator's cache back to the driver) and asks :meth:`OomGuard.next_action` what to try next. Per step
-the ladder is:
+The ladder catches every allocation failure of a step (:func:`is_oom`), leaves the ``except`` block so the step's
+tensors lose their last references, calls :meth:`OomGuard.release` (garbage collection, then the CUDA allocator's
+cache back to the driver) and asks :meth:`OomGuard.next_action` what to try next. Per step the rungs are:
 
 0. ``retry`` once at the same size (a fragmented allocator often succeeds once its cache is released; an injected
    fault that fires once is survived here too);
@@ -211,6 +210,16 @@ class GuardConfig:
     shrink_margin_bytes: int = 256 << 20
 
 
+@dataclass(frozen=True)
+class Recovery:
+    """One rung the ladder (``memory/ladder.py``) applies: ``action`` (one of ``ACTIONS``), ``slots`` for
+    ``"shrink"`` (expert slots to give back), ``prefill_tokens`` for ``"halve"`` (the step's prefill after it)."""
+
+    action: str
+    slots: int = 0
+    prefill_tokens: int = 0
+
+
 @dataclass
 class StepRecovery:
     """The ladder's state within one step: what was tried (``actions``), the last failed allocation
@@ -273,46 +282,48 @@ class OomGuard:
         self.last_oom_time = self._clock()
         self._clean_steps = 0
 
-    def next_action(self, st: StepRecovery, *, prefill_tokens: int, num_seqs: int, has_prefill: bool = False) -> str:
-        """The next rung for a step that failed: ``"retry"``, ``"halve"`` (the engine trims the step's prefill to
-        :meth:`halved` tokens), ``"shrink"`` (already done here: slots freed), ``"defer"`` (a step with a prefill
-        and other work: the engine takes the prefill chunks out of the step), ``"preempt"`` (a decode-only step:
-        its newest request) or ``"fail"``.
+    def next_action(self, st: StepRecovery, *, prefill_tokens: int, num_seqs: int, has_prefill: bool = False,
+                    allow_shrink: bool = True) -> Recovery:
+        """The next rung for a step that failed (module docstring), for the ladder to apply: ``retry``,
+        ``shrink`` (counted once :meth:`shrank` confirms it freed memory), ``halve``, ``defer`` (a step with a
+        prefill and other work), ``preempt`` (a decode-only step) or ``fail``.
 
         Args:
             st: the step's state. prefill_tokens: tokens of the step's prefill chunks (chunks of more than one
                 token). num_seqs: sequences in the step. has_prefill: the step computes part of a prompt.
+            allow_shrink: False right after a shrink that freed nothing.
         """
         if not st.retried:
             st.retried = True
-            return self._count(st, "retry")
-        if st.shrinks < self.config.max_shrinks_per_step and self.cache.num_slots > self.cache.min_slots:
+            return Recovery(self._count(st, "retry"))
+        if (allow_shrink and st.shrinks < self.config.max_shrinks_per_step
+                and self.cache.num_slots > self.cache.min_slots):
             per = max(1, self.cache.slot_bytes)
             want_bytes = max(st.oom_bytes or per, self.config.workspace_bytes + self.config.shrink_margin_bytes)
             want = -(-want_bytes // per) * (2 ** st.shrinks)
-            want = min(want, self.cache.num_slots - self.cache.min_slots)
             st.shrinks += 1
-            freed = self.cache.shrink(want)
-            if freed > 0:
-                n = max(1, freed // per)
-                self.shrunk_slots += n
-                self._last_grow_try = self._clock()
-                log.warning("OOM recovery: expert cache shrunk by %d slots (%s freed, %d slots left) to give back "
-                            "the planned workspace %s + margin (failed allocation: %s)", n, gib(freed),
-                            self.cache.num_slots, gib(self.config.workspace_bytes),
-                            gib(st.oom_bytes) if st.oom_bytes else "unknown size")
-                return self._count(st, "shrink")
+            return Recovery("shrink", slots=min(want, self.cache.num_slots - self.cache.min_slots))
         if prefill_tokens > self.config.prefill_floor:
-            return self._count(st, "halve")
+            n = max(self.config.prefill_floor, prefill_tokens // 2)
+            self.prefill_budget = min(self.prefill_budget, n)
+            return Recovery(self._count(st, "halve"), prefill_tokens=n)
         if num_seqs > 1:
-            return self._count(st, "defer" if has_prefill else "preempt")
-        return self._count(st, "fail")
+            return Recovery(self._count(st, "defer" if has_prefill else "preempt"))
+        return Recovery(self._count(st, "fail"))
 
-    def halved(self, prefill_tokens: int) -> int:
-        """The prefill tokens of a retry after ``"halve"`` (tokens), and the scheduler's new budget."""
-        n = max(self.config.prefill_floor, prefill_tokens // 2)
-        self.prefill_budget = min(self.prefill_budget, n)
-        return n
+    def shrank(self, st: StepRecovery, freed: int) -> bool:
+        """Record a shrink that gave back ``freed`` bytes; False when it freed nothing (the ladder asks again)."""
+        if freed <= 0:
+            return False
+        n = max(1, freed // max(1, self.cache.slot_bytes))
+        self.shrunk_slots += n
+        self._last_grow_try = self._clock()
+        log.warning("OOM recovery: expert cache shrunk by %d slots (%s freed, %d slots left) to give back "
+                    "the planned workspace %s + margin (failed allocation: %s)", n, gib(freed),
+                    self.cache.num_slots, gib(self.config.workspace_bytes),
+                    gib(st.oom_bytes) if st.oom_bytes else "unknown size")
+        self._count(st, "shrink")
+        return True
 
     def _count(self, st: StepRecovery, action: str) -> str:
         st.actions.append(action)

@@ -30,8 +30,9 @@ from typing import Any, Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from ferrylm.engine.admission import admit
 from ferrylm.engine.sampling_params import SamplingParams
-from ferrylm.errors import ContextLengthExceeded, EngineUnavailable, FerryError, InvalidRequest, ModelNotFound
+from ferrylm.errors import EngineUnavailable, FerryError, InvalidRequest, ModelNotFound
 from ferrylm.server.process.engine_client import EngineClient
 from ferrylm.server.api.errors import (Unauthorized, error_payload, error_response,
                                    install_exception_handlers, request_id_of, retry_after_for)
@@ -291,42 +292,12 @@ class _Server(CompletionRoutes):
 
     def _fit_context(self, prompt_ids: list[int], params: SamplingParams, *, default_max: int | None,
                      what: str, prompt_param: str, max_param: str) -> int:
-        """Check that the request can ever run; return its max_tokens.
-
-        Rules (the engine applies the same ones): prompt + 1 token must fit the whole KV pool; prompt + max_tokens
-        must fit the model context (``--max-model-len``). ``default_max`` None means "the rest of the context"
-        (chat; bounded by the pool too, so the request can finish); otherwise it is clipped to the rest.
-        Raises ContextLengthExceeded (400) with the wording clients detect, InvalidRequest for empty prompts.
-        """
+        """The request's max_tokens (:func:`ferrylm.engine.admission.admit` over the engine's limits), or
+        ContextLengthExceeded / InvalidRequest."""
         info = self.engine.model_info
-        limit = int(info.max_model_len)
-        pool = int(info.kv_pool_tokens or 0)
-        p = len(prompt_ids)
-        if p == 0:
-            raise InvalidRequest(f"the {what} resulted in an empty prompt", param=prompt_param)
-        # NOTE: the context first: a prompt past it is told the context (--max-model-len), never to grow the KV
-        # pool, which would not help
-        if p >= limit:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {limit} tokens. However, your {what} resulted in {p} "
-                f"tokens, which leaves no room for the completion. Please reduce the length of the {what} "
-                f"(the limit is the server's --max-model-len, at most the model's own context).",
-                param=prompt_param)
-        if pool and p + 1 > pool:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {limit} tokens. However, your {what} resulted in {p} "
-                f"tokens, and this server's KV cache pool holds only {pool} tokens (the prompt plus one generated "
-                f"token must fit). Shorten the {what}, or start the server with a larger KV pool (--num-tokens / "
-                f"--num-pages, or more memory: --gpu-memory-limit).", param=prompt_param)
-        room = min(limit, pool) - p if pool else limit - p
-        if params.max_tokens is None:
-            return room if default_max is None else max(1, min(default_max, room))
-        if p + params.max_tokens > limit:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{p + params.max_tokens} tokens ({p} in the {what}, {params.max_tokens} in the completion). "
-                f"Please reduce the length of the {what} or completion.", param=max_param)
-        return params.max_tokens
+        return admit(len(prompt_ids), params.max_tokens, max_model_len=int(info.max_model_len),
+                     pool_tokens=int(info.kv_pool_tokens or 0), default_max=default_max, what=what,
+                     prompt_param=prompt_param, max_param=max_param)
 
     def _timeout(self, request: Request) -> float | None:
         """The request's server-side deadline in seconds from arrival: the ``x-request-timeout`` header, else
