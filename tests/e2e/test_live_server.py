@@ -30,6 +30,22 @@ def test_health_goes_503_then_200(default_server):
     assert body["status"] == "ready"
 
 
+def test_start_says_loading_first_shows_phases_in_order_and_ends_with_one_ready_line(default_server):
+    """Issue 43 item 3: "loading MODEL ..." before uvicorn's lines, the boot's phases in order while loading, one
+    short ready line (no readiness dict at INFO)."""
+    log = default_server.log()
+    lines = log.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("loading smollm2-moe ..."))
+    uvicorn = next(i for i, line in enumerate(lines) if "Uvicorn running on" in line or "startup complete" in line)
+    phases = [next(i for i, line in enumerate(lines) if line == f"  {p} ...") for p in ("reading weights",
+                                                                                         "warming up")]
+    ready = [line for line in lines if line.startswith("ready: ")]
+    assert first < uvicorn and first < phases[0] < phases[1]
+    assert ready == [f"ready: http://127.0.0.1:{default_server.port} (smollm2-moe, 8192-token context)"], ready
+    assert lines.index(ready[0]) > phases[1]
+    assert "engine ready: {" not in log and "capturing graphs" not in log   # no GPU here: no graphs
+
+
 def test_models_lists_default(client):
     models = client.models.list().data
     assert [m.id for m in models] == ["smollm2-moe"]

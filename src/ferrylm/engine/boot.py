@@ -12,6 +12,7 @@ A tensor-parallel follower (``engine/parallel/follower_runner.py``) runs the sam
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from ferrylm.synthetic.spec import is_synthetic_folder
 log = logging.getLogger("ferrylm.engine")
 
 MIN_PREFILL_CHUNK = 1024  # tokens: the plan lowers a default chunk that does not fit down to this, no further
+PHASES = ("reading weights", "warming up", "capturing graphs")   # the boot's phases, as the frontend shows them
 
 
 @dataclass(frozen=True)
@@ -59,12 +61,15 @@ class BootTarget:
     config: EngineConfig
 
 
-def build_engine(model_path: str | Path, config: EngineConfig, tp=None) -> Engine:
+def build_engine(model_path: str | Path, config: EngineConfig, tp=None,
+                 on_phase: Callable[[str], None] | None = None) -> Engine:
     """Load the model at ``model_path`` and size the engine with the memory plan (module docstring); the plan is
     logged as a table and kept on the engine (``engine.memory_plan``).
 
     ``tp``: rank 0's :class:`~ferrylm.engine.parallel.step_sync.StepBroadcaster` under ``--tensor-parallel-size
     N > 1``: the model is rank 0's shard and every forward of the boot is broadcast to the followers.
+    ``on_phase``: called with each phase's name as it starts (``PHASES``; the engine process forwards them to the
+    frontend, which shows them while the model loads).
 
     Raises:
         ModelLoadError / UnsupportedArchitecture: the folder cannot be served.
@@ -81,9 +86,12 @@ def build_engine(model_path: str | Path, config: EngineConfig, tp=None) -> Engin
     mcfg = ModelConfig.from_folder(model_path)
     options = resolve_expert_backend(mcfg, target.config, target.device, target.dtype)
     check_host_memory(mcfg, target.device, target.dtype, backend_name(options))
+    phase = on_phase or (lambda name: None)
+    phase(PHASES[0])
     loaded, weights = load_weights(model_path, target, options, group.shard if group is not None else None, budget)
     if group is not None:
         attach_reduce(loaded.model, group.all_reduce)
+    phase(PHASES[1])
     sized = plan_engine(loaded, target, budget, weights, tp)
     faults = FaultInjector.from_config(target.config.faults)
     engine = Engine(loaded.model, loaded.config, target.config, device=target.device, dtype=target.dtype,
@@ -91,6 +99,7 @@ def build_engine(model_path: str | Path, config: EngineConfig, tp=None) -> Engin
                     tokenizer_path=str(model_path), model_id=str(model_path), tp=tp)
     engine.progress.seed_from(sized.workspace.step_times)   # the watchdog's estimates before the first request
     if target.device.type == "cuda":
+        phase(PHASES[2])
         settle_on_device(engine, sized)
     _log_ready(engine, sized.plan, options, faults)
     return engine

@@ -36,6 +36,14 @@ class Shutdown:
 
 
 @dataclass
+class Loading:
+    """Sent while the engine boots, once per phase (``phase``: "reading weights", "warming up", "capturing graphs";
+    ``engine/boot.py`` names them): the frontend shows them while the model loads."""
+
+    phase: str
+
+
+@dataclass
 class Ready:
     """Sent once after the model is loaded and warm. ``info``: max_model_len, pool tokens, device ..."""
 
@@ -69,7 +77,7 @@ class Fatal:
     request_ids: list[str] = field(default_factory=list)
 
 
-_TYPES: dict[str, type] = {c.__name__: c for c in (AddRequest, AbortRequest, Shutdown, Ready, Heartbeat,
+_TYPES: dict[str, type] = {c.__name__: c for c in (AddRequest, AbortRequest, Shutdown, Loading, Ready, Heartbeat,
                                                    Outputs, Fatal)}
 
 

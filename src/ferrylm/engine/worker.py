@@ -322,7 +322,8 @@ def engine_main(spec_dict: dict) -> None:
         config = EngineConfig(**spec.engine_config)
         FaultInjector.from_config(config.faults).boot_hook()   # point boot_delay (tests: a slow restart)
         tp = _join_group(config, spec.tp_rendezvous)
-        engine = build_engine(spec.model_path, config, tp=tp)
+        engine = build_engine(spec.model_path, config, tp=tp,
+                              on_phase=lambda name: push.send(ipc.encode(ipc.Loading(name))))
     except Exception as e:
         log.error("engine failed to start: %s", e)
         msg = getattr(e, "message", None) or f"{type(e).__name__}: {e}"

@@ -205,6 +205,11 @@ def check_serve_args(args: argparse.Namespace, engine_config: EngineConfig) -> s
     return check_device(engine_config.device) or check_tp_devices(engine_config)
 
 
+def say(line: str) -> None:
+    """One line of ``ferry serve``'s own progress (loading, its phases, ready) on stderr, beside the log."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSignals) -> int:
     def fail(msg: str) -> int:
         print(f"ferry serve: {msg}", file=sys.stderr)
@@ -217,6 +222,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
         sock = bind_socket(args.host, args.port)
     except OSError as e:
         return fail(listen_error(args.host, args.port, e))
+    say(f"loading {args.model} ...")
 
     from ferrylm.errors import UnsupportedArchitecture
     from ferrylm.checkpoints.verify import verify_checkpoint
@@ -285,9 +291,12 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
         if srv is not None:
             srv.should_exit = True
 
+    def on_ready(engine_info: dict) -> None:
+        say(f"ready: http://{args.host}:{args.port} ({name}, {int(engine_info['max_model_len'])}-token context)")
+
     sup = Supervisor(str(resolved.path), engine_config.to_dict(), info, max_restarts=args.max_engine_restarts,
                      on_fatal=on_fatal, log_level=args.log_level, watchdog_timeout=watchdog_timeout,
-                     faults=faults)
+                     faults=faults, on_phase=lambda phase: say(f"  {phase} ..."), on_ready=on_ready)
     api_key = args.api_key or os.environ.get("FERRYLM_API_KEY") or None
     cors = CorsPolicy(args.allowed_origins, args.allowed_methods or ["*"], args.allowed_headers or ["*"],
                       args.allow_credentials) if args.allowed_origins else None
@@ -347,7 +356,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
             return
         try:
             await sup.start()
-            log.info("serving %s (%s) on http://%s:%d", name, resolved.path, args.host, args.port)
+            log.debug("serving %s (%s) on http://%s:%d", name, resolved.path, args.host, args.port)
             try:
                 await server.serve(sockets=[sock])
             finally:

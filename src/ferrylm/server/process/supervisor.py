@@ -124,18 +124,22 @@ class Supervisor:
         faults: the frontend's fault injector (point ``ipc_garbage``).
         janitor: start the IPC dir's janitor process (``server/process/ipc_dir.py``), which removes the dir when this
             process dies by any signal.
+        on_phase: called with each boot phase the engine reports (``ipc.Loading``); on_ready: with its Ready info.
     """
 
     def __init__(self, model_path: str, engine_config: dict, model_info: ModelInfo, *, max_restarts: int = 3,
                  restart_window_s: float = 600.0, on_fatal: Callable[[], None] | None = None,
                  log_level: str = "INFO", watchdog_timeout: float | None = 120.0,
-                 faults: FaultInjector = NO_FAULTS, janitor: bool = True):
+                 faults: FaultInjector = NO_FAULTS, janitor: bool = True,
+                 on_phase: Callable[[str], None] | None = None, on_ready: Callable[[dict], None] | None = None):
         self.model_path = model_path
         self.engine_config = engine_config
         self.model_info = model_info
         self.max_restarts = max_restarts
         self.restart_window_s = restart_window_s
         self.on_fatal = on_fatal
+        self.on_phase = on_phase
+        self.on_ready = on_ready
         self.log_level = log_level
         self.watchdog_timeout = watchdog_timeout or None
         self.heartbeat_stale_s = min(HEARTBEAT_STALE_S, self.watchdog_timeout or HEARTBEAT_STALE_S)
@@ -547,6 +551,10 @@ class Supervisor:
                     q.put_nowait(out)
         elif isinstance(msg, ipc.Heartbeat):
             self._on_heartbeat(msg, now)
+        elif isinstance(msg, ipc.Loading):
+            self.detail = f"engine {msg.phase}"
+            if self.on_phase is not None:
+                self.on_phase(msg.phase)
         elif isinstance(msg, ipc.Ready):
             info = msg.info
             self.model_info.max_model_len = int(info["max_model_len"])
@@ -554,9 +562,11 @@ class Supervisor:
             self.memory_plan = info.get("memory_plan")
             self.engine_info = {k: v for k, v in info.items() if k != "memory_plan"}
             self._last_progress = now
+            log.debug("engine ready: %s", self.engine_info)
+            if self.on_ready is not None:
+                self.on_ready(info)
             self.state = "ready"
             self.detail = ""
-            log.info("engine ready: %s", {k: v for k, v in info.items() if k != "memory_plan"})
         elif isinstance(msg, ipc.Fatal):
             self._on_fatal(msg, gen)
         else:
