@@ -80,3 +80,46 @@ def test_bad_configs_name_the_field(raw, field):
                 num_experts_per_tok=2)
     with pytest.raises(ModelLoadError, match=field):
         get_model_class("GptOssForCausalLM").check_config(ModelConfig.from_dict({**base, **raw}))
+
+
+def test_mxfp4_checkpoint_keeps_its_bytes_and_matches_transformers(checkpoints, tmp_path):
+    """The published layout: ``*_blocks`` / ``*_scales`` experts (gate / up rows interleaved) beside plain biases;
+    reference: transformers' model with the experts its own ``convert_moe_packed_tensors`` dequantizes. The experts
+    stay fp4 codes (no dequantized copy); offload gives the resident greedy tokens."""
+    import copy
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from tests.models.quant_checkpoints import mxfp4_blocks_pack
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    ckpt = checkpoints("gpt_oss")
+    src = load_file(str(ckpt.path / "model.safetensors"))
+    reference = copy.deepcopy(ckpt.reference)
+    out = {}
+    for name, t in src.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[name] = t
+            continue
+        blocks, scales = mxfp4_blocks_pack(t.transpose(1, 2))  # [E, N, K] rows of outputs
+        out[name + "_blocks"], out[name + "_scales"] = blocks, scales
+        module, attr = name.rsplit(".", 1)
+        getattr(reference.get_submodule(module), attr).data.copy_(
+            convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    qdir = tmp_path / "mxfp4"
+    qdir.mkdir()
+    save_file({k: v.contiguous() for k, v in out.items()}, str(qdir / "model.safetensors"))
+    cfg = json.loads((ckpt.path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    (qdir / "config.json").write_text(json.dumps(cfg))
+    loaded = load_model(qdir)
+    assert loaded.executor.layers[0].quant is not None
+    ids = token_ids(24, ckpt.vocab_size, seed=3)
+    with torch.no_grad():
+        want = reference(input_ids=ids[None]).logits[0].float()
+    assert (full_logits(loaded.model, ids) - want).abs().max().item() <= TOL
+    assert (want - reference_logits(ckpt, ids)).abs().max().item() > 1e-3  # really quantized
+    prompt = token_ids(10, ckpt.vocab_size, seed=7).tolist()
+    offload = load_model(qdir, moe_backend=options("offload", 1))
+    assert greedy_trace(offload.model, prompt, 6)[0] == greedy_trace(loaded.model, prompt, 6)[0]
+    offload.executor.close()
