@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ferrylm.experts.banks import ExpertLayout
-from ferrylm.experts.executor import LayerExperts
+from ferrylm.experts.executor import ExpertMath, LayerExperts
 from ferrylm.experts.resident import run_grouped
 from tests.kernels.interp import kernel_device, load_kernels
 
@@ -48,6 +48,40 @@ def test_fused_moe_matches_the_reference(t, e, k, h, i, slots):
     rel = ((out.double().cpu() - ref).norm() / ref.norm()).item()
     assert rel < (2e-2 if dtype == torch.bfloat16 else 1e-5), rel
     assert int(used) == len(set(ids.reshape(-1).tolist()))
+
+
+@pytest.mark.parametrize("t,slots", [(1, False), (3, True), (40, False)])
+def test_fused_moe_with_gpt_oss_biases_and_clamp_matches_the_reference(t, slots):
+    """Expert biases picked by expert id (also when the rows sit in other slots) and the clamped SwiGLU, with a
+    limit that clamps a good share of the gate / up values."""
+    m = load_kernels("ferrylm.experts.kernels.fused_moe")
+    dev = kernel_device()
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    e, k, h, i = 8, 2, 64, 32
+    gen = torch.Generator().manual_seed(t)
+    gate, up, down = _experts(e, i, h, gen)
+    bias = [torch.randn(e, n, generator=gen) for n in (i, i, h)]
+    x = 2 * torch.randn(t, h, generator=gen)
+    w, ids = torch.topk(torch.randn(t, e, generator=gen).softmax(-1), k)
+    math = ExpertMath(*(b.to(dtype).double() for b in bias), alpha=1.702, limit=0.7)
+    ref = run_grouped(LayerExperts(gate.to(dtype).double(), up.to(dtype).double(), down.to(dtype).double(),
+                                   math=math), x.to(dtype).double(), ids, w.double())
+    plain = run_grouped(LayerExperts(gate.double(), up.double(), down.double()), x.double(), ids, w.double())
+    assert (ref - plain).abs().max() > 0.1
+    x, ids, w, dmath = x.to(dev, dtype), ids.to(dev), w.to(dev), math.to(dev)
+    dmath = ExpertMath(*(b.to(dtype) for b in (dmath.gate_bias, dmath.up_bias, dmath.down_bias)), 1.702, 0.7)
+    if slots:
+        lay = ExpertLayout(h, i, dtype)
+        packed = torch.zeros(e + 3, lay.numel, dtype=dtype, device=dev)
+        where = torch.randperm(e + 3, generator=gen)[:e]
+        for j in range(e):
+            packed[where[j]] = torch.cat([gate[j].reshape(-1), up[j].reshape(-1), down[j].reshape(-1)]).to(dev, dtype)
+        v = lay.layer_views(packed)
+        out = m.fused_moe(x, v.gate, v.up, v.down, ids, w, slot_of=where.to(dev, torch.int32), math=dmath)
+    else:
+        out = m.fused_moe(x, gate.to(dev, dtype), up.to(dev, dtype), down.to(dev, dtype), ids, w, math=dmath)
+    rel = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+    assert rel < (2e-2 if dtype == torch.bfloat16 else 1e-5), rel
 
 
 def test_moe_align_groups_by_expert_in_padded_blocks():

@@ -12,7 +12,7 @@ from ferrylm.models.attention import causal_attention
 from tests.kernels.interp import kernel_device, load_kernels
 
 
-def _case(hq, hkv, d, ps, q_lens, ctx_lens, splits, seed):
+def _case(hq, hkv, d, ps, q_lens, ctx_lens, splits, seed, window=None, with_sinks=False):
     k = load_kernels("ferrylm.engine.attention.triton_paged")
     dev = kernel_device()
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -40,14 +40,16 @@ def _case(hq, hkv, d, ps, q_lens, ctx_lens, splits, seed):
     qsl = torch.tensor([0] + torch.cumsum(torch.tensor(q_lens), 0).tolist(), dtype=torch.int32, device=dev)
     lens = torch.tensor([c + ql for c, ql in zip(ctx_lens, q_lens)], dtype=torch.int32, device=dev)
     out = torch.full_like(q, float("nan"))
+    sinks = (2 * torch.randn(hq, generator=g)).to(dev) if with_sinks else None
     k.paged_attention(q, kc, vc, bt.to(dev), lens, qsl, scale=d ** -0.5, page_size=ps,
-                      max_query_len=max(q_lens), num_splits=splits, out=out)
+                      max_query_len=max(q_lens), num_splits=splits, out=out, window=window, sinks=sinks)
     for b, (c, ql) in enumerate(zip(ctx_lens, q_lens)):
         s0 = int(qsl[b])
         sl = seq_slots[b].to(dev)
         # the new K/V must be in the pool, at the sequence's last positions
         assert torch.equal(kc[sl[c:]], knew[s0:s0 + ql]) and torch.equal(vc[sl[c:]], vnew[s0:s0 + ql])
-        ref = causal_attention(q[s0:s0 + ql].double(), kc[sl].double(), vc[sl].double(), d ** -0.5, q_offset=c)
+        ref = causal_attention(q[s0:s0 + ql].double(), kc[sl].double(), vc[sl].double(), d ** -0.5, q_offset=c,
+                               window=window, sinks=sinks)
         got = out[s0:s0 + ql].double()
         rel = ((got - ref).norm() / ref.norm()).item()
         assert rel < (2e-2 if dtype == torch.bfloat16 else 1e-5), (b, rel)
@@ -64,6 +66,16 @@ def test_prefill_with_prefix_and_ragged_decode_in_one_call(hq, hkv, d, ps):
 def test_split_kv_decode_matches_reference(splits):
     # lengths shorter than a split, one split exactly, many tiles
     _case(16, 2, 64, 16, q_lens=[1, 1, 1, 1], ctx_lens=[3, 0, 64, 150], splits=splits, seed=splits)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("window,with_sinks", [(5, False), (None, True), (70, True)])
+def test_sliding_window_and_sinks_match_reference(splits, window, with_sinks):
+    """gpt-oss's attention: a window shorter than a tile and longer than one, sinks, prefill over a prefix and
+    decodes in one call; a split-KV decode merges the sink once."""
+    q_lens, ctx = ([1, 1, 1], [3, 90, 150]) if splits > 1 else ([19, 7, 1, 1], [0, 100, 40, 2])
+    _case(8, 2, 64, 16, q_lens=q_lens, ctx_lens=ctx, splits=splits, seed=splits + (window or 0),
+          window=window, with_sinks=with_sinks)
 
 
 def test_padding_rows_store_nothing_and_read_nothing():

@@ -133,6 +133,14 @@ CASES: dict[str, tuple[str, dict]] = {
                                              routed_scaling_factor=1.0, norm_topk_prob=False, n_shared_experts=2,
                                              first_k_dense_replace=1, attention_bias=True, rope_interleave=False,
                                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # gpt-oss shape: sinks, layers sliding (window 5), full, sliding; yarn without truncation; biased router and
+    # experts, a clamp small enough to bite, gate/up interleaved and transposed on disk
+    "gpt_oss": ("gpt_oss", dict(vocab_size=160, intermediate_size=32, head_dim=16, num_hidden_layers=3,
+                                num_local_experts=8, num_experts_per_tok=2, sliding_window=5, swiglu_limit=0.6,
+                                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                                 "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                 "original_max_position_embeddings": 64})),
     "qwen2": ("qwen2", dict(vocab_size=160, intermediate_size=96,
                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     "qwen3": ("qwen3", dict(vocab_size=160, intermediate_size=96, head_dim=32, tie_word_embeddings=True,
@@ -143,10 +151,10 @@ CONFIG_CLASSES = {
     "llama": "LlamaConfig", "mixtral": "MixtralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
     "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig", "olmoe": "OlmoeConfig",
     "glm4_moe": "Glm4MoeConfig", "minimax_m2": "MiniMaxM2Config", "qwen3_next": "Qwen3NextConfig",
-    "qwen3_5_moe": "Qwen3_5MoeTextConfig", "deepseek_v3": "DeepseekV3Config",
+    "qwen3_5_moe": "Qwen3_5MoeTextConfig", "deepseek_v3": "DeepseekV3Config", "gpt_oss": "GptOssConfig",
 }
 MOE_FAMILIES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2", "qwen3_next",
-                          "qwen3_5_moe", "deepseek_v3"})
+                          "qwen3_5_moe", "deepseek_v3", "gpt_oss"})
 
 
 def is_moe_case(case: str) -> bool:
@@ -171,7 +179,7 @@ def _randomize_(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.2 * torch.randn(p.shape, generator=g))
             elif "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith(".gate.weight"):  # router: decisive, well-separated top-k choices
+            elif name.endswith((".gate.weight", ".router.weight")):  # router: decisive, well-separated choices
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))

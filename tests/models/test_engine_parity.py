@@ -15,7 +15,7 @@ from tests.models.hf_checkpoints import token_ids
 NEW_TOKENS = 16
 # one per architecture added after Mixtral / Llama
 ARCH_CASES = ["qwen3_moe", "qwen2_moe", "olmoe_clip", "qwen2", "qwen3", "glm4_moe", "minimax_m2", "qwen3_next",
-              "qwen3_5_moe", "deepseek_v3", "deepseek_v3_lite"]
+              "qwen3_5_moe", "deepseek_v3", "deepseek_v3_lite", "gpt_oss"]
 
 
 def hf_greedy(reference, prompt: list[int]) -> list[int]:

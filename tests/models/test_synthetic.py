@@ -351,6 +351,20 @@ def test_preset_parameter_counts_match_the_published_totals(preset, total, activ
     assert abs(got_active / active - 1) < 0.03, f"{preset}: {got_active / 1e9:.2f}B active"
 
 
+@pytest.mark.parametrize("preset,total,active", [("gpt-oss-20b", 20.91e9, 3.61e9),
+                                                ("gpt-oss-120b", 116.83e9, 5.13e9)])
+def test_gpt_oss_presets_match_the_model_card(preset, total, active):
+    """gpt-oss model card (OpenAI 2025, table 1): 20.91B total / 3.61B active, 116.83B / 5.13B; its active count
+    includes the unembedding. The expert biases (not module parameters here) are added; within 1 %."""
+    c = PRESETS[preset].config
+    e, h, i, layers = c["num_local_experts"], c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    got_total, got_active = _parameter_counts(preset)
+    got_total += layers * e * (2 * i + h)
+    got_active += c["vocab_size"] * h + layers * c["num_experts_per_tok"] * (2 * i + h)
+    assert abs(got_total / total - 1) < 0.01, f"{preset}: {got_total / 1e9:.2f}B total"
+    assert abs(got_active / active - 1) < 0.01, f"{preset}: {got_active / 1e9:.2f}B active"
+
+
 @pytest.mark.parametrize("preset", ["glm-4.5-air", "minimax-m2", "deepseek-v3", "kimi-k2"])
 def test_memory_estimate_counts_what_the_model_holds(preset):
     """experts/auto.py's estimate of the non-expert bytes (what the auto backend choice plans with) agrees with

@@ -15,6 +15,10 @@ Expert layouts accepted (per MoE layer N, block named ``block_sparse_moe`` or ``
     ``….experts.E.{gate_proj,up_proj,down_proj}.weight`` (Qwen-MoE), each ``[I, H]`` / ``[I, H]`` / ``[H, I]``.
   * fused (transformers v5 in-memory layout, written by ``save_pretrained(save_original_format=False)``):
     ``….experts.gate_up_proj [E, 2I, H]`` (gate rows first, then up) and ``….experts.down_proj [E, H, I]``.
+  * gpt-oss (a model class with ``fused_experts = "gpt_oss"``): ``….experts.gate_up_proj [E, H, 2I]`` (transposed,
+    gate and up columns interleaved), ``….experts.down_proj [E, I, H]``, and the biases
+    ``….experts.gate_up_proj_bias [E, 2I]`` / ``….experts.down_proj_bias [E, H]`` (:class:`ExpertBiasAssembler`,
+    which the quantized path shares).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from torch import nn
 from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts import ExpertOptions, build_executor, check_backend, expert_home
-from ferrylm.experts.executor import ExpertExecutor, LayerExperts
+from ferrylm.experts.executor import ExpertExecutor, ExpertMath, LayerExperts
 from ferrylm.models.registry import get_model_class
 from ferrylm.models.tensor_parallel import TPShard, check_shardable, shard_config, shard_tensor
 
@@ -39,6 +43,7 @@ _PER_EXPERT = re.compile(
     r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
     r"(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)$")
+_BIAS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)_bias$")
 _PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 _PART_NAMES = {"gate": "w1 / gate_proj", "up": "w3 / up_proj", "down": "w2 / down_proj"}
 
@@ -91,8 +96,9 @@ class ExpertAssembler:
     """
 
     def __init__(self, layers: tuple[int, ...], num_experts: int, hidden_size: int, intermediate_size: int,
-                 device: torch.device, dtype: torch.dtype, pin_memory: bool = False):
+                 device: torch.device, dtype: torch.dtype, pin_memory: bool = False, fused: str = "halves"):
         e, h, i = num_experts, hidden_size, intermediate_size
+        self.fused = fused  # "halves" (transformers' fused layout) or "gpt_oss" (module docstring)
         self.shapes = {"gate": (i, h), "up": (i, h), "down": (h, i)}
         self.num_experts = e
 
@@ -117,6 +123,12 @@ class ExpertAssembler:
         if not m:
             return False
         layer, experts = int(m[1]), list(range(self.num_experts))
+        if self.fused == "gpt_oss":  # [E, K, N] -> [E, N, K]; gate / up columns interleaved
+            tensor = tensor.transpose(1, 2)
+            if m[2] == "gate_up_proj":
+                self._put(name, layer, "gate", experts, tensor[:, 0::2])
+                self._put(name, layer, "up", experts, tensor[:, 1::2])
+                return True
         if m[2] == "down_proj":
             self._put(name, layer, "down", experts, tensor)
             return True
@@ -153,6 +165,69 @@ class ExpertAssembler:
                 raise ModelLoadError(f"checkpoint lacks routed expert weights: model.layers.{layer} expert "
                                      f"{missing[0]} {part} projection ({_PART_NAMES[part]})")
         return self.stacks
+
+
+class ExpertBiasAssembler:
+    """gpt-oss's expert biases (``….experts.gate_up_proj_bias [E, 2I]``, gate / up interleaved, and
+    ``….experts.down_proj_bias [E, H]``), collected per layer and attached to the stacks as their
+    :class:`~ferrylm.experts.executor.ExpertMath` with the model's clamped SwiGLU.
+
+    Args:
+        layers: MoE decoder layers. num_experts, hidden_size, intermediate_size: ``E``, ``H``, ``I``.
+        swiglu: ``(alpha, limit)``. dtype: the biases' dtype.
+    """
+
+    def __init__(self, layers: tuple[int, ...], num_experts: int, hidden_size: int, intermediate_size: int,
+                 swiglu: tuple[float, float], dtype: torch.dtype):
+        self.layers = layers
+        self.shapes = {"gate_up_proj": (num_experts, 2 * intermediate_size), "down_proj": (num_experts, hidden_size)}
+        self.swiglu, self.dtype = swiglu, dtype
+        self.tensors: dict[tuple[int, str], torch.Tensor] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> bool:
+        """Keep ``tensor`` if ``name`` is an expert bias; False if it is not one.
+
+        Raises:
+            ModelLoadError: a bias of a layer without experts, a wrong shape, a duplicate.
+        """
+        m = _BIAS.match(name)
+        if not m:
+            return False
+        layer, kind = int(m[1]), m[2]
+        if layer not in self.layers:
+            raise ModelLoadError(f"checkpoint tensor {name!r}: layer {layer} has no routed experts")
+        if tuple(tensor.shape) != self.shapes[kind]:
+            raise ModelLoadError(f"checkpoint tensor {name!r}: expected shape {list(self.shapes[kind])}, got "
+                                 f"{list(tensor.shape)}")
+        if (layer, kind) in self.tensors:
+            raise ModelLoadError(f"checkpoint tensor {name!r} appears twice")
+        self.tensors[(layer, kind)] = tensor.to(self.dtype)
+        return True
+
+    def attach(self, stacks: dict[int, LayerExperts]) -> dict[int, LayerExperts]:
+        """Set every layer's ``math``. Raises ModelLoadError naming the first missing bias."""
+        alpha, limit = self.swiglu
+        for layer in self.layers:
+            for kind in self.shapes:
+                if (layer, kind) not in self.tensors:
+                    raise ModelLoadError(f"checkpoint lacks model.layers.{layer}.mlp.experts.{kind}_bias")
+            gu = self.tensors[(layer, "gate_up_proj")]
+            stacks[layer].math = ExpertMath(gu[:, 0::2].contiguous(), gu[:, 1::2].contiguous(),
+                                            self.tensors[(layer, "down_proj")].contiguous(), alpha, limit)
+        return stacks
+
+
+def expert_assemblers(model_cls: type, config: ModelConfig, moe_layers: tuple[int, ...], device: torch.device,
+                      dtype: torch.dtype, pin: bool) -> tuple[ExpertAssembler | None, ExpertBiasAssembler | None]:
+    """The plain expert stacks' assembler of ``model_cls``'s layout and, for gpt-oss, the bias assembler (None:
+    dense model / experts without biases)."""
+    if not moe_layers:
+        return None, None
+    e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    experts = ExpertAssembler(moe_layers, e, h, i, device, dtype, pin_memory=pin, fused=model_cls.fused_experts)
+    biases = (ExpertBiasAssembler(moe_layers, e, h, i, model_cls.expert_swiglu(config), dtype)
+              if model_cls.fused_experts == "gpt_oss" else None)
+    return experts, biases
 
 
 def _module_name(name: str, model_cls: type, config: ModelConfig) -> str | None:
@@ -313,8 +388,7 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
             if bar is not None:
                 bar.close()
         return _finish(model_cls, config, device, moe_backend, stacks, tensors, origin)
-    experts = ExpertAssembler(moe_layers, config.num_experts, config.hidden_size, config.moe_intermediate_size,
-                              exp_dev, dtype, pin_memory=pin) if moe_layers else None
+    experts, biases = expert_assemblers(model_cls, config, moe_layers, exp_dev, dtype, pin)
 
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
@@ -336,6 +410,8 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
                     t = shard_tensor(name, t, full, tp)
                 if experts is not None and experts.add(_renamed(name, model_cls), t):
                     continue
+                if biases is not None and biases.add(name, t):
+                    continue
                 key = _module_name(name, model_cls, config)
                 if key is None:
                     continue
@@ -347,8 +423,10 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
 
     if bar is not None:
         bar.close()
-    return _finish(model_cls, config, device, moe_backend, experts.finish() if experts is not None else None,
-                   tensors, origin)
+    stacks = experts.finish() if experts is not None else None
+    if biases is not None:
+        biases.attach(stacks)
+    return _finish(model_cls, config, device, moe_backend, stacks, tensors, origin)
 
 
 def _finish(model_cls: type, config: ModelConfig, device: torch.device, moe_backend, stacks, tensors: dict,

@@ -65,8 +65,7 @@ def build_executor(backend: str | ExpertOptions, layers: dict[int, LayerExperts]
     if name == "resident":
         from ferrylm.experts.resident import ResidentExecutor
 
-        placed = {i: LayerExperts(gate=le.gate.to(dev), up=le.up.to(dev), down=le.down.to(dev))
-                  for i, le in layers.items()}
+        placed = {i: le.to(dev) for i, le in layers.items()}
         return ResidentExecutor(placed)
     from ferrylm.experts.banks import HostBanks
 
@@ -90,8 +89,7 @@ def build_from_banks(name: str, banks, device: torch.device | str, options: Expe
 
         placed = {}
         for i in banks.layers:
-            le = banks.layer_experts(i)
-            placed[i] = LayerExperts(gate=le.gate.to(dev), up=le.up.to(dev), down=le.down.to(dev))
+            placed[i] = banks.layer_experts(i).to(dev)
         return ResidentExecutor(placed)
     if name not in CACHED_BACKENDS:
         raise ValueError(f"cannot build backend {name!r} from banks; valid: resident, "

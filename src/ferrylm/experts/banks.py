@@ -185,7 +185,7 @@ class HostBanks:
     """
 
     def __init__(self, packed: dict[int, torch.Tensor], layout: ExpertLayout, pinned: bool,
-                 registered: list[int] | None = None):
+                 registered: list[int] | None = None, math: dict | None = None):
         if not packed:
             raise ValueError("HostBanks needs at least one MoE layer")
         self.packed = dict(sorted(packed.items()))
@@ -193,6 +193,7 @@ class HostBanks:
         self.layout = layout
         self.pinned = pinned
         self.num_experts = next(iter(self.packed.values())).shape[0]
+        self.math = dict(math or {})  # layer -> ExpertMath (gpt-oss: biases + clamped SwiGLU; small, kept apart)
         if registered:
             weakref.finalize(self, _unregister, list(registered))
 
@@ -264,7 +265,8 @@ class HostBanks:
                 registered = []
         log.info("expert banks: %d layers x %d experts x %.1f MiB = %.2f GiB in %s host memory", len(packed), e,
                  layout.nbytes / 2**20, total / 2**30, "pinned" if pinned else "pageable")
-        return cls(packed, layout, pinned, registered)
+        math = {i: le.math for i, le in layers.items() if le.math is not None}
+        return cls(packed, layout, pinned, registered, math)
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -282,8 +284,10 @@ class HostBanks:
         return views[expert]
 
     def layer_experts(self, layer: int) -> LayerExperts:
-        """``layer``'s experts as stacked views (for the resident path)."""
-        return self.layout.layer_views(self.packed[layer])
+        """``layer``'s experts as stacked views (for the resident path), with the layer's :class:`ExpertMath`."""
+        views = self.layout.layer_views(self.packed[layer])
+        views.math = self.math.get(layer)
+        return views
 
     @property
     def expert_bytes(self) -> int:

@@ -72,6 +72,7 @@ class CachedExecutor(ExpertExecutor):
         self.options = options
         self.layout = banks.layout
         self.num_experts = banks.num_experts
+        self.math = {i: m.to(self.device) for i, m in banks.math.items()}  # layer -> ExpertMath (gpt-oss)
         layers = banks.layers
         self._next = dict(zip(layers, layers[1:]))
         self._routers: dict[int, Router] = {}
@@ -362,7 +363,7 @@ class CachedExecutor(ExpertExecutor):
             work.stage = stage if self.stages else None
         else:
             work = LayerWork(layer_idx, hidden, topk_ids, group_by_expert(topk_ids, topk_weights, self.num_experts),
-                             topk_weights=topk_weights)
+                             topk_weights=topk_weights, math=self.math.get(layer_idx))
         try:
             if streams:
                 self._run_streamed(work)
@@ -386,7 +387,8 @@ class CachedExecutor(ExpertExecutor):
             route = self.next_layer_predictor(layer_idx, t)
             ids_and_predicted = topk_ids if route is None else torch.cat([topk_ids, route(hidden)])
         host = ids_and_predicted.tolist()
-        work = LayerWork.from_host_ids(layer_idx, hidden, topk_ids, topk_weights, host[:t], self.num_experts)
+        work = LayerWork.from_host_ids(layer_idx, hidden, topk_ids, topk_weights, host[:t], self.num_experts,
+                                       math=self.math.get(layer_idx))
         if len(host) > t:
             load = Counter(e for row in host[t:] for e in row)
             work.predicted = {e: load[e] for e in sorted(load)}
@@ -578,7 +580,9 @@ class CachedExecutor(ExpertExecutor):
         step.cpu_experts += len(experts)
         if self.device.type != "cpu":
             step.bytes_activations += 2 * x.numel() * x.element_size()
-        return experts, self.cpu_pool.submit(CpuJob(x=x, weights=w, items=items, out_dtype=work.hidden.dtype))
+        math = self.banks.math.get(work.layer)  # host copies: the CPU computes these experts
+        return experts, self.cpu_pool.submit(CpuJob(x=x, weights=w, items=items, out_dtype=work.hidden.dtype,
+                                                    math=math))
 
     def _collect_cpu(self, work: LayerWork, handle) -> None:
         """Wait for the CPU job and place its outputs (moved to the device) into ``work.parts``."""
@@ -627,7 +631,8 @@ class CachedExecutor(ExpertExecutor):
             buf[e].copy_(self._slot_row(slot))
         self.streamer.have[idx].update(e for e, _ in items)
         v = self.layout.layer_views(buf)
-        work.output = fused_moe(work.hidden, v.gate, v.up, v.down, work.topk_ids, work.topk_weights)
+        work.output = fused_moe(work.hidden, v.gate, v.up, v.down, work.topk_ids, work.topk_weights,
+                                math=work.math)
         fence = self.copier.compute_fence()
         for e, slot in items:
             if fence is not None:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrylm.experts.banks import ExpertLayout
+from ferrylm.experts.executor import ExpertMath
 from ferrylm.experts.quantized import dense
 from ferrylm.experts.cpu_kernel import NATIVE_MAX_TOKENS, NativeExpertKernel, load_kernel
 
@@ -43,10 +44,14 @@ def physical_cores() -> int:
     return int(n or os.cpu_count() or 1)
 
 
-def cpu_expert(x: torch.Tensor, row: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+def cpu_expert(x: torch.Tensor, row: torch.Tensor, layout: ExpertLayout, math: ExpertMath | None = None,
+               e: int = 0) -> torch.Tensor:
     """One expert on the CPU: ``x [N, H]`` and the expert's ``row [S]`` -> ``[N, H]`` in ``x``'s dtype (quantized
-    rows are dequantized to it first: the reference path)."""
+    rows are dequantized to it first: the reference path; ``math``: expert ``e``'s biases and clamped SwiGLU)."""
     i = layout.inter
+    if math is not None:
+        gu = dense(layout.gate_up(row), x.dtype)
+        return math.expert(x, gu[:i], gu[i:], dense(layout.down(row), x.dtype), e)
     gu = F.linear(x, dense(layout.gate_up(row), x.dtype))
     return F.linear(F.silu(gu[:, :i]) * gu[:, i:], dense(layout.down(row), x.dtype))
 
@@ -60,12 +65,14 @@ class CpuJob:
         weights: ``[M]`` float32 routing weights, same order.
         items: ``(expert id, host row [S], start, count)`` per expert; rows ``start : start + count`` of ``x``.
         out_dtype: dtype of the returned contributions.
+        math: the layer's :class:`~ferrylm.experts.executor.ExpertMath` (host tensors), None = plain SwiGLU.
     """
 
     x: torch.Tensor
     weights: torch.Tensor
     items: list[tuple[int, torch.Tensor, int, int]]
     out_dtype: torch.dtype
+    math: ExpertMath | None = None
 
 
 class CpuExpertPool:
@@ -103,14 +110,14 @@ class CpuExpertPool:
         t0 = time.perf_counter()
         outs = []
         with torch.inference_mode():
-            if self.native is not None and self._native_fits(job):
+            if self.native is not None and job.math is None and self._native_fits(job):
                 y = self.native.run(job.x, job.weights, [row for _, row, _, _ in job.items],
                                     [s for _, _, s, _ in job.items], [n for *_, n in job.items], self.layout.hidden,
                                     self.layout.inter, self.threads,
                                     layout=self.layout if self.layout.quant is not None else None)
                 return [y.to(job.out_dtype)], time.perf_counter() - t0
-            for _, row, start, n in job.items:
-                y = cpu_expert(job.x[start:start + n], row, self.layout)
+            for e, row, start, n in job.items:
+                y = cpu_expert(job.x[start:start + n], row, self.layout, job.math, e)
                 outs.append((y.float() * job.weights[start:start + n, None]).to(job.out_dtype))
         return outs, time.perf_counter() - t0
 

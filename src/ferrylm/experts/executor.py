@@ -6,7 +6,8 @@ Backends (resident, offload, cpu, hybrid; ``auto`` picks one) differ only in whe
 GEMMs run, never in the result.
 
 Expert math (Mixtral / Qwen-MoE SwiGLU expert, Jiang et al. 2024 "Mixtral of Experts"):
-``expert_e(x) = W_down[e] @ (silu(W_gate[e] @ x) * (W_up[e] @ x))``.
+``expert_e(x) = W_down[e] @ (silu(W_gate[e] @ x) * (W_up[e] @ x))``; gpt-oss adds biases to the three projections
+and clamps its SwiGLU (:class:`ExpertMath`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,53 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ferrylm.experts.quantized import ExpertQuant, QuantTensor
+
+
+@dataclass
+class ExpertMath:
+    """What a layer's experts compute beyond ``down @ (silu(gate @ x) * (up @ x))``: gpt-oss's projection biases and
+    clamped SwiGLU (the ``GptOssExperts`` of transformers): ``g = min(gate @ x + b_g, limit)``, ``u = clamp(up @ x +
+    b_u, -limit, limit)``, ``y = down @ ((u + 1) * g * sigmoid(alpha * g)) + b_d``.
+
+    Attributes:
+        gate_bias, up_bias: ``[E, I]``; down_bias: ``[E, H]`` (on the compute device; small, never offloaded).
+        alpha: the sigmoid's gain (gpt-oss: 1.702); limit: the clamp (7.0).
+    """
+
+    gate_bias: torch.Tensor
+    up_bias: torch.Tensor
+    down_bias: torch.Tensor
+    alpha: float
+    limit: float
+
+    def act(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """The clamped SwiGLU of ``g`` / ``u`` (biases already added), in their dtype."""
+        g = g.clamp(max=self.limit)
+        u = u.clamp(-self.limit, self.limit)
+        return (u + 1) * (g * torch.sigmoid(g * self.alpha))
+
+    def expert(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+               e: int) -> torch.Tensor:
+        """Expert ``e`` (plain weights ``gate``/``up`` ``[I, H]``, ``down`` ``[H, I]``) of ``x [N, H]`` -> ``[N, H]``."""
+        dt = x.dtype
+        h = self.act(F.linear(x, gate, self.gate_bias[e].to(dt)), F.linear(x, up, self.up_bias[e].to(dt)))
+        return F.linear(h, down, self.down_bias[e].to(dt))
+
+    def batched(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                ids: torch.Tensor) -> torch.Tensor:
+        """``m`` experts at once: ``x [m, n, H]``, ``gate``/``up`` ``[m, I, H]``, ``down`` ``[m, H, I]``, their ids
+        ``[m]`` (device) -> ``[m, n, H]``."""
+        dt = x.dtype
+        g = torch.bmm(x, gate.transpose(1, 2)) + self.gate_bias[ids, None].to(dt)
+        u = torch.bmm(x, up.transpose(1, 2)) + self.up_bias[ids, None].to(dt)
+        return torch.bmm(self.act(g, u), down.transpose(1, 2)) + self.down_bias[ids, None].to(dt)
+
+    def to(self, device: torch.device | str) -> "ExpertMath":
+        return ExpertMath(self.gate_bias.to(device), self.up_bias.to(device), self.down_bias.to(device), self.alpha,
+                          self.limit)
 
 
 @dataclass
@@ -28,6 +74,7 @@ class LayerExperts:
         gate: ``[E, I, H]`` gate projection (HF ``w1`` / ``gate_proj``).
         up:   ``[E, I, H]`` up projection   (HF ``w3`` / ``up_proj``).
         down: ``[E, H, I]`` down projection (HF ``w2`` / ``down_proj``).
+        math: the biases and clamped activation of gpt-oss's experts (:class:`ExpertMath`); None = plain SwiGLU.
     ``E`` experts, ``H`` hidden size, ``I`` expert intermediate size. Each is a plain tensor, or, for quantized
     experts, a :class:`~ferrylm.experts.quantized.QuantTensor` of those dequantized shapes (gate and up of one
     format, down of one format).
@@ -36,6 +83,7 @@ class LayerExperts:
     gate: torch.Tensor | QuantTensor
     up: torch.Tensor | QuantTensor
     down: torch.Tensor | QuantTensor
+    math: ExpertMath | None = None
 
     @property
     def num_experts(self) -> int:
@@ -63,7 +111,8 @@ class LayerExperts:
 
     def to(self, device: torch.device | str) -> "LayerExperts":
         """The three projections on ``device`` (no copy where they are already there)."""
-        return LayerExperts(gate=self.gate.to(device), up=self.up.to(device), down=self.down.to(device))
+        return LayerExperts(gate=self.gate.to(device), up=self.up.to(device), down=self.down.to(device),
+                            math=None if self.math is None else self.math.to(device))
 
 
 class ExpertExecutor(ABC):

@@ -105,7 +105,8 @@ class TableDecode:
         i, offsets = table.layer_inputs(layer_idx)
         table.record(i, topk_ids)
         v = table.views
-        return fused_moe(hidden, v.gate, v.up, v.down, topk_ids, topk_weights, row_offset=offsets)
+        return fused_moe(hidden, v.gate, v.up, v.down, topk_ids, topk_weights, row_offset=offsets,
+                         math=self.math.get(layer_idx))
 
     def begin_step(self, num_tokens: int) -> None:
         """Between steps, before a step of ``num_tokens`` tokens is launched (the model runner calls it for every

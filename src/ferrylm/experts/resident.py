@@ -54,11 +54,11 @@ def _work(experts: LayerExperts, hidden: torch.Tensor, topk_ids: torch.Tensor, t
         raise ValueError("empty step")
     if groups is None and is_small_step(hidden.shape[0]):
         work = LayerWork.from_host_ids(layer, hidden, topk_ids, topk_weights, topk_ids.tolist(),
-                                       experts.num_experts)
+                                       experts.num_experts, math=experts.math)
     else:
         if groups is None:
             groups = group_by_expert(topk_ids, topk_weights, experts.num_experts)
-        work = LayerWork(layer, hidden, topk_ids, groups)
+        work = LayerWork(layer, hidden, topk_ids, groups, math=experts.math)
     work.compute(work.needed, experts, work.needed)
     return work
 
@@ -111,7 +111,7 @@ class ResidentExecutor(ExpertExecutor):
             if self._used is None:
                 self._used = torch.zeros((), dtype=torch.int64, device=hidden.device)
             return fused_moe(hidden, experts.gate, experts.up, experts.down, topk_ids, topk_weights,
-                             used_experts=self._used)
+                             used_experts=self._used, math=experts.math)
         work = _work(experts, hidden, topk_ids, topk_weights, layer=layer_idx)
         self.counters.step.needed += len(work.needed)
         self.counters.step.hits += len(work.needed)

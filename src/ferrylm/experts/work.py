@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ferrylm.experts.executor import LayerExperts
+from ferrylm.experts.executor import ExpertMath, LayerExperts
 from ferrylm.experts.quantized import dense
 
 # NOTE: steps with at most this many tokens (decode) are planned on the host and, on CUDA, run batched GEMMs.
@@ -74,18 +74,25 @@ def group_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_expe
     return ExpertGroups(token_idx=order // k, weights=topk_weights.reshape(-1)[order], counts=counts, order=order)
 
 
-def swiglu_expert(x: torch.Tensor, gate, up, down) -> torch.Tensor:
+def swiglu_expert(x: torch.Tensor, gate, up, down, math: ExpertMath | None = None, e: int = 0) -> torch.Tensor:
     """One expert, ``down @ (silu(gate @ x) * (up @ x))`` for ``x [N, H]``; ``gate``/``up`` ``[I, H]``,
-    ``down`` ``[H, I]`` -> ``[N, H]``. Quantized weights (:class:`~ferrylm.experts.quantized.QuantTensor`) are
-    dequantized to ``x``'s dtype first (the reference path)."""
+    ``down`` ``[H, I]`` -> ``[N, H]`` (with ``math``: expert ``e``'s biases and clamped SwiGLU,
+    :class:`~ferrylm.experts.executor.ExpertMath`). Quantized weights
+    (:class:`~ferrylm.experts.quantized.QuantTensor`) are dequantized to ``x``'s dtype first (the reference path)."""
     gate, up, down = (dense(w, x.dtype) for w in (gate, up, down))
+    if math is not None:
+        return math.expert(x, gate, up, down, e)
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
-def swiglu_batched(x: torch.Tensor, gate, up, down) -> torch.Tensor:
+def swiglu_batched(x: torch.Tensor, gate, up, down, math: ExpertMath | None = None,
+                   ids: torch.Tensor | None = None) -> torch.Tensor:
     """``m`` experts at once: ``x [m, n, H]``, ``gate``/``up`` ``[m, I, H]``, ``down`` ``[m, H, I]`` ->
-    ``[m, n, H]`` (quantized weights dequantized first, as :func:`swiglu_expert`)."""
+    ``[m, n, H]`` (quantized weights dequantized first, as :func:`swiglu_expert`; with ``math``, the experts'
+    ids ``[m]`` on the device pick their biases)."""
     gate, up, down = (dense(w, x.dtype) for w in (gate, up, down))
+    if math is not None:
+        return math.batched(x, gate, up, down, ids)
     g = torch.bmm(x, gate.transpose(1, 2))
     u = torch.bmm(x, up.transpose(1, 2))
     return torch.bmm(F.silu(g) * u, down.transpose(1, 2))
@@ -178,8 +185,10 @@ class LayerWork:
     batch_on_cpu = False
 
     def __init__(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, groups: ExpertGroups | None,
-                 *, topk_weights: torch.Tensor | None = None, ids_host: list[list[int]] | None = None):
+                 *, topk_weights: torch.Tensor | None = None, ids_host: list[list[int]] | None = None,
+                 math: ExpertMath | None = None):
         self.layer = layer
+        self.math = math  # the layer's biases and clamped SwiGLU (gpt-oss), None = plain SwiGLU
         self.hidden = hidden
         self.topk_ids = topk_ids
         self.groups = groups
@@ -204,7 +213,7 @@ class LayerWork:
 
     @classmethod
     def from_host_ids(cls, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                      ids_host: list[list[int]], num_experts: int) -> "LayerWork":
+                      ids_host: list[list[int]], num_experts: int, math: ExpertMath | None = None) -> "LayerWork":
         """A small step planned on the host.
 
         Args:
@@ -219,7 +228,7 @@ class LayerWork:
         flat = [e for row in ids_host for e in row]
         if flat and (min(flat) < 0 or max(flat) >= num_experts):
             raise ValueError(f"expert id out of range: the layer has {num_experts} experts, got {flat}")
-        return cls(layer, hidden, topk_ids, None, topk_weights=topk_weights, ids_host=ids_host)
+        return cls(layer, hidden, topk_ids, None, topk_weights=topk_weights, ids_host=ids_host, math=math)
 
     # --- small mode -----------------------------------------------------------------------------------------
     def _init_small(self, topk_weights: torch.Tensor, ids_host: list[list[int]]) -> None:
@@ -311,13 +320,14 @@ class LayerWork:
             return
         if not self.small:
             for e, (g, u, d) in zip(experts, weights):
-                self.parts[e] = self._weigh(swiglu_expert(self.hidden[self.rows(e)], g, u, d), self.weights(e))
+                self.parts[e] = self._weigh(swiglu_expert(self.hidden[self.rows(e)], g, u, d, self.math, e),
+                                            self.weights(e))
             return
         x, w = self.gather_inputs(experts)
         outs, start = [], 0
         for e, (g, u, d) in zip(experts, weights):
             n = self.spans[e][1]
-            outs.append(self._weigh(swiglu_expert(x[start:start + n], g, u, d), w[start:start + n]))
+            outs.append(self._weigh(swiglu_expert(x[start:start + n], g, u, d, self.math, e), w[start:start + n]))
             start += n
         self.put(experts, torch.cat(outs) if len(outs) > 1 else outs[0])
 
@@ -365,7 +375,8 @@ class LayerWork:
             gate, up, down = (source.gate.index_select(0, ridx), source.up.index_select(0, ridx),
                               source.down.index_select(0, ridx))
             tail = 2 * n + m
-        out = self._weigh(swiglu_batched(x, gate, up, down), w).view(n, -1)
+        ids = self._to_device(experts) if self.math is not None else None
+        out = self._weigh(swiglu_batched(x, gate, up, down, self.math, ids), w).view(n, -1)
         if final:
             self._src = idx[tail:]
             self._chunks.append(out)
@@ -376,7 +387,7 @@ class LayerWork:
     def can_stage(self, experts: list[int]) -> bool:
         """True when this small step has a ``stage`` and ``experts`` (ascending) are all its experts and fit it."""
         stage = self.stage
-        return (stage is not None and not self._chunks and len(experts) == len(self.needed)
+        return (stage is not None and self.math is None and not self._chunks and len(experts) == len(self.needed)
                 and len(experts) <= stage.max_experts and stage.tokens == self.hidden.shape[0]
                 and stage.top_k == self.k and all(self.spans[e][1] <= stage.n for e in experts))
 

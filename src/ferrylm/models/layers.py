@@ -343,6 +343,9 @@ class Attention(nn.Module):
         norm_eps: epsilon of the q/k norms.
         clip_qkv: clamp q, k and v to ``[-clip_qkv, clip_qkv]`` after the projections (and after a ``"proj"``
             norm), as OLMoE's ``clip_qkv``; None = no clamp.
+        sinks: a learned attention-sink logit per query head (``sinks [Hq]``, gpt-oss), kept in float32.
+        window: sliding window of the layer (see :meth:`~ferrylm.models.attention.AttentionBackend.attend`);
+            None = full causal attention.
 
     Raises:
         ValueError: heads not divisible; unknown ``qk_norm``.
@@ -350,7 +353,8 @@ class Attention(nn.Module):
 
     def __init__(self, layer_idx: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  rotary: RotaryEmbedding, *, qkv_bias: bool = False, o_bias: bool = False,
-                 qk_norm: str | None = None, norm_eps: float = 1e-6, clip_qkv: float | None = None):
+                 qk_norm: str | None = None, norm_eps: float = 1e-6, clip_qkv: float | None = None,
+                 sinks: bool = False, window: int | None = None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
@@ -372,6 +376,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(num_heads * head_dim, norm_eps)
             self.k_norm = RMSNorm(num_kv_heads * head_dim, norm_eps)
         self.rotary = rotary
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
+        self.window = window
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused (weight, bias), see below
         self._qk_norm_weight: torch.Tensor | None = None                   # [Hq + Hkv, D] for "head" norm
         self._fused_from: tuple = ()
@@ -444,8 +450,14 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = attn.attend(self.layer_idx, q, k, v, self.scale)
+        out = attn.attend(self.layer_idx, q, k, v, self.scale, **self._extras())
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+    def _extras(self) -> dict:
+        """The window / sink keywords of ``attend`` (none for the plain layers)."""
+        if self.sinks is None and self.window is None:
+            return {}
+        return {"window": self.window, "sinks": self.sinks}
 
     def _forward_fused(self, positions: torch.Tensor, hidden: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """:meth:`forward` after :meth:`fuse_projections` (no ``"proj"`` norm, no clamp): one projection, then
@@ -459,12 +471,12 @@ class Attention(nn.Module):
 
             eps = self.q_norm.eps if self._qk_norm_weight is not None else 0.0
             qk = norm_rope(qk, positions, self.rotary.cos_table, self.rotary.sin_table, self._qk_norm_weight, eps)
-            out = attn.attend(self.layer_idx, qk[:, :hq], qk[:, hq:], v, self.scale)
+            out = attn.attend(self.layer_idx, qk[:, :hq], qk[:, hq:], v, self.scale, **self._extras())
             return self.o_proj(out.reshape(t, hq * d))
         if self._qk_norm_weight is not None:  # RMSNorm.forward over each head, both weights at once
             qk = self._qk_norm_weight * F.rms_norm(qk, (d,), eps=self.q_norm.eps)
         qk = self.rotary.rotate(positions, qk)
-        out = attn.attend(self.layer_idx, qk[:, :hq], qk[:, hq:], v, self.scale)
+        out = attn.attend(self.layer_idx, qk[:, :hq], qk[:, hq:], v, self.scale, **self._extras())
         return self.o_proj(out.reshape(t, hq * d))
 
 

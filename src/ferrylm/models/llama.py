@@ -146,11 +146,14 @@ class LlamaForCausalLM(nn.Module):
         float32_tensors: state-dict name suffixes kept in float32 whatever the load dtype (routing-bias buffers
             whose small differences pick experts).
         partial_rotary: the family's reference supports partial rotary embedding (else such configs are refused).
+        fused_experts: how fused expert tensors are laid out: ``"halves"`` (transformers' ``[E, 2I, H]``, gate rows
+            then up) or ``"gpt_oss"`` (see ``checkpoints/loader.py``).
     """
 
     hf_renames: tuple[tuple[str, str], ...] = ()
     float32_tensors: tuple[str, ...] = ()
     partial_rotary: bool = False
+    fused_experts: str = "halves"
 
     def __init__(self, config: ModelConfig, *, executor: ExpertExecutor | None = None,
                  device: torch.device | str | None = None):
@@ -178,6 +181,11 @@ class LlamaForCausalLM(nn.Module):
         """True for a checkpoint tensor the loader deliberately leaves unread (e.g. multi-token-prediction layers
         past ``num_hidden_layers``); none for Llama."""
         return False
+
+    @classmethod
+    def expert_swiglu(cls, config: ModelConfig) -> tuple[float, float] | None:
+        """``(alpha, limit)`` of a clamped-SwiGLU expert family (gpt-oss); None: plain SwiGLU experts."""
+        return None
 
     @classmethod
     def attention_kwargs(cls, config: ModelConfig) -> dict[str, Any]:

@@ -413,6 +413,12 @@ class Qwen3NextForCausalLM(nn.Module):
     hf_renames: tuple[tuple[str, str], ...] = ()
     float32_tensors: tuple[str, ...] = ()
     partial_rotary = True
+    fused_experts = "halves"
+
+    @classmethod
+    def expert_swiglu(cls, config: ModelConfig) -> None:
+        """Plain SwiGLU experts (see :meth:`~ferrylm.models.llama.LlamaForCausalLM.expert_swiglu`)."""
+        return None
 
     def __init__(self, config: ModelConfig, *, executor: ExpertExecutor | None = None,
                  device: torch.device | str | None = None):

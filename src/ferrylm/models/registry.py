@@ -10,6 +10,7 @@ from ferrylm.errors import UnsupportedArchitecture
 MODEL_REGISTRY: dict[str, str] = {
     "DeepseekV3ForCausalLM": "ferrylm.models.deepseek_v3:DeepseekV3ForCausalLM",
     "Glm4MoeForCausalLM": "ferrylm.models.glm4_moe:Glm4MoeForCausalLM",
+    "GptOssForCausalLM": "ferrylm.models.gpt_oss:GptOssForCausalLM",
     "LlamaForCausalLM": "ferrylm.models.llama:LlamaForCausalLM",
     "MiniMaxM2ForCausalLM": "ferrylm.models.minimax_m2:MiniMaxM2ForCausalLM",
     "MixtralForCausalLM": "ferrylm.models.mixtral:MixtralForCausalLM",

@@ -179,6 +179,9 @@ def check_shardable(model_cls: type, config: ModelConfig, shard: TPShard) -> Non
     if layout.v_heads == 0 or StateLayout.of(config) is not None:
         raise ModelLoadError(f"--tensor-parallel-size {shard.size}: {config.architecture} has latent or "
                              f"linear-attention layers, which tensor parallel does not split yet")
+    if model_cls.expert_swiglu(config) is not None:
+        raise ModelLoadError(f"--tensor-parallel-size {shard.size}: {config.architecture}'s expert biases and "
+                             f"attention sinks are not split by tensor parallel yet")
     if model_cls.attention_kwargs(config).get("qk_norm") == "proj":
         raise ModelLoadError(f"--tensor-parallel-size {shard.size}: {config.architecture} normalises q/k over the "
                              f"whole projection (all heads), which tensor parallel does not split yet")

@@ -46,7 +46,7 @@ import torch
 from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts import ExpertOptions, build_executor
-from ferrylm.experts.executor import LayerExperts
+from ferrylm.experts.executor import ExpertMath, LayerExperts
 from ferrylm.checkpoints.loader import LoadedModel, placement, prepare_for_inference, tensor_dtype
 from ferrylm.models.registry import get_model_class
 from ferrylm.synthetic.routing_profiles import ROUTER
@@ -313,6 +313,12 @@ def build_synthetic(spec: SyntheticSpec | str, *, device: torch.device | str = "
         i_full = full.moe_intermediate_size   # the fan-in of down: the whole expert's width
         stacks[layer] = LayerExperts(gate=stack("gate", e, i, h, fan_in=h), up=stack("up", e, i, h, fan_in=h),
                                      down=stack("down", e, h, i, fan_in=i_full, scale=residual_scale(config)))
+        swiglu = model_cls.expert_swiglu(config)
+        if swiglu is not None:  # gpt-oss: small random expert biases, kept on the compute device
+            def bias(part: str, *shape: int) -> torch.Tensor:
+                return pool.fill_(torch.empty(*shape, device=device, dtype=dtype), 0.02,
+                                  f"model.layers.{layer}.mlp.experts.{part}_bias")
+            stacks[layer].math = ExpertMath(bias("gate", e, i), bias("up", e, i), bias("down", e, h), *swiglu)
     executor = build_executor(moe_backend, stacks, device) if stacks else None
 
     with torch.device("meta"):

@@ -68,6 +68,19 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
                     "special_tokens_map.json", "added_tokens.json")
 
 
+def _gpt_oss(layers: int, experts: int) -> dict[str, Any]:
+    """gpt-oss-20b / -120b's config.json (openai/gpt-oss-*): they differ in layers and experts only."""
+    return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+            "eos_token_id": 200002, "pad_token_id": 199999, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+            "intermediate_size": 2880, "max_position_embeddings": 131072, "num_attention_heads": 64,
+            "num_experts_per_tok": 4, "num_hidden_layers": layers, "num_key_value_heads": 8,
+            "num_local_experts": experts, "rms_norm_eps": 1e-5, "sliding_window": 128, "swiglu_limit": 7.0,
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False, "original_max_position_embeddings": 4096},
+            "rope_theta": 150000.0, "tie_word_embeddings": False, "vocab_size": 201088}
+
+
 @dataclass(frozen=True)
 class SyntheticPreset:
     """A published model's shape.
@@ -156,6 +169,9 @@ PRESETS: dict[str, SyntheticPreset] = {p.name: p for p in (
         "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 1000000.0,
         "routed_scaling_factor": 1.0, "tie_word_embeddings": False, "topk_group": 1, "use_qk_norm": False,
         "vocab_size": 151552}),
+    # gpt-oss: attention sinks, sliding-window (128) / full layers alternating, biased experts with a clamped SwiGLU
+    SyntheticPreset("gpt-oss-20b", "openai/gpt-oss-20b", _gpt_oss(24, 32)),
+    SyntheticPreset("gpt-oss-120b", "openai/gpt-oss-120b", _gpt_oss(36, 128)),
     # 230B total / 10B active; MTP modules (use_mtp, num_mtp_modules) are not built
     SyntheticPreset("minimax-m2", "MiniMaxAI/MiniMax-M2", {
         "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "eos_token_id": 200020, "head_dim": 128,

@@ -134,7 +134,7 @@ def read_quantized(files: list[Path], reader: QuantReader, model_cls: type, conf
         ModelLoadError: a tensor without a place, a quantized module that does not decode, experts partly
             quantized, a missing expert (the message names the tensor).
     """
-    from ferrylm.checkpoints.loader import ExpertAssembler, _module_name, tensor_dtype
+    from ferrylm.checkpoints.loader import _module_name, expert_assemblers, tensor_dtype
 
     with contextlib.ExitStack() as stack:
         where: dict[str, object] = {}
@@ -174,7 +174,7 @@ def read_quantized(files: list[Path], reader: QuantReader, model_cls: type, conf
 
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
         quant = QuantAssembler(moe_layers, e, h, i, expert_device, dtype, pin) if moe_layers else None
-        dense = ExpertAssembler(moe_layers, e, h, i, expert_device, dtype, pin_memory=pin) if moe_layers else None
+        dense, biases = expert_assemblers(model_cls, config, moe_layers, expert_device, dtype, pin)
         used_quant = used_dense = False
         tensors: dict[str, torch.Tensor] = {}
         origin: dict[str, str] = {}
@@ -222,6 +222,8 @@ def read_quantized(files: list[Path], reader: QuantReader, model_cls: type, conf
 
         for name in plain:
             t = get(name)
+            if biases is not None and biases.add(name, t):
+                continue
             if dense is not None and dense.add(name, t):
                 used_dense = True
                 continue
@@ -231,6 +233,8 @@ def read_quantized(files: list[Path], reader: QuantReader, model_cls: type, conf
         raise ModelLoadError("the checkpoint quantizes some routed experts and leaves others plain; ferrylm needs "
                              "one format for all routed experts")
     experts = (quant.finish() if used_quant else dense.finish()) if moe_layers else None
+    if biases is not None:
+        biases.attach(experts)
     return tensors, origin, experts
 
 

@@ -68,11 +68,12 @@ class PagedAttention:
             same = len({s.ctx_len for s in self.decode}) == 1
             self.decode_mask = None if same else torch.arange(max_len, device=device)[None, :] < lens[:, None]
             self.decode_q_idx = torch.tensor([s.q_start for s in self.decode], device=device)
+            self.decode_held = torch.arange(max_len, device=device)[None, :] < lens[:, None]  # [B, L]
         # a step of decodes only, in batch order: attention output is the decode output, no scatter
         self.decode_only = not self.prefill and [s.q_start for s in self.decode] == list(range(len(self.decode)))
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float) -> torch.Tensor:
+               scale: float, *, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """See :class:`ferrylm.models.attention.AttentionBackend`. Shapes ``q [T,Hq,D]``, ``k/v [T,Hkv,D]``.
 
         On CUDA the cuDNN SDPA kernel is excluded: it builds a new plan for every new KV length (~7 ms per decode
@@ -81,11 +82,11 @@ class PagedAttention:
         """
         if q.is_cuda:
             with sdpa_kernel(CUDA_SDPA_BACKENDS):
-                return self._attend(layer_idx, q, k, v, scale)
-        return self._attend(layer_idx, q, k, v, scale)
+                return self._attend(layer_idx, q, k, v, scale, window, sinks)
+        return self._attend(layer_idx, q, k, v, scale, window, sinks)
 
     def _attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                scale: float) -> torch.Tensor:
+                scale: float, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
         kc, vc = self.pool.k[layer_idx], self.pool.v[layer_idx]
         kc.index_copy_(0, self.new_slots, _as(k, kc.dtype))
         vc.index_copy_(0, self.new_slots, _as(v, vc.dtype))
@@ -94,7 +95,7 @@ class PagedAttention:
             if faults.enabled:
                 faults.check("attention_scratch", nbytes=2 * self.decode_slots.numel() * k.shape[1] * k.shape[2]
                              * kc.element_size())
-            return self._decode(q, kc, vc, scale)
+            return self._decode(q, kc, vc, scale, window, sinks)
         out = torch.empty_like(q)
         for s in self.prefill:
             if faults.enabled:
@@ -103,18 +104,21 @@ class PagedAttention:
             ks, vs = kc[s.slots], vc[s.slots]
             qs = q[s.q_start: s.q_start + s.q_len]
             out[s.q_start: s.q_start + s.q_len] = causal_attention(qs, ks.to(q.dtype), vs.to(q.dtype), scale,
-                                                                   q_offset=s.ctx_len)
+                                                                   q_offset=s.ctx_len, window=window, sinks=sinks)
         if self.decode:
             if faults.enabled:
                 faults.check("attention_scratch", nbytes=2 * self.decode_slots.numel() * k.shape[1] * k.shape[2]
                              * kc.element_size())
-            out[self.decode_q_idx] = self._decode(q, kc, vc, scale)
+            out[self.decode_q_idx] = self._decode(q, kc, vc, scale, window, sinks)
         return out
 
-    def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float, window: int | None,
+                sinks: torch.Tensor | None) -> torch.Tensor:
         qd = q if self.decode_only else q[self.decode_q_idx]       # [B, Hq, D]
         kd = _as(kc[self.decode_slots], q.dtype)                    # [B, L, Hkv, D]
         vd = _as(vc[self.decode_slots], q.dtype)
+        if window is not None or sinks is not None:
+            return windowed_decode(qd, kd, vd, self.decode_held, scale, window, sinks)
         group = qd.shape[1] // kd.shape[2]
         mask = None if self.decode_mask is None else self.decode_mask[:, None, None, :]  # [B, 1, 1, L]
         if group > 1 and mask is not None:  # masked GQA: expand the K/V heads (enable_gqa needs no mask on CUDA)
@@ -176,13 +180,16 @@ class StaticDecodeAttention:
         self.slot_mask = mask               # [B, L] (latent attention)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float) -> torch.Tensor:
+               scale: float, *, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``q [B, Hq, D]``, ``k/v [B, Hkv, D]`` -> ``[B, Hq, D]`` (see ``models/attention.py``). Query head ``h``
         reads KV head ``h // G``, ``G = Hq // Hkv``. On CUDA without the cuDNN kernel, as
         :meth:`PagedAttention.attend`."""
         kc, vc = self.pool.k[layer_idx], self.pool.v[layer_idx]
         kc.index_copy_(0, self.new_slots, _as(k, kc.dtype))
         vc.index_copy_(0, self.new_slots, _as(v, vc.dtype))
+        if window is not None or sinks is not None:
+            return windowed_decode(q, _as(kc[self.slot_table], q.dtype), _as(vc[self.slot_table], q.dtype),
+                                   self.slot_mask, scale, window, sinks)
         b, hq, d = q.shape
         hkv = k.shape[1]
         kd = _as(kc[self.slot_table], q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
@@ -204,6 +211,35 @@ class StaticDecodeAttention:
         with sdpa_kernel(CUDA_SDPA_BACKENDS) if q_nope.is_cuda else contextlib.nullcontext():
             return latent_decode(q_nope, q_pe, _as(kc[self.slot_table, 0], q_nope.dtype), proj, scale,
                                  self.slot_mask)
+
+
+def windowed_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, held: torch.Tensor, scale: float,
+                    window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """One new token per sequence over its held positions, with a sliding window and / or attention sinks (see
+    :meth:`~ferrylm.models.attention.AttentionBackend.attend`); torch ops only, no host sync (capturable).
+
+    Args:
+        q: ``[B, Hq, D]``; k, v: ``[B, L, Hkv, D]`` each sequence's positions ``0 .. L - 1``.
+        held: ``[B, L]`` bool, True at the sequence's positions (the new token's, ``length - 1``, included).
+
+    Returns:
+        ``[B, Hq, D]``.
+    """
+    b, hq, d = q.shape
+    hkv = k.shape[2]
+    mask = held
+    if window is not None:  # the new token sits at length - 1: it sees positions > length - 1 - window
+        last = held.sum(1, keepdim=True) - 1
+        mask = held & (torch.arange(held.shape[1], device=held.device)[None, :] > last - window)
+    qg = q.view(b, hkv, hq // hkv, d)                    # the G query heads of a KV head as its query rows
+    kd, vd, m = k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :]
+    if sinks is None:
+        o = torch.nn.functional.scaled_dot_product_attention(qg, kd, vd, attn_mask=m, scale=scale)
+    else:
+        from ferrylm.models.attention import sink_attention
+
+        o = sink_attention(qg, kd, vd, m, scale, sinks.view(hkv, hq // hkv))
+    return o.reshape(b, hq, d)
 
 
 def torch_attention(pool: KVPool, meta: AttentionMetadata, device: torch.device,

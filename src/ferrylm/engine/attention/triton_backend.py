@@ -30,7 +30,7 @@ class TritonPagedAttention:
         self._torch: PagedAttention | None = None     # latent attention of steps with a prefill (attend_latent)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float) -> torch.Tensor:
+               scale: float, *, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``q [T, Hq, D]``, ``k/v [T, Hkv, D]`` -> ``[T, Hq, D]`` (see ``models/attention.py``)."""
         kc, vc, m = self.pool.k[layer_idx], self.pool.v[layer_idx], self.meta
         if self.faults.enabled:
@@ -38,7 +38,7 @@ class TritonPagedAttention:
         self._k.store_kv(k, v, kc, vc, m.slot_mapping)
         return self._k.paged_attention(q, kc, vc, m.block_table, m.seq_lens, m.query_start_loc, scale=scale,
                                        page_size=self.pool.page_size, max_query_len=m.max_query_len,
-                                       num_splits=m.num_splits)
+                                       num_splits=m.num_splits, window=window, sinks=sinks)
 
     def attend_latent(self, layer_idx: int, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
                       k_pe: torch.Tensor, proj, scale: float) -> torch.Tensor:

@@ -15,6 +15,10 @@ Programs of sequence ``s`` are ``[qs[s] // BLOCK_Q + s, qs[s + 1] // BLOCK_Q + s
 start offsets: the count covers ``ceil(q_len / BLOCK_Q)`` and the grid ``T // BLOCK_Q + B`` bounds the total, so
 the grid depends on host sizes only (capturable in a CUDA graph); a program finds its sequence by binary search.
 
+Sliding window and attention sinks (gpt-oss): with a window, query ``p`` sees keys ``p - window < j <= p`` only and
+a tile starts at its first query's window (keys before it are never read); a sink adds ``exp(sink)`` (one logit per
+query head, no value) to each row's softmax denominator, after the last tile (or in the split merge).
+
 Split-KV (flash-decoding): with ``num_splits > 1`` the keys of each sequence are cut into ``num_splits`` ranges
 computed by separate programs; each writes its unnormalised output, running max and sum, and a second kernel
 merges them (``m = max m_i``, ``l = sum l_i e^{m_i - m}``, ``o = sum o_i e^{m_i - m} / l``). Decode steps use it so
@@ -87,13 +91,13 @@ def _find_seq(pid, qsl_ptr, num_seqs, BLOCK_Q: tl.constexpr, LOG2_SEQS: tl.const
 @triton.jit
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr,
-        part_o_ptr, part_ml_ptr,
-        scale, num_seqs, num_kv_heads,
+        part_o_ptr, part_ml_ptr, sinks_ptr,
+        scale, num_seqs, num_kv_heads, window,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h,
         stride_bt, page_size,
         G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, LOG2_SEQS: tl.constexpr,
-        PRECISION: tl.constexpr):
+        PRECISION: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -119,14 +123,18 @@ def _paged_attention_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q_pos = ctx_len + q_tok                        # absolute position of each query row
 
-    # keys this tile may see: 0 .. last query's position (bottom-right causal)
+    # keys this tile may see: 0 (or, with a window, the first query's window start) .. last query's position
     kv_end = tl.minimum(seq_len, ctx_len + tl.minimum((qb + 1) * BLOCK_Q, q_len))
+    kv_start = 0
+    if WINDOW:
+        kv_start = tl.maximum(0, ctx_len + qb * BLOCK_Q - window + 1)
+        kv_start = (kv_start // BLOCK_N) * BLOCK_N
     if NUM_SPLITS == 1:
-        lo = 0
+        lo = kv_start
         hi = kv_end
     else:
-        per = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * per
+        per = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = kv_start + split * per
         hi = tl.minimum(kv_end, lo + per)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -143,6 +151,8 @@ def _paged_attention_kernel(
                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)            # [D, N]
         qk = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale                              # [M, N] fp32
         visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+        if WINDOW:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
         qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -155,6 +165,12 @@ def _paged_attention_kernel(
         m_i = m_new
 
     if NUM_SPLITS == 1:
+        if SINKS:  # one more softmax entry per row, with no value (module docstring)
+            sink = tl.load(sinks_ptr + q_head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_fin = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_fin)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha + tl.exp2(sink - m_fin)
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + q_rows[:, None] * stride_ot + q_head[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -168,8 +184,9 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, num_heads, stride_ot, stride_oh,
-                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
+def _merge_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, sinks_ptr, num_heads, stride_ot, stride_oh,
+                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         SINKS: tl.constexpr):
     """One (token, head): merge its ``NUM_SPLITS`` partial outputs (module docstring)."""
     row = tl.program_id(0)          # token * num_heads + head
     t = row // num_heads
@@ -178,9 +195,14 @@ def _merge_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, num_heads, stride_ot,
     m = tl.load(part_ml_ptr + (row * NUM_SPLITS + sp) * 2)
     l = tl.load(part_ml_ptr + (row * NUM_SPLITS + sp) * 2 + 1)
     m_max = tl.max(m, 0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
     l_sum = tl.sum(l * w, 0)
+    if SINKS:
+        l_sum += tl.exp2(sink - m_max)
     d = tl.arange(0, D_PAD)
     o = tl.load(part_o_ptr + (row * NUM_SPLITS + sp)[:, None] * HEAD_DIM + d[None, :],
                 mask=d[None, :] < HEAD_DIM, other=0.0)
@@ -191,7 +213,8 @@ def _merge_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, num_heads, stride_ot,
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, scale: float, page_size: int,
-                    max_query_len: int, num_splits: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+                    max_query_len: int, num_splits: int = 1, out: torch.Tensor | None = None,
+                    window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of a flattened batch over the paged KV pool (module docstring), the step's new K/V
     already stored (:func:`store_kv`).
 
@@ -206,6 +229,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         max_query_len: the most new tokens of any sequence (host int: picks the query tile).
         num_splits: KV ranges per sequence computed apart then merged (1 = none); a power of two.
         out: ``[T, Hq, D]`` to write into (e.g. a CUDA graph's static buffer), else allocated.
+        window: sliding window (a query at position ``p`` sees keys ``p - window < j <= p``); None = all.
+        sinks: ``[Hq]`` float32 attention-sink logits (added to each row's softmax denominator as ``exp(sink)``,
+            no value), or None.
 
     Returns:
         ``[T, Hq, D]`` in ``q``'s dtype. A padding sequence (``seq_len`` 0) gets zeros.
@@ -231,14 +257,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_ml = torch.empty(t, hq, num_splits, 2, dtype=torch.float32, device=q.device)
     else:
         part_o = part_ml = out  # unused
+    sink_arg = out if sinks is None else sinks
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, part_o, part_ml,
-        scale, num_seqs, hkv,
+        q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, part_o, part_ml, sink_arg,
+        scale, num_seqs, hkv, 0 if window is None else int(window),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_table.stride(0), page_size,
         G=g, G_PAD=g_pad, HEAD_DIM=dim, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        LOG2_SEQS=MAX_SEQS_LOG2, PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=2)
+        LOG2_SEQS=MAX_SEQS_LOG2, PRECISION=dot_precision(q.dtype), WINDOW=window is not None,
+        SINKS=sinks is not None, num_warps=4, num_stages=2)
     if num_splits > 1:
-        _merge_splits_kernel[(t * hq,)](part_o, part_ml, out, hq, out.stride(0), out.stride(1),
-                                        HEAD_DIM=dim, D_PAD=d_pad, NUM_SPLITS=num_splits)
+        _merge_splits_kernel[(t * hq,)](part_o, part_ml, out, sink_arg, hq, out.stride(0), out.stride(1),
+                                        HEAD_DIM=dim, D_PAD=d_pad, NUM_SPLITS=num_splits, SINKS=sinks is not None)
     return out

@@ -190,8 +190,8 @@ class WithRecurrentState:
         self.recurrent = recurrent
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float) -> torch.Tensor:
-        return self.attn.attend(layer_idx, q, k, v, scale)
+               scale: float, *, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return self.attn.attend(layer_idx, q, k, v, scale, window=window, sinks=sinks)
 
 
 def recurrent_step(pool: StatePool, seqs, query_start_loc: torch.Tensor, device: torch.device) -> RecurrentStep:

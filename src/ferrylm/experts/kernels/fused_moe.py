@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from ferrylm.experts.kernels.dequant import hardware_fp8, scale_after_dot, tile_dot, weight_args
+from ferrylm.experts.executor import ExpertMath
 from ferrylm.experts.quantized import QuantTensor
 from ferrylm.triton_util import dot_precision
 
@@ -197,14 +198,14 @@ def _block_expert(bexp_ptr, slot_ptr, off_ptr, pid_m, HAS_SLOTS: tl.constexpr, H
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr, off_ptr,
+def _gate_up_kernel(x_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr, off_ptr, gb_ptr, ub_ptr, alpha, limit,
                     num_assign, N, K, top_k, stride_xt, stride_ht,
                     wg_ptr, sg_ptr, mg_ptr, rg_ptr, stride_ge, stride_gn, stride_gk, sgse, sgsn, sgsg, sgre, sgrn,
                     wu_ptr, su_ptr, mu_ptr, ru_ptr, stride_ue, stride_un, stride_uk, suse, susn, susg, sure, surn,
                     HAS_SLOTS: tl.constexpr, HAS_OFF: tl.constexpr, ITEM_W: tl.constexpr, ITEM_S: tl.constexpr,
                     ITEM_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PRECISION: tl.constexpr, QKIND: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr,
-                    HAS_ROW: tl.constexpr, SCALE_AFTER: tl.constexpr, HW_FP8: tl.constexpr):
+                    HAS_ROW: tl.constexpr, SCALE_AFTER: tl.constexpr, HW_FP8: tl.constexpr, MATH: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
@@ -238,21 +239,32 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr, off_
                          BLOCK_K, HW_FP8, SCALE_AFTER, PRECISION)
         x_ptrs += BLOCK_K
     out_ty = h_ptr.dtype.element_ty
-    g = acc_g.to(out_ty).to(tl.float32)
-    u = acc_u.to(out_ty).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
-    h = (s * u).to(out_ty)
+    if MATH:  # gpt-oss: biases by the expert's id, then the clamped SwiGLU (experts/executor.ExpertMath)
+        eid = tl.load(bexp_ptr + pid_m).to(tl.int64)
+        bg = tl.load(gb_ptr + eid * N + n, mask=n_ok, other=0.0).to(tl.float32)
+        bu = tl.load(ub_ptr + eid * N + n, mask=n_ok, other=0.0).to(tl.float32)
+        g = (acc_g + bg[None, :]).to(out_ty).to(tl.float32)
+        u = (acc_u + bu[None, :]).to(out_ty).to(tl.float32)
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        glu = g / (1.0 + tl.exp(-g * alpha))
+        h = ((u + 1.0) * glu).to(out_ty)
+    else:
+        g = acc_g.to(out_ty).to(tl.float32)
+        u = acc_u.to(out_ty).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
+        h = (s * u).to(out_ty)
     tl.store(h_ptr + a_id.to(tl.int64)[:, None] * stride_ht + n[None, :], h, mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _down_kernel(h_ptr, out_ptr, w_ptr, dest_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr, off_ptr,
+def _down_kernel(h_ptr, out_ptr, w_ptr, dest_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr, off_ptr, db_ptr,
                  num_assign, N, K, stride_ht, stride_ot,
                  wd_ptr, sd_ptr, md_ptr, rd_ptr, stride_de, stride_dn, stride_dk, sdse, sdsn, sdsg, sdre, sdrn,
                  HAS_SLOTS: tl.constexpr, HAS_OFF: tl.constexpr, ITEM_W: tl.constexpr, ITEM_S: tl.constexpr,
                  ITEM_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PRECISION: tl.constexpr, QKIND: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr,
-                 HAS_ROW: tl.constexpr, SCALE_AFTER: tl.constexpr, HW_FP8: tl.constexpr):
+                 HAS_ROW: tl.constexpr, SCALE_AFTER: tl.constexpr, HW_FP8: tl.constexpr, MATH: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
@@ -280,6 +292,9 @@ def _down_kernel(h_ptr, out_ptr, w_ptr, dest_ptr, sorted_ptr, bexp_ptr, npad_ptr
         h_ptrs += BLOCK_K
     out_ty = out_ptr.dtype.element_ty
     w = tl.load(w_ptr + a64, mask=m_ok, other=0.0).to(tl.float32)
+    if MATH:  # the down bias of the expert (by its id)
+        eid = tl.load(bexp_ptr + pid_m).to(tl.int64)
+        acc += tl.load(db_ptr + eid * N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y = (acc.to(out_ty).to(tl.float32) * w[:, None]).to(out_ty)
     dest = tl.load(dest_ptr + a64, mask=m_ok, other=0).to(tl.int64)
     tl.store(out_ptr + dest[:, None] * stride_ot + n[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
@@ -304,7 +319,7 @@ def fused_moe(hidden: torch.Tensor, gate: torch.Tensor | QuantTensor, up: torch.
               down: torch.Tensor | QuantTensor,
               topk_ids: torch.Tensor, topk_weights: torch.Tensor, *, slot_of: torch.Tensor | None = None,
               tiles: tuple[MoeTiles, MoeTiles] | None = None, used_experts: torch.Tensor | None = None,
-              row_offset: torch.Tensor | None = None) -> torch.Tensor:
+              row_offset: torch.Tensor | None = None, math: ExpertMath | None = None) -> torch.Tensor:
     """``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` for one layer, entirely on the device (module docstring).
 
     Args:
@@ -325,6 +340,8 @@ def fused_moe(hidden: torch.Tensor, gate: torch.Tensor | QuantTensor, up: torch.
             the fields' item sizes). The table of the offloading backends: an expert in a slot-cache row, or in
             its host bank row read over PCIe by the kernel itself (mapped pinned memory, same address space), so
             one launch serves hits and misses with no host decision. Mutually exclusive with ``slot_of``.
+        math: gpt-oss's biases (``[E, I]`` / ``[E, H]`` on the device, indexed by expert id) and clamped SwiGLU
+            (:class:`~ferrylm.experts.executor.ExpertMath`); None = plain SwiGLU.
 
     Returns:
         ``[T, H]`` in ``hidden``'s dtype.
@@ -363,25 +380,27 @@ def fused_moe(hidden: torch.Tensor, gate: torch.Tensor | QuantTensor, up: torch.
         # dequantizing tiles in registers: two pipeline stages (three ran out of shared memory at 64-row tiles with
         # int4 + mins on the H200, Triton 3.6)
         gu_tiles, d_tiles = (replace(t, num_stages=min(2, t.num_stages)) for t in (gu_tiles, d_tiles))
+    gb, ub, db = (math.gate_bias, math.up_bias, math.down_bias) if math is not None else (hidden,) * 3
+    alpha, limit = (math.alpha, math.limit) if math is not None else (1.0, 0.0)
     _gate_up_kernel[(blocks, triton.cdiv(inter, gu_tiles.block_n))](
-        hidden, inter_act, sorted_ids, block_expert, num_padded, slots, offs,
+        hidden, inter_act, sorted_ids, block_expert, num_padded, slots, offs, gb, ub, alpha, limit,
         n, inter, hdim, k, hidden.stride(0), inter_act.stride(0), *g_args, *u_args,
         HAS_SLOTS=slot_of is not None, HAS_OFF=row_offset is not None, **g_items,
         BLOCK_M=gu_tiles.block_m, BLOCK_N=gu_tiles.block_n,
         BLOCK_K=gu_tiles.block_k, PRECISION=dot_precision(hidden.dtype), num_warps=gu_tiles.num_warps,
         num_stages=gu_tiles.num_stages, SCALE_AFTER=scale_after_dot(g_kind, gu_tiles.block_k), HW_FP8=hw_fp8,
-        **g_kind)
+        MATH=math is not None, **g_kind)
     rows = torch.empty(n, hdim, dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1)
     if weights.dtype != torch.float32:
         weights = weights.float()
     _down_kernel[(blocks, triton.cdiv(hdim, d_tiles.block_n))](
-        inter_act, rows, weights, dest, sorted_ids, block_expert, num_padded, slots, offs,
+        inter_act, rows, weights, dest, sorted_ids, block_expert, num_padded, slots, offs, db,
         n, hdim, inter, inter_act.stride(0), rows.stride(0), *d_args,
         HAS_SLOTS=slot_of is not None, HAS_OFF=row_offset is not None, **d_items,
         BLOCK_M=d_tiles.block_m, BLOCK_N=d_tiles.block_n,
         BLOCK_K=d_tiles.block_k, PRECISION=dot_precision(hidden.dtype), num_warps=d_tiles.num_warps,
         num_stages=d_tiles.num_stages, SCALE_AFTER=scale_after_dot(d_kind, d_tiles.block_k), HW_FP8=hw_fp8,
-        **d_kind)
+        MATH=math is not None, **d_kind)
     # one kernel: a 16-bit sum accumulates in float32 and rounds once, as sum(dtype=float32).to(dtype) does
     return rows.view(t, k, hdim).sum(1)
