@@ -288,47 +288,118 @@ QUANT = {
 }
 
 
-@pytest.mark.parametrize("name", list(QUANT))
-@pytest.mark.parametrize("counts", [[1, 1, 1], [3, 1, 8]])
-def test_quantized_rows_match_the_dequantized_reference(kernel, name, counts):
-    """int4 / int8 (symmetric and with mins), fp4 (E8M0-like and fp8 scales with a row scale), fp8, GGML blocks
-    (Q8_0, Q4_K, Q5_K, Q6_K): the kernel's
-    in-register dequantization against float64 SwiGLU on the torch reference's dequantized weights, and the pool
-    routes decode jobs of quantized rows to it."""
+ISAS = ("scalar", "avx2", "avx512")  # the paths on a CPU without one are skipped (AVX-512 here: F/BW/VL/VNNI)
+ACT_TOL = 5e-2  # integer kinds: 8-bit activations (two roundings of up to 1/254 of a 32-block's largest input)
+
+
+def _isa(kernel, isa):
+    try:
+        return kernel.with_isa(isa)
+    except ValueError as e:
+        pytest.skip(str(e))
+
+
+def _quant_layout(name, e, seed):
+    """``e`` random experts of QUANT[name] (odd H / I multiples of 32 where the group allows), packed in a bank."""
     from ferrylm.experts.executor import LayerExperts
-    from ferrylm.experts.quantized import ExpertQuant, QuantFormat, random_quant
+    from ferrylm.experts.quantized import QuantFormat, random_quant
 
     kind, group, sdt, mins, row = QUANT[name]
     mix = ("q4_k", "q5_k", "q6_k") if kind == "kmix" else ()
     fmt = QuantFormat(kind, group, sdt, mins=mins, row_scale=row, mix=mix)
-    h, i, e = (128, 64, len(counts)) if group < 256 else (256, 256, len(counts))
-    g = torch.Generator().manual_seed(len(name) + sum(counts))
+    h, i = (160, 96) if group < 256 else (256, 512)
+    g = torch.Generator().manual_seed(seed)
     le = LayerExperts(random_quant(fmt, (e,), i, h, generator=g, std=h ** -0.5, dtype=torch.float32),
                       random_quant(fmt, (e,), i, h, generator=g, std=h ** -0.5, dtype=torch.float32),
                       random_quant(fmt, (e,), h, i, generator=g, std=i ** -0.5, dtype=torch.float32))
     layout = ExpertLayout.of(le)
-    assert layout.quant == ExpertQuant(fmt, fmt) and NativeExpertKernel.supports(layout)
     bank = torch.zeros(e, layout.numel, dtype=torch.uint8)
     layout.pack(bank, le)
-    m = sum(counts)
-    x = torch.randn(m, h, generator=g)
-    w = torch.rand(m, generator=g)
-    starts = [sum(counts[:j]) for j in range(e)]
-    got = kernel.run(x, w, list(bank.unbind(0)), starts, counts, h, i, threads=2, layout=layout)
-    ref, s = [], 0
+    return le, layout, bank, g
+
+
+def _swiglu_reference(le, x, w, counts):
+    i, ref, s = le.gate.shape[-2], [], 0
     for j, n in enumerate(counts):
         gu = x[s:s + n].double() @ torch.cat([le.gate[j].dequantize(torch.float64),
                                               le.up[j].dequantize(torch.float64)]).T
         ref.append((F.silu(gu[:, :i]) * gu[:, i:]) @ le.down[j].dequantize(torch.float64).T * w[s:s + n, None].double())
         s += n
-    ref = torch.cat(ref)
-    assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5
+    return torch.cat(ref)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", list(QUANT))
+@pytest.mark.parametrize("counts", [[1, 3, 5], [3, 1, 8, 2, 1]])
+def test_quantized_rows_match_the_dequantized_reference(kernel, isa, name, counts):
+    """Every format on every instruction set, odd token and expert counts: the whole expert against float64 SwiGLU
+    on the torch reference's dequantized weights (fp8: float32 activations, float32 rounding only; the integer kinds:
+    within ACT_TOL, their 8-bit activations), and the pool routes decode jobs of quantized rows to the kernel."""
+    k = _isa(kernel, isa)
+    le, layout, bank, g = _quant_layout(name, len(counts), len(name) + sum(counts))
+    assert NativeExpertKernel.supports(layout)
+    h, m = layout.hidden, sum(counts)
+    x, w = torch.randn(m, h, generator=g), torch.rand(m, generator=g)
+    starts = [sum(counts[:j]) for j in range(len(counts))]
+    got = k.run(x, w, list(bank.unbind(0)), starts, counts, h, layout.inter, threads=2, layout=layout)
+    ref = _swiglu_reference(le, x, w, counts)
+    tol = 1e-5 if name == "fp8" else ACT_TOL
+    assert ((got.double() - ref).norm() / ref.norm()).item() < tol
+    if isa != kernel.isa:
+        return
     pool = CpuExpertPool(layout, threads=2, kernel="native")
     try:
-        job = CpuJob(x=x, weights=w, items=[(j, bank[j], starts[j], counts[j]) for j in range(e)],
+        job = CpuJob(x=x, weights=w, items=[(j, bank[j], starts[j], n) for j, n in enumerate(counts)],
                      out_dtype=torch.float32)
         outs, _ = pool.submit(job).result()
         assert pool.kernel_name.startswith("native") and len(outs) == 1
-        assert ((outs[0].double() - ref).norm() / ref.norm()).item() < 1e-5
+        assert ((outs[0].double() - ref).norm() / ref.norm()).item() < tol
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", [n for n in QUANT if n != "fp8"])
+def test_decoded_rows_equal_the_reference_dequantization(kernel, isa, name):
+    """The integer kinds' row decoding (``v * s + o``) against the torch reference, bit for bit: GGML blocks against
+    gguf-py too (its dequantize is ggml's); int8 with mins within two float32 roundings of the row's largest value
+    (``(u - 128) * s + (128 s - m)`` instead of ``u * s - m``)."""
+    k = _isa(kernel, isa)
+    le, layout, bank, _ = _quant_layout(name, 3, 11)
+    for e in range(3):
+        for part, want in (("gate_up", torch.cat([le.gate[e].dequantize(torch.float32),
+                                                  le.up[e].dequantize(torch.float32)])),
+                           ("down", le.down[e].dequantize(torch.float32))):
+            got = k.dequantize(bank[e], layout, part)
+            if name == "int8-mins":
+                assert (got - want).abs().max() <= 2 ** -22 * want.abs().max() and not torch.equal(got, want)
+            else:
+                assert torch.equal(got, want), (name, isa, e, part)
+            kind = QUANT[name][0]
+            if kind in ("q8_0", "q4_k", "q5_k", "q6_k"):
+                gguf = pytest.importorskip("gguf")
+                src = le.down[e] if part == "down" else le.gate[e]
+                oracle = gguf.quants.dequantize(src.data.numpy(), getattr(gguf.GGMLQuantizationType, kind.upper()))
+                n = src.data.shape[0]
+                assert torch.equal(got[:n], torch.from_numpy(oracle).float())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", list(QUANT))
+@pytest.mark.parametrize("m", [1, 3, 7])
+def test_projection_is_exact_on_the_quantized_activation(kernel, isa, name, m):
+    """One projection (gate|up) against float64 on the dequantized weights and the activation as the kernel
+    quantizes it (``q * d``): float32 accumulation only, relative error < 1e-5."""
+    k = _isa(kernel, isa)
+    le, layout, bank, g = _quant_layout(name, 2, 5 + m)
+    x = torch.randn(m, layout.hidden, generator=g)
+    w = torch.cat([le.gate[1].dequantize(torch.float64), le.up[1].dequantize(torch.float64)])
+    got = k.project(x, bank[1], layout, "gate_up", threads=2)
+    if name == "fp8":
+        xs = x.double()
+    else:
+        q, d = k.quantize_activation(x)
+        xs = (q.double().view(m, -1, 32) * d.double()[..., None]).view(m, -1)
+        assert (xs - x.double()).abs().max() <= x.abs().max() / 254 + 1e-7
+    ref = xs @ w.T
+    assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tests.experts.helpers import options
+from tests.experts.helpers import assert_backend_close, options
 
 from ferrylm.experts import build_executor
 from ferrylm.experts.banks import ExpertLayout, HostBanks
@@ -83,7 +83,8 @@ def test_rows_hold_the_blocks_bytes():
 
 
 def test_every_backend_computes_block_experts():
-    """resident / offload / cpu / hybrid (a cache smaller than a step's needs) against dequantize-then-GEMM."""
+    """resident / offload / cpu / hybrid (a cache smaller than a step's needs) against dequantize-then-GEMM (the
+    CPU's within the 8-bit activations' tolerance)."""
     want = {n: LayerExperts(le.gate.dequantize(), le.up.dequantize(), le.down.dequantize())
             for n, le in _layers(MIXED).items()}
     g = torch.Generator().manual_seed(1)
@@ -95,7 +96,7 @@ def test_every_backend_computes_block_experts():
         try:
             for t in (6, 1):
                 got = ex.run(1, x[:t], ids[:t], w[:t])
-                assert (got - run_grouped(want[1], x[:t], ids[:t], w[:t])).abs().max().item() <= 1e-5, backend
+                assert_backend_close(backend, got, run_grouped(want[1], x[:t], ids[:t], w[:t]), t)
         finally:
             ex.close()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.experts.helpers import options
+from tests.experts.helpers import assert_backend_close, options
 from tests.models.test_synthetic import tiny
 
 from ferrylm.errors import ModelLoadError
@@ -83,7 +83,8 @@ def test_rows_hold_the_quantized_bytes(name):
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_every_backend_computes_quantized_experts(name):
     """resident / offload / cpu / hybrid (cache smaller than a step's needs) against dequantize-then-GEMM, for a
-    prefill-sized step and a decode step, per expert and batched (the GPU's path, run on the CPU)."""
+    prefill-sized step and a decode step, per expert and batched (the GPU's path, run on the CPU); the CPU's within
+    the 8-bit activations' tolerance."""
     quant = FORMATS[name]
     want_layers = _dense(_layers(quant))
     g = torch.Generator().manual_seed(1)
@@ -98,7 +99,7 @@ def test_every_backend_computes_quantized_experts(name):
                 for t in (10, 3, 1):
                     want = run_grouped(want_layers[1], x[:t], ids[:t], w[:t])
                     got = ex.run(1, x[:t], ids[:t], w[:t])
-                    assert (got - want).abs().max().item() <= 1e-5, (backend, t, batched)
+                    assert_backend_close(backend, got, want, (t, batched))
                 if backend != "resident":
                     s = ex.stats()
                     assert s["expert_bytes"] == ExpertLayout.of(_layers(quant)[0]).nbytes

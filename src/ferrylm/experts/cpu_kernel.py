@@ -1,16 +1,17 @@
-"""The native CPU expert kernel (``native/expert_gemv.c``): built once per machine, called through ctypes.
+"""The native CPU expert kernels (``native/expert_gemv.c``): built once per machine, called through ctypes.
 
 Why: at decode a CPU expert is a GEMV bound by host memory bandwidth, and the torch path (two oneDNN matmuls and
 six elementwise ops per expert, each its own parallel region) measured 0.4-0.7 ms per 9 MiB Qwen3-30B-A3B expert
 on the H200 host (13-23 GB/s) against a DRAM that reads at ~90 GB/s. The native kernel computes a layer's whole
-CPU share in one OpenMP region (see the C file's header for the arithmetic).
+CPU share in one OpenMP region, reading quantized experts as stored (integer dot products against an 8-bit
+activation; see the C file's header for the arithmetic and the formats).
 
-Build: the host C compiler (``$CC``, default ``cc``) with ``-O3 -march=native -fopenmp``, into
-``<cache root>/kernels/expert_gemv-<key>.so`` where the key hashes the source, the compile command, the compiler's
-version and the CPU's feature flags from ``/proc/cpuinfo`` (so a cache folder shared between machines does not
-hand one a binary built for another's instruction set; where ``/proc/cpuinfo`` is missing only the processor
-name is hashed). The build takes about a second and is written atomically, so concurrent processes may race on it
-safely; a cache folder that cannot be written gives an uncached build in a temporary folder.
+Build: the host C compiler (``$CC``, default ``cc``) with ``-O3 -fopenmp`` (no ``-march``: the AVX-512, AVX2 and
+plain C kernels are all in the library and :attr:`NativeExpertKernel.isa` is the best this CPU runs, found at load),
+into ``<cache root>/kernels/expert_gemv-<key>.so`` where the key hashes the sources, the compile command, the
+compiler's version and the machine architecture. The build takes a few seconds and is written atomically, so
+concurrent processes may race on it safely; a cache folder that cannot be written gives an uncached build in a
+temporary folder.
 
 ``--moe-cpu-kernel``: ``auto`` (native when it builds, else torch with a warning), ``native`` (fail when it does
 not build), ``torch``.
@@ -41,9 +42,11 @@ log = logging.getLogger("ferrylm.experts")
 # NOTE: the kernel reads each weight row once per 4 tokens; from ~8 tokens per expert oneDNN's blocked GEMM
 # (one read of the weights for all tokens) is the better kernel, so the pool uses torch above this.
 NATIVE_MAX_TOKENS = 8
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-_ISA = {0: "scalar", 1: "avx2", 2: "avx512"}
-_WDTYPE = {torch.bfloat16: 0, torch.float32: 1}
+CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off"]
+SOURCES = ("expert_gemv.c", "isa_kernels.h")
+ISAS = ("scalar", "avx2", "avx512")  # the C file's instruction-set levels 0, 1, 2
+_PLAIN_KIND = {torch.bfloat16: 10, torch.float32: 11}
+_RC = {-1: "bad arguments", -2: "an instruction set this CPU lacks", -3: "out of memory"}
 
 
 class KernelBuildError(FerryError):
@@ -53,19 +56,9 @@ class KernelBuildError(FerryError):
     param = "--moe-cpu-kernel"
 
 
-def _source() -> str:
-    return resources.files("ferrylm.experts").joinpath("native/expert_gemv.c").read_text()
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def _sources() -> dict[str, str]:
+    native = resources.files("ferrylm.experts").joinpath("native")
+    return {name: native.joinpath(name).read_text() for name in SOURCES}
 
 
 def _compiler_version(cc: list[str]) -> str:
@@ -75,11 +68,12 @@ def _compiler_version(cc: list[str]) -> str:
         raise KernelBuildError(f"no C compiler {' '.join(cc)!r} ({e}); set $CC or use --moe-cpu-kernel torch") from e
 
 
-def _compile(cc: list[str], src: str, folder: Path) -> Path:
-    """Compile ``src`` in ``folder``; returns the library's path. Raises KernelBuildError (the compiler failed) or
-    OSError (``folder`` not writable)."""
-    c_file, out = folder / "expert_gemv.c", folder / "expert_gemv.so"
-    c_file.write_text(src)
+def _compile(cc: list[str], srcs: dict[str, str], folder: Path) -> Path:
+    """Compile ``srcs`` (file name -> text; the first is the C file) in ``folder``; returns the library's path.
+    Raises KernelBuildError (the compiler failed) or OSError (``folder`` not writable)."""
+    for name, text in srcs.items():
+        (folder / name).write_text(text)
+    c_file, out = folder / SOURCES[0], folder / "expert_gemv.so"
     cmd = [*cc, *CFLAGS, str(c_file), "-o", str(out), "-lm"]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -94,10 +88,11 @@ def _compile(cc: list[str], src: str, folder: Path) -> Path:
 
 @dataclass
 class NativeExpertKernel:
-    """A loaded build of the native kernel.
+    """A loaded build of the native kernels.
 
     Attributes:
-        path: the shared library. isa: the instruction set it was compiled for (``avx512``, ``avx2``, ``scalar``).
+        path: the shared library. isa: the instruction set its calls use (``avx512``, ``avx2``, ``scalar``): the
+            best this CPU runs, unless :meth:`with_isa` chose a lower one.
     """
 
     path: Path
@@ -114,9 +109,9 @@ class NativeExpertKernel:
             KernelBuildError: no compiler, the compile failed, or the library does not load.
         """
         cc_cmd = shlex.split(cc or os.environ.get("CC") or "cc")
-        src = _source()
-        key = hashlib.sha256("\0".join([src, " ".join(cc_cmd + CFLAGS), _compiler_version(cc_cmd),
-                                         _cpu_flags()]).encode()).hexdigest()[:16]
+        srcs = _sources()
+        key = hashlib.sha256("\0".join([*srcs.values(), " ".join(cc_cmd + CFLAGS), _compiler_version(cc_cmd),
+                                         platform.machine()]).encode()).hexdigest()[:16]
         folder = (root or cache_root()) / "kernels"
         lib_path = folder / f"expert_gemv-{key}.so"
         if lib_path.exists():
@@ -128,12 +123,12 @@ class NativeExpertKernel:
         try:
             folder.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=folder) as tmp:
-                os.replace(_compile(cc_cmd, src, Path(tmp)), lib_path)
+                os.replace(_compile(cc_cmd, srcs, Path(tmp)), lib_path)
         except OSError as e:
             log.warning("CPU experts: cannot write the kernel cache %s (%s); building the native kernel in a "
                         "temporary folder (set $FERRYLM_CACHE_DIR to a writable folder to keep it)", folder, e)
             with tempfile.TemporaryDirectory(prefix="ferrylm-kernel-") as tmp:
-                return cls._load(_compile(cc_cmd, src, Path(tmp)))  # Linux: the loaded library outlives its file
+                return cls._load(_compile(cc_cmd, srcs, Path(tmp)))  # Linux: the loaded library outlives its file
         log.info("CPU experts: built the native kernel %s", lib_path)
         return cls._load(lib_path)
 
@@ -143,25 +138,35 @@ class NativeExpertKernel:
             lib = ctypes.CDLL(str(lib_path))
         except OSError as e:
             raise KernelBuildError(f"cannot load {lib_path}: {e}") from e
-        fn = lib.ferry_expert_gemv
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
-                       ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
-                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        fq = lib.ferry_expert_gemv_q
-        fq.restype = ctypes.c_int
-        fq.argtypes = [ctypes.POINTER(ctypes.c_int64)] + fn.argtypes[1:]
-        lib.ferry_isa.restype = ctypes.c_int
-        return cls(path=lib_path, isa=_ISA.get(lib.ferry_isa(), "?"), _lib=lib)
+        i64, ptr, vp, ci = ctypes.c_int64, ctypes.POINTER(ctypes.c_int64), ctypes.c_void_p, ctypes.c_int
+        for name, args in (("ferry_experts", [ptr, ci, ci, ci, ctypes.POINTER(vp), ptr, ptr, i64, i64, vp, vp, vp,
+                                              vp]),
+                           ("ferry_matvec", [ptr, ci, ci, vp, i64, i64, vp, i64, vp]),
+                           ("ferry_quantize_act", [vp, i64, i64, vp, vp]),
+                           ("ferry_dequant", [ptr, ci, vp, i64, i64, vp]),
+                           ("ferry_isa_best", [])):
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = ctypes.c_int, args
+        return cls(path=lib_path, isa=ISAS[lib.ferry_isa_best()], _lib=lib)
 
-    SUPPORTED = "bfloat16 or float32 experts, or quantized int4 / int8 / fp4 / fp8 / GGML-block ones"
+    def with_isa(self, isa: str) -> "NativeExpertKernel":
+        """This build calling its ``isa`` kernels (tests compare the paths). Raises ValueError when the CPU lacks
+        ``isa``."""
+        if isa not in ISAS or ISAS.index(isa) > ISAS.index(self.isa):
+            raise ValueError(f"this CPU runs the {', '.join(ISAS[:ISAS.index(self.isa) + 1])} kernels, not {isa!r}")
+        return NativeExpertKernel(path=self.path, isa=isa, _lib=self._lib)
+
+    SUPPORTED = ("bfloat16 or float32 experts, or quantized int4 / int8 / fp4 / GGML-block ones (H and I multiples "
+                 "of 32, groups of 16s) and fp8 ones (groups of 8s)")
 
     @staticmethod
     def supports(layout) -> bool:
-        """Whether the kernel reads experts of ``layout`` (an :class:`~ferrylm.experts.banks.ExpertLayout`):
-        plain bfloat16 and float32 rows, and quantized rows of every :mod:`~ferrylm.experts.quantized` format
-        (GGML blocks Q8_0 / Q4_K / Q5_K / Q6_K included: each weight row decoded into float32, then dotted)."""
-        return layout.quant is not None or layout.dtype in _WDTYPE
+        """Whether the kernels read experts of ``layout`` (an :class:`~ferrylm.experts.banks.ExpertLayout`): plain
+        bfloat16 and float32 rows; quantized rows whose shapes the integer kernels take (see :data:`SUPPORTED`)."""
+        if layout.quant is None:
+            return layout.dtype in _PLAIN_KIND
+        return all(_fits(fmt, k) for fmt, k in ((layout.quant.gate_up, layout.hidden),
+                                                (layout.quant.down, layout.inter)))
 
     def run(self, x: torch.Tensor, weights: torch.Tensor, rows: list[torch.Tensor], starts: list[int],
             counts: list[int], hidden: int, inter: int, threads: int, layout=None) -> torch.Tensor:
@@ -170,21 +175,19 @@ class NativeExpertKernel:
         Args:
             x: ``[M, H]`` host activations (any float dtype; widened to float32).
             weights: ``[M]`` host routing weights, same order.
-            rows: one ``[S]`` host row per expert (``S = 3 * I * H``: gate|up ``[2I, H]`` then down ``[H, I]``),
-                contiguous, all bfloat16 or all float32.
+            rows: one host row per expert: plain ``[3 * I * H]`` (gate|up ``[2I, H]`` then down ``[H, I]``), all
+                bfloat16 or all float32; or quantized uint8 ``[layout.numel]``.
             starts, counts: expert ``e`` owns rows ``starts[e] : starts[e] + counts[e]`` of ``x`` (within ``M``).
             hidden, inter: ``H`` and ``I``. threads: OpenMP threads for the call (>= 1).
-            layout: the rows' :class:`~ferrylm.experts.banks.ExpertLayout` when they are quantized (uint8 rows of
-                ``layout.numel`` bytes; each weight row is dequantized in float32 and dotted, see the C file);
-                None for plain rows.
+            layout: the rows' :class:`~ferrylm.experts.banks.ExpertLayout` when they are quantized; None for plain.
 
         Returns:
-            ``[M, H]`` float32: ``w_m * down_e @ (silu(g) * u)`` for every row an expert owns (see the C file's
-            header); rows no expert owns are zero.
+            ``[M, H]`` float32: ``w_m * down_e @ (silu(g) * u)`` for every row an expert owns (integer kinds: with
+            8-bit activations, see the C file's header); rows no expert owns are zero.
 
         Raises:
             ValueError: a tensor not on the CPU, mismatched shapes or spans, a non-contiguous row, an unsupported
-                weight dtype, ``threads < 1``.
+                weight dtype or shape, ``threads < 1``.
         """
         k = len(rows)
         if not rows or len(starts) != k or len(counts) != k:
@@ -200,35 +203,95 @@ class NativeExpertKernel:
                              f"and not overlap")
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
-        quant = layout.quant if layout is not None else None
-        dt = rows[0].dtype
-        if quant is not None:
-            if (layout.hidden, layout.inter) != (hidden, inter) or any(
-                    r.dtype != torch.uint8 or not r.is_contiguous() or r.numel() != layout.numel for r in rows):
-                raise ValueError(f"quantized expert rows must be contiguous uint8 [{layout.numel}] tensors")
-        elif dt not in _WDTYPE or any(r.dtype != dt or not r.is_contiguous() or r.numel() != 3 * hidden * inter
-                                      for r in rows):
-            raise ValueError("expert rows must be contiguous [3*I*H] tensors, all bfloat16 or all float32")
+        _check_rows(rows, layout, hidden, inter)
         if any(t.device.type != "cpu" for t in (x, weights, *rows)):
             raise ValueError("the native kernel reads host tensors; got a tensor on another device")
         xf = x.to(torch.float32).contiguous()
         wf = weights.to(torch.float32).contiguous()
         scratch = torch.empty(m, 2 * inter, dtype=torch.float32)
         out = torch.zeros(m, hidden, dtype=torch.float32)
+        qp = _qproj(layout) if layout is not None else _plain_qproj(rows[0].dtype, hidden, inter)
         ptrs = (ctypes.c_void_p * k)(*[r.data_ptr() for r in rows])
-        args = (int(threads), k, ptrs, (ctypes.c_int64 * k)(*starts), (ctypes.c_int64 * k)(*counts), hidden, inter,
-                xf.data_ptr(), wf.data_ptr(), scratch.data_ptr(), out.data_ptr())
-        if quant is not None:
-            rc = self._lib.ferry_expert_gemv_q(_qproj(layout), *args)
-        else:
-            rc = self._lib.ferry_expert_gemv(_WDTYPE[dt], *args)
-        if rc != 0:
-            raise ValueError(f"native expert kernel rejected its arguments (rc {rc})")
+        self._check(self._lib.ferry_experts(qp, ISAS.index(self.isa), int(threads), k, ptrs,
+                                            (ctypes.c_int64 * k)(*starts), (ctypes.c_int64 * k)(*counts), hidden,
+                                            inter, xf.data_ptr(), wf.data_ptr(), scratch.data_ptr(), out.data_ptr()))
         return out
+
+    def project(self, x: torch.Tensor, row: torch.Tensor, layout, part: str, threads: int = 1) -> torch.Tensor:
+        """One projection of one quantized expert ``row``: ``x [M, K]`` -> ``[M, N]`` float32 (``part``:
+        ``gate_up``, ``[2I, H]``, or ``down``, ``[H, I]``)."""
+        which = ("gate_up", "down").index(part)
+        n, kk = (2 * layout.inter, layout.hidden) if which == 0 else (layout.hidden, layout.inter)
+        _check_rows([row], layout, layout.hidden, layout.inter)
+        xf = x.to(torch.float32).contiguous()
+        if xf.dim() != 2 or xf.shape[1] != kk:
+            raise ValueError(f"x must be [M, {kk}], got {list(x.shape)}")
+        y = torch.empty(xf.shape[0], n, dtype=torch.float32)
+        qp = _qproj(layout)
+        self._check(self._lib.ferry_matvec((ctypes.c_int64 * 9).from_buffer(qp, 72 * which),
+                                           ISAS.index(self.isa), int(threads), row.data_ptr(), n, kk,
+                                           xf.data_ptr(), xf.shape[0], y.data_ptr()))
+        return y
+
+    def dequantize(self, row: torch.Tensor, layout, part: str) -> torch.Tensor:
+        """One projection of a quantized expert ``row`` (an integer kind) as the kernels decode it: ``[N, K]``
+        float32, ``v * s + o`` rounded twice (see ``ferry_dequant``)."""
+        which = ("gate_up", "down").index(part)
+        n, kk = (2 * layout.inter, layout.hidden) if which == 0 else (layout.hidden, layout.inter)
+        _check_rows([row], layout, layout.hidden, layout.inter)
+        out = torch.empty(n, kk, dtype=torch.float32)
+        qp = _qproj(layout)
+        self._check(self._lib.ferry_dequant((ctypes.c_int64 * 9).from_buffer(qp, 72 * which),
+                                            ISAS.index(self.isa), row.data_ptr(), n, kk, out.data_ptr()))
+        return out
+
+    def quantize_activation(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [M, K]`` (``K % 32 == 0``) as the integer kernels read it: int8 codes ``[M, K]`` and float32 scales
+        ``[M, K / 32]`` (``x ~ q * d`` per block of 32)."""
+        xf = x.to(torch.float32).contiguous()
+        m, kk = xf.shape
+        q, d = torch.empty(m, kk, dtype=torch.int8), torch.empty(m, kk // 32, dtype=torch.float32)
+        self._check(self._lib.ferry_quantize_act(xf.data_ptr(), m, kk, q.data_ptr(), d.data_ptr()))
+        return q, d
+
+    @staticmethod
+    def _check(rc: int) -> None:
+        if rc != 0:
+            raise ValueError(f"native expert kernel: {_RC.get(rc, 'error')} (rc {rc})")
 
 
 _QKIND = {"int4": 1, "int8": 2, "fp4": 3, "fp8": 4, "q8_0": 5, "q4_k": 6, "q5_k": 7, "q6_k": 8}
 _SDTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}
+
+
+def _fits(fmt, k: int) -> bool:
+    """Whether the kernels read a projection of ``fmt`` with ``k`` inputs (the C file's ``q_ok``)."""
+    if fmt.kind == "fp8":
+        return fmt.group % 8 == 0
+    return k % 32 == 0 and fmt.group % 16 == 0
+
+
+def _check_rows(rows: list[torch.Tensor], layout, hidden: int, inter: int) -> None:
+    """Raise ValueError unless ``rows`` are contiguous rows of ``layout`` (quantized) or plain rows."""
+    if layout is not None:
+        if (layout.hidden, layout.inter) != (hidden, inter) or any(
+                r.dtype != torch.uint8 or not r.is_contiguous() or r.numel() != layout.numel for r in rows):
+            raise ValueError(f"quantized expert rows must be contiguous uint8 [{layout.numel}] tensors")
+        if not NativeExpertKernel.supports(layout):
+            raise ValueError(f"the native kernels read {NativeExpertKernel.SUPPORTED}, not "
+                             f"{layout.quant.describe()} at H {hidden}, I {inter}")
+        return
+    dt = rows[0].dtype
+    if dt not in _PLAIN_KIND or any(r.dtype != dt or not r.is_contiguous() or r.numel() != 3 * hidden * inter
+                                    for r in rows):
+        raise ValueError("expert rows must be contiguous [3*I*H] tensors, all bfloat16 or all float32")
+
+
+def _plain_qproj(dtype: torch.dtype, hidden: int, inter: int):
+    """The C ``qproj[2]`` of a plain row: gate|up at byte 0, down after its ``2 I H`` elements."""
+    kind, size = _PLAIN_KIND[dtype], torch.empty((), dtype=dtype).element_size()
+    vals = [kind, 1, 0, 0, 0, 0, 0, 0, 0, kind, 1, 0, 0, 0, 2 * inter * hidden * size, 0, 0, 0]
+    return (ctypes.c_int64 * len(vals))(*vals)
 
 
 def _qproj(layout):

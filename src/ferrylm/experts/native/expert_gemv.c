@@ -1,30 +1,68 @@
-/* Fused CPU expert kernel for small token counts (decode): a layer's CPU share of experts in one OpenMP region.
+/* Fused CPU expert kernels: a layer's CPU share of experts in one OpenMP region, reading the expert bytes as stored.
  *
  * For each expert e with tokens m in [start_e, start_e + count_e):
- *     [g; u] = [gate; up]_e @ x_m            (gate|up is one [2I, H] row-major block of the expert row)
+ *     [g; u] = [gate; up]_e @ x_m            (gate|up is one [2I, H] block of the expert row)
  *     a      = silu(g) * u                   (Jiang et al. 2024, "Mixtral of Experts", eq. 3; SwiGLU)
- *     out_m  = w_m * (down_e @ a)            (down is [H, I] row-major, right after gate|up)
- * Weights are bfloat16 (widened to float32 exactly: a 16-bit shift) or float32; activations, accumulation and
- * outputs are float32. Each weight row is read once and dotted with up to 4 tokens at a time, so the kernel
- * streams the expert bytes from DRAM once per 4 tokens: it is a GEMV, bound by host memory bandwidth.
+ *     out_m  = w_m * (down_e @ a)            (down is [H, I], after gate|up)
  *
- * Parallelism: one `omp parallel` per call; the gate|up rows of all experts are split over the threads, then
- * (after a barrier) the activation, then the down rows. One team wake-up per layer instead of two GEMMs and
- * several elementwise ops per expert, each its own parallel region.
+ * Weight kinds (qproj.kind; layouts in ferrylm/experts/quantized.py and gguf_blocks.py, from ggml's ggml-common.h):
+ *   float kinds, float32 activations:  10 bf16, 11 f32, 4 fp8 e4m3 (a scale per group)
+ *   integer kinds, Q8 activations:     1 int4, 2 int8 (symmetric, or u * s - m with mins), 3 fp4 e2m1 (MXFP4: bf16
+ *                                      e8m0 scales; NVFP4: fp8 scales and a row scale), 5 Q8_0, 6 Q4_K, 7 Q5_K,
+ *                                      8 Q6_K, 9 kmix (per expert one of 6..8, read from its tag byte)
+ * An integer kind's dot product is integer, as ggml's CPU backend does it: the activation is quantized once per call
+ * to int8 with a float32 scale per 32 inputs (round to nearest, |q| <= 127), each weight row is decoded into int8
+ * values and a float32 scale and offset per 16 inputs (w = v * s + o), and sum(v * q) runs in int32 (AVX2
+ * maddubs, AVX-512 VNNI dpbusd). Relative to float32 activations that rounds each input by at most 1/254 of its
+ * block's largest magnitude.
  *
- * Built by ferrylm/experts/cpu_kernel.py with the host compiler (-O3 -march=native -fopenmp) and called
- * through ctypes (which releases the GIL for the call).
+ * Instruction sets: isa_kernels.h is compiled for AVX-512 (F/BW/VL/VNNI), AVX2 (+FMA, F16C) and plain C in this one
+ * file; the caller picks one per call (ferry_isa_best: the best this CPU runs), so one build serves any x86-64 CPU.
+ * Parallelism: one `omp parallel` per call (libgomp keeps its team between calls): the activation is quantized,
+ * the gate|up rows of all experts are split over the threads, then silu (and the activation of down quantized),
+ * then the down rows. Each weight row is read from memory once per call, for all the tokens routed to it.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__x86_64__) || defined(_M_X64)
+#define FERRY_X86 1
 #include <immintrin.h>
 #endif
 
-#define TB 4   /* tokens per pass over a weight row */
+#define TB 4   /* tokens per pass over a decoded weight row */
+#define KIND_BF16 10
+#define KIND_F32 11
+#define FAM_INT 1
+#define FAM_FLOAT 0
+
+typedef struct {  /* one projection of an expert row; offsets are bytes from the row's start */
+    int64_t kind, group, sdtype, has_mins, has_row, off_data, off_scales, off_mins, off_row;
+} qproj;
+
+typedef struct {  /* a decoded weight row: w[k] = v[k] * sx[k / 4] + o[k / 16] (sx: a scale per 16, 4 times) */
+    int8_t *v;
+    float *sx, *o, *f;  /* f: a float row (fp8) */
+} rowbuf;
+
+typedef struct {  /* Q8 activation of M tokens: q [M, K] int8, d [M, K/32] scales, s16 [M, K/16] sums of q * d */
+    int8_t *q;
+    float *d, *s16;
+} qact;
+
+typedef struct {  /* a projection's input: float32 x (row stride ldx) and, for integer kinds, its Q8 form */
+    const float *x;
+    int64_t ldx;
+    qact q;
+} act;
+
+static const int64_t BLOCK_BYTES[9] = {0, 0, 0, 0, 0, 34, 144, 176, 210};
+static const int8_t E2M1_X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};  /* 2 * e2m1 */
+static float e4m3_lut[256];
+
+static inline int kind_family(int64_t kind) { return kind == 4 || kind >= KIND_BF16 ? FAM_FLOAT : FAM_INT; }
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -32,156 +70,18 @@ static inline float bf16_to_f32(uint16_t v) {
     memcpy(&f, &u, sizeof f);
     return f;
 }
-
-/* One vector abstraction per instruction set: VW lanes of float32, the weight loads widen bf16 exactly. */
-#if defined(__AVX512F__)
-#define VW 16
-typedef __m512 vf;
-static inline vf vzero(void) { return _mm512_setzero_ps(); }
-static inline vf vload(const float *p) { return _mm512_loadu_ps(p); }
-static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
-static inline vf vload_bf16(const uint16_t *p) {
-    __m256i v = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-#define VW 8
-typedef __m256 vf;
-static inline vf vzero(void) { return _mm256_setzero_ps(); }
-static inline vf vload(const float *p) { return _mm256_loadu_ps(p); }
-static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float vsum(vf v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
-static inline vf vload_bf16(const uint16_t *p) {
-    __m128i v = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
-#else
-#define VW 0  /* scalar only */
-#endif
-
-/* res[t] = w[0:n] . x[t * ldx : t * ldx + n] for t < nt (nt <= TB): the vector loop over whole VW-lane blocks,
- * then the scalar tail. WT: the weight element type, WCVT: its exact widening, VLOADW: its vector load. */
-#if VW
-#define DEF_DOT(NAME, WT, WCVT, VLOADW)                                                                      \
-static void NAME(const WT *w, const float *x, int64_t ldx, int nt, int64_t n, float *res) {                  \
-    vf acc[TB];                                                                                               \
-    for (int t = 0; t < TB; t++) acc[t] = vzero();                                                            \
-    int64_t j = 0;                                                                                            \
-    for (; j + VW <= n; j += VW) {                                                                            \
-        vf wv = VLOADW(w + j);                                                                                \
-        for (int t = 0; t < nt; t++) acc[t] = vfma(wv, vload(x + t * ldx + j), acc[t]);                       \
-    }                                                                                                         \
-    for (int t = 0; t < nt; t++) {                                                                            \
-        float s = vsum(acc[t]);                                                                               \
-        for (int64_t q = j; q < n; q++) s += WCVT(w[q]) * x[t * ldx + q];                                     \
-        res[t] = s;                                                                                           \
-    }                                                                                                         \
-}
-#else
-#define DEF_DOT(NAME, WT, WCVT, VLOADW)                                                                      \
-static void NAME(const WT *w, const float *x, int64_t ldx, int nt, int64_t n, float *res) {                  \
-    for (int t = 0; t < nt; t++) {                                                                            \
-        float s = 0.0f;                                                                                       \
-        for (int64_t q = 0; q < n; q++) s += WCVT(w[q]) * x[t * ldx + q];                                     \
-        res[t] = s;                                                                                           \
-    }                                                                                                         \
-}
-#endif
-
 #define F32_ID(v) (v)
-DEF_DOT(dot_bf16, uint16_t, bf16_to_f32, vload_bf16)
-DEF_DOT(dot_f32, float, F32_ID, vload)
 
-/* rows [r0, r1) of matrix `mat` ([R, n] row-major, element size by wdtype) dotted with `nx` token vectors
- * (x, stride ldx); result for row r, token t goes to y[t * ldy + r] (times scale[t] when scale != NULL). */
-static void rows_dot(int wdtype, const void *mat, int64_t r0, int64_t r1, int64_t n, const float *x, int64_t ldx,
-                     int64_t nx, float *y, int64_t ldy, const float *scale) {
-    float res[TB];
-    for (int64_t r = r0; r < r1; r++) {
-        for (int64_t t0 = 0; t0 < nx; t0 += TB) {
-            int nt = (int)(nx - t0 < TB ? nx - t0 : TB);
-            if (wdtype == 0)
-                dot_bf16((const uint16_t *)mat + r * n, x + t0 * ldx, ldx, nt, n, res);
-            else
-                dot_f32((const float *)mat + r * n, x + t0 * ldx, ldx, nt, n, res);
-            for (int t = 0; t < nt; t++)
-                y[(t0 + t) * ldy + r] = scale ? res[t] * scale[t0 + t] : res[t];
-        }
-    }
+static inline float f16_to_f32(uint16_t h) {  /* exact: the 15 magnitude bits moved to float's place, times 2^112 */
+    uint32_t u = (uint32_t)(h & 0x7fff) << 13;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    f *= 0x1p112f;
+    if ((h & 0x7c00) == 0x7c00) f = (h & 0x3ff) ? NAN : INFINITY;
+    return (h & 0x8000) ? -f : f;
 }
 
-/* Returns 0 on success, -1 on bad arguments.
- *   wdtype: 0 = bfloat16 weights, 1 = float32 weights
- *   nthreads: OpenMP threads for this call (>= 1)
- *   k: number of experts; rows[e]: expert e's row (gate|up [2I, H] then down [H, I]); starts/counts: its tokens
- *   x [M, H], w [M], scratch [M, 2I], out [M, H]: float32, contiguous; M = sum(counts)
- * The row blocks are sized so that each task reads ~BLOCK_ROWS rows (one of k experts' blocks).       */
-#define BLOCK_ROWS 32
-int ferry_expert_gemv(int wdtype, int nthreads, int k, const void *const *rows, const int64_t *starts,
-                      const int64_t *counts, int64_t H, int64_t I, const float *x, const float *w, float *scratch,
-                      float *out) {
-    if (k <= 0 || H <= 0 || I <= 0 || nthreads < 1 || (wdtype != 0 && wdtype != 1)) return -1;
-    const int64_t esize = wdtype == 0 ? 2 : 4;
-    const int64_t nb1 = (2 * I + BLOCK_ROWS - 1) / BLOCK_ROWS, nb2 = (H + BLOCK_ROWS - 1) / BLOCK_ROWS;
-    int64_t M = 0;
-    for (int e = 0; e < k; e++) M = starts[e] + counts[e] > M ? starts[e] + counts[e] : M;
-#pragma omp parallel num_threads(nthreads)
-    {
-        /* 1. [g; u] = [gate; up] @ x for every expert's tokens */
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < (int64_t)k * nb1; task++) {
-            int e = (int)(task / nb1);
-            int64_t r0 = (task % nb1) * BLOCK_ROWS, r1 = r0 + BLOCK_ROWS < 2 * I ? r0 + BLOCK_ROWS : 2 * I;
-            if (counts[e] > 0)
-                rows_dot(wdtype, rows[e], r0, r1, H, x + starts[e] * H, H, counts[e], scratch + starts[e] * 2 * I,
-                         2 * I, NULL);
-        }
-        /* 2. a = silu(g) * u, in place over g */
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) {
-            float *g = scratch + m * 2 * I;
-            for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * g[I + i];
-        }
-        /* 3. out = w * (down @ a) */
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < (int64_t)k * nb2; task++) {
-            int e = (int)(task / nb2);
-            int64_t r0 = (task % nb2) * BLOCK_ROWS, r1 = r0 + BLOCK_ROWS < H ? r0 + BLOCK_ROWS : H;
-            const char *down = (const char *)rows[e] + 2 * I * H * esize;
-            if (counts[e] > 0)
-                rows_dot(wdtype, down, r0, r1, I, scratch + starts[e] * 2 * I, 2 * I, counts[e], out + starts[e] * H,
-                         H, w + starts[e]);
-        }
-    }
-    return 0;
-}
-
-/* ---------------------------------------------------------------------------------------------------------
- * Quantized experts (ferrylm/experts/quantized.py): each expert row holds, per projection (gate|up [2I, H], then
- * down [H, I]), the fields data / scales / mins / row_scale at byte offsets the caller passes. A weight row is
- * dequantized into a float32 buffer (codes -> values in registers, times its group's scale, minus its min), then
- * dotted with up to TB tokens by dot_f32: the expert's bytes are read once per TB tokens, at 4 or 8 bits per weight
- * instead of 16, and everything after the load is float32.
- *   kind: 1 int4 ((u - 8) * s, or u * s - m), 2 int8 ((u - 128) * s, or u * s - m), 3 fp4 e2m1 * s, 4 fp8 e4m3 * s,
- *         GGML blocks kept as a GGUF file's bytes (no scales field; layouts: experts/gguf_blocks.py, from ggml's
- *         ggml-common.h, decoded as ggml-quants.c's dequantize_row_*): 5 Q8_0, 6 Q4_K, 7 Q5_K, 8 Q6_K,
- *         9 kmix: per expert one of 6..8, read from the tag byte at off_scales; rows padded to the widest kind of
- *         the mix, whose code sdtype holds
- *   scale dtype: 0 float32, 1 bfloat16, 2 float16, 3 float8 e4m3;  s times the row scale (float32) when present
- * ------------------------------------------------------------------------------------------------------- */
-typedef struct {
-    int64_t kind, group, sdtype, has_mins, has_row, off_data, off_scales, off_mins, off_row;
-} qproj;
-
-static float e4m3_lut[256];
-static const float e2m1_lut[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                   -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+static inline float f16_at(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return f16_to_f32(h); }
 
 static float e4m3_to_f32(uint8_t b) {  /* sign bit 7, exponent bits 6-3 (bias 7), mantissa 2-0; e = 0 subnormal */
     int ex = (b >> 3) & 15, man = b & 7;
@@ -190,12 +90,7 @@ static float e4m3_to_f32(uint8_t b) {  /* sign bit 7, exponent bits 6-3 (bias 7)
     return (b & 0x80) ? -v : v;
 }
 
-static float f16_to_f32(uint16_t h) {
-    int sign = h >> 15, ex = (h >> 10) & 31, man = h & 1023;
-    float v = ex == 0 ? ldexpf((float)man, -24) : ex == 31 ? (man ? NAN : INFINITY) : ldexpf(1024.0f + man, ex - 25);
-    return sign ? -v : v;
-}
-
+/* scale i of a scale field: 0 float32, 1 bfloat16, 2 float16, 3 float8 e4m3 */
 static inline float load_scale(const uint8_t *p, int64_t i, int64_t sdtype) {
     switch (sdtype) {
     case 0: { float f; memcpy(&f, p + 4 * i, 4); return f; }
@@ -205,233 +100,290 @@ static inline float load_scale(const uint8_t *p, int64_t i, int64_t sdtype) {
     }
 }
 
-static inline float f16_at(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return f16_to_f32(h); }
+static inline float row_scale(const qproj *q, const uint8_t *base, int64_t r) {
+    float rs = 1.0f;
+    if (q->has_row) memcpy(&rs, base + q->off_row + 4 * r, 4);
+    return rs;
+}
 
 /* ggml's get_scale_min_k4: sub-block j's 6-bit scale and min from the 12 packed bytes s */
-static inline void scale_min_k4(const uint8_t *s, int j, float *sc, float *mn) {
+static inline void scale_min_k4(const uint8_t *s, int j, int *sc, int *mn) {
     if (j < 4) {
-        *sc = (float)(s[j] & 63);
-        *mn = (float)(s[j + 4] & 63);
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
     } else {
-        *sc = (float)((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4));
-        *mn = (float)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
     }
 }
 
-static const int64_t BLOCK_BYTES[9] = {0, 0, 0, 0, 0, 34, 144, 176, 210};
-
-/* row r (K inputs) of GGML blocks of kind 5..8 -> buf[0:K]; every product exact in float32 (gguf_blocks.py) */
-static void dequant_blocks(int64_t kind, const uint8_t *d, int64_t K, float *buf) {
-    if (kind == 5) {
-        for (int64_t b = 0; b < K / 32; b++, d += 34) {
-            const float s = f16_at(d);
-            for (int i = 0; i < 32; i++) buf[b * 32 + i] = s * (float)(int8_t)d[2 + i];
-        }
-        return;
-    }
-    for (int64_t b = 0; b < K / 256; b++, d += BLOCK_BYTES[kind]) {
-        float *o = buf + b * 256;
-        if (kind == 8) {  /* Q6_K: ql[128], qh[64], scales int8[16], d */
-            const float dd = f16_at(d + 208);
-            for (int v = 0; v < 256; v++) {
-                const int h = v >> 7, w = v & 127;
-                const int lo = (d[64 * h + (w & 63)] >> (4 * (w >> 6))) & 15;
-                const int hi = (d[128 + 32 * h + (w & 31)] >> (2 * (w >> 5))) & 3;
-                o[v] = dd * (float)(int8_t)d[192 + v / 16] * (float)((lo | (hi << 4)) - 32);
-            }
-            continue;
-        }
-        const float dd = f16_at(d), dmin = f16_at(d + 2);  /* Q4_K / Q5_K: d, dmin, scales[12], (qh[32]), qs[128] */
-        const uint8_t *qs = d + (kind == 6 ? 16 : 48), *qh = d + 16;
-        for (int j = 0; j < 8; j++) {
-            float sc, mn;
-            scale_min_k4(d + 4, j, &sc, &mn);
-            const float s = dd * sc, m = dmin * mn;
-            const uint8_t *c = qs + 32 * (j >> 1);
-            const int shift = 4 * (j & 1);
-            for (int l = 0; l < 32; l++) {
-                int u = (c[l] >> shift) & 15;
-                if (kind == 7) u |= ((qh[l] >> j) & 1) << 4;
-                o[32 * j + l] = s * (float)u - m;
-            }
-        }
-    }
+static inline void put_scale(rowbuf *rb, int64_t h, float s, float o) {  /* the 16 inputs h: w = v * s + o */
+    for (int i = 0; i < 4; i++) rb->sx[4 * h + i] = s;
+    rb->o[h] = o;
 }
 
-/* row r (K inputs) of projection q of the expert row `base` -> buf[0:K] float32 */
-static void dequant_row(const qproj *q, const uint8_t *base, int64_t r, int64_t K, float *buf) {
-    if (q->kind == 9) {
-        dequant_blocks(base[q->off_scales], base + q->off_data + r * (K / 256) * BLOCK_BYTES[q->sdtype], K, buf);
-        return;
-    }
-    if (q->kind >= 5) {
-        dequant_blocks(q->kind, base + q->off_data + r * (K / q->group) * BLOCK_BYTES[q->kind], K, buf);
-        return;
-    }
-    const int64_t g = q->group, G = K / g;
-    const uint8_t *sc = base + q->off_scales, *mn = base + q->off_mins;
-    float rs = 1.0f;
-    if (q->has_row) memcpy(&rs, base + q->off_row + 4 * r, 4);
-    if (q->kind == 1 || q->kind == 3) {
-        const uint8_t *d = base + q->off_data + r * (K / 2);
-        for (int64_t j = 0; j < G; j++) {
-            const float s = load_scale(sc, r * G + j, q->sdtype) * rs;
-            const uint8_t *dj = d + j * (g / 2);
-            float *o = buf + j * g;
-            if (q->kind == 1 && q->has_mins) {
-                const float m = load_scale(mn, r * G + j, q->sdtype);
-                for (int64_t i = 0; i < g / 2; i++) {
-                    o[2 * i] = (float)(dj[i] & 15) * s - m;
-                    o[2 * i + 1] = (float)(dj[i] >> 4) * s - m;
-                }
-            } else if (q->kind == 1) {
-                for (int64_t i = 0; i < g / 2; i++) {
-                    o[2 * i] = ((float)(dj[i] & 15) - 8.0f) * s;
-                    o[2 * i + 1] = ((float)(dj[i] >> 4) - 8.0f) * s;
-                }
-            } else {
-                for (int64_t i = 0; i < g / 2; i++) {
-                    o[2 * i] = e2m1_lut[dj[i] & 15] * s;
-                    o[2 * i + 1] = e2m1_lut[dj[i] >> 4] * s;
-                }
-            }
-        }
-    } else {
-        const uint8_t *d = base + q->off_data + r * K;
-        for (int64_t j = 0; j < G; j++) {
-            const float s = load_scale(sc, r * G + j, q->sdtype) * rs;
-            const uint8_t *dj = d + j * g;
-            float *o = buf + j * g;
-            if (q->kind == 4) {
-                for (int64_t i = 0; i < g; i++) o[i] = e4m3_lut[dj[i]] * s;
-            } else if (q->has_mins) {
-                const float m = load_scale(mn, r * G + j, q->sdtype);
-                for (int64_t i = 0; i < g; i++) o[i] = (float)dj[i] * s - m;
-            } else {
-                for (int64_t i = 0; i < g; i++) o[i] = ((float)dj[i] - 128.0f) * s;
-            }
-        }
-    }
-}
-
-#if VW == 16
-/* AVX-512: 16 consecutive codes of a row (element k, a multiple of 16) as float32 values before scaling (fp8:
- * 2^-8 times the value: its bits read as float16, the 2^8 is folded into the scale). */
-static inline __m512 decode16(int64_t kind, const uint8_t *d, int64_t k) {
-    if (kind == 1 || kind == 3) {
-        __m128i b = _mm_loadl_epi64((const __m128i *)(d + k / 2));
-        __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15));
-        __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
-        __m512i c = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));  /* element 2i: low nibble of byte i */
-        if (kind == 3) return _mm512_permutexvar_ps(c, _mm512_loadu_ps(e2m1_lut));
-        return _mm512_cvtepi32_ps(c);
-    }
-    __m128i b = _mm_loadu_si128((const __m128i *)(d + k));
-    if (kind == 2) return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
-    __m256i h = _mm256_cvtepu8_epi16(b);  /* e4m3 -> float16 bits: sign to bit 15, exponent|mantissa << 7 */
-    __m256i mag = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7f)), 7);
-    __m256i sgn = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8);
-    return _mm512_cvtph_ps(_mm256_or_si256(mag, sgn));
-}
-
-/* res[t] = row r of projection q (dequantized in registers) . x[t] for t < nt; the group size a multiple of 16 */
-static void qrow_dot16(const qproj *q, const uint8_t *base, int64_t r, int64_t K, const float *x, int64_t ldx,
-                       int nt, float *res) {
-    const int64_t g = q->group, G = K / g;
-    const uint8_t *sc = base + q->off_scales, *mn = base + q->off_mins;
-    const uint8_t *d = base + q->off_data + r * (q->kind == 1 || q->kind == 3 ? K / 2 : K);
-    float rs = 1.0f;
-    if (q->has_row) memcpy(&rs, base + q->off_row + 4 * r, 4);
-    if (q->kind == 4) rs *= 256.0f;
-    vf acc[TB];
-    for (int t = 0; t < TB; t++) acc[t] = vzero();
-    for (int64_t j = 0; j < G; j++) {
-        const float s = load_scale(sc, r * G + j, q->sdtype) * rs;
-        float off = 0.0f;  /* w = c * s + off */
-        if (q->has_mins) off = -load_scale(mn, r * G + j, q->sdtype);
-        else if (q->kind == 1) off = -8.0f * s;
-        else if (q->kind == 2) off = -128.0f * s;
-        const vf vs = _mm512_set1_ps(s), voff = _mm512_set1_ps(off);
-        for (int64_t k = j * g; k < (j + 1) * g; k += 16) {
-            vf wv = _mm512_fmadd_ps(decode16(q->kind, d, k), vs, voff);
-            for (int t = 0; t < nt; t++) acc[t] = vfma(wv, vload(x + t * ldx + k), acc[t]);
-        }
-    }
-    for (int t = 0; t < nt; t++) res[t] = vsum(acc[t]);
-}
-#endif
-
-static void rows_dot_q(const qproj *q, const uint8_t *base, int64_t r0, int64_t r1, int64_t K, const float *x,
-                       int64_t ldx, int64_t nx, float *y, int64_t ldy, const float *scale, float *buf) {
-    float res[TB];
-#if VW == 16
-    const int fused = q->group % 16 == 0 && q->kind <= 4;  /* GGML blocks: dequant_row, then the float32 dot */
+/* ---- the row kernels, once per instruction set ---------------------------------------------------------- */
+#ifdef FERRY_X86
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))), \
+                             apply_to = function)
 #else
-    const int fused = 0;
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
 #endif
-    for (int64_t r = r0; r < r1; r++) {
-        if (!fused) dequant_row(q, base, r, K, buf);
-        for (int64_t t0 = 0; t0 < nx; t0 += TB) {
-            int nt = (int)(nx - t0 < TB ? nx - t0 : TB);
-#if VW == 16
-            if (fused) qrow_dot16(q, base, r, K, x + t0 * ldx, ldx, nt, res);
-            else
+#define SFX(n) n##_avx512
+#define ISA_LEVEL 2
+#include "isa_kernels.h"
+#undef SFX
+#undef ISA_LEVEL
+#if defined(__clang__)
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
 #endif
-            dot_f32(buf, x + t0 * ldx, ldx, nt, K, res);
-            for (int t = 0; t < nt; t++)
-                y[(t0 + t) * ldy + r] = scale ? res[t] * scale[t0 + t] : res[t];
-        }
-    }
-}
+#define SFX(n) n##_avx2
+#define ISA_LEVEL 1
+#include "isa_kernels.h"
+#undef SFX
+#undef ISA_LEVEL
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif
+#define SFX(n) n##_c
+#define ISA_LEVEL 0
+#include "isa_kernels.h"
+#undef SFX
+#undef ISA_LEVEL
 
-static int q_ok(const qproj *q, int64_t K) {
-    if (q->kind == 9) return q->group == 256 && K % 256 == 0 && q->sdtype >= 6 && q->sdtype <= 8;
-    if (q->kind >= 5 && q->kind <= 8)
-        return q->group == (q->kind == 5 ? 32 : 256) && K % q->group == 0;
-    return q->kind >= 1 && q->kind <= 4 && q->group > 0 && K % q->group == 0 && q->sdtype >= 0 && q->sdtype <= 3 &&
-           (q->group % 2 == 0 || q->kind == 2 || q->kind == 4);
-}
+typedef void (*rows_fn)(const qproj *, const uint8_t *, int64_t, int64_t, int64_t, const act *, int64_t, int64_t,
+                        float *, int64_t, const float *, rowbuf *);
+typedef void (*decode_fn)(const qproj *, const uint8_t *, int64_t, int64_t, rowbuf *);
 
-/* As ferry_expert_gemv, for quantized expert rows: qp[0] describes gate|up ([2I, H] rows), qp[1] down ([H, I]);
- * offsets are bytes from the start of the expert row. Returns 0, or -1 on bad arguments. */
-int ferry_expert_gemv_q(const qproj *qp, int nthreads, int k, const void *const *rows, const int64_t *starts,
-                        const int64_t *counts, int64_t H, int64_t I, const float *x, const float *w, float *scratch,
-                        float *out) {
-    if (k <= 0 || H <= 0 || I <= 0 || nthreads < 1 || !q_ok(&qp[0], H) || !q_ok(&qp[1], I)) return -1;
-    if (e4m3_lut[0x38] != 1.0f)  /* 0x38 = 1.0 in e4m3: the table is filled on first use (idempotent) */
-        for (int b = 0; b < 256; b++) e4m3_lut[b] = e4m3_to_f32((uint8_t)b);
-    const int64_t nb1 = (2 * I + BLOCK_ROWS - 1) / BLOCK_ROWS, nb2 = (H + BLOCK_ROWS - 1) / BLOCK_ROWS;
-    const int64_t kmax = H > I ? H : I;
-    int64_t M = 0;
-    for (int e = 0; e < k; e++) M = starts[e] + counts[e] > M ? starts[e] + counts[e] : M;
-#pragma omp parallel num_threads(nthreads)
-    {
-        float *buf = (float *)malloc(sizeof(float) * kmax);
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < (int64_t)k * nb1; task++) {
-            int e = (int)(task / nb1);
-            int64_t r0 = (task % nb1) * BLOCK_ROWS, r1 = r0 + BLOCK_ROWS < 2 * I ? r0 + BLOCK_ROWS : 2 * I;
-            if (counts[e] > 0)
-                rows_dot_q(&qp[0], (const uint8_t *)rows[e], r0, r1, H, x + starts[e] * H, H, counts[e],
-                           scratch + starts[e] * 2 * I, 2 * I, NULL, buf);
-        }
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) {
-            float *g = scratch + m * 2 * I;
-            for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * g[I + i];
-        }
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < (int64_t)k * nb2; task++) {
-            int e = (int)(task / nb2);
-            int64_t r0 = (task % nb2) * BLOCK_ROWS, r1 = r0 + BLOCK_ROWS < H ? r0 + BLOCK_ROWS : H;
-            if (counts[e] > 0)
-                rows_dot_q(&qp[1], (const uint8_t *)rows[e], r0, r1, I, scratch + starts[e] * 2 * I, 2 * I,
-                           counts[e], out + starts[e] * H, H, w + starts[e], buf);
-        }
-        free(buf);
-    }
+#ifdef FERRY_X86
+static const rows_fn ROWS[3] = {rows_c, rows_avx2, rows_avx512};
+static const decode_fn DECODE[3] = {decode_row_c, decode_row_avx2, decode_row_avx512};
+#else
+static const rows_fn ROWS[3] = {rows_c, NULL, NULL};
+static const decode_fn DECODE[3] = {decode_row_c, NULL, NULL};
+#endif
+
+/* The best instruction set this CPU (and its OS) runs: 2 AVX-512 F/BW/VL/VNNI, 1 AVX2 + FMA + F16C, 0 plain C. */
+int ferry_isa_best(void) {
+#ifdef FERRY_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+        return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+#endif
     return 0;
 }
 
-/* The compiled instruction set, for logs: 2 = AVX-512F, 1 = AVX2+FMA, 0 = scalar. */
-int ferry_isa(void) { return VW == 16 ? 2 : VW == 8 ? 1 : 0; }
+static void init_tables(void) {
+    if (e4m3_lut[0x38] != 1.0f)  /* 0x38 = 1.0 in e4m3: filled on first use (idempotent) */
+        for (int b = 0; b < 256; b++) e4m3_lut[b] = e4m3_to_f32((uint8_t)b);
+}
+
+/* Checks a projection of K inputs: integer kinds need K % 32 == 0 and groups of 16s; fp8 groups of 8s. */
+static int q_ok(const qproj *q, int64_t K) {
+    if (q->kind == KIND_BF16 || q->kind == KIND_F32) return 1;
+    if (K % 32) return q->kind == 4 && q->group % 8 == 0 && K % q->group == 0 && q->sdtype >= 0 && q->sdtype <= 3;
+    if (q->kind == 9) return q->group == 256 && K % 256 == 0 && q->sdtype >= 6 && q->sdtype <= 8;
+    if (q->kind >= 5 && q->kind <= 8) return q->group == (q->kind == 5 ? 32 : 256) && K % q->group == 0;
+    return q->kind >= 1 && q->kind <= 4 && q->group % (q->kind == 4 ? 8 : 16) == 0 && q->group > 0 &&
+           K % q->group == 0 && q->sdtype >= 0 && q->sdtype <= 3;
+}
+
+static int isa_ok(int isa) { return isa >= 0 && isa <= ferry_isa_best(); }
+
+/* token m's K inputs x -> q (int8, round to nearest), d (a scale per 32: max|x| / 127), s16 (sums of q * d per 16:
+ * the offsets see the same quantized x as the codes) */
+static void quantize_token(const float *x, int64_t K, int8_t *q, float *d, float *s16) {
+    for (int64_t c = 0; c < K / 32; c++) {
+        const float *xc = x + 32 * c;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xc[i]));
+        const float dc = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[c] = dc;
+        for (int i = 0; i < 32; i++) q[32 * c + i] = (int8_t)lrintf(xc[i] * inv);
+        for (int h = 0; h < 2; h++) {
+            int32_t s = 0;
+            for (int i = 0; i < 16; i++) s += q[32 * c + 16 * h + i];
+            s16[2 * c + h] = (float)s * dc;
+        }
+    }
+}
+
+/* Decode buffers of n threads for rows of up to kmax inputs (one allocation; free rbs[0].f). */
+static rowbuf *rowbufs_alloc(int n, int64_t kmax) {
+    const size_t floats = (size_t)kmax + (size_t)kmax / 4 + (size_t)kmax / 16 + 16;
+    rowbuf *rbs = (rowbuf *)malloc(sizeof(rowbuf) * (size_t)n);
+    char *mem = (char *)malloc((floats * 4 + (size_t)kmax + 64) * (size_t)n);
+    if (!rbs || !mem) {
+        free(rbs);
+        free(mem);
+        return NULL;
+    }
+    for (int i = 0; i < n; i++, mem += floats * 4 + (size_t)kmax + 64) {
+        rbs[i].f = (float *)mem;
+        rbs[i].sx = rbs[i].f + kmax;
+        rbs[i].o = rbs[i].sx + kmax / 4 + 8;
+        rbs[i].v = (int8_t *)(rbs[i].o + kmax / 16 + 8);
+    }
+    return rbs;
+}
+
+static void rowbufs_free(rowbuf *rbs) {
+    if (rbs) free(rbs[0].f);
+    free(rbs);
+}
+
+typedef struct {  /* the call's activation buffers */
+    qact x, a;
+    void *mem;
+} actmem;
+
+static int actmem_init(actmem *m, int64_t M, int64_t H, int64_t I) {
+    const int64_t nf = M * (H / 32 + H / 16 + I / 32 + I / 16);
+    m->mem = malloc((size_t)nf * 4 + (size_t)M * (H + I) + 64);
+    if (!m->mem) return -1;
+    float *f = (float *)m->mem;
+    m->x.d = f; f += M * (H / 32);
+    m->x.s16 = f; f += M * (H / 16);
+    m->a.d = f; f += M * (I / 32);
+    m->a.s16 = f; f += M * (I / 16);
+    m->x.q = (int8_t *)f;
+    m->a.q = m->x.q + M * H;
+    return 0;
+}
+
+/* ---- entry points (called through ctypes, which releases the GIL); each returns 0, or -1 on bad arguments, -2
+ * for an instruction set this CPU lacks, -3 when out of memory ------------------------------------------------ */
+
+#define BLOCK_ROWS 32  /* rows per task */
+
+static int64_t span_end(int k, const int64_t *starts, const int64_t *counts) {
+    int64_t M = 0;
+    for (int e = 0; e < k; e++) M = starts[e] + counts[e] > M ? starts[e] + counts[e] : M;
+    return M;
+}
+
+/* One projection of every expert: rows [0, N) of q (K inputs) for expert e's tokens of `a`, into y (stride ldy),
+ * times w (per token) when w != NULL. Runs inside the caller's parallel region. */
+static void experts_proj(rows_fn rows, const qproj *q, int k, const void *const *erows, const int64_t *starts,
+                         const int64_t *counts, int64_t N, int64_t K, const act *a, float *y, int64_t ldy,
+                         const float *w, rowbuf *rb) {
+    const int64_t nb = (N + BLOCK_ROWS - 1) / BLOCK_ROWS;
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < (int64_t)k * nb; task++) {
+        const int e = (int)(task / nb);
+        const int64_t r0 = (task % nb) * BLOCK_ROWS, r1 = r0 + BLOCK_ROWS < N ? r0 + BLOCK_ROWS : N;
+        if (counts[e] > 0)
+            rows(q, (const uint8_t *)erows[e], r0, r1, K, a, starts[e], counts[e], y + starts[e] * ldy, ldy,
+                 w ? w + starts[e] : NULL, rb);
+    }
+}
+
+/* A layer's experts (see the header).
+ *   qp[0]: gate|up ([2I, H] rows), qp[1]: down ([H, I]); isa: 0..2 (ferry_isa_best or lower)
+ *   k experts; rows[e]: expert e's row; starts/counts: its tokens (rows of x within M = max(start + count))
+ *   x [M, H], w [M], scratch [M, 2I], out [M, H]: float32, contiguous; rows no expert owns are left as they are */
+int ferry_experts(const qproj *qp, int isa, int nthreads, int k, const void *const *rows, const int64_t *starts,
+                  const int64_t *counts, int64_t H, int64_t I, const float *x, const float *w, float *scratch,
+                  float *out) {
+    if (k <= 0 || H <= 0 || I <= 0 || nthreads < 1 || !q_ok(&qp[0], H) || !q_ok(&qp[1], I)) return -1;
+    if (!isa_ok(isa)) return -2;
+    init_tables();
+    const rows_fn rows_isa = ROWS[isa];
+    const int64_t M = span_end(k, starts, counts), kmax = H > I ? H : I;
+    const int qx = kind_family(qp[0].kind) == FAM_INT, qa = kind_family(qp[1].kind) == FAM_INT;
+    actmem am;
+    rowbuf *rbs = rowbufs_alloc(nthreads, kmax);
+    if (!rbs || actmem_init(&am, M, qx ? H : 0, qa ? I : 0)) {
+        rowbufs_free(rbs);
+        return -3;
+    }
+    act ax = {x, H, am.x}, aa = {scratch, 2 * I, am.a};
+#pragma omp parallel num_threads(nthreads)
+    {
+        rowbuf *rb = &rbs[omp_get_thread_num()];
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            if (qx) quantize_token(x + m * H, H, am.x.q + m * H, am.x.d + m * (H / 32), am.x.s16 + m * (H / 16));
+        experts_proj(rows_isa, &qp[0], k, rows, starts, counts, 2 * I, H, &ax, scratch, 2 * I, NULL, rb);
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {  /* a = silu(g) * u in place over g, then its Q8 form */
+            float *g = scratch + m * 2 * I;
+            for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * g[I + i];
+            if (qa) quantize_token(g, I, am.a.q + m * I, am.a.d + m * (I / 32), am.a.s16 + m * (I / 16));
+        }
+        experts_proj(rows_isa, &qp[1], k, rows, starts, counts, H, I, &aa, out, H, w, rb);
+    }
+    rowbufs_free(rbs);
+    free(am.mem);
+    return 0;
+}
+
+/* y [M, N] = x [M, K] @ W^T for one projection q of the row at `base` (N rows of K inputs): the matrices outside
+ * the experts (and the tests' view of one projection). */
+int ferry_matvec(const qproj *q, int isa, int nthreads, const void *base, int64_t N, int64_t K, const float *x,
+                 int64_t M, float *y) {
+    if (N <= 0 || K <= 0 || M <= 0 || nthreads < 1 || !q_ok(q, K)) return -1;
+    if (!isa_ok(isa)) return -2;
+    init_tables();
+    const int qx = kind_family(q->kind) == FAM_INT;
+    actmem am;
+    rowbuf *rbs = rowbufs_alloc(nthreads, K);
+    if (!rbs || actmem_init(&am, M, qx ? K : 0, 0)) {
+        rowbufs_free(rbs);
+        return -3;
+    }
+    act ax = {x, K, am.x};
+    const int64_t starts[1] = {0}, counts[1] = {M};
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            if (qx) quantize_token(x + m * K, K, am.x.q + m * K, am.x.d + m * (K / 32), am.x.s16 + m * (K / 16));
+        experts_proj(ROWS[isa], q, 1, &base, starts, counts, N, K, &ax, y, N, NULL, &rbs[omp_get_thread_num()]);
+    }
+    rowbufs_free(rbs);
+    free(am.mem);
+    return 0;
+}
+
+/* The Q8 activation of x [M, K] (K % 32 == 0): codes q [M, K] and scales d [M, K / 32] (tests: x as the integer
+ * kinds see it is q * d). */
+int ferry_quantize_act(const float *x, int64_t M, int64_t K, int8_t *q, float *d) {
+    if (M <= 0 || K <= 0 || K % 32) return -1;
+    float *s16 = (float *)malloc(sizeof(float) * (size_t)(K / 16));
+    if (!s16) return -3;
+    for (int64_t m = 0; m < M; m++) quantize_token(x + m * K, K, q + m * K, d + m * (K / 32), s16);
+    free(s16);
+    return 0;
+}
+
+/* Rows [0, N) of an integer-kind projection as the kernel decodes them, w = v * s + o in float32 (two roundings,
+ * no fused multiply-add), into out [N, K]. */
+int ferry_dequant(const qproj *q, int isa, const void *base, int64_t N, int64_t K, float *out) {
+    if (N <= 0 || !q_ok(q, K) || kind_family(q->kind) != FAM_INT) return -1;
+    if (!isa_ok(isa)) return -2;
+    init_tables();
+    rowbuf *rb = rowbufs_alloc(1, K);
+    if (!rb) return -3;
+    for (int64_t r = 0; r < N; r++) {
+        DECODE[isa](q, (const uint8_t *)base, r, K, rb);
+        for (int64_t i = 0; i < K; i++) {
+            volatile float p = (float)rb->v[i] * rb->sx[i / 4];
+            out[r * K + i] = p + rb->o[i / 16];
+        }
+    }
+    rowbufs_free(rb);
+    return 0;
+}
