@@ -77,5 +77,7 @@ def test_serve_refuses_a_truncated_checkpoint_in_one_line_exit_2(checkpoints, tm
                          capture_output=True, text=True, timeout=100)
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 2, res.stderr
+    assert lines[0].startswith("loading "), res.stderr   # the start line, then the one error line
+    lines = lines[1:]
     assert len(lines) == 1 and str(weights) in lines[0] and "truncated" in lines[0], res.stderr
     assert time.monotonic() - t0 < 30   # nothing was loaded
