@@ -15,9 +15,9 @@ that are not on the device: ``(experts - slots) * S / pcie``.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
+
+from ferrylm.experts.bandwidth import best_time
 
 
 @dataclass(frozen=True)
@@ -33,24 +33,12 @@ class Bandwidths:
         return asdict(self)
 
 
-def _best(fn: Callable[[], None], sync: Callable[[], None], reps: int) -> float:
-    fn()
-    sync()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return max(best, 1e-9)
-
-
 def probe_bandwidths(*, host_bytes: int = 1 << 30, copy_bytes: int = 256 << 20, reps: int = 5) -> Bandwidths:
     """Measure the host read rate and, with CUDA, the pinned PCIe and HBM copy rates (module docstring)."""
     import torch
 
     host = torch.ones(host_bytes // 4, dtype=torch.float32)
-    dram = host_bytes / _best(lambda: host.sum(), lambda: None, reps)
+    dram = host_bytes / best_time(lambda: host.sum(), lambda: None, reps)
     del host
     if not torch.cuda.is_available():
         return Bandwidths(dram=dram)
@@ -58,9 +46,9 @@ def probe_bandwidths(*, host_bytes: int = 1 << 30, copy_bytes: int = 256 << 20, 
     sync = torch.cuda.synchronize
     src = torch.ones(copy_bytes, dtype=torch.uint8).pin_memory()
     dst = torch.empty(copy_bytes, dtype=torch.uint8, device=dev)
-    pcie = copy_bytes / _best(lambda: dst.copy_(src, non_blocking=True), sync, reps)
+    pcie = copy_bytes / best_time(lambda: dst.copy_(src, non_blocking=True), sync, reps)
     dst2 = torch.empty_like(dst)
-    hbm = 2 * copy_bytes / _best(lambda: dst2.copy_(dst), sync, reps)
+    hbm = 2 * copy_bytes / best_time(lambda: dst2.copy_(dst), sync, reps)
     return Bandwidths(dram=dram, pcie=pcie, hbm=hbm, device=torch.cuda.get_device_name(dev))
 
 

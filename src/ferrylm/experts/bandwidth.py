@@ -17,7 +17,7 @@ from ferrylm.experts.cpu_pool import CpuExpertPool, CpuJob
 from ferrylm.experts.options import Bandwidths
 
 
-def _best(fn: Callable[[], None], sync: Callable[[], None], reps: int) -> float:
+def best_time(fn: Callable[[], None], sync: Callable[[], None], reps: int) -> float:
     fn()
     sync()
     best = float("inf")
@@ -54,10 +54,10 @@ def measure_bandwidths(device: torch.device | str, layout: ExpertLayout, *, pinn
     if cuda and pinned:
         register_host_memory(host)  # failure: a pageable probe, as the banks would be
     dev = torch.empty(size // 2, dtype=torch.bfloat16, device=device)
-    t_pcie = _best(lambda: dev.copy_(host, non_blocking=True), sync, reps)
-    t_host = _best(lambda: host.sum(), lambda: None, reps)
+    t_pcie = best_time(lambda: dev.copy_(host, non_blocking=True), sync, reps)
+    t_host = best_time(lambda: host.sum(), lambda: None, reps)
     dev2 = torch.empty_like(dev)
-    t_hbm = _best(lambda: dev2.copy_(dev), sync, reps)
+    t_hbm = best_time(lambda: dev2.copy_(dev), sync, reps)
     if cuda and pinned:
         torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
 
@@ -67,7 +67,7 @@ def measure_bandwidths(device: torch.device | str, layout: ExpertLayout, *, pinn
     pool = pool or CpuExpertPool(layout)
     x = torch.full((n, layout.hidden), 1e-2, dtype=layout.dtype)
     job = CpuJob(x=x, weights=torch.ones(n), items=[(e, rows[e], e, 1) for e in range(n)], out_dtype=layout.dtype)
-    t_cpu = _best(lambda: pool.submit(job).result(), lambda: None, reps)
+    t_cpu = best_time(lambda: pool.submit(job).result(), lambda: None, reps)
     cpu = n * layout.nbytes / t_cpu
 
     # one expert, one token, from device activations back to the device (what a layer's CPU share waits on)
@@ -78,7 +78,7 @@ def measure_bandwidths(device: torch.device | str, layout: ExpertLayout, *, pinn
         outs, _ = pool.submit(one).result()
         outs[0].to(device)
 
-    t_one = _best(round_trip, sync, max(reps, 5))
+    t_one = best_time(round_trip, sync, max(reps, 5))
     if own:
         pool.close()
     return Bandwidths(pcie=size / t_pcie, host=size / t_host, cpu=cpu, hbm=2 * size / t_hbm,
