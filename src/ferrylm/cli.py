@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 from ferrylm.config import CACHE_POLICIES, CPU_KERNELS, EngineConfig
 from ferrylm.engine.attention import ATTENTION_CHOICES
-from ferrylm.experts.options import MOE_BACKENDS
 from ferrylm.server.text.tool_parsers import TOOL_PARSER_CHOICES
 
 _D = EngineConfig()  # the one source of the serve flags' defaults
@@ -92,6 +91,7 @@ def _add_vllm_noop_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] = ()) -> None:
+    from ferrylm.experts.options import MOE_BACKENDS  # NOTE: here, not at the top: the package imports torch
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="built-in name (smollm2-moe, smollm2-135m), a local HF folder, a local .gguf file, or "
                         "synthetic:<preset>[:layers=N][:skew=A][:routing=R][:seed=S] (see `ferry models`) "

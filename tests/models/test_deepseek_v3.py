@@ -280,7 +280,7 @@ def test_piecewise_decode_pieces_match_transformers(checkpoints, backend):
     """``decode_graphs="eager"``: decode steps run the pieces the CUDA graphs capture (static buffers, the KV
     bucket's slot table and mask, ``StaticDecodeAttention.attend_latent``, RoPE rows over the ``P`` rope dims bound
     from static buffers) without capturing them; tokens are transformers', logprobs the plain forward's."""
-    from ferrylm.engine.factory import build_engine
+    from ferrylm.engine.boot import build_engine
 
     ckpt = checkpoints("deepseek_v3")
     prompts = {"a": token_ids(9, ckpt.vocab_size, seed=1).tolist(), "b": token_ids(21, ckpt.vocab_size, seed=2).tolist()}

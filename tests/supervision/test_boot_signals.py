@@ -56,3 +56,11 @@ def test_sigterm_during_boot_exits_zero_without_children(tmp_path, delay):
     while tagged(tag) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not tagged(tag), [p.cmdline() for p in tagged(tag)]
+
+
+def test_cli_module_imports_without_torch():
+    """``python -m ferrylm.cli`` runs the module's imports before ``main`` can install the boot handler: they stay
+    light (no torch: seconds on a slow host, which a SIGTERM would land inside)."""
+    code = "import sys\nimport ferrylm.cli\nassert 'torch' not in sys.modules, 'torch was imported'\n"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]

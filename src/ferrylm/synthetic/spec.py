@@ -356,8 +356,8 @@ def with_tokenizer(spec: str, tokenizer: str | None) -> str:
 
 
 def synthetic_config(spec: SyntheticSpec) -> dict[str, Any]:
-    """The config.json dict: the preset's, with ``num_hidden_layers = spec.layers`` (``mlp_only_layers`` cut to
-    them), ``torch_dtype`` bfloat16, the router-bias switch when ``skew > 0``, the routing-model key
+    """The config.json dict: the preset's, with ``num_hidden_layers = spec.layers`` (``mlp_only_layers`` and
+    ``layer_types`` cut to them), ``torch_dtype`` bfloat16, the router-bias switch when ``skew > 0``, the routing-model key
     (``ROUTING_KEY``) when ``routing`` is a profile, and the recipe under ``RECIPE_KEY``."""
     cfg = copy.deepcopy(spec.preset.config)
     cfg["num_hidden_layers"] = spec.layers
@@ -365,6 +365,8 @@ def synthetic_config(spec: SyntheticSpec) -> dict[str, Any]:
         cfg["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if i < spec.layers]
     if "max_window_layers" in cfg:
         cfg["max_window_layers"] = min(int(cfg["max_window_layers"]), spec.layers)
+    if isinstance(cfg.get("layer_types"), list):
+        cfg["layer_types"] = cfg["layer_types"][:spec.layers]
     cfg["torch_dtype"] = "bfloat16"
     if spec.skew > 0:
         cfg[ROUTER_BIAS_KEY] = True
