@@ -8,7 +8,7 @@ Claude Code's per-request ``x-anthropic-billing-header`` line at its top: ``serv
 message is continued (Anthropic's prefill). ``tools`` (``name``, ``description``, ``input_schema``) and
 ``tool_choice`` (``auto`` | ``any`` | ``tool`` | ``none``, ``disable_parallel_tool_use``) map onto the shared tool
 machinery (``any`` and ``tool`` are enforced by a grammar). ``thinking: {"type": "enabled"|"disabled"}`` sets the
-template's ``enable_thinking``.
+template's ``enable_thinking``, and its ``budget_tokens`` the ``reasoning_effort`` (:func:`thinking_kwargs`).
 
 Reply: content blocks ``thinking`` / ``text`` / ``tool_use``, ``stop_reason`` ``end_turn`` | ``max_tokens`` |
 ``stop_sequence`` (with ``stop_sequence``) | ``tool_use``, ``usage`` in tokens. Stream: the Anthropic event
@@ -181,13 +181,38 @@ def convert_tools(tools: Any, choice: Any) -> tuple[list[ToolSpec], ToolChoice]:
     return specs, ToolChoice("named", name, parallel=False)
 
 
+#: ``thinking.budget_tokens`` below these many tokens asks for low, then medium reasoning effort; high above
+EFFORT_BUDGETS = ((8192, "low"), (24576, "medium"))
+MIN_THINKING_BUDGET = 1024   # Anthropic's own minimum
+
+
+def thinking_kwargs(thinking: Any) -> dict[str, Any]:
+    """``thinking`` → template arguments: ``enable_thinking`` (off for ``disabled``) and ``reasoning_effort`` from
+    ``budget_tokens`` (:data:`EFFORT_BUDGETS`; ``disabled`` asks for low: harmony always reasons, least then;
+    ``adaptive`` leaves the default). Raises InvalidRequest naming the field."""
+    if thinking is None:
+        return {}
+    kind = thinking.get("type")
+    if kind == "disabled":
+        return {"enable_thinking": False, "reasoning_effort": "low"}
+    if kind == "adaptive":
+        return {"enable_thinking": True}
+    if kind != "enabled":
+        raise InvalidRequest(f"'thinking.type' must be 'enabled', 'disabled' or 'adaptive'; got {kind!r}",
+                             param="thinking.type")
+    budget = thinking.get("budget_tokens")
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < MIN_THINKING_BUDGET:
+        raise InvalidRequest(f"'thinking.budget_tokens' must be an integer of at least {MIN_THINKING_BUDGET}; got "
+                             f"{budget!r}", param="thinking.budget_tokens")
+    effort = next((e for limit, e in EFFORT_BUDGETS if budget < limit), "high")
+    return {"enable_thinking": True, "reasoning_effort": effort}
+
+
 def job_from_messages(req: MessagesRequest) -> ChatJob:
     """A Messages request → ChatJob. Raises InvalidRequest naming the field."""
     messages = convert_messages(req)
     tools, choice = convert_tools(req.tools, req.tool_choice)
-    kwargs: dict[str, Any] = {}
-    if isinstance(req.thinking, dict) and req.thinking.get("type") in ("enabled", "disabled", "adaptive"):
-        kwargs["enable_thinking"] = req.thinking["type"] != "disabled"
+    kwargs = thinking_kwargs(req.thinking)
     params = SamplingParams(
         temperature=1.0 if req.temperature is None else float(req.temperature),
         top_p=1.0 if req.top_p is None else float(req.top_p), top_k=-1 if req.top_k is None else int(req.top_k),
@@ -333,7 +358,7 @@ async def messages(ctx: RouteContext, request: Request, rid: str) -> Response:
     if req.stream:
         return SSEResponse(_stream(ctx, rid, run, base), headers=SSE_HEADERS)
     (ch,) = run.gen.choices
-    res = whole_turn(run.turn, ch.text.text, ch.finish_reason)
+    res = whole_turn(run.turn, ch.text.text, ch.finish_reason, ch.token_ids)
     content: list[dict] = []
     for kind, x in res.blocks:   # in generation order
         if kind == "reasoning":

@@ -44,9 +44,10 @@ from ferrylm.server.api.completions import CompletionRoutes
 from ferrylm.server.api.context import ChatJob, ChatRun, PreparedChat
 from ferrylm.server.api.protocol import (DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, UsageInfo,
                                      parse_request, to_sampling_params)
+from ferrylm.server.text.harmony import HarmonyCodec, open_message
 from ferrylm.server.text.reasoning import THINKING_SWITCHES, prompt_opens_thinking, template_has_reasoning
 from ferrylm.server.text.tool_parsers import choose_tool_parser, format_markup
-from ferrylm.server.text.tools import ToolChoice, lark_term, parse_openai_tools, tag_terms, template_supports_tools
+from ferrylm.server.text.tools import ToolChoice, lark_term, parse_openai_tools, tag_terms
 from ferrylm.server.api.generation import ClientGone, Choice, Event, Generation, cleanup, race_disconnect, sse_event
 from ferrylm.server.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ferrylm.server.api.metrics import Metrics
@@ -232,8 +233,10 @@ class _Server(CompletionRoutes):
         self.first_event_wait = FIRST_EVENT_WAIT_S
         self.responses = responses.ResponseStore(1024)   # previous_response_id (server/api/responses.py)
         template = getattr(codec, "chat_template", None)
-        self.native_tools = template_supports_tools(template)   # else tools go in the system turn (fallback)
-        self.reasoning = template_has_reasoning(template)       # split <think> … </think> into reasoning
+        # gpt-oss: harmony renders the prompt and the output is read by channel (server/text/harmony*.py)
+        self.harmony = codec if isinstance(codec, HarmonyCodec) else None
+        self.native_tools = codec.renders_tools                  # else tools go in the system turn (fallback)
+        self.reasoning = template_has_reasoning(template) and self.harmony is None  # split <think> … </think>
         self.tool_tags = tag_terms(codec)                       # <tool_call> as the vocabulary has it
         self.tool_term = lark_term(codec)                       # any tag as the vocabulary has it
         self.tool_parser = choose_tool_parser(tool_call_parser, architecture, template, model_type)  # call format
@@ -242,7 +245,13 @@ class _Server(CompletionRoutes):
         special = frozenset(getattr(codec, "special_strings", ()) or ())
         self.special_tool_markup = any(m in special for m in format_markup(self.tool_parser))
         self.special_think_markup = self.reasoning and any(m in special for m in ("<think>", "</think>"))
-        logger.info("tool-call format: %s", self.tool_parser)
+        if self.harmony is not None:
+            if tool_call_parser not in (None, "auto"):
+                logger.warning("--tool-call-parser %s is not used: this model speaks harmony", tool_call_parser)
+            self.tool_parser, self.special_tool_markup = "harmony", False
+            logger.info("chat format: harmony (openai-harmony renders the prompt; the output is read by channel)")
+        else:
+            logger.info("tool-call format: %s", self.tool_parser)
 
     # ---- helpers -----------------------------------------------------------------------------------------
     @property
@@ -566,6 +575,9 @@ class _Server(CompletionRoutes):
         Raises:
             InvalidRequest / ContextLengthExceeded: bad messages, template errors, too long (400).
         """
+        if self.harmony is not None and job.params.grammar is not None:
+            raise InvalidRequest(f"'{job.grammar_param}' is not supported with the harmony chat format (gpt-oss): "
+                                 f"its output cannot be constrained yet", param=job.grammar_param)
         await _off_loop(job.apply_tool_choice, self.tool_tags, self.tool_parser, self.tool_term)
         if job.params.grammar is not None and self.reasoning:
             # a constrained output starts at its first token: a template that thinks first is told not to (Qwen3's
@@ -574,6 +586,7 @@ class _Server(CompletionRoutes):
         text, prompt_ids = await _off_loop(render_prompt, self.codec, job, native_tools=self.native_tools,
                                            tool_format=self.tool_parser)
         params = job.params
+        params.stop_token_ids += [t for t in self.codec.stop_token_ids if t not in params.stop_token_ids]
         tools_on = bool(job.tools) and job.tool_choice.mode != "none"
         if (self.special_tool_markup and tools_on) or self.special_think_markup:
             params.skip_special_tokens = False  # as vLLM's glm45 / minimax_m2 parsers do (EOS ids stay out anyway)
@@ -604,7 +617,8 @@ class _Server(CompletionRoutes):
         # that opened <think> (an R1 template always does; a client may turn thinking on for a forced call)
         turn = TurnConfig(reasoning=self.reasoning, starts_in_reasoning=self.reasoning and params.grammar is None
                           and prompt_opens_thinking(text, prefill), tool_names=tools, tool_parser=self.tool_parser,
-                          tool_schemas={t.name: t.parameters for t in job.tools} if tools else None)
+                          tool_schemas={t.name: t.parameters for t in job.tools} if tools else None,
+                          harmony=self.harmony, harmony_prime=tuple(open_message(prompt_ids)) if self.harmony else ())
         first = await self._start(request, rid, gen, job.stream)
         return ChatRun(gen, first, prompt_ids, turn)
 

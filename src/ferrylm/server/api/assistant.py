@@ -2,10 +2,14 @@
 
 Shared by chat completions, Anthropic Messages and the Responses API: each turns the same :class:`TurnDelta` s into
 its own wire format. :func:`turn_deltas` is the one stream loop: it drains a
-:class:`~ferrylm.server.api.generation.Generation`, runs each choice's text through its :class:`AssistantTurn`
-(reasoning split, then the tool-call parser), and yields a delta per event, or :data:`PING` when nothing came for
-``ping_interval`` seconds (the SSE layers write a keep-alive then). A non-stream response runs the finished text
-through a fresh :class:`AssistantTurn` in one piece: the parsers decide on the text only, so it equals the stream.
+:class:`~ferrylm.server.api.generation.Generation`, runs each choice's output through its :class:`AssistantTurn`
+and yields a delta per event, or :data:`PING` when nothing came for ``ping_interval`` seconds (the SSE layers write
+a keep-alive then). A non-stream response runs the finished output through a fresh :class:`AssistantTurn` in one
+piece: the readers decide on the output only, so it equals the stream.
+
+The turn's :class:`OutputReader` is the served chat format's: :class:`TextReader` (the text: ``<think>`` split, then
+the tool-call parser) for chat templates, :class:`~ferrylm.server.text.harmony_reader.HarmonyReader` (the tokens, by
+channel) for harmony (gpt-oss).
 
 This module must not import torch.
 """
@@ -14,13 +18,16 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol, Sequence
 
 from ferrylm.engine.outputs import TokenLogprob
 from ferrylm.server.api.generation import Event, Generation
 from ferrylm.server.text.reasoning import ReasoningSplitter
 from ferrylm.server.text.tool_parsers import make_tool_parser
-from ferrylm.server.text.tool_parsers.base import Piece, ToolCall, ToolParser
+from ferrylm.server.text.tool_parsers.base import Piece, ToolCall
+
+if TYPE_CHECKING:
+    from ferrylm.server.text.harmony import HarmonyCodec
 
 
 @dataclass
@@ -42,6 +49,15 @@ class TurnDelta:
         return not (self.reasoning or self.content or self.calls or self.finish_reason is not None)
 
 
+class OutputReader(Protocol):
+    """A choice's output → pieces (reasoning text, content text, complete calls) in generation order, released as
+    they become certain. ``feed`` gets each output's text and token ids (a reader reads one or the other)."""
+
+    def feed(self, text: str, token_ids: Sequence[int]) -> list[Piece]: ...
+
+    def finish(self) -> list[Piece]: ...
+
+
 @dataclass
 class TurnConfig:
     """How a request's output is read: ``reasoning`` on (template with ``</think>``), whether the prompt opened
@@ -49,49 +65,69 @@ class TurnConfig:
     (``tool_parser``: a name of :data:`ferrylm.server.text.tool_parsers.TOOL_PARSERS`) and the tools' parameter
     schemas (``name -> schema``; the XML-style formats type argument values by them). Text the parser still holds
     when the output ends (a call cut by ``max_tokens``, forced or not) is content: the client sees every generated
-    token."""
+    token. ``harmony``: the served harmony codec (then the output is read by channel, and ``harmony_prime`` is
+    the prompt's open message); the reasoning and call-format fields are not used then."""
 
     reasoning: bool = False
     starts_in_reasoning: bool = False
     tool_names: tuple[str, ...] | None = None
     tool_parser: str = "hermes"
     tool_schemas: dict[str, dict] | None = None
+    harmony: HarmonyCodec | None = None
+    harmony_prime: tuple[int, ...] = ()
 
     def new_turn(self) -> "AssistantTurn":
-        return AssistantTurn(self, lambda names: make_tool_parser(self.tool_parser, names, self.tool_schemas))
+        if self.harmony is not None:
+            from ferrylm.server.text.harmony_reader import HarmonyReader
+
+            return AssistantTurn(HarmonyReader(self.harmony, self.harmony_prime, self.tool_names))
+        return AssistantTurn(TextReader(self))
+
+
+class TextReader:
+    """The output text of a chat template's model: the ``<think>`` split, then the tool-call parser."""
+
+    def __init__(self, cfg: TurnConfig):
+        self.reasoning = ReasoningSplitter(cfg.starts_in_reasoning) if cfg.reasoning else None
+        self.tools = make_tool_parser(cfg.tool_parser, cfg.tool_names, cfg.tool_schemas) \
+            if cfg.tool_names is not None else None
+
+    def feed(self, text: str, token_ids: Sequence[int] = ()) -> list[Piece]:
+        if not text:
+            return []
+        r, c = self.reasoning.feed(text) if self.reasoning is not None else ("", text)
+        return self._pieces(r, self.tools.feed(c) if self.tools is not None else [Piece(c)])
+
+    def finish(self) -> list[Piece]:
+        r, c = self.reasoning.finish() if self.reasoning is not None else ("", "")
+        return self._pieces(r, [Piece(c)] if self.tools is None else self.tools.feed(c) + self.tools.finish())
+
+    @staticmethod
+    def _pieces(reasoning: str, pieces: list[Piece]) -> list[Piece]:
+        return ([Piece(reasoning, reasoning=True)] if reasoning else []) + pieces
 
 
 class AssistantTurn:
-    """One choice's text → reasoning / content / calls."""
+    """One choice's output → reasoning / content / calls, through its :class:`OutputReader`."""
 
-    def __init__(self, cfg: TurnConfig, tool_parser: Callable[[tuple[str, ...]], ToolParser]):
-        self.reasoning = ReasoningSplitter(cfg.starts_in_reasoning) if cfg.reasoning else None
-        self.tools = tool_parser(cfg.tool_names) if cfg.tool_names is not None else None
+    def __init__(self, reader: OutputReader):
+        self.reader = reader
         self.num_calls = 0
 
-    def feed(self, text: str, index: int = 0) -> TurnDelta:
-        return self._content(index, *self.split(text))
+    def feed(self, text: str, token_ids: Sequence[int] = (), index: int = 0) -> TurnDelta:
+        return self._delta(index, self.reader.feed(text, token_ids))
 
     def finish(self, index: int = 0) -> TurnDelta:
-        return self._content(index, *self.split_finish())
+        return self._delta(index, self.reader.finish())
 
-    def split(self, text: str) -> tuple[str, list[Piece]]:
-        """``text`` as (reasoning, content pieces in generation order: text and calls)."""
-        r, c = self.reasoning.feed(text) if self.reasoning is not None else ("", text)
-        return r, self.tools.feed(c) if self.tools is not None else [Piece(c)]
-
-    def split_finish(self) -> tuple[str, list[Piece]]:
-        r, c = self.reasoning.finish() if self.reasoning is not None else ("", "")
-        if self.tools is None:
-            return r, [Piece(c)]
-        return r, self.tools.feed(c) + self.tools.finish()
-
-    def _content(self, index: int, reasoning: str, pieces: list[Piece]) -> TurnDelta:
-        d = TurnDelta(index, reasoning=reasoning)
+    def _delta(self, index: int, pieces: list[Piece]) -> TurnDelta:
+        d = TurnDelta(index)
         for p in pieces:
             if p.call is not None:
                 d.calls.append((self.num_calls, p.call))
                 self.num_calls += 1
+            elif p.reasoning:
+                d.reasoning += p.text
             else:
                 d.content += p.text
         return d
@@ -114,8 +150,8 @@ class TurnResult:
     blocks: list[tuple[str, Any]] = field(default_factory=list)
 
 
-def whole_turn(cfg: TurnConfig, text: str, engine_reason: str | None) -> TurnResult:
-    """Split a finished choice's ``text`` exactly as the stream would have."""
+def whole_turn(cfg: TurnConfig, text: str, engine_reason: str | None, token_ids: Sequence[int] = ()) -> TurnResult:
+    """Split a finished choice's output (its ``text`` and ``token_ids``) exactly as the stream would have."""
     turn = cfg.new_turn()
     blocks: list[tuple[str, Any]] = []
 
@@ -125,15 +161,12 @@ def whole_turn(cfg: TurnConfig, text: str, engine_reason: str | None) -> TurnRes
         else:
             blocks.append((kind, x))
 
-    for r, pieces in (turn.split(text), turn.split_finish()):
-        if r:
-            add("reasoning", r)
-        for p in pieces:
-            if p.call is not None:
-                turn.num_calls += 1
-                add("call", p.call)
-            elif p.text:
-                add("text", p.text)
+    for p in turn.reader.feed(text, token_ids) + turn.reader.finish():
+        if p.call is not None:
+            turn.num_calls += 1
+            add("call", p.call)
+        elif p.text:
+            add("reasoning" if p.reasoning else "text", p.text)
     if any(k == "call" for k, _ in blocks):   # blank text between or around calls is no block of its own
         blocks = [(k, x) for k, x in blocks if k != "text" or x.strip()]
     return TurnResult("".join(x for k, x in blocks if k == "reasoning"), "".join(x for k, x in blocks if k == "text"),
@@ -169,7 +202,7 @@ async def turn_deltas(gen: Generation, first: Event | None, cfg: TurnConfig,
         lps.extend(ev.logprobs or ())
         ids = pending_ids.setdefault(ev.index, [])
         ids.extend(ev.token_ids)
-        d = turn.feed(ev.text, ev.index) if ev.text else TurnDelta(ev.index)
+        d = turn.feed(ev.text, ev.token_ids, ev.index) if ev.text or ev.token_ids else TurnDelta(ev.index)
         if ev.finish_reason is not None:
             end = turn.finish(ev.index)
             d.reasoning += end.reasoning

@@ -28,6 +28,7 @@ from ferrylm.server.api.protocol import (ChatChoiceLogprobs, ChatCompletionChoic
                                      UsageInfo, chat_logprobs, chunk_json, parse_request, to_sampling_params)
 from ferrylm.server.api.context import ChatJob, ChatRun, RouteContext
 from ferrylm.server.api.request_io import read_json
+from ferrylm.server.text.reasoning import check_reasoning_effort
 from ferrylm.server.text.structured import request_grammar
 from ferrylm.server.text.tool_parsers.base import ToolCall
 from ferrylm.server.text.tools import fallback_messages, parse_openai_tools, parse_tool_choice
@@ -148,8 +149,11 @@ def job_from_chat(req: ChatCompletionRequest) -> ChatJob:
     messages = template_messages(req.messages)
     add_gen = check_continue(messages, bool(req.continue_final_message), req.add_generation_prompt
                              if "add_generation_prompt" in req.model_fields_set else None)
-    job = ChatJob(messages, params, tools, choice, client_template_kwargs(req.chat_template_kwargs), add_gen,
-                  bool(req.continue_final_message), gparam,
+    kwargs = client_template_kwargs(req.chat_template_kwargs)
+    effort = check_reasoning_effort(req.reasoning_effort, "reasoning_effort")
+    if effort is not None:   # the template argument harmony's system message (and gpt-oss templates) read
+        kwargs["reasoning_effort"] = effort
+    job = ChatJob(messages, params, tools, choice, kwargs, add_gen, bool(req.continue_final_message), gparam,
                   "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
                   stream=bool(req.stream))
     return job
@@ -173,7 +177,7 @@ async def chat_completions(ctx: RouteContext, request: Request, rid: str) -> Res
         return SSEResponse(_stream(ctx, rid, run, base_id, created, model, req), headers=SSE_HEADERS)
     choices = []
     for ch in run.gen.choices:
-        res = whole_turn(run.turn, ch.text.text, ch.finish_reason)
+        res = whole_turn(run.turn, ch.text.text, ch.finish_reason, ch.token_ids)
         lp = None
         if ch.params.logprobs is not None:
             lp = ChatChoiceLogprobs(content=chat_logprobs(ch.logprobs, ctx.codec))

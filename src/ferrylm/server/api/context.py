@@ -102,7 +102,7 @@ class RouteContext(Protocol):
         codec: the served tokenizer and chat template.
         ping_interval: seconds of silence after which a stream gets a keep-alive (None: never).
         native_tools: the chat template renders ``tools`` itself (else the fallback system turn).
-        tool_parser: the served call format (a name of ``server/text/tool_parsers.TOOL_PARSERS``).
+        tool_parser: the served call format (a name of ``server/text/tool_parsers.TOOL_PARSERS``, or ``harmony``).
     """
 
     codec: TextCodec

@@ -111,6 +111,7 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    reasoning_effort: Any = None   # low | medium | high (checked by reasoning.check_reasoning_effort)
     add_generation_prompt: Optional[bool] = True
     continue_final_message: Optional[bool] = None
     tools: Optional[list[Any]] = None

@@ -41,6 +41,7 @@ from ferrylm.server.api.errors import error_payload
 from ferrylm.server.api.protocol import _Request, parse_request
 from ferrylm.server.api.context import ChatJob, ChatRun, RouteContext
 from ferrylm.server.api.request_io import read_json
+from ferrylm.server.text.reasoning import check_reasoning_effort
 from ferrylm.server.text.structured import response_format_grammar
 from ferrylm.server.text.tool_parsers.base import ToolCall
 from ferrylm.server.text.tools import ToolSpec, check_unique, make_tool, parse_tool_choice
@@ -207,6 +208,11 @@ def convert_tools(tools: Any) -> list[ToolSpec]:
     return out
 
 
+def request_effort(req: ResponsesRequest) -> str | None:
+    """``reasoning.effort`` (low | medium | high; None when not given). Raises InvalidRequest naming it."""
+    return check_reasoning_effort((req.reasoning or {}).get("effort"), "reasoning.effort")
+
+
 def job_from_request(req: ResponsesRequest, store: ResponseStore) -> tuple[ChatJob, list[dict]]:
     """A Responses request → ``(ChatJob, conversation without instructions)``. Raises InvalidRequest."""
     history: list[dict] = []
@@ -232,8 +238,10 @@ def job_from_request(req: ResponsesRequest, store: ResponseStore) -> tuple[ChatJ
             e.rename_param("max_output_tokens")
         raise
     params.grammar = response_format_grammar(fmt, "text.format", nested=False)
-    job = ChatJob(messages, params, tools, choice, grammar_param="text.format", max_param="max_output_tokens",
-                  prompt_param="input", stream=bool(req.stream))
+    effort = request_effort(req)
+    job = ChatJob(messages, params, tools, choice, {"reasoning_effort": effort} if effort else {},
+                  grammar_param="text.format", max_param="max_output_tokens", prompt_param="input",
+                  stream=bool(req.stream))
     return job, conversation
 
 
@@ -291,7 +299,7 @@ class ResponseShell:
                 "error": None, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
                 "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.model,
                 "output": output, "parallel_tool_calls": r.parallel_tool_calls is not False,
-                "previous_response_id": r.previous_response_id, "reasoning": {"effort": None, "summary": None},
+                "previous_response_id": r.previous_response_id, "reasoning": {"effort": request_effort(r), "summary": None},
                 "store": r.store is not False, "temperature": 1.0 if r.temperature is None else r.temperature,
                 "text": {"format": fmt or {"type": "text"}}, "tool_choice": r.tool_choice or "auto",
                 "tools": r.tools or [], "top_p": 1.0 if r.top_p is None else r.top_p, "truncation": "disabled",
@@ -442,7 +450,7 @@ async def create(ctx: ResponsesContext, request: Request, rid: str) -> Response:
     if req.stream:
         return SSEResponse(_stream(ctx, rid, run, shell, conversation), headers=SSE_HEADERS)
     (ch,) = run.gen.choices
-    res = whole_turn(run.turn, ch.text.text, ch.finish_reason)
+    res = whole_turn(run.turn, ch.text.text, ch.finish_reason, ch.token_ids)
     output = output_items(res.blocks)
     final = shell.object("incomplete" if res.finish_reason == "length" else "completed", output,
                          run.gen.completion_tokens, res.finish_reason == "length", run.gen.cached_tokens)

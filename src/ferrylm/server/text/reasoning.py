@@ -25,11 +25,25 @@ This module must not import torch.
 
 from __future__ import annotations
 
+from ferrylm.errors import InvalidRequest
+
 OPEN = "<think>"
 CLOSE = "</think>"
 #: ``chat_template_kwargs`` that turn a template's thinking off when False (Qwen3 / Qwen3.5: ``enable_thinking``;
 #: DeepSeek-V3.1: ``thinking``); the server sets them for a constrained output (a forced tool call, a JSON schema)
 THINKING_SWITCHES = ("enable_thinking", "thinking")
+#: the reasoning efforts a request may ask for (chat ``reasoning_effort``, Responses ``reasoning.effort``, Anthropic
+#: ``thinking``): the template argument ``reasoning_effort`` (harmony's system message reads it)
+REASONING_EFFORTS = ("low", "medium", "high")
+
+
+def check_reasoning_effort(value: object, param: str) -> str | None:
+    """``value`` as one of :data:`REASONING_EFFORTS` (None stays None). Raises InvalidRequest naming ``param``."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in REASONING_EFFORTS:
+        raise InvalidRequest(f"'{param}' must be one of {', '.join(REASONING_EFFORTS)}; got {value!r}", param=param)
+    return value
 
 
 def template_has_reasoning(chat_template: object) -> bool:

@@ -139,7 +139,8 @@ class TextCodec:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "TextCodec":
-        """Load the tokenizer in a Hugging Face folder (``trust_remote_code=False``).
+        """Load the tokenizer in a Hugging Face folder (``trust_remote_code=False``); a harmony vocabulary
+        (gpt-oss) gives a :class:`~ferrylm.server.text.harmony.HarmonyCodec`.
 
         Raises:
             ModelLoadError: the folder has no loadable tokenizer.
@@ -158,6 +159,10 @@ class TextCodec:
                 tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
         except Exception as e:  # noqa: BLE001 - any loader failure is a model-load problem
             raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {e}") from e
+        from ferrylm.server.text.harmony import HarmonyCodec, is_harmony_vocab
+
+        if is_harmony_vocab(tok):   # gpt-oss: the chat format is harmony's (server/text/harmony.py)
+            return HarmonyCodec(tok, name_or_path=path)
         return cls(tok, name_or_path=path)
 
     # ---- facts -------------------------------------------------------------------------------------------
@@ -175,6 +180,18 @@ class TextCodec:
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
+
+    @property
+    def renders_tools(self) -> bool:
+        """The chat rendering writes ``tools`` itself (else they go in the system turn: ``tools.fallback_messages``)."""
+        from ferrylm.server.text.tools import template_supports_tools
+
+        return template_supports_tools(self.chat_template)
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Token ids that end an assistant turn in the chat format, besides the model's EOS (none for templates)."""
+        return ()
 
     # ---- text in -----------------------------------------------------------------------------------------
     def render_chat(self, messages: list[dict], /, add_generation_prompt: bool = True,

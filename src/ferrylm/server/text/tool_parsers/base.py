@@ -26,10 +26,11 @@ class ToolCall:
 
 @dataclass
 class Piece:
-    """What a parser releases: ``text`` (ordinary content) or a complete ``call``."""
+    """What a parser releases: ``text`` (ordinary content; reasoning when ``reasoning``) or a complete ``call``."""
 
     text: str = ""
     call: ToolCall | None = None
+    reasoning: bool = False
 
 
 class ToolParser:

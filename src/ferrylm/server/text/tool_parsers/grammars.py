@@ -1,5 +1,5 @@
 """Forced tool calls (``tool_choice: "required"`` or a named function) in the formats of
-:mod:`ferrylm.server.text.tool_parsers` (GLM-4.5, MiniMax-M2, DeepSeek-V3, Kimi-K2, Qwen3-Coder): Lark
+:mod:`ferrylm.server.text.tool_parsers` (GLM-4.5, MiniMax-M2, DeepSeek-V3, Kimi-K2, Qwen3-Coder) and harmony's: Lark
 grammars (llguidance) that emit exactly the markup :mod:`ferrylm.server.text.tool_parsers` parses, with OpenAI's strict
 semantics for the arguments: every ``required`` key present, only keys the schema's ``properties`` name (as if
 ``additionalProperties`` were false), each value of its property's type. So a forced call always closes and parses.
@@ -196,7 +196,21 @@ def qwen3_coder_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = 
     return lark_grammar(lark, "tools")
 
 
-GRAMMARS = {"glm45": glm45_grammar, "minimax_m2": minimax_m2_grammar, "deepseek_v3": deepseek_v3_grammar,
+def harmony_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _literal) -> str:
+    """Harmony (gpt-oss): one message on the commentary channel to ``functions.NAME``, ``<|channel|>commentary
+    to=functions.NAME <|constrain|>json<|message|>{arguments}<|call|>``, written right after the prompt's
+    ``<|start|>assistant``; ``<|call|>`` ends the turn, so ``required`` makes one call."""
+    channel, constrain, message, call = (term(x) for x in ("<|channel|>", "<|constrain|>", "<|message|>", "<|call|>"))
+    rules, alts = [], []
+    for i, tool in enumerate(_chosen(tools, choice)):
+        rules.append(f'c{i}: {_literal(f"commentary to=functions.{tool.name} ")} {constrain} "json" {message} '
+                     f"{_arguments_json(tool)}")
+        alts.append(f"c{i}")
+    lark = "\n".join([f"start: {channel} call {call}", f"call: {' | '.join(alts)}", *rules]) + "\n"
+    return lark_grammar(lark, "tools")
+
+
+GRAMMARS = {"harmony": harmony_grammar, "glm45": glm45_grammar, "minimax_m2": minimax_m2_grammar, "deepseek_v3": deepseek_v3_grammar,
             "kimi_k2": kimi_k2_grammar, "qwen3_coder": qwen3_coder_grammar}
 
 
