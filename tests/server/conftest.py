@@ -90,6 +90,17 @@ def codec(tiny_tokenizer_dir: Path) -> TextCodec:
 
 
 @pytest.fixture(scope="session")
+def harmony_codec(tmp_path_factory: pytest.TempPathFactory) -> TextCodec:
+    """A gpt-oss tokenizer (o200k_harmony, built from the vocabulary litellm ships: tests/server/harmony_vocab.py),
+    loaded as the server loads it."""
+    from .harmony_vocab import build_harmony_tokenizer, o200k_file
+
+    if o200k_file() is None:
+        pytest.skip("o200k_base.tiktoken not found in the litellm package (the dev extras install it)")
+    return TextCodec.from_pretrained(build_harmony_tokenizer(tmp_path_factory.mktemp("gpt-oss-tokenizer")))
+
+
+@pytest.fixture(scope="session")
 def qwen_codec() -> TextCodec:
     if not (QWEN3_TOKENIZER / "tokenizer.json").is_file():
         pytest.skip(f"real Qwen3 tokenizer not found at {QWEN3_TOKENIZER} (../shared/data/qwen3-tokenizer)")
@@ -103,7 +114,7 @@ class FakeEngine:
     """A deterministic :class:`EngineClient`.
 
     Each request emits ``script(request_id, prompt_ids, params)`` one token per step (default: SCRIPT_TEXT then
-    EOS), finishing with "stop" on EOS or "length" at max_tokens. Knobs: ``start_exc`` (raised before the first
+    EOS), finishing with "stop" on EOS or one of ``params.stop_token_ids``, or "length" at max_tokens. Knobs: ``start_exc`` (raised before the first
     output), ``fail_at``/``fail_exc`` (raised before output number ``fail_at``), ``delay`` (seconds per step),
     ``health_status``, ``queue_time`` (sent on the first output, as the engine does), ``prefix_pages`` (a
     prefix cache of that page size is emulated: the first output reports the longest prefix, in whole pages and
@@ -163,7 +174,7 @@ class FakeEngine:
                 if self.fail_at is not None and i == self.fail_at:
                     raise self.fail_exc or RuntimeError("fake failure")
                 finish = None
-                if tok == self.eos and not params.ignore_eos:
+                if (tok == self.eos or tok in params.stop_token_ids) and not params.ignore_eos:
                     finish = "stop"
                 elif params.max_tokens is not None and i + 1 >= params.max_tokens:
                     finish = "length"

@@ -195,7 +195,7 @@ class HarmonyCodec(TextCodec):
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
         """Ids that end an assistant turn: ``<|return|>`` and ``<|call|>``."""
-        return tuple(self.encoding.stop_tokens_for_assistant_actions())
+        return tuple(sorted(self.encoding.stop_tokens_for_assistant_actions()))
 
     def set_chat_template(self, template: str) -> None:
         raise ModelLoadError("--chat-template: this tokenizer is harmony's (gpt-oss); its chat format is rendered "
