@@ -8,7 +8,8 @@ skipped. ``previous_response_id`` prepends the conversation of a stored response
 responses are kept in a bounded in-memory :class:`ResponseStore` (``--responses-store-size`` entries and 256 MiB,
 oldest evicted first; ``store: false`` keeps none); an unknown id is a 400 naming ``previous_response_id``. Function ``tools``
 and ``tool_choice`` use the shared tool machinery; ``text.format`` (``json_object`` / ``json_schema``) is
-enforced by a grammar; ``max_output_tokens``, ``temperature``, ``top_p`` map as named.
+enforced by a grammar; ``max_output_tokens``, ``temperature``, ``top_p`` map as named, ``reasoning.effort`` (low |
+medium | high) is the template argument ``reasoning_effort``.
 
 Output items: ``reasoning`` (``reasoning_text`` content), ``message`` (``output_text``), ``function_call``.
 Stream: ``response.created``, ``response.in_progress``, per item ``response.output_item.added``, its deltas
@@ -208,11 +209,6 @@ def convert_tools(tools: Any) -> list[ToolSpec]:
     return out
 
 
-def request_effort(req: ResponsesRequest) -> str | None:
-    """``reasoning.effort`` (low | medium | high; None when not given). Raises InvalidRequest naming it."""
-    return check_reasoning_effort((req.reasoning or {}).get("effort"), "reasoning.effort")
-
-
 def job_from_request(req: ResponsesRequest, store: ResponseStore) -> tuple[ChatJob, list[dict]]:
     """A Responses request → ``(ChatJob, conversation without instructions)``. Raises InvalidRequest."""
     history: list[dict] = []
@@ -238,10 +234,9 @@ def job_from_request(req: ResponsesRequest, store: ResponseStore) -> tuple[ChatJ
             e.rename_param("max_output_tokens")
         raise
     params.grammar = response_format_grammar(fmt, "text.format", nested=False)
-    effort = request_effort(req)
-    job = ChatJob(messages, params, tools, choice, {"reasoning_effort": effort} if effort else {},
-                  grammar_param="text.format", max_param="max_output_tokens", prompt_param="input",
-                  stream=bool(req.stream))
+    effort = check_reasoning_effort((req.reasoning or {}).get("effort"), "reasoning.effort")
+    job = ChatJob(messages, params, tools, choice, {"reasoning_effort": effort} if effort else {}, grammar_param=
+                  "text.format", max_param="max_output_tokens", prompt_param="input", stream=bool(req.stream))
     return job, conversation
 
 
@@ -299,7 +294,7 @@ class ResponseShell:
                 "error": None, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
                 "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.model,
                 "output": output, "parallel_tool_calls": r.parallel_tool_calls is not False,
-                "previous_response_id": r.previous_response_id, "reasoning": {"effort": request_effort(r), "summary": None},
+                "previous_response_id": r.previous_response_id, "reasoning": {"effort": (r.reasoning or {}).get("effort"), "summary": None},
                 "store": r.store is not False, "temperature": 1.0 if r.temperature is None else r.temperature,
                 "text": {"format": fmt or {"type": "text"}}, "tool_choice": r.tool_choice or "auto",
                 "tools": r.tools or [], "top_p": 1.0 if r.top_p is None else r.top_p, "truncation": "disabled",
