@@ -252,6 +252,8 @@ class _Server(CompletionRoutes):
             logger.info("chat format: harmony (openai-harmony renders the prompt; the output is read by channel)")
         else:
             logger.info("tool-call format: %s", self.tool_parser)
+            if architecture == "GptOssForCausalLM":
+                logger.warning("gpt-oss with a tokenizer that is not harmony's: chat goes through its chat template")
 
     # ---- helpers -----------------------------------------------------------------------------------------
     @property
