@@ -6,20 +6,18 @@ import argparse
 import logging
 import sys
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping
 
-from ferrylm.config import CACHE_POLICIES, CPU_KERNELS, EngineConfig
-from ferrylm.engine.attention import ATTENTION_CHOICES
+from ferrylm.config import EngineConfig
+from ferrylm.flags import add_flags, config_from_args
 from ferrylm.server.text.tool_parsers import TOOL_PARSER_CHOICES
-
-_D = EngineConfig()  # the one source of the serve flags' defaults
 
 if TYPE_CHECKING:
     from ferrylm.engine.sampling_params import SamplingParams
 
 DEFAULT_MODEL = "smollm2-moe"
-
-
+#: ``ferry serve``'s default ``--queue-timeout``, seconds
+SERVE_QUEUE_TIMEOUT = 600.0
 
 
 def _version() -> str:
@@ -90,8 +88,10 @@ def _add_vllm_noop_args(p: argparse.ArgumentParser) -> None:
                        metavar="VALUE" if takes_value else None, help=f"accepted for vLLM command lines; {why}")
 
 
-def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] = ()) -> None:
-    from ferrylm.experts.options import MOE_BACKENDS  # NOTE: here, not at the top: the package imports torch
+def _add_model_args(p: argparse.ArgumentParser, *, defaults: Mapping[str, Any] | None = None,
+                    extra_choices: Mapping[str, Mapping[str, str]] | None = None) -> None:
+    """``--model``, ``--tokenizer``, every EngineConfig flag (keywords: :func:`ferrylm.flags.add_flags`'s), and
+    ``--log-level``."""
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="built-in name (smollm2-moe, smollm2-135m), a local HF folder, a local .gguf file, or "
                         "synthetic:<preset>[:layers=N][:skew=A][:routing=R][:seed=S] (see `ferry models`) "
@@ -99,116 +99,14 @@ def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] 
     p.add_argument("--tokenizer", default=None, metavar="FOLDER",
                    help="tokenizer folder for a synthetic: model (without it a synthetic model takes and prints "
                         "token ids; serving needs one)")
-    p.add_argument("--device", default=_D.device, help=f"auto | cpu | cuda[:N] (default: {_D.device})")
-    p.add_argument("--dtype", default=_D.dtype, help="auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 "
-                                                   "| float16")
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens (default: model's)")
-    p.add_argument("--page-size", type=int, default=_D.page_size, help=f"tokens per KV page (default: {_D.page_size})")
-    p.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (wins over --num-tokens)")
-    p.add_argument("--num-tokens", type=int, default=None, help="KV pool size in tokens")
-    p.add_argument("--max-running-requests", "--max-num-seqs", type=int, dest="max_running_requests",
-                   default=_D.max_running_requests,
-                   help=f"requests decoded together; --max-num-seqs is vLLM's name (default: "
-                        f"{_D.max_running_requests})")
-    p.add_argument("--max-prefill-length", "--max-extend-length", "--chunked-prefill-size", "--max-num-batched-tokens",
-                   type=int, dest="max_prefill_length", default=None,
-                   help="token budget per step (prefill chunk + decodes); --max-num-batched-tokens is vLLM's name, "
-                        "--max-extend-length / --chunked-prefill-size SGLang's (default: 2048 on CPU, 8192 on GPU)")
-    p.add_argument("--moe-backend", default=_D.moe_backend, choices=[*MOE_BACKENDS, *extra_backends],
-                   help="where routed experts live and run: resident (= fused) all on the device; offload: a "
-                        "device expert cache fed over PCIe; cpu: cache misses computed on the CPU; hybrid: misses "
-                        "split between both; auto: resident if it fits, else the fastest predicted"
-                        + ("; all: every backend side by side (default: all)" if "all" in extra_backends
-                           else " (default: auto)"))
-    p.add_argument("--moe-cache-size", type=int, default=None, metavar="N",
-                   help="device expert slots for offload/cpu/hybrid (default: as many as the memory allows)")
-    p.add_argument("--moe-cpu-threads", type=int, default=None, metavar="N",
-                   help="threads computing experts on the CPU (default: physical cores)")
-    p.add_argument("--moe-cache-policy", default=_D.moe_cache_policy, choices=list(CACHE_POLICIES),
-                   help="expert slot eviction: layer-lru (LRU within per-layer shares), lru (one LRU over all "
-                        "layers), layer-lrfu (decaying use counts within the shares; docs/ROUTING.md) "
-                        f"(default: {_D.moe_cache_policy})")
-    p.add_argument("--moe-cpu-kernel", default=_D.moe_cpu_kernel, choices=list(CPU_KERNELS),
-                   help="CPU expert kernel: native (compiled on first use with the host C compiler; decode), "
-                        "torch (oneDNN matmuls), auto: native when it builds (default: auto)")
-    p.add_argument("--moe-decode-table", action=argparse.BooleanOptionalAction, default=_D.moe_decode_table,
-                   help="offload: decode steps read experts through a device table (hits from slots, misses over "
-                        "PCIe by the kernel), one CUDA graph per step; --no-moe-decode-table plans each layer on the "
-                        "host (DMA copies, next-layer prefetch) (default: on)")
-    p.add_argument("--moe-cpu-share", type=int, default=None, metavar="N",
-                   help="hybrid: of each layer's predicted expert misses, N are computed on the CPU instead of "
-                        "copied (default: chosen by timing decode steps)")
-    p.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GiB",
-                   help="device memory ferrylm may use, in GiB (default: what is free)")
-    p.add_argument("--memory-ratio", "--gpu-memory-utilization", type=float, dest="memory_ratio",
-                   default=_D.memory_ratio, metavar="R",
-                   help=f"share of the device memory free at boot the memory plan may use; "
-                        f"--gpu-memory-utilization (vLLM's name) sets the same ratio, of the memory free at boot "
-                        f"rather than of the card's total (default: {_D.memory_ratio})")
-    p.add_argument("--memory-reserve", type=float, default=None, metavar="GiB",
-                   help="GiB of device memory the plan never hands out; the larger of it and the default is the one "
-                        "cut (default: max(512 MiB, (1 - --memory-ratio) x the memory free at boot), or max(512 MiB, "
-                        "5%% of --gpu-memory-limit) under a limit)")
-    p.add_argument("--kv-reserve-tokens", type=int, default=None, metavar="N",
-                   help="KV pool floor in tokens; with an expert cache the experts get the rest (default: the model "
-                        "context when the experts keep a tenth of the slots, else one prefill chunk plus 256 tokens "
-                        "per running request; at least min(context, 512))")
-    p.add_argument("--moe-cache-auto", action="store_true",
-                   help="give the device memory the KV floor leaves to expert slots (offload/cpu/hybrid; the default "
-                        "behaviour now, accepted for compatibility)")
-    p.add_argument("--faults", default=None, metavar="SPEC",
-                   help="fault injection for tests, e.g. prefill_workspace:times=1 (see ferrylm/faults.py; env "
-                        "FERRYLM_FAULTS adds rules)")
-    p.add_argument("--seed", type=int, default=_D.seed, help=f"seed for unseeded sampling (default: {_D.seed})")
-    p.add_argument("--queue-timeout", type=float, default=None,
-                   help="seconds a request may wait for its first step before 503 queue_timeout; 0 = off "
-                        "(default: 600 for serve, off otherwise)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="run decode steps without CUDA graphs (default: decode steps of up to "
-                        "--cuda-graph-max-batch sequences are captured in CUDA graphs on a CUDA device)")
-    p.add_argument("--cuda-graph-max-batch", type=int, default=None, metavar="N",
-                   help="largest decode batch run through CUDA graphs (default: --max-running-requests)")
-    p.add_argument("--attention-backend", default=_D.attention_backend, choices=list(ATTENTION_CHOICES),
-                   help="attention kernels: triton (reads the paged KV pool in place; CUDA), torch (gathers, SDPA; "
-                        "the CPU path), auto: triton on CUDA (default: auto)")
-    p.add_argument("--cuda-graph-max-len", type=int, default=_D.cuda_graph_max_len, metavar="TOKENS",
-                   help="offloading backends: longest sequence run through the piecewise CUDA graphs; longer ones "
-                        f"decode eagerly (default: {_D.cuda_graph_max_len})")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=_D.enable_prefix_caching,
-                   help="automatic prefix caching: full KV pages of earlier requests are reused by requests that "
-                        "start with the same tokens (--no-enable-prefix-caching turns it off; default: "
-                        f"{'on' if _D.enable_prefix_caching else 'off'})")
-    p.add_argument("--tensor-parallel-size", "--tp-size", type=int, dest="tensor_parallel_size",
-                   default=_D.tensor_parallel_size, metavar="N",
-                   help="split the model over N ranks of this host, one engine process each (NCCL on CUDA: rank r "
-                        "on cuda:r; gloo on the CPU); N must divide the attention heads and the MLP / expert widths "
-                        f"(default: {_D.tensor_parallel_size})")
-    p.add_argument("--debug-invariants", action="store_true", help="check KV/scheduler invariants every step")
+    add_flags(p, EngineConfig, defaults=defaults, extra_choices=extra_choices)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="logging level (default: INFO)")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     """Build and validate the EngineConfig. Raises ValueError naming the flag."""
-    return EngineConfig(device=a.device, dtype=a.dtype, page_size=a.page_size, num_pages=a.num_pages,
-                        num_tokens=a.num_tokens, max_running_requests=a.max_running_requests,
-                        max_prefill_length=a.max_prefill_length, max_model_len=a.max_model_len,
-                        moe_backend="resident" if a.moe_backend == "fused" else a.moe_backend,
-                        check_invariants=a.debug_invariants, seed=a.seed,
-                        queue_timeout=a.queue_timeout or None, moe_cache_size=a.moe_cache_size,
-                        moe_cpu_threads=a.moe_cpu_threads, moe_cpu_kernel=a.moe_cpu_kernel,
-                        moe_cache_policy=a.moe_cache_policy,
-                        moe_cpu_share=a.moe_cpu_share, moe_decode_table=a.moe_decode_table,
-                        gpu_memory_limit=a.gpu_memory_limit,
-                        memory_ratio=a.memory_ratio, memory_reserve=a.memory_reserve,
-                        kv_reserve_tokens=a.kv_reserve_tokens, moe_cache_auto=a.moe_cache_auto,
-                        faults=a.faults, decode_graphs="off" if a.enforce_eager else "auto",
-                        cuda_graph_max_batch=a.cuda_graph_max_batch,
-                        cuda_graph_max_len=a.cuda_graph_max_len,
-                        attention_backend=a.attention_backend,
-                        enable_prefix_caching=a.enable_prefix_caching,
-                        tensor_parallel_size=a.tensor_parallel_size).validate()
+    return config_from_args(EngineConfig, a).validate()
 
 
 def sampling_params_from_args(a: argparse.Namespace) -> "SamplingParams":
@@ -234,15 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
     s.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
                    help="the model, as vLLM takes it (`ferry serve MODEL`); the same as --model")
-    _add_model_args(s)
+    # NOTE: a bound on every request's wait for its first step, so none waits forever (aging bounds it under a
+    # stream of smaller arrivals; this bounds it whatever the load)
+    _add_model_args(s, defaults={"queue_timeout": SERVE_QUEUE_TIMEOUT})
     s.set_defaults(model=None, usage_parser=s)   # None: --model not given (the positional may be)
     _add_vllm_noop_args(s)
     s.add_argument("--chat-template", default=None, metavar="FILE_OR_JINJA",
                    help="chat template replacing the tokenizer's: a file path, or the Jinja text itself (default: "
                         "the tokenizer's own)")
-    # NOTE: a bound on every request's wait for its first step, so none waits forever (aging bounds it under a
-    # stream of smaller arrivals; this bounds it whatever the load)
-    s.set_defaults(queue_timeout=600.0)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     s.add_argument("--port", type=port_number, default=8000, help="port (default: 8000)")
     s.add_argument("--served-model-name", default=None, help="model id clients use (default: the model's name)")
@@ -338,8 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bd = bsub.add_parser("decode", help="decode speed of the MoE backends: tok/s, hit rate, PCIe bytes/token, "
                                         "measured bandwidths, roofline")
-    _add_model_args(bd, extra_backends=("all",))
-    bd.set_defaults(moe_backend="all")  # auto is decided by `ferry serve`; the bench compares backends
+    # NOTE: auto is decided by `ferry serve`; the bench compares backends
+    _add_model_args(bd, defaults={"moe_backend": "all"},
+                    extra_choices={"moe_backend": {"all": "every backend side by side"}})
     bd.add_argument("--batch", default="1", help="sequences decoded together; a comma list runs each size over the "
                                                  "same loaded model, e.g. 1,16,64 (default: 1)")
     bd.add_argument("--tokens", type=int, default=128, help="decode tokens per sequence (default: 128)")
