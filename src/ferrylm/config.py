@@ -1,4 +1,5 @@
-"""Configuration objects: what the model is (ModelConfig, from config.json) and how to serve it (ServeConfig).
+"""Configuration objects: what the model is (ModelConfig, from config.json) and how the engine runs (EngineConfig,
+whose fields declare their command-line flags: ``ferrylm/flags.py``).
 
 Frozen dataclasses passed down explicitly; no module-level mutable state. This module must stay light (no torch
 import) because the CLI and the HTTP frontend import it.

@@ -82,7 +82,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, defaults: Mapping[s
         default = defaults.get(f.name, f.default)
         extra = extra_choices.get(f.name, {})
         help_text = fl.help + "".join(f"; {value}: {meaning}" for value, meaning in extra.items())
-        kw: dict[str, Any] = {"dest": _name(f, fl).lstrip("-").replace("-", "_"), "help": help_text}
+        kw: dict[str, Any] = {"dest": _dest(f, fl), "help": help_text}
         kind = _scalar_type(hints[f.name], f.name)
         if fl.switch is not None or kind is bool:
             kw.update(action=argparse.BooleanOptionalAction if default is True else "store_true",
@@ -101,7 +101,7 @@ def config_from_args(cls: type, args: argparse.Namespace, **values: Any) -> Any:
     """``cls`` built from the namespace of a parser :func:`add_flags` filled; ``values`` set fields without a
     flag. Fields without a flag and not in ``values`` keep their defaults."""
     for f, fl in flagged_fields(cls):
-        given = getattr(args, _name(f, fl).lstrip("-").replace("-", "_"))
+        given = getattr(args, _dest(f, fl))
         if fl.switch is not None:
             given = fl.switch if given else f.default
         values[f.name] = fl.convert(given) if fl.convert else given
@@ -110,6 +110,11 @@ def config_from_args(cls: type, args: argparse.Namespace, **values: Any) -> Any:
 
 def _name(f: dataclasses.Field, fl: Flag) -> str:
     return fl.name or "--" + f.name.replace("_", "-")
+
+
+def _dest(f: dataclasses.Field, fl: Flag) -> str:
+    """The namespace key: the option without dashes, as argparse names it."""
+    return _name(f, fl).lstrip("-").replace("-", "_")
 
 
 def _scalar_type(hint: Any, field_name: str) -> type:
