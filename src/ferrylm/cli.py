@@ -6,20 +6,18 @@ import argparse
 import logging
 import sys
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping
 
-from ferrylm.config import CACHE_POLICIES, CPU_KERNELS, EngineConfig
-from ferrylm.engine.attention import ATTENTION_CHOICES
+from ferrylm.config import EngineConfig
+from ferrylm.flags import add_flags, config_from_args
 from ferrylm.server.text.tool_parsers import TOOL_PARSER_CHOICES
-
-_D = EngineConfig()  # the one source of the serve flags' defaults
 
 if TYPE_CHECKING:
     from ferrylm.engine.sampling_params import SamplingParams
 
 DEFAULT_MODEL = "smollm2-moe"
-
-
+#: ``ferry serve``'s default ``--queue-timeout``, seconds
+SERVE_QUEUE_TIMEOUT = 600.0
 
 
 def _version() -> str:
@@ -90,8 +88,10 @@ def _add_vllm_noop_args(p: argparse.ArgumentParser) -> None:
                        metavar="VALUE" if takes_value else None, help=f"accepted for vLLM command lines; {why}")
 
 
-def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] = ()) -> None:
-    from ferrylm.experts.options import MOE_BACKENDS  # NOTE: here, not at the top: the package imports torch
+def _add_model_args(p: argparse.ArgumentParser, *, defaults: Mapping[str, Any] | None = None,
+                    extra_choices: Mapping[str, Mapping[str, str]] | None = None) -> None:
+    """``--model``, ``--tokenizer``, every EngineConfig flag (keywords: :func:`ferrylm.flags.add_flags`'s), and
+    ``--log-level``."""
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="built-in name (smollm2-moe, smollm2-135m), a local HF folder, a local .gguf file, or "
                         "synthetic:<preset>[:layers=N][:skew=A][:routing=R][:seed=S] (see `ferry models`) "
@@ -99,116 +99,14 @@ def _add_model_args(p: argparse.ArgumentParser, extra_backends: tuple[str, ...] 
     p.add_argument("--tokenizer", default=None, metavar="FOLDER",
                    help="tokenizer folder for a synthetic: model (without it a synthetic model takes and prints "
                         "token ids; serving needs one)")
-    p.add_argument("--device", default=_D.device, help=f"auto | cpu | cuda[:N] (default: {_D.device})")
-    p.add_argument("--dtype", default=_D.dtype, help="auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 "
-                                                   "| float16")
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens (default: model's)")
-    p.add_argument("--page-size", type=int, default=_D.page_size, help=f"tokens per KV page (default: {_D.page_size})")
-    p.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (wins over --num-tokens)")
-    p.add_argument("--num-tokens", type=int, default=None, help="KV pool size in tokens")
-    p.add_argument("--max-running-requests", "--max-num-seqs", type=int, dest="max_running_requests",
-                   default=_D.max_running_requests,
-                   help=f"requests decoded together; --max-num-seqs is vLLM's name (default: "
-                        f"{_D.max_running_requests})")
-    p.add_argument("--max-prefill-length", "--max-extend-length", "--chunked-prefill-size", "--max-num-batched-tokens",
-                   type=int, dest="max_prefill_length", default=None,
-                   help="token budget per step (prefill chunk + decodes); --max-num-batched-tokens is vLLM's name, "
-                        "--max-extend-length / --chunked-prefill-size SGLang's (default: 2048 on CPU, 8192 on GPU)")
-    p.add_argument("--moe-backend", default=_D.moe_backend, choices=[*MOE_BACKENDS, *extra_backends],
-                   help="where routed experts live and run: resident (= fused) all on the device; offload: a "
-                        "device expert cache fed over PCIe; cpu: cache misses computed on the CPU; hybrid: misses "
-                        "split between both; auto: resident if it fits, else the fastest predicted"
-                        + ("; all: every backend side by side (default: all)" if "all" in extra_backends
-                           else " (default: auto)"))
-    p.add_argument("--moe-cache-size", type=int, default=None, metavar="N",
-                   help="device expert slots for offload/cpu/hybrid (default: as many as the memory allows)")
-    p.add_argument("--moe-cpu-threads", type=int, default=None, metavar="N",
-                   help="threads computing experts on the CPU (default: physical cores)")
-    p.add_argument("--moe-cache-policy", default=_D.moe_cache_policy, choices=list(CACHE_POLICIES),
-                   help="expert slot eviction: layer-lru (LRU within per-layer shares), lru (one LRU over all "
-                        "layers), layer-lrfu (decaying use counts within the shares; docs/ROUTING.md) "
-                        f"(default: {_D.moe_cache_policy})")
-    p.add_argument("--moe-cpu-kernel", default=_D.moe_cpu_kernel, choices=list(CPU_KERNELS),
-                   help="CPU expert kernel: native (compiled on first use with the host C compiler; decode), "
-                        "torch (oneDNN matmuls), auto: native when it builds (default: auto)")
-    p.add_argument("--moe-decode-table", action=argparse.BooleanOptionalAction, default=_D.moe_decode_table,
-                   help="offload: decode steps read experts through a device table (hits from slots, misses over "
-                        "PCIe by the kernel), one CUDA graph per step; --no-moe-decode-table plans each layer on the "
-                        "host (DMA copies, next-layer prefetch) (default: on)")
-    p.add_argument("--moe-cpu-share", type=int, default=None, metavar="N",
-                   help="hybrid: of each layer's predicted expert misses, N are computed on the CPU instead of "
-                        "copied (default: chosen by timing decode steps)")
-    p.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GiB",
-                   help="device memory ferrylm may use, in GiB (default: what is free)")
-    p.add_argument("--memory-ratio", "--gpu-memory-utilization", type=float, dest="memory_ratio",
-                   default=_D.memory_ratio, metavar="R",
-                   help=f"share of the device memory free at boot the memory plan may use; "
-                        f"--gpu-memory-utilization (vLLM's name) sets the same ratio, of the memory free at boot "
-                        f"rather than of the card's total (default: {_D.memory_ratio})")
-    p.add_argument("--memory-reserve", type=float, default=None, metavar="GiB",
-                   help="GiB of device memory the plan never hands out; the larger of it and the default is the one "
-                        "cut (default: max(512 MiB, (1 - --memory-ratio) x the memory free at boot), or max(512 MiB, "
-                        "5%% of --gpu-memory-limit) under a limit)")
-    p.add_argument("--kv-reserve-tokens", type=int, default=None, metavar="N",
-                   help="KV pool floor in tokens; with an expert cache the experts get the rest (default: the model "
-                        "context when the experts keep a tenth of the slots, else one prefill chunk plus 256 tokens "
-                        "per running request; at least min(context, 512))")
-    p.add_argument("--moe-cache-auto", action="store_true",
-                   help="give the device memory the KV floor leaves to expert slots (offload/cpu/hybrid; the default "
-                        "behaviour now, accepted for compatibility)")
-    p.add_argument("--faults", default=None, metavar="SPEC",
-                   help="fault injection for tests, e.g. prefill_workspace:times=1 (see ferrylm/faults.py; env "
-                        "FERRYLM_FAULTS adds rules)")
-    p.add_argument("--seed", type=int, default=_D.seed, help=f"seed for unseeded sampling (default: {_D.seed})")
-    p.add_argument("--queue-timeout", type=float, default=None,
-                   help="seconds a request may wait for its first step before 503 queue_timeout; 0 = off "
-                        "(default: 600 for serve, off otherwise)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="run decode steps without CUDA graphs (default: decode steps of up to "
-                        "--cuda-graph-max-batch sequences are captured in CUDA graphs on a CUDA device)")
-    p.add_argument("--cuda-graph-max-batch", type=int, default=None, metavar="N",
-                   help="largest decode batch run through CUDA graphs (default: --max-running-requests)")
-    p.add_argument("--attention-backend", default=_D.attention_backend, choices=list(ATTENTION_CHOICES),
-                   help="attention kernels: triton (reads the paged KV pool in place; CUDA), torch (gathers, SDPA; "
-                        "the CPU path), auto: triton on CUDA (default: auto)")
-    p.add_argument("--cuda-graph-max-len", type=int, default=_D.cuda_graph_max_len, metavar="TOKENS",
-                   help="offloading backends: longest sequence run through the piecewise CUDA graphs; longer ones "
-                        f"decode eagerly (default: {_D.cuda_graph_max_len})")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=_D.enable_prefix_caching,
-                   help="automatic prefix caching: full KV pages of earlier requests are reused by requests that "
-                        "start with the same tokens (--no-enable-prefix-caching turns it off; default: "
-                        f"{'on' if _D.enable_prefix_caching else 'off'})")
-    p.add_argument("--tensor-parallel-size", "--tp-size", type=int, dest="tensor_parallel_size",
-                   default=_D.tensor_parallel_size, metavar="N",
-                   help="split the model over N ranks of this host, one engine process each (NCCL on CUDA: rank r "
-                        "on cuda:r; gloo on the CPU); N must divide the attention heads and the MLP / expert widths "
-                        f"(default: {_D.tensor_parallel_size})")
-    p.add_argument("--debug-invariants", action="store_true", help="check KV/scheduler invariants every step")
+    add_flags(p, EngineConfig, defaults=defaults, extra_choices=extra_choices)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="logging level (default: INFO)")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     """Build and validate the EngineConfig. Raises ValueError naming the flag."""
-    return EngineConfig(device=a.device, dtype=a.dtype, page_size=a.page_size, num_pages=a.num_pages,
-                        num_tokens=a.num_tokens, max_running_requests=a.max_running_requests,
-                        max_prefill_length=a.max_prefill_length, max_model_len=a.max_model_len,
-                        moe_backend="resident" if a.moe_backend == "fused" else a.moe_backend,
-                        check_invariants=a.debug_invariants, seed=a.seed,
-                        queue_timeout=a.queue_timeout or None, moe_cache_size=a.moe_cache_size,
-                        moe_cpu_threads=a.moe_cpu_threads, moe_cpu_kernel=a.moe_cpu_kernel,
-                        moe_cache_policy=a.moe_cache_policy,
-                        moe_cpu_share=a.moe_cpu_share, moe_decode_table=a.moe_decode_table,
-                        gpu_memory_limit=a.gpu_memory_limit,
-                        memory_ratio=a.memory_ratio, memory_reserve=a.memory_reserve,
-                        kv_reserve_tokens=a.kv_reserve_tokens, moe_cache_auto=a.moe_cache_auto,
-                        faults=a.faults, decode_graphs="off" if a.enforce_eager else "auto",
-                        cuda_graph_max_batch=a.cuda_graph_max_batch,
-                        cuda_graph_max_len=a.cuda_graph_max_len,
-                        attention_backend=a.attention_backend,
-                        enable_prefix_caching=a.enable_prefix_caching,
-                        tensor_parallel_size=a.tensor_parallel_size).validate()
+    return config_from_args(EngineConfig, a).validate()
 
 
 def sampling_params_from_args(a: argparse.Namespace) -> "SamplingParams":
@@ -225,24 +123,32 @@ def sampling_params_from_args(a: argparse.Namespace) -> "SamplingParams":
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ferrylm.bench.cli import add_bench_parser
+
     parser = argparse.ArgumentParser(prog="ferry", description="ferrylm: serve MoE LLMs larger than your GPU")
     parser.set_defaults(usage_parser=parser)   # a command's own parser replaces it: its usage line on errors
     parser.add_argument("--version", action="version", version=f"ferry (ferrylm) {_version()}",
                         help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve_parser(sub)
+    add_bench_parser(sub, model_args=_add_model_args, port=port_number, default_model=DEFAULT_MODEL)
+    sub.add_parser("models", help="list built-in models, synthetic presets and supported architectures")
+    _add_generate_parser(sub)
+    return parser
 
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
     s.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
                    help="the model, as vLLM takes it (`ferry serve MODEL`); the same as --model")
-    _add_model_args(s)
+    # NOTE: a bound on every request's wait for its first step, so none waits forever (aging bounds it under a
+    # stream of smaller arrivals; this bounds it whatever the load)
+    _add_model_args(s, defaults={"queue_timeout": SERVE_QUEUE_TIMEOUT})
     s.set_defaults(model=None, usage_parser=s)   # None: --model not given (the positional may be)
     _add_vllm_noop_args(s)
     s.add_argument("--chat-template", default=None, metavar="FILE_OR_JINJA",
                    help="chat template replacing the tokenizer's: a file path, or the Jinja text itself (default: "
                         "the tokenizer's own)")
-    # NOTE: a bound on every request's wait for its first step, so none waits forever (aging bounds it under a
-    # stream of smaller arrivals; this bounds it whatever the load)
-    s.set_defaults(queue_timeout=600.0)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     s.add_argument("--port", type=port_number, default=8000, help="port (default: 8000)")
     s.add_argument("--served-model-name", default=None, help="model id clients use (default: the model's name)")
@@ -262,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--responses-store-size", type=int, default=1024, metavar="N",
                    help="responses kept in memory for the Responses API's previous_response_id (oldest evicted "
                         "first; default 1024)")
+    _add_serve_guard_args(s)
+
+
+def _add_serve_guard_args(s: argparse.ArgumentParser) -> None:
+    """CORS, the web page, and the server's restart, watchdog and timeout limits."""
     s.add_argument("--allowed-origins", type=_name_list, action="extend", default=None,
                    metavar="ORIGIN",
                    help="CORS: origins browsers may call from ('*' for any), as vLLM takes them: a JSON list, "
@@ -289,153 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are "
                         "answered with an error and the server exits (default: 30)")
 
-    b = sub.add_parser("bench", help="benchmarks")
-    bsub = b.add_subparsers(dest="bench_command", required=True)
-    bs = bsub.add_parser("serve", help="load generator against a running server (TTFT, ITL, throughput)",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    bs.add_argument("--host", default="127.0.0.1", help="server address")
-    bs.add_argument("--port", type=port_number, default=8000, help="server port")
-    bs.add_argument("--model", default=None, help="model id; None: the server's first model")
-    bs.add_argument("--concurrency", type=int, default=1, help="requests in flight")
-    bs.add_argument("--num-prompts", type=int, default=32, help="requests sent in all")
-    bs.add_argument("--input-len", type=int, default=128, help="prompt tokens")
-    bs.add_argument("--output-len", type=int, default=64, help="generated tokens per request (ignore_eos)")
-    bs.add_argument("--random-lengths", action="store_true", help="lengths uniform in [0.5x, 1.5x]")
-    bs.add_argument("--vocab-upper", type=int, default=1000, help="prompt token ids are drawn from [1, N)")
-    bs.add_argument("--seed", type=int, default=0, help="seed of the prompts and lengths")
-    bs.add_argument("--api-key", default=None, help="bearer key of the server (the server's --api-key)")
-    bs.add_argument("--output-json", default=None, help="write the summary here")
-    bs.add_argument("--multi-turn", action="store_true",
-                    help="agent-like conversations: each turn re-sends the history, the previous answer and "
-                         "--input-len new tokens after a system prefix shared by every conversation; reports TTFT "
-                         "and cached tokens per turn")
-    bs.add_argument("--num-conversations", type=int, default=4, help="--multi-turn: conversations at once")
-    bs.add_argument("--num-turns", type=int, default=8, help="--multi-turn: turns per conversation")
-    bs.add_argument("--shared-prefix-len", type=int, default=2048,
-                    help="--multi-turn: tokens of the system prefix every conversation starts with")
-    bs.add_argument("--log-level", default="WARNING", help="logging level")
 
-    bu = bsub.add_parser("suite", help="named scenarios: each one `ferry serve` (default flags + its own) measured "
-                                        "by `ferry bench serve`, one JSON per scenario with its roofline")
-    bu.add_argument("--only", default=None, help="comma list of scenario names (default: all; --list shows them)")
-    bu.add_argument("--list", action="store_true", help="print the scenarios and exit")
-    bu.add_argument("--scenarios", default=None, help="scenario file (default: the package's bench/scenarios.toml)")
-    bu.add_argument("--tokenizer", default=None, help="tokenizer folder for the synthetic models' scenarios")
-    bu.add_argument("--out-dir", default="docs/bench", help="where the JSON goes (default: docs/bench)")
-    bu.add_argument("--log-dir", default=None, help="where the servers' logs go (default: --out-dir)")
-    bu.add_argument("--date", default=None, help="date prefix of the JSON names (default: today)")
-    bu.add_argument("--port", type=port_number, default=8391, help="port of the servers (default: 8391)")
-    bu.add_argument("--ready-timeout", type=float, default=600.0,
-                    help="seconds a server may take to become ready (default: 600)")
-    bu.add_argument("--vocab-upper", type=int, default=1000, help="prompt token ids from [1, N) (default: 1000)")
-    bu.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
-
-    bt = bsub.add_parser("tables", help="write the headline tables of BENCHMARKS.md from the suite's JSON")
-    bt.add_argument("--bench-dir", default="docs/bench", help="the JSON folder (default: docs/bench)")
-    bt.add_argument("--doc", default="docs/BENCHMARKS.md", help="the document (default: docs/BENCHMARKS.md)")
-    bt.add_argument("--check", action="store_true", help="exit 1 when the document differs from the JSON's tables")
-    bt.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
-
-    bd = bsub.add_parser("decode", help="decode speed of the MoE backends: tok/s, hit rate, PCIe bytes/token, "
-                                        "measured bandwidths, roofline")
-    _add_model_args(bd, extra_backends=("all",))
-    bd.set_defaults(moe_backend="all")  # auto is decided by `ferry serve`; the bench compares backends
-    bd.add_argument("--batch", default="1", help="sequences decoded together; a comma list runs each size over the "
-                                                 "same loaded model, e.g. 1,16,64 (default: 1)")
-    bd.add_argument("--tokens", type=int, default=128, help="decode tokens per sequence (default: 128)")
-    bd.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per sequence (default: 16)")
-    bd.add_argument("--no-prefetch", action="store_true", help="offload: no next-layer prefetch")
-    bd.add_argument("--temperature", type=float, default=0.0,
-                    help="0 = greedy (default); > 0 samples, seeded per request (varied routing on synthetic models)")
-    bd.add_argument("--output-json", default=None, help="write the results here")
-    bd.add_argument("--profile-steps", type=int, default=0,
-                    help="after each backend's run, decode N more tokens under torch.profiler and print the "
-                         "top ops by host and device time (default: 0 = off)")
-
-    bc = bsub.add_parser("cpu-experts", help="CPU expert jobs (one token per expert, as at decode) timed per "
-                                             "kernel, threads and experts per job")
-    bc.add_argument("--hidden", type=int, default=2048, help="hidden size H (default: 2048, Qwen3-30B-A3B)")
-    bc.add_argument("--inter", type=int, default=768, help="expert intermediate size I (default: 768)")
-    bc.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                    help="expert weight dtype (default: bfloat16)")
-    bc.add_argument("--quant", default="none",
-                    help="comma list of expert formats: none (plain --dtype rows) and the synthetic quant names "
-                         "fp8, int4, mxfp4, nvfp4 (random codes of that format; default: none)")
-    bc.add_argument("--kernels", default="torch,native", help="comma list of --moe-cpu-kernel values "
-                                                                "(default: torch,native)")
-    bc.add_argument("--threads", default=None, help="comma list of thread counts (default: physical cores)")
-    bc.add_argument("--experts", default="1,2,4", help="comma list of experts per job (default: 1,2,4)")
-    bc.add_argument("--jobs", type=int, default=100, help="timed jobs per configuration (default: 100)")
-    bc.add_argument("--gap-ms", type=float, default=0.5,
-                    help="calling thread busy between jobs, as between layers (default: 0.5)")
-    bc.add_argument("--dma", default="auto", choices=["auto", "on", "off"],
-                    help="pinned host->device copies during the jobs, as the prefetch does (default: auto = on "
-                         "with CUDA)")
-    bc.add_argument("--bank-experts", type=int, default=64,
-                    help="distinct experts the jobs cycle through, beyond the CPU caches (default: 64)")
-    bc.add_argument("--output-json", default=None, help="write the rows here")
-    bc.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
-
-    bk = bsub.add_parser("kernels", help="GPU kernel candidates side by side: paged attention (Triton vs torch), "
-                                         "fused MoE (Triton vs torch._grouped_mm vs the torch path)")
-    bk.add_argument("--output-json", default=None, help="write the rows here")
-    bk.add_argument("--only", default=None, help="comma list of groups: attention, moe, mapped (the offload table "
-                                                 "launch reading experts from slots or mapped host memory); "
-                                                 "default all")
-    bk.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
-
-    bh = bsub.add_parser("hf", help="the bench-serve prompts through transformers generate (reference speed)")
-    bh.add_argument("--model", default=DEFAULT_MODEL, help=f"built-in name or HF folder (default: {DEFAULT_MODEL})")
-    bh.add_argument("--batch", type=int, default=1, help="sequences generated together (default: 1)")
-    bh.add_argument("--num-prompts", type=int, default=32, help="prompts in all (default: 32)")
-    bh.add_argument("--input-len", type=int, default=128, help="prompt tokens (default: 128)")
-    bh.add_argument("--output-len", type=int, default=64, help="generated tokens per prompt (default: 64)")
-    bh.add_argument("--vocab-upper", type=int, default=1000, help="prompt token ids are drawn from [1, N) "
-                                                                  "(default: 1000)")
-    bh.add_argument("--seed", type=int, default=0, help="prompt seed (default: 0)")
-    bh.add_argument("--dtype", default="float32", help="model dtype (default: float32)")
-    bh.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
-
-    ba = bsub.add_parser("accelerate", help="baseline: the same synthetic model and GPU cap through transformers + "
-                                            "accelerate offload (device_map with max_memory), greedy decode tok/s "
-                                            "(needs pip install 'ferrylm[bench]')")
-    ba.add_argument("--model", required=True, metavar="SPEC", help="synthetic:<preset>[:layers=N][:seed=S]")
-    ba.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GiB",
-                    help="device memory the baseline may use, in GiB: accelerate gets it less --reserve for "
-                         "weights, the caching allocator is capped at it (default: no cap, nothing offloaded)")
-    ba.add_argument("--reserve", type=float, default=1.0, metavar="GiB",
-                    help="part of --gpu-memory-limit kept out of accelerate's weight budget for the KV cache and "
-                         "activations (default: 1)")
-    ba.add_argument("--cpu-memory-limit", type=float, default=None, metavar="GiB",
-                    help="host memory accelerate may place weights in (default: unbounded)")
-    ba.add_argument("--batch", type=int, default=1, help="sequences decoded together (default: 1)")
-    ba.add_argument("--tokens", type=int, default=32, help="timed decode steps after the prefill (default: 32)")
-    ba.add_argument("--prompt-tokens", "--prompt-len", dest="prompt_tokens", type=int, default=16,
-                    help="prompt tokens per sequence (default: 16)")
-    ba.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                    help="model dtype (default: bfloat16)")
-    ba.add_argument("--device", default="auto", help="auto | cuda[:N] | cpu (default: auto)")
-    ba.add_argument("--seed", type=int, default=0, help="prompt seed, as ferry bench decode --seed (default: 0)")
-    ba.add_argument("--output-json", default=None, help="write the result (with the token ids) here")
-    ba.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
-
-    bp = bsub.add_parser("cache-policy", help="expert-cache hit rate vs slots per layer by policy, and next-layer "
-                                              "prefetch, simulated on synthetic routing traces (CPU, no model)")
-    bp.add_argument("--profiles", default="qwen3,olmoe,wide512,uniform",
-                    help="routing profiles, comma-separated (default: qwen3,olmoe,wide512,uniform)")
-    bp.add_argument("--batches", default="1,8", help="sequences decoded together, comma-separated (default: 1,8)")
-    bp.add_argument("--policies", default="lru,layer-lru,layer-lfu,layer-lrfu-q0.5,layer-lrfu,layer-lrfu-q2,"
-                                          "layer-lrfu-q4,opt",
-                    help="policies, comma-separated (see ferrylm/bench/cache_policy.py)")
-    bp.add_argument("--layers", type=int, default=8, help="MoE layers simulated (default: 8)")
-    bp.add_argument("--steps", type=int, default=384, help="decode steps, the first 64 warm-up (default: 384)")
-    bp.add_argument("--seed", type=int, default=0, help="seed of the routing traces (default: 0)")
-    bp.add_argument("--json", default=None, metavar="PATH", help="write every curve and the prefetch figures here")
-    bp.add_argument("--verbose", action="store_true", help="one line per simulation on stderr")
-    bp.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
-
-    sub.add_parser("models", help="list built-in models, synthetic presets and supported architectures")
-
+def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="print a completion without a server")
     _add_model_args(g)
     g.set_defaults(usage_parser=g)
@@ -447,7 +213,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
     g.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest tokens; -1 = off (default)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    return parser
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
@@ -485,7 +250,9 @@ def _main(argv: list[str] | None, boot=None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     usage = args.usage_parser   # errors print the command's own usage line, as argparse's do
     if args.command == "bench":
-        return _bench(args)
+        from ferrylm.bench.cli import run as run_bench
+
+        return run_bench(args)
     try:
         engine_config = engine_config_from_args(args)
         params = sampling_params_from_args(args) if args.command == "generate" else None
@@ -510,116 +277,6 @@ def _main(argv: list[str] | None, boot=None) -> int:
         return _generate(args, engine_config, params)
     parser.error(f"unknown command {args.command}")
     return 2
-
-
-def _bench(args: argparse.Namespace) -> int:
-    import asyncio
-    import json
-
-    if args.bench_command == "decode":
-        from ferrylm.bench.decode import main as bench_decode
-
-        return bench_decode(args)
-    if args.bench_command == "suite":
-        from ferrylm.bench.suite import main as bench_suite
-
-        return bench_suite(args)
-    if args.bench_command == "tables":
-        from ferrylm.bench.tables import main as bench_tables
-
-        return bench_tables(args)
-    if args.bench_command == "cpu-experts":
-        from ferrylm.bench.cpu_experts import main as bench_cpu_experts
-
-        return bench_cpu_experts(args)
-    if args.bench_command == "kernels":
-        from ferrylm.bench.kernels import main as bench_kernels
-
-        return bench_kernels(args)
-    if args.bench_command == "cache-policy":
-        from ferrylm.bench.cache_policy import main as bench_cache_policy
-
-        return bench_cache_policy(args)
-    if args.bench_command == "accelerate":
-        from ferrylm.bench.accelerate_offload import main as bench_accelerate
-
-        return bench_accelerate(args)
-    if args.bench_command == "hf":
-        from ferrylm.bench.hf_baseline import run_hf_baseline
-        from ferrylm.bench.serve import BenchConfig
-        from ferrylm.checkpoints.resolve import resolve_model
-
-        cfg = BenchConfig(base_url="", model=None, concurrency=args.batch, num_prompts=args.num_prompts,
-                          input_len=args.input_len, output_len=args.output_len, vocab_upper=args.vocab_upper,
-                          seed=args.seed)
-        res = run_hf_baseline(str(resolve_model(args.model).path), cfg, args.batch, args.dtype)
-        print(f"transformers generate  batch {res['batch']}  prompts {res['num_prompts']}  "
-              f"output throughput {res['output_throughput']:.1f} tok/s  ({res['duration_s']:.1f} s)")
-        return 0
-
-    from ferrylm.bench.serve import BenchConfig, BenchError, format_summary, run_bench
-
-    if args.multi_turn:
-        return _bench_multi_turn(args)
-    for flag, v in (("--concurrency", args.concurrency), ("--num-prompts", args.num_prompts),
-                    ("--input-len", args.input_len), ("--output-len", args.output_len)):
-        if v < 1:
-            print(f"ferry bench serve: {flag} must be >= 1", file=sys.stderr)
-            return 2
-    cfg = BenchConfig(base_url=f"http://{args.host}:{args.port}", model=args.model, concurrency=args.concurrency,
-                      num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-                      random_lengths=args.random_lengths, vocab_upper=args.vocab_upper, seed=args.seed,
-                      api_key=args.api_key)
-    try:
-        summary = asyncio.run(run_bench(cfg, progress=sys.stderr.isatty()))
-    except BenchError as e:
-        print(f"ferry bench serve: {cfg.base_url}: {e}", file=sys.stderr)
-        return 1
-    except Exception as e:  # connection refused and the like: one line, not a traceback
-        print(f"ferry bench serve: cannot benchmark {cfg.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    print(format_summary(summary))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(summary, f, indent=2)
-    return 0 if summary["failed"] == 0 else 1
-
-
-def _bench_multi_turn(args: argparse.Namespace) -> int:
-    """``ferry bench serve --multi-turn`` (``bench/multi_turn.py``): 2 on a bad flag, 1 when the server cannot be
-    reached or a turn failed."""
-    import asyncio
-    import json
-
-    from ferrylm.bench.multi_turn import MultiTurnConfig, format_multi_turn, run_multi_turn
-    from ferrylm.bench.serve import BenchError
-
-    for flag, v in (("--num-conversations", args.num_conversations), ("--num-turns", args.num_turns),
-                    ("--input-len", args.input_len), ("--output-len", args.output_len)):
-        if v < 1:
-            print(f"ferry bench serve: {flag} must be >= 1", file=sys.stderr)
-            return 2
-    if args.shared_prefix_len < 0:
-        print("ferry bench serve: --shared-prefix-len must be >= 0", file=sys.stderr)
-        return 2
-    cfg = MultiTurnConfig(base_url=f"http://{args.host}:{args.port}", model=args.model,
-                          num_conversations=args.num_conversations, num_turns=args.num_turns,
-                          shared_prefix_len=args.shared_prefix_len, input_len=args.input_len,
-                          output_len=args.output_len, vocab_upper=args.vocab_upper, seed=args.seed,
-                          api_key=args.api_key)
-    try:
-        summary = asyncio.run(run_multi_turn(cfg))
-    except BenchError as e:
-        print(f"ferry bench serve: {cfg.base_url}: {e}", file=sys.stderr)
-        return 1
-    except Exception as e:  # connection refused and the like: one line, not a traceback
-        print(f"ferry bench serve: cannot benchmark {cfg.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    print(format_multi_turn(summary))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(summary, f, indent=2)
-    return 0 if summary["failed"] == 0 else 1
 
 
 def _apply_tokenizer_flag(args: argparse.Namespace) -> str | None:

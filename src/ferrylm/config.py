@@ -1,4 +1,5 @@
-"""Configuration objects: what the model is (ModelConfig, from config.json) and how to serve it (ServeConfig).
+"""Configuration objects: what the model is (ModelConfig, from config.json) and how the engine runs (EngineConfig,
+whose fields declare their command-line flags: ``ferrylm/flags.py``).
 
 Frozen dataclasses passed down explicitly; no module-level mutable state. This module must stay light (no torch
 import) because the CLI and the HTTP frontend import it.
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ferrylm.errors import ModelLoadError
+from ferrylm.flags import flag
 
 
 # --moe-cpu-kernel (ferrylm/experts/cpu_kernel.py): auto = native when it builds, else torch
@@ -234,88 +236,119 @@ class _FieldReader:
         return float(v)
 
 
+def _moe_backends() -> tuple[str, ...]:
+    from ferrylm.experts.options import MOE_BACKENDS  # NOTE: here, not at the top: the package imports torch
+
+    return MOE_BACKENDS
+
+
+def _attention_backends() -> tuple[str, ...]:
+    from ferrylm.engine.attention import ATTENTION_CHOICES
+
+    return ATTENTION_CHOICES
+
+
+def _resident_for_fused(name: str) -> str:
+    return "resident" if name == "fused" else name   # "fused": the vLLM / SGLang spelling
+
+
+def _zero_is_off(seconds: float | None) -> float | None:
+    return seconds or None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine process is shaped (serve flags that reach the engine).
+    """How the engine process is shaped: the serve flags that reach the engine.
 
-    Attributes:
-        device: ``"cpu"``, ``"cuda"`` or ``"auto"`` (cuda when available).
-        dtype: ``"auto"`` (float32 on CPU, bfloat16 on CUDA), ``"float32"``, ``"bfloat16"``, ``"float16"``.
-        page_size: tokens per KV page (``--page-size``).
-        num_pages / num_tokens: explicit KV pool size (``--num-pages`` wins over ``--num-tokens``); both None →
-            sized by the memory plan (``memory/plan.py``).
-        max_running_requests: requests decoded together (``--max-running-requests``).
-        max_prefill_length: tokens per step budget (``--max-prefill-length``); None → 2048 on CPU, 8192 on GPU.
-        max_model_len: context limit in tokens (None → the model config's ``max_position_embeddings``).
-        moe_backend: expert backend name (``--moe-backend``: auto, resident, offload, cpu, hybrid).
-        moe_cache_size: device expert slots (``--moe-cache-size``); None = as many as the device budget allows.
-        moe_cpu_threads: CPU expert threads (``--moe-cpu-threads``); None = physical cores.
-        moe_cpu_kernel: CPU expert kernel (``--moe-cpu-kernel``: auto, native, torch).
-        moe_cache_policy: expert slot eviction policy (``--moe-cache-policy``, one of ``CACHE_POLICIES``).
-        moe_decode_table: offload decode from the device expert table (``--moe-decode-table``, default on; off:
-            the host-planned path).
-        moe_cpu_share: hybrid: predicted misses per layer planned for the CPU (``--moe-cpu-share``); None = tuned
-            by timing decode steps.
-        gpu_memory_limit: GiB of device memory ferrylm may use (``--gpu-memory-limit``); None = what is free.
-        memory_ratio: share of the memory free at boot the memory plan may use (``--memory-ratio``, 0 < r <= 1).
-        memory_reserve: GiB the plan never hands out (``--memory-reserve``); None = max(512 MiB, (1 - memory_ratio) x free at boot), or max(512 MiB, 5% of the limit) under
-            ``--gpu-memory-limit`` (memory/plan.py: one cut of what ferrylm may use).
-        kv_reserve_tokens: KV pool floor in tokens (``--kv-reserve-tokens``); None = min(context, 512) as the
-            boot minimum and, with ``moe_cache_auto``, the model context as the KV share.
-        moe_cache_auto: give what the KV floor leaves to expert slots (``--moe-cache-auto``).
-        faults: fault-injection spec (``--faults``, see ``ferrylm/faults.py``; env ``FERRYLM_FAULTS`` adds to it).
-        check_invariants: check KV/scheduler invariants after every step (tests; ``--debug-invariants``).
-        kv_memory_fraction: on the CPU, the most of the free host memory the automatic KV pool may take (host RAM
-            is shared with everything else; on a GPU the memory plan gives the KV pool what the experts leave).
-        seed: global seed for unseeded sampling.
-        queue_timeout: seconds a request may wait before its first step; then 503 ``queue_timeout``
-            (``--queue-timeout``; None = wait as long as needed).
-        decode_graphs: ``auto`` (CUDA graphs for decode steps on a CUDA device), ``off`` (``--enforce-eager``),
-            ``eager`` (the same piecewise decode path without capture: tests), ``cuda``
-            (``engine/decode_graph.py``).
-        cuda_graph_max_batch: largest decode batch run through CUDA graphs (``--cuda-graph-max-batch``); None =
-            ``max_running_requests``.
-        attention_backend: ``auto`` (Triton kernels on CUDA, torch elsewhere), ``triton`` or ``torch``
-            (``--attention-backend``, ``engine/attention``).
-        cuda_graph_max_len: longest sequence (tokens) run through CUDA graphs (``--cuda-graph-max-len``).
-        enable_prefix_caching: automatic prefix caching, full KV pages shared across requests by content hash
-            (``--enable-prefix-caching`` / ``--no-enable-prefix-caching``; ``engine/cache/prefix_cache.py``).
-        tensor_parallel_size: ranks one model is split over inside one host (``--tensor-parallel-size`` /
-            ``--tp-size``; ``models/tensor_parallel.py``, ``engine/parallel/``); 1 = one engine process, today's
-            path unchanged. The model-dependent rules are :meth:`check_model`.
+    A field's flag (``ferrylm/flags.py``) is its documentation: its help is ``ferry serve --help``'s. Besides
+    those: ``kv_memory_fraction``, on the CPU the most of the free host memory the automatic KV pool may take (host
+    RAM is shared with everything else; on a GPU the memory plan gives the KV pool what the experts leave);
+    ``decode_graphs``, ``auto`` (CUDA graphs for decode steps on a CUDA device), ``off`` (``--enforce-eager``),
+    ``eager`` (the piecewise decode path without capture: tests) or ``cuda`` (``engine/decode_graph.py``).
+    The model-dependent rules are :meth:`check_model`.
     """
 
-    device: str = "auto"
-    dtype: str = "auto"
-    page_size: int = 16
-    num_pages: int | None = None
-    num_tokens: int | None = None
-    max_running_requests: int = 16
-    max_prefill_length: int | None = None
-    max_model_len: int | None = None
-    moe_backend: str = "auto"
-    moe_cache_size: int | None = None
-    moe_cpu_threads: int | None = None
-    moe_cpu_kernel: str = "auto"
-    moe_cache_policy: str = "layer-lru"
-    moe_cpu_share: int | None = None
-    moe_decode_table: bool = True
-    gpu_memory_limit: float | None = None
-    memory_ratio: float = 0.9
-    memory_reserve: float | None = None
-    kv_reserve_tokens: int | None = None
-    moe_cache_auto: bool = False
-    faults: str | None = None
-    check_invariants: bool = False
+    device: str = flag("auto", "auto | cpu | cuda[:N]")
+    dtype: str = flag("auto", "auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16")
+    page_size: int = flag(16, "tokens per KV page")
+    num_pages: int | None = flag(None, "KV pool size in pages (wins over --num-tokens)",
+                                 default_text="sized by the memory plan")
+    num_tokens: int | None = flag(None, "KV pool size in tokens", default_text="sized by the memory plan")
+    max_running_requests: int = flag(16, "requests decoded together; --max-num-seqs is vLLM's name",
+                                     aliases=("--max-num-seqs",))
+    max_prefill_length: int | None = flag(
+        None, "token budget per step (prefill chunk + decodes); --max-num-batched-tokens is vLLM's name, "
+              "--max-extend-length / --chunked-prefill-size SGLang's",
+        aliases=("--max-extend-length", "--chunked-prefill-size", "--max-num-batched-tokens"),
+        default_text="2048 on CPU, 8192 on GPU")
+    max_model_len: int | None = flag(None, "context limit in tokens", default_text="the model's")
+    moe_backend: str = flag(
+        "auto", "where routed experts live and run: resident (= fused) all on the device; offload: a device expert "
+                "cache fed over PCIe; cpu: cache misses computed on the CPU; hybrid: misses split between both; "
+                "auto: resident if it fits, else the fastest predicted",
+        choices=_moe_backends, convert=_resident_for_fused)
+    moe_cache_size: int | None = flag(None, "device expert slots for offload/cpu/hybrid", metavar="N",
+                                      default_text="as many as the memory allows")
+    moe_cpu_threads: int | None = flag(None, "threads computing experts on the CPU", metavar="N",
+                                       default_text="physical cores")
+    moe_cpu_kernel: str = flag(
+        "auto", "CPU expert kernel: native (compiled on first use with the host C compiler; decode), torch (oneDNN "
+                "matmuls), auto: native when it builds", choices=CPU_KERNELS)
+    moe_cache_policy: str = flag(
+        "layer-lru", "expert slot eviction: layer-lru (LRU within per-layer shares), lru (one LRU over all layers), "
+                     "layer-lrfu (decaying use counts within the shares; docs/ROUTING.md)", choices=CACHE_POLICIES)
+    moe_cpu_share: int | None = flag(
+        None, "hybrid: of each layer's predicted expert misses, N are computed on the CPU instead of copied",
+        metavar="N", default_text="chosen by timing decode steps")
+    moe_decode_table: bool = flag(
+        True, "offload: decode steps read experts through a device table (hits from slots, misses over PCIe by "
+              "the kernel), one CUDA graph per step; --no-moe-decode-table plans each layer on the host (DMA "
+              "copies, next-layer prefetch)")
+    gpu_memory_limit: float | None = flag(None, "device memory ferrylm may use, in GiB", metavar="GiB",
+                                          default_text="what is free")
+    memory_ratio: float = flag(
+        0.9, "share of the device memory free at boot the memory plan may use; --gpu-memory-utilization (vLLM's "
+             "name) sets the same ratio, of the memory free at boot rather than of the card's total",
+        aliases=("--gpu-memory-utilization",), metavar="R")
+    memory_reserve: float | None = flag(
+        None, "GiB of device memory the plan never hands out; the larger of it and the default is the one cut "
+              "(memory/plan.py)", metavar="GiB",
+        default_text="max(512 MiB, (1 - --memory-ratio) x the memory free at boot), or max(512 MiB, 5%% of "
+                     "--gpu-memory-limit) under a limit")
+    kv_reserve_tokens: int | None = flag(
+        None, "KV pool floor in tokens; with an expert cache the experts get the rest", metavar="N",
+        default_text="the model context when the experts keep a tenth of the slots, else one prefill chunk plus "
+                     "256 tokens per running request; at least min(context, 512)")
+    moe_cache_auto: bool = flag(
+        False, "give the device memory the KV floor leaves to expert slots (offload/cpu/hybrid; the memory plan "
+               "does so anyway: accepted for compatibility)")
+    faults: str | None = flag(
+        None, "fault injection for tests, e.g. prefill_workspace:times=1 (see ferrylm/faults.py; env FERRYLM_FAULTS "
+              "adds rules)", metavar="SPEC", default_text="none")
+    check_invariants: bool = flag(False, "check KV/scheduler invariants every step", name="--debug-invariants")
     kv_memory_fraction: float = 0.05
-    seed: int = 0
-    queue_timeout: float | None = None
-    decode_graphs: str = "auto"
-    cuda_graph_max_batch: int | None = None
-    cuda_graph_max_len: int = 8192
-    attention_backend: str = "auto"
-    enable_prefix_caching: bool = True
-    tensor_parallel_size: int = 1
+    seed: int = flag(0, "seed for unseeded sampling")
+    queue_timeout: float | None = flag(
+        None, "seconds a request may wait for its first step before 503 queue_timeout; 0 = off",
+        default_text="off", convert=_zero_is_off)
+    decode_graphs: str = flag(
+        "auto", "run decode steps without CUDA graphs (without it, decode steps of up to --cuda-graph-max-batch "
+                "sequences are captured in CUDA graphs on a CUDA device)", name="--enforce-eager", switch="off")
+    cuda_graph_max_batch: int | None = flag(None, "largest decode batch run through CUDA graphs", metavar="N",
+                                            default_text="--max-running-requests")
+    cuda_graph_max_len: int = flag(
+        8192, "offloading backends: longest sequence run through the piecewise CUDA graphs; longer ones decode "
+              "eagerly", metavar="TOKENS")
+    attention_backend: str = flag(
+        "auto", "attention kernels: triton (reads the paged KV pool in place; CUDA), torch (gathers, SDPA; the CPU "
+                "path), auto: triton on CUDA", choices=_attention_backends)
+    enable_prefix_caching: bool = flag(
+        True, "automatic prefix caching: full KV pages of earlier requests are reused by requests that start with "
+              "the same tokens (--no-enable-prefix-caching turns it off)")
+    tensor_parallel_size: int = flag(
+        1, "split the model over N ranks of this host, one engine process each (NCCL on CUDA: rank r on cuda:r; "
+           "gloo on the CPU); N must divide the attention heads and the MLP / expert widths",
+        aliases=("--tp-size",), metavar="N")
 
     def to_dict(self) -> dict:
         from dataclasses import asdict

@@ -1,0 +1,290 @@
+"""``ferry bench ...``: the benchmarks' command lines and their hand-off to ``ferrylm/bench``'s modules (each
+imported when its command runs)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from ferrylm.registry import Registry
+
+#: ``ferry bench`` commands that hand their namespace to a module's ``main(args) -> int``
+BENCH_MAINS: Registry[Callable[[argparse.Namespace], int]] = Registry("ferry bench", {
+    "decode": "ferrylm.bench.decode:main",
+    "suite": "ferrylm.bench.suite:main",
+    "tables": "ferrylm.bench.tables:main",
+    "cpu-experts": "ferrylm.bench.cpu_experts:main",
+    "kernels": "ferrylm.bench.kernels:main",
+    "cache-policy": "ferrylm.bench.cache_policy:main",
+    "accelerate": "ferrylm.bench.accelerate_offload:main",
+})
+
+
+def add_bench_parser(sub: argparse._SubParsersAction, *, model_args: Callable[..., None],
+                     port: Callable[[str], int], default_model: str) -> None:
+    """Add ``ferry bench`` and its commands to ``sub``.
+
+    Args:
+        model_args: adds the serve model flags to a parser (``ferry bench decode`` takes them), with the keywords of
+            :func:`ferrylm.flags.add_flags`.
+        port: the argparse type of ``--port``.
+        default_model: ``--model``'s default for ``ferry bench hf``.
+    """
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    _add_serve(bsub, port)
+    _add_suite(bsub, port)
+    _add_decode(bsub, model_args)
+    _add_cpu_experts(bsub)
+    _add_kernels_and_cache_policy(bsub)
+    _add_baselines(bsub, default_model)
+
+
+def _add_serve(bsub: argparse._SubParsersAction, port_number: Callable[[str], int]) -> None:
+    bs = bsub.add_parser("serve", help="load generator against a running server (TTFT, ITL, throughput)",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    bs.add_argument("--host", default="127.0.0.1", help="server address")
+    bs.add_argument("--port", type=port_number, default=8000, help="server port")
+    bs.add_argument("--model", default=None, help="model id; None: the server's first model")
+    bs.add_argument("--concurrency", type=int, default=1, help="requests in flight")
+    bs.add_argument("--num-prompts", type=int, default=32, help="requests sent in all")
+    bs.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+    bs.add_argument("--output-len", type=int, default=64, help="generated tokens per request (ignore_eos)")
+    bs.add_argument("--random-lengths", action="store_true", help="lengths uniform in [0.5x, 1.5x]")
+    bs.add_argument("--vocab-upper", type=int, default=1000, help="prompt token ids are drawn from [1, N)")
+    bs.add_argument("--seed", type=int, default=0, help="seed of the prompts and lengths")
+    bs.add_argument("--api-key", default=None, help="bearer key of the server (the server's --api-key)")
+    bs.add_argument("--output-json", default=None, help="write the summary here")
+    bs.add_argument("--multi-turn", action="store_true",
+                    help="agent-like conversations: each turn re-sends the history, the previous answer and "
+                         "--input-len new tokens after a system prefix shared by every conversation; reports TTFT "
+                         "and cached tokens per turn")
+    bs.add_argument("--num-conversations", type=int, default=4, help="--multi-turn: conversations at once")
+    bs.add_argument("--num-turns", type=int, default=8, help="--multi-turn: turns per conversation")
+    bs.add_argument("--shared-prefix-len", type=int, default=2048,
+                    help="--multi-turn: tokens of the system prefix every conversation starts with")
+    bs.add_argument("--log-level", default="WARNING", help="logging level")
+
+
+def _add_suite(bsub: argparse._SubParsersAction, port_number: Callable[[str], int]) -> None:
+    bu = bsub.add_parser("suite", help="named scenarios: each one `ferry serve` (default flags + its own) measured "
+                                        "by `ferry bench serve`, one JSON per scenario with its roofline")
+    bu.add_argument("--only", default=None, help="comma list of scenario names (default: all; --list shows them)")
+    bu.add_argument("--list", action="store_true", help="print the scenarios and exit")
+    bu.add_argument("--scenarios", default=None, help="scenario file (default: the package's bench/scenarios.toml)")
+    bu.add_argument("--tokenizer", default=None, help="tokenizer folder for the synthetic models' scenarios")
+    bu.add_argument("--out-dir", default="docs/bench", help="where the JSON goes (default: docs/bench)")
+    bu.add_argument("--log-dir", default=None, help="where the servers' logs go (default: --out-dir)")
+    bu.add_argument("--date", default=None, help="date prefix of the JSON names (default: today)")
+    bu.add_argument("--port", type=port_number, default=8391, help="port of the servers (default: 8391)")
+    bu.add_argument("--ready-timeout", type=float, default=600.0,
+                    help="seconds a server may take to become ready (default: 600)")
+    bu.add_argument("--vocab-upper", type=int, default=1000, help="prompt token ids from [1, N) (default: 1000)")
+    bu.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+
+    bt = bsub.add_parser("tables", help="write the headline tables of BENCHMARKS.md from the suite's JSON")
+    bt.add_argument("--bench-dir", default="docs/bench", help="the JSON folder (default: docs/bench)")
+    bt.add_argument("--doc", default="docs/BENCHMARKS.md", help="the document (default: docs/BENCHMARKS.md)")
+    bt.add_argument("--check", action="store_true", help="exit 1 when the document differs from the JSON's tables")
+    bt.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+
+
+def _add_decode(bsub: argparse._SubParsersAction, model_args: Callable[..., None]) -> None:
+    bd = bsub.add_parser("decode", help="decode speed of the MoE backends: tok/s, hit rate, PCIe bytes/token, "
+                                        "measured bandwidths, roofline")
+    # NOTE: auto is decided by `ferry serve`; the bench compares backends
+    model_args(bd, defaults={"moe_backend": "all"},
+               extra_choices={"moe_backend": {"all": "every backend side by side"}})
+    bd.add_argument("--batch", default="1", help="sequences decoded together; a comma list runs each size over the "
+                                                 "same loaded model, e.g. 1,16,64 (default: 1)")
+    bd.add_argument("--tokens", type=int, default=128, help="decode tokens per sequence (default: 128)")
+    bd.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per sequence (default: 16)")
+    bd.add_argument("--no-prefetch", action="store_true", help="offload: no next-layer prefetch")
+    bd.add_argument("--temperature", type=float, default=0.0,
+                    help="0 = greedy (default); > 0 samples, seeded per request (varied routing on synthetic models)")
+    bd.add_argument("--output-json", default=None, help="write the results here")
+    bd.add_argument("--profile-steps", type=int, default=0,
+                    help="after each backend's run, decode N more tokens under torch.profiler and print the "
+                         "top ops by host and device time (default: 0 = off)")
+
+
+def _add_cpu_experts(bsub: argparse._SubParsersAction) -> None:
+    bc = bsub.add_parser("cpu-experts", help="CPU expert jobs (one token per expert, as at decode) timed per "
+                                             "kernel, threads and experts per job")
+    bc.add_argument("--hidden", type=int, default=2048, help="hidden size H (default: 2048, Qwen3-30B-A3B)")
+    bc.add_argument("--inter", type=int, default=768, help="expert intermediate size I (default: 768)")
+    bc.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="expert weight dtype (default: bfloat16)")
+    bc.add_argument("--quant", default="none",
+                    help="comma list of expert formats: none (plain --dtype rows) and the synthetic quant names "
+                         "fp8, int4, mxfp4, nvfp4 (random codes of that format; default: none)")
+    bc.add_argument("--kernels", default="torch,native", help="comma list of --moe-cpu-kernel values "
+                                                                "(default: torch,native)")
+    bc.add_argument("--threads", default=None, help="comma list of thread counts (default: physical cores)")
+    bc.add_argument("--experts", default="1,2,4", help="comma list of experts per job (default: 1,2,4)")
+    bc.add_argument("--jobs", type=int, default=100, help="timed jobs per configuration (default: 100)")
+    bc.add_argument("--gap-ms", type=float, default=0.5,
+                    help="calling thread busy between jobs, as between layers (default: 0.5)")
+    bc.add_argument("--dma", default="auto", choices=["auto", "on", "off"],
+                    help="pinned host->device copies during the jobs, as the prefetch does (default: auto = on "
+                         "with CUDA)")
+    bc.add_argument("--bank-experts", type=int, default=64,
+                    help="distinct experts the jobs cycle through, beyond the CPU caches (default: 64)")
+    bc.add_argument("--output-json", default=None, help="write the rows here")
+    bc.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+
+
+def _add_kernels_and_cache_policy(bsub: argparse._SubParsersAction) -> None:
+    bk = bsub.add_parser("kernels", help="GPU kernel candidates side by side: paged attention (Triton vs torch), "
+                                         "fused MoE (Triton vs torch._grouped_mm vs the torch path)")
+    bk.add_argument("--output-json", default=None, help="write the rows here")
+    bk.add_argument("--only", default=None, help="comma list of groups: attention, moe, mapped (the offload table "
+                                                 "launch reading experts from slots or mapped host memory); "
+                                                 "default all")
+    bk.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+
+    bp = bsub.add_parser("cache-policy", help="expert-cache hit rate vs slots per layer by policy, and next-layer "
+                                              "prefetch, simulated on synthetic routing traces (CPU, no model)")
+    bp.add_argument("--profiles", default="qwen3,olmoe,wide512,uniform",
+                    help="routing profiles, comma-separated (default: qwen3,olmoe,wide512,uniform)")
+    bp.add_argument("--batches", default="1,8", help="sequences decoded together, comma-separated (default: 1,8)")
+    bp.add_argument("--policies", default="lru,layer-lru,layer-lfu,layer-lrfu-q0.5,layer-lrfu,layer-lrfu-q2,"
+                                          "layer-lrfu-q4,opt",
+                    help="policies, comma-separated (see ferrylm/bench/cache_policy.py)")
+    bp.add_argument("--layers", type=int, default=8, help="MoE layers simulated (default: 8)")
+    bp.add_argument("--steps", type=int, default=384, help="decode steps, the first 64 warm-up (default: 384)")
+    bp.add_argument("--seed", type=int, default=0, help="seed of the routing traces (default: 0)")
+    bp.add_argument("--json", default=None, metavar="PATH", help="write every curve and the prefetch figures here")
+    bp.add_argument("--verbose", action="store_true", help="one line per simulation on stderr")
+    bp.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+
+
+
+def _add_baselines(bsub: argparse._SubParsersAction, default_model: str) -> None:
+    bh = bsub.add_parser("hf", help="the bench-serve prompts through transformers generate (reference speed)")
+    bh.add_argument("--model", default=default_model, help=f"built-in name or HF folder (default: {default_model})")
+    bh.add_argument("--batch", type=int, default=1, help="sequences generated together (default: 1)")
+    bh.add_argument("--num-prompts", type=int, default=32, help="prompts in all (default: 32)")
+    bh.add_argument("--input-len", type=int, default=128, help="prompt tokens (default: 128)")
+    bh.add_argument("--output-len", type=int, default=64, help="generated tokens per prompt (default: 64)")
+    bh.add_argument("--vocab-upper", type=int, default=1000, help="prompt token ids are drawn from [1, N) "
+                                                                  "(default: 1000)")
+    bh.add_argument("--seed", type=int, default=0, help="prompt seed (default: 0)")
+    bh.add_argument("--dtype", default="float32", help="model dtype (default: float32)")
+    bh.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+
+    ba = bsub.add_parser("accelerate", help="baseline: the same synthetic model and GPU cap through transformers + "
+                                            "accelerate offload (device_map with max_memory), greedy decode tok/s "
+                                            "(needs pip install 'ferrylm[bench]')")
+    ba.add_argument("--model", required=True, metavar="SPEC", help="synthetic:<preset>[:layers=N][:seed=S]")
+    ba.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GiB",
+                    help="device memory the baseline may use, in GiB: accelerate gets it less --reserve for "
+                         "weights, the caching allocator is capped at it (default: no cap, nothing offloaded)")
+    ba.add_argument("--reserve", type=float, default=1.0, metavar="GiB",
+                    help="part of --gpu-memory-limit kept out of accelerate's weight budget for the KV cache and "
+                         "activations (default: 1)")
+    ba.add_argument("--cpu-memory-limit", type=float, default=None, metavar="GiB",
+                    help="host memory accelerate may place weights in (default: unbounded)")
+    ba.add_argument("--batch", type=int, default=1, help="sequences decoded together (default: 1)")
+    ba.add_argument("--tokens", type=int, default=32, help="timed decode steps after the prefill (default: 32)")
+    ba.add_argument("--prompt-tokens", "--prompt-len", dest="prompt_tokens", type=int, default=16,
+                    help="prompt tokens per sequence (default: 16)")
+    ba.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                    help="model dtype (default: bfloat16)")
+    ba.add_argument("--device", default="auto", help="auto | cuda[:N] | cpu (default: auto)")
+    ba.add_argument("--seed", type=int, default=0, help="prompt seed, as ferry bench decode --seed (default: 0)")
+    ba.add_argument("--output-json", default=None, help="write the result (with the token ids) here")
+    ba.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the ``ferry bench`` command ``args`` names; its exit status."""
+    if args.bench_command in BENCH_MAINS:
+        return BENCH_MAINS.get(args.bench_command)(args)
+    if args.bench_command == "hf":
+        return _hf(args)
+    if args.multi_turn:
+        return _bench_multi_turn(args)
+    return _bench_serve(args)
+
+
+def _hf(args: argparse.Namespace) -> int:
+    from ferrylm.bench.hf_baseline import run_hf_baseline
+    from ferrylm.bench.serve import BenchConfig
+    from ferrylm.checkpoints.resolve import resolve_model
+
+    cfg = BenchConfig(base_url="", model=None, concurrency=args.batch, num_prompts=args.num_prompts,
+                      input_len=args.input_len, output_len=args.output_len, vocab_upper=args.vocab_upper,
+                      seed=args.seed)
+    res = run_hf_baseline(str(resolve_model(args.model).path), cfg, args.batch, args.dtype)
+    print(f"transformers generate  batch {res['batch']}  prompts {res['num_prompts']}  "
+          f"output throughput {res['output_throughput']:.1f} tok/s  ({res['duration_s']:.1f} s)")
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    from ferrylm.bench.serve import BenchConfig, BenchError, format_summary, run_bench
+
+    for flag, v in (("--concurrency", args.concurrency), ("--num-prompts", args.num_prompts),
+                    ("--input-len", args.input_len), ("--output-len", args.output_len)):
+        if v < 1:
+            print(f"ferry bench serve: {flag} must be >= 1", file=sys.stderr)
+            return 2
+    cfg = BenchConfig(base_url=f"http://{args.host}:{args.port}", model=args.model, concurrency=args.concurrency,
+                      num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+                      random_lengths=args.random_lengths, vocab_upper=args.vocab_upper, seed=args.seed,
+                      api_key=args.api_key)
+    try:
+        summary = asyncio.run(run_bench(cfg, progress=sys.stderr.isatty()))
+    except BenchError as e:
+        print(f"ferry bench serve: {cfg.base_url}: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # connection refused and the like: one line, not a traceback
+        print(f"ferry bench serve: cannot benchmark {cfg.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(format_summary(summary))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0 if summary["failed"] == 0 else 1
+
+
+def _bench_multi_turn(args: argparse.Namespace) -> int:
+    """``ferry bench serve --multi-turn`` (``bench/multi_turn.py``): 2 on a bad flag, 1 when the server cannot be
+    reached or a turn failed."""
+    import asyncio
+    import json
+
+    from ferrylm.bench.multi_turn import MultiTurnConfig, format_multi_turn, run_multi_turn
+    from ferrylm.bench.serve import BenchError
+
+    for flag, v in (("--num-conversations", args.num_conversations), ("--num-turns", args.num_turns),
+                    ("--input-len", args.input_len), ("--output-len", args.output_len)):
+        if v < 1:
+            print(f"ferry bench serve: {flag} must be >= 1", file=sys.stderr)
+            return 2
+    if args.shared_prefix_len < 0:
+        print("ferry bench serve: --shared-prefix-len must be >= 0", file=sys.stderr)
+        return 2
+    cfg = MultiTurnConfig(base_url=f"http://{args.host}:{args.port}", model=args.model,
+                          num_conversations=args.num_conversations, num_turns=args.num_turns,
+                          shared_prefix_len=args.shared_prefix_len, input_len=args.input_len,
+                          output_len=args.output_len, vocab_upper=args.vocab_upper, seed=args.seed,
+                          api_key=args.api_key)
+    try:
+        summary = asyncio.run(run_multi_turn(cfg))
+    except BenchError as e:
+        print(f"ferry bench serve: {cfg.base_url}: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # connection refused and the like: one line, not a traceback
+        print(f"ferry bench serve: cannot benchmark {cfg.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(format_multi_turn(summary))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0 if summary["failed"] == 0 else 1
