@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFWriter
 from gguf.quants import quantize
 
-TYPES = {"Q8_0": QT.Q8_0, "Q4_K": QT.Q4_K, "Q6_K": QT.Q6_K, "F32": QT.F32}
+TYPES = {"Q8_0": QT.Q8_0, "Q4_K": QT.Q4_K, "Q6_K": QT.Q6_K, "F32": QT.F32, "MXFP4": QT.MXFP4}
 
 
 def pack_q4_k(w: np.ndarray) -> np.ndarray:

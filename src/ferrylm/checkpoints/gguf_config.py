@@ -1,10 +1,10 @@
 """What a Mixture-of-Experts GGUF file is, from its header alone (no tensor data read, no torch import): the
 architecture check, the HF-style config dict, and the GGUF types of the routed experts.
 
-Architectures (GGUF ``general.architecture`` -> HF class): ``qwen3moe`` -> Qwen3MoeForCausalLM, ``qwen2moe`` ->
-Qwen2MoeForCausalLM, ``olmoe`` -> OlmoeForCausalLM, ``llama`` with ``llama.expert_count > 0`` (Mixtral) ->
-MixtralForCausalLM. Metadata keys: gguf-py's ``constants.py`` (``Keys.LLM``). Used by the frontend (config,
-tokenizer) and by :mod:`ferrylm.checkpoints.quant.gguf_file`, which loads the model from the file.
+Architectures: :data:`ferrylm.checkpoints.gguf_archs.ARCHS` (``general.architecture`` -> the HF class served, with
+``llama`` MoE only when ``llama.expert_count > 0``: Mixtral). Metadata keys: gguf-py's ``Keys``; the fields every
+architecture shares are read here, the rest by :data:`ferrylm.checkpoints.gguf_arch_config.ARCH_CONFIG`. Used by the
+frontend (config, tokenizer) and by :mod:`ferrylm.checkpoints.quant.gguf_file`, which loads the model from the file.
 """
 
 from __future__ import annotations
@@ -12,15 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ferrylm.errors import ModelLoadError
-from ferrylm.checkpoints.gguf_convert import GGUFFile, _f32_clean, read_gguf
+from ferrylm.checkpoints.gguf_arch_config import ARCH_CONFIG, Meta
+from ferrylm.checkpoints.gguf_archs import ARCHS, EXPERT_KINDS, arch_of, unsupported
+from ferrylm.checkpoints.gguf_convert import GGUFFile, read_gguf
 
-MOE_ARCHS = {"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-             "llama": "MixtralForCausalLM"}
-#: the stacked routed-expert tensors ``blk.N.<name>.weight`` -> projection (gate and up share one format)
-EXPERT_TENSORS = {"ffn_gate_exps": "gate_up", "ffn_up_exps": "gate_up", "ffn_down_exps": "down"}
+#: the routed-expert projection of each expert kind (gate and up share one format)
+EXPERT_TENSORS = {kind: "down" if part == "down" else "gate_up" for kind, part in EXPERT_KINDS.items()}
 GGUF_METHOD = "gguf"  # quantization_config.quant_method of a config served from a GGUF file
 
 
@@ -33,7 +31,16 @@ def is_gguf_file(path: str | Path) -> bool:
 def is_moe_gguf(g: GGUFFile) -> bool:
     """True when ``g`` is one of the MoE layouts in the module docstring."""
     arch = g.get("general.architecture")
-    return arch in MOE_ARCHS and (arch != "llama" or int(g.get("llama.expert_count", 0) or 0) > 0)
+    return arch in ARCHS and (arch != "llama" or int(g.get("llama.expert_count", 0) or 0) > 0)
+
+
+def num_layers(g: GGUFFile) -> int:
+    """The decoder layers of ``g``: ``block_count`` less llama.cpp's multi-token-prediction blocks
+    (``nextn_predict_layers``, numbered last). Raises ModelLoadError without ``block_count``."""
+    from gguf.constants import Keys
+
+    m = Meta(g, g.get("general.architecture"))
+    return m.int(Keys.LLM.BLOCK_COUNT) - m.int(Keys.LLM.NEXTN_PREDICT_LAYERS, 0)
 
 
 def type_name(qtype: int) -> str:
@@ -47,9 +54,11 @@ def expert_types(g: GGUFFile) -> dict[str, list[str]]:
     """``{"gate_up": [...], "down": [...]}``: the sorted GGUF types the routed-expert stacks of each projection use
     across layers (empty lists for a file without routed experts)."""
     out: dict[str, set[str]] = {"gate_up": set(), "down": set()}
+    layers = num_layers(g) if is_moe_gguf(g) else 0
     for t in g.tensors:
         parts = t.name.split(".")
-        if len(parts) == 4 and parts[0] == "blk" and parts[2] in EXPERT_TENSORS:
+        if (len(parts) == 4 and parts[0] == "blk" and parts[2] in EXPERT_TENSORS and parts[3] == "weight"
+                and int(parts[1]) < layers):
             out[EXPERT_TENSORS[parts[2]]].add(type_name(t.qtype))
     return {k: sorted(v) for k, v in out.items()}
 
@@ -63,8 +72,7 @@ def served_config(g: GGUFFile) -> dict[str, Any]:
         ModelLoadError: not a MoE GGUF, or as :func:`moe_config_from_gguf`.
     """
     if not is_moe_gguf(g):
-        raise ModelLoadError(f"{g.path}: GGUF architecture {g.get('general.architecture')!r} is not a MoE layout "
-                             f"served from the file ({', '.join(MOE_ARCHS)})")
+        raise unsupported(g.path, g.get("general.architecture"))
     cfg = moe_config_from_gguf(g)
     cfg["torch_dtype"] = "bfloat16"
     types = expert_types(g)
@@ -79,63 +87,58 @@ def gguf_config(path: str | Path) -> dict[str, Any]:
 
 
 def moe_config_from_gguf(g: GGUFFile) -> dict[str, Any]:
-    """A HF config.json dict for a MoE GGUF (see the module docstring for the architectures).
+    """A HF config.json dict for a MoE GGUF: the shared fields (shapes, norms, RoPE and its scaling, partial rotary
+    as ``rotary_dim``, tokens) and the architecture's own (``ARCH_CONFIG``).
 
     Raises:
-        ModelLoadError: a required metadata key is missing, or a feature not converted (RoPE scaling, partial
-            rotary, per-layer head counts).
+        ModelLoadError: an architecture not served, a required metadata key missing, a per-layer value, a RoPE
+            scaling other than linear / yarn, or what the architecture's fields refuse.
     """
-    arch = g.get("general.architecture")
+    from gguf.constants import Keys
 
-    def key(name: str, default: Any = None, required: bool = True) -> Any:
-        v = g.get(f"{arch}.{name}", default)
-        if v is None and required:
-            raise ModelLoadError(f"{g.path}: GGUF metadata lacks '{arch}.{name}'")
-        if isinstance(v, np.ndarray):
-            raise ModelLoadError(f"{g.path}: per-layer '{arch}.{name}' is not supported")
-        return v
-
-    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    head_dim = int(key("attention.key_length", hidden // heads))
-    if int(key("rope.dimension_count", head_dim)) != head_dim:
-        raise ModelLoadError(f"{g.path}: partial rotary embeddings are not supported")
-    scaling = key("rope.scaling.type", None, required=False)
-    if scaling not in (None, "none"):
-        raise ModelLoadError(f"{g.path}: RoPE scaling {scaling!r} is not supported by the GGUF converter")
+    arch = arch_of(g)
+    m = Meta(g, arch.name)
+    k, a = Keys.LLM, Keys.Attention
+    hidden, heads = m.int(k.EMBEDDING_LENGTH), m.int(a.HEAD_COUNT)
+    head_dim = m.int(a.KEY_LENGTH, hidden // heads)
+    theta = m.float(Keys.Rope.FREQ_BASE, 10000.0)
     tokens = g.get("tokenizer.ggml.tokens")
-    vocab = int(key("vocab_size", None, required=False) or (len(tokens) if tokens is not None else 0))
-    names = {t.name for t in g.tensors}
-    layers = int(key("block_count"))
-    experts, used = int(key("expert_count")), int(key("expert_used_count"))
     cfg: dict[str, Any] = {
-        "architectures": [MOE_ARCHS[arch]], "hidden_size": hidden, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": head_dim, "vocab_size": vocab, "max_position_embeddings": int(key("context_length")),
-        "rms_norm_eps": _f32_clean(key("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32_clean(key("rope.freq_base", 10000.0)), "hidden_act": "silu",
-        "tie_word_embeddings": "output.weight" not in names, "torch_dtype": "float32",
-        "num_experts_per_tok": used, "attention_dropout": 0.0,
+        "architectures": [arch.hf_class], "hidden_size": hidden, "num_hidden_layers": num_layers(g),
+        "num_attention_heads": heads, "num_key_value_heads": m.int(a.HEAD_COUNT_KV, heads), "head_dim": head_dim,
+        "vocab_size": m.int(k.VOCAB_SIZE, len(tokens) if tokens is not None else 0),
+        "max_position_embeddings": m.int(k.CONTEXT_LENGTH), "rms_norm_eps": m.float(a.LAYERNORM_RMS_EPS),
+        "rope_theta": theta, "rope_parameters": _rope_parameters(m, theta),
+        "rotary_dim": m.int(Keys.Rope.DIMENSION_COUNT, head_dim), "hidden_act": "silu",
+        "tie_word_embeddings": not m.has("output.weight"), "torch_dtype": "float32",
+        "num_experts_per_tok": m.int(k.EXPERT_USED_COUNT), "attention_dropout": 0.0, "_experts": m.int(k.EXPERT_COUNT),
     }
-    moe_width = key("expert_feed_forward_length", None, required=False)
-    dense_width = int(key("feed_forward_length", 0, required=False) or 0)
-    if arch == "llama":
-        cfg.update(model_type="mixtral", num_local_experts=experts, intermediate_size=int(moe_width or dense_width),
-                   sliding_window=None)
-    else:
-        sparse = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" in names]
-        cfg.update(num_experts=experts, moe_intermediate_size=int(moe_width or dense_width),
-                   intermediate_size=dense_width or int(moe_width or 0))
-        if arch == "qwen3moe":
-            cfg.update(model_type="qwen3_moe", norm_topk_prob=True, decoder_sparse_step=1, attention_bias=False,
-                       mlp_only_layers=[i for i in range(layers) if i not in sparse])
-        elif arch == "qwen2moe":
-            cfg.update(model_type="qwen2_moe", norm_topk_prob=False, decoder_sparse_step=1,
-                       mlp_only_layers=[i for i in range(layers) if i not in sparse],
-                       shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length")))
-        else:
-            cfg.update(model_type="olmoe", norm_topk_prob=False, clip_qkv=None, attention_bias=False)
+    if cfg["rms_norm_eps"] is None:
+        raise ModelLoadError(f"{g.path}: GGUF metadata lacks '{a.LAYERNORM_RMS_EPS.format(arch=arch.name)}'")
+    ARCH_CONFIG[arch.name](m, cfg)
     for gguf_key, hf_key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
         v = g.get(f"tokenizer.ggml.{gguf_key}_token_id")
         if v is not None:
             cfg[hf_key] = int(v)
     return cfg
+
+
+def _rope_parameters(m: Meta, theta: float) -> dict[str, Any]:
+    """``rope_parameters`` from ``rope.scaling.*``: default, linear or yarn. Raises ModelLoadError for another
+    scaling type."""
+    from gguf.constants import Keys
+
+    r = Keys.Rope
+    kind = m.get(r.SCALING_TYPE)
+    if kind in (None, "none"):
+        return {"rope_type": "default", "rope_theta": theta}
+    params: dict[str, Any] = {"rope_type": kind, "rope_theta": theta, "factor": m.float(r.SCALING_FACTOR, 1.0)}
+    if kind == "yarn":
+        params["original_max_position_embeddings"] = m.int(r.SCALING_ORIG_CTX_LEN)
+        for key, name in ((r.SCALING_YARN_BETA_FAST, "beta_fast"), (r.SCALING_YARN_BETA_SLOW, "beta_slow"),
+                          (r.SCALING_YARN_ATTN_FACTOR, "attention_factor")):
+            if (v := m.float(key)) is not None:
+                params[name] = v
+    elif kind != "linear":
+        raise ModelLoadError(f"{m.g.path}: RoPE scaling {kind!r} is not supported (linear, yarn)")
+    return params

@@ -311,8 +311,9 @@ def llama_config_from_gguf(g: GGUFFile) -> dict[str, Any]:
     """
     arch = g.get("general.architecture")
     if arch != "llama":
-        raise ModelLoadError(f"{g.path}: GGUF architecture {arch!r} is not supported (llama; MoE: qwen3moe, "
-                             f"qwen2moe, olmoe, llama with experts)")
+        from ferrylm.checkpoints.gguf_archs import unsupported
+
+        raise unsupported(g.path, arch)
 
     def req(key: str) -> Any:
         v = g.get(f"llama.{key}")
@@ -682,7 +683,7 @@ def convert_gguf_into(gguf_path: str | Path, out_dir: str | Path, *, progress: b
     g = read_gguf(gguf_path)
     from ferrylm.checkpoints.gguf_config import is_moe_gguf
 
-    if is_moe_gguf(g):  # qwen3moe / qwen2moe / olmoe / llama with experts: experts stay quantized
+    if is_moe_gguf(g):  # the MoE architectures of gguf_archs: experts stay quantized
         from ferrylm.checkpoints.quant.gguf_moe import convert_moe_gguf_into
 
         convert_moe_gguf_into(g, Path(out_dir), progress=progress)

@@ -14,8 +14,9 @@ changes). Then:
   bytes moved are the widest type's: Q4_K_M's downs at 6.56 bits). A mix with Q8_0 (32-value blocks) is repacked
   without loss into one int8 format with mins (:func:`ferrylm.checkpoints.quant.gguf_moe.unified_format`). Float
   experts (F32 / F16 / BF16) become plain stacks in the model dtype.
-* Every other tensor is dequantized (gguf-py's ``dequantize``, exact) and cast to the model dtype (bfloat16 on a
-  GPU by default) on its way to the device; Q/K rows of the ``llama`` architecture are un-permuted.
+* Every other tensor is dequantized (gguf-py's ``dequantize``, exact), put back as the HF checkpoint has it
+  (:mod:`ferrylm.checkpoints.gguf_archs`: names, and what llama.cpp's converter changed) and cast to the model dtype
+  (bfloat16 on a GPU by default; float32 for what the model class keeps so) on its way to the device.
 
 The config is :func:`ferrylm.checkpoints.gguf_config.served_config`; the tokenizer and chat template come from the same
 metadata (:func:`ferrylm.checkpoints.gguf_convert.gguf_tokenizer`).
@@ -32,16 +33,16 @@ import torch
 
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts import ExpertOptions
-from ferrylm.experts.executor import LayerExperts
+from ferrylm.experts.executor import ExpertMath, LayerExperts
 from ferrylm.experts.gguf_blocks import BLOCK_CODE, BLOCK_TYPES, KIND_OF_GGUF
 from ferrylm.experts.quantized import ExpertQuant, QuantFormat, QuantTensor, block_format, empty_quant, mix_format
+from ferrylm.checkpoints.gguf_archs import ExpertTensor, HFTensor, iter_expert_layers, split_tensors
 from ferrylm.checkpoints.gguf_config import EXPERT_TENSORS, expert_types, served_config
-from ferrylm.checkpoints.gguf_convert import GGUFFile, GGUFTensor, dequantize_tensor, read_gguf, unpermute_rope_rows
+from ferrylm.checkpoints.gguf_convert import GGUFTensor, dequantize_tensor, read_gguf
 
 log = logging.getLogger("ferrylm.models")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 _MIXABLE = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the types gguf_moe.unified_format can repack together
-_PART = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 
 
 def projection_format(types: list[str], what: str) -> QuantFormat | None:
@@ -140,18 +141,60 @@ def _expert_stack(data: np.ndarray, t: GGUFTensor, fmt: QuantFormat | None, dtyp
     return qt if device.type == "cpu" else qt.to(device)
 
 
-def _names(g: GGUFFile):
-    """``(tensor, hf name, expert layer or None, expert part or None)`` for every tensor of ``g``."""
-    from ferrylm.checkpoints.quant.gguf_moe import _hf_name
+def _plain_tensors(hf_tensors: list[HFTensor], data: np.ndarray, model_cls: type, config, device: torch.device,
+                   dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The non-expert tensors by state-dict name (the model dtype, float32 where the class keeps it) and the GGUF
+    tensors each came from."""
+    from ferrylm.checkpoints.loader import _module_name, tensor_dtype
 
-    arch = g.get("general.architecture")
-    for t in g.tensors:
-        hf, proj = _hf_name(arch, t.name)
-        if proj is None:
-            yield t, hf, None, None
-        else:
-            parts = t.name.split(".")
-            yield t, hf, int(parts[1]), _PART[parts[2]]
+    tensors: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
+    for h in hf_tensors:
+        key = _module_name(h.name, model_cls, config)
+        if key is None:
+            continue
+        w = torch.from_numpy(np.ascontiguousarray(h.produce(data)))
+        tensors[key] = w.to(device=device, dtype=tensor_dtype(model_cls, key, dtype))
+        origin[key] = " + ".join(t.name for t in h.sources)
+    return tensors, origin
+
+
+def _expert_layers(path: Path, experts: list[ExpertTensor], data: np.ndarray, model_cls: type, config,
+                   fmts: dict, dtype: torch.dtype, exp_dev: torch.device, pin: bool) -> dict[int, LayerExperts]:
+    """Every MoE layer's :class:`LayerExperts` from its GGUF stacks (and gpt-oss's biases as its ``math``).
+
+    Raises:
+        ModelLoadError: a stack of a layer without routed experts, a wrong shape, a missing stack, biases in a
+            family without them.
+    """
+    moe_layers = set(model_cls.moe_layer_indices(config))
+    e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    shapes = {("gate", "weight"): (e, i, h), ("up", "weight"): (e, i, h), ("down", "weight"): (e, h, i),
+              ("gate", "bias"): (e, i), ("up", "bias"): (e, i), ("down", "bias"): (e, h)}
+    swiglu = model_cls.expert_swiglu(config)
+    out: dict[int, LayerExperts] = {}
+    for layer, stacks in iter_expert_layers(experts):
+        for (part, leaf), t in stacks.items():
+            if layer not in moe_layers:
+                raise ModelLoadError(f"GGUF tensor {t.name}: layer {layer} has no routed experts")
+            if tuple(t.shape) != shapes[(part, leaf)]:
+                raise ModelLoadError(f"GGUF tensor {t.name}: expected shape {list(shapes[(part, leaf)])}, got "
+                                     f"{list(t.shape)}")
+            if leaf == "bias" and swiglu is None:
+                raise ModelLoadError(f"GGUF tensor {t.name}: {config.architecture} experts have no biases")
+        want = {(p, "weight") for p in ("gate", "up", "down")} | (
+            {(p, "bias") for p in ("gate", "up", "down")} if swiglu is not None else set())
+        if missing := sorted(want - set(stacks)):
+            part, leaf = missing[0]
+            raise ModelLoadError(f"{path}: GGUF lacks blk.{layer}.ffn_{part}_exps.{leaf}")
+        w = {p: _expert_stack(data, stacks[(p, "weight")], fmts[p], dtype, exp_dev, pin) for p in ("gate", "up", "down")}
+        out[layer] = LayerExperts(gate=w["gate"], up=w["up"], down=w["down"])
+        if swiglu is not None:
+            b = {p: torch.from_numpy(dequantize_tensor(data, stacks[(p, "bias")])).to(dtype) for p in ("gate", "up", "down")}
+            out[layer].math = ExpertMath(b["gate"], b["up"], b["down"], *swiglu)
+    if missing_layers := sorted(moe_layers - set(out)):
+        raise ModelLoadError(f"{path}: GGUF lacks blk.{missing_layers[0]}.ffn_gate_exps.weight")
+    return out
 
 
 def load_gguf_model(path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
@@ -165,52 +208,25 @@ def load_gguf_model(path: str | Path, *, device: torch.device | str = "cpu", dty
         UnsupportedArchitecture / ValueError: as ``load_model``.
     """
     from ferrylm.config import ModelConfig
-    from ferrylm.checkpoints.loader import _finish, _module_name, placement
+    from ferrylm.checkpoints.loader import _finish, placement
 
     start = time.perf_counter()
     g = read_gguf(path)
-    config = ModelConfig.from_dict(served_config(g))
+    served = served_config(g)
+    config = ModelConfig.from_dict(served)
     model_cls, device, exp_dev, pin = placement(config, device, moe_backend, expert_device, pin_experts)
-    moe_layers = set(model_cls.moe_layer_indices(config))
     quant = planned_quant(expert_types(g))
     fmts = {"gate": quant.gate_up if quant else None, "up": quant.gate_up if quant else None,
             "down": quant.down if quant else None}
     data = np.asarray(np.memmap(g.path, dtype=np.uint8, mode="c"))  # copy-on-write: writable views, file untouched
-    arch = g.get("general.architecture")
-    heads, kv_heads = config.num_heads, config.num_kv_heads
-    tensors: dict[str, torch.Tensor] = {}
-    origin: dict[str, str] = {}
-    stacks: dict[int, dict[str, torch.Tensor | QuantTensor]] = {n: {} for n in moe_layers}
-    for t, hf, layer, part in _names(g):
-        if part is not None:
-            if layer not in stacks:
-                raise ModelLoadError(f"GGUF tensor {t.name}: layer {layer} has no routed experts")
-            want = (config.num_experts, *((config.moe_intermediate_size, config.hidden_size) if part != "down"
-                                          else (config.hidden_size, config.moe_intermediate_size)))
-            if tuple(t.shape) != want:
-                raise ModelLoadError(f"GGUF tensor {t.name}: expected shape {list(want)}, got {list(t.shape)}")
-            stacks[layer][part] = _expert_stack(data, t, fmts[part], dtype, exp_dev, pin)
-            continue
-        w = dequantize_tensor(data, t)
-        if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
-            w = unpermute_rope_rows(w, heads if ".attn_q." in t.name else kv_heads)
-        if hf.endswith("shared_expert_gate.weight"):
-            w = w.reshape(1, t.shape[-1])
-        key = _module_name(hf, model_cls, config)
-        if key is None:
-            continue
-        tensors[key] = torch.from_numpy(np.ascontiguousarray(w)).to(device=device, dtype=dtype)
-        origin[key] = t.name
-    for layer, s in stacks.items():
-        if set(s) != {"gate", "up", "down"}:
-            missing = sorted({"gate", "up", "down"} - set(s))[0]
-            raise ModelLoadError(f"{g.path}: GGUF lacks blk.{layer}.ffn_{missing}_exps.weight")
-    experts = {n: LayerExperts(gate=s["gate"], up=s["up"], down=s["down"]) for n, s in stacks.items()}
+    hf_tensors, expert_tensors = split_tensors(g, served)
+    tensors, origin = _plain_tensors(hf_tensors, data, model_cls, config, device, dtype)
+    experts = _expert_layers(g.path, expert_tensors, data, model_cls, config, fmts, dtype, exp_dev, pin)
     loaded = _finish(model_cls, config, device, moe_backend, experts or None, tensors, origin)
     if experts:
         h, i = config.hidden_size, config.moe_intermediate_size
         weights = len(experts) * config.num_experts * 3 * h * i
-        file_bits = sum(8 * t.nbytes for t, _, _, p in _names(g) if p is not None) / weights
+        file_bits = sum(8 * e.tensor.nbytes for e in expert_tensors if e.leaf == "weight") / weights
         row_bits = 8 * next(iter(experts.values())).expert_bytes / (3 * h * i)
         log.info("loaded %s from the file in %.1f s: %d layers, %s on %s; experts %s, %.2f bits/weight in memory "
                  "(%.2f in the file)", Path(path).name, time.perf_counter() - start, config.num_layers,

@@ -5,13 +5,9 @@ uses this module only for a projection whose layers mix types (:func:`unified_fo
 conversion (:func:`convert_moe_gguf_into`) is kept for :func:`ferrylm.checkpoints.gguf_convert.convert_gguf` called on a
 MoE file (tests compare both paths); nothing at runtime calls it.
 
-Architectures (GGUF ``general.architecture`` -> HF class): ``qwen3moe`` -> Qwen3MoeForCausalLM, ``qwen2moe`` ->
-Qwen2MoeForCausalLM, ``olmoe`` -> OlmoeForCausalLM, ``llama`` with ``llama.expert_count > 0`` (Mixtral) ->
-MixtralForCausalLM. Tensor names and metadata keys: gguf-py's ``constants.py`` (``MODEL_TENSOR`` names,
-``Keys.LLM``); the stacked expert tensors ``blk.N.ffn_{gate,up,down}_exps`` are ``[E, I, H]`` / ``[E, H, I]`` in
-PyTorch order. Only the ``llama`` architecture stores Q/K rows permuted for GGML's interleaved RoPE (llama.cpp's
-``convert_hf_to_gguf.py``: ``LlamaModel`` permutes, the Qwen-MoE and OLMoE converters do not), so only there are
-they un-permuted (:func:`ferrylm.checkpoints.gguf_convert.unpermute_rope_rows`).
+Tensor names, the architectures and what their converters changed: :mod:`ferrylm.checkpoints.gguf_archs` (the
+one table both paths read); the stacked expert tensors ``blk.N.ffn_{gate,up,down}_exps`` are ``[E, I, H]`` /
+``[E, H, I]`` in PyTorch order. Expert biases (gpt-oss) and MXFP4 experts are served from the file only.
 
 Routed experts are repacked without loss into :mod:`ferrylm.experts.quantized` formats and written with the
 ``ferrylm`` quant method (:mod:`ferrylm.checkpoints.quant.native`). Block layouts (ggml's ``ggml-common.h`` /
@@ -50,11 +46,10 @@ import torch
 
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.quantized import QuantFormat, QuantTensor
-from ferrylm.checkpoints.gguf_convert import (GGUFFile, GGUFTensor, TensorEntry, _f32_clean, dequantize_tensor,
-                                         progress_bar, unpermute_rope_rows, write_safetensors,
-                                         write_tokenizer_files)
+from ferrylm.checkpoints.gguf_convert import (GGUFFile, GGUFTensor, TensorEntry, dequantize_tensor, progress_bar,
+                                              write_safetensors, write_tokenizer_files)
 from ferrylm.checkpoints.quant.native import format_to_json
-from ferrylm.checkpoints.gguf_config import MOE_ARCHS, is_moe_gguf, moe_config_from_gguf  # noqa: F401 (re-exported)
+from ferrylm.checkpoints.gguf_config import moe_config_from_gguf
 
 EXPERT_TYPES = ("Q8_0", "Q4_K", "Q6_K", "F32", "F16", "BF16")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -196,40 +191,6 @@ def repack(dec: Decoded, fmt: QuantFormat, dtype: torch.dtype) -> QuantTensor:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# tensor names
-# --------------------------------------------------------------------------------------------------------------
-
-_ATTN = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-         "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-         "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-_DENSE_FFN = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-              "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
-              "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
-_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-           "output.weight": "lm_head.weight"}
-
-
-def _hf_name(arch: str, name: str) -> tuple[str, str | None]:
-    """``(hf name, expert projection or None)`` for a GGUF tensor name. Raises ModelLoadError when unmapped."""
-    if name in _GLOBAL:
-        return _GLOBAL[name], None
-    parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] in ("weight", "bias"):
-        block = "block_sparse_moe" if arch == "llama" else "mlp"
-        base, kind, leaf = f"model.layers.{parts[1]}", parts[2], parts[3]
-        if kind in _ATTN:
-            return f"{base}.{_ATTN[kind]}.{leaf}", None
-        if kind == "ffn_gate_inp":
-            return f"{base}.{block}.gate.{leaf}", None
-        if kind in _DENSE_FFN and arch != "llama":
-            return f"{base}.{_DENSE_FFN[kind]}.{leaf}", None
-        if kind in _EXPERTS:
-            return f"{base}.{block}.experts.{_EXPERTS[kind]}", _EXPERTS[kind]
-    raise ModelLoadError(f"GGUF tensor {name!r} is not part of the {arch} MoE layout ferrylm converts")
-
-
-# --------------------------------------------------------------------------------------------------------------
 # conversion
 # --------------------------------------------------------------------------------------------------------------
 
@@ -238,21 +199,21 @@ def _st_dtype(t: torch.Tensor) -> str:
             torch.float8_e4m3fn: "F8_E4M3"}[t.dtype]
 
 
-def _expert_entries(g: GGUFFile, data: np.ndarray, experts: dict[str, list[GGUFTensor]]
+def _expert_entries(g: GGUFFile, data: np.ndarray, experts: dict[str, list[tuple[str, GGUFTensor]]]
                     ) -> tuple[list[TensorEntry], dict | None]:
-    """Entries for the routed-expert tensors and the ``quantization_config`` (None when they are all float)."""
-    types = {proj: {_type_name(t) for t in ts} for proj, ts in experts.items()}
+    """Entries for the routed-expert stacks (``{projection: [(HF stack name, tensor)]}``) and the
+    ``quantization_config`` (None when they are all float)."""
+    types = {proj: {_type_name(t) for _, t in ts} for proj, ts in experts.items()}
     everything = set().union(*types.values()) if types else set()
     for proj, ts in experts.items():
-        for t in ts:
+        for _, t in ts:
             if _type_name(t) not in EXPERT_TYPES:
                 raise ModelLoadError(f"{g.path}: GGUF tensor {t.name} has type {_type_name(t)}; routed experts "
                                      f"are read as {', '.join(EXPERT_TYPES)}")
     if everything and everything <= set(_FLOAT_TYPES):
         entries = []
         for ts in experts.values():
-            for t in ts:
-                hf, _ = _hf_name(g.get("general.architecture"), t.name)
+            for hf, t in ts:
                 entries.append(TensorEntry(f"{hf}.weight", "F32", t.shape,
                                            lambda t=t: dequantize_tensor(data, t)))
         return _as_per_expert(entries), None
@@ -261,12 +222,10 @@ def _expert_entries(g: GGUFFile, data: np.ndarray, experts: dict[str, list[GGUFT
                              f"one kind per model is supported")
     formats = {"gate_up": unified_format(types.get("gate_proj", set()) | types.get("up_proj", set())),
                "down": unified_format(types["down_proj"])}
-    arch = g.get("general.architecture")
     entries: list[TensorEntry] = []
     for proj, ts in experts.items():
         fmt = formats["down" if proj == "down_proj" else "gate_up"]
-        for t in ts:
-            hf, _ = _hf_name(arch, t.name)
+        for hf, t in ts:
             cache: dict[str, QuantTensor] = {}
 
             def get(t: GGUFTensor = t, fmt: QuantFormat = fmt, cache=cache) -> QuantTensor:
@@ -322,30 +281,24 @@ def convert_moe_gguf_into(g: GGUFFile, out: Path, *, progress: bool = True) -> N
     """Write the folder for the MoE GGUF ``g`` into the existing empty folder ``out`` (see the module docstring).
 
     Raises:
-        ModelLoadError: an unmapped tensor, an unsupported expert type, missing metadata or tensors.
+        ModelLoadError: an unmapped tensor, an unsupported expert type, expert biases (gpt-oss: serve the file
+            itself), missing metadata or tensors.
     """
+    from ferrylm.checkpoints.gguf_archs import arch_of, split_tensors
+
     cfg = moe_config_from_gguf(g)
-    arch = g.get("general.architecture")
+    block = arch_of(g).experts
     data = np.asarray(np.memmap(g.path, dtype=np.uint8, mode="r"))
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    plain: list[TensorEntry] = []
-    experts: dict[str, list[GGUFTensor]] = {}
-    for t in g.tensors:
-        hf, proj = _hf_name(arch, t.name)
-        if proj is not None:
-            experts.setdefault(proj, []).append(t)
-            continue
-        perm = 0
-        if arch == "llama":
-            perm = heads if ".attn_q." in t.name else kv_heads if ".attn_k." in t.name else 0
-        shape = (1, t.shape[-1]) if hf.endswith("shared_expert_gate.weight") else t.shape
-
-        def produce(t: GGUFTensor = t, perm: int = perm, shape=shape) -> np.ndarray:
-            w = dequantize_tensor(data, t)
-            return (unpermute_rope_rows(w, perm) if perm else w).reshape(shape)
-
-        plain.append(TensorEntry(hf, "F32", shape, produce))
-    if set(experts) != set(_EXPERTS.values()):
+    hf_tensors, expert_tensors = split_tensors(g, cfg)
+    plain = [TensorEntry(h.name, "F32", h.shape, lambda h=h: h.produce(data)) for h in hf_tensors]
+    experts: dict[str, list[tuple[str, GGUFTensor]]] = {}
+    for e in expert_tensors:
+        if e.leaf != "weight":
+            raise ModelLoadError(f"{g.path}: GGUF tensor {e.tensor.name}: the folder conversion writes no expert "
+                                 f"biases; serve the .gguf file itself")
+        experts.setdefault(f"{e.part}_proj", []).append(
+            (f"model.layers.{e.layer}.{block}.experts.{e.part}_proj", e.tensor))
+    if set(experts) != {"gate_proj", "up_proj", "down_proj"}:
         raise ModelLoadError(f"{g.path}: GGUF lacks routed expert tensors (ffn_gate_exps / ffn_up_exps / "
                              f"ffn_down_exps)")
     expert_entries, qcfg = _expert_entries(g, data, experts)

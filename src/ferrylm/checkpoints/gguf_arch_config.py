@@ -1,0 +1,135 @@
+"""Each served MoE GGUF architecture's HF config fields from llama.cpp's metadata (``ARCH_CONFIG``; the fields
+every architecture shares are :func:`ferrylm.checkpoints.gguf_config.moe_config_from_gguf`'s). Keys are gguf-py's
+``Keys`` templates; defaults are what llama.cpp assumes when a key is absent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from ferrylm.errors import ModelLoadError
+from ferrylm.checkpoints.gguf_convert import GGUFFile, _f32_clean
+
+
+@dataclass(frozen=True)
+class Meta:
+    """A GGUF header's metadata for one architecture, read by gguf-py ``Keys`` templates (``{arch}.block_count``)."""
+
+    g: GGUFFile
+    arch: str
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The scalar value of ``key`` or ``default``. Raises ModelLoadError for a per-layer (array) value."""
+        name = key.format(arch=self.arch)
+        v = self.g.get(name, default)
+        if isinstance(v, (np.ndarray, list)):
+            raise ModelLoadError(f"{self.g.path}: per-layer '{name}' is not supported")
+        return v
+
+    def int(self, key: str, default: int | None = None) -> int:
+        """``key`` as an int. Raises ModelLoadError naming the key when it is absent and has no default."""
+        v = self.get(key, default)
+        if v is None:
+            raise ModelLoadError(f"{self.g.path}: GGUF metadata lacks '{key.format(arch=self.arch)}'")
+        return int(v)
+
+    def float(self, key: str, default: float | None = None) -> float | None:
+        """``key`` as the shortest decimal of its float32 value, or ``default``."""
+        v = self.get(key)
+        return default if v is None else _f32_clean(v)
+
+    def has(self, tensor: str) -> bool:
+        """True when the file holds a tensor named ``tensor``."""
+        return tensor in self.names
+
+    @cached_property
+    def names(self) -> frozenset[str]:
+        return frozenset(t.name for t in self.g.tensors)
+
+    def sparse_layers(self, layers: int) -> list[int]:
+        """The decoder layers holding routed experts."""
+        names = self.names
+        return [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" in names]
+
+
+def _keys():
+    from gguf.constants import Keys
+
+    return Keys
+
+
+def _widths(m: Meta) -> tuple[int, int]:
+    """``(moe width, dense width)``: ``expert_feed_forward_length`` and ``feed_forward_length``, each standing in
+    for the other when absent."""
+    k = _keys().LLM
+    moe, dense = m.int(k.EXPERT_FEED_FORWARD_LENGTH, 0), m.int(k.FEED_FORWARD_LENGTH, 0)
+    return moe or dense, dense or moe
+
+
+def _dense_layers(m: Meta, cfg: dict) -> list[int]:
+    layers = cfg["num_hidden_layers"]
+    sparse = m.sparse_layers(layers)
+    return [i for i in range(layers) if i not in sparse]
+
+
+def _qwen3moe(m: Meta, cfg: dict) -> None:
+    moe, dense = _widths(m)
+    cfg.update(model_type="qwen3_moe", num_experts=cfg.pop("_experts"), moe_intermediate_size=moe,
+               intermediate_size=dense, norm_topk_prob=True, decoder_sparse_step=1, attention_bias=False,
+               mlp_only_layers=_dense_layers(m, cfg))
+
+
+def _qwen2moe(m: Meta, cfg: dict) -> None:
+    moe, dense = _widths(m)
+    cfg.update(model_type="qwen2_moe", num_experts=cfg.pop("_experts"), moe_intermediate_size=moe,
+               intermediate_size=dense, norm_topk_prob=False, decoder_sparse_step=1,
+               mlp_only_layers=_dense_layers(m, cfg),
+               shared_expert_intermediate_size=m.int(_keys().LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH))
+
+
+def _olmoe(m: Meta, cfg: dict) -> None:
+    moe, dense = _widths(m)
+    cfg.update(model_type="olmoe", num_experts=cfg.pop("_experts"), moe_intermediate_size=moe,
+               intermediate_size=dense, norm_topk_prob=False, clip_qkv=None, attention_bias=False)
+
+
+def _mixtral(m: Meta, cfg: dict) -> None:
+    moe, _ = _widths(m)
+    cfg.update(model_type="mixtral", num_local_experts=cfg.pop("_experts"), intermediate_size=moe,
+               sliding_window=None)
+
+
+def _sigmoid_router(m: Meta, default: int) -> None:
+    """Refuse a router other than sigmoid (``expert_gating_func`` 2; ``default`` when absent, llama.cpp's)."""
+    from gguf.constants import ExpertGatingFuncType
+
+    kind = m.int(_keys().LLM.EXPERT_GATING_FUNC, default)
+    if kind != ExpertGatingFuncType.SIGMOID:
+        raise ModelLoadError(f"{m.g.path}: {m.arch} with expert_gating_func {kind} (not sigmoid) is not served")
+
+
+def _glm4moe(m: Meta, cfg: dict) -> None:
+    """GLM-4.5: ``leading_dense_block_count`` dense layers, ungated shared experts, biased sigmoid routing with
+    groups; the multi-token-prediction block counted in ``block_count`` is skipped (``num_layers``)."""
+    k = _keys().LLM
+    _sigmoid_router(m, 2)
+    moe, dense = _widths(m)
+    cfg.update(model_type="glm4_moe", n_routed_experts=cfg.pop("_experts"), moe_intermediate_size=moe,
+               intermediate_size=dense, n_shared_experts=m.int(k.EXPERT_SHARED_COUNT, 0),
+               first_k_dense_replace=m.int(k.LEADING_DENSE_BLOCK_COUNT, 0),
+               routed_scaling_factor=m.float(k.EXPERT_WEIGHTS_SCALE, 1.0),
+               norm_topk_prob=bool(m.get(k.EXPERT_WEIGHTS_NORM, False)), n_group=m.int(k.EXPERT_GROUP_COUNT, 1),
+               topk_group=m.int(k.EXPERT_GROUP_USED_COUNT, 1), attention_bias=m.has("blk.0.attn_q.bias"),
+               use_qk_norm=m.has("blk.0.attn_q_norm.weight"))
+
+
+#: ``general.architecture`` -> the function adding its fields to the shared ones (``_experts`` holds the expert
+#: count until the architecture names its field)
+ARCH_CONFIG: dict[str, Callable[[Meta, dict], None]] = {
+    "qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "olmoe": _olmoe, "llama": _mixtral, "glm4moe": _glm4moe,
+}

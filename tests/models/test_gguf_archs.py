@@ -1,0 +1,72 @@
+"""MoE GGUFs of every served architecture, written from tiny random transformers checkpoints in llama.cpp's layout
+(tests/models/gguf_arch_files.py), are served from the file and give the logits of the same weights read from
+safetensors (float32, within 1e-4; quantized experts: against the safetensors with gguf-py's dequantized experts);
+a GGUF of an architecture not served is refused in one line naming it and the list."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGUFWriter
+from tests.models.gguf_arch_files import VOCAB, build_hf, dequantized_folder, write_arch_gguf
+from tests.models.gguf_moe_files import CHAT_TEMPLATE
+from tests.models.hf_checkpoints import token_ids
+from tests.models.test_parity import full_logits
+
+from ferrylm.config import ModelConfig
+from ferrylm.errors import ModelLoadError
+from ferrylm.experts.quantized import QuantTensor
+from ferrylm.checkpoints.gguf_convert import gguf_tokenizer
+from ferrylm.checkpoints.loader import load_model
+from ferrylm.checkpoints.resolve import resolve_model
+
+SERVED = "llama, qwen3moe, qwen2moe, olmoe, glm4moe"
+
+
+def _experts_q8_0(tensors: dict) -> dict:
+    return {n: "Q8_0" for n in tensors if "_exps.weight" in n}
+
+
+def _parity(tmp_path, case: str, family: str, types=None, overrides=None, **kw):
+    """Write the GGUF of ``case``; assert its logits equal the safetensors ones; return the served model."""
+    hf = build_hf(case, tmp_path / "hf", **(overrides or {}))
+    path = write_arch_gguf(hf, tmp_path / f"{family}.gguf", family, types, **kw)
+    ref_dir = dequantized_folder(hf, path, tmp_path / "ref", family) if types else hf
+    served, ref = load_model(path), load_model(ref_dir)
+    assert served.config.architecture == ref.config.architecture
+    ids = token_ids(24, VOCAB, seed=3)
+    want = full_logits(ref.model, ids)
+    err = (full_logits(served.model, ids) - want).abs().max().item()
+    assert err <= 1e-4, (family, err, want.abs().max().item())
+    return served, path
+
+
+def test_glm4moe(tmp_path):
+    """GLM-4.5: a dense first layer, q/k/v biases and q/k norms, half the head rotated, grouped biased sigmoid
+    routing (``exp_probs_b``), one shared expert; Q8_0 experts kept as blocks; llama.cpp's nextn block (counted
+    in ``block_count``) is not read; the tokenizer and chat template come from the file."""
+    served, path = _parity(tmp_path, "glm4_moe", "glm4_moe", _experts_q8_0, mtp_layers=1)
+    cfg = served.config
+    assert cfg.num_layers == 3 and cfg.raw["rotary_dim"] == 16 and cfg.raw["n_group"] == 4
+    le = served.executor.layers[1]
+    assert isinstance(le.gate, QuantTensor) and le.gate.fmt.describe() == "Q8_0 (ggml blocks)"
+    bias = served.model.model.layers[1].mlp.gate.e_score_correction_bias
+    assert bias.dtype == torch.float32
+    assert gguf_tokenizer(path).chat_template == CHAT_TEMPLATE
+    assert resolve_model(str(path)).source == "gguf"
+
+
+def test_unsupported_architecture_is_one_line_naming_it(tmp_path):
+    path = tmp_path / "other.gguf"
+    w = GGUFWriter(str(path), "gemma3")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    want = rf"other.gguf: GGUF architecture 'gemma3' is not supported; supported: {SERVED}$"
+    for read in (lambda: resolve_model(str(path)), lambda: ModelConfig.from_folder(path), lambda: load_model(path)):
+        with pytest.raises(ModelLoadError, match=want) as e:
+            read()
+        assert "\n" not in str(e.value)
