@@ -20,7 +20,7 @@ from ferrylm.checkpoints.gguf_convert import gguf_tokenizer
 from ferrylm.checkpoints.loader import load_model
 from ferrylm.checkpoints.resolve import resolve_model
 
-SERVED = "llama, qwen3moe, qwen2moe, olmoe, glm4moe"
+SERVED = "llama, qwen3moe, qwen2moe, olmoe, glm4moe, deepseek2"
 
 
 def _experts_q8_0(tensors: dict) -> dict:
@@ -54,6 +54,24 @@ def test_glm4moe(tmp_path):
     assert bias.dtype == torch.float32
     assert gguf_tokenizer(path).chat_template == CHAT_TEMPLATE
     assert resolve_model(str(path)).source == "gguf"
+
+
+@pytest.mark.parametrize("split_kv_b", [True, False])
+def test_deepseek2(tmp_path, split_kv_b):
+    """DeepSeek-V3 (MLA): ``kv_b_proj`` from llama.cpp's ``attn_k_b`` (transposed) + ``attn_v_b``, or whole in older
+    files; per-head dims from ``key_length_mla`` / ``value_length_mla`` or the older ``key_length`` / ``value_length``;
+    yarn with ``mscale_all_dim`` from ``yarn_log_multiplier``; grouped biased sigmoid routing, a shared expert, two
+    dense layers; Q8_0 experts. The older layout also without the query's low rank (one ``attn_q``)."""
+    if split_kv_b:
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+                "mscale": 0.7, "mscale_all_dim": 0.7, "beta_fast": 32, "beta_slow": 1}
+        served, _ = _parity(tmp_path, "deepseek_v3", "deepseek_v3", _experts_q8_0, {"rope_parameters": rope})
+        assert served.config.raw["q_lora_rank"] == 48 and served.config.raw["rope_parameters"]["mscale_all_dim"] == 0.7
+    else:
+        served, _ = _parity(tmp_path, "deepseek_v3_lite", "deepseek_v3", _experts_q8_0,
+                            {"rope_interleave": True, "attention_bias": False}, split_kv_b=False)
+        assert served.config.raw["q_lora_rank"] is None
+    assert isinstance(served.executor.layers[served.config.raw["first_k_dense_replace"]].down, QuantTensor)
 
 
 def test_unsupported_architecture_is_one_line_naming_it(tmp_path):

@@ -128,8 +128,39 @@ def _glm4moe(m: Meta, cfg: dict) -> None:
                use_qk_norm=m.has("blk.0.attn_q_norm.weight"))
 
 
+def _deepseek2(m: Meta, cfg: dict) -> None:
+    """DeepSeek-V3 / R1, Kimi-K2 (MLA): ``key_length_mla`` / ``value_length_mla`` (files with ``attn_k_b`` /
+    ``attn_v_b``) or, in older files, ``key_length`` / ``value_length`` give the per-head dims; RoPE on interleaved
+    pairs (GGML's normal RoPE, no permutation); yarn's ``mscale_all_dim`` from ``yarn_log_multiplier`` (0.1 x it,
+    and ``mscale`` equal to it, as the published configs). A softmax router (DeepSeek-V2, ``expert_gating_func``
+    absent or 1) is refused."""
+    keys = _keys()
+    k, a = keys.LLM, keys.Attention
+    _sigmoid_router(m, 1)
+    rope = cfg.pop("rotary_dim")
+    if m.get(a.KEY_LENGTH_MLA) is not None:
+        nope, v = m.int(a.KEY_LENGTH_MLA) - rope, m.int(a.VALUE_LENGTH_MLA)
+    else:
+        nope, v = m.int(a.KEY_LENGTH) - rope, m.int(a.VALUE_LENGTH)
+    moe, dense = _widths(m)
+    q_lora = m.get(a.Q_LORA_RANK)
+    cfg.update(model_type="deepseek_v3", num_key_value_heads=cfg["num_attention_heads"], head_dim=rope,
+               q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=m.int(a.KV_LORA_RANK),
+               qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=v, rope_interleave=True,
+               attention_bias=False, n_routed_experts=cfg.pop("_experts"), moe_intermediate_size=moe,
+               intermediate_size=dense, n_shared_experts=m.int(k.EXPERT_SHARED_COUNT, 0),
+               first_k_dense_replace=m.int(k.LEADING_DENSE_BLOCK_COUNT, 0),
+               routed_scaling_factor=m.float(k.EXPERT_WEIGHTS_SCALE, 1.0),
+               norm_topk_prob=bool(m.get(k.EXPERT_WEIGHTS_NORM, False)), n_group=m.int(k.EXPERT_GROUP_COUNT, 1),
+               topk_group=m.int(k.EXPERT_GROUP_USED_COUNT, 1))
+    log_mul = m.float(keys.Rope.SCALING_YARN_LOG_MUL)
+    if cfg["rope_parameters"]["rope_type"] == "yarn" and log_mul:
+        cfg["rope_parameters"].update(mscale_all_dim=round(log_mul / 0.1, 6), mscale=round(log_mul / 0.1, 6))
+
+
 #: ``general.architecture`` -> the function adding its fields to the shared ones (``_experts`` holds the expert
 #: count until the architecture names its field)
 ARCH_CONFIG: dict[str, Callable[[Meta, dict], None]] = {
     "qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "olmoe": _olmoe, "llama": _mixtral, "glm4moe": _glm4moe,
+    "deepseek2": _deepseek2,
 }

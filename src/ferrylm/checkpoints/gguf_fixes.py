@@ -27,3 +27,15 @@ def as_row(w: np.ndarray, cfg: dict) -> np.ndarray:
 
 def row_shape(shape: tuple, cfg: dict) -> tuple:
     return (1, shape[-1])
+
+
+def join_kv_b(parts: list[np.ndarray], cfg: dict) -> np.ndarray:
+    """DeepSeek's ``kv_b_proj [H (N + V), R]`` from llama.cpp's ``attn_k_b [H, R, N]`` (stored transposed for the
+    absorbed form) and ``attn_v_b [H, V, R]`` (``DeepseekV2Model.modify_tensors``)."""
+    k_b, v_b = parts
+    return np.ascontiguousarray(np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, k_b.shape[1]))
+
+
+def kv_b_shape(shapes: list[tuple], cfg: dict) -> tuple:
+    (h, r, n), (_, v, _) = shapes
+    return (h * (n + v), r)
