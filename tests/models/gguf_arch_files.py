@@ -187,9 +187,10 @@ def _rope(w: GGUFWriter, cfg: dict) -> None:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rp["factor"])
         w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
-        for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
-            if key in rp:
-                add(rp[key])
+        if "beta_fast" in rp:
+            w.add_rope_scaling_yarn_beta_fast(rp["beta_fast"])
+        if "beta_slow" in rp:
+            w.add_rope_scaling_yarn_beta_slow(rp["beta_slow"])
 
 
 def _partial(cfg: dict) -> float:

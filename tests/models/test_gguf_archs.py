@@ -20,7 +20,7 @@ from ferrylm.checkpoints.gguf_convert import gguf_tokenizer
 from ferrylm.checkpoints.loader import load_model
 from ferrylm.checkpoints.resolve import resolve_model
 
-SERVED = "llama, qwen3moe, qwen2moe, olmoe, glm4moe, deepseek2"
+SERVED = "llama, qwen3moe, qwen2moe, olmoe, glm4moe, deepseek2, gpt-oss"
 
 
 def _experts_q8_0(tensors: dict) -> dict:
@@ -72,6 +72,33 @@ def test_deepseek2(tmp_path, split_kv_b):
                             {"rope_interleave": True, "attention_bias": False}, split_kv_b=False)
         assert served.config.raw["q_lora_rank"] is None
     assert isinstance(served.executor.layers[served.config.raw["first_k_dense_replace"]].down, QuantTensor)
+
+
+def test_gpt_oss_mxfp4(tmp_path):
+    """gpt-oss: MXFP4 experts kept as their e2m1 codes and E8M0 scales (values equal gguf-py's dequantize), expert
+    biases, attention sinks (float32), q/k/v/o biases, alternating sliding-window layers, yarn; every backend gives
+    the resident model's greedy tokens."""
+    from tests.experts.helpers import greedy_trace, options
+
+    def mxfp4(tensors):
+        return {n: "MXFP4" for n in tensors if "_exps.weight" in n}
+
+    served, path = _parity(tmp_path, "gpt_oss", "gpt_oss", mxfp4, {"swiglu_limit": 7.0})
+    assert served.config.raw["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    le = served.executor.layers[2]
+    assert le.gate.fmt.kind == "fp4" and le.math is not None and le.math.limit == 7.0
+    assert served.model.model.layers[0].self_attn.sinks.dtype == torch.float32
+    import gguf
+    import numpy as np
+
+    raw = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    t = raw["blk.2.ffn_down_exps.weight"]
+    want = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)))
+    assert torch.equal(le.down.dequantize(torch.float32), want)
+    prompt = token_ids(8, VOCAB, seed=9).tolist()
+    tokens = greedy_trace(served.model, prompt, 4)[0]
+    for backend in ("offload", "cpu"):
+        assert greedy_trace(load_model(path, moe_backend=options(backend, 1)).model, prompt, 4)[0] == tokens, backend
 
 
 def test_unsupported_architecture_is_one_line_naming_it(tmp_path):

@@ -226,7 +226,7 @@ def test_truncated_file_and_unread_types_are_named(tmp_path):
     finally:
         del files.TYPES["Q4_0"]
     with pytest.raises(ModelLoadError, match=r"down experts have GGUF types \['Q4_0'\]; read are one of Q8_0, "
-                                             r"Q4_K, Q5_K, Q6_K per projection"):
+                                             r"Q4_K, Q5_K, Q6_K, MXFP4 per projection"):
         planned_expert_quant(ModelConfig.from_folder(bad).raw)
     with pytest.raises(ModelLoadError, match=r"GGUF types \['Q4_0'\]"):
         load_model(bad)

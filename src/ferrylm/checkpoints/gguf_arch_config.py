@@ -158,9 +158,22 @@ def _deepseek2(m: Meta, cfg: dict) -> None:
         cfg["rope_parameters"].update(mscale_all_dim=round(log_mul / 0.1, 6), mscale=round(log_mul / 0.1, 6))
 
 
+def _gpt_oss(m: Meta, cfg: dict) -> None:
+    """gpt-oss: every layer MoE with biased experts, even layers sliding-window (llama.cpp's pattern of 2), its
+    constant clamped SwiGLU (alpha 1.702, limit 7.0, as llama.cpp) and yarn without truncation (the published
+    config)."""
+    moe, _ = _widths(m)
+    layers = cfg["num_hidden_layers"]
+    cfg.update(model_type="gpt_oss", num_local_experts=cfg.pop("_experts"), intermediate_size=moe,
+               sliding_window=m.int(_keys().Attention.SLIDING_WINDOW), attention_bias=True, swiglu_limit=7.0,
+               layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)])
+    if cfg["rope_parameters"]["rope_type"] == "yarn":
+        cfg["rope_parameters"]["truncate"] = False
+
+
 #: ``general.architecture`` -> the function adding its fields to the shared ones (``_experts`` holds the expert
 #: count until the architecture names its field)
 ARCH_CONFIG: dict[str, Callable[[Meta, dict], None]] = {
     "qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "olmoe": _olmoe, "llama": _mixtral, "glm4moe": _glm4moe,
-    "deepseek2": _deepseek2,
+    "deepseek2": _deepseek2, "gpt-oss": _gpt_oss,
 }

@@ -117,6 +117,8 @@ _TABLES: tuple[tuple[str, str, dict, tuple, str], ...] = (
       "ATTN_KV_A_NORM": Rule("self_attn.kv_a_layernorm"), "ATTN_KV_B": Rule("self_attn.kv_b_proj"),
       "ATTN_OUT": Rule("self_attn.o_proj"), **_DENSE, **_ROUTER, **_SHARED_PLURAL, **_SCORE_BIAS},
      (Join("self_attn.kv_b_proj.weight", ("ATTN_K_B", "ATTN_V_B"), fx.join_kv_b, fx.kv_b_shape),), "mlp"),
+    ("GPT_OSS", "GptOssForCausalLM", {**_GLOBAL, **_ATTN, **_POST_NORM, "FFN_GATE_INP": Rule("mlp.router"),
+                                        "ATTN_SINKS": Rule("self_attn.sinks", bare=True)}, (), "mlp"),
     ("LLAMA", "MixtralForCausalLM",
      {**_GLOBAL, **_ATTN, **_FFN_NORM, "ATTN_Q": Rule("self_attn.q_proj", fix=fx.unpermute_q),
       "ATTN_K": Rule("self_attn.k_proj", fix=fx.unpermute_k), "FFN_GATE_INP": Rule("block_sparse_moe.gate")},

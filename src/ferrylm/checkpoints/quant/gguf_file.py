@@ -12,8 +12,11 @@ changes). Then:
   (:func:`~ferrylm.experts.quantized.mix_format`): every layer of a model shares one expert row layout, so each
   row holds its layer's blocks padded to the widest type of the mix, and a tag byte per expert names the type (the
   bytes moved are the widest type's: Q4_K_M's downs at 6.56 bits). A mix with Q8_0 (32-value blocks) is repacked
-  without loss into one int8 format with mins (:func:`ferrylm.checkpoints.quant.gguf_moe.unified_format`). Float
-  experts (F32 / F16 / BF16) become plain stacks in the model dtype.
+  without loss into one int8 format with mins (:func:`ferrylm.checkpoints.quant.gguf_moe.unified_format`).
+  ``MXFP4`` (gpt-oss) keeps its e2m1 codes and E8M0 scales as the ``fp4`` format of gpt-oss's own MXFP4
+  checkpoints (:func:`~ferrylm.checkpoints.quant.gguf_moe.repack_mxfp4`: nibbles paired per byte, the scales as
+  bfloat16; the same values). Float experts (F32 / F16 / BF16) become plain stacks in the model dtype; expert
+  biases (gpt-oss) are the layer's :class:`~ferrylm.experts.executor.ExpertMath`.
 * Every other tensor is dequantized (gguf-py's ``dequantize``, exact), put back as the HF checkpoint has it
   (:mod:`ferrylm.checkpoints.gguf_archs`: names, and what llama.cpp's converter changed) and cast to the model dtype
   (bfloat16 on a GPU by default; float32 for what the model class keeps so) on its way to the device.
@@ -43,6 +46,7 @@ from ferrylm.checkpoints.gguf_convert import GGUFTensor, dequantize_tensor, read
 log = logging.getLogger("ferrylm.models")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 _MIXABLE = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the types gguf_moe.unified_format can repack together
+_PARTS = ("gate", "up", "down")
 
 
 def projection_format(types: list[str], what: str) -> QuantFormat | None:
@@ -58,6 +62,10 @@ def projection_format(types: list[str], what: str) -> QuantFormat | None:
     if set(types) & set(FLOAT_TYPES):
         raise ModelLoadError(f"routed {what} experts mix float and quantized GGUF types ({types}); one kind per "
                              f"projection is supported")
+    if types == ["MXFP4"]:
+        from ferrylm.checkpoints.quant.gguf_moe import MXFP4_FORMAT
+
+        return MXFP4_FORMAT
     if len(types) == 1 and types[0] in KIND_OF_GGUF:
         return block_format(types[0])
     if all(t in KIND_OF_GGUF and BLOCK_TYPES[KIND_OF_GGUF[t]].elems == 256 for t in types):
@@ -67,7 +75,7 @@ def projection_format(types: list[str], what: str) -> QuantFormat | None:
 
         return unified_format(set(types))
     raise ModelLoadError(f"routed {what} experts have GGUF types {types}; read are one of "
-                         f"{', '.join(KIND_OF_GGUF)} per projection, or a mix of {', '.join(_MIXABLE)}")
+                         f"{', '.join(KIND_OF_GGUF)}, MXFP4 per projection, or a mix of {', '.join(_MIXABLE)}")
 
 
 def planned_quant(gguf_types: dict[str, list[str]]) -> ExpertQuant | None:
@@ -120,6 +128,15 @@ def _expert_stack(data: np.ndarray, t: GGUFTensor, fmt: QuantFormat | None, dtyp
         fmt.check_shape(n, k, t.name)
     except ValueError as err:
         raise ModelLoadError(str(err)) from None
+    if fmt.kind == "fp4":
+        from ferrylm.checkpoints.quant.gguf_moe import repack_mxfp4
+
+        if type_name(t.qtype) != "MXFP4":
+            raise ModelLoadError(f"GGUF tensor {t.name} is {type_name(t.qtype)}, not MXFP4")
+        qt = repack_mxfp4(data, t, dtype)
+        if pin:
+            return qt._map(lambda x: x.pin_memory())
+        return qt if device.type == "cpu" else qt.to(device)
     if fmt.kind == "kmix":
         kind = type_name(t.qtype).lower()
         if kind not in fmt.mix:
@@ -182,15 +199,14 @@ def _expert_layers(path: Path, experts: list[ExpertTensor], data: np.ndarray, mo
                                      f"{list(t.shape)}")
             if leaf == "bias" and swiglu is None:
                 raise ModelLoadError(f"GGUF tensor {t.name}: {config.architecture} experts have no biases")
-        want = {(p, "weight") for p in ("gate", "up", "down")} | (
-            {(p, "bias") for p in ("gate", "up", "down")} if swiglu is not None else set())
+        want = {(p, "weight") for p in _PARTS} | ({(p, "bias") for p in _PARTS} if swiglu is not None else set())
         if missing := sorted(want - set(stacks)):
             part, leaf = missing[0]
             raise ModelLoadError(f"{path}: GGUF lacks blk.{layer}.ffn_{part}_exps.{leaf}")
-        w = {p: _expert_stack(data, stacks[(p, "weight")], fmts[p], dtype, exp_dev, pin) for p in ("gate", "up", "down")}
+        w = {p: _expert_stack(data, stacks[(p, "weight")], fmts[p], dtype, exp_dev, pin) for p in _PARTS}
         out[layer] = LayerExperts(gate=w["gate"], up=w["up"], down=w["down"])
         if swiglu is not None:
-            b = {p: torch.from_numpy(dequantize_tensor(data, stacks[(p, "bias")])).to(dtype) for p in ("gate", "up", "down")}
+            b = {p: torch.from_numpy(dequantize_tensor(data, stacks[(p, "bias")])).to(dtype) for p in _PARTS}
             out[layer].math = ExpertMath(b["gate"], b["up"], b["down"], *swiglu)
     if missing_layers := sorted(moe_layers - set(out)):
         raise ModelLoadError(f"{path}: GGUF lacks blk.{missing_layers[0]}.ffn_gate_exps.weight")

@@ -142,6 +142,25 @@ def decode_q5_k(data: np.ndarray, t: GGUFTensor) -> Decoded:
     return Decoded(q.reshape(*lead, n, k), scales, mins, None, 32)
 
 
+MXFP4_FORMAT = QuantFormat("fp4", 32, torch.bfloat16)
+
+
+def repack_mxfp4(data: np.ndarray, t: GGUFTensor, dtype: torch.dtype) -> QuantTensor:
+    """GGML ``MXFP4`` blocks of 32 (ggml's ``block_mxfp4``: an E8M0 scale byte ``e``, then 16 bytes whose low nibbles
+    are elements 0-15 and high nibbles 16-31, OCP e2m1 codes; value ``e2m1 * 2^(e - 127)``, gguf-py's
+    ``MXFP4.dequantize_blocks``) as the ``fp4`` format (:data:`MXFP4_FORMAT`: codes paired ``2j`` / ``2j + 1`` per
+    byte, the scales as bfloat16): the same values and code bits, rearranged."""
+    from ferrylm.checkpoints.quant.base import e8m0_to_bf16
+
+    *lead, n, k = t.shape
+    b = _blocks(data, t, 17)
+    qs = b[:, 1:]
+    codes = torch.cat((qs & 15, qs >> 4), 1)  # [blocks, 32] in element order
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return QuantTensor(MXFP4_FORMAT, packed.reshape(*lead, n, k // 2).contiguous(),
+                       e8m0_to_bf16(b[:, 0].contiguous()).reshape(*lead, n, k // 32), dtype=dtype)
+
+
 _DECODERS: dict[str, tuple[Callable[[np.ndarray, GGUFTensor], Decoded], QuantFormat]] = {
     "Q8_0": (decode_q8_0, QuantFormat("int8", 32, torch.float16)),
     "Q6_K": (decode_q6_k, QuantFormat("int8", 16, torch.float32)),
