@@ -20,7 +20,7 @@ from ferrylm.checkpoints.gguf_convert import gguf_tokenizer
 from ferrylm.checkpoints.loader import load_model
 from ferrylm.checkpoints.resolve import resolve_model
 
-SERVED = "llama, qwen3moe, qwen2moe, olmoe, glm4moe, deepseek2, gpt-oss"
+SERVED = "llama, qwen3moe, qwen2moe, olmoe, glm4moe, deepseek2, gpt-oss, minimax-m2"
 
 
 def _experts_q8_0(tensors: dict) -> dict:
@@ -99,6 +99,15 @@ def test_gpt_oss_mxfp4(tmp_path):
     tokens = greedy_trace(served.model, prompt, 4)[0]
     for backend in ("offload", "cpu"):
         assert greedy_trace(load_model(path, moe_backend=options(backend, 1)).model, prompt, 4)[0] == tokens, backend
+
+
+def test_minimax_m2(tmp_path):
+    """MiniMax-M2: q/k norms over the whole projection, half the head rotated (``rotary_dim``), biased sigmoid
+    routing under ``block_sparse_moe``; F32 experts become plain stacks."""
+    served, _ = _parity(tmp_path, "minimax_m2", "minimax_m2")
+    assert served.config.raw["rotary_dim"] == 16
+    assert not isinstance(served.executor.layers[0].gate, QuantTensor)
+    assert served.model.model.layers[0].mlp.gate.e_score_correction_bias.dtype == torch.float32
 
 
 def test_unsupported_architecture_is_one_line_naming_it(tmp_path):

@@ -171,9 +171,17 @@ def _gpt_oss(m: Meta, cfg: dict) -> None:
         cfg["rope_parameters"]["truncate"] = False
 
 
+def _minimax_m2(m: Meta, cfg: dict) -> None:
+    """MiniMax-M2: every layer MoE, biased sigmoid routing always renormalised, partial rotary (``rotary_dim``)."""
+    _sigmoid_router(m, 2)
+    moe, _ = _widths(m)
+    cfg.update(model_type="minimax_m2", num_local_experts=cfg.pop("_experts"), intermediate_size=moe,
+               scoring_func="sigmoid", use_routing_bias=m.has("blk.0.exp_probs_b.bias"))
+
+
 #: ``general.architecture`` -> the function adding its fields to the shared ones (``_experts`` holds the expert
 #: count until the architecture names its field)
 ARCH_CONFIG: dict[str, Callable[[Meta, dict], None]] = {
     "qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "olmoe": _olmoe, "llama": _mixtral, "glm4moe": _glm4moe,
-    "deepseek2": _deepseek2, "gpt-oss": _gpt_oss,
+    "deepseek2": _deepseek2, "gpt-oss": _gpt_oss, "minimax-m2": _minimax_m2,
 }
