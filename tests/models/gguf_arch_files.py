@@ -245,7 +245,8 @@ def _metadata(w: GGUFWriter, family: str, cfg: dict, blocks: int, split_kv_b: bo
         w.add_ssm_group_count(cfg["linear_num_key_heads"])
         w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
         w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
-        w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
+        interval = cfg.get("full_attention_interval") or cfg["layer_types"].index("full_attention") + 1
+        w.add_full_attention_interval(interval)
         w.add_rope_dimension_count(int(head_dim * _partial(cfg)))
         if family == "qwen3_5_moe":
             w.add_rope_dimension_sections([11, 11, 10, 0])

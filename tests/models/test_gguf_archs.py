@@ -20,7 +20,7 @@ from ferrylm.checkpoints.gguf_convert import gguf_tokenizer
 from ferrylm.checkpoints.loader import load_model
 from ferrylm.checkpoints.resolve import resolve_model
 
-SERVED = "llama, qwen3moe, qwen2moe, olmoe, glm4moe, deepseek2, gpt-oss, minimax-m2"
+SERVED = "llama, qwen3moe, qwen2moe, olmoe, glm4moe, deepseek2, gpt-oss, minimax-m2, qwen3next, qwen35moe"
 
 
 def _experts_q8_0(tensors: dict) -> dict:
@@ -108,6 +108,23 @@ def test_minimax_m2(tmp_path):
     assert served.config.raw["rotary_dim"] == 16
     assert not isinstance(served.executor.layers[0].gate, QuantTensor)
     assert served.model.model.layers[0].mlp.gate.e_score_correction_bias.dtype == torch.float32
+
+
+def test_qwen3next(tmp_path):
+    """Qwen3-Next: ``in_proj_qkvz`` regrouped from llama.cpp's ``attn_qkv`` + ``attn_gate``, norms stored as
+    ``1 + w``, ``A_log`` as ``-exp``, the conv squeezed, layers linear / full by ``full_attention_interval``, a gated
+    shared expert, two value heads per key head; Q8_0 experts. (llama.cpp's qwen3next has no dense layers.)"""
+    served, _ = _parity(tmp_path, "qwen3_next", "qwen3_next", _experts_q8_0,
+                        {"layer_types": None, "full_attention_interval": 2, "mlp_only_layers": []})
+    assert served.config.raw["full_attention_interval"] == 2 and served.config.raw["linear_num_value_heads"] == 4
+
+
+def test_qwen35moe(tmp_path):
+    """Qwen3.5-MoE: its four DeltaNet projections with the value heads back from llama.cpp's tiled order (two
+    value heads per key head), the same norm / ``A_log`` / conv changes undone."""
+    served, _ = _parity(tmp_path, "qwen3_5_moe", "qwen3_5_moe", None,
+                        {"linear_num_value_heads": 4, "linear_value_head_dim": 8})
+    assert served.config.architecture == "Qwen3_5MoeForCausalLM"
 
 
 def test_unsupported_architecture_is_one_line_naming_it(tmp_path):

@@ -179,9 +179,34 @@ def _minimax_m2(m: Meta, cfg: dict) -> None:
                scoring_func="sigmoid", use_routing_bias=m.has("blk.0.exp_probs_b.bias"))
 
 
+def _qwen3next(m: Meta, cfg: dict) -> None:
+    """Qwen3-Next: Gated DeltaNet layers (``ssm.*``) with every ``full_attention_interval``-th layer gated
+    attention, a gated shared expert, renormalised softmax routing (llama.cpp's); every layer MoE (llama.cpp has no
+    dense layers for it)."""
+    keys = _keys()
+    k, s = keys.LLM, keys.SSM
+    moe, dense = _widths(m)
+    nv = m.int(s.TIME_STEP_RANK)
+    cfg.update(model_type="qwen3_next", num_experts=cfg.pop("_experts"), moe_intermediate_size=moe,
+               intermediate_size=dense, norm_topk_prob=True, decoder_sparse_step=1, attention_bias=False,
+               shared_expert_intermediate_size=m.int(k.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0),
+               mlp_only_layers=[], full_attention_interval=m.int(k.FULL_ATTENTION_INTERVAL, 4),
+               linear_conv_kernel_dim=m.int(s.CONV_KERNEL), linear_key_head_dim=m.int(s.STATE_SIZE),
+               linear_num_key_heads=m.int(s.GROUP_COUNT), linear_num_value_heads=nv,
+               linear_value_head_dim=m.int(s.INNER_SIZE) // nv)
+
+
+def _qwen35moe(m: Meta, cfg: dict) -> None:
+    """Qwen3.5-MoE's text model: Qwen3-Next's fields (its four DeltaNet projections are the tables' business);
+    the multimodal RoPE sections are the identity for text and not read; MTP blocks are skipped."""
+    _qwen3next(m, cfg)
+    cfg["model_type"] = "qwen3_5_moe_text"
+
+
 #: ``general.architecture`` -> the function adding its fields to the shared ones (``_experts`` holds the expert
 #: count until the architecture names its field)
 ARCH_CONFIG: dict[str, Callable[[Meta, dict], None]] = {
     "qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "olmoe": _olmoe, "llama": _mixtral, "glm4moe": _glm4moe,
     "deepseek2": _deepseek2, "gpt-oss": _gpt_oss, "minimax-m2": _minimax_m2,
+    "qwen3next": _qwen3next, "qwen35moe": _qwen35moe,
 }

@@ -103,6 +103,23 @@ _SHARED_PLURAL = {"FFN_GATE_SHEXP": Rule("mlp.shared_experts.gate_proj"),
                   "FFN_DOWN_SHEXP": Rule("mlp.shared_experts.down_proj")}
 _SCORE_BIAS = {"FFN_EXP_PROBS_B": Rule("mlp.gate.e_score_correction_bias", bare=True)}
 
+_ZERO_CENTRED = {m: Rule(r.hf, fix=fx.minus_one) for m, r in {
+    "OUTPUT_NORM": _GLOBAL["OUTPUT_NORM"], "ATTN_NORM": _ATTN["ATTN_NORM"], **_POST_NORM, **_QK_NORM}.items()}
+_HYBRID = {**_GLOBAL, **_ATTN, **_ROUTER, **_SHARED, **_ZERO_CENTRED,
+           "SSM_NORM": Rule("linear_attn.norm"), "SSM_DT": Rule("linear_attn.dt_bias", bare=True),
+           "SSM_A": Rule("linear_attn.A_log", bare=True, fix=fx.a_log),
+           "SSM_CONV1D": Rule("linear_attn.conv1d", fix=fx.conv_weight, shape=fx.conv_shape),
+           "SSM_OUT": Rule("linear_attn.out_proj")}
+_QWEN3NEXT = {**_HYBRID, "SSM_BETA_ALPHA": Rule("linear_attn.in_proj_ba")}
+_QWEN35 = {**_HYBRID, "ATTN_QKV": Rule("linear_attn.in_proj_qkv", fix=fx.qkv_rows),
+           "ATTN_GATE": Rule("linear_attn.in_proj_z", fix=fx.value_rows),
+           "SSM_ALPHA": Rule("linear_attn.in_proj_a", fix=fx.head_rows),
+           "SSM_BETA": Rule("linear_attn.in_proj_b", fix=fx.head_rows),
+           "SSM_DT": Rule("linear_attn.dt_bias", bare=True, fix=fx.head_rows),
+           "SSM_A": Rule("linear_attn.A_log", bare=True, fix=fx.a_log_heads),
+           "SSM_CONV1D": Rule("linear_attn.conv1d", fix=fx.conv_heads, shape=fx.conv_shape),
+           "SSM_OUT": Rule("linear_attn.out_proj", fix=fx.value_columns)}
+
 #: (MODEL_ARCH member, HF class, rules, joins, expert block)
 _TABLES: tuple[tuple[str, str, dict, tuple, str], ...] = (
     ("QWEN3MOE", "Qwen3MoeForCausalLM", {**_GLOBAL, **_ATTN, **_QK_NORM, **_FFN_NORM, **_DENSE, **_ROUTER}, (), "mlp"),
@@ -122,6 +139,9 @@ _TABLES: tuple[tuple[str, str, dict, tuple, str], ...] = (
     ("MINIMAXM2", "MiniMaxM2ForCausalLM",
      {**_GLOBAL, **_ATTN, **_QK_NORM, **_FFN_NORM, "FFN_GATE_INP": Rule("block_sparse_moe.gate"),
       "FFN_EXP_PROBS_B": Rule("block_sparse_moe.e_score_correction_bias", bare=True)}, (), "block_sparse_moe"),
+    ("QWEN3NEXT", "Qwen3NextForCausalLM", _QWEN3NEXT,
+     (Join("linear_attn.in_proj_qkvz.weight", ("ATTN_QKV", "ATTN_GATE"), fx.join_qkvz, fx.qkvz_shape),), "mlp"),
+    ("QWEN35MOE", "Qwen3_5MoeForCausalLM", _QWEN35, (), "mlp"),
     ("LLAMA", "MixtralForCausalLM",
      {**_GLOBAL, **_ATTN, **_FFN_NORM, "ATTN_Q": Rule("self_attn.q_proj", fix=fx.unpermute_q),
       "ATTN_K": Rule("self_attn.k_proj", fix=fx.unpermute_k), "FFN_GATE_INP": Rule("block_sparse_moe.gate")},
