@@ -22,8 +22,9 @@ CHECKPOINT_FORMATS = (
     "gptq: qweight / qzeros / scales, 4-bit (gptq, gptq_v2)               -> int4 with mins per group",
     "awq: qweight / qzeros / scales, 4-bit, AutoAWQ GEMM packing          -> int4 with mins per group",
     "mxfp4: gpt-oss expert *_blocks / *_scales                            -> fp4 e2m1, scale per 32",
-    "gguf: GGUF experts Q8_0 / Q6_K / Q4_K / Q5_K (qwen3moe, qwen2moe, olmoe, llama; served from the file) -> kept as "
-    "GGML blocks (K-quant types mixed across layers: a type per expert; mixed with Q8_0: int8 with mins)",
+    "gguf: GGUF experts Q8_0 / Q6_K / Q4_K / Q5_K / MXFP4 (qwen3moe, qwen2moe, olmoe, llama, glm4moe, deepseek2, "
+    "gpt-oss, minimax-m2, qwen3next, qwen35moe; served from the file) -> kept as GGML blocks (K-quant types mixed "
+    "across layers: a type per expert; mixed with Q8_0: int8 with mins; MXFP4: fp4 e2m1, scale per 32)",
 )
 #: architecture -> (the families that ship it, notes); every registered architecture has an entry (tested)
 ARCHITECTURE_NOTES: dict[str, tuple[str, str]] = {
