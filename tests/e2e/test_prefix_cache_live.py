@@ -73,5 +73,12 @@ def test_bench_serve_multi_turn(default_server, tmp_path) -> None:
     s = json.loads(out.read_text())
     assert s["failed"] == 0 and s["completed"] == 6
     turns = s["turns"]
+    assert [t["turn"] for t in turns] == [1, 2, 3]
     assert turns[2]["cached_tokens_mean"] > turns[1]["cached_tokens_mean"] > 0
     assert turns[2]["cached_fraction"] > 0.5
+    assert all(t["ttft_ms"]["p50"] > 0 and t["ttft_p50_vs_turn_1"] > 0 for t in turns)
+    assert turns[0]["ttft_p50_vs_turn_1"] == 1.0
+    later = s["later_turns"]
+    assert later["completed"] == 4 and later["ttft_ms_p50"] > 0 and later["ttft_p50_vs_turn_1"] > 0
+    assert later["cached_fraction"] > 0.5
+    assert "p50 / turn 1" in r.stdout and "turns 2..3: TTFT p50" in r.stdout

@@ -7,8 +7,9 @@ user message of ``--input-len`` ids of its own; each later turn re-sends the who
 ids. Every turn asks for ``--output-len`` tokens (``ignore_eos``, greedy) as a streaming completion.
 
 Recorded per turn: TTFT, prompt tokens and cached tokens (``usage.prompt_tokens_details.cached_tokens``); the
-summary gives, per turn index, the TTFT percentiles over the conversations, the mean cached tokens and their
-share of the prompt, and later turns' TTFT against the first turn's.
+summary gives, per turn (numbered from 1), the TTFT percentiles over the conversations, the mean prompt and cached
+tokens, the cached share of the prompt and the median TTFT against turn 1's; and for turns 2..N together the median
+TTFT of all their requests against turn 1's.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class MultiTurnConfig:
 
 @dataclass
 class TurnResult:
-    """One turn of one conversation: its request's result and the conversation and turn indices."""
+    """One turn of one conversation: its request's result, the conversation index (from 0) and the turn number (from
+    1)."""
 
     conversation: int
     turn: int
@@ -57,7 +59,7 @@ async def _conversation(client: httpx.AsyncClient, cfg: MultiTurnConfig, model: 
     rng = random.Random(cfg.seed * 1_000_003 + c + 1)
     history = system + _ids(rng, cfg.input_len, cfg.vocab_upper)
     out = []
-    for t in range(cfg.num_turns):
+    for t in range(1, cfg.num_turns + 1):
         res = await _one(client, None, model, history, cfg.output_len, want_ids=True)
         out.append(TurnResult(c, t, res))
         if not res.ok:
@@ -67,30 +69,45 @@ async def _conversation(client: httpx.AsyncClient, cfg: MultiTurnConfig, model: 
     return out
 
 
+def _ratio(x: float | None, first: float | None) -> float | None:
+    return x / first if x is not None and first else None
+
+
+def _turn_row(t: int, ok: list[RequestResult], first_p50: float | None) -> dict:
+    """Turn ``t``'s line of the summary from its successful requests (at least one)."""
+    ttft = percentiles([r.ttft for r in ok])
+    prompt = sum(r.prompt_tokens for r in ok) / len(ok)
+    cached = sum(r.cached_tokens for r in ok) / len(ok)
+    return {"turn": t, "completed": len(ok), "ttft_ms": {k: v * 1000 for k, v in ttft.items()},
+            "prompt_tokens_mean": prompt, "cached_tokens_mean": cached,
+            "cached_fraction": cached / prompt if prompt else 0.0,
+            "ttft_p50_vs_turn_1": _ratio(ttft["p50"], first_p50)}
+
+
+def _later_turns(later: list[RequestResult], first_p50: float | None) -> dict | None:
+    """Turns 2..N pooled: the median TTFT (ms) of all their successful requests, its ratio to turn 1's median,
+    and their cached share of the prompt tokens; None when there are none."""
+    if not later:
+        return None
+    p50 = percentiles([r.ttft for r in later])["p50"]
+    prompt = sum(r.prompt_tokens for r in later)
+    return {"completed": len(later), "ttft_ms_p50": p50 * 1000, "ttft_p50_vs_turn_1": _ratio(p50, first_p50),
+            "cached_fraction": sum(r.cached_tokens for r in later) / prompt if prompt else 0.0}
+
+
 def summarize(cfg: MultiTurnConfig, model: str, turns: list[TurnResult], duration: float) -> dict:
-    """The run's summary: ``turns`` (per turn index: TTFT ms percentiles, mean prompt and cached tokens, cached
-    share, TTFT mean against turn 0's), ``requests`` (every turn of every conversation), totals."""
-    per_turn = []
-    first_ttft = None
-    for t in range(cfg.num_turns):
-        ok = [x.result for x in turns if x.turn == t and x.result.ok]
-        if not ok:
-            continue
-        ttft = percentiles([r.ttft for r in ok])
-        prompt = sum(r.prompt_tokens for r in ok) / len(ok)
-        cached = sum(r.cached_tokens for r in ok) / len(ok)
-        if t == 0:
-            first_ttft = ttft["mean"]
-        per_turn.append({"turn": t, "completed": len(ok), "ttft_ms": {k: v * 1000 for k, v in ttft.items()},
-                         "prompt_tokens_mean": prompt, "cached_tokens_mean": cached,
-                         "cached_fraction": cached / prompt if prompt else 0.0,
-                         "ttft_vs_first_turn": ttft["mean"] / first_ttft if first_ttft else None})
+    """The run's summary: ``turns`` (per turn number from 1: TTFT ms percentiles, mean prompt and cached tokens,
+    cached share, median TTFT against turn 1's, None when turn 1 has no successful request), ``later_turns``
+    (:func:`_later_turns`), ``requests`` (every turn of every conversation), totals."""
+    ok_at = {t: [x.result for x in turns if x.turn == t and x.result.ok] for t in range(1, cfg.num_turns + 1)}
+    first_p50 = percentiles([r.ttft for r in ok_at[1]])["p50"] if ok_at[1] else None
     failed = [x.result for x in turns if not x.result.ok]
     return {
         "mode": "multi-turn", "model": model, "duration_s": duration,
         "completed": sum(1 for x in turns if x.result.ok), "failed": len(failed),
         "errors": sorted({r.error for r in failed})[:5],
-        "turns": per_turn,
+        "turns": [_turn_row(t, ok, first_p50) for t, ok in ok_at.items() if ok],
+        "later_turns": _later_turns([r for t, ok in ok_at.items() if t > 1 for r in ok], first_p50),
         "requests": [{"conversation": x.conversation, "turn": x.turn, "ok": x.result.ok,
                       "ttft_ms": x.result.ttft * 1000, "prompt_tokens": x.result.prompt_tokens,
                       "cached_tokens": x.result.cached_tokens, "output_tokens": x.result.output_tokens}
@@ -119,18 +136,26 @@ async def run_multi_turn(cfg: MultiTurnConfig, transport: httpx.AsyncBaseTranspo
     return out
 
 
+def _num(v: float | None, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
 def format_multi_turn(s: dict) -> str:
-    """Human-readable table of :func:`run_multi_turn`'s summary: one line per turn."""
+    """Human-readable table of :func:`run_multi_turn`'s summary: one line per turn, then turns 2..N together."""
     c = s["config"]
     lines = [f"model {s['model']}  {c['num_conversations']} conversations x {c['num_turns']} turns  shared prefix "
              f"{c['shared_prefix_len']}  new tokens per turn {c['input_len']}  output {c['output_len']}  "
              f"({s['completed']} ok, {s['duration_s']:.1f} s)",
-             "turn  prompt  cached  cached%   TTFT p50 ms   TTFT mean ms   vs turn 0"]
+             "turn  prompt  cached  cached%   TTFT p50 ms   TTFT mean ms   p50 / turn 1"]
     for t in s["turns"]:
-        rel = t["ttft_vs_first_turn"]
         lines.append(f"{t['turn']:>4}  {t['prompt_tokens_mean']:>6.0f}  {t['cached_tokens_mean']:>6.0f}  "
                      f"{100 * t['cached_fraction']:>6.1f}  {t['ttft_ms']['p50']:>12.1f}  {t['ttft_ms']['mean']:>13.1f}"
-                     f"  {'' if rel is None else f'{rel:.3f}':>9}")
+                     f"  {_num(t['ttft_p50_vs_turn_1'], '.3f'):>12}")
+    later = s["later_turns"]
+    if later:
+        lines.append(f"turns 2..{c['num_turns']}: TTFT p50 {later['ttft_ms_p50']:.1f} ms = "
+                     f"{_num(later['ttft_p50_vs_turn_1'], '.3f')} x turn 1, cached "
+                     f"{100 * later['cached_fraction']:.1f}% of their prompt tokens")
     if s["failed"]:
         lines.append(f"FAILED {s['failed']}: {s['errors']}")
     return "\n".join(lines)

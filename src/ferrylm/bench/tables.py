@@ -96,8 +96,7 @@ def long_table(recs: list[dict]) -> str:
         p30, c64, turns = _run(rec, "p30k"), _run(rec, "c64"), _run(rec, "turns")
         if not (p30 or c64 or turns):
             continue
-        later = sorted(t["ttft_ms"]["p50"] for t in (turns.get("turns") or [])[1:])
-        share = [t["cached_fraction"] for t in (turns.get("turns") or [])[1:]]
+        later = turns.get("later_turns") or {}
         first = (turns.get("turns") or [{}])[0].get("ttft_ms", {}).get("p50") if turns else None
         cells = [rec["scenario"],
                  _num((p30.get("ttft_ms") or {}).get("p50", 0) / 1000, "{:.2f}") if p30 else "-",
@@ -105,8 +104,8 @@ def long_table(recs: list[dict]) -> str:
                  _num((_run(rec, "c1").get("itl_ms") or {}).get("p50")),
                  _num(c64.get("output_throughput")) if c64 else "-",
                  _num(first / 1000 if first is not None else None, "{:.2f}"),
-                 _num(later[len(later) // 2] / 1000 if later else None, "{:.2f}"),
-                 _num(sum(share) / len(share) if share else None, "{:.2f}"), rec["_file"]]
+                 _num(later["ttft_ms_p50"] / 1000 if later else None, "{:.2f}"),
+                 _num(later.get("cached_fraction"), "{:.2f}"), rec["_file"]]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows) if len(rows) > 2 else ""
 
