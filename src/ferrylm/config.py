@@ -274,8 +274,9 @@ class EngineConfig:
     num_pages: int | None = flag(None, "KV pool size in pages (wins over --num-tokens)",
                                  default_text="sized by the memory plan")
     num_tokens: int | None = flag(None, "KV pool size in tokens", default_text="sized by the memory plan")
-    max_running_requests: int = flag(16, "requests decoded together; --max-num-seqs is vLLM's name",
-                                     aliases=("--max-num-seqs",))
+    max_running_requests: int | None = flag(
+        None, "requests decoded together; --max-num-seqs is vLLM's name", aliases=("--max-num-seqs",),
+        default_text="what the memory plan carries: the 1024-token requests its KV pool holds, 1 to 256")
     max_prefill_length: int | None = flag(
         None, "token budget per step (prefill chunk + decodes); --max-num-batched-tokens is vLLM's name, "
               "--max-extend-length / --chunked-prefill-size SGLang's",
@@ -335,7 +336,7 @@ class EngineConfig:
         "auto", "run decode steps without CUDA graphs (without it, decode steps of up to --cuda-graph-max-batch "
                 "sequences are captured in CUDA graphs on a CUDA device)", name="--enforce-eager", switch="off")
     cuda_graph_max_batch: int | None = flag(None, "largest decode batch run through CUDA graphs", metavar="N",
-                                            default_text="--max-running-requests")
+                                            default_text="the max running requests (the flag's or the plan's)")
     cuda_graph_max_len: int = flag(
         8192, "offloading backends: longest sequence run through the piecewise CUDA graphs; longer ones decode "
               "eagerly", metavar="TOKENS")
@@ -360,7 +361,8 @@ class EngineConfig:
             (self.page_size >= 1, "--page-size must be >= 1"),
             (self.num_pages is None or self.num_pages >= 1, "--num-pages must be >= 1"),
             (self.num_tokens is None or self.num_tokens >= 1, "--num-tokens must be >= 1"),
-            (self.max_running_requests >= 1, "--max-running-requests must be >= 1"),
+            (self.max_running_requests is None or self.max_running_requests >= 1,
+             "--max-running-requests must be >= 1"),
             (self.max_prefill_length is None or self.max_prefill_length >= 1, "--max-prefill-length must be >= 1"),
             (self.max_model_len is None or self.max_model_len >= 2, "--max-model-len must be >= 2"),
             (self.queue_timeout is None or self.queue_timeout > 0, "--queue-timeout must be > 0 seconds"),

@@ -43,3 +43,7 @@ def test_metrics_live(default_server) -> None:
     memory = httpx.get(f"{base}/v1/memory", timeout=10).json()
     assert sample(after, "ferrylm:memory_plan_kv_pages") == memory["plan"]["kv_pages"]
     assert sample(after, "ferrylm:memory_plan_bytes", '{part="budget"}') == memory["plan"]["budget_bytes"]
+    # no --max-running-requests: the plan's number (1024-token requests its KV pool holds), which the engine runs
+    plan = memory["plan"]
+    assert plan["max_running_requests"] == memory["server"]["max_running_requests"] == max(1, min(
+        256, plan["kv_tokens"] // 1024)) and "KV pool holds" in plan["running_note"]

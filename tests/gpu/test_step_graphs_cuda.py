@@ -75,3 +75,18 @@ def test_boot_plan_workspace_at_8192_chunk(tmp_path):
     assert plan.graph_bytes > 0, plan.format_table()
     row = next(line for line in plan.format_table().splitlines() if line.strip().startswith("CUDA graphs"))
     assert gib(plan.graph_bytes) in row and "measured at capture" in row, row
+
+
+def test_default_running_requests_size_the_graphs(tmp_path):
+    """Without --max-running-requests the plan's number (a 4096-token pool holds four 1024-token requests) is the
+    engine's limit and the largest captured graph, and the plan's graph memory was measured up to it."""
+    ckpt = build_checkpoint("llama", tmp_path / "m", seed=5)
+    copy_config(ckpt.path, ckpt.path, max_position_embeddings=2048)
+    engine = build_engine(ckpt.path, EngineConfig(device="cuda", dtype="bfloat16", num_tokens=4096,
+                                                  max_prefill_length=512, moe_backend="resident"))
+    plan = engine.memory_plan
+    assert engine.limits.max_running_requests == plan.max_running_requests == 4, plan.format_table()
+    assert engine.runner.step_graphs is not None and engine.runner.step_graphs.sizes == [1, 2, 4]
+    assert plan.graph_bytes > 0 and plan.graph_max_batch == 4, plan.format_table()
+    row = next(line for line in plan.format_table().splitlines() if line.strip().startswith("CUDA graphs"))
+    assert "decode batches up to 4" in row, row

@@ -3,7 +3,8 @@
 probe (device, dtype, the memory budget) -> the model's config (read once) -> the expert backend (the one
 ``auto`` resolver, ``engine/expert_choice.py``) -> load the weights (measured) -> profile the workspace on a model
 runner (``engine/profile.py``) -> the memory plan from complete inputs (``memory/plan.py``; a default prefill
-chunk that does not fit is halved down to ``MIN_PREFILL_CHUNK``) -> the Engine from its parts -> on CUDA the
+chunk that does not fit is halved down to ``MIN_PREFILL_CHUNK``; without ``--max-running-requests`` the number the
+plan carries, ``memory/concurrency.py``) -> the Engine from its parts -> on CUDA the
 warmup again (the allocator keeps the workspace blocks) and the graph capture.
 
 A tensor-parallel follower (``engine/parallel/follower_runner.py``) runs the same steps up to loading.
@@ -22,11 +23,13 @@ from ferrylm.checkpoints.loader import LoadedModel, load_model
 from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.engine.cache.kv_pool import KVLayout
 from ferrylm.engine.cache.state_pool import StateLayout
-from ferrylm.engine.engine import Engine, EngineLimits, limits_with_pages, resolve_device, resolve_dtype
+from ferrylm.engine.engine import (Engine, EngineLimits, limits_with_pages, resolve_device, resolve_dtype,
+                                   state_snapshot_count)
 from ferrylm.engine.expert_choice import check_host_memory, resolve_expert_backend
 from ferrylm.engine.profile import WarmupShape, Workspace, profile_workspace, warm_up
 from ferrylm.experts import ExpertOptions, backend_name
 from ferrylm.faults import FaultInjector
+from ferrylm.memory.concurrency import RunningChoice, choose_running_requests, requests_in_pool
 from ferrylm.memory.guard import is_oom
 from ferrylm.memory.plan import (ExpertNeeds, MemoryBudget, MemoryPlan, MemoryPlanError, PlanInputs, boot_failure,
                                  check_budget, expert_needs, plan_memory)
@@ -163,36 +166,42 @@ def load_weights(model_path: str | Path, target: BootTarget, options: ExpertOpti
 def plan_engine(loaded: LoadedModel, target: BootTarget, budget: MemoryBudget, weights: int,
                 tp=None) -> Sizing:
     """Profile the workspace and plan; when the plan does not fit and the chunk is the default (no
-    ``--max-prefill-length``), halve the chunk and profile again, down to ``MIN_PREFILL_CHUNK``. Sizes the expert
-    cache to the plan. The plan's table says when the chunk was lowered.
+    ``--max-prefill-length``), halve the chunk and profile again, down to ``MIN_PREFILL_CHUNK``. Without
+    ``--max-running-requests`` the number is the plan's (``memory/concurrency.py``): a preflight without workspace
+    bounds it, the warmup (decode batch, CUDA graphs, state slots) runs at that bound, and the plan with the
+    measured workspace picks it within. Sizes the expert cache to the plan. The plan's table says when the chunk
+    was lowered and where the number of running requests comes from.
 
     Raises:
         MemoryPlanError: the plan does not fit at the floor (or at the explicit chunk).
     """
     config, mcfg, executor = target.config, loaded.config, loaded.executor
-    base = limits_with_pages(config, mcfg, target.device, 0)
+    base = limits_with_pages(config, mcfg, target.device, 0, config.max_running_requests or 1)
     needs = expert_needs(executor)
-    if needs is not None and needs.backend in ("offload", "hybrid"):
-        # the GPU computes every expert it routes to: a decode step of R sequences needs up to R * k of a layer at
-        # once, the floor of an automatically sized cache (an explicit --moe-cache-size below it runs in waves)
-        needs = replace(needs, step_slots=min(config.max_running_requests * mcfg.num_experts_per_tok,
-                                              mcfg.num_experts))
     first = base.max_prefill_length
     floor = first if config.max_prefill_length is not None else min(first, MIN_PREFILL_CHUNK)
+
+    def inputs_at(chunk: int, workspace: Workspace | None) -> Callable[[int], PlanInputs]:
+        return lambda n: plan_inputs(budget, target, mcfg, replace(base, max_prefill_length=chunk,
+                                                                   max_running_requests=n),
+                                     needs, weights, workspace)
+
     # preflight: sizes that cannot fit even without a workspace, at the smallest chunk, fail before the warmup
-    plan_memory(plan_inputs(budget, target, mcfg, replace(base, max_prefill_length=floor), needs, weights, None))
+    plan_memory(inputs_at(floor, None)(base.max_running_requests))
+    bound = config.max_running_requests or choose_running_requests(inputs_at(first, None)).n
     if needs is not None:  # the warmup's expert cache: the explicit size, else the backend's minimum
         _reserve_experts(executor, tp, needs.bytes_for(min(config.moe_cache_size, needs.total_experts)
                                                        if config.moe_cache_size is not None
                                                        else max(1, needs.min_slots)))
     chunk = first
     while True:
-        limits = replace(base, max_prefill_length=chunk)
-        shape = WarmupShape(chunk, limits.max_running_requests, limits.max_model_len, limits.max_running_requests)
+        shape = WarmupShape(chunk, bound, base.max_model_len, bound)
         try:
             workspace = profile_workspace(loaded.model, executor, mcfg, config, target.device, target.dtype, shape,
                                           weights, tp)
-            inputs = plan_inputs(budget, target, mcfg, limits, needs, weights, workspace)
+            choice = (RunningChoice(config.max_running_requests, "--max-running-requests")
+                      if config.max_running_requests else choose_running_requests(inputs_at(chunk, workspace), bound))
+            inputs = inputs_at(chunk, workspace)(choice.n)
             plan = plan_memory(inputs)
             break
         except MemoryPlanError as e:
@@ -202,27 +211,36 @@ def plan_engine(loaded: LoadedModel, target: BootTarget, budget: MemoryBudget, w
             log.warning("memory plan: a prefill chunk of %d tokens does not fit (%s); trying %d tokens", chunk,
                         str(e).split(". To fix")[0][:300], lower)
             chunk = lower
+    plan = replace(plan, running_note=choice.note,
+                   graph_max_batch=(config.cuda_graph_max_batch or bound) if workspace.graph_bytes else 0)
     if chunk < first:
         plan = replace(plan, prefill_note=f"lowered from {first}: the default chunk did not fit")
         log.warning("memory plan: prefill chunk lowered from %d to %d tokens to fit (set --max-prefill-length to "
                     "choose it)", first, chunk)
     if needs is not None:
         _reserve_experts(executor, tp, plan.expert_bytes)
-    return Sizing(plan, replace(limits, num_pages=plan.kv_pages), workspace, inputs)
+    limits = replace(base, max_prefill_length=chunk, num_pages=plan.kv_pages, max_running_requests=choice.n)
+    return Sizing(plan, limits, workspace, inputs)
 
 
 def plan_inputs(budget: MemoryBudget, target: BootTarget, mcfg: ModelConfig, limits: EngineLimits,
                 needs: ExpertNeeds | None, weights: int, workspace: Workspace | None) -> PlanInputs:
-    """The plan's inputs at ``limits``: the budget, the model's figures, the weights measured and the workspace
-    profiled (None: the preflight's lower bound, no workspace)."""
+    """The plan's inputs at ``limits`` (its ``max_running_requests`` sizes the state slots and one decode step's
+    expert slots): the budget, the model's figures, the weights measured and the workspace profiled (None: the
+    preflight's lower bound, no workspace)."""
     config, dtype = target.config, target.dtype
     state = StateLayout.of(mcfg)   # hybrid models: one recurrent-state slot per running request
+    if needs is not None and needs.backend in ("offload", "hybrid"):
+        # the GPU computes every expert it routes to: a decode step of R sequences needs up to R * k of a layer at
+        # once, the floor of an automatically sized cache (an explicit --moe-cache-size below it runs in waves)
+        needs = replace(needs, step_slots=min(limits.max_running_requests * mcfg.num_experts_per_tok,
+                                              mcfg.num_experts))
     return PlanInputs.of(
         budget, weights_bytes=weights, workspace_bytes=workspace.bytes if workspace else 0,
         workspace_source=workspace.source if workspace else "none (preflight)",
         graph_bytes=workspace.graph_bytes if workspace else 0,
         kv_bytes_per_token=KVLayout.of(mcfg).bytes_per_token(dtype), page_size=config.page_size,
-        max_model_len=limits.max_model_len, max_running_requests=config.max_running_requests,
+        max_model_len=limits.max_model_len, max_running_requests=limits.max_running_requests,
         max_prefill_length=limits.max_prefill_length, num_pages=config.num_pages, num_tokens=config.num_tokens,
         moe_cache_size=config.moe_cache_size, moe_cache_auto=config.moe_cache_auto,
         kv_reserve_tokens=config.kv_reserve_tokens, experts=needs,
@@ -230,7 +248,8 @@ def plan_inputs(budget: MemoryBudget, target: BootTarget, mcfg: ModelConfig, lim
         host_kv_fraction=(config.kv_memory_fraction / config.tensor_parallel_size
                           if target.device.type == "cpu" else None),
         state_slot_bytes=state.bytes_per_slot(dtype) if state is not None else 0,
-        state_snapshots=(limits.max_running_requests if state is not None and config.enable_prefix_caching else 0))
+        state_snapshots=(state_snapshot_count(limits) if state is not None and config.enable_prefix_caching
+                         else 0))
 
 
 def settle_on_device(engine: Engine, sized: Sizing) -> None:
@@ -281,19 +300,28 @@ def engine_for_model(model, mcfg: ModelConfig, config: EngineConfig, *, device: 
                **parts) -> Engine:
     """An Engine over an already-loaded model, sized without the boot's profile (tests, tools): explicit
     ``--num-pages`` / ``--num-tokens`` win; otherwise the plan over a reading taken now (the weights are already
-    in it; no workspace). ``parts``: the other :class:`Engine` arguments.
+    in it; no workspace). Without ``--max-running-requests``: the typical requests the pool holds
+    (``memory/concurrency.py``). ``parts``: the other :class:`Engine` arguments.
 
     Raises:
         MemoryPlanError: the pool cannot get its minimum.
     """
+    running = config.max_running_requests
     if config.num_pages is not None or config.num_tokens is not None:
         pages = config.num_pages or -(-config.num_tokens // config.page_size)
-        limits = limits_with_pages(config, mcfg, device, pages)
+        base = limits_with_pages(config, mcfg, device, pages, 1)
+        limits = replace(base, max_running_requests=running or requests_in_pool(base.pool_tokens, base.max_model_len))
     else:
         target = BootTarget(device, dtype, config)
-        base = limits_with_pages(config, mcfg, device, 0)
-        plan = plan_memory(plan_inputs(probe_budget(target), target, mcfg, base, None, 0, None))
-        limits = replace(base, num_pages=plan.kv_pages)
+        budget = probe_budget(target)
+        base = limits_with_pages(config, mcfg, device, 0, running or 1)
+
+        def inputs_at(n: int) -> PlanInputs:
+            return plan_inputs(budget, target, mcfg, replace(base, max_running_requests=n), None, 0, None)
+
+        running = running or choose_running_requests(inputs_at).n
+        plan = plan_memory(inputs_at(running))
+        limits = replace(base, num_pages=plan.kv_pages, max_running_requests=running)
         if limits.pool_tokens < limits.max_model_len:
             log.warning("the KV pool holds %d tokens, fewer than the model context of %d tokens: long requests "
                         "will be rejected; raise --num-tokens/--num-pages or lower --max-model-len",

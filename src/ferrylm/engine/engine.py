@@ -83,11 +83,13 @@ def default_prefill_length(cfg: EngineConfig, device: torch.device) -> int:
     return cfg.max_prefill_length or (2048 if device.type == "cpu" else 8192)
 
 
-def limits_with_pages(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, num_pages: int) -> EngineLimits:
-    """The engine's limits with a KV pool of ``num_pages`` pages (the other sizes from the flags)."""
+def limits_with_pages(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, num_pages: int,
+                      max_running_requests: int) -> EngineLimits:
+    """The engine's limits with a KV pool of ``num_pages`` pages and ``max_running_requests`` (resolved: the flag
+    or the plan's, ``memory/concurrency.py``); the other sizes from the flags."""
     return EngineLimits(max_model_len=cfg.max_model_len or mcfg.max_position_embeddings, num_pages=num_pages,
                         page_size=cfg.page_size, max_prefill_length=default_prefill_length(cfg, device),
-                        max_running_requests=cfg.max_running_requests)
+                        max_running_requests=max_running_requests)
 
 
 def state_snapshot_count(limits: EngineLimits) -> int:
@@ -166,7 +168,8 @@ class Engine:
         self.eos_ids = tuple(model_config.eos_token_ids)
         self.tp = tp
         self.runner = ModelRunner(model, self.pool, device, dtype, config, self.limits.max_model_len,
-                                  expert_executor, self.eos_ids, tp=tp)
+                                  expert_executor, self.eos_ids, tp=tp,
+                                  max_running_requests=self.limits.max_running_requests)
         self.runner.faults = faults
         self.runner.attach_state_pool(self.state_pool)
         self.structured = StructuredDecoder(tokenizer_path, model_config.vocab_size, self.eos_ids)

@@ -51,6 +51,8 @@ class ModelRunner:
         device, dtype: compute device and activation dtype.
         config: the engine config (``attention_backend``, ``decode_graphs``, ``cuda_graph_max_batch``, ...).
         max_model_len: the context limit (tokens).
+        max_running_requests: the engine's (resolved) limit; decode graphs go up to it unless
+            ``cuda_graph_max_batch`` says otherwise.
         expert_executor: the MoE executor (None: dense or a test double).
         eos_ids: EOS token ids (banned before ``min_tokens``).
         tp: rank 0's :class:`~ferrylm.engine.parallel.step_sync.StepBroadcaster` under tensor parallel (the
@@ -62,7 +64,8 @@ class ModelRunner:
     """
 
     def __init__(self, model, pool: KVPool, device: torch.device, dtype: torch.dtype, config: EngineConfig,
-                 max_model_len: int, expert_executor=None, eos_ids: tuple[int, ...] = (), tp=None):
+                 max_model_len: int, expert_executor=None, eos_ids: tuple[int, ...] = (), tp=None, *,
+                 max_running_requests: int):
         self.model = model
         self.pool = pool
         self.device = device
@@ -76,6 +79,7 @@ class ModelRunner:
         self.structured = None  # the engine's StructuredDecoder (engine/structured.py): grammar masks on the logits
         self.attention = resolve_backend(config.attention_backend, device)
         self.max_model_len = max_model_len
+        self.graph_max_batch = config.cuda_graph_max_batch or max_running_requests   # largest graph batch
         self.staging = Staging(device)
         self.step_graphs: StepGraphs | None = None
         self.piecewise: DecodeGraphRunner | None = None
@@ -101,7 +105,7 @@ class ModelRunner:
         self.step_graphs = self.piecewise = None
         if self._graph_mode == "off" or not self._is_stack:
             return
-        max_batch = self.config.cuda_graph_max_batch or self.config.max_running_requests
+        max_batch = self.graph_max_batch
         safe = executor is None or bool(getattr(executor, "graph_safe", False))
         min_batch = int(getattr(executor, "table_min_tokens", 1)) if safe and executor is not None else 1
         if self._graph_mode == "cuda" and self.attention == "triton" and safe:

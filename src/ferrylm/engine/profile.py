@@ -149,7 +149,7 @@ def profile_workspace(model, executor, mcfg: ModelConfig, config: EngineConfig, 
     layout = StateLayout.of(mcfg)
     state_pool = StatePool(layout, shape.max_running_requests, dtype, device) if layout is not None else None
     runner = ModelRunner(model, pool, device, dtype, config, shape.max_model_len, executor,
-                         tuple(mcfg.eos_token_ids), tp=tp)
+                         tuple(mcfg.eos_token_ids), tp=tp, max_running_requests=shape.max_running_requests)
     runner.attach_state_pool(state_pool)
     progress = StepProgress()
     progress.attach(model)

@@ -227,6 +227,9 @@ class MemoryPlan:
     state_snapshots: int = 0
     state_slot_bytes: int = 0
     state_bytes: int = 0
+    max_running_requests: int = 0   # requests decoded together: the flag, or what the plan carries (concurrency.py)
+    running_note: str = ""          # where it comes from (the plan table's right column)
+    graph_max_batch: int = 0        # the largest decode batch whose CUDA graph the plan's graph memory was measured at
 
     def to_dict(self) -> dict:
         """JSON-ready (``GET /v1/memory``)."""
@@ -253,13 +256,15 @@ class MemoryPlan:
              "--gpu-memory-limit - reserve" if self.binding == "limit" else "free at boot - reserve"),
             ("weights", gib(self.weights_bytes), "measured after loading"),
             ("workspace", gib(self.workspace_bytes), f"{self.workspace_source} at the prefill chunk"),
-            ("CUDA graphs", gib(self.graph_bytes), "measured at capture" if self.graph_bytes else "none"),
+            ("CUDA graphs", gib(self.graph_bytes),
+             f"measured at capture, decode batches up to {self.graph_max_batch}" if self.graph_bytes else "none"),
             ("recurrent state", gib(self.state_bytes),
              f"{self.state_slots} x {gib(self.state_slot_bytes)} (linear-attention layers; one per running request "
              f"+ scratch{f' + {self.state_snapshots} prefix-cache snapshots' if self.state_snapshots else ''})"
              if self.state_slots else "none (no linear-attention layers)"),
             ("prefill chunk", f"{self.max_prefill_length} tok", self.prefill_note or "the default or the flag"),
             ("KV pool", gib(self.kv_bytes), f"{self.kv_pages} pages x {self.page_size} = {self.kv_tokens} tokens"),
+            ("max running requests", f"{self.max_running_requests}", self.running_note or "--max-running-requests"),
             ("expert slots", gib(self.expert_bytes),
              f"{self.expert_slots} of {self.expert_total} x {gib(self.expert_slot_bytes)}" if self.expert_total
              else "none (experts resident or dense model)"),
@@ -393,7 +398,8 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
         binding=binding, other_processes=tuple(p.other_processes), warnings=tuple(warnings),
         graph_bytes=p.graph_bytes, max_prefill_length=p.max_prefill_length, reserve_note=reserve_note,
         minimum_bytes=minimum, state_slots=p.state_slots, state_slot_bytes=p.state_slot_bytes,
-        state_bytes=p.state_bytes, state_snapshots=p.state_snapshots if p.state_slot_bytes else 0)
+        state_bytes=p.state_bytes, state_snapshots=p.state_snapshots if p.state_slot_bytes else 0,
+        max_running_requests=p.max_running_requests)
 
 
 def minimum_bytes(p: PlanInputs) -> int:
