@@ -20,6 +20,7 @@ BENCH_MAINS: Registry[Callable[[argparse.Namespace], int]] = Registry("ferry ben
     "cache-policy": "ferrylm.bench.cache_policy:main",
     "accelerate": "ferrylm.bench.accelerate_offload:main",
     "bw": "ferrylm.bench.bw:main",
+    "peer": "ferrylm.bench.peer:main",
 })
 
 
@@ -40,6 +41,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, *, model_args: Callable[..
     _add_decode(bsub, model_args)
     _add_cpu_experts(bsub)
     _add_bw(bsub)
+    _add_peer(bsub, port)
     _add_kernels_and_cache_policy(bsub)
     _add_baselines(bsub, default_model)
 
@@ -159,6 +161,39 @@ def _add_bw(bsub: argparse._SubParsersAction) -> None:
     bw.add_argument("--output-json", default=None, help="write the profile here too")
     bw.add_argument("--no-save", action="store_true", help="do not write the machine profile into the cache")
     bw.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+
+
+def _add_peer(bsub: argparse._SubParsersAction, port_number: Callable[[str], int]) -> None:
+    pe = bsub.add_parser("peer", help="llama.cpp's server (built for the CPU from a source you name, or given) and "
+                                      "`ferry serve` on one GGUF, alternately, measured by the `bench serve` client: "
+                                      "one JSON with both sides and their ratio")
+    pe.add_argument("--gguf", default=None, help="the GGUF both engines serve")
+    pe.add_argument("--llama-src", default=None, metavar="PATH_OR_TARBALL", help="llama.cpp source to build")
+    pe.add_argument("--llama-server", default=None, metavar="BINARY", help="an existing llama-server instead")
+    pe.add_argument("--work-dir", default=None, help="where sources unpack and build (default: <cache>/peer)")
+    pe.add_argument("--build-jobs", type=int, default=2, help="parallel build jobs (default: 2)")
+    pe.add_argument("--build-only", action="store_true", help="build llama-server, print its path, exit")
+    pe.add_argument("--rounds", type=int, default=2, help="rounds; each runs both engines (default: 2)")
+    pe.add_argument("--port", type=port_number, default=8301, help="llama-server's port; ferry serve's is the next "
+                                                                    "(default: 8301)")
+    pe.add_argument("--threads", type=int, default=None, help="llama-server -t (default: physical cores)")
+    pe.add_argument("--ctx", type=int, default=8192, help="llama-server -c (default: 8192)")
+    pe.add_argument("--llama-args", default="", help="more llama-server flags, one string")
+    pe.add_argument("--ferry-args", default="", help="more ferry serve flags, one string")
+    pe.add_argument("--prefill-len", type=int, default=1024, help="prefill shape's prompt tokens (0: no such shape; "
+                                                                  "default: 1024)")
+    pe.add_argument("--prefill-prompts", type=int, default=2, help="prefill shape's prompts (default: 2)")
+    pe.add_argument("--concurrency", default="1,4", help="decode shapes' concurrency, comma list (default: 1,4)")
+    pe.add_argument("--num-prompts", type=int, default=8, help="prompts per decode shape (default: 8)")
+    pe.add_argument("--input-len", type=int, default=128, help="decode shapes' prompt tokens (default: 128)")
+    pe.add_argument("--output-len", type=int, default=32, help="decode shapes' output tokens (default: 32)")
+    pe.add_argument("--vocab-upper", type=int, default=None, help="prompt ids from [1, N) (default: the GGUF's "
+                                                                  "vocabulary, at most 1000)")
+    pe.add_argument("--ready-timeout", type=float, default=900.0, help="seconds a server may take to become ready "
+                                                                      "(default: 900)")
+    pe.add_argument("--output-json", default=None, help="the JSON (default: peer-<date>.json)")
+    pe.add_argument("--log-dir", default=None, help="the servers' logs (default: beside the JSON)")
+    pe.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
 
 
 def _add_kernels_and_cache_policy(bsub: argparse._SubParsersAction) -> None:
