@@ -16,8 +16,7 @@ SMALL = ["--hidden", "256", "--inter", "256", "--bank-mib", "2", "--copy-mib", "
          "--reps", "1", "--experts-per-job", "2"]
 
 
-def test_bench_bw_prints_the_table_and_saves_this_machines_profile(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path / "cache"))
+def test_bench_bw_prints_the_table_and_saves_this_machines_profile(tmp_path, own_cache_root, capsys):
     out_json = tmp_path / "profile.json"
     assert main(["bench", "bw", "--device", "cpu", "--formats", "bf16,q4_k", "--threads", "1,2", *SMALL,
                  "--output-json", str(out_json)]) == 0
@@ -46,8 +45,7 @@ def test_bench_bw_prints_the_table_and_saves_this_machines_profile(tmp_path, mon
                                  pinned=True).cpu == profile.formats[bf16].rates[1].alone
 
 
-def test_bench_bw_no_save_writes_nothing(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path / "cache"))
+def test_bench_bw_no_save_writes_nothing(own_cache_root, capsys):
     assert main(["bench", "bw", "--device", "cpu", "--formats", "f32", "--threads", "1", *SMALL, "--no-save"]) == 0
     assert "f32 " in capsys.readouterr().out
     assert mp.read_profiles() is None
