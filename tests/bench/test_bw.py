@@ -55,6 +55,7 @@ def test_bench_bw_no_save_writes_nothing(own_cache_root, capsys):
     (["--formats", "bf17"], "--formats: unknown format 'bf17'"),
     (["--threads", "0,2"], "--threads takes a comma-separated list of integers >= 1"),
     (["--jobs", "0"], "--jobs must be > 0"),
+    (["--device", "tpu"], "--device takes auto, cpu or cuda[:N], got 'tpu'"),
     (["--formats", "q4_k", "--inter", "128"], "multiple of 256"),
 ])
 def test_bench_bw_bad_flags(flags, message, capsys):

@@ -200,8 +200,11 @@ def _int_list(flag: str, text: str) -> tuple[int, ...]:
 
 def config_from_args(args) -> BwConfig:
     """``ferry bench bw``'s flags as a :class:`BwConfig`. Raises ValueError naming the flag."""
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    try:
+        device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                              "cpu" if args.device == "auto" else args.device)
+    except RuntimeError:
+        raise ValueError(f"--device takes auto, cpu or cuda[:N], got {args.device!r}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: CUDA is not available")
     formats = tuple(f.strip() for f in args.formats.split(",") if f.strip()) if args.formats else all_formats()
