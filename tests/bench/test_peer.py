@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ferrylm.bench.peer import round_order, summarize
+from ferrylm.bench.peer import round_order, slot_context, summarize
 from ferrylm.bench.suite import RunShape
 from ferrylm.cli import main
 
@@ -75,6 +75,7 @@ def test_peer_serves_both_engines_on_one_gguf_and_writes_the_ratio(tmp_path, tin
     argv = json.loads((tmp_path / "llama-argv.jsonl").read_text().splitlines()[0])
     assert argv[:2] == ["-m", str(tiny_gguf.resolve())] and argv[argv.index("-t") + 1] == "2"
     assert argv[argv.index("-np") + 1] == "2" and argv[argv.index("--port") + 1] == str(port)
+    assert argv[argv.index("-c") + 1] == "512"     # --ctx is per slot: llama-server splits -c among -np slots
     for shape in ("prefill", "c1", "c2"):
         row = rec["summary"][shape]
         assert row["ferry_over_llama"]["output_tok_s"] == pytest.approx(
@@ -85,6 +86,8 @@ def test_peer_serves_both_engines_on_one_gguf_and_writes_the_ratio(tmp_path, tin
 
 def test_round_order_alternates_and_summary_takes_medians():
     assert round_order(2) == [(0, "llama"), (0, "ferry"), (1, "ferry"), (1, "llama")]
+    assert slot_context((RunShape("prefill", 1, 2, 512, 1), RunShape("c4", 4, 8, 64, 32))) == 768
+    assert slot_context((RunShape("c1", 1, 2, 8, 4),)) == 256
     shapes = (RunShape("c1", 1, 2, 8, 4),)
 
     def run(engine, ttft, itl, tok_s, ready):
@@ -136,6 +139,7 @@ def test_build_from_a_tarball_builds_only_llama_server_once(tmp_path, capsys):
     (["--llama-server", "/nonexistent/llama-server", "--gguf", __file__], "not a readable GGUF"),
     (["--llama-server", __file__, "--gguf", "/nonexistent.gguf"], "--gguf /nonexistent.gguf: no such file"),
     (["--llama-src", __file__, "--build-only"], "not a source folder or a tarball"),
+    (["--llama-server", __file__, "--ctx", "0"], "--ctx must be >= 1, got 0"),
 ])
 def test_peer_bad_flags(flags, message, capsys):
     assert main(["bench", "peer", *flags]) == 2
@@ -160,3 +164,23 @@ def test_an_engine_that_never_gets_ready_is_recorded_not_raised(tmp_path):
     rec = run_engine("llama", [str(dead)], _two_free_ports(), cfg, tmp_path / "dead.log", log=lambda line: None)
     assert rec["ready_s"] is None and rec["error"].startswith("not ready") and rec["exit_code"] == 3
     assert rec["log_tail"] == ["error: cannot load model"] and rec["runs"] == {}
+
+
+def test_a_port_is_free_after_its_server_closed_but_not_while_one_listens():
+    """A round's server closes its connections first, which leaves them in TIME_WAIT on its port; the next round on
+    that port must not take that for a server still there."""
+    from ferrylm.bench.peer import PeerError, _check_port_free
+
+    port = _two_free_ports()
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", port))
+    srv.listen()
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = srv.accept()
+    with pytest.raises(PeerError, match=f"port {port} is in use"):
+        _check_port_free(port)
+    conn.close()            # the server's side closes first: TIME_WAIT on the server's port
+    srv.close()
+    client.close()
+    _check_port_free(port)

@@ -177,7 +177,9 @@ def _add_peer(bsub: argparse._SubParsersAction, port_number: Callable[[str], int
     pe.add_argument("--port", type=port_number, default=8301, help="llama-server's port; ferry serve's is the next "
                                                                     "(default: 8301)")
     pe.add_argument("--threads", type=int, default=None, help="llama-server -t (default: physical cores)")
-    pe.add_argument("--ctx", type=int, default=8192, help="llama-server -c (default: 8192)")
+    pe.add_argument("--ctx", type=int, default=None, help="llama-server's context per slot (its -c is this x -np, "
+                                                          "the largest --concurrency; default: the longest shape, "
+                                                          "rounded up to 256)")
     pe.add_argument("--llama-args", default="", help="more llama-server flags, one string")
     pe.add_argument("--ferry-args", default="", help="more ferry serve flags, one string")
     pe.add_argument("--prefill-len", type=int, default=1024, help="prefill shape's prompt tokens (0: no such shape; "

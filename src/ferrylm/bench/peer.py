@@ -41,6 +41,7 @@ KIND = "ferry-bench-peer"
 ENGINES = ("llama", "ferry")
 CMAKE_FLAGS = ("-DGGML_CUDA=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DCMAKE_BUILD_TYPE=Release")
+WARMUP = RunShape("warmup", 1, 1, 16, 4)
 METRICS = (("ttft_p50_ms", "ttft_ms"), ("itl_p50_ms", "itl_ms"))
 
 
@@ -50,7 +51,7 @@ class PeerError(Exception):
 
 @dataclass(frozen=True)
 class PeerConfig:
-    """Both servers' settings and the shapes (``threads``: llama-server's ``-t``; ``ctx``: its ``-c``)."""
+    """Both servers' settings and the shapes (``threads``: llama-server's ``-t``; ``ctx``: its context per slot)."""
 
     gguf: Path
     shapes: tuple[RunShape, ...]
@@ -116,10 +117,18 @@ def build_llama_server(src: Path, work_dir: Path, jobs: int, log=print) -> tuple
 
 
 # --- the rounds --------------------------------------------------------------------------------------------------
+def slot_context(shapes: tuple[RunShape, ...]) -> int:
+    """Tokens one request of the shapes (or the warm-up) may hold, rounded up to 256."""
+    longest = max([s.input_len + s.output_len for s in shapes] + [WARMUP.input_len + WARMUP.output_len])
+    return -(-longest // 256) * 256
+
+
 def llama_command(binary: Path, cfg: PeerConfig, port: int) -> list[str]:
+    """llama-server with ``-np`` slots for the largest concurrency; its ``-c`` is split among them, so it is
+    ``cfg.ctx`` per slot times the slots."""
     parallel = max([s.concurrency for s in cfg.shapes] + [1])
-    return [str(binary), "-m", str(cfg.gguf), "--host", "127.0.0.1", "--port", str(port), "-c", str(cfg.ctx),
-            "-np", str(parallel), "-t", str(cfg.threads), *cfg.llama_args]
+    return [str(binary), "-m", str(cfg.gguf), "--host", "127.0.0.1", "--port", str(port), "-c",
+            str(cfg.ctx * parallel), "-np", str(parallel), "-t", str(cfg.threads), *cfg.llama_args]
 
 
 def ferry_command(cfg: PeerConfig, port: int) -> list[str]:
@@ -134,6 +143,7 @@ def round_order(rounds: int) -> list[tuple[int, str]]:
 
 def _check_port_free(port: int) -> None:
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # a closed server's TIME_WAIT is no owner
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -165,7 +175,7 @@ def run_engine(engine: str, cmd: list[str], port: int, cfg: PeerConfig, log_path
 
 def _run_shapes(engine: str, base: str, cfg: PeerConfig, runs: dict, log) -> None:
     """One warm-up request, then every shape's ``bench serve`` summary into ``runs``."""
-    asyncio.run(run_bench(_bench_config(base, RunShape("warmup", 1, 1, 16, 4), cfg.vocab_upper, 99), False))
+    asyncio.run(run_bench(_bench_config(base, WARMUP, cfg.vocab_upper, 99), progress=False))
     for i, shape in enumerate(cfg.shapes):
         s = asyncio.run(run_bench(_bench_config(base, shape, cfg.vocab_upper, i + 1), progress=False))
         runs[shape.name] = s
@@ -313,6 +323,8 @@ def main(args) -> int:
     try:
         if bool(args.llama_src) == bool(args.llama_server):
             raise PeerError("pass one of --llama-src PATH_OR_TARBALL (build) and --llama-server BINARY")
+        if args.ctx is not None and args.ctx < 1:
+            raise PeerError(f"--ctx must be >= 1, got {args.ctx}")
         if not args.build_only:
             if not args.gguf or not Path(args.gguf).is_file():
                 raise PeerError(f"--gguf {args.gguf}: no such file")
@@ -325,7 +337,7 @@ def main(args) -> int:
         print(f"llama-server: {binary} ({info.get('build_s')} s)")
         return 0
     cfg = PeerConfig(gguf=Path(args.gguf).resolve(), shapes=shapes, rounds=args.rounds, port=args.port,
-                     threads=args.threads or physical_cores(), ctx=args.ctx,
+                     threads=args.threads or physical_cores(), ctx=args.ctx or slot_context(shapes),
                      vocab_upper=min(args.vocab_upper or 1000, vocab), llama_args=tuple(shlex.split(args.llama_args)),
                      ferry_args=tuple(shlex.split(args.ferry_args)), ready_timeout_s=args.ready_timeout)
     out = Path(args.output_json or f"peer-{_dt.date.today().isoformat()}.json")
