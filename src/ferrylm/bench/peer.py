@@ -219,7 +219,8 @@ def format_summary(summary: dict, shapes: tuple[RunShape, ...]) -> str:
     lines = [f"{'shape':<10} {'metric':<12} {'llama.cpp':>10} {'ferrylm':>10} {'ferry/llama':>11}"]
     for shape in shapes:
         row = summary[shape.name]
-        for key, fmt in (("ttft_p50_ms", ".0f"), ("itl_p50_ms", ".1f"), ("output_tok_s", ".2f")):
+        keys = (("ttft_p50_ms", ".0f"), ("itl_p50_ms", ".1f"), ("output_tok_s", ".2f"))
+        for key, fmt in keys[:1] if shape.output_len == 1 else keys:   # one output token: only its TTFT
             lines.append(f"{shape.name:<10} {key:<12} {f(row['llama'][key], fmt):>10} {f(row['ferry'][key], fmt):>10} "
                          f"{f(row['ferry_over_llama'][key], '.2f'):>11}")
     r = summary["ready_s"]
