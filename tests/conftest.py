@@ -45,3 +45,16 @@ def _cuda_present() -> bool:
 # read when a kernel is decorated, so it is set before any test imports Triton.
 if not _cuda_present():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def own_cache_root(tmp_path, monkeypatch) -> Path:
+    """A cache root of the test's own (``FERRYLM_CACHE_DIR``) that shares the session's compiled CPU kernels, so
+    what the test writes there (a machine profile) reaches no other test and no kernel is built again."""
+    shared = Path(os.environ["FERRYLM_CACHE_DIR"]) / "kernels"
+    shared.mkdir(parents=True, exist_ok=True)
+    root = tmp_path / "cache"
+    root.mkdir()
+    (root / "kernels").symlink_to(shared, target_is_directory=True)
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(root))
+    return root

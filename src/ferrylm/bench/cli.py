@@ -7,6 +7,7 @@ import argparse
 import sys
 from typing import Callable
 
+from ferrylm.config import CPU_KERNELS
 from ferrylm.registry import Registry
 
 #: ``ferry bench`` commands that hand their namespace to a module's ``main(args) -> int``
@@ -18,6 +19,8 @@ BENCH_MAINS: Registry[Callable[[argparse.Namespace], int]] = Registry("ferry ben
     "kernels": "ferrylm.bench.kernels:main",
     "cache-policy": "ferrylm.bench.cache_policy:main",
     "accelerate": "ferrylm.bench.accelerate_offload:main",
+    "bw": "ferrylm.bench.bw:main",
+    "peer": "ferrylm.bench.peer:main",
 })
 
 
@@ -37,6 +40,8 @@ def add_bench_parser(sub: argparse._SubParsersAction, *, model_args: Callable[..
     _add_suite(bsub, port)
     _add_decode(bsub, model_args)
     _add_cpu_experts(bsub)
+    _add_bw(bsub)
+    _add_peer(bsub, port)
     _add_kernels_and_cache_policy(bsub)
     _add_baselines(bsub, default_model)
 
@@ -133,6 +138,64 @@ def _add_cpu_experts(bsub: argparse._SubParsersAction) -> None:
                     help="distinct experts the jobs cycle through, beyond the CPU caches (default: 64)")
     bc.add_argument("--output-json", default=None, help="write the rows here")
     bc.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+
+
+def _add_bw(bsub: argparse._SubParsersAction) -> None:
+    bw = bsub.add_parser("bw", help="this machine's copy rates and the CPU expert kernel per format and thread "
+                                    "count, alone and beside host->device copies: a table, the verdict (backend, "
+                                    "CPU threads), and the machine profile `ferry serve` starts from")
+    bw.add_argument("--device", default="auto", help="auto | cuda[:N] | cpu (default: auto)")
+    bw.add_argument("--formats", default=None, help="comma list of expert formats: bf16, f32 and the synthetic "
+                                                    "quant names (fp8, int4, q4_k, ...; default: all)")
+    bw.add_argument("--threads", default=None, help="comma list of CPU thread counts (default: 1, 2, 4, ... and the "
+                                                    "physical cores)")
+    bw.add_argument("--hidden", type=int, default=2048, help="expert hidden size H (default: 2048)")
+    bw.add_argument("--inter", type=int, default=768, help="expert intermediate size I (default: 768)")
+    bw.add_argument("--experts-per-job", type=int, default=8, help="experts per CPU job, one token each (default: 8)")
+    bw.add_argument("--jobs", type=int, default=20, help="timed CPU jobs per measurement (median; default: 20)")
+    bw.add_argument("--reps", type=int, default=5, help="timed copies per copy probe (best; default: 5)")
+    bw.add_argument("--bank-mib", type=float, default=512, help="expert rows the jobs walk through (default: 512)")
+    bw.add_argument("--copy-mib", type=float, default=256, help="copy probe size (default: 256)")
+    bw.add_argument("--host-mib", type=float, default=1024, help="host read probe size (default: 1024)")
+    bw.add_argument("--kernel", default="auto", choices=CPU_KERNELS, help="--moe-cpu-kernel (default: auto)")
+    bw.add_argument("--output-json", default=None, help="write the profile here too")
+    bw.add_argument("--no-save", action="store_true", help="do not write the machine profile into the cache")
+    bw.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+
+
+def _add_peer(bsub: argparse._SubParsersAction, port_number: Callable[[str], int]) -> None:
+    pe = bsub.add_parser("peer", help="llama.cpp's server (built for the CPU from a source you name, or given) and "
+                                      "`ferry serve` on one GGUF, alternately, measured by the `bench serve` client: "
+                                      "one JSON with both sides and their ratio")
+    pe.add_argument("--gguf", default=None, help="the GGUF both engines serve")
+    pe.add_argument("--llama-src", default=None, metavar="PATH_OR_TARBALL", help="llama.cpp source to build")
+    pe.add_argument("--llama-server", default=None, metavar="BINARY", help="an existing llama-server instead")
+    pe.add_argument("--work-dir", default=None, help="where sources unpack and build (default: <cache>/peer)")
+    pe.add_argument("--build-jobs", type=int, default=2, help="parallel build jobs (default: 2)")
+    pe.add_argument("--build-only", action="store_true", help="build llama-server, print its path, exit")
+    pe.add_argument("--rounds", type=int, default=2, help="rounds; each runs both engines (default: 2)")
+    pe.add_argument("--port", type=port_number, default=8301, help="llama-server's port; ferry serve's is the next "
+                                                                    "(default: 8301)")
+    pe.add_argument("--threads", type=int, default=None, help="llama-server -t (default: physical cores)")
+    pe.add_argument("--ctx", type=int, default=None, help="llama-server's context per slot (its -c is this x -np, "
+                                                          "the largest --concurrency; default: the longest shape, "
+                                                          "rounded up to 256)")
+    pe.add_argument("--llama-args", default="", help="more llama-server flags, one string")
+    pe.add_argument("--ferry-args", default="", help="more ferry serve flags, one string")
+    pe.add_argument("--prefill-len", type=int, default=1024, help="prefill shape's prompt tokens (0: no such shape; "
+                                                                  "default: 1024)")
+    pe.add_argument("--prefill-prompts", type=int, default=2, help="prefill shape's prompts (default: 2)")
+    pe.add_argument("--concurrency", default="1,4", help="decode shapes' concurrency, comma list (default: 1,4)")
+    pe.add_argument("--num-prompts", type=int, default=8, help="prompts per decode shape (default: 8)")
+    pe.add_argument("--input-len", type=int, default=128, help="decode shapes' prompt tokens (default: 128)")
+    pe.add_argument("--output-len", type=int, default=32, help="decode shapes' output tokens (default: 32)")
+    pe.add_argument("--vocab-upper", type=int, default=None, help="prompt ids from [1, N) (default: the GGUF's "
+                                                                  "vocabulary, at most 1000)")
+    pe.add_argument("--ready-timeout", type=float, default=900.0, help="seconds a server may take to become ready "
+                                                                      "(default: 900)")
+    pe.add_argument("--output-json", default=None, help="the JSON (default: peer-<date>.json)")
+    pe.add_argument("--log-dir", default=None, help="the servers' logs (default: beside the JSON)")
+    pe.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
 
 
 def _add_kernels_and_cache_policy(bsub: argparse._SubParsersAction) -> None:

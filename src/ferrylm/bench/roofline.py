@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ferrylm.experts.bandwidth import best_time
+from ferrylm.experts.bandwidth import copy_rate, device_sync, host_read_rate
 
 
 @dataclass(frozen=True)
@@ -38,17 +38,16 @@ def probe_bandwidths(*, host_bytes: int = 1 << 30, copy_bytes: int = 256 << 20, 
     import torch
 
     host = torch.ones(host_bytes // 4, dtype=torch.float32)
-    dram = host_bytes / best_time(lambda: host.sum(), lambda: None, reps)
+    dram = host_read_rate(host, reps)
     del host
     if not torch.cuda.is_available():
         return Bandwidths(dram=dram)
     dev = torch.device("cuda")
-    sync = torch.cuda.synchronize
+    sync = device_sync(dev)
     src = torch.ones(copy_bytes, dtype=torch.uint8).pin_memory()
     dst = torch.empty(copy_bytes, dtype=torch.uint8, device=dev)
-    pcie = copy_bytes / best_time(lambda: dst.copy_(src, non_blocking=True), sync, reps)
-    dst2 = torch.empty_like(dst)
-    hbm = 2 * copy_bytes / best_time(lambda: dst2.copy_(dst), sync, reps)
+    pcie = copy_rate(dst, src, sync, reps)
+    hbm = 2 * copy_rate(torch.empty_like(dst), dst, sync, reps)
     return Bandwidths(dram=dram, pcie=pcie, hbm=hbm, device=torch.cuda.get_device_name(dev))
 
 

@@ -138,7 +138,7 @@ def gpu_used_mib() -> int | None:
     return int(r.stdout.split()[0]) if r.returncode == 0 and r.stdout.strip() else None
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
     try:
         r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
     except (FileNotFoundError, subprocess.TimeoutExpired):
@@ -230,7 +230,7 @@ def run_scenario(sc: Scenario, *, out_dir: Path, log_dir: Path, date: str, port:
     cmd = serve_command(sc, port, tokenizer)
     path = out_dir / f"{date}-{sc.name}.json"
     rec: dict = {"kind": SUITE_KIND, "version": SUITE_VERSION, "date": date, "scenario": sc.name,
-                 "model": sc.model, "args": list(sc.args), "command": cmd[2:], "commit": _git_commit(),
+                 "model": sc.model, "args": list(sc.args), "command": cmd[2:], "commit": git_commit(),
                  "machine": {"bandwidths": bw.to_dict(), "gpu_used_mib_before": gpu_used_mib()}, "runs": {}}
     holder = _start_holder(sc.hold_leave_gib, rec) if sc.hold_leave_gib is not None else None
     srv = ServerProcess(cmd, port, log_dir / f"{sc.name}.log")

@@ -50,9 +50,9 @@ def resolve_expert_backend(mcfg: ModelConfig, config: EngineConfig, device: torc
                            dtype: torch.dtype) -> ExpertOptions:
     """The ``--moe-*`` flags with ``auto`` replaced by a concrete backend: resident on the CPU or for a dense
     model, else :func:`ferrylm.experts.auto.choose_backend` from the model's shapes, the device budget and (only
-    when the experts do not fit) measured bandwidths. For every offloading backend on CUDA, prefill streaming is
-    kept only when it fits (:func:`fit_prefill_stream`). ``mcfg``: the whole model's config (a rank's shard is
-    derived here under ``--tensor-parallel-size``)."""
+    when the experts do not fit) the machine's bandwidths (its ``ferry bench bw`` profile, else measured now). For
+    every offloading backend on CUDA, prefill streaming is kept only when it fits (:func:`fit_prefill_stream`).
+    ``mcfg``: the whole model's config (a rank's shard is derived here under ``--tensor-parallel-size``)."""
     options = expert_options(config)
     name = backend_name(options)
     if name not in ("auto", "offload", "hybrid", "cpu"):
@@ -79,7 +79,8 @@ def resolve_expert_backend(mcfg: ModelConfig, config: EngineConfig, device: torc
     measured: list = []
 
     def measure():
-        measured.append(bandwidth.measure_bandwidths(device, layout, pinned=banks.probe_pinning() is None))
+        measured.append(bandwidth.machine_bandwidths(device, layout, pinned=banks.probe_pinning() is None,
+                                                     threads=options.cpu_threads))
         return measured[0]
 
     choice = choose_backend(expert_bytes_total=len(moe_layers) * mcfg.num_experts * layout.nbytes,

@@ -316,15 +316,13 @@ class CachedExecutor(ExpertExecutor):
         self._routers[layer_idx] = route
 
     def bandwidths(self) -> Bandwidths:
-        """The measured rates (measured once, on first need, unless given in the options)."""
+        """The rates: the options', else the machine profile's or measured, once, on first need
+        (:func:`~ferrylm.experts.bandwidth.machine_bandwidths`)."""
         if self._bandwidths is None:
-            from ferrylm.experts.bandwidth import measure_bandwidths
+            from ferrylm.experts.bandwidth import machine_bandwidths
 
-            self._bandwidths = measure_bandwidths(self.device, self.layout, pinned=self.banks.pinned,
-                                                  pool=self.cpu_pool)
-            log.info("measured bandwidths (GB/s): %s; CPU job latency %.0f us",
-                     {k: round(v / 1e9, 1) for k, v in self._bandwidths.as_dict().items()},
-                     self._bandwidths.cpu_latency * 1e6)
+            self._bandwidths = machine_bandwidths(self.device, self.layout, pinned=self.banks.pinned,
+                                                  pool=self.cpu_pool, threads=self.options.cpu_threads)
         return self._bandwidths
 
     # --- the step ---------------------------------------------------------------------------------------------

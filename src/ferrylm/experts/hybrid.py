@@ -21,7 +21,8 @@ settles on 0 there; a host with more memory bandwidth per PCIe byte is where a s
 
 Steps without prefetch (large steps, ``prefetch`` off) split their misses at the layer by the measured rates
 (:func:`split_misses`): fetch ``n`` of the ``m``, minimising ``max(n * S / B_pcie, (m - n) * S / B_cpu_eff)`` with
-``B_cpu_eff = min(B_cpu, B_host - B_pcie)`` (the DMA reads the same host memory as the CPU), both sides finishing
+``B_cpu_eff`` the CPU's rate while the copies run (the DMA reads the same host memory as the CPU): measured by
+``ferry bench bw`` into the machine profile, else estimated as ``min(B_cpu, B_host - B_pcie)``; both sides finishing
 together. When the CPU is host-bandwidth bound the continuous optimum is ``n* = m * B_pcie / B_host``, FreeToken's
 q* policy. The misses with the most tokens are the ones fetched (the device is far faster at multi-token GEMMs),
 and fetches never exceed the unpinned slots (the overflow goes to the CPU).
@@ -38,9 +39,11 @@ from ferrylm.experts.work import LayerWork
 
 
 def cpu_effective_rate(bw: Bandwidths) -> float:
-    """``min(B_cpu, B_host - B_pcie)`` bytes/s, floored at 5 % of ``B_cpu`` (a host rate measured below the
-    PCIe rate would otherwise make it zero or negative)."""
-    return max(min(bw.cpu, bw.host - bw.pcie), 0.05 * bw.cpu)
+    """The CPU expert rate beside the copies, bytes/s: measured (``bw.cpu_with_copies``, the machine profile) or
+    estimated as ``min(B_cpu, B_host - B_pcie)``; floored at 5 % of ``B_cpu`` (a host rate measured below the PCIe
+    rate would otherwise make the estimate zero or negative)."""
+    rate = bw.cpu_with_copies if bw.cpu_with_copies is not None else min(bw.cpu, bw.host - bw.pcie)
+    return max(rate, 0.05 * bw.cpu)
 
 
 def split_misses(m: int, bw: Bandwidths) -> int:

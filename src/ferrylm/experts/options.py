@@ -30,6 +30,9 @@ class Bandwidths:
         hbm: device memory copy rate, read + write bytes per second (for the resident roofline).
         cpu_latency: seconds a CPU expert job costs besides its expert bytes (activations to the host, the pool's
             wake-up, the output back to the device); reported by ``ferry bench decode`` and the logs.
+        cpu_with_copies: the CPU expert rate measured while host->device copies run (the machine profile of
+            ``ferry bench bw``); None when not measured (the hybrid split then estimates it,
+            :func:`~ferrylm.experts.hybrid.cpu_effective_rate`).
     """
 
     pcie: float
@@ -37,6 +40,7 @@ class Bandwidths:
     cpu: float
     hbm: float
     cpu_latency: float = 0.0
+    cpu_with_copies: float | None = None
 
     def as_dict(self) -> dict:
         """The four rates (bytes per second)."""
