@@ -98,6 +98,8 @@ async def test_supervisor_health_states(tmp_path) -> None:
         with pytest.raises(EngineUnavailable, match="shutting down"):
             async for _ in sup.generate("r1", [1, 2], SamplingParams()):
                 pass
+        with pytest.raises(EngineUnavailable, match="shutting down"):
+            sup.check_admission("r1", [1, 2], SamplingParams())
         assert await sup.drain(0.1) == 0
     finally:
         await sup.close()

@@ -199,6 +199,13 @@ async def test_a_request_that_fails_the_engine_twice_is_isolated_then_quarantine
         other, err = await asyncio.wait_for(_served(sup, eng, "r4", [9, 9]), 5)   # another prompt is served
         assert err is None and other[-1].finished
         assert sup.quarantine.stats()["quarantined"] == 1 and sup.quarantine.stats()["refused_total"] == 1
+        # the frontend's admission check (before a stream's headers) refuses it the same way, sending nothing
+        with pytest.raises(RequestQuarantined):
+            sup.check_admission("r5", PROMPT, greedy())
+        sup.check_admission("r6", [9, 9], greedy())
+        assert sup.quarantine.stats()["refused_total"] == 2
+        with pytest.raises(asyncio.TimeoutError):
+            await eng.recv(timeout=0.2)
     finally:
         await shutdown(sup, eng)
 

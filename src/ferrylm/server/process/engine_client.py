@@ -45,9 +45,15 @@ class EngineClient(Protocol):
     mid-request, ``InsufficientMemory``, ``ContextLengthExceeded``, ``QueueTimeout``) instead of yielding an
     error output. Leaving the iteration early (client disconnect) must abort the request in the engine; the
     caller also calls ``abort`` explicitly when it stops on a stop string.
+
+    ``check_admission`` raises, without sending anything, the refusal ``generate`` would raise before the engine
+    sees the request (not ready, shutting down, quarantined): the frontend calls it first, so a refused stream is
+    an HTTP status, and starts a stream's body as soon as it passes.
     """
 
     model_info: ModelInfo
+
+    def check_admission(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
 
     def generate(self, request_id: str, prompt_token_ids: list[int],
                  params: SamplingParams) -> AsyncIterator[EngineOutput]: ...

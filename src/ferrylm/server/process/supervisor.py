@@ -680,20 +680,30 @@ class Supervisor:
                 "live": dict(stats.get("memory") or {}), "oom_recoveries": dict(stats.get("oom_recoveries") or {}),
                 "kv_pages_used": stats.get("kv_pages_used"), "kv_pages_total": stats.get("kv_pages_total")}
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[EngineOutput]:
-        """Send the request and yield its outputs until finished. Raises FerryError subclasses (among them
-        RequestQuarantined, before anything is sent, for a request that failed the engine twice); leaving early
-        aborts the request in the engine."""
+    def check_admission(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise what :meth:`generate` would refuse the request with before sending it: EngineUnavailable
+        (draining, not ready), InvalidRequest (the id is in flight), RequestQuarantined (it failed the engine
+        twice)."""
+        self._admit(request_id, prompt_token_ids, params.to_dict())
+
+    def _admit(self, request_id: str, prompt_token_ids: list[int], pdict: dict) -> str:
+        """:meth:`check_admission` on ``params.to_dict()``; returns the request's fingerprint."""
         if self._draining:
             raise EngineUnavailable("the server is shutting down")
         if self.state != "ready" or self._push is None:
             raise EngineUnavailable(f"the engine is not ready ({self.state})")
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in flight")
-        pdict = params.to_dict()
         fp = fingerprint(prompt_token_ids, pdict)
         self.quarantine.check(fp)
+        return fp
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[EngineOutput]:
+        """Send the request and yield its outputs until finished. Raises FerryError subclasses (the refusals of
+        :meth:`check_admission` before anything is sent); leaving early aborts the request in the engine."""
+        pdict = params.to_dict()
+        fp = self._admit(request_id, prompt_token_ids, pdict)
         isolate = self.quarantine.is_suspect(fp)
         if isolate:
             log.warning("[%s] runs isolated: the same request was running when the engine failed", request_id)
