@@ -1,6 +1,6 @@
 """The frontend side: a host allocation failure while detokenizing fails only that request with 503
-insufficient_memory (stream or not) and the next request is served; GET /v1/memory serves the engine's plan and
-honours the API key. Fake engine, no torch model."""
+insufficient_memory (a stream, whose headers went out at admission: its error event) and the next request is
+served; GET /v1/memory serves the engine's plan and honours the API key. Fake engine, no torch model."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from ferrylm.faults import FaultInjector
 from ferrylm.server.api.app import create_app
 from ferrylm.server.text.tokenizer import TextCodec
-from tests.server.conftest import SERVED, FakeEngine, make_client, tiny_tokenizer_dir  # noqa: F401 - fixture
+from tests.server.conftest import SERVED, FakeEngine, make_client, parse_sse, tiny_tokenizer_dir  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.anyio
 
@@ -32,8 +32,12 @@ async def test_detokenize_oom_fails_only_that_request(faulty_codec):
     async with make_client(create_app(eng, faulty_codec, SERVED)) as c:
         for stream in (False, True):
             r = await c.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 5, "stream": stream})
-            assert r.status_code == 503 and r.headers["retry-after"]
-            err = r.json()["error"]
+            if stream:
+                assert r.status_code == 200
+                err = parse_sse(r.text)[-2]["error"]
+            else:
+                assert r.status_code == 503 and r.headers["retry-after"]
+                err = r.json()["error"]
             assert err["code"] == "insufficient_memory" and "out of memory in the server" in err["message"]
         r = await c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 5})
         assert r.status_code == 200 and r.json()["choices"][0]["text"]

@@ -114,8 +114,11 @@ class FakeEngine:
     """A deterministic :class:`EngineClient`.
 
     Each request emits ``script(request_id, prompt_ids, params)`` one token per step (default: SCRIPT_TEXT then
-    EOS), finishing with "stop" on EOS or one of ``params.stop_token_ids``, or "length" at max_tokens. Knobs: ``start_exc`` (raised before the first
-    output), ``fail_at``/``fail_exc`` (raised before output number ``fail_at``), ``delay`` (seconds per step),
+    EOS), finishing with "stop" on EOS or one of ``params.stop_token_ids``, or "length" at max_tokens. Knobs:
+    ``refuse_exc`` (raised by ``check_admission``: a refusal before the engine sees the request), ``prefill_delay``
+    (seconds before the first output: a long prefill), ``start_exc`` (raised after admission, before the first
+    output: a failure in the queue or the prefill), ``fail_at``/``fail_exc`` (raised before output number
+    ``fail_at``), ``delay`` (seconds per step),
     ``health_status``, ``queue_time`` (sent on the first output, as the engine does), ``prefix_pages`` (a
     prefix cache of that page size is emulated: the first output reports the longest prefix, in whole pages and
     short of the last token, shared with an earlier prompt, as ``num_cached_tokens``). Records ``requests``,
@@ -125,7 +128,8 @@ class FakeEngine:
     def __init__(self, codec: TextCodec, *, max_model_len: int = 256, kv_pool_tokens: int = 0,
                  script: Script | None = None, delay: float = 0.0, start_exc: BaseException | None = None,
                  fail_at: int | None = None, fail_exc: BaseException | None = None, health_status: str = "ready",
-                 queue_time: float | None = 0.0, prefix_pages: int | None = None):
+                 queue_time: float | None = 0.0, prefix_pages: int | None = None,
+                 refuse_exc: BaseException | None = None, prefill_delay: float = 0.0):
         self.codec = codec
         self.eos = codec.eos_token_ids[0]
         self.model_info = ModelInfo(name="fake", path="/models/fake", max_model_len=max_model_len,
@@ -133,6 +137,8 @@ class FakeEngine:
         self.script = script or (lambda rid, ids, p: codec.encode(SCRIPT_TEXT, add_special_tokens=False) + [self.eos])
         self.delay = delay
         self.start_exc = start_exc
+        self.refuse_exc = refuse_exc
+        self.prefill_delay = prefill_delay
         self.fail_at = fail_at
         self.fail_exc = fail_exc
         self.health_status = health_status
@@ -145,6 +151,10 @@ class FakeEngine:
 
     def health(self) -> HealthState:
         return HealthState(self.health_status, detail="" if self.health_status == "ready" else "fake says so")
+
+    def check_admission(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if self.refuse_exc is not None:
+            raise self.refuse_exc
 
     async def abort(self, request_id: str) -> None:
         self.aborts.append(request_id)
@@ -165,6 +175,7 @@ class FakeEngine:
         cached = self._cached(list(prompt_token_ids))
         self.requests.append((request_id, list(prompt_token_ids), params))
         self.started.set()
+        await asyncio.sleep(self.prefill_delay)
         if self.start_exc is not None:
             raise self.start_exc
         finished = False
@@ -221,10 +232,13 @@ async def client(engine: FakeEngine, codec: TextCodec) -> AsyncIterator[httpx.As
 
 
 def parse_sse(text: str) -> list[Any]:
-    """Split an SSE body into decoded JSON events plus the final "[DONE]"; assert the framing on the way."""
+    """Split an SSE body into decoded JSON events plus the final "[DONE]" (keep-alive comments, ``: ping``,
+    skipped); assert the framing on the way."""
     assert text.endswith("data: [DONE]\n\n"), text[-200:]
     events = []
     for block in text.split("\n\n")[:-1]:
+        if block == ": ping":
+            continue
         assert block.startswith("data: "), block
         payload = block[len("data: "):]
         events.append(payload if payload == "[DONE]" else json.loads(payload))

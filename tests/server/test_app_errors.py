@@ -6,10 +6,11 @@ import httpx
 import pytest
 from pydantic import BaseModel
 
-from ferrylm.errors import EngineUnavailable, InsufficientMemory, QueueTimeout
+from ferrylm.errors import EngineUnavailable, InsufficientMemory, QueueTimeout, RequestQuarantined
 from ferrylm.server.api.app import create_app
+from ferrylm.server.api.errors import status_for
 
-from .conftest import SERVED, FakeEngine, assert_error, make_client
+from .conftest import SERVED, FakeEngine, assert_error, make_client, parse_sse
 
 pytestmark = pytest.mark.anyio
 
@@ -173,16 +174,34 @@ async def test_nothing_is_ever_422(client: httpx.AsyncClient) -> None:
 
 
 @pytest.mark.parametrize("exc,retry", [(EngineUnavailable("engine restarting"), "5"),
-                                       (QueueTimeout("waited 30 s"), "2"),
-                                       (InsufficientMemory("no KV pages"), "2")])
-async def test_engine_errors_before_start_are_503_with_retry_after(codec, exc, retry) -> None:
-    eng = FakeEngine(codec, start_exc=exc)
+                                       (RequestQuarantined("failed the engine twice"), None)])
+async def test_refusals_at_admission_are_http_statuses_for_streams_too(codec, exc, retry) -> None:
+    eng = FakeEngine(codec, refuse_exc=exc)
     async with make_client(create_app(eng, codec, SERVED)) as c:
         for stream in (False, True):
             r = await post(c, {"model": SERVED, "messages": MSGS, "stream": stream})
-            assert_error(r, 503, code=exc.code)
-            assert r.headers["retry-after"] == retry
-    assert eng.aborts  # the frontend told the engine to forget the request
+            assert_error(r, status_for(exc), code=exc.code)
+            assert r.headers.get("retry-after") == retry
+    assert eng.requests == []   # refused before the engine saw it
+
+
+@pytest.mark.parametrize("exc,retry", [(EngineUnavailable("engine restarting"), "5"),
+                                       (QueueTimeout("waited 30 s"), "2"),
+                                       (InsufficientMemory("no KV pages"), "2")])
+async def test_engine_errors_after_admission_are_503_or_the_streams_error_event(codec, exc, retry) -> None:
+    """Admitted, then failed before the first token (a queue timeout, an OOM in the prefill): a non-stream
+    request gets the 503; a stream has sent its 200 headers and keep-alive already, so it ends with the error
+    event and [DONE]."""
+    eng = FakeEngine(codec, start_exc=exc, prefill_delay=0.05)
+    async with make_client(create_app(eng, codec, SERVED)) as c:
+        r = await post(c, {"model": SERVED, "messages": MSGS})
+        assert_error(r, 503, code=exc.code)
+        assert r.headers["retry-after"] == retry
+        for path, body in ((CHAT, {"messages": MSGS}), ("/v1/completions", {"prompt": "hi"})):
+            r = await post(c, {"model": SERVED, "stream": True, **body}, path)
+            assert r.status_code == 200 and r.text.startswith(("data: ", ": ping")), r.text
+            assert parse_sse(r.text)[-2]["error"]["code"] == exc.code
+    assert len(eng.aborts) == 3  # the frontend told the engine to forget each request
 
 
 async def test_engine_not_ready_is_503(codec) -> None:
@@ -246,7 +265,7 @@ async def test_fastapi_validation_and_unexpected_errors_use_the_openai_shape(cod
         assert "secret" not in err["message"]
 
 
-async def test_generate_raising_before_returning_an_iterator_is_503(codec) -> None:
+async def test_generate_raising_before_returning_an_iterator_is_503_or_an_error_event(codec) -> None:
     class EagerFailEngine(FakeEngine):
         def generate(self, request_id, prompt_token_ids, params):  # a plain function, not an async generator
             self.requests.append((request_id, prompt_token_ids, params))
@@ -254,9 +273,9 @@ async def test_generate_raising_before_returning_an_iterator_is_503(codec) -> No
 
     eng = EagerFailEngine(codec)
     async with make_client(create_app(eng, codec, SERVED)) as c:
-        for stream in (False, True):
-            r = await post(c, {"model": SERVED, "messages": MSGS, "stream": stream})
-            assert_error(r, 503, code="engine_unavailable")
+        assert_error(await post(c, {"model": SERVED, "messages": MSGS}), 503, code="engine_unavailable")
+        r = await post(c, {"model": SERVED, "messages": MSGS, "stream": True})   # admitted: headers sent
+        assert r.status_code == 200 and parse_sse(r.text)[-2]["error"]["code"] == "engine_unavailable"
 
 
 @pytest.mark.parametrize("path", [CHAT, "/tokenize"])

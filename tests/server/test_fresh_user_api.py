@@ -90,7 +90,6 @@ async def test_anthropic_message_start_has_the_cache_figures_of_a_slow_first_tok
     cached tokens, equal to ``message_delta``'s and the non-stream reply's."""
     eng = scripted(codec, "Hello world! done.", prefix_pages=4, delay=0.05)
     app = create_app(eng, codec, SERVED, sse_ping_interval=0.01)
-    app.state.server.first_event_wait = 0.001
     client = anth(app)
     kw = dict(model=SERVED, max_tokens=20, system="You are a helpful assistant. Say hello to the world.",
               messages=[{"role": "user", "content": "hi"}])

@@ -34,8 +34,9 @@ from pydantic import Field
 
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.errors import InvalidRequest
-from ferrylm.server.api.assistant import PING, TurnDelta, next_or_ping, turn_deltas, whole_turn
-from ferrylm.server.api.chat import SSE_HEADERS, SSE_PING, off_loop, render_prompt
+from ferrylm.server.api.assistant import TurnDelta, turn_deltas, whole_turn
+from ferrylm.server.api.chat import SSE_HEADERS, off_loop, render_prompt
+from ferrylm.server.api.generation import PING, SSE_PING
 from ferrylm.server.api.errors import error_payload, status_for
 from ferrylm.server.text.prompt_hygiene import strip_billing_header
 from ferrylm.server.api.protocol import _Request, parse_request
@@ -383,22 +384,20 @@ def _openai_usage(run: ChatRun) -> Any:
 
 async def _stream(ctx: RouteContext, rid: str, run: ChatRun, base: dict) -> AsyncIterator[str]:
     """The event sequence. ``message_start`` carries the prompt's cache figures, which come with the engine's
-    first output: until it arrives (a long prefill, a busy engine) the stream sends SSE comments only."""
+    first output: until it arrives (a long prefill, a busy engine) the stream sends SSE comments only, the first
+    one with the headers; ``ping`` events after ``message_start``."""
     gen = run.gen
     try:
-        first = run.first
-        while first is None:
-            ev = await next_or_ping(gen, ctx.ping_interval)
-            if ev is None:
-                break
-            if ev is PING:
-                yield SSE_PING
-            else:
-                first = ev
+        if ctx.ping_interval:
+            yield SSE_PING
+        first = await gen.next_or_ping(ctx.ping_interval)
+        while first is PING:
+            yield SSE_PING
+            first = await gen.next_or_ping(ctx.ping_interval)
         enc = StreamEncoder({**base, "content": [], "stop_reason": None, "stop_sequence": None,
                              "usage": _usage(len(run.prompt_ids), 0, gen.cached_tokens)})
         yield enc.start()
-        async for d in turn_deltas(gen, first, run.turn, ctx.ping_interval):
+        async for d in turn_deltas(gen, run.turn, ctx.ping_interval, first=first):
             if d is PING:
                 yield _event("ping", {"type": "ping"})
                 continue

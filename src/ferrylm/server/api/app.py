@@ -5,9 +5,11 @@ Lifecycle of a completion request (chat or legacy):
 1. request id (``x-request-id`` echoed, else generated) → API key → JSON (NaN/Infinity rejected) → pydantic model
    → model name → :func:`to_sampling_params` (validated).
 2. tokenize (chat template or prompt) → context check (``ContextLengthExceeded``, 400) → default ``max_tokens``.
-3. engine health pre-check (503) → one engine request per choice (``{id}-{i}`` when there are several).
-4. wait for the first engine event BEFORE sending headers, so that errors raised at admission (engine
-   unavailable, queue timeout, insufficient memory) are real HTTP statuses, not stream events.
+3. engine health pre-check (503) → the engine client's admission check per choice (503 / 500 quarantined) →
+   one engine request per choice (``{id}-{i}`` when there are several). Every refusal so far is an HTTP status.
+4. a stream's 200 headers and first byte go out at once, keep-alives every ``--sse-ping-interval`` seconds
+   without an event (a long prefill), a later failure is an error event (``_Server._start``); a non-stream
+   request waits for every choice.
 5. stream SSE chunks / collect the full response. A stop string, a client disconnect, or leaving early for any
    reason aborts the engine request(s).
 
@@ -48,7 +50,7 @@ from ferrylm.server.text.harmony import HarmonyCodec, open_message
 from ferrylm.server.text.reasoning import THINKING_SWITCHES, prompt_opens_thinking, template_has_reasoning
 from ferrylm.server.text.tool_parsers import choose_tool_parser, format_markup
 from ferrylm.server.text.tools import ToolChoice, lark_term, parse_openai_tools, tag_terms
-from ferrylm.server.api.generation import ClientGone, Choice, Event, Generation, cleanup, race_disconnect, sse_event
+from ferrylm.server.api.generation import ClientGone, Choice, Generation, cleanup, race_disconnect, sse_event
 from ferrylm.server.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ferrylm.server.api.metrics import Metrics
 from ferrylm.server.api.openapi import (ANTHROPIC_ERROR_RESPONSES, ERROR_RESPONSES, HEALTH_RESPONSES, install_openapi,
@@ -77,8 +79,7 @@ __version__ = _version()
 
 HEALTH_GENERATE_TIMEOUT_S = 5.0  # default bound on GET /health/generate (``?timeout=`` overrides, up to 60 s)
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # --max-request-bytes: larger bodies get 413 in the OpenAI error shape
-DEFAULT_SSE_PING_INTERVAL = 15.0   # --sse-ping-interval: seconds of silence before an SSE comment keep-alive
-FIRST_EVENT_WAIT_S = 1.0           # a stream's headers wait this long for the first event (admission errors)
+DEFAULT_SSE_PING_INTERVAL = 15.0   # --sse-ping-interval: seconds of silence before a stream's keep-alive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +112,8 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
         max_request_bytes: larger request bodies are refused with 413 (``request_too_large``, OpenAI shape).
         cors: who browsers on other origins may call as (``--allowed-origins`` and its flags); None = no CORS
             headers at all.
-        sse_ping_interval: seconds without an event after which a stream gets an SSE comment (``: ping``) so
-            proxies keep it open (``--sse-ping-interval``; 0 or None: never).
+        sse_ping_interval: seconds without an event after which a stream gets a keep-alive, and whether it
+            gets one with its headers (``--sse-ping-interval``; 0 or None: never). See ``_Server._start``.
         responses_store_size: responses kept for ``previous_response_id`` (oldest evicted first).
         request_timeout: seconds from arrival after which the engine ends a request with 408 ``request_timeout``
             (``--request-timeout``; a request's ``x-request-timeout`` header overrides it); None = no deadline.
@@ -230,7 +231,6 @@ class _Server(CompletionRoutes):
         self.created = int(time.time())
         self.metrics = Metrics(engine, served_model_name)
         self.ping_interval: float | None = DEFAULT_SSE_PING_INTERVAL
-        self.first_event_wait = FIRST_EVENT_WAIT_S
         self.responses = responses.ResponseStore(1024)   # previous_response_id (server/api/responses.py)
         template = getattr(codec, "chat_template", None)
         # gpt-oss: harmony renders the prompt and the output is read by channel (server/text/harmony*.py)
@@ -346,16 +346,19 @@ class _Server(CompletionRoutes):
                                        skip_ids))
         return choices
 
-    async def _start(self, request: Request, rid: str, gen: Generation, stream: bool) -> Event | None:
-        """Start the engine requests; for a stream wait for the first event up to ``FIRST_EVENT_WAIT_S`` (an
-        admission refusal is still an HTTP status; a long prefill gets its headers and keep-alive pings),
-        otherwise for all of them. Client disconnect → ClientGone. On any failure the generation is closed."""
-        gen.start()
+    async def _start(self, request: Request, rid: str, gen: Generation, stream: bool) -> None:
+        """Start the engine requests; for a non-stream request wait for all of them (client disconnect →
+        ClientGone). On any failure the generation is closed.
+
+        The rule for streams: a refusal at admission (everything checked before this, and the engine client's
+        ``check_admission``: not ready, shutting down, quarantined) is an HTTP status; once admitted, the 200
+        headers go out at once with a first byte (the route's opening event or the keep-alive comment), a
+        keep-alive follows every ``ping_interval`` seconds without an event (a queue wait, a long prefill), and
+        any later failure (insufficient memory, queue timeout, engine death) is the route's error event."""
         try:
-            if stream:
-                return await race_disconnect(request, gen.first_event(self.first_event_wait))
-            await race_disconnect(request, gen.drain())
-            return None
+            gen.start()
+            if not stream:
+                await race_disconnect(request, gen.drain())
         except BaseException:
             await gen.close()
             raise
@@ -599,8 +602,8 @@ class _Server(CompletionRoutes):
 
     async def run_chat(self, request: Request, rid: str, job: ChatJob, kind: str, base_id: str) -> ChatRun:
         """Render, admit and start ``job`` (engine request ids ``base_id`` or ``{base_id}-{i}``): see
-        :meth:`prepare_chat`, then one engine request per choice, the first event awaited (stream: up to
-        ``FIRST_EVENT_WAIT_S``) before any header.
+        :meth:`prepare_chat`, then one engine request per choice, started by :meth:`_start` (a stream's
+        headers go out once it is admitted, a non-stream request's whole output is awaited).
 
         Raises:
             InvalidRequest / ContextLengthExceeded: bad messages, template errors, too long (400).
@@ -621,8 +624,8 @@ class _Server(CompletionRoutes):
                           and prompt_opens_thinking(text, prefill), tool_names=tools, tool_parser=self.tool_parser,
                           tool_schemas={t.name: t.parameters for t in job.tools} if tools else None,
                           harmony=self.harmony, harmony_prime=tuple(open_message(prompt_ids)) if self.harmony else ())
-        first = await self._start(request, rid, gen, job.stream)
-        return ChatRun(gen, first, prompt_ids, turn)
+        await self._start(request, rid, gen, job.stream)
+        return ChatRun(gen, prompt_ids, turn)
 
     # ---- shared ------------------------------------------------------------------------------------------
     def stream_error(self, rid: str, e: Exception) -> str:

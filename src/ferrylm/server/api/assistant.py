@@ -16,12 +16,11 @@ This module must not import torch.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol, Sequence
 
 from ferrylm.engine.outputs import TokenLogprob
-from ferrylm.server.api.generation import Event, Generation
+from ferrylm.server.api.generation import PING, Event, Generation, Ping
 from ferrylm.server.text.reasoning import ReasoningSplitter
 from ferrylm.server.text.tool_parsers import make_tool_parser
 from ferrylm.server.text.tool_parsers.base import Piece, ToolCall
@@ -173,28 +172,20 @@ def whole_turn(cfg: TurnConfig, text: str, engine_reason: str | None, token_ids:
                       [x for k, x in blocks if k == "call"], turn.finish_reason(engine_reason), blocks)
 
 
-class _Ping:
-    def __repr__(self) -> str:
-        return "PING"
-
-
-PING = _Ping()
-
-
-async def turn_deltas(gen: Generation, first: Event | None, cfg: TurnConfig,
-                      ping_interval: float | None = None) -> AsyncIterator[TurnDelta | _Ping]:
+async def turn_deltas(gen: Generation, cfg: TurnConfig, ping_interval: float | None = None, *,
+                      first: Event | None = None) -> AsyncIterator[TurnDelta | Ping]:
     """The stream loop shared by every chat-like route: yields a :class:`TurnDelta` per engine event that adds
     something (its ``finish_reason`` set on the choice's last), and :data:`PING` after each ``ping_interval``
-    seconds without one (None or 0: never). ``first`` is the event already awaited before the headers (None when
-    the headers went out before it came). Raises what :meth:`Generation.next_event` raises."""
+    seconds without one (None or 0: never). ``first``: an event the caller already read from ``gen``. Raises
+    what :meth:`Generation.next_event` raises."""
     turns = [cfg.new_turn() for _ in gen.choices]
     pending: dict[int, list[TokenLogprob]] = {}
     pending_ids: dict[int, list[int]] = {}
-    ev = first if first is not None else await next_or_ping(gen, ping_interval)
+    ev = first if first is not None else await gen.next_or_ping(ping_interval)
     while ev is not None:
         if ev is PING:
             yield PING
-            ev = await next_or_ping(gen, ping_interval)
+            ev = await gen.next_or_ping(ping_interval)
             continue
         assert isinstance(ev, Event)
         turn = turns[ev.index]
@@ -213,18 +204,4 @@ async def turn_deltas(gen: Generation, first: Event | None, cfg: TurnConfig,
             d.logprobs, pending[ev.index] = lps, []
             d.token_ids, pending_ids[ev.index] = ids, []
             yield d
-        ev = await next_or_ping(gen, ping_interval)
-
-
-async def next_or_ping(gen: Generation, ping_interval: float | None) -> Event | _Ping | None:
-    """The next event, or PING when none came within ``ping_interval`` seconds (the wait is not cancelled: the
-    same pending read continues on the next call, and a read left pending by ``Generation.first_event`` is the
-    one awaited here)."""
-    if not ping_interval and not gen.has_pending_read:
-        return await gen.next_event()
-    task = gen.pending_read()
-    done, _ = await asyncio.wait({task}, timeout=ping_interval or None)
-    if not done:
-        return PING
-    gen.clear_pending_read()
-    return task.result()
+        ev = await gen.next_or_ping(ping_interval)

@@ -21,7 +21,8 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from ferrylm.errors import InvalidRequest
-from ferrylm.server.api.assistant import PING, TurnDelta, turn_deltas, whole_turn
+from ferrylm.server.api.assistant import TurnDelta, turn_deltas, whole_turn
+from ferrylm.server.api.generation import PING, SSE_PING
 from ferrylm.server.api.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk,
                                      ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamChoice,
                                      ChatMessage, ChatResponseMessage, DeltaMessage, FunctionCall, ToolCallOut,
@@ -33,8 +34,6 @@ from ferrylm.server.text.structured import request_grammar
 from ferrylm.server.text.tool_parsers.base import ToolCall
 from ferrylm.server.text.tools import fallback_messages, parse_openai_tools, parse_tool_choice
 from ferrylm.server.text.tokenizer import TextCodec, client_template_kwargs
-
-SSE_PING = ": ping\n\n"
 
 
 async def off_loop(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -210,7 +209,7 @@ async def _stream(ctx: RouteContext, rid: str, run: ChatRun, base_id: str, creat
     try:
         for ch in gen.choices:
             yield chunk([ChatCompletionStreamChoice(index=ch.index, delta=DeltaMessage(role="assistant", content=""))])
-        async for d in turn_deltas(gen, run.first, run.turn, ctx.ping_interval):
+        async for d in turn_deltas(gen, run.turn, ctx.ping_interval):
             if d is PING:
                 yield SSE_PING
                 continue

@@ -19,11 +19,10 @@ from fastapi.responses import Response
 from ferrylm.engine.outputs import TokenLogprob
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.errors import InvalidRequest
-from ferrylm.server.api.assistant import PING, next_or_ping
-from ferrylm.server.api.chat import DONE as _DONE, SSE_HEADERS as _SSE_HEADERS, SSE_PING
+from ferrylm.server.api.chat import DONE as _DONE, SSE_HEADERS as _SSE_HEADERS
 from ferrylm.server.api.chat import off_loop as _off_loop
 from ferrylm.server.api.completions_logprobs import echo_logprobs, join_logprobs, vllm_prompt_logprobs
-from ferrylm.server.api.generation import Choice, Event, Generation, SSEResponse, sse_event
+from ferrylm.server.api.generation import PING, SSE_PING, Choice, Generation, SSEResponse, sse_event
 from ferrylm.server.api.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo, chunk_json,
                                      completion_logprobs, parse_request, to_sampling_params)
 from ferrylm.server.api.request_io import ARRIVAL_KEY, read_json
@@ -125,10 +124,10 @@ class CompletionRoutes:
                                  echo_logprobs=echo_lp, prompt_only=prompt_only)
         prompt_tokens = sum(len(p) for p in prompts)
         created = int(time.time())
-        first = await self._start(request, rid, gen, bool(req.stream))
+        await self._start(request, rid, gen, bool(req.stream))
         if req.stream:
-            return SSEResponse(self._completion_stream(rid, gen, first, base_id, created, model, prompt_tokens,
-                                                        shape, req), headers=_SSE_HEADERS)
+            return SSEResponse(self._completion_stream(rid, gen, base_id, created, model, prompt_tokens, shape, req),
+                               headers=_SSE_HEADERS)
         await gen.close()
         choices = []
         for ch in gen.choices:
@@ -148,8 +147,8 @@ class CompletionRoutes:
         resp = CompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage)
         return Response(resp.model_dump_json(), media_type="application/json")
 
-    async def _completion_stream(self, rid: str, gen: Generation, first: Event | None, base_id: str, created: int,
-                                 model: str, prompt_tokens: int, shape: "CompletionShape",
+    async def _completion_stream(self, rid: str, gen: Generation, base_id: str, created: int, model: str,
+                                 prompt_tokens: int, shape: "CompletionShape",
                                  req: CompletionRequest) -> AsyncIterator[str]:
         include_usage, continuous = req.include_usage, req.continuous_usage
 
@@ -162,17 +161,19 @@ class CompletionRoutes:
         pending: dict[int, tuple[list[TokenLogprob], list[int], list[int]]] = {}
         started: set[int] = set()
         try:
+            if self.ping_interval:   # the first byte goes out with the headers
+                yield SSE_PING
             if not shape.waits_for_engine:   # the echo (and the prompt ids) go out at once
                 for ch in gen.choices:
                     head = shape.head(ch)
                     started.add(ch.index)
                     if head.text or head.prompt_token_ids is not None:
                         yield chunk([head])
-            ev: Any = first if first is not None else await next_or_ping(gen, self.ping_interval)
+            ev: Any = await gen.next_or_ping(self.ping_interval)
             while ev is not None:
                 if ev is PING:
                     yield SSE_PING
-                    ev = await next_or_ping(gen, self.ping_interval)
+                    ev = await gen.next_or_ping(self.ping_interval)
                     continue
                 ch = gen.choices[ev.index]
                 out: list[CompletionChoice] = []
@@ -197,7 +198,7 @@ class CompletionRoutes:
                     out[0].finish_reason, out = out[1].finish_reason, out[:1]   # one chunk: echo + finish
                 for c in out:
                     yield chunk([c])
-                ev = await next_or_ping(gen, self.ping_interval)
+                ev = await gen.next_or_ping(self.ping_interval)
             usage = UsageInfo.of(prompt_tokens, shape.completion_tokens(gen), gen.cached_tokens)
             if include_usage:
                 yield chunk([], usage)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from fastapi import Request
 
     from ferrylm.server.api.assistant import TurnConfig
-    from ferrylm.server.api.generation import Event, Generation
+    from ferrylm.server.api.generation import Generation
     from ferrylm.server.api.protocol import UsageInfo
     from ferrylm.server.text.tokenizer import TextCodec
 
@@ -86,11 +86,9 @@ class PreparedChat:
 
 @dataclasses.dataclass
 class ChatRun:
-    """A started chat-like request: its generation, the first event (None when the headers go out before it),
-    the prompt ids and how its output is read."""
+    """A started chat-like request: its generation, the prompt ids and how its output is read."""
 
     gen: Generation
-    first: Event | None
     prompt_ids: list[int]
     turn: TurnConfig
 
@@ -100,7 +98,8 @@ class RouteContext(Protocol):
 
     Attributes:
         codec: the served tokenizer and chat template.
-        ping_interval: seconds of silence after which a stream gets a keep-alive (None: never).
+        ping_interval: seconds of silence after which a stream gets a keep-alive; None: never, not even the
+            opening one a route without an opening event of its own sends with its headers.
         native_tools: the chat template renders ``tools`` itself (else the fallback system turn).
         tool_parser: the served call format (a name of ``server/text/tool_parsers.TOOL_PARSERS``, or ``harmony``).
     """

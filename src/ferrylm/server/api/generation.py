@@ -95,6 +95,17 @@ async def cleanup(aw: Awaitable[Any], what: str, rid: str) -> None:
         logger.warning("[%s] %s timed out after %.0f s", rid, what, CLEANUP_TIMEOUT_S)
 
 
+class Ping:
+    """The type of :data:`PING`."""
+
+    def __repr__(self) -> str:
+        return "PING"
+
+
+PING = Ping()             # what a stream loop gets after ``ping_interval`` seconds without an event
+SSE_PING = ": ping\n\n"   # the keep-alive as an SSE comment, which every SSE parser (the SDKs' too) skips
+
+
 class Generation:
     """Runs the choices of one HTTP request on the engine, each in its own task, and merges their events.
 
@@ -118,6 +129,10 @@ class Generation:
         self._read: asyncio.Future | None = None
 
     def start(self) -> None:
+        """Check every choice's admission with the engine client (its refusal is raised here and nothing runs),
+        then run each choice in its own task."""
+        for ch in self.choices:
+            self.engine.check_admission(ch.engine_id, ch.prompt_ids, ch.params)
         self._tasks = [asyncio.create_task(self._run(ch), name=f"ferrylm-{ch.engine_id}") for ch in self.choices]
 
     async def next_event(self) -> Event | None:
@@ -134,29 +149,19 @@ class Generation:
         while await self.next_event() is not None:
             pass
 
-    def pending_read(self) -> asyncio.Future:
-        """A read of the next event that survives being waited on with a timeout (keep-alive pings): the same
-        future until :meth:`clear_pending_read` after it completed."""
+    async def next_or_ping(self, ping_interval: float | None) -> Event | Ping | None:
+        """:meth:`next_event`, or :data:`PING` when none came within ``ping_interval`` seconds (None or 0: wait
+        for it). A wait that ends in PING is not cancelled: the next call continues the same read, so no event is
+        lost. Raises what :meth:`next_event` raises."""
         if self._read is None:
+            if not ping_interval:
+                return await self.next_event()
             self._read = asyncio.ensure_future(self.next_event())
-        return self._read
-
-    def clear_pending_read(self) -> None:
-        self._read = None
-
-    @property
-    def has_pending_read(self) -> bool:
-        return self._read is not None
-
-    async def first_event(self, wait_s: float) -> Event | None:
-        """The first event if it comes within ``wait_s`` seconds, else None (it stays pending for the stream
-        loop). Raises what :meth:`next_event` raises."""
-        fut = self.pending_read()
-        done, _ = await asyncio.wait({fut}, timeout=wait_s)
+        done, _ = await asyncio.wait({self._read}, timeout=ping_interval or None)
         if not done:
-            return None
-        self.clear_pending_read()
-        return fut.result()
+            return PING
+        read, self._read = self._read, None
+        return read.result()
 
     async def close(self) -> None:
         if self._read is not None and not self._read.done():

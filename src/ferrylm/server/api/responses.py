@@ -36,8 +36,9 @@ from fastapi.responses import JSONResponse, Response
 
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.errors import InvalidRequest, NotFound
-from ferrylm.server.api.assistant import PING, TurnDelta, turn_deltas, whole_turn
-from ferrylm.server.api.chat import SSE_HEADERS, SSE_PING, off_loop
+from ferrylm.server.api.assistant import TurnDelta, turn_deltas, whole_turn
+from ferrylm.server.api.chat import SSE_HEADERS, off_loop
+from ferrylm.server.api.generation import PING, SSE_PING
 from ferrylm.server.api.errors import error_payload
 from ferrylm.server.api.protocol import _Request, parse_request
 from ferrylm.server.api.context import ChatJob, ChatRun, RouteContext
@@ -472,7 +473,7 @@ async def _stream(ctx: ResponsesContext, rid: str, run: ChatRun, shell: Response
     try:
         for e in enc.start():
             yield e
-        async for d in turn_deltas(gen, run.first, run.turn, ctx.ping_interval):
+        async for d in turn_deltas(gen, run.turn, ctx.ping_interval):
             if d is PING:
                 yield SSE_PING
                 continue
