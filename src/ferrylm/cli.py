@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from ferrylm.config import EngineConfig
 from ferrylm.flags import add_flags, config_from_args
+from ferrylm.server.api.context import DEFAULT_SSE_PING_INTERVAL
 from ferrylm.server.text.tool_parsers import TOOL_PARSER_CHOICES
 
 if TYPE_CHECKING:
@@ -162,9 +163,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "config's model_type, then the architecture, else hermes")
     s.add_argument("--max-request-bytes", type=int, default=8 << 20, metavar="N",
                    help="refuse request bodies larger than N bytes with 413 (default: 8 MiB)")
-    s.add_argument("--sse-ping-interval", type=float, default=15.0, metavar="S",
-                   help="seconds of silence in a stream (a long prefill) after which an SSE comment ': ping' is "
-                        "sent so proxies keep the connection (0: never; default 15)")
+    s.add_argument("--sse-ping-interval", type=float, default=DEFAULT_SSE_PING_INTERVAL, metavar="S",
+                   help="seconds of silence in a stream (queued, a long prefill) after which a keep-alive is sent "
+                        "(the SSE comment ': ping', Anthropic's ping event), and a stream's first byte goes out "
+                        "with its headers, so clients and proxies keep the connection (0: never; default "
+                        f"{DEFAULT_SSE_PING_INTERVAL:g})")
     s.add_argument("--responses-store-size", type=int, default=1024, metavar="N",
                    help="responses kept in memory for the Responses API's previous_response_id (oldest evicted "
                         "first; default 1024)")

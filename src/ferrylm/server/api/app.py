@@ -43,7 +43,7 @@ from ferrylm.server.api.assistant import TurnConfig
 from ferrylm.server.api.chat import check_continue, render_prompt, template_messages
 from ferrylm.server.api.chat import off_loop as _off_loop
 from ferrylm.server.api.completions import CompletionRoutes
-from ferrylm.server.api.context import ChatJob, ChatRun, PreparedChat
+from ferrylm.server.api.context import DEFAULT_SSE_PING_INTERVAL, ChatJob, ChatRun, PreparedChat
 from ferrylm.server.api.protocol import (DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, UsageInfo,
                                      parse_request, to_sampling_params)
 from ferrylm.server.text.harmony import HarmonyCodec, open_message
@@ -79,7 +79,6 @@ __version__ = _version()
 
 HEALTH_GENERATE_TIMEOUT_S = 5.0  # default bound on GET /health/generate (``?timeout=`` overrides, up to 60 s)
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # --max-request-bytes: larger bodies get 413 in the OpenAI error shape
-DEFAULT_SSE_PING_INTERVAL = 15.0   # --sse-ping-interval: seconds of silence before a stream's keep-alive
 
 
 @dataclasses.dataclass(frozen=True)

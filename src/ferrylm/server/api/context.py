@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from ferrylm.server.api.protocol import UsageInfo
     from ferrylm.server.text.tokenizer import TextCodec
 
+DEFAULT_SSE_PING_INTERVAL = 15.0   # --sse-ping-interval: seconds of silence before a stream's keep-alive
+
 
 @dataclass
 class ChatJob:

@@ -217,7 +217,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
 
     watchdog_timeout = float(getattr(args, "watchdog_timeout", 120.0))
     shutdown_timeout = float(getattr(args, "shutdown_timeout", 30.0))
-    ping = float(getattr(args, "sse_ping_interval", 15.0))
+    ping = float(args.sse_ping_interval)
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
