@@ -59,6 +59,33 @@ def test_modelopt_export(checkpoints, tmp_path, recipe, algo):
 
 
 @needs_modelopt
+@pytest.mark.parametrize("recipe", ["NVFP4_DEFAULT_CFG", "NVFP4_EXPERTS_ONLY_CFG"], ids=["all-linears", "experts-only"])
+def test_modelopt_nvfp4_minimax_m2(checkpoints, tmp_path, recipe):
+    """MiniMax-M2 / M2.5 (nvidia/MiniMax-M2.5-NVFP4's architecture) exported by ModelOpt in NVFP4: experts under
+    their published names ``block_sparse_moe.experts.E.w1 / w2 / w3`` (uint8 codes, fp8 scales per 16 inputs, a
+    float32 ``weight_scale_2``, an ``input_scale``), the router ``gate`` and ``lm_head`` excluded; the attention
+    in NVFP4 too or left in the model dtype. Experts equal ModelOpt's dequantization bit for bit, logits within
+    1e-4 of transformers' MiniMaxM2 on those weights, greedy tokens equal on every backend."""
+    ckpt = checkpoints("minimax_m2")
+    qdir = modelopt_export(ckpt.path, tmp_path / "modelopt", recipe, vocab_size=ckpt.vocab_size)
+    quant = json.loads((qdir / "hf_quant_config.json").read_text())["quantization"]
+    assert (quant["quant_algo"], quant["group_size"]) == ("NVFP4", 16)
+    assert {"lm_head", "model.layers.0.block_sparse_moe.gate"} <= set(quant["exclude_modules"])
+    sd = load_file(str(qdir / "model.safetensors"))
+    w1 = "model.layers.1.block_sparse_moe.experts.3.w1"
+    h, i = ckpt.reference.config.hidden_size, ckpt.reference.config.intermediate_size
+    assert [(sd[w1 + s].dtype, tuple(sd[w1 + s].shape)) for s in (".weight", ".weight_scale", ".weight_scale_2",
+                                                                   ".input_scale")] == [
+        (torch.uint8, (i, h // 2)), (torch.float8_e4m3fn, (i, h // 16)), (torch.float32, ()), (torch.float32, ())]
+    assert sd["model.layers.1.block_sparse_moe.gate.weight"].dtype == torch.float32
+    attention = sd["model.layers.1.self_attn.q_proj.weight"].dtype
+    assert attention == (torch.uint8 if recipe == "NVFP4_DEFAULT_CFG" else torch.float32)
+    fmt = load_model(qdir).executor.layers[1].down.fmt
+    assert (fmt.kind, fmt.group, fmt.row_scale) == ("fp4", 16, True)
+    check_format(ckpt, qdir, modelopt_dequant(qdir), tmp_path)
+
+
+@needs_modelopt
 def test_modelopt_export_fp8_128x128_blocks(tmp_path):
     """FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG (quant_algo fp8_pb_wo) on a model of 128-multiples: block scales stored as
     [N/128, 1, K/128, 1]."""
