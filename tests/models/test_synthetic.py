@@ -343,12 +343,13 @@ def _parameter_counts(preset: str) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("preset,total,active,embeddings", [
-    ("glm-4.5-air", 106e9, 12e9, False), ("minimax-m2", 230e9, 10e9, False), ("minimax-m2.5", 230e9, 10e9, False),
+    ("glm-4.5-air", 106e9, 12e9, False), ("minimax-m2", 230e9, 10e9, False),
+    ("minimax-m2.5", 230e9, 10e9, False),
     ("deepseek-v3", 671e9, 37e9, True), ("kimi-k2", 1.04e12, 32.6e9, True)])
 def test_preset_parameter_counts_match_the_published_totals(preset, total, active, embeddings):
-    """GLM-4.5-Air: 106B total / 12B active (zai-org model card); MiniMax-M2: 230B / 10B (MiniMax model card);
-    DeepSeek-V3: 671B / 37B without its 14B MTP module (technical report, §1); Kimi-K2: 1.04T / 32.6B (its
-    technical report); MiniMax-M2.5: 230B / 10B (its model card; 229B on the checkpoint's page); those two count the embedding and the output head as active (``embeddings``).
+    """GLM-4.5-Air: 106B total / 12B active (zai-org model card); MiniMax-M2 and M2.5: 230B / 10B (MiniMax model
+    cards); DeepSeek-V3: 671B / 37B without its 14B MTP module (technical report, §1); Kimi-K2: 1.04T / 32.6B (its
+    technical report); those two count the embedding and the output head as active (``embeddings``).
     Within 3 %: the published totals round, and leave out the MTP layers ferrylm does not build."""
     got_total, got_active = _parameter_counts(preset)
     if embeddings:
