@@ -86,6 +86,38 @@ def test_modelopt_nvfp4_minimax_m2(checkpoints, tmp_path, recipe):
 
 
 @needs_modelopt
+def test_synthetic_minimax_m2_5_nvfp4_experts_are_modelopt_nvfp4():
+    """``synthetic:minimax-m2.5:quant=nvfp4``'s routed experts at the published shapes (w1 / w3 [1536, 3072], w2
+    [3072, 1536]) are ModelOpt NVFP4 export tensors: codes as ``weight``, block scales as ``weight_scale``, one
+    per-tensor scale as ``weight_scale_2``. ModelOpt's NVFP4QTensor dequantizes them to our values bit for bit, and
+    our ModelOpt reader reads them back to the same bytes."""
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+
+    from ferrylm.checkpoints.quant.modelopt import ModelOptReader
+    from ferrylm.synthetic.quant import SYNTHETIC_FORMATS, CodePool, random_stack
+    from ferrylm.synthetic.spec import PRESETS
+
+    c = PRESETS["minimax-m2.5"].config
+    h, i = c["hidden_size"], c["intermediate_size"]
+    reader = ModelOptReader({"quant_algo": "NVFP4", "group_size": 16})
+    fmts = SYNTHETIC_FORMATS["nvfp4"]
+    for proj, fmt, n, k in (("w1", fmts.gate_up, i, h), ("w2", fmts.down, h, i)):
+        stack = random_stack(CodePool(0), fmt, 2, n, k, k ** -0.5, proj, device="cpu", dtype=torch.float32)
+        for e in range(2):
+            ours = stack[e]
+            assert torch.unique(ours.row_scale).numel() == 1  # one per-tensor scale, as ModelOpt stores it
+            parts = {".weight": ours.data, ".weight_scale": ours.scales,
+                     ".weight_scale_2": ours.row_scale[:1].reshape(()), ".input_scale": torch.tensor(1.0)}
+            oracle = NVFP4QTensor(torch.Size((n, k)), torch.float32, parts[".weight"]).dequantize(
+                dtype=torch.float32, scale=parts[".weight_scale"], block_sizes={-1: 16},
+                double_scale=parts[".weight_scale_2"])
+            assert torch.equal(ours.dequantize(torch.float32), oracle), (proj, e)
+            read = reader.decode(f"model.layers.0.block_sparse_moe.experts.{e}.{proj}", parts, torch.float32)
+            assert read.fmt == fmt and torch.equal(read.data, ours.data) and torch.equal(read.row_scale, ours.row_scale)
+            assert torch.equal(read.scales.view(torch.uint8), ours.scales.view(torch.uint8))
+
+
+@needs_modelopt
 def test_modelopt_export_fp8_128x128_blocks(tmp_path):
     """FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG (quant_algo fp8_pb_wo) on a model of 128-multiples: block scales stored as
     [N/128, 1, K/128, 1]."""
