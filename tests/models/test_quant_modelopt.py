@@ -59,18 +59,25 @@ def test_modelopt_export(checkpoints, tmp_path, recipe, algo):
 
 
 @needs_modelopt
-@pytest.mark.parametrize("recipe", ["NVFP4_DEFAULT_CFG", "NVFP4_EXPERTS_ONLY_CFG"], ids=["all-linears", "experts-only"])
+@pytest.mark.parametrize("recipe", ["NVFP4_EXPERTS_ONLY_CFG", "NVFP4_DEFAULT_CFG"],
+                         ids=["experts-only-fp8-kv", "all-linears"])
 def test_modelopt_nvfp4_minimax_m2(checkpoints, tmp_path, recipe):
-    """MiniMax-M2 / M2.5 (nvidia/MiniMax-M2.5-NVFP4's architecture) exported by ModelOpt in NVFP4: experts under
-    their published names ``block_sparse_moe.experts.E.w1 / w2 / w3`` (uint8 codes, fp8 scales per 16 inputs, a
-    float32 ``weight_scale_2``, an ``input_scale``), the router ``gate`` and ``lm_head`` excluded; the attention
-    in NVFP4 too or left in the model dtype. Experts equal ModelOpt's dequantization bit for bit, logits within
-    1e-4 of transformers' MiniMaxM2 on those weights, greedy tokens equal on every backend."""
+    """MiniMax-M2 / M2.5 exported by ModelOpt in NVFP4. nvidia/MiniMax-M2.5-NVFP4's recipe (``nvfp4_experts_only``
+    with an FP8 KV cache): only the experts in NVFP4, under their published names ``block_sparse_moe.experts.E.w1 /
+    w2 / w3`` (uint8 codes, fp8 scales per 16 inputs, a float32 ``weight_scale_2``, an ``input_scale``), attention
+    (``self_attn*``), router ``gate`` and ``lm_head`` excluded, ``k_proj.k_scale`` / ``v_proj.v_scale`` beside the
+    attention; ModelOpt's default recipe also puts the attention in NVFP4. Experts equal ModelOpt's
+    dequantization bit for bit, logits within 1e-4 of transformers' MiniMaxM2 on those weights, greedy tokens
+    equal on every backend."""
     ckpt = checkpoints("minimax_m2")
-    qdir = modelopt_export(ckpt.path, tmp_path / "modelopt", recipe, vocab_size=ckpt.vocab_size)
+    experts_only = recipe == "NVFP4_EXPERTS_ONLY_CFG"
+    qdir = modelopt_export(ckpt.path, tmp_path / "modelopt", recipe, kv_cache=experts_only,
+                           vocab_size=ckpt.vocab_size)
     quant = json.loads((qdir / "hf_quant_config.json").read_text())["quantization"]
     assert (quant["quant_algo"], quant["group_size"]) == ("NVFP4", 16)
-    assert {"lm_head", "model.layers.0.block_sparse_moe.gate"} <= set(quant["exclude_modules"])
+    excluded = {"lm_head", "model.layers.0.block_sparse_moe.gate"} | ({"model.layers.0.self_attn*"} if experts_only
+                                                                      else set())
+    assert excluded <= set(quant["exclude_modules"])
     sd = load_file(str(qdir / "model.safetensors"))
     w1 = "model.layers.1.block_sparse_moe.experts.3.w1"
     h, i = ckpt.reference.config.hidden_size, ckpt.reference.config.intermediate_size
@@ -78,8 +85,8 @@ def test_modelopt_nvfp4_minimax_m2(checkpoints, tmp_path, recipe):
                                                                    ".input_scale")] == [
         (torch.uint8, (i, h // 2)), (torch.float8_e4m3fn, (i, h // 16)), (torch.float32, ()), (torch.float32, ())]
     assert sd["model.layers.1.block_sparse_moe.gate.weight"].dtype == torch.float32
-    attention = sd["model.layers.1.self_attn.q_proj.weight"].dtype
-    assert attention == (torch.uint8 if recipe == "NVFP4_DEFAULT_CFG" else torch.float32)
+    assert sd["model.layers.1.self_attn.q_proj.weight"].dtype == (torch.float32 if experts_only else torch.uint8)
+    assert ("model.layers.1.self_attn.k_proj.k_scale" in sd) == experts_only
     fmt = load_model(qdir).executor.layers[1].down.fmt
     assert (fmt.kind, fmt.group, fmt.row_scale) == ("fp4", 16, True)
     check_format(ckpt, qdir, modelopt_dequant(qdir), tmp_path)
