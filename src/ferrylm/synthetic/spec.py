@@ -186,7 +186,7 @@ PRESETS: dict[str, SyntheticPreset] = {p.name: p for p in (
     # 230B total / 10B active; MTP modules (use_mtp, num_mtp_modules) are not built
     SyntheticPreset("minimax-m2", "MiniMaxAI/MiniMax-M2", _minimax_m2()),
     # M2.5 keeps M2's architecture and shapes (230B / 10B active); NVIDIA's ModelOpt NVFP4 export of it
-    # (nvidia/MiniMax-M2.5-NVFP4) is this shape with ``quant=nvfp4`` routed experts
+    # (nvidia/MiniMax-M2.5-NVFP4: routed experts in NVFP4, attention and router in bf16) is ``quant=nvfp4``
     SyntheticPreset("minimax-m2.5", "MiniMaxAI/MiniMax-M2.5", _minimax_m2()),
     # 80B total / 3B active; hybrid: every 4th layer gated full attention, the others Gated DeltaNet; MTP not built
     SyntheticPreset("qwen3-next-80b-a3b", "Qwen/Qwen3-Next-80B-A3B-Instruct", {
