@@ -59,6 +59,72 @@ def test_modelopt_export(checkpoints, tmp_path, recipe, algo):
 
 
 @needs_modelopt
+@pytest.mark.parametrize("recipe", ["NVFP4_EXPERTS_ONLY_CFG", "NVFP4_DEFAULT_CFG"],
+                         ids=["experts-only-fp8-kv", "all-linears"])
+def test_modelopt_nvfp4_minimax_m2(checkpoints, tmp_path, recipe):
+    """MiniMax-M2 / M2.5 exported by ModelOpt in NVFP4. nvidia/MiniMax-M2.5-NVFP4's recipe (``nvfp4_experts_only``
+    with an FP8 KV cache): only the experts in NVFP4, under their published names ``block_sparse_moe.experts.E.w1 /
+    w2 / w3`` (uint8 codes, fp8 scales per 16 inputs, a float32 ``weight_scale_2``, an ``input_scale``), attention
+    (``self_attn*``), router ``gate`` and ``lm_head`` excluded, ``k_proj.k_scale`` / ``v_proj.v_scale`` beside the
+    attention; ModelOpt's default recipe also puts the attention in NVFP4. Experts equal ModelOpt's
+    dequantization bit for bit, logits within 1e-4 of transformers' MiniMaxM2 on those weights, greedy tokens
+    equal on every backend."""
+    ckpt = checkpoints("minimax_m2")
+    experts_only = recipe == "NVFP4_EXPERTS_ONLY_CFG"
+    qdir = modelopt_export(ckpt.path, tmp_path / "modelopt", recipe, kv_cache=experts_only,
+                           vocab_size=ckpt.vocab_size)
+    quant = json.loads((qdir / "hf_quant_config.json").read_text())["quantization"]
+    assert (quant["quant_algo"], quant["group_size"]) == ("NVFP4", 16)
+    excluded = {"lm_head", "model.layers.0.block_sparse_moe.gate"} | ({"model.layers.0.self_attn*"} if experts_only
+                                                                      else set())
+    assert excluded <= set(quant["exclude_modules"])
+    sd = load_file(str(qdir / "model.safetensors"))
+    w1 = "model.layers.1.block_sparse_moe.experts.3.w1"
+    h, i = ckpt.reference.config.hidden_size, ckpt.reference.config.intermediate_size
+    assert [(sd[w1 + s].dtype, tuple(sd[w1 + s].shape)) for s in (".weight", ".weight_scale", ".weight_scale_2",
+                                                                   ".input_scale")] == [
+        (torch.uint8, (i, h // 2)), (torch.float8_e4m3fn, (i, h // 16)), (torch.float32, ()), (torch.float32, ())]
+    assert sd["model.layers.1.block_sparse_moe.gate.weight"].dtype == torch.float32
+    assert sd["model.layers.1.self_attn.q_proj.weight"].dtype == (torch.float32 if experts_only else torch.uint8)
+    assert ("model.layers.1.self_attn.k_proj.k_scale" in sd) == experts_only
+    fmt = load_model(qdir).executor.layers[1].down.fmt
+    assert (fmt.kind, fmt.group, fmt.row_scale) == ("fp4", 16, True)
+    check_format(ckpt, qdir, modelopt_dequant(qdir), tmp_path)
+
+
+@needs_modelopt
+def test_synthetic_minimax_m2_5_nvfp4_experts_are_modelopt_nvfp4():
+    """``synthetic:minimax-m2.5:quant=nvfp4``'s routed experts at the published shapes (w1 / w3 [1536, 3072], w2
+    [3072, 1536]) are ModelOpt NVFP4 export tensors: codes as ``weight``, block scales as ``weight_scale``, one
+    per-tensor scale as ``weight_scale_2``. ModelOpt's NVFP4QTensor dequantizes them to our values bit for bit, and
+    our ModelOpt reader reads them back to the same bytes."""
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+
+    from ferrylm.checkpoints.quant.modelopt import ModelOptReader
+    from ferrylm.synthetic.quant import SYNTHETIC_FORMATS, CodePool, random_stack
+    from ferrylm.synthetic.spec import PRESETS
+
+    c = PRESETS["minimax-m2.5"].config
+    h, i = c["hidden_size"], c["intermediate_size"]
+    reader = ModelOptReader({"quant_algo": "NVFP4", "group_size": 16})
+    fmts = SYNTHETIC_FORMATS["nvfp4"]
+    for proj, fmt, n, k in (("w1", fmts.gate_up, i, h), ("w2", fmts.down, h, i)):
+        stack = random_stack(CodePool(0), fmt, 2, n, k, k ** -0.5, proj, device="cpu", dtype=torch.float32)
+        for e in range(2):
+            ours = stack[e]
+            assert torch.unique(ours.row_scale).numel() == 1  # one per-tensor scale, as ModelOpt stores it
+            parts = {".weight": ours.data, ".weight_scale": ours.scales,
+                     ".weight_scale_2": ours.row_scale[:1].reshape(()), ".input_scale": torch.tensor(1.0)}
+            oracle = NVFP4QTensor(torch.Size((n, k)), torch.float32, parts[".weight"]).dequantize(
+                dtype=torch.float32, scale=parts[".weight_scale"], block_sizes={-1: 16},
+                double_scale=parts[".weight_scale_2"])
+            assert torch.equal(ours.dequantize(torch.float32), oracle), (proj, e)
+            read = reader.decode(f"model.layers.0.block_sparse_moe.experts.{e}.{proj}", parts, torch.float32)
+            assert read.fmt == fmt and torch.equal(read.data, ours.data) and torch.equal(read.row_scale, ours.row_scale)
+            assert torch.equal(read.scales.view(torch.uint8), ours.scales.view(torch.uint8))
+
+
+@needs_modelopt
 def test_modelopt_export_fp8_128x128_blocks(tmp_path):
     """FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG (quant_algo fp8_pb_wo) on a model of 128-multiples: block scales stored as
     [N/128, 1, K/128, 1]."""

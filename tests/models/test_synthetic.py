@@ -60,6 +60,7 @@ def test_presets_have_the_published_shapes():
         "qwen2-57b-a14b": ("Qwen2MoeForCausalLM", 28, 3584, 64, 8, 2560, 28, 4, 128, 151936),
         "glm-4.5-air": ("Glm4MoeForCausalLM", 46, 4096, 128, 8, 1408, 96, 8, 128, 151552),
         "minimax-m2": ("MiniMaxM2ForCausalLM", 62, 3072, 256, 8, 1536, 48, 8, 128, 200064),
+        "minimax-m2.5": ("MiniMaxM2ForCausalLM", 62, 3072, 256, 8, 1536, 48, 8, 128, 200064),
         "qwen3-next-80b-a3b": ("Qwen3NextForCausalLM", 48, 2048, 512, 10, 512, 16, 2, 256, 151936),
         "qwen3.5-35b-a3b": ("Qwen3_5MoeForCausalLM", 40, 2048, 256, 8, 512, 16, 2, 256, 248320),
         "gpt-oss-20b": ("GptOssForCausalLM", 24, 2880, 32, 4, 2880, 64, 8, 64, 201088),
@@ -91,6 +92,10 @@ def test_presets_have_the_published_shapes():
     assert q3["rope_theta"] == 1e6 and q3["norm_topk_prob"] is True and q3["tie_word_embeddings"] is False
     assert PRESETS["qwen2-57b-a14b"].config["shared_expert_intermediate_size"] == 20480
     assert PRESETS["olmoe-1b-7b"].config["norm_topk_prob"] is False
+    for name in ("minimax-m2", "minimax-m2.5"):  # half the head rotated, biased sigmoid routing, no shared expert
+        m = PRESETS[name].config
+        assert (m["rotary_dim"], m["scoring_func"], m["use_routing_bias"], m["shared_intermediate_size"],
+                m["use_qk_norm"], m["eos_token_id"]) == (64, "sigmoid", True, 0, True, 200020), name
 
 
 def test_spec_parsing_and_errors(tmp_path):
@@ -339,10 +344,11 @@ def _parameter_counts(preset: str) -> tuple[int, int]:
 
 @pytest.mark.parametrize("preset,total,active,embeddings", [
     ("glm-4.5-air", 106e9, 12e9, False), ("minimax-m2", 230e9, 10e9, False),
+    ("minimax-m2.5", 230e9, 10e9, False),
     ("deepseek-v3", 671e9, 37e9, True), ("kimi-k2", 1.04e12, 32.6e9, True)])
 def test_preset_parameter_counts_match_the_published_totals(preset, total, active, embeddings):
-    """GLM-4.5-Air: 106B total / 12B active (zai-org model card); MiniMax-M2: 230B / 10B (MiniMax model card);
-    DeepSeek-V3: 671B / 37B without its 14B MTP module (technical report, §1); Kimi-K2: 1.04T / 32.6B (its
+    """GLM-4.5-Air: 106B total / 12B active (zai-org model card); MiniMax-M2 and M2.5: 230B / 10B (MiniMax model
+    cards); DeepSeek-V3: 671B / 37B without its 14B MTP module (technical report, §1); Kimi-K2: 1.04T / 32.6B (its
     technical report); those two count the embedding and the output head as active (``embeddings``).
     Within 3 %: the published totals round, and leave out the MTP layers ferrylm does not build."""
     got_total, got_active = _parameter_counts(preset)
@@ -380,3 +386,47 @@ def test_memory_estimate_counts_what_the_model_holds(preset):
     total, _ = _parameter_counts(preset)
     experts = len(moe) * config.num_experts * 3 * config.hidden_size * config.moe_intermediate_size
     assert abs(estimate_non_expert_bytes(config, moe, 1) / (total - experts) - 1) < 1e-3
+
+
+def test_minimax_m2_5_parameter_total():
+    """MiniMax-M2.5 as built: 228,689,764,864 parameters (228.7B; published 230B total, 229B by the checkpoint's
+    count), 9.80B active without the embedding and the head; per layer: attention q/o 3072 x 6144, k/v 3072 x 1024,
+    q/k norms over the whole projection, router 256 x 3072 and its bias, 256 experts of 3 x 3072 x 1536."""
+    c = PRESETS["minimax-m2.5"].config
+    h, e, i, layers = c["hidden_size"], c["num_local_experts"], c["intermediate_size"], c["num_hidden_layers"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    per_layer = 2 * h * q + 2 * h * kv + q + kv + 2 * h + e * h + e + e * 3 * h * i
+    closed_form = layers * per_layer + 2 * c["vocab_size"] * h + h
+    total, active = _parameter_counts("minimax-m2.5")
+    assert total == closed_form == 228_689_764_864
+    assert active == layers * (per_layer - (e - c["num_experts_per_tok"]) * 3 * h * i) + h == 9_801_359_872
+
+
+def test_minimax_m2_5_nvfp4_spec(cache_env):
+    """``synthetic:minimax-m2.5:layers=2:quant=nvfp4`` resolves to a folder whose config plans NVFP4 routed experts
+    (fp4 e2m1, fp8 scale per 16 inputs, float32 per-row scale: 0.5625 bytes a weight and 4 bytes a row), and the
+    architecture builds with them at test size, every backend giving the resident one's greedy tokens."""
+    from ferrylm.checkpoints.quant import planned_expert_quant
+    from ferrylm.config import ModelConfig
+    from ferrylm.engine.expert_choice import model_host_bytes
+    from ferrylm.experts.quantized import QuantFormat
+    from tests.experts.helpers import greedy_trace, options
+
+    r = resolve_model("synthetic:minimax-m2.5:layers=2:quant=nvfp4")
+    assert r.name == "synthetic:minimax-m2.5:layers=2:quant=nvfp4"
+    config = ModelConfig.from_folder(r.path)
+    assert (config.architecture, config.num_layers, config.num_experts) == ("MiniMaxM2ForCausalLM", 2, 256)
+    nvfp4 = QuantFormat("fp4", 16, torch.float8_e4m3fn, row_scale=True)
+    planned = planned_expert_quant(config.raw)
+    assert (planned.gate_up, planned.down) == (nvfp4, nvfp4)
+    host, _ = model_host_bytes(config, torch.device("cuda"), torch.bfloat16, "offload")
+    h, i = 3072, 1536
+    assert host == 2 * 256 * (3 * h * i * 9 // 16 + 4 * (2 * i + h))
+    spec = SyntheticSpec(tiny("minimax-m2.5"), 3, quant="nvfp4")
+    ref = build_synthetic(spec, dtype=torch.float32)
+    assert ref.executor.layers[0].gate.fmt == nvfp4
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    want = greedy_trace(ref.model, prompt, 4)[0]
+    for backend in ("offload", "cpu", "hybrid"):
+        got = greedy_trace(build_synthetic(spec, dtype=torch.float32, moe_backend=options(backend, 2)).model, prompt, 4)
+        assert got[0] == want, backend

@@ -1,4 +1,4 @@
-"""GLM-4.5 and MiniMax-M2 tool calls through the ASGI app with a scripted engine and the real ``openai`` SDK: the
+"""GLM-4.5 and MiniMax-M2 / M2.5 tool calls through the ASGI app with a scripted engine and the real ``openai`` SDK: the
 format chosen by ``--tool-call-parser`` or from the architecture, stream equal to non-stream, reasoning into
 ``reasoning_content``, and forced calls enforced by the format's own grammar."""
 
@@ -138,3 +138,57 @@ async def test_anthropic_messages_tool_use_in_either_format(codec, fmt: str) -> 
     text, use = body["content"]
     assert text == {"type": "text", "text": "Let me look."}
     assert (use["type"], use["name"], use["input"]) == ("tool_use", "get_weather", {"city": "Paris", "days": 2})
+
+
+@pytest.fixture(scope="module")
+def minimax_codec(tmp_path_factory):
+    """A MiniMax-M2 / M2.5-like vocabulary and template (tests/server/minimax_like.py)."""
+    from ferrylm.server.text.tokenizer import TextCodec
+
+    from .minimax_like import build_minimax_like_tokenizer
+
+    return TextCodec.from_pretrained(build_minimax_like_tokenizer(tmp_path_factory.mktemp("minimax-like-tokenizer")))
+
+
+async def test_minimax_m2_5_chat_format(minimax_codec) -> None:
+    """MiniMax-M2.5 speaks M2's format: auto picks minimax_m2 from the template (and from the architecture the
+    minimax-m2.5 preset names); the generation prompt opens <think>, so the output's reasoning (no opening tag)
+    goes to reasoning_content up to </think>, the call after it is parsed, stream equal to non-stream; the next
+    turn renders that reasoning and the call back in the family's markup."""
+    from ferrylm.server.text.tool_parsers import choose_tool_parser
+    from ferrylm.synthetic.spec import PRESETS
+
+    assert choose_tool_parser(None, PRESETS["minimax-m2.5"].config["architectures"][0]) == "minimax_m2"
+    codec = minimax_codec
+    out = "The user wants weather.\n</think>\n\nLet me look.\n" + TEXT["minimax_m2"].split("\n", 1)[1]
+    ids = codec.encode(out, add_special_tokens=False, parse_special=True)
+    assert codec.encode("</think>", add_special_tokens=False, parse_special=True)[0] in ids  # really special ids
+    eng = FakeEngine(codec, max_model_len=4096)
+    eng.script = lambda rid, prompt, p: ids + [eng.eos]
+    client = oai(create_app(eng, codec, SERVED))
+    r = await client.chat.completions.create(model=SERVED, messages=MSGS, tools=[WEATHER])
+    prompt = codec.decode(eng.requests[-1][1], skip_special_tokens=False)
+    assert prompt.endswith("]~b]ai\n<think>\n") and "<tools>\n<tool>" in prompt
+    msg = r.choices[0].message
+    assert msg.content == "Let me look." and msg.model_extra.get("reasoning_content") == "The user wants weather."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == \
+        [("get_weather", {"city": "Paris", "days": 2})]
+    stream = await client.chat.completions.create(model=SERVED, messages=MSGS, tools=[WEATHER], stream=True)
+    reasoning, text, args = [], [], ""
+    async for chunk in stream:
+        for ch in chunk.choices:
+            reasoning.append(ch.delta.model_extra.get("reasoning_content") or "")
+            text.append(ch.delta.content or "")
+            args += "".join(tc.function.arguments or "" for tc in ch.delta.tool_calls or ())
+    assert ("".join(reasoning), "".join(text), json.loads(args)) == (
+        "The user wants weather.", "Let me look.", {"city": "Paris", "days": 2})
+    call = msg.tool_calls[0]
+    history = [*MSGS, {"role": "assistant", "content": msg.content, "reasoning_content": "The user wants weather.",
+                       "tool_calls": [{"id": call.id, "type": "function", "function": {
+                           "name": "get_weather", "arguments": call.function.arguments}}]},
+               {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    await client.chat.completions.create(model=SERVED, messages=history, tools=[WEATHER])
+    prompt = codec.decode(eng.requests[-1][1], skip_special_tokens=False)
+    assert ("]~b]ai\n<think>\nThe user wants weather.\n</think>\n\nLet me look.\n<minimax:tool_call>\n"
+            "<invoke name=\"get_weather\">\n<parameter name=\"city\">Paris</parameter>\n<parameter name=\"days\">2"
+            "</parameter>\n</invoke>\n</minimax:tool_call>[e~[\n]~b]tool\n<response>sunny</response>") in prompt

@@ -44,8 +44,8 @@ ARCHITECTURE_NOTES: dict[str, tuple[str, str]] = {
     "DeepseekV3ForCausalLM": ("DeepSeek-V3 / R1, Kimi-K2",
                               "multi-head latent attention (latent KV pool), noaux_tc sigmoid group-limited router, "
                               "shared expert; MTP layers not read"),
-    "MiniMaxM2ForCausalLM": ("MiniMax-M2", "biased sigmoid router, q/k norm over the projection, partial rotary; "
-                                           "MTP modules not read"),
+    "MiniMaxM2ForCausalLM": ("MiniMax-M2 / M2.5", "biased sigmoid router, q/k norm over the projection, "
+                                                 "partial rotary; MTP modules not read"),
     "GptOssForCausalLM": ("gpt-oss-20b, gpt-oss-120b", "attention sinks, sliding-window (128) / full layers, YaRN, "
                                                        "biased experts with a clamped SwiGLU, MXFP4 experts kept"),
 }

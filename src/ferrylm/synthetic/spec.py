@@ -137,6 +137,17 @@ def _deepseek_v3(**shape: Any) -> dict[str, Any]:
     return {**base, **shape}
 
 
+def _minimax_m2() -> dict[str, Any]:
+    """MiniMax-M2's config.json fields (MiniMaxAI/MiniMax-M2); M2.5 publishes the same architecture and shapes."""
+    return {
+        "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "eos_token_id": 200020, "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": 3072, "intermediate_size": 1536, "max_position_embeddings": 196608,
+        "num_attention_heads": 48, "num_experts_per_tok": 8, "num_hidden_layers": 62, "num_key_value_heads": 8,
+        "num_local_experts": 256, "qk_norm_type": "per_layer", "rms_norm_eps": 1e-6, "rope_theta": 5000000.0,
+        "rotary_dim": 64, "scoring_func": "sigmoid", "shared_intermediate_size": 0, "tie_word_embeddings": False,
+        "use_qk_norm": True, "use_routing_bias": True, "vocab_size": 200064}
+
+
 # NOTE: values are those of each source repository's config.json (fields ferrylm reads), as published.
 PRESETS: dict[str, SyntheticPreset] = {p.name: p for p in (
     SyntheticPreset("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", _qwen3_moe(
@@ -173,13 +184,10 @@ PRESETS: dict[str, SyntheticPreset] = {p.name: p for p in (
     SyntheticPreset("gpt-oss-20b", "openai/gpt-oss-20b", _gpt_oss(24, 32)),
     SyntheticPreset("gpt-oss-120b", "openai/gpt-oss-120b", _gpt_oss(36, 128)),
     # 230B total / 10B active; MTP modules (use_mtp, num_mtp_modules) are not built
-    SyntheticPreset("minimax-m2", "MiniMaxAI/MiniMax-M2", {
-        "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "eos_token_id": 200020, "head_dim": 128,
-        "hidden_act": "silu", "hidden_size": 3072, "intermediate_size": 1536, "max_position_embeddings": 196608,
-        "num_attention_heads": 48, "num_experts_per_tok": 8, "num_hidden_layers": 62, "num_key_value_heads": 8,
-        "num_local_experts": 256, "qk_norm_type": "per_layer", "rms_norm_eps": 1e-6, "rope_theta": 5000000.0,
-        "rotary_dim": 64, "scoring_func": "sigmoid", "shared_intermediate_size": 0, "tie_word_embeddings": False,
-        "use_qk_norm": True, "use_routing_bias": True, "vocab_size": 200064}),
+    SyntheticPreset("minimax-m2", "MiniMaxAI/MiniMax-M2", _minimax_m2()),
+    # M2.5 keeps M2's architecture and shapes (230B / 10B active); NVIDIA's ModelOpt NVFP4 export of it
+    # (nvidia/MiniMax-M2.5-NVFP4: routed experts in NVFP4, attention and router in bf16) is ``quant=nvfp4``
+    SyntheticPreset("minimax-m2.5", "MiniMaxAI/MiniMax-M2.5", _minimax_m2()),
     # 80B total / 3B active; hybrid: every 4th layer gated full attention, the others Gated DeltaNet; MTP not built
     SyntheticPreset("qwen3-next-80b-a3b", "Qwen/Qwen3-Next-80B-A3B-Instruct", {
         "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "attention_bias": False,
