@@ -24,10 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ferrylm.config import KV_CACHE_DTYPES
 from ferrylm.engine.cache.page_allocator import PageAllocator
 
-#: ``--kv-cache-dtype`` values
-KV_CACHE_DTYPES = ("auto", "fp8")
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0            # largest finite float8 e4m3fn
 SCALE_BYTES = 4            # one float32 scale per (token, head) of an fp8 pool
@@ -136,6 +135,7 @@ class KVPool:
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype
         store = kv_storage_dtype(kv_cache_dtype, dtype)
+        self.storage_dtype = store       # what the tensors hold (float8 e4m3fn for fp8)
         self.scaled = store == FP8
         slots = num_pages * page_size
         stored = set(layout.layers)
