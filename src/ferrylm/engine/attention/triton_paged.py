@@ -90,7 +90,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def _store_quantized_kernel(x_ptr, cache_ptr, scale_ptr, slot_ptr, stride_xt, stride_xh, stride_cs, stride_ch,
                             stride_ss, D: tl.constexpr, D_PAD: tl.constexpr, FP8_MAX: tl.constexpr):
     """Head ``h`` of row ``t``: ``scale = max(amax |x| / FP8_MAX, tiny)``, ``x / scale`` as float8 to slot
-    ``slot[t]``; a negative slot writes nothing."""
+    ``slot[t]``; a negative slot writes nothing. ``x / scale`` is rounded to the e4m3 grid in float32 first (nearest,
+    ties away from zero; the step of a value with exponent ``e`` is ``2^(e - 3)``, subnormals share ``2^-9``), so the
+    cast is exact and every backend stores the same bytes (Triton 3.6's CPU interpreter drops the carry when its
+    own cast rounds up into the next binade)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -100,7 +103,11 @@ def _store_quantized_kernel(x_ptr, cache_ptr, scale_ptr, slot_ptr, stride_xt, st
     m = d < D
     x = tl.load(x_ptr + t.to(tl.int64) * stride_xt + h * stride_xh + d, mask=m, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), 0) / FP8_MAX, 1e-12)
-    q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+    y = x / scale
+    binade = (tl.maximum(tl.abs(y), 0.015625).to(tl.int32, bitcast=True) >> 23) & 0xFF    # biased exponent, >= -6
+    step = ((binade - 3) << 23).to(tl.float32, bitcast=True)                             # 2^(e - 3)
+    q = tl.minimum(tl.maximum(tl.floor(tl.abs(y) / step + 0.5) * step, 0.0), FP8_MAX)
+    q = tl.where(y < 0, -q, q)
     tl.store(cache_ptr + slot * stride_cs + h * stride_ch + d, q.to(cache_ptr.dtype.element_ty), mask=m)
     tl.store(scale_ptr + slot * stride_ss + h, scale)
 
