@@ -89,6 +89,8 @@ def test_the_plan_holds_about_twice_the_tokens_with_fp8():
     bf16, fp8 = layout.bytes_per_token(torch.bfloat16), layout.bytes_per_token(torch.bfloat16, "fp8")
     assert bf16 == 48 * 2 * 4 * 128 * 2                      # 96 KiB: 12 GiB at 128k tokens
     assert fp8 == 48 * (2 * 4 * 128 + 2 * 4 * 4)             # values + one float32 scale per token and head
+    latent = KVLayout(num_layers=61, layers=tuple(range(61)), k_heads=1, k_dim=576, v_heads=0, v_dim=0)
+    assert latent.bytes_per_token(torch.bfloat16, "fp8") == 61 * (576 + 4)   # DeepSeek-V3's latent row, one scale
 
     def plan(per_tok: int):
         return plan_memory(PlanInputs(

@@ -108,7 +108,8 @@ class KVLayout:
         """Bytes one token takes across all layers that store K/V (``dtype``: the model's; an fp8 pool adds its
         scales)."""
         store = kv_storage_dtype(kv_cache_dtype, dtype)
-        per_layer = (self.k_heads * self.k_dim + self.v_heads * self.v_dim) * torch.empty((), dtype=store).element_size()
+        elem = torch.empty((), dtype=store).element_size()
+        per_layer = (self.k_heads * self.k_dim + self.v_heads * self.v_dim) * elem
         if store == FP8:
             per_layer += (self.k_heads + self.v_heads) * SCALE_BYTES
         return len(self.layers) * per_layer
