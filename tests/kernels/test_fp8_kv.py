@@ -133,3 +133,39 @@ def test_latent_decode_over_an_fp8_pool_equals_the_reference_over_its_rows():
         assert _within(rows[b], stored, pool.k_scale[0][slots[b], 0], ONE_STEP)
         want = la.absorbed_attention(q_abs[b:b + 1, :, None], q_pe[b:b + 1, :, None], stored[None], r, 0.2)
         torch.testing.assert_close(got[b], want[0, :, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_triton_backend_over_an_fp8_pool_equals_the_torch_backend():
+    """One step through the backends (``TritonPagedAttention.attend`` / the torch ``PagedAttention``), each over its
+    own fp8 pool holding the same prefix: a 3-token chunk after 5 cached tokens and a decode at length 9. Both
+    store the new K/V quantized (the same bytes and scales) and give the same attention."""
+    load_kernels("ferrylm.engine.attention.triton_paged")
+    from ferrylm.engine.attention.metadata import AttentionMetadata
+    from ferrylm.engine.attention.torch_backend import torch_attention
+    from ferrylm.engine.attention.triton_backend import TritonPagedAttention
+
+    dev = kernel_device()
+    g = torch.Generator().manual_seed(4)
+    hq, hkv, d, ps = 4, 2, 32, 4
+    seqs = [(3, 5, [3, 0]), (1, 8, [5, 1, 4])]
+    pools = [KVPool(layout=_layout(hkv, d), num_pages=6, page_size=ps, dtype=torch.float32, device=dev,
+                    kv_cache_dtype="fp8") for _ in range(2)]
+    new_slots = []
+    for q_len, ctx, pages in seqs:
+        slots = (torch.tensor(pages)[:, None] * ps + torch.arange(ps)).reshape(-1)[:ctx + q_len].to(dev)
+        kx, vx = torch.randn(2, ctx, hkv, d, generator=g).to(dev)
+        for pool in pools:
+            pool.store(0, slots[:ctx], kx, vx)
+        new_slots.append(slots[ctx:])
+    q = torch.randn(4, hq, d, generator=g).to(dev)
+    k, v = torch.randn(2, 4, hkv, d, generator=g).to(dev)
+    meta = AttentionMetadata(slot_mapping=torch.cat(new_slots), block_table=torch.tensor(
+        [[3, 0, 0], [5, 1, 4]], dtype=torch.int32, device=dev), seq_lens=torch.tensor([8, 9], dtype=torch.int32,
+        device=dev), query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32, device=dev), max_query_len=3,
+        host_seqs=seqs)
+    got = TritonPagedAttention(pools[0], meta).attend(0, q, k, v, d ** -0.5)
+    want = torch_attention(pools[1], meta, dev).attend(0, q, k, v, d ** -0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for a, b in ((pools[0].k_scale[0], pools[1].k_scale[0]), (pools[0].v_scale[0], pools[1].v_scale[0])):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(pools[0].v[0].float(), pools[1].v[0].float())

@@ -26,11 +26,11 @@ MAX_PROMPT_DRIFT, MAX_MEAN_PROMPT_DRIFT = 0.5, 0.1
 MAX_OUTPUT_DRIFT = 0.1
 
 
-def _run(ckpt, kv_cache_dtype: str, prompt: list[int]):
+def _run(ckpt, kv_cache_dtype: str, prompt: list[int], decode_graphs: str = "auto"):
     loaded = load_model(ckpt.path, device="cpu", dtype=torch.float32)
     cfg = EngineConfig(device="cpu", check_invariants=True, num_pages=32, page_size=4, max_prefill_length=8,
                        max_running_requests=2, max_model_len=128, kv_cache_dtype=kv_cache_dtype,
-                       enable_prefix_caching=False)
+                       enable_prefix_caching=False, decode_graphs=decode_graphs)
     engine = engine_for_model(loaded.model, loaded.config, cfg, device=torch.device("cpu"), dtype=torch.float32)
     stored = [t for t in engine.pool.k if t.numel()]
     assert stored and all(t.dtype == (FP8 if kv_cache_dtype == "fp8" else torch.float32) for t in stored)
@@ -47,6 +47,8 @@ def _run(ckpt, kv_cache_dtype: str, prompt: list[int]):
             logprobs.extend(lp.logprob for lp in o.logprobs)
             if o.prompt_logprobs is not None:
                 prompt_lp = [lp.logprob for lp in o.prompt_logprobs if lp is not None]
+    if decode_graphs == "eager":
+        assert engine.stats()["decode_graphs"]["steps"] >= NEW_TOKENS - 1
     return tokens, torch.tensor(logprobs), torch.tensor(prompt_lp)
 
 
@@ -61,6 +63,18 @@ def test_fp8_kv_greedy_tokens_equal_the_unquantized_pool(checkpoints, case):
     print(f"{case}: fp8 KV, {NEW_TOKENS} greedy tokens equal; their logprob drift max {drift.max():.4f} mean "
           f"{drift.mean():.4f}")
     assert 0 < drift.max() < MAX_OUTPUT_DRIFT       # quantized (some drift), yet close
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe", "deepseek_v3_lite"])
+def test_fp8_kv_piecewise_decode_equals_the_plain_decode(checkpoints, case):
+    """``decode_graphs="eager"``: decode steps run the graphs' pieces (``StaticDecodeAttention`` over the fp8 pool:
+    its store and dequantizing gather) and give the plain fp8 decode's tokens and logprobs."""
+    ckpt = checkpoints(case)
+    prompt = token_ids(23, ckpt.vocab_size, seed=22).tolist()
+    plain_tokens, plain_lp, _ = _run(ckpt, "fp8", prompt, decode_graphs="off")
+    tokens, lp, _ = _run(ckpt, "fp8", prompt, decode_graphs="eager")
+    assert tokens == plain_tokens
+    torch.testing.assert_close(lp, plain_lp, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "deepseek_v3_lite", "deepseek_v3", "qwen3_next"])
