@@ -290,10 +290,11 @@ def _log_ready(engine: Engine, plan: MemoryPlan, options: ExpertOptions, faults:
     if faults.enabled:
         log.warning("fault injection is ON: %s", faults)
     lim = engine.limits
-    log.info("engine ready: device=%s dtype=%s max_model_len=%d kv_pool=%d pages x %d tokens = %d tokens, "
+    log.info("engine ready: device=%s dtype=%s max_model_len=%d kv_pool=%d pages x %d tokens = %d tokens (%s), "
              "max_running_requests=%d, max_prefill_length=%d, moe_backend=%s", engine.device,
              str(engine.runner.dtype).removeprefix("torch."), lim.max_model_len, lim.num_pages, lim.page_size,
-             lim.pool_tokens, lim.max_running_requests, lim.max_prefill_length, backend_name(options))
+             lim.pool_tokens, str(engine.pool.storage_dtype).removeprefix("torch."), lim.max_running_requests,
+             lim.max_prefill_length, backend_name(options))
 
 
 def engine_for_model(model, mcfg: ModelConfig, config: EngineConfig, *, device: torch.device, dtype: torch.dtype,
