@@ -15,6 +15,7 @@ from tests.kernels.interp import kernel_device, load_kernels
 # float8 e4m3: 3 mantissa bits. Round to nearest: |error| <= |x| / 16 (normal numbers) or half the subnormal step,
 # 2^-10 * scale; one step (truncation, or a rounding mode that differs) is twice that.
 HALF_STEP, ONE_STEP = 2.0 ** -4, 2.0 ** -3
+_paged = None   # the triton_paged module, once loaded (test_the_kernels_byte_codec_...)
 
 
 def _within(x: torch.Tensor, back: torch.Tensor, scale: torch.Tensor, rel: float) -> bool:
@@ -169,3 +170,32 @@ def test_triton_backend_over_an_fp8_pool_equals_the_torch_backend():
     for a, b in ((pools[0].k_scale[0], pools[1].k_scale[0]), (pools[0].v_scale[0], pools[1].v_scale[0])):
         torch.testing.assert_close(a, b)
     torch.testing.assert_close(pools[0].v[0].float(), pools[1].v[0].float())
+
+
+def test_the_kernels_byte_codec_equals_torchs_float8_for_every_value():
+    """``e4m3_to_float`` decodes each of the 254 finite e4m3fn bytes to torch's value, and ``float_to_e4m3``
+    encodes each value back to its byte, -0.0 to +0.0 (the kernels' fp8 needs no hardware float8 type)."""
+    import triton
+    import triton.language as tl
+
+    global _paged   # a jitted function reads module globals, not closures
+    _paged = load_kernels("ferrylm.engine.attention.triton_paged")
+
+    @triton.jit
+    def codec(bits_ptr, out_ptr, back_ptr, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        f = _paged.e4m3_to_float(tl.load(bits_ptr + i))
+        tl.store(out_ptr + i, f)
+        tl.store(back_ptr + i, _paged.float_to_e4m3(f))
+
+    dev = kernel_device()
+    bits = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)   # 0x7F / 0xFF: NaN
+    pad = torch.zeros(256, dtype=torch.uint8)
+    pad[:len(bits)] = bits
+    out, back = torch.empty(256, device=dev), torch.empty(256, dtype=torch.uint8, device=dev)
+    codec[(1,)](pad.to(dev), out, back, BLOCK=256)
+    want = bits.view(FP8).float()
+    assert torch.equal(out[:len(bits)].cpu(), want)
+    signed_zero = bits == 0x80                                   # -0.0 encodes as +0.0: the same value
+    assert torch.equal(back[:len(bits)].cpu()[~signed_zero], bits[~signed_zero])
+    assert int(back[:len(bits)].cpu()[signed_zero]) == 0

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ferrylm.engine.attention.triton_paged import e4m3_to_float, store_quantized
 from ferrylm.triton_util import dot_precision
 
 
@@ -53,8 +54,6 @@ def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tens
     if t == 0:
         return
     if scale is not None:
-        from ferrylm.engine.attention.triton_paged import store_quantized
-
         store_quantized(rows[:, None, :], cache, scale, slot_mapping)
         return
     n_cols = rows.shape[1]
@@ -98,8 +97,11 @@ def _latent_decode_kernel(qa_ptr, qp_ptr, cache_ptr, bt_ptr, lens_ptr, out_ptr, 
         page = tl.load(bt_ptr + b * stride_bt + n // page_size, mask=nm, other=0).to(tl.int64)
         slot = page * page_size + n % page_size
         row = slot * stride_cache
-        c = tl.load(cache_ptr + row[:, None] + r[None, :], mask=nm[:, None] & rm[None, :], other=0.0)
-        kp = tl.load(cache_ptr + row[:, None] + R + p[None, :], mask=nm[:, None] & pm[None, :], other=0.0)
+        c = tl.load(cache_ptr + row[:, None] + r[None, :], mask=nm[:, None] & rm[None, :], other=0)
+        kp = tl.load(cache_ptr + row[:, None] + R + p[None, :], mask=nm[:, None] & pm[None, :], other=0)
+        if SCALED:   # float8 bytes (``triton_paged``)
+            c = e4m3_to_float(c)
+            kp = e4m3_to_float(kp)
         s = tl.dot(qa, tl.trans(c.to(qa.dtype)), input_precision=PRECISION)
         s += tl.dot(qp, tl.trans(kp.to(qp.dtype)), input_precision=PRECISION)
         if SCALED:
@@ -185,6 +187,8 @@ def latent_decode_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, cache: torc
     if num_splits > 1:
         part_o = torch.empty(b, h, num_splits, r, dtype=torch.float32, device=q_abs.device)
         part_ml = torch.empty(b, h, num_splits, 2, dtype=torch.float32, device=q_abs.device)
+    if row_scale is not None:   # float8 as bytes
+        cache = cache.view(torch.uint8)
     _latent_decode_kernel[grid](q_abs, q_pe, cache, block_table, seq_lens, out, float(scale), h, page_size,
                                 q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
                                 block_table.stride(0), out.stride(0), out.stride(1), part_o, part_ml,

@@ -27,7 +27,9 @@ a batch of one still fills the GPU.
 An fp8 pool (``engine/cache/kv_pool.py``) stores float8 e4m3 values and one float32 scale per (token, KV head):
 :func:`store_quantized` writes both; the attention kernel multiplies each key's scores by its key scale and each
 probability by its value scale (``q . (k s_k) = (q . k) s_k``, ``sum p_j (v_j s_v,j) = sum (p_j s_v,j) v_j``), so
-the float8 tiles are only cast (exactly) to the query dtype.
+the float8 tiles are only converted (exactly) to the query dtype. The kernels see the float8 tensors as bytes and
+convert by bit arithmetic (:func:`e4m3_to_float`, :func:`float_to_e4m3`), so fp8 needs no hardware float8 type: any
+GPU Triton runs on, and the CPU interpreter.
 
 Imported only where Triton and CUDA are (or under ``TRITON_INTERPRET=1`` in tests): see ``engine/attention``.
 """
@@ -87,13 +89,33 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 @triton.jit
+def e4m3_to_float(bits):
+    """float8 e4m3fn bytes (an integer tensor, 0..255) -> float32: ``(1 + m/8) 2^(e - 7)``, subnormals ``m 2^-9``."""
+    b = bits.to(tl.int32)
+    e = (b >> 3) & 15
+    m = b & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return tl.where((b & 128) != 0, -mag, mag)
+
+
+@triton.jit
+def float_to_e4m3(y):
+    """float32 values on the e4m3 grid with ``|y| <= 448`` -> float8 e4m3fn bytes (uint8)."""
+    a = tl.abs(y)
+    b = a.to(tl.int32, bitcast=True)
+    normal = (((b >> 23) - 120) << 3) | ((b >> 20) & 7)
+    mag = tl.where(a >= 0.015625, normal, (a * 512.0).to(tl.int32))
+    return (mag | tl.where(y < 0, 128, 0)).to(tl.uint8)
+
+
+@triton.jit
 def _store_quantized_kernel(x_ptr, cache_ptr, scale_ptr, slot_ptr, stride_xt, stride_xh, stride_cs, stride_ch,
                             stride_ss, D: tl.constexpr, D_PAD: tl.constexpr, FP8_MAX: tl.constexpr):
     """Head ``h`` of row ``t``: ``scale = max(amax |x| / FP8_MAX, tiny)``, ``x / scale`` as float8 to slot
-    ``slot[t]``; a negative slot writes nothing. ``x / scale`` is rounded to the e4m3 grid in float32 first (nearest,
-    ties away from zero; the step of a value with exponent ``e`` is ``2^(e - 3)``, subnormals share ``2^-9``), so the
-    cast is exact and every backend stores the same bytes (Triton 3.6's CPU interpreter drops the carry when its
-    own cast rounds up into the next binade)."""
+    ``slot[t]`` (``cache_ptr``: the float8 cache as bytes); a negative slot writes nothing. ``x / scale`` is rounded
+    to the e4m3 grid in float32 (nearest, ties away from zero; the step of a value with exponent ``e`` is
+    ``2^(e - 3)``, subnormals share ``2^-9``), then encoded exactly."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -108,7 +130,7 @@ def _store_quantized_kernel(x_ptr, cache_ptr, scale_ptr, slot_ptr, stride_xt, st
     step = ((binade - 3) << 23).to(tl.float32, bitcast=True)                             # 2^(e - 3)
     q = tl.minimum(tl.maximum(tl.floor(tl.abs(y) / step + 0.5) * step, 0.0), FP8_MAX)
     q = tl.where(y < 0, -q, q)
-    tl.store(cache_ptr + slot * stride_cs + h * stride_ch + d, q.to(cache_ptr.dtype.element_ty), mask=m)
+    tl.store(cache_ptr + slot * stride_cs + h * stride_ch + d, float_to_e4m3(q), mask=m)
     tl.store(scale_ptr + slot * stride_ss + h, scale)
 
 
@@ -118,7 +140,8 @@ def store_quantized(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor, s
     t, h, d = x.shape
     if t == 0:
         return
-    _store_quantized_kernel[(t, h)](x, cache, scale, slot_mapping, x.stride(0), x.stride(1), cache.stride(0),
+    _store_quantized_kernel[(t, h)](x, cache.view(torch.uint8), scale, slot_mapping, x.stride(0), x.stride(1),
+                                    cache.stride(0),
                                     cache.stride(1), scale.stride(0), D=d, D_PAD=triton.next_power_of_2(d),
                                     FP8_MAX=448.0)
 
@@ -197,7 +220,9 @@ def _paged_attention_kernel(
         page = tl.load(bt_row + n // page_size, mask=n_ok, other=0).to(tl.int64)
         slot = page * page_size + n % page_size
         k = tl.load(k_cache_ptr + slot[None, :] * stride_kc_slot + kvh * stride_kc_h + d[:, None],
-                    mask=n_ok[None, :] & d_ok[:, None], other=0.0)            # [D, N]
+                    mask=n_ok[None, :] & d_ok[:, None], other=0)              # [D, N]
+        if SCALED:
+            k = e4m3_to_float(k)
         qk = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale                              # [M, N] fp32
         if SCALED:
             ks = tl.load(k_scale_ptr + slot * stride_ks + kvh, mask=n_ok, other=0.0)
@@ -212,8 +237,9 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + slot[:, None] * stride_vc_slot + kvh * stride_vc_h + d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)            # [N, D]
+                    mask=n_ok[:, None] & d_ok[None, :], other=0)              # [N, D]
         if SCALED:
+            v = e4m3_to_float(v)
             vs = tl.load(v_scale_ptr + slot * stride_vs + kvh, mask=n_ok, other=0.0)
             p = p * vs[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
@@ -317,6 +343,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     sink_arg = out if sinks is None else sinks
     scaled = k_scale is not None
     ks, vs = (k_scale, v_scale) if scaled else (out, out)
+    if scaled:   # float8 as bytes (module docstring)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, part_o, part_ml, sink_arg, ks, vs,
         scale, num_seqs, hkv, 0 if window is None else int(window),
