@@ -113,22 +113,27 @@ def test_paged_attention_over_an_fp8_pool_equals_the_reference_over_its_values(s
 
 
 def test_latent_decode_over_an_fp8_pool_equals_the_reference_over_its_rows():
+    """Latent rows ``[c_kv ; k_pe]`` stored quantized (one scale per row; a padding row writes nothing), then the
+    absorbed decode kernel over them equals the torch absorbed attention over the dequantized rows."""
     import ferrylm.models.latent_attention as la
 
     kmod = load_kernels("ferrylm.engine.attention.triton_latent")
+    dev = kernel_device()
     g = torch.Generator().manual_seed(3)
     r, p, heads, ps = 32, 8, 4, 4
     pool = KVPool(layout=KVLayout(1, (0,), 1, r + p, 0, 0), num_pages=6, page_size=ps, dtype=torch.float32,
-                  device="cpu", kv_cache_dtype="fp8")
+                  device=dev, kv_cache_dtype="fp8")
     lens, tables = [9, 3], [[4, 1, 5], [2]]
-    rows = [torch.randn(n, r + p, generator=g) for n in lens]
-    slots = [(torch.tensor(t)[:, None] * ps + torch.arange(ps)).reshape(-1)[:n] for t, n in zip(tables, lens)]
-    pad = torch.tensor([-1])
-    kmod.store_rows(torch.cat((*rows, torch.randn(1, r + p))), pool.k[0], torch.cat((*slots, pad)), pool.k_scale[0])
-    q_abs, q_pe = torch.randn(2, heads, r, generator=g), torch.randn(2, heads, p, generator=g)
-    bt = torch.tensor([tables[0], tables[1] * 3], dtype=torch.int32)
-    got = kmod.latent_decode_attention(q_abs, q_pe, pool.k[0], bt, torch.tensor(lens, dtype=torch.int32), 0.2, ps,
-                                       row_scale=pool.k_scale[0])
+    rows = [torch.randn(n, r + p, generator=g).to(dev) for n in lens]
+    slots = [(torch.tensor(t)[:, None] * ps + torch.arange(ps)).reshape(-1)[:n].to(dev) for t, n in zip(tables, lens)]
+    pad = torch.tensor([-1], device=dev)
+    kmod.store_rows(torch.cat((*rows, torch.randn(1, r + p, generator=g).to(dev))), pool.k[0],
+                    torch.cat((*slots, pad)), pool.k_scale[0])
+    assert int((pool.k_scale[0] != 1).sum()) == sum(lens)           # the padding row left its slot alone
+    q_abs, q_pe = torch.randn(2, heads, r, generator=g).to(dev), torch.randn(2, heads, p, generator=g).to(dev)
+    bt = torch.tensor([tables[0], tables[1] * 3], dtype=torch.int32, device=dev)
+    got = kmod.latent_decode_attention(q_abs, q_pe, pool.k[0], bt, torch.tensor(lens, dtype=torch.int32, device=dev),
+                                       0.2, ps, row_scale=pool.k_scale[0])
     for b in range(2):
         stored = pool.keys(0, slots[b], torch.float32)[:, 0]
         assert _within(rows[b], stored, pool.k_scale[0][slots[b], 0], ONE_STEP)
