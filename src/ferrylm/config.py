@@ -248,6 +248,15 @@ def _attention_backends() -> tuple[str, ...]:
     return ATTENTION_CHOICES
 
 
+#: ``--kv-cache-dtype`` values (``engine/cache/kv_pool.py``); vLLM's ``fp8_e4m3`` is read as ``fp8``
+KV_CACHE_DTYPES = ("auto", "fp8")
+_KV_CACHE_SPELLINGS = {"fp8_e4m3": "fp8"}
+
+
+def _kv_cache_dtype_name(name: str) -> str:
+    return _KV_CACHE_SPELLINGS.get(name, name)
+
+
 def _resident_for_fused(name: str) -> str:
     return "resident" if name == "fused" else name   # "fused": the vLLM / SGLang spelling
 
@@ -343,6 +352,10 @@ class EngineConfig:
     attention_backend: str = flag(
         "auto", "attention kernels: triton (reads the paged KV pool in place; CUDA), torch (gathers, SDPA; the CPU "
                 "path), auto: triton on CUDA", choices=_attention_backends)
+    kv_cache_dtype: str = flag(
+        "auto", "KV cache element type: auto (the model dtype), fp8 (float8 e4m3 with one scale per token and KV "
+                "head: about half the bytes, so twice the tokens; fp8_e4m3 is the same)",
+        choices=(*KV_CACHE_DTYPES, *_KV_CACHE_SPELLINGS), convert=_kv_cache_dtype_name)
     enable_prefix_caching: bool = flag(
         True, "automatic prefix caching: full KV pages of earlier requests are reused by requests that start with "
               "the same tokens (--no-enable-prefix-caching turns it off)")
@@ -389,6 +402,8 @@ class EngineConfig:
             (self.cuda_graph_max_batch is None or self.cuda_graph_max_batch >= 1,
              "--cuda-graph-max-batch must be >= 1"),
             (self.cuda_graph_max_len >= 1, "--cuda-graph-max-len must be >= 1 token"),
+            (self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"),
             (self.tensor_parallel_size >= 1, f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}"),

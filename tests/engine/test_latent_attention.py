@@ -141,9 +141,10 @@ def test_absorb_threshold_at_deepseek_v3_shapes():
     assert la.absorb_wins(1, 512, 128, 64, 128)
 
 
-def _pool(layers: int = 1) -> KVPool:
+def _pool(layers: int = 1, kv_cache_dtype: str = "auto") -> KVPool:
     layout = KVLayout(num_layers=layers, layers=tuple(range(layers)), k_heads=1, k_dim=R + P, v_heads=0, v_dim=0)
-    return KVPool(layout=layout, num_pages=16, page_size=PS, dtype=torch.float32, device="cpu")
+    return KVPool(layout=layout, num_pages=16, page_size=PS, dtype=torch.float32, device="cpu",
+                  kv_cache_dtype=kv_cache_dtype)
 
 
 def _meta(pool: KVPool, seqs: list[tuple[int, int, list[int]]], host: bool) -> AttentionMetadata:
@@ -162,7 +163,7 @@ def _meta(pool: KVPool, seqs: list[tuple[int, int, list[int]]], host: bool) -> A
 def _fill_prefix(pool: KVPool, pages: list[int], n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     _, _, c, k_pe = _rand(n, seed)
     slots = torch.tensor([pages[i // PS] * PS + i % PS for i in range(n)])
-    pool.k[0][slots] = la.latent_row(c, k_pe)
+    pool.store(0, slots, la.latent_row(c, k_pe))
     return c, k_pe
 
 
@@ -212,19 +213,21 @@ def test_static_decode_backend_equals_torch_backend():
     torch.testing.assert_close(pool.k[0], torch_pool.k[0])
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("host", [False, True])
-def test_triton_backend_decode_equals_torch_backend_and_skips_padding(host):
+def test_triton_backend_decode_equals_torch_backend_and_skips_padding(host, kv_cache_dtype):
     """A decode step, captured (no host figures) or eager: the rows go through the Triton store (a padding row,
     slot -1, writes nothing), attention through the Triton latent decode kernel over each sequence's own rows;
-    equals the torch backend's."""
+    equals the torch backend's, over an unquantized or an fp8 pool (rows and their scales)."""
     from tests.kernels.interp import load_kernels
 
     load_kernels("ferrylm.engine.attention.triton_latent")
-    pool, proj = _pool(), _proj(6)
+    pool, proj = _pool(kv_cache_dtype=kv_cache_dtype), _proj(6)
     pages, lens = _decode_batch(pool)
     q_nope, q_pe, c, k_pe = _rand(4, 40)                        # the 4th row is a padding sequence
-    torch_pool = _pool()
+    torch_pool = _pool(kv_cache_dtype=kv_cache_dtype)
     torch_pool.k[0].copy_(pool.k[0])
+    torch_pool.k_scale[0].copy_(pool.k_scale[0])
     want = torch_attention(torch_pool, _meta(torch_pool, [(1, n - 1, p) for p, n in zip(pages, lens)], host=True),
                            torch.device("cpu")).attend_latent(0, q_nope[:3], q_pe[:3], c[:3], k_pe[:3], proj, SCALE)
     meta = _meta(pool, [(1, n - 1, p) for p, n in zip(pages, lens)] + [(1, 0, [0])], host=host)
@@ -234,8 +237,9 @@ def test_triton_backend_decode_equals_torch_backend_and_skips_padding(host):
     got = TritonPagedAttention(pool, meta).attend_latent(0, q_nope, q_pe, c, k_pe, proj, SCALE)
     torch.testing.assert_close(got[:3], want, atol=1e-5, rtol=1e-5)
     assert torch.equal(got[3], torch.zeros_like(got[3]))       # a padding sequence reads nothing
-    torch.testing.assert_close(pool.k[0], torch_pool.k[0])      # the same three rows written, nothing else
-    assert not torch.equal(pool.k[0], before)
+    torch.testing.assert_close(pool.k[0].float(), torch_pool.k[0].float())   # the same three rows, nothing else
+    torch.testing.assert_close(pool.k_scale[0], torch_pool.k_scale[0])
+    assert not torch.equal(pool.k[0].float(), before.float())
 
 
 def test_triton_backend_eager_step_uses_the_torch_dispatch():

@@ -444,6 +444,12 @@ def test_tp2_offloaded_experts_match_tp1(tmp_path):
     test_tp2_matches_tp1("qwen3_moe", tmp_path, over=dict(moe_backend="offload", moe_cache_size=3))
 
 
+def test_tp2_fp8_kv_matches_tp1(tmp_path):
+    """``--kv-cache-dtype fp8`` over two ranks: the follower builds its pool in fp8 too, and per-head scales make each
+    rank's quantized K/V those heads' of the unsplit pool, so the logits match TP 1's."""
+    test_tp2_matches_tp1("qwen3_moe", tmp_path, over=dict(kv_cache_dtype="fp8"))
+
+
 # a Qwen3-MoE of published proportions, tiny: 4 query heads over 2 KV heads, a dense layer, 8 experts of width 32
 TINY_PRESET = ("tests/tiny", {
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False, "head_dim": 16,

@@ -56,3 +56,22 @@ def test_factory_sizes_the_expert_cache(mixtral_dir, kw, slots):
         assert run(eng, {"a": SHORT})["a"]["error"] is None
     finally:
         eng.expert_executor.close()
+
+
+def test_boot_plan_counts_the_fp8_kv_bytes(mixtral_dir):
+    """``--kv-cache-dtype fp8`` through the real boot: the plan's bytes per token are the fp8 layout's (values and
+    scales, about half the model dtype's), the engine's pool is float8, and a request runs."""
+    import torch
+
+    from ferrylm.config import ModelConfig
+    from ferrylm.engine.cache.kv_pool import FP8, KVLayout
+
+    eng = build_engine(mixtral_dir, EngineConfig(device="cpu", max_prefill_length=64, max_running_requests=4,
+                                                 kv_cache_dtype="fp8"))
+    layout = KVLayout.of(ModelConfig.from_folder(mixtral_dir))
+    dtype = eng.runner.dtype
+    assert eng.memory_plan.kv_bytes_per_token == layout.bytes_per_token(dtype, "fp8") \
+        < layout.bytes_per_token(dtype) // 2
+    assert eng.memory_plan.kv_bytes == eng.memory_plan.kv_tokens * eng.memory_plan.kv_bytes_per_token
+    assert all(t.dtype == FP8 for t in eng.pool.k if t.numel()) and eng.pool.k_scale[0].dtype == torch.float32
+    assert run(eng, {"a": SHORT})["a"]["error"] is None

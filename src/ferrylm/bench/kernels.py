@@ -60,7 +60,7 @@ def attention_rows(dev, hq=32, hkv=4, d=128, ps=16) -> list[dict]:
     from ferrylm.engine.attention.metadata import decode_splits
     from ferrylm.engine.attention.triton_paged import paged_attention
     from ferrylm.engine.attention.torch_backend import PagedAttention, SeqSlice
-    from ferrylm.engine.cache.kv_pool import KVPool
+    from ferrylm.engine.cache.kv_pool import KVLayout, KVPool
     from ferrylm.models.attention import causal_attention
 
     rows = []
@@ -110,14 +110,14 @@ def attention_rows(dev, hq=32, hkv=4, d=128, ps=16) -> list[dict]:
             gms = _bench_graph(tri)
             rows.append({"op": "attention decode", "batch": b, "kv_len": L, "impl": f"triton paged, {splits} splits",
                          "ms": ms, "graph_ms": gms, "gbs": kv_bytes / (gms or ms) / 1e6})
-            pool = KVPool.__new__(KVPool)
-            pool.k, pool.v, pool.page_size = [kc], [vc], ps
+            pool = KVPool(layout=KVLayout(1, (0,), hkv, d, hkv, d), num_pages=0, page_size=ps, dtype=dt, device=dev)
+            pool.k, pool.v = [kc], [vc]
             seqs = []
             for i in range(b):
                 sl = (bt[i].long()[:, None] * ps + torch.arange(ps, device=dev)).reshape(-1)[:L]
                 seqs.append(SeqSlice(q_start=i, q_len=1, ctx_len=L - 1, slots=sl))
             old = PagedAttention(pool, seqs, dev)
-            ms = _bench(lambda: old._decode(q, kc, vc, d ** -0.5))
+            ms = _bench(lambda: old._decode(0, q, d ** -0.5, None, None))
             rows.append({"op": "attention decode", "batch": b, "kv_len": L, "impl": "torch gather + sdpa (old)",
                          "ms": ms, "gbs": kv_bytes / ms / 1e6})
             del kc, vc

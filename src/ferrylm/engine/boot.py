@@ -239,7 +239,7 @@ def plan_inputs(budget: MemoryBudget, target: BootTarget, mcfg: ModelConfig, lim
         budget, weights_bytes=weights, workspace_bytes=workspace.bytes if workspace else 0,
         workspace_source=workspace.source if workspace else "none (preflight)",
         graph_bytes=workspace.graph_bytes if workspace else 0,
-        kv_bytes_per_token=KVLayout.of(mcfg).bytes_per_token(dtype), page_size=config.page_size,
+        kv_bytes_per_token=KVLayout.of(mcfg).bytes_per_token(dtype, config.kv_cache_dtype), page_size=config.page_size,
         max_model_len=limits.max_model_len, max_running_requests=limits.max_running_requests,
         max_prefill_length=limits.max_prefill_length, num_pages=config.num_pages, num_tokens=config.num_tokens,
         moe_cache_size=config.moe_cache_size, moe_cache_auto=config.moe_cache_auto,
@@ -290,10 +290,11 @@ def _log_ready(engine: Engine, plan: MemoryPlan, options: ExpertOptions, faults:
     if faults.enabled:
         log.warning("fault injection is ON: %s", faults)
     lim = engine.limits
-    log.info("engine ready: device=%s dtype=%s max_model_len=%d kv_pool=%d pages x %d tokens = %d tokens, "
+    log.info("engine ready: device=%s dtype=%s max_model_len=%d kv_pool=%d pages x %d tokens = %d tokens (%s), "
              "max_running_requests=%d, max_prefill_length=%d, moe_backend=%s", engine.device,
              str(engine.runner.dtype).removeprefix("torch."), lim.max_model_len, lim.num_pages, lim.page_size,
-             lim.pool_tokens, lim.max_running_requests, lim.max_prefill_length, backend_name(options))
+             lim.pool_tokens, str(engine.pool.storage_dtype).removeprefix("torch."), lim.max_running_requests,
+             lim.max_prefill_length, backend_name(options))
 
 
 def engine_for_model(model, mcfg: ModelConfig, config: EngineConfig, *, device: torch.device, dtype: torch.dtype,

@@ -141,7 +141,8 @@ class Engine:
         self.device = device
         self.limits = limits
         self.pool = KVPool(layout=KVLayout.of(model_config), num_pages=self.limits.num_pages,
-                           page_size=self.limits.page_size, dtype=dtype, device=device)
+                           page_size=self.limits.page_size, dtype=dtype, device=device,
+                           kv_cache_dtype=config.kv_cache_dtype)
         # hybrid models (linear-attention layers): one recurrent-state slot per running request (engine/cache/state_pool.py)
         layout = StateLayout.of(model_config)
         self.state_pool = (StatePool(layout, self.limits.max_running_requests, dtype, device)
@@ -149,7 +150,7 @@ class Engine:
         self.prefix_cache = None
         self.state_snapshots = None
         if config.enable_prefix_caching:
-            seed = cache_seed("ferrylm-prefix-cache-v1", model_id, model_config, str(dtype))
+            seed = cache_seed("ferrylm-prefix-cache-v1", model_id, model_config, str(self.pool.storage_dtype))
             self.prefix_cache = PrefixCache(self.pool.allocator, self.limits.page_size, seed)
             if self.state_pool is not None:   # a cached KV prefix needs the recurrent state at its end
                 from ferrylm.engine.cache.state_snapshots import StateSnapshots

@@ -145,7 +145,7 @@ def profile_workspace(model, executor, mcfg: ModelConfig, config: EngineConfig, 
         run_shape = WarmupShape(min(shape.prefill_tokens, CPU_WARMUP_PREFILL), min(shape.decode_seqs,
                                 CPU_WARMUP_DECODE), shape.max_model_len, shape.max_running_requests)
     pool = KVPool(layout=KVLayout.of(mcfg), num_pages=run_shape.pages(config.page_size), page_size=config.page_size,
-                  dtype=dtype, device=device)
+                  dtype=dtype, device=device, kv_cache_dtype=config.kv_cache_dtype)
     layout = StateLayout.of(mcfg)
     state_pool = StatePool(layout, shape.max_running_requests, dtype, device) if layout is not None else None
     runner = ModelRunner(model, pool, device, dtype, config, shape.max_model_len, executor,

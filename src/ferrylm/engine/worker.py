@@ -340,8 +340,8 @@ def engine_main(spec_dict: dict) -> None:
                                     "max_prefill_length": lim.max_prefill_length,
                                     "device": str(engine.device), "pid": os.getpid(),
                                     "moe_backend": engine.expert_backend, "attention_backend": engine.runner.attention,
-                                    "dtype": str(engine.pool.k[0].dtype).removeprefix("torch.") if engine.pool.k
-                                    else None, "engine_config": engine.config.to_dict(),
+                                    "dtype": str(engine.pool.dtype).removeprefix("torch."),
+                                    "engine_config": engine.config.to_dict(),
                                     "model_bytes": engine.model_bytes,
                                     "memory_plan": plan.to_dict() if plan is not None else None})))
     poller = zmq.Poller()

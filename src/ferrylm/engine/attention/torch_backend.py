@@ -19,11 +19,6 @@ from ferrylm.models.attention import causal_attention
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` in ``dtype``, without dispatching a no-op ``.to`` (host time on the per-layer hot path)."""
-    return t if t.dtype == dtype else t.to(dtype)
-
-
 @dataclass
 class SeqSlice:
     """One sequence's part of a step: ``q_len`` new tokens after ``ctx_len`` cached ones.
@@ -87,36 +82,36 @@ class PagedAttention:
 
     def _attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 scale: float, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
-        kc, vc = self.pool.k[layer_idx], self.pool.v[layer_idx]
-        kc.index_copy_(0, self.new_slots, _as(k, kc.dtype))
-        vc.index_copy_(0, self.new_slots, _as(v, vc.dtype))
+        pool = self.pool
+        pool.store(layer_idx, self.new_slots, k, v)
+        elem = q.element_size()
         faults = self.faults
         if self.decode_only:
             if faults.enabled:
                 faults.check("attention_scratch", nbytes=2 * self.decode_slots.numel() * k.shape[1] * k.shape[2]
-                             * kc.element_size())
-            return self._decode(q, kc, vc, scale, window, sinks)
+                             * elem)
+            return self._decode(layer_idx, q, scale, window, sinks)
         out = torch.empty_like(q)
         for s in self.prefill:
             if faults.enabled:
                 faults.check("attention_scratch", nbytes=2 * s.slots.numel() * k.shape[1] * k.shape[2]
-                             * kc.element_size() + 4 * q.shape[1] * s.q_len * s.slots.numel())
-            ks, vs = kc[s.slots], vc[s.slots]
+                             * elem + 4 * q.shape[1] * s.q_len * s.slots.numel())
+            ks, vs = pool.keys(layer_idx, s.slots, q.dtype), pool.values(layer_idx, s.slots, q.dtype)
             qs = q[s.q_start: s.q_start + s.q_len]
-            out[s.q_start: s.q_start + s.q_len] = causal_attention(qs, ks.to(q.dtype), vs.to(q.dtype), scale,
+            out[s.q_start: s.q_start + s.q_len] = causal_attention(qs, ks, vs, scale,
                                                                    q_offset=s.ctx_len, window=window, sinks=sinks)
         if self.decode:
             if faults.enabled:
                 faults.check("attention_scratch", nbytes=2 * self.decode_slots.numel() * k.shape[1] * k.shape[2]
-                             * kc.element_size())
-            out[self.decode_q_idx] = self._decode(q, kc, vc, scale, window, sinks)
+                             * elem)
+            out[self.decode_q_idx] = self._decode(layer_idx, q, scale, window, sinks)
         return out
 
-    def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float, window: int | None,
+    def _decode(self, layer_idx: int, q: torch.Tensor, scale: float, window: int | None,
                 sinks: torch.Tensor | None) -> torch.Tensor:
         qd = q if self.decode_only else q[self.decode_q_idx]       # [B, Hq, D]
-        kd = _as(kc[self.decode_slots], q.dtype)                    # [B, L, Hkv, D]
-        vd = _as(vc[self.decode_slots], q.dtype)
+        kd = self.pool.keys(layer_idx, self.decode_slots, q.dtype)      # [B, L, Hkv, D]
+        vd = self.pool.values(layer_idx, self.decode_slots, q.dtype)
         if window is not None or sinks is not None:
             return windowed_decode(qd, kd, vd, self.decode_held, scale, window, sinks)
         group = qd.shape[1] // kd.shape[2]
@@ -138,25 +133,27 @@ class PagedAttention:
         ``[T, H, V]``."""
         from ferrylm.models.latent_attention import latent_chunk_attention, latent_decode, latent_row
 
-        kc = self.pool.k[layer_idx]
-        kc.index_copy_(0, self.new_slots, _as(latent_row(c_kv, k_pe), kc.dtype))
+        pool = self.pool
+        pool.store(layer_idx, self.new_slots, latent_row(c_kv, k_pe))
+        row_bytes = pool.k[layer_idx].shape[2] * q_nope.element_size()
         faults, dt = self.faults, q_nope.dtype
         with sdpa_kernel(CUDA_SDPA_BACKENDS) if q_nope.is_cuda else contextlib.nullcontext():
             if self.decode_only:
                 if faults.enabled:
-                    faults.check("attention_scratch", nbytes=self.decode_slots.numel() * kc.shape[2] * kc.element_size())
-                return latent_decode(q_nope, q_pe, _as(kc[self.decode_slots, 0], dt), proj, scale, self.decode_mask)
+                    faults.check("attention_scratch", nbytes=self.decode_slots.numel() * row_bytes)
+                return latent_decode(q_nope, q_pe, pool.keys(layer_idx, self.decode_slots, dt)[:, :, 0], proj, scale,
+                                     self.decode_mask)
             out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], proj.w_uv.shape[1])
             for s in self.prefill:
                 if faults.enabled:
-                    faults.check("attention_scratch", nbytes=s.slots.numel() * kc.shape[2] * kc.element_size())
+                    faults.check("attention_scratch", nbytes=s.slots.numel() * row_bytes)
                 sl = slice(s.q_start, s.q_start + s.q_len)
-                out[sl] = latent_chunk_attention(q_nope[sl], q_pe[sl], _as(kc[s.slots, 0], dt), proj, scale,
-                                                 q_offset=s.ctx_len)
+                out[sl] = latent_chunk_attention(q_nope[sl], q_pe[sl], pool.keys(layer_idx, s.slots, dt)[:, 0], proj,
+                                                 scale, q_offset=s.ctx_len)
             if self.decode:
                 idx = self.decode_q_idx
-                out[idx] = latent_decode(q_nope[idx], q_pe[idx], _as(kc[self.decode_slots, 0], dt), proj, scale,
-                                         self.decode_mask)
+                out[idx] = latent_decode(q_nope[idx], q_pe[idx], pool.keys(layer_idx, self.decode_slots, dt)[:, :, 0],
+                                         proj, scale, self.decode_mask)
             return out
 
 
@@ -184,16 +181,15 @@ class StaticDecodeAttention:
         """``q [B, Hq, D]``, ``k/v [B, Hkv, D]`` -> ``[B, Hq, D]`` (see ``models/attention.py``). Query head ``h``
         reads KV head ``h // G``, ``G = Hq // Hkv``. On CUDA without the cuDNN kernel, as
         :meth:`PagedAttention.attend`."""
-        kc, vc = self.pool.k[layer_idx], self.pool.v[layer_idx]
-        kc.index_copy_(0, self.new_slots, _as(k, kc.dtype))
-        vc.index_copy_(0, self.new_slots, _as(v, vc.dtype))
+        pool = self.pool
+        pool.store(layer_idx, self.new_slots, k, v)
+        kd = pool.keys(layer_idx, self.slot_table, q.dtype)      # [B, L, Hkv, D]
+        vd = pool.values(layer_idx, self.slot_table, q.dtype)
         if window is not None or sinks is not None:
-            return windowed_decode(q, _as(kc[self.slot_table], q.dtype), _as(vc[self.slot_table], q.dtype),
-                                   self.slot_mask, scale, window, sinks)
+            return windowed_decode(q, kd, vd, self.slot_mask, scale, window, sinks)
         b, hq, d = q.shape
         hkv = k.shape[1]
-        kd = _as(kc[self.slot_table], q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
-        vd = _as(vc[self.slot_table], q.dtype).transpose(1, 2)
+        kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)           # [B, Hkv, L, D]
         qg = q.view(b, hkv, hq // hkv, d)                        # the G query heads of a KV head as its query rows
         with sdpa_kernel(CUDA_SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
             o = torch.nn.functional.scaled_dot_product_attention(qg, kd, vd, attn_mask=self.mask, scale=scale)
@@ -206,11 +202,10 @@ class StaticDecodeAttention:
         -> ``[B, H, V]``; torch ops only, no host sync (capturable)."""
         from ferrylm.models.latent_attention import latent_decode, latent_row
 
-        kc = self.pool.k[layer_idx]
-        kc.index_copy_(0, self.new_slots, _as(latent_row(c_kv, k_pe), kc.dtype))
+        self.pool.store(layer_idx, self.new_slots, latent_row(c_kv, k_pe))
+        rows = self.pool.keys(layer_idx, self.slot_table, q_nope.dtype)[:, :, 0]   # [B, L, R + P]
         with sdpa_kernel(CUDA_SDPA_BACKENDS) if q_nope.is_cuda else contextlib.nullcontext():
-            return latent_decode(q_nope, q_pe, _as(kc[self.slot_table, 0], q_nope.dtype), proj, scale,
-                                 self.slot_mask)
+            return latent_decode(q_nope, q_pe, rows, proj, scale, self.slot_mask)
 
 
 def windowed_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, held: torch.Tensor, scale: float,

@@ -32,13 +32,15 @@ class TritonPagedAttention:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float, *, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``q [T, Hq, D]``, ``k/v [T, Hkv, D]`` -> ``[T, Hq, D]`` (see ``models/attention.py``)."""
-        kc, vc, m = self.pool.k[layer_idx], self.pool.v[layer_idx], self.meta
+        pool, m = self.pool, self.meta
+        kc, vc = pool.k[layer_idx], pool.v[layer_idx]
+        ks, vs = (pool.k_scale[layer_idx], pool.v_scale[layer_idx]) if pool.scaled else (None, None)
         if self.faults.enabled:
             self.faults.check("attention_scratch", nbytes=4 * q.numel() * max(1, m.num_splits))
-        self._k.store_kv(k, v, kc, vc, m.slot_mapping)
+        self._k.store_kv(k, v, kc, vc, m.slot_mapping, ks, vs)
         return self._k.paged_attention(q, kc, vc, m.block_table, m.seq_lens, m.query_start_loc, scale=scale,
-                                       page_size=self.pool.page_size, max_query_len=m.max_query_len,
-                                       num_splits=m.num_splits, window=window, sinks=sinks)
+                                       page_size=pool.page_size, max_query_len=m.max_query_len,
+                                       num_splits=m.num_splits, window=window, sinks=sinks, k_scale=ks, v_scale=vs)
 
     def attend_latent(self, layer_idx: int, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
                       k_pe: torch.Tensor, proj, scale: float) -> torch.Tensor:
@@ -56,12 +58,13 @@ class TritonPagedAttention:
         from ferrylm.models.latent_attention import latent_row
 
         kc = self.pool.k[layer_idx]
+        rs = self.pool.k_scale[layer_idx] if self.pool.scaled else None
         if self.faults.enabled:
             self.faults.check("attention_scratch",
                               nbytes=4 * q_nope.shape[0] * q_nope.shape[1] * (proj.rank + 2) * m.num_splits)
-        store_rows(latent_row(c_kv, k_pe)[:, 0].contiguous(), kc, m.slot_mapping)
+        store_rows(latent_row(c_kv, k_pe)[:, 0].contiguous(), kc, m.slot_mapping, rs)
         o = latent_decode_attention(proj.absorb_query(q_nope), q_pe, kc, m.block_table, m.seq_lens, scale,
-                                    self.pool.page_size, num_splits=m.num_splits)
+                                    self.pool.page_size, num_splits=m.num_splits, row_scale=rs)
         return proj.value_out(o)
 
 

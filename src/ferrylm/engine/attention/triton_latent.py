@@ -13,6 +13,10 @@
   maxima and sums are merged by a second kernel (``m = max m_i``, ``l = sum l_i e^{m_i - m}``,
   ``o = sum o_i e^{m_i - m} / l``), so one long sequence fills the GPU instead of ``H / BLOCK_H`` programs.
 
+An fp8 pool keeps one float32 scale per row (``engine/cache/kv_pool.py``): :func:`store_rows` quantizes through
+``triton_paged.store_quantized`` and the decode kernel scales each row's scores and probabilities (as
+``triton_paged``).
+
 Imported only where Triton and CUDA are (or under ``TRITON_INTERPRET=1`` in tests), as ``triton_paged``.
 """
 
@@ -22,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ferrylm.engine.attention.triton_paged import e4m3_to_float, store_quantized
 from ferrylm.triton_util import dot_precision
 
 
@@ -40,11 +45,16 @@ def _store_rows_kernel(src_ptr, dst_ptr, slot_ptr, n_cols, stride_src, stride_ds
         tl.store(dst_ptr + slot * stride_dst + c, x.to(dst_ptr.dtype.element_ty), mask=m)
 
 
-def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+               scale: torch.Tensor | None = None) -> None:
     """Write ``rows [T, C]`` (each row contiguous) into ``cache [num_slots, 1, C]`` (contiguous, any float dtype:
-    values are cast) at ``slot_mapping [T]`` (int64; ``-1`` = skip), one program per row."""
+    values are cast) at ``slot_mapping [T]`` (int64; ``-1`` = skip), one program per row; with ``scale``
+    ``[num_slots, 1]`` float32 (an fp8 pool) each row is quantized with its own scale."""
     t = rows.shape[0]
     if t == 0:
+        return
+    if scale is not None:
+        store_quantized(rows[:, None, :], cache, scale, slot_mapping)
         return
     n_cols = rows.shape[1]
     block = min(1024, triton.next_power_of_2(n_cols))
@@ -54,10 +64,10 @@ def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tens
 @triton.jit
 def _latent_decode_kernel(qa_ptr, qp_ptr, cache_ptr, bt_ptr, lens_ptr, out_ptr, scale, num_heads, page_size,
                           stride_qa_b, stride_qa_h, stride_qp_b, stride_qp_h, stride_cache, stride_bt,
-                          stride_o_b, stride_o_h, part_o_ptr, part_ml_ptr,
+                          stride_o_b, stride_o_h, part_o_ptr, part_ml_ptr, scale_ptr, stride_scale,
                           R: tl.constexpr, P: tl.constexpr, R_PAD: tl.constexpr, P_PAD: tl.constexpr,
                           BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                          PRECISION: tl.constexpr):
+                          PRECISION: tl.constexpr, SCALED: tl.constexpr):
     b = tl.program_id(0)
     split = tl.program_id(2)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -85,16 +95,25 @@ def _latent_decode_kernel(qa_ptr, qp_ptr, cache_ptr, bt_ptr, lens_ptr, out_ptr, 
         n = start + tl.arange(0, BLOCK_N)
         nm = n < hi
         page = tl.load(bt_ptr + b * stride_bt + n // page_size, mask=nm, other=0).to(tl.int64)
-        row = (page * page_size + n % page_size) * stride_cache
-        c = tl.load(cache_ptr + row[:, None] + r[None, :], mask=nm[:, None] & rm[None, :], other=0.0)
-        kp = tl.load(cache_ptr + row[:, None] + R + p[None, :], mask=nm[:, None] & pm[None, :], other=0.0)
+        slot = page * page_size + n % page_size
+        row = slot * stride_cache
+        c = tl.load(cache_ptr + row[:, None] + r[None, :], mask=nm[:, None] & rm[None, :], other=0)
+        kp = tl.load(cache_ptr + row[:, None] + R + p[None, :], mask=nm[:, None] & pm[None, :], other=0)
+        if SCALED:   # float8 bytes (``triton_paged``)
+            c = e4m3_to_float(c)
+            kp = e4m3_to_float(kp)
         s = tl.dot(qa, tl.trans(c.to(qa.dtype)), input_precision=PRECISION)
         s += tl.dot(qp, tl.trans(kp.to(qp.dtype)), input_precision=PRECISION)
+        if SCALED:
+            rs = tl.load(scale_ptr + slot * stride_scale, mask=nm, other=0.0)
+            s = s * rs[None, :]
         s = tl.where(nm[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         e = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(e, 1)
+        if SCALED:
+            e = e * rs[None, :]
         acc = acc * alpha[:, None] + tl.dot(e.to(qa.dtype), c.to(qa.dtype), input_precision=PRECISION)
         m_i = m_new
     if NUM_SPLITS == 1:
@@ -134,7 +153,7 @@ def _merge_latent_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, num_heads, str
 
 def latent_decode_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float, page_size: int,
-                            num_splits: int = 1) -> torch.Tensor:
+                            num_splits: int = 1, row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA decode over the latent pool (module docstring).
 
     Args:
@@ -145,6 +164,7 @@ def latent_decode_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, cache: torc
         scale: softmax scale; page_size: tokens per page.
         num_splits: KV ranges per sequence computed apart, then merged (split-KV; 1 = none); a power of two
             (``engine.attention.decode_splits``). Its fp32 partials take ``B * H * num_splits * (R + 2) * 4`` bytes.
+        row_scale: ``[num_slots, 1]`` float32 scales of an fp8 pool, else None.
 
     Returns:
         ``[B, H, R]`` in ``q_abs``'s dtype: the attention-weighted latents (apply ``LatentProjection.value_out``).
@@ -167,12 +187,17 @@ def latent_decode_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, cache: torc
     if num_splits > 1:
         part_o = torch.empty(b, h, num_splits, r, dtype=torch.float32, device=q_abs.device)
         part_ml = torch.empty(b, h, num_splits, 2, dtype=torch.float32, device=q_abs.device)
+    if row_scale is not None:   # float8 as bytes
+        cache = cache.view(torch.uint8)
     _latent_decode_kernel[grid](q_abs, q_pe, cache, block_table, seq_lens, out, float(scale), h, page_size,
                                 q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
-                                block_table.stride(0), out.stride(0), out.stride(1), part_o, part_ml, R=r, P=p,
+                                block_table.stride(0), out.stride(0), out.stride(1), part_o, part_ml,
+                                out if row_scale is None else row_scale,
+                                0 if row_scale is None else row_scale.stride(0), R=r, P=p,
                                 R_PAD=r_pad, P_PAD=triton.next_power_of_2(max(16, p)),
                                 BLOCK_H=block_h, BLOCK_N=32, NUM_SPLITS=num_splits,
-                                PRECISION=dot_precision(q_abs.dtype), num_warps=8 if r >= 256 else 4)
+                                PRECISION=dot_precision(q_abs.dtype), SCALED=row_scale is not None,
+                                num_warps=8 if r >= 256 else 4)
     if num_splits > 1:
         _merge_latent_splits_kernel[(b * h,)](part_o, part_ml, out, h, out.stride(0), out.stride(1), R=r,
                                               R_PAD=r_pad, NUM_SPLITS=num_splits)

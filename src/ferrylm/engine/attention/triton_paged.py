@@ -24,6 +24,13 @@ computed by separate programs; each writes its unnormalised output, running max 
 merges them (``m = max m_i``, ``l = sum l_i e^{m_i - m}``, ``o = sum o_i e^{m_i - m} / l``). Decode steps use it so
 a batch of one still fills the GPU.
 
+An fp8 pool (``engine/cache/kv_pool.py``) stores float8 e4m3 values and one float32 scale per (token, KV head):
+:func:`store_quantized` writes both; the attention kernel multiplies each key's scores by its key scale and each
+probability by its value scale (``q . (k s_k) = (q . k) s_k``, ``sum p_j (v_j s_v,j) = sum (p_j s_v,j) v_j``), so
+the float8 tiles are only converted (exactly) to the query dtype. The kernels see the float8 tensors as bytes and
+convert by bit arithmetic (:func:`e4m3_to_float`, :func:`float_to_e4m3`), so fp8 needs no hardware float8 type: any
+GPU Triton runs on, and the CPU interpreter.
+
 Imported only where Triton and CUDA are (or under ``TRITON_INTERPRET=1`` in tests): see ``engine/attention``.
 """
 
@@ -57,21 +64,86 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, n_cols,
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write the step's new keys/values into their cache slots, in one kernel.
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """Write the step's new keys/values into their cache slots, in one kernel (two for an fp8 pool).
 
     Args:
         k, v: ``[T, Hkv, D]`` (each row's ``Hkv * D`` values contiguous).
         k_cache, v_cache: ``[num_slots, Hkv, D]`` contiguous (any float dtype; values are cast).
         slot_mapping: ``[T]`` int64 cache slot of each row; ``-1`` = skip (padding).
+        k_scale, v_scale: ``[num_slots, Hkv]`` float32 of an fp8 pool (then values are quantized,
+            :func:`store_quantized`), else None.
     """
     t = k.shape[0]
     if t == 0:
+        return
+    if k_scale is not None:
+        store_quantized(k, k_cache, k_scale, slot_mapping)
+        store_quantized(v, v_cache, v_scale, slot_mapping)
         return
     n_cols = k.shape[1] * k.shape[2]
     block = min(1024, triton.next_power_of_2(n_cols))
     _store_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, n_cols, k.stride(0), v.stride(0),
                            k_cache.stride(0), v_cache.stride(0), BLOCK=block)
+
+
+@triton.jit
+def e4m3_to_float(bits):
+    """float8 e4m3fn bytes (an integer tensor, 0..255) -> float32: ``(1 + m/8) 2^(e - 7)``, subnormals ``m 2^-9``."""
+    b = bits.to(tl.int32)
+    e = (b >> 3) & 15
+    m = b & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return tl.where((b & 128) != 0, -mag, mag)
+
+
+@triton.jit
+def float_to_e4m3(y):
+    """float32 values on the e4m3 grid with ``|y| <= 448`` -> float8 e4m3fn bytes (uint8)."""
+    a = tl.abs(y)
+    b = a.to(tl.int32, bitcast=True)
+    normal = (((b >> 23) - 120) << 3) | ((b >> 20) & 7)
+    mag = tl.where(a >= 0.015625, normal, (a * 512.0).to(tl.int32))
+    return (mag | tl.where(y < 0, 128, 0)).to(tl.uint8)
+
+
+@triton.jit
+def _store_quantized_kernel(x_ptr, cache_ptr, scale_ptr, slot_ptr, stride_xt, stride_xh, stride_cs, stride_ch,
+                            stride_ss, D: tl.constexpr, D_PAD: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Head ``h`` of row ``t``: ``scale = max(amax |x| / FP8_MAX, tiny)``, ``x / scale`` as float8 to slot
+    ``slot[t]`` (``cache_ptr``: the float8 cache as bytes); a negative slot writes nothing. ``x / scale`` is rounded
+    to the e4m3 grid in float32 (nearest, ties away from zero; the step of a value with exponent ``e`` is
+    ``2^(e - 3)``, subnormals share ``2^-9``), then encoded exactly."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    d = tl.arange(0, D_PAD)
+    m = d < D
+    x = tl.load(x_ptr + t.to(tl.int64) * stride_xt + h * stride_xh + d, mask=m, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 0) / FP8_MAX, 1e-12)
+    y = x / scale
+    binade = (tl.maximum(tl.abs(y), 0.015625).to(tl.int32, bitcast=True) >> 23) & 0xFF    # biased exponent, >= -6
+    step = ((binade - 3) << 23).to(tl.float32, bitcast=True)                             # 2^(e - 3)
+    q = tl.minimum(tl.maximum(tl.floor(tl.abs(y) / step + 0.5) * step, 0.0), FP8_MAX)
+    q = tl.where(y < 0, -q, q)
+    tl.store(cache_ptr + slot * stride_cs + h * stride_ch + d, float_to_e4m3(q), mask=m)
+    tl.store(scale_ptr + slot * stride_ss + h, scale)
+
+
+def store_quantized(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Quantize ``x [T, H, D]`` (last dim contiguous) per (row, head) into the float8 ``cache [num_slots, H, D]`` and
+    its float32 ``scale [num_slots, H]`` at ``slot_mapping [T]`` (``-1`` = skip); one program per (row, head)."""
+    t, h, d = x.shape
+    if t == 0:
+        return
+    _store_quantized_kernel[(t, h)](x, cache.view(torch.uint8), scale, slot_mapping, x.stride(0), x.stride(1),
+                                    cache.stride(0),
+                                    cache.stride(1), scale.stride(0), D=d, D_PAD=triton.next_power_of_2(d),
+                                    FP8_MAX=448.0)
 
 
 @triton.jit
@@ -91,13 +163,13 @@ def _find_seq(pid, qsl_ptr, num_seqs, BLOCK_Q: tl.constexpr, LOG2_SEQS: tl.const
 @triton.jit
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr,
-        part_o_ptr, part_ml_ptr, sinks_ptr,
+        part_o_ptr, part_ml_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
         scale, num_seqs, num_kv_heads, window,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h,
-        stride_bt, page_size,
+        stride_bt, page_size, stride_ks, stride_vs,
         G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, LOG2_SEQS: tl.constexpr,
-        PRECISION: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr):
+        PRECISION: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr, SCALED: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -148,8 +220,13 @@ def _paged_attention_kernel(
         page = tl.load(bt_row + n // page_size, mask=n_ok, other=0).to(tl.int64)
         slot = page * page_size + n % page_size
         k = tl.load(k_cache_ptr + slot[None, :] * stride_kc_slot + kvh * stride_kc_h + d[:, None],
-                    mask=n_ok[None, :] & d_ok[:, None], other=0.0)            # [D, N]
+                    mask=n_ok[None, :] & d_ok[:, None], other=0)              # [D, N]
+        if SCALED:
+            k = e4m3_to_float(k)
         qk = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale                              # [M, N] fp32
+        if SCALED:
+            ks = tl.load(k_scale_ptr + slot * stride_ks + kvh, mask=n_ok, other=0.0)
+            qk = qk * ks[None, :]
         visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
         if WINDOW:
             visible = visible & (n[None, :] > q_pos[:, None] - window)
@@ -160,7 +237,11 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + slot[:, None] * stride_vc_slot + kvh * stride_vc_h + d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)            # [N, D]
+                    mask=n_ok[:, None] & d_ok[None, :], other=0)              # [N, D]
+        if SCALED:
+            v = e4m3_to_float(v)
+            vs = tl.load(v_scale_ptr + slot * stride_vs + kvh, mask=n_ok, other=0.0)
+            p = p * vs[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m_i = m_new
 
@@ -214,7 +295,8 @@ def _merge_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, sinks_ptr, num_heads,
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, scale: float, page_size: int,
                     max_query_len: int, num_splits: int = 1, out: torch.Tensor | None = None,
-                    window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    window: int | None = None, sinks: torch.Tensor | None = None,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of a flattened batch over the paged KV pool (module docstring), the step's new K/V
     already stored (:func:`store_kv`).
 
@@ -232,6 +314,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         window: sliding window (a query at position ``p`` sees keys ``p - window < j <= p``); None = all.
         sinks: ``[Hq]`` float32 attention-sink logits (added to each row's softmax denominator as ``exp(sink)``,
             no value), or None.
+        k_scale, v_scale: ``[num_slots, Hkv]`` float32 scales of an fp8 pool (module docstring), else None.
 
     Returns:
         ``[T, Hq, D]`` in ``q``'s dtype. A padding sequence (``seq_len`` 0) gets zeros.
@@ -258,14 +341,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         part_o = part_ml = out  # unused
     sink_arg = out if sinks is None else sinks
+    scaled = k_scale is not None
+    ks, vs = (k_scale, v_scale) if scaled else (out, out)
+    if scaled:   # float8 as bytes (module docstring)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, part_o, part_ml, sink_arg,
+        q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, part_o, part_ml, sink_arg, ks, vs,
         scale, num_seqs, hkv, 0 if window is None else int(window),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_table.stride(0), page_size,
+        ks.stride(0) if scaled else 0, vs.stride(0) if scaled else 0,
         G=g, G_PAD=g_pad, HEAD_DIM=dim, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         LOG2_SEQS=MAX_SEQS_LOG2, PRECISION=dot_precision(q.dtype), WINDOW=window is not None,
-        SINKS=sinks is not None, num_warps=4, num_stages=2)
+        SINKS=sinks is not None, SCALED=scaled, num_warps=4, num_stages=2)
     if num_splits > 1:
         _merge_splits_kernel[(t * hq,)](part_o, part_ml, out, sink_arg, hq, out.stride(0), out.stride(1),
                                         HEAD_DIM=dim, D_PAD=d_pad, NUM_SPLITS=num_splits, SINKS=sinks is not None)

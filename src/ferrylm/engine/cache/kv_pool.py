@@ -6,6 +6,15 @@ tensors allocated once at boot. A request owns a *page table* (list of page ids)
 in slot ``page_table[i // page_size] * page_size + i % page_size``. The allocator (``engine/cache/page_allocator.py``)
 hands out whole pages, reference-counted so full pages can be shared by prefix caching.
 
+KV cache dtype (``--kv-cache-dtype``): ``auto`` stores K/V in the model dtype; ``fp8`` stores float8 e4m3 values
+with one float32 scale per (token, KV head) beside them (``k_scale`` / ``v_scale`` ``[num_slots, heads]``):
+``x ~= q * scale``, ``scale = amax(|x| over the head's dims) / 448``. The scale is fixed when the token is written
+(decode writes a page one token at a time, so a per-page scale would have to rescale earlier tokens; a static
+per-layer scale, vLLM's default of 1.0 without calibration, clips or underflows outliers). Its cost is 4 bytes per
+head and token: at head_dim 128 a token takes 0.52x its bf16 bytes. A multi-head latent row ``[c_kv ; k_pe]`` is
+one head. Every backend writes through :meth:`KVPool.store` or its Triton store and reads the scales beside the
+values.
+
 The attention backends that read the pool live in ``engine/attention/``.
 """
 
@@ -15,7 +24,38 @@ from dataclasses import dataclass
 
 import torch
 
+from ferrylm.config import KV_CACHE_DTYPES
 from ferrylm.engine.cache.page_allocator import PageAllocator
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0            # largest finite float8 e4m3fn
+SCALE_BYTES = 4            # one float32 scale per (token, head) of an fp8 pool
+_MIN_SCALE = 1e-12         # an all-zero head keeps a positive scale
+
+
+def kv_storage_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The pool's element dtype: ``dtype`` (the model's) for ``auto``, float8 e4m3fn for ``fp8``.
+
+    Raises:
+        ValueError: an unknown name (the message names ``--kv-cache-dtype``).
+    """
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return FP8 if kv_cache_dtype == "fp8" else dtype
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., D]`` -> (float8 e4m3fn ``[..., D]``, float32 scales ``[...]``) with ``x ~= q * scale[..., None]``,
+    one scale per row of ``D`` (a head of a token)."""
+    xf = x.float()
+    scale = (xf.abs().amax(-1) / FP8_MAX).clamp_min(_MIN_SCALE)
+    q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q [..., D]`` (float8) times ``scale [...]`` in ``dtype``."""
+    return (q.float() * scale[..., None]).to(dtype)
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
@@ -64,35 +104,88 @@ class KVLayout:
                 return cls.kv_layout(config)
         return KVLayout.standard(config)
 
-    def bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes one token takes across all layers that store K/V."""
-        per_layer = self.k_heads * self.k_dim + self.v_heads * self.v_dim
-        return len(self.layers) * per_layer * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_token(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        """Bytes one token takes across all layers that store K/V (``dtype``: the model's; an fp8 pool adds its
+        scales)."""
+        store = kv_storage_dtype(kv_cache_dtype, dtype)
+        elem = torch.empty((), dtype=store).element_size()
+        per_layer = (self.k_heads * self.k_dim + self.v_heads * self.v_dim) * elem
+        if store == FP8:
+            per_layer += (self.k_heads + self.v_heads) * SCALE_BYTES
+        return len(self.layers) * per_layer
 
 
 class KVPool:
     """The cached tensors of every layer: ``k[layer]`` ``[num_pages * page_size, k_heads, k_dim]`` and ``v[layer]``
-    ``[num_pages * page_size, v_heads, v_dim]`` (empty ``[0]`` tensors for layers outside ``layout.layers``).
+    ``[num_pages * page_size, v_heads, v_dim]`` (empty ``[0]`` tensors for layers outside ``layout.layers``), in
+    the storage dtype; an fp8 pool also has ``k_scale[layer]`` / ``v_scale[layer]`` ``[num_slots, heads]`` float32
+    (empty otherwise, and always for an unscaled pool).
 
-    Memory: ``num_pages * page_size * layout.bytes_per_token(dtype)`` bytes.
+    Args:
+        dtype: the model's (activation) dtype: what :meth:`keys` / :meth:`values` give back.
+        kv_cache_dtype: ``auto`` or ``fp8`` (module docstring).
+
+    Memory: ``num_pages * page_size * layout.bytes_per_token(dtype, kv_cache_dtype)`` bytes.
     """
 
     def __init__(self, *, layout: KVLayout, num_pages: int, page_size: int, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, kv_cache_dtype: str = "auto"):
         self.layout = layout
         self.num_pages = num_pages
         self.page_size = page_size
+        self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype
+        store = kv_storage_dtype(kv_cache_dtype, dtype)
+        self.storage_dtype = store       # what the tensors hold (float8 e4m3fn for fp8)
+        self.scaled = store == FP8
         slots = num_pages * page_size
         stored = set(layout.layers)
 
         def tensor(i: int, heads: int, dim: int) -> torch.Tensor:
             if i not in stored or heads == 0:
-                return torch.empty(0, dtype=dtype, device=device)
-            return torch.zeros(slots, heads, dim, dtype=dtype, device=device)
+                return torch.empty(0, dtype=store, device=device)
+            return torch.zeros(slots, heads, dim, dtype=store, device=device)
+
+        def scales(i: int, heads: int) -> torch.Tensor:
+            if i not in stored or heads == 0 or not self.scaled:
+                return torch.empty(0, dtype=torch.float32, device=device)
+            return torch.ones(slots, heads, dtype=torch.float32, device=device)
 
         self.k = [tensor(i, layout.k_heads, layout.k_dim) for i in range(layout.num_layers)]
         self.v = [tensor(i, layout.v_heads, layout.v_dim) for i in range(layout.num_layers)]
+        self.k_scale = [scales(i, layout.k_heads) for i in range(layout.num_layers)]
+        self.v_scale = [scales(i, layout.v_heads) for i in range(layout.num_layers)]
         self.allocator = PageAllocator(num_pages)
+
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
+        """Write ``k`` (and ``v``) ``[T, heads, dim]`` at cache ``slots [T]`` (int64, all valid) of ``layer``,
+        quantized for an fp8 pool (torch ops; the Triton backend has its own store kernels)."""
+        self._put(self.k[layer], self.k_scale[layer], slots, k)
+        if v is not None:
+            self._put(self.v[layer], self.v_scale[layer], slots, v)
+
+    def keys(self, layer: int, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``k[layer][idx]`` in ``dtype`` (dequantized for an fp8 pool): ``idx`` any int64 shape ``S`` ->
+        ``[*S, heads, dim]``."""
+        return self._get(self.k[layer], self.k_scale[layer], idx, dtype)
+
+    def values(self, layer: int, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``v[layer][idx]`` in ``dtype``, as :meth:`keys`."""
+        return self._get(self.v[layer], self.v_scale[layer], idx, dtype)
+
+    def _put(self, cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+        if not self.scaled:
+            cache.index_copy_(0, slots, x if x.dtype == cache.dtype else x.to(cache.dtype))
+            return
+        q, s = quantize_fp8(x)
+        cache.view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))   # no float8 index_copy_ on the CPU
+        scale.index_copy_(0, slots, s)
+
+    def _get(self, cache: torch.Tensor, scale: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if not self.scaled:
+            x = cache[idx]
+            return x if x.dtype == dtype else x.to(dtype)
+        return dequantize_fp8(cache[idx], scale[idx], dtype)
 
     @property
     def num_tokens(self) -> int:

@@ -25,16 +25,19 @@ class FollowerRunner:
         model: this rank's shard of the model, its layers attached to the group's all-reduce.
         executor: its routed-expert executor (None: dense).
         group: the rank group.
-        dtype: the KV pool's dtype (the model's activations).
+        dtype: the model's activations (the KV pool's unless ``kv_cache_dtype`` is ``fp8``).
         attention: the resolved attention backend name (``triton`` / ``torch``), as rank 0's.
+        kv_cache_dtype: ``--kv-cache-dtype``, as rank 0's.
     """
 
-    def __init__(self, model, executor, group: TPGroup, dtype: torch.dtype, attention: str):
+    def __init__(self, model, executor, group: TPGroup, dtype: torch.dtype, attention: str,
+                 kv_cache_dtype: str = "auto"):
         self.model = model
         self.executor = executor
         self.group = group
         self.dtype = dtype
         self.attention = attention
+        self.kv_cache_dtype = kv_cache_dtype
         self.receiver = StepReceiver(group)
         self.pool = None
         self._runner = None
@@ -57,7 +60,8 @@ class FollowerRunner:
         if header.runner != self._runner:
             self.pool = None   # the previous runner's pool goes first (the boot warmup's is small)
             self.pool = KVPool(layout=KVLayout.of(self.model.config), num_pages=header.num_pages,
-                               page_size=header.page_size, dtype=self.dtype, device=self.group.device)
+                               page_size=header.page_size, dtype=self.dtype, device=self.group.device,
+                               kv_cache_dtype=self.kv_cache_dtype)
             self._runner = header.runner
             log.info("tensor parallel rank %d: KV pool of %d pages x %d tokens (runner %d)", self.group.rank,
                      header.num_pages, header.page_size, header.runner)
@@ -103,4 +107,4 @@ def build_follower(model_path: str, config: EngineConfig, group: TPGroup) -> Fol
     loaded, _ = load_weights(model_path, target, options, group.shard)
     attach_reduce(loaded.model, group.all_reduce)
     return FollowerRunner(loaded.model, loaded.executor, group, target.dtype,
-                          resolve_backend(config.attention_backend, group.device))
+                          resolve_backend(config.attention_backend, group.device), config.kv_cache_dtype)
