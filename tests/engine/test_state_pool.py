@@ -156,3 +156,18 @@ def test_snapshots_evict_least_recently_used_and_restore_exact_states():
     snaps.check()
     with pytest.raises(KeyError):
         snaps.restore(b"b", 0)
+
+
+def test_turn_points_are_evicted_after_page_boundary_snapshots():
+    from ferrylm.engine.cache.state_snapshots import StateSnapshots
+
+    snaps = StateSnapshots(StatePool(LAYOUT, 2, torch.float32, "cpu"), capacity=2)
+    snaps.save(b"turn", 0, turn=True)
+    snaps.save(b"p1", 1)
+    snaps.save(b"p2", 1)                        # evicts p1 although "turn" is older
+    assert snaps.has(b"turn") and snaps.has(b"p2") and not snaps.has(b"p1")
+    snaps.save(b"turn2", 0, turn=True)          # evicts p2
+    snaps.save(b"turn3", 0, turn=True)          # only turn points left: the least recently used goes
+    assert not snaps.has(b"turn") and snaps.has(b"turn2") and snaps.has(b"turn3")
+    assert snaps.stats()["turn_points"] == 2
+    snaps.check()

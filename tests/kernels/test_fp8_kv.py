@@ -204,3 +204,18 @@ def test_the_kernels_byte_codec_equals_torchs_float8_for_every_value():
     signed_zero = bits == 0x80                                   # -0.0 encodes as +0.0: the same value
     assert torch.equal(back[:len(bits)].cpu()[~signed_zero], bits[~signed_zero])
     assert int(back[:len(bits)].cpu()[signed_zero]) == 0
+
+
+def test_a_partial_page_copy_carries_the_fp8_scales():
+    """The prefix cache's tails (``KVPool.copy_page_prefix``) copy values and their per-token scales: the copied
+    tokens read back equal to the source's."""
+    g = torch.Generator().manual_seed(1)
+    pool = KVPool(layout=_layout(2, 32), num_pages=4, page_size=4, dtype=torch.float32, device="cpu",
+                  kv_cache_dtype="fp8")
+    k, v = torch.randn(3, 2, 32, generator=g) * 50, torch.randn(3, 2, 32, generator=g) * 0.01
+    src = torch.tensor([4, 5, 6])                         # page 1, slots 0..2
+    pool.store(0, src, k, v)
+    pool.copy_page_prefix(1, 3, 3)
+    dst = torch.tensor([12, 13, 14])                      # page 3, slots 0..2
+    assert torch.equal(pool.keys(0, dst, torch.float32), pool.keys(0, src, torch.float32))
+    assert torch.equal(pool.values(0, dst, torch.float32), pool.values(0, src, torch.float32))

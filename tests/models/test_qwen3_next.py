@@ -168,9 +168,10 @@ def test_layouts_store_kv_only_in_full_attention_layers(checkpoints):
 
 
 def test_prefix_cache_resumes_from_state_snapshots(checkpoints):
-    """Prefix caching with recurrent-state snapshots: a repeated prompt maps its cached pages up to the last page
-    boundary with a snapshot (chunks end on page boundaries, so that is the prompt's last full page), a follow-up
-    turn (prompt + answer + more) maps past the answer's page boundaries too; every logit matches transformers."""
+    """Prefix caching with recurrent-state snapshots: a repeated prompt maps all but its last token (a chunk ends
+    one token before the prompt's end: a turn point with a snapshot), a follow-up turn (prompt + answer + more)
+    maps everything but its new tokens and the answer's last token (the turn's end: a tail and a snapshot); every
+    logit matches transformers."""
     ckpt = checkpoints("qwen3_5_moe")
     loaded = load_model(ckpt.path)
     p = token_ids(30, ckpt.vocab_size, seed=3).tolist()
@@ -198,7 +199,7 @@ def test_prefix_cache_resumes_from_state_snapshots(checkpoints):
             got[o.request_id].extend(o.new_token_ids)
             if o.num_cached_tokens is not None:
                 cached[o.request_id] = o.num_cached_tokens
-    assert cached == {"b": 28, "c": 32}
+    assert cached == {"b": 29, "c": 30 + 6 - 1}
     assert engine.state_snapshots.restores == 2
     prompts["a"] = p
     got["a"] = out["a"]

@@ -151,7 +151,9 @@ class Engine:
         self.state_snapshots = None
         if config.enable_prefix_caching:
             seed = cache_seed("ferrylm-prefix-cache-v1", model_id, model_config, str(self.pool.storage_dtype))
-            self.prefix_cache = PrefixCache(self.pool.allocator, self.limits.page_size, seed)
+            # partial pages are copied on this rank only: under tensor parallel only full pages are shared
+            self.prefix_cache = PrefixCache(self.pool.allocator, self.limits.page_size, seed,
+                                            copy_prefix=self.pool.copy_page_prefix if tp is None else None)
             if self.state_pool is not None:   # a cached KV prefix needs the recurrent state at its end
                 from ferrylm.engine.cache.state_snapshots import StateSnapshots
 

@@ -22,16 +22,23 @@ Each step builds one batch under two limits: at most ``max_running_requests`` ru
    Isolation: a request marked ``isolate`` (a suspect of an earlier engine failure) waits until nothing runs,
    then runs alone, and nothing is admitted while it runs.
    Prefix caching (``prefix_cache`` given): a request with no pages first maps the longest cached run of its full
-   pages (``engine/cache/prefix_cache.py``); its chunk starts past them and only the rest counts against the budget and
-   the free pages. It is admitted only if the rest fits too (the looked-up pages count: mapping an unheld cached
+   pages (``engine/cache/prefix_cache.py``) and the tokens of a cached partial page after them (copied into its own
+   page); its chunk starts past them and only the rest counts against the budget and the free pages. It is admitted only if the rest fits too (the looked-up pages count: mapping an unheld cached
    page takes it out of the available ones), so a skipped request holds nothing.
 
 Recurrent state (models with linear-attention layers, ``state_pool`` given): a request is admitted only while a
 state slot is free (it then takes one; otherwise it waits like a request short of pages, holding nothing), and
 every release (finish, abort, preemption, the OOM guard) gives the slot back in :meth:`Scheduler._release`.
 With prefix caching on, such a model also has state snapshots (``engine/cache/state_snapshots.py``): a request maps only
-the cached pages up to the last one whose end has a snapshot, which is copied into its slot at admission, and
-prefill chunks of several pages end on page boundaries (so each prompt's last full page gets a snapshot).
+the cached tokens up to the last point whose state has a snapshot, which is copied into its slot at admission, and
+prefill chunks of several pages end on page boundaries and one token before the prompt's end (so each prompt's full
+pages and its prompt point get a snapshot).
+
+Turn points (agent turns re-sent with their history): after each step, a request that reached its prompt's point
+(its end; one token before for hybrid models) keeps it, and a request that finishes keeps the end of what it
+computed (its prompt and output but the last sampled token): a partial-page tail (``PrefixCache.record_tail``) and,
+for hybrid models, a state snapshot evicted after the page-boundary ones. The next turn then recomputes only its
+new tokens and that last token; one whose template drops the answer's reasoning resumes at the prompt's point.
 
 Pages computed so far are named (``PrefixCache.commit``) at the start of each plan and before any release
 (finish, preemption), so what a finished or preempted request computed stays cached.
@@ -205,7 +212,7 @@ class Scheduler:
                 decodes_left -= 1
                 n = 1
             else:
-                n = self._page_aligned(req.num_computed_tokens, min(left, budget - decodes_left - reserve))
+                n = self._chunk(req, req.num_computed_tokens, min(left, budget - decodes_left - reserve))
                 if n <= 0:
                     i += 1   # no room beside the decodes this step: its next chunk waits
                     continue
@@ -258,7 +265,7 @@ class Scheduler:
                 if self.state_pool is not None and req.state_slot is None:
                     req.state_slot = self.state_pool.allocate()
                     if req.num_computed_tokens and self._snapshots_on:   # mapped cached pages: their end state
-                        name = self.prefix_cache.names(req, req.num_computed_tokens // self.config.page_size)[-1]
+                        name = self.prefix_cache.point_name(req, req.num_computed_tokens)
                         self.state_snapshots.restore(name, req.state_slot)
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = time.monotonic()
@@ -278,39 +285,61 @@ class Scheduler:
         """Map ``req``'s cached prefix (when it holds no pages) and give it pages for its next chunk of at most
         ``budget`` tokens; return the chunk's length, or None, ``req`` then holding no pages, when the pages it
         needs are not available now."""
-        cache = self.prefix_cache
-        hit = cache.lookup(req) if cache is not None else []
-        if hit and self.state_snapshots is not None:   # only up to a page boundary whose state is kept
-            hit = hit[:self.state_snapshots.usable(cache.names(req, len(hit)), len(hit))]
-        if hit or (cache is not None and not req.page_table):
-            start = len(hit) * self.config.page_size
-            n = self._page_aligned(start, min(req.num_tokens - start, budget))
-            need = pages_needed(start + n, self.config.page_size) - len(hit)
+        cache, ps = self.prefix_cache, self.config.page_size
+        if cache is not None and not req.page_table:
+            hit, tail = self._cached_prefix(req)
+            start = len(hit) * ps + (tail.length if tail is not None else 0)
+            n = self._chunk(req, start, min(req.num_tokens - start, budget))
+            need = pages_needed(start + n, ps) - len(hit)
             if need > self.allocator.num_free - self.allocator.num_unheld(hit):
                 return None
             cache.map(req, hit)
-        n = self._page_aligned(req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
-        if self._grow(req, req.num_computed_tokens + n):
-            return n
+            if self._grow(req, start + n):
+                if tail is not None:   # NOTE: right after the allocation, before anything writes a page
+                    cache.map_tail(req, tail)
+                return n
+        else:
+            n = self._chunk(req, req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
+            if self._grow(req, req.num_computed_tokens + n):
+                return n
         # short of pages while holding some (mapped ones, or what a retry after an allocation failure kept): a
         # waiting request holds nothing
         self._release(req)
         req.num_computed_tokens = 0
         return None
 
+    def _cached_prefix(self, req: Request) -> tuple[list, object]:
+        """The cached full pages ``req`` maps and the tail after them (or None); hybrid models only up to a point
+        whose state snapshot is kept."""
+        cache, snaps = self.prefix_cache, self.state_snapshots
+        hit = cache.lookup(req)
+        tail = cache.lookup_tail(req, len(hit), snaps.has if snaps is not None else None)
+        if tail is None and hit and snaps is not None:
+            hit = hit[:snaps.usable(cache.names(req, len(hit)), len(hit))]
+        return hit, tail
+
     @property
     def _snapshots_on(self) -> bool:
         return self.state_snapshots is not None and self.prefix_cache is not None
 
-    def _page_aligned(self, start: int, n: int) -> int:
-        """``n`` new tokens from ``start``, cut back to end on a page boundary when they would end inside a later
-        page (hybrid models with state snapshots only: every chunk reaching past a page boundary then ends on one,
-        so the state there can be kept)."""
+    def _chunk(self, req: Request, start: int, n: int) -> int:
+        """``n`` new tokens of ``req`` from ``start``, cut back (hybrid models with state snapshots only, so the state
+        there can be kept) to end on a page boundary when they would end inside a later page, and to end on the
+        prompt's point (:meth:`_prompt_point`) when they would pass it."""
         if not self._snapshots_on:
             return n
         ps = self.config.page_size
         boundary = (start + n) // ps * ps
-        return boundary - start if boundary > start else n
+        if boundary > start:
+            n = boundary - start
+        point = self._prompt_point(req)
+        return point - start if start < point < start + n else n
+
+    def _prompt_point(self, req: Request) -> int:
+        """Where a request's prompt is kept as a turn point: its end; for hybrid models one token before (a state
+        exists only where a step ends, and the point serves a repeated prompt, whose last token is always
+        computed, as well as a next turn that keeps the prompt but drops the answer's reasoning)."""
+        return req.num_prompt_tokens - (1 if self.state_snapshots is not None else 0)
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Give ``req`` pages for ``num_tokens`` tokens. False (nothing allocated) when the pool is short."""
@@ -329,9 +358,11 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         """Name what ``req`` computed (prefix caching), then drop its pages (the last ones first in the LRU)."""
         if req.page_table:
+            keep = frozenset()
             if self.prefix_cache is not None:
                 self.prefix_cache.commit(req)
-            self.allocator.free(reversed(req.page_table))
+                keep = frozenset(p for p in req.page_table[-2:] if self.prefix_cache.holds_tail(p))
+            self.allocator.free(reversed(req.page_table), keep)
             req.page_table = []
         req.num_named_pages = 0
         if req.state_slot is not None:
@@ -363,8 +394,8 @@ class Scheduler:
         for s in seqs:
             if s.request.status is not Status.FINISHED:
                 s.request.num_computed_tokens += s.num_tokens
-        if self.state_snapshots is not None and self.prefix_cache is not None:
-            self._save_snapshots(seqs)
+        if self.prefix_cache is not None:
+            self._keep_points(seqs)
         if token_ids is None:
             return []
         out: list[TokenUpdate] = []
@@ -377,20 +408,36 @@ class Scheduler:
             error = advance(r, tok) if advance is not None else None
             reason = "abort" if error is not None else stop_reason(r, tok, eos_ids, max_model_len)
             if reason is not None:
+                if error is None and self.prefix_cache is not None:
+                    self._keep_turn_point(r)   # the end of the turn: its next turn resumes here
                 self.finish(r, reason)
             out.append(TokenUpdate(r, tok, i, None if error else reason, error))
         return out
 
-    def _save_snapshots(self, seqs: list[ScheduledSeq]) -> None:
-        """Keep the state of every sequence whose computed tokens end on a page boundary, under that page's name
-        (``engine/cache/state_snapshots.py``)."""
+    def _keep_points(self, seqs: list[ScheduledSeq]) -> None:
+        """After a step: keep the point each sequence reached when it is a page boundary (hybrid models: its state
+        snapshot) or its prompt's point (a turn point: its tail, and its state snapshot)."""
         ps = self.config.page_size
         for s in seqs:
             r = s.request
             n = r.num_computed_tokens
-            if r.status is Status.FINISHED or r.state_slot is None or n == 0 or n % ps:
+            if r.status is Status.FINISHED or n == 0:
                 continue
-            self.state_snapshots.save(self.prefix_cache.names(r, n // ps)[-1], r.state_slot)
+            if n == self._prompt_point(r):
+                self._keep_turn_point(r)
+            elif n % ps == 0 and self.state_snapshots is not None and r.state_slot is not None:
+                self.state_snapshots.save(self.prefix_cache.point_name(r, n), r.state_slot)
+
+    def _keep_turn_point(self, r: Request) -> None:
+        """Keep ``r``'s computed tokens (the end of its prompt or of its turn) as a reusable point: their tail
+        (``engine/cache/prefix_cache.py``) and, for hybrid models, the state after them as a turn point
+        (``engine/cache/state_snapshots.py``)."""
+        n = r.num_computed_tokens
+        if n == 0:
+            return
+        self.prefix_cache.record_tail(r, n)
+        if self.state_snapshots is not None and r.state_slot is not None:
+            self.state_snapshots.save(self.prefix_cache.point_name(r, n), r.state_slot, turn=True)
 
     def check_invariants(self) -> None:
         """Assert: every page free, cached or owned, reference counts matching the tables, only named pages

@@ -192,6 +192,17 @@ class KVPool:
         """Tokens the whole pool holds."""
         return self.num_pages * self.page_size
 
+    def copy_page_prefix(self, src: int, dst: int, num_tokens: int) -> None:
+        """Copy the first ``num_tokens`` (< ``page_size``) token slots of page ``src`` into page ``dst``, in every
+        layer's K and V and, in an fp8 pool, their scales (the prefix cache's partial pages,
+        ``engine/cache/prefix_cache.py``)."""
+        s, d = src * self.page_size, dst * self.page_size
+        if s == d:
+            return
+        for t in (*self.k, *self.v, *self.k_scale, *self.v_scale):
+            if t.numel():
+                t[d:d + num_tokens].copy_(t[s:s + num_tokens])
+
 
 def slots_for(page_table: list[int], start: int, end: int, page_size: int) -> list[int]:
     """Cache slots of token positions ``start .. end - 1`` under ``page_table``."""

@@ -11,6 +11,10 @@ Free and cached pages together are the *available* pages (:attr:`PageAllocator.n
 (an ``OrderedDict``: every operation O(1)). :meth:`allocate` hands out the head: unnamed pages are put at the head
 when they are released (reused first), named ones at the tail (kept longest); taking a named page evicts its name.
 With no names ever given (prefix caching off) this is a plain free-list allocator.
+
+Each page has a *generation*, counted up every time :meth:`allocate` hands it out: the prefix cache's partial-page
+entries (``engine/cache/prefix_cache.py``) hold a page by (id, generation), valid while the page was not handed out
+again. :meth:`free` with ``keep`` puts such unnamed pages at the LRU tail, kept like named ones.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class PageAllocator:
         self._avail: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))
         self._name_of: dict[int, bytes] = {}
         self._page_of: dict[bytes, int] = {}
+        self._generation = [0] * num_pages
         self.num_evictions = 0
 
     # --- sizes ---------------------------------------------------------------------------------------------------
@@ -62,6 +67,10 @@ class PageAllocator:
     def refcount(self, page: int) -> int:
         return self._ref[page]
 
+    def generation(self, page: int) -> int:
+        """How many times ``page`` was handed out by :meth:`allocate`."""
+        return self._generation[page]
+
     # --- allocation ----------------------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` pages (reference count 1 each), evicting the least recently released named pages when the
@@ -76,12 +85,14 @@ class PageAllocator:
                 del self._page_of[name]
                 self.num_evictions += 1
             self._ref[p] = 1
+            self._generation[p] += 1
             out.append(p)
         return out
 
-    def free(self, pages: Iterable[int]) -> None:
-        """Drop one reference to each page; a page nobody holds any more becomes available (a named one at the
-        LRU tail, in the order given: pass a page table reversed so its last pages are evicted first)."""
+    def free(self, pages: Iterable[int], keep: frozenset[int] = frozenset()) -> None:
+        """Drop one reference to each page; a page nobody holds any more becomes available (a named one, or one in
+        ``keep``, at the LRU tail, in the order given: pass a page table reversed so its last pages are evicted
+        first; any other at the head, reused first)."""
         for p in pages:
             r = self._ref[p] - 1
             if r < 0:
@@ -89,7 +100,7 @@ class PageAllocator:
             self._ref[p] = r
             if r == 0:
                 self._avail[p] = None
-                if p not in self._name_of:
+                if p not in self._name_of and p not in keep:
                     self._avail.move_to_end(p, last=False)
 
     # --- names (prefix caching) ----------------------------------------------------------------------------------

@@ -11,8 +11,13 @@ last page has a snapshot and copies that snapshot into the request's state slot;
   (:meth:`StateSnapshots.save`, called by the engine): one device copy per linear layer and tensor. For the last
   full page of a prompt to be such a boundary, the scheduler ends prefill chunks on page boundaries (the prompt's
   final partial page then runs as a chunk of its own, one step later).
-- Capacity: ``capacity`` snapshots (the memory plan counts them beside the state slots), least recently used
-  evicted first; a snapshot outlives its pages' names harmlessly (a lookup needs the pages too).
+- Turn points: also at the end of each prompt and at the end of what a finished request computed (the end of an
+  agent turn), named by the prefix cache's tail name when the point is inside a page (``point_name``): a turn re-sent
+  with its history resumes there, and one whose template drops the earlier answer's reasoning resumes at the
+  previous prompt's end.
+- Capacity: ``capacity`` snapshots (the memory plan counts them beside the state slots). A new one evicts the least
+  recently used page-boundary snapshot, or, when all are turn points, the least recently used turn point; a
+  snapshot outlives its pages' names harmlessly (a lookup needs the pages too).
 - The store lives in the engine process (a restart starts empty); the warmup runs with the prefix cache off.
 """
 
@@ -44,6 +49,7 @@ class StateSnapshots:
         self.rec = {i: torch.zeros((capacity, *t.shape[1:]), dtype=t.dtype, device=t.device)
                     for i, t in pool.rec.items()}
         self._by_name: OrderedDict[bytes, int] = OrderedDict()   # LRU: least recently used first
+        self._turns: set[bytes] = set()                           # names of turn points (evicted last)
         self._free = list(range(capacity - 1, -1, -1))
         self.saves = 0
         self.restores = 0
@@ -63,22 +69,28 @@ class StateSnapshots:
                 return j
         return 0
 
-    def save(self, name: bytes, slot: int) -> None:
-        """Copy state slot ``slot`` (the state right after the page named ``name``) into the store (a name stored
-        already is only marked used: its state is the same)."""
+    def save(self, name: bytes, slot: int, *, turn: bool = False) -> None:
+        """Copy state slot ``slot`` (the state right after the point named ``name``) into the store (a name stored
+        already is only marked used: its state is the same). ``turn``: a turn point, evicted after every page
+        boundary."""
+        if turn:
+            self._turns.add(name)
         if name in self._by_name:
             self._by_name.move_to_end(name)
             return
-        if self._free:
-            idx = self._free.pop()
-        else:
-            _, idx = self._by_name.popitem(last=False)
-            self.evictions += 1
+        idx = self._free.pop() if self._free else self._evict()
         for layer, t in self.pool.conv.items():
             self.conv[layer][idx].copy_(t[slot])
             self.rec[layer][idx].copy_(self.pool.rec[layer][slot])
         self._by_name[name] = idx
         self.saves += 1
+
+    def _evict(self) -> int:
+        """Drop the least recently used page-boundary snapshot (else turn point); return its entry."""
+        victim = next((n for n in self._by_name if n not in self._turns), next(iter(self._by_name)))
+        self._turns.discard(victim)
+        self.evictions += 1
+        return self._by_name.pop(victim)
 
     def restore(self, name: bytes, slot: int) -> None:
         """Copy the snapshot ``name`` into state slot ``slot``. Raises KeyError when it is not stored."""
@@ -95,7 +107,8 @@ class StateSnapshots:
         assert len(set(held)) == len(held), "a snapshot entry holds two names"
         assert not set(held) & set(self._free), "a snapshot entry is both stored and free"
         assert len(held) + len(self._free) == self.capacity, "snapshot entries leaked"
+        assert self._turns <= self._by_name.keys(), "a turn point without a snapshot"
 
     def stats(self) -> dict:
-        return {"stored": len(self._by_name), "capacity": self.capacity, "saves": self.saves,
+        return {"stored": len(self._by_name), "turn_points": len(self._turns), "capacity": self.capacity, "saves": self.saves,
                 "restores": self.restores, "evictions": self.evictions}
