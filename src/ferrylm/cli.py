@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+
+# NOTE: first thing for `ferry serve`, before the imports below: a SIGTERM / SIGINT that arrives while they run is
+# recorded here, not fatal; main() hands the record to the boot handler
+_EARLY_SIGNALS: list[int] = []
+if sys.argv[1:2] == ["serve"]:
+    for _sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_sig, lambda sig, frame: _EARLY_SIGNALS.append(sig))
 
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -236,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     from ferrylm.server.process.launch import BootInterrupted, BootSignals
 
     boot = BootSignals().install()
+    if _EARLY_SIGNALS:
+        return 0  # signalled while the modules imported: nothing was started yet
     try:
         return _main(argv, boot)
     except BootInterrupted:

@@ -8,7 +8,9 @@ exit, which turns exit 0 into "killed by SIGTERM"):
 1. first SIGTERM/SIGINT: new requests get 503 ``engine_unavailable`` and /health 503 ``draining``; running
    requests continue for up to ``--shutdown-timeout`` seconds; those still running then get an error (stream: an
    error event, then ``[DONE]``); uvicorn closes the listener and connections; the engine is stopped; exit 0.
-2. a second signal: SIGKILL the engine, remove the IPC dir, exit 128+N at once.
+2. a second signal: SIGKILL the engine, remove the IPC dir, exit 128+N at once. A signal within
+   ``SIGNAL_REPEAT_WINDOW_S`` of the first is the same one relayed (``make``, ``timeout`` and service managers
+   signal the whole process group, then the parent passes it on): it is ignored.
 
 Before the event loop runs (resolving and converting the model, loading the tokenizer, importing uvicorn), the
 signals are :class:`BootSignals`' (installed by ``cli.main`` before anything slow): the first SIGTERM/SIGINT
@@ -53,7 +55,7 @@ class BootSignals:
     """SIGTERM/SIGINT handling from the first line of ``ferry serve`` until the event loop installs its own.
 
     While *armed*, the first signal raises :class:`BootInterrupted` in the main thread (the start-up unwinds; no
-    child exists yet); a second signal exits ``128+N`` at once. Disarmed, a signal is only recorded in
+    child exists yet); a second signal (not within ``SIGNAL_REPEAT_WINDOW_S`` of the first) exits ``128+N`` at once. Disarmed, a signal is only recorded in
     ``received`` (the event loop is about to take over and replays it). The default action of SIGTERM (die with
     status -15) never applies once :meth:`install` ran.
     """
@@ -61,6 +63,7 @@ class BootSignals:
     def __init__(self) -> None:
         self.received: list[int] = []
         self.armed = False
+        self._first_at = 0.0
 
     def install(self, *, armed: bool = True) -> "BootSignals":
         self.armed = armed
@@ -76,6 +79,10 @@ class BootSignals:
             timer.daemon = True
             timer.start()
             return
+        if self.received and time.monotonic() - self._first_at < SIGNAL_REPEAT_WINDOW_S:
+            return   # the same signal relayed by a parent of the process group
+        if not self.received:
+            self._first_at = time.monotonic()
         self.received.append(sig)
         if len(self.received) > 1:
             os._exit(128 + sig)
@@ -87,6 +94,7 @@ class BootSignals:
 REDELIVER_S = 0.01  # seconds before a signal that arrived inside a finalizer is delivered again
 ENGINE_STOP_S = 5.0  # at exit, seconds the engine process gets to obey the stop message before it is killed
 ENGINE_STOP_AFTER_TIMEOUT_S = 1.0  # the same when --shutdown-timeout ran out with requests still running
+SIGNAL_REPEAT_WINDOW_S = 1.0  # a second signal sooner than this after the first is the same one, relayed
 
 
 def _in_finalizer(frame, depth: int = 64) -> bool:
@@ -311,7 +319,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
     config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False, timeout_graceful_shutdown=5)
     server = Server(config)
     server_box["server"] = server
-    signals_seen: list[int] = []
+    signals_seen: list[tuple[int, float]] = []   # (signal, monotonic time)
 
     async def drain_and_stop() -> None:
         t0 = time.monotonic()
@@ -333,8 +341,13 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
         server.should_exit = True
 
     def on_signal(sig: int) -> None:
-        signals_seen.append(sig)
         name_ = signal.Signals(sig).name
+        now = time.monotonic()
+        if signals_seen and now - signals_seen[0][1] < SIGNAL_REPEAT_WINDOW_S:
+            log.info("%s again within %g s of the first: taken as the same signal (a parent relaying its process "
+                     "group's signal)", name_, SIGNAL_REPEAT_WINDOW_S)
+            return
+        signals_seen.append((sig, now))
         if len(signals_seen) > 1:
             log.warning("second signal (%s): exiting now", name_)
             sup.kill_now()
