@@ -131,10 +131,19 @@ def sampling_params_from_args(a: argparse.Namespace) -> "SamplingParams":
         raise ValueError(e.message.replace(f"'{field}'", "--" + field.replace("_", "-"))) from None
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a short error: one usage line pointing at ``--help`` and the error naming the flag (the full
+    usage of ``ferry serve`` is 35 lines, which buried the one that matters)."""
+
+    def error(self, message: str):
+        self.exit(2, f"usage: {self.prog} [options] (all of them: {self.prog} --help)\n"
+                     f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ferrylm.bench.cli import add_bench_parser
 
-    parser = argparse.ArgumentParser(prog="ferry", description="ferrylm: serve MoE LLMs larger than your GPU")
+    parser = _Parser(prog="ferry", description="ferrylm: serve MoE LLMs larger than your GPU")
     parser.set_defaults(usage_parser=parser)   # a command's own parser replaces it: its usage line on errors
     parser.add_argument("--version", action="version", version=f"ferry (ferrylm) {_version()}",
                         help="print the version and exit")

@@ -96,6 +96,17 @@ def test_serve_flag_errors_name_the_flag_under_serve_usage(argv, needle, capsys,
     assert needle in err and "ferry serve: error:" in err and err.count(needle) == 1, err
 
 
+@pytest.mark.parametrize("argv,flag", [
+    (["serve", "--port", "abc"], "--port"), (["serve", "--page-size", "0"], "--page-size"),
+    (["serve", "--dtype", "int8"], "--dtype"), (["bench", "serve", "--concurrency", "x"], "--concurrency"),
+])
+def test_a_bad_flag_value_is_two_lines_not_the_whole_usage(argv, flag, capsys, nothing_loads) -> None:
+    err = run_error(argv, capsys)
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("usage: ferry ") and "--help" in lines[0], err
+    assert flag in lines[1] and ": error:" in lines[1], err
+
+
 def test_listen_error_names_host_or_port() -> None:
     import errno
 
