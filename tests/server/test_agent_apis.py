@@ -279,6 +279,11 @@ async def test_responses_create_stream_and_previous_id(codec) -> None:
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
     short = await client.responses.create(model=SERVED, input="hi", max_output_tokens=2)
     assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+    assert [it.status for it in short.output if it.type == "message"] == ["incomplete"]   # the cut message too
+    events = [ev async for ev in await client.responses.create(model=SERVED, input="hi", max_output_tokens=2,
+                                                                stream=True)]
+    assert events[-1].type == "response.incomplete"
+    assert [it.status for it in events[-1].response.output if it.type == "message"] == ["incomplete"]
     with pytest.raises(openai.BadRequestError) as e:
         await client.responses.create(model=SERVED, input="x", previous_response_id="resp_nope")
     assert e.value.body["param"] == "previous_response_id"

@@ -302,15 +302,17 @@ class ResponseShell:
                 "usage": usage, "user": r.user, "metadata": r.metadata or {}}
 
 
-def output_items(blocks: list[tuple[str, Any]]) -> list[dict]:
+def output_items(blocks: list[tuple[str, Any]], incomplete: bool = False) -> list[dict]:
     """A whole turn's output items in generation order (``TurnResult.blocks``); a turn of no text and no call
-    still has its (empty) message."""
+    still has its (empty) message. ``incomplete``: the turn hit its token limit, so its last message is
+    ``incomplete``, as OpenAI marks it."""
     items = []
-    for kind, x in blocks:
+    for i, (kind, x) in enumerate(blocks):
         if kind == "reasoning":
             items.append(_reasoning_item(f"rs_{_ids()}", x))
         elif kind == "text":
-            items.append(_message_item(f"msg_{_ids()}", x))
+            last = incomplete and i == len(blocks) - 1
+            items.append(_message_item(f"msg_{_ids()}", x, "incomplete" if last else "completed"))
         else:
             items.append(_call_item(x))
     if not any(it["type"] in ("message", "function_call") for it in items):
@@ -369,13 +371,13 @@ class StreamEncoder:
         self.text = ""
         return out
 
-    def _close(self) -> list[str]:
+    def _close(self, status: str = "completed") -> list[str]:
         if self.open is None:
             return []
         idx = len(self.output)
         item_id = self.open["id"]
         if self.open["type"] == "message":
-            item = _message_item(item_id, self.text)
+            item = _message_item(item_id, self.text, status)
             part = item["content"][0]
             out = [self.event("response.output_text.done", item_id=item_id, output_index=idx, content_index=0,
                               text=self.text, logprobs=[]),
@@ -420,7 +422,7 @@ class StreamEncoder:
         out = []
         if not self.output and self.open is None:   # an empty reply is one empty message
             out += self._open("message")
-        out += self._close()
+        out += self._close("incomplete" if incomplete else "completed")
         final = self.shell.object("incomplete" if incomplete else "completed", self.output, output_tokens,
                                   incomplete, cached_tokens)
         out.append(self.event("response.incomplete" if incomplete else "response.completed", response=final))
@@ -447,7 +449,7 @@ async def create(ctx: ResponsesContext, request: Request, rid: str) -> Response:
         return SSEResponse(_stream(ctx, rid, run, shell, conversation), headers=SSE_HEADERS)
     (ch,) = run.gen.choices
     res = whole_turn(run.turn, ch.text.text, ch.finish_reason, ch.token_ids)
-    output = output_items(res.blocks)
+    output = output_items(res.blocks, incomplete=res.finish_reason == "length")
     final = shell.object("incomplete" if res.finish_reason == "length" else "completed", output,
                          run.gen.completion_tokens, res.finish_reason == "length", run.gen.cached_tokens)
     _remember(ctx, req, final, conversation)
