@@ -341,3 +341,17 @@ def test_engine_admission_names_the_context_first() -> None:
     ctx, pool = out["over-context"].error_message, out["over-pool"].error_message
     assert "--num-tokens" not in ctx and "--max-model-len" in ctx
     assert "--num-tokens" in pool
+
+
+# --- /v1/messages: what Anthropic's API refuses (new-user trial) ---------------------------------------------
+@pytest.mark.parametrize("extra", [
+    {"messages": [{"role": "user", "content": ""}]},
+    {"messages": [{"role": "user", "content": []}]},
+    {"tools": [{"name": "f"}]},
+    {"thinking": {"type": "maybe"}},
+])
+async def test_anthropic_refusals_are_400(client: httpx.AsyncClient, engine: FakeEngine, extra) -> None:
+    r = await client.post("/v1/messages", json={"model": SERVED, "max_tokens": 5, "messages": MSGS, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert not engine.requests

@@ -60,7 +60,15 @@ def test_vllm_extras_pass_through() -> None:
 
 def test_unknown_fields_are_accepted() -> None:
     req = chat(tools=[], response_format={"type": "text"}, user="u", some_future_field=1)
-    assert req.unknown_fields() == ["some_future_field", "user"]
+    assert req.unknown_fields() == ["some_future_field"]
+
+
+@pytest.mark.parametrize("field,value", [("user", 5), ("metadata", "x"), ("metadata", {"k": 1})])
+def test_user_and_metadata_have_openai_types(field, value) -> None:
+    """``user`` a string, ``metadata`` string to string, as OpenAI's API checks them (new-user trial)."""
+    with pytest.raises(InvalidRequest) as e:
+        chat(**{field: value})
+    assert e.value.param.startswith(field)
 
 
 def test_stream_options_without_stream_is_a_400() -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Literal, Optional, Union
+from typing import Annotated, Any, AsyncIterator, Literal, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -52,7 +52,7 @@ from ferrylm.server.text.tools import ToolChoice, ToolSpec, check_unique, make_t
 
 class AnthropicMessage(_Request):
     role: Literal["user", "assistant"]
-    content: Union[str, list[dict[str, Any]]]
+    content: Union[Annotated[str, Field(min_length=1)], Annotated[list[dict[str, Any]], Field(min_length=1)]]
 
 
 class MessagesRequest(_Request):
@@ -159,6 +159,8 @@ def convert_tools(tools: Any, choice: Any) -> tuple[list[ToolSpec], ToolChoice]:
                 kind = t.get("type") if isinstance(t, dict) else type(t).__name__
                 raise InvalidRequest(f"'tools.{i}.type' {kind!r} is not supported (only custom tools with an "
                                      f"input_schema are)", param=f"tools.{i}.type")
+            if "input_schema" not in t:
+                raise InvalidRequest(f"'tools.{i}.input_schema' is required", param=f"tools.{i}.input_schema")
             specs.append(make_tool(t.get("name"), t.get("description"), t.get("input_schema"), None, f"tools.{i}"))
         check_unique(specs, "tools")
     if choice is None:

@@ -117,6 +117,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: Optional[list[Any]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: Optional[bool] = None
+    user: Optional[str] = None
+    metadata: Optional[dict[str, str]] = None
 
 
 class CompletionRequest(_SamplingRequest):
