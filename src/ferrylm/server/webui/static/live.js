@@ -7,7 +7,14 @@ const $ = (id) => document.getElementById(id);
 const GiB = 1024 ** 3, MiB = 1024 ** 2;
 
 /** Bytes as the boot plan's table writes them: "1.23 GiB", or "512.0 MiB" below 1 GiB. */
-export function gib(n) { return Math.abs(n) >= GiB ? `${(n / GiB).toFixed(2)} GiB` : `${(n / MiB).toFixed(1)} MiB`; }
+export function gib(n) { return Math.abs(n) >= GiB ? `${fixedEven(n / GiB, 2)} GiB` : `${fixedEven(n / MiB, 1)} MiB`; }
+
+/** x with d decimals, an exact tie rounded to even as Python's format does (toFixed rounds it up). */
+function fixedEven(x, d) {
+  const m = x * 10 ** d, lo = Math.floor(m);
+  if (m - lo !== 0.5) return x.toFixed(d);
+  return ((lo % 2 === 0 ? lo : lo + 1) / 10 ** d).toFixed(d);
+}
 
 // the bar's parts, left to right: [data-part, label, plan field, shown when 0]
 const PARTS = [
