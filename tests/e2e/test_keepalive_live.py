@@ -36,8 +36,9 @@ def opening(block: str) -> bool:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    # no prefix cache: each route's request prefills its whole prompt (a cached prompt's one-token step is short)
     srv = start_server(tmp_path_factory.mktemp("keepalive"), "--model", MODEL, "--sse-ping-interval", str(PING_S),
-                       "--faults", f"step_delay:phase=prefill:ms={DELAY_MS}")
+                       "--faults", f"step_delay:phase=prefill:ms={DELAY_MS}", "--no-enable-prefix-caching")
     yield srv
     stop_server(srv)
 
