@@ -287,10 +287,7 @@ def _hf(args: argparse.Namespace) -> int:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    import asyncio
-    import json
-
-    from ferrylm.bench.serve import BenchConfig, BenchError, format_summary, run_bench
+    from ferrylm.bench.serve import BenchConfig, format_summary, run_bench
 
     for flag, v in (("--concurrency", args.concurrency), ("--num-prompts", args.num_prompts),
                     ("--input-len", args.input_len), ("--output-len", args.output_len)):
@@ -301,29 +298,13 @@ def _bench_serve(args: argparse.Namespace) -> int:
                       num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
                       random_lengths=args.random_lengths, vocab_upper=args.vocab_upper, seed=args.seed,
                       api_key=args.api_key)
-    try:
-        summary = asyncio.run(run_bench(cfg, progress=sys.stderr.isatty()))
-    except BenchError as e:
-        print(f"ferry bench serve: {cfg.base_url}: {e}", file=sys.stderr)
-        return 1
-    except Exception as e:  # connection refused and the like: one line, not a traceback
-        print(f"ferry bench serve: cannot benchmark {cfg.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    print(format_summary(summary))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(summary, f, indent=2)
-    return 0 if summary["failed"] == 0 else 1
+    return _run_client(args, cfg.base_url, run_bench(cfg, progress=sys.stderr.isatty()), format_summary)
 
 
 def _bench_multi_turn(args: argparse.Namespace) -> int:
     """``ferry bench serve --multi-turn`` (``bench/multi_turn.py``): 2 on a bad flag, 1 when the server cannot be
     reached or a turn failed."""
-    import asyncio
-    import json
-
     from ferrylm.bench.multi_turn import MultiTurnConfig, format_multi_turn, run_multi_turn
-    from ferrylm.bench.serve import BenchError
 
     for flag, v in (("--num-conversations", args.num_conversations), ("--num-turns", args.num_turns),
                     ("--input-len", args.input_len), ("--output-len", args.output_len)):
@@ -338,15 +319,26 @@ def _bench_multi_turn(args: argparse.Namespace) -> int:
                           shared_prefix_len=args.shared_prefix_len, input_len=args.input_len,
                           output_len=args.output_len, vocab_upper=args.vocab_upper, seed=args.seed,
                           api_key=args.api_key)
+    return _run_client(args, cfg.base_url, run_multi_turn(cfg), format_multi_turn)
+
+
+def _run_client(args: argparse.Namespace, base_url: str, run, fmt) -> int:
+    """Run a ``bench serve`` client coroutine ``run``, print ``fmt(summary)``, write ``--output-json``; 1 when the
+    server cannot be reached or a request failed (one line, not a traceback), else 0."""
+    import asyncio
+    import json
+
+    from ferrylm.bench.serve import BenchError
+
     try:
-        summary = asyncio.run(run_multi_turn(cfg))
+        summary = asyncio.run(run)
     except BenchError as e:
-        print(f"ferry bench serve: {cfg.base_url}: {e}", file=sys.stderr)
+        print(f"ferry bench serve: {base_url}: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # connection refused and the like: one line, not a traceback
-        print(f"ferry bench serve: cannot benchmark {cfg.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"ferry bench serve: cannot benchmark {base_url}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    print(format_multi_turn(summary))
+    print(fmt(summary))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(summary, f, indent=2)
