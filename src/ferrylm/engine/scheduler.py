@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 from ferrylm.engine.cache.kv_pool import pages_needed
 from ferrylm.engine.cache.page_allocator import PageAllocator
-from ferrylm.engine.cache.prefix_cache import PrefixCache
+from ferrylm.engine.cache.prefix_cache import PrefixCache, TailHit
 from ferrylm.engine.request import Request, Status
 from ferrylm.faults import NO_FAULTS, FaultInjector
 
@@ -308,7 +308,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         return None
 
-    def _cached_prefix(self, req: Request) -> tuple[list, object]:
+    def _cached_prefix(self, req: Request) -> tuple[list[int], TailHit | None]:
         """The cached full pages ``req`` maps and the tail after them (or None); hybrid models only up to a point
         whose state snapshot is kept."""
         cache, snaps = self.prefix_cache, self.state_snapshots
