@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 
+from ferrylm.server.process.boot_signals import BootInterrupted, BootSignals
+
 # NOTE: first thing for `ferry serve`, before the imports below: a SIGTERM / SIGINT that arrives while they run is
-# recorded here, not fatal; main() hands the record to the boot handler
-_EARLY_SIGNALS: list[int] = []
-if sys.argv[1:2] == ["serve"]:
-    for _sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(_sig, lambda sig, frame: _EARLY_SIGNALS.append(sig))
+# recorded (disarmed), not fatal; main() arms the handler and exits 0 if one came
+_BOOT_SIGNALS = BootSignals().install(armed=False) if sys.argv[1:2] == ["serve"] else None
 
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -250,12 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     if (sys.argv[1:] if argv is None else argv)[:1] != ["serve"]:
         return _main(argv)
     # NOTE: before anything slow: a SIGTERM during start-up must exit 0, not kill us by its default action
-    from ferrylm.server.process.launch import BootInterrupted, BootSignals
-
-    boot = BootSignals().install()
-    if _EARLY_SIGNALS:
-        return 0  # signalled while the modules imported: nothing was started yet
+    boot = _BOOT_SIGNALS or BootSignals().install(armed=False)
     try:
+        boot.armed = True
+        if boot.received:
+            return 0  # signalled while the modules imported: nothing was started yet
         return _main(argv, boot)
     except BootInterrupted:
         return 0  # nothing was started yet

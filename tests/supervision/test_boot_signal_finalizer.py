@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ferrylm.server.process.launch import BootInterrupted, BootSignals
+from ferrylm.server.process.boot_signals import BootInterrupted, BootSignals
 
 
 class _SignalsInFinalizer:

@@ -30,81 +30,18 @@ import os
 import signal
 import socket
 import sys
-import _thread
-import threading
 import time
 
 from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.errors import ModelLoadError
 
+from ferrylm.server.process.boot_signals import SIGNAL_REPEAT_WINDOW_S, BootInterrupted, BootSignals, is_relay
+
 log = logging.getLogger("ferrylm.serve")
 
 
-class BootInterrupted(BaseException):
-    """SIGTERM/SIGINT arrived while ``ferry serve`` was starting, before the event loop handled signals.
-
-    A BaseException (like KeyboardInterrupt) so that no ``except Exception`` on the way swallows it. ``sig``: the
-    signal number."""
-
-    def __init__(self, sig: int):
-        super().__init__(sig)
-        self.sig = sig
-
-
-class BootSignals:
-    """SIGTERM/SIGINT handling from the first line of ``ferry serve`` until the event loop installs its own.
-
-    While *armed*, the first signal raises :class:`BootInterrupted` in the main thread (the start-up unwinds; no
-    child exists yet); a second signal (not within ``SIGNAL_REPEAT_WINDOW_S`` of the first) exits ``128+N`` at once. Disarmed, a signal is only recorded in
-    ``received`` (the event loop is about to take over and replays it). The default action of SIGTERM (die with
-    status -15) never applies once :meth:`install` ran.
-    """
-
-    def __init__(self) -> None:
-        self.received: list[int] = []
-        self.armed = False
-        self._first_at = 0.0
-
-    def install(self, *, armed: bool = True) -> "BootSignals":
-        self.armed = armed
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
-        return self
-
-    def _on_signal(self, sig: int, frame) -> None:
-        if self.armed and not self.received and _in_finalizer(frame):
-            # An exception raised inside a ``__del__`` is printed ("Exception ignored in ...") and dropped, so
-            # the start-up would go on: deliver the signal again once the finalizer has returned.
-            timer = threading.Timer(REDELIVER_S, _thread.interrupt_main, args=(sig,))
-            timer.daemon = True
-            timer.start()
-            return
-        if self.received and time.monotonic() - self._first_at < SIGNAL_REPEAT_WINDOW_S:
-            return   # the same signal relayed by a parent of the process group
-        if not self.received:
-            self._first_at = time.monotonic()
-        self.received.append(sig)
-        if len(self.received) > 1:
-            os._exit(128 + sig)
-        if self.armed:
-            self.armed = False
-            raise BootInterrupted(sig)
-
-
-REDELIVER_S = 0.01  # seconds before a signal that arrived inside a finalizer is delivered again
 ENGINE_STOP_S = 5.0  # at exit, seconds the engine process gets to obey the stop message before it is killed
 ENGINE_STOP_AFTER_TIMEOUT_S = 1.0  # the same when --shutdown-timeout ran out with requests still running
-SIGNAL_REPEAT_WINDOW_S = 1.0  # a second signal sooner than this after the first is the same one, relayed
-
-
-def _in_finalizer(frame, depth: int = 64) -> bool:
-    """True when ``frame`` or one of its ``depth`` callers is a ``__del__``: Python swallows what a finalizer
-    raises, so a :class:`BootInterrupted` raised there would be lost."""
-    while frame is not None and depth > 0:
-        if frame.f_code.co_name == "__del__":
-            return True
-        frame, depth = frame.f_back, depth - 1
-    return False
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -342,12 +279,11 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
 
     def on_signal(sig: int) -> None:
         name_ = signal.Signals(sig).name
-        now = time.monotonic()
-        if signals_seen and now - signals_seen[0][1] < SIGNAL_REPEAT_WINDOW_S:
+        if signals_seen and is_relay(signals_seen[0][1]):
             log.info("%s again within %g s of the first: taken as the same signal (a parent relaying its process "
                      "group's signal)", name_, SIGNAL_REPEAT_WINDOW_S)
             return
-        signals_seen.append((sig, now))
+        signals_seen.append((sig, time.monotonic()))
         if len(signals_seen) > 1:
             log.warning("second signal (%s): exiting now", name_)
             sup.kill_now()
