@@ -55,6 +55,7 @@ class BwConfig:
 
 
 def all_formats() -> tuple[str, ...]:
+    """Every expert format `bench bw` can time: the plain dtypes and each synthetic quantization."""
     from ferrylm.synthetic.spec import SYNTHETIC_QUANT
 
     return (*PLAIN_FORMATS, *SYNTHETIC_QUANT)

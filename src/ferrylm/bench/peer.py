@@ -132,6 +132,7 @@ def llama_command(binary: Path, cfg: PeerConfig, port: int) -> list[str]:
 
 
 def ferry_command(cfg: PeerConfig, port: int) -> list[str]:
+    """argv of the `ferry serve` side: the GGUF, ``port``, then the user's extra flags."""
     return [sys.executable, "-m", "ferrylm.cli", "serve", "--model", str(cfg.gguf), "--port", str(port),
             *cfg.ferry_args]
 

@@ -43,6 +43,7 @@ class MachineKey(_Frozen):
 
     @property
     def id(self) -> str:
+        """The key of this machine's entry: CPU model, physical cores, GPU name (or 'no GPU')."""
         return f"{self.cpu} | {self.cores} cores | {self.gpu or 'no GPU'}"
 
 
@@ -111,6 +112,7 @@ class ProfileFile(_Frozen):
 
 
 def profile_path() -> Path:
+    """The machine-profile JSON under the cache root (one entry per machine id)."""
     return cache_root() / PROFILE_FILE
 
 

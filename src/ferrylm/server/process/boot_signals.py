@@ -48,6 +48,7 @@ class BootSignals:
         self._first_at = 0.0
 
     def install(self, *, armed: bool = True) -> "BootSignals":
+        """Take SIGINT / SIGTERM over (``armed``: the first one raises :class:`BootInterrupted`; else recorded)."""
         self.armed = armed
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
