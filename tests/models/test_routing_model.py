@@ -203,3 +203,15 @@ def test_context_routes_a_step_once_and_drops_it_at_the_next_first_layer():
     assert torch.equal(ctx.choose(model, 1), model.route(1, torch.zeros(4, dtype=torch.int64), torch.arange(10, 14)))
     assert torch.equal(ctx.choose(model, 1, predict=True),
                        model.predict(1, torch.zeros(4, dtype=torch.int64), torch.arange(10, 14)))
+
+
+def test_prediction_breaks_ties_to_the_lower_expert_id():
+    """The uniform profile scores every expert alike before its fresh field: the prediction is the first k ids on
+    every device (a CUDA topk and a CPU topk break ties differently)."""
+    prof = get_profile("uniform")
+    e, k = prof.shape
+    model = RoutingModel(prof, e, k, seed=3, layers=range(2))
+    keys, pos = torch.arange(5) * 977, torch.arange(5)
+    pred = model.predict(1, keys, pos)
+    assert torch.equal(pred, torch.arange(k).expand(5, k))
+    assert torch.equal(model.route_all(keys, pos)[1][model.layer_slot(1)], pred)

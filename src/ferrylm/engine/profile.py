@@ -102,11 +102,10 @@ def _step(runner: ModelRunner, pool: KVPool, state_pool: StatePool | None, progr
           prompts: list[list[int]], decode: bool = False) -> None:
     """One prefill step of ``prompts`` (then, with ``decode``, one decode step of all of them); frees what it took."""
     greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    prompts = fit_to_pages(prompts, pool.allocator.num_free, pool.page_size)
     reqs = [Request(f"warmup-{i}", p, greedy, status=Status.RUNNING) for i, p in enumerate(prompts)]
     try:
         for r in reqs:
-            if pages_needed(r.num_tokens + 1, pool.page_size) > pool.allocator.num_free:
-                raise RuntimeError("warmup did not finish: the KV pool cannot hold the warmup requests")
             r.page_table = pool.allocator.allocate(pages_needed(r.num_tokens + 1, pool.page_size))
             if state_pool is not None:
                 r.state_slot = state_pool.allocate()
@@ -118,6 +117,26 @@ def _step(runner: ModelRunner, pool: KVPool, state_pool: StatePool | None, progr
             pool.allocator.free(reversed(r.page_table))
             if state_pool is not None and r.state_slot is not None:
                 state_pool.free(r.state_slot)
+
+
+def fit_to_pages(prompts: list[list[int]], free_pages: int, page_size: int) -> list[list[int]]:
+    """``prompts`` cut from the end so that each, with one token to sample, fits the ``free_pages`` pages of
+    ``page_size`` tokens: no step the engine runs holds more than its pool (an explicit ``--num-pages`` smaller than
+    the prefill chunk), so neither does the warmup's.
+
+    Raises:
+        RuntimeError: not one page is free.
+    """
+    out: list[list[int]] = []
+    for p in prompts:
+        room = free_pages * page_size - 1
+        if room < 1:
+            break
+        out.append(p[:room])
+        free_pages -= pages_needed(len(out[-1]) + 1, page_size)
+    if not out:
+        raise RuntimeError("warmup did not finish: the KV pool has no free page")
+    return out
 
 
 def _run(runner: ModelRunner, progress: StepProgress, seqs: list[ScheduledSeq]) -> None:

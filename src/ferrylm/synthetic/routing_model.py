@@ -198,7 +198,12 @@ class RoutingModel:
     def predict(self, layer: int, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``[T, k]`` int64: the early evaluation of ``layer`` (made while the layer before runs): the top-k of
         its score without its fresh field (what a predictor reading the previous layer's state can know)."""
-        return torch.topk(self._known(layer, keys, positions), self.top_k, dim=-1).indices
+        return self._top_known(self._known(layer, keys, positions))
+
+    def _top_known(self, known: torch.Tensor) -> torch.Tensor:
+        """Top-k of the known score, ties to the lower expert id on every device (a profile without hot terms,
+        ``uniform``, scores every expert alike)."""
+        return torch.sort(known, dim=-1, descending=True, stable=True).indices[..., :self.top_k]
 
     #: most ``layers x tokens x experts`` elements :meth:`route_all` works on at once (32 MiB per int64 temporary)
     ALL_LAYERS_MAX_ELEMENTS = 1 << 22
@@ -218,7 +223,7 @@ class RoutingModel:
         k3, p3 = keys[None, :, None], positions[None, :, None]
         known = self._known_score(lt, k3, p3, log_pop, labels)
         score = known + math.sqrt(self.profile.phi) * self._field(lt, k3, p3, labels)
-        return (torch.topk(score, self.top_k, dim=-1).indices, torch.topk(known, self.top_k, dim=-1).indices)
+        return (torch.topk(score, self.top_k, dim=-1).indices, self._top_known(known))
 
     def layer_slot(self, layer: int) -> int:
         """Index of ``layer`` in :meth:`route_all`'s outputs. Raises KeyError for an unlisted layer."""
