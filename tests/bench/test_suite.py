@@ -93,12 +93,18 @@ def test_tables_take_the_newest_record_of_each_scenario(tmp_path):
         {"step": "build", "rc": 0},
         {"step": "lserve", "name": "l_gpu", "ready_s": 3.0, "gpu_used_mib": 23700,
          "runs": [{"tag": "c1", "itl_p50": 4.1, "out_tok_s": 230.0}, {"tag": "c16", "out_tok_s": 327.0},
-                  {"tag": "prefill8k", "ttft_p50": 1580.0}]}]))
+                  {"tag": "prefill8k", "ttft_p50": 1580.0}]},
+        {"step": "fserve", "name": "f_nocap", "ready_s": 40.0, "gpu_used_mib": 70000,
+         "runs": [{"tag": "c1", "itl_p50": 8.2, "out_tok_s": 120.0}, {"tag": "c16", "out_tok_s": 654.0},
+                  {"tag": "prefill8k", "ttft_p50": 790.0}]},
+        {"step": "fserve", "name": "f_cap12", "ready_s": None, "error": "memory plan does not fit"}]))
     block = tables.generate(tmp_path)
     row = next(line for line in block.splitlines() if line.startswith("| q |"))
     assert "**27.5**" in row and "2026-12-05-q.json" in row and "| 24 GiB |" in row and "0.34" in row
     assert "1.50 / 1.80" in row and "| 75.0 |" in row and "| 750 |" in row
     assert "| llama.cpp | l_gpu | 3.0 | 23700 | 4.1 | 243.9 | 327.0 | 1580 |" in block
+    assert "| ferrylm | f_cap12 | did not start: memory plan does not fit |" in block
+    assert "| f_nocap / l_gpu | whole model on the GPU | 0.50 | 2.00 | 2.00 |" in block   # c1: 4.1 / 8.2 ms
     doc = "# Benchmarks\n\nnarrative\n"
     once = tables.splice(doc, block)
     assert once.startswith("# Benchmarks\n\n" + tables.BEGIN) and once.endswith("narrative\n")

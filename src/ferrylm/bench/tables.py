@@ -22,9 +22,16 @@ def _num(v, fmt: str = "{:.1f}", none: str = "-") -> str:
     return none if v is None else fmt.format(v)
 
 
+def gpu_name(rec: dict) -> str:
+    """The record's GPU as a short name (``H100``, ``H200``; ``-`` when the record has none)."""
+    device = ((rec.get("machine") or {}).get("bandwidths") or {}).get("device") or ""
+    return next((w for w in device.split() if w[:1] in "ABHLT" and any(c.isdigit() for c in w)), device or "-")
+
+
 def load_suite(bench_dir: Path) -> list[dict]:
-    """The newest record of each scenario (file names start with the date), sorted by scenario name."""
-    newest: dict[str, tuple[str, dict]] = {}
+    """The newest record of each scenario on each GPU (file names start with the date), sorted by scenario name
+    then GPU."""
+    newest: dict[tuple[str, str], tuple[str, dict]] = {}
     for p in sorted(bench_dir.glob("*.json")):
         try:
             rec = json.loads(p.read_text())
@@ -32,7 +39,7 @@ def load_suite(bench_dir: Path) -> list[dict]:
             continue
         if not isinstance(rec, dict) or rec.get("kind") != SUITE_KIND:
             continue
-        name = rec["scenario"]
+        name = (rec["scenario"], gpu_name(rec))
         if name not in newest or p.name >= newest[name][0]:
             newest[name] = (p.name, rec | {"_file": p.name})
     return [newest[k][1] for k in sorted(newest)]
@@ -71,17 +78,17 @@ def _ttft_cells(r: dict) -> list[str]:
 
 def headline_table(recs: list[dict]) -> str:
     """One row per scenario: ready time, GPU memory, c1 decode beside its roofline, c16, long-prompt TTFT."""
-    head = ("| scenario | backend | cap | ready s | GPU MiB | c1 tok/s (ITL p50 / p90) | floor tok/s (bound) | "
+    head = ("| scenario | GPU | backend | cap | ready s | GPU MiB | c1 tok/s (ITL p50 / p90) | floor tok/s (bound) | "
             "c1 / floor | hit % | PCIe MB / token | c16 tok/s | 8k TTFT p50 / p90 s | one-pass floor s | JSON |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for rec in recs:
         srv = (rec.get("memory_before") or {}).get("server") or {}
         c16 = _run(rec, "c16")
         if rec.get("error"):
-            rows.append(f"| {rec['scenario']} | - | {_cap(rec)} | {rec['error']} |" + " - |" * 10
+            rows.append(f"| {rec['scenario']} | {gpu_name(rec)} | - | {_cap(rec)} | {rec['error']} |" + " - |" * 10
                         + f" {rec['_file']} |")
             continue
-        cells = [rec["scenario"], srv.get("moe_backend", "-"), _cap(rec), _num(rec.get("ready_s"), "{:.0f}"),
+        cells = [rec["scenario"], gpu_name(rec), srv.get("moe_backend", "-"), _cap(rec), _num(rec.get("ready_s"), "{:.0f}"),
                  _num(rec.get("gpu_used_mib"), "{:.0f}"), *_decode_cells(_run(rec, "c1")),
                  _num(c16.get("output_throughput")) if c16 else "-", *_ttft_cells(_run(rec, "p8k")), rec["_file"]]
         rows.append("| " + " | ".join(cells) + " |")
@@ -90,15 +97,15 @@ def headline_table(recs: list[dict]) -> str:
 
 def long_table(recs: list[dict]) -> str:
     """Scenarios with a 30k prompt, c64 or agent turns."""
-    rows = ["| scenario | 30k TTFT p50 s | ITL p50 at 30k ms | c1 ITL p50 ms | c64 tok/s | turn 1 TTFT s | "
-            "turns 2+ TTFT p50 s | cached share turns 2+ | JSON |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| scenario | GPU | 30k TTFT p50 s | ITL p50 at 30k ms | c1 ITL p50 ms | c64 tok/s | turn 1 TTFT s | "
+            "turns 2+ TTFT p50 s | cached share turns 2+ | JSON |", "|---|---|---|---|---|---|---|---|---|---|"]
     for rec in recs:
         p30, c64, turns = _run(rec, "p30k"), _run(rec, "c64"), _run(rec, "turns")
         if not (p30 or c64 or turns):
             continue
         later = turns.get("later_turns") or {}
         first = (turns.get("turns") or [{}])[0].get("ttft_ms", {}).get("p50") if turns else None
-        cells = [rec["scenario"],
+        cells = [rec["scenario"], gpu_name(rec),
                  _num((p30.get("ttft_ms") or {}).get("p50", 0) / 1000, "{:.2f}") if p30 else "-",
                  _num((p30.get("itl_ms") or {}).get("p50")) if p30 else "-",
                  _num((_run(rec, "c1").get("itl_ms") or {}).get("p50")),
@@ -110,29 +117,60 @@ def long_table(recs: list[dict]) -> str:
     return "\n".join(rows) if len(rows) > 2 else ""
 
 
+#: ferrylm / llama.cpp configurations compared at (about) the same GPU memory: (ferrylm, llama.cpp, what is equal)
+PEER_PAIRS = (("f_nocap", "l_gpu", "whole model on the GPU"), ("f_cap17", "l_n20", "~17 GB of GPU memory"),
+              ("f_cap12", "l_n34", "~12-13 GB of GPU memory"), ("f_cpu8", "l_cpu", "experts on the CPU"))
+
+
 def load_peer(bench_dir: Path) -> tuple[str, list[dict]]:
-    """The newest ``*-peer-llamacpp.json`` (its file name and serve rows), or ("", [])."""
+    """The newest ``*-peer-llamacpp.json`` (its file name and rows: serve rows and the machine row), or ("", [])."""
     files = sorted(bench_dir.glob("*-peer-llamacpp.json"))
     if not files:
         return "", []
     rows = json.loads(files[-1].read_text())
-    return files[-1].name, [r for r in rows if r.get("step") in ("lserve", "fserve")]
+    return files[-1].name, [r for r in rows if r.get("step") in ("lserve", "fserve", "machine")]
+
+
+def _peer_speeds(r: dict) -> dict[str, float | None]:
+    """c1 tok/s (1 / ITL p50), c16 aggregate tok/s and 8k prefill tok/s (8000 / TTFT p50) of one serve row."""
+    runs = {x["tag"]: x for x in r.get("runs") or []}
+    c1, c16, p8 = runs.get("c1", {}), runs.get("c16", {}), runs.get("prefill8k", {})
+    return {"c1": 1000 / c1["itl_p50"] if c1.get("itl_p50") else None, "c16": c16.get("out_tok_s"),
+            "p8k": 8000e3 / p8["ttft_p50"] if p8.get("ttft_p50") else None}
+
+
+def _ratio(f: float | None, ref: float | None) -> str:
+    return _num(f / ref if f and ref else None, "{:.2f}")
 
 
 def peer_table(name: str, rows: list[dict]) -> str:
-    """llama.cpp and ferrylm on the same GGUF, one row per configuration (../shared/peer's serve matrix)."""
-    if not rows:
+    """llama.cpp and ferrylm on the same GGUF, one row per configuration (../shared/peer's serve matrix), then
+    ferrylm's speed over llama.cpp's for each pair in :data:`PEER_PAIRS`."""
+    serve = [r for r in rows if r["step"] != "machine"]
+    if not serve:
         return ""
+    machine = next((r for r in rows if r["step"] == "machine"), {})
     out = ["| engine | config | ready s | GPU MiB | c1 ITL p50 ms | c1 tok/s | c16 tok/s | 8k TTFT p50 ms |",
            "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in serve:
         runs = {x["tag"]: x for x in r.get("runs") or []}
         c1, c16, p8 = runs.get("c1", {}), runs.get("c16", {}), runs.get("prefill8k", {})
-        out.append(f"| {'llama.cpp' if r['step'] == 'lserve' else 'ferrylm'} | {r['name']} | "
-                   f"{_num(r.get('ready_s'))} | {_num(r.get('gpu_used_mib'), '{:.0f}')} | {_num(c1.get('itl_p50'))} | "
-                   f"{_num(1000 / c1['itl_p50'] if c1.get('itl_p50') else None)} | {_num(c16.get('out_tok_s'))} | "
-                   f"{_num(p8.get('ttft_p50'), '{:.0f}')} |")
-    return f"llama.cpp side by side (`{name}`):\n\n" + "\n".join(out)
+        head = f"| {'llama.cpp' if r['step'] == 'lserve' else 'ferrylm'} | {r['name']} | "
+        if r.get("error"):
+            out.append(head + f"did not start: {r['error'][:160]} |" + " - |" * 5)
+            continue
+        out.append(head + f"{_num(r.get('ready_s'))} | {_num(r.get('gpu_used_mib'), '{:.0f}')} | "
+                   f"{_num(c1.get('itl_p50'))} | {_num(1000 / c1['itl_p50'] if c1.get('itl_p50') else None)} | "
+                   f"{_num(c16.get('out_tok_s'))} | {_num(p8.get('ttft_p50'), '{:.0f}')} |")
+    by = {r["name"]: r for r in serve}
+    ratios = ["| ferrylm / llama.cpp | equal | c1 | c16 | 8k prefill |", "|---|---|---|---|---|"]
+    for f, ref, what in PEER_PAIRS:
+        if f in by and ref in by:
+            fs, ls = _peer_speeds(by[f]), _peer_speeds(by[ref])
+            ratios.append(f"| {f} / {ref} | {what} | " + " | ".join(_ratio(fs[k], ls[k]) for k in fs) + " |")
+    where = f" on {machine['device']}" if machine.get("device") else ""
+    return (f"llama.cpp side by side{where} (`{name}`):\n\n" + "\n".join(out)
+            + ("\n\n" + "\n".join(ratios) if len(ratios) > 2 else ""))
 
 
 def generate(bench_dir: Path) -> str:
