@@ -369,7 +369,7 @@ async def messages(ctx: RouteContext, request: Request, rid: str) -> Response:
         elif kind == "text":
             content.append({"type": "text", "text": x})
         else:
-            content.append({"type": "tool_use", "id": _tool_id(x), "name": x.name, "input": json.loads(x.arguments)})
+            content.append({"type": "tool_use", "id": _tool_id(x), "name": x.name, "input": x.arguments_object()})
     if not any(b["type"] in ("text", "tool_use") for b in content):
         content.append({"type": "text", "text": ""})
     reason, seq = stop_reason(res.finish_reason, ch.text.stops.matched)
