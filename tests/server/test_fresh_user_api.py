@@ -1,6 +1,6 @@
 """What a new user's trial found in the HTTP face (issue 43), through the real ``openai`` / ``anthropic`` SDKs
-against the ASGI app with a scripted engine: a forced tool call cut by ``max_tokens`` keeps its text, Anthropic's
-``message_start`` carries the cache figures, error ``param`` names, HEAD on the probe routes, CORS."""
+against the ASGI app with a scripted engine: Anthropic's ``message_start`` carries the cache figures, error ``param``
+names, HEAD on the probe routes, CORS. A forced tool call cut by ``max_tokens`` (item 1): test_tool_cut_app.py."""
 
 from __future__ import annotations
 
@@ -16,14 +16,7 @@ anthropic = pytest.importorskip("anthropic")
 
 pytestmark = pytest.mark.anyio
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-ANTH_WEATHER = {"name": "get_weather", "description": "Weather of a city",
-                "input_schema": WEATHER["function"]["parameters"]}
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
 MSGS = [{"role": "user", "content": "Weather in Oslo?"}]
-CUT = 10   # max_tokens: the call is cut inside its JSON
 
 
 def scripted(codec, text: str, **kw) -> FakeEngine:
@@ -41,45 +34,6 @@ def anth(app) -> "anthropic.AsyncAnthropic":
     hx = pytest.importorskip("httpx2") if "httpx2" in anthropic._base_client.__dict__ else httpx
     http = hx.AsyncClient(transport=hx.ASGITransport(app=app, raise_app_exceptions=False))
     return anthropic.AsyncAnthropic(http_client=http, base_url="http://test", api_key="x", max_retries=0)
-
-
-# ---- item 1: a forced call cut by max_tokens ------------------------------------------------------------
-
-
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-async def test_forced_call_cut_by_max_tokens_keeps_the_generated_text_openai(codec, tool_choice) -> None:
-    eng = scripted(codec, CALL)
-    generated = codec.decode(codec.encode(CALL, add_special_tokens=False)[:CUT])
-    client = oai(create_app(eng, codec, SERVED))
-    resp = await client.chat.completions.create(model=SERVED, messages=MSGS, tools=[WEATHER], max_tokens=CUT,
-                                                tool_choice=tool_choice)
-    assert eng.requests[-1][2].grammar   # forced
-    (choice,) = resp.choices
-    assert (choice.finish_reason, choice.message.content) == ("length", generated)
-    assert not choice.message.tool_calls
-    stream = await client.chat.completions.create(model=SERVED, messages=MSGS, tools=[WEATHER], max_tokens=CUT,
-                                                  tool_choice=tool_choice, stream=True)
-    text, finish = "", None
-    async for chunk in stream:
-        for ch in chunk.choices:
-            text += ch.delta.content or ""
-            finish = ch.finish_reason or finish
-    assert (finish, text) == ("length", generated)
-
-
-@pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
-async def test_forced_call_cut_by_max_tokens_keeps_the_generated_text_anthropic(codec, tool_choice) -> None:
-    eng = scripted(codec, CALL)
-    generated = codec.decode(codec.encode(CALL, add_special_tokens=False)[:CUT])
-    client = anth(create_app(eng, codec, SERVED))
-    kw = dict(model=SERVED, max_tokens=CUT, messages=MSGS, tools=[ANTH_WEATHER], tool_choice=tool_choice)
-    msg = await client.messages.create(**kw)
-    assert msg.stop_reason == "max_tokens"
-    assert [(b.type, b.text) for b in msg.content] == [("text", generated)]
-    async with client.messages.stream(**kw) as s:
-        final = await s.get_final_message()
-    assert final.stop_reason == "max_tokens"
-    assert [(b.type, b.text) for b in final.content] == [("text", generated)]
 
 
 # ---- item 2: Anthropic message_start and the prefix cache ---------------------------------------------

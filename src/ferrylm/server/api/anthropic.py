@@ -161,7 +161,8 @@ def convert_tools(tools: Any, choice: Any) -> tuple[list[ToolSpec], ToolChoice]:
                                      f"input_schema are)", param=f"tools.{i}.type")
             if "input_schema" not in t:
                 raise InvalidRequest(f"'tools.{i}.input_schema' is required", param=f"tools.{i}.input_schema")
-            specs.append(make_tool(t.get("name"), t.get("description"), t.get("input_schema"), None, f"tools.{i}"))
+            specs.append(make_tool(t.get("name"), t.get("description"), t.get("input_schema"), None, f"tools.{i}",
+                                   "input_schema"))
         check_unique(specs, "tools")
     if choice is None:
         return specs, ToolChoice("auto" if specs else "none")
@@ -369,7 +370,7 @@ async def messages(ctx: RouteContext, request: Request, rid: str) -> Response:
         elif kind == "text":
             content.append({"type": "text", "text": x})
         else:
-            content.append({"type": "tool_use", "id": _tool_id(x), "name": x.name, "input": json.loads(x.arguments)})
+            content.append({"type": "tool_use", "id": _tool_id(x), "name": x.name, "input": x.arguments_object()})
     if not any(b["type"] in ("text", "tool_use") for b in content):
         content.append({"type": "text", "text": ""})
     reason, seq = stop_reason(res.finish_reason, ch.text.stops.matched)

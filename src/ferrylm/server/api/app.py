@@ -622,7 +622,8 @@ class _Server(CompletionRoutes):
         turn = TurnConfig(reasoning=self.reasoning, starts_in_reasoning=self.reasoning and params.grammar is None
                           and prompt_opens_thinking(text, prefill), tool_names=tools, tool_parser=self.tool_parser,
                           tool_schemas={t.name: t.parameters for t in job.tools} if tools else None,
-                          harmony=self.harmony, harmony_prime=tuple(open_message(prompt_ids)) if self.harmony else ())
+                          forced=bool(tools) and job.tool_choice.forced, harmony=self.harmony,
+                          harmony_prime=tuple(open_message(prompt_ids)) if self.harmony else ())
         await self._start(request, rid, gen, job.stream)
         return ChatRun(gen, prompt_ids, turn)
 

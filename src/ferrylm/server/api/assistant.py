@@ -49,8 +49,9 @@ class TurnDelta:
 
 
 class OutputReader(Protocol):
-    """A choice's output → pieces (reasoning text, content text, complete calls) in generation order, released as
-    they become certain. ``feed`` gets each output's text and token ids (a reader reads one or the other)."""
+    """A choice's output → pieces (reasoning text, content text, calls) in generation order, released as they
+    become certain; a call the output ended in may come last, unfinished (``ToolCall.complete`` False). ``feed``
+    gets each output's text and token ids (a reader reads one or the other)."""
 
     def feed(self, text: str, token_ids: Sequence[int]) -> list[Piece]: ...
 
@@ -62,16 +63,19 @@ class TurnConfig:
     """How a request's output is read: ``reasoning`` on (template with ``</think>``), whether the prompt opened
     the block already, the tool names to parse calls for (None: no tool parsing), the call format
     (``tool_parser``: a name of :data:`ferrylm.server.text.tool_parsers.TOOL_PARSERS`) and the tools' parameter
-    schemas (``name -> schema``; the XML-style formats type argument values by them). Text the parser still holds
-    when the output ends (a call cut by ``max_tokens``, forced or not) is content: the client sees every generated
-    token. ``harmony``: the served harmony codec (then the output is read by channel, and ``harmony_prime`` is
-    the prompt's open message); the reasoning and call-format fields are not used then."""
+    schemas (``name -> schema``; the XML-style formats type argument values by them). ``forced``: a grammar forces
+    the output to be calls (``tool_choice`` required or named), so a block the output ended in (``max_tokens``) is
+    the call it was cut in: an unfinished call (``ToolCall.complete`` False, the arguments generated so far), never
+    content. Without it such a block is content (it may be the model's prose). ``harmony``: the served harmony
+    codec (then the output is read by channel, and ``harmony_prime`` is the prompt's open message); the reasoning
+    and call-format fields are not used then."""
 
     reasoning: bool = False
     starts_in_reasoning: bool = False
     tool_names: tuple[str, ...] | None = None
     tool_parser: str = "hermes"
     tool_schemas: dict[str, dict] | None = None
+    forced: bool = False
     harmony: HarmonyCodec | None = None
     harmony_prime: tuple[int, ...] = ()
 
@@ -90,6 +94,7 @@ class TextReader:
         self.reasoning = ReasoningSplitter(cfg.starts_in_reasoning) if cfg.reasoning else None
         self.tools = make_tool_parser(cfg.tool_parser, cfg.tool_names, cfg.tool_schemas) \
             if cfg.tool_names is not None else None
+        self.forced = cfg.forced
 
     def feed(self, text: str, token_ids: Sequence[int] = ()) -> list[Piece]:
         if not text:
@@ -99,7 +104,10 @@ class TextReader:
 
     def finish(self) -> list[Piece]:
         r, c = self.reasoning.finish() if self.reasoning is not None else ("", "")
-        return self._pieces(r, [Piece(c)] if self.tools is None else self.tools.feed(c) + self.tools.finish())
+        if self.tools is None:
+            return self._pieces(r, [Piece(c)])
+        end = self.tools.finish_forced if self.forced else self.tools.finish
+        return self._pieces(r, self.tools.feed(c) + end())
 
     @staticmethod
     def _pieces(reasoning: str, pieces: list[Piece]) -> list[Piece]:
@@ -112,6 +120,7 @@ class AssistantTurn:
     def __init__(self, reader: OutputReader):
         self.reader = reader
         self.num_calls = 0
+        self.cut_call = False   # the output ended inside a call (an unfinished call was released)
 
     def feed(self, text: str, token_ids: Sequence[int] = (), index: int = 0) -> TurnDelta:
         return self._delta(index, self.reader.feed(text, token_ids))
@@ -123,17 +132,23 @@ class AssistantTurn:
         d = TurnDelta(index)
         for p in pieces:
             if p.call is not None:
-                d.calls.append((self.num_calls, p.call))
-                self.num_calls += 1
+                d.calls.append((self.count(p.call), p.call))
             elif p.reasoning:
                 d.reasoning += p.text
             else:
                 d.content += p.text
         return d
 
+    def count(self, call: ToolCall) -> int:
+        """Note a released call; its position among the turn's calls (from 0)."""
+        self.num_calls += 1
+        self.cut_call |= not call.complete
+        return self.num_calls - 1
+
     def finish_reason(self, engine_reason: str | None) -> str | None:
-        """``tool_calls`` for a turn that stopped by itself after making calls, else the engine's reason."""
-        return "tool_calls" if engine_reason == "stop" and self.num_calls else engine_reason
+        """``tool_calls`` for a turn that stopped by itself after making calls (none of them cut), else the
+        engine's reason."""
+        return "tool_calls" if engine_reason == "stop" and self.num_calls and not self.cut_call else engine_reason
 
 
 @dataclass
@@ -162,7 +177,7 @@ def whole_turn(cfg: TurnConfig, text: str, engine_reason: str | None, token_ids:
 
     for p in turn.reader.feed(text, token_ids) + turn.reader.finish():
         if p.call is not None:
-            turn.num_calls += 1
+            turn.count(p.call)
             add("call", p.call)
         elif p.text:
             add("reasoning" if p.reasoning else "text", p.text)

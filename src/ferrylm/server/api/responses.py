@@ -259,7 +259,10 @@ def _reasoning_item(item_id: str, text: str) -> dict:
     return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def _call_item(call: ToolCall, status: str = "completed", arguments: str | None = None) -> dict:
+def _call_item(call: ToolCall, status: str | None = None, arguments: str | None = None) -> dict:
+    """A ``function_call`` item; its status by default ``completed``, ``incomplete`` for a call the output ended
+    in (its ``arguments`` the JSON text generated so far)."""
+    status = status or ("completed" if call.complete else "incomplete")
     return {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
             "name": call.name, "arguments": call.arguments if arguments is None else arguments, "status": status}
 
@@ -329,8 +332,9 @@ def conversation_of(output: list[dict]) -> list[dict]:
         elif it["type"] == "reasoning":
             msg["reasoning_content"] = "".join(p["text"] for p in it.get("content", []))
         elif it["type"] == "function_call":
-            msg.setdefault("tool_calls", []).append({"id": it["call_id"], "type": "function", "function": {
-                "name": it["name"], "arguments": json.loads(it["arguments"])}})
+            call = ToolCall(it["name"], it["arguments"], it["call_id"], complete=it["status"] != "incomplete")
+            msg.setdefault("tool_calls", []).append({"id": call.id, "type": "function", "function": {
+                "name": call.name, "arguments": call.arguments_object()}})
     return [msg]
 
 

@@ -3,7 +3,8 @@
 - ``analysis`` → reasoning, as it comes.
 - a message to ``functions.NAME`` (``commentary``, ``<|constrain|>json``) → one complete tool call when the message
   ends (``<|call|>``), if NAME is one of the request's tools and the arguments are a JSON object; else its text is
-  content (as the other formats do with a call they cannot read), and so are the arguments of a call the output cut.
+  content (as the other formats do with a call they cannot read). A call to a request tool that the output ended
+  in (``max_tokens``) is an unfinished call (``ToolCall.complete`` False) with the arguments generated so far.
 - ``final``, and ``commentary`` without a recipient (a preamble) → content, as it comes.
 - Output that never opens a message (no ``<|message|>``; a model not following the format) is content at the end,
   unless it began a channel header; output after a token the parser refuses is content, special tokens left out.
@@ -60,16 +61,20 @@ class HarmonyReader:
         return out
 
     def finish(self) -> list[Piece]:
-        """What is left at the end: the text of a cut call, output outside the format, undecoded bytes."""
+        """What is left at the end: the call the output ended in (unfinished; its text when it is no call of a
+        request tool), output outside the format, undecoded bytes."""
         out: list[Piece] = []
         if self._raw is not None:
             tail = self._raw.decode(b"", final=True)
             if tail:
                 out.append(Piece(tail))
             return out
-        if self._args:
+        name = self._tool_name()
+        if name is not None and self._in_message:
+            out.append(Piece(call=ToolCall(name, self._args, complete=False)))
+        elif self._args:
             out.append(Piece(self._args))
-            self._args = ""
+        self._args = ""
         if not self._started and self._loose and CHANNEL not in self._loose:
             self._raw = codecs.getincrementaldecoder("utf-8")(errors="replace")
             self._raw_text(self._loose, out)
@@ -101,15 +106,19 @@ class HarmonyReader:
 
     def _end_message(self, out: list[Piece]) -> None:
         """A message closed: a recipient's message becomes a call (or content)."""
-        if self._recipient is not None:
-            name = self._recipient.removeprefix(f"{TOOL_NAMESPACE}.")
-            args = decode_arguments(self._args)
-            if (self.names is not None and name != self._recipient and name in self.names
-                    and args is not None):
-                out.append(Piece(call=ToolCall(name, json.dumps(args, ensure_ascii=False))))
-            elif self._args:
-                out.append(Piece(self._args))
+        name, args = self._tool_name(), decode_arguments(self._args)
+        if name is not None and args is not None:
+            out.append(Piece(call=ToolCall(name, json.dumps(args, ensure_ascii=False))))
+        elif self._args:
+            out.append(Piece(self._args))
         self._args, self._channel, self._recipient = "", None, None
+
+    def _tool_name(self) -> str | None:
+        """The request tool the message at hand is a call to (its recipient ``functions.NAME``), else None."""
+        if self._recipient is None or self.names is None:
+            return None
+        name = self._recipient.removeprefix(f"{TOOL_NAMESPACE}.")
+        return name if name != self._recipient and name in self.names else None
 
     def _raw_text(self, ids: Sequence[int], out: list[Piece]) -> None:
         assert self._raw is not None

@@ -138,8 +138,12 @@ def cfg_grammar(text: Any, param: str) -> str:
 
 
 def lark_grammar(text: str, param: str) -> str:
-    """Grammar from Lark text this server wrote (tool calls)."""
-    return validate(_ll().LLMatcher.grammar_from_lark(text), param)
+    """Grammar from Lark text this server wrote (tool calls). Raises InvalidRequest naming ``param`` with
+    llguidance's first line (the grammar it quotes after it is the server's, no help to the client)."""
+    try:
+        return validate(_ll().LLMatcher.grammar_from_lark(text), param)
+    except InvalidRequest as e:
+        raise InvalidRequest(e.message.split("\n", 1)[0], param=param) from None
 
 
 def response_format_grammar(rf: Any, param: str = "response_format", nested: bool = True) -> str | None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ferrylm.errors import InvalidRequest
-from ferrylm.server.text.structured import JSON_OPTIONS, check_ref_cycles, lark_grammar
+from ferrylm.server.text.structured import JSON_OPTIONS, check_ref_cycles, json_schema_grammar, lark_grammar
 from ferrylm.server.text.tool_parsers import fallback_footer, format_calls_as
 from ferrylm.server.text.tool_parsers.hermes import HermesToolParser
 
@@ -36,12 +36,14 @@ MAX_FORCED_CALLS = 8
 
 @dataclass(frozen=True)
 class ToolSpec:
-    """One function tool: ``parameters`` is its JSON schema (``{"type": "object"}`` when not given)."""
+    """One function tool: ``parameters`` is its JSON schema (``{"type": "object"}`` when not given); ``param``:
+    where that schema sits in the request (``tools.1.function.parameters``), for errors that concern it."""
 
     name: str
     description: str = ""
     parameters: dict = field(default_factory=lambda: {"type": "object"})
     strict: bool = False
+    param: str = "tools"
 
     def openai(self) -> dict:
         """The OpenAI chat shape templates expect: ``{"type": "function", "function": {...}}``."""
@@ -66,22 +68,38 @@ class ToolChoice:
         return self.mode in ("required", "named")
 
 
-def make_tool(name: Any, description: Any, parameters: Any, strict: Any, param: str) -> ToolSpec:
-    """Validate one tool's fields (``param`` is where it sits in the request). Raises InvalidRequest."""
+def make_tool(name: Any, description: Any, parameters: Any, strict: Any, param: str,
+              schema_field: str = "parameters") -> ToolSpec:
+    """Validate one tool's fields (``param`` is where it sits in the request, ``schema_field`` the name of its
+    schema there: Anthropic's ``input_schema``). Raises InvalidRequest naming the field."""
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise InvalidRequest(f"'{param}.name' must be 1-64 characters of letters, digits, '_', '-' or '.'; got "
                              f"{name!r}", param=f"{param}.name")
     if description is not None and not isinstance(description, str):
         raise InvalidRequest(f"'{param}.description' must be a string", param=f"{param}.description")
+    where = f"{param}.{schema_field}"
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
-    if not isinstance(parameters, dict):
-        raise InvalidRequest(f"'{param}.parameters' must be a JSON schema object", param=f"{param}.parameters")
-    if parameters.get("type", "object") != "object":
-        raise InvalidRequest(f"'{param}.parameters' must describe an object (type 'object')",
-                             param=f"{param}.parameters")
-    check_ref_cycles(parameters, f"{param}.parameters")
-    return ToolSpec(name, description or "", parameters, strict is True)
+    check_tool_schema(parameters, where)
+    return ToolSpec(name, description or "", parameters, strict is True, where)
+
+
+def check_tool_schema(schema: Any, where: str) -> None:
+    """A tool's arguments schema: a valid JSON schema (its ``$schema`` draft's meta-schema, else 2020-12's) of an
+    object, without a ``$ref`` loop. Raises InvalidRequest naming ``where`` and the place in the schema."""
+    from jsonschema import Draft202012Validator, SchemaError
+    from jsonschema.validators import validator_for
+
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"'{where}' must be a JSON schema object", param=where)
+    try:
+        validator_for(schema, default=Draft202012Validator).check_schema(schema)
+    except SchemaError as e:
+        msg = e.message if len(e.message) <= 160 else e.message[:157] + "..."
+        raise InvalidRequest(f"'{where}' is not a valid JSON schema: {msg} (at {e.json_path})", param=where) from None
+    if schema.get("type", "object") != "object":
+        raise InvalidRequest(f"'{where}' must describe an object (type 'object')", param=where)
+    check_ref_cycles(schema, where)
 
 
 def parse_openai_tools(tools: Any, param: str = "tools") -> list[ToolSpec]:
@@ -228,7 +246,18 @@ def tool_call_grammar(tools: list[ToolSpec], choice: ToolChoice, param: str = "t
     lark = (f"start: call{repeat}\n"
             f"call: {open_} \"\\n\" body \"\\n\" {close}\n"
             f"body: %json{json.dumps(body)}\n")
-    return lark_grammar(lark, "tools")
+    return forcing_grammar(lark, chosen)
+
+
+def forcing_grammar(lark: str, tools: list[ToolSpec]) -> str:
+    """``lark``, a grammar that forces calls to ``tools``, checked by llguidance. Raises InvalidRequest naming the
+    schema of the tool that cannot be enforced (``ToolSpec.param``) and why, else ``tools``."""
+    try:
+        return lark_grammar(lark, "tools")
+    except InvalidRequest:
+        for t in tools:
+            json_schema_grammar(strict_schema(t.parameters), t.param, strict=False)
+        raise
 
 
 def template_supports_tools(chat_template: Any) -> bool:

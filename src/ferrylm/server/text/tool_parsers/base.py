@@ -4,7 +4,9 @@ and returns what is now certain, text and complete calls (:class:`Piece`).
 A call is reported once its closing tag is seen and its body has the format's shape, naming one of the request's
 tools with object arguments; anything else goes out as ordinary text, so text that only mentions a tag is never
 swallowed. Decisions depend only on the text, never on how it was split, so a stream and a non-stream response
-carry the same calls and text. Nothing here imports torch.
+carry the same calls and text. The one exception is the end of an output a grammar forced to be calls
+(:meth:`ToolParser.finish_forced`): there the block still open is the call the output was cut in, released as an
+unfinished call, never as text. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -17,11 +19,26 @@ from typing import Any, Iterable, Mapping
 
 @dataclass
 class ToolCall:
-    """A parsed call; ``arguments`` is JSON text of an object."""
+    """A parsed call; ``arguments`` is JSON text of an object. ``complete`` False: the output ended inside the call
+    (``max_tokens``), ``arguments`` is the JSON text generated so far (a prefix of an object, or ``""``)."""
 
     name: str
     arguments: str
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    complete: bool = True
+
+    def arguments_object(self) -> dict:
+        """The arguments as an object; an unfinished call's hold the values its JSON prefix completed (a string
+        cut inside is left out), as the ``openai`` / ``anthropic`` SDKs read partial arguments."""
+        if self.complete:
+            return json.loads(self.arguments)
+        from pydantic_core import from_json
+
+        try:
+            value = from_json(self.arguments, allow_partial=True) if self.arguments.strip() else {}
+        except ValueError:
+            return {}
+        return value if isinstance(value, dict) else {}
 
 
 @dataclass
@@ -34,8 +51,10 @@ class Piece:
 
 
 class ToolParser:
-    """Interface: ``feed(text)`` → pieces now certain; ``finish()`` → the rest at the end of the output.
-    ``calls`` counts the calls released so far.
+    """Interface: ``feed(text)`` → pieces now certain; ``finish()`` → the rest at the end of the output (a block
+    never closed is text); ``finish_forced()`` → the rest at the end of an output a grammar forced to be calls.
+    ``calls`` counts the calls released so far. A parser holds the text of an open block (after its opening tag)
+    in ``_buf`` while ``_in_block``.
 
     Per format (class attributes): ``MARKUP``, the tags its calls are written with (when the vocabulary has them
     as *special* tokens a chat turn is detokenized with ``skip_special_tokens`` off, or they would vanish before
@@ -48,6 +67,8 @@ class ToolParser:
     TEMPLATE_MARK = ""
     ONE_SECTION = False
     calls: int = 0
+    _buf: str = ""
+    _in_block: bool = False
 
     def __init__(self, tool_names: Iterable[str] | None = None, schemas: Mapping[str, dict] | None = None):
         raise NotImplementedError
@@ -64,6 +85,23 @@ class ToolParser:
     def finish(self) -> list[Piece]:
         raise NotImplementedError
 
+    def finish_forced(self) -> list[Piece]:
+        """The end of an output a grammar forced to be calls (``tool_choice`` required or named): the block still
+        open is the call the output was cut in (``max_tokens``, a stop string), so it becomes the calls of
+        :meth:`cut_block`, never text; a tag cut short is dropped."""
+        out = self.feed("")
+        body = self._buf if self._in_block else ""
+        self._buf, self._in_block = "", False
+        calls = self.cut_block(body) if body else []
+        self.calls += len(calls)
+        return out + [Piece(call=c) for c in calls]
+
+    def cut_block(self, body: str) -> list[ToolCall]:
+        """The calls of a block the output ended in (``body``: the text after its opening tag): the whole calls it
+        holds, then the unfinished one (``complete=False``, arguments as JSON text so far) once its name is
+        whole and one of the request's tools; none when the name is not."""
+        raise NotImplementedError
+
 
 def partial_suffix(buf: str, tag: str) -> int:
     """Length of the longest suffix of ``buf`` that is a proper prefix of ``tag``."""
@@ -71,6 +109,12 @@ def partial_suffix(buf: str, tag: str) -> int:
         if buf.endswith(tag[:k]):
             return k
     return 0
+
+
+def cut_arguments(pairs: dict) -> str:
+    """The JSON text of an unfinished call whose arguments are ``pairs`` so far (the XML-style formats): the
+    object without its closing brace, a prefix of the whole call's arguments."""
+    return json.dumps(pairs, ensure_ascii=False)[:-1]
 
 
 def decode_arguments(value: Any) -> dict | None:

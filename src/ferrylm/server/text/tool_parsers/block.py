@@ -15,7 +15,8 @@ import json
 import re
 from typing import Any, Iterable, Mapping
 
-from ferrylm.server.text.tool_parsers.base import Piece, ToolCall, ToolParser, decode_arguments, partial_suffix
+from ferrylm.server.text.tool_parsers.base import (Piece, ToolCall, ToolParser, cut_arguments, decode_arguments,
+                                                   partial_suffix)
 
 
 def coerce_value(text: str, schema: Any) -> Any:
@@ -47,20 +48,33 @@ def strip_newline(value: str) -> str:
     return value
 
 
-def match_all(pattern: re.Pattern, text: str, pos: int = 0, end: str = "") -> tuple[list[re.Match], int] | None:
-    """Consecutive matches of ``pattern`` from ``pos`` (the pattern takes its own leading blanks), then optional
-    blanks and ``end`` (``""``: the end of ``text``). Returns the matches and the index after ``end``, or None
-    when something else follows."""
+def leading(pattern: re.Pattern, text: str, pos: int = 0) -> tuple[list[re.Match], int]:
+    """Consecutive matches of ``pattern`` from ``pos``, and the index after the last (``pos`` when none)."""
     found = []
     while (m := pattern.match(text, pos)) is not None:
         found.append(m)
         pos = m.end()
+    return found, pos
+
+
+def match_all(pattern: re.Pattern, text: str, pos: int = 0, end: str = "") -> tuple[list[re.Match], int] | None:
+    """Consecutive matches of ``pattern`` from ``pos`` (the pattern takes its own leading blanks), then optional
+    blanks and ``end`` (``""``: the end of ``text``). Returns the matches and the index after ``end``, or None
+    when something else follows."""
+    found, pos = leading(pattern, text, pos)
     rest = len(text) - len(text[pos:].lstrip())
     if end:
         if not text.startswith(end, rest):
             return None
         return found, rest + len(end)
     return (found, rest) if rest == len(text) else None
+
+
+def strip_tail(text: str, tail: str) -> str:
+    """``text`` without ``tail`` at its end, or the start of ``tail`` it was cut in."""
+    if text.endswith(tail):
+        return text[:-len(tail)]
+    return text[:len(text) - partial_suffix(text, tail)]
 
 
 def unfence(text: str) -> str:
@@ -126,6 +140,21 @@ class BlockToolParser(ToolParser):
     def parse_block(self, body: str) -> list[ToolCall] | None:
         """The calls of a whole block body, or None when it is not a well-formed block of known tools."""
         raise NotImplementedError
+
+    def cut_calls(self, body: str) -> list[ToolCall]:
+        """The calls of an open block the output ended in (see :meth:`ToolParser.cut_block`)."""
+        raise NotImplementedError
+
+    def cut_block(self, body: str) -> list[ToolCall]:
+        """A block whose closing tag had begun (a start no other tag of ``MARKUP`` shares) is whole
+        (:meth:`parse_block`); else :meth:`cut_calls`."""
+        head = strip_tail(body, self._close)
+        tail = body[len(head):]
+        if tail and not any(t != self._close and t.startswith(tail) for t in self.MARKUP):
+            calls = self.parse_block(head)
+            if calls:
+                return calls
+        return self.cut_calls(body)
 
     def close_at(self, buf: str) -> int:
         """Index of the closing tag that ends the block whose body starts ``buf`` (-1: not seen yet). Default: the
@@ -214,6 +243,25 @@ class BlockToolParser(ToolParser):
                 return None
             args[key] = coerce_value(value, props.get(key))
         return ToolCall(name, json.dumps(args, ensure_ascii=False))
+
+    def _cut_call(self, name: str, pairs: list[tuple[str, str]]) -> ToolCall | None:
+        """The unfinished call of ``name`` with the whole ``(key, value text)`` pairs so far (None for an unknown
+        tool): its arguments the JSON text of those values (:func:`cut_arguments`)."""
+        if not self.known(name):
+            return None
+        props = (self.schemas.get(name) or {}).get("properties") or {}
+        return ToolCall(name, cut_arguments({k: coerce_value(v, props.get(k)) for k, v in pairs}), complete=False)
+
+    def _json_cut(self, name: str, arguments: str, call_id: str | None = None) -> ToolCall | None:
+        """The call of ``name`` the output ended in, its arguments the JSON text so far: whole when that text is
+        a whole object already (:meth:`_json_call`), else unfinished; None for an unknown tool."""
+        whole = self._json_call(name, arguments, call_id)
+        if whole is not None or not self.known(name):
+            return whole
+        text = arguments.lstrip()
+        if call_id is None:
+            return ToolCall(name, text, complete=False)
+        return ToolCall(name, text, call_id, complete=False)
 
     def _json_call(self, name: str, arguments: str, call_id: str | None = None) -> ToolCall | None:
         """A call of ``name`` whose arguments are JSON text of an object (or a JSON string holding one), or None

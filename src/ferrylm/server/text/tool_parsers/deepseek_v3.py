@@ -33,7 +33,7 @@ import re
 from typing import Any
 
 from ferrylm.server.text.tool_parsers.base import ToolCall
-from ferrylm.server.text.tool_parsers.block import BlockToolParser, match_all, object_args, unfence
+from ferrylm.server.text.tool_parsers.block import BlockToolParser, leading, match_all, object_args, strip_tail, unfence
 
 _BAR, _SP = "\uff5c", "\u2581"
 
@@ -50,6 +50,9 @@ MARKUP = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
 CALL_TYPE = "function"
 
 _CALL = re.compile(rf"\s*{re.escape(CALL_BEGIN)}(.*?){re.escape(SEP)}(.*?){re.escape(CALL_END)}", re.S)
+_CUT_CALL = re.compile(rf"\s*{re.escape(CALL_BEGIN)}(.*?){re.escape(SEP)}(.*)", re.S)
+_V3_NAME = re.compile(r"\s*([A-Za-z0-9_.\-]+)[ \t]*\n")
+_FENCE_OPEN, _FENCE_CLOSE = "```json\n", "\n```"
 _V3_REST = re.compile(r"\s*([A-Za-z0-9_.\-]+)[ \t]*(?:\n|(?=```))(.*)", re.S)
 
 
@@ -62,6 +65,21 @@ def split_call(head: str, rest: str) -> tuple[str, str]:
         if m is not None:
             return m[1], unfence(m[2])
     return head, unfence(rest)
+
+
+def split_cut_call(head: str, rest: str) -> tuple[str, str] | None:
+    """:func:`split_call` of the call the output ended in: ``(name, arguments text so far)`` once the name is whole
+    (V3's name line ended), else None."""
+    rest = strip_tail(rest, CALL_END)
+    if head.strip() != CALL_TYPE:
+        return head.strip(), rest
+    m = _V3_NAME.match(rest)
+    if m is None:
+        return None
+    args = rest[m.end():]
+    if args.startswith(_FENCE_OPEN):
+        return m[1], strip_tail(args[len(_FENCE_OPEN):], _FENCE_CLOSE)
+    return m[1], "" if _FENCE_OPEN.startswith(args) else args
 
 
 class DeepSeekV3ToolParser(BlockToolParser):
@@ -85,6 +103,15 @@ class DeepSeekV3ToolParser(BlockToolParser):
                 return None
             calls.append(call)
         return calls
+
+    def cut_calls(self, body: str) -> list[ToolCall]:
+        """The whole calls, then the one the output ended in once its name is whole (:func:`split_cut_call`)."""
+        found, pos = leading(_CALL, body)
+        calls = [c for m in found if (c := self._json_call(*split_call(m[1], m[2]))) is not None]
+        m = _CUT_CALL.match(body, pos)
+        parts = split_cut_call(m[1], m[2]) if m is not None else None
+        cut = self._json_cut(*parts) if parts is not None else None
+        return calls + ([cut] if cut is not None else [])
 
     @classmethod
     def render_calls(cls, calls: list[tuple[Any, Any, Any]]) -> str:

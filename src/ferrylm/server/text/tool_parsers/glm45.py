@@ -16,7 +16,7 @@ import re
 from typing import Any
 
 from ferrylm.server.text.tool_parsers.base import ToolCall
-from ferrylm.server.text.tool_parsers.block import BlockToolParser, object_args, value_text
+from ferrylm.server.text.tool_parsers.block import BlockToolParser, leading, object_args, value_text
 
 _GLM_NAME = re.compile(r"[A-Za-z0-9_.\-]*")
 _GLM_PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
@@ -51,6 +51,14 @@ class Glm45ToolParser(BlockToolParser):
             return None
         call = self._call(name, pairs)
         return None if call is None else [call]
+
+    def cut_calls(self, body: str) -> list[ToolCall]:
+        """The unfinished call once its name line is whole, with the whole key/value pairs."""
+        end = _GLM_NAME.match(body).end()
+        if end == len(body):
+            return []
+        call = self._cut_call(body[:end], [(m[1].strip(), m[2]) for m in leading(_GLM_PAIR, body, end)[0]])
+        return [call] if call is not None else []
 
     @classmethod
     def render_calls(cls, calls: list[tuple[Any, Any, Any]]) -> str:

@@ -24,8 +24,8 @@ import json
 from typing import Any, Callable
 
 from ferrylm.errors import InvalidRequest
-from ferrylm.server.text.structured import JSON_OPTIONS, lark_grammar
-from ferrylm.server.text.tools import MAX_FORCED_CALLS, ToolChoice, ToolSpec, strict_schema
+from ferrylm.server.text.structured import JSON_OPTIONS
+from ferrylm.server.text.tools import MAX_FORCED_CALLS, ToolChoice, ToolSpec, forcing_grammar, strict_schema
 
 Term = Callable[[str], str]  # text -> its Lark term (a literal, or an added token ``<[id]>``; tools.lark_term)
 
@@ -72,8 +72,8 @@ def _arguments(tool: ToolSpec, prefix: str, pair: Callable[[str, str], str], rul
     required = set(tool.parameters.get("required") or ())
     missing = required - set(props)
     if missing:
-        raise InvalidRequest(f"tool {tool.name!r}: required parameter {sorted(missing)[0]!r} is not among its "
-                             f"'properties', so a forced call cannot give it", param="tools")
+        raise InvalidRequest(f"'{tool.param}': required parameter {sorted(missing)[0]!r} is not among its "
+                             f"'properties', so a forced call cannot give it", param=tool.param)
     seq = []
     for j, (key, sub) in enumerate(props.items()):
         name = f"{prefix}_k{j}"
@@ -101,7 +101,7 @@ def glm45_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _liter
         alts.append(f"c{i}")
     repeat = f' ("\\n" call){{0,{MAX_FORCED_CALLS - 1}}}' if choice.mode == "required" and choice.parallel else ""
     lark = "\n".join([f"start: call{repeat}", f"call: {' | '.join(alts)}", *rules]) + "\n"
-    return lark_grammar(lark, "tools")
+    return forcing_grammar(lark, _chosen(tools, choice))
 
 
 def minimax_m2_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _literal) -> str:
@@ -119,7 +119,7 @@ def minimax_m2_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _
     repeat = f' ("\\n" invoke){{0,{MAX_FORCED_CALLS - 1}}}' if choice.mode == "required" and choice.parallel else ""
     lark = "\n".join([f'start: {b_open} "\\n" invoke{repeat} "\\n" {b_close}', f"invoke: {' | '.join(alts)}",
                       *rules]) + "\n"
-    return lark_grammar(lark, "tools")
+    return forcing_grammar(lark, _chosen(tools, choice))
 
 
 def _repeat(choice: ToolChoice, sep: str = '"\\n"', what: str = "call") -> str:
@@ -149,7 +149,7 @@ def deepseek_v3_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = 
         alts.append(f"c{i}")
     lark = "\n".join([f"start: {b_open} call{_repeat(choice, _OPTIONAL_NEWLINE)} {b_close}",
                       f"call: {' | '.join(alts)}", *rules]) + "\n"
-    return lark_grammar(lark, "tools")
+    return forcing_grammar(lark, _chosen(tools, choice))
 
 
 def kimi_k2_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _literal) -> str:
@@ -166,7 +166,7 @@ def kimi_k2_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _lit
         alts.append(f"c{i}")
     lark = "\n".join([f"start: {s_open} call{_repeat(choice, '')} {s_close}", f"call: {' | '.join(alts)}",
                       *rules]) + "\n"
-    return lark_grammar(lark, "tools")
+    return forcing_grammar(lark, _chosen(tools, choice))
 
 
 #: a Qwen3-Coder string value and its closing tag: any text up to the first ``</parameter>`` (the parser ends the
@@ -193,7 +193,7 @@ def qwen3_coder_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = 
                      f'{_literal(qc.FUNCTION_END + chr(10))} {t_close}')
         alts.append(f"c{i}")
     lark = "\n".join([f"start: call{_repeat(choice)}", f"call: {' | '.join(alts)}", *rules]) + "\n"
-    return lark_grammar(lark, "tools")
+    return forcing_grammar(lark, _chosen(tools, choice))
 
 
 def harmony_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _literal) -> str:
@@ -207,7 +207,7 @@ def harmony_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _lit
                      f"{_arguments_json(tool)}")
         alts.append(f"c{i}")
     lark = "\n".join([f"start: {channel} call {call}", f"call: {' | '.join(alts)}", *rules]) + "\n"
-    return lark_grammar(lark, "tools")
+    return forcing_grammar(lark, _chosen(tools, choice))
 
 
 GRAMMARS = {"harmony": harmony_grammar, "glm45": glm45_grammar, "minimax_m2": minimax_m2_grammar, "deepseek_v3": deepseek_v3_grammar,

@@ -11,9 +11,14 @@ or ``parameters``, an object or JSON text of one).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Iterable, Mapping
 
 from ferrylm.server.text.tool_parsers.base import Piece, ToolCall, ToolParser, decode_arguments, partial_suffix
+
+
+#: the head of a call body cut short: its whole name, then (once begun) the arguments' key
+_CUT_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*(?:,\s*"(arguments|parameters)"\s*:\s*)?', re.S)
 
 
 def _close_outside_json_string(buf: str, tag: str) -> int:
@@ -57,7 +62,7 @@ class HermesToolParser(ToolParser):
         self.names = None if tool_names is None else frozenset(tool_names)
         self.calls = 0
         self._buf = ""
-        self._in_call = False
+        self._in_block = False
         self._ws = ""            # trailing whitespace of released text, held until we know what follows it
         self._after_call = False  # drop the whitespace that follows a call
         self._raw_close = False   # finish(): a body whose strings never close ends at the first closing tag
@@ -66,7 +71,7 @@ class HermesToolParser(ToolParser):
         self._buf += text
         out: list[Piece] = []
         while True:
-            if self._in_call:
+            if self._in_block:
                 # NOTE: the closing tag that ends the call is the first one outside a JSON string: a string
                 # argument may hold "</tool_call>" itself (a forced call's grammar allows any string)
                 j = self._buf.find(self.CLOSE) if self._raw_close else _close_outside_json_string(self._buf,
@@ -74,13 +79,13 @@ class HermesToolParser(ToolParser):
                 body = self._buf if j < 0 else self._buf[:j]
                 stripped = body.lstrip()
                 if stripped and not stripped.startswith("{"):   # not a call: the tag was just mentioned
-                    self._in_call = False
+                    self._in_block = False
                     self._text(self.OPEN, out)
                     continue
                 if j < 0:
                     return out
                 self._buf = self._buf[j + len(self.CLOSE):]
-                self._in_call = False
+                self._in_block = False
                 call = self._parse(body)
                 if call is None:
                     self._text(self.OPEN + body + self.CLOSE, out)
@@ -94,7 +99,7 @@ class HermesToolParser(ToolParser):
             if i >= 0:
                 self._text(self._buf[:i], out)
                 self._buf = self._buf[i + len(self.OPEN):]
-                self._in_call = True
+                self._in_block = True
                 continue
             keep = partial_suffix(self._buf, self.OPEN)
             self._text(self._buf[:len(self._buf) - keep], out)
@@ -103,16 +108,30 @@ class HermesToolParser(ToolParser):
 
     def finish(self) -> list[Piece]:
         out = self.feed("")
-        if self._in_call and self.CLOSE in self._buf:   # a malformed body (an unclosed string): the first tag
+        if self._in_block and self.CLOSE in self._buf:   # a malformed body (an unclosed string): the first tag
             self._raw_close = True
             out += self.feed("")
-        rest = (self.OPEN if self._in_call else "") + self._buf
-        self._buf, self._in_call = "", False
+        rest = (self.OPEN if self._in_block else "") + self._buf
+        self._buf, self._in_block = "", False
         self._text(rest, out)
         if self._ws and not self.calls:
             out.append(Piece(self._ws))
         self._ws = ""
         return out
+
+    def cut_block(self, body: str) -> list[ToolCall]:
+        """A body that is a whole call already (the closing tag missing or cut short) is that call; else the
+        unfinished call once its name is whole, its arguments the JSON text after ``"arguments":``."""
+        whole = self._parse(body[:len(body) - partial_suffix(body, self.CLOSE)])
+        if whole is not None:
+            return [whole]
+        m = _CUT_HEAD.match(body)
+        if m is None:
+            return []
+        name = json.loads(m[1])
+        if not isinstance(name, str) or (self.names is not None and name not in self.names):
+            return []
+        return [ToolCall(name, body[m.end():] if m[2] else "", complete=False)]
 
     def _text(self, text: str, out: list[Piece]) -> None:
         """Release ``text`` as content, holding its trailing whitespace (and dropping leading whitespace right

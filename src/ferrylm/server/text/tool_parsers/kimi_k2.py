@@ -23,7 +23,7 @@ import re
 from typing import Any
 
 from ferrylm.server.text.tool_parsers.base import ToolCall
-from ferrylm.server.text.tool_parsers.block import BlockToolParser, match_all, object_args
+from ferrylm.server.text.tool_parsers.block import BlockToolParser, leading, match_all, object_args, strip_tail
 
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CALL_BEGIN, ARGS_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
@@ -34,7 +34,14 @@ PREFIX = "functions."
 
 _CALL = re.compile(rf"\s*{re.escape(CALL_BEGIN)}\s*((?:functions\.)?([A-Za-z0-9_.\-]+):(\d+))\s*"
                    rf"{re.escape(ARGS_BEGIN)}(.*?){re.escape(CALL_END)}", re.S)
+_CUT_CALL = re.compile(rf"\s*{re.escape(CALL_BEGIN)}\s*((?:functions\.)?([A-Za-z0-9_.\-]+):(\d+))\s*"
+                       rf"{re.escape(ARGS_BEGIN)}(.*)", re.S)
 _ID = re.compile(r"functions\.([A-Za-z0-9_.\-]+):(\d+)")
+
+
+def _kimi_id(written: str) -> str:
+    """A call's id as the model wrote it, with the ``functions.`` prefix."""
+    return written if written.startswith(PREFIX) else f"{PREFIX}{written}"
 
 
 class KimiK2ToolParser(BlockToolParser):
@@ -53,12 +60,19 @@ class KimiK2ToolParser(BlockToolParser):
             return None
         calls = []
         for m in found[0]:
-            call_id = m[1] if m[1].startswith(PREFIX) else f"{PREFIX}{m[1]}"
-            call = self._json_call(m[2], m[4], call_id)
+            call = self._json_call(m[2], m[4], _kimi_id(m[1]))
             if call is None:
                 return None
             calls.append(call)
         return calls
+
+    def cut_calls(self, body: str) -> list[ToolCall]:
+        """The whole calls, then the one the output ended in once its arguments began."""
+        found, pos = leading(_CALL, body)
+        calls = [c for m in found if (c := self._json_call(m[2], m[4], _kimi_id(m[1]))) is not None]
+        m = _CUT_CALL.match(body, pos)
+        cut = self._json_cut(m[2], strip_tail(m[4], CALL_END), _kimi_id(m[1])) if m is not None else None
+        return calls + ([cut] if cut is not None else [])
 
     @classmethod
     def render_calls(cls, calls: list[tuple[Any, Any, Any]]) -> str:

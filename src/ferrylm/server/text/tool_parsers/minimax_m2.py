@@ -16,9 +16,11 @@ import re
 from typing import Any
 
 from ferrylm.server.text.tool_parsers.base import ToolCall
-from ferrylm.server.text.tool_parsers.block import BlockToolParser, match_all, object_args, strip_newline, value_text
+from ferrylm.server.text.tool_parsers.block import (BlockToolParser, leading, match_all, object_args, strip_newline,
+                                                    value_text)
 
 _MM_INVOKE = re.compile(r"\s*<invoke name=(\"[^\"<>]*\"|'[^'<>]*'|[^\s<>]+)>(.*?)</invoke>", re.S)
+_MM_HEAD = re.compile(r"\s*<invoke name=(\"[^\"<>]*\"|'[^'<>]*'|[^\s<>]+)>")
 _MM_PARAM = re.compile(r"\s*<parameter name=(\"[^\"<>]*\"|'[^'<>]*'|[^\s<>]+)>(.*?)</parameter>", re.S)
 
 
@@ -49,6 +51,17 @@ class MiniMaxM2ToolParser(BlockToolParser):
             if call is None:
                 return None
             calls.append(call)
+        return calls
+
+    def cut_calls(self, body: str) -> list[ToolCall]:
+        """The whole invokes, then the unfinished one once its ``<invoke name=...>`` is whole."""
+        invokes, pos = leading(_MM_INVOKE, body)
+        calls = (self.parse_block(body[:pos]) or []) if invokes else []
+        head = _MM_HEAD.match(body, pos)
+        if head is not None:
+            params = leading(_MM_PARAM, body, head.end())[0]
+            call = self._cut_call(_unquote(head[1]), [(_unquote(p[1]), strip_newline(p[2])) for p in params])
+            calls += [call] if call is not None else []
         return calls
 
     @classmethod

@@ -30,7 +30,8 @@ import re
 from typing import Any
 
 from ferrylm.server.text.tool_parsers.base import ToolCall
-from ferrylm.server.text.tool_parsers.block import BlockToolParser, match_all, object_args, strip_newline, value_text
+from ferrylm.server.text.tool_parsers.block import (BlockToolParser, leading, match_all, object_args, strip_newline,
+                                                    value_text)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END = "<function=", "</function>"
@@ -90,6 +91,20 @@ class Qwen3CoderToolParser(BlockToolParser):
         if not calls or body[pos:].strip():
             return None
         return calls
+
+    def cut_calls(self, body: str) -> list[ToolCall]:
+        """The function the output ended in once its ``<function=NAME>`` is whole, with the whole parameters;
+        whole when its ``</function>`` was written."""
+        if self._open == FUNCTION:
+            body = FUNCTION + body
+        head = _FUNCTION.match(body)
+        if head is None:
+            return []
+        params, pos = leading(_PARAM, body, head.end())
+        pairs = [(p[1].strip(), strip_newline(p[2])) for p in params]
+        whole = body[pos:].lstrip().startswith(FUNCTION_END)
+        call = (self._call if whole else self._cut_call)(head[1].strip(), pairs)
+        return [call] if call is not None else []
 
     @classmethod
     def render_calls(cls, calls: list[tuple[Any, Any, Any]]) -> str:

@@ -1,0 +1,127 @@
+"""A forced tool call cut by ``max_tokens`` (``ToolParser.finish_forced``): in every call format the block the
+output ended in is an unfinished call (the arguments generated so far), never content with markup; the same for
+any chunking, and for harmony's call messages. The routes' side is tests/server/test_tool_cut_app.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ferrylm.server.api.assistant import TurnConfig, whole_turn
+from ferrylm.server.text.tool_parsers import TOOL_PARSERS, format_calls_as, make_tool_parser
+from ferrylm.server.text.tool_parsers.base import ToolCall
+
+NAMES = ("get_weather", "search")
+SCHEMAS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+           "search": {"type": "object", "properties": {"q": {"type": "string"}}}}
+ARGS = {"city": "Oslo", "days": 3}
+WHOLE = json.dumps(ARGS)
+FORMATS = list(TOOL_PARSERS.names)
+
+
+def forced_output(fmt: str) -> str:
+    """One call of ``get_weather`` in ``fmt``'s markup, as a forced reply writes it."""
+    return format_calls_as(fmt, [{"id": "functions.get_weather:0", "function": {"name": "get_weather",
+                                                                                "arguments": ARGS}}])
+
+
+def cut(fmt: str, text: str, chunk: int = 0) -> list:
+    parser = make_tool_parser(fmt, NAMES, SCHEMAS)
+    chunks = [text[i:i + chunk] for i in range(0, len(text), chunk)] if chunk else [text]
+    return [p for c in chunks for p in parser.feed(c)] + parser.finish_forced()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_cut_of_a_forced_call_is_a_call_or_nothing(fmt: str) -> None:
+    """Cut at every character: no text (markup or other) comes out; at most one call, of the right tool, whose
+    arguments are a prefix of the whole call's (equal once it is complete); the whole output is the whole call."""
+    text = forced_output(fmt)
+    seen_cut = False
+    for k in range(len(text) + 1):
+        pieces = cut(fmt, text[:k])
+        assert all(not p.text.strip() for p in pieces if p.call is None), (k, text[:k], pieces)
+        calls = [p.call for p in pieces if p.call is not None]
+        assert len(calls) <= 1, (k, calls)
+        if not calls:
+            assert not seen_cut, f"a call was released at a shorter cut, none at {text[:k]!r}"
+            continue
+        (call,) = calls
+        assert call.name == "get_weather"
+        if call.complete:
+            assert json.loads(call.arguments) == ARGS, (k, call)
+        else:
+            seen_cut = True
+            assert WHOLE.startswith(call.arguments), (k, text[:k], call.arguments)
+    assert seen_cut   # some cut falls inside the arguments
+    (last,) = [p.call for p in cut(fmt, text) if p.call is not None]
+    assert last.complete and json.loads(last.arguments) == ARGS
+
+
+@settings(max_examples=40, deadline=None)
+@given(fmt=st.sampled_from(FORMATS), k=st.integers(0, 400), chunk=st.integers(1, 9))
+def test_a_cut_forced_call_does_not_depend_on_chunking(fmt: str, k: int, chunk: int) -> None:
+    text = forced_output(fmt)[:k]
+
+    def key(pieces: list) -> list:
+        return [(p.text, p.call and (p.call.name, p.call.arguments, p.call.complete)) for p in pieces]
+
+    assert key(cut(fmt, text, chunk)) == key(cut(fmt, text))
+
+
+def test_hermes_cut_inside_the_arguments_and_before_the_closing_tag() -> None:
+    head = '<tool_call>\n{"name": "get_weather", "arguments": '
+    (call,) = [p.call for p in cut("hermes", head + '{"city": "Oslo", "da')]
+    assert (call.name, call.arguments, call.complete) == ("get_weather", '{"city": "Oslo", "da', False)
+    assert call.arguments_object() == {"city": "Oslo"}   # what the SDKs' partial JSON readers see
+    (call,) = [p.call for p in cut("hermes", head + WHOLE + "}\n</tool_")]   # only the closing tag is short
+    assert call.complete and json.loads(call.arguments) == ARGS
+    assert cut("hermes", '<tool_call>\n{"name": "get_wea') == []   # the name unfinished: nothing to name
+    assert cut("hermes", '<tool_call>\n{"name": "unknown", "arguments": {') == []
+
+
+def test_a_forced_turn_cut_inside_its_second_call() -> None:
+    """The turn (stream and whole): the first call whole, the second unfinished, no content, ``length``; a stop
+    string that cuts a call is not ``tool_calls``. Without ``forced`` the same text stays content."""
+    first = forced_output("hermes")
+    text = first + '\n<tool_call>\n{"name": "search", "arguments": {"q": "fjo'
+    cfg = TurnConfig(tool_names=NAMES, forced=True)
+    res = whole_turn(cfg, text, "length")
+    assert res.content == "" and res.finish_reason == "length"
+    assert [(c.name, c.arguments, c.complete) for c in res.calls] == [
+        ("get_weather", WHOLE, True), ("search", '{"q": "fjo', False)]
+    turn = cfg.new_turn()
+    deltas = [turn.feed(text[i:i + 5]) for i in range(0, len(text), 5)] + [turn.finish()]
+    assert "".join(d.content for d in deltas) == ""
+    assert [(c.name, c.arguments, c.complete) for d in deltas for _, c in d.calls] == \
+        [(c.name, c.arguments, c.complete) for c in res.calls]
+    assert whole_turn(cfg, text, "stop").finish_reason == "stop"
+    assert whole_turn(cfg, first, "stop").finish_reason == "tool_calls"
+    free = whole_turn(TurnConfig(tool_names=NAMES), text, "length")
+    assert [c.name for c in free.calls] == ["get_weather"] and free.content.startswith("<tool_call>")
+
+
+def test_partial_arguments_as_an_object() -> None:
+    assert ToolCall("f", "", complete=False).arguments_object() == {}
+    assert ToolCall("f", '{"a": [1, 2', complete=False).arguments_object() == {"a": [1, 2]}
+    assert ToolCall("f", '{"a": 1}').arguments_object() == {"a": 1}
+
+
+def test_harmony_call_cut_is_an_unfinished_call(harmony_codec) -> None:
+    """gpt-oss: a message to ``functions.NAME`` the output ended in is that call, unfinished (the channel says it
+    is a call), forced or not; a message to an unknown function stays content."""
+    from ferrylm.server.text.harmony import open_message
+
+    codec = harmony_codec
+    prime = tuple(open_message(codec.encoding.encode("<|start|>assistant", allowed_special="all")))
+    out = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo", "da'
+    ids = codec.encoding.encode(out, allowed_special="all")
+    cfg = TurnConfig(tool_names=NAMES, harmony=codec, harmony_prime=prime)
+    res = whole_turn(cfg, "", "length", ids)
+    assert res.content == "" and [(c.name, c.arguments, c.complete) for c in res.calls] == [
+        ("get_weather", '{"city": "Oslo", "da', False)]
+    other = TurnConfig(tool_names=("search",), harmony=codec, harmony_prime=prime)
+    res = whole_turn(other, "", "length", ids)
+    assert res.calls == [] and res.content == '{"city": "Oslo", "da'
