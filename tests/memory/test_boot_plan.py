@@ -75,3 +75,44 @@ def test_boot_plan_counts_the_fp8_kv_bytes(mixtral_dir):
     assert eng.memory_plan.kv_bytes == eng.memory_plan.kv_tokens * eng.memory_plan.kv_bytes_per_token
     assert all(t.dtype == FP8 for t in eng.pool.k if t.numel()) and eng.pool.k_scale[0].dtype == torch.float32
     assert run(eng, {"a": SHORT})["a"]["error"] is None
+
+
+def _oom_engine(monkeypatch, times: int) -> list[int]:
+    """Make the boot's first ``times`` engine placements run out of memory (as a fragmented CUDA allocator does
+    when the KV pool is allocated); returns the call counter."""
+    import torch
+
+    from ferrylm.engine import boot
+
+    calls = [0]
+    real = boot.Engine
+
+    def flaky(*a, **kw):
+        calls[0] += 1
+        if calls[0] <= times:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 MiB.")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(boot, "Engine", flaky)
+    return calls
+
+
+def test_a_placement_that_runs_out_of_memory_is_planned_again(mixtral_dir, monkeypatch, caplog):
+    calls = _oom_engine(monkeypatch, times=2)
+    caplog.set_level(logging.WARNING, logger="ferrylm.engine")
+    eng = build_engine(mixtral_dir, EngineConfig(device="cpu", moe_backend="offload", max_prefill_length=64,
+                                                 max_running_requests=4))
+    plan = eng.memory_plan
+    assert calls[0] == 3 and plan.allocator_slack_bytes >= 2 * (plan.budget_bytes // 20)
+    assert "planned again" in caplog.text and "allocator slack" in plan.format_table()
+    assert plan.headroom_bytes == plan.budget_bytes - (plan.weights_bytes + plan.workspace_bytes + plan.graph_bytes
+                                                      + plan.allocator_slack_bytes + plan.kv_bytes
+                                                      + plan.expert_bytes)
+    assert run(eng, {"a": SHORT})["a"]["error"] is None
+
+
+def test_a_placement_that_never_fits_is_a_boot_error(mixtral_dir, monkeypatch):
+    calls = _oom_engine(monkeypatch, times=99)
+    with pytest.raises(MemoryPlanError, match=r"ran out of memory 3 time\(s\)"):
+        build_engine(mixtral_dir, EngineConfig(device="cpu", max_prefill_length=64, max_running_requests=4))
+    assert calls[0] == 3

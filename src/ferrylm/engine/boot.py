@@ -32,8 +32,8 @@ from ferrylm.faults import FaultInjector
 from ferrylm.memory.concurrency import RunningChoice, choose_running_requests, requests_in_pool
 from ferrylm.memory.guard import is_oom
 from ferrylm.memory.plan import (ExpertNeeds, MemoryBudget, MemoryPlan, MemoryPlanError, PlanInputs, boot_failure,
-                                 check_budget, expert_needs, plan_memory)
-from ferrylm.memory.probe import bytes_in_use, other_processes, read_memory
+                                 check_budget, expert_needs, gib, plan_memory)
+from ferrylm.memory.probe import allocator_slack, bytes_in_use, other_processes, read_memory
 from ferrylm.models.tensor_parallel import TPShard, attach_reduce
 from ferrylm.synthetic.spec import is_synthetic_folder
 
@@ -97,14 +97,14 @@ def build_engine(model_path: str | Path, config: EngineConfig, tp=None,
     phase(PHASES[1])
     sized = plan_engine(loaded, target, budget, weights, tp)
     faults = FaultInjector.from_config(target.config.faults)
-    engine = Engine(loaded.model, loaded.config, target.config, device=target.device, dtype=target.dtype,
-                    limits=sized.limits, expert_executor=loaded.executor, faults=faults, memory_plan=sized.plan,
-                    tokenizer_path=str(model_path), model_id=str(model_path), tp=tp)
-    engine.progress.seed_from(sized.workspace.step_times)   # the watchdog's estimates before the first request
     if target.device.type == "cuda":
         phase(PHASES[2])
-        settle_on_device(engine, sized)
-    _log_ready(engine, sized.plan, options, faults)
+    engine = place_engine(loaded, target, sized, tp,
+                          lambda s: Engine(loaded.model, loaded.config, target.config, device=target.device,
+                                           dtype=target.dtype, limits=s.limits, expert_executor=loaded.executor,
+                                           faults=faults, memory_plan=s.plan, tokenizer_path=str(model_path),
+                                           model_id=str(model_path), tp=tp))
+    _log_ready(engine, engine.memory_plan, options, faults)
     return engine
 
 
@@ -181,10 +181,10 @@ def plan_engine(loaded: LoadedModel, target: BootTarget, budget: MemoryBudget, w
     first = base.max_prefill_length
     floor = first if config.max_prefill_length is not None else min(first, MIN_PREFILL_CHUNK)
 
-    def inputs_at(chunk: int, workspace: Workspace | None) -> Callable[[int], PlanInputs]:
-        return lambda n: plan_inputs(budget, target, mcfg, replace(base, max_prefill_length=chunk,
-                                                                   max_running_requests=n),
-                                     needs, weights, workspace)
+    def inputs_at(chunk: int, workspace: Workspace | None, slack: int = 0) -> Callable[[int], PlanInputs]:
+        return lambda n: replace(plan_inputs(budget, target, mcfg, replace(base, max_prefill_length=chunk,
+                                                                           max_running_requests=n),
+                                             needs, weights, workspace), allocator_slack_bytes=slack)
 
     # preflight: sizes that cannot fit even without a workspace, at the smallest chunk, fail before the warmup
     plan_memory(inputs_at(floor, None)(base.max_running_requests))
@@ -199,9 +199,10 @@ def plan_engine(loaded: LoadedModel, target: BootTarget, budget: MemoryBudget, w
         try:
             workspace = profile_workspace(loaded.model, executor, mcfg, config, target.device, target.dtype, shape,
                                           weights, tp)
-            choice = (RunningChoice(config.max_running_requests, "--max-running-requests")
-                      if config.max_running_requests else choose_running_requests(inputs_at(chunk, workspace), bound))
-            inputs = inputs_at(chunk, workspace)(choice.n)
+            slack = allocator_slack(target.device)
+            choice = (RunningChoice(config.max_running_requests, "--max-running-requests") if config.max_running_requests
+                      else choose_running_requests(inputs_at(chunk, workspace, slack), bound))
+            inputs = inputs_at(chunk, workspace, slack)(choice.n)
             plan = plan_memory(inputs)
             break
         except MemoryPlanError as e:
@@ -217,8 +218,6 @@ def plan_engine(loaded: LoadedModel, target: BootTarget, budget: MemoryBudget, w
         plan = replace(plan, prefill_note=f"lowered from {first}: the default chunk did not fit")
         log.warning("memory plan: prefill chunk lowered from %d to %d tokens to fit (set --max-prefill-length to "
                     "choose it)", first, chunk)
-    if needs is not None:
-        _reserve_experts(executor, tp, plan.expert_bytes)
     limits = replace(base, max_prefill_length=chunk, num_pages=plan.kv_pages, max_running_requests=choice.n)
     return Sizing(plan, limits, workspace, inputs)
 
@@ -252,27 +251,77 @@ def plan_inputs(budget: MemoryBudget, target: BootTarget, mcfg: ModelConfig, lim
                          else 0))
 
 
-def settle_on_device(engine: Engine, sized: Sizing) -> None:
+#: placements tried before the boot gives up: each retry re-plans with the allocator's slack measured
+PLACE_TRIES = 3
+
+
+def place_engine(loaded: LoadedModel, target: BootTarget, sized: Sizing, tp,
+                 make_engine: Callable[[Sizing], Engine]) -> Engine:
+    """Place the plan's pools (expert slots, then the engine and its KV pool) and settle them on the device. When
+    that runs out of memory (the allocator's fragments the plan could not see), everything placed is dropped and
+    the plan is made again with the slack measured now, plus a twentieth of the budget each time: slots and KV
+    give way, up to :data:`PLACE_TRIES` placements.
+
+    Raises:
+        MemoryPlanError: the last placement ran out of memory, or the re-plan does not fit.
+    """
+    device, needs = target.device, sized.inputs.experts
+    for attempt in range(1, PLACE_TRIES + 1):
+        engine = None
+        try:
+            if needs is not None:
+                _reserve_experts(loaded.executor, tp, sized.plan.expert_bytes)
+            engine = make_engine(sized)
+            engine.progress.seed_from(sized.workspace.step_times)   # the watchdog's estimates before any request
+            if device.type == "cuda":
+                settle_on_device(engine)
+            return engine
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            msg = str(e).splitlines()[0][:200]
+            del e
+        if engine is not None:
+            engine.runner.close()
+        del engine
+        plan = sized.plan
+        what = (f"placing the KV pool ({plan.kv_tokens} tokens) and the expert slots ({plan.expert_slots}) then "
+                f"warming up ran out of memory {attempt} time(s) ({msg})")
+        slack = allocator_slack(device)
+        if attempt == PLACE_TRIES:
+            raise boot_failure(sized.inputs, what, smaller="--num-tokens / --moe-cache-size, or raise "
+                                                          "--memory-reserve") from None
+        sized = _replan(sized, slack + sized.plan.budget_bytes // 20 * attempt)
+        log.warning("memory plan: %s; planned again with %s of allocator slack: %d expert slots, %d KV tokens",
+                    what, gib(sized.plan.allocator_slack_bytes), sized.plan.expert_slots, sized.plan.kv_tokens)
+    raise AssertionError("unreachable")
+
+
+def _replan(sized: Sizing, slack: int) -> Sizing:
+    """``sized`` planned again with ``slack`` bytes of allocator slack (its notes and limits carried over).
+
+    Raises:
+        MemoryPlanError: the plan does not fit with that slack.
+    """
+    inputs = replace(sized.inputs, allocator_slack_bytes=slack)
+    old = sized.plan
+    plan = replace(plan_memory(inputs), running_note=old.running_note, graph_max_batch=old.graph_max_batch,
+                   prefill_note=old.prefill_note, max_prefill_length=old.max_prefill_length,
+                   slack_note="measured when the placement ran out of memory, plus a margin")
+    return replace(sized, plan=plan, inputs=inputs, limits=replace(sized.limits, num_pages=plan.kv_pages))
+
+
+def settle_on_device(engine: Engine) -> None:
     """CUDA: the warmup again on the engine's own pools (the allocator keeps these blocks: request-time steps
     reuse them), then the graph capture at the sizes the plan counted.
 
     Raises:
-        MemoryPlanError: the warmup ran out of memory after the pool and the slots were placed.
+        torch.OutOfMemoryError: the warmup ran out of memory after the pool and the slots were placed.
     """
-    lim, plan = engine.limits, sized.plan
+    lim = engine.limits
     shape = WarmupShape(lim.max_prefill_length, lim.max_running_requests, lim.max_model_len,
                         lim.max_running_requests)
-    try:
-        warm_up(engine.runner, engine.pool, engine.state_pool, shape, engine.mcfg.vocab_size, engine.progress)
-    except Exception as e:
-        if not is_oom(e):
-            raise
-        what = (f"the warmup after placing the KV pool ({plan.kv_tokens} tokens) and the expert slots "
-                f"({plan.expert_slots}) ran out of memory ({str(e).splitlines()[0][:200]})")
-        del e
-        engine.runner.close()
-        raise boot_failure(sized.inputs, what,
-                           smaller="--num-tokens / --moe-cache-size, or raise --memory-reserve") from None
+    warm_up(engine.runner, engine.pool, engine.state_pool, shape, engine.mcfg.vocab_size, engine.progress)
     engine.runner.capture_graphs()  # sizes the plan counted; one that runs short now is retried later
 
 

@@ -315,6 +315,8 @@ def engine_main(spec_dict: dict) -> None:
 
     log = logging.getLogger("ferrylm.engine")
     tp = None   # rank 0's step broadcaster under tensor parallel (engine/parallel/step_sync.py)
+    from ferrylm.errors import FerryError
+
     try:
         from ferrylm.engine.boot import build_engine
         from ferrylm.faults import FaultInjector
@@ -325,7 +327,8 @@ def engine_main(spec_dict: dict) -> None:
         engine = build_engine(spec.model_path, config, tp=tp,
                               on_phase=lambda name: push.send(ipc.encode(ipc.Loading(name))))
     except Exception as e:
-        log.error("engine failed to start: %s", e)
+        # a known failure is its message; anything else needs the place it happened
+        log.error("engine failed to start: %s", e, exc_info=not isinstance(e, (FerryError, ValueError)))
         msg = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
         push.send(ipc.encode(ipc.Fatal(msg, code=str(getattr(e, "code", "") or "start_failed"))))
         _leave_group(tp, ok=False)

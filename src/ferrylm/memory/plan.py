@@ -139,6 +139,8 @@ class PlanInputs:
             ``engine/cache/state_pool.StateLayout.bytes_per_slot``; 0 for others).
         state_snapshots: recurrent-state snapshots kept for prefix caching (``engine/cache/state_snapshots.py``), each
             ``state_slot_bytes``.
+        allocator_slack_bytes: device memory the CUDA allocator holds in segments it cannot give back (reserved,
+            not allocated: fragments between live tensors), measured; the cap counts it, the rows above do not.
     """
 
     kind: str
@@ -166,6 +168,7 @@ class PlanInputs:
     graph_bytes: int = 0
     state_slot_bytes: int = 0
     state_snapshots: int = 0
+    allocator_slack_bytes: int = 0
 
     @classmethod
     def of(cls, budget: MemoryBudget, **figures) -> "PlanInputs":
@@ -230,6 +233,8 @@ class MemoryPlan:
     max_running_requests: int = 0   # requests decoded together: the flag, or what the plan carries (concurrency.py)
     running_note: str = ""          # where it comes from (the plan table's right column)
     graph_max_batch: int = 0        # the largest decode batch whose CUDA graph the plan's graph memory was measured at
+    allocator_slack_bytes: int = 0  # reserved by the CUDA allocator, not allocated (PlanInputs.allocator_slack_bytes)
+    slack_note: str = ""            # how the slack was measured (the plan table's right column)
 
     def to_dict(self) -> dict:
         """JSON-ready (``GET /v1/memory``)."""
@@ -262,6 +267,8 @@ class MemoryPlan:
              f"{self.state_slots} x {gib(self.state_slot_bytes)} (linear-attention layers; one per running request "
              f"+ scratch{f' + {self.state_snapshots} prefix-cache snapshots' if self.state_snapshots else ''})"
              if self.state_slots else "none (no linear-attention layers)"),
+            ("allocator slack", gib(self.allocator_slack_bytes),
+             self.slack_note or "measured after the warmup: reserved by the CUDA allocator, not allocated"),
             ("prefill chunk", f"{self.max_prefill_length} tok", self.prefill_note or "the default or the flag"),
             ("KV pool", gib(self.kv_bytes), f"{self.kv_pages} pages x {self.page_size} = {self.kv_tokens} tokens"),
             ("max running requests", f"{self.max_running_requests}", self.running_note or "--max-running-requests"),
@@ -290,12 +297,13 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
     reserve, budget, binding, reserve_note = _budget_why(p)
     minimum = minimum_bytes(p)
     err = _Explainer(p, reserve, budget, binding, minimum)
-    rest = budget - p.weights_bytes - p.workspace_bytes - p.graph_bytes - p.state_bytes
+    rest = budget - p.weights_bytes - p.workspace_bytes - p.graph_bytes - p.state_bytes - p.allocator_slack_bytes
     if rest <= 0:
         state = f", the recurrent state ({gib(p.state_bytes)})" if p.state_bytes else ""
+        slack = f", the allocator's slack ({gib(p.allocator_slack_bytes)})" if p.allocator_slack_bytes else ""
         err.fail(f"the weights ({gib(p.weights_bytes)}), the workspace ({gib(p.workspace_bytes)}, "
-                 f"{p.workspace_source}){state} and the CUDA graphs ({gib(p.graph_bytes)}) need "
-                 f"{gib(p.weights_bytes + p.workspace_bytes + p.graph_bytes + p.state_bytes)}",
+                 f"{p.workspace_source}){state}{slack} and the CUDA graphs ({gib(p.graph_bytes)}) need "
+                 f"{gib(budget - rest)}",
                  smaller="--max-prefill-length / --max-running-requests (workspace, recurrent state), "
                          "--moe-backend offload (experts off the device)")
     per_tok = p.kv_bytes_per_token
@@ -382,8 +390,7 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
             kv_tokens = max(kv_tokens, _pages(min(room_tokens, want_tokens), ps) * ps)
             kv_bytes = kv_tokens * per_tok
 
-    headroom = max(0, budget - p.weights_bytes - p.workspace_bytes - p.graph_bytes - p.state_bytes - kv_bytes
-                   - expert_bytes)
+    headroom = max(0, rest - kv_bytes - expert_bytes)
     if kv_tokens < p.max_model_len:
         warnings.append(f"the KV pool holds {kv_tokens} tokens, fewer than the model context of {p.max_model_len} "
                         f"tokens: longer requests are rejected (raise --num-tokens or lower --max-model-len)")
@@ -399,7 +406,7 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
         graph_bytes=p.graph_bytes, max_prefill_length=p.max_prefill_length, reserve_note=reserve_note,
         minimum_bytes=minimum, state_slots=p.state_slots, state_slot_bytes=p.state_slot_bytes,
         state_bytes=p.state_bytes, state_snapshots=p.state_snapshots if p.state_slot_bytes else 0,
-        max_running_requests=p.max_running_requests)
+        max_running_requests=p.max_running_requests, allocator_slack_bytes=p.allocator_slack_bytes)
 
 
 def minimum_bytes(p: PlanInputs) -> int:
@@ -419,8 +426,8 @@ def minimum_bytes(p: PlanInputs) -> int:
     if ex is not None:
         slots = (min(p.moe_cache_size, ex.total_experts) if p.moe_cache_size is not None
                  else min(ex.total_experts, max(ex.min_slots, ex.step_slots)))
-    return (p.weights_bytes + p.workspace_bytes + p.graph_bytes + p.state_bytes + kv * per_tok
-            + (ex.bytes_for(slots) if ex is not None else 0))
+    return (p.weights_bytes + p.workspace_bytes + p.graph_bytes + p.state_bytes + p.allocator_slack_bytes
+            + kv * per_tok + (ex.bytes_for(slots) if ex is not None else 0))
 
 
 def kv_floor_tokens(p: PlanInputs, rest: int, min_kv: int) -> int:

@@ -151,6 +151,15 @@ def measure_peak(device: torch.device, fn: Callable[[], object]) -> int | None:
     return max(0, int(torch.cuda.max_memory_allocated(device)) - int(base))
 
 
+def allocator_slack(device: torch.device) -> int:
+    """Bytes the CUDA allocator keeps reserved but not allocated after giving back what it can (fragments of
+    segments that still hold live tensors): the cap counts them, tensor sizes do not. 0 on the CPU."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    return max(0, int(torch.cuda.memory_reserved(device)) - int(torch.cuda.memory_allocated(device)))
+
+
 def release_cached(device: torch.device) -> None:
     """Give cached, unused allocator blocks back to the driver (CUDA ``empty_cache``; nothing on the CPU)."""
     if device.type == "cuda":
