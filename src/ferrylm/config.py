@@ -157,7 +157,8 @@ class ModelConfig:
 
 #: multimodal architectures whose text model ferrylm serves: wrapper -> the text model's architecture (its config is
 #: the wrapper's ``text_config``; the loader maps ``model.language_model.*`` and skips the vision tower)
-TEXT_MODEL_OF = {"Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
+TEXT_MODEL_OF = {"Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+                 "Qwen4ExpForConditionalGeneration": "Qwen4ExpForCausalLM"}
 
 
 def text_model_config(d: dict[str, Any]) -> dict[str, Any]:

@@ -183,7 +183,8 @@ class RecurrentStep:
 
 class WithRecurrentState:
     """An attention backend (``models/attention.AttentionBackend``) carrying the step's :class:`RecurrentStep` as
-    ``recurrent``: full-attention layers call :meth:`attend` as always, linear layers read ``recurrent``."""
+    ``recurrent``: full-attention layers call :meth:`attend` (indexed ones :meth:`attend_indexed`) as always, linear
+    layers read ``recurrent``."""
 
     def __init__(self, attn, recurrent: RecurrentStep):
         self.attn = attn
@@ -192,6 +193,10 @@ class WithRecurrentState:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float, *, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         return self.attn.attend(layer_idx, q, k, v, scale, window=window, sinks=sinks)
+
+    def attend_indexed(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       index) -> torch.Tensor:
+        return self.attn.attend_indexed(layer_idx, q, k, v, scale, index)
 
 
 def recurrent_step(pool: StatePool, seqs, query_start_loc: torch.Tensor, device: torch.device) -> RecurrentStep:
