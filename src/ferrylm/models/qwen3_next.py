@@ -144,6 +144,21 @@ class ZeroCentredRMSNorm(nn.Module):
 GATE_ACTIVATIONS = {"silu": F.silu, "sigmoid": torch.sigmoid}
 
 
+class GroupedRMSNorm(nn.Module):
+    """:class:`ZeroCentredRMSNorm` of each ``group``-wide slice (Qwen4-Exp's norm of its residual streams):
+    ``x [..., n g]`` -> ``[..., n g]``, weight ``[n g]``."""
+
+    def __init__(self, size: int, group: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.group, self.eps = group, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = x.float().unflatten(-1, (-1, self.group))
+        normed = F.rms_norm(g, (self.group,), eps=self.eps).flatten(-2)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
 class GatedRMSNorm(nn.Module):
     """``w * RMSNorm(x) * act(z)`` over the last dim (``act``: SiLU, or sigmoid, :data:`GATE_ACTIVATIONS`): the
     statistic in float32, the normalised ``x`` cast to its dtype before the weight, the gate in float32, the product

@@ -15,7 +15,8 @@ attention layers, with three changes.
 * The DeltaNet's gated norm may gate by sigmoid (``output_gate_type``). Every layer's MLP is the sparse MoE block
   with a sigmoid-gated shared expert.
 
-Per-layer embeddings (``ple_layer_ids``) are not served yet: such a config is refused by name. Checkpoint names
+Per-layer embeddings (``ple_layer_ids``): ``models/ple.py``; their tables are placed by ``--ple-backend``
+(``checkpoints/ple_tables.py``). Checkpoint names
 follow transformers (``model.layers.N.{attn,mlp}_hyper_connection.*``, ``self_attn.indexer.*``,
 ``model.hyper_connection_mixer.*``); a multimodal checkpoint's text tower loads as for Qwen3.5. Decode steps run
 the eager forward (no decode graphs yet).
@@ -35,7 +36,8 @@ from ferrylm.experts.executor import ExpertExecutor
 from ferrylm.models.attention import AttentionBackend
 from ferrylm.models.indexed_attention import IndexQuery, block_scores, select_blocks, token_mask
 from ferrylm.models.layers import RotaryEmbedding, apply_rotary_full, config_rotary_dim
-from ferrylm.models.qwen3_next import (FULL, GATE_ACTIVATIONS, LINEAR, GatedAttention, LinearShape,
+from ferrylm.models.ple import PleLayer, PleShape, PleTable, step_ngrams
+from ferrylm.models.qwen3_next import (FULL, GATE_ACTIVATIONS, LINEAR, GatedAttention, GroupedRMSNorm, LinearShape,
                                        Qwen3_5MoeForCausalLM, Qwen35GatedDeltaNet, ZeroCentredRMSNorm, _int,
                                        _with_default_rotary, layer_types)
 
@@ -84,20 +86,6 @@ class IndexerShape:
         if rotary > s.head_dim:
             raise ModelLoadError(f"indexer_head_dim {s.head_dim} is narrower than the {rotary} rotated dims")
         return s
-
-
-class GroupedRMSNorm(nn.Module):
-    """Zero-centred RMSNorm of each ``group``-wide slice: ``x [..., n g]`` -> ``[..., n g]``, weight ``[n g]``."""
-
-    def __init__(self, size: int, group: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(size))
-        self.group, self.eps = group, eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g = x.float().unflatten(-1, (-1, self.group))
-        normed = F.rms_norm(g, (self.group,), eps=self.eps).flatten(-2)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class HyperConnection(nn.Module):
@@ -187,11 +175,14 @@ class IndexedAttention(GatedAttention):
 class Qwen4DecoderLayer(nn.Module):
     """``x [T, n H]``: the mixer and then the MLP, each between its hyper-connection's read and injection."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, kind: str, rotary: RotaryEmbedding, mlp: nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, kind: str, rotary: RotaryEmbedding, mlp: nn.Module,
+                 ple: PleShape | None, device: torch.device | str | None = None):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         n, rank = _int(config.raw, "hc_count", 4), _int(config.raw, "hc_lowrank", 320)
         self.kind, self.layer_idx = kind, layer_idx
+        has_ple = ple is not None and layer_idx in ple.layers
+        self.ple = PleLayer(ple, ple.layers.index(layer_idx), h, n, eps, device) if has_ple else None
         if kind == LINEAR:
             self.linear_attn = Qwen35GatedDeltaNet(layer_idx, h, LinearShape.of(config), eps, gate_activation(config))
         else:
@@ -201,9 +192,14 @@ class Qwen4DecoderLayer(nn.Module):
         self.mlp_hyper_connection = HyperConnection(h, n, rank, eps)
         self.routing_context = None  # synthetic routing model (models/moe.py)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend,
+                ple: tuple[torch.Tensor, object] | None = None) -> torch.Tensor:
+        """``x [T, n H]`` -> ``[T, n H]``; ``ple``: this layer's embeddings ``[T, E]`` and the step's recurrent step
+        (PLE layers only)."""
         if self.routing_context is not None:
             self.routing_context.bind(positions, self)
+        if self.ple is not None:
+            x = x + self.ple(x, *ple)
         y, w = self.attn_hyper_connection(x)
         y = self.linear_attn(y, attn) if self.kind == LINEAR else self.self_attn(positions, y, attn)
         x = inject(x, y, w)
@@ -220,7 +216,8 @@ class Qwen4Stack(nn.Module):
         self.rotary = RotaryEmbedding.from_config(_with_default_rotary(config), device=device, allow_partial=True)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         kinds = layer_kinds(config)
-        self.layers = nn.ModuleList(Qwen4DecoderLayer(config, i, kinds[i], self.rotary, mlp)
+        self.ple_shape = PleShape.of(config, tuple(i for i, k in enumerate(kinds) if k == LINEAR))
+        self.layers = nn.ModuleList(Qwen4DecoderLayer(config, i, kinds[i], self.rotary, mlp, self.ple_shape, device)
                                     for i, mlp in enumerate(mlps))
         self.hyper_connection_mixer = HyperConnection(config.hidden_size, self.streams,
                                                       _int(config.raw, "hc_lowrank", 320), config.rms_norm_eps,
@@ -228,9 +225,47 @@ class Qwen4Stack(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids).repeat(1, self.streams)
+        ple = self._ple_inputs(input_ids, attn, x)
         for layer in self.layers:
-            x = layer(positions, x, attn)
+            x = layer(positions, x, attn, ple.get(layer.layer_idx))
         return self.hyper_connection_mixer(x)[0]
+
+    def _ple_inputs(self, input_ids: torch.Tensor, attn, x: torch.Tensor) -> dict[int, tuple]:
+        """Every PLE layer's embeddings of the step, gathered before the first layer runs (the tokens are known:
+        host and disk tables are read ahead of their layers), with the step's recurrent step."""
+        if self.ple_shape is None:
+            return {}
+        rs = getattr(attn, "recurrent", None)
+        if rs is None:
+            rs = _own_ple_state(attn, self.ple_shape, x)
+        shifted = step_ngrams(input_ids, rs, self.ple_shape)
+        return {layer.layer_idx: (layer.ple.embed(shifted, x.device).to(x.dtype), rs)
+                for layer in self.layers if layer.ple is not None}
+
+    def use_ple_tables(self, tables: dict[int, PleTable]) -> None:
+        """Give each PLE layer its table (``tables``: decoder layer -> table). Raises ModelLoadError for a PLE
+        layer without one."""
+        for layer in self.layers:
+            if layer.ple is not None:
+                if layer.layer_idx not in tables:
+                    raise ModelLoadError(f"checkpoint lacks the PLE table of layer {layer.layer_idx} "
+                                         f"(model.layers.{layer.layer_idx}.ple.ple_embedding.ngram_embedding.*)")
+                layer.ple.use_table(tables[layer.layer_idx])
+
+
+def _own_ple_state(attn, shape: PleShape, x: torch.Tensor):
+    """A backend without a state pool (``DenseCausalAttention``, ``SequenceCacheAttention``): one sequence whose PLE
+    state the backend object keeps (zeros and EOS on the first call), as ``qwen3_next._own_state`` for DeltaNet."""
+    from ferrylm.engine.cache.state_pool import PleStateLayout, RecurrentStep, StateLayout, StatePool
+
+    first = "_ple_state_pool" not in attn.__dict__
+    if first:
+        ple = PleStateLayout(shape.layers, shape.conv_rows, x.shape[1], shape.order - 1)
+        attn.__dict__["_ple_state_pool"] = StatePool(StateLayout((), 1, 2, 1, 1, 1, ple=ple), 1, x.dtype, x.device)
+    t, dev = x.shape[0], x.device
+    return RecurrentStep(pool=attn.__dict__["_ple_state_pool"], slots=torch.zeros(1, dtype=torch.long, device=dev),
+                         fresh=torch.tensor([first], device=dev), query_start_loc=torch.tensor([0, t], device=dev),
+                         num_tokens=t, q_lens=[t])
 
 
 def gate_activation(config: ModelConfig) -> str:
@@ -265,6 +300,10 @@ class Qwen4ExpForCausalLM(Qwen3_5MoeForCausalLM):
     def layer_kinds(cls, config: ModelConfig) -> tuple[str, ...]:
         return layer_kinds(config)
 
+    def use_ple_tables(self, tables: dict[int, PleTable]) -> None:
+        """See :meth:`Qwen4Stack.use_ple_tables` (the loader's call)."""
+        self.model.use_ple_tables(tables)
+
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:
         """Raises ModelLoadError naming the field: as Qwen3.5 plus the indexer, ``hc_count`` < 2, an output gate
@@ -277,8 +316,31 @@ class Qwen4ExpForCausalLM(Qwen3_5MoeForCausalLM):
         gate_activation(config)
         if FULL in layer_kinds(config):
             IndexerShape.of(config)
-        if raw.get("ple_layer_ids"):
-            raise ModelLoadError("ple_layer_ids: per-layer embeddings (PLE) are not supported yet")
+        cls.ple_shape(config)
+
+    @classmethod
+    def ple_shape(cls, config: ModelConfig) -> PleShape | None:
+        """The per-layer embeddings of ``config`` (None: none). Raises ModelLoadError for a bad PLE config."""
+        return PleShape.of(config, tuple(i for i, k in enumerate(layer_kinds(config)) if k == LINEAR))
+
+    @classmethod
+    def skips_tensor(cls, name: str, config: ModelConfig) -> bool:
+        """As Qwen3.5, and the PLE hash buffers (recomputed from the config, :class:`~ferrylm.models.ple.PleLayer`)."""
+        return super().skips_tensor(name, config) or name.endswith(
+            ("ple_embedding.layer_multipliers", "ple_embedding.ngram_heads_vocab_sizes",
+             "ple_embedding.ngram_heads_offsets"))
+
+    @classmethod
+    def state_layout(cls, config: ModelConfig):
+        """The DeltaNet states and, with PLE, each sequence's PLE state."""
+        from ferrylm.engine.cache.state_pool import PleStateLayout
+
+        layout, ple = super().state_layout(config), cls.ple_shape(config)
+        if ple is None:
+            return layout
+        n = _int(config.raw, "hc_count", 4)
+        return dataclasses.replace(layout, ple=PleStateLayout(ple.layers, ple.conv_rows, n * config.hidden_size,
+                                                              ple.order - 1))
 
     @classmethod
     def kv_layout(cls, config: ModelConfig):
