@@ -139,3 +139,31 @@ def test_indexed_attention_layer_types_name_the_same_layers():
 
     named = _config(layer_types=["linear_attention", "indexed_attention"] * 2)
     assert layer_kinds(named) == layer_kinds(_config()) == ("linear_attention", "full_attention") * 2
+
+
+def test_preset_has_the_published_shapes_and_parameter_totals():
+    """Qwen3.8-Flash-Next (model cards and its GGUF metadata): 48 layers (3 DeltaNet : 1 indexed attention),
+    hidden 2560, 24 query / 2 KV heads of 256, indexer 4 heads x 128 keeping 2048 tokens in blocks of 4, 512
+    experts top-10 of width 640 and a shared expert of 640, 4 streams; 125B parameters plus a 51B n-gram table
+    (176B total, 95 GiB in bf16), ~6B active. As built: 125,743,653,760 without the table, 51,200,245,760 in it
+    (320,001,536 rows of 160), 6,035,596,160 active outside the embedding and the head."""
+    from tests.models.test_synthetic import _parameter_counts
+
+    from ferrylm.models.qwen4_exp import Qwen4ExpForCausalLM
+    from ferrylm.synthetic.spec import PRESETS
+
+    cfg = ModelConfig.from_dict(PRESETS["qwen3.8-flash-next"].config)
+    total, active = _parameter_counts("qwen3.8-flash-next")
+    ple = Qwen4ExpForCausalLM.ple_shape(cfg)
+    table = ple.table_rows(0) * ple.head_dim
+    assert (total, table, active) == (125_743_653_760, 51_200_245_760, 6_035_596_160)
+    assert abs((total + table) / 176e9 - 1) < 0.01 and abs(active / 6e9 - 1) < 0.03
+    assert ple.table_bytes(torch.bfloat16) / 2**30 == pytest.approx(95.37, abs=0.01)
+    kv, st = KVLayout.of(cfg), StateLayout.of(cfg)
+    assert len(kv.layers) == 12 and kv.index_dim == 128 and len(st.layers) == 36 and st.ple.layers == (0,)
+
+
+def test_tool_calls_use_the_qwen35_format():
+    from ferrylm.server.text.tool_parsers import choose_tool_parser
+
+    assert choose_tool_parser(None, "Qwen4ExpForCausalLM") == "qwen3_coder"

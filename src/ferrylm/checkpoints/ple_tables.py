@@ -66,6 +66,20 @@ class MmapTable:
         return out.to(device)
 
 
+class PoolTable:
+    """A synthetic model's table (``synthetic/build.py``): row ``r`` is a window of ``D`` values of a seeded pool
+    ``values [P]`` at a position hashed from ``r``, times ``scale``: any number of rows, no table in memory."""
+
+    def __init__(self, values: torch.Tensor, dim: int, scale: float):
+        self.values, self.dim, self.scale = values, dim, scale
+
+    def gather(self, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+        span = self.values.shape[0] - self.dim
+        start = torch.remainder(rows.to(self.values.device) * 7919, span)
+        out = self.values[start[:, None] + torch.arange(self.dim, device=self.values.device)] * self.scale
+        return out.to(device)
+
+
 def safetensors_entry(path: Path, name: str) -> tuple[int, torch.dtype, list[int]]:
     """``(byte offset, dtype, shape)`` of tensor ``name`` in the safetensors file ``path`` (its header only).
 
