@@ -21,6 +21,8 @@ CPU_KERNELS = ("auto", "native", "torch")
 #: ``--moe-cache-policy`` names (experts/cache.py ``make_policy``; measured in docs/ROUTING.md)
 CACHE_POLICIES = ("layer-lru", "lru", "layer-lrfu")
 DECODE_GRAPH_MODES = ("auto", "off", "eager", "cuda")  # EngineConfig.decode_graphs, see engine/decode_graph.py
+#: ``--ple-backend``: where per-layer embedding tables live (checkpoints/ple_tables.py; auto: engine/ple_choice.py)
+PLE_BACKENDS = ("auto", "gpu", "host", "disk")
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -157,7 +159,8 @@ class ModelConfig:
 
 #: multimodal architectures whose text model ferrylm serves: wrapper -> the text model's architecture (its config is
 #: the wrapper's ``text_config``; the loader maps ``model.language_model.*`` and skips the vision tower)
-TEXT_MODEL_OF = {"Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
+TEXT_MODEL_OF = {"Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+                 "Qwen4ExpForConditionalGeneration": "Qwen4ExpForCausalLM"}
 
 
 def text_model_config(d: dict[str, Any]) -> dict[str, Any]:
@@ -314,6 +317,10 @@ class EngineConfig:
         True, "offload: decode steps read experts through a device table (hits from slots, misses over PCIe by "
               "the kernel), one CUDA graph per step; --no-moe-decode-table plans each layer on the host (DMA "
               "copies, next-layer prefetch)")
+    ple_backend: str = flag(
+        "auto", "where per-layer embedding tables live (Qwen3.8-Flash-Next): gpu, host (page-locked RAM), disk "
+                "(memory map of the checkpoint); auto: the device when they fit its share, else host when RAM "
+                "holds them, else disk", choices=PLE_BACKENDS)
     gpu_memory_limit: float | None = flag(None, "device memory ferrylm may use, in GiB", metavar="GiB",
                                           default_text="what is free")
     memory_ratio: float = flag(
@@ -388,6 +395,8 @@ class EngineConfig:
              f"--moe-cpu-kernel must be one of {', '.join(CPU_KERNELS)}, got {self.moe_cpu_kernel!r}"),
             (self.moe_cache_policy in CACHE_POLICIES,
              f"--moe-cache-policy must be one of {', '.join(CACHE_POLICIES)}, got {self.moe_cache_policy!r}"),
+            (self.ple_backend in PLE_BACKENDS,
+             f"--ple-backend must be one of {', '.join(PLE_BACKENDS)}, got {self.ple_backend!r}"),
             (self.gpu_memory_limit is None or self.gpu_memory_limit > 0, "--gpu-memory-limit must be > 0 GiB"),
             (0 < self.memory_ratio <= 1,
              f"--memory-ratio / --gpu-memory-utilization must be in (0, 1], got {self.memory_ratio}"),

@@ -112,6 +112,31 @@ CASES: dict[str, tuple[str, dict]] = {
                                         partial_rotary_factor=0.5,
                                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
                                                          "partial_rotary_factor": 0.5})),
+    # Qwen4-Exp text model (Qwen3.8-Flash-Next): layers linear, indexed, linear, indexed; 3 residual streams; an
+    # indexer of 4 heads keeping 2 blocks of 4 tokens (sparse from the 12th token on); GVA; sigmoid output gate
+    "qwen4_exp": ("qwen4_exp", dict(vocab_size=144, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                                    num_experts=6, num_experts_per_tok=3, head_dim=16, num_hidden_layers=4,
+                                    full_attention_interval=2, linear_num_key_heads=2, linear_key_head_dim=16,
+                                    linear_num_value_heads=4, linear_value_head_dim=8, linear_conv_kernel_dim=3,
+                                    hc_count=3, hc_lowrank=12, indexer_n_heads=4, indexer_kv_heads=1,
+                                    indexer_head_dim=24, indexer_budget=8, indexer_compress_ratio=4,
+                                    output_gate_type="sigmoid", partial_rotary_factor=0.5,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                                     "partial_rotary_factor": 0.5})),
+    # ... with per-layer embeddings on layers 0 and 2 (one-indexed 1 and 3): 2 heads per n-gram order up to 3-grams,
+    # tables of ~300 rows in 2 shards each, a 3-tap convolution 3 tokens apart
+    "qwen4_exp_ple": ("qwen4_exp", dict(vocab_size=144, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                                        num_experts=6, num_experts_per_tok=3, head_dim=16, num_hidden_layers=4,
+                                        full_attention_interval=2, linear_num_key_heads=2, linear_key_head_dim=16,
+                                        linear_num_value_heads=4, linear_value_head_dim=8, linear_conv_kernel_dim=3,
+                                        hc_count=3, hc_lowrank=12, indexer_n_heads=4, indexer_kv_heads=1,
+                                        indexer_head_dim=24, indexer_budget=8, indexer_compress_ratio=4,
+                                        ple_layer_ids=[1, 3], ple_embed_dim=32, ple_conv_kernel_size=3, ngram_size=3,
+                                        heads_per_ngram=2, ngram_vocab_size_base=50,
+                                        make_ngram_vocab_size_divisible_by=8, split_ngram_parts=2,
+                                        partial_rotary_factor=0.5,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                                         "partial_rotary_factor": 0.5})),
     # DeepSeek-V3 shape: MLA with a low-rank query (q_lora_rank), v_head_dim != qk_nope_head_dim, interleaved
     # rope over 8 dims with yarn (mscale_all_dim in the softmax scale), layers 0-1 dense, 2-3 group-limited top-3
     # (4 groups of 2, best 2), renormalised and scaled, one shared expert
@@ -152,9 +177,10 @@ CONFIG_CLASSES = {
     "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig", "olmoe": "OlmoeConfig",
     "glm4_moe": "Glm4MoeConfig", "minimax_m2": "MiniMaxM2Config", "qwen3_next": "Qwen3NextConfig",
     "qwen3_5_moe": "Qwen3_5MoeTextConfig", "deepseek_v3": "DeepseekV3Config", "gpt_oss": "GptOssConfig",
+    "qwen4_exp": "Qwen4ExpTextConfig",
 }
 MOE_FAMILIES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2", "qwen3_next",
-                          "qwen3_5_moe", "deepseek_v3", "gpt_oss"})
+                          "qwen3_5_moe", "deepseek_v3", "gpt_oss", "qwen4_exp"})
 
 
 def is_moe_case(case: str) -> bool:
@@ -172,7 +198,7 @@ def _randomize_(model: torch.nn.Module, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     # Qwen3-Next's norms scale by (1 + w): drawn around 0 so they scale by about 1, like the others' around 1 (the
     # gated norm of its DeltaNet layers is a plain weight)
-    zero_centred = getattr(model.config, "model_type", "") in ("qwen3_next", "qwen3_5_moe_text")
+    zero_centred = getattr(model.config, "model_type", "") in ("qwen3_next", "qwen3_5_moe_text", "qwen4_exp_text")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name and zero_centred and "linear_attn.norm" not in name:

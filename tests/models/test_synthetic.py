@@ -63,6 +63,7 @@ def test_presets_have_the_published_shapes():
         "minimax-m2.5": ("MiniMaxM2ForCausalLM", 62, 3072, 256, 8, 1536, 48, 8, 128, 200064),
         "qwen3-next-80b-a3b": ("Qwen3NextForCausalLM", 48, 2048, 512, 10, 512, 16, 2, 256, 151936),
         "qwen3.5-35b-a3b": ("Qwen3_5MoeForCausalLM", 40, 2048, 256, 8, 512, 16, 2, 256, 248320),
+        "qwen3.8-flash-next": ("Qwen4ExpForCausalLM", 48, 2560, 512, 10, 640, 24, 2, 256, 248320),
         "gpt-oss-20b": ("GptOssForCausalLM", 24, 2880, 32, 4, 2880, 64, 8, 64, 201088),
         "gpt-oss-120b": ("GptOssForCausalLM", 36, 2880, 128, 4, 2880, 64, 8, 64, 201088),
     }

@@ -41,6 +41,9 @@ ARCHITECTURE_NOTES: dict[str, tuple[str, str]] = {
                                                    "pool, prefix caching by state snapshots, shared expert"),
     "Qwen3_5MoeForCausalLM": ("Qwen3.5-35B-A3B (text)", "as Qwen3-Next with four DeltaNet projections; vision tower "
                                                         "and MTP not read"),
+    "Qwen4ExpForCausalLM": ("Qwen3.8-Flash-Next (qwen4_exp, text)",
+                            "as Qwen3.5 with hyper-connections (4 residual streams) and indexer-selected sparse "
+                            "attention over compressed key blocks; eager decode"),
     "DeepseekV3ForCausalLM": ("DeepSeek-V3 / R1, Kimi-K2",
                               "multi-head latent attention (latent KV pool), noaux_tc sigmoid group-limited router, "
                               "shared expert; MTP layers not read"),

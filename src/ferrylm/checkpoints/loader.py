@@ -315,7 +315,7 @@ def prepare_for_inference(model: torch.nn.Module) -> torch.nn.Module:
 
 def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                moe_backend: str | ExpertOptions = "resident", expert_device: torch.device | str | None = None,
-               pin_experts: bool = False, tp: TPShard | None = None) -> LoadedModel:
+               pin_experts: bool = False, tp: TPShard | None = None, ple_backend: str = "gpu") -> LoadedModel:
     """Load the HF model folder ``model_dir`` (or build the synthetic model a synthetic folder describes).
 
     Args:
@@ -333,6 +333,8 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
         tp: this rank's tensor-parallel shard (:mod:`ferrylm.models.tensor_parallel`): every tensor is cut to it as
             it is read and the model is built at shard shape (``LoadedModel.config`` is the per-rank config); None
             or size 1 = the whole model. Plain (unquantized) safetensors folders only.
+        ple_backend: where per-layer embedding tables are placed, ``gpu`` (``device``), ``host`` or ``disk``
+            (``checkpoints/ple_tables.py``); models without them ignore it.
 
     Returns:
         :class:`LoadedModel` with the model in eval mode, gradients off.
@@ -389,6 +391,9 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
                 bar.close()
         return _finish(model_cls, config, device, moe_backend, stacks, tensors, origin)
     experts, biases = expert_assemblers(model_cls, config, moe_layers, exp_dev, dtype, pin)
+    ple = ple_assembler(model_cls, config, ple_backend, device, dtype)
+    if ple is not None and split:
+        raise ModelLoadError(f"--tensor-parallel-size {tp.size}: per-layer embeddings are not split yet")
 
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
@@ -401,6 +406,8 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
+                if ple is not None and ple.add(_renamed(name, model_cls), path, lambda: f.get_tensor(name)):
+                    continue
                 if model_cls.skips_tensor(name, config):
                     continue
                 t = f.get_tensor(name)
@@ -426,16 +433,32 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
     stacks = experts.finish() if experts is not None else None
     if biases is not None:
         biases.attach(stacks)
-    return _finish(model_cls, config, device, moe_backend, stacks, tensors, origin)
+    return _finish(model_cls, config, device, moe_backend, stacks, tensors, origin,
+                   ple.finish() if ple is not None else None)
+
+
+def ple_assembler(model_cls: type, config: ModelConfig, backend: str, device: torch.device,
+                  dtype: torch.dtype):
+    """The :class:`~ferrylm.checkpoints.ple_tables.PleAssembler` of a model with per-layer embeddings, else None."""
+    shape_of = getattr(model_cls, "ple_shape", None)   # only Qwen4-Exp has per-layer embeddings
+    shape = shape_of(config) if shape_of is not None else None
+    if shape is None:
+        return None
+    from ferrylm.checkpoints.ple_tables import PleAssembler
+
+    return PleAssembler(shape.layers, backend, device, dtype, pin=torch.cuda.is_available())
 
 
 def _finish(model_cls: type, config: ModelConfig, device: torch.device, moe_backend, stacks, tensors: dict,
-            origin: dict) -> LoadedModel:
-    """Build the executor over the expert ``stacks`` (None: dense) and the model on ``meta``, assign ``tensors``."""
+            origin: dict, ple_tables: dict | None = None) -> LoadedModel:
+    """Build the executor over the expert ``stacks`` (None: dense) and the model on ``meta``, assign ``tensors``
+    (and hand a PLE model its tables)."""
     executor = build_executor(moe_backend, stacks, device) if stacks is not None else None
     with torch.device("meta"):
         model = model_cls(config, executor=executor, device=device)
     _assign(model, tensors, origin)
+    if ple_tables is not None:
+        model.use_ple_tables(ple_tables)
     model.requires_grad_(False)
     model.eval()
     prepare_for_inference(model)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ferrylm.checkpoints.loader import LoadedModel, load_model
+from ferrylm.engine.ple_choice import resolve_ple_backend
 from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.engine.cache.kv_pool import KVLayout
 from ferrylm.engine.cache.state_pool import StateLayout
@@ -89,9 +90,11 @@ def build_engine(model_path: str | Path, config: EngineConfig, tp=None,
     mcfg = ModelConfig.from_folder(model_path)
     options = resolve_expert_backend(mcfg, target.config, target.device, target.dtype)
     check_host_memory(mcfg, target.device, target.dtype, backend_name(options))
+    ple = resolve_ple_backend(mcfg, target.config, target.device, target.dtype)
     phase = on_phase or (lambda name: None)
     phase(PHASES[0])
-    loaded, weights = load_weights(model_path, target, options, group.shard if group is not None else None, budget)
+    loaded, weights = load_weights(model_path, target, options, group.shard if group is not None else None, budget,
+                                   ple_backend=ple.backend if ple is not None else "gpu")
     if group is not None:
         attach_reduce(loaded.model, group.all_reduce)
     phase(PHASES[1])
@@ -143,8 +146,9 @@ def probe_budget(target: BootTarget) -> MemoryBudget:
 
 
 def load_weights(model_path: str | Path, target: BootTarget, options: ExpertOptions, shard: TPShard | None,
-                 budget: MemoryBudget | None = None) -> tuple[LoadedModel, int]:
-    """Load the model (this rank's shard) and return it with the device bytes its weights took.
+                 budget: MemoryBudget | None = None, ple_backend: str = "gpu") -> tuple[LoadedModel, int]:
+    """Load the model (this rank's shard) and return it with the device bytes its weights took (``ple_backend``:
+    the resolved placement of per-layer embedding tables, ``engine/ple_choice.py``).
 
     Raises:
         MemoryPlanError: loading ran out of memory (with ``budget``: its derivation and what to change).
@@ -152,7 +156,8 @@ def load_weights(model_path: str | Path, target: BootTarget, options: ExpertOpti
     in_use = bytes_in_use(target.device)
     torch.manual_seed(target.config.seed)
     try:
-        loaded = load_model(model_path, device=target.device, dtype=target.dtype, moe_backend=options, tp=shard)
+        loaded = load_model(model_path, device=target.device, dtype=target.dtype, moe_backend=options, tp=shard,
+                            ple_backend=ple_backend)
     except Exception as e:
         if not is_oom(e) or budget is None:
             raise

@@ -87,7 +87,8 @@ class ModelRunner:
         self._tp_runner = tp.runner_id() if tp is not None else 0   # names this runner's KV pool to the followers
         self._graph_mode = "off" if tp is not None else DecodeGraphConfig(mode=config.decode_graphs).resolved(device)
         stack = getattr(model, "model", None)
-        self._is_stack = hasattr(stack, "layers")
+        # a model class with ``graph_capture = False`` (Qwen4-Exp's multi-stream stack) runs every step eager
+        self._is_stack = hasattr(stack, "layers") and getattr(type(model), "graph_capture", True)
         self._moe0 = next((layer.mlp for layer in getattr(stack, "layers", [])
                            if hasattr(layer.mlp, "executor")), None)  # the first MoE block: its executor
         self._configure(self._model_executor())

@@ -47,6 +47,10 @@ class AttentionBackend(Protocol):
     #                 proj: LatentProjection, scale) -> [T, H, V]
     # storing ``[c_kv ; k_pe]`` per token and returning the attention output per head
     # (``models/latent_attention.py`` has the contract and the math).
+    # Backends of models with an attention indexer (Qwen4-Exp) also implement:
+    #   attend_indexed(layer_idx, q, k, v, scale, index: IndexQuery) -> [T, Hq, D]
+    # storing K/V and the raw index keys, each query attending to the tokens its indexer keeps
+    # (``models/indexed_attention.py``).
 
 
 # NOTE: query rows per block of the explicit (sink) attention: its float32 scores are H x rows x keys
@@ -132,6 +136,13 @@ class DenseCausalAttention:
 
         return latent_chunk_attention(q_nope, q_pe, latent_row(c_kv, k_pe)[:, 0], proj, scale, q_offset=0)
 
+    def attend_indexed(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       index) -> torch.Tensor:
+        """Indexer-selected attention over the call's own tokens (``models/indexed_attention.py``)."""
+        from ferrylm.models.indexed_attention import indexed_sequence
+
+        return indexed_sequence(q, k, v, index.q, index.k, index.selector, scale, q_offset=0)
+
 
 class SequenceCacheAttention:
     """One sequence with a growing K/V cache (per layer, concatenated), no pages. The reference for chunked
@@ -144,6 +155,7 @@ class SequenceCacheAttention:
     def __init__(self):
         self.k: dict[int, list[torch.Tensor]] = {}
         self.v: dict[int, list[torch.Tensor]] = {}
+        self.index_k: dict[int, list[torch.Tensor]] = {}
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float, *, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -165,3 +177,18 @@ class SequenceCacheAttention:
         offset = sum(t.shape[0] for t in rows)
         rows.append(latent_row(c_kv, k_pe)[:, 0])
         return latent_chunk_attention(q_nope, q_pe, torch.cat(rows), proj, scale, q_offset=offset)
+
+    def attend_indexed(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       index) -> torch.Tensor:
+        """Indexer-selected attention (``models/indexed_attention.py``); the new K/V and raw index keys follow
+        everything cached."""
+        from ferrylm.models.indexed_attention import indexed_sequence
+
+        ks, vs = self.k.setdefault(layer_idx, []), self.v.setdefault(layer_idx, [])
+        idx = self.index_k.setdefault(layer_idx, [])
+        offset = sum(t.shape[0] for t in ks)
+        ks.append(k)
+        vs.append(v)
+        idx.append(index.k)
+        return indexed_sequence(q, torch.cat(ks), torch.cat(vs), index.q, torch.cat(idx), index.selector, scale,
+                                q_offset=offset)

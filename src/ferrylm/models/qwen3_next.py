@@ -140,18 +140,39 @@ class ZeroCentredRMSNorm(nn.Module):
         return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class GatedRMSNorm(nn.Module):
-    """``w * RMSNorm(x) * silu(z)`` over the last dim: the statistic in float32, the normalised ``x`` cast to its
-    dtype before the weight, the gate in float32, the product cast back. ``x, z [..., N]`` -> ``[..., N]``."""
+#: output-gate activations of the DeltaNet's gated norm (Qwen4-Exp's ``output_gate_type``; SiLU elsewhere)
+GATE_ACTIVATIONS = {"silu": F.silu, "sigmoid": torch.sigmoid}
 
-    def __init__(self, size: int, eps: float = 1e-6):
+
+class GroupedRMSNorm(nn.Module):
+    """:class:`ZeroCentredRMSNorm` of each ``group``-wide slice (Qwen4-Exp's norm of its residual streams):
+    ``x [..., n g]`` -> ``[..., n g]``, weight ``[n g]``."""
+
+    def __init__(self, size: int, group: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.group, self.eps = group, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = x.float().unflatten(-1, (-1, self.group))
+        normed = F.rms_norm(g, (self.group,), eps=self.eps).flatten(-2)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """``w * RMSNorm(x) * act(z)`` over the last dim (``act``: SiLU, or sigmoid, :data:`GATE_ACTIVATIONS`): the
+    statistic in float32, the normalised ``x`` cast to its dtype before the weight, the gate in float32, the product
+    cast back. ``x, z [..., N]`` -> ``[..., N]``."""
+
+    def __init__(self, size: int, eps: float = 1e-6, activation: str = "silu"):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.act = GATE_ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         normed = self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return (normed * F.silu(z.float())).to(x.dtype)
+        return (normed * self.act(z.float())).to(x.dtype)
 
 
 # --- the linear-attention layer --------------------------------------------------------------------------------
@@ -162,10 +183,12 @@ class GatedDeltaNet(nn.Module):
 
     Args:
         layer_idx: decoder layer index (its state lives under this number in the state pool).
-        hidden_size: ``H``; shape: the head layout; eps: the gated norm's epsilon.
+        hidden_size: ``H``; shape: the head layout; eps: the gated norm's epsilon; gate_activation: its output
+            gate's activation (a key of :data:`GATE_ACTIVATIONS`).
     """
 
-    def __init__(self, layer_idx: int, hidden_size: int, shape: LinearShape, eps: float):
+    def __init__(self, layer_idx: int, hidden_size: int, shape: LinearShape, eps: float,
+                 gate_activation: str = "silu"):
         super().__init__()
         self.layer_idx = layer_idx
         self.shape = shape
@@ -174,7 +197,7 @@ class GatedDeltaNet(nn.Module):
                                 padding=s.conv_kernel - 1)
         self.dt_bias = nn.Parameter(torch.ones(s.value_heads))
         self.A_log = nn.Parameter(torch.zeros(s.value_heads))
-        self.norm = GatedRMSNorm(s.value_dim, eps)
+        self.norm = GatedRMSNorm(s.value_dim, eps, gate_activation)
         self.out_proj = nn.Linear(s.value_heads * s.value_dim, hidden_size, bias=False)
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -275,8 +298,9 @@ class Qwen3NextGatedDeltaNet(GatedDeltaNet):
 class Qwen35GatedDeltaNet(GatedDeltaNet):
     """Qwen3.5's four projections ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``."""
 
-    def __init__(self, layer_idx: int, hidden_size: int, shape: LinearShape, eps: float):
-        super().__init__(layer_idx, hidden_size, shape, eps)
+    def __init__(self, layer_idx: int, hidden_size: int, shape: LinearShape, eps: float,
+                 gate_activation: str = "silu"):
+        super().__init__(layer_idx, hidden_size, shape, eps, gate_activation)
         s = shape
         self.in_proj_qkv = nn.Linear(hidden_size, s.conv_channels, bias=False)
         self.in_proj_z = nn.Linear(hidden_size, s.value_heads * s.value_dim, bias=False)
@@ -333,14 +357,25 @@ class GatedAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """``hidden [T, H]`` at ``positions [T]`` -> ``[T, H]``; K/V go through ``attn``."""
+        q, k, v, gate = self.project(positions, hidden)
+        return self.output(attn.attend(self.layer_idx, q, k, v, self.scale), gate)
+
+    def project(self, positions: torch.Tensor, hidden: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``hidden [T, H]`` -> ``(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], gate [T, Hq, D])``, q/k normed and
+        rotated."""
         t, hq, hk, d = hidden.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         q, gate = self.q_proj(hidden).view(t, hq, 2 * d).split([d, d], dim=-1)
         q = self.q_norm(q)
         k = self.k_norm(self.k_proj(hidden).view(t, hk, d))
         v = self.v_proj(hidden).view(t, hk, d)
         q, k = self.rotary(positions, q, k)
-        out = attn.attend(self.layer_idx, q, k, v, self.scale).reshape(t, hq * d)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(t, hq * d)))
+        return q, k, v, gate
+
+    def output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """Attention output ``[T, Hq, D]`` gated by ``sigmoid(gate)``, through ``o_proj`` -> ``[T, H]``."""
+        t = out.shape[0]
+        return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))
 
 
 # --- decoder ----------------------------------------------------------------------------------------------------
@@ -441,7 +476,7 @@ class Qwen3NextForCausalLM(nn.Module):
         if config.num_heads % config.num_kv_heads:
             raise ModelLoadError(f"num_attention_heads {config.num_heads} is not a multiple of num_key_value_heads "
                                  f"{config.num_kv_heads}")
-        kinds = layer_types(config)
+        kinds = cls.layer_kinds(config)
         if LINEAR in kinds:
             LinearShape.of(config)
         if config.is_moe or cls.moe_layer_indices(config):
@@ -450,6 +485,11 @@ class Qwen3NextForCausalLM(nn.Module):
             raise ModelLoadError(f"{cls.arch_name}: dense layers need intermediate_size, got "
                                  f"{config.intermediate_size}")
         config_rotary_dim(_with_default_rotary(config), allow_partial=True)
+
+    @classmethod
+    def layer_kinds(cls, config: ModelConfig) -> tuple[str, ...]:
+        """Each layer's mixer, ``LINEAR`` or ``FULL`` (:func:`layer_types`)."""
+        return layer_types(config)
 
     @classmethod
     def moe_layer_indices(cls, config: ModelConfig) -> tuple[int, ...]:
@@ -469,7 +509,7 @@ class Qwen3NextForCausalLM(nn.Module):
         """Only the full-attention layers store K/V (``engine/cache/kv_pool.KVLayout``)."""
         from ferrylm.engine.cache.kv_pool import KVLayout
 
-        full = tuple(i for i, k in enumerate(layer_types(config)) if k == FULL)
+        full = tuple(i for i, k in enumerate(cls.layer_kinds(config)) if k == FULL)
         return KVLayout(num_layers=config.num_layers, layers=full, k_heads=config.num_kv_heads, k_dim=config.head_dim,
                         v_heads=config.num_kv_heads, v_dim=config.head_dim)
 
@@ -478,7 +518,7 @@ class Qwen3NextForCausalLM(nn.Module):
         """The linear layers' per-sequence state (``engine/cache/state_pool.StateLayout``), or None without any."""
         from ferrylm.engine.cache.state_pool import StateLayout
 
-        linear = tuple(i for i, k in enumerate(layer_types(config)) if k == LINEAR)
+        linear = tuple(i for i, k in enumerate(cls.layer_kinds(config)) if k == LINEAR)
         if not linear:
             return None
         s = LinearShape.of(config)
@@ -503,7 +543,7 @@ class Qwen3NextForCausalLM(nn.Module):
         chunked q / k / v and the solved ``[beta V | beta G K]`` (``~ 3 Dk + 2 Dv`` per token and head) and the
         ``C x C`` decay, ``K K^T``, ``A`` and ``Q K^T`` matrices (``4 C``), ``C = 64``. The boot plan adds it to
         the estimated workspace on the CPU (on CUDA the warmup's full chunk measures it)."""
-        if LINEAR not in layer_types(config):
+        if LINEAR not in cls.layer_kinds(config):
             return 0
         s = LinearShape.of(config)
         return 4 * tokens * s.value_heads * (3 * s.key_dim + 3 * s.value_dim + 4 * gd.DEFAULT_CHUNK)

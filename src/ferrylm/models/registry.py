@@ -21,6 +21,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "Qwen3MoeForCausalLM": "ferrylm.models.qwen3_moe:Qwen3MoeForCausalLM",
     "Qwen3NextForCausalLM": "ferrylm.models.qwen3_next:Qwen3NextForCausalLM",
     "Qwen3_5MoeForCausalLM": "ferrylm.models.qwen3_next:Qwen3_5MoeForCausalLM",
+    "Qwen4ExpForCausalLM": "ferrylm.models.qwen4_exp:Qwen4ExpForCausalLM",
 }
 
 

@@ -237,6 +237,20 @@ def attach_routing_model(model, config: ModelConfig, spec: SyntheticSpec, device
     return context
 
 
+def _pool_ple_tables(model, model_cls: type, config: ModelConfig, pool: SeededPool, device: torch.device,
+                     dtype: torch.dtype) -> None:
+    """Give a model with per-layer embeddings tables that read rows from the seeded pool (``PoolTable``: the
+    published tables hold ~51B parameters; a synthetic model keeps none)."""
+    shape_of = getattr(model_cls, "ple_shape", None)   # only Qwen4-Exp has per-layer embeddings
+    shape = shape_of(config) if shape_of is not None else None
+    if shape is None:
+        return
+    from ferrylm.checkpoints.ple_tables import PoolTable
+
+    values = pool._values(torch.device(device), dtype)
+    model.use_ple_tables({layer: PoolTable(values, shape.head_dim, 1.0) for layer in shape.layers})
+
+
 def build_synthetic(spec: SyntheticSpec | str, *, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.bfloat16, moe_backend: str | ExpertOptions = "resident",
                     expert_device: torch.device | str | None = None, pin_experts: bool = False,
@@ -341,6 +355,7 @@ def build_synthetic(spec: SyntheticSpec | str, *, device: torch.device | str = "
     model.requires_grad_(False)
     model.eval()
     prepare_for_inference(model)
+    _pool_ple_tables(model, model_cls, config, pool, device, dtype)
     if spec.routing != ROUTER:
         attach_routing_model(model, config, spec, device)
     log.info("built %s: %d layers (%d MoE), %s on %s, experts on %s%s", spec.name, config.num_layers, len(stacks),

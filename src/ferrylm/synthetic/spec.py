@@ -213,6 +213,27 @@ PRESETS: dict[str, SyntheticPreset] = {p.name: p for p in (
         "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25,
                             "rope_theta": 10000000, "rope_type": "default"},
         "shared_expert_intermediate_size": 512, "tie_word_embeddings": False, "vocab_size": 248320}),
+    # Qwen3.8-Flash-Next (qwen4_exp): 176B total (125B + one 51B hashed n-gram PLE table) / ~6B active; 3 Gated
+    # DeltaNet layers per indexed attention layer, 4 hyper-connection streams; vision tower and MTP not built. The
+    # PLE layer's position (ple_layer_ids) is not in the published metadata we read: layer 1 here (sizes do not
+    # depend on it). A synthetic build reads PLE rows from its seeded value pool (no 95 GiB table in memory).
+    SyntheticPreset("qwen3.8-flash-next", "Qwen/Qwen3.8-Flash-Next", {
+        "architectures": ["Qwen4ExpForCausalLM"], "model_type": "qwen4_exp_text", "attention_bias": False,
+        "bos_token_id": 248044, "eos_token_id": 248044, "full_attention_interval": 4, "head_dim": 256,
+        "hidden_act": "silu", "hidden_size": 2560, "hc_count": 4, "hc_lowrank": 320,
+        "indexer_budget": 2048, "indexer_compress_ratio": 4, "indexer_head_dim": 128, "indexer_kv_heads": 1,
+        "indexer_n_heads": 4,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 12,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48, "linear_value_head_dim": 128, "max_position_embeddings": 262144,
+        "moe_intermediate_size": 640, "num_attention_heads": 24, "num_experts": 512, "num_experts_per_tok": 10,
+        "num_hidden_layers": 48, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+        "ple_layer_ids": [1], "ple_embed_dim": 2560, "ple_conv_kernel_size": 4, "ngram_size": 3,
+        "heads_per_ngram": 8, "ngram_vocab_size_base": 20_000_000, "make_ngram_vocab_size_divisible_by": 128,
+        "split_ngram_parts": 512, "seed": 1234,
+        "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25,
+                            "rope_theta": 10000000, "rope_type": "default"},
+        "shared_expert_intermediate_size": 640, "tie_word_embeddings": False, "vocab_size": 248320}),
     # 671B total / 37B active; FP8 128x128 blocks as published; the MTP layer (num_nextn_predict_layers) not built
     SyntheticPreset("deepseek-v3", "deepseek-ai/DeepSeek-V3", _deepseek_v3(
         model_type="deepseek_v3", bos_token_id=0, eos_token_id=1, first_k_dense_replace=3, max_position_embeddings=163840,

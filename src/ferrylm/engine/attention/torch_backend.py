@@ -157,6 +157,30 @@ class PagedAttention:
             return out
 
 
+    def attend_indexed(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       index) -> torch.Tensor:
+        """Indexer-selected attention (``models/indexed_attention.IndexQuery``): stores the new K/V and raw index
+        keys, then per sequence (decodes included) gathers its K/V and index keys and attends to the tokens its
+        queries keep. Shapes as :meth:`attend`."""
+        from ferrylm.models.indexed_attention import indexed_sequence
+
+        pool, faults = self.pool, self.faults
+        pool.store(layer_idx, self.new_slots, k, v)
+        pool.store_index(layer_idx, self.new_slots, index.k)
+        out = torch.empty_like(q)
+        with sdpa_kernel(CUDA_SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
+            for s in self.seqs:
+                if faults.enabled:
+                    faults.check("attention_scratch", nbytes=2 * s.slots.numel() * k.shape[1] * k.shape[2]
+                                 * q.element_size() + 4 * q.shape[1] * s.q_len * s.slots.numel())
+                sl = slice(s.q_start, s.q_start + s.q_len)
+                out[sl] = indexed_sequence(q[sl], pool.keys(layer_idx, s.slots, q.dtype),
+                                           pool.values(layer_idx, s.slots, q.dtype), index.q[sl],
+                                           pool.index_keys(layer_idx, s.slots, q.dtype), index.selector, scale,
+                                           q_offset=s.ctx_len)
+        return out
+
+
 class StaticDecodeAttention:
     """AttentionBackend of a decode step with fixed shapes (the decode CUDA graphs, ``engine/decode_graph.py``):
     ``B`` sequences of one new token each, attending over the first ``L`` slots of a ``[B, L]`` slot table.

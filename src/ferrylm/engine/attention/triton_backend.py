@@ -27,7 +27,7 @@ class TritonPagedAttention:
         self.meta = meta
         self.faults = faults
         self._k = triton_paged
-        self._torch: PagedAttention | None = None     # latent attention of steps with a prefill (attend_latent)
+        self._torch: PagedAttention | None = None     # attend_latent with a prefill; attend_indexed
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float, *, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -66,6 +66,15 @@ class TritonPagedAttention:
         o = latent_decode_attention(proj.absorb_query(q_nope), q_pe, kc, m.block_table, m.seq_lens, scale,
                                     self.pool.page_size, num_splits=m.num_splits, row_scale=rs)
         return proj.value_out(o)
+
+
+    def attend_indexed(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       index) -> torch.Tensor:
+        """Indexer-selected attention (``models/indexed_attention.py``): the torch backend's per-sequence path
+        (needs ``meta.host_seqs``, so eager steps only)."""
+        if self._torch is None:
+            self._torch = torch_attention(self.pool, self.meta, self.meta.slot_mapping.device, self.faults)
+        return self._torch.attend_indexed(layer_idx, q, k, v, scale, index)
 
 
 def triton_attention(pool: KVPool, meta: AttentionMetadata, device: torch.device,

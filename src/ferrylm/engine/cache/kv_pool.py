@@ -74,6 +74,8 @@ class KVLayout:
         k_heads, k_dim: the K tensor of one token of one layer is ``[k_heads, k_dim]``.
         v_heads, v_dim: the V tensor likewise; ``v_heads == 0`` for a layout with one cached tensor per token
             (multi-head latent attention keeps the compressed latent and the rope key in ``k`` only).
+        index_dim: ``Di`` of one raw index key per token and layer, kept in the model dtype (the attention
+            indexer of Qwen4-Exp, ``models/indexed_attention.py``); 0 = none.
 
     A model class may define ``kv_layout(config) -> KVLayout``; :meth:`of` asks it, else every layer stores
     ``num_kv_heads x head_dim`` K and V.
@@ -85,6 +87,7 @@ class KVLayout:
     k_dim: int
     v_heads: int
     v_dim: int
+    index_dim: int = 0
 
     @staticmethod
     def standard(config) -> "KVLayout":
@@ -112,6 +115,7 @@ class KVLayout:
         per_layer = (self.k_heads * self.k_dim + self.v_heads * self.v_dim) * elem
         if store == FP8:
             per_layer += (self.k_heads + self.v_heads) * SCALE_BYTES
+        per_layer += self.index_dim * torch.empty((), dtype=dtype).element_size()
         return len(self.layers) * per_layer
 
 
@@ -119,7 +123,8 @@ class KVPool:
     """The cached tensors of every layer: ``k[layer]`` ``[num_pages * page_size, k_heads, k_dim]`` and ``v[layer]``
     ``[num_pages * page_size, v_heads, v_dim]`` (empty ``[0]`` tensors for layers outside ``layout.layers``), in
     the storage dtype; an fp8 pool also has ``k_scale[layer]`` / ``v_scale[layer]`` ``[num_slots, heads]`` float32
-    (empty otherwise, and always for an unscaled pool).
+    (empty otherwise, and always for an unscaled pool); a layout with ``index_dim`` also ``index_k[layer]``
+    ``[num_slots, Di]`` in the model dtype.
 
     Args:
         dtype: the model's (activation) dtype: what :meth:`keys` / :meth:`values` give back.
@@ -155,6 +160,9 @@ class KVPool:
         self.v = [tensor(i, layout.v_heads, layout.v_dim) for i in range(layout.num_layers)]
         self.k_scale = [scales(i, layout.k_heads) for i in range(layout.num_layers)]
         self.v_scale = [scales(i, layout.v_heads) for i in range(layout.num_layers)]
+        self.index_k = [torch.zeros(slots, layout.index_dim, dtype=dtype, device=device)
+                        if i in stored and layout.index_dim else torch.empty(0, dtype=dtype, device=device)
+                        for i in range(layout.num_layers)]
         self.allocator = PageAllocator(num_pages)
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
@@ -172,6 +180,14 @@ class KVPool:
     def values(self, layer: int, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``v[layer][idx]`` in ``dtype``, as :meth:`keys`."""
         return self._get(self.v[layer], self.v_scale[layer], idx, dtype)
+
+    def store_index(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        """Write raw index keys ``[T, Di]`` at cache ``slots [T]`` of ``layer`` (layout ``index_dim``)."""
+        self.index_k[layer].index_copy_(0, slots, keys.to(self.dtype))
+
+    def index_keys(self, layer: int, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``index_k[layer][idx]`` in ``dtype``: ``idx`` any int64 shape ``S`` -> ``[*S, Di]``."""
+        return self.index_k[layer][idx].to(dtype)
 
     def _put(self, cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
         if not self.scaled:
@@ -199,7 +215,7 @@ class KVPool:
         s, d = src * self.page_size, dst * self.page_size
         if s == d:
             return
-        for t in (*self.k, *self.v, *self.k_scale, *self.v_scale):
+        for t in (*self.k, *self.v, *self.k_scale, *self.v_scale, *self.index_k):
             if t.numel():
                 t[d:d + num_tokens].copy_(t[s:s + num_tokens])
 

@@ -27,6 +27,22 @@ import torch
 
 
 @dataclass(frozen=True)
+class PleStateLayout:
+    """Per-sequence state of per-layer embeddings (Qwen4-Exp, ``models/ple.py``): the last ``conv_rows`` inputs of
+    each PLE layer's dilated convolution (``[conv_rows, channels]``, the model dtype) and the sequence's last
+    ``context`` token ids (int64, shared by the PLE layers: the n-grams of the next tokens reach back into them)."""
+
+    layers: tuple[int, ...]
+    conv_rows: int
+    channels: int
+    context: int
+
+    def bytes_per_slot(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return len(self.layers) * self.conv_rows * self.channels * elem + 8 * self.context
+
+
+@dataclass(frozen=True)
 class StateLayout:
     """What one sequence's state holds in every linear-attention layer.
 
@@ -35,6 +51,7 @@ class StateLayout:
         conv_channels: ``C`` channels of the short convolution (``2 * Hk * Dk + Hv * Dv``).
         conv_kernel: ``K`` taps; the state keeps the last ``K - 1`` inputs.
         heads: ``Hv`` value heads; key_dim, value_dim: ``Dk``, ``Dv`` per head.
+        ple: the per-layer embeddings' state (:class:`PleStateLayout`), or None.
     """
 
     layers: tuple[int, ...]
@@ -43,13 +60,14 @@ class StateLayout:
     heads: int
     key_dim: int
     value_dim: int
+    ple: PleStateLayout | None = None
 
     def bytes_per_slot(self, dtype: torch.dtype) -> int:
         """Bytes of one sequence's state over all linear layers: the conv inputs in ``dtype`` (the model's) and the
-        float32 delta-rule state."""
+        float32 delta-rule state, plus the PLE state."""
         elem = torch.empty((), dtype=dtype).element_size()
         per_layer = (self.conv_kernel - 1) * self.conv_channels * elem + self.heads * self.key_dim * self.value_dim * 4
-        return len(self.layers) * per_layer
+        return len(self.layers) * per_layer + (self.ple.bytes_per_slot(dtype) if self.ple is not None else 0)
 
     @staticmethod
     def of(config) -> "StateLayout | None":
@@ -71,8 +89,9 @@ class StatePool:
     """The state tensors of every linear layer and the free list of their slots.
 
     ``conv[layer]`` ``[num_slots + 1, K - 1, C]`` (model dtype) and ``rec[layer]`` ``[num_slots + 1, Hv, Dk, Dv]``
-    float32, for the layers in ``layout.layers`` (other layer numbers map to nothing). Slot ``num_slots`` is the
-    scratch slot (never handed out).
+    float32, for the layers in ``layout.layers`` (other layer numbers map to nothing); with ``layout.ple``
+    ``ple_conv[layer]`` ``[num_slots + 1, rows, channels]`` and ``ple_context`` ``[num_slots + 1, context]`` int64.
+    Slot ``num_slots`` is the scratch slot (never handed out).
 
     Memory: ``(num_slots + 1) * layout.bytes_per_slot(dtype)`` bytes.
 
@@ -91,6 +110,10 @@ class StatePool:
                      for i in layout.layers}
         self.rec = {i: torch.zeros(n, layout.heads, layout.key_dim, layout.value_dim, dtype=torch.float32,
                                    device=device) for i in layout.layers}
+        ple = layout.ple
+        self.ple_conv = ({i: torch.zeros(n, ple.conv_rows, ple.channels, dtype=dtype, device=device)
+                          for i in ple.layers} if ple is not None else {})
+        self.ple_context = torch.zeros(n, ple.context if ple is not None else 0, dtype=torch.long, device=device)
         self._free = list(range(num_slots - 1, -1, -1))   # a stack: pop() hands out the lowest slot first
         self._owned: set[int] = set()
 
@@ -100,7 +123,11 @@ class StatePool:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.conv, self.rec) for t in d.values())
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every per-slot state tensor (dim 0 = slot): what a snapshot copies."""
+        return [*self.conv.values(), *self.rec.values(), *self.ple_conv.values(), self.ple_context]
 
     def allocate(self) -> int:
         """Take a free slot. Raises OutOfStateSlots when none is free."""
@@ -183,7 +210,8 @@ class RecurrentStep:
 
 class WithRecurrentState:
     """An attention backend (``models/attention.AttentionBackend``) carrying the step's :class:`RecurrentStep` as
-    ``recurrent``: full-attention layers call :meth:`attend` as always, linear layers read ``recurrent``."""
+    ``recurrent``: full-attention layers call :meth:`attend` (indexed ones :meth:`attend_indexed`) as always, linear
+    layers read ``recurrent``."""
 
     def __init__(self, attn, recurrent: RecurrentStep):
         self.attn = attn
@@ -192,6 +220,10 @@ class WithRecurrentState:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float, *, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         return self.attn.attend(layer_idx, q, k, v, scale, window=window, sinks=sinks)
+
+    def attend_indexed(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       index) -> torch.Tensor:
+        return self.attn.attend_indexed(layer_idx, q, k, v, scale, index)
 
 
 def recurrent_step(pool: StatePool, seqs, query_start_loc: torch.Tensor, device: torch.device) -> RecurrentStep:

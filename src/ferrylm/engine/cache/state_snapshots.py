@@ -44,10 +44,8 @@ class StateSnapshots:
             raise ValueError(f"the snapshot store needs at least one entry, got {capacity}")
         self.pool = pool
         self.capacity = capacity
-        self.conv = {i: torch.zeros((capacity, *t.shape[1:]), dtype=t.dtype, device=t.device)
-                     for i, t in pool.conv.items()}
-        self.rec = {i: torch.zeros((capacity, *t.shape[1:]), dtype=t.dtype, device=t.device)
-                    for i, t in pool.rec.items()}
+        self.entries = [torch.zeros((capacity, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                        for t in pool.tensors()]   # parallel to pool.tensors()
         self._by_name: OrderedDict[bytes, int] = OrderedDict()   # LRU: least recently used first
         self._turns: set[bytes] = set()                           # names of turn points (evicted last)
         self._free = list(range(capacity - 1, -1, -1))
@@ -79,9 +77,8 @@ class StateSnapshots:
             self._by_name.move_to_end(name)
             return
         idx = self._free.pop() if self._free else self._evict()
-        for layer, t in self.pool.conv.items():
-            self.conv[layer][idx].copy_(t[slot])
-            self.rec[layer][idx].copy_(self.pool.rec[layer][slot])
+        for entry, t in zip(self.entries, self.pool.tensors()):
+            entry[idx].copy_(t[slot])
         self._by_name[name] = idx
         self.saves += 1
 
@@ -96,9 +93,8 @@ class StateSnapshots:
         """Copy the snapshot ``name`` into state slot ``slot``. Raises KeyError when it is not stored."""
         idx = self._by_name[name]
         self._by_name.move_to_end(name)
-        for layer, t in self.pool.conv.items():
-            t[slot].copy_(self.conv[layer][idx])
-            self.pool.rec[layer][slot].copy_(self.rec[layer][idx])
+        for entry, t in zip(self.entries, self.pool.tensors()):
+            t[slot].copy_(entry[idx])
         self.restores += 1
 
     def check(self) -> None:

@@ -195,31 +195,33 @@ def conv_window_index(query_start_loc: torch.Tensor, num_tokens: int, kernel: in
 
 
 def causal_conv_varlen(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor, query_start_loc: torch.Tensor,
-                       index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       index: torch.Tensor | None = None, dilation: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal convolution + SiLU over a flattened batch of sequences, each continuing from its own last
-    ``K - 1`` inputs (Gated DeltaNet's short convolution, as Mamba's ``causal_conv1d``).
+    ``W - 1`` inputs (Gated DeltaNet's short convolution, as Mamba's ``causal_conv1d``; with ``dilation`` the taps
+    are ``dilation`` inputs apart, PLE's convolution).
 
     Args:
         x: ``[T, C]`` the step's inputs (sequence ``i``'s tokens are rows ``qsl[i] .. qsl[i+1]-1``).
         weight: ``[C, K]`` filter taps, tap ``K - 1`` on the current input.
-        prev: ``[B, K - 1, C]`` each sequence's previous inputs, oldest first (zeros for a sequence starting now).
+        prev: ``[B, W - 1, C]`` each sequence's previous inputs, oldest first (zeros for a sequence starting now);
+            the window ``W = (K - 1) * dilation + 1``.
         query_start_loc: ``[B + 1]`` (every sequence has at least one token).
-        index: :func:`conv_window_index` of the batch when already computed (shared by the layers of a step).
+        index: :func:`conv_window_index` of the batch for ``W`` when already computed (shared by the layers of a
+            step).
 
     Returns:
-        ``(y [T, C] in x's dtype, new prev [B, K - 1, C])``: ``y_t = silu(sum_j w[:, j] * x_{t - K + 1 + j})`` in
-        float32, and each sequence's last ``K - 1`` inputs after the step (state rows where it has fewer tokens).
+        ``(y [T, C] in x's dtype, new prev [B, W - 1, C])``: ``y_t = silu(sum_j w[:, j] * x_{t - (K - 1 - j) d})``
+        in float32, and each sequence's last ``W - 1`` inputs after the step (state rows where it has fewer tokens).
     """
     t, c = x.shape
     b, km1, _ = prev.shape
-    k = km1 + 1
     if index is None:
-        index = conv_window_index(query_start_loc, t, k)
+        index = conv_window_index(query_start_loc, t, km1 + 1)
     ext = torch.cat([prev.reshape(b * km1, c).to(x.dtype), x])
     w = weight.float()
     acc = ext[index[:, 0]].float() * w[:, 0]
-    for j in range(1, k):   # K taps (4): one gather + multiply-add each, no [T, K, C] temporary
-        acc = acc + ext[index[:, j]].float() * w[:, j]
+    for j in range(1, weight.shape[1]):   # K taps (4): one gather + multiply-add each, no [T, K, C] temporary
+        acc = acc + ext[index[:, j * dilation]].float() * w[:, j]
     last = index[query_start_loc[1:].long() - 1]         # [B, K]: the window of each sequence's last token
     new_prev = ext[last[:, 1:]]                           # its newest K - 1 inputs
     return F.silu(acc).to(x.dtype), new_prev

@@ -35,7 +35,7 @@ TOOL_PARSER_ALIASES = {"deepseek_v31": "deepseek_v3", "qwen3_xml": "qwen3_coder"
 TOOL_PARSER_CHOICES = ("auto", *TOOL_PARSERS.names, *TOOL_PARSER_ALIASES)
 _ARCH_PARSERS = {"Glm4MoeForCausalLM": "glm45", "MiniMaxM2ForCausalLM": "minimax_m2",
                  "DeepseekV3ForCausalLM": "deepseek_v3", "Qwen3NextForCausalLM": "qwen3_coder",
-                 "Qwen3_5MoeForCausalLM": "qwen3_coder"}
+                 "Qwen3_5MoeForCausalLM": "qwen3_coder", "Qwen4ExpForCausalLM": "qwen3_coder"}
 #: ``config.json`` ``model_type`` values whose format differs from their architecture's (Kimi-K2 is a
 #: ``DeepseekV3ForCausalLM``)
 _MODEL_TYPE_PARSERS = {"kimi_k2": "kimi_k2"}
