@@ -13,13 +13,9 @@ compiles and runs it. Three calls, made by :class:`ferrylm.engine.engine.Engine`
   vocabulary; a step without constrained rows costs one pass over the request list.
 - :meth:`StructuredDecoder.advance` after a token is appended: the matcher consumes it.
 
-Library choice (measured with the real Qwen3 tokenizer, 151,936 logits, a 5-field JSON schema, 51 tokens, one
-CPU core; docs/API.md has the table): llguidance 1.9 builds a mask in 45 µs per token on average (median 13,
-p95 ~100, first token 1.3 ms), compiles lazily in < 1 ms, imports without torch (so the frontend validates
-grammars with the same library, 400 before admission) and is a 3 MiB wheel with no dependencies. xgrammar 0.2.9
-was faster per token (10 µs mean) but imports torch and needs apache-tvm-ffi and triton, and compiles each schema
-up front (14 ms); outlines-core 0.2.14 took 62 µs per token and 190 ms to build the index of one schema (regular
-languages only).
+Library choice (docs/API.md has the measured table): llguidance compiles lazily, imports without torch (so the
+frontend validates grammars with the same library, 400 before admission) and has no dependencies; xgrammar needs
+torch and compiles each schema up front; outlines-core handles regular languages only.
 """
 
 from __future__ import annotations

@@ -71,9 +71,8 @@ class PagedAttention:
                scale: float, *, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """See :class:`ferrylm.models.attention.AttentionBackend`. Shapes ``q [T,Hq,D]``, ``k/v [T,Hkv,D]``.
 
-        On CUDA the cuDNN SDPA kernel is excluded: it builds a new plan for every new KV length (~7 ms per decode
-        attention call measured on the H200 machine, torch 2.11); flash / memory-efficient / math have no such
-        cost.
+        On CUDA the cuDNN SDPA kernel is excluded: it builds a new plan for every new KV length (milliseconds per
+        decode attention call; docs/BENCHMARKS.md); flash / memory-efficient / math have no such cost.
         """
         if q.is_cuda:
             with sdpa_kernel(CUDA_SDPA_BACKENDS):

@@ -279,8 +279,7 @@ class TextCodec:
             return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         if self._text_backend is not None:
             # NOTE: encode_batch, not encode: the tokenizers binding releases the GIL only in the batch call, and
-            # prompts are tokenized in worker threads beside the event loop (a 4.5M-character prompt held the GIL
-            # for 5.5 s through encode: /health stalled with it; fresh-user trial, session 12)
+            # prompts are tokenized in worker threads beside the event loop (a huge prompt must not stall /health)
             return list(self._text_backend.encode_batch([prompt], add_special_tokens=add_special_tokens)[0].ids)
         # a tokenizer without a fast backend (sentencepiece-only folders)
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens, split_special_tokens=True))
