@@ -99,7 +99,7 @@ def test_weight_tile_decodes_blocks_bit_exact(gguf_type):
     for q in (qt, raw):  # realistic blocks; arbitrary bytes (negative, subnormal, inf / NaN f16 scales)
         args, kw = dq.weight_args(q)
         want = q.dequantize(torch.float32).cpu().nan_to_num()
-        for block_k in (16, 32, 128):  # per-element scales below 32, per sub-block at 32 and above
+        for block_k in (16, 32, 64, 128):  # per-element below 32; whole Q8_0 blocks, K-quant sub-block pairs above
             out = torch.full((3, 24, 512), -1234.5, device=dev)
             kernel[(512 // block_k, 24 // 8, 3)](q.data, args[1], out, 24, 512, *args[4:8], QKIND=kw["QKIND"],
                                                  GROUP=kw["GROUP"], BLOCK_K=block_k, BLOCK_N=8)

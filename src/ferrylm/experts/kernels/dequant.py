@@ -112,44 +112,109 @@ def _k4_scale_min(p, base, j, mask):
 
 
 @triton.jit
-def _block_tile(w_ptr, e, nn, n_ok, kc, k0, mask, swe, swn, QKIND: tl.constexpr, GROUP: tl.constexpr,
+def _spread(x, ROWS: tl.constexpr, N: tl.constexpr):
+    """``x [G, N]`` repeated ``ROWS`` times along a new middle axis, flattened: ``[G * ROWS, N]``."""
+    return tl.reshape(tl.broadcast_to(x[:, None, :], (x.shape[0], ROWS, N)), (x.shape[0] * ROWS, N))
+
+
+@triton.jit
+def _block_tile_aligned(w_ptr, blk, n_ok, k_ok, k0, QKIND: tl.constexpr, GROUP: tl.constexpr,
+                        BLOCK_K: tl.constexpr, N: tl.constexpr):
+    """Float32 values of one K tile of GGML block rows whose layout the tile follows (:func:`aligned_blocks`): each
+    byte is loaded once and its fields are spread over the elements in registers (a Q4_K tile of 128 loads its 64
+    code bytes and its sub-blocks' scale bytes and f16s once per column, not 3 bytes per element). ``blk [1, N]``:
+    byte offset of the tile's block (Q8_0: of its first block) in each column; ``k_ok [BLOCK_K]``."""
+    cm = n_ok[None, :]
+    if QKIND == 5:  # Q8_0: BLOCK_K // 32 whole blocks of (f16 d, 32 int8)
+        G: tl.constexpr = BLOCK_K // 32
+        g_ok = tl.max(tl.reshape(k_ok.to(tl.int32), (G, 32)), 1) > 0
+        gm = g_ok[:, None] & cm                                                  # [G, N]
+        base = blk + (tl.arange(0, G) * 34)[:, None]                            # [G, N]
+        d = _f16(w_ptr, base, gm)
+        off = tl.reshape(base[:, None, :] + 2 + tl.arange(0, 32)[None, :, None], (BLOCK_K, N))
+        q = _u8(w_ptr, off, k_ok[:, None] & cm)
+        q = tl.where(q >= 128, q - 256, q)
+        w = _spread(d, 32, N) * q.to(tl.float32)
+    elif QKIND == 8:  # Q6_K, a tile inside one 128-element half: d * scales[v / 16] * (q - 32)
+        t0 = k0 % GROUP
+        h = t0 // 128
+        r0 = t0 % 128
+        R: tl.constexpr = BLOCK_K // 64
+        ql = _u8(w_ptr, blk + 64 * h + tl.arange(0, 64)[:, None], cm)                   # [64, N]
+        lo_sh = (4 * (r0 // 64 + tl.arange(0, R)))[:, None, None]
+        low = tl.reshape((ql[None, :, :] >> lo_sh) & 15, (BLOCK_K, N))
+        qh = _u8(w_ptr, blk + 128 + 32 * h + tl.arange(0, 32)[:, None], cm)             # [32, N]
+        hi_sh = (2 * (r0 // 32 + tl.arange(0, BLOCK_K // 32)))[:, None, None]
+        high = tl.reshape((qh[None, :, :] >> hi_sh) & 3, (BLOCK_K, N))
+        sc = _u8(w_ptr, blk + 192 + t0 // 16 + tl.arange(0, BLOCK_K // 16)[:, None], cm)  # [S, N]
+        sc = tl.where(sc >= 128, sc - 256, sc)
+        s = _f16(w_ptr, blk + 208, cm) * sc.to(tl.float32)
+        w = _spread(s, 16, N) * ((low | (high << 4)) - 32).to(tl.float32)
+    else:  # Q4_K / Q5_K, a tile of whole 64-element pairs of sub-blocks: d * sc * q - dmin * mn
+        t0 = k0 % GROUP
+        P: tl.constexpr = BLOCK_K // 64
+        J: tl.constexpr = BLOCK_K // 32
+        QS: tl.constexpr = 16 if QKIND == 6 else 48
+        b = _u8(w_ptr, blk + QS + t0 // 2 + tl.arange(0, BLOCK_K // 2)[:, None], cm)   # [BLOCK_K / 2, N]
+        b3 = tl.reshape(b, (P, 32, N))
+        q = tl.reshape(tl.permute(tl.join(b3 & 15, b3 >> 4), (0, 3, 1, 2)), (BLOCK_K, N))
+        j = t0 // 32 + tl.arange(0, J)[:, None]                                          # [J, 1]
+        if QKIND == 7:
+            qh = _u8(w_ptr, blk + 16 + tl.arange(0, 32)[:, None], cm)                     # [32, N]
+            q = q | tl.reshape(((qh[None, :, :] >> j[:, :, None]) & 1) << 4, (BLOCK_K, N))
+        sc, mn = _k4_scale_min(w_ptr, blk, j, cm)                                       # [J, N]
+        s = _f16(w_ptr, blk, cm) * sc
+        m = _f16(w_ptr, blk + 2, cm) * mn
+        w = _spread(s, 32, N) * q.to(tl.float32) - _spread(m, 32, N)
+    return w
+
+
+@triton.jit
+def _block_tile(w_ptr, e, nn, n_ok, k_ok, kc, k0, mask, swe, swn, QKIND: tl.constexpr, GROUP: tl.constexpr,
                 BLOCK_K: tl.constexpr):
     """Float32 values of elements ``(kc, nn)`` of GGML block rows (layouts: :mod:`ferrylm.experts.gguf_blocks`).
     When the K tile lies in one block (``GROUP % BLOCK_K == 0``) the block's f16 fields are loaded once per column."""
     BB: tl.constexpr = 34 if QKIND == 5 else (144 if QKIND == 6 else (176 if QKIND == 7 else 210))  # block bytes
-    if GROUP % BLOCK_K == 0:
-        base_c = e * swe + nn * swn + (k0 // GROUP) * BB  # [1, BLOCK_N]
-        c_mask = n_ok[None, :]
+    # the tile follows the block layout: whole Q8_0 blocks, Q4_K / Q5_K pairs of sub-blocks, a Q6_K half's part
+    ALIGNED: tl.constexpr = (QKIND == 5 and BLOCK_K % 32 == 0) or (
+        QKIND != 5 and GROUP % BLOCK_K == 0 and BLOCK_K % 64 == 0 and (QKIND != 8 or BLOCK_K <= 128))
+    if ALIGNED:
+        w = _block_tile_aligned(w_ptr, e * swe + nn * swn + (k0 // GROUP) * BB, n_ok, k_ok, k0, QKIND, GROUP,
+                                BLOCK_K, nn.shape[1])
     else:
-        base_c = e * swe + nn * swn + (kc // GROUP) * BB  # [BLOCK_K, BLOCK_N]
-        c_mask = mask
-    base = e * swe + nn * swn + (kc // GROUP) * BB
-    v = kc % GROUP
-    if QKIND == 5:  # Q8_0: d * int8
-        q = _u8(w_ptr, base + 2 + v, mask)
-        q = tl.where(q >= 128, q - 256, q)
-        w = _f16(w_ptr, base_c, c_mask) * q.to(tl.float32)
-    elif QKIND == 8:  # Q6_K: d * scales[v / 16] * (q - 32)
-        h = v // 128
-        r = v % 128
-        low = (_u8(w_ptr, base + 64 * h + r % 64, mask) >> (4 * (r // 64))) & 15
-        high = (_u8(w_ptr, base + 128 + 32 * h + r % 32, mask) >> (2 * (r // 32))) & 3
-        sc = _u8(w_ptr, base + 192 + v // 16, mask)
-        sc = tl.where(sc >= 128, sc - 256, sc)
-        s = _f16(w_ptr, base_c + 208, c_mask) * sc.to(tl.float32)
-        w = s * ((low | (high << 4)) - 32).to(tl.float32)
-    else:  # Q4_K / Q5_K: d * sc * q - dmin * mn
-        j = v // 32
-        l = v % 32
-        sc, mn = _k4_scale_min(w_ptr, base, j, mask)
-        s = _f16(w_ptr, base_c, c_mask) * sc
-        m = _f16(w_ptr, base_c + 2, c_mask) * mn
-        if QKIND == 6:
-            q = (_u8(w_ptr, base + 16 + 32 * (j // 2) + l, mask) >> (4 * (j % 2))) & 15
+        if GROUP % BLOCK_K == 0:
+            base_c = e * swe + nn * swn + (k0 // GROUP) * BB  # [1, BLOCK_N]
+            c_mask = n_ok[None, :]
         else:
-            q = (_u8(w_ptr, base + 48 + 32 * (j // 2) + l, mask) >> (4 * (j % 2))) & 15
-            q = q | (((_u8(w_ptr, base + 16 + l, mask) >> j) & 1) << 4)
-        w = s * q.to(tl.float32) - m
+            base_c = e * swe + nn * swn + (kc // GROUP) * BB  # [BLOCK_K, BLOCK_N]
+            c_mask = mask
+        base = e * swe + nn * swn + (kc // GROUP) * BB
+        v = kc % GROUP
+        if QKIND == 5:  # Q8_0: d * int8
+            q = _u8(w_ptr, base + 2 + v, mask)
+            q = tl.where(q >= 128, q - 256, q)
+            w = _f16(w_ptr, base_c, c_mask) * q.to(tl.float32)
+        elif QKIND == 8:  # Q6_K: d * scales[v / 16] * (q - 32)
+            h = v // 128
+            r = v % 128
+            low = (_u8(w_ptr, base + 64 * h + r % 64, mask) >> (4 * (r // 64))) & 15
+            high = (_u8(w_ptr, base + 128 + 32 * h + r % 32, mask) >> (2 * (r // 32))) & 3
+            sc = _u8(w_ptr, base + 192 + v // 16, mask)
+            sc = tl.where(sc >= 128, sc - 256, sc)
+            s = _f16(w_ptr, base_c + 208, c_mask) * sc.to(tl.float32)
+            w = s * ((low | (high << 4)) - 32).to(tl.float32)
+        else:  # Q4_K / Q5_K: d * sc * q - dmin * mn
+            j = v // 32
+            l = v % 32
+            sc, mn = _k4_scale_min(w_ptr, base, j, mask)
+            s = _f16(w_ptr, base_c, c_mask) * sc
+            m = _f16(w_ptr, base_c + 2, c_mask) * mn
+            if QKIND == 6:
+                q = (_u8(w_ptr, base + 16 + 32 * (j // 2) + l, mask) >> (4 * (j % 2))) & 15
+            else:
+                q = (_u8(w_ptr, base + 48 + 32 * (j // 2) + l, mask) >> (4 * (j % 2))) & 15
+                q = q | (((_u8(w_ptr, base + 16 + l, mask) >> j) & 1) << 4)
+            w = s * q.to(tl.float32) - m
     return tl.where(mask, w, 0.0)
 
 
@@ -267,13 +332,13 @@ def weight_tile(w_ptr, s_ptr, m_ptr, r_ptr, e, n, k0, kk, n_ok, k_ok,
     elif QKIND == 9:  # kmix: the expert's K-quant kind from its tag byte (one branch per program)
         tag = tl.load(s_ptr + e * sse)
         if tag == 6:
-            w = _block_tile(w_ptr, e, nn, n_ok, kc, k0, mask, swe, swn, 6, GROUP, BLOCK_K)
+            w = _block_tile(w_ptr, e, nn, n_ok, k_ok, kc, k0, mask, swe, swn, 6, GROUP, BLOCK_K)
         elif tag == 7:
-            w = _block_tile(w_ptr, e, nn, n_ok, kc, k0, mask, swe, swn, 7, GROUP, BLOCK_K)
+            w = _block_tile(w_ptr, e, nn, n_ok, k_ok, kc, k0, mask, swe, swn, 7, GROUP, BLOCK_K)
         else:
-            w = _block_tile(w_ptr, e, nn, n_ok, kc, k0, mask, swe, swn, 8, GROUP, BLOCK_K)
+            w = _block_tile(w_ptr, e, nn, n_ok, k_ok, kc, k0, mask, swe, swn, 8, GROUP, BLOCK_K)
     elif QKIND >= 5:
-        w = _block_tile(w_ptr, e, nn, n_ok, kc, k0, mask, swe, swn, QKIND, GROUP, BLOCK_K)
+        w = _block_tile(w_ptr, e, nn, n_ok, k_ok, kc, k0, mask, swe, swn, QKIND, GROUP, BLOCK_K)
     else:
         v = weight_values(w_ptr, e, n, k0, kk, n_ok, k_ok, swe, swn, swk, QKIND, HAS_MINS, BLOCK_K,
                           HW_FP8).to(tl.float32)
