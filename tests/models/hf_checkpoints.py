@@ -166,6 +166,21 @@ CASES: dict[str, tuple[str, dict]] = {
                                 rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
                                                  "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                  "original_max_position_embeddings": 64})),
+    # DeepSeek-V4 shape: layers sliding, CSA (rate 4, indexer top-3), HCA (rate 8), CSA; a window of 6; three
+    # hyper-connection streams; two hash layers then top-2 sqrt-softplus routing; a clamp small enough to bite;
+    # yarn on the compressed branch; rope over 8 of 32 dims; grouped output projection (2 groups)
+    "deepseek_v4": ("deepseek_v4", dict(vocab_size=160, moe_intermediate_size=32, num_hidden_layers=4,
+                                        num_key_value_heads=1, head_dim=32, q_lora_rank=48, partial_rotary_factor=0.25,
+                                        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                                        routed_scaling_factor=1.5, hc_mult=3, hc_sinkhorn_iters=5, swiglu_limit=0.6,
+                                        layer_types=["sliding_attention", "compressed_sparse_attention",
+                                                     "heavily_compressed_attention", "compressed_sparse_attention"],
+                                        compress_rates={"compressed_sparse_attention": 4,
+                                                        "heavily_compressed_attention": 8},
+                                        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"], sliding_window=6,
+                                        o_groups=2, o_lora_rank=24, index_n_heads=4, index_head_dim=16, index_topk=3,
+                                        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32,
+                                                         "beta_slow": 1, "original_max_position_embeddings": 64})),
     "qwen2": ("qwen2", dict(vocab_size=160, intermediate_size=96,
                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     "qwen3": ("qwen3", dict(vocab_size=160, intermediate_size=96, head_dim=32, tie_word_embeddings=True,
@@ -177,10 +192,10 @@ CONFIG_CLASSES = {
     "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig", "olmoe": "OlmoeConfig",
     "glm4_moe": "Glm4MoeConfig", "minimax_m2": "MiniMaxM2Config", "qwen3_next": "Qwen3NextConfig",
     "qwen3_5_moe": "Qwen3_5MoeTextConfig", "deepseek_v3": "DeepseekV3Config", "gpt_oss": "GptOssConfig",
-    "qwen4_exp": "Qwen4ExpTextConfig",
+    "qwen4_exp": "Qwen4ExpTextConfig", "deepseek_v4": "DeepseekV4Config",
 }
 MOE_FAMILIES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2", "qwen3_next",
-                          "qwen3_5_moe", "deepseek_v3", "gpt_oss", "qwen4_exp"})
+                          "qwen3_5_moe", "deepseek_v3", "gpt_oss", "qwen4_exp", "deepseek_v4"})
 
 
 def is_moe_case(case: str) -> bool:
@@ -216,6 +231,9 @@ def _randomize_(model: torch.nn.Module, seed: int) -> None:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # sigmoid routers: a bias that changes the choice
                 b.copy_(0.3 * torch.randn(b.shape, generator=g))
+            elif name.endswith("tid2eid"):  # hash routing (DeepSeek-V4): k distinct experts per token
+                experts = model.config.num_local_experts
+                b.copy_(torch.stack([torch.randperm(experts, generator=g)[:b.shape[1]] for _ in range(b.shape[0])]))
 
 
 def build_checkpoint(case: str, path: Path, seed: int = 0) -> Checkpoint:
@@ -268,7 +286,9 @@ def hf_greedy(reference, prompt: list[int], n: int) -> list[int]:
     tiny random models pick it). ``n`` tokens; works on transformers 5.17 and 5.2x."""
     from transformers import DynamicCache
 
-    out, cache, ids = [], DynamicCache(), torch.tensor([prompt])
+    # DeepSeek-V4's reference needs its own cache layers (compressor state), which only a config-built cache has
+    own = getattr(reference.config, "model_type", "") == "deepseek_v4"
+    out, cache, ids = [], DynamicCache(config=reference.config) if own else DynamicCache(), torch.tensor([prompt])
     name = _cache_argument(reference)
     with torch.no_grad():
         for _ in range(n):

@@ -35,7 +35,7 @@ from torch import nn
 from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts import ExpertOptions, build_executor, check_backend, expert_home
-from ferrylm.experts.executor import ExpertExecutor, ExpertMath, LayerExperts
+from ferrylm.experts.executor import ClampedSwiGLU, ExpertExecutor, ExpertMath, LayerExperts
 from ferrylm.models.registry import get_model_class
 from ferrylm.models.tensor_parallel import TPShard, check_shardable, shard_config, shard_tensor
 
@@ -174,11 +174,11 @@ class ExpertBiasAssembler:
 
     Args:
         layers: MoE decoder layers. num_experts, hidden_size, intermediate_size: ``E``, ``H``, ``I``.
-        swiglu: ``(alpha, limit)``. dtype: the biases' dtype.
+        swiglu: the :class:`~ferrylm.experts.executor.ClampedSwiGLU`. dtype: the biases' dtype.
     """
 
     def __init__(self, layers: tuple[int, ...], num_experts: int, hidden_size: int, intermediate_size: int,
-                 swiglu: tuple[float, float], dtype: torch.dtype):
+                 swiglu: ClampedSwiGLU, dtype: torch.dtype):
         self.layers = layers
         self.shapes = {"gate_up_proj": (num_experts, 2 * intermediate_size), "down_proj": (num_experts, hidden_size)}
         self.swiglu, self.dtype = swiglu, dtype
@@ -206,14 +206,13 @@ class ExpertBiasAssembler:
 
     def attach(self, stacks: dict[int, LayerExperts]) -> dict[int, LayerExperts]:
         """Set every layer's ``math``. Raises ModelLoadError naming the first missing bias."""
-        alpha, limit = self.swiglu
         for layer in self.layers:
             for kind in self.shapes:
                 if (layer, kind) not in self.tensors:
                     raise ModelLoadError(f"checkpoint lacks model.layers.{layer}.mlp.experts.{kind}_bias")
             gu = self.tensors[(layer, "gate_up_proj")]
             stacks[layer].math = ExpertMath(gu[:, 0::2].contiguous(), gu[:, 1::2].contiguous(),
-                                            self.tensors[(layer, "down_proj")].contiguous(), alpha, limit)
+                                            self.tensors[(layer, "down_proj")].contiguous(), *self.swiglu)
         return stacks
 
 
@@ -452,7 +451,13 @@ def ple_assembler(model_cls: type, config: ModelConfig, backend: str, device: to
 def _finish(model_cls: type, config: ModelConfig, device: torch.device, moe_backend, stacks, tensors: dict,
             origin: dict, ple_tables: dict | None = None) -> LoadedModel:
     """Build the executor over the expert ``stacks`` (None: dense) and the model on ``meta``, assign ``tensors``
-    (and hand a PLE model its tables)."""
+    (and hand a PLE model its tables). A family whose experts clamp without biases (DeepSeek-V4) gets its
+    :class:`ExpertMath` here."""
+    swiglu = model_cls.expert_swiglu(config)
+    for layer in (stacks or {}).values():
+        if swiglu is not None and layer.math is None:
+            layer.math = ExpertMath.unbiased(layer.num_experts, config.hidden_size, config.moe_intermediate_size,
+                                             swiglu, layer.dtype, device)
     executor = build_executor(moe_backend, stacks, device) if stacks is not None else None
     with torch.device("meta"):
         model = model_cls(config, executor=executor, device=device)

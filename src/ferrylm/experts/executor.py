@@ -15,6 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,15 +23,24 @@ import torch.nn.functional as F
 from ferrylm.experts.quantized import ExpertQuant, QuantTensor
 
 
+class ClampedSwiGLU(NamedTuple):
+    """The clamped SwiGLU of a family's experts: ``alpha`` the sigmoid's gain, ``limit`` the clamp, ``up_shift`` added
+    to the clamped up projection (gpt-oss: 1.702, 7.0, 1; DeepSeek-V4: 1, ``swiglu_limit``, 0 — plain SiLU)."""
+
+    alpha: float
+    limit: float
+    up_shift: float = 1.0
+
+
 @dataclass
 class ExpertMath:
-    """What a layer's experts compute beyond ``down @ (silu(gate @ x) * (up @ x))``: gpt-oss's projection biases and
-    clamped SwiGLU (the ``GptOssExperts`` of transformers): ``g = min(gate @ x + b_g, limit)``, ``u = clamp(up @ x +
-    b_u, -limit, limit)``, ``y = down @ ((u + 1) * g * sigmoid(alpha * g)) + b_d``.
+    """What a layer's experts compute beyond ``down @ (silu(gate @ x) * (up @ x))``: projection biases and a clamped
+    SwiGLU (gpt-oss's ``GptOssExperts``; DeepSeek-V4's with zero biases): ``g = min(gate @ x + b_g, limit)``,
+    ``u = clamp(up @ x + b_u, -limit, limit)``, ``y = down @ ((u + up_shift) * g * sigmoid(alpha * g)) + b_d``.
 
     Attributes:
         gate_bias, up_bias: ``[E, I]``; down_bias: ``[E, H]`` (on the compute device; small, never offloaded).
-        alpha: the sigmoid's gain (gpt-oss: 1.702); limit: the clamp (7.0).
+        alpha, limit, up_shift: :class:`ClampedSwiGLU`.
     """
 
     gate_bias: torch.Tensor
@@ -38,12 +48,23 @@ class ExpertMath:
     down_bias: torch.Tensor
     alpha: float
     limit: float
+    up_shift: float = 1.0
+
+    @staticmethod
+    def unbiased(num_experts: int, hidden_size: int, intermediate_size: int, swiglu: ClampedSwiGLU,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> "ExpertMath":
+        """The clamped SwiGLU without biases (zero ones: every backend computes one form)."""
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        return ExpertMath(zeros(num_experts, intermediate_size), zeros(num_experts, intermediate_size),
+                          zeros(num_experts, hidden_size), *swiglu)
 
     def act(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """The clamped SwiGLU of ``g`` / ``u`` (biases already added), in their dtype."""
         g = g.clamp(max=self.limit)
         u = u.clamp(-self.limit, self.limit)
-        return (u + 1) * (g * torch.sigmoid(g * self.alpha))
+        return (u + self.up_shift) * (g * torch.sigmoid(g * self.alpha))
 
     def expert(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                e: int) -> torch.Tensor:
@@ -63,7 +84,7 @@ class ExpertMath:
 
     def to(self, device: torch.device | str) -> "ExpertMath":
         return ExpertMath(self.gate_bias.to(device), self.up_bias.to(device), self.down_bias.to(device), self.alpha,
-                          self.limit)
+                          self.limit, self.up_shift)
 
 
 @dataclass

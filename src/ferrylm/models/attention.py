@@ -51,6 +51,10 @@ class AttentionBackend(Protocol):
     #   attend_indexed(layer_idx, q, k, v, scale, index: IndexQuery) -> [T, Hq, D]
     # storing K/V and the raw index keys, each query attending to the tokens its indexer keeps
     # (``models/indexed_attention.py``).
+    # Backends of DeepSeek-V4 (compressed sparse attention) also implement:
+    #   attend_compressed(layer_idx, q [T, H, D], kv [T, D], branch: CompressedBranch) -> [T, H, D]
+    # storing the window rows, the compressed entries and the open windows' pools per sequence
+    # (``models/compressed_attention.py`` has the contract and the math).
 
 
 # NOTE: query rows per block of the explicit (sink) attention: its float32 scores are H x rows x keys
@@ -143,6 +147,12 @@ class DenseCausalAttention:
 
         return indexed_sequence(q, k, v, index.q, index.k, index.selector, scale, q_offset=0)
 
+    def attend_compressed(self, layer_idx: int, q: torch.Tensor, kv: torch.Tensor, branch) -> torch.Tensor:
+        """DeepSeek-V4's attention over the call's own tokens (``models/compressed_attention.py``): ``[T, H, D]``."""
+        from ferrylm.models.compressed_attention import DictSequenceState, attend_sequence
+
+        return attend_sequence(DictSequenceState(), q, kv, branch, slice(0, q.shape[0]), 0)
+
 
 class SequenceCacheAttention:
     """One sequence with a growing K/V cache (per layer, concatenated), no pages. The reference for chunked
@@ -156,6 +166,7 @@ class SequenceCacheAttention:
         self.k: dict[int, list[torch.Tensor]] = {}
         self.v: dict[int, list[torch.Tensor]] = {}
         self.index_k: dict[int, list[torch.Tensor]] = {}
+        self.compressed: dict = {}   # layer -> DictSequenceState (DeepSeek-V4)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float, *, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -192,3 +203,12 @@ class SequenceCacheAttention:
         idx.append(index.k)
         return indexed_sequence(q, torch.cat(ks), torch.cat(vs), index.q, torch.cat(idx), index.selector, scale,
                                 q_offset=offset)
+
+    def attend_compressed(self, layer_idx: int, q: torch.Tensor, kv: torch.Tensor, branch) -> torch.Tensor:
+        """DeepSeek-V4's attention (``models/compressed_attention.py``); the new tokens follow everything cached
+        (the layer's rows, entries and pools kept in a ``DictSequenceState``)."""
+        from ferrylm.models.compressed_attention import DictSequenceState, attend_sequence
+
+        state = self.compressed.setdefault(layer_idx, DictSequenceState())
+        start = 0 if state.rows is None else state.rows.shape[0]
+        return attend_sequence(state, q, kv, branch, slice(0, q.shape[0]), start)

@@ -23,7 +23,7 @@ from torch import nn
 
 from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
-from ferrylm.experts.executor import ExpertExecutor
+from ferrylm.experts.executor import ClampedSwiGLU, ExpertExecutor
 from ferrylm.models.llama import LlamaForCausalLM
 from ferrylm.models.moe import SparseMoeBlock, check_moe_config
 
@@ -59,7 +59,7 @@ def sliding_window(config: ModelConfig) -> int | None:
     return int(window)
 
 
-def swiglu_params(config: ModelConfig) -> tuple[float, float]:
+def swiglu_params(config: ModelConfig) -> ClampedSwiGLU:
     """``(swiglu_alpha, swiglu_limit)`` of the experts' clamped SwiGLU (defaults 1.702, 7.0).
 
     Raises:
@@ -69,7 +69,7 @@ def swiglu_params(config: ModelConfig) -> tuple[float, float]:
     limit = float(config.raw.get("swiglu_limit", 7.0))
     if limit <= 0:
         raise ModelLoadError(f"swiglu_limit must be > 0, got {limit}")
-    return alpha, limit
+    return ClampedSwiGLU(alpha, limit)
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
@@ -117,7 +117,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
         return {"qkv_bias": bias, "o_bias": bias, "sinks": True}
 
     @classmethod
-    def expert_swiglu(cls, config: ModelConfig) -> tuple[float, float]:
+    def expert_swiglu(cls, config: ModelConfig) -> ClampedSwiGLU:
         """``(alpha, limit)`` of the experts' :class:`~ferrylm.experts.executor.ExpertMath` (the loader's)."""
         return swiglu_params(config)
 

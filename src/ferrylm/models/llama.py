@@ -16,7 +16,7 @@ from torch import nn
 
 from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
-from ferrylm.experts.executor import ExpertExecutor
+from ferrylm.experts.executor import ClampedSwiGLU, ExpertExecutor
 from ferrylm.models.attention import AttentionBackend
 from ferrylm.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLUMLP, config_rope_frequencies
 
@@ -183,8 +183,8 @@ class LlamaForCausalLM(nn.Module):
         return False
 
     @classmethod
-    def expert_swiglu(cls, config: ModelConfig) -> tuple[float, float] | None:
-        """``(alpha, limit)`` of a clamped-SwiGLU expert family (gpt-oss); None: plain SwiGLU experts."""
+    def expert_swiglu(cls, config: ModelConfig) -> ClampedSwiGLU | None:
+        """The clamped SwiGLU of a family whose experts clamp (gpt-oss, DeepSeek-V4); None: plain SwiGLU experts."""
         return None
 
     @classmethod

@@ -9,6 +9,7 @@ from ferrylm.errors import UnsupportedArchitecture
 # NOTE: values are "module:Class" so that importing the registry does not import torch-heavy model code.
 MODEL_REGISTRY: dict[str, str] = {
     "DeepseekV3ForCausalLM": "ferrylm.models.deepseek_v3:DeepseekV3ForCausalLM",
+    "DeepseekV4ForCausalLM": "ferrylm.models.deepseek_v4:DeepseekV4ForCausalLM",
     "Glm4MoeForCausalLM": "ferrylm.models.glm4_moe:Glm4MoeForCausalLM",
     "GptOssForCausalLM": "ferrylm.models.gpt_oss:GptOssForCausalLM",
     "LlamaForCausalLM": "ferrylm.models.llama:LlamaForCausalLM",

@@ -36,6 +36,8 @@ class SigmoidRouting:
         renormalize: divide the kept scores by their sum (GLM ``norm_topk_prob``; MiniMax-M2 always).
         scale: multiplier of the final weights (GLM ``routed_scaling_factor``; 1.0 for MiniMax-M2).
         eps: added to the renormalising denominator (GLM's reference adds 1e-20; MiniMax-M2's adds none).
+        scoring: the score of a logit: ``sigmoid`` (DeepSeek-V3, GLM, MiniMax) or ``sqrtsoftplus``
+            (``sqrt(softplus(x))``, DeepSeek-V4).
     """
 
     top_k: int
@@ -44,6 +46,7 @@ class SigmoidRouting:
     renormalize: bool = True
     scale: float = 1.0
     eps: float = 0.0
+    scoring: str = "sigmoid"
 
     def check(self, num_experts: int, where: str) -> None:
         """Raise ModelLoadError (naming the config field) when this rule cannot route ``num_experts`` experts."""
@@ -55,9 +58,19 @@ class SigmoidRouting:
             raise ModelLoadError(f"{where}: topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}")
         if self.n_group > 1 and num_experts // self.n_group < 2:
             raise ModelLoadError(f"{where}: n_group={self.n_group} leaves fewer than 2 experts per group")
+        if self.scoring not in SCORINGS:
+            raise ModelLoadError(f"{where}: scoring_func {self.scoring!r} is not supported ({', '.join(SCORINGS)})")
         if self.top_k > self.topk_group * (num_experts // self.n_group):
             raise ModelLoadError(f"{where}: num_experts_per_tok={self.top_k} exceeds the {self.topk_group} "
                                  f"groups' {self.topk_group * (num_experts // self.n_group)} experts (topk_group)")
+
+
+SCORINGS = ("sigmoid", "sqrtsoftplus")
+
+
+def router_scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    """``[T, E]`` float32 scores of float32 ``logits`` under ``scoring`` (:data:`SCORINGS`)."""
+    return torch.sigmoid(logits) if scoring == "sigmoid" else F.softplus(logits).sqrt()
 
 
 def sigmoid_topk(router_logits: torch.Tensor, bias: torch.Tensor, rule: SigmoidRouting
@@ -72,7 +85,7 @@ def sigmoid_topk(router_logits: torch.Tensor, bias: torch.Tensor, rule: SigmoidR
     Returns:
         ``(topk_ids [T, k] int64, topk_weights [T, k] float32)``, ids in descending ``s + b`` order.
     """
-    scores = torch.sigmoid(router_logits.float())
+    scores = router_scores(router_logits.float(), rule.scoring)
     choice = scores + bias.float()
     if rule.n_group > 1:
         t, e = choice.shape
@@ -93,7 +106,7 @@ def sigmoid_topk(router_logits: torch.Tensor, bias: torch.Tensor, rule: SigmoidR
 def sigmoid_weights(router_logits: torch.Tensor, ids: torch.Tensor, rule: SigmoidRouting) -> torch.Tensor:
     """``[T, k]`` float32 weights of chosen ``ids [T, k]`` under ``rule``: the plain sigmoid scores at ``ids``,
     renormalised and scaled as :func:`sigmoid_topk` does (for ids a routing model chose)."""
-    weights = torch.sigmoid(router_logits.float()).gather(1, ids)
+    weights = router_scores(router_logits.float(), rule.scoring).gather(1, ids)
     if rule.renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + rule.eps)
     return weights * rule.scale if rule.scale != 1.0 else weights

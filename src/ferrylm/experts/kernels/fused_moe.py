@@ -199,7 +199,7 @@ def _block_expert(bexp_ptr, slot_ptr, off_ptr, pid_m, HAS_SLOTS: tl.constexpr, H
 
 @triton.jit
 def _gate_up_kernel(x_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr, off_ptr, gb_ptr, ub_ptr, alpha, limit,
-                    num_assign, N, K, top_k, stride_xt, stride_ht,
+                    up_shift, num_assign, N, K, top_k, stride_xt, stride_ht,
                     wg_ptr, sg_ptr, mg_ptr, rg_ptr, stride_ge, stride_gn, stride_gk, sgse, sgsn, sgsg, sgre, sgrn,
                     wu_ptr, su_ptr, mu_ptr, ru_ptr, stride_ue, stride_un, stride_uk, suse, susn, susg, sure, surn,
                     HAS_SLOTS: tl.constexpr, HAS_OFF: tl.constexpr, ITEM_W: tl.constexpr, ITEM_S: tl.constexpr,
@@ -239,7 +239,7 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr, off_
                          BLOCK_K, HW_FP8, SCALE_AFTER, PRECISION)
         x_ptrs += BLOCK_K
     out_ty = h_ptr.dtype.element_ty
-    if MATH:  # gpt-oss: biases by the expert's id, then the clamped SwiGLU (experts/executor.ExpertMath)
+    if MATH:  # biases by the expert's id, then the clamped SwiGLU (experts/executor.ExpertMath)
         eid = tl.load(bexp_ptr + pid_m).to(tl.int64)
         bg = tl.load(gb_ptr + eid * N + n, mask=n_ok, other=0.0).to(tl.float32)
         bu = tl.load(ub_ptr + eid * N + n, mask=n_ok, other=0.0).to(tl.float32)
@@ -248,7 +248,7 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr, off_
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
         glu = g / (1.0 + tl.exp(-g * alpha))
-        h = ((u + 1.0) * glu).to(out_ty)
+        h = ((u + up_shift) * glu).to(out_ty)
     else:
         g = acc_g.to(out_ty).to(tl.float32)
         u = acc_u.to(out_ty).to(tl.float32)
@@ -381,9 +381,9 @@ def fused_moe(hidden: torch.Tensor, gate: torch.Tensor | QuantTensor, up: torch.
         # int4 + mins on the H200, Triton 3.6)
         gu_tiles, d_tiles = (replace(t, num_stages=min(2, t.num_stages)) for t in (gu_tiles, d_tiles))
     gb, ub, db = (math.gate_bias, math.up_bias, math.down_bias) if math is not None else (hidden,) * 3
-    alpha, limit = (math.alpha, math.limit) if math is not None else (1.0, 0.0)
+    alpha, limit, shift = (math.alpha, math.limit, math.up_shift) if math is not None else (1.0, 0.0, 1.0)
     _gate_up_kernel[(blocks, triton.cdiv(inter, gu_tiles.block_n))](
-        hidden, inter_act, sorted_ids, block_expert, num_padded, slots, offs, gb, ub, alpha, limit,
+        hidden, inter_act, sorted_ids, block_expert, num_padded, slots, offs, gb, ub, alpha, limit, shift,
         n, inter, hdim, k, hidden.stride(0), inter_act.stride(0), *g_args, *u_args,
         HAS_SLOTS=slot_of is not None, HAS_OFF=row_offset is not None, **g_items,
         BLOCK_M=gu_tiles.block_m, BLOCK_N=gu_tiles.block_n,
