@@ -168,7 +168,8 @@ CASES: dict[str, tuple[str, dict]] = {
                                                  "original_max_position_embeddings": 64})),
     # DeepSeek-V4 shape: layers sliding, CSA (rate 4, indexer top-3), HCA (rate 8), CSA; a window of 6; three
     # hyper-connection streams; two hash layers then top-2 sqrt-softplus routing; a clamp small enough to bite;
-    # yarn on the compressed branch; rope over 8 of 32 dims; grouped output projection (2 groups)
+    # yarn on the compressed branch; rope over 8 of 32 dims; grouped output projection (2 groups); 16 indexer heads,
+    # so that no indexer score is an exact tie (all heads' ReLU at zero), whose order is the implementation's
     "deepseek_v4": ("deepseek_v4", dict(vocab_size=160, moe_intermediate_size=32, num_hidden_layers=4,
                                         num_key_value_heads=1, head_dim=32, q_lora_rank=48, partial_rotary_factor=0.25,
                                         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
@@ -178,7 +179,7 @@ CASES: dict[str, tuple[str, dict]] = {
                                         compress_rates={"compressed_sparse_attention": 4,
                                                         "heavily_compressed_attention": 8},
                                         mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"], sliding_window=6,
-                                        o_groups=2, o_lora_rank=24, index_n_heads=4, index_head_dim=16, index_topk=3,
+                                        o_groups=2, o_lora_rank=24, index_n_heads=16, index_head_dim=16, index_topk=3,
                                         rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32,
                                                          "beta_slow": 1, "original_max_position_embeddings": 64})),
     "qwen2": ("qwen2", dict(vocab_size=160, intermediate_size=96,

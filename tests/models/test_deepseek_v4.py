@@ -125,3 +125,94 @@ def test_published_names_load(checkpoints, tmp_path):
     ids = token_ids(20, ckpt.vocab_size, seed=4)
     assert (full_logits(load_model(dst).model, ids) - reference_logits(ckpt, ids)).abs().max().item() <= TOL
     assert json.loads((dst / "config.json").read_text())["architectures"] == ["DeepseekV4ForCausalLM"]
+
+
+def _run(engine, requests: dict[str, list[int]], params) -> dict[str, list]:
+    for rid, prompt in requests.items():
+        engine.add_request(rid, prompt, params)
+    outs: dict[str, list] = {rid: [] for rid in requests}
+    for _ in range(600):
+        if not engine.has_work():
+            break
+        for o in engine.step():
+            assert o.error_code is None, o.error_message
+            outs[o.request_id].append(o)
+    assert not engine.has_work()
+    return outs
+
+
+def _engine(loaded, page_size: int, budget: int, caching: bool = True):
+    from ferrylm.config import EngineConfig
+    from ferrylm.engine.boot import engine_for_model
+
+    cfg = EngineConfig(device="cpu", check_invariants=True, num_pages=24, page_size=page_size,
+                       max_prefill_length=budget, max_running_requests=2, max_model_len=128,
+                       enable_prefix_caching=caching)
+    return engine_for_model(loaded.model, loaded.config, cfg, device=torch.device("cpu"), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_engine_path_matches_transformers(checkpoints, backend):
+    """Through the engine's paged pool: 16-token pages, a 6-token step budget (chunks across pages and compression
+    blocks, a decode beside a prefill); the second turn re-sends the first prompt's first 26 tokens: one full page
+    from the prefix cache and 8 of the 10 tokens of a kept tail (reuse stops at a multiple of the largest rate, 8),
+    so only its suffix is computed over the mapped rows, entries and pools."""
+    from ferrylm.engine.sampling_params import SamplingParams
+
+    ckpt = checkpoints(CASE)
+    loaded = load_model(ckpt.path, moe_backend=_moe(backend))
+    engine = _engine(loaded, 16, 6)
+    n = 6
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=5)
+    first = {"a": token_ids(30, ckpt.vocab_size, seed=21).tolist(), "b": token_ids(9, ckpt.vocab_size, seed=22).tolist()}
+    outs = _run(engine, first, params)
+    second = {"c": first["a"][:26] + token_ids(7, ckpt.vocab_size, seed=23).tolist()}
+    outs.update(_run(engine, second, params))
+    assert next(o.num_cached_tokens for o in outs["c"] if o.num_cached_tokens is not None) == 24
+    for rid, prompt in {**first, **second}.items():
+        tokens = [t for o in outs[rid] for t in o.new_token_ids]
+        assert tokens == hf_greedy(ckpt.reference, prompt, n), rid
+        ref = torch.log_softmax(reference_logits(ckpt, torch.tensor(prompt + tokens))[len(prompt) - 1:-1], dim=-1)
+        lps = [lp for o in outs[rid] for lp in (o.logprobs or [])]
+        assert max(abs(lp.logprob - ref[i, lp.token_id].item()) for i, lp in enumerate(lps)) <= TOL
+    if backend != "resident":
+        loaded.executor.close()
+
+
+def test_turn_two_reuses_the_aligned_prefix(checkpoints):
+    """An agent's second turn (prompt + answer + a new message) reuses its history up to the last multiple of 8
+    tokens (8-token pages) and answers as an engine without the prefix cache."""
+    from ferrylm.engine.sampling_params import SamplingParams
+
+    ckpt = checkpoints(CASE)
+    loaded = load_model(ckpt.path)
+    prompt = token_ids(22, ckpt.vocab_size, seed=7).tolist()
+    new = token_ids(5, ckpt.vocab_size, seed=8).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    runs = {}
+    for caching in (False, True):
+        engine = _engine(loaded, 8, 64, caching)
+        out1 = [t for o in _run(engine, {"t1": prompt}, params)["t1"] for t in o.new_token_ids]
+        turn2 = prompt + out1 + new
+        outs = _run(engine, {"t2": turn2}, params)["t2"]
+        cached = next(o.num_cached_tokens for o in outs if o.num_cached_tokens is not None)
+        runs[caching] = (out1, [t for o in outs for t in o.new_token_ids], cached, len(turn2))
+    assert runs[True][:2] == runs[False][:2]
+    assert runs[False][2] == 0 and runs[True][2] == (runs[True][3] - len(new) - 1) // 8 * 8 > 0
+
+
+def test_pool_layout_holds_the_blocks(checkpoints):
+    """One window row per token and layer; per CSA block (4 tokens) an entry, an indexer key and their pools; per
+    HCA block (8 tokens) an entry and its pool; a page size that is not a multiple of 8 is refused by name."""
+    from ferrylm.engine.cache.kv_pool import KVLayout, KVPool
+
+    layout = KVLayout.of(load_model(checkpoints(CASE).path).config)
+    assert (layout.k_heads, layout.k_dim, layout.v_heads, layout.align) == (1, 32, 0, 8)
+    assert {(b.layer, b.name, b.rate, b.width) for b in layout.blocks} == {
+        (1, "compressor", 4, 32), (1, "compressor_carry", 4, 128), (1, "indexer", 4, 16), (1, "indexer_carry", 4, 64),
+        (2, "compressor", 8, 32), (2, "compressor_carry", 8, 128),
+        (3, "compressor", 4, 32), (3, "compressor_carry", 4, 128), (3, "indexer", 4, 16), (3, "indexer_carry", 4, 64)}
+    per_token = 4 * 32 * 4 + 2 * (32 * 4 + 128 * 4 + 16 * 4 + 64 * 4) // 4 + (32 * 4 + 128 * 4) // 8
+    assert layout.bytes_per_token(torch.float32) == per_token
+    with pytest.raises(ValueError, match="--page-size must be a multiple of 8"):
+        KVPool(layout=layout, num_pages=4, page_size=12, dtype=torch.float32, device="cpu")

@@ -47,6 +47,9 @@ ARCHITECTURE_NOTES: dict[str, tuple[str, str]] = {
     "DeepseekV3ForCausalLM": ("DeepSeek-V3 / R1, Kimi-K2",
                               "multi-head latent attention (latent KV pool), noaux_tc sigmoid group-limited router, "
                               "shared expert; MTP layers not read"),
+    "DeepseekV4ForCausalLM": ("DeepSeek-V4-Flash / -Pro",
+                              "compressed sparse attention (window, CSA/HCA entries and indexer keys in pool "
+                              "pages), hyper-connections, hash then sqrt-softplus routing, clamped SwiGLU; MTP not read"),
     "MiniMaxM2ForCausalLM": ("MiniMax-M2 / M2.5", "biased sigmoid router, q/k norm over the projection, "
                                                  "partial rotary; MTP modules not read"),
     "GptOssForCausalLM": ("gpt-oss-20b, gpt-oss-120b", "attention sinks, sliding-window (128) / full layers, YaRN, "

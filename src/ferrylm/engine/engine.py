@@ -153,7 +153,8 @@ class Engine:
             seed = cache_seed("ferrylm-prefix-cache-v1", model_id, model_config, str(self.pool.storage_dtype))
             # partial pages are copied on this rank only: under tensor parallel only full pages are shared
             self.prefix_cache = PrefixCache(self.pool.allocator, self.limits.page_size, seed,
-                                            copy_prefix=self.pool.copy_page_prefix if tp is None else None)
+                                            copy_prefix=self.pool.copy_page_prefix if tp is None else None,
+                                            align=self.pool.layout.align)
             if self.state_pool is not None:   # a cached KV prefix needs the recurrent state at its end
                 from ferrylm.engine.cache.state_snapshots import StateSnapshots
 
@@ -312,8 +313,10 @@ class Engine:
             self._emit(u, res.logprobs[u.row])
 
     def states_lost(self) -> bool:
+        """A failed step may have written state a retry would read again: recurrent states, or (conservatively,
+        any failed step) the open blocks' pools of a pool with per-block caches."""
         rs, self.runner.last_recurrent = self.runner.last_recurrent, None
-        return self.state_pool is not None and rs is not None and bool(rs.written)
+        return bool(self.pool.layout.blocks) or (self.state_pool is not None and rs is not None and bool(rs.written))
 
     def finished(self, request: Request) -> bool:
         return request.status is Status.FINISHED

@@ -44,11 +44,6 @@ class Carry:
     def empty(dim: int, device: torch.device | str) -> "Carry":
         return Carry(torch.full((2, dim), NEG_INF, device=device), torch.zeros(2, dim, device=device))
 
-    def shifted(self) -> "Carry":
-        """The carry at a window boundary: row 1 becomes row 0, row 1 empty."""
-        lse = torch.cat((self.lse[1:], torch.full_like(self.lse[:1], NEG_INF)))
-        return Carry(lse, torch.cat((self.val[1:], torch.zeros_like(self.val[:1]))))
-
 
 class Compressor(Protocol):
     """A layer's compressor (or indexer compressor), as the backends see it."""
@@ -152,7 +147,8 @@ class SequenceState(Protocol):
         ...
 
     def carry(self, name: str, start: int, dim: int) -> Carry:
-        """The pools before position ``start`` (entries of ``dim``)."""
+        """The pools before position ``start`` (entries of ``dim``): the carry :func:`compress_chunk` returned for the
+        chunk that ended there (empty at 0)."""
         ...
 
     def write_entries(self, name: str, first: int, entries: torch.Tensor, end: int, carry: Carry) -> None:
@@ -179,7 +175,8 @@ def _compress(state: SequenceState, name: str, comp: Compressor, kv: torch.Tenso
 def indexer_select(ix: IndexerQuery, keys: torch.Tensor, rows: slice, positions: torch.Tensor,
                    rate: int) -> torch.Tensor:
     """``[n, c]`` bool: the entries each query keeps (top-``k`` of ``sum_h w_h relu(q_h . k) / sqrt(Di)`` among the
-    visible ones). ``keys [c, Di]``; ``positions [n]`` of the query rows ``rows``."""
+    visible ones; of equal scores the earlier entries, so the choice does not depend on how a prompt was chunked).
+    ``keys [c, Di]``; ``positions [n]`` of the query rows ``rows``."""
     q = ix.q[rows].float()                                                 # [n, Hi, Di]
     scores = torch.relu(torch.einsum("nhd,cd->nhc", q, keys.float())) * q.shape[-1] ** -0.5
     scores = (scores * ix.weights[rows].float()[..., None]).sum(1)         # [n, c]
@@ -188,7 +185,7 @@ def indexer_select(ix: IndexerQuery, keys: torch.Tensor, rows: slice, positions:
     k = min(ix.topk, keys.shape[0])
     if k == 0:
         return visible
-    top = scores.topk(k, dim=-1).indices
+    top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]   # equal scores: lower entry first
     return torch.zeros_like(visible).scatter_(1, top, True) & visible
 
 

@@ -274,6 +274,25 @@ class DeepseekV4ForCausalLM(nn.Module):
             _rope(config.raw, label, shape.rope_dim, config.max_position_embeddings)
 
     @classmethod
+    def kv_layout(cls, config: ModelConfig):
+        """Per token and layer one window row ``[1, D]`` (keys are values); per block of a compressing layer its
+        entry and its pools (``engine/attention/compressed_pages.py``), and a CSA layer's indexer key and pools."""
+        from ferrylm.engine.cache.kv_pool import BlockSpec, KVLayout
+
+        shape, d = V4Shape.of(config), config.head_dim
+        blocks = []
+        for i, kind in enumerate(shape.layer_types):
+            if kind == SLIDING:
+                continue
+            m = shape.rates[kind]
+            blocks += [BlockSpec(i, "compressor", m, d), BlockSpec(i, "compressor_carry", m, 4 * d, float32=True)]
+            if kind == CSA:
+                di = shape.attention.index_dim
+                blocks += [BlockSpec(i, "indexer", m, di), BlockSpec(i, "indexer_carry", m, 4 * di, float32=True)]
+        return KVLayout(num_layers=config.num_layers, layers=tuple(range(config.num_layers)), k_heads=1, k_dim=d,
+                        v_heads=0, v_dim=0, blocks=tuple(blocks))
+
+    @classmethod
     def moe_layer_indices(cls, config: ModelConfig) -> tuple[int, ...]:
         """Every layer is MoE."""
         return tuple(range(config.num_layers))

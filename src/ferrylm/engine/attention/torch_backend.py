@@ -179,6 +179,27 @@ class PagedAttention:
                                            q_offset=s.ctx_len)
         return out
 
+    def attend_compressed(self, layer_idx: int, q: torch.Tensor, kv: torch.Tensor, branch) -> torch.Tensor:
+        """DeepSeek-V4's attention over the pool (``models/compressed_attention.py``; storage
+        ``engine/attention/compressed_pages.py``), sequence by sequence: ``q [T, H, D]``, ``kv [T, D]`` ->
+        ``[T, H, D]``."""
+        from ferrylm.engine.attention.compressed_pages import PagedSequenceState
+        from ferrylm.models.compressed_attention import attend_sequence
+
+        rates = {}
+        if branch.compressor is not None:
+            rates["compressor"] = branch.compressor.rate
+        if branch.indexer is not None:
+            rates["indexer"] = branch.indexer.compressor.rate
+        out = torch.empty_like(q)
+        for s in self.seqs:
+            if self.faults.enabled:
+                self.faults.check("attention_scratch", nbytes=s.slots.numel() * kv.shape[-1] * kv.element_size())
+            rows = slice(s.q_start, s.q_start + s.q_len)
+            state = PagedSequenceState(self.pool, layer_idx, s.slots, rates)
+            out[rows] = attend_sequence(state, q, kv, branch, rows, s.ctx_len)
+        return out
+
 
 class StaticDecodeAttention:
     """AttentionBackend of a decode step with fixed shapes (the decode CUDA graphs, ``engine/decode_graph.py``):

@@ -64,6 +64,25 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
 
 
 @dataclass(frozen=True)
+class BlockSpec:
+    """A per-block cache of one layer: one row of ``width`` values per ``rate`` tokens (DeepSeek-V4's compressed
+    entries, indexer keys and open-window pools). Block ``w`` of a sequence (tokens ``w * rate ..``) lives on the
+    page of those tokens (``page_size % rate == 0``), row ``slot(w * rate) // rate`` of the layer's tensor, so the
+    rows are allocated, shared by the prefix cache and freed with their pages.
+
+    Attributes:
+        layer, name: which cache; rate: tokens per row; width: values per row; float32: kept in float32 (pools),
+            else in the model dtype.
+    """
+
+    layer: int
+    name: str
+    rate: int
+    width: int
+    float32: bool = False
+
+
+@dataclass(frozen=True)
 class KVLayout:
     """What one token stores in the pool, per layer that has attention state.
 
@@ -76,6 +95,7 @@ class KVLayout:
             (multi-head latent attention keeps the compressed latent and the rope key in ``k`` only).
         index_dim: ``Di`` of one raw index key per token and layer, kept in the model dtype (the attention
             indexer of Qwen4-Exp, ``models/indexed_attention.py``); 0 = none.
+        blocks: per-block caches (:class:`BlockSpec`), none for most models.
 
     A model class may define ``kv_layout(config) -> KVLayout``; :meth:`of` asks it, else every layer stores
     ``num_kv_heads x head_dim`` K and V.
@@ -88,6 +108,13 @@ class KVLayout:
     v_heads: int
     v_dim: int
     index_dim: int = 0
+    blocks: tuple[BlockSpec, ...] = ()
+
+    @property
+    def align(self) -> int:
+        """Tokens a reused prefix must be a multiple of (the largest block rate; 1 without blocks): a block's pool
+        is kept only as of its block's end."""
+        return max((b.rate for b in self.blocks), default=1)
 
     @staticmethod
     def standard(config) -> "KVLayout":
@@ -116,7 +143,9 @@ class KVLayout:
         if store == FP8:
             per_layer += (self.k_heads + self.v_heads) * SCALE_BYTES
         per_layer += self.index_dim * torch.empty((), dtype=dtype).element_size()
-        return len(self.layers) * per_layer
+        model_elem = torch.empty((), dtype=dtype).element_size()
+        blocks = sum(-(-b.width * (4 if b.float32 else model_elem) // b.rate) for b in self.blocks)
+        return len(self.layers) * per_layer + blocks
 
 
 class KVPool:
@@ -163,6 +192,13 @@ class KVPool:
         self.index_k = [torch.zeros(slots, layout.index_dim, dtype=dtype, device=device)
                         if i in stored and layout.index_dim else torch.empty(0, dtype=dtype, device=device)
                         for i in range(layout.num_layers)]
+        self.blocks: dict[tuple[int, str], torch.Tensor] = {}
+        for b in layout.blocks:
+            if page_size % b.rate:
+                raise ValueError(f"--page-size must be a multiple of {b.rate} for this model (its layer {b.layer} "
+                                 f"caches one row per {b.rate} tokens), got {page_size}")
+            self.blocks[(b.layer, b.name)] = torch.zeros(slots // b.rate, b.width, device=device,
+                                                         dtype=torch.float32 if b.float32 else dtype)
         self.allocator = PageAllocator(num_pages)
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
@@ -210,14 +246,17 @@ class KVPool:
 
     def copy_page_prefix(self, src: int, dst: int, num_tokens: int) -> None:
         """Copy the first ``num_tokens`` (< ``page_size``) token slots of page ``src`` into page ``dst``, in every
-        layer's K and V and, in an fp8 pool, their scales (the prefix cache's partial pages,
-        ``engine/cache/prefix_cache.py``)."""
+        layer's K and V and, in an fp8 pool, their scales, and the block rows that end within them (the prefix
+        cache's partial pages, ``engine/cache/prefix_cache.py``; ``num_tokens`` a multiple of ``layout.align``)."""
         s, d = src * self.page_size, dst * self.page_size
         if s == d:
             return
         for t in (*self.k, *self.v, *self.k_scale, *self.v_scale, *self.index_k):
             if t.numel():
                 t[d:d + num_tokens].copy_(t[s:s + num_tokens])
+        for b in self.layout.blocks:   # the rows of the blocks that end within the copied tokens
+            t, n = self.blocks[(b.layer, b.name)], num_tokens // b.rate
+            t[d // b.rate:d // b.rate + n].copy_(t[s // b.rate:s // b.rate + n])
 
 
 def slots_for(page_table: list[int], start: int, end: int, page_size: int) -> list[int]:

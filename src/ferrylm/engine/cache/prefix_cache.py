@@ -110,11 +110,14 @@ class PrefixCache:
         seed: :func:`cache_seed` of what changes the K/V besides the tokens.
         copy_prefix: ``(src_page, dst_page, num_tokens)`` copies the K/V of a page's first tokens (the KV pool's
             ``copy_page_prefix``); None: no tails, only full pages are shared.
+        align: a tail is reused only up to a multiple of this many tokens (the pool's ``layout.align``: a model with
+            per-block caches keeps a block's state only as of its end).
     """
 
     def __init__(self, allocator: PageAllocator, page_size: int, seed: bytes,
-                 copy_prefix: Callable[[int, int, int], None] | None = None):
+                 copy_prefix: Callable[[int, int, int], None] | None = None, align: int = 1):
         self.allocator = allocator
+        self.align = align
         self.page_size = page_size
         self.seed = seed
         self.copy_prefix = copy_prefix
@@ -209,6 +212,7 @@ class PrefixCache:
                 if a != b:
                     break
                 j += 1
+            j -= j % self.align
             if usable is not None and (j < len(t.tokens) or not usable(tail_name(prev, want[:j]))):
                 continue
             if j and (best is None or j > best.length):
