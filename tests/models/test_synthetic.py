@@ -66,6 +66,7 @@ def test_presets_have_the_published_shapes():
         "qwen3.8-flash-next": ("Qwen4ExpForCausalLM", 48, 2560, 512, 10, 640, 24, 2, 256, 248320),
         "gpt-oss-20b": ("GptOssForCausalLM", 24, 2880, 32, 4, 2880, 64, 8, 64, 201088),
         "gpt-oss-120b": ("GptOssForCausalLM", 36, 2880, 128, 4, 2880, 64, 8, 64, 201088),
+        "deepseek-v4-flash": ("DeepseekV4ForCausalLM", 43, 4096, 256, 6, 2048, 64, 1, 512, 129280),
     }
     from ferrylm.config import ModelConfig
 
@@ -431,3 +432,15 @@ def test_minimax_m2_5_nvfp4_spec(cache_env):
     for backend in ("offload", "cpu", "hybrid"):
         got = greedy_trace(build_synthetic(spec, dtype=torch.float32, moe_backend=options(backend, 2)).model, prompt, 4)
         assert got[0] == want, backend
+
+
+def test_deepseek_v4_flash_parameter_total():
+    """DeepSeek-V4-Flash as built: 284B total, 13B active (its model card's figures; active here without the
+    embedding and the head, which this family names ``embed`` / ``head``); the routed experts alone
+    43 x 256 x 3 x 4096 x 2048."""
+    total, active = _parameter_counts("deepseek-v4-flash")
+    c = PRESETS["deepseek-v4-flash"].config
+    active -= 2 * c["vocab_size"] * c["hidden_size"]
+    assert 43 * 256 * 3 * 4096 * 2048 == 277_025_390_592
+    assert abs(total / 284e9 - 1) < 0.01, f"{total / 1e9:.2f}B total"
+    assert abs(active / 13e9 - 1) < 0.03, f"{active / 1e9:.2f}B active"

@@ -189,6 +189,10 @@ def _init_(t: torch.Tensor, name: str, config: ModelConfig, spec: SyntheticSpec,
         t.fill_(value)
     elif name.endswith("norm.weight"):
         t.fill_(1.0)
+    elif name.endswith("gate.tid2eid"):  # a hash router's table (DeepSeek-V4): k distinct experts per token
+        e, k = config.num_experts, t.shape[1]
+        rows = torch.arange(t.shape[0], device=t.device)[:, None] * 7919 + torch.arange(k, device=t.device) * (e // k)
+        t.copy_(rows % e)
     elif name.endswith(".mlp.gate.bias"):  # router bias: the Zipf law of this layer
         layer = int(name.split(".")[2])
         t.copy_(calibrated_bias(t.shape[0], spec.skew, spec.seed, layer))

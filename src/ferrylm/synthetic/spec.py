@@ -249,6 +249,22 @@ PRESETS: dict[str, SyntheticPreset] = {p.name: p for p in (
         vocab_size=163840, num_nextn_predict_layers=0,
         rope_scaling={"beta_fast": 1.0, "beta_slow": 1.0, "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                       "original_max_position_embeddings": 4096, "type": "yarn"})),
+    # 284B total / 13B active; the shape of transformers' DeepseekV4Config (its documented checkpoint) and the
+    # layer schedule it defaults to (two HCA layers, then CSA / HCA alternating); the MTP layer not built
+    SyntheticPreset("deepseek-v4-flash", "deepseek-ai/DeepSeek-V4-Flash", {
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "bos_token_id": 0,
+        "eos_token_id": 1, "vocab_size": 129280, "hidden_size": 4096, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 43, "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512,
+        "q_lora_rank": 1024, "partial_rotary_factor": 0.125, "n_routed_experts": 256, "num_experts_per_tok": 6,
+        "n_shared_experts": 1, "scoring_func": "sqrtsoftplus", "norm_topk_prob": True, "routed_scaling_factor": 1.5,
+        "max_position_embeddings": 1048576, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        "layer_types": ["heavily_compressed_attention"] * 2 + [
+            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(41)],
+        "mlp_layer_types": ["hash_moe"] * 3 + ["moe"] * 40, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+        "swiglu_limit": 10.0, "sliding_window": 128, "o_groups": 8, "o_lora_rank": 1024, "index_n_heads": 64,
+        "index_head_dim": 128, "index_topk": 512, "num_nextn_predict_layers": 1, "hidden_act": "silu",
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False}),
     SyntheticPreset("qwen2-57b-a14b", "Qwen/Qwen2-57B-A14B", {
         "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "bos_token_id": 151643,
         "eos_token_id": 151643, "decoder_sparse_step": 1, "hidden_act": "silu", "hidden_size": 3584,
