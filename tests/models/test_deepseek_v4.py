@@ -216,3 +216,65 @@ def test_pool_layout_holds_the_blocks(checkpoints):
     assert layout.bytes_per_token(torch.float32) == per_token
     with pytest.raises(ValueError, match="--page-size must be a multiple of 8"):
         KVPool(layout=layout, num_pages=4, page_size=12, dtype=torch.float32, device="cpu")
+
+
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [N, K]`` -> (int8 ``[N, K / 2]`` e2m1 codes, low nibble first; uint8 E8M0 ``[N, K / 32]``)."""
+    n, k = w.shape
+    g = w.view(n, k // 32, 32)
+    exp = torch.ceil(torch.log2(g.abs().amax(-1).clamp_min(1e-30) / 6.0))
+    v = g / torch.exp2(exp)[..., None]
+    code = (v.abs()[..., None] - _E2M1).abs().argmin(-1) + 8 * (v < 0)
+    code = code.view(n, k).to(torch.uint8)
+    return (code[:, 0::2] | (code[:, 1::2] << 4)).view(torch.int8), (exp + 127).to(torch.uint8)
+
+
+def test_fp4_experts_kept_as_stored_match_transformers(checkpoints, tmp_path):
+    """A checkpoint in the format of transformers' FP8Experts with ``expert_dtype: fp4`` (int8 e2m1 pairs, E8M0 per
+    32): the experts stay fp4 bytes (the file's), and the logits are transformers' with the experts its own
+    ``Fp8Dequantize`` decodes, on the resident and the offload backends."""
+    import copy
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    ckpt = checkpoints(CASE)
+    tensors, out, deq = load_file(str(ckpt.path / "model.safetensors")), {}, {}
+    for name, t in tensors.items():
+        if ".experts." in name:
+            q, s = _fp4(t)
+            out[name], out[name.replace(".weight", ".weight_scale_inv")] = q, s
+            deq[name] = Fp8Dequantize(None)._dequantize_one(q, s, torch.float32)
+        else:
+            out[name] = t
+    cfg = json.loads((ckpt.path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                  "activation_scheme": "dynamic", "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
+    dst = tmp_path / "fp4"
+    dst.mkdir()
+    (dst / "config.json").write_text(json.dumps(cfg))
+    save_file(out, str(dst / "model.safetensors"))
+    ref = copy.deepcopy(ckpt.reference)
+    for i, layer in enumerate(ref.model.layers):
+        ex, p = layer.mlp.experts, f"model.layers.{i}.ffn.experts"
+        e = ex.gate_up_proj.shape[0]
+        ex.gate_up_proj.data = torch.stack([torch.cat((deq[f"{p}.{j}.w1.weight"], deq[f"{p}.{j}.w3.weight"]))
+                                            for j in range(e)])
+        ex.down_proj.data = torch.stack([deq[f"{p}.{j}.w2.weight"] for j in range(e)])
+    ids = token_ids(24, ckpt.vocab_size, seed=3)
+    with torch.no_grad():
+        want = ref(input_ids=ids[None]).logits[0].float()
+    assert (want - reference_logits(ckpt, ids)).abs().max().item() > 1e-3     # fp4 really changed the experts
+    for backend in ("resident", "offload"):
+        loaded = load_model(dst, moe_backend=_moe(backend))
+        assert (full_logits(loaded.model, ids) - want).abs().max().item() <= TOL, backend
+        stacks = loaded.executor.layers if backend == "resident" else None
+        if stacks is not None:
+            gate = stacks[0].gate
+            assert gate.fmt.kind == "fp4" and gate.fmt.group == 32
+            assert torch.equal(gate.data[1], out["model.layers.0.ffn.experts.1.w1.weight"].view(torch.uint8))
+        else:
+            loaded.executor.close()

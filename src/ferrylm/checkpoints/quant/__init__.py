@@ -56,6 +56,8 @@ def reader_for(config: dict):
     else:
         raise ModelLoadError(f"quantization_config quant_method {method!r} is not supported; supported: "
                              f"{', '.join(SUPPORTED_METHODS)} (and .gguf files: Q8_0, Q4_K, Q5_K, Q6_K experts)")
+    if method == "fp8":   # DeepSeek-V4 states its FP4 experts at the top level of its config
+        return cls(qcfg, expert_dtype=config.get("expert_dtype"))
     return cls(qcfg)
 
 

@@ -19,6 +19,12 @@ compressed-tensors ``float-quantized`` tensor / channel / block, ModelOpt FP8 pe
   ``[1, g]``).
 
 Scales are widened to float32 (exact); element value ``float(q) * s`` in float32, as every reference computes it.
+
+FP4 experts (``expert_dtype: fp4`` in ``quantization_config`` or at the config's top level, DeepSeek-V4; the format
+of transformers' ``FP8Experts``): an expert's ``weight`` is int8 ``[N, K / 2]``, two e2m1 codes per byte, the low
+nibble first, and ``weight_scale_inv`` ``[N, K / 32]`` one scale per 32 inputs (float32, or E8M0: ``scale_fmt``
+``ue8m0``, as float8_e8m0fnu or uint8 bytes). Kept as stored: ``fp4`` group 32, the bytes unchanged, E8M0 scales as
+bfloat16 (exact), float32 ones as float32. The other quantized linears stay FP8 blocks.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch
 
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.quantized import QuantFormat, QuantTensor
-from ferrylm.checkpoints.quant.base import QuantReader, expect_shape, need, same
+from ferrylm.checkpoints.quant.base import QuantReader, e8m0_to_bf16, expect_shape, need, same
 
 
 class Fp8BlockReader(QuantReader):
@@ -37,7 +43,8 @@ class Fp8BlockReader(QuantReader):
     parts = (".weight", ".weight_scale_inv", ".input_scale", ".activation_scale")
     marker = ".weight_scale_inv"
 
-    def __init__(self, qcfg: dict):
+    def __init__(self, qcfg: dict, expert_dtype: str | None = None):
+        self.fp4_experts = (qcfg.get("expert_dtype") or expert_dtype or "fp8") == "fp4"
         block = qcfg.get("weight_block_size")
         if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(int(b) > 0 for b in block)):
             raise ModelLoadError(f"quantization_config quant_method fp8 without a weight_block_size [bn, bk] "
@@ -48,7 +55,27 @@ class Fp8BlockReader(QuantReader):
         self.bn, self.bk = int(block[0]), int(block[1])
 
     def planned(self):
+        if self.fp4_experts:
+            return same(QuantFormat("fp4", 32, torch.bfloat16))
         return same(QuantFormat("fp8", self.bk, torch.float32))
+
+    def _fp4(self, prefix: str, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> QuantTensor:
+        """An FP4 expert weight (module docstring) as its ``fp4`` :class:`QuantTensor`."""
+        w = need(parts, prefix, ".weight", (torch.int8, torch.uint8), "FP4 expert")
+        s = need(parts, prefix, ".weight_scale_inv", None, "FP4 expert")
+        *lead, n, half = w.shape
+        expect_shape(s, (*lead, n, 2 * half // 32), prefix + ".weight_scale_inv",
+                     f"its FP4 weight {list(w.shape)}, one scale per 32 inputs")
+        e8m0 = getattr(torch, "float8_e8m0fnu", None)
+        if s.dtype == torch.uint8 or (e8m0 is not None and s.dtype == e8m0):
+            scales = e8m0_to_bf16(s.view(torch.uint8))
+        elif s.dtype == torch.float32:
+            scales = s
+        else:
+            raise ModelLoadError(f"checkpoint tensor {prefix + '.weight_scale_inv'!r} (FP4 expert) has dtype "
+                                 f"{s.dtype}; expected float32 or E8M0")
+        return QuantTensor(QuantFormat("fp4", 32, scales.dtype), w.view(torch.uint8).contiguous(),
+                           scales.contiguous(), dtype=dtype)
 
     def _parts(self, prefix: str, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         w = need(parts, prefix, ".weight", (torch.float8_e4m3fn,))
@@ -59,6 +86,9 @@ class Fp8BlockReader(QuantReader):
         return w, s
 
     def decode(self, prefix: str, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> QuantTensor:
+        if self.fp4_experts and parts.get(".weight") is not None and parts[".weight"].dtype in (torch.int8,
+                                                                                              torch.uint8):
+            return self._fp4(prefix, parts, dtype)
         w, s = self._parts(prefix, parts)
         return fp8_tensor(prefix, w, s, ".weight_scale_inv", "block", (self.bn, self.bk), dtype, "FP8 block")
 

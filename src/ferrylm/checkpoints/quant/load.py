@@ -134,7 +134,7 @@ def read_quantized(files: list[Path], reader: QuantReader, model_cls: type, conf
         ModelLoadError: a tensor without a place, a quantized module that does not decode, experts partly
             quantized, a missing expert (the message names the tensor).
     """
-    from ferrylm.checkpoints.loader import _module_name, expert_assemblers, tensor_dtype
+    from ferrylm.checkpoints.loader import _module_name, _renamed, expert_assemblers, tensor_dtype
 
     with contextlib.ExitStack() as stack:
         where: dict[str, object] = {}
@@ -164,7 +164,7 @@ def read_quantized(files: list[Path], reader: QuantReader, model_cls: type, conf
         modules: dict[str, dict[str, str]] = {}
         plain: list[str] = []
         for name in where:
-            if reader.skip(name):
+            if reader.skip(name) or model_cls.skips_tensor(name, config):
                 continue
             sp = reader.split(name)
             if sp is not None and sp[0] in marked:
@@ -191,7 +191,8 @@ def read_quantized(files: list[Path], reader: QuantReader, model_cls: type, conf
         for prefix, names in modules.items():
             parts = {suffix: get(n) for suffix, n in names.items()}
             label = names[reader.marker]
-            m_one, m_fused = _PER_EXPERT.match(prefix), _FUSED.match(prefix)
+            renamed = _renamed(prefix, model_cls)     # the class's names (``hf_renames``) place the experts
+            m_one, m_fused = _PER_EXPERT.match(renamed), _FUSED.match(renamed)
             if quant is not None and (m_one or m_fused):
                 qt = reader.decode(prefix, parts, dtype)
                 used_quant = True
@@ -215,7 +216,7 @@ def read_quantized(files: list[Path], reader: QuantReader, model_cls: type, conf
                 continue
             weight = reader.dequantize(prefix, parts, dtype)
             wname = prefix + ".weight"
-            if dense is not None and dense.add(wname, weight):
+            if dense is not None and dense.add(_renamed(wname, model_cls), weight):
                 used_dense = True
                 continue
             put_plain(label, _module_name(wname, model_cls, config), weight)
@@ -224,7 +225,7 @@ def read_quantized(files: list[Path], reader: QuantReader, model_cls: type, conf
             t = get(name)
             if biases is not None and biases.add(name, t):
                 continue
-            if dense is not None and dense.add(name, t):
+            if dense is not None and dense.add(_renamed(name, model_cls), t):
                 used_dense = True
                 continue
             put_plain(name, _module_name(name, model_cls, config), t)
