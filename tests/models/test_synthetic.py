@@ -17,6 +17,7 @@ from ferrylm.errors import InvalidRequest, ModelLoadError
 from ferrylm.synthetic import spec as synthetic
 from ferrylm.models.attention import DenseCausalAttention
 from ferrylm.checkpoints.loader import load_model
+from ferrylm.models.deepseek_v4 import HashRouter
 from ferrylm.models.moe import SparseMoeBlock
 from ferrylm.checkpoints.resolve import resolve_model
 from ferrylm.synthetic.spec import PRESETS, SyntheticPreset, SyntheticSpec, parse_synthetic_spec
@@ -43,6 +44,11 @@ def tiny(preset: str, experts: int = 8, **overrides) -> SyntheticPreset:
         cfg.update(n_routed_experts=experts, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16,
                    qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, num_key_value_heads=4,
                    n_group=min(cfg["n_group"], experts // 4), topk_group=1)
+    if "hc_mult" in cfg:  # DeepSeek-V4: one KV head, its compressors, indexer and grouped output at test size
+        cfg.pop("num_experts")
+        cfg.update(n_routed_experts=experts, num_key_value_heads=1, q_lora_rank=24, o_groups=2, o_lora_rank=16,
+                   index_n_heads=4, index_head_dim=16, index_topk=2, sliding_window=4, partial_rotary_factor=0.25,
+                   compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8})
     return SyntheticPreset(f"tiny-{preset}", "test", cfg)
 
 
@@ -133,7 +139,8 @@ def test_every_architecture_builds_seeded(preset):
     assert {p.dtype for n, p in a.model.named_parameters() if not n.endswith(keep32)} == {torch.bfloat16}
     assert {p.dtype for n, p in a.model.named_parameters() if n.endswith(keep32)} <= {torch.float32}
     blocks = [m for m in a.model.modules() if isinstance(m, SparseMoeBlock)]
-    assert blocks and all(blk.gate.bias is not None for blk in blocks)
+    hashed = [m for m in blocks if isinstance(m.gate, HashRouter)]   # DeepSeek-V4: chosen by token, no skew
+    assert blocks and all(blk.gate.bias is not None for blk in blocks if blk not in hashed)
     assert sorted(a.executor.layers) == [blk.layer_idx for blk in blocks]
     if preset == "qwen2-57b-a14b":
         assert all(blk.shared_expert is not None for blk in blocks)

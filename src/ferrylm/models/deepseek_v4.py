@@ -32,6 +32,7 @@ from ferrylm.models.attention import AttentionBackend
 from ferrylm.models.deepseek_v4_layers import (AttentionShape, HyperShape, Rope, V4Attention, hyper_head,
                                                hyper_merge, hyper_weights)
 from ferrylm.models.layers import RMSNorm, rope_frequencies
+from ferrylm.models.moe import router_has_bias
 from ferrylm.models.sigmoid_moe import SigmoidMoeBlock, SigmoidRouting
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -314,7 +315,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             return HashMoeBlock(layer_idx, config.hidden_size, config.num_experts, executor, shape.routing,
                                 config.vocab_size, shared)
         return SigmoidMoeBlock(layer_idx, config.hidden_size, config.num_experts, executor, shape.routing,
-                               shared_experts=shared)
+                               shared_experts=shared, router_bias=router_has_bias(config))
 
     @property
     def num_layers(self) -> int:
