@@ -278,3 +278,18 @@ def test_fp4_experts_kept_as_stored_match_transformers(checkpoints, tmp_path):
             assert torch.equal(gate.data[1], out["model.layers.0.ffn.experts.1.w1.weight"].view(torch.uint8))
         else:
             loaded.executor.close()
+
+
+def test_boot_raises_the_page_size_to_whole_compression_blocks(checkpoints, caplog):
+    """`ferry serve` with default flags serves a model whose compressed blocks span more tokens than a page: the
+    boot raises the page size to their multiple (rates 4 and 8 here: 4 -> 8) and says so."""
+    import logging
+
+    from ferrylm.config import EngineConfig
+    from ferrylm.engine.boot import fit_page_size
+
+    mcfg = ModelConfig.from_folder(checkpoints("deepseek_v4").path)
+    caplog.set_level(logging.WARNING, logger="ferrylm.engine")
+    got = fit_page_size(EngineConfig(device="cpu", page_size=4), mcfg)
+    assert got.page_size == 8 and "--page-size 4 raised to 8" in caplog.text
+    assert fit_page_size(got, mcfg) is got

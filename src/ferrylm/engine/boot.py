@@ -13,6 +13,7 @@ A tensor-parallel follower (``engine/parallel/follower_runner.py``) runs the sam
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -88,6 +89,7 @@ def build_engine(model_path: str | Path, config: EngineConfig, tp=None,
     target = resolve_target(model_path, config, group.device if group is not None else resolve_device(config.device))
     budget = probe_budget(target)
     mcfg = ModelConfig.from_folder(model_path)
+    target = replace(target, config=fit_page_size(target.config, mcfg))
     options = resolve_expert_backend(mcfg, target.config, target.device, target.dtype)
     check_host_memory(mcfg, target.device, target.dtype, backend_name(options))
     ple = resolve_ple_backend(mcfg, target.config, target.device, target.dtype)
@@ -128,6 +130,18 @@ def resolve_target(model_path: str | Path, config: EngineConfig, device: torch.d
         config = replace(config, gpu_memory_limit=None)
     apply_memory_limit(device, config.gpu_memory_limit)
     return BootTarget(device, dtype, config)
+
+
+def fit_page_size(config: EngineConfig, mcfg: ModelConfig) -> EngineConfig:
+    """``config`` with its page size raised to the model's next multiple where the model's per-block caches need
+    whole blocks per page (DeepSeek-V4's compression rate of 128: ``KVLayout.align``); logged when it changes."""
+    align = math.lcm(*(b.rate for b in KVLayout.of(mcfg).blocks), 1)
+    if config.page_size % align == 0:
+        return config
+    page = math.lcm(config.page_size, align)
+    log.warning("--page-size %d raised to %d: this model's compressed KV blocks of %d tokens must fill whole pages",
+                config.page_size, page, align)
+    return replace(config, page_size=page)
 
 
 def probe_budget(target: BootTarget) -> MemoryBudget:
