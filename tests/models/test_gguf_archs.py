@@ -16,7 +16,7 @@ from tests.models.test_parity import full_logits
 from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.quantized import QuantTensor
-from ferrylm.checkpoints.gguf_convert import gguf_tokenizer
+from ferrylm.checkpoints.gguf_tokenizer import gguf_tokenizer
 from ferrylm.checkpoints.loader import load_model
 from ferrylm.checkpoints.resolve import resolve_model
 

@@ -22,7 +22,7 @@ from tests.models.test_quant_gguf import VOCAB, _gguf_reference, _hf_model, _to_
 from ferrylm.config import ModelConfig
 from ferrylm.experts.banks import ExpertLayout
 from ferrylm.experts.quantized import QuantTensor
-from ferrylm.checkpoints.gguf_convert import read_gguf, write_tokenizer_files
+from ferrylm.checkpoints.gguf_convert import read_gguf
 from ferrylm.checkpoints.loader import load_model
 from ferrylm.checkpoints.quant import planned_expert_quant
 from ferrylm.checkpoints.resolve import resolve_model
@@ -110,16 +110,11 @@ def test_qwen3moe_gguf_is_served_from_its_file(tmp_path, monkeypatch, caplog):
 
     # tokenizer and chat template from the metadata
     assert codec.tokenizer.chat_template == CHAT_TEMPLATE and codec.eos_token_ids == (VOCAB - 1,)
-    folder = tmp_path / "tokenizer-files"  # what a conversion writes, for comparison
-    folder.mkdir()
-    write_tokenizer_files(read_gguf(path), folder, 256)
-    old = TextCodec.from_pretrained(folder)
     text = "<|im_start|>user\nthe theme, 12 <|im_end|>"
-    assert codec.tokenizer.encode(text) == old.tokenizer.encode(text) and VOCAB - 2 in codec.tokenizer.encode(text)
-    assert codec.special_strings == old.special_strings
-    chat = [{"role": "user", "content": "hi there"}]
-    assert codec.tokenizer.apply_chat_template(chat, tokenize=False) == old.tokenizer.apply_chat_template(
-        chat, tokenize=False)
+    assert codec.tokenizer.convert_ids_to_tokens(codec.tokenizer.encode(text)) == [
+        "<|im_start|>", "u", "s", "e", "r", "Ċ", "t", "he", "Ġt", "he", "m", "e", ",", "Ġ", "1", "2", "Ġ", "<|im_end|>"]
+    assert set(codec.special_strings) == {"<|im_start|>", "<|im_end|>"} and codec.vocab_size == VOCAB
+    assert codec.render_chat([{"role": "user", "content": "hi there"}]) == "<|im_start|>user\nhi there<|im_end|>\n"
 
     # every backend: the same greedy tokens
     prompt = token_ids(8, VOCAB, seed=9).tolist()

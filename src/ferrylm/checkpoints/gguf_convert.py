@@ -12,8 +12,6 @@ Format sources:
 - Q/K row order: llama.cpp's ``convert_hf_to_gguf.py`` (``LlamaModel.permute``) reorders the rows of ``attn_q`` and
   ``attn_k`` inside every head from HF's "rotate halves" RoPE layout to GGML's interleaved-pairs layout;
   :func:`unpermute_rope_rows` undoes it.
-- Tokenizer pre-split for ``tokenizer.ggml.pre == "smollm"``: llama.cpp's ``llama-vocab.cpp`` (every ``\\p{N}``
-  isolated, then the GPT-2 split regex).
 
 Conversion is atomic (built in a temp folder next to the destination, then ``os.rename``) and serialised across
 processes by an ``fcntl`` lock file, see :func:`build_atomically`.
@@ -39,6 +37,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ferrylm.errors import ModelLoadError
+from ferrylm.checkpoints.gguf_tokenizer import gguf_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +53,6 @@ _NUMPY_DTYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: 
                  11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
 _DEQUANT_CHUNK_BYTES = 4 << 20  # raw bytes dequantized per gguf-py call
-# tokenizer.ggml.token_type values (llama.cpp llama_token_type): 3 = CONTROL, 4 = USER_DEFINED.
-_TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
-
-# The GPT-2 split regex (also the second stage of llama.cpp's "smollm"/"starcoder" pre-tokenizers).
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-# tokenizer.ggml.pre values whose llama.cpp pre-tokenizer is: every \p{N} alone, then the GPT-2 regex.
-_DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "codeshell"}
-_GPT2_ONLY = {"gpt-2", "gpt2", "default"}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -368,127 +359,6 @@ def llama_config_from_gguf(g: GGUFFile) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Tokenizer
-# --------------------------------------------------------------------------------------------------------------
-
-def _build_bpe_tokenizer(g: GGUFFile) -> Any:
-    """A ``tokenizers.Tokenizer`` for a byte-level BPE vocabulary (``tokenizer.ggml.model == "gpt2"``), or None
-    when the pre-tokenizer type is one we do not reproduce."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-
-    pre = g.get("tokenizer.ggml.pre", "default")
-    if g.get("tokenizer.ggml.model") != "gpt2" or (pre not in _DIGITS_THEN_GPT2 and pre not in _GPT2_ONLY):
-        return None
-    tokens: list[str] = g.get("tokenizer.ggml.tokens")
-    merges = []
-    for m in g.get("tokenizer.ggml.merges") or []:
-        a, sep, b = m.partition(" ")
-        if not sep or " " in b:
-            raise ModelLoadError(f"{g.path}: malformed BPE merge {m!r}")
-        merges.append((a, b))
-    vocab = {t: i for i, t in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise ModelLoadError(f"{g.path}: the vocabulary has duplicate tokens")
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    if pre in _DIGITS_THEN_GPT2:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"), byte_level])
-    else:
-        tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    types = g.get("tokenizer.ggml.token_type")
-    if types is not None:
-        special = [AddedToken(tokens[i], special=True, normalized=False)
-                   for i in np.flatnonzero(np.asarray(types) == _TOKEN_CONTROL)]
-        user = [AddedToken(tokens[i], special=False, normalized=False)
-                for i in np.flatnonzero(np.asarray(types) == _TOKEN_USER_DEFINED)]
-        tok.add_special_tokens(special)
-        if user:
-            tok.add_tokens(user)
-    return tok
-
-
-def tokenizer_parts(g: GGUFFile, max_len: int) -> tuple[Any, dict[str, Any]]:
-    """The tokenizer of ``g`` as ``(tokenizers.Tokenizer, tokenizer_config dict)``: the config holds the special
-    tokens, ``add_bos_token``, the chat template (``tokenizer.chat_template``) and ``model_max_length``.
-
-    Byte-level BPE vocabularies with a pre-tokenizer we reproduce are built directly from the metadata (fast,
-    exact to llama.cpp's splitting); anything else is delegated to transformers' GGUF tokenizer converter.
-
-    Raises:
-        ModelLoadError: the GGUF has no tokenizer, or neither path can build it.
-    """
-    tokens = g.get("tokenizer.ggml.tokens")
-    if not tokens:
-        raise ModelLoadError(f"{g.path}: the GGUF has no tokenizer (tokenizer.ggml.tokens missing)")
-    tok = _build_bpe_tokenizer(g)
-    if tok is None:  # Other tokenizer families: transformers knows more of them than we do.
-        try:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(str(g.path.parent), gguf_file=g.path.name).backend_tokenizer
-        except Exception as e:  # noqa: BLE001 - any failure means the same thing to the user
-            raise ModelLoadError(f"{g.path}: cannot build its tokenizer: {e}") from None
-
-    def tok_name(key: str) -> str | None:
-        i = g.get(f"tokenizer.ggml.{key}_token_id")
-        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
-
-    types = g.get("tokenizer.ggml.token_type")
-    control = [] if types is None else [int(i) for i in np.flatnonzero(np.asarray(types) == _TOKEN_CONTROL)]
-    tc: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": tok_name("bos"),
-        "eos_token": tok_name("eos"),
-        "unk_token": tok_name("unknown"),
-        "pad_token": tok_name("padding"),
-        "add_bos_token": bool(g.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(g.get("tokenizer.ggml.add_eos_token", False)),
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": max_len,
-        "added_tokens_decoder": {
-            str(i): {"content": tokens[i], "lstrip": False, "rstrip": False, "normalized": False,
-                     "single_word": False, "special": True} for i in control},
-    }
-    template = g.get("tokenizer.chat_template")
-    if template:
-        tc["chat_template"] = template
-    return tok, tc
-
-
-def write_tokenizer_files(g: GGUFFile, dest: Path, max_len: int) -> None:
-    """Write ``tokenizer.json`` and ``tokenizer_config.json`` (:func:`tokenizer_parts`) into ``dest``.
-
-    Raises:
-        ModelLoadError: as :func:`tokenizer_parts`.
-    """
-    tok, tc = tokenizer_parts(g, max_len)
-    tok.save(str(dest / "tokenizer.json"))
-    (dest / "tokenizer_config.json").write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n")
-
-
-def gguf_tokenizer(path: str | Path) -> Any:
-    """A ``transformers.PreTrainedTokenizerFast`` built in memory from a GGUF file's metadata (nothing written):
-    the same tokenizer a converted folder's ``tokenizer.json`` + ``tokenizer_config.json`` load as.
-
-    Raises:
-        ModelLoadError: as :func:`read_gguf` and :func:`tokenizer_parts`.
-    """
-    from transformers import PreTrainedTokenizerFast
-
-    g = read_gguf(path)
-    arch = g.get("general.architecture")
-    max_len = int(g.get(f"{arch}.context_length", 0) or 0) or 2048
-    tok, tc = tokenizer_parts(g, max_len)
-    kwargs = {k: v for k, v in tc.items() if k not in ("tokenizer_class", "added_tokens_decoder")}
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs)
-    hf.name_or_path = str(path)
-    return hf
-
-
-# --------------------------------------------------------------------------------------------------------------
 # safetensors writing (streamed)
 # --------------------------------------------------------------------------------------------------------------
 
@@ -704,7 +574,7 @@ def convert_gguf_into(gguf_path: str | Path, out_dir: str | Path, *, progress: b
     finally:
         if bar is not None:
             bar.close()
-    write_tokenizer_files(g, out, cfg["max_position_embeddings"])
+    gguf_tokenizer(g.path).save_pretrained(str(out))
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     # config.json last: a folder is only "complete" once it exists (folder_is_complete), belt and braces.

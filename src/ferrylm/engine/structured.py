@@ -75,7 +75,7 @@ class StructuredDecoder:
 
             path = self.tokenizer_path
             if path.lower().endswith(".gguf") and os.path.isfile(path):
-                from ferrylm.checkpoints.gguf_convert import gguf_tokenizer
+                from ferrylm.checkpoints.gguf_tokenizer import gguf_tokenizer
 
                 hf = gguf_tokenizer(path)
             elif os.path.isfile(os.path.join(path, "tokenizer.json")):

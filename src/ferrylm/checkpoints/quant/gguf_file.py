@@ -22,7 +22,7 @@ changes). Then:
   (bfloat16 on a GPU by default; float32 for what the model class keeps so) on its way to the device.
 
 The config is :func:`ferrylm.checkpoints.gguf_config.served_config`; the tokenizer and chat template come from the same
-metadata (:func:`ferrylm.checkpoints.gguf_convert.gguf_tokenizer`).
+metadata (:func:`ferrylm.checkpoints.gguf_tokenizer.gguf_tokenizer`).
 """
 
 from __future__ import annotations

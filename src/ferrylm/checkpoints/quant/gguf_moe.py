@@ -47,9 +47,10 @@ import torch
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.quantized import QuantFormat, QuantTensor
 from ferrylm.checkpoints.gguf_convert import (GGUFFile, GGUFTensor, TensorEntry, dequantize_tensor, progress_bar,
-                                              write_safetensors, write_tokenizer_files)
+                                              write_safetensors)
 from ferrylm.checkpoints.quant.native import format_to_json
 from ferrylm.checkpoints.gguf_config import moe_config_from_gguf
+from ferrylm.checkpoints.gguf_tokenizer import gguf_tokenizer
 
 EXPERT_TYPES = ("Q8_0", "Q4_K", "Q6_K", "F32", "F16", "BF16")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -331,7 +332,7 @@ def convert_moe_gguf_into(g: GGUFFile, out: Path, *, progress: bool = True) -> N
     finally:
         if bar is not None:
             bar.close()
-    write_tokenizer_files(g, out, cfg["max_position_embeddings"])
+    gguf_tokenizer(g.path).save_pretrained(str(out))
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

@@ -148,7 +148,7 @@ class TextCodec:
         path = os.fspath(path)
         try:
             if path.lower().endswith(".gguf") and os.path.isfile(path):  # built from the file's metadata
-                from ferrylm.checkpoints.gguf_convert import gguf_tokenizer
+                from ferrylm.checkpoints.gguf_tokenizer import gguf_tokenizer
 
                 tok = gguf_tokenizer(path)
             elif os.path.isfile(os.path.join(path, "tokenizer.json")):

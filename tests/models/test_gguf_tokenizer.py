@@ -1,0 +1,83 @@
+"""The tokenizer and chat template of a GGUF come from its metadata whatever its architecture: a GGUF of each
+architecture transformers cannot load (qwen3next, qwen35moe, glm4moe, deepseek2) carrying the real Qwen3
+tokenizer's metadata, as llama.cpp's converter writes it (``gpt2`` vocabulary, ``qwen2`` pre-tokenizer), encodes
+text exactly as the original tokenizer does, and the server renders chats with ``tokenizer.chat_template``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from gguf import GGUFWriter
+
+from ferrylm.checkpoints.gguf_tokenizer import gguf_tokenizer
+from ferrylm.server.text.tokenizer import TextCodec
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKENIZER_DIR = ROOT.parent / "shared" / "data" / "qwen3-tokenizer"
+ARCHS = ("qwen3next", "qwen35moe", "glm4moe", "deepseek2")
+TEXTS = ("Hello world! 12345 apples cost $3.50.", "  two spaces\n\n\tthen tabs; don't I'll WE'RE",
+         "ünïcödé 漢字とかな 🙂 <think>x</think>", "<|im_start|>user\nhi<|im_end|>")
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}]
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # tokenizer.ggml.token_type values
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory) -> Path:
+    """A copy of the real Qwen3 tokenizer folder (skips when the shared test data is absent)."""
+    if not (TOKENIZER_DIR / "tokenizer.json").is_file():
+        pytest.skip(f"the real Qwen3 tokenizer is absent: {TOKENIZER_DIR}")
+    folder = tmp_path_factory.mktemp("qwen3-tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(TOKENIZER_DIR / name, folder / name)
+    return folder
+
+
+def write_tokenizer_gguf(folder: Path, path: Path, arch: str) -> Path:
+    """A GGUF of ``arch`` holding only ``folder``'s tokenizer as llama.cpp's converter writes its metadata."""
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    ids = dict(tok["model"]["vocab"])
+    kinds = dict.fromkeys(ids.values(), _NORMAL)
+    for a in tok["added_tokens"]:
+        ids[a["content"]] = a["id"]
+        kinds[a["id"]] = _CONTROL if a["special"] else _USER_DEFINED
+    tokens = [""] * (max(ids.values()) + 1)
+    for t, i in ids.items():
+        tokens[i] = t
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w = GGUFWriter(str(path), arch)
+    w.add_context_length(4096)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([kinds[i] for i in range(len(tokens))])
+    w.add_token_merges(merges)
+    w.add_eos_token_id(ids[cfg["eos_token"]])
+    w.add_pad_token_id(ids[cfg["pad_token"]])
+    w.add_add_bos_token(False)
+    w.add_chat_template(cfg["chat_template"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tokenizer_and_template_from_the_file(qwen3, tmp_path, arch):
+    from transformers import AutoTokenizer
+
+    pytest.importorskip("transformers.integrations.gguf", reason="transformers without its GGUF tokenizer reader")
+    path = write_tokenizer_gguf(qwen3, tmp_path / f"{arch}.gguf", arch)
+    ref = AutoTokenizer.from_pretrained(str(qwen3))
+    tok = gguf_tokenizer(path)
+    for text in TEXTS:
+        assert tok.encode(text) == ref.encode(text), text
+    assert tok.eos_token == "<|im_end|>" and tok.model_max_length == 4096
+    codec = TextCodec.from_pretrained(path)
+    want = ref.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert codec.chat_template == ref.chat_template
+    assert codec.render_chat(CHAT) == want and "<|im_start|>assistant\n" in want
+    assert codec.apply_chat_template(CHAT)[:1] == [ref.convert_tokens_to_ids("<|im_start|>")]
