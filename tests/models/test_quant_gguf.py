@@ -1,7 +1,7 @@
-"""MoE GGUF files (qwen3moe with k-quant experts, Mixtral as ``llama`` with Q8_0 experts) converted with their
-experts kept quantized: expert values equal gguf-py's ``dequantize`` bit for bit, logits match transformers on the
-gguf-py-dequantized weights, every backend gives the same greedy tokens, and the tokenizer and chat template come
-from the file."""
+"""MoE GGUF files (qwen3moe with k-quant experts, Mixtral as ``llama``, Qwen2-MoE and OLMoE with Q8_0 experts) served
+from the file with their experts kept as GGML blocks: expert values equal gguf-py's ``dequantize`` bit for bit,
+logits match transformers on the gguf-py-dequantized weights, every backend gives the same greedy tokens, and the
+chat template comes from the file."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ from tests.models.quant_checkpoints import dense_reference
 from tests.models.test_parity import full_logits
 from safetensors.torch import load_file
 
-from ferrylm.errors import ModelLoadError
 from ferrylm.experts.quantized import QuantTensor
-from ferrylm.checkpoints.gguf_convert import convert_gguf, unpermute_rope_rows
+from ferrylm.checkpoints.gguf_config import gguf_config
+from ferrylm.checkpoints.gguf_reader import unpermute_rope_rows
+from ferrylm.server.text.tokenizer import TextCodec
 from ferrylm.checkpoints.loader import load_model
 
 VOCAB = len(byte_vocab()[0])
@@ -102,10 +103,8 @@ def _gguf_reference(path, where, arch, cfg) -> dict[str, torch.Tensor]:
 
 def _check(tmp_path, hf_dir, path, where, arch, want_formats) -> None:
     cfg = json.loads((hf_dir / "config.json").read_text())
-    folder = convert_gguf(path, tmp_path / "converted", progress=False)
-    tc = json.loads((folder / "tokenizer_config.json").read_text())
-    assert tc["chat_template"] == CHAT_TEMPLATE and (folder / "tokenizer.json").is_file()
-    loaded = load_model(folder)
+    assert TextCodec.from_pretrained(path).chat_template == CHAT_TEMPLATE
+    loaded = load_model(path)
     quant = loaded.executor.layers[next(iter(loaded.executor.layers))]
     assert isinstance(quant.gate, QuantTensor)
     assert (quant.gate.fmt.describe(), quant.down.fmt.describe()) == want_formats
@@ -126,7 +125,7 @@ def _check(tmp_path, hf_dir, path, where, arch, want_formats) -> None:
     prompt = token_ids(8, VOCAB, seed=9).tolist()
     want = greedy_trace(loaded.model, prompt, 4)[0]
     for backend in ("offload", "cpu", "hybrid"):
-        assert greedy_trace(load_model(folder, moe_backend=options(backend, 1)).model, prompt, 4)[0] == want
+        assert greedy_trace(load_model(path, moe_backend=options(backend, 1)).model, prompt, 4)[0] == want
 
 
 @pytest.mark.parametrize("block", ["Q4_K", "Q6_K"])
@@ -141,8 +140,8 @@ def test_k_quant_packers_match_gguf_dequantize(block):
 
 
 def test_qwen3moe_q4_k_and_q6_k(tmp_path):
-    """gate/up Q4_K (-> int4 with mins, group 32); down Q6_K in layer 1 and Q4_K in layer 2, as llama.cpp's Q4_K_M
-    mixes them (-> int8 with mins, group 16, in every layer); one attention projection Q8_0 (dequantized)."""
+    """gate/up Q4_K (kept as blocks); down Q6_K in layer 1 and Q4_K in layer 2, as llama.cpp's Q4_K_M mixes them
+    (kept as blocks, ``kmix``); one attention projection Q8_0 (dequantized)."""
     model = _hf_model("qwen3_moe", hidden_size=256, intermediate_size=128, moe_intermediate_size=256, head_dim=64,
                       num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
@@ -156,16 +155,16 @@ def test_qwen3moe_q4_k_and_q6_k(tmp_path):
 
     hf_dir, path, where = _to_gguf(model, tmp_path, "qwen3moe", types)
     _check(tmp_path, hf_dir, path, where, "qwen3moe",
-           ("int4 g32 (f32 scales, mins)", "int8 g16 (f32 scales, mins)"))
+           ("Q4_K (ggml blocks)", "Q4_K|Q6_K (ggml blocks, a kind per expert)"))
 
 
 def test_mixtral_llama_q8_0(tmp_path):
-    """``llama`` with experts (Mixtral): Q8_0 experts (-> int8 group 32, float16 scales), Q/K rows permuted."""
+    """``llama`` with experts (Mixtral): Q8_0 experts kept as blocks, Q/K rows permuted."""
     model = _hf_model("mixtral", hidden_size=64, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     hf_dir, path, where = _to_gguf(model, tmp_path, "llama",
                                    lambda tensors: {n: "Q8_0" for n in tensors if "_exps" in n})
-    _check(tmp_path, hf_dir, path, where, "llama", ("int8 g32 (f16 scales)", "int8 g32 (f16 scales)"))
+    _check(tmp_path, hf_dir, path, where, "llama", ("Q8_0 (ggml blocks)", "Q8_0 (ggml blocks)"))
 
 
 @pytest.mark.parametrize("family,arch", [("qwen2_moe", "qwen2moe"), ("olmoe", "olmoe")])
@@ -177,36 +176,18 @@ def test_qwen2moe_and_olmoe_q8_0(tmp_path, family, arch):
                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **extra)
     hf_dir, path, where = _to_gguf(model, tmp_path, arch, lambda tensors: {
         n: "Q8_0" for n in tensors if "_exps" in n or n.endswith(("ffn_gate_shexp.weight", "ffn_down_shexp.weight"))})
-    _check(tmp_path, hf_dir, path, where, arch, ("int8 g32 (f16 scales)", "int8 g32 (f16 scales)"))
+    _check(tmp_path, hf_dir, path, where, arch, ("Q8_0 (ggml blocks)", "Q8_0 (ggml blocks)"))
 
 
 def test_float_experts_stay_plain(tmp_path):
-    """F32 expert stacks are written one tensor per expert and load as plain weights."""
+    """F32 expert stacks load as plain weights."""
     model = _hf_model("mixtral", hidden_size=64, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     hf_dir, path, where = _to_gguf(model, tmp_path, "llama", lambda tensors: {})
-    folder = convert_gguf(path, tmp_path / "converted", progress=False)
-    assert "quantization_config" not in json.loads((folder / "config.json").read_text())
-    loaded = load_model(folder)
+    assert "quantization_config" not in gguf_config(path)
+    loaded = load_model(path)
     assert not isinstance(loaded.executor.layers[0].gate, QuantTensor)
     ids = token_ids(12, VOCAB, seed=5)
     with torch.no_grad():
         ref = model(input_ids=ids[None]).logits[0]
     assert (full_logits(loaded.model, ids) - ref).abs().max().item() <= 1e-4
-
-
-def test_unsupported_expert_type_is_named(tmp_path):
-    model = _hf_model("mixtral", hidden_size=64, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
-                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    import tests.models.gguf_moe_files as files
-    from gguf import GGMLQuantizationType as QT
-
-    files.TYPES["Q4_0"] = QT.Q4_0
-    try:
-        _, path, _ = _to_gguf(model, tmp_path, "llama",
-                              lambda tensors: {n: "Q4_0" for n in tensors if "ffn_down_exps" in n})
-    finally:
-        del files.TYPES["Q4_0"]
-    with pytest.raises(ModelLoadError, match=r"ffn_down_exps.weight has type Q4_0; routed experts are read as "
-                                             r"Q8_0, Q4_K, Q6_K"):
-        convert_gguf(path, tmp_path / "converted", progress=False)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from ferrylm.checkpoints.gguf_convert import source_key
+from ferrylm.checkpoints.cache_folder import source_key
 
 
 def test_same_content_elsewhere_and_touched_shares_the_key(tmp_path) -> None:

@@ -282,7 +282,7 @@ def shapes_from_args(args) -> tuple[RunShape, ...]:
 
 def gguf_vocab(path: Path) -> int:
     """Tokens in the GGUF's vocabulary (its header). Raises PeerError for a file that is not a GGUF."""
-    from ferrylm.checkpoints.gguf_convert import read_gguf
+    from ferrylm.checkpoints.gguf_reader import read_gguf
 
     try:
         n = len(read_gguf(path).get("tokenizer.ggml.tokens") or ())

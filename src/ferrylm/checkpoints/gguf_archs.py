@@ -1,4 +1,4 @@
-"""The MoE GGUF architectures ferrylm serves, one table each: llama.cpp's tensor names -> the HF weight names of
+"""The GGUF architectures ferrylm serves, one table each: llama.cpp's tensor names -> the HF weight names of
 ferrylm's model, and the values changes llama.cpp's ``convert_hf_to_gguf.py`` made, undone.
 
 Names come from gguf-py's ``constants.py`` (``MODEL_ARCH_NAMES``, ``TENSOR_NAMES`` by ``MODEL_TENSOR`` member);
@@ -18,7 +18,7 @@ from importlib.metadata import PackageNotFoundError, version
 import numpy as np
 
 from ferrylm.errors import ModelLoadError
-from ferrylm.checkpoints.gguf_convert import GGUFFile, GGUFTensor, dequantize_tensor
+from ferrylm.checkpoints.gguf_reader import GGUFFile, GGUFTensor, dequantize_tensor
 from ferrylm.checkpoints import gguf_fixes as fx
 
 Fix = Callable[[np.ndarray, dict], np.ndarray]
@@ -142,8 +142,8 @@ _TABLES: tuple[tuple[str, str, dict, tuple, str], ...] = (
     ("QWEN3NEXT", "Qwen3NextForCausalLM", _QWEN3NEXT,
      (Join("linear_attn.in_proj_qkvz.weight", ("ATTN_QKV", "ATTN_GATE"), fx.join_qkvz, fx.qkvz_shape),), "mlp"),
     ("QWEN35MOE", "Qwen3_5MoeForCausalLM", _QWEN35, (), "mlp"),
-    ("LLAMA", "MixtralForCausalLM",
-     {**_GLOBAL, **_ATTN, **_FFN_NORM, "ATTN_Q": Rule("self_attn.q_proj", fix=fx.unpermute_q),
+    ("LLAMA", "MixtralForCausalLM",  # LlamaForCausalLM without experts (gguf_arch_config)
+     {**_GLOBAL, **_ATTN, **_FFN_NORM, **_DENSE, "ATTN_Q": Rule("self_attn.q_proj", fix=fx.unpermute_q),
       "ATTN_K": Rule("self_attn.k_proj", fix=fx.unpermute_k), "FFN_GATE_INP": Rule("block_sparse_moe.gate")},
      (), "block_sparse_moe"),
 )
@@ -184,8 +184,8 @@ GLOBAL_KINDS = frozenset(_kind(m) for m in _GLOBAL)
 
 
 def served_archs() -> list[str]:
-    """The ``general.architecture`` values served: ``llama`` (dense, converted; with experts: Mixtral) and the
-    MoE tables."""
+    """The ``general.architecture`` values served: ``llama`` (dense Llama; with experts, Mixtral) and the MoE
+    tables."""
     return ["llama"] + [a for a in ARCHS if a != "llama"]
 
 
@@ -232,7 +232,7 @@ def _hf_name(arch: GGUFArch, layer: int | None, rule: Rule, leaf: str) -> str:
 
 def split_tensors(g: GGUFFile, config: dict) -> tuple[list[HFTensor], list[ExpertTensor]]:
     """The file's non-expert tensors as HF tensors and its routed-expert stacks. ``config`` is the served config
-    dict (:func:`ferrylm.checkpoints.gguf_config.moe_config_from_gguf`): its dims drive the fixes.
+    dict (:func:`ferrylm.checkpoints.gguf_config.config_from_gguf`): its dims drive the fixes.
 
     Raises:
         ModelLoadError: a tensor no rule of the architecture maps (named), or a join missing one of its parts.

@@ -1,8 +1,8 @@
-"""What a Mixture-of-Experts GGUF file is, from its header alone (no tensor data read, no torch import): the
-architecture check, the HF-style config dict, and the GGUF types of the routed experts.
+"""What a GGUF file is, from its header alone (no tensor data read, no torch import): the architecture check, the
+HF-style config dict, and the GGUF types of the routed experts.
 
-Architectures: :data:`ferrylm.checkpoints.gguf_archs.ARCHS` (``general.architecture`` -> the HF class served, with
-``llama`` MoE only when ``llama.expert_count > 0``: Mixtral). Metadata keys: gguf-py's ``Keys``; the fields every
+Architectures: :data:`ferrylm.checkpoints.gguf_archs.ARCHS` (``general.architecture`` -> the HF class served;
+``llama`` is Mixtral when ``llama.expert_count > 0``, else the dense Llama). Metadata keys: gguf-py's ``Keys``; the fields every
 architecture shares are read here, the rest by :data:`ferrylm.checkpoints.gguf_arch_config.ARCH_CONFIG`. Used by the
 frontend (config, tokenizer) and by :mod:`ferrylm.checkpoints.quant.gguf_file`, which loads the model from the file.
 """
@@ -15,7 +15,7 @@ from typing import Any
 from ferrylm.errors import ModelLoadError
 from ferrylm.checkpoints.gguf_arch_config import ARCH_CONFIG, Meta
 from ferrylm.checkpoints.gguf_archs import ARCHS, EXPERT_KINDS, arch_of, unsupported
-from ferrylm.checkpoints.gguf_convert import GGUFFile, read_gguf
+from ferrylm.checkpoints.gguf_reader import GGUFFile, read_gguf
 
 #: the routed-expert projection of each expert kind (gate and up share one format)
 EXPERT_TENSORS = {kind: "down" if part == "down" else "gate_up" for kind, part in EXPERT_KINDS.items()}
@@ -28,10 +28,9 @@ def is_gguf_file(path: str | Path) -> bool:
     return p.suffix.lower() == ".gguf" and p.is_file()
 
 
-def is_moe_gguf(g: GGUFFile) -> bool:
-    """True when ``g`` is one of the MoE layouts in the module docstring."""
-    arch = g.get("general.architecture")
-    return arch in ARCHS and (arch != "llama" or int(g.get("llama.expert_count", 0) or 0) > 0)
+def is_served_gguf(g: GGUFFile) -> bool:
+    """True when ``g``'s architecture is one of :data:`~ferrylm.checkpoints.gguf_archs.ARCHS`."""
+    return g.get("general.architecture") in ARCHS
 
 
 def num_layers(g: GGUFFile) -> int:
@@ -54,7 +53,7 @@ def expert_types(g: GGUFFile) -> dict[str, list[str]]:
     """``{"gate_up": [...], "down": [...]}``: the sorted GGUF types the routed-expert stacks of each projection use
     across layers (empty lists for a file without routed experts)."""
     out: dict[str, set[str]] = {"gate_up": set(), "down": set()}
-    layers = num_layers(g) if is_moe_gguf(g) else 0
+    layers = num_layers(g) if is_served_gguf(g) else 0
     for t in g.tensors:
         parts = t.name.split(".")
         if (len(parts) == 4 and parts[0] == "blk" and parts[2] in EXPERT_TENSORS and parts[3] == "weight"
@@ -64,16 +63,16 @@ def expert_types(g: GGUFFile) -> dict[str, list[str]]:
 
 
 def served_config(g: GGUFFile) -> dict[str, Any]:
-    """The config dict a MoE GGUF is served with: :func:`moe_config_from_gguf`, ``torch_dtype`` bfloat16 (the
+    """The config dict a GGUF is served with: :func:`config_from_gguf`, ``torch_dtype`` bfloat16 (the
     non-expert tensors take the model dtype at load), and ``quantization_config`` ``{"quant_method": "gguf",
     "gguf_types": expert_types(g)}`` (the memory plan sizes the experts from it before loading).
 
     Raises:
-        ModelLoadError: not a MoE GGUF, or as :func:`moe_config_from_gguf`.
+        ModelLoadError: an architecture not served, or as :func:`config_from_gguf`.
     """
-    if not is_moe_gguf(g):
+    if not is_served_gguf(g):
         raise unsupported(g.path, g.get("general.architecture"))
-    cfg = moe_config_from_gguf(g)
+    cfg = config_from_gguf(g)
     cfg["torch_dtype"] = "bfloat16"
     types = expert_types(g)
     if any(types.values()) and not set(types["gate_up"] + types["down"]) <= {"F32", "F16", "BF16"}:
@@ -86,8 +85,8 @@ def gguf_config(path: str | Path) -> dict[str, Any]:
     return served_config(read_gguf(path))
 
 
-def moe_config_from_gguf(g: GGUFFile) -> dict[str, Any]:
-    """A HF config.json dict for a MoE GGUF: the shared fields (shapes, norms, RoPE and its scaling, partial rotary
+def config_from_gguf(g: GGUFFile) -> dict[str, Any]:
+    """A HF config.json dict for a GGUF: the shared fields (shapes, norms, RoPE and its scaling, partial rotary
     as ``rotary_dim``, tokens) and the architecture's own (``ARCH_CONFIG``).
 
     Raises:
@@ -111,7 +110,8 @@ def moe_config_from_gguf(g: GGUFFile) -> dict[str, Any]:
         "rope_theta": theta, "rope_parameters": _rope_parameters(m, theta),
         "rotary_dim": m.int(Keys.Rope.DIMENSION_COUNT, head_dim), "hidden_act": "silu",
         "tie_word_embeddings": not m.has("output.weight"), "torch_dtype": "float32",
-        "num_experts_per_tok": m.int(k.EXPERT_USED_COUNT), "attention_dropout": 0.0, "_experts": m.int(k.EXPERT_COUNT),
+        "num_experts_per_tok": m.int(k.EXPERT_USED_COUNT, 0), "attention_dropout": 0.0,
+        "_experts": m.int(k.EXPERT_COUNT, 0),
     }
     if cfg["rms_norm_eps"] is None:
         raise ModelLoadError(f"{g.path}: GGUF metadata lacks '{a.LAYERNORM_RMS_EPS.format(arch=arch.name)}'")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ferrylm.checkpoints.gguf_convert import unpermute_rope_rows
+from ferrylm.checkpoints.gguf_reader import unpermute_rope_rows
 
 
 def unpermute_q(w: np.ndarray, cfg: dict) -> np.ndarray:

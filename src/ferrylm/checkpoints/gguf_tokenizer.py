@@ -112,7 +112,7 @@ def gguf_tokenizer(path: str | Path) -> Any:
 
 
 def _max_len(path: Path) -> int:
-    from ferrylm.checkpoints.gguf_convert import read_gguf
+    from ferrylm.checkpoints.gguf_reader import read_gguf
 
     g = read_gguf(path)
     return int(g.get(f"{g.get('general.architecture')}.context_length", 0) or 0) or _DEFAULT_MAX_LEN

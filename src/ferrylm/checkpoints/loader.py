@@ -319,7 +319,7 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
 
     Args:
         model_dir: folder with ``config.json`` and safetensors weights (single file or sharded with an index),
-            a synthetic model folder (:func:`ferrylm.synthetic.spec.materialize`), or a MoE ``.gguf`` file
+            a synthetic model folder (:func:`ferrylm.synthetic.spec.materialize`), or a ``.gguf`` file
             (read in place: :mod:`ferrylm.checkpoints.quant.gguf_file`).
         device: where weights (and, for the resident backend, experts) are placed.
         dtype: floating-point tensors are cast to it.
@@ -353,7 +353,7 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
     if split and is_gguf_file(model_dir):
         raise ModelLoadError(f"--tensor-parallel-size {tp.size}: {model_dir.name} is a GGUF file; tensor parallel "
                              f"loads safetensors folders and synthetic models only (for now)")
-    if is_gguf_file(model_dir):  # a MoE GGUF served from the file itself
+    if is_gguf_file(model_dir):  # a GGUF served from the file itself
         from ferrylm.checkpoints.quant.gguf_file import load_gguf_model
 
         return load_gguf_model(model_dir, device=device, dtype=dtype, moe_backend=moe_backend,

@@ -24,10 +24,9 @@ class ResolvedModel:
     Attributes:
         name: the served model name: the built-in name, the folder's name, the GGUF file's name without
             ``.gguf``, or the canonical synthetic spec (``synthetic:qwen3-30b-a3b:layers=2``, tokenizer left out).
-        path: the folder to load: an HF folder (config.json + *.safetensors + tokenizer), a MoE ``.gguf`` file
-            itself (config, weights and tokenizer read from it: :mod:`ferrylm.checkpoints.quant.gguf_file`), or for
-            ``synthetic``
-            a folder holding only config.json with the recipe (and the tokenizer files when one was named; see
+        path: what to load: an HF folder (config.json + *.safetensors + tokenizer), a ``.gguf`` file itself
+            (config, weights and tokenizer read from it: :mod:`ferrylm.checkpoints.quant.gguf_file`; the dense
+            built-in model too), or for ``synthetic`` a folder holding only config.json with the recipe (and the tokenizer files when one was named; see
             :mod:`ferrylm.synthetic.spec`).
         source: ``"builtin"``, ``"folder"``, ``"gguf"`` or ``"synthetic"``.
     """
@@ -67,20 +66,19 @@ def _looks_like_path(spec: str) -> bool:
 
 
 def resolve_model(spec: str, *, progress: bool = True) -> ResolvedModel:
-    """Turn a ``--model`` value into a loadable HF folder.
+    """Turn a ``--model`` value into a loadable folder or GGUF file.
 
     Accepts, in this order: a ``synthetic:`` spec (:func:`ferrylm.synthetic.spec.parse_synthetic_spec`; a small
     recipe folder is written into the cache, no weights), a built-in name
-    (:func:`ferrylm.checkpoints.builtin.builtin_names`; converted into the cache on first use), an existing local folder
-    (checked by :func:`check_model_folder`), or an existing local ``.gguf`` file: a MoE GGUF (qwen3moe / qwen2moe /
-    olmoe / llama with experts) is served from the file; a dense Llama GGUF is converted into the cache like the
-    built-in, keyed by its size and mtime.
+    (:func:`ferrylm.checkpoints.builtin.builtin_names`), an existing local folder (checked by
+    :func:`check_model_folder`), or an existing local ``.gguf`` file of a served architecture
+    (:data:`ferrylm.checkpoints.gguf_archs.ARCHS`), served from the file: nothing converted, nothing written.
 
     Raises:
         ModelLoadError: a bad ``synthetic:`` spec (unknown preset or option, a tokenizer that does not fit); a
             missing path; a folder lacking config.json, weights or tokenizer; a file that is not ``.gguf``; a
             name that is neither a path nor a built-in (hub ids included: nothing is downloaded); a GGUF that
-            cannot be converted.
+            cannot be read or whose architecture is not served.
     """
     from ferrylm.checkpoints import builtin
 
@@ -105,13 +103,8 @@ def resolve_model(spec: str, *, progress: bool = True) -> ResolvedModel:
         return ResolvedModel(p.name, p, "folder")
     if p.suffix.lower() != ".gguf":
         raise ModelLoadError(f"--model {spec} is a file but not a .gguf file; give a model folder or a .gguf file")
-    from ferrylm.checkpoints.gguf_config import is_moe_gguf
-    from ferrylm.checkpoints.gguf_convert import convert_gguf, read_gguf
+    from ferrylm.checkpoints.gguf_archs import arch_of
+    from ferrylm.checkpoints.gguf_reader import read_gguf
 
-    if is_moe_gguf(read_gguf(p)):  # served from the file itself: nothing converted, nothing written
-        return ResolvedModel(p.stem, p, "gguf")
-    try:
-        dest = builtin.converted_gguf_dir(p)
-    except OSError as e:
-        raise ModelLoadError(f"--model {spec}: cannot read it: {e}") from None
-    return ResolvedModel(p.stem, convert_gguf(p, dest, progress=progress), "gguf")
+    arch_of(read_gguf(p))  # refuses an architecture not served, naming it
+    return ResolvedModel(p.stem, p, "gguf")

@@ -104,7 +104,7 @@ def verify_checkpoint(model_dir: str | os.PathLike) -> int:
         ModelLoadError: the first bad file, or a shard the index names that is missing.
     """
     if Path(model_dir).suffix.lower() == ".gguf" and Path(model_dir).is_file():
-        from ferrylm.checkpoints.gguf_convert import read_gguf
+        from ferrylm.checkpoints.gguf_reader import read_gguf
 
         read_gguf(model_dir)  # raises on a bad header or a tensor past the end of the file
         return 1

@@ -1,4 +1,5 @@
-"""Serve a Mixture-of-Experts GGUF from the file itself: nothing is converted or written.
+"""Serve a GGUF from the file itself (a MoE, or a dense Llama without routed experts): nothing is converted or
+written.
 
 The file is memory-mapped once (``np.memmap``, copy-on-write so torch gets writable views; the file never
 changes). Then:
@@ -41,7 +42,7 @@ from ferrylm.experts.gguf_blocks import BLOCK_CODE, BLOCK_TYPES, KIND_OF_GGUF
 from ferrylm.experts.quantized import ExpertQuant, QuantFormat, QuantTensor, block_format, empty_quant, mix_format
 from ferrylm.checkpoints.gguf_archs import ExpertTensor, HFTensor, iter_expert_layers, split_tensors
 from ferrylm.checkpoints.gguf_config import EXPERT_TENSORS, expert_types, served_config
-from ferrylm.checkpoints.gguf_convert import GGUFTensor, dequantize_tensor, read_gguf
+from ferrylm.checkpoints.gguf_reader import GGUFTensor, dequantize_tensor, read_gguf
 
 log = logging.getLogger("ferrylm.models")
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -216,11 +217,11 @@ def _expert_layers(path: Path, experts: list[ExpertTensor], data: np.ndarray, mo
 def load_gguf_model(path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                     moe_backend: str | ExpertOptions = "resident", expert_device: torch.device | str | None = None,
                     pin_experts: bool = False):
-    """Load the MoE GGUF ``path`` as :func:`ferrylm.checkpoints.loader.load_model` loads a folder (same arguments and
+    """Load the GGUF ``path`` as :func:`ferrylm.checkpoints.loader.load_model` loads a folder (same arguments and
     result, a :class:`~ferrylm.checkpoints.loader.LoadedModel`), reading the file itself (module docstring).
 
     Raises:
-        ModelLoadError: not a MoE GGUF, an unmapped tensor, an expert type not read, missing tensors or metadata.
+        ModelLoadError: an architecture not served, an unmapped tensor, an expert type not read, missing tensors or metadata.
         UnsupportedArchitecture / ValueError: as ``load_model``.
     """
     from ferrylm.config import ModelConfig
@@ -248,6 +249,9 @@ def load_gguf_model(path: str | Path, *, device: torch.device | str = "cpu", dty
                  "(%.2f in the file)", Path(path).name, time.perf_counter() - start, config.num_layers,
                  str(dtype).removeprefix("torch."), device,
                  quant.describe() if quant else "plain", row_bits, file_bits)
+    else:
+        log.info("loaded %s from the file in %.1f s: %d layers, dense, %s on %s", Path(path).name,
+                 time.perf_counter() - start, config.num_layers, str(dtype).removeprefix("torch."), device)
     return loaded
 
 

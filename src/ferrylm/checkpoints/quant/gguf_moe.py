@@ -1,17 +1,9 @@
-"""GGUF expert blocks repacked into element formats, and the conversion of a MoE GGUF into a model folder.
+"""GGUF expert blocks decoded into integer codes, scales and mins, and repacked without loss into element formats.
 
 Serving a MoE GGUF reads the file itself (:mod:`ferrylm.checkpoints.quant.gguf_file`, experts kept as GGML blocks); it
-uses this module only for a projection whose layers mix types (:func:`unified_format` + :func:`repack`). The folder
-conversion (:func:`convert_moe_gguf_into`) is kept for :func:`ferrylm.checkpoints.gguf_convert.convert_gguf` called on a
-MoE file (tests compare both paths); nothing at runtime calls it.
-
-Tensor names, the architectures and what their converters changed: :mod:`ferrylm.checkpoints.gguf_archs` (the
-one table both paths read); the stacked expert tensors ``blk.N.ffn_{gate,up,down}_exps`` are ``[E, I, H]`` /
-``[E, H, I]`` in PyTorch order. Expert biases (gpt-oss) and MXFP4 experts are served from the file only.
-
-Routed experts are repacked without loss into :mod:`ferrylm.experts.quantized` formats and written with the
-``ferrylm`` quant method (:mod:`ferrylm.checkpoints.quant.native`). Block layouts (ggml's ``ggml-common.h`` /
-``ggml-quants.c``, and gguf-py's ``quants.py`` whose ``dequantize`` the tests compare against):
+uses this module for a projection whose layers mix types (:func:`unified_format` + :func:`repack`) and for MXFP4
+experts (:func:`repack_mxfp4`). The stacked expert tensors ``blk.N.ffn_{gate,up,down}_exps`` are ``[E, I, H]`` /
+``[E, H, I]`` in PyTorch order. Block layouts (ggml's ``ggml-common.h`` / ``ggml-quants.c``, and gguf-py's ``quants.py`` whose ``dequantize`` the tests compare against):
 
 * ``Q8_0``: blocks of 32: ``d`` float16, 32 int8 ``q``; ``w = d * q``. -> ``int8`` group 32, float16 scales,
   code ``q + 128``.
@@ -28,32 +20,21 @@ Routed experts are repacked without loss into :mod:`ferrylm.experts.quantized` f
 When one projection (gate and up together, or down) has several of these types across layers (llama.cpp's
 ``Q4_K_M`` puts ``Q6_K`` in some layers' ``ffn_down_exps``), every layer of it becomes ``int8`` with float32
 scales and mins at the finest group of the types (still exact: each type's ``(q - z) * s`` is ``q * s - z * s``
-with both products exact in float32). Float experts (F32 / F16 / BF16) stay plain; other types are refused naming
-the tensor and the supported types.
+with both products exact in float32).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-from ferrylm.errors import ModelLoadError
 from ferrylm.experts.quantized import QuantFormat, QuantTensor
-from ferrylm.checkpoints.gguf_convert import (GGUFFile, GGUFTensor, TensorEntry, dequantize_tensor, progress_bar,
-                                              write_safetensors)
-from ferrylm.checkpoints.quant.native import format_to_json
-from ferrylm.checkpoints.gguf_config import moe_config_from_gguf
-from ferrylm.checkpoints.gguf_tokenizer import gguf_tokenizer
+from ferrylm.checkpoints.gguf_reader import GGUFTensor
 
-EXPERT_TYPES = ("Q8_0", "Q4_K", "Q6_K", "F32", "F16", "BF16")
-_FLOAT_TYPES = ("F32", "F16", "BF16")
 _QK_K = 256
 
 
@@ -170,12 +151,6 @@ _DECODERS: dict[str, tuple[Callable[[np.ndarray, GGUFTensor], Decoded], QuantFor
 }
 
 
-def _type_name(t: GGUFTensor) -> str:
-    from gguf.constants import GGMLQuantizationType
-
-    return GGMLQuantizationType(t.qtype).name
-
-
 def unified_format(types: set[str]) -> QuantFormat:
     """The format one projection takes when its layers use the GGUF ``types`` (module docstring)."""
     if len(types) == 1:
@@ -208,134 +183,3 @@ def repack(dec: Decoded, fmt: QuantFormat, dtype: torch.dtype) -> QuantTensor:
     mins = dec.scales.float() * dec.zero if dec.mins is None else dec.mins
     mins = mins.repeat_interleave(rep, -1) if rep > 1 else mins
     return QuantTensor(fmt, packed(codes).contiguous(), scales.float().contiguous(), mins.contiguous(), dtype=dtype)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# conversion
-# --------------------------------------------------------------------------------------------------------------
-
-def _st_dtype(t: torch.Tensor) -> str:
-    return {torch.uint8: "U8", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-            torch.float8_e4m3fn: "F8_E4M3"}[t.dtype]
-
-
-def _expert_entries(g: GGUFFile, data: np.ndarray, experts: dict[str, list[tuple[str, GGUFTensor]]]
-                    ) -> tuple[list[TensorEntry], dict | None]:
-    """Entries for the routed-expert stacks (``{projection: [(HF stack name, tensor)]}``) and the
-    ``quantization_config`` (None when they are all float)."""
-    types = {proj: {_type_name(t) for _, t in ts} for proj, ts in experts.items()}
-    everything = set().union(*types.values()) if types else set()
-    for proj, ts in experts.items():
-        for _, t in ts:
-            if _type_name(t) not in EXPERT_TYPES:
-                raise ModelLoadError(f"{g.path}: GGUF tensor {t.name} has type {_type_name(t)}; routed experts "
-                                     f"are read as {', '.join(EXPERT_TYPES)}")
-    if everything and everything <= set(_FLOAT_TYPES):
-        entries = []
-        for ts in experts.values():
-            for hf, t in ts:
-                entries.append(TensorEntry(f"{hf}.weight", "F32", t.shape,
-                                           lambda t=t: dequantize_tensor(data, t)))
-        return _as_per_expert(entries), None
-    if everything & set(_FLOAT_TYPES):
-        raise ModelLoadError(f"{g.path}: routed experts mix float and quantized GGUF types ({sorted(everything)}); "
-                             f"one kind per model is supported")
-    formats = {"gate_up": unified_format(types.get("gate_proj", set()) | types.get("up_proj", set())),
-               "down": unified_format(types["down_proj"])}
-    entries: list[TensorEntry] = []
-    for proj, ts in experts.items():
-        fmt = formats["down" if proj == "down_proj" else "gate_up"]
-        for hf, t in ts:
-            cache: dict[str, QuantTensor] = {}
-
-            def get(t: GGUFTensor = t, fmt: QuantFormat = fmt, cache=cache) -> QuantTensor:
-                if "qt" not in cache:
-                    decode = _DECODERS[_type_name(t)][0]
-                    cache["qt"] = repack(decode(data, t), fmt, torch.float32)
-                return cache["qt"]
-
-            *lead, n, k = t.shape
-            try:
-                fmt.check_shape(n, k, t.name)
-            except ValueError as e:
-                raise ModelLoadError(f"{g.path}: {e}") from None
-            for field, dt, shape in fmt.fields(n, k):
-                suffix = {"data": "qdata", "scales": "qscales", "mins": "qmins", "row_scale": "qrow_scale"}[field]
-                st = _st_dtype(torch.empty(0, dtype=dt))
-
-                def produce(field: str = field, get=get, cache=cache, last=field == fmt.fields(n, k)[-1][0]):
-                    v = getattr(get(), field)
-                    if last:
-                        cache.clear()
-                    return v
-
-                entries.append(TensorEntry(f"{hf}.{suffix}", st, (*lead, *shape), produce))
-    qcfg = {"quant_method": "ferrylm", "gate_up": format_to_json(formats["gate_up"]),
-            "down": format_to_json(formats["down"]), "source": "gguf",
-            "gguf_types": {p: sorted(v) for p, v in types.items()}}
-    return entries, qcfg
-
-
-def _as_per_expert(entries: list[TensorEntry]) -> list[TensorEntry]:
-    """Float expert stacks ``…experts.gate_proj.weight [E, N, K]`` as one tensor per expert (the plain layout)."""
-    out = []
-    for e in entries:
-        stem = e.name[:-len(".weight")]
-        base, proj = stem.rsplit(".", 1)
-        cache: dict[str, np.ndarray] = {}
-
-        def expert(i: int, e: TensorEntry = e, cache=cache) -> np.ndarray:
-            if "stack" not in cache:  # dequantized once per stack, released after its last expert
-                cache["stack"] = e.produce()
-            w = cache["stack"][i]
-            if i == e.shape[0] - 1:
-                cache.clear()
-            return np.ascontiguousarray(w)
-
-        for i in range(e.shape[0]):
-            out.append(TensorEntry(f"{base}.{i}.{proj}.weight", "F32", e.shape[1:], lambda i=i, f=expert: f(i)))
-    return out
-
-
-def convert_moe_gguf_into(g: GGUFFile, out: Path, *, progress: bool = True) -> None:
-    """Write the folder for the MoE GGUF ``g`` into the existing empty folder ``out`` (see the module docstring).
-
-    Raises:
-        ModelLoadError: an unmapped tensor, an unsupported expert type, expert biases (gpt-oss: serve the file
-            itself), missing metadata or tensors.
-    """
-    from ferrylm.checkpoints.gguf_archs import arch_of, split_tensors
-
-    cfg = moe_config_from_gguf(g)
-    block = arch_of(g).experts
-    data = np.asarray(np.memmap(g.path, dtype=np.uint8, mode="r"))
-    hf_tensors, expert_tensors = split_tensors(g, cfg)
-    plain = [TensorEntry(h.name, "F32", h.shape, lambda h=h: h.produce(data)) for h in hf_tensors]
-    experts: dict[str, list[tuple[str, GGUFTensor]]] = {}
-    for e in expert_tensors:
-        if e.leaf != "weight":
-            raise ModelLoadError(f"{g.path}: GGUF tensor {e.tensor.name}: the folder conversion writes no expert "
-                                 f"biases; serve the .gguf file itself")
-        experts.setdefault(f"{e.part}_proj", []).append(
-            (f"model.layers.{e.layer}.{block}.experts.{e.part}_proj", e.tensor))
-    if set(experts) != {"gate_proj", "up_proj", "down_proj"}:
-        raise ModelLoadError(f"{g.path}: GGUF lacks routed expert tensors (ffn_gate_exps / ffn_up_exps / "
-                             f"ffn_down_exps)")
-    expert_entries, qcfg = _expert_entries(g, data, experts)
-    if qcfg is not None:
-        cfg["quantization_config"] = qcfg
-    entries = plain + expert_entries
-    total = sum(int(np.prod(e.shape)) * _ITEM[e.dtype] for e in entries)
-    bar = progress_bar(total, f"converting {g.path.name}") if progress else None
-    try:
-        write_safetensors(out / "model.safetensors", entries, bar)
-    finally:
-        if bar is not None:
-            bar.close()
-    gguf_tokenizer(g.path).save_pretrained(str(out))
-    gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-
-
-_ITEM = {"F32": 4, "F16": 2, "BF16": 2, "U8": 1, "F8_E4M3": 1}
