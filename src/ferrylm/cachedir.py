@@ -1,4 +1,4 @@
-"""Where ferrylm keeps files it builds once per machine (converted models, compiled kernels)."""
+"""Where ferrylm keeps files it builds once per machine (the built-in MoE, compiled kernels)."""
 
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ def builtin_names() -> list[str]:
 
 
 def cache_dir() -> Path:
-    """Folder holding converted models: ``$FERRYLM_CACHE_DIR/models`` or the XDG user cache ``ferrylm/models``."""
+    """Folder holding built models (the upcycled MoE, synthetic recipes): ``$FERRYLM_CACHE_DIR/models`` or the XDG user cache ``ferrylm/models``."""
     return cache_root() / "models"
 
 

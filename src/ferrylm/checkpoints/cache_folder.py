@@ -108,7 +108,7 @@ def progress_bar(total: int, desc: str) -> Any:
 # --------------------------------------------------------------------------------------------------------------
 
 def folder_is_complete(path: Path) -> bool:
-    """True when ``path`` holds what every converted folder ends with (config.json, weights, tokenizer.json)."""
+    """True when ``path`` holds what every built folder ends with (config.json, weights, tokenizer.json)."""
     return all((path / n).is_file() for n in ("config.json", "model.safetensors", "tokenizer.json"))
 
 
@@ -180,8 +180,8 @@ _KEY_SAMPLE = 1 << 20
 def source_key(path: str | Path, *extra: object) -> str:
     """A short (10 hex chars) cache key for a source file: its size, a hash of its first and last MiB (the
     GGUF header with its metadata and tensor table, and the tail of the data) and :data:`FORMAT_VERSION`, plus
-    ``extra``. By content, not mtime: the same file installed by two checkouts (two venvs) shares one converted
-    folder instead of converting again (issue 26: 1.3 GB per checkout); a different file gets a new key."""
+    ``extra``. By content, not mtime: the same file installed by two checkouts (two venvs) shares one built
+    folder instead of building again; a different file gets a new key."""
     p = Path(path)
     size = p.stat().st_size
     h = hashlib.sha256()
