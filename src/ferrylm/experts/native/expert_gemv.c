@@ -275,26 +275,34 @@ static int64_t span_end(int k, const int64_t *starts, const int64_t *counts) {
 }
 
 /* One projection of every expert: rows [0, N) of q (K inputs) for expert e's tokens of `a`, into y (stride ldy),
- * times w (per token) when w != NULL. Runs inside the caller's parallel region. */
-static void experts_proj(rows_fn rows, const qproj *q, int k, const void *const *erows, const int64_t *starts,
-                         const int64_t *counts, int64_t N, int64_t K, const act *a, float *y, int64_t ldy,
-                         const float *w, float *rb) {
+ * times w (per token) when w != NULL; rows below `split` from base lo, the others from base hi (the bases: three
+ * per expert, gate|up below I, gate|up from I, down). Runs inside the caller's parallel region. */
+static void experts_proj(rows_fn rows, const qproj *q, int k, const void *const *bases, int lo, int hi, int64_t split,
+                         const int64_t *starts, const int64_t *counts, int64_t N, int64_t K, const act *a, float *y,
+                         int64_t ldy, const float *w, float *rb) {
     const int64_t nb = (N + BLOCK_ROWS - 1) / BLOCK_ROWS;
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < (int64_t)k * nb; task++) {
         const int e = (int)(task / nb);
         const int64_t r0 = (task % nb) * BLOCK_ROWS, r1 = r0 + BLOCK_ROWS < N ? r0 + BLOCK_ROWS : N;
-        if (counts[e] > 0)
-            rows(q, (const uint8_t *)erows[e], r0, r1, K, a, starts[e], counts[e], y + starts[e] * ldy, ldy,
-                 w ? w + starts[e] : NULL, rb);
+        if (counts[e] <= 0) continue;
+        float *ye = y + starts[e] * ldy;
+        const float *we = w ? w + starts[e] : NULL;
+        if (r0 < split)
+            rows(q, (const uint8_t *)bases[3 * e + lo], r0, r1 < split ? r1 : split, K, a, starts[e], counts[e], ye,
+                 ldy, we, rb);
+        if (r1 > split)
+            rows(q, (const uint8_t *)bases[3 * e + hi], r0 > split ? r0 : split, r1, K, a, starts[e], counts[e], ye,
+                 ldy, we, rb);
     }
 }
 
 /* A layer's experts (see the header).
  *   qp[0]: gate|up ([2I, H] rows), qp[1]: down ([H, I]); isa: 0..2 (ferry_isa_best or lower)
- *   k experts; rows[e]: expert e's row; starts/counts: its tokens (rows of x within M = max(start + count))
+ *   k experts; bases[3e .. 3e + 2]: expert e's gate|up rows below I, from I, and down (the qproj offsets are
+ *   from these; a bank row is all three); starts/counts: its tokens (rows of x within M = max(start + count))
  *   x [M, H], w [M], scratch [M, 2I], out [M, H]: float32, contiguous; rows no expert owns are left as they are */
-int ferry_experts(const qproj *qp, int isa, int nthreads, int k, const void *const *rows, const int64_t *starts,
+int ferry_experts(const qproj *qp, int isa, int nthreads, int k, const void *const *bases, const int64_t *starts,
                   const int64_t *counts, int64_t H, int64_t I, const float *x, const float *w, float *scratch,
                   float *out) {
     if (k <= 0 || H <= 0 || I <= 0 || nthreads < 1 || !q_ok(&qp[0], H) || !q_ok(&qp[1], I)) return -1;
@@ -316,14 +324,14 @@ int ferry_experts(const qproj *qp, int isa, int nthreads, int k, const void *con
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
             if (qx) quantize_token(x + m * H, H, &am.x, m);
-        experts_proj(rows_isa, &qp[0], k, rows, starts, counts, 2 * I, H, &ax, scratch, 2 * I, NULL, rb);
+        experts_proj(rows_isa, &qp[0], k, bases, 0, 1, I, starts, counts, 2 * I, H, &ax, scratch, 2 * I, NULL, rb);
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) {  /* a = silu(g) * u in place over g, then its Q8 form */
             float *g = scratch + m * 2 * I;
             for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * g[I + i];
             if (qa) quantize_token(g, I, &am.a, m);
         }
-        experts_proj(rows_isa, &qp[1], k, rows, starts, counts, H, I, &aa, out, H, w, rb);
+        experts_proj(rows_isa, &qp[1], k, bases, 2, 2, H, starts, counts, H, I, &aa, out, H, w, rb);
     }
     free(rbs);
     free(am.mem);
@@ -346,12 +354,14 @@ int ferry_matvec(const qproj *q, int isa, int nthreads, const void *base, int64_
     }
     act ax = {x, K, am.x};
     const int64_t starts[1] = {0}, counts[1] = {M};
+    const void *const bases[3] = {base, base, base};
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
             if (qx) quantize_token(x + m * K, K, &am.x, m);
-        experts_proj(ROWS[isa], q, 1, &base, starts, counts, N, K, &ax, y, N, NULL, rbs + omp_get_thread_num() * K);
+        experts_proj(ROWS[isa], q, 1, bases, 0, 0, N, starts, counts, N, K, &ax, y, N, NULL,
+                     rbs + omp_get_thread_num() * K);
     }
     free(rbs);
     free(am.mem);
