@@ -403,3 +403,64 @@ def test_projection_is_exact_on_the_quantized_activation(kernel, isa, name, m):
         assert (xs - x.double()).abs().max() <= x.abs().max() / 254 + 1e-7
     ref = xs @ w.T
     assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def _stacks(name, seed):
+    """Three experts as separate gate / up / down stacks (as a GGUF's mapped tensors): GGML blocks, or bfloat16."""
+    from ferrylm.experts.executor import LayerExperts
+
+    if name != "bf16":
+        return _quant_layout(name, 3, seed)[0]
+    g = torch.Generator().manual_seed(seed)
+    h, i = 160, 96
+    return LayerExperts(*(torch.randn(3, n, kk, generator=g).mul_(kk ** -0.5).bfloat16()
+                          for n, kk in ((i, h), (i, h), (h, i))))
+
+
+def _dense(t, e):
+    return t[e].double() if isinstance(t, torch.Tensor) else t[e].dequantize(torch.float64)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "bf16"])
+def test_stacks_are_read_where_they_lie(kernel, isa, name):
+    """Experts whose gate, up and down are separate stacks (a GGUF file's blocks, read in place), a subset out of
+    order with odd token counts: the SwiGLU of each against float64 on the reference dequantization."""
+    k = _isa(kernel, isa)
+    le = _stacks(name, 3)
+    assert k.reads_stacks(le)
+    h = le.down.shape[-2] if isinstance(le.down, torch.Tensor) else le.down.data.shape[-2]
+    experts, counts = [2, 0], [3, 1]
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(4, h, generator=g), torch.rand(4, generator=g)
+    got = k.run_stacks(x, w, le, experts, [0, 3], counts, threads=2)
+    ref, s = [], 0
+    for e, n in zip(experts, counts):
+        xe = x[s:s + n].double()
+        gate, up = xe @ _dense(le.gate, e).T, xe @ _dense(le.up, e).T
+        ref.append((F.silu(gate) * up) @ _dense(le.down, e).T * w[s:s + n, None].double())
+        s += n
+    ref = torch.cat(ref)
+    assert ((got.double() - ref).norm() / ref.norm()).item() < (1e-5 if name == "bf16" else ACT_TOL)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "bf16"])
+@pytest.mark.parametrize("tokens", [3, 20])
+def test_resident_on_the_cpu_runs_the_native_kernel(kernel, name, tokens, monkeypatch):
+    """The resident backend on the CPU computes a step's quantized experts with the native kernel in one call per
+    layer at any step size (plain ones stay on torch) and agrees with the torch reference path."""
+    from ferrylm.experts.resident import ResidentExecutor
+
+    le = _stacks(name, 5)
+    h = le.down.shape[-2] if isinstance(le.down, torch.Tensor) else le.down.data.shape[-2]
+    g = torch.Generator().manual_seed(tokens)
+    hidden = torch.randn(tokens, h, generator=g).to(torch.bfloat16 if name == "bf16" else torch.float32)
+    ids = torch.stack([torch.randperm(3, generator=g)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=g)
+    calls = []
+    run_stacks = kernel.run_stacks
+    monkeypatch.setattr(kernel, "run_stacks", lambda *a, **kw: calls.append(1) or run_stacks(*a, **kw))
+    got = ResidentExecutor({0: le}, native=kernel, threads=2).run(0, hidden, ids, weights)
+    want = ResidentExecutor({0: le}).run(0, hidden, ids, weights)
+    assert len(calls) == (0 if name == "bf16" else 1)
+    assert ((got.double() - want.double()).norm() / want.double().norm()).item() < ACT_TOL

@@ -66,10 +66,24 @@ def build_executor(backend: str | ExpertOptions, layers: dict[int, LayerExperts]
         from ferrylm.experts.resident import ResidentExecutor
 
         placed = {i: le.to(dev) for i, le in layers.items()}
-        return ResidentExecutor(placed)
+        return _resident(placed, dev, options)
     from ferrylm.experts.banks import HostBanks
 
     return build_from_banks(name, HostBanks.from_layers(layers), dev, options)
+
+
+def _resident(placed: dict[int, LayerExperts], device: torch.device, options: ExpertOptions) -> ExpertExecutor:
+    """The resident executor; on the CPU with the native kernel of ``--moe-cpu-kernel`` (None for ``torch``, or
+    when ``auto`` cannot build it) and ``--moe-cpu-threads``."""
+    from ferrylm.experts.resident import ResidentExecutor
+
+    if device.type != "cpu":
+        return ResidentExecutor(placed)
+    from ferrylm.experts.cpu_kernel import load_kernel
+
+    native = load_kernel(options.cpu_kernel)
+    log.info("resident experts on the CPU: %s kernel", f"native-{native.isa}" if native else "torch")
+    return ResidentExecutor(placed, native=native, threads=options.cpu_threads)
 
 
 def build_from_banks(name: str, banks, device: torch.device | str, options: ExpertOptions | None = None
@@ -90,7 +104,7 @@ def build_from_banks(name: str, banks, device: torch.device | str, options: Expe
         placed = {}
         for i in banks.layers:
             placed[i] = banks.layer_experts(i).to(dev)
-        return ResidentExecutor(placed)
+        return _resident(placed, dev, options)
     if name not in CACHED_BACKENDS:
         raise ValueError(f"cannot build backend {name!r} from banks; valid: resident, "
                          f"{', '.join(CACHED_BACKENDS.names)}")

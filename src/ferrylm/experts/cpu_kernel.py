@@ -20,6 +20,7 @@ not build), ``torch``.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -189,8 +190,52 @@ class NativeExpertKernel:
             ValueError: a tensor not on the CPU, mismatched shapes or spans, a non-contiguous row, an unsupported
                 weight dtype or shape, ``threads < 1``.
         """
-        k = len(rows)
-        if not rows or len(starts) != k or len(counts) != k:
+        if not rows:
+            raise ValueError("no expert rows: one per expert")
+        _check_rows(rows, layout, hidden, inter)
+        if any(t.device.type != "cpu" for t in rows):
+            raise ValueError("the native kernel reads host tensors; got a tensor on another device")
+        qp = _qproj(layout) if layout is not None else _plain_qproj(rows[0].dtype, hidden, inter)
+        return self._call(x, weights, qp, [r.data_ptr() for r in rows for _ in range(3)], starts, counts, hidden,
+                          inter, threads)
+
+    def run_stacks(self, x: torch.Tensor, weights: torch.Tensor, le, experts: list[int], starts: list[int],
+                   counts: list[int], threads: int) -> torch.Tensor:
+        """As :meth:`run` for experts ``experts`` of a layer's stacks ``le`` (a
+        :class:`~ferrylm.experts.executor.LayerExperts` that :meth:`reads_stacks`), read where they lie (e.g. a
+        GGUF file's mapped bytes): gate, up and down of an expert need not be adjacent.
+
+        Raises:
+            ValueError: stacks the kernels do not read, or as :meth:`run`.
+        """
+        if not self.reads_stacks(le):
+            raise ValueError("the native kernels read plain bfloat16 / float32 or GGML-block expert stacks on the CPU")
+        g, u, d = (_stack_bytes(t) for t in (le.gate, le.up, le.down))
+        inter, hidden = g.shape[1], d.shape[1]
+        row = g.stride(1) * g.element_size()  # bytes per gate|up row
+        bases = []
+        for e in experts:
+            bases += [g[e].data_ptr(), u[e].data_ptr() - inter * row, d[e].data_ptr()]
+        return self._call(x, weights, _stack_qproj(le), bases, starts, counts, hidden, inter, threads)
+
+    @staticmethod
+    def reads_stacks(le) -> bool:
+        """Whether :meth:`run_stacks` reads ``le``: host stacks of one plain dtype (bfloat16 / float32), or of one
+        GGML block format per projection (Q8_0, Q4_K, Q5_K, Q6_K), each expert contiguous, no expert math."""
+        if le.math is not None or any(_stack_bytes(t).device.type != "cpu" for t in (le.gate, le.up, le.down)):
+            return False
+        if all(isinstance(t, torch.Tensor) for t in (le.gate, le.up, le.down)):
+            return le.gate.dtype in _PLAIN_KIND and le.up.dtype == le.down.dtype == le.gate.dtype and all(
+                t[0].is_contiguous() for t in (le.gate, le.up, le.down))
+        quant = le.quant
+        return quant is not None and all(f.kind in _BLOCK_KINDS for f in (quant.gate_up, quant.down)) and all(
+            t.data[0].is_contiguous() for t in (le.gate, le.up, le.down))
+
+    def _call(self, x: torch.Tensor, weights: torch.Tensor, qp, bases: list[int], starts: list[int],
+              counts: list[int], hidden: int, inter: int, threads: int) -> torch.Tensor:
+        """``ferry_experts`` on ``bases`` (three addresses per expert, see the C file) with checked spans."""
+        k = len(bases) // 3
+        if not bases or len(starts) != k or len(counts) != k:
             raise ValueError(f"{k} rows, {len(starts)} starts and {len(counts)} counts: one of each per expert")
         if x.dim() != 2 or x.shape[1] != hidden or weights.dim() != 1 or weights.shape[0] != x.shape[0]:
             raise ValueError(f"x must be [M, {hidden}] and weights [M], got {list(x.shape)} and "
@@ -203,15 +248,13 @@ class NativeExpertKernel:
                              f"and not overlap")
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
-        _check_rows(rows, layout, hidden, inter)
-        if any(t.device.type != "cpu" for t in (x, weights, *rows)):
+        if any(t.device.type != "cpu" for t in (x, weights)):
             raise ValueError("the native kernel reads host tensors; got a tensor on another device")
         xf = x.to(torch.float32).contiguous()
         wf = weights.to(torch.float32).contiguous()
         scratch = torch.empty(m, 2 * inter, dtype=torch.float32)
         out = torch.zeros(m, hidden, dtype=torch.float32)
-        qp = _qproj(layout) if layout is not None else _plain_qproj(rows[0].dtype, hidden, inter)
-        ptrs = (ctypes.c_void_p * k)(*[r.data_ptr() for r in rows])
+        ptrs = (ctypes.c_void_p * len(bases))(*bases)
         self._check(self._lib.ferry_experts(qp, ISAS.index(self.isa), int(threads), k, ptrs,
                                             (ctypes.c_int64 * k)(*starts), (ctypes.c_int64 * k)(*counts), hidden,
                                             inter, xf.data_ptr(), wf.data_ptr(), scratch.data_ptr(), out.data_ptr()))
@@ -260,6 +303,7 @@ class NativeExpertKernel:
             raise ValueError(f"native expert kernel: {_RC.get(rc, 'error')} (rc {rc})")
 
 
+_BLOCK_KINDS = ("q8_0", "q4_k", "q5_k", "q6_k")
 _QKIND = {"int4": 1, "int8": 2, "fp4": 3, "fp8": 4, "q8_0": 5, "q4_k": 6, "q5_k": 7, "q6_k": 8}
 _SDTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}
 
@@ -287,6 +331,28 @@ def _check_rows(rows: list[torch.Tensor], layout, hidden: int, inter: int) -> No
         raise ValueError("expert rows must be contiguous [3*I*H] tensors, all bfloat16 or all float32")
 
 
+def _stack_bytes(t) -> torch.Tensor:
+    """The tensor holding a stack's weights (a QuantTensor's block bytes, or the plain tensor)."""
+    return t if isinstance(t, torch.Tensor) else t.data
+
+
+def _stack_qproj(le):
+    """The C ``qproj[2]`` of stacks read by :meth:`NativeExpertKernel.run_stacks`: every offset 0 (each projection
+    has its own base address)."""
+    if isinstance(le.gate, torch.Tensor):
+        kind = _PLAIN_KIND[le.gate.dtype]
+        return _qproj_vals((kind, 1, 0, 0, 0, 0, 0, 0, 0, kind, 1, 0, 0, 0, 0, 0, 0, 0))
+    q = le.quant
+    return _qproj_vals((_QKIND[q.gate_up.kind], q.gate_up.group, 0, 0, 0, 0, 0, 0, 0,
+                        _QKIND[q.down.kind], q.down.group, 0, 0, 0, 0, 0, 0, 0))
+
+
+@functools.lru_cache(maxsize=64)
+def _qproj_vals(vals: tuple[int, ...]):
+    return (ctypes.c_int64 * len(vals))(*vals)
+
+
+@functools.lru_cache(maxsize=64)
 def _plain_qproj(dtype: torch.dtype, hidden: int, inter: int):
     """The C ``qproj[2]`` of a plain row: gate|up at byte 0, down after its ``2 I H`` elements."""
     kind, size = _PLAIN_KIND[dtype], torch.empty((), dtype=dtype).element_size()
@@ -294,6 +360,7 @@ def _plain_qproj(dtype: torch.dtype, hidden: int, inter: int):
     return (ctypes.c_int64 * len(vals))(*vals)
 
 
+@functools.lru_cache(maxsize=64)
 def _qproj(layout):
     """The C ``qproj[2]`` (gate|up, down) of a quantized ``layout``: kind, group, scale dtype, mins, row scale and
     the fields' byte offsets in the expert row (``ExpertLayout._rows``), as 18 int64."""

@@ -5,7 +5,9 @@ expert on the device, two grouped GEMM kernels over all of the layer's experts, 
 experts, so a decode step is captured whole in one CUDA graph (``graph_safe``). Elsewhere (the CPU, the reference):
 decode steps are planned on the host from the step's expert ids (one device->host read per layer); larger steps
 group the tokens by expert on the device (one sync for the counts) and run one GEMM chain per active expert; the
-weighted results are summed per token (:mod:`ferrylm.experts.work`, shared with every other backend).
+weighted results are summed per token (:mod:`ferrylm.experts.work`, shared with every other backend). On the CPU the
+native kernels (:mod:`ferrylm.experts.cpu_kernel`, given as ``native``) compute a layer's active experts in one call,
+reading quantized stacks where they lie (a GGUF's mapped blocks included) instead of dequantizing them every step.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import functools
 
 import torch
 
+from ferrylm.experts.cpu_kernel import NativeExpertKernel
 from ferrylm.experts.executor import ExpertExecutor, LayerExperts
 from ferrylm.experts.stats import ExpertStats
 from ferrylm.experts.work import ExpertGroups, LayerWork, group_by_expert, is_small_step, swiglu_expert
@@ -68,12 +71,17 @@ class ResidentExecutor(ExpertExecutor):
 
     Args:
         layers: decoder layer index -> that layer's :class:`LayerExperts` (already on the compute device).
+        native: the CPU's native expert kernel (quantized host stacks it reads go through it), or None.
+        threads: its OpenMP threads (default: torch's intra-op threads).
     """
 
     name = "resident"
 
-    def __init__(self, layers: dict[int, LayerExperts]):
+    def __init__(self, layers: dict[int, LayerExperts], native: NativeExpertKernel | None = None,
+                 threads: int | None = None):
         self.layers = dict(layers)
+        self.native = native
+        self.threads = threads or torch.get_num_threads()
         self.counters = ExpertStats(tuple(sorted(self.layers)))
         self._used: torch.Tensor | None = None  # fused path: distinct experts used, counted on the device
 
@@ -112,10 +120,28 @@ class ResidentExecutor(ExpertExecutor):
                 self._used = torch.zeros((), dtype=torch.int64, device=hidden.device)
             return fused_moe(hidden, experts.gate, experts.up, experts.down, topk_ids, topk_weights,
                              used_experts=self._used, math=experts.math)
-        work = _work(experts, hidden, topk_ids, topk_weights, layer=layer_idx)
+        if self.native is not None and experts.quant is not None and self.native.reads_stacks(experts):
+            work = self._native_work(layer_idx, experts, hidden, topk_ids, topk_weights)
+        else:
+            work = _work(experts, hidden, topk_ids, topk_weights, layer=layer_idx)
         self.counters.step.needed += len(work.needed)
         self.counters.step.hits += len(work.needed)
         return work.combine()
+
+    def _native_work(self, layer: int, experts: LayerExperts, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                     topk_weights: torch.Tensor) -> LayerWork:
+        """The layer's active experts through the native kernel, in one call."""
+        if is_small_step(hidden.shape[0]):
+            work = LayerWork.from_host_ids(layer, hidden, topk_ids, topk_weights, topk_ids.tolist(),
+                                           experts.num_experts)
+        else:
+            work = LayerWork(layer, hidden, topk_ids, group_by_expert(topk_ids, topk_weights, experts.num_experts))
+        x, w = work.gather_inputs(work.needed)
+        starts = [work.spans[e][0] - work.spans[work.needed[0]][0] for e in work.needed]
+        y = self.native.run_stacks(x, w, experts, work.needed, starts, [work.spans[e][1] for e in work.needed],
+                                   self.threads)
+        work.put(work.needed, y.to(hidden.dtype))
+        return work
 
     def close(self) -> None:
         """Drop the device copies of the experts."""

@@ -11,10 +11,10 @@
  *                                      e8m0 scales; NVFP4: fp8 scales and a row scale), 5 Q8_0, 6 Q4_K, 7 Q5_K,
  *                                      8 Q6_K, 9 kmix (per expert one of 6..8, read from its tag byte)
  * An integer kind's dot product is integer, as ggml's CPU backend does it: the activation is quantized once per call
- * to int8 with a float32 scale per 32 inputs (round to nearest, |q| <= 127), each weight row is decoded into int8
- * values and a float32 scale and offset per 16 inputs (w = v * s + o), and sum(v * q) runs in int32 (AVX2
- * maddubs, AVX-512 VNNI dpbusd). Relative to float32 activations that rounds each input by at most 1/254 of its
- * block's largest magnitude.
+ * to int8 with a float32 scale per 32 inputs (round to nearest, |q| <= 127), each weight row is read 32 inputs at a
+ * time and its codes decoded in a register into int8 values with a float32 scale and offset per 16 inputs
+ * (w = v * s + o), and sum(v * q) runs in int32 (AVX2 maddubs, AVX-512 VNNI dpbusd). Relative to float32 activations
+ * that rounds each input by at most 1/254 of its block's largest magnitude.
  *
  * Instruction sets: isa_kernels.h is compiled for AVX-512 (F/BW/VL/VNNI), AVX2 (+FMA, F16C) and plain C in this one
  * file; the caller picks one per call (ferry_isa_best: the best this CPU runs), so one build serves any x86-64 CPU.
@@ -42,14 +42,10 @@ typedef struct {  /* one projection of an expert row; offsets are bytes from the
     int64_t kind, group, sdtype, has_mins, has_row, off_data, off_scales, off_mins, off_row;
 } qproj;
 
-typedef struct {  /* a decoded weight row: w[k] = v[k] * sx[k / 4] + o[k / 16] (sx: a scale per 16, 4 times) */
-    int8_t *v;
-    float *sx, *o, *f;  /* f: a float row (fp8) */
-} rowbuf;
-
-typedef struct {  /* Q8 activation of M tokens: q [M, K] int8, d [M, K/32] scales, s16 [M, K/16] sums of q * d */
+typedef struct {  /* Q8 activation of M tokens: q [M, K] int8, d [M, K/32] scales, s16 [M, K/16] and s32 [M, K/32]
+                   * sums of q * d */
     int8_t *q;
-    float *d, *s16;
+    float *d, *s16, *s32;
 } qact;
 
 typedef struct {  /* a projection's input: float32 x (row stride ldx) and, for integer kinds, its Q8 form */
@@ -106,20 +102,41 @@ static inline float row_scale(const qproj *q, const uint8_t *base, int64_t r) {
     return rs;
 }
 
-/* ggml's get_scale_min_k4: sub-block j's 6-bit scale and min from the 12 packed bytes s */
-static inline void scale_min_k4(const uint8_t *s, int j, int *sc, int *mn) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *mn = s[j + 4] & 63;
+typedef struct {  /* row r of an integer-kind projection: its kind (a kmix row's own), first byte of its blocks or
+                   * codes, and for the group kinds (1..3) its scales, mins, first group and row scale */
+    int64_t kind;
+    const uint8_t *d, *sc, *mn;
+    int64_t g0;
+    float rs;
+} qrow;
+
+static inline qrow qrow_of(const qproj *q, const uint8_t *base, int64_t r, int64_t K) {
+    qrow w = {q->kind, base + q->off_data, base + q->off_scales, base + q->off_mins, 0, 1.0f};
+    if (q->kind == 9) {  /* kmix: this expert's kind from its tag byte, rows padded to the widest kind */
+        w.kind = base[q->off_scales];
+        w.d += r * (K / 256) * BLOCK_BYTES[q->sdtype];
+    } else if (q->kind >= 5) {
+        w.d += r * (K / q->group) * BLOCK_BYTES[q->kind];
     } else {
-        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
-        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        w.d += r * (q->kind == 1 || q->kind == 3 ? K / 2 : K);
+        w.g0 = r * (K / q->group);
+        w.rs = row_scale(q, base, r) * (q->kind == 3 ? 0.5f : 1.0f);  /* fp4: v holds 2 * e2m1 */
     }
+    return w;
 }
 
-static inline void put_scale(rowbuf *rb, int64_t h, float s, float o) {  /* the 16 inputs h: w = v * s + o */
-    for (int i = 0; i < 4; i++) rb->sx[4 * h + i] = s;
-    rb->o[h] = o;
+/* a group kind's row w (1 int4, 2 int8, 3 fp4): the scale s16[h] and offset o16[h] of its inputs 16h..16h+15 */
+static void group_scales(const qproj *q, const qrow *w, int64_t K, float *s16, float *o16) {
+    const int64_t g = q->group;
+    for (int64_t j = 0; j < K / g; j++) {
+        const float s = load_scale(w->sc, w->g0 + j, q->sdtype) * w->rs;
+        const float m = q->has_mins ? load_scale(w->mn, w->g0 + j, q->sdtype) : 0.0f;
+        const float o = q->kind == 2 && q->has_mins ? 128.0f * s - m : -m;
+        for (int64_t h = 0; h < g / 16; h++) {
+            s16[j * (g / 16) + h] = s;
+            o16[j * (g / 16) + h] = o;
+        }
+    }
 }
 
 /* ---- the row kernels, once per instruction set ---------------------------------------------------------- */
@@ -162,15 +179,15 @@ static inline void put_scale(rowbuf *rb, int64_t h, float s, float o) {  /* the 
 #undef ISA_LEVEL
 
 typedef void (*rows_fn)(const qproj *, const uint8_t *, int64_t, int64_t, int64_t, const act *, int64_t, int64_t,
-                        float *, int64_t, const float *, rowbuf *);
-typedef void (*decode_fn)(const qproj *, const uint8_t *, int64_t, int64_t, rowbuf *);
+                        float *, int64_t, const float *, float *);
+typedef void (*dequant_fn)(const qproj *, const uint8_t *, int64_t, int64_t, float *, float *);
 
 #ifdef FERRY_X86
 static const rows_fn ROWS[3] = {rows_c, rows_avx2, rows_avx512};
-static const decode_fn DECODE[3] = {decode_row_c, decode_row_avx2, decode_row_avx512};
+static const dequant_fn DEQUANT[3] = {dequant_row_c, dequant_row_avx2, dequant_row_avx512};
 #else
 static const rows_fn ROWS[3] = {rows_c, NULL, NULL};
-static const decode_fn DECODE[3] = {decode_row_c, NULL, NULL};
+static const dequant_fn DEQUANT[3] = {dequant_row_c, NULL, NULL};
 #endif
 
 /* The best instruction set this CPU (and its OS) runs: 2 AVX-512 F/BW/VL/VNNI, 1 AVX2 + FMA + F16C, 0 plain C. */
@@ -202,9 +219,11 @@ static int q_ok(const qproj *q, int64_t K) {
 
 static int isa_ok(int isa) { return isa >= 0 && isa <= ferry_isa_best(); }
 
-/* token m's K inputs x -> q (int8, round to nearest), d (a scale per 32: max|x| / 127), s16 (sums of q * d per 16:
- * the offsets see the same quantized x as the codes) */
-static void quantize_token(const float *x, int64_t K, int8_t *q, float *d, float *s16) {
+/* token m's K inputs x -> row m of a (K inputs a row): q (int8, round to nearest), d (a scale per 32: max|x| / 127),
+ * s16 and s32 (sums of q * d per 16 and 32: the offsets see the same quantized x as the codes) */
+static void quantize_token(const float *x, int64_t K, const qact *a, int64_t m) {
+    int8_t *q = a->q + m * K;
+    float *d = a->d + m * (K / 32), *s16 = a->s16 + m * (K / 16), *s32 = a->s32 + m * (K / 32);
     for (int64_t c = 0; c < K / 32; c++) {
         const float *xc = x + 32 * c;
         float amax = 0.0f;
@@ -212,37 +231,16 @@ static void quantize_token(const float *x, int64_t K, int8_t *q, float *d, float
         const float dc = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         d[c] = dc;
         for (int i = 0; i < 32; i++) q[32 * c + i] = (int8_t)lrintf(xc[i] * inv);
-        for (int h = 0; h < 2; h++) {
-            int32_t s = 0;
-            for (int i = 0; i < 16; i++) s += q[32 * c + 16 * h + i];
-            s16[2 * c + h] = (float)s * dc;
-        }
+        int32_t sh[2] = {0, 0};
+        for (int i = 0; i < 32; i++) sh[i / 16] += q[32 * c + i];
+        s16[2 * c] = (float)sh[0] * dc;
+        s16[2 * c + 1] = (float)sh[1] * dc;
+        s32[c] = (float)(sh[0] + sh[1]) * dc;
     }
 }
 
-/* Decode buffers of n threads for rows of up to kmax inputs (one allocation; free rbs[0].f). */
-static rowbuf *rowbufs_alloc(int n, int64_t kmax) {
-    const size_t floats = (size_t)kmax + (size_t)kmax / 4 + (size_t)kmax / 16 + 16;
-    rowbuf *rbs = (rowbuf *)malloc(sizeof(rowbuf) * (size_t)n);
-    char *mem = (char *)malloc((floats * 4 + (size_t)kmax + 64) * (size_t)n);
-    if (!rbs || !mem) {
-        free(rbs);
-        free(mem);
-        return NULL;
-    }
-    for (int i = 0; i < n; i++, mem += floats * 4 + (size_t)kmax + 64) {
-        rbs[i].f = (float *)mem;
-        rbs[i].sx = rbs[i].f + kmax;
-        rbs[i].o = rbs[i].sx + kmax / 4 + 8;
-        rbs[i].v = (int8_t *)(rbs[i].o + kmax / 16 + 8);
-    }
-    return rbs;
-}
-
-static void rowbufs_free(rowbuf *rbs) {
-    if (rbs) free(rbs[0].f);
-    free(rbs);
-}
+/* float scratch rows of n threads, kmax floats each (thread i's at i * kmax) */
+static float *rowbufs_alloc(int n, int64_t kmax) { return (float *)malloc(sizeof(float) * (size_t)(kmax * n)); }
 
 typedef struct {  /* the call's activation buffers */
     qact x, a;
@@ -250,14 +248,16 @@ typedef struct {  /* the call's activation buffers */
 } actmem;
 
 static int actmem_init(actmem *m, int64_t M, int64_t H, int64_t I) {
-    const int64_t nf = M * (H / 32 + H / 16 + I / 32 + I / 16);
+    const int64_t nf = M * (2 * (H / 32) + H / 16 + 2 * (I / 32) + I / 16);
     m->mem = malloc((size_t)nf * 4 + (size_t)M * (H + I) + 64);
     if (!m->mem) return -1;
     float *f = (float *)m->mem;
     m->x.d = f; f += M * (H / 32);
     m->x.s16 = f; f += M * (H / 16);
+    m->x.s32 = f; f += M * (H / 32);
     m->a.d = f; f += M * (I / 32);
     m->a.s16 = f; f += M * (I / 16);
+    m->a.s32 = f; f += M * (I / 32);
     m->x.q = (int8_t *)f;
     m->a.q = m->x.q + M * H;
     return 0;
@@ -275,26 +275,34 @@ static int64_t span_end(int k, const int64_t *starts, const int64_t *counts) {
 }
 
 /* One projection of every expert: rows [0, N) of q (K inputs) for expert e's tokens of `a`, into y (stride ldy),
- * times w (per token) when w != NULL. Runs inside the caller's parallel region. */
-static void experts_proj(rows_fn rows, const qproj *q, int k, const void *const *erows, const int64_t *starts,
-                         const int64_t *counts, int64_t N, int64_t K, const act *a, float *y, int64_t ldy,
-                         const float *w, rowbuf *rb) {
+ * times w (per token) when w != NULL; rows below `split` from base lo, the others from base hi (the bases: three
+ * per expert, gate|up below I, gate|up from I, down). Runs inside the caller's parallel region. */
+static void experts_proj(rows_fn rows, const qproj *q, int k, const void *const *bases, int lo, int hi, int64_t split,
+                         const int64_t *starts, const int64_t *counts, int64_t N, int64_t K, const act *a, float *y,
+                         int64_t ldy, const float *w, float *rb) {
     const int64_t nb = (N + BLOCK_ROWS - 1) / BLOCK_ROWS;
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < (int64_t)k * nb; task++) {
         const int e = (int)(task / nb);
         const int64_t r0 = (task % nb) * BLOCK_ROWS, r1 = r0 + BLOCK_ROWS < N ? r0 + BLOCK_ROWS : N;
-        if (counts[e] > 0)
-            rows(q, (const uint8_t *)erows[e], r0, r1, K, a, starts[e], counts[e], y + starts[e] * ldy, ldy,
-                 w ? w + starts[e] : NULL, rb);
+        if (counts[e] <= 0) continue;
+        float *ye = y + starts[e] * ldy;
+        const float *we = w ? w + starts[e] : NULL;
+        if (r0 < split)
+            rows(q, (const uint8_t *)bases[3 * e + lo], r0, r1 < split ? r1 : split, K, a, starts[e], counts[e], ye,
+                 ldy, we, rb);
+        if (r1 > split)
+            rows(q, (const uint8_t *)bases[3 * e + hi], r0 > split ? r0 : split, r1, K, a, starts[e], counts[e], ye,
+                 ldy, we, rb);
     }
 }
 
 /* A layer's experts (see the header).
  *   qp[0]: gate|up ([2I, H] rows), qp[1]: down ([H, I]); isa: 0..2 (ferry_isa_best or lower)
- *   k experts; rows[e]: expert e's row; starts/counts: its tokens (rows of x within M = max(start + count))
+ *   k experts; bases[3e .. 3e + 2]: expert e's gate|up rows below I, from I, and down (the qproj offsets are
+ *   from these; a bank row is all three); starts/counts: its tokens (rows of x within M = max(start + count))
  *   x [M, H], w [M], scratch [M, 2I], out [M, H]: float32, contiguous; rows no expert owns are left as they are */
-int ferry_experts(const qproj *qp, int isa, int nthreads, int k, const void *const *rows, const int64_t *starts,
+int ferry_experts(const qproj *qp, int isa, int nthreads, int k, const void *const *bases, const int64_t *starts,
                   const int64_t *counts, int64_t H, int64_t I, const float *x, const float *w, float *scratch,
                   float *out) {
     if (k <= 0 || H <= 0 || I <= 0 || nthreads < 1 || !q_ok(&qp[0], H) || !q_ok(&qp[1], I)) return -1;
@@ -304,28 +312,28 @@ int ferry_experts(const qproj *qp, int isa, int nthreads, int k, const void *con
     const int64_t M = span_end(k, starts, counts), kmax = H > I ? H : I;
     const int qx = kind_family(qp[0].kind) == FAM_INT, qa = kind_family(qp[1].kind) == FAM_INT;
     actmem am;
-    rowbuf *rbs = rowbufs_alloc(nthreads, kmax);
+    float *rbs = rowbufs_alloc(nthreads, kmax);
     if (!rbs || actmem_init(&am, M, qx ? H : 0, qa ? I : 0)) {
-        rowbufs_free(rbs);
+        free(rbs);
         return -3;
     }
     act ax = {x, H, am.x}, aa = {scratch, 2 * I, am.a};
 #pragma omp parallel num_threads(nthreads)
     {
-        rowbuf *rb = &rbs[omp_get_thread_num()];
+        float *rb = rbs + omp_get_thread_num() * kmax;
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
-            if (qx) quantize_token(x + m * H, H, am.x.q + m * H, am.x.d + m * (H / 32), am.x.s16 + m * (H / 16));
-        experts_proj(rows_isa, &qp[0], k, rows, starts, counts, 2 * I, H, &ax, scratch, 2 * I, NULL, rb);
+            if (qx) quantize_token(x + m * H, H, &am.x, m);
+        experts_proj(rows_isa, &qp[0], k, bases, 0, 1, I, starts, counts, 2 * I, H, &ax, scratch, 2 * I, NULL, rb);
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) {  /* a = silu(g) * u in place over g, then its Q8 form */
             float *g = scratch + m * 2 * I;
             for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * g[I + i];
-            if (qa) quantize_token(g, I, am.a.q + m * I, am.a.d + m * (I / 32), am.a.s16 + m * (I / 16));
+            if (qa) quantize_token(g, I, &am.a, m);
         }
-        experts_proj(rows_isa, &qp[1], k, rows, starts, counts, H, I, &aa, out, H, w, rb);
+        experts_proj(rows_isa, &qp[1], k, bases, 2, 2, H, starts, counts, H, I, &aa, out, H, w, rb);
     }
-    rowbufs_free(rbs);
+    free(rbs);
     free(am.mem);
     return 0;
 }
@@ -339,21 +347,23 @@ int ferry_matvec(const qproj *q, int isa, int nthreads, const void *base, int64_
     init_tables();
     const int qx = kind_family(q->kind) == FAM_INT;
     actmem am;
-    rowbuf *rbs = rowbufs_alloc(nthreads, K);
+    float *rbs = rowbufs_alloc(nthreads, K);
     if (!rbs || actmem_init(&am, M, qx ? K : 0, 0)) {
-        rowbufs_free(rbs);
+        free(rbs);
         return -3;
     }
     act ax = {x, K, am.x};
     const int64_t starts[1] = {0}, counts[1] = {M};
+    const void *const bases[3] = {base, base, base};
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
-            if (qx) quantize_token(x + m * K, K, am.x.q + m * K, am.x.d + m * (K / 32), am.x.s16 + m * (K / 16));
-        experts_proj(ROWS[isa], q, 1, &base, starts, counts, N, K, &ax, y, N, NULL, &rbs[omp_get_thread_num()]);
+            if (qx) quantize_token(x + m * K, K, &am.x, m);
+        experts_proj(ROWS[isa], q, 1, bases, 0, 0, N, starts, counts, N, K, &ax, y, N, NULL,
+                     rbs + omp_get_thread_num() * K);
     }
-    rowbufs_free(rbs);
+    free(rbs);
     free(am.mem);
     return 0;
 }
@@ -362,10 +372,11 @@ int ferry_matvec(const qproj *q, int isa, int nthreads, const void *base, int64_
  * kinds see it is q * d). */
 int ferry_quantize_act(const float *x, int64_t M, int64_t K, int8_t *q, float *d) {
     if (M <= 0 || K <= 0 || K % 32) return -1;
-    float *s16 = (float *)malloc(sizeof(float) * (size_t)(K / 16));
-    if (!s16) return -3;
-    for (int64_t m = 0; m < M; m++) quantize_token(x + m * K, K, q + m * K, d + m * (K / 32), s16);
-    free(s16);
+    float *sums = (float *)malloc(sizeof(float) * (size_t)(M * (K / 16 + K / 32)));
+    if (!sums) return -3;
+    const qact a = {q, d, sums, sums + M * (K / 16)};
+    for (int64_t m = 0; m < M; m++) quantize_token(x + m * K, K, &a, m);
+    free(sums);
     return 0;
 }
 
@@ -375,15 +386,9 @@ int ferry_dequant(const qproj *q, int isa, const void *base, int64_t N, int64_t 
     if (N <= 0 || !q_ok(q, K) || kind_family(q->kind) != FAM_INT) return -1;
     if (!isa_ok(isa)) return -2;
     init_tables();
-    rowbuf *rb = rowbufs_alloc(1, K);
-    if (!rb) return -3;
-    for (int64_t r = 0; r < N; r++) {
-        DECODE[isa](q, (const uint8_t *)base, r, K, rb);
-        for (int64_t i = 0; i < K; i++) {
-            volatile float p = (float)rb->v[i] * rb->sx[i / 4];
-            out[r * K + i] = p + rb->o[i / 16];
-        }
-    }
-    rowbufs_free(rb);
+    float *tab = (float *)malloc(sizeof(float) * (size_t)(K / 8));
+    if (!tab) return -3;
+    for (int64_t r = 0; r < N; r++) DEQUANT[isa](q, (const uint8_t *)base, r, K, tab, out + r * K);
+    free(tab);
     return 0;
 }

@@ -3,11 +3,12 @@
  *   ISA_LEVEL  2: AVX-512 F/BW/VL/VNNI, 1: AVX2 + FMA + F16C, 0: plain C
  * and compiles the include under that target (so -O3 auto-vectorizes the plain loops for it too).
  *
- * Integer kinds (int4, int8, fp4, Q8_0, Q4_K, Q5_K, Q6_K): a weight row is decoded into a rowbuf (int8 values v,
- * a float32 scale and offset per 16 inputs: w = v * s + o), then dotted with every token's Q8 activation (int8
- * codes, a float32 scale per 32 inputs, float32 sums per 16): sum_16 (v * xq) in int32, times s * dx, plus
- * o * sum_16(x). Float kinds (bf16, f32, fp8): float32 activations; fp8 rows decoded to float32 first.
- */
+ * Integer kinds (int4, int8, fp4, Q8_0, Q4_K, Q5_K, Q6_K): a weight row is read 32 inputs (a chunk) at a time, its
+ * codes decoded into a register (int8 v, w = v * s + o with a float32 scale and offset per 16 inputs) and dotted
+ * there with each of up to TB tokens' Q8 activations (int8 codes, a float32 scale per 32 inputs, float32 sums per 16
+ * and 32): sum_32 (v * xq) in int32, times s * dx, plus o * sum(x). A K-quant block's scales are decoded once per
+ * block, a group kind's once per row. Float kinds (bf16, f32, fp8): float32 activations; fp8 rows decoded to float32
+ * first. */
 
 /* ---- primitives ---------------------------------------------------------------------------------------- */
 #if ISA_LEVEL >= 1
@@ -79,55 +80,18 @@ DEF_FDOT(SFX(fdot_bf16), uint16_t, bf16_to_f32, VLOAD_BF16)
 DEF_FDOT(SFX(fdot_f32), float, F32_ID, VLOAD)
 #undef DEF_FDOT
 
-/* res[t] = decoded row rb . token (m0 + t)'s Q8 activation without the offsets, t < NT; inlined per constant NT
- * so the accumulators stay in registers */
-static inline __attribute__((always_inline)) void SFX(idot_nt)(const rowbuf *rb, int64_t K, const qact *a,
-                                                                  int64_t m0, const int NT, float *res) {
-    const int64_t nc = K / 32;
+/* ---- integer kinds: a weight row read 32 inputs (one chunk) at a time, its codes decoded in registers ------ */
+/* Per level: cod (a chunk's 32 int8 codes), sv (its two 16-input halves' scales), acc (a float accumulator). */
 #if ISA_LEVEL >= 1
-    __m256 acc[TB];
-    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < nc; c++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(rb->v + 32 * c)), av = _mm256_abs_epi8(v);
-        const __m256 sw = _mm256_loadu_ps(rb->sx + 8 * c);  /* lanes 0-3: the first 16 inputs' scale */
-        for (int t = 0; t < NT; t++) {
-            const int64_t m = m0 + t;
-            const __m256i xq = _mm256_loadu_si256((const __m256i *)(a->q + m * K + 32 * c));
-            const __m256i p = SFX(dot4)(av, _mm256_sign_epi8(xq, v));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sw, _mm256_set1_ps(a->d[m * nc + c])),
-                                     acc[t]);
-        }
-    }
-    for (int t = 0; t < NT; t++) res[t] = SFX(hsum8)(acc[t]);
-#else
-    for (int t = 0; t < NT; t++) {
-        const int64_t m = m0 + t;
-        float s = 0.0f;
-        for (int64_t h = 0; h < 2 * nc; h++) {
-            int32_t acc = 0;
-            for (int i = 0; i < 16; i++) acc += (int32_t)rb->v[16 * h + i] * a->q[m * K + 16 * h + i];
-            s += (float)acc * (rb->sx[4 * h] * a->d[m * nc + h / 2]);
-        }
-        res[t] = s;
-    }
-#endif
-}
+typedef __m256i SFX(cod);
+typedef __m256 SFX(sv);
+typedef __m256 SFX(acc);
+#define SV_ONE(p) _mm256_broadcast_ss(p)  /* both halves *p */
+#define SV_TWO(p) _mm256_set_m128(_mm_broadcast_ss((p) + 1), _mm_broadcast_ss(p))  /* halves p[0], p[1] */
+#define ACC_ZERO() _mm256_setzero_ps()
+#define ACC_SUM(a, b) SFX(hsum8)(_mm256_add_ps(a, b))
+static inline float SFX(f16)(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
 
-/* res[t] = decoded row rb . token (m0 + t)'s Q8 activation, t < nt (<= TB); K a multiple of 32 */
-static void SFX(idot)(const rowbuf *rb, int64_t K, const qact *a, int64_t m0, int nt, float *res) {
-    switch (nt) {
-    case 1: SFX(idot_nt)(rb, K, a, m0, 1, res); break;
-    case 2: SFX(idot_nt)(rb, K, a, m0, 2, res); break;
-    case 3: SFX(idot_nt)(rb, K, a, m0, 3, res); break;
-    default: SFX(idot_nt)(rb, K, a, m0, 4, res); break;
-    }
-    float off[TB];
-    SFX(fdot_f32)(rb->o, a->s16 + m0 * (K / 16), K / 16, nt, K / 16, off);
-    for (int t = 0; t < nt; t++) res[t] += off[t];
-}
-
-/* ---- decoders: one weight row -> rowbuf (integer kinds) or float32 (fp8) --------------------------------- */
-#if ISA_LEVEL >= 1
 /* 16 bytes of packed nibbles -> 32 bytes, element 2i the low nibble of byte i */
 static inline __m256i SFX(nibbles32)(const uint8_t *p) {
     const __m128i b = _mm_loadu_si128((const __m128i *)p), m4 = _mm_set1_epi8(15);
@@ -139,111 +103,262 @@ static inline __m256i SFX(nibbles32)(const uint8_t *p) {
 static inline __m256i SFX(bits32)(const uint8_t *p, int shift, int mask) {
     return _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)p), shift), _mm256_set1_epi8(mask));
 }
-#endif
 
-static void SFX(decode_q8_0)(const uint8_t *d, int64_t K, rowbuf *rb) {
-    for (int64_t b = 0; b < K / 32; b++, d += 34) {
-        const float s = f16_at(d);
-        memcpy(rb->v + 32 * b, d + 2, 32);
-        put_scale(rb, 2 * b, s, 0.0f);
-        put_scale(rb, 2 * b + 1, s, 0.0f);
+/* acc[2 t + P] += (v . token (m0 + t)'s codes of chunk c, in int32 per 4 inputs) * sv * dx, t < NT (two accumulators
+ * a token, P alternating with the chunks, halve the chain of dependent adds); U: v is unsigned (< 128) */
+static inline __attribute__((always_inline)) void SFX(qstep)(__m256i v, __m256 sv, const qact *a, int64_t K,
+                                                               int64_t m0, int64_t c, const int NT, const int U,
+                                                               const int P, __m256 *acc) {
+    const __m256i av = U ? v : _mm256_abs_epi8(v);
+    for (int t = 0; t < NT; t++) {
+        const int64_t m = m0 + t;
+        const __m256i xq = _mm256_loadu_si256((const __m256i *)(a->q + m * K + 32 * c));
+        const __m256i p = SFX(dot4)(av, U ? xq : _mm256_sign_epi8(xq, v));
+        acc[2 * t + P] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sv, _mm256_set1_ps(a->d[m * (K / 32) + c])),
+                                         acc[2 * t + P]);
     }
 }
-
-/* Q4_K (kind 6) or Q5_K (kind 7): 8 sub-blocks of 32, w = d * sc * q - dmin * mn */
-static void SFX(decode_q45_k)(int64_t kind, const uint8_t *d, int64_t K, rowbuf *rb) {
-    const int64_t bb = kind == 6 ? 144 : 176;
-    for (int64_t b = 0; b < K / 256; b++, d += bb) {
-        const float dd = f16_at(d), dmin = f16_at(d + 2);
-        const uint8_t *qs = d + (kind == 6 ? 16 : 48), *qh = d + 16;
-        int8_t *v = rb->v + 256 * b;
-        for (int j = 0; j < 8; j++) {
-            int sc, mn;
-            scale_min_k4(d + 4, j, &sc, &mn);
-            put_scale(rb, 16 * b + 2 * j, dd * (float)sc, -(dmin * (float)mn));
-            put_scale(rb, 16 * b + 2 * j + 1, dd * (float)sc, -(dmin * (float)mn));
-            const uint8_t *c = qs + 32 * (j >> 1);
-            const int shift = 4 * (j & 1);
-#if ISA_LEVEL >= 1
-            __m256i q = SFX(bits32)(c, shift, 15);
-            if (kind == 7) q = _mm256_or_si256(q, _mm256_slli_epi16(SFX(bits32)(qh, j, 1), 4));
-            _mm256_storeu_si256((__m256i *)(v + 32 * j), q);
+#define CODES_STORE(v8, cod) _mm256_storeu_si256((__m256i *)(v8), cod)
+#define OFF8(acc, o, x) ((acc) = _mm256_fmadd_ps(_mm256_load_ps(o), _mm256_loadu_ps(x), acc))  /* acc += o[0:8] x[0:8] */
 #else
-            for (int l = 0; l < 32; l++) v[32 * j + l] = (int8_t)((c[l] >> shift) & 15);
-            if (kind == 7)
-                for (int l = 0; l < 32; l++) v[32 * j + l] |= (int8_t)(((qh[l] >> j) & 1) << 4);
-#endif
+typedef struct { int8_t v[32]; } SFX(cod);
+typedef struct { float s[2]; } SFX(sv);
+typedef float SFX(acc);
+static inline SFX(sv) SFX(sv_of)(float s0, float s1) { SFX(sv) r = {{s0, s1}}; return r; }
+#define SV_ONE(p) SFX(sv_of)(*(p), *(p))
+#define SV_TWO(p) SFX(sv_of)((p)[0], (p)[1])
+#define ACC_ZERO() 0.0f
+#define ACC_SUM(a, b) ((a) + (b))
+
+static inline void SFX(qstep)(SFX(cod) v, SFX(sv) sv, const qact *a, int64_t K, int64_t m0, int64_t c, const int NT,
+                              const int U, const int P, float *acc) {
+    (void)U;
+    for (int t = 0; t < NT; t++) {
+        const int64_t m = m0 + t;
+        for (int h = 0; h < 2; h++) {
+            int32_t s = 0;
+            for (int i = 0; i < 16; i++) s += (int32_t)v.v[16 * h + i] * a->q[m * K + 32 * c + 16 * h + i];
+            acc[2 * t + P] += (float)s * (sv.s[h] * a->d[m * (K / 32) + c]);
         }
     }
 }
-
-/* Q6_K: 32-input chunk c: low 4 bits from ql, high 2 from qh, minus 32; an int8 scale per 16 times d */
-static void SFX(decode_q6_k)(const uint8_t *d, int64_t K, rowbuf *rb) {
-    for (int64_t b = 0; b < K / 256; b++, d += 210) {
-        const float dd = f16_at(d + 208);
-        int8_t *v = rb->v + 256 * b;
-        for (int c = 0; c < 8; c++) {
-            const int h = c >> 2, q = c & 3;
-            const uint8_t *ql = d + 64 * h + 32 * (q & 1), *qh = d + 128 + 32 * h;
-#if ISA_LEVEL >= 1
-            const __m256i lo = SFX(bits32)(ql, 4 * (q >> 1), 15), hi = SFX(bits32)(qh, 2 * q, 3);
-            _mm256_storeu_si256((__m256i *)(v + 32 * c), _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)),
-                                                                         _mm256_set1_epi8(32)));
-#else
-            for (int l = 0; l < 32; l++)
-                v[32 * c + l] = (int8_t)((((ql[l] >> (4 * (q >> 1))) & 15) | (((qh[l] >> (2 * q)) & 3) << 4)) - 32);
+#define CODES_STORE(v8, cod) memcpy(v8, (cod).v, 32)
+#define OFF8(acc, o, x) for (int j_ = 0; j_ < 8; j_++) (acc) += (o)[j_] * (x)[j_]
 #endif
-        }
-        for (int s = 0; s < 16; s++) put_scale(rb, 16 * b + s, dd * (float)(int8_t)d[192 + s], 0.0f);
-    }
-}
+#if ISA_LEVEL >= 1
+#define F16(p) SFX(f16)(p)
+#else
+#define F16(p) f16_at(p)
+#endif
 
-/* int4 / fp4 (two codes a byte) and int8 rows with a scale (and min) per group of q->group inputs */
-static void SFX(decode_group)(const qproj *q, const uint8_t *base, int64_t r, int64_t K, rowbuf *rb) {
-    const int64_t g = q->group, G = K / g, four = q->kind == 1 || q->kind == 3;
-    const uint8_t *d = base + q->off_data + r * (four ? K / 2 : K);
-    const float rs = row_scale(q, base, r) * (q->kind == 3 ? 0.5f : 1.0f);  /* fp4: v holds 2 * e2m1 */
-    for (int64_t j = 0; j < G; j++) {
-        const float s = load_scale(base + q->off_scales, r * G + j, q->sdtype) * rs;
-        const float m = q->has_mins ? load_scale(base + q->off_mins, r * G + j, q->sdtype) : 0.0f;
-        const float o = q->kind == 2 && q->has_mins ? 128.0f * s - m : -m;
-        for (int64_t h = 0; h < g / 16; h++) put_scale(rb, (j * g) / 16 + h, s, o);
-    }
-    int8_t *v = rb->v;
-    if (q->kind == 2) {
-        for (int64_t i = 0; i < K; i++) v[i] = (int8_t)(d[i] ^ 0x80);  /* u - 128 */
+/* K-quant block b (Q4_K 6, Q5_K 7, Q6_K 8; ggml's layouts): Q4_K / Q5_K, w = d * sc * q - dmin * mn with a 6-bit
+ * sc and mn per 32 inputs packed in 12 bytes: ss[j] = d * sc_j and so[j] = -(dmin * mn_j), j < 8; Q6_K, d times an
+ * int8 scale per 16 inputs: ss[i], i < 16 (so untouched). */
+static inline __attribute__((always_inline)) void SFX(kq_scales)(const uint8_t *b, const int KIND, float *ss,
+                                                                   float *so) {
+    if (KIND == 8) {
+        const float dd = F16(b + 208);
+#if ISA_LEVEL >= 1
+        for (int h = 0; h < 2; h++)
+            _mm256_store_ps(ss + 8 * h, _mm256_mul_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                            _mm_loadl_epi64((const __m128i *)(b + 192 + 8 * h))))));
+#else
+        for (int i = 0; i < 16; i++) ss[i] = dd * (float)(int8_t)b[192 + i];
+#endif
         return;
     }
+    uint32_t u[3], p[4];  /* sub-blocks 0-3 from the low 6 bits of bytes 0-7; 4-7 from bytes 8-11 and the top bits */
+    memcpy(u, b + 4, 12);
+    p[0] = u[0] & 0x3f3f3f3fu;
+    p[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    p[2] = u[1] & 0x3f3f3f3fu;
+    p[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    const float dd = F16(b), dmin = F16(b + 2);
 #if ISA_LEVEL >= 1
-    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)E2M1_X2));
-    const __m256i z = _mm256_set1_epi8(q->has_mins ? 0 : 8);
-    for (int64_t i = 0; i < K; i += 32) {
-        const __m256i u = SFX(nibbles32)(d + i / 2);
-        _mm256_storeu_si256((__m256i *)(v + i), q->kind == 3 ? _mm256_shuffle_epi8(lut, u) : _mm256_sub_epi8(u, z));
+    const __m128i sm = _mm_loadu_si128((const __m128i *)p);  /* sc[0..7], mn[0..7] */
+    _mm256_store_ps(ss, _mm256_mul_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))));
+    _mm256_store_ps(so, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(
+                                          _mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))))));
+#else
+    uint8_t sm[16];
+    memcpy(sm, p, 16);
+    for (int j = 0; j < 8; j++) {
+        ss[j] = dd * (float)sm[j];
+        so[j] = -(dmin * (float)sm[8 + j]);
+    }
+#endif
+}
+
+/* the codes of chunk j (inputs 32j..32j+31) of K-quant block b: Q4_K / Q5_K unsigned, Q6_K minus 32 */
+static inline __attribute__((always_inline)) SFX(cod) SFX(kq_codes)(const uint8_t *b, const int KIND, int j) {
+    SFX(cod) v;
+    if (KIND == 8) {
+        const int h = j >> 2, q = j & 3;
+        const uint8_t *ql = b + 64 * h + 32 * (q & 1), *qh = b + 128 + 32 * h;
+#if ISA_LEVEL >= 1
+        const __m256i lo = SFX(bits32)(ql, 4 * (q >> 1), 15), hi = SFX(bits32)(qh, 2 * q, 3);
+        v = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+#else
+        for (int l = 0; l < 32; l++)
+            v.v[l] = (int8_t)((((ql[l] >> (4 * (q >> 1))) & 15) | (((qh[l] >> (2 * q)) & 3) << 4)) - 32);
+#endif
+        return v;
+    }
+    const uint8_t *cq = b + (KIND == 6 ? 16 : 48) + 32 * (j >> 1);
+    const int shift = 4 * (j & 1);
+#if ISA_LEVEL >= 1
+    v = SFX(bits32)(cq, shift, 15);
+    if (KIND == 7) v = _mm256_or_si256(v, _mm256_slli_epi16(SFX(bits32)(b + 16, j, 1), 4));
+#else
+    for (int l = 0; l < 32; l++)
+        v.v[l] = (int8_t)(((cq[l] >> shift) & 15) | (KIND == 7 ? ((b[16 + l] >> j) & 1) << 4 : 0));
+#endif
+    return v;
+}
+
+/* Q8_0 block c's 32 int8 codes (its f16 scale is at b) */
+static inline SFX(cod) SFX(q8_0_codes)(const uint8_t *b) {
+#if ISA_LEVEL >= 1
+    return _mm256_loadu_si256((const __m256i *)(b + 2));
+#else
+    SFX(cod) v;
+    memcpy(v.v, b + 2, 32);
+    return v;
+#endif
+}
+
+/* chunk c of a group kind (1 int4, 2 int8, 3 fp4; two 4-bit codes a byte for int4 / fp4) */
+static inline __attribute__((always_inline)) SFX(cod) SFX(group_codes)(const qproj *q, const qrow *w, const int KIND,
+                                                                        int64_t c) {
+    SFX(cod) v;
+#if ISA_LEVEL >= 1
+    if (KIND == 2) {  /* u - 128 */
+        v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w->d + 32 * c)), _mm256_set1_epi8((char)0x80));
+    } else {
+        const __m256i u = SFX(nibbles32)(w->d + 16 * c);
+        v = KIND == 3 ? _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)E2M1_X2)), u)
+                      : _mm256_sub_epi8(u, _mm256_set1_epi8(q->has_mins ? 0 : 8));
     }
 #else
     const int8_t z = q->has_mins ? 0 : 8;
-    for (int64_t i = 0; i < K / 2; i++) {
-        v[2 * i] = q->kind == 3 ? E2M1_X2[d[i] & 15] : (int8_t)((d[i] & 15) - z);
-        v[2 * i + 1] = q->kind == 3 ? E2M1_X2[d[i] >> 4] : (int8_t)((d[i] >> 4) - z);
+    for (int i = 0; i < 32; i++) {
+        if (KIND == 2) {
+            v.v[i] = (int8_t)(w->d[32 * c + i] ^ 0x80);
+            continue;
+        }
+        const int u = (w->d[16 * c + i / 2] >> (4 * (i & 1))) & 15;
+        v.v[i] = KIND == 3 ? E2M1_X2[u] : (int8_t)(u - z);
     }
 #endif
+    return v;
 }
 
-static void SFX(decode_row)(const qproj *q, const uint8_t *base, int64_t r, int64_t K, rowbuf *rb) {
-    int64_t kind = q->kind;
-    const uint8_t *d = base + q->off_data;
-    if (kind == 9) {  /* kmix: this expert's kind from its tag byte, rows padded to the widest kind */
-        kind = base[q->off_scales];
-        d += r * (K / 256) * BLOCK_BYTES[q->sdtype];
-    } else if (kind >= 5) {
-        d += r * (K / q->group) * BLOCK_BYTES[kind];
+/* res[t] = integer-kind row w . token (m0 + t)'s Q8 activation, t < NT; KIND a constant (1..3 group kinds, 5 Q8_0,
+ * 6..8 K-quants) so each caller is specialised. Each chunk's codes are decoded once for the NT tokens and dotted in
+ * int32 (sum v * xq per 4 inputs), times s * dx in float32; the offsets o add o * (sum of x) per 16 or 32 inputs.
+ * Scales: a K-quant block's once per block; a group kind's row once into tab (K / 8 floats: per 16 inputs s, then o). */
+static inline __attribute__((always_inline)) void SFX(qdot_nt)(const qproj *q, const qrow *w, const int KIND,
+                                                                 int64_t K, const qact *a, int64_t m0, const int NT,
+                                                                 float *tab, float *res) {
+    const int64_t nc = K / 32;
+    float ss[16] __attribute__((aligned(32))), so[8] __attribute__((aligned(32))), off[TB] = {0, 0, 0, 0};
+    SFX(acc) acc[2 * TB];
+    for (int t = 0; t < 2 * NT; t++) acc[t] = ACC_ZERO();
+    if (KIND >= 6) {
+        for (int64_t c0 = 0; c0 < nc; c0 += 8) {
+            const uint8_t *b = w->d + BLOCK_BYTES[KIND] * (c0 >> 3);
+            SFX(kq_scales)(b, KIND, ss, so);
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++)
+                SFX(qstep)(SFX(kq_codes)(b, KIND, j), KIND == 8 ? SV_TWO(ss + 2 * j) : SV_ONE(ss + j), a, K, m0,
+                           c0 + j, NT, KIND != 8, j & 1, acc);
+            for (int t = 0; KIND != 8 && t < NT; t++)  /* the block's offsets times its sums of x per 32 */
+                OFF8(acc[2 * t], so, a->s32 + (m0 + t) * nc + c0);
+        }
+    } else if (KIND == 5) {
+        for (int64_t c = 0; c < nc; c++) {  /* even and odd chunks in the two accumulators */
+            const uint8_t *b = w->d + 34 * c;
+            const float s = F16(b);
+            SFX(qstep)(SFX(q8_0_codes)(b), SV_ONE(&s), a, K, m0, c, NT, 0, 0, acc);
+            if (++c == nc) break;
+            const float s1 = F16(b + 34);
+            SFX(qstep)(SFX(q8_0_codes)(b + 34), SV_ONE(&s1), a, K, m0, c, NT, 0, 1, acc);
+        }
+    } else {
+        group_scales(q, w, K, tab, tab + K / 16);
+        for (int64_t c = 0; c < nc; c++) {
+            SFX(qstep)(SFX(group_codes)(q, w, KIND, c), SV_TWO(tab + 2 * c), a, K, m0, c, NT, 0, 0, acc);
+            if (++c == nc) break;
+            SFX(qstep)(SFX(group_codes)(q, w, KIND, c), SV_TWO(tab + 2 * c), a, K, m0, c, NT, 0, 1, acc);
+        }
+        if (q->has_mins) SFX(fdot_f32)(tab + K / 16, a->s16 + m0 * (K / 16), K / 16, NT, K / 16, off);
     }
-    if (kind == 5) SFX(decode_q8_0)(d, K, rb);
-    else if (kind == 6 || kind == 7) SFX(decode_q45_k)(kind, d, K, rb);
-    else if (kind == 8) SFX(decode_q6_k)(d, K, rb);
-    else SFX(decode_group)(q, base, r, K, rb);
+    for (int t = 0; t < NT; t++) res[t] = ACC_SUM(acc[2 * t], acc[2 * t + 1]) + off[t];
 }
+
+#define QDOT_CASES(KIND)                                                                                      \
+    case 8 * KIND + 1: SFX(qdot_nt)(q, &w, KIND, K, a, m0, 1, tab, res); break;                                \
+    case 8 * KIND + 2: SFX(qdot_nt)(q, &w, KIND, K, a, m0, 2, tab, res); break;                                \
+    case 8 * KIND + 3: SFX(qdot_nt)(q, &w, KIND, K, a, m0, 3, tab, res); break;                                \
+    case 8 * KIND + 4: SFX(qdot_nt)(q, &w, KIND, K, a, m0, 4, tab, res); break;
+
+/* res[t] = integer-kind row r . token (m0 + t)'s Q8 activation, t < nt (<= TB); K a multiple of 32; tab: K / 8 floats
+ * of scratch */
+static void SFX(qdot)(const qproj *q, const uint8_t *base, int64_t r, int64_t K, const qact *a, int64_t m0, int nt,
+                      float *tab, float *res) {
+    const qrow w = qrow_of(q, base, r, K);
+    switch (8 * w.kind + nt) {
+        QDOT_CASES(1) QDOT_CASES(2) QDOT_CASES(3) QDOT_CASES(5) QDOT_CASES(6) QDOT_CASES(7) QDOT_CASES(8)
+    default: break;
+    }
+}
+#undef QDOT_CASES
+
+/* out[0:K] = row r decoded as the dot products read it, w = v * s + o in float32 (two roundings, no fma); tab: K / 8
+ * floats of scratch */
+static void SFX(dequant_row)(const qproj *q, const uint8_t *base, int64_t r, int64_t K, float *tab, float *out) {
+    const qrow w = qrow_of(q, base, r, K);
+    const int64_t kind = w.kind;
+    float ss[16] __attribute__((aligned(32))), so[8] __attribute__((aligned(32)));
+    if (kind <= 3) group_scales(q, &w, K, tab, tab + K / 16);
+    for (int64_t c = 0; c < K / 32; c++) {
+        const int j = (int)(c & 7);
+        const uint8_t *b = w.d + (kind >= 6 ? BLOCK_BYTES[kind] * (c >> 3) : 34 * c);
+        if (kind >= 6 && j == 0) SFX(kq_scales)(b, (int)kind, ss, so);
+        SFX(cod) cv;
+        float s[2], o[2] = {0.0f, 0.0f};
+        if (kind >= 6) {
+            cv = kind == 6 ? SFX(kq_codes)(b, 6, j) : kind == 7 ? SFX(kq_codes)(b, 7, j) : SFX(kq_codes)(b, 8, j);
+            for (int i = 0; i < 2; i++) {
+                s[i] = kind == 8 ? ss[2 * j + i] : ss[j];
+                o[i] = kind == 8 ? 0.0f : so[j];
+            }
+        } else if (kind == 5) {
+            cv = SFX(q8_0_codes)(b);
+            s[0] = s[1] = F16(b);
+        } else {
+            cv = kind == 1 ? SFX(group_codes)(q, &w, 1, c) : kind == 2 ? SFX(group_codes)(q, &w, 2, c)
+                                                                       : SFX(group_codes)(q, &w, 3, c);
+            for (int i = 0; i < 2; i++) {
+                s[i] = tab[2 * c + i];
+                o[i] = tab[K / 16 + 2 * c + i];
+            }
+        }
+        int8_t v[32];
+        CODES_STORE(v, cv);
+        for (int i = 0; i < 32; i++) {
+            volatile float p = (float)v[i] * s[i / 16];
+            out[32 * c + i] = p + o[i / 16];
+        }
+    }
+}
+#undef F16
+#undef SV_ONE
+#undef SV_TWO
+#undef ACC_ZERO
+#undef ACC_SUM
+#undef CODES_STORE
+#undef OFF8
 
 /* fp8 e4m3 row r -> f[0:K] float32 (value times its group's scale); K and the group multiples of 8 */
 static void SFX(decode_fp8)(const qproj *q, const uint8_t *base, int64_t r, int64_t K, float *f) {
@@ -278,19 +393,18 @@ static void SFX(decode_fp8)(const qproj *q, const uint8_t *base, int64_t r, int6
 
 /* ---- rows [r0, r1) of one projection, dotted with nx tokens ------------------------------------------ */
 /* y[t * ldy + r] = (row r . token t) * scale[t] (scale may be NULL); a: the tokens (float and, for integer kinds,
- * Q8), from token m0 of the activation on. */
+ * Q8), from token m0 of the activation on; f: K floats of scratch (an fp8 row decoded). */
 static void SFX(rows)(const qproj *q, const uint8_t *base, int64_t r0, int64_t r1, int64_t K, const act *a,
-                      int64_t m0, int64_t nx, float *y, int64_t ldy, const float *scale, rowbuf *rb) {
+                      int64_t m0, int64_t nx, float *y, int64_t ldy, const float *scale, float *f) {
     float res[TB];
     const int fam = kind_family(q->kind);
     const float *x = a->x + m0 * a->ldx;
     for (int64_t r = r0; r < r1; r++) {
-        if (fam == FAM_INT) SFX(decode_row)(q, base, r, K, rb);
-        else if (q->kind == 4) SFX(decode_fp8)(q, base, r, K, rb->f);
+        if (q->kind == 4) SFX(decode_fp8)(q, base, r, K, f);
         for (int64_t t0 = 0; t0 < nx; t0 += TB) {
             const int nt = (int)(nx - t0 < TB ? nx - t0 : TB);
-            if (fam == FAM_INT) SFX(idot)(rb, K, &a->q, m0 + t0, nt, res);
-            else if (q->kind == 4) SFX(fdot_f32)(rb->f, x + t0 * a->ldx, a->ldx, nt, K, res);
+            if (fam == FAM_INT) SFX(qdot)(q, base, r, K, &a->q, m0 + t0, nt, f, res);
+            else if (q->kind == 4) SFX(fdot_f32)(f, x + t0 * a->ldx, a->ldx, nt, K, res);
             else if (q->kind == KIND_BF16)
                 SFX(fdot_bf16)((const uint16_t *)(base + q->off_data) + r * K, x + t0 * a->ldx, a->ldx, nt, K, res);
             else SFX(fdot_f32)((const float *)(base + q->off_data) + r * K, x + t0 * a->ldx, a->ldx, nt, K, res);
