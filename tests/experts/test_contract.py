@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from tests.experts.helpers import options
 
 import ferrylm
@@ -19,6 +20,7 @@ from ferrylm.experts.executor import ExpertExecutor, LayerExperts
 from ferrylm.experts.stats import ExpertReport
 from ferrylm.faults import NO_FAULTS
 from ferrylm.memory.guard import NoElasticCache, elastic_cache_of
+from ferrylm.models.moe import SparseMoeBlock
 
 BACKENDS = ("resident", "offload", "cpu", "hybrid")
 E, H, I, K = 6, 32, 16, 2
@@ -143,13 +145,20 @@ def test_routers_are_handed_over_once(executor):
     assert executor.next_layer_predictor(0, 1) is None
 
 
-@pytest.mark.parametrize("backend", ["offload", "hybrid"])
-def test_the_model_hands_its_routers_when_built(expert_checkpoints, backend):
-    """Building the model hands every MoE block's router to the executor (``models/moe.hand_routers``): layer L's
-    predictor is layer L+1's ``predict_experts``."""
-    loaded = load_model(expert_checkpoints("mixtral").path, moe_backend=options(backend, 4))
+# one case per decoder stack that builds MoE blocks: llama.py's (mixtral), deepseek_v3's, qwen3_next's hybrid stack and
+# qwen4_exp's hyper-connection stack
+STACKS = [("mixtral", "offload"), ("mixtral", "hybrid"), ("deepseek_v3", "offload"), ("qwen3_next", "offload"),
+          pytest.param("qwen4_exp", "offload", marks=pytest.mark.skipif(
+              not hasattr(transformers, "Qwen4ExpTextConfig"), reason="transformers has no Qwen4-Exp (5.25+)"))]
+
+
+@pytest.mark.parametrize(("case", "backend"), STACKS)
+def test_the_model_hands_its_routers_when_built(expert_checkpoints, case, backend):
+    """Building the model hands every MoE block's router to the executor (``models/moe.hand_routers``): the first
+    MoE layer's predictor is the second's ``predict_experts``."""
+    loaded = load_model(expert_checkpoints(case).path, moe_backend=options(backend, 4))
     try:
-        blocks = [layer.mlp for layer in loaded.model.model.layers]
+        blocks = [layer.mlp for layer in loaded.model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
         first, second = blocks[0], blocks[1]
         assert loaded.executor.next_layer_predictor(first.layer_idx, 1) == second.predict_experts
     finally:
