@@ -145,11 +145,16 @@ def test_routers_are_handed_over_once(executor):
     assert executor.next_layer_predictor(0, 1) is None
 
 
-# one case per decoder stack that builds MoE blocks: llama.py's (mixtral), deepseek_v3's, qwen3_next's hybrid stack and
-# qwen4_exp's hyper-connection stack
+def _needs(config_class: str) -> pytest.MarkDecorator:
+    """Skip unless the installed transformers has ``config_class`` (the reference checkpoint is built with it)."""
+    return pytest.mark.skipif(not hasattr(transformers, config_class), reason=f"transformers has no {config_class}")
+
+
+# one case per decoder stack that builds MoE blocks: llama.py's (mixtral), deepseek_v3's, qwen3_next's hybrid stack,
+# and the hyper-connection stacks of qwen4_exp and deepseek_v4
 STACKS = [("mixtral", "offload"), ("mixtral", "hybrid"), ("deepseek_v3", "offload"), ("qwen3_next", "offload"),
-          pytest.param("qwen4_exp", "offload", marks=pytest.mark.skipif(
-              not hasattr(transformers, "Qwen4ExpTextConfig"), reason="transformers has no Qwen4-Exp (5.25+)"))]
+          pytest.param("qwen4_exp", "offload", marks=_needs("Qwen4ExpTextConfig")),
+          pytest.param("deepseek_v4", "offload", marks=_needs("DeepseekV4Config"))]
 
 
 @pytest.mark.parametrize(("case", "backend"), STACKS)
