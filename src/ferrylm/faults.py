@@ -17,7 +17,7 @@ point                  site                                                     
 ``attention_scratch``  ``PagedAttention.attend``: K/V gather, after the step's K/V write   torch.OutOfMemoryError
 ``deltanet_scratch``   ``GatedDeltaNet.forward``: chunk-form scratch of a step with a     torch.OutOfMemoryError
                        prefill, after the layer's conv-state write (models/qwen3_next.py)
-``expert_fetch``       ``experts/cached.py``: slot fetch and prefill layer staging         torch.OutOfMemoryError
+``expert_fetch``       ``experts/cached.py``, ``stream.py``: slot fetch, prefill staging   torch.OutOfMemoryError
 ``kv_page_alloc``      ``Scheduler._grow``: pages for a request's next tokens              torch.OutOfMemoryError
 ``logits``             ``Engine._run``: logits of the sampled rows and sampling            torch.OutOfMemoryError
 ``detokenize``         frontend ``IncrementalDetokenizer.step``                            MemoryError

@@ -53,7 +53,7 @@ def _assert_same(ref, got, label: str) -> None:
 
 
 def _check_stats(ex) -> dict:
-    s = ex.stats()
+    s = ex.stats().as_dict()
     assert s["hits"] + s["misses"] == s["needed"] > 0
     assert sum(s["layer_hits"]) == s["hits"] and sum(s["layer_misses"]) == s["misses"]
     moved = s["fetched"] + s["prefetched"] + s["streamed"]
@@ -178,7 +178,7 @@ def test_hybrid_times_each_prefetching_step_once(expert_checkpoints, monkeypatch
     loaded = load_model(ckpt.path, moe_backend=options("hybrid", _top_k(ckpt) + 1, stream_prefill=False))
     got = greedy_trace(loaded.model, _prompt(ckpt), NEW_TOKENS)
     _assert_same(ref, got, "qwen3_moe/hybrid with alternating shares")
-    s = loaded.executor.stats()
+    s = loaded.executor.stats().as_dict()
     assert sorted(s["cpu_share"]) == [1, 5, 7]  # the two prefill chunks (7 + 5 tokens) and the decode steps
     assert sorted(len(v) for v in made.values()) == [1, 1, NEW_TOKENS]
     loaded.executor.close()

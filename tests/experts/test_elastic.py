@@ -73,11 +73,11 @@ def test_shrink_then_grow_keeps_resident_outputs(ckpt, prompt, reference, backen
     try:
         per = ex.layout.nbytes
         _same(reference, greedy_trace(loaded.model, prompt, NEW), f"{backend} 6 slots")
-        assert ex.slot_storage_bytes() == 6 * per and len(ex._blocks) == 3
+        assert ex.slot_storage_bytes() == 6 * per and len(ex.slots.blocks) == 3
         freed = ex.shrink_slots(3)                 # rounded up to whole blocks of 2
         assert freed == 4 * per and ex.cache.num_slots == 2 and ex.slot_storage_bytes() == 2 * per
         ex.cache.check()
-        assert ex.stats()["num_slots"] == 2 and ex.stats()["slot_bytes"] == 2 * per
+        assert ex.stats().num_slots == 2 and ex.stats().cache.slot_bytes == 2 * per
         _same(reference, greedy_trace(loaded.model, prompt, NEW), f"{backend} shrunk to 2")
         assert ex.grow_slots(3) == 3 and ex.cache.num_slots == 5 and ex.slot_storage_bytes() == 5 * per
         ex.cache.check()
@@ -92,13 +92,13 @@ def test_shrink_really_releases_the_blocks_and_prefers_lru(ckpt):
     try:
         cache = ex.cache
         # make block 0's residents the most recently used: it must survive a one-block shrink
-        for s in ex._block_slot_ids(0):
+        for s in ex.slots.slot_ids(0):
             cache.touch(cache.key_of(s))
-        survivors = {cache.key_of(s) for s in ex._block_slot_ids(0)}
-        refs = {b: weakref.ref(t) for b, t in ex._blocks.items()}
+        survivors = {cache.key_of(s) for s in ex.slots.slot_ids(0)}
+        refs = {b: weakref.ref(t) for b, t in ex.slots.blocks.items()}
         freed = ex.shrink_slots(1)
         gc.collect()
-        assert freed == 2 * ex.layout.nbytes and 0 in ex._blocks and len(ex._blocks) == 2
+        assert freed == 2 * ex.layout.nbytes and 0 in ex.slots.blocks and len(ex.slots.blocks) == 2
         dead = [b for b, r in refs.items() if r() is None]
         assert len(dead) == 1 and dead[0] != 0, "the dropped block's tensor is still referenced"
         assert all(k in cache for k in survivors)
@@ -108,7 +108,7 @@ def test_shrink_really_releases_the_blocks_and_prefers_lru(ckpt):
         assert ex.shrink_slots(100) == 0 and cache.num_slots == 2
         # never more slots than experts; a grow that runs out of memory keeps what it added
         calls = {"n": 0}
-        real = ex._new_block
+        real = ex.slots.new_block
 
         def flaky(blk, size):
             calls["n"] += 1
@@ -116,9 +116,9 @@ def test_shrink_really_releases_the_blocks_and_prefers_lru(ckpt):
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
             real(blk, size)
 
-        ex._new_block = flaky
+        ex.slots.new_block = flaky
         assert ex.grow_slots(4) == 2 and cache.num_slots == 4
-        ex._new_block = real
+        ex.slots.new_block = real
         total = len(ex.banks.layers) * ex.num_experts
         assert ex.grow_slots(10 * total) == total - 4 and cache.num_slots == total
         cache.check()

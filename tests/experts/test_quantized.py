@@ -16,7 +16,6 @@ from ferrylm.experts.executor import LayerExperts
 from ferrylm.experts.quantized import E2M1_VALUES, ExpertQuant, QuantFormat, QuantTensor, random_quant
 from ferrylm.experts.resident import run_grouped
 from ferrylm.experts.work import ExpertStage, LayerWork, staged_moe_output
-from ferrylm.memory.plan import expert_needs
 from ferrylm.synthetic.spec import SyntheticSpec, parse_synthetic_spec
 from ferrylm.synthetic.build import build_synthetic
 
@@ -101,10 +100,10 @@ def test_every_backend_computes_quantized_experts(name):
                     got = ex.run(1, x[:t], ids[:t], w[:t])
                     assert_backend_close(backend, got, want, (t, batched))
                 if backend != "resident":
-                    s = ex.stats()
+                    s = ex.stats().as_dict()
                     assert s["expert_bytes"] == ExpertLayout.of(_layers(quant)[0]).nbytes
                     assert s["bytes_copied"] == (s["fetched"] + s["prefetched"] + s["streamed"]) * s["expert_bytes"]
-                    assert expert_needs(ex).slot_bytes == s["expert_bytes"]
+                    assert ex.slot_needs().slot_bytes == s["expert_bytes"]
                 ex.close()
         finally:
             LayerWork.batch_on_cpu = False

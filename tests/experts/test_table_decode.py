@@ -58,7 +58,7 @@ def _table_consistent(ex) -> None:
     for i, layer in enumerate(t.layers):
         for e in range(ex.num_experts):
             slot = ex.cache.slot_of((layer, e))
-            want = ex.banks.row(layer, e).data_ptr() - ref if slot is None else ex._slot_row(slot).data_ptr() - ref
+            want = ex.banks.row(layer, e).data_ptr() - ref if slot is None else ex.slots.row(slot).data_ptr() - ref
             assert int(t.host_np[i, e]) == want, (layer, e, slot)
             assert int(t.table[i, e]) == want, (layer, e, slot)
 
@@ -81,7 +81,7 @@ def test_table_decode_equals_resident(expert_checkpoints, table_on_cpu, case, sl
     err = max((a - b).abs().max().item() for a, b in zip(got[1], ref[1]))
     assert err <= TOL, err
     ex.begin_step(1)  # folds the last step's routing in
-    s = ex.stats()
+    s = ex.stats().as_dict()
     assert s["hits"] + s["misses"] == s["needed"] > 0
     assert s["mapped"] == s["misses"] and s["bytes_mapped"] == s["misses"] * s["expert_bytes"]
     if slots == "all":

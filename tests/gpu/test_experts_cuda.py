@@ -38,13 +38,13 @@ def test_cuda_backends_equal_resident(tmp_path, backend):
     for size in (1, 3):
         loaded = load_model(ckpt.path, device="cuda", moe_backend=options(backend, size))
         ex = loaded.executor
-        assert ex.banks.pinned and ex.cache is None and not ex._blocks  # slots are reserved on first use
+        assert ex.banks.pinned and ex.cache is None and not ex.slots.blocks  # slots are reserved on first use
         tok, logits = _trace(loaded.model, prompt, 8)
         assert tok == ref_tok
         assert max((a - b).abs().max().item() for a, b in zip(logits, ref_logits)) <= 1e-4
         ex.sync_stats()
-        st = ex.stats()
-        assert all(b.device.type == "cuda" for b in ex._blocks.values()) and ex._blocks
+        st = ex.stats().as_dict()
+        assert all(b.device.type == "cuda" for b in ex.slots.blocks.values()) and ex.slots.blocks
         assert st["hits"] + st["misses"] == st["needed"]
         if backend != "cpu":
             assert st["copy_time_s"] > 0 and st["bytes_copied"] > 0

@@ -273,17 +273,16 @@ def test_the_table_says_where_each_number_comes_from():
 
 
 def test_expert_needs_fixed_bytes_hold_the_device_table():
-    """The warmup reserves ``needs.bytes_for(min_slots)``; ``plan_slots`` sets the stream buffers and the offload
+    """The warmup reserves ``needs.bytes_for(min_slots)`` (``slot_needs``); ``plan_slots`` sets the stream buffers and the offload
     table aside first, so the needs must count both or the minimum cache does not fit its own budget (the GPU
     suite's offload cases failed with "budget 0.00 GiB" when the table was left out)."""
     from types import SimpleNamespace
 
-    from ferrylm.experts.cached import CachedExecutor
-    from ferrylm.memory.plan import expert_needs
+    from ferrylm.experts.slots import ElasticSlots
 
     ex = SimpleNamespace(layout=SimpleNamespace(nbytes=1000), banks=SimpleNamespace(layers=[0, 1]), num_experts=4,
                          min_slots=2, name="offload", stream_bytes=lambda: 8000, table_bytes=lambda: 333,
-                         options=SimpleNamespace(cache_size=None, stream_prefill=True), plan_slots=None)
-    needs = expert_needs(ex)
+                         options=SimpleNamespace(cache_size=None, stream_prefill=True))
+    needs = ElasticSlots.slot_needs(ex)
     assert needs.fixed_bytes == 8000 + 333
-    assert CachedExecutor.plan_slots(ex, needs.bytes_for(needs.min_slots)) == 2
+    assert ElasticSlots.plan_slots(ex, needs.bytes_for(needs.min_slots)) == 2

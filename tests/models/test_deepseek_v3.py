@@ -93,7 +93,7 @@ def test_greedy_tokens_equal_transformers(checkpoints, case, backend):
     ref = reference_logits(ckpt, torch.tensor(prompt + tokens))[len(prompt) - 1:-1]
     assert (torch.stack(logits) - ref).abs().max().item() <= TOL
     if backend != "resident":
-        assert loaded.executor.stats()["needed"] > 0
+        assert loaded.executor.stats().totals.needed > 0
         loaded.executor.close()
 
 

@@ -44,6 +44,7 @@ from ferrylm.bench.common import bench_prompts, sync, token_checksum
 from ferrylm.errors import FerryError
 from ferrylm.experts import ExpertOptions, backend_name, build_from_banks
 from ferrylm.experts.options import Bandwidths
+from ferrylm.models.moe import SparseMoeBlock, hand_routers
 from ferrylm.models.sizes import non_expert_step_bytes
 
 log = logging.getLogger("ferrylm.bench")
@@ -55,12 +56,11 @@ _COUNTERS = ("steps", "tokens", "needed", "hits", "misses", "prefetched", "prefe
 
 
 def swap_executor(model, executor):
-    """Point every MoE block of ``model`` (a module with ``executor``, ``layer_idx`` and ``predict_experts``) at
-    ``executor`` and register their expert predictors with it. Returns ``model``."""
-    for m in model.modules():
-        if hasattr(m, "executor") and hasattr(m, "predict_experts") and hasattr(m, "layer_idx"):
-            m.executor = executor
-            executor.register_router(m.layer_idx, m.predict_experts)
+    """Point every MoE block of ``model`` at ``executor`` and hand it their routers. Returns ``model``."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    for m in blocks:
+        m.executor = executor
+    hand_routers(blocks)
     return model
 
 
@@ -105,10 +105,8 @@ def roofline_seconds(backend: str, per_step: dict, expert_bytes: int, base_bytes
 
 
 def _counters(ex) -> dict:
-    sync = getattr(ex, "sync_stats", None)
-    if sync is not None:
-        sync()
-    st = ex.stats()
+    ex.sync_stats()
+    st = ex.stats().as_dict()
     return {k: st.get(k, 0) for k in _COUNTERS}
 
 
@@ -252,7 +250,7 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
             res.counters = diff
             res.decode_graphs = engine.runner.stats() or {}
             graph_mode = res.decode_graphs.get("mode", graph_mode)
-            res.cpu_share = ex.stats().get("cpu_share")
+            res.cpu_share = ex.stats().cpu_share
             results.append(res)
             progress(format_row(res, device.type != "cpu"))
             if profile_steps > 0:

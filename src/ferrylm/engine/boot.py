@@ -30,11 +30,12 @@ from ferrylm.engine.engine import (Engine, EngineLimits, cpu_has_native_bf16, li
 from ferrylm.engine.expert_choice import check_host_memory, resolve_expert_backend
 from ferrylm.engine.profile import WarmupShape, Workspace, profile_workspace, warm_up
 from ferrylm.experts import ExpertOptions, backend_name
+from ferrylm.experts.executor import ExpertNeeds
 from ferrylm.faults import FaultInjector
 from ferrylm.memory.concurrency import RunningChoice, choose_running_requests, requests_in_pool
 from ferrylm.memory.guard import is_oom
-from ferrylm.memory.plan import (ExpertNeeds, MemoryBudget, MemoryPlan, MemoryPlanError, PlanInputs, boot_failure,
-                                 check_budget, expert_needs, gib, plan_memory)
+from ferrylm.memory.plan import (MemoryBudget, MemoryPlan, MemoryPlanError, PlanInputs, boot_failure, check_budget,
+                                 gib, plan_memory)
 from ferrylm.memory.probe import allocator_slack, bytes_in_use, other_processes, read_memory
 from ferrylm.models.tensor_parallel import TPShard, attach_reduce
 from ferrylm.synthetic.spec import is_synthetic_folder
@@ -196,7 +197,7 @@ def plan_engine(loaded: LoadedModel, target: BootTarget, budget: MemoryBudget, w
     """
     config, mcfg, executor = target.config, loaded.config, loaded.executor
     base = limits_with_pages(config, mcfg, target.device, 0, config.max_running_requests or 1)
-    needs = expert_needs(executor)
+    needs = executor.slot_needs() if executor is not None else None
     first = base.max_prefill_length
     floor = first if config.max_prefill_length is not None else min(first, MIN_PREFILL_CHUNK)
 

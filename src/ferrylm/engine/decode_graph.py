@@ -15,7 +15,7 @@ One decode step is cut at every MoE layer's experts. Piece ``j`` runs, inside on
 Between two pieces the executor runs eagerly (``ExpertExecutor.run`` with the piece's prediction) and its output is copied into the one
 static ``moe_out`` buffer the next piece reads. The last piece ends with the final norm.
 
-Executors with ``stages`` (offload, hybrid) go further (``ExpertExecutor.run`` with a ``stage``): once a layer's experts are
+Executors with a ``stage_layout`` (offload, hybrid) go further (``ExpertExecutor.run`` with a ``stage``): once a layer's experts are
 resident they stack the experts' slot rows into a static :class:`~ferrylm.experts.work.ExpertStage` and copy one
 index, and the NEXT piece computes the expert GEMMs, the weighting and the per-token sum
 (:func:`~ferrylm.experts.work.staged_moe_output`) inside its graph; so between two graph launches the host only
@@ -301,8 +301,9 @@ class DecodeGraphRunner:
             return self._stages[batch]
         mlp = self._moe0
         stage = None
-        if mlp is not None and mlp.executor.stages and is_small_step(batch):
-            layout, k, e = mlp.executor.layout, mlp.top_k, mlp.num_experts
+        layout = None if mlp is None else mlp.executor.stage_layout
+        if layout is not None and is_small_step(batch):
+            k, e = mlp.top_k, mlp.num_experts
             cap = min(SMALL_STEP_TOKENS * k, e, STAGE_MAX_BYTES // layout.nbytes)
             m = min(batch * k, e)
             if m <= cap:

@@ -151,7 +151,7 @@ class Engine:
         self.expert_executor = expert_executor
         self.faults = faults
         self.memory_plan = memory_plan
-        if expert_executor is not None and hasattr(expert_executor, "faults"):
+        if expert_executor is not None:
             expert_executor.faults = faults  # point expert_fetch
         self.mcfg = model_config
         self.config = config
@@ -208,7 +208,7 @@ class Engine:
         """The routed experts' backend as built (``auto`` resolved), or ``"dense"``."""
         if self.expert_executor is None:
             return "dense"
-        return str(getattr(self.expert_executor, "name", type(self.expert_executor).__name__))
+        return self.expert_executor.name
 
     @property
     def model_bytes(self) -> dict:
@@ -418,7 +418,7 @@ class Engine:
         d["oom_recoveries"] = g.pop("oom_recoveries")
         d["memory"] = g
         if self.expert_executor is not None:
-            d["experts"] = self.expert_executor.stats()
+            d["experts"] = self.expert_executor.stats().as_dict()
         graphs = self.runner.stats()
         if graphs is not None:
             d["decode_graphs"] = graphs

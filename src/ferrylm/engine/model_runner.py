@@ -11,8 +11,8 @@ copy per step), the attention backend (``engine/attention``), the CUDA graphs, a
 3. else the eager forward: the model's ``forward`` over the flattened batch with the step's attention backend.
 
 All three run the model's own ``forward`` code except the piecewise runner, which still composes the layers itself
-(hybrid, and offload where its device table cannot run). Before every step the executor's ``begin_step`` (when it
-has one) makes its host decisions for the step: the offload backend's slot installs and table
+(hybrid, and offload where its device table cannot run). Before every step the executor's ``begin_step`` makes its
+host decisions for the step: the offload backend's slot installs and table
 (``experts/slot_table.py``), so its decode steps need no host decision inside and run as one graph.
 """
 
@@ -33,6 +33,7 @@ from ferrylm.engine.sampler import SampleResult, sample
 from ferrylm.engine.step_inputs import HostStep, Staging, bind_routing_keys, pack_step, routing_key
 from ferrylm.faults import NO_FAULTS, FaultInjector
 from ferrylm.memory.guard import is_oom
+from ferrylm.models.moe import SparseMoeBlock
 
 log = logging.getLogger("ferrylm.engine")
 
@@ -90,7 +91,7 @@ class ModelRunner:
         # a model class with ``graph_capture = False`` (Qwen4-Exp's multi-stream stack) runs every step eager
         self._is_stack = hasattr(stack, "layers") and getattr(type(model), "graph_capture", True)
         self._moe0 = next((layer.mlp for layer in getattr(stack, "layers", [])
-                           if hasattr(layer.mlp, "executor")), None)  # the first MoE block: its executor
+                           if isinstance(layer.mlp, SparseMoeBlock)), None)  # the first MoE block: its executor
         self._configure(self._model_executor())
 
     def _model_executor(self):
@@ -107,11 +108,11 @@ class ModelRunner:
         if self._graph_mode == "off" or not self._is_stack:
             return
         max_batch = self.graph_max_batch
-        safe = executor is None or bool(getattr(executor, "graph_safe", False))
-        min_batch = int(getattr(executor, "table_min_tokens", 1)) if safe and executor is not None else 1
+        safe = executor is None or executor.graph_safe
+        min_batch = executor.graph_min_tokens if safe and executor is not None else 1
         if self._graph_mode == "cuda" and self.attention == "triton" and safe:
             self.step_graphs = StepGraphs(self.model, self.pool, self.device, max_batch, self.max_model_len,
-                                          on_replay=getattr(executor, "count_replayed_step", None),
+                                          on_replay=None if executor is None else executor.count_replayed_step,
                                           min_batch=min_batch)
         if self.step_graphs is None or min_batch > 1:  # the steps the whole-step graphs do not take
             self.piecewise = DecodeGraphRunner(self.model, self.pool, self.device, DecodeGraphConfig(
@@ -151,9 +152,8 @@ class ModelRunner:
             self._configure(self._moe0.executor)  # the executor was swapped: its graphs are stale
         faults = self.faults
         self.last_recurrent = None
-        begin = getattr(self.executor, "begin_step", None)
-        if begin is not None:  # host decisions of the executor, made between steps (experts/slot_table.py)
-            begin(sum(s.num_tokens for s in seqs))
+        if self.executor is not None:  # host decisions of the executor, made between steps (experts/slot_table.py)
+            self.executor.begin_step(sum(s.num_tokens for s in seqs))
         logits = None
         decode = not has_prefill(seqs)
         if decode and not faults.enabled:

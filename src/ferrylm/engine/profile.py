@@ -80,10 +80,10 @@ def warm_up(runner: ModelRunner, pool: KVPool, state_pool: StatePool | None, sha
     """
     faults = runner.faults
     runner.faults = NO_FAULTS
-    ex = runner.executor
-    ex_faults = getattr(ex, "faults", None)
-    if ex_faults is not None:
-        ex.faults = NO_FAULTS
+    executor = runner.executor
+    executor_faults = executor.faults if executor is not None else None
+    if executor is not None:
+        executor.faults = NO_FAULTS
     try:
         per, n = shape.prompt_len, shape.num_prefills
         lens = [min(per, shape.prefill_tokens - i * per) for i in range(n)]
@@ -94,8 +94,8 @@ def warm_up(runner: ModelRunner, pool: KVPool, state_pool: StatePool | None, sha
         _step(runner, pool, state_pool, progress, prompts, decode=True)
     finally:
         runner.faults = faults
-        if ex_faults is not None:
-            ex.faults = ex_faults
+        if executor is not None:
+            executor.faults = executor_faults
 
 
 def _step(runner: ModelRunner, pool: KVPool, state_pool: StatePool | None, progress: StepProgress,

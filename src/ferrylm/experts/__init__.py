@@ -2,7 +2,8 @@
 
 Rooms: ``executor.py`` (the interface), ``quantized.py`` (quantized expert representations), ``resident.py`` (all
 experts on the device), ``banks.py`` (host expert rows, pinned), ``cache.py`` (slot cache bookkeeping, LRU), ``transfer.py`` (copy stream / copy thread),
-``stream.py`` (prefill double buffer), ``cached.py`` (the base of the offloading backends), ``offload.py``,
+``stream.py`` (prefill double buffer, streamed layer), ``slots.py`` (slot rows in blocks, elastic shrink / grow),
+``table_decode.py`` (offload's device-table decode), ``cached.py`` (the base of the offloading backends), ``offload.py``,
 ``cpu.py`` + ``cpu_pool.py``, ``hybrid.py``, ``auto.py`` (the choice), ``bandwidth.py`` (measured rates),
 ``stats.py`` (counters), ``options.py`` (knobs).
 """

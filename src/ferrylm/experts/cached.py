@@ -9,44 +9,38 @@ Per MoE layer and step (:meth:`CachedExecutor.run`):
      so the backends agree to the last bit wherever their expert kernels do.
 
 Device memory (``reserve``): ``N`` slots of one expert row each, shared by all layers, plus, with prefill
-streaming, two layer buffers. ``--moe-cache-size`` fixes ``N``; otherwise ``N`` fills the budget.
+streaming, two layer buffers. ``--moe-cache-size`` fixes ``N``; otherwise ``N`` fills the budget. The slots live
+in separately freeable blocks (:mod:`ferrylm.experts.slots`): between steps the OOM guard (``memory/guard.py``) may
+:meth:`CachedExecutor.shrink_slots` and later :meth:`CachedExecutor.grow_slots`.
 
-Elastic slots: the slots live in separately freeable *blocks* (``[b, S]`` tensors of ``block_slots`` slots, the
-last one possibly smaller); slot id ``s`` is row ``s % block_slots`` of block ``s // block_slots``. Between steps
-the OOM guard (``memory/guard.py``) may :meth:`CachedExecutor.shrink_slots` (whole blocks dropped, their experts
-evicted, nothing copied, so shrinking needs no extra memory) and later :meth:`CachedExecutor.grow_slots` (new
-blocks, their slots free).
+Other rooms of these backends: :mod:`ferrylm.experts.stream` (the streamed prefill layer),
+:mod:`ferrylm.experts.table_decode` (offload's device-table decode), :mod:`ferrylm.experts.cache` (which expert
+sits in which slot).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Mapping
 
 import torch
 
-from ferrylm.errors import InsufficientMemory
 from ferrylm.experts.banks import HostBanks
-from ferrylm.experts.cache import Key, LayerLRUPolicy, SlotCache, make_policy
+from ferrylm.experts.cache import Key, SlotCache, make_policy
 from ferrylm.experts.cpu_pool import CpuExpertPool, CpuJob
-from ferrylm.experts.executor import ExpertExecutor
+from ferrylm.experts.executor import ExpertExecutor, Router
 from ferrylm.experts.options import Bandwidths, ExpertOptions
-from ferrylm.experts.stats import ExpertStats
-from ferrylm.experts.stream import LayerStreamer
+from ferrylm.experts.slots import ElasticSlots, SlotBlocks
+from ferrylm.experts.stats import ExpertReport, ExpertStats, SlotCacheReport
+from ferrylm.experts.stream import LayerStreamer, StreamedPrefill
 from ferrylm.experts.transfer import make_copy_engine
 from ferrylm.experts.work import LayerWork, group_by_expert, is_small_step
-from ferrylm.triton_util import use_triton
-from ferrylm.faults import NO_FAULTS
 
 log = logging.getLogger("ferrylm.experts")
 
-MAX_BLOCK_SLOTS = 4  # automatic block size cap (slots): the granularity at which the OOM guard can free memory
 
-Router = Callable[[torch.Tensor], torch.Tensor]  # hidden [T, H] -> predicted topk_ids [T, k]
-
-
-class CachedExecutor(ExpertExecutor):
+class CachedExecutor(ElasticSlots, StreamedPrefill, ExpertExecutor):
     """Host banks + device slot cache + copy engine; subclasses implement :meth:`_dispatch`.
 
     Args:
@@ -55,16 +49,15 @@ class CachedExecutor(ExpertExecutor):
         options: see :class:`~ferrylm.experts.options.ExpertOptions`.
 
     Class attributes: ``name`` (backend name), ``default_prefetch``, ``uses_cpu`` (owns a CPU expert pool),
-    ``min_slots`` (slots it cannot work without), ``faults`` (the fault injector, point ``expert_fetch`` at demand
-    fetches and prefill staging; the engine sets it).
+    ``stages`` (a small step's experts may be staged into the caller's decode graph), ``min_slots`` (slots it
+    cannot work without); ``faults`` (point ``expert_fetch`` at demand fetches and prefill staging).
     """
 
     name = "cached"
-    block_slots: int | None = None  # slots per block; None: max(1, min(MAX_BLOCK_SLOTS, N // 8)) at reserve
+    block_slots: int | None = None  # slots per block; None: max(1, min(4, N // 8)) at reserve (slots.py)
     default_prefetch = False
     uses_cpu = False
-    min_slots = 0
-    faults = NO_FAULTS
+    stages = False
 
     def __init__(self, banks: HostBanks, device: torch.device | str, options: ExpertOptions):
         self.banks = banks
@@ -83,52 +76,17 @@ class CachedExecutor(ExpertExecutor):
         self._bandwidths = options.bandwidths
         self.counters = ExpertStats(layers)
         self.cache: SlotCache | None = None
-        self._blocks: dict[int, torch.Tensor] = {}  # block id -> [b, S] slot rows on the device
-        self._block_views: dict = {}                 # block id -> LayerExperts views of the block
-        self._row_of: dict[int, torch.Tensor] = {}   # slot -> its [S] row (a view of its block)
-        self._block_size = 1                         # slots per block (fixed at reserve)
+        self.slots = SlotBlocks(self.layout, self.device)  # the slots' device rows
         self.streamer: LayerStreamer | None = None
         self._ready: dict[int, object] = {}     # slot -> copy fence still to wait for
         self._last_use: dict[int, object] = {}  # slot -> compute fence of its last read
         self._prefetched: set[Key] = set()      # prefetched and not yet used
         self._copy_mark = (0.0, 0.0)
-        self.table = None           # a SlotTable (experts/slot_table.py) when decode steps run from device tables
-        self._table_stale = False   # the cache changed outside the table's bookkeeping: rebuild before next use
 
     # --- memory -----------------------------------------------------------------------------------------------
     @property
     def expert_bytes(self) -> int:
         return self.layout.nbytes
-
-    def table_bytes(self) -> int:
-        """Device bytes of the device-side expert table when this backend builds one (0 here; see
-        ``experts/offload.py``), set aside before the slots are sized."""
-        return 0
-
-    def stream_bytes(self) -> int:
-        """Device bytes of the prefill double buffer (0 when streaming is off)."""
-        return 2 * self.num_experts * self.layout.nbytes if self.options.stream_prefill else 0
-
-    def plan_slots(self, budget_bytes: int | None) -> int:
-        """Slots for ``budget_bytes`` of device memory (None: no budget): as many as fit after the stream buffers,
-        at most ``--moe-cache-size`` when given, at most every expert. (The memory plan checks an explicit
-        ``--moe-cache-size`` against the device and reports it; here the budget simply wins.)
-
-        Raises:
-            InsufficientMemory: the budget cannot hold the backend's minimum slots.
-        """
-        total = len(self.banks.layers) * self.num_experts
-        per = self.layout.nbytes
-        fixed = self.stream_bytes() + self.table_bytes()
-        n = total if self.options.cache_size is None else min(self.options.cache_size, total)
-        if budget_bytes is not None:
-            n = min(n, max(0, (budget_bytes - fixed) // per))
-        if n < self.min_slots:
-            raise InsufficientMemory(
-                f"the {self.name} backend needs >= {self.min_slots} expert slot(s) of {per / 2**20:.1f} MiB "
-                f"(+ {fixed / 2**30:.2f} GiB prefill buffers) but the device budget for experts is "
-                f"{(budget_bytes or 0) / 2**30:.2f} GiB")
-        return int(n)
 
     def reserve(self, budget_bytes: int | None = None) -> int:
         """Allocate the slot cache (and stream buffers) within ``budget_bytes`` and warm it; returns ``N``.
@@ -136,10 +94,7 @@ class CachedExecutor(ExpertExecutor):
         no budget. Re-reserving drops the cache first."""
         self._drop_device_memory()
         n = self.plan_slots(budget_bytes)
-        b = self.block_slots if self.block_slots else max(1, min(MAX_BLOCK_SLOTS, n // 8))
-        self._block_size = int(b)
-        for blk in range(-(-n // b)):
-            self._new_block(blk, min(b, n - blk * b))
+        self.slots.allocate(n, self.block_slots)
         policy = make_policy(self.options.cache_policy, n, len(self.banks.layers))
         self.cache = SlotCache(n, policy)
         if self.options.stream_prefill:
@@ -152,153 +107,9 @@ class CachedExecutor(ExpertExecutor):
                  f", prefill buffers {self.streamer.nbytes / 2**30:.2f} GiB" if self.streamer else "")
         return n
 
-    # --- slot blocks --------------------------------------------------------------------------------------------
-    def _new_block(self, blk: int, size: int) -> None:
-        """Allocate block ``blk`` of ``size`` slots (raises torch.OutOfMemoryError when the device is full)."""
-        t = torch.empty(size, self.layout.numel, dtype=self.layout.row_dtype, device=self.device)
-        self._blocks[blk] = t
-        self._block_views[blk] = self.layout.layer_views(t)  # gate/up [b, I, H], down [b, H, I] views
-        for i, row in enumerate(t.unbind(0)):  # slot -> [S] row view, made once (not one select per use)
-            self._row_of[blk * self._block_size + i] = row
-
-    def _block_slot_ids(self, blk: int) -> list[int]:
-        return [blk * self._block_size + i for i in range(self._blocks[blk].shape[0])]
-
-    def _slot_row(self, slot: int) -> torch.Tensor:
-        """The ``[S]`` device row of ``slot``."""
-        return self._row_of[slot]
-
-    def slot_storage_bytes(self) -> int:
-        """Device bytes held by the slot blocks now (the stream buffers not included)."""
-        return sum(t.nbytes for t in list(self._blocks.values()))  # list(): stats() may read from another thread
-
-    def _set_quota(self) -> None:
-        policy = self.cache.policy
-        if isinstance(policy, LayerLRUPolicy):
-            policy.quota = max(1, self.cache.num_slots // len(self.banks.layers))
-
-    def shrink_slots(self, n: int) -> int:
-        """Give up at least ``n`` slots (rounded up to whole blocks) and release their device memory; for the OOM
-        guard, between steps. The blocks whose residents were least recently used go first (empty blocks before
-        all); their experts are evicted, nothing is copied. Never goes below ``min_slots`` (a block that would
-        cross it is skipped, so fewer than ``n`` slots may go). Refuses (returns 0) while any expert is pinned,
-        i.e. inside a step. Never raises (an unexpected error is logged and 0 returned).
-
-        Args:
-            n: slots wanted back (slots).
-
-        Returns:
-            device bytes actually released by dropped blocks (0: nothing could go). On CUDA the memory returns to
-            the caching allocator (reused by the retried step; ``torch.cuda.empty_cache`` hands it to the driver).
-        """
-        try:
-            cache = self.cache
-            if cache is None or n <= 0 or cache.num_slots <= self.min_slots:
-                return 0
-            if cache.pinned:
-                log.warning("expert cache shrink refused: %d experts pinned (called inside a step)",
-                            len(cache.pinned))
-                return 0
-            rank = {k: i for i, k in enumerate(cache.policy.keys())}  # LRU policies: oldest first
-
-            def age(blk: int) -> tuple:
-                ranks = [rank.get(cache.key_of(s), -1) for s in self._block_slot_ids(blk)
-                         if cache.key_of(s) is not None]
-                return (max(ranks, default=-1), len(ranks), -blk)
-
-            drop, count, left = [], 0, cache.num_slots
-            for blk in sorted(self._blocks, key=age):
-                if count >= n:
-                    break
-                size = self._blocks[blk].shape[0]
-                if left - size < self.min_slots:
-                    continue
-                drop.append(blk)
-                count += size
-                left -= size
-            if not drop:
-                return 0
-            self.copier.synchronize()  # no queued copy may still write into a block about to go
-            slots = [s for blk in drop for s in self._block_slot_ids(blk)]
-            evicted = cache.remove_slots(slots)
-            for k in evicted:
-                self._prefetched.discard(k)
-            for s in slots:
-                self._ready.pop(s, None)
-                self._last_use.pop(s, None)
-            freed = 0
-            for s in slots:
-                self._row_of.pop(s, None)
-            for blk in drop:
-                self._block_views.pop(blk, None)
-                freed += self._blocks.pop(blk).nbytes
-            self._set_quota()
-            self._table_stale = True
-            log.warning("%s experts: cache shrunk by %d slots in %d blocks (%.1f MiB released, %d experts "
-                        "evicted), %d slots left", self.name, count, len(drop), freed / 2**20, len(evicted),
-                        cache.num_slots)
-            return freed
-        except Exception:  # noqa: BLE001 - the OOM ladder must go on to its next rung
-            log.exception("%s experts: shrinking the slot cache failed", self.name)
-            return 0
-
-    def grow_slots(self, n: int) -> int:
-        """Add up to ``n`` empty slots (slots) in new blocks of ``block_slots``, never more slots than experts;
-        stops at the first allocation failure (torch.OutOfMemoryError / MemoryError, logged) and keeps what was
-        added. Call between steps.
-
-        Returns:
-            slots added (0 when nothing fits, the cache is not reserved, or every expert already has a slot).
-        """
-        cache = self.cache
-        if cache is None or n <= 0:
-            return 0
-        n = min(n, len(self.banks.layers) * self.num_experts - cache.num_slots)
-        added = 0
-        blk = 0
-        while added < n:
-            while blk in self._blocks:
-                blk += 1
-            size = min(self._block_size, n - added)
-            try:
-                self._new_block(blk, size)
-            except (torch.OutOfMemoryError, MemoryError) as e:
-                log.info("%s experts: growing the slot cache stopped after %d of %d slots: %s", self.name, added,
-                         n, str(e).split("\n")[0][:200])
-                break
-            cache.add_slots(self._block_slot_ids(blk))
-            added += size
-        if added:
-            self._set_quota()
-            log.info("%s experts: cache grew by %d slots, %d slots now", self.name, added, cache.num_slots)
-        return added
-
-    def _warm_fill(self) -> None:
-        """Fill the empty cache layer-round-robin (expert 0 of every layer, then expert 1 ...), so the first steps
-        are not all misses and every layer gets an equal share; not counted in the stats."""
-        layers = self.banks.layers
-        for i in range(self.cache.num_slots):
-            layer, e = layers[i % len(layers)], i // len(layers)
-            slot, _ = self.cache.admit((layer, e))
-            self.copier.copy(self._slot_row(slot), self.banks.row(layer, e))
-        self.copier.synchronize()
-        self.copier.harvest()
-        self._copy_mark = (self.copier.copy_time_s, self.copier.exposed_s)
-
-    def _init_table(self) -> None:
-        """Build the device-side expert table after a reserve (backends that decode from it override this)."""
-
-    def slot_offsets(self) -> dict[Key, int]:
-        """``(layer, expert) -> byte offset`` of every cached expert's slot row from the table's reference row."""
-        ref = self.table.ref.data_ptr()
-        return {key: self._slot_row(slot).data_ptr() - ref for key, slot in self.cache._slot_of.items()}
-
     def _drop_device_memory(self) -> None:
         self.copier.synchronize()
-        self.table = None
-        self._blocks.clear()
-        self._block_views.clear()
-        self._row_of.clear()
+        self.slots.clear()
         self.cache = None
         self.streamer = None
         self._ready.clear()
@@ -311,9 +122,28 @@ class CachedExecutor(ExpertExecutor):
         if self.cpu_pool is not None:
             self.cpu_pool.close()
 
-    # --- hooks ------------------------------------------------------------------------------------------------
-    def register_router(self, layer_idx: int, route: Router) -> None:
-        self._routers[layer_idx] = route
+    # --- hooks of a device-table decode path (experts/table_decode.py) -----------------------------------------
+    def table_bytes(self) -> int:
+        """Device bytes of the device-side expert table, set aside before the slots are sized (0: none)."""
+        return 0
+
+    def _init_table(self) -> None:
+        """Build the device-side expert table after a reserve (none here)."""
+
+    def _cache_changed(self) -> None:
+        """The slot cache changed outside a device table's own planning (nothing to mark here)."""
+
+    def _table_serves(self, num_tokens: int) -> bool:
+        """A step of ``num_tokens`` tokens runs from the device table (never here)."""
+        return False
+
+    def _run_table(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                   topk_weights: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    # --- wiring -----------------------------------------------------------------------------------------------
+    def use_routers(self, routers: Mapping[int, Router]) -> None:
+        self._routers = dict(routers)
 
     def bandwidths(self) -> Bandwidths:
         """The rates: the options', else the machine profile's or measured, once, on first need
@@ -336,8 +166,13 @@ class CachedExecutor(ExpertExecutor):
 
     def prefetches(self, num_tokens: int) -> bool:
         """Steps of ``num_tokens`` tokens predict and prefetch the next MoE layer's experts: prefetch is on,
-        routers are registered, and the step has at most ``prefetch_max_tokens`` tokens."""
+        routers were handed over (``use_routers``), and the step has at most ``prefetch_max_tokens`` tokens."""
         return self.prefetch and bool(self._routers) and num_tokens <= self.options.prefetch_max_tokens
+
+    @property
+    def stage_layout(self):
+        """See :meth:`ExpertExecutor.stage_layout`: the slot rows' layout for backends that stage."""
+        return self.layout if self.stages else None
 
     def run(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
             ids_and_predicted: torch.Tensor | None = None, stage=None) -> torch.Tensor | None:
@@ -348,7 +183,7 @@ class CachedExecutor(ExpertExecutor):
         if self.cache is None:
             self.reserve(None)
         t = hidden.shape[0]
-        if self.table is not None and self.table_step(t):
+        if self._table_serves(t):
             return self._run_table(layer_idx, hidden, topk_ids, topk_weights)
         if self.counters.starts_step(layer_idx):
             self._fold_copy_times()
@@ -392,28 +227,6 @@ class CachedExecutor(ExpertExecutor):
             work.predicted = {e: load[e] for e in sorted(load)}
         return work
 
-    def table_step(self, num_tokens: int) -> bool:
-        """A step of ``num_tokens`` tokens runs from the device table (backends with one: one fused launch per
-        layer, no host decision inside the step); otherwise the host-planned or streamed paths."""
-        table = self.table
-        return table is not None and self.table_min_tokens <= num_tokens <= table.max_tokens
-
-    @property
-    def table_min_tokens(self) -> int:
-        """The smallest step that runs from the device table (backends without one: never)."""
-        return 1
-
-    def _run_table(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                   topk_weights: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _streams(self, num_tokens: int, top_k: int) -> bool:
-        if self.streamer is None:
-            return False
-        if self.options.stream_min_tokens is not None:
-            return num_tokens >= self.options.stream_min_tokens
-        return num_tokens * top_k >= self.num_experts
-
     def _classify(self, work: LayerWork) -> tuple[list[tuple[int, int]], list[int]]:
         """Split the needed experts into pinned hits ``(expert, slot)`` and misses; count them."""
         hits, misses = [], []
@@ -454,7 +267,7 @@ class CachedExecutor(ExpertExecutor):
         check = self.faults.enabled and bool(experts) and not prefetch
         step = self.counters.step
         items = []
-        self._table_stale = True  # admissions outside the table's planning
+        self._cache_changed()  # admissions outside a device table's planning
         try:
             with self.copier.batch():
                 self._fetch_each(layer, experts, prefetch, check, items)
@@ -485,7 +298,7 @@ class CachedExecutor(ExpertExecutor):
                 if check:  # the staging of this fetch: checked once per fetch, after its first admit
                     check = False
                     self.faults.check("expert_fetch", nbytes=len(experts) * self.layout.nbytes)
-                self.copier.copy(self._slot_row(slot), self.banks.row(layer, e),
+                self.copier.copy(self.slots.row(slot), self.banks.row(layer, e),
                                  after=self._last_use.pop(slot, None))
             except BaseException:
                 self.cache.evict(key)  # admitted, never copied: must not look cached
@@ -510,27 +323,31 @@ class CachedExecutor(ExpertExecutor):
             return
         items = sorted(items)
         self._wait_slots(items)
-        b = self._block_size
-        blocks = {slot // b for _, slot in items}
+        where = [self.slots.locate(slot) for _, slot in items]  # (block, row in block)
+        blocks = {blk for blk, _ in where}
         experts = [e for e, _ in items]
         if work.can_stage(experts):  # the caller's graph computes them from the stage
-            torch.stack([self._slot_row(slot) for _, slot in items], out=work.stage.rows[:len(items)])
+            torch.stack([self.slots.row(slot) for _, slot in items], out=work.stage.rows[:len(items)])
             work.stage_into(experts)
         elif len(blocks) == 1:
-            blk = blocks.pop()
-            work.compute([e for e, _ in items], self._block_views[blk], [slot % b for _, slot in items])
+            work.compute(experts, self.slots.views[blocks.pop()], [r for _, r in where])
         elif work.batched:  # one batched call across blocks (as the resident backend computes the layer)
-            rows = torch.stack([self._slot_row(slot) for _, slot in items])
-            work.compute([e for e, _ in items], self.layout.layer_views(rows), None)
+            rows = torch.stack([self.slots.row(slot) for _, slot in items])
+            work.compute(experts, self.layout.layer_views(rows), None)
         else:  # one GEMM chain per expert, straight from its slot (no gather)
-            views = [self._block_views[slot // b] for _, slot in items]
-            work.compute_each([e for e, _ in items], [(v.gate[slot % b], v.up[slot % b], v.down[slot % b])
-                                                      for v, (_, slot) in zip(views, items)])
+            views = [(self.slots.views[blk], r) for blk, r in where]
+            work.compute_each(experts, [(v.gate[r], v.up[r], v.down[r]) for v, r in views])
+        self._release_slots(work, items)
+
+    def _release_slots(self, work: LayerWork, items: list[tuple[int, int]]):
+        """After the compute that read ``(expert, slot)`` items: record its fence for each slot (a later copy into
+        the slot waits for it) and unpin the experts. Returns the fence (None: nothing to wait for)."""
         fence = self.copier.compute_fence()
         for e, slot in items:
             if fence is not None:
                 self._last_use[slot] = fence
             self.cache.unpin((work.layer, e))
+        return fence
 
     def _maybe_prefetch(self, work: LayerWork) -> None:
         """Predict the next MoE layer's experts by applying its router to this layer's hidden state (Eliseev &
@@ -592,52 +409,6 @@ class CachedExecutor(ExpertExecutor):
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
         work.put(experts, out.to(self.device) if self.device.type != "cpu" else out)
 
-    def _run_streamed(self, work: LayerWork) -> None:
-        """Prefill: hits from their slots, everything else from the layer buffer; start copying the next MoE
-        layer (minus its cache hits) into the other buffer before computing."""
-        hits, rest = self._classify(work)
-        if self.faults.enabled and rest:
-            self.faults.check("expert_fetch", nbytes=len(rest) * self.layout.nbytes)
-        step = self.counters.step
-        idx, copied = self.streamer.acquire(work.layer, rest)
-        nxt = self._next.get(work.layer)
-        if nxt is not None:
-            copied += self.streamer.prefetch(nxt, [e for e in range(self.num_experts) if (nxt, e) not in self.cache])
-        step.streamed += copied
-        step.bytes_copied += copied * self.layout.nbytes
-        if use_triton(work.hidden):
-            self._run_streamed_fused(work, hits, idx, rest)
-            return
-        self._compute_slots(work, hits)
-        if rest:
-            self.copier.wait(self.streamer.ready[idx])
-            work.compute(rest, self.layout.layer_views(self.streamer.buffers[idx]), rest)
-            self.streamer.done_reading(idx, self.copier.compute_fence())
-
-    def _run_streamed_fused(self, work: LayerWork, hits: list[tuple[int, int]], idx: int, rest: list[int]) -> None:
-        """The streamed layer on CUDA: the cache hits join the layer buffer by device-to-device copies (a few
-        microseconds each, against a PCIe copy), then ONE fused MoE call computes the whole layer from the buffer
-        (``experts/kernels/fused_moe.py``) instead of a GEMM chain per expert."""
-        from ferrylm.experts.kernels.fused_moe import fused_moe
-
-        buf = self.streamer.buffers[idx]
-        if rest:
-            self.copier.wait(self.streamer.ready[idx])
-        items = sorted(hits)
-        self._wait_slots(items)
-        for e, slot in items:
-            buf[e].copy_(self._slot_row(slot))
-        self.streamer.have[idx].update(e for e, _ in items)
-        v = self.layout.layer_views(buf)
-        work.output = fused_moe(work.hidden, v.gate, v.up, v.down, work.topk_ids, work.topk_weights,
-                                math=work.math)
-        fence = self.copier.compute_fence()
-        for e, slot in items:
-            if fence is not None:
-                self._last_use[slot] = fence
-            self.cache.unpin((work.layer, e))
-        self.streamer.done_reading(idx, fence)
-
     # --- stats ------------------------------------------------------------------------------------------------
     def _fold_copy_times(self) -> None:
         self.copier.harvest()
@@ -651,16 +422,14 @@ class CachedExecutor(ExpertExecutor):
         otherwise they are folded at each step boundary)."""
         self._fold_copy_times()
 
-    def stats(self) -> dict:
-        """Counters (see :class:`~ferrylm.experts.stats.Counters`), the last step's, per-layer hits and misses,
-        and the cache shape (``num_slots``, ``expert_bytes``, ``pinned`` banks). Read-only, so the engine's
-        heartbeat thread may call it while a step runs; copy timings lag by up to one step
-        (:meth:`sync_stats`)."""
+    def stats(self) -> ExpertReport:
+        """See :meth:`ExpertExecutor.stats`: counters, per-layer hits and misses, and the cache's shape. Copy
+        timings lag by up to one step (:meth:`sync_stats`)."""
         cache = self.cache
-        d = self.counters.snapshot(cache.hits if cache else {}, cache.misses if cache else {})
-        d.update(backend=self.name, num_slots=cache.num_slots if cache else 0, expert_bytes=self.layout.nbytes,
-                 slot_blocks=len(self._blocks), slot_bytes=self.slot_storage_bytes(),
-                 pinned=self.banks.pinned, prefetch=self.prefetch,
-                 cpu_threads=self.cpu_pool.threads if self.cpu_pool else 0,
-                 cpu_kernel=self.cpu_pool.kernel_name if self.cpu_pool else None)
-        return d
+        report = self.counters.snapshot(self.name, cache.hits if cache else {}, cache.misses if cache else {},
+                                        num_slots=cache.num_slots if cache else 0)
+        report.cache = SlotCacheReport(
+            expert_bytes=self.layout.nbytes, slot_blocks=len(self.slots.blocks), slot_bytes=self.slot_storage_bytes(),
+            pinned=self.banks.pinned, prefetch=self.prefetch, cpu_threads=self.cpu_pool.threads if self.cpu_pool else 0,
+            cpu_kernel=self.cpu_pool.kernel_name if self.cpu_pool else None)
+        return report

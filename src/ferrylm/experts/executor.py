@@ -13,14 +13,21 @@ and clamps its SwiGLU (:class:`ExpertMath`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from ferrylm.experts.quantized import ExpertQuant, QuantTensor
+from ferrylm.experts.stats import ExpertReport
+from ferrylm.faults import NO_FAULTS, FaultInjector
+
+if TYPE_CHECKING:
+    from ferrylm.experts.banks import ExpertLayout
+
+Router = Callable[[torch.Tensor], torch.Tensor]  # hidden [T, H] -> predicted topk_ids [T, k]
 
 
 class ClampedSwiGLU(NamedTuple):
@@ -136,11 +143,67 @@ class LayerExperts:
                             math=None if self.math is None else self.math.to(device))
 
 
-class ExpertExecutor(ABC):
-    """Computes ``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` for every token t of a step, for one layer."""
+@dataclass(frozen=True)
+class ExpertNeeds:
+    """What a backend with a device slot cache needs from the memory plan: ``slot_bytes`` per expert slot,
+    ``fixed_bytes`` (prefill stream buffers and the offload device table), ``total_experts`` (slots that would hold
+    every routed expert), ``min_slots``, and ``backend`` (name, for messages)."""
 
-    #: whether :meth:`run` can hand a small step's expert GEMMs to the caller's graph (its ``stage`` argument)
-    stages = False
+    slot_bytes: int
+    fixed_bytes: int
+    total_experts: int
+    min_slots: int
+    backend: str = "offload"
+    step_slots: int = 0  # an automatically sized cache holds at least this many (one layer of a full decode step)
+
+    def bytes_for(self, slots: int) -> int:
+        return slots * self.slot_bytes + self.fixed_bytes
+
+
+class ExpertExecutor(ABC):
+    """Computes ``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` for every token t of a step, for one layer.
+
+    The whole contract between the experts and their callers (the MoE blocks, the model runner and its graphs, the
+    memory plan, the OOM guard, the tensor-parallel follower): callers use only what is defined here; every backend
+    (resident, offload, cpu, hybrid) implements it, the defaults being a backend without a slot cache.
+
+    Attributes:
+        name: the backend's ``--moe-backend`` name.
+        faults: the fault injector (point ``expert_fetch``); the engine sets it, the warmup turns it off.
+        min_slots: device slots the backend cannot work without (0: none, or no slot cache).
+    """
+
+    name: str = ""
+    faults: FaultInjector = NO_FAULTS
+    min_slots: int = 0
+
+    # --- wiring (when the model is built) ----------------------------------------------------------------------
+    def use_routers(self, routers: Mapping[int, Router]) -> None:
+        """Hand over how each MoE layer routes: ``routers[layer](hidden [T, H]) -> topk_ids [T, k]`` (the experts
+        the layer would choose for those activations); replaces any routers handed before. The model's decoder stack
+        calls this once when it is built; backends that prefetch apply layer L+1's router to layer L's hidden state
+        (Eliseev & Mazur 2023). Default: ignored."""
+
+    # --- the step ----------------------------------------------------------------------------------------------
+    @property
+    def graph_safe(self) -> bool:
+        """True when decode steps of at least :attr:`graph_min_tokens` sequences make no host decision inside the
+        step, so a whole step can be one CUDA graph. Default: False."""
+        return False
+
+    @property
+    def graph_min_tokens(self) -> int:
+        """The smallest decode step (tokens) a whole-step graph serves when :attr:`graph_safe`. Default: 1."""
+        return 1
+
+    def begin_step(self, num_tokens: int) -> None:
+        """Prepare a step of ``num_tokens`` tokens before it is launched (eager or a graph replay): host decisions
+        made between steps. The model runner (and each tensor-parallel follower) calls it before every step.
+        Default: nothing to prepare."""
+
+    def count_replayed_step(self, num_tokens: int) -> None:
+        """Count a step that ran as a whole-step CUDA graph replay of ``num_tokens`` padded tokens (its Python
+        :meth:`run` calls did not run). Default: nothing counted."""
 
     @property
     @abstractmethod
@@ -160,8 +223,8 @@ class ExpertExecutor(ABC):
             ids_and_predicted: ``[2T, k]`` int64, ``topk_ids`` followed by the next layer's predicted ids, when the
                 caller computed them ahead with :meth:`next_layer_predictor`'s router (the decode graphs do, inside
                 the layer's graph); None: an executor that prefetches predicts itself. Others ignore it.
-            stage: an :class:`~ferrylm.experts.work.ExpertStage` (decode graphs): an executor with ``stages`` may
-                put the step's expert rows and index there instead of computing them, and return None; the caller
+            stage: an :class:`~ferrylm.experts.work.ExpertStage` (decode graphs): an executor with a
+                :attr:`stage_layout` may put the step's expert rows and index there instead of computing them, and return None; the caller
                 then computes :func:`~ferrylm.experts.work.staged_moe_output` (inside a CUDA graph). Others ignore
                 it.
 
@@ -169,20 +232,57 @@ class ExpertExecutor(ABC):
             ``[T, H]`` in ``hidden``'s dtype; None only when the step was staged into ``stage``.
         """
 
-    def next_layer_predictor(self, layer_idx: int, num_tokens: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """The router whose prediction this executor would compute from layer ``layer_idx``'s input for a step of
+    def next_layer_predictor(self, layer_idx: int, num_tokens: int) -> Router | None:
+        """The router (one of :meth:`use_routers`') whose prediction this executor would compute from layer ``layer_idx``'s input for a step of
         ``num_tokens`` tokens (the next MoE layer's, with prefetch on), or None. A caller that computes it ahead
         passes the result to :meth:`run` as ``ids_and_predicted``. Default: None."""
         return None
 
-    def stats(self) -> dict:
-        """Counters for the engine's stats (hits, misses, bytes copied ...). Empty for backends without any."""
-        return {}
+    @property
+    def stage_layout(self) -> ExpertLayout | None:
+        """The row layout of the expert rows :meth:`run` puts in a ``stage`` (the decode graphs allocate the stage
+        with it); None: this backend never stages (it ignores ``stage``). Default: None."""
+        return None
 
-    def register_router(self, layer_idx: int, route: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Tell the executor how layer ``layer_idx`` routes: ``route(hidden [T, H]) -> topk_ids [T, k]`` (the
-        experts the layer would choose for those activations). The MoE block calls this once; backends that
-        prefetch apply layer L+1's router to layer L's hidden state (Eliseev & Mazur 2023). Default: ignored."""
+    # --- device memory (sized by the memory plan, given back to the OOM guard) ----------------------------------
+    def slot_needs(self) -> ExpertNeeds | None:
+        """What the memory plan must set aside for this backend's slot cache; None: no slot cache (the experts are
+        weights the plan measures with the model). Default: None."""
+        return None
+
+    def reserve(self, budget_bytes: int | None = None) -> int:
+        """Allocate the device slot cache within ``budget_bytes`` (None: no budget); returns the slots made.
+        Default: 0 (no slot cache)."""
+        return 0
+
+    @property
+    def num_slots(self) -> int:
+        """Device expert slots held now (slots). Default: 0."""
+        return 0
+
+    @property
+    def slot_bytes(self) -> int:
+        """Device bytes per slot (bytes; 0: no slot cache)."""
+        return 0
+
+    def shrink_slots(self, n: int) -> int:
+        """Give up at least ``n`` slots between steps; returns the device bytes released (0: nothing could go).
+        Never raises. Default: 0."""
+        return 0
+
+    def grow_slots(self, n: int) -> int:
+        """Add up to ``n`` slots between steps; returns the slots added (0 when memory is short). Default: 0."""
+        return 0
+
+    # --- stats -------------------------------------------------------------------------------------------------
+    @abstractmethod
+    def stats(self) -> ExpertReport:
+        """Counters and the cache's shape for the engine's stats; read-only, so the heartbeat thread may call it
+        while a step runs."""
+
+    def sync_stats(self) -> None:
+        """Fold timings still pending (copy timings) into the counters now; call from the thread that runs the
+        model. Default: nothing pending."""
 
     def close(self) -> None:
         """Release threads and device memory held by the executor. Default: nothing to release."""

@@ -35,6 +35,7 @@ import time
 from ferrylm.experts.cached import CachedExecutor
 from ferrylm.experts.options import Bandwidths
 from ferrylm.experts.share_tuner import FixedShare, ShareTuner
+from ferrylm.experts.stats import ExpertReport
 from ferrylm.experts.work import LayerWork
 
 
@@ -119,9 +120,9 @@ class HybridExecutor(CachedExecutor):
         if fetch:
             self._fetch(nxt, fetch, prefetch=True)
 
-    def stats(self) -> dict:
+    def stats(self) -> ExpertReport:
         """:meth:`CachedExecutor.stats` plus ``cpu_share``: per step size (tokens), the CPU share in use and the
         one the last climb settled on (None while the first climb runs)."""
-        d = super().stats()
-        d["cpu_share"] = {t: {"share": tu.share, "settled": tu.settled} for t, tu in list(self._tuners.items())}
-        return d
+        report = super().stats()
+        report.cpu_share = {t: {"share": tu.share, "settled": tu.settled} for t, tu in list(self._tuners.items())}
+        return report

@@ -18,7 +18,7 @@ import torch
 
 from ferrylm.experts.cpu_kernel import NativeExpertKernel
 from ferrylm.experts.executor import ExpertExecutor, LayerExperts
-from ferrylm.experts.stats import ExpertStats
+from ferrylm.experts.stats import ExpertReport, ExpertStats
 from ferrylm.experts.work import ExpertGroups, LayerWork, group_by_expert, is_small_step, swiglu_expert
 
 @functools.cache
@@ -98,8 +98,8 @@ class ResidentExecutor(ExpertExecutor):
         return first.expert_bytes if first is not None else 0
 
     def count_replayed_step(self, num_tokens: int) -> None:
-        """Count a step that ran as a CUDA graph replay (its Python :meth:`run` calls did not run; the distinct
-        experts were counted on the device by the graph)."""
+        """See :meth:`ExpertExecutor.count_replayed_step` (the distinct experts were counted on the device by the
+        graph)."""
         self.counters.open_step(num_tokens)
 
     def run(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
@@ -147,13 +147,11 @@ class ResidentExecutor(ExpertExecutor):
         """Drop the device copies of the experts."""
         self.layers = {}
 
-    def stats(self) -> dict:
+    def stats(self) -> ExpertReport:
         """Steps, tokens and experts used (every one a hit: all are resident)."""
-        d = self.counters.snapshot({}, {})
+        report = self.counters.snapshot(self.name, {}, {})
         if self._used is not None:  # fused path: one small device read, off the hot path (stats / heartbeats)
             used = int(self._used.item())
-            d["needed"] += used
-            d["hits"] += used
-            d["hit_rate"] = 1.0
-        d.update(backend=self.name, num_slots=0)
-        return d
+            report.totals.needed += used
+            report.totals.hits += used
+        return report

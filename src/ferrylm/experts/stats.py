@@ -6,7 +6,7 @@ layer index that does not increase starts the next step.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass
@@ -93,15 +93,64 @@ class ExpertStats:
             self.last = self.step
         self.step = Counters()
 
-    def snapshot(self, layer_hits: dict[int, int], layer_misses: dict[int, int]) -> dict:
-        """Totals (including the open step), ``last_step``, and per-layer ``layer_hits`` / ``layer_misses``
-        lists aligned with ``layers`` (lists, not int-keyed maps, so msgpack round-trips them)."""
+    def snapshot(self, backend: str, layer_hits: dict[int, int], layer_misses: dict[int, int], *,
+                 num_slots: int = 0) -> "ExpertReport":
+        """Totals (including the open step), the last step, and per-layer hits and misses aligned with ``layers``."""
         cur = Counters()
         cur.add(self.total)
         cur.add(self.step)
-        d = cur.as_dict()
-        d["last_step"] = (self.step if self.step.steps and not self.last.steps else self.last).as_dict()
-        d["layers"] = list(self.layers)
-        d["layer_hits"] = [layer_hits.get(i, 0) for i in self.layers]
-        d["layer_misses"] = [layer_misses.get(i, 0) for i in self.layers]
+        last = Counters()
+        last.add(self.step if self.step.steps and not self.last.steps else self.last)
+        return ExpertReport(backend=backend, totals=cur, last_step=last, layers=list(self.layers),
+                            layer_hits=[layer_hits.get(i, 0) for i in self.layers],
+                            layer_misses=[layer_misses.get(i, 0) for i in self.layers], num_slots=num_slots)
+
+
+@dataclass
+class SlotCacheReport:
+    """The shape of an offloading backend's cache: ``expert_bytes`` per slot row (bytes), ``slot_blocks`` and
+    ``slot_bytes`` (device bytes the blocks hold now), ``pinned`` (page-locked host banks), ``prefetch`` (on),
+    ``cpu_threads`` / ``cpu_kernel`` of its CPU expert pool (0 / None: none)."""
+
+    expert_bytes: int
+    slot_blocks: int
+    slot_bytes: int
+    pinned: bool
+    prefetch: bool
+    cpu_threads: int = 0
+    cpu_kernel: str | None = None
+
+
+@dataclass
+class ExpertReport:
+    """What an executor reports (``ExpertExecutor.stats``).
+
+    Attributes:
+        backend: its name. totals: cumulative counters, the open step included. last_step: the last finished step's
+            (the open one before any finished). layers: MoE layer indices; layer_hits / layer_misses: aligned with
+            them. num_slots: device slots (0: resident). cache: the slot cache's shape (offloading backends).
+        cpu_share: hybrid: per step size (tokens), ``{"share", "settled"}`` of its CPU share chooser.
+    """
+
+    backend: str
+    totals: Counters
+    last_step: Counters
+    layers: list[int]
+    layer_hits: list[int]
+    layer_misses: list[int]
+    num_slots: int = 0
+    cache: SlotCacheReport | None = None
+    cpu_share: dict[int, dict] | None = field(default=None)
+
+    def as_dict(self) -> dict:
+        """The engine's ``stats()["experts"]``: the totals' fields (:meth:`Counters.as_dict`) at the top level,
+        ``last_step``, the per-layer lists (lists, not int-keyed maps, so msgpack round-trips them), ``backend``,
+        ``num_slots``, the cache's fields and ``cpu_share`` when present."""
+        d = self.totals.as_dict()
+        d.update(last_step=self.last_step.as_dict(), layers=list(self.layers), layer_hits=list(self.layer_hits),
+                 layer_misses=list(self.layer_misses), backend=self.backend, num_slots=self.num_slots)
+        if self.cache is not None:
+            d.update(asdict(self.cache))
+        if self.cpu_share is not None:
+            d["cpu_share"] = self.cpu_share
         return d

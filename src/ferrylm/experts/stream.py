@@ -1,4 +1,5 @@
-"""Prefill layer streaming: two layer-sized device buffers, layer L+1 copying while layer L computes.
+"""Prefill layer streaming: two layer-sized device buffers, layer L+1 copying while layer L computes
+(:class:`LayerStreamer`), and the offloading backends' streamed layer (:class:`StreamedPrefill`).
 
 A prefill chunk of many tokens touches nearly every expert of every layer, so per-expert cache decisions buy
 nothing: the whole layer has to cross PCIe anyway. Each buffer is ``[E, S]`` (one layer's expert rows) and
@@ -15,6 +16,7 @@ import torch
 
 from ferrylm.experts.banks import HostBanks
 from ferrylm.experts.transfer import CopyEngine
+from ferrylm.triton_util import use_triton
 
 
 class LayerStreamer:
@@ -81,3 +83,61 @@ class LayerStreamer:
     def done_reading(self, idx: int, fence) -> None:
         """Record the compute fence after the reads of buffer ``idx``."""
         self.last_use[idx] = fence
+
+
+class StreamedPrefill:
+    """The streamed layer of the offloading backends (module docstring): mixed into
+    :class:`~ferrylm.experts.cached.CachedExecutor`, whose slot cache, copy engine and counters it uses."""
+
+    def stream_bytes(self) -> int:
+        """Device bytes of the prefill double buffer (0 when streaming is off)."""
+        return 2 * self.num_experts * self.layout.nbytes if self.options.stream_prefill else 0
+
+    def _streams(self, num_tokens: int, top_k: int) -> bool:
+        """A step of ``num_tokens`` tokens choosing ``top_k`` experts each streams its layers."""
+        if self.streamer is None:
+            return False
+        if self.options.stream_min_tokens is not None:
+            return num_tokens >= self.options.stream_min_tokens
+        return num_tokens * top_k >= self.num_experts
+
+    def _run_streamed(self, work) -> None:
+        """Prefill: hits from their slots, everything else from the layer buffer; start copying the next MoE
+        layer (minus its cache hits) into the other buffer before computing."""
+        hits, rest = self._classify(work)
+        if self.faults.enabled and rest:
+            self.faults.check("expert_fetch", nbytes=len(rest) * self.layout.nbytes)
+        step = self.counters.step
+        idx, copied = self.streamer.acquire(work.layer, rest)
+        nxt = self._next.get(work.layer)
+        if nxt is not None:
+            copied += self.streamer.prefetch(nxt, [e for e in range(self.num_experts) if (nxt, e) not in self.cache])
+        step.streamed += copied
+        step.bytes_copied += copied * self.layout.nbytes
+        if use_triton(work.hidden):
+            self._run_streamed_fused(work, hits, idx, rest)
+            return
+        self._compute_slots(work, hits)
+        if rest:
+            self.copier.wait(self.streamer.ready[idx])
+            work.compute(rest, self.layout.layer_views(self.streamer.buffers[idx]), rest)
+            self.streamer.done_reading(idx, self.copier.compute_fence())
+
+    def _run_streamed_fused(self, work, hits: list[tuple[int, int]], idx: int, rest: list[int]) -> None:
+        """The streamed layer on CUDA: the cache hits join the layer buffer by device-to-device copies (a few
+        microseconds each, against a PCIe copy), then ONE fused MoE call computes the whole layer from the buffer
+        (``experts/kernels/fused_moe.py``) instead of a GEMM chain per expert."""
+        from ferrylm.experts.kernels.fused_moe import fused_moe
+
+        buf = self.streamer.buffers[idx]
+        if rest:
+            self.copier.wait(self.streamer.ready[idx])
+        items = sorted(hits)
+        self._wait_slots(items)
+        for e, slot in items:
+            buf[e].copy_(self.slots.row(slot))
+        self.streamer.have[idx].update(e for e, _ in items)
+        v = self.layout.layer_views(buf)
+        work.output = fused_moe(work.hidden, v.gate, v.up, v.down, work.topk_ids, work.topk_weights,
+                                math=work.math)
+        self.streamer.done_reading(idx, self._release_slots(work, items))

@@ -33,12 +33,15 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from ferrylm.memory.plan import gib
 from ferrylm.memory.probe import free_bytes, release_cached
+
+if TYPE_CHECKING:
+    from ferrylm.experts.executor import ExpertExecutor
 
 log = logging.getLogger("ferrylm.memory")
 
@@ -145,25 +148,23 @@ class NoElasticCache:
 
 
 class ExecutorSlotCache:
-    """:class:`ElasticCache` over an expert executor that implements ``shrink_slots(n) -> bytes freed`` and
-    ``grow_slots(n) -> slots added`` (the offloading backends; see the module docstring of
-    ``experts/cached.py``)."""
+    """:class:`ElasticCache` over an expert executor's slot cache (``ExpertExecutor.shrink_slots`` / ``grow_slots``:
+    the offloading backends, ``experts/slots.py``)."""
 
-    def __init__(self, executor):
+    def __init__(self, executor: ExpertExecutor):
         self.executor = executor
 
     @property
     def num_slots(self) -> int:
-        cache = getattr(self.executor, "cache", None)
-        return int(cache.num_slots) if cache is not None else 0
+        return self.executor.num_slots
 
     @property
     def slot_bytes(self) -> int:
-        return int(self.executor.layout.nbytes)
+        return self.executor.slot_bytes
 
     @property
     def min_slots(self) -> int:
-        return int(getattr(self.executor, "min_slots", 0))
+        return self.executor.min_slots
 
     def shrink(self, n: int) -> int:
         return int(self.executor.shrink_slots(n))
@@ -177,11 +178,10 @@ class ExecutorSlotCache:
             raise
 
 
-def elastic_cache_of(executor) -> ElasticCache:
-    """The executor's elastic slot cache, or :class:`NoElasticCache` when it has none (resident backend, dense
-    model, or a backend without ``shrink_slots`` / ``grow_slots``)."""
-    if executor is not None and callable(getattr(executor, "shrink_slots", None)) and \
-            callable(getattr(executor, "grow_slots", None)):
+def elastic_cache_of(executor: ExpertExecutor | None) -> ElasticCache:
+    """The executor's elastic slot cache, or :class:`NoElasticCache` when it has none (a dense model, or a backend
+    without a slot cache: ``slot_needs()`` is None, e.g. resident)."""
+    if executor is not None and executor.slot_needs() is not None:
         return ExecutorSlotCache(executor)
     return NoElasticCache()
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ferrylm.errors import FerryError
+from ferrylm.experts.executor import ExpertNeeds
 from ferrylm.memory.probe import GiB, MiB, ProcessUsage
 
 DEFAULT_MIN_KV_TOKENS = 512
@@ -67,34 +68,6 @@ def default_reserve(free_bytes: int, memory_ratio: float = 0.9) -> int:
 def gib(n: float) -> str:
     """``n`` bytes as ``"1.23 GiB"`` (or MiB below 1 GiB)."""
     return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.1f} MiB"
-
-
-@dataclass(frozen=True)
-class ExpertNeeds:
-    """What an offloading expert backend needs from the plan: ``slot_bytes`` per expert slot, ``fixed_bytes``
-    (prefill stream buffers and the offload device table), ``total_experts`` (slots that would hold every routed expert), ``min_slots``, and
-    ``backend`` (name, for messages)."""
-
-    slot_bytes: int
-    fixed_bytes: int
-    total_experts: int
-    min_slots: int
-    backend: str = "offload"
-    step_slots: int = 0  # an automatically sized cache holds at least this many (one layer of a full decode step)
-
-    def bytes_for(self, slots: int) -> int:
-        return slots * self.slot_bytes + self.fixed_bytes
-
-
-def expert_needs(executor) -> ExpertNeeds | None:
-    """The :class:`ExpertNeeds` of an executor with a device slot cache (duck-typed on ``plan_slots`` /
-    ``layout`` / ``banks``), or None (resident or dense: experts are weights)."""
-    if executor is None or not hasattr(executor, "plan_slots") or not hasattr(executor, "layout"):
-        return None
-    banks = executor.banks
-    return ExpertNeeds(slot_bytes=int(executor.layout.nbytes), fixed_bytes=int(executor.stream_bytes()) + int(getattr(executor, "table_bytes", lambda: 0)()),
-                       total_experts=len(banks.layers) * int(executor.num_experts),
-                       min_slots=int(getattr(executor, "min_slots", 0)), backend=str(getattr(executor, "name", "?")))
 
 
 @dataclass(frozen=True)

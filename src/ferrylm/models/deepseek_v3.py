@@ -42,7 +42,7 @@ from ferrylm.models.glm4_moe import _int_field, skips_mtp_layer
 from ferrylm.models.latent_attention import LatentProjection
 from ferrylm.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, rope_frequencies
 from ferrylm.models.llama import DecoderLayer, DecoderStack, LlamaForCausalLM
-from ferrylm.models.moe import router_has_bias
+from ferrylm.models.moe import hand_routers, router_has_bias
 from ferrylm.models.sigmoid_moe import SigmoidMoeBlock, SigmoidRouting, check_sigmoid_config
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: the reference builds them with its RMSNorm default
@@ -194,6 +194,7 @@ class LatentDecoderStack(DecoderStack):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LatentDecoderLayer(config, i, self.rotary, mlp, shape) for i, mlp in enumerate(mlps))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        hand_routers(mlps)
 
 
 def deepseek_routing(config: ModelConfig) -> SigmoidRouting:

@@ -32,7 +32,7 @@ from ferrylm.models.attention import AttentionBackend
 from ferrylm.models.deepseek_v4_layers import (AttentionShape, HyperShape, Rope, V4Attention, hyper_head,
                                                hyper_merge, hyper_weights)
 from ferrylm.models.layers import RMSNorm, rope_frequencies
-from ferrylm.models.moe import router_has_bias
+from ferrylm.models.moe import hand_routers, router_has_bias
 from ferrylm.models.sigmoid_moe import SigmoidMoeBlock, SigmoidRouting
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -218,11 +218,12 @@ class V4DecoderLayer(nn.Module):
 
 
 class V4Layers(nn.Module):
-    """The decoder layers (``model.layers``)."""
+    """The decoder layers (``model.layers``); the MoE blocks' executor gets their routers here (``hand_routers``)."""
 
     def __init__(self, layers: list[V4DecoderLayer]):
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        hand_routers([layer.mlp for layer in layers])
 
 
 class DeepseekV4ForCausalLM(nn.Module):

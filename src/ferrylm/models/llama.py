@@ -19,6 +19,7 @@ from ferrylm.errors import ModelLoadError
 from ferrylm.experts.executor import ClampedSwiGLU, ExpertExecutor
 from ferrylm.models.attention import AttentionBackend
 from ferrylm.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLUMLP, config_rope_frequencies
+from ferrylm.models.moe import hand_routers
 
 log = logging.getLogger("ferrylm.models")
 
@@ -106,7 +107,7 @@ class DecoderStack(nn.Module):
 
     Args:
         config: model config.
-        mlps: one MLP module per layer.
+        mlps: one MLP module per layer (the MoE blocks' executor gets their routers here: ``hand_routers``).
         device: where the RoPE tables are built (see :class:`RotaryEmbedding`).
         attention_kwargs: passed to every :class:`DecoderLayer`.
         partial_rotary: the family rotates only part of each head (``rotary_dim`` / ``partial_rotary_factor``).
@@ -120,6 +121,7 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary, mlp, attention_kwargs)
                                     for i, mlp in enumerate(mlps))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        hand_routers(mlps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """``input_ids [T]``, ``positions [T]`` -> normed hidden ``[T, H]``."""

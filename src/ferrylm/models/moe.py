@@ -128,8 +128,7 @@ class SparseMoeBlock(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.gate = nn.Linear(hidden_size, num_experts, bias=router_bias)
-        self.executor = executor
-        executor.register_router(layer_idx, self.predict_experts)  # an offloading executor may predict this layer
+        self.executor = executor  # it gets this block's router with the others' (hand_routers, at the stack's build)
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
         self.routing = None           # a RoutingModel (synthetic routing=<profile>), set by the synthetic builder
@@ -175,3 +174,12 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is None:
             return None
         return torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+
+
+def hand_routers(mlps) -> None:
+    """Point the executor of the MoE blocks among ``mlps`` (a model's per-layer MLP modules, in layer order) at
+    their routers: one ``use_routers({layer: block.predict_experts})`` call (the decoder stacks make it when a model
+    is built; whoever points the blocks at another executor makes it again). No MoE block: nothing to hand."""
+    blocks = [m for m in mlps if isinstance(m, SparseMoeBlock)]
+    if blocks:
+        blocks[0].executor.use_routers({b.layer_idx: b.predict_experts for b in blocks})

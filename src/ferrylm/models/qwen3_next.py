@@ -49,7 +49,7 @@ from ferrylm.experts.executor import ExpertExecutor
 from ferrylm.models.attention import AttentionBackend
 from ferrylm.models.kernels import gated_delta as gd
 from ferrylm.models.layers import RotaryEmbedding, SwiGLUMLP, config_rotary_dim
-from ferrylm.models.moe import SparseMoeBlock, check_moe_config, router_has_bias, sparse_layer_indices
+from ferrylm.models.moe import SparseMoeBlock, check_moe_config, hand_routers, router_has_bias, sparse_layer_indices
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -415,7 +415,8 @@ class HybridDecoderLayer(nn.Module):
 
 
 class HybridStack(nn.Module):
-    """Embedding, hybrid decoder layers, final zero-centred norm (HF ``model.*``)."""
+    """Embedding, hybrid decoder layers, final zero-centred norm (HF ``model.*``); the MoE blocks' executor gets
+    their routers here (``hand_routers``)."""
 
     def __init__(self, config: ModelConfig, mlps: list[nn.Module], linear_cls: type[GatedDeltaNet],
                  device: torch.device | str | None = None):
@@ -426,6 +427,7 @@ class HybridStack(nn.Module):
         self.layers = nn.ModuleList(HybridDecoderLayer(config, i, kinds[i], self.rotary, mlp, linear_cls)
                                     for i, mlp in enumerate(mlps))
         self.norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        hand_routers(mlps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

@@ -36,6 +36,7 @@ from ferrylm.experts.executor import ExpertExecutor
 from ferrylm.models.attention import AttentionBackend
 from ferrylm.models.indexed_attention import IndexQuery, block_scores, select_blocks, token_mask
 from ferrylm.models.layers import RotaryEmbedding, apply_rotary_full, config_rotary_dim
+from ferrylm.models.moe import hand_routers
 from ferrylm.models.ple import PleLayer, PleShape, PleTable, step_ngrams
 from ferrylm.models.qwen3_next import (FULL, GATE_ACTIVATIONS, LINEAR, GatedAttention, GroupedRMSNorm, LinearShape,
                                        Qwen3_5MoeForCausalLM, Qwen35GatedDeltaNet, ZeroCentredRMSNorm, _int,
@@ -208,7 +209,8 @@ class Qwen4DecoderLayer(nn.Module):
 
 
 class Qwen4Stack(nn.Module):
-    """Embedding repeated over the streams, the decoder layers, the final mixer (HF ``model.*``)."""
+    """Embedding repeated over the streams, the decoder layers, the final mixer (HF ``model.*``); the MoE blocks'
+    executor gets their routers here (``hand_routers``)."""
 
     def __init__(self, config: ModelConfig, mlps: list[nn.Module], device: torch.device | str | None = None):
         super().__init__()
@@ -222,6 +224,7 @@ class Qwen4Stack(nn.Module):
         self.hyper_connection_mixer = HyperConnection(config.hidden_size, self.streams,
                                                       _int(config.raw, "hc_lowrank", 320), config.rms_norm_eps,
                                                       inject=False)
+        hand_routers(mlps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids).repeat(1, self.streams)

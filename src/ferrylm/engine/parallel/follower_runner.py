@@ -65,7 +65,7 @@ class FollowerRunner:
             self._runner = header.runner
             log.info("tensor parallel rank %d: KV pool of %d pages x %d tokens (runner %d)", self.group.rank,
                      header.num_pages, header.page_size, header.runner)
-        if header.expert_budget != self._budget and hasattr(self.executor, "reserve"):
+        if header.expert_budget != self._budget and self.executor is not None:
             self.executor.reserve(header.expert_budget if header.expert_budget >= 0 else None)
             self._budget = header.expert_budget
         return self.pool
@@ -74,9 +74,8 @@ class FollowerRunner:
     def run(self, header: StepHeader, packed: torch.Tensor) -> None:
         """One forward of ``header.num_tokens`` tokens; the hidden states are dropped (rank 0 samples)."""
         pool = self._pool_for(header)
-        begin = getattr(self.executor, "begin_step", None)
-        if begin is not None:
-            begin(header.num_tokens)
+        if self.executor is not None:
+            self.executor.begin_step(header.num_tokens)
         host = host_step(header, packed)
         device = self.group.device
         if device.type == "cuda":
