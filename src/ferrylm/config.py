@@ -281,8 +281,7 @@ class EngineConfig:
     """
 
     device: str = flag("auto", "auto | cpu | cuda[:N]")
-    dtype: str = flag("auto", "auto (bfloat16 on CUDA and on a CPU with avx512_bf16 / amx_bf16, else "
-                              "float32) | float32 | bfloat16 | float16")
+    dtype: str = flag("auto", "auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16")
     page_size: int = flag(16, "tokens per KV page")
     num_pages: int | None = flag(None, "KV pool size in pages (wins over --num-tokens)",
                                  default_text="sized by the memory plan")

@@ -224,7 +224,7 @@ def test_the_watchdog_knows_prefill_speed_before_the_first_request(expert_checkp
 
 
 def test_cpu_bf16_support_is_read_from_the_cpu_flags(tmp_path):
-    from ferrylm.engine.engine import cpu_has_native_bf16
+    from ferrylm.engine.boot import cpu_has_native_bf16
 
     amx, avx2, other = tmp_path / "amx", tmp_path / "avx2", tmp_path / "other"
     amx.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f amx_bf16 amx_tile\n")
@@ -234,17 +234,3 @@ def test_cpu_bf16_support_is_read_from_the_cpu_flags(tmp_path):
     assert cpu_has_native_bf16(str(avx2)) is False
     assert cpu_has_native_bf16(str(other)) is None
     assert cpu_has_native_bf16(str(tmp_path / "missing")) is None
-
-
-def test_dtype_auto_on_a_cpu_is_bfloat16_only_with_bf16_instructions(tmp_path):
-    from ferrylm.engine.engine import resolve_dtype
-
-    bf16, avx2 = tmp_path / "bf16", tmp_path / "avx2"
-    bf16.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n")
-    avx2.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 fma\n")
-    cpu = torch.device("cpu")
-    assert resolve_dtype("auto", cpu, str(bf16)) == torch.bfloat16
-    assert resolve_dtype("auto", cpu, str(avx2)) == torch.float32
-    assert resolve_dtype("auto", cpu, str(tmp_path / "missing")) == torch.float32
-    assert resolve_dtype("float32", cpu, str(bf16)) == torch.float32
-    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16

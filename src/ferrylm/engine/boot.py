@@ -25,8 +25,8 @@ from ferrylm.engine.ple_choice import resolve_ple_backend
 from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.engine.cache.kv_pool import KVLayout
 from ferrylm.engine.cache.state_pool import StateLayout
-from ferrylm.engine.engine import (Engine, EngineLimits, cpu_has_native_bf16, limits_with_pages, resolve_device,
-                                   resolve_dtype, state_snapshot_count)
+from ferrylm.engine.engine import (Engine, EngineLimits, limits_with_pages, resolve_device, resolve_dtype,
+                                   state_snapshot_count)
 from ferrylm.engine.expert_choice import check_host_memory, resolve_expert_backend
 from ferrylm.engine.profile import WarmupShape, Workspace, profile_workspace, warm_up
 from ferrylm.experts import ExpertOptions, backend_name
@@ -115,7 +115,7 @@ def build_engine(model_path: str | Path, config: EngineConfig, tp=None,
 
 
 def resolve_target(model_path: str | Path, config: EngineConfig, device: torch.device) -> BootTarget:
-    """The dtype (``auto``: :func:`resolve_dtype`'s, and bfloat16 for a synthetic model, which is built in it)
+    """The dtype (``auto``: float32 on the CPU, bfloat16 on CUDA and for a synthetic model, which is built in it)
     and the config this device honours; caps the CUDA allocator at ``--gpu-memory-limit``."""
     dtype = resolve_dtype(config.dtype, device)
     if config.dtype == "auto" and is_synthetic_folder(model_path):  # load_model builds it; bf16 halves its bytes
@@ -407,6 +407,20 @@ def apply_memory_limit(device: torch.device, gpu_memory_limit: float | None) -> 
     device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_memory_limit * 2**30 / total), device)
+
+
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
+    """True when the host CPU lists ``avx512_bf16`` or ``amx_bf16`` among its flags (Linux ``/proc/cpuinfo``),
+    False when it lists neither, None when that cannot be read (not Linux)."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[-1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        return None
+    return None
 
 
 def _gib(v: float | None) -> int | None:

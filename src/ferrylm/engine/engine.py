@@ -56,28 +56,11 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device, cpuinfo: str = "/proc/cpuinfo") -> torch.dtype:
-    """The model dtype of ``--dtype name`` on ``device``: ``"auto"`` is bfloat16 on CUDA, and on the CPU bfloat16
-    when the host has bfloat16 instructions (:func:`cpu_has_native_bf16` of ``cpuinfo``), else float32."""
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``"auto"`` → float32 on CPU, bfloat16 on CUDA."""
     if name == "auto":
-        if device.type == "cpu":
-            return torch.bfloat16 if cpu_has_native_bf16(cpuinfo) else torch.float32
-        return torch.bfloat16
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
-    """True when the host CPU lists ``avx512_bf16`` or ``amx_bf16`` among its flags (Linux ``/proc/cpuinfo``),
-    False when it lists neither, None when that cannot be read (not Linux)."""
-    try:
-        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[-1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        return None
-    return None
 
 
 @dataclass(frozen=True)
