@@ -44,6 +44,12 @@ def options(backend: str, cache_size: int | None, **kw) -> ExpertOptions:
     return ExpertOptions(backend=backend, cache_size=cache_size, bandwidths=TEST_BANDWIDTHS, **kw)
 
 
+def exact_options() -> ExpertOptions:
+    """Resident experts computed by dequantize-then-GEMM on a CPU (``--moe-cpu-kernel torch``): logits equal a
+    float32 reference to rounding, for parity tests against the format's own dequantizer."""
+    return ExpertOptions(backend="resident", cpu_kernel="torch")
+
+
 # The native CPU kernels' integer kinds (int4, int8, fp4, GGML blocks) read 8-bit activations (each input rounded
 # by up to 1/254 of its 32-block's largest magnitude, as ggml's CPU backend does), so the backends that compute
 # experts on the CPU agree with dequantize-then-GEMM to this relative error, the others to float32 rounding.

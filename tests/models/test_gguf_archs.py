@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf import GGUFWriter
+from tests.experts.helpers import exact_options
 from tests.models.gguf_arch_files import VOCAB, build_hf, dequantized_folder, write_arch_gguf
 from tests.models.gguf_moe_files import CHAT_TEMPLATE
 from tests.models.hf_checkpoints import token_ids
@@ -32,7 +33,7 @@ def _parity(tmp_path, case: str, family: str, types=None, overrides=None, **kw):
     hf = build_hf(case, tmp_path / "hf", **(overrides or {}))
     path = write_arch_gguf(hf, tmp_path / f"{family}.gguf", family, types, **kw)
     ref_dir = dequantized_folder(hf, path, tmp_path / "ref", family) if types else hf
-    served, ref = load_model(path), load_model(ref_dir)
+    served, ref = load_model(path, moe_backend=exact_options()), load_model(ref_dir, moe_backend=exact_options())
     assert served.config.architecture == ref.config.architecture
     ids = token_ids(24, VOCAB, seed=3)
     want = full_logits(ref.model, ids)

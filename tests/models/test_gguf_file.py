@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from tests.experts.helpers import greedy_trace, options
+from tests.experts.helpers import exact_options, greedy_trace, options
 from tests.models.gguf_moe_files import CHAT_TEMPLATE
 from tests.models.hf_checkpoints import token_ids
 from tests.models.quant_checkpoints import dense_reference
@@ -64,7 +64,7 @@ def test_qwen3moe_gguf_is_served_from_its_file(tmp_path, monkeypatch, caplog):
     assert (quant.gate_up.describe(), quant.down.describe()) == ("Q4_K (ggml blocks)", "Q6_K (ggml blocks)")
     assert quant.gate_up.bits_per_weight(2 * I, H) == 4.5 and quant.down.bits_per_weight(H, I) == 6.5625
     with caplog.at_level("INFO", logger="ferrylm.models"):
-        loaded = load_model(resolved.path)
+        loaded = load_model(resolved.path, moe_backend=exact_options())
     assert "down Q6_K (ggml blocks), 5.19 bits/weight in memory (5.19 in the file)" in caplog.text
     codec = TextCodec.from_pretrained(resolved.path)
     assert _listing(tmp_path) == before and not cache.exists()  # nothing written, no folder in the cache
@@ -118,7 +118,7 @@ def test_qwen3moe_gguf_is_served_from_its_file(tmp_path, monkeypatch, caplog):
     # every backend: the same greedy tokens
     prompt = token_ids(8, VOCAB, seed=9).tolist()
     want = greedy_trace(loaded.model, prompt, 4)[0]
-    for backend in ("offload", "cpu", "hybrid"):
+    for backend in ("resident", "offload", "cpu", "hybrid"):   # resident: the native kernel, the CPU default
         assert greedy_trace(load_model(path, moe_backend=options(backend, 1)).model, prompt, 4)[0] == want, backend
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from tests.experts.helpers import greedy_trace, options
+from tests.experts.helpers import exact_options, greedy_trace, options
 from tests.models.gguf_moe_files import (CHAT_TEMPLATE, byte_vocab, pack_q4_k, pack_q6_k, permute_rope_rows,
                                         write_moe_gguf)
 from tests.models.hf_checkpoints import _randomize_, token_ids
@@ -104,7 +104,7 @@ def _gguf_reference(path, where, arch, cfg) -> dict[str, torch.Tensor]:
 def _check(tmp_path, hf_dir, path, where, arch, want_formats) -> None:
     cfg = json.loads((hf_dir / "config.json").read_text())
     assert TextCodec.from_pretrained(path).chat_template == CHAT_TEMPLATE
-    loaded = load_model(path)
+    loaded = load_model(path, moe_backend=exact_options())
     quant = loaded.executor.layers[next(iter(loaded.executor.layers))]
     assert isinstance(quant.gate, QuantTensor)
     assert (quant.gate.fmt.describe(), quant.down.fmt.describe()) == want_formats
@@ -124,7 +124,7 @@ def _check(tmp_path, hf_dir, path, where, arch, want_formats) -> None:
     assert err <= 1e-4
     prompt = token_ids(8, VOCAB, seed=9).tolist()
     want = greedy_trace(loaded.model, prompt, 4)[0]
-    for backend in ("offload", "cpu", "hybrid"):
+    for backend in ("resident", "offload", "cpu", "hybrid"):   # resident: the native kernel, the CPU default
         assert greedy_trace(load_model(path, moe_backend=options(backend, 1)).model, prompt, 4)[0] == want
 
 
