@@ -1,4 +1,4 @@
-"""``ferry bench accelerate``: the comparison baseline of issue 5 — the same architecture and GPU cap through
+"""``ferry bench accelerate``: the comparison baseline: the same architecture and GPU cap through
 transformers + accelerate offload (``device_map`` with ``max_memory``), greedy decode tok/s.
 
 How the model is made (peak host RAM ~ the offloaded bytes, never the model twice):

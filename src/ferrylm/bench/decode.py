@@ -3,7 +3,7 @@
 For each backend: one warm-up request, then ``--batch`` requests of ``--prompt-len`` random prompt tokens decoding
 ``--tokens`` tokens each (EOS ignored; greedy, or ``--temperature`` sampling seeded per request). NOTE: greedy
 decoding of a random-weight ``synthetic:`` model soon repeats itself, so each layer keeps routing to the same
-experts and the hit rate climbs to ~99 %; sampling (``--temperature 1``) keeps the routing moving. That holds for
+experts and the hit rate climbs towards 100 %; sampling (``--temperature 1``) keeps the routing moving. That holds for
 ``routing=router`` only: with a routing profile (``synthetic:<preset>:routing=<profile>``, the default for the
 Qwen-MoE and OLMoE presets) the experts follow the profile's calibrated locality whatever the tokens are
 (docs/ROUTING.md); without per-request sequence keys all requests of a batch share their routing there. Decode time runs

@@ -4,13 +4,11 @@ Figures (bytes unless named otherwise), in the order the plan takes them:
 
 1. ``free_at_boot`` and ``total`` of the device (CUDA driver figures, or host RAM on the CPU), read before the
    weights load; ``others`` = ``total - free_at_boot`` is memory someone else (or the CUDA context) holds.
-2. ``budget = usable - reserve``, one cut (issue 26: the reserve was 5 % of the card's total and the ratio cut the
-   free memory again, so a model that serves at a 12 GiB limit did not boot with 10 GiB free on a 140 GiB card).
-   ``usable`` is what ferrylm may use: ``--gpu-memory-limit`` when it is at most the memory free at boot, else the
-   free memory itself. ``reserve`` scales with ``usable``, never with the card: under the limit ``max(512 MiB, 5%
-   of the limit)``, else ``max(512 MiB, (1 - memory_ratio) x free)``; ``--memory-reserve`` raises it (the larger
-   of the two is the one cut). It is never handed out: the room of the OOM guard, allocator fragmentation and the
-   driver.
+2. ``budget = usable - reserve``, one cut. ``usable`` is what ferrylm may use: ``--gpu-memory-limit`` when it is
+   at most the memory free at boot, else the free memory itself. ``reserve`` scales with ``usable``, never with the
+   card: under the limit ``max(512 MiB, 5% of the limit)``, else ``max(512 MiB, (1 - memory_ratio) x free)``;
+   ``--memory-reserve`` raises it (the larger of the two is the one cut). It is never handed out: the room of the
+   OOM guard, allocator fragmentation and the driver.
 3. minus ``weights`` (measured after loading), the recurrent-state pool of a hybrid model (``state_slot_bytes`` per
    slot, ``max_running_requests + 1`` slots: one per running request and a scratch slot, ``engine/cache/state_pool.py``)
    and ``workspace`` (the peak extra memory of a warmup prefill at the
@@ -421,7 +419,7 @@ def kv_floor_tokens(p: PlanInputs, rest: int, min_kv: int) -> int:
 def check_host_fits(need_bytes: int, available_bytes: int, total_bytes: int, what: str) -> None:
     """Before loading: refuse a model whose host-resident part (all weights on a CPU host; the routed experts'
     host banks on a GPU host with an offloading backend) is larger than the host's available memory, with both
-    sizes (issue 26: ``synthetic:qwen3-30b-a3b`` built ~57 GiB of weights on a 24 GiB machine, then died).
+    sizes.
 
     Raises:
         MemoryPlanError: ``need_bytes`` > ``available_bytes``.
@@ -436,7 +434,7 @@ def check_host_fits(need_bytes: int, available_bytes: int, total_bytes: int, wha
 def limit_reserve(limit_bytes: int) -> int:
     """Under ``--gpu-memory-limit`` (the allocator is capped at the limit): ``max(512 MiB, 5% of the limit)`` bytes
     kept out of the plan, for what the plan cannot see (allocator fragmentation, the lazily allocated piecewise graph
-    buffers): a plan that hands out the whole limit fails its own warmup (measured on the H200 machine at 24 GiB)."""
+    buffers): a plan that hands out the whole limit fails its own warmup."""
     return max(GiB // 2, limit_bytes // 20)
 
 

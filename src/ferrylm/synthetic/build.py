@@ -214,10 +214,9 @@ def residual_scale(config: ModelConfig) -> float:
     """Extra factor ``1 / sqrt(2 L)`` on the std of every matrix that writes into the residual stream (attention
     ``o_proj``, MLP and expert ``down``): the scaled initialisation of GPT-2 (Radford et al. 2019, §2.3) and
     Megatron-LM. Without it, the ``2 L`` unit-size residual writes of a random model swamp the token embedding:
-    the hidden state converges to a token-independent direction, and a 48-layer ``qwen3-30b-a3b`` routed 62-67 %
-    of each token's experts exactly as the previous token did in its deeper layers (24-33 distinct experts of
-    128 over 63 sampled tokens). With it every layer routes by the current token, so the popularity law
-    (``skew``) is what the expert cache sees."""
+    the hidden state converges to a token-independent direction, and the deeper layers of a deep model route most
+    of each token's experts exactly as the previous token did (docs/BENCHMARKS.md). With it every layer routes by
+    the current token, so the popularity law (``skew``) is what the expert cache sees."""
     return 1.0 / math.sqrt(2 * config.num_layers)
 
 
