@@ -32,6 +32,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ferrylm.checkpoints.ple_tables import PleAssembler
 from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts import ExpertOptions, build_executor, check_backend, expert_home
@@ -364,16 +365,23 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
 
         return build_synthetic(spec_from_folder(model_dir), device=device, dtype=dtype, moe_backend=moe_backend,
                                expert_device=expert_device, pin_experts=pin_experts, tp=tp if split else None)
+    return _load_folder(model_dir, device=device, dtype=dtype, moe_backend=moe_backend, expert_device=expert_device,
+                        pin_experts=pin_experts, tp=tp if split else None, ple_backend=ple_backend)
+
+
+def _load_folder(model_dir: Path, *, device, dtype: torch.dtype, moe_backend, expert_device, pin_experts: bool,
+                 tp: TPShard | None, ple_backend: str) -> LoadedModel:
+    """:func:`load_model` of a safetensors folder; ``tp`` a split shard or None."""
     full = ModelConfig.from_folder(model_dir)
-    config = shard_config(full, tp) if split else full
+    config = shard_config(full, tp) if tp is not None else full
     model_cls, device, exp_dev, pin = placement(config, device, moe_backend, expert_device, pin_experts)
-    if split:
+    if tp is not None:
         check_shardable(model_cls, config, tp)
     moe_layers = model_cls.moe_layer_indices(config)
     from ferrylm.checkpoints.quant import reader_for
 
     reader = reader_for(config.raw)
-    if reader is not None and split:
+    if reader is not None and tp is not None:
         raise ModelLoadError(f"--tensor-parallel-size {tp.size}: quantized checkpoints ({reader.method}) are not "
                              f"split by tensor parallel yet")
     if reader is not None:
@@ -391,49 +399,72 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
         return _finish(model_cls, config, device, moe_backend, stacks, tensors, origin)
     experts, biases = expert_assemblers(model_cls, config, moe_layers, exp_dev, dtype, pin)
     ple = ple_assembler(model_cls, config, ple_backend, device, dtype)
-    if ple is not None and split:
+    if ple is not None and tp is not None:
         raise ModelLoadError(f"--tensor-parallel-size {tp.size}: per-layer embeddings are not split yet")
+    sinks = _PlainSinks(model_cls, config, full, tp, device, dtype, experts, biases, ple)
+    tensors, origin = _read_plain(model_dir, sinks)
+    stacks = experts.finish() if experts is not None else None
+    if biases is not None:
+        biases.attach(stacks)
+    return _finish(model_cls, config, device, moe_backend, stacks, tensors, origin,
+                   ple.finish() if ple is not None else None)
+
+
+@dataclass
+class _PlainSinks:
+    """Where :func:`_read_plain` puts each tensor of an unquantized checkpoint: PLE tables, expert stacks, expert
+    biases, else the model's state dict (on ``device`` in ``dtype``). ``full``: the unsplit config, ``tp`` the
+    split shard or None."""
+
+    model_cls: type
+    config: ModelConfig
+    full: ModelConfig
+    tp: TPShard | None
+    device: torch.device
+    dtype: torch.dtype
+    experts: ExpertAssembler | None
+    biases: ExpertBiasAssembler | None
+    ple: PleAssembler | None
+
+
+def _read_plain(model_dir: Path, k: _PlainSinks) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Stream every tensor of the folder's safetensors into ``k``'s sinks; returns ``(tensors, origin)``: the
+    state-dict tensors and the checkpoint name each came from."""
+    from ferrylm.checkpoints.quant.load import check_complete
 
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     files = checkpoint_files(model_dir)
-    from ferrylm.checkpoints.quant.load import check_complete
-
     for path in files:
         check_complete(path)
     bar = _progress(sum(p.stat().st_size for p in files), f"loading {model_dir.name}")
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                if ple is not None and ple.add(_renamed(name, model_cls), path, lambda: f.get_tensor(name)):
+                if k.ple is not None and k.ple.add(_renamed(name, k.model_cls), path, lambda: f.get_tensor(name)):
                     continue
-                if model_cls.skips_tensor(name, config):
+                if k.model_cls.skips_tensor(name, k.config):
                     continue
                 t = f.get_tensor(name)
                 if bar is not None:
                     bar.update(t.numel() * t.element_size())
-                if split:   # this rank's part only: the stacks below are allocated at shard shape
-                    t = shard_tensor(name, t, full, tp)
-                if experts is not None and experts.add(_renamed(name, model_cls), t):
+                if k.tp is not None:   # this rank's part only: the stacks are allocated at shard shape
+                    t = shard_tensor(name, t, k.full, k.tp)
+                if k.experts is not None and k.experts.add(_renamed(name, k.model_cls), t):
                     continue
-                if biases is not None and biases.add(name, t):
+                if k.biases is not None and k.biases.add(name, t):
                     continue
-                key = _module_name(name, model_cls, config)
+                key = _module_name(name, k.model_cls, k.config)
                 if key is None:
                     continue
                 if key in tensors:
                     raise ModelLoadError(f"checkpoint tensor {name!r} appears twice (also as {origin[key]!r})")
-                tensors[key] = (t.to(device=device, dtype=tensor_dtype(model_cls, key, dtype)) if t.is_floating_point()
-                                else t.to(device))
+                tensors[key] = (t.to(device=k.device, dtype=tensor_dtype(k.model_cls, key, k.dtype))
+                                if t.is_floating_point() else t.to(k.device))
                 origin[key] = name
-
     if bar is not None:
         bar.close()
-    stacks = experts.finish() if experts is not None else None
-    if biases is not None:
-        biases.attach(stacks)
-    return _finish(model_cls, config, device, moe_backend, stacks, tensors, origin,
-                   ple.finish() if ple is not None else None)
+    return tensors, origin
 
 
 def ple_assembler(model_cls: type, config: ModelConfig, backend: str, device: torch.device,
@@ -443,8 +474,6 @@ def ple_assembler(model_cls: type, config: ModelConfig, backend: str, device: to
     shape = shape_of(config) if shape_of is not None else None
     if shape is None:
         return None
-    from ferrylm.checkpoints.ple_tables import PleAssembler
-
     return PleAssembler(shape.layers, backend, device, dtype, pin=torch.cuda.is_available())
 
 
