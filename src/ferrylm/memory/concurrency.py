@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ferrylm.memory.plan import MemoryPlan, MemoryPlanError, PlanInputs, plan_memory
+from ferrylm.memory.budget import MemoryPlanError
+from ferrylm.memory.plan import MemoryPlan, PlanInputs, plan_memory
 
 TYPICAL_REQUEST_TOKENS = 1024
 MAX_RUNNING_REQUESTS = 256
