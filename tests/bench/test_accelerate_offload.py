@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from ferrylm import cli
-from ferrylm.synthetic.spec import PRESETS, SyntheticPreset, SyntheticSpec, parse_synthetic_spec
+from ferrylm.synthetic.presets import PRESETS, SyntheticPreset
+from ferrylm.synthetic.spec import SyntheticSpec, parse_synthetic_spec
 
 from ferrylm.bench import accelerate_offload as ao
 

@@ -9,7 +9,9 @@ import importlib.util
 import pytest
 import torch
 
-from ferrylm.synthetic.spec import PRESETS, SyntheticPreset, SyntheticSpec
+from ferrylm.synthetic.presets import PRESETS, SyntheticPreset
+
+from ferrylm.synthetic.spec import SyntheticSpec
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),

@@ -150,7 +150,7 @@ def test_preset_has_the_published_shapes_and_parameter_totals():
     from tests.models.test_synthetic import _parameter_counts
 
     from ferrylm.models.qwen4_exp import Qwen4ExpForCausalLM
-    from ferrylm.synthetic.spec import PRESETS
+    from ferrylm.synthetic.presets import PRESETS
 
     cfg = ModelConfig.from_dict(PRESETS["qwen3.8-flash-next"].config)
     total, active = _parameter_counts("qwen3.8-flash-next")
