@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ferrylm.checkpoints.loader import LoadedModel, load_model
+from ferrylm.checkpoints.assemble import LoadedModel
+from ferrylm.checkpoints.loader import load_model
 from ferrylm.engine.ple_choice import resolve_ple_backend
 from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.engine.cache.kv_pool import KVLayout

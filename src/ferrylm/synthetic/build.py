@@ -47,7 +47,7 @@ from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts import ExpertOptions, build_executor
 from ferrylm.experts.executor import ExpertMath, LayerExperts
-from ferrylm.checkpoints.loader import LoadedModel, placement, prepare_for_inference, tensor_dtype
+from ferrylm.checkpoints.assemble import LoadedModel, placement, prepare_for_inference, tensor_dtype
 from ferrylm.models.registry import get_model_class
 from ferrylm.synthetic.routing_profiles import ROUTER
 from ferrylm.synthetic.spec import SyntheticSpec, parse_synthetic_spec, synthetic_config
@@ -275,7 +275,7 @@ def build_synthetic(spec: SyntheticSpec | str, *, device: torch.device | str = "
             one layer and projection at most), so TP = N computes what TP = 1 does. Plain (unquantized) only.
 
     Returns:
-        :class:`~ferrylm.checkpoints.loader.LoadedModel`, model in eval mode, gradients off. Memory: about
+        :class:`~ferrylm.checkpoints.assemble.LoadedModel`, model in eval mode, gradients off. Memory: about
         ``(L * E * 3 * H * I + 2 * V * H + attention) * dtype bytes``, e.g. 3.7 GiB for
         ``qwen3-30b-a3b:layers=2`` in bfloat16.
 

@@ -326,13 +326,6 @@ def materialize(spec: SyntheticSpec, root: Path) -> Path:
     return dest
 
 
-def build_synthetic(spec: SyntheticSpec | str, **kwargs: Any):
-    """Build the model in memory; see :func:`ferrylm.synthetic.build.build_synthetic` (imports torch)."""
-    from ferrylm.synthetic.build import build_synthetic as _build
-
-    return _build(spec, **kwargs)
-
-
 def default_prompt_ids(vocab_size: int, n: int = 16) -> list[int]:
     """A fixed prompt of ``n`` token ids spread over ``[1, vocab_size)`` (for ``ferry generate`` without a prompt)."""
     return [1 + (7919 * k) % (vocab_size - 1) for k in range(n)]

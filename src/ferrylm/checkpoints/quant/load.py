@@ -23,6 +23,7 @@ from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.executor import LayerExperts
 from ferrylm.experts.quantized import QuantFormat, QuantTensor, empty_quant
+from ferrylm.checkpoints.assemble import expert_assemblers, module_name, renamed, tensor_dtype
 from ferrylm.checkpoints.quant.base import QuantReader
 
 _PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
@@ -204,8 +205,6 @@ class _QuantSinks:
 
     def __init__(self, reader: QuantReader, model_cls: type, config: ModelConfig, *, device: torch.device,
                  dtype: torch.dtype, expert_device: torch.device, pin: bool, moe_layers: tuple[int, ...]) -> None:
-        from ferrylm.checkpoints.loader import expert_assemblers
-
         self.reader, self.model_cls, self.config = reader, model_cls, config
         self.device, self.dtype, self.moe_layers = device, dtype, moe_layers
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
@@ -217,20 +216,18 @@ class _QuantSinks:
 
     def module(self, prefix: str, names: dict[str, str], parts: dict[str, torch.Tensor]) -> None:
         """One quantized module: a routed expert (or fused stack) into the quantized stacks, else dequantized."""
-        from ferrylm.checkpoints.loader import _module_name, _renamed
-
         label = names[self.reader.marker]
-        renamed = _renamed(prefix, self.model_cls)     # the class's names (``hf_renames``) place the experts
-        m_one, m_fused = _PER_EXPERT.match(renamed), _FUSED.match(renamed)
+        placed = renamed(prefix, self.model_cls)     # the class's names (``hf_renames``) place the experts
+        m_one, m_fused = _PER_EXPERT.match(placed), _FUSED.match(placed)
         if self.quant is not None and (m_one or m_fused):
             self._put_expert(prefix, label, m_one, m_fused, self.reader.decode(prefix, parts, self.dtype))
             return
         weight = self.reader.dequantize(prefix, parts, self.dtype)
         wname = prefix + ".weight"
-        if self.dense is not None and self.dense.add(_renamed(wname, self.model_cls), weight):
+        if self.dense is not None and self.dense.add(renamed(wname, self.model_cls), weight):
             self.used_dense = True
             return
-        self._put_state(label, _module_name(wname, self.model_cls, self.config), weight)
+        self._put_state(label, module_name(wname, self.model_cls, self.config), weight)
 
     def _put_expert(self, prefix: str, label: str, m_one, m_fused, qt: QuantTensor) -> None:
         self.used_quant = True
@@ -254,18 +251,14 @@ class _QuantSinks:
 
     def plain(self, name: str, t: torch.Tensor) -> None:
         """One unquantized checkpoint tensor: an expert bias, a plain expert weight, else a state-dict tensor."""
-        from ferrylm.checkpoints.loader import _module_name, _renamed
-
         if self.biases is not None and self.biases.add(name, t):
             return
-        if self.dense is not None and self.dense.add(_renamed(name, self.model_cls), t):
+        if self.dense is not None and self.dense.add(renamed(name, self.model_cls), t):
             self.used_dense = True
             return
-        self._put_state(name, _module_name(name, self.model_cls, self.config), t)
+        self._put_state(name, module_name(name, self.model_cls, self.config), t)
 
     def _put_state(self, name: str, key: str | None, t: torch.Tensor) -> None:
-        from ferrylm.checkpoints.loader import tensor_dtype
-
         if key is None:
             return
         if key in self.tensors:
