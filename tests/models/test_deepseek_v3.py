@@ -22,7 +22,7 @@ from ferrylm.engine.engine import Engine
 from ferrylm.engine.cache.kv_pool import KVLayout
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.errors import ModelLoadError
-from ferrylm.models.attention import SequenceCacheAttention
+from ferrylm.models.reference_attention import SequenceCacheAttention
 from ferrylm.models.deepseek_v3 import DeepseekV3ForCausalLM, LatentAttention
 from ferrylm.checkpoints.loader import load_model
 from ferrylm.models.sigmoid_moe import SigmoidMoeBlock, SigmoidRouting

@@ -20,7 +20,7 @@ from ferrylm.engine.cache.kv_pool import KVLayout
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.engine.cache.state_pool import StateLayout
 from ferrylm.errors import ModelLoadError
-from ferrylm.models.attention import DenseCausalAttention, SequenceCacheAttention
+from ferrylm.models.reference_attention import DenseCausalAttention, SequenceCacheAttention
 from ferrylm.checkpoints.loader import load_model
 
 TOL = 1e-4

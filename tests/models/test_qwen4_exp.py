@@ -21,7 +21,7 @@ from ferrylm.engine.cache.kv_pool import KVLayout
 from ferrylm.engine.cache.state_pool import StateLayout
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.errors import ModelLoadError
-from ferrylm.models.attention import DenseCausalAttention, SequenceCacheAttention
+from ferrylm.models.reference_attention import DenseCausalAttention, SequenceCacheAttention
 
 pytestmark = pytest.mark.skipif(not hasattr(transformers, "Qwen4ExpTextConfig"),
                                 reason=f"transformers {transformers.__version__} has no Qwen4-Exp (5.25+)")

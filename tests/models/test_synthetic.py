@@ -15,7 +15,7 @@ import torch
 from ferrylm import cli
 from ferrylm.errors import InvalidRequest, ModelLoadError
 from ferrylm.synthetic import spec as synthetic
-from ferrylm.models.attention import DenseCausalAttention
+from ferrylm.models.reference_attention import DenseCausalAttention
 from ferrylm.checkpoints.loader import load_model
 from ferrylm.models.deepseek_v4 import HashRouter
 from ferrylm.models.moe import SparseMoeBlock

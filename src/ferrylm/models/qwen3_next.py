@@ -18,7 +18,7 @@ Layer pattern: config ``layer_types`` (``"linear_attention"`` / ``"full_attentio
 State: only the full-attention layers store K/V (:meth:`Qwen3NextForCausalLM.kv_layout`); each linear layer keeps a
 per-sequence recurrent state in the engine's state pool (``engine/cache/state_pool.py``,
 :meth:`Qwen3NextForCausalLM.state_layout`), reached through ``attn.recurrent``. Without one (a reference backend
-such as ``models/attention.DenseCausalAttention``) the backend object holds one sequence's state itself.
+such as ``models/reference_attention.DenseCausalAttention``) the backend object holds one sequence's state itself.
 
 Checkpoint names follow transformers: ``model.layers.N.linear_attn.{in_proj_qkvz,in_proj_ba,conv1d,A_log,dt_bias,
 norm,out_proj}``, ``model.layers.N.self_attn.{q,k,v,o}_proj / q_norm / k_norm``, ``mlp.gate``, ``mlp.experts``,
