@@ -16,7 +16,7 @@ point                  site                                                     
 ``prefill_workspace``  ``Engine._run``: inputs of a step holding a prefill chunk           torch.OutOfMemoryError
 ``attention_scratch``  ``PagedAttention.attend``: K/V gather, after the step's K/V write   torch.OutOfMemoryError
 ``deltanet_scratch``   ``GatedDeltaNet.forward``: chunk-form scratch of a step with a     torch.OutOfMemoryError
-                       prefill, after the layer's conv-state write (models/qwen3_next.py)
+                       prefill, after the layer's conv-state write (models/gated_deltanet.py)
 ``expert_fetch``       ``experts/cached.py``, ``stream.py``: slot fetch, prefill staging   torch.OutOfMemoryError
 ``kv_page_alloc``      ``Scheduler._grow``: pages for a request's next tokens              torch.OutOfMemoryError
 ``logits``             ``Engine._run``: logits of the sampled rows and sampling            torch.OutOfMemoryError

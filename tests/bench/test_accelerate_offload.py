@@ -1,4 +1,4 @@
-"""``ferry bench accelerate`` (the transformers + accelerate offload baseline of issue 5) on the CPU: a tiny
+"""``ferry bench accelerate`` (the transformers + accelerate offload baseline) on the CPU: a tiny
 synthetic Qwen3-MoE, offloaded in part through accelerate's hooks, decodes the same greedy tokens as the model
 without offload and as transformers' own ``generate``; the CLI prints the table and a one-line JSON; the plan for
 the real Qwen3-30B-A3B shapes under a 24 GiB cap (meta device only, nothing materialized)."""
@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from ferrylm import cli
-from ferrylm.synthetic.spec import PRESETS, SyntheticPreset, SyntheticSpec, parse_synthetic_spec
+from ferrylm.synthetic.presets import PRESETS, SyntheticPreset
+from ferrylm.synthetic.spec import SyntheticSpec, parse_synthetic_spec
 
+from ferrylm.bench import accelerate_model as am
 from ferrylm.bench import accelerate_offload as ao
 
 # accelerate comes with the dev extra (and the bench extra); only a bare install lacks it
@@ -41,10 +43,10 @@ def one_thread():
 
 def _limit_for(spec: SyntheticSpec, layers_on_device: float) -> float:
     """A --gpu-memory-limit (GiB, with reserve 0) that holds the embedding and about ``layers_on_device`` layers."""
-    net = ao.build_empty(ao.hf_config(spec), torch.float32)
+    net = am.build_empty(am.hf_config(spec), torch.float32)
     layer = sum(p.numel() * 4 for p in net.model.layers[0].parameters())
     embed = net.model.embed_tokens.weight.numel() * 4
-    return (embed + layers_on_device * layer) / ao.GiB
+    return (embed + layers_on_device * layer) / am.GiB
 
 
 @needs_accelerate
@@ -120,14 +122,14 @@ def test_cli_rejects_bad_flags(capsys):
 @needs_accelerate
 def test_plan_qwen3_30b_under_24_gib_meta_only():
     """The plan the H200 run gets (nothing allocated): whole decoder layers, 18 of 48 on the device."""
-    net = ao.build_empty(ao.hf_config(parse_synthetic_spec("synthetic:qwen3-30b-a3b")), torch.bfloat16)
+    net = am.build_empty(am.hf_config(parse_synthetic_spec("synthetic:qwen3-30b-a3b")), torch.bfloat16)
     assert next(net.parameters()).device.type == "meta"
-    dm = ao.plan_device_map(net, int(23 * ao.GiB), 1024 * ao.GiB, torch.bfloat16)
-    pl = ao.describe_placement(net, dm)
+    dm = am.plan_device_map(net, int(23 * am.GiB), 1024 * am.GiB, torch.bfloat16)
+    pl = am.describe_placement(net, dm)
     assert pl["placement_unit"] == ["Qwen3MoeDecoderLayer"]
     assert pl["experts"] == {"class": "Qwen3MoeExperts", "fused": True,
                              "params": {"gate_up_proj": [128, 1536, 2048], "down_proj": [128, 2048, 768]},
                              "bytes_per_layer": 128 * 3 * 2048 * 768 * 2}
     assert len(pl["gpu_layers"]) + len(pl["offloaded_layers"]) == 48 and len(pl["offloaded_layers"]) >= 28
     assert pl["gpu_bytes"] + pl["offloaded_bytes"] == sum(p.numel() * 2 for p in net.parameters())
-    assert pl["gpu_bytes"] + pl["layer_bytes"] <= 23 * ao.GiB  # accelerate keeps room to load one layer
+    assert pl["gpu_bytes"] + pl["layer_bytes"] <= 23 * am.GiB  # accelerate keeps room to load one layer

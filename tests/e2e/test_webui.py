@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ferrylm.memory.plan import gib
+from ferrylm.memory.budget import gib
 
 from .conftest import start_server, stop_server
 

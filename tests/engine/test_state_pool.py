@@ -120,7 +120,8 @@ def test_the_plan_counts_one_state_slot_per_running_request():
     the plan's table; a state that does not fit is a boot error naming it."""
     from tests.memory.test_plan import inputs
 
-    from ferrylm.memory.plan import MemoryPlanError, plan_memory
+    from ferrylm.memory.budget import MemoryPlanError
+    from ferrylm.memory.plan import plan_memory
     from ferrylm.memory.probe import GiB, MiB
 
     per_slot = LAYOUT.bytes_per_slot(torch.bfloat16) * 100_000           # ~ 16 MiB, a real model's size

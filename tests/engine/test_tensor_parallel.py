@@ -100,10 +100,10 @@ def _rank_main(rank: int, path: str, rdv: str, q, over: dict, presets: dict | No
     import torch
 
     if presets:   # synthetic presets a test registered (this process is a fresh interpreter)
-        from ferrylm.synthetic import spec as synthetic
+        from ferrylm.synthetic.presets import PRESETS, SyntheticPreset
 
         for name, (source, cfg) in presets.items():
-            synthetic.PRESETS[name] = synthetic.SyntheticPreset(name, source, cfg)
+            PRESETS[name] = SyntheticPreset(name, source, cfg)
 
     from ferrylm.engine.parallel.group import init_group
     from ferrylm.engine.parallel.step_sync import SHUTDOWN
@@ -463,8 +463,9 @@ TINY_PRESET = ("tests/tiny", {
 @pytest.fixture
 def tiny_synthetic(tmp_path, monkeypatch):
     from ferrylm.synthetic import spec as synthetic
+    from ferrylm.synthetic.presets import PRESETS, SyntheticPreset
 
-    monkeypatch.setitem(synthetic.PRESETS, "tp-tiny", synthetic.SyntheticPreset("tp-tiny", *TINY_PRESET))
+    monkeypatch.setitem(PRESETS, "tp-tiny", SyntheticPreset("tp-tiny", *TINY_PRESET))
     return synthetic.materialize(synthetic.parse_synthetic_spec("synthetic:tp-tiny:layers=3"), tmp_path / "syn")
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ferrylm.experts import Bandwidths, ExpertOptions
-from ferrylm.models.attention import SequenceCacheAttention
+from ferrylm.models.reference_attention import SequenceCacheAttention
 
 # Bandwidths for the hybrid split in tests: B_cpu_eff = min(1, 3 - 1) = 1 = B_pcie, so half the misses are fetched.
 TEST_BANDWIDTHS = Bandwidths(pcie=1.0, host=3.0, cpu=1.0, hbm=10.0)

@@ -13,7 +13,7 @@ from tests.kernels.interp import load_kernels
 from tests.models.hf_checkpoints import CASES, token_ids
 
 from ferrylm.experts.offload import OffloadExecutor
-from ferrylm.models.attention import SequenceCacheAttention
+from ferrylm.models.reference_attention import SequenceCacheAttention
 from ferrylm.checkpoints.loader import load_model
 
 NEW_TOKENS = 10

@@ -9,7 +9,9 @@ import importlib.util
 import pytest
 import torch
 
-from ferrylm.synthetic.spec import PRESETS, SyntheticPreset, SyntheticSpec
+from ferrylm.synthetic.presets import PRESETS, SyntheticPreset
+
+from ferrylm.synthetic.spec import SyntheticSpec
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -23,13 +25,14 @@ TINY = {**PRESETS["qwen3-30b-a3b"].config, "hidden_size": 256, "intermediate_siz
 
 
 def test_cuda_offload_equals_resident():
+    from ferrylm.bench import accelerate_model as am
     from ferrylm.bench import accelerate_offload as ao
 
     spec = SyntheticSpec(SyntheticPreset("tiny-acc-cuda", "test", TINY), 6)
-    net = ao.build_empty(ao.hf_config(spec), torch.bfloat16)
+    net = am.build_empty(am.hf_config(spec), torch.bfloat16)
     layer = sum(p.numel() * 2 for p in net.model.layers[0].parameters())
     embed = net.model.embed_tokens.weight.numel() * 2
-    budget = (embed + 3.5 * layer) / ao.GiB
+    budget = (embed + 3.5 * layer) / am.GiB
     common = dict(model=spec, device="cuda", dtype="bfloat16", batch=2, tokens=8, prompt_tokens=7,
                   progress=lambda s: None)
     try:
@@ -39,6 +42,6 @@ def test_cuda_offload_equals_resident():
         torch.cuda.set_per_process_memory_fraction(1.0)
     assert off.placement["gpu_layers"] == [0, 1] and off.placement["offloaded_layers"] == [2, 3, 4, 5]
     assert off.placement["offloaded_bytes"] > 4 * layer   # whole layers, with all their experts
-    assert off.peak_gpu_allocated_bytes <= (budget + 0.5) * ao.GiB
+    assert off.peak_gpu_allocated_bytes <= (budget + 0.5) * am.GiB
     assert off.token_ids == ref.token_ids
     assert all(len(t) == 9 for t in off.token_ids)

@@ -8,7 +8,7 @@ import torch
 from tests.experts.helpers import options
 from tests.models.hf_checkpoints import build_checkpoint, token_ids
 
-from ferrylm.models.attention import SequenceCacheAttention
+from ferrylm.models.reference_attention import SequenceCacheAttention
 from ferrylm.checkpoints.loader import load_model
 
 pytestmark = [pytest.mark.gpu,

@@ -60,7 +60,7 @@ def test_synthetic_quant_on_cuda_matches_cpu(quant):
     from tests.experts.helpers import options
     from tests.models.test_synthetic import tiny
 
-    from ferrylm.models.attention import DenseCausalAttention
+    from ferrylm.models.reference_attention import DenseCausalAttention
     from ferrylm.synthetic.spec import SyntheticSpec
     from ferrylm.synthetic.build import build_synthetic
 

@@ -70,7 +70,7 @@ def test_boot_plan_workspace_at_8192_chunk(tmp_path):
     assert st["kind"] == "step" and st["captures"] >= 1, st  # captured at boot, their pool in the plan's figure
     # issue 26: the graphs were captured, so their pool is a real figure, and the table's row shows it (it
     # passed with graph_bytes == 0 and any label)
-    from ferrylm.memory.plan import gib
+    from ferrylm.memory.budget import gib
 
     assert plan.graph_bytes > 0, plan.format_table()
     row = next(line for line in plan.format_table().splitlines() if line.strip().startswith("CUDA graphs"))

@@ -10,7 +10,7 @@ import pytest
 
 from ferrylm.config import EngineConfig
 from ferrylm.engine.boot import build_engine
-from ferrylm.memory.plan import MemoryPlanError
+from ferrylm.memory.budget import MemoryPlanError
 from tests.memory.conftest import SHORT, run
 
 
@@ -21,7 +21,7 @@ def test_factory_plan_on_cpu(mixtral_dir, caplog):
     plan = eng.memory_plan
     assert plan.kind == "host" and plan.workspace_source == "estimated" and plan.weights_bytes > 0
     assert plan.kv_tokens == eng.limits.pool_tokens == 4 * 256          # max_running x context, host-capped
-    from ferrylm.memory.plan import default_reserve
+    from ferrylm.memory.budget import default_reserve
 
     assert plan.reserve_bytes == default_reserve(plan.free_at_boot_bytes, 0.9)   # a tenth of the free memory
     assert plan.budget_bytes == plan.free_at_boot_bytes - plan.reserve_bytes

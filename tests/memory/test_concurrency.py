@@ -11,7 +11,8 @@ from ferrylm.config import EngineConfig
 from ferrylm.engine.boot import build_engine, engine_for_model
 from ferrylm.memory.concurrency import (MAX_RUNNING_REQUESTS, TYPICAL_REQUEST_TOKENS, carries,
                                         choose_running_requests)
-from ferrylm.memory.plan import ExpertNeeds, MemoryPlanError, plan_memory
+from ferrylm.memory.budget import MemoryPlanError
+from ferrylm.memory.plan import ExpertNeeds, plan_memory
 from ferrylm.memory.probe import GiB, MiB
 from tests.memory.conftest import SHORT, run
 from tests.memory.test_plan import inputs

@@ -11,7 +11,7 @@ import torch
 
 from ferrylm.config import ModelConfig
 from ferrylm.engine import boot, expert_choice
-from ferrylm.memory.plan import MemoryPlanError, check_host_fits
+from ferrylm.memory.budget import MemoryPlanError, check_host_fits
 from ferrylm.memory.probe import GiB
 from ferrylm.synthetic.spec import parse_synthetic_spec, synthetic_config
 

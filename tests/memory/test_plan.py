@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ferrylm.memory.plan import ExpertNeeds, MemoryPlanError, PlanInputs, default_reserve, plan_memory
+from ferrylm.memory.budget import MemoryPlanError, default_reserve
+from ferrylm.memory.plan import ExpertNeeds, PlanInputs, plan_memory
 from ferrylm.memory.probe import GiB, MiB, ProcessUsage
 
 PER_TOK = 128 * 1024   # K+V bytes per token (a mid-size model)
@@ -133,7 +134,7 @@ def test_held_by_others_without_nvml_still_not_ratio():
 
 
 def test_limit_binding_names_the_limit():
-    from ferrylm.memory.plan import limit_reserve
+    from ferrylm.memory.budget import limit_reserve
 
     p = plan_memory(inputs(gpu_memory_limit_bytes=30 * GiB))
     # the allocator is capped at the limit: the plan keeps a reserve inside it (fragmentation, lazy buffers)
@@ -159,7 +160,8 @@ def test_host_plan_caps_the_automatic_kv_pool():
 
 
 def test_boot_checks_before_the_weights_load():
-    from ferrylm.memory.plan import boot_failure, check_budget
+    from ferrylm.memory.budget import check_budget
+    from ferrylm.memory.plan import boot_failure
 
     others = (ProcessUsage(77, "trainer", 78 * GiB),)
     with pytest.raises(MemoryPlanError, match="nothing is left for the weights.*pid 77 \\(trainer\\)"):
@@ -257,7 +259,8 @@ def test_below_the_minimum_the_error_names_the_holders_and_the_minimum():
     assert "pid 9 (other model)" in msg and "held by others" in msg
     assert "needs a budget of at least" in msg
     p = shared(4)
-    from ferrylm.memory.plan import minimum_bytes, gib
+    from ferrylm.memory.budget import gib
+    from ferrylm.memory.plan import minimum_bytes
 
     m = minimum_bytes(p)
     assert gib(m) in msg

@@ -335,7 +335,7 @@ def test_missing_package_message(monkeypatch):
 
 def test_ferrylm_model_matches_transformers_gguf(gguf_path, reference, prompt_ids):
     loader = pytest.importorskip("ferrylm.checkpoints.loader")
-    from ferrylm.models.attention import DenseCausalAttention
+    from ferrylm.models.reference_attention import DenseCausalAttention
 
     model = loader.load_model(gguf_path, dtype=torch.float32).model
     with torch.no_grad():

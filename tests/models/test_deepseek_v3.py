@@ -22,7 +22,7 @@ from ferrylm.engine.engine import Engine
 from ferrylm.engine.cache.kv_pool import KVLayout
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.errors import ModelLoadError
-from ferrylm.models.attention import SequenceCacheAttention
+from ferrylm.models.reference_attention import SequenceCacheAttention
 from ferrylm.models.deepseek_v3 import DeepseekV3ForCausalLM, LatentAttention
 from ferrylm.checkpoints.loader import load_model
 from ferrylm.models.sigmoid_moe import SigmoidMoeBlock, SigmoidRouting
@@ -302,7 +302,7 @@ def test_piecewise_decode_pieces_match_transformers(checkpoints, backend):
 def _tiny_synthetic(preset: str):
     """The ``preset`` (deepseek-v3 / kimi-k2) at test size: its architecture and options, MLA and MoE shrunk, the
     vocabulary kept (129280 / 163840 ids: the embedding and head are the large tensors at this size)."""
-    from ferrylm.synthetic.spec import PRESETS, SyntheticPreset
+    from ferrylm.synthetic.presets import PRESETS, SyntheticPreset
 
     cfg = {**PRESETS[preset].config, "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16,
            "num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 3, "kv_lora_rank": 16,
@@ -319,7 +319,8 @@ def test_synthetic_presets_route_by_the_qwen3_profile_and_generate(monkeypatch, 
     through the offline API, prompt ids drawn across the whole vocabulary."""
     from ferrylm.engine.sampling_params import SamplingParams
     from ferrylm.llm import LLM
-    from ferrylm.synthetic.spec import PRESETS, default_prompt_ids, parse_synthetic_spec
+    from ferrylm.synthetic.presets import PRESETS
+    from ferrylm.synthetic.spec import default_prompt_ids, parse_synthetic_spec
     from ferrylm.synthetic.build import build_synthetic
 
     monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path / "cache"))

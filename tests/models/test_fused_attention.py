@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferrylm.models.attention import DenseCausalAttention
+from ferrylm.models.reference_attention import DenseCausalAttention
 from ferrylm.models.layers import Attention, RotaryEmbedding, rope_frequencies
 
 

@@ -8,7 +8,7 @@ import torch
 from tests.models.hf_checkpoints import CASES, copy_config, is_moe_case, reference_logits, token_ids
 from safetensors.torch import load_file, save_file
 
-from ferrylm.models.attention import DenseCausalAttention, SequenceCacheAttention
+from ferrylm.models.reference_attention import DenseCausalAttention, SequenceCacheAttention
 from ferrylm.checkpoints.loader import load_model
 
 TOL = 1e-4

@@ -102,7 +102,7 @@ def test_synthetic_minimax_m2_5_nvfp4_experts_are_modelopt_nvfp4():
 
     from ferrylm.checkpoints.quant.modelopt import ModelOptReader
     from ferrylm.synthetic.quant import SYNTHETIC_FORMATS, CodePool, random_stack
-    from ferrylm.synthetic.spec import PRESETS
+    from ferrylm.synthetic.presets import PRESETS
 
     c = PRESETS["minimax-m2.5"].config
     h, i = c["hidden_size"], c["intermediate_size"]

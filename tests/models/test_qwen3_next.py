@@ -20,7 +20,7 @@ from ferrylm.engine.cache.kv_pool import KVLayout
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.engine.cache.state_pool import StateLayout
 from ferrylm.errors import ModelLoadError
-from ferrylm.models.attention import DenseCausalAttention, SequenceCacheAttention
+from ferrylm.models.reference_attention import DenseCausalAttention, SequenceCacheAttention
 from ferrylm.checkpoints.loader import load_model
 
 TOL = 1e-4
@@ -287,7 +287,8 @@ def test_bad_configs_raise_model_load_error_naming_the_field(raw, field):
     ("qwen3-next-80b-a3b", 48, 36, 512, 10, 151936), ("qwen3.5-35b-a3b", 40, 30, 256, 8, 248320)])
 def test_synthetic_presets_have_the_published_shapes(name, layers, linear, experts, top_k, vocab):
     from ferrylm.checkpoints.catalog import describe_models
-    from ferrylm.synthetic.spec import PRESETS, parse_synthetic_spec
+    from ferrylm.synthetic.presets import PRESETS
+    from ferrylm.synthetic.spec import parse_synthetic_spec
 
     cfg = ModelConfig.from_dict(PRESETS[name].config)
     assert (cfg.num_layers, cfg.num_experts, cfg.num_experts_per_tok, cfg.vocab_size) == (layers, experts, top_k,
@@ -314,7 +315,8 @@ def test_synthetic_presets_have_the_published_shapes(name, layers, linear, exper
 def test_synthetic_hybrid_model_serves_through_the_engine(name):
     """The preset's layer shapes with few experts and a small vocabulary (the memory of a test): built in memory,
     zero-centred norms at 0, two requests through the engine with the routing model choosing experts."""
-    from ferrylm.synthetic.spec import PRESETS, SyntheticPreset, SyntheticSpec
+    from ferrylm.synthetic.presets import PRESETS, SyntheticPreset
+    from ferrylm.synthetic.spec import SyntheticSpec
     from ferrylm.synthetic.build import build_synthetic
 
     small = SyntheticPreset(name, "test", {**PRESETS[name].config, "num_experts": 8, "num_experts_per_tok": 2,

@@ -21,7 +21,7 @@ from ferrylm.engine.cache.kv_pool import KVLayout
 from ferrylm.engine.cache.state_pool import StateLayout
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.errors import ModelLoadError
-from ferrylm.models.attention import DenseCausalAttention, SequenceCacheAttention
+from ferrylm.models.reference_attention import DenseCausalAttention, SequenceCacheAttention
 
 pytestmark = pytest.mark.skipif(not hasattr(transformers, "Qwen4ExpTextConfig"),
                                 reason=f"transformers {transformers.__version__} has no Qwen4-Exp (5.25+)")
@@ -150,7 +150,7 @@ def test_preset_has_the_published_shapes_and_parameter_totals():
     from tests.models.test_synthetic import _parameter_counts
 
     from ferrylm.models.qwen4_exp import Qwen4ExpForCausalLM
-    from ferrylm.synthetic.spec import PRESETS
+    from ferrylm.synthetic.presets import PRESETS
 
     cfg = ModelConfig.from_dict(PRESETS["qwen3.8-flash-next"].config)
     total, active = _parameter_counts("qwen3.8-flash-next")

@@ -39,7 +39,7 @@ def test_logits_whole_and_chunked_match_transformers(checkpoints, ple):
     assert isinstance(table, MmapTable if ple == "disk" else TensorTable)
     ids = torch.tensor(_prompt(37, ckpt.vocab_size, 11))
     ref = reference_logits(ckpt, ids)
-    from ferrylm.models.attention import DenseCausalAttention, SequenceCacheAttention
+    from ferrylm.models.reference_attention import DenseCausalAttention, SequenceCacheAttention
 
     with torch.no_grad():
         whole = model.compute_logits(model(ids, torch.arange(37), DenseCausalAttention()))

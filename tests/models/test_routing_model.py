@@ -14,7 +14,8 @@ from ferrylm.models.moe import SparseMoeBlock
 from ferrylm.synthetic.routing_model import RoutingContext, RoutingModel, hash_fold, sequence_key, to_uniform
 from ferrylm.synthetic.routing_profiles import PROFILES, ROUTER, get_profile
 from ferrylm.synthetic.routing_stats import lru_hit_rate, repeat_next, reuse_within, trace_stats
-from ferrylm.synthetic.spec import PRESETS, SyntheticPreset, SyntheticSpec, parse_synthetic_spec
+from ferrylm.synthetic.presets import PRESETS, SyntheticPreset
+from ferrylm.synthetic.spec import SyntheticSpec, parse_synthetic_spec
 from ferrylm.synthetic.build import build_synthetic
 from tests.models.test_synthetic import TINY_SHAPES, logits
 

@@ -17,7 +17,7 @@ from tests.models.test_parity import full_logits
 
 from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
-from ferrylm.models.attention import SequenceCacheAttention
+from ferrylm.models.reference_attention import SequenceCacheAttention
 from ferrylm.checkpoints.loader import load_model
 from ferrylm.models.sigmoid_moe import SigmoidMoeBlock, SigmoidRouting, sigmoid_topk
 

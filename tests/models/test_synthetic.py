@@ -15,12 +15,13 @@ import torch
 from ferrylm import cli
 from ferrylm.errors import InvalidRequest, ModelLoadError
 from ferrylm.synthetic import spec as synthetic
-from ferrylm.models.attention import DenseCausalAttention
+from ferrylm.models.reference_attention import DenseCausalAttention
 from ferrylm.checkpoints.loader import load_model
 from ferrylm.models.deepseek_v4 import HashRouter
 from ferrylm.models.moe import SparseMoeBlock
 from ferrylm.checkpoints.resolve import resolve_model
-from ferrylm.synthetic.spec import PRESETS, SyntheticPreset, SyntheticSpec, parse_synthetic_spec
+from ferrylm.synthetic.presets import PRESETS, SyntheticPreset
+from ferrylm.synthetic.spec import SyntheticSpec, parse_synthetic_spec
 from ferrylm.synthetic.build import build_synthetic, expert_ranks, top1_probs, zipf_probs
 
 TINY_SHAPES = dict(hidden_size=64, intermediate_size=48, moe_intermediate_size=16, num_attention_heads=4,

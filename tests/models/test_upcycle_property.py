@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ferrylm.checkpoints import builtin
-from ferrylm.models.attention import DenseCausalAttention
+from ferrylm.models.reference_attention import DenseCausalAttention
 from ferrylm.checkpoints.loader import load_model
 
 

@@ -3,7 +3,7 @@
 For each backend: one warm-up request, then ``--batch`` requests of ``--prompt-len`` random prompt tokens decoding
 ``--tokens`` tokens each (EOS ignored; greedy, or ``--temperature`` sampling seeded per request). NOTE: greedy
 decoding of a random-weight ``synthetic:`` model soon repeats itself, so each layer keeps routing to the same
-experts and the hit rate climbs to ~99 %; sampling (``--temperature 1``) keeps the routing moving. That holds for
+experts and the hit rate climbs towards 100 %; sampling (``--temperature 1``) keeps the routing moving. That holds for
 ``routing=router`` only: with a routing profile (``synthetic:<preset>:routing=<profile>``, the default for the
 Qwen-MoE and OLMoE presets) the experts follow the profile's calibrated locality whatever the tokens are
 (docs/ROUTING.md); without per-request sequence keys all requests of a batch share their routing there. Decode time runs
@@ -25,7 +25,7 @@ and roofline tok/s = ``B / t``. Rates are measured at start (:func:`ferrylm.expe
 All backends share one host copy of the experts (:class:`~ferrylm.experts.banks.HostBanks`) and one engine; the
 expert executor is swapped between runs. ``--gpu-memory-limit`` caps the offloading backends (the caching
 allocator is capped too, so exceeding it fails loudly); ``resident`` runs without the cap, last. On CUDA the cuDNN
-SDPA backend is switched off for the run (see the NOTE in :func:`run_decode_bench`).
+SDPA kernel is left out, as everywhere (``engine/attention/torch_backend.py``).
 """
 
 from __future__ import annotations
@@ -161,18 +161,57 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
         ``{"model", "device", "batch", "tokens", "bandwidths" (bytes/s), "expert_bytes", "non_expert_bytes",
         "results": [DecodeResult as dict, ...]}``.
     """
-    from ferrylm.config import EngineConfig
-    from ferrylm.engine.boot import engine_for_model
-    from ferrylm.engine.engine import resolve_device, resolve_dtype
-    from ferrylm.engine.boot import apply_memory_limit
-    from ferrylm.engine.expert_choice import expert_budget
-    from ferrylm.experts.bandwidth import measure_bandwidths
-    from ferrylm.experts.cpu_pool import CpuExpertPool
+    ec = engine_config
+    s = _setup(model, ec, progress)
+    batches = [batch] if isinstance(batch, int) else list(batch)
+    results = []
+    for batch in batches:
+        engine = _engine_for_batch(s, ec, batch, prompt_len, tokens)
+        # as many warm-up prompts as the batch: decode graphs for the batch size are captured before the timed run
+        prompts, warm = bench_prompts(s.loaded.config.vocab_size, batch, prompt_len, ec.seed, num_warm=batch)
+        run = _Run(s, ec, engine, batch, tokens, prefetch, temperature, progress)
+        for name in backends:
+            res = run.backend(name, prompts, warm, profile_steps)
+            results.append(res)
+        engine.runner.close()
+        del engine
+    graph_mode = "off"
+    for res in results:
+        graph_mode = res.decode_graphs.get("mode", graph_mode)
+    return {"model": model, "device": str(s.device), "dtype": str(s.dtype).removeprefix("torch."),
+            "batch": batches[0] if len(batches) == 1 else batches,
+            "tokens": tokens, "temperature": temperature, "prompt_len": prompt_len,
+            "gpu_memory_limit_gib": ec.gpu_memory_limit,
+            "decode_graphs": graph_mode,
+            "bandwidths": s.bw.as_dict(), "cpu_latency_s": s.bw.cpu_latency, "cpu_kernel": s.cpu_kernel,
+            "expert_bytes": s.banks.expert_bytes, "non_expert_bytes": s.base,
+            "results": [asdict(r) for r in results]}
+
+
+@dataclass
+class _Setup:
+    """What every run shares: the loaded model and its host banks, the device and dtype, the measured rates (and
+    the CPU kernel they were measured with), and ``base``: the non-expert bytes a decode step reads."""
+
+    loaded: object
+    banks: object
+    device: torch.device
+    dtype: torch.dtype
+    bw: Bandwidths
+    cpu_kernel: str
+    base: int
+
+
+def _setup(model: str, ec, progress) -> _Setup:
+    """Load ``model`` with its experts in host banks and measure the bandwidths. Raises ValueError for a dense
+    model."""
     from ferrylm.checkpoints.loader import load_model
     from ferrylm.checkpoints.resolve import resolve_model
+    from ferrylm.engine.engine import resolve_device, resolve_dtype
+    from ferrylm.experts.bandwidth import measure_bandwidths
+    from ferrylm.experts.cpu_pool import CpuExpertPool
     from ferrylm.synthetic.spec import is_synthetic_folder
 
-    ec = engine_config
     device = resolve_device(ec.device)
     dtype = resolve_dtype(ec.dtype, device)
     path = resolve_model(model).path
@@ -193,79 +232,100 @@ def run_decode_bench(*, model: str, backends: list[str], engine_config, batch: i
     progress("bandwidths GB/s: " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in bw.as_dict().items())
              + f" (cpu: {pool.kernel_name} kernel, {torch.get_num_threads()} threads; CPU job latency "
                f"{bw.cpu_latency * 1e6:.0f} us)")
+    return _Setup(loaded, banks, device, dtype, bw, pool.kernel_name, non_expert_step_bytes(loaded.model))
 
-    batches = [batch] if isinstance(batch, int) else list(batch)
-    results = []
-    graph_mode = "off"
-    base = non_expert_step_bytes(loaded.model)
-    for batch in batches:
-        page = ec.page_size
-        pages = batch * -(-(prompt_len + tokens + 8) // page) + 4
-        cfg = EngineConfig(device=str(device), dtype=str(dtype).removeprefix("torch."), page_size=page,
-                           num_pages=pages, max_running_requests=batch, max_prefill_length=max(64, batch * prompt_len),
-                           moe_backend="resident", decode_graphs=ec.decode_graphs,
-                           cuda_graph_max_batch=ec.cuda_graph_max_batch, cuda_graph_max_len=ec.cuda_graph_max_len)
-        engine = engine_for_model(loaded.model, loaded.config, cfg, device=device, dtype=dtype)
-        # as many warm-up prompts as the batch: decode graphs for the batch size are captured before the timed run
-        prompts, warm = bench_prompts(loaded.config.vocab_size, batch, prompt_len, ec.seed, num_warm=batch)
 
-        for name in backends:
-            res = DecodeResult(backend=name, batch=batch)
-            ex = None
-            try:
-                if name == "resident":
-                    if device.type == "cuda":
-                        torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
-                    ex = build_from_banks("resident", banks, device)
-                else:
-                    apply_memory_limit(device, ec.gpu_memory_limit)
-                    base_name = name.removesuffix("-host")  # offload-host: the host-planned offload path (A/B)
-                    ex = build_from_banks(base_name, banks, device, ExpertOptions(
-                        backend=base_name, decode_table=not name.endswith("-host"), cache_size=ec.moe_cache_size, cpu_threads=ec.moe_cpu_threads,
-                        cpu_kernel=ec.moe_cpu_kernel, cpu_share=ec.moe_cpu_share if name == "hybrid" else None,
-                        prefetch=prefetch, bandwidths=bw, cache_policy=ec.moe_cache_policy))
-                    res.num_slots = ex.reserve(expert_budget(device, ec.gpu_memory_limit))
-                swap_executor(loaded.model, ex)  # the engine's runner drops the old executor's graphs on its next step
-                _generate(engine, warm, 4, f"{name}-warm", ex, device)
-                toks, secs, c0, c1 = _generate(engine, prompts, tokens, name, ex, device, temperature)
-            except (RuntimeError, ValueError, FerryError) as e:  # OOM under the cap, a backend that cannot fit
-                res.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                progress(f"{name}: {res.error}")
-                results.append(res)
-                ex = _release(ex, device)
-                continue
-            diff = {k: c1[k] - c0[k] for k in _COUNTERS}
-            steps = max(1, diff["steps"])
-            n = batch * tokens
-            res.tokens, res.decode_s, res.tok_s = n, secs, n / secs
-            res.hit_rate = diff["hits"] / diff["needed"] if diff["needed"] else 1.0
-            res.pcie_bytes_per_token = (diff["bytes_copied"] + diff["bytes_activations"] + diff["bytes_mapped"]) / n
-            res.cpu_bytes_per_token = diff["cpu_experts"] * banks.expert_bytes / n
-            per_step = {k: diff[k] / steps for k in ("needed", "hits", "misses", "cpu_experts", "prefetch_hits",
-                                                     "mapped", "fetched")}
-            roof = roofline_seconds(name.removesuffix("-host"), per_step, banks.expert_bytes, base, bw)
-            res.roofline_tok_s = batch / roof
-            res.achieved_over_roofline = res.tok_s / res.roofline_tok_s
-            res.checksum = token_checksum(toks)
-            res.counters = diff
-            res.decode_graphs = engine.runner.stats() or {}
-            graph_mode = res.decode_graphs.get("mode", graph_mode)
-            res.cpu_share = ex.stats().cpu_share
-            results.append(res)
-            progress(format_row(res, device.type != "cpu"))
-            if profile_steps > 0:
-                progress(profile_decode(engine, prompts, profile_steps, f"{name}-profile", ex, device, temperature))
-            ex = _release(ex, device)
-        engine.runner.close()
-        del engine
-    return {"model": model, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
-            "batch": batches[0] if len(batches) == 1 else batches,
-            "tokens": tokens, "temperature": temperature, "prompt_len": prompt_len,
-            "gpu_memory_limit_gib": ec.gpu_memory_limit,
-            "decode_graphs": graph_mode,
-            "bandwidths": bw.as_dict(), "cpu_latency_s": bw.cpu_latency, "cpu_kernel": pool.kernel_name,
-            "expert_bytes": banks.expert_bytes, "non_expert_bytes": base,
-            "results": [asdict(r) for r in results]}
+def _engine_for_batch(s: _Setup, ec, batch: int, prompt_len: int, tokens: int):
+    """A fresh engine over the loaded model whose KV pool holds ``batch`` requests of the run's length."""
+    from ferrylm.config import EngineConfig
+    from ferrylm.engine.boot import engine_for_model
+
+    page = ec.page_size
+    pages = batch * -(-(prompt_len + tokens + 8) // page) + 4
+    cfg = EngineConfig(device=str(s.device), dtype=str(s.dtype).removeprefix("torch."), page_size=page,
+                       num_pages=pages, max_running_requests=batch, max_prefill_length=max(64, batch * prompt_len),
+                       moe_backend="resident", decode_graphs=ec.decode_graphs,
+                       cuda_graph_max_batch=ec.cuda_graph_max_batch, cuda_graph_max_len=ec.cuda_graph_max_len)
+    return engine_for_model(s.loaded.model, s.loaded.config, cfg, device=s.device, dtype=s.dtype)
+
+
+@dataclass
+class _Run:
+    """One batch size's engine and settings; :meth:`backend` runs one backend on it."""
+
+    s: _Setup
+    ec: object
+    engine: object
+    batch: int
+    tokens: int
+    prefetch: bool | None
+    temperature: float
+    progress: Callable
+
+    def executor(self, name: str):
+        """Backend ``name``'s executor over the shared banks (``offload-host``: offload without the device table);
+        the offloading ones under ``--gpu-memory-limit``, resident without it."""
+        from ferrylm.engine.boot import apply_memory_limit
+
+        s, ec = self.s, self.ec
+        if name == "resident":
+            if s.device.type == "cuda":
+                torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
+            return build_from_banks("resident", s.banks, s.device)
+        apply_memory_limit(s.device, ec.gpu_memory_limit)
+        base_name = name.removesuffix("-host")  # offload-host: the host-planned offload path (A/B)
+        return build_from_banks(base_name, s.banks, s.device, ExpertOptions(
+            backend=base_name, decode_table=not name.endswith("-host"), cache_size=ec.moe_cache_size,
+            cpu_threads=ec.moe_cpu_threads, cpu_kernel=ec.moe_cpu_kernel,
+            cpu_share=ec.moe_cpu_share if name == "hybrid" else None, prefetch=self.prefetch, bandwidths=s.bw,
+            cache_policy=ec.moe_cache_policy))
+
+    def backend(self, name: str, prompts, warm, profile_steps: int) -> DecodeResult:
+        """Warm up and time backend ``name``; a backend that fails (OOM under the cap, cannot fit) is a result with
+        ``error``."""
+        from ferrylm.engine.expert_choice import expert_budget
+
+        res = DecodeResult(backend=name, batch=self.batch)
+        ex = None
+        device = self.s.device
+        try:
+            ex = self.executor(name)
+            if name != "resident":
+                res.num_slots = ex.reserve(expert_budget(device, self.ec.gpu_memory_limit))
+            swap_executor(self.s.loaded.model, ex)  # the engine's runner drops the old executor's graphs next step
+            _generate(self.engine, warm, 4, f"{name}-warm", ex, device)
+            toks, secs, c0, c1 = _generate(self.engine, prompts, self.tokens, name, ex, device, self.temperature)
+        except (RuntimeError, ValueError, FerryError) as e:  # OOM under the cap, a backend that cannot fit
+            res.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            self.progress(f"{name}: {res.error}")
+            _release(ex, device)
+            return res
+        self.score(res, {k: c1[k] - c0[k] for k in _COUNTERS}, toks, secs)
+        res.decode_graphs = self.engine.runner.stats() or {}
+        res.cpu_share = ex.stats().cpu_share
+        self.progress(format_row(res, device.type != "cpu"))
+        if profile_steps > 0:
+            self.progress(profile_decode(self.engine, prompts, profile_steps, f"{name}-profile", ex, device,
+                                         self.temperature))
+        _release(ex, device)
+        return res
+
+    def score(self, res: DecodeResult, diff: dict, toks: list[list[int]], secs: float) -> None:
+        """Fill ``res``'s rates, traffic per token and roofline from the counters' ``diff`` over the timed run."""
+        s = self.s
+        steps = max(1, diff["steps"])
+        n = self.batch * self.tokens
+        res.tokens, res.decode_s, res.tok_s = n, secs, n / secs
+        res.hit_rate = diff["hits"] / diff["needed"] if diff["needed"] else 1.0
+        res.pcie_bytes_per_token = (diff["bytes_copied"] + diff["bytes_activations"] + diff["bytes_mapped"]) / n
+        res.cpu_bytes_per_token = diff["cpu_experts"] * s.banks.expert_bytes / n
+        per_step = {k: diff[k] / steps for k in ("needed", "hits", "misses", "cpu_experts", "prefetch_hits",
+                                                 "mapped", "fetched")}
+        roof = roofline_seconds(res.backend.removesuffix("-host"), per_step, s.banks.expert_bytes, s.base, s.bw)
+        res.roofline_tok_s = self.batch / roof
+        res.achieved_over_roofline = res.tok_s / res.roofline_tok_s
+        res.checksum = token_checksum(toks)
+        res.counters = diff
 
 
 def profile_decode(engine, prompts: list[list[int]], steps: int, tag: str, ex, device: torch.device,

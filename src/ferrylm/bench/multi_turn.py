@@ -1,4 +1,4 @@
-"""``ferry bench serve --multi-turn``: agent-like conversations against a running server (issue 23).
+"""``ferry bench serve --multi-turn``: agent-like conversations against a running server.
 
 ``--num-conversations`` conversations run at once, each ``--num-turns`` turns in sequence. Every conversation
 starts with the same system prefix of ``--shared-prefix-len`` token ids (shared across conversations), then a

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ferrylm.checkpoints.loader import LoadedModel, load_model
+from ferrylm.checkpoints.assemble import LoadedModel
+from ferrylm.checkpoints.loader import load_model
 from ferrylm.engine.ple_choice import resolve_ple_backend
 from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.engine.cache.kv_pool import KVLayout
@@ -34,8 +35,8 @@ from ferrylm.experts.executor import ExpertNeeds
 from ferrylm.faults import FaultInjector
 from ferrylm.memory.concurrency import RunningChoice, choose_running_requests, requests_in_pool
 from ferrylm.memory.guard import is_oom
-from ferrylm.memory.plan import (MemoryBudget, MemoryPlan, MemoryPlanError, PlanInputs, boot_failure, check_budget,
-                                 gib, plan_memory)
+from ferrylm.memory.budget import MemoryBudget, MemoryPlanError, check_budget, gib
+from ferrylm.memory.plan import MemoryPlan, PlanInputs, boot_failure, plan_memory
 from ferrylm.memory.probe import allocator_slack, bytes_in_use, other_processes, read_memory
 from ferrylm.models.tensor_parallel import TPShard, attach_reduce
 from ferrylm.synthetic.spec import is_synthetic_folder

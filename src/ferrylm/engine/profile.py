@@ -23,7 +23,7 @@ from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.engine.scheduler import ScheduledSeq
 from ferrylm.faults import NO_FAULTS
 from ferrylm.memory.guard import is_oom
-from ferrylm.memory.plan import MemoryPlanError, gib
+from ferrylm.memory.budget import MemoryPlanError, gib
 from ferrylm.memory.probe import estimate_workspace, free_bytes, measure_peak, release_cached
 from ferrylm.models.registry import get_model_class
 

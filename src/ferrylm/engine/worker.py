@@ -261,10 +261,9 @@ def _fault_stall() -> None:
         time.sleep(3600)
 
 
-def engine_main(spec_dict: dict) -> None:
-    """Entry point of the engine process (``spawn`` target). Exits 0 on Shutdown, 1 on a fatal error after
-    reporting it; on the parent's death it is SIGKILLed (Linux) or exits 0 (watch thread)."""
-    spec = EngineSpec(**spec_dict)
+def _prepare_process(spec: EngineSpec) -> None:
+    """Process-wide setup: die with the parent, ignore the terminal's signals, name the process, stack dumps on
+    fatal signals and ``SIGUSR1``, logging."""
     _die_with_parent(spec.parent_pid)
     # NOTE: the frontend owns the engine's life (Shutdown message, SIGKILL, PDEATHSIG = SIGKILL). A terminal's
     # Ctrl-C, or a service manager's SIGTERM to the whole group, must not kill the engine under a draining frontend
@@ -286,37 +285,63 @@ def engine_main(spec_dict: dict) -> None:
         faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s")
 
-    import zmq
 
+class _Channel:
+    """The engine's sockets: ``pull`` (requests in), ``push`` (outputs out) and the heartbeat thread's own socket
+    (which reads ``state``)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.connect(spec.in_addr)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 1000)
+        self.push.connect(spec.out_addr)
+        self.state: dict = {}
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=_heartbeat_loop, args=(self.ctx, spec.out_addr, self.state,
+                                                                         self._stop), daemon=True, name="heartbeat")
+        self._heartbeat.start()
+
+    def send(self, msg) -> None:
+        """Encode and push one IPC message."""
+        from ferrylm.engine import ipc
+
+        self.push.send(ipc.encode(msg))
+
+    def close(self) -> None:
+        # NOTE: ctx.term() blocks until every socket of the context is closed, the heartbeat thread's included.
+        self._stop.set()
+        self._heartbeat.join(timeout=2 * HEARTBEAT_INTERVAL_S)
+        self.pull.close(linger=0)
+        self.push.close()  # linger 1 s: the last message still goes out
+        if not self._heartbeat.is_alive():
+            self.ctx.term()
+
+
+def _exit(chan: _Channel, tp, *, ok: bool) -> None:
+    """Tell the rank group, close the sockets and leave the process at once (0 when ``ok``, else 1)."""
+    _leave_group(tp, ok=ok)
+    chan.close()
+    if ok:
+        # NOTE: skip the interpreter's teardown (seconds of freeing tensors, atexit hooks): the OS reclaims memory
+        # at once and the frontend is waiting on our exit.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(0 if ok else 1)
+
+
+def _boot(spec: EngineSpec, chan: _Channel):
+    """Build the engine (``engine/boot.py``), reporting each phase as ``Loading``; returns ``(engine, tp)``. A
+    failure is sent as ``Fatal`` and the process exits 1."""
     from ferrylm.config import EngineConfig
     from ferrylm.engine import ipc
-    from ferrylm.memory.guard import is_device_error
-
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.connect(spec.in_addr)
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 1000)
-    push.connect(spec.out_addr)
-    state: dict = {}
-    stop = threading.Event()
-    heartbeat = threading.Thread(target=_heartbeat_loop, args=(ctx, spec.out_addr, state, stop), daemon=True,
-                                 name="heartbeat")
-    heartbeat.start()
-
-    def close_ipc() -> None:
-        # NOTE: ctx.term() blocks until every socket of the context is closed, the heartbeat thread's included.
-        stop.set()
-        heartbeat.join(timeout=2 * HEARTBEAT_INTERVAL_S)
-        pull.close(linger=0)
-        push.close()  # linger 1 s: the last message still goes out
-        if not heartbeat.is_alive():
-            ctx.term()
-
-    log = logging.getLogger("ferrylm.engine")
-    tp = None   # rank 0's step broadcaster under tensor parallel (engine/parallel/step_sync.py)
     from ferrylm.errors import FerryError
 
+    tp = None   # rank 0's step broadcaster under tensor parallel (engine/parallel/step_sync.py)
     try:
         from ferrylm.engine.boot import build_engine
         from ferrylm.faults import FaultInjector
@@ -324,81 +349,111 @@ def engine_main(spec_dict: dict) -> None:
         config = EngineConfig(**spec.engine_config)
         FaultInjector.from_config(config.faults).boot_hook()   # point boot_delay (tests: a slow restart)
         tp = _join_group(config, spec.tp_rendezvous)
-        engine = build_engine(spec.model_path, config, tp=tp,
-                              on_phase=lambda name: push.send(ipc.encode(ipc.Loading(name))))
+        engine = build_engine(spec.model_path, config, tp=tp, on_phase=lambda name: chan.send(ipc.Loading(name)))
     except Exception as e:
         # a known failure is its message; anything else needs the place it happened
-        log.error("engine failed to start: %s", e, exc_info=not isinstance(e, (FerryError, ValueError)))
+        _log.error("engine failed to start: %s", e, exc_info=not isinstance(e, (FerryError, ValueError)))
         msg = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
-        push.send(ipc.encode(ipc.Fatal(msg, code=str(getattr(e, "code", "") or "start_failed"))))
-        _leave_group(tp, ok=False)
-        close_ipc()
-        os._exit(1)
-    state["engine"] = engine
+        chan.send(ipc.Fatal(msg, code=str(getattr(e, "code", "") or "start_failed")))
+        _exit(chan, tp, ok=False)
+    return engine, tp
+
+
+def ready_message(engine):
+    """The ``Ready`` message: the engine's limits, backends and memory plan for the frontend."""
+    from ferrylm.engine import ipc
+
     lim = engine.limits
     plan = engine.memory_plan
-    push.send(ipc.encode(ipc.Ready({"max_model_len": lim.max_model_len, "kv_pool_tokens": lim.pool_tokens,
-                                    "page_size": lim.page_size, "num_pages": lim.num_pages,
-                                    "max_running_requests": lim.max_running_requests,
-                                    "max_prefill_length": lim.max_prefill_length,
-                                    "device": str(engine.device), "pid": os.getpid(),
-                                    "moe_backend": engine.expert_backend, "attention_backend": engine.runner.attention,
-                                    "dtype": str(engine.pool.dtype).removeprefix("torch."),
-                                    "engine_config": engine.config.to_dict(),
-                                    "model_bytes": engine.model_bytes,
-                                    "memory_plan": plan.to_dict() if plan is not None else None})))
+    return ipc.Ready({"max_model_len": lim.max_model_len, "kv_pool_tokens": lim.pool_tokens,
+                      "page_size": lim.page_size, "num_pages": lim.num_pages,
+                      "max_running_requests": lim.max_running_requests,
+                      "max_prefill_length": lim.max_prefill_length,
+                      "device": str(engine.device), "pid": os.getpid(),
+                      "moe_backend": engine.expert_backend, "attention_backend": engine.runner.attention,
+                      "dtype": str(engine.pool.dtype).removeprefix("torch."),
+                      "engine_config": engine.config.to_dict(),
+                      "model_bytes": engine.model_bytes,
+                      "memory_plan": plan.to_dict() if plan is not None else None})
+
+
+def _drain_messages(engine, chan: _Channel, tp, deferred: list[bytes]) -> None:
+    """Apply every message waiting (those the layer poll deferred first); a Shutdown ends the process."""
+    import zmq
+
+    from ferrylm.engine import ipc
+
+    while True:
+        if deferred:
+            data = deferred.pop(0)
+        else:
+            try:
+                data = chan.pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+        shutdown, rejected = handle_message(engine, data)
+        if rejected:
+            chan.send(ipc.Outputs(rejected))
+        if shutdown:
+            _log.info("engine shutting down (%d requests still running)", engine.num_running)
+            _exit(chan, tp, ok=True)
+
+
+def step_failure(engine, e: BaseException):
+    """The ``Fatal`` message for an unexpected error inside a step (``device_error`` for a sticky CUDA error, else
+    ``step_failed``), naming the step's requests; the error is logged with its traceback."""
+    from ferrylm.engine import ipc
+    from ferrylm.memory.guard import is_device_error
+
+    ids = list(engine.progress.step_request_ids)
+    if is_device_error(e):
+        _log.error("sticky device error in a step of %d requests %s; the engine exits to be restarted:"
+                   "\n%s", len(ids), ids, traceback.format_exc())
+        return ipc.Fatal(f"device error: {str(e).splitlines()[0]}", code="device_error", request_ids=ids)
+    _log.error("engine step of %d requests %s failed:\n%s", len(ids), ids, traceback.format_exc())
+    return ipc.Fatal(f"engine step failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                     f"see the engine log", code="step_failed", request_ids=ids)
+
+
+def _serve(engine, chan: _Channel, tp) -> None:
+    """The loop: drain messages (waiting up to a heartbeat interval when idle) -> step -> send outputs."""
+    import zmq
+
+    from ferrylm.engine import ipc
+
     poller = zmq.Poller()
-    poller.register(pull, zmq.POLLIN)
+    poller.register(chan.pull, zmq.POLLIN)
     faults = engine.faults
     deferred: list[bytes] = []   # messages the layer poll read during a step, for this loop
-    engine.progress.layer_callback = make_layer_poll(engine, pull, deferred)
+    engine.progress.layer_callback = make_layer_poll(engine, chan.pull, deferred)
     while True:
-        state["iteration_start"] = time.monotonic()
+        chan.state["iteration_start"] = time.monotonic()
         timeout = 0 if engine.has_work() or deferred else int(HEARTBEAT_INTERVAL_S * 1000)
         if deferred or poller.poll(timeout):
-            while True:
-                if deferred:
-                    data = deferred.pop(0)
-                else:
-                    try:
-                        data = pull.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                shutdown, rejected = handle_message(engine, data)
-                if rejected:
-                    push.send(ipc.encode(ipc.Outputs(rejected)))
-                if shutdown:
-                    log.info("engine shutting down (%d requests still running)", engine.num_running)
-                    _leave_group(tp, ok=True)
-                    close_ipc()
-                    # NOTE: skip the interpreter's teardown (seconds of freeing tensors, atexit hooks): the OS
-                    # reclaims memory at once and the frontend is waiting on our exit.
-                    logging.shutdown()
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(0)
-        if engine.has_work():
-            if faults.enabled and faults.should_stall():
-                _fault_stall()
-            try:
-                outs = engine.step()
-            except Exception as e:
-                # An unexpected error inside a step must not leave clients waiting: report and exit so the
-                # supervisor answers every in-flight request and restarts the engine. A sticky device error
-                # (illegal address, device-side assert) poisons the CUDA context: nothing more can run here.
-                ids = list(engine.progress.step_request_ids)
-                if is_device_error(e):
-                    log.error("sticky device error in a step of %d requests %s; the engine exits to be restarted:"
-                              "\n%s", len(ids), ids, traceback.format_exc())
-                    fatal = ipc.Fatal(f"device error: {str(e).splitlines()[0]}", code="device_error",
-                                      request_ids=ids)
-                else:
-                    log.error("engine step of %d requests %s failed:\n%s", len(ids), ids, traceback.format_exc())
-                    fatal = ipc.Fatal(f"engine step failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                                      f"see the engine log", code="step_failed", request_ids=ids)
-                push.send(ipc.encode(fatal))
-                _leave_group(tp, ok=False)
-                close_ipc()
-                os._exit(1)
-            if outs:
-                push.send(ipc.encode(ipc.Outputs(outs)))
+            _drain_messages(engine, chan, tp, deferred)
+        if not engine.has_work():
+            continue
+        if faults.enabled and faults.should_stall():
+            _fault_stall()
+        try:
+            outs = engine.step()
+        except Exception as e:
+            # An unexpected error inside a step must not leave clients waiting: report and exit so the supervisor
+            # answers every in-flight request and restarts the engine. A sticky device error (illegal address,
+            # device-side assert) poisons the CUDA context: nothing more can run here.
+            chan.send(step_failure(engine, e))
+            _exit(chan, tp, ok=False)
+        if outs:
+            chan.send(ipc.Outputs(outs))
+
+
+def engine_main(spec_dict: dict) -> None:
+    """Entry point of the engine process (``spawn`` target). Exits 0 on Shutdown, 1 on a fatal error after
+    reporting it; on the parent's death it is SIGKILLed (Linux) or exits 0 (watch thread)."""
+    spec = EngineSpec(**spec_dict)
+    _prepare_process(spec)
+    chan = _Channel(spec)
+    engine, tp = _boot(spec, chan)
+    chan.state["engine"] = engine
+    chan.send(ready_message(engine))
+    _serve(engine, chan, tp)

@@ -7,12 +7,10 @@ share, a fraction ``h = min(1, N / (L * E))`` of them hits, so a step misses ``m
 Then ``t_offload = m S / B_pcie``, ``t_cpu = m S / B_cpu`` and ``t_hybrid = m S / (B_pcie + B_cpu_eff)`` (both
 sides busy until the end; see :mod:`ferrylm.experts.hybrid`). Skewed routing raises ``h`` for every backend alike.
 
-The prediction is reported, not obeyed: on the H200 machine every measured configuration had ``offload`` fastest
-(24 GiB cap, bf16: 20.4 tok/s at one sequence against hybrid 18.1 and cpu 5.4; 24.9 at 16 against 22.2 and
-22.3; docs/BENCHMARKS.md session 7), while the model ranked hybrid first and, with a noisy CPU probe (22-47 GB/s
-between runs), ranked cpu above offload, so two boots of one configuration could pick different backends (session
-7's serve run picked cpu: c16 ITL 800 ms). So ``auto`` picks ``offload`` whenever the slots hold one layer of a
-token's experts (``top_k``), else ``cpu``: the same pick on every boot; ``--moe-backend hybrid`` / ``cpu`` stay
+The prediction is reported, not obeyed: measured, ``offload`` was fastest where the model ranked hybrid or cpu
+first, and a noisy CPU probe could make two boots of one configuration pick differently (docs/BENCHMARKS.md, "The
+figures behind choices in the code"). So ``auto`` picks ``offload`` whenever the slots hold one layer of a token's
+experts (``top_k``), else ``cpu``: the same pick on every boot; ``--moe-backend hybrid`` / ``cpu`` stay
 available."""
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ Layout: per MoE layer one ``[E, S]`` tensor, ``S = 3 * I * H`` elements; row ``e
 fields (:class:`ExpertLayout`), so banks, slots and copies hold and move quantized bytes. One copy of one row moves one whole expert, and
 ``gate | up`` is a single ``[2I, H]`` block. A device slot is a row of the same shape.
 
-Pinning: host→device copies from page-locked memory run at full PCIe speed (55 GB/s measured on the H200 host),
-from pageable memory at about a third (19 GB/s there), because the driver stages them through a bounce buffer.
+Pinning: host→device copies from page-locked memory run at full PCIe speed, from pageable memory at about a third,
+because the driver stages them through a bounce buffer.
 The banks are allocated pageable and then page-locked in place with ``cudaHostRegister`` layer by layer (PyTorch's
 pinned allocator rounds allocations up to a power of two, which would waste up to half the host memory). When
 registration fails (no CUDA, locked-memory limits) the banks stay pageable and a warning states the cost.

@@ -1,8 +1,8 @@
 """The native CPU expert kernels (``native/expert_gemv.c``): built once per machine, called through ctypes.
 
 Why: at decode a CPU expert is a GEMV bound by host memory bandwidth, and the torch path (two oneDNN matmuls and
-six elementwise ops per expert, each its own parallel region) measured 0.4-0.7 ms per 9 MiB Qwen3-30B-A3B expert
-on the H200 host (13-23 GB/s) against a DRAM that reads at ~90 GB/s. The native kernel computes a layer's whole
+six elementwise ops per expert, each its own parallel region) reads far below the DRAM's rate (docs/BENCHMARKS.md,
+"The figures behind choices in the code"). The native kernel computes a layer's whole
 CPU share in one OpenMP region, reading quantized experts as stored (integer dot products against an 8-bit
 activation; see the C file's header for the arithmetic and the formats).
 

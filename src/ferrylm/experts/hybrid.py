@@ -13,11 +13,9 @@ The share (experts per layer) is measured, not modelled: a CPU expert sits on it
 prefetched copy overlaps the layers before, so the answer depends on the layer's GPU time and on how much host
 memory bandwidth the CPU keeps while the DMA reads the same DRAM. :class:`~ferrylm.experts.share_tuner.ShareTuner`
 times the decode steps at share 0 (``offload``'s policy), 1, 2, ... and keeps the fastest, per step size
-(``--moe-cpu-share N`` fixes it instead). Measured on the H200 host (docs/BENCHMARKS.md, session 5): share 1 cost
-+0.5-0.65 ms per layer (a one-expert CPU job took 0.54-0.71 ms in place, against 0.3-0.5 ms alone), so the tuner
-settles on 0 there; a host with more memory bandwidth per PCIe byte is where a share pays. The native kernel
-(:mod:`ferrylm.experts.cpu_kernel`) is what gives the CPU a chance at all: with torch matmuls a CPU expert cost
-~1 ms (9.0 vs 19.0 tok/s).
+(``--moe-cpu-share N`` fixes it instead). A host with more memory bandwidth per PCIe byte is where a share pays;
+the native kernel (:mod:`ferrylm.experts.cpu_kernel`) is what gives the CPU a chance at all (figures:
+docs/BENCHMARKS.md, "The figures behind choices in the code").
 
 Steps without prefetch (large steps, ``prefetch`` off) split their misses at the layer by the measured rates
 (:func:`split_misses`): fetch ``n`` of the ``m``, minimising ``max(n * S / B_pcie, (m - n) * S / B_cpu_eff)`` with

@@ -2,9 +2,9 @@
 
 Misses are copied host->device on the dedicated copy stream, then the layer's experts compute in one batch (so the
 result equals the resident backend's bit for bit; under decode CUDA graphs the batch is staged into the next graph,
-whose GEMM shapes are padded to ``min(B * k, E)`` experts and ``B`` tokens: equal to rounding, and the same tokens
-in every H200 run so far). When one layer needs more experts than there are unpinned slots,
-the layer runs in waves (fetch what fits, compute, unpin, repeat), so any cache of at least one slot is correct.
+whose GEMM shapes are padded to ``min(B * k, E)`` experts and ``B`` tokens: equal to rounding). When one layer
+needs more experts than there are unpinned slots, the layer runs in waves (fetch what fits, compute, unpin,
+repeat), so any cache of at least one slot is correct.
 With prefetch on (the default), layer L+1's likely experts start copying while layer L computes: layer L+1's router
 applied to layer L's hidden state (Eliseev & Mazur 2023, "Fast Inference of Mixture-of-Experts Language Models with
 Offloading", §3.2). A wrong guess costs copy bandwidth and a slot, never correctness. Decode steps run from the

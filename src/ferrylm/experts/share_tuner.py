@@ -3,9 +3,9 @@
 Why measured and not modelled: at decode a CPU expert sits on its layer's critical path (the layer's next half
 waits for it), while a prefetched copy overlaps the layers before. Whether moving one predicted miss per layer
 from the PCIe link to the CPU pays depends on the layer's own GPU time, the CPU job's fixed costs and how much host
-memory bandwidth the CPU gets while the DMA reads the same DRAM; on the H200 host the probes (PCIe 53, host
-52-80, native CPU kernel 48-66 GB/s, job latency 0.2 ms) predicted a gain where the step measured 1.5-2x slower
-(docs/BENCHMARKS.md, session 5). So the share is found the way an autotuner finds a tile size: by timing it.
+memory bandwidth the CPU gets while the DMA reads the same DRAM; a model fed with the probed rates predicted gains
+where the step got slower (docs/BENCHMARKS.md, "The figures behind choices in the code"). So the share is found
+the way an autotuner finds a tile size: by timing it.
 
 Algorithm (hill climbing, per step size): measure share 0 (every predicted miss copied: ``offload``'s policy)
 over ``window`` steps, then share 1, 2, ... while each is faster than the best so far by ``min_gain``; settle on

@@ -48,9 +48,8 @@ class TableDecode:
     @property
     def graph_min_tokens(self) -> int:
         """The smallest step run from the table: 1 for quantized experts; 2 for plain ones, whose one-token steps
-        keep the host-planned path with next-layer prefetch by DMA (measured faster there on the H200: 20.4 vs
-        15.4 tok/s at a 24 GiB cap, bf16, docs/BENCHMARKS.md session 7; at 16 tokens the table path won, 24.9 vs
-        22.0 tok/s). ``table_on_cpu`` (tests) runs every size from the table."""
+        keep the host-planned path with next-layer prefetch by DMA (faster there; docs/BENCHMARKS.md). ``table_on_cpu``
+        (tests) runs every size from the table."""
         if self.table_on_cpu or self.layout.quant is not None:
             return 1
         return TABLE_MIN_TOKENS_PLAIN

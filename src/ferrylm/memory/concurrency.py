@@ -1,4 +1,4 @@
-"""The default ``--max-running-requests``: as many requests as the memory plan carries (issue 47 item 2).
+"""The default ``--max-running-requests``: as many requests as the memory plan carries.
 
 Rule: the largest ``N`` in ``1 .. MAX_RUNNING_REQUESTS`` (256, vLLM's default ``max_num_seqs``) whose own plan
 (:func:`~ferrylm.memory.plan.plan_memory` with ``max_running_requests = N``: the KV floor, the recurrent-state slots
@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ferrylm.memory.plan import MemoryPlan, MemoryPlanError, PlanInputs, plan_memory
+from ferrylm.memory.budget import MemoryPlanError
+from ferrylm.memory.plan import MemoryPlan, PlanInputs, plan_memory
 
 TYPICAL_REQUEST_TOKENS = 1024
 MAX_RUNNING_REQUESTS = 256

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from ferrylm.memory.plan import gib
+from ferrylm.memory.budget import gib
 from ferrylm.memory.probe import free_bytes, release_cached
 
 if TYPE_CHECKING:

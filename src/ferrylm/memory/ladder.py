@@ -15,7 +15,7 @@ import logging
 from typing import Any, Protocol
 
 from ferrylm.memory.guard import OomGuard, Recovery, StepRecovery, is_oom
-from ferrylm.memory.plan import gib
+from ferrylm.memory.budget import gib
 
 log = logging.getLogger("ferrylm.engine")
 

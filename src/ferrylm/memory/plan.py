@@ -4,13 +4,8 @@ Figures (bytes unless named otherwise), in the order the plan takes them:
 
 1. ``free_at_boot`` and ``total`` of the device (CUDA driver figures, or host RAM on the CPU), read before the
    weights load; ``others`` = ``total - free_at_boot`` is memory someone else (or the CUDA context) holds.
-2. ``budget = usable - reserve``, one cut (issue 26: the reserve was 5 % of the card's total and the ratio cut the
-   free memory again, so a model that serves at a 12 GiB limit did not boot with 10 GiB free on a 140 GiB card).
-   ``usable`` is what ferrylm may use: ``--gpu-memory-limit`` when it is at most the memory free at boot, else the
-   free memory itself. ``reserve`` scales with ``usable``, never with the card: under the limit ``max(512 MiB, 5%
-   of the limit)``, else ``max(512 MiB, (1 - memory_ratio) x free)``; ``--memory-reserve`` raises it (the larger
-   of the two is the one cut). It is never handed out: the room of the OOM guard, allocator fragmentation and the
-   driver.
+2. ``budget = usable - reserve``, one cut (``memory/budget.py``: the limit or the free memory, less a reserve
+   that scales with it and is never handed out).
 3. minus ``weights`` (measured after loading), the recurrent-state pool of a hybrid model (``state_slot_bytes`` per
    slot, ``max_running_requests + 1`` slots: one per running request and a scratch slot, ``engine/cache/state_pool.py``)
    and ``workspace`` (the peak extra memory of a warmup prefill at the
@@ -30,9 +25,7 @@ Figures (bytes unless named otherwise), in the order the plan takes them:
 With default flags the plan takes the largest configuration that fits and gives way down to its minimum: the
 weights, the workspace of the chunk measured (the boot lowers a default chunk that does not fit, to 1024 tokens),
 the KV floor and the expert slots one decode step needs (the KV pool gives way to them). A plan that cannot work
-raises :class:`MemoryPlanError` naming the numbers, that minimum in GiB, the other processes holding device memory
-(when nvidia-ml-py sees them) and the flag to change. It never suggests raising ``--memory-ratio`` when the memory
-is held by someone else.
+raises :class:`~ferrylm.memory.budget.MemoryPlanError` naming the numbers and that minimum in GiB.
 
 Pure: :func:`plan_memory` takes readings as data, so tests feed it fake figures.
 """
@@ -41,48 +34,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from ferrylm.errors import FerryError
 from ferrylm.experts.executor import ExpertNeeds
-from ferrylm.memory.probe import GiB, MiB, ProcessUsage
+from ferrylm.memory.budget import MemoryBudget, MemoryPlanError, PlanExplainer, budget_cut, gib
+from ferrylm.memory.probe import ProcessUsage
 
 DEFAULT_MIN_KV_TOKENS = 512
 SHORT_REQUEST_TOKENS = 256  # tokens per running request in the default KV floor beside one full prefill chunk
-
-
-class MemoryPlanError(FerryError):
-    """The memory plan cannot work on this device with these flags (a boot error; the message has the numbers
-    and the flag to change)."""
-
-    code = "insufficient_memory"
-
-
-RESERVE_FLOOR = GiB // 2
-
-
-def default_reserve(free_bytes: int, memory_ratio: float = 0.9) -> int:
-    """Without a limit: ``max(512 MiB, (1 - memory_ratio) x free)`` bytes (the ratio is the reserve's share of the
-    memory free at boot, not a second cut)."""
-    return max(RESERVE_FLOOR, round((1.0 - memory_ratio) * free_bytes))
-
-
-def gib(n: float) -> str:
-    """``n`` bytes as ``"1.23 GiB"`` (or MiB below 1 GiB)."""
-    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.1f} MiB"
-
-
-@dataclass(frozen=True)
-class MemoryBudget:
-    """What the plan may hand out, known before the weights load: the reading (``kind`` ``"cuda"`` or ``"host"``,
-    ``total_bytes``, ``free_at_boot_bytes``), the flags that cut it (``memory_ratio``, ``gpu_memory_limit_bytes``,
-    ``memory_reserve_bytes``: bytes or None) and the other processes holding device memory (for messages)."""
-
-    kind: str
-    total_bytes: int
-    free_at_boot_bytes: int
-    memory_ratio: float
-    gpu_memory_limit_bytes: int | None
-    memory_reserve_bytes: int | None
-    other_processes: tuple[ProcessUsage, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -260,6 +217,23 @@ def _pages(tokens: int, page_size: int) -> int:
     return max(0, tokens // page_size)
 
 
+def _round_up(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size) * page_size
+
+
+def _kv_floor(p: PlanInputs) -> int:
+    """The KV pool's least size, tokens: ``--kv-reserve-tokens`` or ``min(max_model_len, 512)``, whole pages."""
+    floor = p.kv_reserve_tokens if p.kv_reserve_tokens is not None else min(p.max_model_len, DEFAULT_MIN_KV_TOKENS)
+    return _round_up(floor, p.page_size)
+
+
+def _explicit_kv(p: PlanInputs) -> int | None:
+    """``--num-pages`` / ``--num-tokens`` as tokens of whole pages (pages win), or None."""
+    if p.num_pages is not None:
+        return p.num_pages * p.page_size
+    return _round_up(p.num_tokens, p.page_size) if p.num_tokens is not None else None
+
+
 def plan_memory(p: PlanInputs) -> MemoryPlan:
     """Size the KV pool and the expert slots (see the module docstring).
 
@@ -267,103 +241,15 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
         MemoryPlanError: the weights, workspace or an explicit size do not fit, or the KV pool would be smaller
             than its floor. The message gives the figures and the flag to change.
     """
-    reserve, budget, binding, reserve_note = _budget_why(p)
+    reserve, budget, binding, reserve_note = budget_cut(p.budget)
     minimum = minimum_bytes(p)
-    err = _Explainer(p, reserve, budget, binding, minimum)
-    rest = budget - p.weights_bytes - p.workspace_bytes - p.graph_bytes - p.state_bytes - p.allocator_slack_bytes
-    if rest <= 0:
-        state = f", the recurrent state ({gib(p.state_bytes)})" if p.state_bytes else ""
-        slack = f", the allocator's slack ({gib(p.allocator_slack_bytes)})" if p.allocator_slack_bytes else ""
-        err.fail(f"the weights ({gib(p.weights_bytes)}), the workspace ({gib(p.workspace_bytes)}, "
-                 f"{p.workspace_source}){state}{slack} and the CUDA graphs ({gib(p.graph_bytes)}) need "
-                 f"{gib(budget - rest)}",
-                 smaller="--max-prefill-length / --max-running-requests (workspace, recurrent state), "
-                         "--moe-backend offload (experts off the device)")
-    per_tok = p.kv_bytes_per_token
-    ps = p.page_size
-    want_tokens = p.max_running_requests * p.max_model_len
-    min_kv = p.kv_reserve_tokens if p.kv_reserve_tokens is not None else min(p.max_model_len, DEFAULT_MIN_KV_TOKENS)
-    min_kv = -(-min_kv // ps) * ps
+    sz = _Sizer(p, PlanExplainer(p.budget, reserve, budget, binding, minimum), budget)
+    kv_tokens = sz.kv_explicit if sz.kv_explicit is not None else sz.default_kv_tokens()
+    kv_tokens, slots = sz.expert_slots(kv_tokens)
     ex = p.experts
+    expert_bytes = ex.bytes_for(slots) if ex is not None else 0
+    kv_bytes = kv_tokens * p.kv_bytes_per_token
     warnings: list[str] = []
-
-    # --- explicit sizes -------------------------------------------------------------------------------------
-    kv_explicit = None
-    if p.num_pages is not None:
-        kv_explicit = p.num_pages * ps
-    elif p.num_tokens is not None:
-        kv_explicit = -(-p.num_tokens // ps) * ps
-    slots_explicit = None
-    if ex is not None and p.moe_cache_size is not None:
-        slots_explicit = min(p.moe_cache_size, ex.total_experts)
-    min_expert_bytes = ex.bytes_for(ex.min_slots) if ex is not None else 0
-
-    if kv_explicit is not None and kv_explicit * per_tok + (
-            ex.bytes_for(slots_explicit) if slots_explicit is not None else min_expert_bytes) > rest:
-        what = f"--num-pages/--num-tokens {kv_explicit} tokens need {gib(kv_explicit * per_tok)}"
-        if slots_explicit is not None:
-            what += f" and --moe-cache-size {slots_explicit} needs {gib(ex.bytes_for(slots_explicit))}"
-        elif ex is not None:
-            what += f" and the {ex.backend} backend needs at least {gib(min_expert_bytes)} of expert slots"
-        err.fail(what, left=rest, smaller="--num-tokens / --num-pages" +
-                 (" / --moe-cache-size" if slots_explicit is not None else ""))
-    if slots_explicit is not None and ex.bytes_for(slots_explicit) > rest:
-        err.fail(f"--moe-cache-size {slots_explicit} needs {gib(ex.bytes_for(slots_explicit))} "
-                 f"({slots_explicit} x {gib(ex.slot_bytes)} + {gib(ex.fixed_bytes)} prefill buffers)",
-                 left=rest, smaller="--moe-cache-size")
-
-    # --- KV tokens --------------------------------------------------------------------------------------------
-    if kv_explicit is not None:
-        kv_tokens = kv_explicit
-    else:
-        expert_floor = ex.bytes_for(slots_explicit) if slots_explicit is not None else min_expert_bytes
-        kv_room = rest - expert_floor
-        if p.host_kv_fraction is not None:
-            kv_room = min(kv_room, int(p.free_at_boot_bytes * p.host_kv_fraction))
-        room_tokens = max(0, kv_room // per_tok)
-        if ex is not None and slots_explicit is None:
-            kv_tokens = min(room_tokens, kv_floor_tokens(p, rest, min_kv))
-        else:
-            kv_tokens = min(room_tokens, max(want_tokens, min_kv))
-        kv_tokens = _pages(kv_tokens, ps) * ps
-        if kv_tokens < min_kv:
-            flag = "--kv-reserve-tokens" if p.kv_reserve_tokens is not None else "the default KV floor"
-            err.fail(f"the KV pool would hold {kv_tokens} tokens ({gib(kv_tokens * per_tok)}), fewer than "
-                     f"{flag} ({min_kv} tokens, {gib(min_kv * per_tok)})"
-                     + (f" after {gib(expert_floor)} of expert slots" if expert_floor else ""),
-                     left=rest, smaller="--kv-reserve-tokens" + (" / --moe-cache-size" if slots_explicit else ""))
-    kv_bytes = kv_tokens * per_tok
-
-    # --- expert slots -----------------------------------------------------------------------------------------
-    slots = 0
-    expert_bytes = 0
-    if ex is not None:
-        if slots_explicit is not None:
-            slots = slots_explicit
-        else:
-            room = rest - kv_bytes - ex.fixed_bytes
-            slots = min(ex.total_experts, max(0, room // ex.slot_bytes))
-            need = min(ex.total_experts, max(ex.min_slots, ex.step_slots))
-            if slots < need and kv_explicit is None and p.kv_reserve_tokens is None:
-                # the default KV floor gives way to the slots one decode step needs, down to its minimum
-                kv_tokens = max(min_kv, _pages(min(kv_tokens, (rest - ex.bytes_for(need)) // per_tok), ps) * ps)
-                kv_bytes = kv_tokens * per_tok
-                slots = min(ex.total_experts, max(0, (rest - kv_bytes - ex.fixed_bytes) // ex.slot_bytes))
-            if slots < need:
-                err.fail(f"the {ex.backend} backend needs >= {need} expert slot(s) of "
-                         f"{gib(ex.slot_bytes)} + {gib(ex.fixed_bytes)} prefill buffers after a KV pool of "
-                         f"{kv_tokens} tokens ({gib(kv_bytes)})", left=rest,
-                         smaller="--num-tokens / --kv-reserve-tokens")
-        expert_bytes = ex.bytes_for(slots)
-        if kv_explicit is None and slots == ex.total_experts:
-            # every expert fits: what they leave goes back to the KV pool (up to what it can use)
-            room_tokens = (rest - expert_bytes) // per_tok
-            if p.host_kv_fraction is not None:
-                room_tokens = min(room_tokens, int(p.free_at_boot_bytes * p.host_kv_fraction) // per_tok)
-            kv_tokens = max(kv_tokens, _pages(min(room_tokens, want_tokens), ps) * ps)
-            kv_bytes = kv_tokens * per_tok
-
-    headroom = max(0, rest - kv_bytes - expert_bytes)
     if kv_tokens < p.max_model_len:
         warnings.append(f"the KV pool holds {kv_tokens} tokens, fewer than the model context of {p.max_model_len} "
                         f"tokens: longer requests are rejected (raise --num-tokens or lower --max-model-len)")
@@ -371,36 +257,131 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
         kind=p.kind, total_bytes=p.total_bytes, free_at_boot_bytes=p.free_at_boot_bytes,
         memory_ratio=p.memory_ratio, gpu_memory_limit_bytes=p.gpu_memory_limit_bytes, reserve_bytes=reserve,
         budget_bytes=budget, weights_bytes=p.weights_bytes, workspace_bytes=p.workspace_bytes,
-        workspace_source=p.workspace_source, kv_pages=kv_tokens // ps, page_size=ps, kv_tokens=kv_tokens,
-        kv_bytes=kv_bytes, kv_bytes_per_token=per_tok, expert_slots=slots,
+        workspace_source=p.workspace_source, kv_pages=kv_tokens // p.page_size, page_size=p.page_size,
+        kv_tokens=kv_tokens, kv_bytes=kv_bytes, kv_bytes_per_token=p.kv_bytes_per_token, expert_slots=slots,
         expert_slot_bytes=ex.slot_bytes if ex else 0, expert_bytes=expert_bytes,
-        expert_total=ex.total_experts if ex else 0, headroom_bytes=headroom, max_model_len=p.max_model_len,
-        binding=binding, other_processes=tuple(p.other_processes), warnings=tuple(warnings),
-        graph_bytes=p.graph_bytes, max_prefill_length=p.max_prefill_length, reserve_note=reserve_note,
-        minimum_bytes=minimum, state_slots=p.state_slots, state_slot_bytes=p.state_slot_bytes,
-        state_bytes=p.state_bytes, state_snapshots=p.state_snapshots if p.state_slot_bytes else 0,
+        expert_total=ex.total_experts if ex else 0, headroom_bytes=max(0, sz.rest - kv_bytes - expert_bytes),
+        max_model_len=p.max_model_len, binding=binding, other_processes=tuple(p.other_processes),
+        warnings=tuple(warnings), graph_bytes=p.graph_bytes, max_prefill_length=p.max_prefill_length,
+        reserve_note=reserve_note, minimum_bytes=minimum, state_slots=p.state_slots,
+        state_slot_bytes=p.state_slot_bytes, state_bytes=p.state_bytes,
+        state_snapshots=p.state_snapshots if p.state_slot_bytes else 0,
         max_running_requests=p.max_running_requests, allocator_slack_bytes=p.allocator_slack_bytes)
+
+
+class _Sizer:
+    """The steps of :func:`plan_memory` after the budget: ``rest`` (``R`` of the module docstring: the budget less
+    the weights, workspace, graphs, recurrent state and allocator slack), the explicit sizes checked against it,
+    then the KV tokens and the expert slots. Each step raises through ``err`` when it cannot fit."""
+
+    def __init__(self, p: PlanInputs, err: PlanExplainer, budget: int) -> None:
+        self.p, self.err, self.ex = p, err, p.experts
+        self.rest = (budget - p.weights_bytes - p.workspace_bytes - p.graph_bytes - p.state_bytes
+                     - p.allocator_slack_bytes)
+        if self.rest <= 0:
+            state = f", the recurrent state ({gib(p.state_bytes)})" if p.state_bytes else ""
+            slack = f", the allocator's slack ({gib(p.allocator_slack_bytes)})" if p.allocator_slack_bytes else ""
+            err.fail(f"the weights ({gib(p.weights_bytes)}), the workspace ({gib(p.workspace_bytes)}, "
+                     f"{p.workspace_source}){state}{slack} and the CUDA graphs ({gib(p.graph_bytes)}) need "
+                     f"{gib(budget - self.rest)}",
+                     smaller="--max-prefill-length / --max-running-requests (workspace, recurrent state), "
+                             "--moe-backend offload (experts off the device)")
+        self.min_kv = _kv_floor(p)
+        self.kv_explicit = _explicit_kv(p)
+        ex = self.ex
+        self.slots_explicit = (min(p.moe_cache_size, ex.total_experts)
+                               if ex is not None and p.moe_cache_size is not None else None)
+        self.min_expert_bytes = ex.bytes_for(ex.min_slots) if ex is not None else 0
+        self._check_explicit()
+
+    def _left(self) -> str:
+        p = self.p
+        return (f"but only {gib(max(0, self.rest))} are left after the weights ({gib(p.weights_bytes)}) and the "
+                f"workspace ({gib(p.workspace_bytes)})")
+
+    def _check_explicit(self) -> None:
+        """Explicit ``--num-pages`` / ``--num-tokens`` / ``--moe-cache-size`` that do not fit ``rest`` fail."""
+        ex, kv, slots, per_tok = self.ex, self.kv_explicit, self.slots_explicit, self.p.kv_bytes_per_token
+        if kv is not None and kv * per_tok + (
+                ex.bytes_for(slots) if slots is not None else self.min_expert_bytes) > self.rest:
+            what = f"--num-pages/--num-tokens {kv} tokens need {gib(kv * per_tok)}"
+            if slots is not None:
+                what += f" and --moe-cache-size {slots} needs {gib(ex.bytes_for(slots))}"
+            elif ex is not None:
+                what += f" and the {ex.backend} backend needs at least {gib(self.min_expert_bytes)} of expert slots"
+            self.err.fail(what, left=self._left(), smaller="--num-tokens / --num-pages" +
+                          (" / --moe-cache-size" if slots is not None else ""))
+        if slots is not None and ex.bytes_for(slots) > self.rest:
+            self.err.fail(f"--moe-cache-size {slots} needs {gib(ex.bytes_for(slots))} "
+                          f"({slots} x {gib(ex.slot_bytes)} + {gib(ex.fixed_bytes)} prefill buffers)",
+                          left=self._left(), smaller="--moe-cache-size")
+
+    def default_kv_tokens(self) -> int:
+        """The KV pool without an explicit size: its floor beside an expert cache (:func:`kv_floor_tokens`), else
+        what it can use; whole pages, never below the floor (else the boot fails)."""
+        p, ex, per_tok = self.p, self.ex, self.p.kv_bytes_per_token
+        expert_floor = ex.bytes_for(self.slots_explicit) if self.slots_explicit is not None else self.min_expert_bytes
+        kv_room = self.rest - expert_floor
+        if p.host_kv_fraction is not None:
+            kv_room = min(kv_room, int(p.free_at_boot_bytes * p.host_kv_fraction))
+        room_tokens = max(0, kv_room // per_tok)
+        if ex is not None and self.slots_explicit is None:
+            kv_tokens = min(room_tokens, kv_floor_tokens(p, self.rest, self.min_kv))
+        else:
+            kv_tokens = min(room_tokens, max(p.max_running_requests * p.max_model_len, self.min_kv))
+        kv_tokens = _pages(kv_tokens, p.page_size) * p.page_size
+        if kv_tokens < self.min_kv:
+            flag = "--kv-reserve-tokens" if p.kv_reserve_tokens is not None else "the default KV floor"
+            self.err.fail(f"the KV pool would hold {kv_tokens} tokens ({gib(kv_tokens * per_tok)}), fewer than "
+                          f"{flag} ({self.min_kv} tokens, {gib(self.min_kv * per_tok)})"
+                          + (f" after {gib(expert_floor)} of expert slots" if expert_floor else ""),
+                          left=self._left(),
+                          smaller="--kv-reserve-tokens" + (" / --moe-cache-size" if self.slots_explicit else ""))
+        return kv_tokens
+
+    def expert_slots(self, kv_tokens: int) -> tuple[int, int]:
+        """``(kv_tokens, slots)``: the expert slots after the KV pool (the default KV floor gives way to one
+        decode step's slots; what all experts leave goes back to the KV pool). Fails below the step's slots."""
+        p, ex, per_tok, ps = self.p, self.ex, self.p.kv_bytes_per_token, self.p.page_size
+        if ex is None:
+            return kv_tokens, 0
+        rest = self.rest
+        if self.slots_explicit is not None:
+            slots = self.slots_explicit
+        else:
+            slots = min(ex.total_experts, max(0, (rest - kv_tokens * per_tok - ex.fixed_bytes) // ex.slot_bytes))
+            need = min(ex.total_experts, max(ex.min_slots, ex.step_slots))
+            if slots < need and self.kv_explicit is None and p.kv_reserve_tokens is None:
+                # the default KV floor gives way to the slots one decode step needs, down to its minimum
+                kv_tokens = max(self.min_kv, _pages(min(kv_tokens, (rest - ex.bytes_for(need)) // per_tok), ps) * ps)
+                slots = min(ex.total_experts, max(0, (rest - kv_tokens * per_tok - ex.fixed_bytes) // ex.slot_bytes))
+            if slots < need:
+                self.err.fail(f"the {ex.backend} backend needs >= {need} expert slot(s) of "
+                              f"{gib(ex.slot_bytes)} + {gib(ex.fixed_bytes)} prefill buffers after a KV pool of "
+                              f"{kv_tokens} tokens ({gib(kv_tokens * per_tok)})", left=self._left(),
+                              smaller="--num-tokens / --kv-reserve-tokens")
+        if self.kv_explicit is None and slots == ex.total_experts:
+            # every expert fits: what they leave goes back to the KV pool (up to what it can use)
+            room_tokens = (rest - ex.bytes_for(slots)) // per_tok
+            if p.host_kv_fraction is not None:
+                room_tokens = min(room_tokens, int(p.free_at_boot_bytes * p.host_kv_fraction) // per_tok)
+            kv_tokens = max(kv_tokens, _pages(min(room_tokens, p.max_running_requests * p.max_model_len), ps) * ps)
+        return kv_tokens, slots
 
 
 def minimum_bytes(p: PlanInputs) -> int:
     """The least budget this configuration can serve in: the weights, the workspace measured (at the chunk the
     inputs name), the CUDA graphs, the KV floor and, with an expert cache, the slots of one decode step (or the
     explicit sizes)."""
-    ps, per_tok = p.page_size, p.kv_bytes_per_token
-    if p.num_pages is not None:
-        kv = p.num_pages * ps
-    elif p.num_tokens is not None:
-        kv = -(-p.num_tokens // ps) * ps
-    else:
-        kv = p.kv_reserve_tokens if p.kv_reserve_tokens is not None else min(p.max_model_len, DEFAULT_MIN_KV_TOKENS)
-        kv = -(-kv // ps) * ps
+    kv = _explicit_kv(p)
+    kv = kv if kv is not None else _kv_floor(p)
     ex = p.experts
     slots = 0
     if ex is not None:
         slots = (min(p.moe_cache_size, ex.total_experts) if p.moe_cache_size is not None
                  else min(ex.total_experts, max(ex.min_slots, ex.step_slots)))
     return (p.weights_bytes + p.workspace_bytes + p.graph_bytes + p.state_bytes + p.allocator_slack_bytes
-            + kv * per_tok + (ex.bytes_for(slots) if ex is not None else 0))
+            + kv * p.kv_bytes_per_token + (ex.bytes_for(slots) if ex is not None else 0))
 
 
 def kv_floor_tokens(p: PlanInputs, rest: int, min_kv: int) -> int:
@@ -418,112 +399,14 @@ def kv_floor_tokens(p: PlanInputs, rest: int, min_kv: int) -> int:
     return context if slots_left >= max(ex.min_slots, ex.total_experts // 10) else short
 
 
-def check_host_fits(need_bytes: int, available_bytes: int, total_bytes: int, what: str) -> None:
-    """Before loading: refuse a model whose host-resident part (all weights on a CPU host; the routed experts'
-    host banks on a GPU host with an offloading backend) is larger than the host's available memory, with both
-    sizes (issue 26: ``synthetic:qwen3-30b-a3b`` built ~57 GiB of weights on a 24 GiB machine, then died).
-
-    Raises:
-        MemoryPlanError: ``need_bytes`` > ``available_bytes``.
-    """
-    if need_bytes > available_bytes:
-        raise MemoryPlanError(
-            f"the model does not fit in host memory: {what} need {gib(need_bytes)}, and the host has "
-            f"{gib(available_bytes)} available ({gib(total_bytes)} total). To fix: use a smaller model (a synthetic "
-            f"preset takes :layers=N or :quant=int4), a GPU with --moe-backend resident, or a host with more memory.")
-
-
-def limit_reserve(limit_bytes: int) -> int:
-    """Under ``--gpu-memory-limit`` (the allocator is capped at the limit): ``max(512 MiB, 5% of the limit)`` bytes
-    kept out of the plan, for what the plan cannot see (allocator fragmentation, the lazily allocated piecewise graph
-    buffers): a plan that hands out the whole limit fails its own warmup (measured on the H200 machine at 24 GiB)."""
-    return max(GiB // 2, limit_bytes // 20)
-
-
-def _budget(p: MemoryBudget | PlanInputs) -> tuple[int, int, str]:
-    """``(reserve, budget, binding)`` bytes: see the module docstring, step 2."""
-    return _budget_why(p)[:3]
-
-
-def _budget_why(p: MemoryBudget | PlanInputs) -> tuple[int, int, str, str]:
-    """``(reserve, budget, binding, reserve_note)``: one cut of what ferrylm may use (module docstring, step 2)."""
-    limit = p.gpu_memory_limit_bytes
-    explicit = p.memory_reserve_bytes
-    if limit is not None and limit <= p.free_at_boot_bytes:
-        scaled, why = limit_reserve(limit), "max(512 MiB, 5% of --gpu-memory-limit)"
-        usable, binding = limit, "limit"
-    else:
-        scaled = default_reserve(p.free_at_boot_bytes, p.memory_ratio)
-        why = f"max(512 MiB, (1 - --memory-ratio {p.memory_ratio:g}) x free at boot)"
-        usable, binding = p.free_at_boot_bytes, "free at boot - reserve"
-    if explicit is not None and (explicit >= scaled or binding == "limit"):
-        scaled, why = explicit, "--memory-reserve"
-    return scaled, usable - scaled, binding, why
-
-
-def check_budget(b: MemoryBudget) -> None:
-    """Before the weights load: fail at once when the reading leaves no budget at all.
-
-    Raises:
-        MemoryPlanError: ``free_at_boot * memory_ratio - reserve`` (or the limit) is not positive.
-    """
-    reserve, budget, binding = _budget(b)
-    if budget <= 0:
-        _Explainer(b, reserve, budget, binding).fail("nothing is left for the weights")
-
-
 def boot_failure(p: MemoryBudget | PlanInputs, what: str, smaller: str = "") -> MemoryPlanError:
     """The boot error for a failure outside :func:`plan_memory`: ``what`` happened, the budget's derivation, who
     holds the memory, what to change (with complete inputs: the least budget this configuration needs too)."""
-    reserve, budget, binding = _budget(p)
+    b = p.budget if isinstance(p, PlanInputs) else p
+    reserve, budget, binding, _ = budget_cut(b)
     minimum = minimum_bytes(p) if isinstance(p, PlanInputs) else 0
     try:
-        _Explainer(p, reserve, budget, binding, minimum).fail(what, smaller=smaller)
+        PlanExplainer(b, reserve, budget, binding, minimum).fail(what, smaller=smaller)
     except MemoryPlanError as e:
         return e
     raise AssertionError("unreachable")
-
-
-class _Explainer:
-    """Builds the boot error: the shortfall, the budget's derivation, who holds the memory, what to change."""
-
-    def __init__(self, p: MemoryBudget | PlanInputs, reserve: int, budget: int, binding: str, minimum: int = 0):
-        self.p, self.reserve, self.budget, self.binding, self.minimum = p, reserve, budget, binding, minimum
-
-    def fail(self, what: str, *, left: int | None = None, smaller: str = "") -> None:
-        p = self.p
-        dev = "GPU" if p.kind == "cuda" else "host"
-        held = p.total_bytes - p.free_at_boot_bytes
-        parts = [f"memory plan does not fit: {what}"]
-        if left is not None:
-            parts.append(f"but only {gib(max(0, left))} are left after the weights ({gib(p.weights_bytes)}) and "
-                         f"the workspace ({gib(p.workspace_bytes)})")
-        budget_why = (f"budget {gib(self.budget)} = {gib(p.free_at_boot_bytes)} free at boot of "
-                      f"{gib(p.total_bytes)} {dev} total - reserve {gib(self.reserve)} (--memory-ratio "
-                      f"{p.memory_ratio:g} / --memory-reserve)")
-        if self.binding == "limit":
-            budget_why = (f"budget {gib(self.budget)} = --gpu-memory-limit {gib(p.gpu_memory_limit_bytes)} - reserve "
-                          f"{gib(self.reserve)}")
-        parts.append(budget_why)
-        if self.minimum:
-            parts.append(f"this configuration needs a budget of at least {gib(self.minimum)} (weights + workspace + "
-                         f"KV floor + one decode step's expert slots), {gib(self.minimum + self.reserve)} free with "
-                         f"the reserve")
-        others_hold = p.kind == "cuda" and (bool(p.other_processes) or held > max(GiB, p.total_bytes // 10))
-        fixes: list[str] = []
-        if others_hold:
-            who = "; ".join(u.describe() for u in p.other_processes[:5]) or "processes nvidia-ml-py cannot list"
-            parts.append(f"{gib(held)} of the {dev} is held by others ({who})")
-            fixes.append("free that memory (stop those processes) or use another GPU")
-        elif p.kind == "host":
-            parts.append(f"{gib(held)} of host memory is in use by others")
-            fixes.append("free host memory")
-        if self.binding == "limit":
-            fixes.append("raise --gpu-memory-limit")
-        elif not others_hold and p.memory_ratio < 0.98:
-            fixes.append(f"raise --memory-ratio (now {p.memory_ratio:g})")
-        if self.reserve > GiB:
-            fixes.append(f"lower --memory-reserve (now {gib(self.reserve)})")
-        if smaller:
-            fixes.append(f"lower {smaller}")
-        raise MemoryPlanError("; ".join(parts) + ". To fix: " + ", or ".join(fixes) + ".")

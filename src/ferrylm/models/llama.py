@@ -149,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
             whose small differences pick experts).
         partial_rotary: the family's reference supports partial rotary embedding (else such configs are refused).
         fused_experts: how fused expert tensors are laid out: ``"halves"`` (transformers' ``[E, 2I, H]``, gate rows
-            then up) or ``"gpt_oss"`` (see ``checkpoints/loader.py``).
+            then up) or ``"gpt_oss"`` (see ``checkpoints/assemble.py``).
     """
 
     hf_renames: tuple[tuple[str, str], ...] = ()

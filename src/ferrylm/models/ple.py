@@ -35,7 +35,7 @@ from torch import nn
 from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.models.kernels import gated_delta as gd
-from ferrylm.models.qwen3_next import GroupedRMSNorm
+from ferrylm.models.gated_deltanet import GroupedRMSNorm
 
 _MASK64 = (1 << 64) - 1
 _GAMMA, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB

@@ -38,9 +38,10 @@ from ferrylm.models.indexed_attention import IndexQuery, block_scores, select_bl
 from ferrylm.models.layers import RotaryEmbedding, apply_rotary_full, config_rotary_dim
 from ferrylm.models.moe import hand_routers
 from ferrylm.models.ple import PleLayer, PleShape, PleTable, step_ngrams
-from ferrylm.models.qwen3_next import (FULL, GATE_ACTIVATIONS, LINEAR, GatedAttention, GroupedRMSNorm, LinearShape,
-                                       Qwen3_5MoeForCausalLM, Qwen35GatedDeltaNet, ZeroCentredRMSNorm, _int,
-                                       _with_default_rotary, layer_types)
+from ferrylm.models.gated_deltanet import (GATE_ACTIVATIONS, GroupedRMSNorm, LinearShape, Qwen35GatedDeltaNet,
+                                           ZeroCentredRMSNorm, positive_int)
+from ferrylm.models.qwen3_next import (FULL, LINEAR, GatedAttention, Qwen3_5MoeForCausalLM, _with_default_rotary,
+                                       layer_types)
 
 INDEXED = "indexed_attention"
 
@@ -77,9 +78,9 @@ class IndexerShape:
         """Raises ModelLoadError naming the field: a missing or non-positive indexer field, ``indexer_kv_heads`` other
         than 1, a budget not a multiple of the ratio, a RoPE wider than the index head."""
         raw = config.raw
-        s = IndexerShape(heads=_int(raw, "indexer_n_heads"), head_dim=_int(raw, "indexer_head_dim"),
-                         budget=_int(raw, "indexer_budget"), ratio=_int(raw, "indexer_compress_ratio"))
-        if _int(raw, "indexer_kv_heads") != 1:
+        s = IndexerShape(heads=positive_int(raw, "indexer_n_heads"), head_dim=positive_int(raw, "indexer_head_dim"),
+                         budget=positive_int(raw, "indexer_budget"), ratio=positive_int(raw, "indexer_compress_ratio"))
+        if positive_int(raw, "indexer_kv_heads") != 1:
             raise ModelLoadError(f"indexer_kv_heads must be 1, got {raw.get('indexer_kv_heads')!r}")
         if s.budget % s.ratio:
             raise ModelLoadError(f"indexer_budget {s.budget} is not a multiple of indexer_compress_ratio {s.ratio}")
@@ -180,7 +181,7 @@ class Qwen4DecoderLayer(nn.Module):
                  ple: PleShape | None, device: torch.device | str | None = None):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
-        n, rank = _int(config.raw, "hc_count", 4), _int(config.raw, "hc_lowrank", 320)
+        n, rank = positive_int(config.raw, "hc_count", 4), positive_int(config.raw, "hc_lowrank", 320)
         self.kind, self.layer_idx = kind, layer_idx
         has_ple = ple is not None and layer_idx in ple.layers
         self.ple = PleLayer(ple, ple.layers.index(layer_idx), h, n, eps, device) if has_ple else None
@@ -214,7 +215,7 @@ class Qwen4Stack(nn.Module):
 
     def __init__(self, config: ModelConfig, mlps: list[nn.Module], device: torch.device | str | None = None):
         super().__init__()
-        self.streams = _int(config.raw, "hc_count", 4)
+        self.streams = positive_int(config.raw, "hc_count", 4)
         self.rotary = RotaryEmbedding.from_config(_with_default_rotary(config), device=device, allow_partial=True)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         kinds = layer_kinds(config)
@@ -222,7 +223,7 @@ class Qwen4Stack(nn.Module):
         self.layers = nn.ModuleList(Qwen4DecoderLayer(config, i, kinds[i], self.rotary, mlp, self.ple_shape, device)
                                     for i, mlp in enumerate(mlps))
         self.hyper_connection_mixer = HyperConnection(config.hidden_size, self.streams,
-                                                      _int(config.raw, "hc_lowrank", 320), config.rms_norm_eps,
+                                                      positive_int(config.raw, "hc_lowrank", 320), config.rms_norm_eps,
                                                       inject=False)
         hand_routers(mlps)
 
@@ -258,7 +259,7 @@ class Qwen4Stack(nn.Module):
 
 def _own_ple_state(attn, shape: PleShape, x: torch.Tensor):
     """A backend without a state pool (``DenseCausalAttention``, ``SequenceCacheAttention``): one sequence whose PLE
-    state the backend object keeps (zeros and EOS on the first call), as ``qwen3_next._own_state`` for DeltaNet."""
+    state the backend object keeps (zeros and EOS on the first call), as ``gated_deltanet._own_state`` for DeltaNet."""
     from ferrylm.engine.cache.state_pool import PleStateLayout, RecurrentStep, StateLayout, StatePool
 
     first = "_ple_state_pool" not in attn.__dict__
@@ -313,9 +314,9 @@ class Qwen4ExpForCausalLM(Qwen3_5MoeForCausalLM):
         without a kernel, per-layer embeddings (not served yet)."""
         super().check_config(config)
         raw = config.raw
-        if _int(raw, "hc_count", 4) < 2:
+        if positive_int(raw, "hc_count", 4) < 2:
             raise ModelLoadError(f"hc_count must be at least 2, got {raw.get('hc_count')!r}")
-        _int(raw, "hc_lowrank", 320)
+        positive_int(raw, "hc_lowrank", 320)
         gate_activation(config)
         if FULL in layer_kinds(config):
             IndexerShape.of(config)
@@ -341,7 +342,7 @@ class Qwen4ExpForCausalLM(Qwen3_5MoeForCausalLM):
         layout, ple = super().state_layout(config), cls.ple_shape(config)
         if ple is None:
             return layout
-        n = _int(config.raw, "hc_count", 4)
+        n = positive_int(config.raw, "hc_count", 4)
         return dataclasses.replace(layout, ple=PleStateLayout(ple.layers, ple.conv_rows, n * config.hidden_size,
                                                               ple.order - 1))
 

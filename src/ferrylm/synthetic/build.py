@@ -47,7 +47,7 @@ from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts import ExpertOptions, build_executor
 from ferrylm.experts.executor import ExpertMath, LayerExperts
-from ferrylm.checkpoints.loader import LoadedModel, placement, prepare_for_inference, tensor_dtype
+from ferrylm.checkpoints.assemble import LoadedModel, placement, prepare_for_inference, tensor_dtype
 from ferrylm.models.registry import get_model_class
 from ferrylm.synthetic.routing_profiles import ROUTER
 from ferrylm.synthetic.spec import SyntheticSpec, parse_synthetic_spec, synthetic_config
@@ -214,10 +214,9 @@ def residual_scale(config: ModelConfig) -> float:
     """Extra factor ``1 / sqrt(2 L)`` on the std of every matrix that writes into the residual stream (attention
     ``o_proj``, MLP and expert ``down``): the scaled initialisation of GPT-2 (Radford et al. 2019, §2.3) and
     Megatron-LM. Without it, the ``2 L`` unit-size residual writes of a random model swamp the token embedding:
-    the hidden state converges to a token-independent direction, and a 48-layer ``qwen3-30b-a3b`` routed 62-67 %
-    of each token's experts exactly as the previous token did in its deeper layers (24-33 distinct experts of
-    128 over 63 sampled tokens). With it every layer routes by the current token, so the popularity law
-    (``skew``) is what the expert cache sees."""
+    the hidden state converges to a token-independent direction, and the deeper layers of a deep model route most
+    of each token's experts exactly as the previous token did (docs/BENCHMARKS.md). With it every layer routes by
+    the current token, so the popularity law (``skew``) is what the expert cache sees."""
     return 1.0 / math.sqrt(2 * config.num_layers)
 
 
@@ -276,7 +275,7 @@ def build_synthetic(spec: SyntheticSpec | str, *, device: torch.device | str = "
             one layer and projection at most), so TP = N computes what TP = 1 does. Plain (unquantized) only.
 
     Returns:
-        :class:`~ferrylm.checkpoints.loader.LoadedModel`, model in eval mode, gradients off. Memory: about
+        :class:`~ferrylm.checkpoints.assemble.LoadedModel`, model in eval mode, gradients off. Memory: about
         ``(L * E * 3 * H * I + 2 * V * H + attention) * dtype bytes``, e.g. 3.7 GiB for
         ``qwen3-30b-a3b:layers=2`` in bfloat16.
 
@@ -297,71 +296,95 @@ def build_synthetic(spec: SyntheticSpec | str, *, device: torch.device | str = "
         check_shardable(model_cls, config, tp)
     if pin_experts and not pin:
         log.info("pin_experts ignored: experts are on %s or CUDA is unavailable", exp_dev)
-    pool = SeededPool(spec.seed)
-
-    e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
-    stacks: dict[int, LayerExperts] = {}
-    quant = None
-    if spec.quant:
-        from ferrylm.synthetic.quant import SYNTHETIC_FORMATS, CodePool
-
-        quant, codes = SYNTHETIC_FORMATS[spec.quant], CodePool(spec.seed)
-        try:
-            quant.check(h, i)
-        except ValueError as err:
-            raise ModelLoadError(f"{spec.name}: {err}") from None
-    for layer in model_cls.moe_layer_indices(config):
-        def stack(part: str, *shape: int, fan_in: int, scale: float = 1.0):
-            key = f"model.layers.{layer}.mlp.experts.{part}"
-            if quant is not None:
-                from ferrylm.synthetic.quant import random_stack
-
-                fmt = quant.down if part == "down" else quant.gate_up
-                return random_stack(codes, fmt, *shape, scale / math.sqrt(fan_in), key, device=exp_dev,
-                                    dtype=dtype, pin_memory=pin)
-            if split:   # the whole stack's values (one layer, one projection), then this rank's part
-                cut = 1 if part != "down" else 2
-                whole = list(shape)
-                whole[cut] *= tp.size
-                values = pool.fill_(torch.empty(*whole, device=exp_dev, dtype=dtype), scale / math.sqrt(fan_in), key)
-                t = torch.empty(*shape, device=exp_dev, dtype=dtype, pin_memory=pin)
-                return t.copy_(split_part(values, cut, tp))
-            t = torch.empty(*shape, device=exp_dev, dtype=dtype, pin_memory=pin)
-            return pool.fill_(t, scale / math.sqrt(fan_in), key)
-        i_full = full.moe_intermediate_size   # the fan-in of down: the whole expert's width
-        stacks[layer] = LayerExperts(gate=stack("gate", e, i, h, fan_in=h), up=stack("up", e, i, h, fan_in=h),
-                                     down=stack("down", e, h, i, fan_in=i_full, scale=residual_scale(config)))
-        swiglu = model_cls.expert_swiglu(config)
-        if swiglu is not None:  # gpt-oss: small random expert biases, kept on the compute device
-            def bias(part: str, *shape: int) -> torch.Tensor:
-                return pool.fill_(torch.empty(*shape, device=device, dtype=dtype), 0.02,
-                                  f"model.layers.{layer}.mlp.experts.{part}_bias")
-            stacks[layer].math = ExpertMath(bias("gate", e, i), bias("up", e, i), bias("down", e, h), *swiglu)
+    mk = _Maker(spec, model_cls, config, full, tp if split else None, SeededPool(spec.seed), device, exp_dev, dtype,
+                pin)
+    stacks = {layer: mk.layer_experts(layer) for layer in model_cls.moe_layer_indices(config)}
     executor = build_executor(moe_backend, stacks, device) if stacks else None
 
     with torch.device("meta"):
         model = model_cls(config, executor=executor, device=device)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, meta in model.state_dict().items():
-        kind = tensor_dtype(model_cls, name, dtype) if meta.is_floating_point() else meta.dtype
-        how = split_of(name, full, tp) if split else None
-        if isinstance(how, tuple):   # made whole (the same values as TP = 1), then cut
-            whole = torch.empty(full_shape(name, tuple(meta.shape), full, tp), device=device, dtype=kind)
-            _init_(whole, name, full, spec, pool)
-            t = split_part(whole, how[0], TPShard(how[2], how[1]))
-        else:
-            t = torch.empty(meta.shape, device=device, dtype=kind)
-            _init_(t, name, full, spec, pool)
-            if how == "rank0" and tp.rank:
-                t.zero_()
-        tensors[name] = t
-    model.load_state_dict(tensors, strict=True, assign=True)
+    model.load_state_dict(mk.tensors(model.state_dict()), strict=True, assign=True)
     model.requires_grad_(False)
     model.eval()
     prepare_for_inference(model)
-    _pool_ple_tables(model, model_cls, config, pool, device, dtype)
+    _pool_ple_tables(model, model_cls, config, mk.pool, device, dtype)
     if spec.routing != ROUTER:
         attach_routing_model(model, config, spec, device)
     log.info("built %s: %d layers (%d MoE), %s on %s, experts on %s%s", spec.name, config.num_layers, len(stacks),
-             str(dtype).removeprefix("torch."), device, exp_dev, f" ({quant.describe()})" if quant else "")
+             str(dtype).removeprefix("torch."), device, exp_dev, f" ({mk.quant.describe()})" if mk.quant else "")
     return LoadedModel(model=model, config=config, executor=executor)
+
+
+class _Maker:
+    """Makes the weights of one synthetic build from the seeded pools: the routed-expert stacks (plain, or random
+    codes of ``spec.quant``) and every other tensor of the model, each cut to the shard ``tp`` (None: whole).
+    ``config`` is the (per-rank) config, ``full`` the whole model's."""
+
+    def __init__(self, spec: SyntheticSpec, model_cls: type, config: ModelConfig, full: ModelConfig,
+                 tp: TPShard | None, pool: SeededPool, device: torch.device, exp_dev: torch.device,
+                 dtype: torch.dtype, pin: bool) -> None:
+        self.spec, self.model_cls, self.config, self.full, self.tp = spec, model_cls, config, full, tp
+        self.pool, self.device, self.exp_dev, self.dtype, self.pin = pool, device, exp_dev, dtype, pin
+        self.quant = self.codes = None
+        if spec.quant:
+            from ferrylm.synthetic.quant import SYNTHETIC_FORMATS, CodePool
+
+            self.quant, self.codes = SYNTHETIC_FORMATS[spec.quant], CodePool(spec.seed)
+            try:
+                self.quant.check(config.hidden_size, config.moe_intermediate_size)
+            except ValueError as err:
+                raise ModelLoadError(f"{spec.name}: {err}") from None
+
+    def layer_experts(self, layer: int) -> LayerExperts:
+        """MoE layer ``layer``'s stacks (and, for gpt-oss, small random expert biases on the compute device)."""
+        c = self.config
+        e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        i_full = self.full.moe_intermediate_size   # the fan-in of down: the whole expert's width
+        experts = LayerExperts(gate=self._stack(layer, "gate", e, i, h, fan_in=h),
+                               up=self._stack(layer, "up", e, i, h, fan_in=h),
+                               down=self._stack(layer, "down", e, h, i, fan_in=i_full, scale=residual_scale(c)))
+        swiglu = self.model_cls.expert_swiglu(c)
+        if swiglu is not None:
+            def bias(part: str, *shape: int) -> torch.Tensor:
+                return self.pool.fill_(torch.empty(*shape, device=self.device, dtype=self.dtype), 0.02,
+                                       f"model.layers.{layer}.mlp.experts.{part}_bias")
+            experts.math = ExpertMath(bias("gate", e, i), bias("up", e, i), bias("down", e, h), *swiglu)
+        return experts
+
+    def _stack(self, layer: int, part: str, *shape: int, fan_in: int, scale: float = 1.0) -> torch.Tensor:
+        key = f"model.layers.{layer}.mlp.experts.{part}"
+        std = scale / math.sqrt(fan_in)
+        if self.quant is not None:
+            from ferrylm.synthetic.quant import random_stack
+
+            fmt = self.quant.down if part == "down" else self.quant.gate_up
+            return random_stack(self.codes, fmt, *shape, std, key, device=self.exp_dev, dtype=self.dtype,
+                                pin_memory=self.pin)
+        t = torch.empty(*shape, device=self.exp_dev, dtype=self.dtype, pin_memory=self.pin)
+        if self.tp is None:
+            return self.pool.fill_(t, std, key)
+        # the whole stack's values (one layer, one projection), then this rank's part
+        cut = 1 if part != "down" else 2
+        whole = list(shape)
+        whole[cut] *= self.tp.size
+        values = self.pool.fill_(torch.empty(*whole, device=self.exp_dev, dtype=self.dtype), std, key)
+        return t.copy_(split_part(values, cut, self.tp))
+
+    def tensors(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every tensor of the meta-built model's ``state`` dict, made on the compute device: split ones made whole
+        (the same values as TP = 1), then cut; rank-0-only ones zero on the other ranks."""
+        full, tp, tensors = self.full, self.tp, {}
+        for name, meta in state.items():
+            kind = tensor_dtype(self.model_cls, name, self.dtype) if meta.is_floating_point() else meta.dtype
+            how = split_of(name, full, tp) if tp is not None else None
+            if isinstance(how, tuple):
+                whole = torch.empty(full_shape(name, tuple(meta.shape), full, tp), device=self.device, dtype=kind)
+                _init_(whole, name, full, self.spec, self.pool)
+                t = split_part(whole, how[0], TPShard(how[2], how[1]))
+            else:
+                t = torch.empty(meta.shape, device=self.device, dtype=kind)
+                _init_(t, name, full, self.spec, self.pool)
+                if how == "rank0" and tp.rank:
+                    t.zero_()
+            tensors[name] = t
+        return tensors

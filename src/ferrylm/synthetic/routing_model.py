@@ -2,7 +2,7 @@
 show (``synthetic:<preset>:routing=<profile>``).
 
 Random router weights route a token by its current hidden state only, so the expert cache of a synthetic model
-meets either no locality at all or an artefact of the random network (issue 30). This module replaces the
+meets either no locality at all or an artefact of the random network. This module replaces the
 router's *choice* (the top-k ids; the weights stay the router's softmax at those ids) by a seeded, stateless
 function of ``(seed, sequence key, layer, position)``:
 

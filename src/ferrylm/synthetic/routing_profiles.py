@@ -66,7 +66,7 @@ class RoutingProfile:
                 raise ValueError(f"routing profile {self.name}: bad hot component {c}")
 
 
-#: Published figures (issue 30; sources in docs/ROUTING.md). Parameters fitted by an ad-hoc random, then local,
+#: Published figures (sources in docs/ROUTING.md). Parameters fitted by an ad-hoc random, then local,
 #: search on the statistics of ferrylm.synthetic.routing_stats (1-2 sequences x 512-768 tokens x 3 layers per
 #: candidate; the search scripts were not kept: tests/models/test_routing_model.py checks the result).
 PROFILES: dict[str, RoutingProfile] = {p.name: p for p in (

@@ -40,6 +40,7 @@ from ferrylm.experts import ExpertOptions
 from ferrylm.experts.executor import ExpertMath, LayerExperts
 from ferrylm.experts.gguf_blocks import BLOCK_CODE, BLOCK_TYPES, KIND_OF_GGUF
 from ferrylm.experts.quantized import ExpertQuant, QuantFormat, QuantTensor, block_format, empty_quant, mix_format
+from ferrylm.checkpoints.assemble import finish_model, module_name, placement, tensor_dtype
 from ferrylm.checkpoints.gguf_archs import ExpertTensor, HFTensor, iter_expert_layers, split_tensors
 from ferrylm.checkpoints.gguf_config import EXPERT_TENSORS, expert_types, served_config
 from ferrylm.checkpoints.gguf_reader import GGUFTensor, dequantize_tensor, read_gguf
@@ -163,12 +164,10 @@ def _plain_tensors(hf_tensors: list[HFTensor], data: np.ndarray, model_cls: type
                    dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The non-expert tensors by state-dict name (the model dtype, float32 where the class keeps it) and the GGUF
     tensors each came from."""
-    from ferrylm.checkpoints.loader import _module_name, tensor_dtype
-
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     for h in hf_tensors:
-        key = _module_name(h.name, model_cls, config)
+        key = module_name(h.name, model_cls, config)
         if key is None:
             continue
         w = torch.from_numpy(np.ascontiguousarray(h.produce(data)))
@@ -218,14 +217,13 @@ def load_gguf_model(path: str | Path, *, device: torch.device | str = "cpu", dty
                     moe_backend: str | ExpertOptions = "resident", expert_device: torch.device | str | None = None,
                     pin_experts: bool = False):
     """Load the GGUF ``path`` as :func:`ferrylm.checkpoints.loader.load_model` loads a folder (same arguments and
-    result, a :class:`~ferrylm.checkpoints.loader.LoadedModel`), reading the file itself (module docstring).
+    result, a :class:`~ferrylm.checkpoints.assemble.LoadedModel`), reading the file itself (module docstring).
 
     Raises:
         ModelLoadError: an architecture not served, an unmapped tensor, an expert type not read, missing tensors or metadata.
         UnsupportedArchitecture / ValueError: as ``load_model``.
     """
     from ferrylm.config import ModelConfig
-    from ferrylm.checkpoints.loader import _finish, placement
 
     start = time.perf_counter()
     g = read_gguf(path)
@@ -239,7 +237,7 @@ def load_gguf_model(path: str | Path, *, device: torch.device | str = "cpu", dty
     hf_tensors, expert_tensors = split_tensors(g, served)
     tensors, origin = _plain_tensors(hf_tensors, data, model_cls, config, device, dtype)
     experts = _expert_layers(g.path, expert_tensors, data, model_cls, config, fmts, dtype, exp_dev, pin)
-    loaded = _finish(model_cls, config, device, moe_backend, experts or None, tensors, origin)
+    loaded = finish_model(model_cls, config, device, moe_backend, experts or None, tensors, origin)
     if experts:
         h, i = config.hidden_size, config.moe_intermediate_size
         weights = len(experts) * config.num_experts * 3 * h * i

@@ -23,6 +23,7 @@ from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.executor import LayerExperts
 from ferrylm.experts.quantized import QuantFormat, QuantTensor, empty_quant
+from ferrylm.checkpoints.assemble import expert_assemblers, module_name, renamed, tensor_dtype
 from ferrylm.checkpoints.quant.base import QuantReader
 
 _PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
@@ -134,10 +135,25 @@ def read_quantized(files: list[Path], reader: QuantReader, model_cls: type, conf
         ModelLoadError: a tensor without a place, a quantized module that does not decode, experts partly
             quantized, a missing expert (the message names the tensor).
     """
-    from ferrylm.checkpoints.loader import _module_name, _renamed, expert_assemblers, tensor_dtype
-
     with contextlib.ExitStack() as stack:
-        where: dict[str, object] = {}
+        shards = _Shards(files, lambda name: model_cls.skips_tensor(name, config), stack, progress)
+        modules, plain = _group_modules(shards.names(), reader, lambda name: model_cls.skips_tensor(name, config))
+        sinks = _QuantSinks(reader, model_cls, config, device=device, dtype=dtype, expert_device=expert_device,
+                            pin=pin, moe_layers=moe_layers)
+        for prefix, names in modules.items():
+            sinks.module(prefix, names, {suffix: shards.get(n) for suffix, n in names.items()})
+        for name in plain:
+            sinks.plain(name, shards.get(name))
+    return sinks.tensors, sinks.origin, sinks.finish()
+
+
+class _Shards:
+    """Every tensor name of the safetensors ``files`` (open in ``stack``) but those ``skip`` names, and where it is
+    stored. Raises ModelLoadError for a truncated or unreadable shard and a name stored twice."""
+
+    def __init__(self, files: list[Path], skip, stack: contextlib.ExitStack, progress) -> None:
+        self.where: dict[str, object] = {}
+        self.progress = progress
         for path in files:
             check_complete(path)
             try:
@@ -145,98 +161,123 @@ def read_quantized(files: list[Path], reader: QuantReader, model_cls: type, conf
             except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
                 raise ModelLoadError(f"cannot read {path}: {e}") from None
             for name in h.keys():
-                if model_cls.skips_tensor(name, config):
+                if skip(name):
                     continue
-                if name in where:
+                if name in self.where:
                     raise ModelLoadError(f"checkpoint tensor {name!r} appears in two shards")
-                where[name] = h
+                self.where[name] = h
 
-        def get(name: str) -> torch.Tensor:
-            try:
-                t = where[name].get_tensor(name)
-            except Exception as e:  # noqa: BLE001
-                raise ModelLoadError(f"cannot read checkpoint tensor {name!r}: {e}") from None
-            if progress is not None:
-                progress.update(t.numel() * t.element_size())
-            return t
+    def names(self):
+        return self.where.keys()
 
-        marked = {sp[0] for sp in map(reader.split, where) if sp is not None and sp[1] == reader.marker}
-        modules: dict[str, dict[str, str]] = {}
-        plain: list[str] = []
-        for name in where:
-            if reader.skip(name) or model_cls.skips_tensor(name, config):
-                continue
-            sp = reader.split(name)
-            if sp is not None and sp[0] in marked:
-                modules.setdefault(sp[0], {})[sp[1]] = name
-            else:
-                plain.append(name)
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` (counted on the progress bar). Raises ModelLoadError when it cannot be read."""
+        try:
+            t = self.where[name].get_tensor(name)
+        except Exception as e:  # noqa: BLE001
+            raise ModelLoadError(f"cannot read checkpoint tensor {name!r}: {e}") from None
+        if self.progress is not None:
+            self.progress.update(t.numel() * t.element_size())
+        return t
 
+
+def _group_modules(names, reader: QuantReader, skip) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """``(modules, plain)``: the quantized modules (prefix -> suffix -> tensor name; a prefix whose marker part
+    exists) and the plain tensor names, in checkpoint order; names the reader or ``skip`` drops are left out."""
+    marked = {sp[0] for sp in map(reader.split, names) if sp is not None and sp[1] == reader.marker}
+    modules: dict[str, dict[str, str]] = {}
+    plain: list[str] = []
+    for name in names:
+        if reader.skip(name) or skip(name):
+            continue
+        sp = reader.split(name)
+        if sp is not None and sp[0] in marked:
+            modules.setdefault(sp[0], {})[sp[1]] = name
+        else:
+            plain.append(name)
+    return modules, plain
+
+
+class _QuantSinks:
+    """Where :func:`read_quantized` puts each module and tensor: quantized expert stacks, plain expert stacks (a
+    checkpoint that left its experts unquantized), expert biases, else the model's state dict (``tensors`` on
+    ``device`` in ``dtype``, ``origin`` the checkpoint name of each)."""
+
+    def __init__(self, reader: QuantReader, model_cls: type, config: ModelConfig, *, device: torch.device,
+                 dtype: torch.dtype, expert_device: torch.device, pin: bool, moe_layers: tuple[int, ...]) -> None:
+        self.reader, self.model_cls, self.config = reader, model_cls, config
+        self.device, self.dtype, self.moe_layers = device, dtype, moe_layers
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
-        quant = QuantAssembler(moe_layers, e, h, i, expert_device, dtype, pin) if moe_layers else None
-        dense, biases = expert_assemblers(model_cls, config, moe_layers, expert_device, dtype, pin)
-        used_quant = used_dense = False
-        tensors: dict[str, torch.Tensor] = {}
-        origin: dict[str, str] = {}
+        self.quant = QuantAssembler(moe_layers, e, h, i, expert_device, dtype, pin) if moe_layers else None
+        self.dense, self.biases = expert_assemblers(model_cls, config, moe_layers, expert_device, dtype, pin)
+        self.used_quant = self.used_dense = False
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.origin: dict[str, str] = {}
 
-        def put_plain(name: str, key: str | None, t: torch.Tensor) -> None:
-            if key is None:
-                return
-            if key in tensors:
-                raise ModelLoadError(f"checkpoint tensor {name!r} appears twice (also as {origin[key]!r})")
-            tensors[key] = (t.to(device=device, dtype=tensor_dtype(model_cls, key, dtype)) if t.is_floating_point()
-                            else t.to(device))
-            origin[key] = name
+    def module(self, prefix: str, names: dict[str, str], parts: dict[str, torch.Tensor]) -> None:
+        """One quantized module: a routed expert (or fused stack) into the quantized stacks, else dequantized."""
+        label = names[self.reader.marker]
+        placed = renamed(prefix, self.model_cls)     # the class's names (``hf_renames``) place the experts
+        m_one, m_fused = _PER_EXPERT.match(placed), _FUSED.match(placed)
+        if self.quant is not None and (m_one or m_fused):
+            self._put_expert(prefix, label, m_one, m_fused, self.reader.decode(prefix, parts, self.dtype))
+            return
+        weight = self.reader.dequantize(prefix, parts, self.dtype)
+        wname = prefix + ".weight"
+        if self.dense is not None and self.dense.add(renamed(wname, self.model_cls), weight):
+            self.used_dense = True
+            return
+        self._put_state(label, module_name(wname, self.model_cls, self.config), weight)
 
-        for prefix, names in modules.items():
-            parts = {suffix: get(n) for suffix, n in names.items()}
-            label = names[reader.marker]
-            renamed = _renamed(prefix, model_cls)     # the class's names (``hf_renames``) place the experts
-            m_one, m_fused = _PER_EXPERT.match(renamed), _FUSED.match(renamed)
-            if quant is not None and (m_one or m_fused):
-                qt = reader.decode(prefix, parts, dtype)
-                used_quant = True
-                if m_one:
-                    quant.put(label, int(m_one[1]), _PART[m_one[3]], [int(m_one[2])], qt)
-                    continue
-                layer, kind = int(m_fused[1]), m_fused[2]
-                experts = list(range(qt.shape[0])) if qt.data.dim() == 3 else [0]
-                if kind != "gate_up_proj":
-                    quant.put(label, layer, _PART[kind], experts, qt)
-                    continue
-                n2 = qt.shape[-2]
-                if n2 % 2:
-                    raise ModelLoadError(f"checkpoint tensor {label!r}: gate_up rows ({n2}) are not even")
-                if reader.gate_up_rows(prefix) == "interleaved":
-                    gate, up = _take_rows(qt, 0), _take_rows(qt, 1)
-                else:
-                    gate, up = qt.rows(0, n2 // 2), qt.rows(n2 // 2, n2)
-                quant.put(label, layer, "gate", experts, gate)
-                quant.put(label, layer, "up", experts, up)
-                continue
-            weight = reader.dequantize(prefix, parts, dtype)
-            wname = prefix + ".weight"
-            if dense is not None and dense.add(_renamed(wname, model_cls), weight):
-                used_dense = True
-                continue
-            put_plain(label, _module_name(wname, model_cls, config), weight)
+    def _put_expert(self, prefix: str, label: str, m_one, m_fused, qt: QuantTensor) -> None:
+        self.used_quant = True
+        if m_one:
+            self.quant.put(label, int(m_one[1]), _PART[m_one[3]], [int(m_one[2])], qt)
+            return
+        layer, kind = int(m_fused[1]), m_fused[2]
+        experts = list(range(qt.shape[0])) if qt.data.dim() == 3 else [0]
+        if kind != "gate_up_proj":
+            self.quant.put(label, layer, _PART[kind], experts, qt)
+            return
+        n2 = qt.shape[-2]
+        if n2 % 2:
+            raise ModelLoadError(f"checkpoint tensor {label!r}: gate_up rows ({n2}) are not even")
+        if self.reader.gate_up_rows(prefix) == "interleaved":
+            gate, up = _take_rows(qt, 0), _take_rows(qt, 1)
+        else:
+            gate, up = qt.rows(0, n2 // 2), qt.rows(n2 // 2, n2)
+        self.quant.put(label, layer, "gate", experts, gate)
+        self.quant.put(label, layer, "up", experts, up)
 
-        for name in plain:
-            t = get(name)
-            if biases is not None and biases.add(name, t):
-                continue
-            if dense is not None and dense.add(_renamed(name, model_cls), t):
-                used_dense = True
-                continue
-            put_plain(name, _module_name(name, model_cls, config), t)
+    def plain(self, name: str, t: torch.Tensor) -> None:
+        """One unquantized checkpoint tensor: an expert bias, a plain expert weight, else a state-dict tensor."""
+        if self.biases is not None and self.biases.add(name, t):
+            return
+        if self.dense is not None and self.dense.add(renamed(name, self.model_cls), t):
+            self.used_dense = True
+            return
+        self._put_state(name, module_name(name, self.model_cls, self.config), t)
 
-    if used_quant and used_dense:
-        raise ModelLoadError("the checkpoint quantizes some routed experts and leaves others plain; ferrylm needs "
-                             "one format for all routed experts")
-    experts = (quant.finish() if used_quant else dense.finish()) if moe_layers else None
-    if biases is not None:
-        biases.attach(experts)
-    return tensors, origin, experts
+    def _put_state(self, name: str, key: str | None, t: torch.Tensor) -> None:
+        if key is None:
+            return
+        if key in self.tensors:
+            raise ModelLoadError(f"checkpoint tensor {name!r} appears twice (also as {self.origin[key]!r})")
+        self.tensors[key] = (t.to(device=self.device, dtype=tensor_dtype(self.model_cls, key, self.dtype))
+                             if t.is_floating_point() else t.to(self.device))
+        self.origin[key] = name
+
+    def finish(self) -> dict[int, LayerExperts] | None:
+        """The expert stacks (None for a dense model). Raises ModelLoadError for experts partly quantized."""
+        if self.used_quant and self.used_dense:
+            raise ModelLoadError("the checkpoint quantizes some routed experts and leaves others plain; ferrylm "
+                                 "needs one format for all routed experts")
+        if not self.moe_layers:
+            return None
+        experts = self.quant.finish() if self.used_quant else self.dense.finish()
+        if self.biases is not None:
+            self.biases.attach(experts)
+        return experts
 
 
 def _take_rows(qt: QuantTensor, start: int) -> QuantTensor:

@@ -7,7 +7,7 @@ beyond gloo's / NCCL's own loopback connections.
 
 NOTE: the timeout of the collectives is long (``IDLE_TIMEOUT``): a follower waits in the step broadcast for as long
 as rank 0 is idle. A dead peer is found otherwise, because a pending collective does not reliably fail when its peer
-dies (measured: gloo's all-reduce waited on a SIGKILLed peer until its timeout): the supervisor watches every rank's
+dies (gloo's all-reduce waits on a SIGKILLed peer until its timeout): the supervisor watches every rank's
 process sentinel and kills the group when one exits, and each follower watches rank 0's pid.
 """
 

@@ -29,7 +29,7 @@ registers (:func:`~ferrylm.experts.kernels.dequant.weight_tile`), the format a c
 Where a format without mins has groups that hold whole K tiles (fp8 with 128-wide block scales, int4 / int8 at
 group 128) the tile's unscaled values go into the dot and the group scale multiplies its result
 (:func:`~ferrylm.experts.kernels.dequant.scale_after_dot`), and on sm89+ e4m3 converts in hardware: that is what
-lets the fp8 kernel read faster than PCIe delivers (docs/BENCHMARKS.md, session 12).
+lets the fp8 kernel read faster than PCIe delivers.
 """
 
 from __future__ import annotations
@@ -377,8 +377,7 @@ def fused_moe(hidden: torch.Tensor, gate: torch.Tensor | QuantTensor, up: torch.
     g_items, d_items = _items(g_args), _items(d_args)
     hw_fp8 = hardware_fp8(hidden.device)
     if g_kind["QKIND"] or d_kind["QKIND"]:
-        # dequantizing tiles in registers: two pipeline stages (three ran out of shared memory at 64-row tiles with
-        # int4 + mins on the H200, Triton 3.6)
+        # dequantizing tiles in registers: two pipeline stages (three can run out of shared memory at 64-row tiles)
         gu_tiles, d_tiles = (replace(t, num_stages=min(2, t.num_stages)) for t in (gu_tiles, d_tiles))
     gb, ub, db = (math.gate_bias, math.up_bias, math.down_bias) if math is not None else (hidden,) * 3
     alpha, limit, shift = (math.alpha, math.limit, math.up_shift) if math is not None else (1.0, 0.0, 1.0)
