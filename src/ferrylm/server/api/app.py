@@ -18,7 +18,6 @@ This module must not import torch.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import hmac
@@ -36,8 +35,8 @@ from ferrylm.engine.admission import admit
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.errors import EngineUnavailable, FerryError, InvalidRequest, ModelNotFound
 from ferrylm.server.process.engine_client import EngineClient
-from ferrylm.server.api.errors import (Unauthorized, error_payload, error_response,
-                                   install_exception_handlers, request_id_of, retry_after_for)
+from ferrylm.server.api.errors import (Unauthorized, error_payload, error_response, install_exception_handlers,
+                                   request_id_of)
 from ferrylm.server.api import anthropic, chat, render, responses
 from ferrylm.server.api.assistant import TurnConfig
 from ferrylm.server.api.chat import check_continue, render_prompt, template_messages
@@ -50,13 +49,13 @@ from ferrylm.server.text.harmony import HarmonyCodec, open_message
 from ferrylm.server.text.reasoning import THINKING_SWITCHES, prompt_opens_thinking, template_has_reasoning
 from ferrylm.server.text.tool_parsers import choose_tool_parser, format_markup
 from ferrylm.server.text.tools import ToolChoice, lark_term, parse_openai_tools, tag_terms
-from ferrylm.server.api.generation import ClientGone, Choice, Generation, cleanup, race_disconnect, sse_event
+from ferrylm.server.api.generation import ClientGone, Choice, Generation, race_disconnect, sse_event
 from ferrylm.server.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ferrylm.server.api.metrics import Metrics
-from ferrylm.server.api.openapi import (ANTHROPIC_ERROR_RESPONSES, ERROR_RESPONSES, HEALTH_RESPONSES, install_openapi,
-                                    route_doc)
-from ferrylm.server.api.request_io import (ARRIVAL_KEY, HeadAsGetMiddleware, RequestIdMiddleware, RequestTooLarge,
-                                      read_json)
+from ferrylm.server.api.health import install_health
+from ferrylm.server.api.openapi import ANTHROPIC_ERROR_RESPONSES, ERROR_RESPONSES, install_openapi, route_doc
+from ferrylm.server.api.request_io import (ARRIVAL_KEY, DEFAULT_MAX_REQUEST_BYTES, CountOpenRequests,
+                                      HeadAsGetMiddleware, OpenRequests, RequestIdMiddleware, read_json)
 from ferrylm.server.text.tokenizer import TextCodec, TextStream, client_template_kwargs
 from ferrylm.server.webui import LiveView, install_webui
 
@@ -77,8 +76,6 @@ def _version() -> str:
 
 __version__ = _version()
 
-HEALTH_GENERATE_TIMEOUT_S = 5.0  # default bound on GET /health/generate (``?timeout=`` overrides, up to 60 s)
-DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # --max-request-bytes: larger bodies get 413 in the OpenAI error shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,12 +171,7 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
                       openapi_extra=doc(responses.ResponsesRequest, render.RenderedPrompt), **v1)
     app.add_api_route("/v1/responses/{response_id}", server.get_response, methods=["GET"], **v1)
     app.add_api_route("/v1/memory", server.memory, methods=["GET"], **v1)
-    app.add_api_route("/health", server.health, methods=["GET"], responses=HEALTH_RESPONSES)
-    app.add_api_route("/health/generate", server.health_generate, methods=["GET"],
-                      responses={**HEALTH_RESPONSES, 400: ERROR_RESPONSES[400]}, openapi_extra={"parameters": [
-                          {"name": "timeout", "in": "query", "required": False, "description":
-                           "seconds to wait for the token (default 5; clamped to 0.1 .. 60)",
-                           "schema": {"type": "number"}}]})
+    install_health(app, engine, codec)
     app.add_api_route("/metrics", server.metrics_route, methods=["GET"], response_class=PlainTextResponse)
     app.add_api_route("/version", server.version, methods=["GET"])
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"], openapi_extra=doc(pr.TokenizeRequest, None),
@@ -377,8 +369,6 @@ class _Server(CompletionRoutes):
             return Response(status_code=499)
         except Exception as e:  # noqa: BLE001 - every error leaves in the route's error shape
             resp = errors(e, rid)
-            if isinstance(e, RequestTooLarge):
-                resp.status_code = 413
             code = self._count_error(e)
             logger.info("[%s] done error=%s status=%d after %.3f s", rid, code, resp.status_code,
                         time.monotonic() - t0)
@@ -434,66 +424,6 @@ class _Server(CompletionRoutes):
         plan or for an engine client without one."""
         get = getattr(self.engine, "memory", None)
         return get() if callable(get) else None
-
-    async def health(self, request: Request) -> Response:
-        """200 ``{"status": "ready"}``; else 503 ``{"status": <state>, "detail": ...}`` with Retry-After."""
-        try:
-            h = self.engine.health()
-        except Exception as e:  # noqa: BLE001
-            return JSONResponse({"status": "unknown", "detail": repr(e)}, status_code=503,
-                                headers={"Retry-After": "5"})
-        extra = dict(h.extra or {})  # engine_pid, restarts, heartbeat_age_s ... (supervisor)
-        if h.ready:
-            return JSONResponse({"status": "ready", **extra})
-        return JSONResponse({"status": h.status, "detail": h.detail, **extra}, status_code=503,
-                            headers={"Retry-After": str(retry_after_for(EngineUnavailable("")) or 5)})
-
-    async def health_generate(self, request: Request) -> Response:
-        """Readiness probe that proves a token can be produced: one greedy token through the engine within
-        ``?timeout=`` seconds (default 5). 200 ``{"status": "ok", "latency_s", ...}``; otherwise 503 with the
-        engine's status, ``timeout`` or the error code."""
-        raw = request.query_params.get("timeout")
-        try:
-            timeout = HEALTH_GENERATE_TIMEOUT_S if raw is None else float(raw)
-        except ValueError:
-            timeout = math.nan
-        if not math.isfinite(timeout):   # NaN would pass min/max and reach the event loop's timer heap
-            return error_response(InvalidRequest(f"'timeout' must be a number of seconds, got {raw!r}",
-                                                 param="timeout"), request_id_of(request))
-        timeout = min(max(timeout, 0.1), 60.0)
-        unavailable = {"Retry-After": str(retry_after_for(EngineUnavailable("")) or 5)}
-        h = self.engine.health()
-        if not h.ready:
-            return JSONResponse({"status": h.status, "detail": h.detail}, status_code=503, headers=unavailable)
-        rid = f"health-{uuid.uuid4().hex}"
-        prompt = self.codec.encode("ping") or [0]
-        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        t0 = time.monotonic()
-        agen = self.engine.generate(rid, prompt, params)
-
-        async def one_token() -> int:
-            n = 0
-            async for out in agen:
-                n += len(out.new_token_ids)
-                if out.finished:
-                    break
-            return n
-
-        try:
-            n = await asyncio.wait_for(one_token(), timeout)
-        except asyncio.TimeoutError:
-            logger.warning("[%s] /health/generate: no token within %g s", rid, timeout)
-            return JSONResponse({"status": "timeout", "detail": f"no token within {timeout:g} s"},
-                                status_code=503, headers=unavailable)
-        except FerryError as e:
-            return JSONResponse({"status": "error", "code": e.code, "detail": e.message}, status_code=503,
-                                headers=unavailable)
-        finally:
-            aclose = getattr(agen, "aclose", None)
-            if aclose is not None:
-                await cleanup(aclose(), "closing the probe", rid)
-        return JSONResponse({"status": "ok", "tokens": n, "latency_s": round(time.monotonic() - t0, 4)},
-                            status_code=200 if n >= 1 else 503)
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": __version__})
@@ -595,7 +525,7 @@ class _Server(CompletionRoutes):
         if (self.special_tool_markup and tools_on) or self.special_think_markup:
             params.skip_special_tokens = False  # as vLLM's glm45 / minimax_m2 parsers do (EOS ids stay out anyway)
         self._check_param_ids(params)
-        max_tokens = self._fit_context(prompt_ids, params, default_max=None, what="messages",
+        max_tokens = self._fit_context(prompt_ids, params, default_max=None, what=job.prompt_param,
                                        prompt_param=job.prompt_param, max_param=job.max_param)
         return PreparedChat(text, prompt_ids, max_tokens)
 
