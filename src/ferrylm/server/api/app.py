@@ -90,19 +90,21 @@ class CorsPolicy:
     credentials: bool = False
 
 
-def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *,
+def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str | Sequence[str], *,
                api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                cors: "CorsPolicy | None" = None,
                sse_ping_interval: float | None = DEFAULT_SSE_PING_INTERVAL,
                responses_store_size: int = 1024, request_timeout: float | None = None,
                tool_call_parser: str = "auto", architecture: str | None = None,
                model_type: str | None = None, webui: bool = True) -> FastAPI:
-    """Build the FastAPI app serving ``engine`` under the name ``served_model_name``.
+    """Build the FastAPI app serving ``engine`` under the name(s) ``served_model_name``.
 
     Args:
         engine: the :class:`EngineClient` (supervisor in production, a fake in tests).
         codec: tokenizer/chat template/detokenizer for the served model.
-        served_model_name: the model id clients must send (a missing ``model`` field is accepted too).
+        served_model_name: the model id clients send, or several (``--served-model-name a b``: each is accepted
+            in ``model`` and listed by ``/v1/models``; responses report the first). A missing ``model`` field is
+            accepted too.
         api_key: when set, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need ``Authorization: Bearer KEY`` or
             ``x-api-key: KEY``; ``/health``, ``/metrics`` and ``/version`` stay open.
         max_request_bytes: larger request bodies are refused with 413 (``request_too_large``, OpenAI shape).
@@ -210,17 +212,20 @@ def _choice_seed(seed: int, i: int) -> int:
 class _Server(CompletionRoutes):
     """Route handlers and the state they share."""
 
-    def __init__(self, engine: EngineClient, codec: TextCodec, served_model_name: str, api_key: str | None,
+    def __init__(self, engine: EngineClient, codec: TextCodec, served_model_name: str | Sequence[str],
+                 api_key: str | None,
                  max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, request_timeout: float | None = None,
                  tool_call_parser: str = "auto", architecture: str | None = None, model_type: str | None = None):
         self.engine = engine
         self.request_timeout = request_timeout or None
         self.codec = codec
-        self.served_model_name = served_model_name
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+        self.served_model_names = tuple(dict.fromkeys(names))   # in order, once each
+        self.served_model_name = self.served_model_names[0]    # what responses report
         self.api_key = api_key or None
         self.max_request_bytes = max_request_bytes or None
         self.created = int(time.time())
-        self.metrics = Metrics(engine, served_model_name)
+        self.metrics = Metrics(engine, self.served_model_name)
         self.ping_interval: float | None = DEFAULT_SSE_PING_INTERVAL
         self.responses = responses.ResponseStore(1024)   # previous_response_id (server/api/responses.py)
         template = getattr(codec, "chat_template", None)
@@ -265,12 +270,13 @@ class _Server(CompletionRoutes):
             raise Unauthorized("invalid or missing API key; send 'Authorization: Bearer <key>' or 'x-api-key'")
 
     def check_model(self, name: str | None) -> str:
-        if not name or name == self.served_model_name:
+        if not name or name in self.served_model_names:
             return self.served_model_name
         info_name = getattr(self.engine.model_info, "name", "")
         if info_name and name == info_name:
             return self.served_model_name
-        raise ModelNotFound(f"The model '{name}' does not exist; this server serves '{self.served_model_name}'",
+        raise ModelNotFound(f"The model '{name}' does not exist; this server serves "
+                            f"{' / '.join(repr(n) for n in self.served_model_names)}",
                             param="model")
 
     def _check_ready(self) -> None:
@@ -395,19 +401,18 @@ class _Server(CompletionRoutes):
     # ---- routes ------------------------------------------------------------------------------------------
     async def list_models(self, request: Request) -> Response:
         async def work(request: Request, rid: str) -> Response:
-            return JSONResponse(ModelList(data=[self._model_card()]).model_dump())
+            return JSONResponse(ModelList(data=[self._model_card(n) for n in self.served_model_names]).model_dump())
         return await self._handle(request, work)
 
     async def get_model(self, request: Request, model_id: str) -> Response:
         async def work(request: Request, rid: str) -> Response:
-            self.check_model(model_id)
-            return JSONResponse(self._model_card().model_dump())
+            name = model_id if model_id in self.served_model_names else self.check_model(model_id)
+            return JSONResponse(self._model_card(name).model_dump())
         return await self._handle(request, work)
 
-    def _model_card(self) -> ModelCard:
+    def _model_card(self, name: str) -> ModelCard:
         info = self.engine.model_info
-        return ModelCard(id=self.served_model_name, created=self.created, root=info.path or None,
-                         max_model_len=int(info.max_model_len))
+        return ModelCard(id=name, created=self.created, root=info.path or None, max_model_len=int(info.max_model_len))
 
     async def memory(self, request: Request) -> Response:
         """GET /v1/memory: the engine's memory plan (bytes, pages, tokens, slots) and live figures (free memory

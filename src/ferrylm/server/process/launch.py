@@ -136,7 +136,7 @@ def check_serve_args(args: argparse.Namespace, engine_config: EngineConfig) -> s
              args.request_timeout >= 0 and math.isfinite(args.request_timeout), ">= 0 seconds (0: no deadline)")):
         if not ok:
             return f"{flag} must be {rule}, got {value}"
-    if args.served_model_name is not None and not args.served_model_name.strip():
+    if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
         return "--served-model-name must not be empty (leave it out to use the model's name)"
     cors = {"--allowed-methods": args.allowed_methods, "--allowed-headers": args.allowed_headers,
             "--allow-credentials": args.allow_credentials or None}
@@ -222,7 +222,8 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
         def install_signal_handlers(self) -> None:  # older uvicorn
             pass
 
-    name = args.served_model_name or resolved.name
+    names = args.served_model_name or [resolved.name]   # each accepted in `model`; responses report the first
+    name = names[0]
     max_len = engine_config.max_model_len or mcfg.max_position_embeddings
     info = ModelInfo(name=name, path=str(resolved.path), max_model_len=max_len,
                      eos_token_ids=tuple(mcfg.eos_token_ids))
@@ -245,7 +246,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
     api_key = args.api_key or os.environ.get("FERRYLM_API_KEY") or None
     cors = CorsPolicy(args.allowed_origins, args.allowed_methods or ["*"], args.allowed_headers or ["*"],
                       args.allow_credentials) if args.allowed_origins else None
-    app = create_app(sup, codec, name, api_key=api_key,
+    app = create_app(sup, codec, names, api_key=api_key,
                      max_request_bytes=int(getattr(args, "max_request_bytes", 8 << 20)), cors=cors,
                      request_timeout=getattr(args, "request_timeout", None) or None,
                      sse_ping_interval=ping, responses_store_size=int(getattr(args, "responses_store_size", 1024)),
