@@ -558,6 +558,7 @@ class _Server(CompletionRoutes):
                           and prompt_opens_thinking(text, prefill), tool_names=tools, tool_parser=self.tool_parser,
                           tool_schemas={t.name: t.parameters for t in job.tools} if tools else None,
                           forced=bool(tools) and job.tool_choice.forced, harmony=self.harmony,
+                          max_calls=None if job.tool_choice.parallel else 1,
                           harmony_prime=tuple(open_message(prompt_ids)) if self.harmony else ())
         await self._start(request, rid, gen, job.stream)
         return ChatRun(gen, prompt_ids, turn)
