@@ -145,6 +145,8 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str | 
                            expose_headers=["x-request-id"])
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(HeadAsGetMiddleware)
+    app.state.open_requests = OpenRequests()   # what an exiting server waits for (server/process/launch.py)
+    app.add_middleware(CountOpenRequests, open_requests=app.state.open_requests)
 
     from ferrylm.server.api import protocol as pr
 
