@@ -94,3 +94,10 @@ async def test_a_stream_from_a_gzip_body_ends_as_a_plain_one(client) -> None:
                           headers={"content-encoding": "gzip"})
     events = parse_sse(r.text)
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_the_openapi_document_lists_415(client) -> None:
+    """Schema-driven clients and fuzzers (schemathesis) check every status against the document."""
+    paths = (await client.get("/openapi.json")).json()["paths"]
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/tokenize"):
+        assert "415" in paths[path]["post"]["responses"], path
