@@ -167,7 +167,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "the tokenizer's own)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     s.add_argument("--port", type=port_number, default=8000, help="port (default: 8000)")
-    s.add_argument("--served-model-name", default=None, help="model id clients use (default: the model's name)")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model id(s) clients use, as vLLM takes them: each is accepted in `model` and listed by "
+                        "/v1/models; responses report the first (default: the model's name)")
     s.add_argument("--api-key", default=None, help="require this bearer key on /v1/* (env FERRYLM_API_KEY)")
     s.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSER_CHOICES,
                    help="tool-call format of the model's output (vLLM's names): hermes (<tool_call>{json}), glm45 "
@@ -240,6 +242,9 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
         if args.model_pos is not None and args.model is not None:
             args.usage_parser.error(f"the model is given twice: as MODEL ({args.model_pos!r}) and as --model "
                                     f"({args.model!r}); give one")
+        if args.model_pos is None and args.model is None and len(args.served_model_name or ()) > 1:
+            args.notes = [*args.notes, f"serving {DEFAULT_MODEL} as {' / '.join(args.served_model_name)} (MODEL goes "
+                                       f"first, or in --model: --served-model-name takes every word after it)"]
         args.model = args.model_pos or args.model or DEFAULT_MODEL
     return args
 

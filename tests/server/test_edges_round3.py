@@ -24,13 +24,19 @@ def scripted(codec, text: str, **kw) -> FakeEngine:
 # --- Content-Type -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
 @pytest.mark.parametrize("path", [CHAT, "/v1/completions", "/v1/messages", "/v1/responses", "/tokenize"])
-async def test_non_json_content_type_is_400(client: httpx.AsyncClient, engine: FakeEngine, ctype: str,
+async def test_non_json_content_type_is_415(client: httpx.AsyncClient, engine: FakeEngine, ctype: str,
                                             path: str) -> None:
-    body = b'{"model": "tiny-model", "messages": [{"role": "user", "content": "hi"}], "prompt": "hi", "input": "hi"}'
+    """As vLLM answers (Unsupported Media Type), even when the body is JSON; the error names Content-Type."""
+    body = (b'{"model": "tiny-model", "messages": [{"role": "user", "content": "hi"}], "prompt": "hi", "input": "hi", '
+            b'"max_tokens": 2}')
     r = await client.post(path, content=body, headers={"content-type": ctype})
-    assert r.status_code == 400, r.text
-    assert "application/json" in r.json()["error"]["message"]   # OpenAI's or Anthropic's error shape
+    assert r.status_code == 415, r.text
+    err = r.json()["error"]   # OpenAI's or Anthropic's error shape
+    assert "application/json" in err["message"] and "Content-Type" in err["message"], err
+    assert err.get("param", "Content-Type") == "Content-Type"
     assert not engine.requests
+    r = await client.post(path, content=body)   # no Content-Type at all: read as JSON (vLLM / FastAPI do)
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("ctype", ["application/json", "application/json; charset=utf-8", "Application/JSON",

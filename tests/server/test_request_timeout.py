@@ -10,7 +10,7 @@ import pytest
 
 from ferrylm.engine.outputs import EngineOutput
 from ferrylm.server.api.app import create_app
-from tests.server.conftest import SERVED, FakeEngine, assert_error, make_client
+from tests.server.conftest import SERVED, FakeEngine, assert_error, make_client, parse_sse
 
 pytestmark = pytest.mark.anyio
 
@@ -57,3 +57,38 @@ async def test_engine_deadline_error_is_a_408(codec):
     async with make_client(create_app(engine, codec, SERVED, request_timeout=1.0)) as c:
         r = await c.post("/v1/chat/completions", json=CHAT)
     assert_error(r, 408, code="request_timeout")
+
+
+ROUTES = {"chat": ("/v1/chat/completions", CHAT),
+          "completions": ("/v1/completions", {"model": SERVED, "prompt": "x", "max_tokens": 3}),
+          "messages": ("/v1/messages", {"model": SERVED, "messages": CHAT["messages"], "max_tokens": 3}),
+          "responses": ("/v1/responses", {"model": SERVED, "input": "hi", "max_output_tokens": 3})}
+DEADLINE_S = 0.5
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route", sorted(ROUTES))
+async def test_the_answer_comes_at_the_deadline_while_the_engine_computes(codec, route: str, stream: bool):
+    """A prefill (10 s here) that outlasts the deadline: the answer does not wait for the engine's next step
+    boundary; it comes at the deadline (408, or the stream's error event and its end) and the engine request is
+    aborted."""
+    engine = FakeEngine(codec, prefill_delay=10.0)
+    path, body = ROUTES[route]
+    async with make_client(create_app(engine, codec, SERVED, request_timeout=60.0)) as c:
+        t0 = time.monotonic()
+        r = await c.post(path, json={**body, "stream": stream}, headers={"x-request-timeout": str(DEADLINE_S)})
+        took = time.monotonic() - t0
+    assert DEADLINE_S <= took < DEADLINE_S + 1.5, took
+    if not stream:
+        body = r.json()
+        if route == "messages":
+            assert r.status_code == 408 and "deadline" in body["error"]["message"], body
+        else:
+            assert_error(r, 408, code="request_timeout")
+    elif route in ("chat", "completions"):
+        events = parse_sse(r.text)
+        assert events[-2]["error"]["code"] == "request_timeout", events[-2:]
+    else:   # the route's error event ends the stream
+        last = r.text.rstrip().split("\n\n")[-1]
+        assert last.startswith("event: error") and "deadline" in last, r.text[-300:]
+    assert engine.aborts == [rid for rid, _, _ in engine.requests] and engine.aborts

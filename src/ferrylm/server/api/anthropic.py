@@ -3,7 +3,8 @@
 
 Request → :class:`~ferrylm.server.api.chat.ChatJob`: ``system`` (text or text blocks) becomes the system turn (without
 Claude Code's per-request ``x-anthropic-billing-header`` line at its top: ``server/text/prompt_hygiene.py``); user
-``text`` blocks the user turn and ``tool_result`` blocks ``tool`` turns (in order); assistant ``text``,
+``text`` blocks the user turn and ``tool_result`` blocks ``tool`` turns (in order; each must answer an earlier
+``tool_use``, else a 400 naming its ``tool_use_id``, as Anthropic's API answers); assistant ``text``,
 ``thinking`` and ``tool_use`` blocks its content, ``reasoning_content`` and ``tool_calls``; a final assistant
 message is continued (Anthropic's prefill). ``tools`` (``name``, ``description``, ``input_schema``) and
 ``tool_choice`` (``auto`` | ``any`` | ``tool`` | ``none``, ``disable_parallel_tool_use``) map onto the shared tool
@@ -43,7 +44,7 @@ from ferrylm.server.api.protocol import _Request, parse_request
 from ferrylm.server.api.context import ChatJob, ChatRun, RouteContext
 from ferrylm.server.api.request_io import read_json
 from ferrylm.server.text.tool_parsers.base import ToolCall
-from ferrylm.server.text.tools import ToolChoice, ToolSpec, check_unique, make_tool
+from ferrylm.server.text.tools import ToolChoice, ToolSpec, check_tool_result, check_unique, make_tool
 
 # ---------------------------------------------------------------------------------------------------------
 # request
@@ -105,6 +106,7 @@ def convert_messages(req: MessagesRequest) -> list[dict]:
         system = strip_billing_header(_text_of(req.system, "system"))   # per-request: would break the prefix
         if system:
             out.append({"role": "system", "content": system})
+    tool_use_ids: set[str] = set()
     for i, m in enumerate(req.messages):
         blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
         texts: list[str] = []
@@ -119,6 +121,7 @@ def convert_messages(req: MessagesRequest) -> list[dict]:
             elif kind == "tool_result" and m.role == "user":
                 if not isinstance(b.get("tool_use_id"), str):
                     raise InvalidRequest(f"'{where}.tool_use_id' is required", param=f"{where}.tool_use_id")
+                check_tool_result(b["tool_use_id"], tool_use_ids, f"{where}.tool_use_id", "'tool_use' block's 'id'")
                 result = _text_of(b.get("content"), f"{where}.content")
                 if b.get("is_error"):
                     result = f"Error: {result}"
@@ -129,6 +132,7 @@ def convert_messages(req: MessagesRequest) -> list[dict]:
                     raise InvalidRequest(f"'{where}' needs a 'name' and an object 'input'", param=where)
                 calls.append({"id": str(b.get("id") or f"toolu_{uuid.uuid4().hex[:24]}"), "type": "function",
                               "function": {"name": b["name"], "arguments": b.get("input", {})}})
+                tool_use_ids.add(calls[-1]["id"])
             elif kind in ("thinking", "redacted_thinking") and m.role == "assistant":
                 if isinstance(b.get("thinking"), str):
                     thinking.append(b["thinking"])
@@ -236,7 +240,7 @@ def job_from_messages(req: MessagesRequest) -> ChatJob:
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-                429: "rate_limit_error", 503: "overloaded_error"}
+                415: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
 def error_body(exc: BaseException, status: int | None = None) -> dict:
@@ -250,10 +254,9 @@ def error_response(exc: BaseException, rid: str | None = None) -> Response:
     """An Anthropic-shaped error response (status, Retry-After and x-request-id as for OpenAI routes; a body over
     the size limit is ``request_too_large``, 413)."""
     from ferrylm.server.api.errors import error_response as openai_error_response
-    from ferrylm.server.api.request_io import RequestTooLarge
 
     base = openai_error_response(exc, rid)   # logs, status, headers
-    status = 413 if isinstance(exc, RequestTooLarge) else base.status_code
+    status = base.status_code
     headers = {k: v for k, v in base.headers.items() if k.lower() in ("retry-after", "x-request-id",
                                                                       "www-authenticate")}
     return JSONResponse(error_body(exc, status), status_code=status, headers=headers)

@@ -18,7 +18,6 @@ This module must not import torch.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import hmac
@@ -36,8 +35,8 @@ from ferrylm.engine.admission import admit
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.errors import EngineUnavailable, FerryError, InvalidRequest, ModelNotFound
 from ferrylm.server.process.engine_client import EngineClient
-from ferrylm.server.api.errors import (Unauthorized, error_payload, error_response,
-                                   install_exception_handlers, request_id_of, retry_after_for)
+from ferrylm.server.api.errors import (Unauthorized, error_payload, error_response, install_exception_handlers,
+                                   request_id_of)
 from ferrylm.server.api import anthropic, chat, render, responses
 from ferrylm.server.api.assistant import TurnConfig
 from ferrylm.server.api.chat import check_continue, render_prompt, template_messages
@@ -50,13 +49,13 @@ from ferrylm.server.text.harmony import HarmonyCodec, open_message
 from ferrylm.server.text.reasoning import THINKING_SWITCHES, prompt_opens_thinking, template_has_reasoning
 from ferrylm.server.text.tool_parsers import choose_tool_parser, format_markup
 from ferrylm.server.text.tools import ToolChoice, lark_term, parse_openai_tools, tag_terms
-from ferrylm.server.api.generation import ClientGone, Choice, Generation, cleanup, race_disconnect, sse_event
+from ferrylm.server.api.generation import ClientGone, Choice, Generation, race_disconnect, sse_event
 from ferrylm.server.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ferrylm.server.api.metrics import Metrics
-from ferrylm.server.api.openapi import (ANTHROPIC_ERROR_RESPONSES, ERROR_RESPONSES, HEALTH_RESPONSES, install_openapi,
-                                    route_doc)
-from ferrylm.server.api.request_io import (ARRIVAL_KEY, HeadAsGetMiddleware, RequestIdMiddleware, RequestTooLarge,
-                                      read_json)
+from ferrylm.server.api.health import install_health
+from ferrylm.server.api.openapi import ANTHROPIC_ERROR_RESPONSES, ERROR_RESPONSES, install_openapi, route_doc
+from ferrylm.server.api.request_io import (ARRIVAL_KEY, DEFAULT_MAX_REQUEST_BYTES, CountOpenRequests,
+                                      HeadAsGetMiddleware, OpenRequests, RequestIdMiddleware, read_json)
 from ferrylm.server.text.tokenizer import TextCodec, TextStream, client_template_kwargs
 from ferrylm.server.webui import LiveView, install_webui
 
@@ -77,8 +76,6 @@ def _version() -> str:
 
 __version__ = _version()
 
-HEALTH_GENERATE_TIMEOUT_S = 5.0  # default bound on GET /health/generate (``?timeout=`` overrides, up to 60 s)
-DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # --max-request-bytes: larger bodies get 413 in the OpenAI error shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,19 +90,21 @@ class CorsPolicy:
     credentials: bool = False
 
 
-def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *,
+def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str | Sequence[str], *,
                api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                cors: "CorsPolicy | None" = None,
                sse_ping_interval: float | None = DEFAULT_SSE_PING_INTERVAL,
                responses_store_size: int = 1024, request_timeout: float | None = None,
                tool_call_parser: str = "auto", architecture: str | None = None,
                model_type: str | None = None, webui: bool = True) -> FastAPI:
-    """Build the FastAPI app serving ``engine`` under the name ``served_model_name``.
+    """Build the FastAPI app serving ``engine`` under the name(s) ``served_model_name``.
 
     Args:
         engine: the :class:`EngineClient` (supervisor in production, a fake in tests).
         codec: tokenizer/chat template/detokenizer for the served model.
-        served_model_name: the model id clients must send (a missing ``model`` field is accepted too).
+        served_model_name: the model id clients send, or several (``--served-model-name a b``: each is accepted
+            in ``model`` and listed by ``/v1/models``; responses report the first). A missing ``model`` field is
+            accepted too.
         api_key: when set, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need ``Authorization: Bearer KEY`` or
             ``x-api-key: KEY``; ``/health``, ``/metrics`` and ``/version`` stay open.
         max_request_bytes: larger request bodies are refused with 413 (``request_too_large``, OpenAI shape).
@@ -146,6 +145,8 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
                            expose_headers=["x-request-id"])
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(HeadAsGetMiddleware)
+    app.state.open_requests = OpenRequests()   # what an exiting server waits for (server/process/launch.py)
+    app.add_middleware(CountOpenRequests, open_requests=app.state.open_requests)
 
     from ferrylm.server.api import protocol as pr
 
@@ -174,12 +175,7 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str, *
                       openapi_extra=doc(responses.ResponsesRequest, render.RenderedPrompt), **v1)
     app.add_api_route("/v1/responses/{response_id}", server.get_response, methods=["GET"], **v1)
     app.add_api_route("/v1/memory", server.memory, methods=["GET"], **v1)
-    app.add_api_route("/health", server.health, methods=["GET"], responses=HEALTH_RESPONSES)
-    app.add_api_route("/health/generate", server.health_generate, methods=["GET"],
-                      responses={**HEALTH_RESPONSES, 400: ERROR_RESPONSES[400]}, openapi_extra={"parameters": [
-                          {"name": "timeout", "in": "query", "required": False, "description":
-                           "seconds to wait for the token (default 5; clamped to 0.1 .. 60)",
-                           "schema": {"type": "number"}}]})
+    install_health(app, engine, codec)
     app.add_api_route("/metrics", server.metrics_route, methods=["GET"], response_class=PlainTextResponse)
     app.add_api_route("/version", server.version, methods=["GET"])
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"], openapi_extra=doc(pr.TokenizeRequest, None),
@@ -218,17 +214,20 @@ def _choice_seed(seed: int, i: int) -> int:
 class _Server(CompletionRoutes):
     """Route handlers and the state they share."""
 
-    def __init__(self, engine: EngineClient, codec: TextCodec, served_model_name: str, api_key: str | None,
+    def __init__(self, engine: EngineClient, codec: TextCodec, served_model_name: str | Sequence[str],
+                 api_key: str | None,
                  max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, request_timeout: float | None = None,
                  tool_call_parser: str = "auto", architecture: str | None = None, model_type: str | None = None):
         self.engine = engine
         self.request_timeout = request_timeout or None
         self.codec = codec
-        self.served_model_name = served_model_name
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+        self.served_model_names = tuple(dict.fromkeys(names))   # in order, once each
+        self.served_model_name = self.served_model_names[0]    # what responses report
         self.api_key = api_key or None
         self.max_request_bytes = max_request_bytes or None
         self.created = int(time.time())
-        self.metrics = Metrics(engine, served_model_name)
+        self.metrics = Metrics(engine, self.served_model_name)
         self.ping_interval: float | None = DEFAULT_SSE_PING_INTERVAL
         self.responses = responses.ResponseStore(1024)   # previous_response_id (server/api/responses.py)
         template = getattr(codec, "chat_template", None)
@@ -273,12 +272,13 @@ class _Server(CompletionRoutes):
             raise Unauthorized("invalid or missing API key; send 'Authorization: Bearer <key>' or 'x-api-key'")
 
     def check_model(self, name: str | None) -> str:
-        if not name or name == self.served_model_name:
+        if not name or name in self.served_model_names:
             return self.served_model_name
         info_name = getattr(self.engine.model_info, "name", "")
         if info_name and name == info_name:
             return self.served_model_name
-        raise ModelNotFound(f"The model '{name}' does not exist; this server serves '{self.served_model_name}'",
+        raise ModelNotFound(f"The model '{name}' does not exist; this server serves "
+                            f"{' / '.join(repr(n) for n in self.served_model_names)}",
                             param="model")
 
     def _check_ready(self) -> None:
@@ -377,8 +377,6 @@ class _Server(CompletionRoutes):
             return Response(status_code=499)
         except Exception as e:  # noqa: BLE001 - every error leaves in the route's error shape
             resp = errors(e, rid)
-            if isinstance(e, RequestTooLarge):
-                resp.status_code = 413
             code = self._count_error(e)
             logger.info("[%s] done error=%s status=%d after %.3f s", rid, code, resp.status_code,
                         time.monotonic() - t0)
@@ -405,19 +403,18 @@ class _Server(CompletionRoutes):
     # ---- routes ------------------------------------------------------------------------------------------
     async def list_models(self, request: Request) -> Response:
         async def work(request: Request, rid: str) -> Response:
-            return JSONResponse(ModelList(data=[self._model_card()]).model_dump())
+            return JSONResponse(ModelList(data=[self._model_card(n) for n in self.served_model_names]).model_dump())
         return await self._handle(request, work)
 
     async def get_model(self, request: Request, model_id: str) -> Response:
         async def work(request: Request, rid: str) -> Response:
-            self.check_model(model_id)
-            return JSONResponse(self._model_card().model_dump())
+            name = model_id if model_id in self.served_model_names else self.check_model(model_id)
+            return JSONResponse(self._model_card(name).model_dump())
         return await self._handle(request, work)
 
-    def _model_card(self) -> ModelCard:
+    def _model_card(self, name: str) -> ModelCard:
         info = self.engine.model_info
-        return ModelCard(id=self.served_model_name, created=self.created, root=info.path or None,
-                         max_model_len=int(info.max_model_len))
+        return ModelCard(id=name, created=self.created, root=info.path or None, max_model_len=int(info.max_model_len))
 
     async def memory(self, request: Request) -> Response:
         """GET /v1/memory: the engine's memory plan (bytes, pages, tokens, slots) and live figures (free memory
@@ -434,66 +431,6 @@ class _Server(CompletionRoutes):
         plan or for an engine client without one."""
         get = getattr(self.engine, "memory", None)
         return get() if callable(get) else None
-
-    async def health(self, request: Request) -> Response:
-        """200 ``{"status": "ready"}``; else 503 ``{"status": <state>, "detail": ...}`` with Retry-After."""
-        try:
-            h = self.engine.health()
-        except Exception as e:  # noqa: BLE001
-            return JSONResponse({"status": "unknown", "detail": repr(e)}, status_code=503,
-                                headers={"Retry-After": "5"})
-        extra = dict(h.extra or {})  # engine_pid, restarts, heartbeat_age_s ... (supervisor)
-        if h.ready:
-            return JSONResponse({"status": "ready", **extra})
-        return JSONResponse({"status": h.status, "detail": h.detail, **extra}, status_code=503,
-                            headers={"Retry-After": str(retry_after_for(EngineUnavailable("")) or 5)})
-
-    async def health_generate(self, request: Request) -> Response:
-        """Readiness probe that proves a token can be produced: one greedy token through the engine within
-        ``?timeout=`` seconds (default 5). 200 ``{"status": "ok", "latency_s", ...}``; otherwise 503 with the
-        engine's status, ``timeout`` or the error code."""
-        raw = request.query_params.get("timeout")
-        try:
-            timeout = HEALTH_GENERATE_TIMEOUT_S if raw is None else float(raw)
-        except ValueError:
-            timeout = math.nan
-        if not math.isfinite(timeout):   # NaN would pass min/max and reach the event loop's timer heap
-            return error_response(InvalidRequest(f"'timeout' must be a number of seconds, got {raw!r}",
-                                                 param="timeout"), request_id_of(request))
-        timeout = min(max(timeout, 0.1), 60.0)
-        unavailable = {"Retry-After": str(retry_after_for(EngineUnavailable("")) or 5)}
-        h = self.engine.health()
-        if not h.ready:
-            return JSONResponse({"status": h.status, "detail": h.detail}, status_code=503, headers=unavailable)
-        rid = f"health-{uuid.uuid4().hex}"
-        prompt = self.codec.encode("ping") or [0]
-        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        t0 = time.monotonic()
-        agen = self.engine.generate(rid, prompt, params)
-
-        async def one_token() -> int:
-            n = 0
-            async for out in agen:
-                n += len(out.new_token_ids)
-                if out.finished:
-                    break
-            return n
-
-        try:
-            n = await asyncio.wait_for(one_token(), timeout)
-        except asyncio.TimeoutError:
-            logger.warning("[%s] /health/generate: no token within %g s", rid, timeout)
-            return JSONResponse({"status": "timeout", "detail": f"no token within {timeout:g} s"},
-                                status_code=503, headers=unavailable)
-        except FerryError as e:
-            return JSONResponse({"status": "error", "code": e.code, "detail": e.message}, status_code=503,
-                                headers=unavailable)
-        finally:
-            aclose = getattr(agen, "aclose", None)
-            if aclose is not None:
-                await cleanup(aclose(), "closing the probe", rid)
-        return JSONResponse({"status": "ok", "tokens": n, "latency_s": round(time.monotonic() - t0, 4)},
-                            status_code=200 if n >= 1 else 503)
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": __version__})
@@ -595,7 +532,7 @@ class _Server(CompletionRoutes):
         if (self.special_tool_markup and tools_on) or self.special_think_markup:
             params.skip_special_tokens = False  # as vLLM's glm45 / minimax_m2 parsers do (EOS ids stay out anyway)
         self._check_param_ids(params)
-        max_tokens = self._fit_context(prompt_ids, params, default_max=None, what="messages",
+        max_tokens = self._fit_context(prompt_ids, params, default_max=None, what=job.prompt_param,
                                        prompt_param=job.prompt_param, max_param=job.max_param)
         return PreparedChat(text, prompt_ids, max_tokens)
 
@@ -623,6 +560,7 @@ class _Server(CompletionRoutes):
                           and prompt_opens_thinking(text, prefill), tool_names=tools, tool_parser=self.tool_parser,
                           tool_schemas={t.name: t.parameters for t in job.tools} if tools else None,
                           forced=bool(tools) and job.tool_choice.forced, harmony=self.harmony,
+                          max_calls=None if job.tool_choice.parallel else 1,
                           harmony_prime=tuple(open_message(prompt_ids)) if self.harmony else ())
         await self._start(request, rid, gen, job.stream)
         return ChatRun(gen, prompt_ids, turn)

@@ -68,7 +68,8 @@ class TurnConfig:
     the call it was cut in: an unfinished call (``ToolCall.complete`` False, the arguments generated so far), never
     content. Without it such a block is content (it may be the model's prose). ``harmony``: the served harmony
     codec (then the output is read by channel, and ``harmony_prime`` is the prompt's open message); the reasoning
-    and call-format fields are not used then."""
+    and call-format fields are not used then. ``max_calls``: the calls a turn may make (1 with
+    ``parallel_tool_calls: false``; None: any), later ones are dropped."""
 
     reasoning: bool = False
     starts_in_reasoning: bool = False
@@ -78,13 +79,14 @@ class TurnConfig:
     forced: bool = False
     harmony: HarmonyCodec | None = None
     harmony_prime: tuple[int, ...] = ()
+    max_calls: int | None = None
 
     def new_turn(self) -> "AssistantTurn":
         if self.harmony is not None:
             from ferrylm.server.text.harmony_reader import HarmonyReader
 
-            return AssistantTurn(HarmonyReader(self.harmony, self.harmony_prime, self.tool_names))
-        return AssistantTurn(TextReader(self))
+            return AssistantTurn(HarmonyReader(self.harmony, self.harmony_prime, self.tool_names), self.max_calls)
+        return AssistantTurn(TextReader(self), self.max_calls)
 
 
 class TextReader:
@@ -115,10 +117,12 @@ class TextReader:
 
 
 class AssistantTurn:
-    """One choice's output → reasoning / content / calls, through its :class:`OutputReader`."""
+    """One choice's output → reasoning / content / calls, through its :class:`OutputReader`; calls past
+    ``max_calls`` (None: no bound) are dropped."""
 
-    def __init__(self, reader: OutputReader):
+    def __init__(self, reader: OutputReader, max_calls: int | None = None):
         self.reader = reader
+        self.max_calls = max_calls
         self.num_calls = 0
         self.cut_call = False   # the output ended inside a call (an unfinished call was released)
 
@@ -132,15 +136,20 @@ class AssistantTurn:
         d = TurnDelta(index)
         for p in pieces:
             if p.call is not None:
-                d.calls.append((self.count(p.call), p.call))
+                k = self.count(p.call)
+                if k is not None:
+                    d.calls.append((k, p.call))
             elif p.reasoning:
                 d.reasoning += p.text
             else:
                 d.content += p.text
         return d
 
-    def count(self, call: ToolCall) -> int:
-        """Note a released call; its position among the turn's calls (from 0)."""
+    def count(self, call: ToolCall) -> int | None:
+        """Note a released call; its position among the turn's calls (from 0), None for one past ``max_calls``
+        (dropped)."""
+        if self.max_calls is not None and self.num_calls >= self.max_calls:
+            return None
         self.num_calls += 1
         self.cut_call |= not call.complete
         return self.num_calls - 1
@@ -177,8 +186,8 @@ def whole_turn(cfg: TurnConfig, text: str, engine_reason: str | None, token_ids:
 
     for p in turn.reader.feed(text, token_ids) + turn.reader.finish():
         if p.call is not None:
-            turn.count(p.call)
-            add("call", p.call)
+            if turn.count(p.call) is not None:
+                add("call", p.call)
         elif p.text:
             add("reasoning" if p.reasoning else "text", p.text)
     if any(k == "call" for k, _ in blocks):   # blank text between or around calls is no block of its own

@@ -12,7 +12,6 @@ This module must not import torch.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -32,7 +31,8 @@ from ferrylm.server.api.request_io import read_json
 from ferrylm.server.text.reasoning import check_reasoning_effort
 from ferrylm.server.text.structured import request_grammar
 from ferrylm.server.text.tool_parsers.base import ToolCall
-from ferrylm.server.text.tools import fallback_messages, parse_openai_tools, parse_tool_choice
+from ferrylm.server.text.json_limits import loads_json
+from ferrylm.server.text.tools import check_tool_result, fallback_messages, parse_openai_tools, parse_tool_choice
 from ferrylm.server.text.tokenizer import TextCodec, client_template_kwargs
 
 
@@ -85,7 +85,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
     """Messages as the chat template wants them: content parts joined into one string, ``developer`` →
     ``system``. Raises InvalidRequest for non-text content parts and for a system / user message without content
     (an assistant message may have none: tool calls)."""
-    out = []
+    out, call_ids = [], set()
     for i, m in enumerate(messages):
         d: dict[str, Any] = dict(m.model_extra or {})
         d["role"] = "system" if m.role == "developer" else m.role
@@ -114,6 +114,10 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
                 d[k] = v
         if m.tool_calls is not None:
             d["tool_calls"] = [_history_call(c, f"messages.{i}.tool_calls.{j}") for j, c in enumerate(m.tool_calls)]
+            call_ids.update(c["id"] for c in d["tool_calls"] if isinstance(c.get("id"), str))
+        if m.role == "tool" and isinstance(m.tool_call_id, str):
+            check_tool_result(m.tool_call_id, call_ids, f"messages.{i}.tool_call_id",
+                              "assistant tool call ('messages.N.tool_calls.M.id')")
         out.append(d)
     return out
 
@@ -126,11 +130,7 @@ def _history_call(call: dict, param: str) -> dict:
         raise InvalidRequest(f"'{param}.function.name' is required", param=f"{param}.function.name")
     args = fn.get("arguments", "{}")
     if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError:
-            raise InvalidRequest(f"'{param}.function.arguments' is not valid JSON",
-                                 param=f"{param}.function.arguments") from None
+        args = loads_json(args, f"{param}.function.arguments") if args.strip() else {}
     if not isinstance(args, dict):
         raise InvalidRequest(f"'{param}.function.arguments' must be a JSON object",
                              param=f"{param}.function.arguments")

@@ -6,6 +6,8 @@ Body shape everywhere: ``{"error": {"message", "type", "param", "code"}}``.
 error                                                  status  extra
 =====================================================  ======  ==========================
 InvalidRequest, ContextLengthExceeded                  400
+RequestTooLarge (this module; --max-request-bytes)     413
+UnsupportedMediaType (this module)                     415     ``param``: the header
 Unauthorized (this module)                             401
 ModelNotFound, NotFound, unknown route                 404
 EngineUnavailable, QueueTimeout, InsufficientMemory    503     ``Retry-After`` (seconds)
@@ -46,6 +48,20 @@ class Unauthorized(FerryError):
     code = "invalid_api_key"
 
 
+class RequestTooLarge(InvalidRequest):
+    """The request body (decompressed, when it came compressed) is larger than ``--max-request-bytes``. HTTP
+    413."""
+
+    code = "request_too_large"
+
+
+class UnsupportedMediaType(InvalidRequest):
+    """The body's ``Content-Type`` is not JSON, or its ``Content-Encoding`` is not one the server decodes. HTTP
+    415, ``param`` the header."""
+
+    code = "unsupported_media_type"
+
+
 class RouteNotFound(FerryError):
     """No such route (HTTP 404) or method not allowed on it (``status=405``)."""
 
@@ -56,7 +72,9 @@ class RouteNotFound(FerryError):
         self.status = status
 
 
-_STATUS: list[tuple[type, int]] = [
+_STATUS: list[tuple[type, int]] = [   # first match wins: subclasses before their bases
+    (RequestTooLarge, 413),
+    (UnsupportedMediaType, 415),
     (InvalidRequest, 400),  # includes ContextLengthExceeded
     (Unauthorized, 401),
     (ModelNotFound, 404),
@@ -71,7 +89,8 @@ _STATUS: list[tuple[type, int]] = [
 ]
 
 _TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error", 408: "timeout_error",
-         405: "invalid_request_error", 503: "service_unavailable_error", 500: "server_error"}
+         405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+         503: "service_unavailable_error", 500: "server_error"}
 
 
 def status_for(exc: BaseException) -> int:

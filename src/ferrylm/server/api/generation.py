@@ -26,7 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from ferrylm.engine.outputs import EngineOutput, TokenLogprob
 from ferrylm.engine.sampling_params import SamplingParams
-from ferrylm.errors import EngineUnavailable, FerryError, InsufficientMemory, error_from_code
+from ferrylm.errors import EngineUnavailable, FerryError, InsufficientMemory, RequestTimeout, error_from_code
 from ferrylm.server.process.engine_client import EngineClient
 from ferrylm.server.api.errors import REQUEST_ID_KEY
 from ferrylm.server.api.metrics import Metrics
@@ -136,14 +136,29 @@ class Generation:
         self._tasks = [asyncio.create_task(self._run(ch), name=f"ferrylm-{ch.engine_id}") for ch in self.choices]
 
     async def next_event(self) -> Event | None:
+        """The next event; None once every choice finished. Raises a choice's error, and RequestTimeout when the
+        request's deadline passes first: the answer goes out at the deadline, whatever the engine is computing
+        (its requests are aborted when the generation closes)."""
         if self._open == 0:
             return None
-        ev = await self._queue.get()
+        if self.deadline is None or not self._queue.empty():
+            ev = await self._queue.get()
+        else:
+            try:
+                ev = await asyncio.wait_for(self._queue.get(), max(0.0, self.deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise self._timed_out() from None
         if ev.error is not None:
             raise ev.error
         if ev.finish_reason is not None:
             self._open -= 1
         return ev
+
+    def _timed_out(self) -> RequestTimeout:
+        now = time.monotonic()
+        return RequestTimeout(f"the request ran past its deadline ({now - self.arrival:.1f} s after it arrived, "
+                              f"{self.completion_tokens} tokens generated; --request-timeout or the "
+                              f"x-request-timeout header sets it)")
 
     async def drain(self) -> None:
         while await self.next_event() is not None:

@@ -14,7 +14,8 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"description": what, "content": {"application/json": {
         "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
     for code, what in ((400, "invalid request"), (401, "missing or wrong API key"), (404, "unknown model"),
-                       (413, "request body too large"), (503, "engine unavailable / overloaded"))}
+                       (413, "request body too large"), (415, "body not JSON, or a Content-Encoding not served"),
+                       (503, "engine unavailable / overloaded"))}
 
 
 # Anthropic's routes answer errors in Anthropic's shape (server/api/anthropic.py)
@@ -24,7 +25,8 @@ _ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties
 ANTHROPIC_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"description": what, "content": {"application/json": {"schema": _ANTHROPIC_ERROR}}}
     for code, what in ((400, "invalid request"), (401, "missing or wrong API key"), (404, "unknown model"),
-                       (413, "request body too large"), (503, "engine unavailable / overloaded"))}
+                       (413, "request body too large"), (415, "body not JSON, or a Content-Encoding not served"),
+                       (503, "engine unavailable / overloaded"))}
 
 
 _HEALTH_BODY = {"type": "object", "required": ["status"], "additionalProperties": True,

@@ -1,15 +1,18 @@
 """What a request brings, read safely: its id (``x-request-id``), its arrival time, its body as JSON (size limit,
-NaN / Infinity and lone surrogates refused).
+also after decompressing a ``Content-Encoding: gzip`` / ``deflate`` body; NaN / Infinity, lone surrogates and
+nesting deeper than :data:`~ferrylm.server.text.json_limits.MAX_JSON_DEPTH` refused).
 
 This module must not import torch.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
 import uuid
+import zlib
 from typing import Any
 
 from fastapi import Request
@@ -17,8 +20,9 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Message, Receive, Scope, Send
 
 from ferrylm.errors import InvalidRequest
-from ferrylm.server.api.errors import REQUEST_ID_KEY
+from ferrylm.server.api.errors import REQUEST_ID_KEY, RequestTooLarge, UnsupportedMediaType
 from ferrylm.server.api.generation import ClientGone
+from ferrylm.server.text.json_limits import MAX_JSON_DEPTH, too_deep
 
 ARRIVAL_KEY = "ferrylm.arrival"  # scope key: time.monotonic() when the request reached the app
 
@@ -45,10 +49,50 @@ class HeadAsGetMiddleware:
         await self.app({**scope, "method": "GET"}, receive, send_headers_only)
 
 
-class RequestTooLarge(InvalidRequest):
-    """The request body is larger than ``--max-request-bytes``. HTTP 413 (OpenAI error shape)."""
+class OpenRequests:
+    """How many HTTP exchanges are still open (:class:`CountOpenRequests` counts them): an exchange ends when
+    the app has sent the last byte of its answer, a stream's terminal event included. :meth:`wait_idle` lets an
+    exiting server answer everything first."""
 
-    code = "request_too_large"
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        self.count += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no exchange is open, at most ``timeout_s`` seconds; True when none is."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+
+class CountOpenRequests:
+    """Pure-ASGI middleware: every HTTP exchange is counted in ``open_requests`` while the app handles it."""
+
+    def __init__(self, app: Any, open_requests: OpenRequests):
+        self.app = app
+        self.open = open_requests
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self.open.enter()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.open.leave()
 
 
 class RequestIdMiddleware:
@@ -83,6 +127,9 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # --max-request-bytes: larger bodies get 413 in the OpenAI error shape
+
+
 async def read_body(request: Request, limit: int | None) -> bytes:
     """The body, refused (RequestTooLarge, 413) as soon as it is known to exceed ``limit`` bytes: by its
     Content-Length before reading, or while reading a chunked body."""
@@ -109,11 +156,15 @@ async def read_body(request: Request, limit: int | None) -> bytes:
 
 
 async def read_json(request: Request) -> Any:
-    """The request body as JSON. Raises InvalidRequest for an empty body, bad JSON, NaN or Infinity, and
-    RequestTooLarge (413) past ``--max-request-bytes``."""
+    """The request body as JSON. Raises InvalidRequest for an empty body, bad JSON, NaN or Infinity, nesting
+    deeper than ``MAX_JSON_DEPTH`` (naming the field it is in); RequestTooLarge (413) past ``--max-request-bytes``
+    (before and after decompressing); UnsupportedMediaType (415) for a Content-Type that is not JSON or a
+    Content-Encoding other than gzip / deflate / identity."""
     check_json_content_type(request.headers.get("content-type"))
+    encoding = content_encoding(request.headers.get("content-encoding"))
     server = getattr(request.app.state, "server", None)
-    body = await read_body(request, getattr(server, "max_request_bytes", None))
+    limit = getattr(server, "max_request_bytes", None)
+    body = decompress(await read_body(request, limit), encoding, limit or DEFAULT_MAX_REQUEST_BYTES)
     if not body.strip():
         raise InvalidRequest("request body is empty; expected a JSON object")
 
@@ -122,14 +173,43 @@ async def read_json(request: Request) -> Any:
 
     try:
         data = json.loads(body, parse_constant=reject)
-    except (ValueError, RecursionError) as e:
+    except RecursionError:
+        raise InvalidRequest(f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels (objects and "
+                             f"arrays inside each other), the most this server reads") from None
+    except ValueError as e:
         raise InvalidRequest(f"invalid JSON body: {e}") from None
+    check_body_depth(data)
     reject_lone_surrogates(data)
     return data
 
 
+#: fields whose value is the client's own JSON (schemas, call arguments, template arguments), as path patterns
+#: (``*``: a list index): a body nested too deeply inside one of them is reported as that field
+JSON_VALUED_FIELDS = ("tools.*.function.parameters", "tools.*.parameters", "tools.*.input_schema",
+                      "messages.*.tool_calls.*.function.arguments", "messages.*.content.*.input",
+                      "input.*.arguments", "response_format.json_schema.schema", "text.format.schema",
+                      "structured_outputs.json", "guided_json", "json_schema", "chat_template_kwargs", "metadata")
+
+
+def check_body_depth(data: Any) -> None:
+    """Raise InvalidRequest when ``data`` nests deeper than ``MAX_JSON_DEPTH``: ``param`` is the field of
+    :data:`JSON_VALUED_FIELDS` the deep part is in, else the top-level field and its index or key
+    (``messages.3``)."""
+    path = too_deep(data)
+    if path is None:
+        return
+    param = ".".join(str(k) for k in path[:2])
+    for pattern in JSON_VALUED_FIELDS:
+        parts = pattern.split(".")
+        if len(path) >= len(parts) and all(isinstance(k, int) if p == "*" else p == k for p, k in zip(parts, path)):
+            param = ".".join(str(k) for k in path[:len(parts)])
+            break
+    raise InvalidRequest(f"'{param}' nests JSON deeper than {MAX_JSON_DEPTH} levels (objects and arrays inside "
+                         f"each other, counted from the request body), the most this server reads", param=param)
+
+
 def check_json_content_type(content_type: str | None) -> None:
-    """A body declared as something other than JSON is a 400, as vLLM answers ("Only 'application/json' is
+    """A body declared as something other than JSON is a 415, as vLLM answers ("Only 'application/json' is
     allowed"): ``application/json`` and ``application/<x>+json`` (any parameters, e.g. ``charset``) pass; no
     Content-Type at all passes too (raw clients, ``curl --data-binary`` without ``-H``) and is read as JSON."""
     if content_type is None or not content_type.strip():
@@ -137,8 +217,47 @@ def check_json_content_type(content_type: str | None) -> None:
     media = content_type.split(";", 1)[0].strip().lower()
     if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
         return
-    raise InvalidRequest(f"Unsupported Media Type: Content-Type {media!r}; only 'application/json' is allowed",
-                         param="Content-Type")
+    raise UnsupportedMediaType(f"Unsupported Media Type: Content-Type {media!r}; only 'application/json' is "
+                               f"allowed", param="Content-Type")
+
+
+#: Content-Encoding -> zlib's ``wbits`` for it (None: the body as it is)
+_ENCODINGS = {"identity": None, "gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS,
+              "deflate": zlib.MAX_WBITS}
+
+
+def content_encoding(header: str | None) -> str:
+    """The one coding a body came in (``identity`` without the header). Raises UnsupportedMediaType (415) naming
+    Content-Encoding for another one or several."""
+    coding = (header or "identity").strip().lower() or "identity"
+    if coding not in _ENCODINGS:
+        raise UnsupportedMediaType(f"Content-Encoding {coding!r} is not supported; send the body as it is, or "
+                                   f"gzip / deflate it", param="Content-Encoding")
+    return coding
+
+
+def decompress(body: bytes, coding: str, limit: int) -> bytes:
+    """``body`` decoded from ``coding`` (:func:`content_encoding`), at most ``limit`` bytes of it: a larger
+    result (a zip bomb included) is refused as soon as it passes the limit, without inflating the rest.
+    Raises RequestTooLarge (413) past ``limit``, InvalidRequest for a body that is not valid in its coding."""
+    wbits = _ENCODINGS[coding]
+    if wbits is None:
+        return body
+    out, data = bytearray(), body
+    try:
+        while data:   # gzip allows several members one after another
+            d = zlib.decompressobj(wbits)
+            out += d.decompress(data, limit + 1 - len(out))
+            if len(out) > limit or d.unconsumed_tail:
+                raise RequestTooLarge(f"the request body decompresses to more than the server's limit of {limit} "
+                                      f"bytes (--max-request-bytes)")
+            if not d.eof:
+                raise zlib.error("the compressed body ends early")
+            data = d.unused_data
+    except zlib.error as e:
+        raise InvalidRequest(f"the request body is not valid {coding} data (Content-Encoding): {e}",
+                             param="Content-Encoding") from None
+    return bytes(out)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

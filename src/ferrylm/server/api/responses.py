@@ -5,8 +5,9 @@ Request → :class:`~ferrylm.server.api.chat.ChatJob`: ``instructions`` is the s
 as OpenAI has it); ``input`` is text (one user turn) or items: messages (``input_text`` / ``output_text`` parts),
 ``function_call`` (an assistant tool call) and ``function_call_output`` (a tool turn); ``reasoning`` items are
 skipped. ``previous_response_id`` prepends the conversation of a stored response (its input and output);
-responses are kept in a bounded in-memory :class:`ResponseStore` (``--responses-store-size`` entries and 256 MiB,
-oldest evicted first; ``store: false`` keeps none); an unknown id is a 400 naming ``previous_response_id``. Function ``tools``
+responses are kept in a bounded in-memory store (``response_store.py``: ``--responses-store-size`` entries and
+256 MiB, oldest evicted first; ``store: false`` keeps none); an unknown id is a 400 naming ``previous_response_id``.
+A ``function_call_output`` must answer an earlier ``function_call`` (a 400 naming its ``call_id``). Function ``tools``
 and ``tool_choice`` use the shared tool machinery; ``text.format`` (``json_object`` / ``json_schema``) is
 enforced by a grammar; ``max_output_tokens``, ``temperature``, ``top_p`` map as named, ``reasoning.effort`` (low |
 medium | high) is the template argument ``reasoning_effort``.
@@ -23,9 +24,7 @@ This module must not import torch.
 
 from __future__ import annotations
 
-import collections
 import json
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -43,10 +42,12 @@ from ferrylm.server.api.errors import error_payload
 from ferrylm.server.api.protocol import _Request, parse_request
 from ferrylm.server.api.context import ChatJob, ChatRun, RouteContext
 from ferrylm.server.api.request_io import read_json
+from ferrylm.server.api.response_store import ResponseStore, StoredResponse
 from ferrylm.server.text.reasoning import check_reasoning_effort
 from ferrylm.server.text.structured import response_format_grammar
 from ferrylm.server.text.tool_parsers.base import ToolCall
-from ferrylm.server.text.tools import ToolSpec, check_unique, make_tool, parse_tool_choice
+from ferrylm.server.text.json_limits import loads_json
+from ferrylm.server.text.tools import ToolSpec, check_tool_result, check_unique, make_tool, parse_tool_choice
 
 
 class ResponsesRequest(_Request):
@@ -71,64 +72,6 @@ class ResponsesRequest(_Request):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the store
-# ---------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class StoredResponse:
-    """A finished response: its object (for GET) and the conversation to continue from (template messages: the
-    previous turns, this input and this output; without this request's ``instructions``)."""
-
-    response: dict
-    conversation: list[dict]
-
-
-class ResponseStore:
-    """Bounded, thread-safe map response id → :class:`StoredResponse`; the oldest entries go first when it holds
-    more than ``capacity`` entries or more than ``max_bytes`` of conversation text (an agent's chain of turns
-    stores each turn's whole conversation: the byte bound keeps a few huge ones from holding the memory).
-
-    Args:
-        capacity: entries kept (0: nothing is stored).
-        max_bytes: bound on the summed size of the stored conversations and responses (as JSON, bytes).
-    """
-
-    DEFAULT_MAX_BYTES = 256 << 20
-
-    def __init__(self, capacity: int, max_bytes: int = DEFAULT_MAX_BYTES):
-        self.capacity = max(0, int(capacity))
-        self.max_bytes = int(max_bytes)
-        self.bytes = 0
-        self._items: collections.OrderedDict[str, tuple[StoredResponse, int]] = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def put(self, rid: str, entry: StoredResponse) -> None:
-        if self.capacity == 0:
-            return
-        size = len(json.dumps(entry.conversation, ensure_ascii=False)) + len(json.dumps(entry.response))
-        if size > self.max_bytes:
-            return
-        with self._lock:
-            old = self._items.pop(rid, None)
-            if old is not None:
-                self.bytes -= old[1]
-            self._items[rid] = (entry, size)
-            self.bytes += size
-            while len(self._items) > self.capacity or self.bytes > self.max_bytes:
-                _, (_, n) = self._items.popitem(last=False)
-                self.bytes -= n
-
-    def get(self, rid: str) -> StoredResponse | None:
-        with self._lock:
-            item = self._items.get(rid)
-            return None if item is None else item[0]
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
-# ---------------------------------------------------------------------------------------------------------
 # request → job
 # ---------------------------------------------------------------------------------------------------------
 
@@ -148,11 +91,14 @@ def _part_text(content: Any, param: str) -> str:
     return "\n".join(out)
 
 
-def convert_input(items: Any) -> list[dict]:
-    """``input`` (text or items) → template messages. Raises InvalidRequest naming the item."""
+def convert_input(items: Any, history: list[dict] = ()) -> list[dict]:
+    """``input`` (text or items) → template messages; ``history``: the conversation it continues (a stored
+    response's), whose calls its ``function_call_output`` items may answer. Raises InvalidRequest naming the
+    item (an output whose ``call_id`` answers no earlier ``function_call`` too)."""
     if isinstance(items, str):   # "" is no turn, as [] is (both a 400 without a previous response)
         return [{"role": "user", "content": items}] if items else []
     out: list[dict] = []
+    call_ids = {c.get("id") for m in history for c in m.get("tool_calls") or ()}
     for i, it in enumerate(items):
         where = f"input.{i}"
         kind = it.get("type", "message" if "role" in it else None)
@@ -167,13 +113,11 @@ def convert_input(items: Any) -> list[dict]:
             name, args = it.get("name"), it.get("arguments", "{}")
             if not isinstance(name, str) or not isinstance(it.get("call_id"), str):
                 raise InvalidRequest(f"'{where}' needs 'name' and 'call_id'", param=where)
-            try:
-                parsed = json.loads(args) if isinstance(args, str) else args
-            except ValueError:
-                raise InvalidRequest(f"'{where}.arguments' is not valid JSON", param=f"{where}.arguments") from None
+            parsed = loads_json(args, f"{where}.arguments") if isinstance(args, str) else args
             if not isinstance(parsed, dict):
                 raise InvalidRequest(f"'{where}.arguments' must be a JSON object", param=f"{where}.arguments")
             call = {"id": it["call_id"], "type": "function", "function": {"name": name, "arguments": parsed}}
+            call_ids.add(it["call_id"])
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
@@ -181,6 +125,7 @@ def convert_input(items: Any) -> list[dict]:
         elif kind == "function_call_output":
             if not isinstance(it.get("call_id"), str):
                 raise InvalidRequest(f"'{where}.call_id' is required", param=f"{where}.call_id")
+            check_tool_result(it["call_id"], call_ids, f"{where}.call_id", "'function_call' item's 'call_id'")
             output = it.get("output", "")
             output = output if isinstance(output, str) else _part_text(output, f"{where}.output")
             out.append({"role": "tool", "tool_call_id": it["call_id"], "content": output})
@@ -219,7 +164,7 @@ def job_from_request(req: ResponsesRequest, store: ResponseStore) -> tuple[ChatJ
             raise InvalidRequest(f"no stored response with id {req.previous_response_id!r} (it was never stored, "
                                  f"or was evicted)", param="previous_response_id")
         history = list(prev.conversation)
-    conversation = history + convert_input(req.input)
+    conversation = history + convert_input(req.input, history)
     if not conversation:
         raise InvalidRequest("'input' must not be empty", param="input")
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation

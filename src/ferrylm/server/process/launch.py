@@ -8,9 +8,11 @@ exit, which turns exit 0 into "killed by SIGTERM"):
 1. first SIGTERM/SIGINT: new requests get 503 ``engine_unavailable`` and /health 503 ``draining``; running
    requests continue for up to ``--shutdown-timeout`` seconds; those still running then get an error (stream: an
    error event, then ``[DONE]``); uvicorn closes the listener and connections; the engine is stopped; exit 0.
-2. a second signal: SIGKILL the engine, remove the IPC dir, exit 128+N at once. A signal within
-   ``SIGNAL_REPEAT_WINDOW_S`` of the first is the same one relayed (``make``, ``timeout`` and service managers
-   signal the whole process group, then the parent passes it on): it is ignored.
+2. a second signal: every request still running is answered with 503 ``engine_unavailable`` (a stream: its
+   error event and its end, ``[DONE]`` where the route has one), SIGKILL the engine, remove the IPC dir, and exit
+   128+N once those answers went out (at most ``FINAL_ANSWERS_S``); a third signal exits at once. A signal
+   within ``SIGNAL_REPEAT_WINDOW_S`` of the first is the same one relayed (``make``, ``timeout`` and service
+   managers signal the whole process group, then the parent passes it on): it is ignored.
 
 Before the event loop runs (resolving and converting the model, loading the tokenizer, importing uvicorn), the
 signals are :class:`BootSignals`' (installed by ``cli.main`` before anything slow): the first SIGTERM/SIGINT
@@ -42,6 +44,8 @@ log = logging.getLogger("ferrylm.serve")
 
 ENGINE_STOP_S = 5.0  # at exit, seconds the engine process gets to obey the stop message before it is killed
 ENGINE_STOP_AFTER_TIMEOUT_S = 1.0  # the same when --shutdown-timeout ran out with requests still running
+FINAL_ANSWERS_S = 2.0  # after a second signal, the most the open requests' error answers may take to go out
+FLUSH_S = 0.05         # then, the time the event loop gets to write them to the sockets
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -136,7 +140,7 @@ def check_serve_args(args: argparse.Namespace, engine_config: EngineConfig) -> s
              args.request_timeout >= 0 and math.isfinite(args.request_timeout), ">= 0 seconds (0: no deadline)")):
         if not ok:
             return f"{flag} must be {rule}, got {value}"
-    if args.served_model_name is not None and not args.served_model_name.strip():
+    if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
         return "--served-model-name must not be empty (leave it out to use the model's name)"
     cors = {"--allowed-methods": args.allowed_methods, "--allowed-headers": args.allowed_headers,
             "--allow-credentials": args.allow_credentials or None}
@@ -222,7 +226,8 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
         def install_signal_handlers(self) -> None:  # older uvicorn
             pass
 
-    name = args.served_model_name or resolved.name
+    names = args.served_model_name or [resolved.name]   # each accepted in `model`; responses report the first
+    name = names[0]
     max_len = engine_config.max_model_len or mcfg.max_position_embeddings
     info = ModelInfo(name=name, path=str(resolved.path), max_model_len=max_len,
                      eos_token_ids=tuple(mcfg.eos_token_ids))
@@ -245,7 +250,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
     api_key = args.api_key or os.environ.get("FERRYLM_API_KEY") or None
     cors = CorsPolicy(args.allowed_origins, args.allowed_methods or ["*"], args.allowed_headers or ["*"],
                       args.allow_credentials) if args.allowed_origins else None
-    app = create_app(sup, codec, name, api_key=api_key,
+    app = create_app(sup, codec, names, api_key=api_key,
                      max_request_bytes=int(getattr(args, "max_request_bytes", 8 << 20)), cors=cors,
                      request_timeout=getattr(args, "request_timeout", None) or None,
                      sse_ping_interval=ping, responses_store_size=int(getattr(args, "responses_store_size", 1024)),
@@ -277,6 +282,23 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
         log.info("shutting down: drained in %.2f s; stopping", time.monotonic() - t0)
         server.should_exit = True
 
+    def exit_at_once(sig: int) -> None:
+        sup.kill_now()
+        logging.shutdown()
+        os._exit(128 + sig)
+
+    async def exit_answered(sig: int) -> None:
+        """The second signal: every request in flight is answered with an error (a stream's error event and
+        end), the engine is killed, and the process exits 128+N once the answers went out (at most
+        ``FINAL_ANSWERS_S``)."""
+        sup.fail_in_flight(EngineUnavailable("the server is exiting now (a second signal); the request was cut"))
+        sup.kill_now()
+        if not await app.state.open_requests.wait_idle(FINAL_ANSWERS_S):
+            log.warning("%d requests still open after %g s; exiting", app.state.open_requests.count,
+                        FINAL_ANSWERS_S)
+        await asyncio.sleep(FLUSH_S)   # the sockets take the last bytes
+        exit_at_once(sig)
+
     def on_signal(sig: int) -> None:
         name_ = signal.Signals(sig).name
         if signals_seen and is_relay(signals_seen[0][1]):
@@ -284,12 +306,14 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
                      "group's signal)", name_, SIGNAL_REPEAT_WINDOW_S)
             return
         signals_seen.append((sig, time.monotonic()))
+        if len(signals_seen) > 2:
+            exit_at_once(sig)
         if len(signals_seen) > 1:
-            log.warning("second signal (%s): exiting now", name_)
-            sup.kill_now()
-            logging.shutdown()
-            os._exit(128 + sig)
-        log.info("received %s: graceful shutdown (send it again to exit at once)", name_)
+            log.warning("second signal (%s): answering the %d open requests with an error, then exiting", name_,
+                        app.state.open_requests.count)
+            server_box["exit"] = asyncio.get_running_loop().create_task(exit_answered(sig))  # keep a reference
+            return
+        log.info("received %s: graceful shutdown (send it again to cut the running requests and exit)", name_)
         sup.begin_drain()
         server_box["drain"] = asyncio.get_running_loop().create_task(drain_and_stop())  # keep a reference
 

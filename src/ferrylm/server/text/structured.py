@@ -21,6 +21,7 @@ import json
 from typing import Any
 
 from ferrylm.errors import InvalidRequest
+from ferrylm.server.text.json_limits import loads_json
 
 # JSON shape of generated documents: readable separators, no runs of free whitespace
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -51,10 +52,7 @@ def json_schema_grammar(schema: Any, param: str, *, strict: bool = True) -> str:
     Raises InvalidRequest (``param``) for a schema that is not an object or cannot be enforced.
     """
     if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError as e:
-            raise InvalidRequest(f"'{param}' is not valid JSON: {e}", param=param) from None
+        schema = loads_json(schema, param)
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Collection
 
 from ferrylm.errors import InvalidRequest
 from ferrylm.server.text.structured import JSON_OPTIONS, check_ref_cycles, json_schema_grammar, lark_grammar
@@ -132,6 +132,14 @@ def check_unique(tools: list[ToolSpec], param: str) -> None:
         if t.name in seen:
             raise InvalidRequest(f"two tools are named {t.name!r}", param=param)
         seen.add(t.name)
+
+
+def check_tool_result(call_id: str, calls: Collection[str], param: str, answers: str) -> None:
+    """A tool result must answer a call made earlier in the conversation (as OpenAI's and Anthropic's APIs
+    require): ``call_id`` among ``calls``, the ids of earlier calls. Raises InvalidRequest naming ``param``;
+    ``answers`` says what it should have matched."""
+    if call_id not in calls:
+        raise InvalidRequest(f"'{param}' {call_id!r} matches no earlier {answers}", param=param)
 
 
 def parse_tool_choice(choice: Any, tools: list[ToolSpec], *, parallel: Any = None,

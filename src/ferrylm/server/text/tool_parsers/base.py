@@ -123,7 +123,7 @@ def decode_arguments(value: Any) -> dict | None:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):   # a model may nest past the recursion limit
             return None
     return value if isinstance(value, dict) else None
 

@@ -30,7 +30,7 @@ def coerce_value(text: str, schema: Any) -> Any:
         return text
     try:
         return json.loads(text.strip())
-    except ValueError:
+    except (ValueError, RecursionError):
         return text
 
 
@@ -270,7 +270,7 @@ class BlockToolParser(ToolParser):
             return None
         try:
             args = decode_arguments(json.loads(arguments))
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         if args is None:
             return None

@@ -152,7 +152,7 @@ class HermesToolParser(ToolParser):
     def _parse(self, body: str) -> ToolCall | None:
         try:
             obj = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):   # a model may nest past the recursion limit
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
