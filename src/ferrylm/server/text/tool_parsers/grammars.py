@@ -196,17 +196,24 @@ def qwen3_coder_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = 
     return forcing_grammar(lark, _chosen(tools, choice))
 
 
+def harmony_call_rules(tools: list[ToolSpec], term: Term = _literal) -> list[str]:
+    """Lark rules ``call`` (the header and arguments of one harmony call to one of ``tools``: ``commentary
+    to=functions.NAME <|constrain|>json<|message|>{arguments}``, after its ``<|channel|>``) and one rule per tool."""
+    constrain, message = term("<|constrain|>"), term("<|message|>")
+    rules, alts = [], []
+    for i, tool in enumerate(tools):
+        rules.append(f'c{i}: {_literal(f"commentary to=functions.{tool.name} ")} {constrain} "json" {message} '
+                     f"{_arguments_json(tool)}")
+        alts.append(f"c{i}")
+    return [f"call: {' | '.join(alts)}", *rules]
+
+
 def harmony_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _literal) -> str:
     """Harmony (gpt-oss): one message on the commentary channel to ``functions.NAME``, ``<|channel|>commentary
     to=functions.NAME <|constrain|>json<|message|>{arguments}<|call|>``, written right after the prompt's
     ``<|start|>assistant``; ``<|call|>`` ends the turn, so ``required`` makes one call."""
-    channel, constrain, message, call = (term(x) for x in ("<|channel|>", "<|constrain|>", "<|message|>", "<|call|>"))
-    rules, alts = [], []
-    for i, tool in enumerate(_chosen(tools, choice)):
-        rules.append(f'c{i}: {_literal(f"commentary to=functions.{tool.name} ")} {constrain} "json" {message} '
-                     f"{_arguments_json(tool)}")
-        alts.append(f"c{i}")
-    lark = "\n".join([f"start: {channel} call {call}", f"call: {' | '.join(alts)}", *rules]) + "\n"
+    lark = "\n".join([f"start: {term('<|channel|>')} call {term('<|call|>')}",
+                      *harmony_call_rules(_chosen(tools, choice), term)]) + "\n"
     return forcing_grammar(lark, _chosen(tools, choice))
 
 
