@@ -99,6 +99,17 @@ def test_prompt_history_chat_mode_and_max_effort(v4_codec) -> None:
     assert v4_codec.render_chat(msgs[:1], add_generation_prompt=False) == f"{BOS}{USER}hi"
 
 
+async def test_response_format_schema_in_the_system_turn(v4_codec) -> None:
+    eng = scripted(v4_codec, '{"city": "Paris"}')
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    rf = {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}
+    await oai(create_app(eng, v4_codec, SERVED, **ARCH)).chat.completions.create(
+        model=SERVED, messages=USER_MSG, response_format=rf)
+    prompt = v4_codec.decode(eng.requests[0][1], skip_special_tokens=False)
+    assert prompt == (f"{BOS}\n\n## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
+                      f"{json.dumps(schema)}{USER}Weather in Paris?{ASSISTANT}</think>")
+
+
 def test_template_only_for_a_folder_without_one(tmp_path) -> None:
     plain = build_family_tokenizer(tmp_path / "plain", [BOS, EOS, USER, ASSISTANT], None, EOS, BOS)
     assert not TextCodec.from_pretrained(plain).has_chat_template   # no config.json: no model type

@@ -71,6 +71,28 @@ async def test_response_format_constrains_the_final_message(harmony_codec) -> No
     assert not accepts(harmony_codec, grammar, "<|channel|>final<|message|>[1]<|return|>")
 
 
+async def test_the_schema_is_shown_in_the_developer_message(harmony_codec) -> None:
+    """A json_schema reply: harmony's ``# Response Formats`` section after the instructions (before the tools), a
+    developer message of its own when there are neither."""
+    import openai_harmony as oh
+
+    from .test_harmony import PARAMS, library_prompt, user
+
+    eng = scripted(harmony_codec, JSON_OUT)
+    client = oai(create_app(eng, harmony_codec, SERVED))
+    rf = {"type": "json_schema", "json_schema": {"name": "weather", "description": "The weather", "schema": SCHEMA}}
+    section = "# Response Formats\n\n## weather\n\n// The weather\n" + json.dumps(SCHEMA, separators=(",", ":"))
+    await client.chat.completions.create(model=SERVED, messages=[{"role": "system", "content": "Be terse."}, *USER],
+                                         tools=[{"type": "function", "function": {
+                                             "name": "get_weather", "description": "Current weather",
+                                             "parameters": PARAMS}}], response_format=rf)
+    assert eng.requests[0][1] == library_prompt(harmony_codec, oh.ReasoningEffort.MEDIUM, "Be terse.\n\n" + section,
+                                                [user("Weather in Paris?")])
+    await client.chat.completions.create(model=SERVED, messages=USER, response_format=rf)
+    text = harmony_codec.decode(eng.requests[1][1], skip_special_tokens=False)
+    assert f"<|start|>developer<|message|>{section}<|end|><|start|>user" in text
+
+
 async def test_responses_text_format_and_completions(harmony_codec) -> None:
     eng = scripted(harmony_codec, JSON_OUT)
     app = create_app(eng, harmony_codec, SERVED)

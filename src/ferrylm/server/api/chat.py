@@ -30,7 +30,7 @@ from ferrylm.server.api.protocol import (ChatChoiceLogprobs, ChatCompletionChoic
 from ferrylm.server.api.context import ChatJob, ChatRun, RouteContext
 from ferrylm.server.api.request_io import read_json
 from ferrylm.server.text.reasoning import check_reasoning_effort
-from ferrylm.server.text.structured import request_grammar
+from ferrylm.server.text.structured import request_grammar, response_format_prompt
 from ferrylm.server.text.tool_parsers.base import ToolCall
 from ferrylm.server.text.tools import fallback_messages, parse_openai_tools, parse_tool_choice
 from ferrylm.server.text.tokenizer import TextCodec, client_template_kwargs
@@ -152,6 +152,9 @@ def job_from_chat(req: ChatCompletionRequest) -> ChatJob:
     effort = check_reasoning_effort(req.reasoning_effort, "reasoning_effort")
     if effort is not None:   # the template argument harmony's system message (and gpt-oss templates) read
         kwargs["reasoning_effort"] = effort
+    reply = response_format_prompt(req.response_format)
+    if reply is not None:   # the reply's schema, for the formats that show it in the prompt
+        kwargs = {"response_format": reply, **kwargs}
     job = ChatJob(messages, params, tools, choice, kwargs, add_gen, bool(req.continue_final_message), gparam,
                   "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
                   stream=bool(req.stream))

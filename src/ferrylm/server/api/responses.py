@@ -44,7 +44,7 @@ from ferrylm.server.api.protocol import _Request, parse_request
 from ferrylm.server.api.context import ChatJob, ChatRun, RouteContext
 from ferrylm.server.api.request_io import read_json
 from ferrylm.server.text.reasoning import check_reasoning_effort
-from ferrylm.server.text.structured import response_format_grammar
+from ferrylm.server.text.structured import response_format_grammar, response_format_prompt
 from ferrylm.server.text.tool_parsers.base import ToolCall
 from ferrylm.server.text.tools import ToolSpec, check_unique, make_tool, parse_tool_choice
 
@@ -236,7 +236,9 @@ def job_from_request(req: ResponsesRequest, store: ResponseStore) -> tuple[ChatJ
         raise
     params.grammar = response_format_grammar(fmt, "text.format", nested=False)
     effort = check_reasoning_effort((req.reasoning or {}).get("effort"), "reasoning.effort")
-    job = ChatJob(messages, params, tools, choice, {"reasoning_effort": effort} if effort else {}, grammar_param=
+    reply = response_format_prompt(fmt, nested=False)
+    kwargs = {**({"response_format": reply} if reply else {}), **({"reasoning_effort": effort} if effort else {})}
+    job = ChatJob(messages, params, tools, choice, kwargs, grammar_param=
                   "text.format", max_param="max_output_tokens", prompt_param="input", stream=bool(req.stream))
     return job, conversation
 
