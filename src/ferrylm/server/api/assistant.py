@@ -103,12 +103,12 @@ class TextReader:
         self.reasoning_tokens = 0
 
     def feed(self, text: str, token_ids: Sequence[int] = ()) -> list[Piece]:
-        if self.reasoning is None:
-            return self._pieces("", self.tools.feed(text) if self.tools is not None else [Piece(text)]) if text else []
-        before = self.reasoning.in_reasoning
-        r, c = self.reasoning.feed(text)
-        if before or self.reasoning.in_reasoning:
-            self.reasoning_tokens += len(token_ids)
+        r, c = "", text
+        if self.reasoning is not None:
+            before = self.reasoning.in_reasoning
+            r, c = self.reasoning.feed(text) if text else ("", "")
+            if before or self.reasoning.in_reasoning:
+                self.reasoning_tokens += len(token_ids)
         if not text:
             return []
         return self._pieces(r, self.tools.feed(c) if self.tools is not None else [Piece(c)])
