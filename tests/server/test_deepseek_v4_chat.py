@@ -155,6 +155,20 @@ async def test_reasoning_and_tool_call_stream_equals_non_stream(v4_codec) -> Non
     assert msg.content == "Checking." and json.loads(msg.tool_calls[0].function.arguments)["days"] == "2"
 
 
+async def test_dsml_marker_as_special_tokens_survives_detokenization(tmp_path) -> None:
+    """A vocabulary holding ``<｜DSML｜`` / ``</｜DSML｜`` as special tokens (and ``<think>`` as text): a turn with
+    tools keeps them in its text (``skip_special_tokens`` off), so the calls are read."""
+    folder = tmp_path / "tok"
+    build_family_tokenizer(folder, [BOS, EOS, USER, ASSISTANT, f"<{DSML}", f"</{DSML}"], None, EOS, BOS)
+    (folder / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
+    codec = TextCodec.from_pretrained(folder)
+    eng = scripted(codec, CALL)
+    resp = await oai(create_app(eng, codec, SERVED, **ARCH)).chat.completions.create(
+        model=SERVED, messages=USER_MSG, tools=[WEATHER])
+    assert eng.requests[0][2].skip_special_tokens is False
+    assert [c.function.name for c in resp.choices[0].message.tool_calls] == ["get_weather"]
+
+
 async def test_forced_call_uses_the_dsml_grammar(v4_codec) -> None:
     llguidance = pytest.importorskip("llguidance")
     import llguidance.hf

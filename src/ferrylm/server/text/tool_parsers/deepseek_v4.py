@@ -46,7 +46,9 @@ class DeepSeekV4ToolParser(BlockToolParser):
     OPEN = CALLS_BEGIN
     CLOSE = CALLS_END
     LEAD = INVOKE
-    MARKUP = (CALLS_BEGIN, CALLS_END)
+    # the vocabulary may hold the marker alone or with its angle bracket as a special token: either keeps the
+    # turn's special tokens in its text
+    MARKUP = (CALLS_BEGIN, CALLS_END, DSML, f"<{DSML}", f"</{DSML}")
     TEMPLATE_MARK = re.escape(DSML)
     ONE_SECTION = True
 
