@@ -2,7 +2,8 @@
 harmony tokenizer serves chat end to end: ``ferry serve`` as a subprocess, the real ``openai`` and ``anthropic``
 clients. The prompt is openai-harmony's rendering (its length is the usage); a forced call, made by harmony's
 call grammar from random weights, comes back as a tool call on chat completions and as a ``tool_use`` block on
-Anthropic Messages; free random output still gets an answer."""
+Anthropic Messages; free random output still gets an answer; a ``response_format`` runs the harmony turn's grammar in
+the engine."""
 
 from __future__ import annotations
 
@@ -61,6 +62,15 @@ def test_gpt_oss_chat_through_harmony_end_to_end(gpt_oss_folder, tmp_path, monke
         assert forced.usage.prompt_tokens == len(_library_prompt(enc))
         free = client.chat.completions.create(model="tiny-gpt-oss", messages=MESSAGES, temperature=0, max_tokens=6)
         assert free.choices[0].finish_reason in ("length", "stop") and 1 <= free.usage.completion_tokens <= 6
+        # a JSON reply: the engine runs the harmony turn's grammar (analysis free, then the final message's JSON)
+        rf = {"type": "json_schema", "json_schema": {"name": "w", "schema": PARAMS}}
+        shaped = client.chat.completions.create(model="tiny-gpt-oss", messages=MESSAGES, response_format=rf,
+                                                temperature=0, max_tokens=48)
+        (choice,) = shaped.choices
+        assert choice.finish_reason in ("length", "stop"), choice
+        if choice.finish_reason == "stop":
+            assert json.loads(choice.message.content)["city"] in ("Paris", "Rome")
+        assert 0 <= shaped.usage.completion_tokens_details.reasoning_tokens <= shaped.usage.completion_tokens
         claude = anthropic.Anthropic(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
         msg = claude.messages.create(model="tiny-gpt-oss", max_tokens=64, messages=MESSAGES[1:], system="Be terse.",
                                      tools=[{"name": "get_weather", "input_schema": PARAMS}],

@@ -82,7 +82,8 @@ async def test_chat_non_stream_shape(client: httpx.AsyncClient, engine: FakeEngi
     n_script = len(codec.encode(SCRIPT_TEXT, add_special_tokens=False)) + 1  # + EOS, counted, not shown
     assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": n_script,
                              "total_tokens": len(prompt_ids) + n_script,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+                             "prompt_tokens_details": {"cached_tokens": 0},
+                             "completion_tokens_details": {"reasoning_tokens": 0}}
     assert rid == body["id"]
     assert params.max_tokens == 256 - len(prompt_ids)  # chat default: the rest of the context
     assert engine.aborts == []  # finished normally: nothing to abort

@@ -273,7 +273,6 @@ async def test_forced_call_uses_harmonys_call_grammar(harmony_codec) -> None:
     ("/v1/chat/completions", {"reasoning_effort": 3}, "reasoning_effort"),
     ("/v1/chat/completions", {"chat_template_kwargs": {"reasoning_effort": "max"}},
      "chat_template_kwargs.reasoning_effort"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/responses", {"reasoning": {"effort": "minimal"}}, "reasoning.effort"),
 ])
 async def test_bad_values_are_400_naming_the_field(harmony_codec, path, extra, param) -> None:

@@ -119,9 +119,10 @@ def test_harmony_call_cut_is_an_unfinished_call(harmony_codec) -> None:
     out = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo", "da'
     ids = codec.encoding.encode(out, allowed_special="all")
     cfg = TurnConfig(tool_names=NAMES, harmony=codec, harmony_prime=prime)
-    res = whole_turn(cfg, "", "length", ids)
+    text = '{"city": "Oslo", "da'   # the message text the choice's text stream released
+    res = whole_turn(cfg, text, "length", ids)
     assert res.content == "" and [(c.name, c.arguments, c.complete) for c in res.calls] == [
         ("get_weather", '{"city": "Oslo", "da', False)]
     other = TurnConfig(tool_names=("search",), harmony=codec, harmony_prime=prime)
-    res = whole_turn(other, "", "length", ids)
+    res = whole_turn(other, text, "length", ids)
     assert res.calls == [] and res.content == '{"city": "Oslo", "da'

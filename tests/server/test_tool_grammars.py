@@ -1,4 +1,4 @@
-"""Forced tool calls in the GLM-4.5, MiniMax-M2, DeepSeek-V3, Kimi-K2 and Qwen3-Coder formats
+"""Forced tool calls in the GLM-4.5, MiniMax-M2, DeepSeek-V3, Kimi-K2, Qwen3-Coder and DeepSeek-V4 formats
 (server/text/tool_parsers/grammars.py), checked with llguidance's
 own matcher over a byte vocabulary: well-formed calls are accepted, calls that break OpenAI's strict semantics
 (a missing required key, a key the schema does not name, a wrong type) are not, and random walks through the
@@ -77,8 +77,21 @@ def _qc(*invokes: tuple[str, list[tuple[str, str]]]) -> str:
                      for n, ps in invokes)
 
 
+def _dsml(*invokes: tuple[str, list[tuple[str, str]]]) -> str:
+    """DeepSeek-V4: a string property's value with ``string="true"``, any other as JSON with ``"false"``."""
+    from ferrylm.server.text.tool_parsers import deepseek_v4 as d
+
+    def param(n: str, k: str, v: str) -> str:
+        literal = (SCHEMAS.get(n, {}).get("properties", {}).get(k) or {}).get("type") == "string"
+        return f'{d.PARAMETER} name="{k}" string="{str(literal).lower()}">{v}{d.PARAMETER_END}'
+
+    body = "\n".join(f'{d.INVOKE} name="{n}">\n' + "".join(param(n, k, v) + "\n" for k, v in ps)
+                     + ("" if ps or n != "ping" else "\n") + d.INVOKE_END for n, ps in invokes)
+    return f"{d.CALLS_BEGIN}\n{body}\n{d.CALLS_END}"
+
+
 FORMAT = {"glm45": lambda *inv: "\n".join(_glm(n, ps) for n, ps in inv), "minimax_m2": _mm,
-          "deepseek_v3": _ds, "kimi_k2": _kimi, "qwen3_coder": _qc}
+          "deepseek_v3": _ds, "kimi_k2": _kimi, "qwen3_coder": _qc, "deepseek_v4": _dsml}
 ALL = sorted(FORMAT)
 
 

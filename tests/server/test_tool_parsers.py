@@ -1,7 +1,8 @@
-"""DeepSeek-V3, Kimi-K2 and Qwen3-Coder tool-call parsers (server/text/tool_parsers/): calls and text separated, both
+"""DeepSeek-V3, Kimi-K2, Qwen3-Coder and DeepSeek-V4 (DSML) tool-call parsers (server/text/tool_parsers/): calls and text separated, both
 DeepSeek forms (V3 / R1 fenced, V3.1 plain), Kimi's ids kept, Qwen3-Coder values typed by the schema, text that
 is not a call never swallowed, any chunking of the stream giving the same calls and text (hypothesis), earlier
-calls rendered back into markup the parser reads, and the choice of parser for a model."""
+calls rendered back into markup the parser reads, DSML values typed by their ``string`` attribute, and the choice of
+parser for a model."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from ferrylm.server.api.assistant import TurnConfig, whole_turn
 from ferrylm.server.text.tool_parsers import TOOL_PARSERS, choose_tool_parser, format_calls_as, make_tool_parser
 from ferrylm.server.text.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
+from ferrylm.server.text.tool_parsers.deepseek_v4 import DSML, DeepSeekV4ToolParser
 from ferrylm.server.text.tool_parsers.kimi_k2 import KimiK2ToolParser
 from ferrylm.server.text.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 from ferrylm.server.text.tool_parsers import deepseek_v3 as ds
@@ -23,7 +25,8 @@ NAMES = ("get_weather", "search")
 SCHEMAS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
            "search": {"type": "object", "properties": {"q": {"type": "string"}, "filters": {"type": "object"},
                                                         "exact": {"type": "boolean"}}}}
-PARSERS = {"deepseek_v3": DeepSeekV3ToolParser, "kimi_k2": KimiK2ToolParser, "qwen3_coder": Qwen3CoderToolParser}
+PARSERS = {"deepseek_v3": DeepSeekV3ToolParser, "kimi_k2": KimiK2ToolParser, "qwen3_coder": Qwen3CoderToolParser,
+           "deepseek_v4": DeepSeekV4ToolParser}
 
 B, E, CB, CE, SEP = ds.CALLS_BEGIN, ds.CALLS_END, ds.CALL_BEGIN, ds.CALL_END, ds.SEP
 DS_V3 = (f'{B}{CB}function{SEP}get_weather\n```json\n{{"city": "Paris", "days": 3}}\n```{CE}\n'
@@ -91,6 +94,25 @@ def test_qwen3_coder_values_follow_the_schema() -> None:
     assert run(Qwen3CoderToolParser(NAMES, SCHEMAS), [two])[1] == [("get_weather", {"city": "A"}), ("search", {})]
 
 
+D4 = (f'<{DSML}tool_calls>\n<{DSML}invoke name="get_weather">\n'
+      f'<{DSML}parameter name="city" string="true">Paris</{DSML}parameter>\n'
+      f'<{DSML}parameter name="days" string="false">3</{DSML}parameter>\n</{DSML}invoke>\n'
+      f'<{DSML}invoke name="search">\n<{DSML}parameter name="q" string="true">1 < 2\nand "more"</{DSML}parameter>\n'
+      f'<{DSML}parameter name="filters" string="false">{{"lang": "fr"}}</{DSML}parameter>\n'
+      f'<{DSML}parameter name="exact" string="false">maybe</{DSML}parameter>\n</{DSML}invoke>\n</{DSML}tool_calls>')
+
+
+def test_deepseek_v4_values_follow_the_string_attribute() -> None:
+    """``string="true"``: the text as it is (``<``, quotes, newlines); ``"false"``: JSON, else the text typed by the
+    schema (a boolean property's ``maybe`` is not JSON: it stays text)."""
+    text, calls = run(DeepSeekV4ToolParser(NAMES, SCHEMAS), ["Checking.\n\n" + D4])
+    assert text == "Checking."
+    assert calls == [("get_weather", {"city": "Paris", "days": 3}),
+                     ("search", {"q": '1 < 2\nand "more"', "filters": {"lang": "fr"}, "exact": "maybe"})]
+    literal = D4.replace('name="days" string="false">3<', 'name="days" string="true">3<')
+    assert run(DeepSeekV4ToolParser(NAMES, SCHEMAS), [literal])[1][0] == ("get_weather", {"city": "Paris", "days": "3"})
+
+
 BARE = "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>"
 
 
@@ -136,6 +158,13 @@ def test_a_reply_of_calls_only_has_no_text() -> None:
     ("qwen3_coder", "<function=rm_rf>\n<parameter=path>\n/\n</parameter>\n</function>"),  # bare, unknown tool
     ("qwen3_coder", "<function=get_weather\n<parameter=city>x</parameter></function>"),   # no '>' after the name
     ("qwen3_coder", "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"),    # bare, never closed
+    ("deepseek_v4", f"V4 writes <{DSML}tool_calls> blocks."),                          # a mention
+    ("deepseek_v4", D4.replace('"search"', '"rm_rf"')),                                 # one unknown: all text
+    ("deepseek_v4", D4.replace('string="false">3<', 'string="no">3<')),                  # a bad attribute
+    ("deepseek_v4", D4.replace(f"</{DSML}invoke>\n</{DSML}tool_calls>", f"</{DSML}tool_calls>")),  # invoke unclosed
+    ("deepseek_v4", D4.replace(f"</{DSML}tool_calls>", "")),                             # block never closed
+    ("deepseek_v4", f"<{DSML}tool_calls>\n</{DSML}tool_calls>"),                          # empty block
+    ("deepseek_v4", D4.replace('name="city"', 'name="days"')),                          # a key twice
 ])
 def test_text_that_is_not_a_call_is_never_swallowed(fmt: str, raw: str) -> None:
     assert run(PARSERS[fmt](NAMES, SCHEMAS), [raw]) == (raw, [])
@@ -146,6 +175,9 @@ _PIECES = {
                     " ", "hi", "<", "<\uff5c", "é🙂", "get_weather"],
     "kimi_k2": [KIMI, KS, KE, KB, KA, KC, "functions.search:0", "functions.", ":1", '{"q": "x"}', "<|", "<|tool_",
                 "\n", " ", "hi", "é🙂"],
+    "deepseek_v4": [D4, f"<{DSML}tool_calls>", f"</{DSML}tool_calls>", f'<{DSML}invoke name="search">',
+                    f"</{DSML}invoke>", f'<{DSML}parameter name="q" string="true">', f"</{DSML}parameter>", "<\uff5c",
+                    "\n", " ", "x", "<", "é🙂", "search"],
     "qwen3_coder": [QC, QC2, BARE, "<tool_call>", "</tool_call>", "<function=search>", "</function>", "<parameter=q>",
                     "</parameter>", "<function=", "\n", " ", "x", "<", "é🙂", "<tool_", "call>"],
 }
@@ -181,6 +213,12 @@ def test_kimi_k2_any_chunking_gives_the_same_calls_and_text(pieces: list[str], c
 @given(pieces=st.lists(st.sampled_from(_PIECES["qwen3_coder"]), max_size=12), cuts=_CUTS)
 def test_qwen3_coder_any_chunking_gives_the_same_calls_and_text(pieces: list[str], cuts: list[int]) -> None:
     _chunkings("qwen3_coder", pieces, cuts)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(st.sampled_from(_PIECES["deepseek_v4"]), max_size=12), cuts=_CUTS)
+def test_deepseek_v4_any_chunking_gives_the_same_calls_and_text(pieces: list[str], cuts: list[int]) -> None:
+    _chunkings("deepseek_v4", pieces, cuts)
 
 
 @pytest.mark.parametrize("fmt,call", [("deepseek_v3", DS_V31), ("qwen3_coder", QC)])
@@ -238,6 +276,8 @@ def test_choice_of_parser() -> None:
     assert choose_tool_parser("auto", "DeepseekV3ForCausalLM", None, "kimi_k2") == "kimi_k2"
     assert choose_tool_parser(None, "Qwen3NextForCausalLM") == "qwen3_coder"
     assert choose_tool_parser(None, "Qwen3_5MoeForCausalLM") == "qwen3_coder"
+    assert choose_tool_parser(None, "DeepseekV4ForCausalLM") == "deepseek_v4"
+    assert choose_tool_parser(None, "Qwen4ExpForCausalLM") == "qwen3_coder"
     # the template's markup first: a Kimi template on a DeepSeek architecture, DeepSeek's own tokens
     kimi_tpl = "{% for c in m.tool_calls %}<|tool_call_begin|>{{ c.id }}{% endfor %}"
     assert choose_tool_parser("auto", "DeepseekV3ForCausalLM", kimi_tpl) == "kimi_k2"

@@ -82,6 +82,7 @@ async def _stream(client, **kw) -> tuple[str, list[tuple[str | None, str | None,
     ("qwen3_coder", {"tool_call_parser": "qwen3_coder"}),
     ("qwen3_coder", {"architecture": "Qwen3NextForCausalLM"}),
     ("qwen3_coder", {"architecture": "Qwen3_5MoeForCausalLM"}),
+    ("qwen3_coder", {"architecture": "Qwen4ExpForCausalLM", "model_type": "qwen4_exp_text"}),
 ])
 async def test_calls_stream_equals_non_stream(codec, fmt: str, how: dict) -> None:
     eng = scripted(codec, "Let me look.\n" + CALL[fmt])
@@ -278,3 +279,22 @@ async def test_output_that_starts_in_reasoning_per_family(request, family: str, 
             reasoning += (ch.delta.model_extra or {}).get("reasoning_content") or ""
             content += ch.delta.content or ""
     assert (reasoning, content) == want
+
+
+async def test_qwen4_exp_thinks_in_the_prompt_then_calls_in_qwen3_coder_form(qwen35_like_codec) -> None:
+    """Qwen3.8-Flash-Next (qwen4_exp) speaks Qwen3.5's format (transformers' reference points at Qwen3.5's
+    processor): with auto, its architecture picks qwen3_coder; the template opens <think>, so the output starts in
+    reasoning, then the XML call; stream equal to non-stream; the reasoning tokens are counted."""
+    codec = qwen35_like_codec
+    out = "The user wants weather.\n</think>\n\n" + CALL["qwen3_coder"]
+    eng = scripted(codec, out)
+    client = oai(create_app(eng, codec, SERVED, architecture="Qwen4ExpForCausalLM", model_type="qwen4_exp_text"))
+    r = await client.chat.completions.create(model=SERVED, messages=MSGS, tools=[WEATHER])
+    msg = r.choices[0].message
+    assert msg.model_extra["reasoning_content"] == "The user wants weather." and not msg.content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == \
+        [("get_weather", {"city": "Paris", "days": 2})]
+    assert r.usage.completion_tokens_details.reasoning_tokens == \
+        len(codec.encode("The user wants weather.\n</think>", add_special_tokens=False))
+    text, calls, finish = await _stream(client, tools=[WEATHER])
+    assert text == "" and finish == "tool_calls" and [n for _, n, _ in calls] == ["get_weather"]

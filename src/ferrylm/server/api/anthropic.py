@@ -365,7 +365,7 @@ async def messages(ctx: RouteContext, request: Request, rid: str) -> Response:
     if req.stream:
         return SSEResponse(_stream(ctx, rid, run, base), headers=SSE_HEADERS)
     (ch,) = run.gen.choices
-    res = whole_turn(run.turn, ch.text.text, ch.finish_reason, ch.token_ids)
+    res = whole_turn(run.turn, ch.text.text, ch.finish_reason, ch.token_ids, ch.token_offsets)
     content: list[dict] = []
     for kind, x in res.blocks:   # in generation order
         if kind == "reasoning":

@@ -46,6 +46,8 @@ from ferrylm.server.api.context import DEFAULT_SSE_PING_INTERVAL, ChatJob, ChatR
 from ferrylm.server.api.protocol import (DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, UsageInfo,
                                      parse_request, to_sampling_params)
 from ferrylm.server.text.harmony import HarmonyCodec, open_message
+from ferrylm.server.text.harmony_grammar import harmony_output_grammar, prompt_position
+from ferrylm.server.text.harmony_reader import HarmonyTextStream
 from ferrylm.server.text.reasoning import THINKING_SWITCHES, prompt_opens_thinking, template_has_reasoning
 from ferrylm.server.text.tool_parsers import choose_tool_parser, format_markup
 from ferrylm.server.text.tools import ToolChoice, lark_term, parse_openai_tools, tag_terms
@@ -326,7 +328,9 @@ class _Server(CompletionRoutes):
         return v
 
     def _make_choices(self, base_id: str, prompts: list[list[int]], max_tokens: list[int],
-                      params: SamplingParams) -> list[Choice]:
+                      params: SamplingParams, harmony_prime: tuple[int, ...] | None = None) -> list[Choice]:
+        """One :class:`Choice` per prompt and ``n``. ``harmony_prime``: a harmony chat turn's open message (its
+        text is the messages' text, stop strings inside one message: ``HarmonyTextStream``), None for text."""
         n = params.n
         total = len(prompts) * n
         skip_ids = frozenset(self.engine.model_info.eos_token_ids) | frozenset(self.codec.eos_token_ids) | \
@@ -339,8 +343,12 @@ class _Server(CompletionRoutes):
                                         seed=None if params.seed is None else _choice_seed(params.seed, i),
                                         stop=list(params.stop), stop_token_ids=list(params.stop_token_ids))
                 p.validate()
-                text = TextStream(self.codec, ids, stop=p.stop, skip_special_tokens=p.skip_special_tokens,
-                                  include_stop_str_in_output=p.include_stop_str_in_output)
+                if harmony_prime is not None and self.harmony is not None:
+                    text: TextStream = HarmonyTextStream(self.harmony, harmony_prime, stop=p.stop,
+                                                         include_stop_str_in_output=p.include_stop_str_in_output)
+                else:
+                    text = TextStream(self.codec, ids, stop=p.stop, skip_special_tokens=p.skip_special_tokens,
+                                      include_stop_str_in_output=p.include_stop_str_in_output)
                 choices.append(Choice(idx, base_id if total == 1 else f"{base_id}-{idx}", ids, p, text,
                                        skip_ids))
         return choices
@@ -516,9 +524,7 @@ class _Server(CompletionRoutes):
         Raises:
             InvalidRequest / ContextLengthExceeded: bad messages, template errors, too long (400).
         """
-        if self.harmony is not None and job.params.grammar is not None:
-            raise InvalidRequest(f"'{job.grammar_param}' is not supported with the harmony chat format (gpt-oss): "
-                                 f"its output cannot be constrained yet", param=job.grammar_param)
+        answer = job.params.grammar   # the request's own constraint (a forced call's grammar is set below)
         await _off_loop(job.apply_tool_choice, self.tool_tags, self.tool_parser, self.tool_term)
         if job.params.grammar is not None and self.reasoning:
             # a constrained output starts at its first token: a template that thinks first is told not to (Qwen3's
@@ -527,6 +533,11 @@ class _Server(CompletionRoutes):
         text, prompt_ids = await _off_loop(render_prompt, self.codec, job, native_tools=self.native_tools,
                                            tool_format=self.tool_parser)
         params = job.params
+        if self.harmony is not None and answer is not None:   # it holds for the final message (harmony_grammar.py)
+            calls = job.tools if job.tool_choice.mode == "auto" else None
+            params.grammar = await _off_loop(harmony_output_grammar, answer,
+                                             prompt_position(self.harmony, open_message(prompt_ids)),
+                                             job.grammar_param or "response_format", tools=calls, term=self.tool_term)
         params.stop_token_ids += [t for t in self.codec.stop_token_ids if t not in params.stop_token_ids]
         tools_on = bool(job.tools) and job.tool_choice.mode != "none"
         if (self.special_tool_markup and tools_on) or self.special_think_markup:
@@ -549,7 +560,8 @@ class _Server(CompletionRoutes):
         text, prompt_ids, max_tokens, params = prep.text, prep.prompt_ids, prep.max_tokens, job.params
         self._log_request(rid, kind, job, [prompt_ids], [max_tokens], params)
         self._check_ready()
-        gen = Generation(self.engine, rid, self._make_choices(base_id, [prompt_ids], [max_tokens], params),
+        prime = tuple(open_message(prompt_ids)) if self.harmony is not None else None
+        gen = Generation(self.engine, rid, self._make_choices(base_id, [prompt_ids], [max_tokens], params, prime),
                          metrics=self.metrics, arrival=request.scope.get(ARRIVAL_KEY),
                          timeout_s=self._timeout(request))
         tools = tuple(t.name for t in job.tools) if job.tools and job.tool_choice.mode != "none" else None
@@ -560,8 +572,7 @@ class _Server(CompletionRoutes):
                           and prompt_opens_thinking(text, prefill), tool_names=tools, tool_parser=self.tool_parser,
                           tool_schemas={t.name: t.parameters for t in job.tools} if tools else None,
                           forced=bool(tools) and job.tool_choice.forced, harmony=self.harmony,
-                          max_calls=None if job.tool_choice.parallel else 1,
-                          harmony_prime=tuple(open_message(prompt_ids)) if self.harmony else ())
+                          max_calls=None if job.tool_choice.parallel else 1, harmony_prime=prime or ())
         await self._start(request, rid, gen, job.stream)
         return ChatRun(gen, prompt_ids, turn)
 

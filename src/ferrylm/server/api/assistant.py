@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 class TurnDelta:
     """What one event adds to choice ``index``: ``reasoning`` text, ``content`` text, complete ``calls`` (with
     their position among the choice's calls, from 0), the token ``logprobs``, and at the end ``finish_reason``
-    (``tool_calls`` when the turn ended on its own after making calls)."""
+    (``tool_calls`` when the turn ended on its own after making calls) with the turn's ``reasoning_tokens``."""
 
     index: int
     reasoning: str = ""
@@ -42,6 +42,7 @@ class TurnDelta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     token_ids: list[int] = field(default_factory=list)
+    reasoning_tokens: int = 0
 
     @property
     def empty(self) -> bool:
@@ -51,7 +52,9 @@ class TurnDelta:
 class OutputReader(Protocol):
     """A choice's output → pieces (reasoning text, content text, calls) in generation order, released as they
     become certain; a call the output ended in may come last, unfinished (``ToolCall.complete`` False). ``feed``
-    gets each output's text and token ids (a reader reads one or the other)."""
+    gets each output's text and token ids. ``reasoning_tokens``: the tokens read so far that were reasoning."""
+
+    reasoning_tokens: int
 
     def feed(self, text: str, token_ids: Sequence[int]) -> list[Piece]: ...
 
@@ -90,18 +93,26 @@ class TurnConfig:
 
 
 class TextReader:
-    """The output text of a chat template's model: the ``<think>`` split, then the tool-call parser."""
+    """The output text of a chat template's model: the ``<think>`` split, then the tool-call parser. A token is a
+    reasoning token when its output began or ended inside the ``<think>`` block (the tags count; its text may
+    still be held back)."""
 
     def __init__(self, cfg: TurnConfig):
         self.reasoning = ReasoningSplitter(cfg.starts_in_reasoning) if cfg.reasoning else None
         self.tools = make_tool_parser(cfg.tool_parser, cfg.tool_names, cfg.tool_schemas) \
             if cfg.tool_names is not None else None
         self.forced = cfg.forced
+        self.reasoning_tokens = 0
 
     def feed(self, text: str, token_ids: Sequence[int] = ()) -> list[Piece]:
+        r, c = "", text
+        if self.reasoning is not None:
+            before = self.reasoning.in_reasoning
+            r, c = self.reasoning.feed(text) if text else ("", "")
+            if before or self.reasoning.in_reasoning:
+                self.reasoning_tokens += len(token_ids)
         if not text:
             return []
-        r, c = self.reasoning.feed(text) if self.reasoning is not None else ("", text)
         return self._pieces(r, self.tools.feed(c) if self.tools is not None else [Piece(c)])
 
     def finish(self) -> list[Piece]:
@@ -164,17 +175,22 @@ class AssistantTurn:
 class TurnResult:
     """A whole choice (non-stream). ``blocks``: the same parts in generation order, adjacent text merged:
     ``("reasoning", str)``, ``("text", str)``, ``("call", ToolCall)`` (Anthropic's content blocks and the
-    Responses API's output items follow it: text before a tool call only when it was generated before it)."""
+    Responses API's output items follow it: text before a tool call only when it was generated before it).
+    ``reasoning_tokens``: the output's tokens that were reasoning (``usage``)."""
 
     reasoning: str
     content: str
     calls: list[ToolCall]
     finish_reason: str | None
     blocks: list[tuple[str, Any]] = field(default_factory=list)
+    reasoning_tokens: int = 0
 
 
-def whole_turn(cfg: TurnConfig, text: str, engine_reason: str | None, token_ids: Sequence[int] = ()) -> TurnResult:
-    """Split a finished choice's output (its ``text`` and ``token_ids``) exactly as the stream would have."""
+def whole_turn(cfg: TurnConfig, text: str, engine_reason: str | None, token_ids: Sequence[int] = (),
+               offsets: Sequence[int] | None = None) -> TurnResult:
+    """Split a finished choice's output (its released ``text`` and ``token_ids``) exactly as the stream would have.
+    ``offsets``: where each token's text starts in the output (``Choice.token_offsets``); with them the reader is
+    fed token by token (as a stream is), which the reasoning-token count needs; without, in one piece."""
     turn = cfg.new_turn()
     blocks: list[tuple[str, Any]] = []
 
@@ -184,7 +200,13 @@ def whole_turn(cfg: TurnConfig, text: str, engine_reason: str | None, token_ids:
         else:
             blocks.append((kind, x))
 
-    for p in turn.reader.feed(text, token_ids) + turn.reader.finish():
+    if offsets is not None and len(offsets) == len(token_ids):
+        ends = [*offsets[1:], len(text)]
+        pieces = [p for i, t in enumerate(token_ids)
+                  for p in turn.reader.feed(text[min(offsets[i], len(text)):min(ends[i], len(text))], (t,))]
+    else:
+        pieces = turn.reader.feed(text, token_ids)
+    for p in pieces + turn.reader.finish():
         if p.call is not None:
             if turn.count(p.call) is not None:
                 add("call", p.call)
@@ -193,7 +215,8 @@ def whole_turn(cfg: TurnConfig, text: str, engine_reason: str | None, token_ids:
     if any(k == "call" for k, _ in blocks):   # blank text between or around calls is no block of its own
         blocks = [(k, x) for k, x in blocks if k != "text" or x.strip()]
     return TurnResult("".join(x for k, x in blocks if k == "reasoning"), "".join(x for k, x in blocks if k == "text"),
-                      [x for k, x in blocks if k == "call"], turn.finish_reason(engine_reason), blocks)
+                      [x for k, x in blocks if k == "call"], turn.finish_reason(engine_reason), blocks,
+                      turn.reader.reasoning_tokens)
 
 
 async def turn_deltas(gen: Generation, cfg: TurnConfig, ping_interval: float | None = None, *,
@@ -224,6 +247,7 @@ async def turn_deltas(gen: Generation, cfg: TurnConfig, ping_interval: float | N
             d.content += end.content
             d.calls += end.calls
             d.finish_reason = turn.finish_reason(ev.finish_reason)
+            d.reasoning_tokens = turn.reader.reasoning_tokens
         if not d.empty or (ev.text and lps):
             d.logprobs, pending[ev.index] = lps, []
             d.token_ids, pending_ids[ev.index] = ids, []

@@ -29,7 +29,7 @@ from ferrylm.server.api.protocol import (ChatChoiceLogprobs, ChatCompletionChoic
 from ferrylm.server.api.context import ChatJob, ChatRun, RouteContext
 from ferrylm.server.api.request_io import read_json
 from ferrylm.server.text.reasoning import check_reasoning_effort
-from ferrylm.server.text.structured import request_grammar
+from ferrylm.server.text.structured import request_grammar, response_format_prompt
 from ferrylm.server.text.tool_parsers.base import ToolCall
 from ferrylm.server.text.json_limits import loads_json
 from ferrylm.server.text.tools import check_tool_result, fallback_messages, parse_openai_tools, parse_tool_choice
@@ -152,6 +152,9 @@ def job_from_chat(req: ChatCompletionRequest) -> ChatJob:
     effort = check_reasoning_effort(req.reasoning_effort, "reasoning_effort")
     if effort is not None:   # the template argument harmony's system message (and gpt-oss templates) read
         kwargs["reasoning_effort"] = effort
+    reply = response_format_prompt(req.response_format)
+    if reply is not None:   # the reply's schema, for the formats that show it in the prompt
+        kwargs = {"response_format": reply, **kwargs}
     job = ChatJob(messages, params, tools, choice, kwargs, add_gen, bool(req.continue_final_message), gparam,
                   "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
                   stream=bool(req.stream))
@@ -175,8 +178,10 @@ async def chat_completions(ctx: RouteContext, request: Request, rid: str) -> Res
     if req.stream:
         return SSEResponse(_stream(ctx, rid, run, base_id, created, model, req), headers=SSE_HEADERS)
     choices = []
+    reasoning_tokens = 0
     for ch in run.gen.choices:
-        res = whole_turn(run.turn, ch.text.text, ch.finish_reason, ch.token_ids)
+        res = whole_turn(run.turn, ch.text.text, ch.finish_reason, ch.token_ids, ch.token_offsets)
+        reasoning_tokens += res.reasoning_tokens
         lp = None
         if ch.params.logprobs is not None:
             lp = ChatChoiceLogprobs(content=chat_logprobs(ch.logprobs, ctx.codec))
@@ -184,7 +189,7 @@ async def chat_completions(ctx: RouteContext, request: Request, rid: str) -> Res
                                   reasoning_content=res.reasoning or None, tool_calls=out_calls(res.calls))
         choices.append(ChatCompletionChoice(index=ch.index, message=msg, logprobs=lp, finish_reason=res.finish_reason,
                                             token_ids=list(ch.token_ids) if req.return_token_ids else None))
-    usage = UsageInfo.of(len(run.prompt_ids), run.gen.completion_tokens, run.gen.cached_tokens)
+    usage = UsageInfo.of(len(run.prompt_ids), run.gen.completion_tokens, run.gen.cached_tokens, reasoning_tokens)
     ctx.log_done(rid, run.gen, usage)
     resp = ChatCompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage,
                                   prompt_token_ids=list(run.prompt_ids) if req.return_token_ids else None)
@@ -196,9 +201,10 @@ async def _stream(ctx: RouteContext, rid: str, run: ChatRun, base_id: str, creat
     gen = run.gen
     include_usage, continuous = req.include_usage, req.continuous_usage
     want_ids = bool(req.return_token_ids)
+    reasoning_tokens = 0   # the finished choices' (the count comes with a choice's last delta)
 
     def usage_now() -> UsageInfo:
-        return UsageInfo.of(len(run.prompt_ids), gen.completion_tokens, gen.cached_tokens)
+        return UsageInfo.of(len(run.prompt_ids), gen.completion_tokens, gen.cached_tokens, reasoning_tokens)
 
     def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
         if usage is None and continuous and choices:
@@ -214,6 +220,7 @@ async def _stream(ctx: RouteContext, rid: str, run: ChatRun, base_id: str, creat
                 yield SSE_PING
                 continue
             assert isinstance(d, TurnDelta)
+            reasoning_tokens += d.reasoning_tokens
             for c in _delta_chunks(ctx, gen, d, want_ids):
                 yield chunk([c])
         usage = usage_now()

@@ -26,6 +26,8 @@ from ferrylm.server.api.generation import PING, SSE_PING, Choice, Generation, SS
 from ferrylm.server.api.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo, chunk_json,
                                      completion_logprobs, parse_request, to_sampling_params)
 from ferrylm.server.api.request_io import ARRIVAL_KEY, read_json
+from ferrylm.server.text.harmony import open_message
+from ferrylm.server.text.harmony_grammar import harmony_output_grammar, prompt_position
 from ferrylm.server.text.structured import request_grammar
 
 MAX_PROMPTS_PER_REQUEST = 64  # a list of prompts
@@ -93,7 +95,7 @@ class CompletionRoutes:
                                      else "max_tokens")
             req = req.model_copy(update={"max_tokens": 1, "max_completion_tokens": None})
         params = to_sampling_params(req)
-        params.grammar = (await _off_loop(request_grammar, req))[0]
+        params.grammar, grammar_param = await _off_loop(request_grammar, req)
         self._check_param_ids(params)
         if req.suffix:
             raise InvalidRequest("'suffix' is not supported", param="suffix")
@@ -101,10 +103,23 @@ class CompletionRoutes:
         if echo_lp:   # the echoed prompt carries its logprobs: ask the engine for them
             params.prompt_logprobs = max(params.logprobs or 0, params.prompt_logprobs or 0)
         prompts, echo_texts = await _off_loop(self._completion_prompts, req)
+        if self.harmony is not None and params.grammar is not None:
+            params.grammar = await _off_loop(self._harmony_grammar, params.grammar, grammar_param, prompts)
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = [self._fit_context(ids, params, default_max=16, what="prompt", prompt_param="prompt",
                                         max_param=max_param) for ids in prompts]
         return PreparedCompletion(req, params, prompts, echo_texts, max_tokens, prompt_only, echo_lp)
+
+    def _harmony_grammar(self, answer: str, param: str, prompts: list[list[int]]) -> str:
+        """A gpt-oss model's output constraint for token prompts that end in an open harmony message: it holds
+        for the final message (``server/text/harmony_grammar.py``); the same for every prompt, so they must
+        leave the turn at the same place. Raises InvalidRequest (``prompt``) when they do not."""
+        positions = {prompt_position(self.harmony, open_message(ids)) for ids in prompts}
+        if len(positions) > 1:
+            raise InvalidRequest(f"'{param}' holds for the final message of a harmony turn, and these prompts leave "
+                                 f"the turn at different places ({', '.join(sorted(positions))}); send them "
+                                 f"separately", param="prompt")
+        return harmony_output_grammar(answer, positions.pop(), param, term=self.tool_term)
 
     async def _completion(self, request: Request, rid: str) -> Response:
         req: CompletionRequest = parse_request(CompletionRequest, await read_json(request))

@@ -64,6 +64,7 @@ class Choice:
     # out with their text, and are dropped when a stop string cuts them off
     held_logprobs: list[tuple[TokenLogprob, int]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)   # every generated token id, in order
+    token_offsets: list[int] = field(default_factory=list)   # where each token's text starts in ``text``
     prompt_logprobs: list | None = None    # the engine's prompt logprobs, when asked (first output)
     num_cached_tokens: int = 0              # prompt tokens served from the prefix cache (the engine's first output)
     first_token_time: float | None = None   # time.monotonic() of the first output with tokens
@@ -283,6 +284,7 @@ class Generation:
             text_ids = ids[:-1]   # the EOS / stop token counts as generated, its text is not emitted
         delta, offsets = ch.text.add(text_ids)
         offsets += [len(ch.text.detok.text)] * (len(ids) - len(text_ids))
+        ch.token_offsets.extend(offsets)
         finish = None
         if ch.text.stopped:
             finish = "stop"

@@ -319,10 +319,24 @@ def to_sampling_params(req: _SamplingRequest) -> SamplingParams:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _drop(keys: tuple[str, ...]) -> Any:
+    """A wrap serializer that leaves out ``keys`` when they are None (fields most replies do not carry)."""
+    def ser(self: Any, handler: Any) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None or k not in keys}
+    return model_serializer(mode="wrap")(ser)
+
+
 class PromptTokensDetails(BaseModel):
     """``cached_tokens``: prompt tokens whose K/V came from the prefix cache (OpenAI's field)."""
 
     cached_tokens: int = 0
+
+
+class CompletionTokensDetails(BaseModel):
+    """``reasoning_tokens``: generated tokens that were reasoning (a ``<think>`` block, harmony's analysis channel;
+    OpenAI's field, chat only)."""
+
+    reasoning_tokens: int = 0
 
 
 class UsageInfo(BaseModel):
@@ -330,12 +344,19 @@ class UsageInfo(BaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: Optional[PromptTokensDetails] = None
+    completion_tokens_details: Optional[CompletionTokensDetails] = None
+
+    _ser = _drop(("completion_tokens_details",))
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> "UsageInfo":
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+           reasoning_tokens: int | None = None) -> "UsageInfo":
+        """Usage in tokens; ``reasoning_tokens`` None: no ``completion_tokens_details`` (the completions API)."""
+        details = None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                    total_tokens=prompt_tokens + completion_tokens,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+                   completion_tokens_details=details)
 
 
 class ChatTopLogprob(BaseModel):
@@ -350,13 +371,6 @@ class ChatTokenLogprob(ChatTopLogprob):
 
 class ChatChoiceLogprobs(BaseModel):
     content: Optional[list[ChatTokenLogprob]] = None
-
-
-def _drop(keys: tuple[str, ...]) -> Any:
-    """A wrap serializer that leaves out ``keys`` when they are None (fields most replies do not carry)."""
-    def ser(self: Any, handler: Any) -> dict:
-        return {k: v for k, v in handler(self).items() if v is not None or k not in keys}
-    return model_serializer(mode="wrap")(ser)
 
 
 class FunctionCall(BaseModel):

@@ -44,7 +44,7 @@ from ferrylm.server.api.context import ChatJob, ChatRun, RouteContext
 from ferrylm.server.api.request_io import read_json
 from ferrylm.server.api.response_store import ResponseStore, StoredResponse
 from ferrylm.server.text.reasoning import check_reasoning_effort
-from ferrylm.server.text.structured import response_format_grammar
+from ferrylm.server.text.structured import response_format_grammar, response_format_prompt
 from ferrylm.server.text.tool_parsers.base import ToolCall
 from ferrylm.server.text.json_limits import loads_json
 from ferrylm.server.text.tools import ToolSpec, check_tool_result, check_unique, make_tool, parse_tool_choice
@@ -181,7 +181,9 @@ def job_from_request(req: ResponsesRequest, store: ResponseStore) -> tuple[ChatJ
         raise
     params.grammar = response_format_grammar(fmt, "text.format", nested=False)
     effort = check_reasoning_effort((req.reasoning or {}).get("effort"), "reasoning.effort")
-    job = ChatJob(messages, params, tools, choice, {"reasoning_effort": effort} if effort else {}, grammar_param=
+    reply = response_format_prompt(fmt, nested=False)
+    kwargs = {**({"response_format": reply} if reply else {}), **({"reasoning_effort": effort} if effort else {})}
+    job = ChatJob(messages, params, tools, choice, kwargs, grammar_param=
                   "text.format", max_param="max_output_tokens", prompt_param="input", stream=bool(req.stream))
     return job, conversation
 
@@ -230,14 +232,15 @@ class ResponseShell:
     prompt_tokens: int = 0
 
     def object(self, status: str, output: list[dict], output_tokens: int = 0,
-               incomplete: bool = False, cached_tokens: int = 0) -> dict:
-        """The response object; ``cached_tokens``: prompt tokens served from the prefix cache."""
+               incomplete: bool = False, cached_tokens: int = 0, reasoning_tokens: int = 0) -> dict:
+        """The response object; ``cached_tokens``: prompt tokens served from the prefix cache;
+        ``reasoning_tokens``: output tokens that were reasoning."""
         r = self.req
         fmt = (r.text or {}).get("format") if isinstance(r.text, dict) else None
         usage = None
         if status != "in_progress":
             usage = {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
-                     "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                     "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                      "total_tokens": self.prompt_tokens + output_tokens}
         return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
                 "error": None, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
@@ -367,13 +370,14 @@ class StreamEncoder:
             self.output.append(item)
         return out
 
-    def finish(self, output_tokens: int, incomplete: bool, cached_tokens: int = 0) -> tuple[list[str], dict]:
+    def finish(self, output_tokens: int, incomplete: bool, cached_tokens: int = 0,
+               reasoning_tokens: int = 0) -> tuple[list[str], dict]:
         out = []
         if not self.output and self.open is None:   # an empty reply is one empty message
             out += self._open("message")
         out += self._close("incomplete" if incomplete else "completed")
         final = self.shell.object("incomplete" if incomplete else "completed", self.output, output_tokens,
-                                  incomplete, cached_tokens)
+                                  incomplete, cached_tokens, reasoning_tokens)
         out.append(self.event("response.incomplete" if incomplete else "response.completed", response=final))
         return out, final
 
@@ -397,10 +401,11 @@ async def create(ctx: ResponsesContext, request: Request, rid: str) -> Response:
     if req.stream:
         return SSEResponse(_stream(ctx, rid, run, shell, conversation), headers=SSE_HEADERS)
     (ch,) = run.gen.choices
-    res = whole_turn(run.turn, ch.text.text, ch.finish_reason, ch.token_ids)
+    res = whole_turn(run.turn, ch.text.text, ch.finish_reason, ch.token_ids, ch.token_offsets)
     output = output_items(res.blocks, incomplete=res.finish_reason == "length")
     final = shell.object("incomplete" if res.finish_reason == "length" else "completed", output,
-                         run.gen.completion_tokens, res.finish_reason == "length", run.gen.cached_tokens)
+                         run.gen.completion_tokens, res.finish_reason == "length", run.gen.cached_tokens,
+                         res.reasoning_tokens)
     _remember(ctx, req, final, conversation)
     ctx.log_done(rid, run.gen, _usage(run))
     return JSONResponse(final)
@@ -432,7 +437,8 @@ async def _stream(ctx: ResponsesContext, rid: str, run: ChatRun, shell: Response
             for e in enc.feed(d):
                 yield e
             if d.finish_reason is not None:
-                events, final = enc.finish(gen.completion_tokens, d.finish_reason == "length", gen.cached_tokens)
+                events, final = enc.finish(gen.completion_tokens, d.finish_reason == "length", gen.cached_tokens,
+                                           d.reasoning_tokens)
                 _remember(ctx, shell.req, final, conversation)
                 for e in events:
                     yield e

@@ -7,7 +7,8 @@ rendering is harmony's instead of a Jinja template. The output is read by channe
 
 Rendering (:func:`harmony_messages`): a ``system`` message (harmony's own: model identity, knowledge cutoff, today's
 date, ``Reasoning: low|medium|high`` from the ``reasoning_effort`` template argument, medium by default, the
-channels); a ``developer`` message with the client's system / developer texts as its instructions and the offered
+channels); a ``developer`` message with the client's system / developer texts as its instructions, the reply's JSON
+schema as a ``# Response Formats`` section after them (a ``json_schema`` ``response_format``), and the offered
 function tools; then the conversation: user turns, assistant turns (``reasoning_content`` on the ``analysis``
 channel, content on ``final`` — on ``commentary`` beside tool calls —, each call on ``commentary`` to
 ``functions.NAME`` as ``<|constrain|>json``), tool results from ``functions.NAME`` (the name found by the result's
@@ -127,23 +128,47 @@ def _assistant_turn(m: dict, call_names: dict[str, str]) -> list[oh.Message]:
     return out
 
 
-def harmony_messages(messages: list[dict], tools: list[dict] | None, effort: str | None) -> list[oh.Message]:
+def response_formats_section(reply: dict) -> str:
+    """Harmony's ``# Response Formats`` section for the reply's schema (``{"name", "description", "schema"}``:
+    ``structured.response_format_prompt``)."""
+    note = f"// {reply['description']}\n" if reply.get("description") else ""
+    schema = json.dumps(reply["schema"], ensure_ascii=False, separators=(",", ":"))
+    return f"# Response Formats\n\n## {reply['name']}\n\n{note}{schema}"
+
+
+def _developer(instructions: str, tools: list[dict] | None, reply: dict | None) -> oh.Message | None:
+    """The developer message: the client's instructions, the reply's schema after them (``# Response Formats``),
+    the function tools; a plain text message when only the schema is there. None when there is nothing to say."""
+    if reply is not None:
+        section = response_formats_section(reply)
+        if not instructions and not tools:
+            return oh.Message.from_role_and_content(oh.Role.DEVELOPER, section)
+        instructions = f"{instructions}\n\n{section}" if instructions else section
+    if not instructions and not tools:
+        return None
+    dev = oh.DeveloperContent.new()
+    if instructions:
+        dev = dev.with_instructions(instructions)
+    if tools:
+        dev = dev.with_function_tools([oh.ToolDescription.new(
+            t["function"]["name"], t["function"].get("description") or "", t["function"].get("parameters"))
+            for t in tools])
+    return oh.Message.from_role_and_content(oh.Role.DEVELOPER, dev)
+
+
+def harmony_messages(messages: list[dict], tools: list[dict] | None, effort: str | None,
+                     reply: dict | None = None) -> list[oh.Message]:
     """Template messages (OpenAI chat shape) → harmony messages (module docstring). ``tools``: OpenAI-shape function
-    tools to offer; ``effort``: low | medium | high (None: medium). Raises InvalidRequest for a tool result that
-    answers no earlier call and for an unknown role (param ``messages``)."""
+    tools to offer; ``effort``: low | medium | high (None: medium); ``reply``: the reply's JSON schema
+    (``structured.response_format_prompt``), shown in the developer message. Raises InvalidRequest for a tool
+    result that answers no earlier call and for an unknown role (param ``messages``)."""
     system = oh.SystemContent.new().with_conversation_start_date(datetime.date.today().isoformat())
     system = system.with_reasoning_effort(oh.ReasoningEffort((effort or "medium").capitalize()))
     out = [oh.Message.from_role_and_content(oh.Role.SYSTEM, system)]
     instructions = "\n\n".join(t for m in messages if m.get("role") in ("system", "developer") and (t := _text(m)))
-    if instructions or tools:
-        dev = oh.DeveloperContent.new()
-        if instructions:
-            dev = dev.with_instructions(instructions)
-        if tools:
-            dev = dev.with_function_tools([oh.ToolDescription.new(
-                t["function"]["name"], t["function"].get("description") or "", t["function"].get("parameters"))
-                for t in tools])
-        out.append(oh.Message.from_role_and_content(oh.Role.DEVELOPER, dev))
+    dev = _developer(instructions, tools, reply)
+    if dev is not None:
+        out.append(dev)
     call_names: dict[str, str] = {}
     for i, m in enumerate(messages):
         role = m.get("role")
@@ -204,10 +229,16 @@ class HarmonyCodec(TextCodec):
     def render_ids(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
                    *, continue_final_message: bool = False, **kwargs: Any) -> list[int]:
         """The prompt ids of ``messages``: open for the assistant (``add_generation_prompt``), the last message
-        left open (``continue_final_message``), or closed. ``kwargs``: template arguments; ``reasoning_effort``
-        is read. Raises InvalidRequest for bad messages or effort."""
+        left open (``continue_final_message``), or closed. ``kwargs``: template arguments; ``reasoning_effort`` and
+        ``response_format`` (the reply's schema) are read. Raises InvalidRequest for bad messages, effort or
+        schema."""
         effort = check_reasoning_effort(kwargs.get("reasoning_effort"), "chat_template_kwargs.reasoning_effort")
-        conv = oh.Conversation.from_messages(harmony_messages(messages, tools, effort))
+        reply = kwargs.get("response_format")
+        if reply is not None and not (isinstance(reply, dict) and isinstance(reply.get("name"), str)
+                                      and "schema" in reply):
+            raise InvalidRequest("'chat_template_kwargs.response_format' must be an object with 'name' and 'schema'",
+                                 param="chat_template_kwargs.response_format")
+        conv = oh.Conversation.from_messages(harmony_messages(messages, tools, effort, reply))
         try:
             if add_generation_prompt and not continue_final_message:
                 return list(self.encoding.render_conversation_for_completion(conv, oh.Role.ASSISTANT))

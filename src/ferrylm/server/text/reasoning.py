@@ -85,6 +85,11 @@ class ReasoningSplitter:
         self._ws = ""            # trailing blank of released reasoning, held until more reasoning follows
         self._lead = start_in_reasoning  # drop blank text at the start of the reasoning
 
+    @property
+    def in_reasoning(self) -> bool:
+        """The text fed so far ends inside the reasoning block."""
+        return self._mode == "reasoning"
+
     def feed(self, text: str) -> tuple[str, str]:
         self._buf += text
         reasoning, content = [], []

@@ -174,6 +174,20 @@ def response_format_grammar(rf: Any, param: str = "response_format", nested: boo
                          param=f"{param}.type")
 
 
+def response_format_prompt(rf: Any, nested: bool = True) -> dict | None:
+    """The reply's schema for the prompt, from a valid ``json_schema`` ``response_format`` (``nested``: as in
+    :func:`response_format_grammar`): ``{"name", "description", "schema"}`` (the template argument
+    ``response_format``: harmony's developer message and DeepSeek-V4's system turn show it); None otherwise."""
+    if not isinstance(rf, dict) or rf.get("type") != "json_schema":
+        return None
+    spec = rf.get("json_schema") if nested else rf
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+        return None
+    description = spec.get("description")
+    return {"name": str(spec.get("name") or "response"), "schema": spec["schema"],
+            "description": description if isinstance(description, str) else None}
+
+
 _VLLM_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 

@@ -140,7 +140,8 @@ class TextCodec:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "TextCodec":
         """Load the tokenizer in a Hugging Face folder (``trust_remote_code=False``); a harmony vocabulary
-        (gpt-oss) gives a :class:`~ferrylm.server.text.harmony.HarmonyCodec`.
+        (gpt-oss) gives a :class:`~ferrylm.server.text.harmony.HarmonyCodec`; a tokenizer without a chat template
+        gets its model type's built-in one, if any (:mod:`ferrylm.server.text.builtin_templates`).
 
         Raises:
             ModelLoadError: the folder has no loadable tokenizer.
@@ -163,6 +164,10 @@ class TextCodec:
 
         if is_harmony_vocab(tok):   # gpt-oss: the chat format is harmony's (server/text/harmony.py)
             return HarmonyCodec(tok, name_or_path=path)
+        if not getattr(tok, "chat_template", None) and os.path.isdir(path):
+            from ferrylm.server.text.builtin_templates import folder_template
+
+            tok.chat_template = folder_template(path)   # DeepSeek-V4 ships none (server/text/builtin_templates.py)
         return cls(tok, name_or_path=path)
 
     # ---- facts -------------------------------------------------------------------------------------------

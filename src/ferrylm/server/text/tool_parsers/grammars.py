@@ -196,22 +196,52 @@ def qwen3_coder_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = 
     return forcing_grammar(lark, _chosen(tools, choice))
 
 
+def deepseek_v4_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _literal) -> str:
+    """One ``<｜DSML｜tool_calls>`` block of ``invoke`` calls, one ``parameter`` a line, ``string="true"`` for a
+    string value (free text without ``<``, or its ``enum``), ``"false"`` for JSON; ``required`` with parallel
+    calls allows several invokes."""
+    from ferrylm.server.text.tool_parsers import deepseek_v4 as ds4
+
+    rules: list[str] = []
+    alts = []
+    for i, tool in enumerate(_chosen(tools, choice)):
+        def pair(key: str, value: str) -> str:
+            literal = "false" if value.startswith("%json") else "true"
+            head = _literal(f'{ds4.PARAMETER} name={json.dumps(key)} string="{literal}">')
+            return f'{head} ({value}) {_literal(ds4.PARAMETER_END)} "\\n"'
+        args = _arguments(tool, f"t{i}", pair, rules)
+        empty = "" if tool.parameters.get("properties") else ' "\\n"'
+        rules.append(f'i{i}: {_literal(f"{ds4.INVOKE} name={json.dumps(tool.name)}>")} "\\n" {args}{empty} '
+                     f"{_literal(ds4.INVOKE_END)}")
+        alts.append(f"i{i}")
+    start = f'start: {term(ds4.CALLS_BEGIN)} "\\n" invoke{_repeat(choice, what="invoke")} "\\n" {term(ds4.CALLS_END)}'
+    lark = "\n".join([start, f"invoke: {' | '.join(alts)}", *rules]) + "\n"
+    return forcing_grammar(lark, _chosen(tools, choice))
+
+
+def harmony_call_rules(tools: list[ToolSpec], term: Term = _literal) -> list[str]:
+    """Lark rules ``call`` (the header and arguments of one harmony call to one of ``tools``: ``commentary
+    to=functions.NAME <|constrain|>json<|message|>{arguments}``, after its ``<|channel|>``) and one rule per tool."""
+    constrain, message = term("<|constrain|>"), term("<|message|>")
+    rules, alts = [], []
+    for i, tool in enumerate(tools):
+        rules.append(f'c{i}: {_literal(f"commentary to=functions.{tool.name} ")} {constrain} "json" {message} '
+                     f"{_arguments_json(tool)}")
+        alts.append(f"c{i}")
+    return [f"call: {' | '.join(alts)}", *rules]
+
+
 def harmony_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _literal) -> str:
     """Harmony (gpt-oss): one message on the commentary channel to ``functions.NAME``, ``<|channel|>commentary
     to=functions.NAME <|constrain|>json<|message|>{arguments}<|call|>``, written right after the prompt's
     ``<|start|>assistant``; ``<|call|>`` ends the turn, so ``required`` makes one call."""
-    channel, constrain, message, call = (term(x) for x in ("<|channel|>", "<|constrain|>", "<|message|>", "<|call|>"))
-    rules, alts = [], []
-    for i, tool in enumerate(_chosen(tools, choice)):
-        rules.append(f'c{i}: {_literal(f"commentary to=functions.{tool.name} ")} {constrain} "json" {message} '
-                     f"{_arguments_json(tool)}")
-        alts.append(f"c{i}")
-    lark = "\n".join([f"start: {channel} call {call}", f"call: {' | '.join(alts)}", *rules]) + "\n"
+    lark = "\n".join([f"start: {term('<|channel|>')} call {term('<|call|>')}",
+                      *harmony_call_rules(_chosen(tools, choice), term)]) + "\n"
     return forcing_grammar(lark, _chosen(tools, choice))
 
 
 GRAMMARS = {"harmony": harmony_grammar, "glm45": glm45_grammar, "minimax_m2": minimax_m2_grammar, "deepseek_v3": deepseek_v3_grammar,
-            "kimi_k2": kimi_k2_grammar, "qwen3_coder": qwen3_coder_grammar}
+            "kimi_k2": kimi_k2_grammar, "qwen3_coder": qwen3_coder_grammar, "deepseek_v4": deepseek_v4_grammar}
 
 
 def forced_call_grammar(fmt: str, tools: list[ToolSpec], choice: ToolChoice, term: Term = _literal) -> str | None:
