@@ -47,17 +47,17 @@ def block_row(bt_row, block, page_size, RATE: tl.constexpr):
 def _pool_kernel(kv_ptr, score_ptr, carry_ptr, bt_ptr, lens_ptr, qsl_ptr, lse_ptr, val_ptr, dest_ptr,
                  num_seqs, num_programs, page_size, stride_kv, stride_score, stride_carry, stride_bt,
                  RATE: tl.constexpr, DIM: tl.constexpr, OVERLAP: tl.constexpr, ROWS: tl.constexpr,
-                 BLOCK_D: tl.constexpr, LOG2_SEQS: tl.constexpr):
+                 BLOCK_D: tl.constexpr, PER_SEQ: tl.constexpr, LOG2_SEQS: tl.constexpr):
     pid = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = d < DIM
-    s = find_seq(pid, qsl_ptr, num_seqs, RATE, 3, LOG2_SEQS)
+    s = find_seq(pid, qsl_ptr, num_seqs, RATE, PER_SEQ, LOG2_SEQS)
     q_start = tl.load(qsl_ptr + s)
     q_len = tl.load(qsl_ptr + s + 1) - q_start
     seq_len = tl.load(lens_ptr + s)
     start = tl.maximum(seq_len - q_len, 0)
     end = seq_len
-    e = start // RATE + pid - (q_start // RATE + 3 * s)   # the entry this program pools
+    e = start // RATE + pid - (q_start // RATE + PER_SEQ * s)   # the entry this program pools
     live = (seq_len > 0) & (q_len > 0) & (e <= end // RATE + 1)
     bt_row = bt_ptr + s.to(tl.int64) * stride_bt
 
@@ -126,7 +126,8 @@ def pool_entries(pool: KVPool, layer: int, name: str, comp, kv: torch.Tensor, sc
     _pool_kernel[(g, triton.cdiv(dim, block_d))](
         kv, score, carry, meta.block_table, meta.seq_lens, meta.query_start_loc, lse, val, dest, b, g,
         pool.page_size, kv.stride(0), score.stride(0), carry.stride(0), meta.block_table.stride(0),
-        RATE=m, DIM=dim, OVERLAP=bool(comp.overlap), ROWS=rows, BLOCK_D=block_d, LOG2_SEQS=MAX_SEQS_LOG2)
+        RATE=m, DIM=dim, OVERLAP=bool(comp.overlap), ROWS=rows, BLOCK_D=block_d, PER_SEQ=PROGRAMS_PER_SEQ,
+        LOG2_SEQS=MAX_SEQS_LOG2)
     store_rows(comp.finish(val, dest[2]).contiguous(), pool.blocks[(layer, name)], dest[0])
     slots = carry.view(-1, dim)                        # carry row r, slot k: lse at 4 r + k, val at 4 r + 2 + k
     store_rows(lse, slots, dest[1])
