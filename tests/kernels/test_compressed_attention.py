@@ -98,14 +98,15 @@ def _meta(plan, lens, tables, dev, pad: int) -> AttentionMetadata:
                              query_start_loc=tensor(qsl), max_query_len=max(plan.values()), host_seqs=host)
 
 
-def _run(heads: int, topk: int, dtype: torch.dtype, ties: bool = False) -> None:
+def _run(heads: int, topk: int, dtype: torch.dtype, ties: bool = False, kv_cache_dtype: str = "auto") -> None:
     load_kernels("ferrylm.engine.attention.triton_compressed")
     from ferrylm.engine.attention.torch_backend import torch_attention
     from ferrylm.engine.attention.triton_backend import triton_attention
 
     dev = kernel_device()
     g = torch.Generator().manual_seed(heads * 7 + topk)
-    pools = [KVPool(layout=_layout(), num_pages=24, page_size=PAGE, dtype=dtype, device=dev) for _ in range(2)]
+    pools = [KVPool(layout=_layout(), num_pages=24, page_size=PAGE, dtype=dtype, device=dev,
+                    kv_cache_dtype=kv_cache_dtype) for _ in range(2)]
     free = torch.randperm(24, generator=g).tolist()
     lens = {s: 0 for s in "ABCD"}
     tables: dict[str, list[int]] = {s: [] for s in "ABCD"}
@@ -136,8 +137,9 @@ def _run(heads: int, topk: int, dtype: torch.dtype, ties: bool = False) -> None:
             err = (got[:t].float() - want.float()).abs().max().item()
             assert err <= tol, (step, layer, err)
             assert torch.equal(got[t:], torch.zeros_like(got[t:])), (step, layer)    # the padding row
-        for layer in LAYERS:
-            torch.testing.assert_close(pools[1].k[layer], pools[0].k[layer], atol=0, rtol=0)
+        for layer in LAYERS:   # window rows (float8 bytes and their scales in an fp8 pool)
+            assert torch.equal(pools[1].k[layer].view(torch.uint8), pools[0].k[layer].view(torch.uint8)), layer
+            torch.testing.assert_close(pools[1].k_scale[layer], pools[0].k_scale[layer], atol=0, rtol=0)
         for key, rows in pools[0].blocks.items():
             torch.testing.assert_close(pools[1].blocks[key].float(), rows.float(), atol=tol, rtol=tol,
                                        msg=lambda m, key=key, step=step: f"step {step} {key}: {m}")
@@ -149,6 +151,11 @@ def _run(heads: int, topk: int, dtype: torch.dtype, ties: bool = False) -> None:
 def test_steps_match_the_torch_reference(heads, topk):
     """Top-2 of up to 7 CSA entries; 20 heads (two head blocks of 16) keeping every visible entry (64)."""
     _run(heads, topk, torch.float32)
+
+
+def test_fp8_window_rows():
+    """An fp8 pool: the window rows stored as float8 with one scale each, read back scaled in the kernel."""
+    _run(4, 2, torch.float32, kv_cache_dtype="fp8")
 
 
 def test_equal_indexer_scores_pick_the_earlier_entries():
