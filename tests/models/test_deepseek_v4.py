@@ -293,3 +293,22 @@ def test_boot_raises_the_page_size_to_whole_compression_blocks(checkpoints, capl
     got = fit_page_size(EngineConfig(device="cpu", page_size=4), mcfg)
     assert got.page_size == 8 and "--page-size 4 raised to 8" in caplog.text
     assert fit_page_size(got, mcfg) is got
+
+
+def test_decode_graph_modes_run_the_whole_step_forward(checkpoints):
+    """The piecewise decode graphs cut a single-stream decoder layer at its MoE block; DeepSeek-V4's layers mix
+    hyper-connection streams around both blocks, so with ``--decode-graphs eager`` (the piecewise path without
+    capture) its decode steps run the model's own forward, not the pieces, and give transformers' tokens."""
+    from ferrylm.config import EngineConfig
+    from ferrylm.engine.boot import engine_for_model
+    from ferrylm.engine.sampling_params import SamplingParams
+
+    ckpt = checkpoints(CASE)
+    loaded = load_model(ckpt.path)
+    cfg = EngineConfig(device="cpu", check_invariants=True, num_pages=24, page_size=8, max_prefill_length=16,
+                       max_running_requests=2, max_model_len=128, decode_graphs="eager")
+    engine = engine_for_model(loaded.model, loaded.config, cfg, device=torch.device("cpu"), dtype=torch.float32)
+    prompt = token_ids(11, ckpt.vocab_size, seed=31).tolist()
+    outs = _run(engine, {"a": prompt}, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert [t for o in outs["a"] for t in o.new_token_ids] == hf_greedy(ckpt.reference, prompt, 5)
+    assert "decode_graphs" not in engine.stats()     # no graph runner

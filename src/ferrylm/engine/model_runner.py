@@ -88,8 +88,11 @@ class ModelRunner:
         self._tp_runner = tp.runner_id() if tp is not None else 0   # names this runner's KV pool to the followers
         self._graph_mode = "off" if tp is not None else DecodeGraphConfig(mode=config.decode_graphs).resolved(device)
         stack = getattr(model, "model", None)
-        # a model class with ``graph_capture = False`` (Qwen4-Exp's multi-stream stack) runs every step eager
+        # a model class with ``graph_capture = False`` (Qwen4-Exp's multi-stream stack) runs every step eager; one
+        # with ``piecewise_graphs = False`` (DeepSeek-V4's hyper-connection layers, which the pieces cannot cut)
+        # runs in whole-step graphs only, the steps they do not take eager
         self._is_stack = hasattr(stack, "layers") and getattr(type(model), "graph_capture", True)
+        self._piecewise = getattr(type(model), "piecewise_graphs", True)
         self._moe0 = next((layer.mlp for layer in getattr(stack, "layers", [])
                            if isinstance(layer.mlp, SparseMoeBlock)), None)  # the first MoE block: its executor
         self._configure(self._model_executor())
@@ -100,7 +103,7 @@ class ModelRunner:
 
     def _configure(self, executor) -> None:
         """Choose the graph path for ``executor``: whole-step graphs when it is ``graph_safe`` (or the model is
-        dense), else the piecewise runner; drop the graphs of the previous executor. Both carry the engine's
+        dense), else the piecewise runner (none for a model class with ``piecewise_graphs = False``); drop the graphs of the previous executor. Both carry the engine's
         recurrent-state pool for models with linear-attention layers (static slot buffers per graph row)."""
         self.close()
         self.executor = executor
@@ -114,7 +117,7 @@ class ModelRunner:
             self.step_graphs = StepGraphs(self.model, self.pool, self.device, max_batch, self.max_model_len,
                                           on_replay=None if executor is None else executor.count_replayed_step,
                                           min_batch=min_batch)
-        if self.step_graphs is None or min_batch > 1:  # the steps the whole-step graphs do not take
+        if self._piecewise and (self.step_graphs is None or min_batch > 1):  # steps the whole-step graphs leave
             self.piecewise = DecodeGraphRunner(self.model, self.pool, self.device, DecodeGraphConfig(
                 mode=self.config.decode_graphs, max_batch=max_batch if self.step_graphs is None else min_batch - 1,
                 max_kv_len=self.config.cuda_graph_max_len), self.dtype, self.pool.page_size)

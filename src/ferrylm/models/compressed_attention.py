@@ -52,8 +52,9 @@ class Compressor(Protocol):
     overlap: bool  # two series (CSA, the indexer) or one (HCA)
     dim: int       # D of an entry
 
-    def finish(self, pooled: torch.Tensor, first: int) -> torch.Tensor:
-        """``pooled [n, D]`` float32 entries ``first .. first + n - 1`` -> normed, rotated ``[n, D]``."""
+    def finish(self, pooled: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """``pooled [n, D]`` float32 pools of the entries numbered ``entries [n]`` (int64) -> normed, rotated (at
+        positions ``entries * rate``) ``[n, D]`` in the model dtype."""
         ...
 
 
@@ -165,10 +166,9 @@ def _compress(state: SequenceState, name: str, comp: Compressor, kv: torch.Tenso
     """Pool the chunk into ``state``; return every entry visible at the chunk's end ``[(start + n) // m, D]``."""
     end = start + kv.shape[0]
     pooled, carry = compress_chunk(kv, score, start, comp, state.carry(name, start, comp.dim))
-    if pooled.shape[0]:
-        state.write_entries(name, start // comp.rate, comp.finish(pooled, start // comp.rate), end, carry)
-    else:
-        state.write_entries(name, start // comp.rate, pooled.new_zeros(0, comp.dim), end, carry)
+    first = start // comp.rate
+    numbers = torch.arange(first, first + pooled.shape[0], device=pooled.device)
+    state.write_entries(name, first, comp.finish(pooled, numbers), end, carry)
     return state.entries(name, end // comp.rate)
 
 

@@ -84,14 +84,14 @@ def _rope_params(raw: dict, label: str) -> dict:
     return {**flat, "rope_theta": raw.get("compress_rope_theta", 160000.0)}
 
 
-def _rope(raw: dict, label: str, dim: int, max_positions: int) -> Rope:
-    """A rope's frequencies over ``dim`` dims; the compressed branch's yarn has no attention factor (as the
-    reference)."""
+def _rope(raw: dict, label: str, dim: int, max_positions: int, device: torch.device | str | None = None) -> Rope:
+    """A rope's frequencies over ``dim`` dims, on ``device`` (the model's: the forward copies nothing from the host);
+    the compressed branch's yarn has no attention factor (as the reference)."""
     params = _rope_params(raw, label)
     theta = float(params.pop("rope_theta", 10000.0))
     params.pop("partial_rotary_factor", None)
     inv_freq, _ = rope_frequencies(dim, theta, params, max_positions=max_positions)
-    return Rope(inv_freq)
+    return Rope(inv_freq if device is None else inv_freq.to(device))
 
 
 @dataclass(frozen=True)
@@ -240,6 +240,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     float32_tensors = ("gate.e_score_correction_bias", "attn_sink", ".ape", "_fn", "_base", "_scale")
     partial_rotary = True
     fused_experts = "halves"
+    piecewise_graphs = False   # decode graphs capture the whole step (the pieces cut single-stream layers only)
 
     def __init__(self, config: ModelConfig, *, executor: ExpertExecutor | None = None,
                  device: torch.device | str | None = None):
@@ -249,7 +250,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.check_config(config)
         self.config = config
         shape = self.shape = V4Shape.of(config)
-        ropes = {label: _rope(config.raw, label, shape.rope_dim, config.max_position_embeddings)
+        ropes = {label: _rope(config.raw, label, shape.rope_dim, config.max_position_embeddings, device)
                  for label in ("main", "compress")}
         layers = [V4DecoderLayer(config, i, shape, ropes, self._build_mlp(config, shape, i, executor))
                   for i in range(config.num_layers)]

@@ -65,10 +65,10 @@ class Compressor(nn.Module):
         """``(kv, score)`` ``[T, S * D]`` of ``hidden [T, H]`` at ``positions [T]`` (score float32)."""
         return self.wkv(hidden), self.wgate(hidden).float() + self.ape[positions % self.rate]
 
-    def finish(self, pooled: torch.Tensor, first: int) -> torch.Tensor:
-        """Pooled float32 entries ``first ..`` ``[n, D]`` -> normed and rotated at positions ``e * m``, in the
-        model dtype."""
-        pos = (torch.arange(pooled.shape[0], device=pooled.device) + first) * self.rate
+    def finish(self, pooled: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """Pooled float32 entries ``[n, D]`` numbered ``entries [n]`` -> normed and rotated at positions ``e * m``, in
+        the model dtype."""
+        pos = entries * self.rate
         cos, sin = self.rope.tables(pos, torch.float32)
         normed = self.norm.weight.float() * F.rms_norm(pooled, (pooled.shape[-1],), eps=self.norm.eps)
         return Rope.rotate(normed, cos, sin).to(self.wkv.weight.dtype)

@@ -9,9 +9,10 @@ returns the attention of the step's queries.
 
 Backends (``--attention-backend``):
 
-* ``triton`` (``engine/attention/triton_backend.py``; kernels ``triton_paged.py``, ``triton_latent.py``): one
-  kernel for any mix of prefill chunks over a cached prefix and decode steps, reading K/V in place through the
-  block table, GQA without expanding heads, memory linear in tokens; split-KV for decode. CUDA only (and Triton's CPU interpreter in tests).
+* ``triton`` (``engine/attention/triton_backend.py``; kernels ``triton_paged.py``, ``triton_latent.py`` (MLA),
+  ``triton_compress.py`` / ``triton_compressed.py`` (DeepSeek-V4)): one kernel for any mix of prefill chunks over a
+  cached prefix and decode steps, reading K/V in place through the block table, GQA without expanding heads, memory
+  linear in tokens; split-KV for decode. CUDA only (and Triton's CPU interpreter in tests).
 * ``torch`` (``engine/attention/torch_backend.py``): gathers each sequence's K/V and calls SDPA; the
   CPU path and the test oracle.
 * ``auto``: ``triton`` on a CUDA device when Triton imports, else ``torch``.

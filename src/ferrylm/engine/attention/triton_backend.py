@@ -1,5 +1,6 @@
-"""The ``triton`` attention backend: the paged attention kernels (``triton_paged.py``, ``triton_latent.py``) reading
-K/V in place through the block table. CUDA only (and Triton's CPU interpreter in tests)."""
+"""The ``triton`` attention backend: the paged attention kernels (``triton_paged.py``, ``triton_latent.py`` for MLA,
+``triton_compress.py`` / ``triton_compressed.py`` for DeepSeek-V4) reading the pool in place through the block table.
+CUDA only (and Triton's CPU interpreter in tests)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,16 @@ class TritonPagedAttention:
                                     self.pool.page_size, num_splits=m.num_splits, row_scale=rs)
         return proj.value_out(o)
 
+
+    def attend_compressed(self, layer_idx: int, q: torch.Tensor, kv: torch.Tensor, branch) -> torch.Tensor:
+        """DeepSeek-V4's compressed sparse attention (``models/compressed_attention.py``) for the whole step in the
+        kernels of ``triton_compress.py`` / ``triton_compressed.py`` over the pool's pages (eager or captured): ``q
+        [T, H, D]``, ``kv [T, D]`` -> ``[T, H, D]``."""
+        from ferrylm.engine.attention.triton_compressed import compressed_attention
+
+        if self.faults.enabled:
+            self.faults.check("attention_scratch", nbytes=4 * q.numel() + 8 * kv.shape[0] * q.shape[1])
+        return compressed_attention(self.pool, self.meta, layer_idx, q, kv, branch)
 
     def attend_indexed(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                        index) -> torch.Tensor:

@@ -147,14 +147,15 @@ def store_quantized(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor, s
 
 
 @triton.jit
-def _find_seq(pid, qsl_ptr, num_seqs, BLOCK_Q: tl.constexpr, LOG2_SEQS: tl.constexpr):
-    """The last sequence ``s`` whose first program ``qsl[s] // BLOCK_Q + s`` is ``<= pid`` (binary search over the
-    strictly increasing first programs; ``LOG2_SEQS >= log2(num_seqs)`` rounds)."""
+def find_seq(pid, qsl_ptr, num_seqs, BLOCK_Q: tl.constexpr, PER_SEQ: tl.constexpr, LOG2_SEQS: tl.constexpr):
+    """The last sequence ``s`` whose first program ``qsl[s] // BLOCK_Q + PER_SEQ * s`` is ``<= pid`` (binary search
+    over the strictly increasing first programs; ``LOG2_SEQS >= log2(num_seqs)`` rounds). A sequence of ``n`` new
+    tokens owns ``n // BLOCK_Q + PER_SEQ`` programs at least."""
     lo = 0
     hi = num_seqs
     for _ in range(LOG2_SEQS):
         mid = (lo + hi) // 2
-        ok = tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= pid
+        ok = tl.load(qsl_ptr + mid) // BLOCK_Q + PER_SEQ * mid <= pid
         lo = tl.where(ok, mid, lo)
         hi = tl.where(ok, hi, mid)
     return lo
@@ -174,7 +175,7 @@ def _paged_attention_kernel(
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    s = _find_seq(pid, qsl_ptr, num_seqs, BLOCK_Q, LOG2_SEQS)
+    s = find_seq(pid, qsl_ptr, num_seqs, BLOCK_Q, 1, LOG2_SEQS)
     q_start = tl.load(qsl_ptr + s)
     q_len = tl.load(qsl_ptr + s + 1) - q_start
     qb = pid - (q_start // BLOCK_Q + s)            # this program's query tile within the sequence
