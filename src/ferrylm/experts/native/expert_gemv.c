@@ -33,6 +33,7 @@
 #endif
 
 #define TB 4   /* tokens per pass over a decoded weight row */
+#define TT 64  /* tokens per tile (rows in isa_kernels.h) */
 #define KIND_BF16 10
 #define KIND_F32 11
 #define FAM_INT 1
@@ -338,14 +339,22 @@ int ferry_experts(const qproj *qp, int isa, int nthreads, int k, const void *con
     return 0;
 }
 
-/* y [M, N] = x [M, K] @ W^T for one projection q of the row at `base` (N rows of K inputs): the matrices outside
- * the experts (and the tests' view of one projection). */
-int ferry_matvec(const qproj *q, int isa, int nthreads, const void *base, int64_t N, int64_t K, const float *x,
-                 int64_t M, float *y) {
-    if (N <= 0 || K <= 0 || M <= 0 || nthreads < 1 || !q_ok(q, K)) return -1;
+/* y [M, N] = x [M, K] @ W^T, W's N rows in nseg segments (segment s: seg_rows[s] rows of layout q[s] at bases[s],
+ * its outputs after the earlier segments'): the matrices outside the experts (a fused q|k|v is three segments read
+ * where they lie, each of its own kind), and the tests' view of one projection. */
+int ferry_matvec(const qproj *q, int isa, int nthreads, int nseg, const void *const *bases, const int64_t *seg_rows,
+                 int64_t K, const float *x, int64_t M, float *y) {
+    if (nseg <= 0 || K <= 0 || M <= 0 || nthreads < 1) return -1;
+    int64_t N = 0, ntask = 0;
+    int qx = 0;
+    for (int s = 0; s < nseg; s++) {
+        if (seg_rows[s] <= 0 || !q_ok(&q[s], K)) return -1;
+        N += seg_rows[s];
+        ntask += (seg_rows[s] + BLOCK_ROWS - 1) / BLOCK_ROWS;
+        qx |= kind_family(q[s].kind) == FAM_INT;
+    }
     if (!isa_ok(isa)) return -2;
     init_tables();
-    const int qx = kind_family(q->kind) == FAM_INT;
     actmem am;
     float *rbs = rowbufs_alloc(nthreads, K);
     if (!rbs || actmem_init(&am, M, qx ? K : 0, 0)) {
@@ -353,15 +362,24 @@ int ferry_matvec(const qproj *q, int isa, int nthreads, const void *base, int64_
         return -3;
     }
     act ax = {x, K, am.x};
-    const int64_t starts[1] = {0}, counts[1] = {M};
-    const void *const bases[3] = {base, base, base};
+    const rows_fn rows = ROWS[isa];
 #pragma omp parallel num_threads(nthreads)
     {
+        float *rb = rbs + omp_get_thread_num() * K;
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
             if (qx) quantize_token(x + m * K, K, &am.x, m);
-        experts_proj(ROWS[isa], q, 1, bases, 0, 0, N, starts, counts, N, K, &ax, y, N, NULL,
-                     rbs + omp_get_thread_num() * K);
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < ntask; task++) {  /* a task: BLOCK_ROWS rows of one segment */
+            int s = 0;
+            int64_t t = task, col = 0;
+            while (t >= (seg_rows[s] + BLOCK_ROWS - 1) / BLOCK_ROWS) {
+                t -= (seg_rows[s] + BLOCK_ROWS - 1) / BLOCK_ROWS;
+                col += seg_rows[s++];
+            }
+            const int64_t r0 = t * BLOCK_ROWS, r1 = r0 + BLOCK_ROWS < seg_rows[s] ? r0 + BLOCK_ROWS : seg_rows[s];
+            rows(&q[s], (const uint8_t *)bases[s], r0, r1, K, &ax, 0, M, y + col, N, NULL, rb);
+        }
     }
     free(rbs);
     free(am.mem);
@@ -380,15 +398,20 @@ int ferry_quantize_act(const float *x, int64_t M, int64_t K, int8_t *q, float *d
     return 0;
 }
 
-/* Rows [0, N) of an integer-kind projection as the kernel decodes them, w = v * s + o in float32 (two roundings,
- * no fused multiply-add), into out [N, K]. */
-int ferry_dequant(const qproj *q, int isa, const void *base, int64_t N, int64_t K, float *out) {
-    if (N <= 0 || !q_ok(q, K) || kind_family(q->kind) != FAM_INT) return -1;
+/* Rows of an integer-kind projection as the kernel decodes them, w = v * s + o in float32 (two roundings, no fused
+ * multiply-add), into out [n, K]: rows idx[0..n) (n rows from 0 when idx is NULL; each < N, the projection's rows),
+ * e.g. the embedding rows of a step's tokens. */
+int ferry_dequant(const qproj *q, int isa, const void *base, int64_t N, const int64_t *idx, int64_t n, int64_t K,
+                  float *out) {
+    if (N <= 0 || n < 0 || !q_ok(q, K) || kind_family(q->kind) != FAM_INT) return -1;
+    for (int64_t i = 0; idx && i < n; i++)
+        if (idx[i] < 0 || idx[i] >= N) return -1;
+    if (!idx && n > N) return -1;
     if (!isa_ok(isa)) return -2;
     init_tables();
     float *tab = (float *)malloc(sizeof(float) * (size_t)(K / 8));
     if (!tab) return -3;
-    for (int64_t r = 0; r < N; r++) DEQUANT[isa](q, (const uint8_t *)base, r, K, tab, out + r * K);
+    for (int64_t i = 0; i < n; i++) DEQUANT[isa](q, (const uint8_t *)base, idx ? idx[i] : i, K, tab, out + i * K);
     free(tab);
     return 0;
 }

@@ -393,22 +393,27 @@ static void SFX(decode_fp8)(const qproj *q, const uint8_t *base, int64_t r, int6
 
 /* ---- rows [r0, r1) of one projection, dotted with nx tokens ------------------------------------------ */
 /* y[t * ldy + r] = (row r . token t) * scale[t] (scale may be NULL); a: the tokens (float and, for integer kinds,
- * Q8), from token m0 of the activation on; f: K floats of scratch (an fp8 row decoded). */
+ * Q8), from token m0 of the activation on; f: K floats of scratch (an fp8 row decoded). Tokens go in tiles of TT, each
+ * passed over by every row of the range, so a long step's activations are read from cache, not memory, per row. */
 static void SFX(rows)(const qproj *q, const uint8_t *base, int64_t r0, int64_t r1, int64_t K, const act *a,
                       int64_t m0, int64_t nx, float *y, int64_t ldy, const float *scale, float *f) {
     float res[TB];
     const int fam = kind_family(q->kind);
     const float *x = a->x + m0 * a->ldx;
-    for (int64_t r = r0; r < r1; r++) {
-        if (q->kind == 4) SFX(decode_fp8)(q, base, r, K, f);
-        for (int64_t t0 = 0; t0 < nx; t0 += TB) {
-            const int nt = (int)(nx - t0 < TB ? nx - t0 : TB);
-            if (fam == FAM_INT) SFX(qdot)(q, base, r, K, &a->q, m0 + t0, nt, f, res);
-            else if (q->kind == 4) SFX(fdot_f32)(f, x + t0 * a->ldx, a->ldx, nt, K, res);
-            else if (q->kind == KIND_BF16)
-                SFX(fdot_bf16)((const uint16_t *)(base + q->off_data) + r * K, x + t0 * a->ldx, a->ldx, nt, K, res);
-            else SFX(fdot_f32)((const float *)(base + q->off_data) + r * K, x + t0 * a->ldx, a->ldx, nt, K, res);
-            for (int t = 0; t < nt; t++) y[(t0 + t) * ldy + r] = scale ? res[t] * scale[t0 + t] : res[t];
+    for (int64_t tt = 0; tt < nx; tt += TT) {
+        const int64_t te = tt + TT < nx ? tt + TT : nx;
+        for (int64_t r = r0; r < r1; r++) {
+            if (q->kind == 4) SFX(decode_fp8)(q, base, r, K, f);
+            for (int64_t t0 = tt; t0 < te; t0 += TB) {
+                const int nt = (int)(te - t0 < TB ? te - t0 : TB);
+                if (fam == FAM_INT) SFX(qdot)(q, base, r, K, &a->q, m0 + t0, nt, f, res);
+                else if (q->kind == 4) SFX(fdot_f32)(f, x + t0 * a->ldx, a->ldx, nt, K, res);
+                else if (q->kind == KIND_BF16)
+                    SFX(fdot_bf16)((const uint16_t *)(base + q->off_data) + r * K, x + t0 * a->ldx, a->ldx, nt, K,
+                                   res);
+                else SFX(fdot_f32)((const float *)(base + q->off_data) + r * K, x + t0 * a->ldx, a->ldx, nt, K, res);
+                for (int t = 0; t < nt; t++) y[(t0 + t) * ldy + r] = scale ? res[t] * scale[t0 + t] : res[t];
+            }
         }
     }
 }
