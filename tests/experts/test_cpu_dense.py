@@ -44,6 +44,14 @@ def _oracle(kind: str, data: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(data.numpy(), qtype).copy())
 
 
+def _as_quantized(k, x: torch.Tensor, kind: str) -> torch.Tensor:
+    """``x`` as the kernels see it against ``kind`` rows (``q * d``): 8 bits per 32 inputs, per 256 for the K-quants
+    (ggml's Q8_K)."""
+    block = 32 if kind == "q8_0" else 256
+    q, d = k.quantize_activation(x, block)
+    return (q.double().view(x.shape[0], -1, block) * d.double()[..., None]).view(x.shape[0], -1)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("m", [1, 3, 7, 70])
@@ -60,12 +68,9 @@ def test_matmul_over_segments_is_exact_on_the_quantized_activation(kernel, isa, 
     x = torch.randn(m, k_in, generator=torch.Generator().manual_seed(m))
     got = k.matmul(x, m_, threads=2)
     assert got.shape == (m, 108) and got.dtype == torch.float32
-    w = torch.cat([_oracle(kd, s) for kd, s in zip(kinds, segs)]).double()
-    q, d = k.quantize_activation(x)
-    xs = (q.double().view(m, -1, 32) * d.double()[..., None]).view(m, -1)
-    ref = xs @ w.T
+    ref = torch.cat([_as_quantized(k, x, kd) @ _oracle(kd, s).double().T for kd, s in zip(kinds, segs)], dim=1)
     assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5
-    full = x.double() @ w.T
+    full = x.double() @ torch.cat([_oracle(kd, s) for kd, s in zip(kinds, segs)]).double().T
     assert ((got.double() - full).norm() / full.norm()).item() < 2e-2
 
 

@@ -143,7 +143,7 @@ class NativeExpertKernel:
         for name, args in (("ferry_experts", [ptr, ci, ci, ci, ctypes.POINTER(vp), ptr, ptr, i64, i64, vp, vp, vp,
                                               vp]),
                            ("ferry_matvec", [ptr, ci, ci, ci, ctypes.POINTER(vp), ptr, i64, vp, i64, vp]),
-                           ("ferry_quantize_act", [vp, i64, i64, vp, vp]),
+                           ("ferry_quantize_act", [vp, i64, i64, i64, vp, vp]),
                            ("ferry_dequant", [ptr, ci, vp, i64, vp, i64, i64, vp]),
                            ("ferry_isa_best", [])):
             fn = getattr(lib, name)
@@ -318,13 +318,16 @@ class NativeExpertKernel:
                                             ISAS.index(self.isa), row.data_ptr(), n, None, n, kk, out.data_ptr()))
         return out
 
-    def quantize_activation(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [M, K]`` (``K % 32 == 0``) as the integer kernels read it: int8 codes ``[M, K]`` and float32 scales
-        ``[M, K / 32]`` (``x ~ q * d`` per block of 32)."""
+    def quantize_activation(self, x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [M, K]`` as the integer kernels read it: int8 codes ``[M, K]`` and float32 scales ``[M, K / block]``
+        (``x ~ q * d`` per block); ``block`` 32 for most kinds, 256 for the K-quants (ggml's Q8_K). Raises
+        ValueError: ``K`` not a multiple of ``block``, a block other than 32 or 256."""
         xf = x.to(torch.float32).contiguous()
         m, kk = xf.shape
-        q, d = torch.empty(m, kk, dtype=torch.int8), torch.empty(m, kk // 32, dtype=torch.float32)
-        self._check(self._lib.ferry_quantize_act(xf.data_ptr(), m, kk, q.data_ptr(), d.data_ptr()))
+        if block not in (32, 256) or kk % block:
+            raise ValueError(f"activations are quantized per 32 or 256 inputs (a multiple of K {kk}), not {block}")
+        q, d = torch.empty(m, kk, dtype=torch.int8), torch.empty(m, kk // block, dtype=torch.float32)
+        self._check(self._lib.ferry_quantize_act(xf.data_ptr(), m, kk, block, q.data_ptr(), d.data_ptr()))
         return q, d
 
     @staticmethod

@@ -13,8 +13,11 @@
  * An integer kind's dot product is integer, as ggml's CPU backend does it: the activation is quantized once per call
  * to int8 with a float32 scale per 32 inputs (round to nearest, |q| <= 127), each weight row is read 32 inputs at a
  * time and its codes decoded in a register into int8 values with a float32 scale and offset per 16 inputs
- * (w = v * s + o), and sum(v * q) runs in int32 (AVX2 maddubs, AVX-512 VNNI dpbusd). Relative to float32 activations
- * that rounds each input by at most 1/254 of its block's largest magnitude.
+ * (w = v * s + o), and sum(v * q) runs in int32 (AVX2 maddubs, AVX-512 VNNI dpbusd). The K-quants (6..9) read the
+ * activation as ggml's Q8_K (one scale per 256 inputs) and apply their integer sub-block scales in int32, one float
+ * multiply per block of 256 (ggml's vec_dot_q*_K_q8_K). Relative to float32 activations that rounds each input by at
+ * most 1/254 of its block's largest magnitude.
+ * The dense entry ferry_matvec computes a GGUF's other matrices (lm_head, attention ...) from the same row kernels.
  *
  * Instruction sets: isa_kernels.h is compiled for AVX-512 (F/BW/VL/VNNI), AVX2 (+FMA, F16C) and plain C in this one
  * file; the caller picks one per call (ferry_isa_best: the best this CPU runs), so one build serves any x86-64 CPU.
@@ -44,9 +47,13 @@ typedef struct {  /* one projection of an expert row; offsets are bytes from the
 } qproj;
 
 typedef struct {  /* Q8 activation of M tokens: q [M, K] int8, d [M, K/32] scales, s16 [M, K/16] and s32 [M, K/32]
-                   * sums of q * d */
+                   * sums of q * d; and, where K % 256 == 0, its Q8_K form for the K-quants: qk [M, K] int8, dk
+                   * [M, K/256] scales, bk [M, K/16] sums of qk (NULL otherwise) */
     int8_t *q;
     float *d, *s16, *s32;
+    int8_t *qk;
+    float *dk;
+    int16_t *bk;
 } qact;
 
 typedef struct {  /* a projection's input: float32 x (row stride ldx) and, for integer kinds, its Q8 form */
@@ -124,6 +131,17 @@ static inline qrow qrow_of(const qproj *q, const uint8_t *base, int64_t r, int64
         w.rs = row_scale(q, base, r) * (q->kind == 3 ? 0.5f : 1.0f);  /* fp4: v holds 2 * e2m1 */
     }
     return w;
+}
+
+/* a Q4_K / Q5_K block's 6-bit sub-block scales and mins as bytes: sc[0..7] then mn[0..7] (ggml's get_scale_min_k4);
+ * sub-blocks 0-3 from the low 6 bits of bytes 0-7, 4-7 from bytes 8-11 and the top bits */
+static inline void kq_scale_bytes(const uint8_t *b, uint32_t *p) {
+    uint32_t u[3];
+    memcpy(u, b + 4, 12);
+    p[0] = u[0] & 0x3f3f3f3fu;
+    p[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    p[2] = u[1] & 0x3f3f3f3fu;
+    p[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
 }
 
 /* a group kind's row w (1 int4, 2 int8, 3 fp4): the scale s16[h] and offset o16[h] of its inputs 16h..16h+15 */
@@ -220,18 +238,35 @@ static int q_ok(const qproj *q, int64_t K) {
 
 static int isa_ok(int isa) { return isa >= 0 && isa <= ferry_isa_best(); }
 
+/* x [n] -> q (int8, round to nearest) with one scale max|x| / 127 (returned) */
+static float quantize_block(const float *x, int n, int8_t *q) {
+    float amax = 0.0f;
+    for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int i = 0; i < n; i++) q[i] = (int8_t)lrintf(x[i] * inv);
+    return amax / 127.0f;
+}
+
 /* token m's K inputs x -> row m of a (K inputs a row): q (int8, round to nearest), d (a scale per 32: max|x| / 127),
- * s16 and s32 (sums of q * d per 16 and 32: the offsets see the same quantized x as the codes) */
+ * s16 and s32 (sums of q * d per 16 and 32: the offsets see the same quantized x as the codes); with a->qk, the Q8_K
+ * form too (a scale per 256, ggml's block_q8_K: qk, dk, and bk the sums of qk per 16) */
 static void quantize_token(const float *x, int64_t K, const qact *a, int64_t m) {
+    if (a->qk) {
+        int8_t *qk = a->qk + m * K;
+        for (int64_t b = 0; b < K / 256; b++) {
+            a->dk[m * (K / 256) + b] = quantize_block(x + 256 * b, 256, qk + 256 * b);
+            for (int h = 0; h < 16; h++) {
+                int16_t sum = 0;
+                for (int i = 0; i < 16; i++) sum = (int16_t)(sum + qk[256 * b + 16 * h + i]);
+                a->bk[m * (K / 16) + 16 * b + h] = sum;
+            }
+        }
+    }
     int8_t *q = a->q + m * K;
     float *d = a->d + m * (K / 32), *s16 = a->s16 + m * (K / 16), *s32 = a->s32 + m * (K / 32);
     for (int64_t c = 0; c < K / 32; c++) {
-        const float *xc = x + 32 * c;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xc[i]));
-        const float dc = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const float dc = quantize_block(x + 32 * c, 32, q + 32 * c);
         d[c] = dc;
-        for (int i = 0; i < 32; i++) q[32 * c + i] = (int8_t)lrintf(xc[i] * inv);
         int32_t sh[2] = {0, 0};
         for (int i = 0; i < 32; i++) sh[i / 16] += q[32 * c + i];
         s16[2 * c] = (float)sh[0] * dc;
@@ -248,9 +283,20 @@ typedef struct {  /* the call's activation buffers */
     void *mem;
 } actmem;
 
+/* one activation's Q8_K buffers (M tokens of K inputs) at f, or NULLs where K % 256 != 0; returns the bytes after */
+static char *q8k_init(qact *a, char *f, int64_t M, int64_t K) {
+    a->qk = NULL, a->dk = NULL, a->bk = NULL;
+    if (K == 0 || K % 256) return f;
+    a->dk = (float *)f; f += 4 * M * (K / 256);
+    a->bk = (int16_t *)f; f += 2 * M * (K / 16);
+    a->qk = (int8_t *)f; f += M * K;
+    return f;
+}
+
 static int actmem_init(actmem *m, int64_t M, int64_t H, int64_t I) {
     const int64_t nf = M * (2 * (H / 32) + H / 16 + 2 * (I / 32) + I / 16);
-    m->mem = malloc((size_t)nf * 4 + (size_t)M * (H + I) + 64);
+    const int64_t nk = M * (H / 256 * 4 + H / 16 * 2 + H + I / 256 * 4 + I / 16 * 2 + I);
+    m->mem = malloc((size_t)nf * 4 + (size_t)M * (H + I) + (size_t)nk + 64);
     if (!m->mem) return -1;
     float *f = (float *)m->mem;
     m->x.d = f; f += M * (H / 32);
@@ -261,6 +307,7 @@ static int actmem_init(actmem *m, int64_t M, int64_t H, int64_t I) {
     m->a.s32 = f; f += M * (I / 32);
     m->x.q = (int8_t *)f;
     m->a.q = m->x.q + M * H;
+    q8k_init(&m->a, q8k_init(&m->x, (char *)(m->a.q + M * I), M, H), M, I);
     return 0;
 }
 
@@ -386,15 +433,14 @@ int ferry_matvec(const qproj *q, int isa, int nthreads, int nseg, const void *co
     return 0;
 }
 
-/* The Q8 activation of x [M, K] (K % 32 == 0): codes q [M, K] and scales d [M, K / 32] (tests: x as the integer
- * kinds see it is q * d). */
-int ferry_quantize_act(const float *x, int64_t M, int64_t K, int8_t *q, float *d) {
-    if (M <= 0 || K <= 0 || K % 32) return -1;
-    float *sums = (float *)malloc(sizeof(float) * (size_t)(M * (K / 16 + K / 32)));
-    if (!sums) return -3;
-    const qact a = {q, d, sums, sums + M * (K / 16)};
-    for (int64_t m = 0; m < M; m++) quantize_token(x + m * K, K, &a, m);
-    free(sums);
+/* The Q8 activation of x [M, K] as the integer kinds read it: per 32 inputs (block 32; K % 32 == 0), or the K-quants'
+ * Q8_K form (block 256; K % 256 == 0): codes q [M, K] and scales d [M, K / block] (tests: x as the kernels see it is
+ * q * d). */
+int ferry_quantize_act(const float *x, int64_t M, int64_t K, int64_t block, int8_t *q, float *d) {
+    if (M <= 0 || K <= 0 || (block != 32 && block != 256) || K % block) return -1;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < K / block; b++)
+            d[m * (K / block) + b] = quantize_block(x + m * K + block * b, (int)block, q + m * K + block * b);
     return 0;
 }
 
