@@ -158,6 +158,16 @@ static void group_scales(const qproj *q, const qrow *w, int64_t K, float *s16, f
     }
 }
 
+/* x [n] -> q (int8, round to nearest) with one scale max|x| / 127 (returned); isa_kernels.h's SFX(quantize_block)
+ * are this, vectorized */
+static float quantize_block_plain(const float *x, int n, int8_t *q) {
+    float amax = 0.0f;
+    for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int i = 0; i < n; i++) q[i] = (int8_t)lrintf(x[i] * inv);
+    return amax / 127.0f;
+}
+
 /* ---- the row kernels, once per instruction set ---------------------------------------------------------- */
 #ifdef FERRY_X86
 #if defined(__clang__)
@@ -201,10 +211,13 @@ typedef void (*rows_fn)(const qproj *, const uint8_t *, int64_t, int64_t, int64_
                         float *, int64_t, const float *, float *);
 typedef void (*dequant_fn)(const qproj *, const uint8_t *, int64_t, int64_t, float *, float *);
 
+typedef float (*quant_fn)(const float *, int, int8_t *);
 #ifdef FERRY_X86
+static const quant_fn QUANT[3] = {quantize_block_c, quantize_block_avx2, quantize_block_avx512};
 static const rows_fn ROWS[3] = {rows_c, rows_avx2, rows_avx512};
 static const dequant_fn DEQUANT[3] = {dequant_row_c, dequant_row_avx2, dequant_row_avx512};
 #else
+static const quant_fn QUANT[3] = {quantize_block_c, NULL, NULL};
 static const rows_fn ROWS[3] = {rows_c, NULL, NULL};
 static const dequant_fn DEQUANT[3] = {dequant_row_c, NULL, NULL};
 #endif
@@ -238,19 +251,12 @@ static int q_ok(const qproj *q, int64_t K) {
 
 static int isa_ok(int isa) { return isa >= 0 && isa <= ferry_isa_best(); }
 
-/* x [n] -> q (int8, round to nearest) with one scale max|x| / 127 (returned) */
-static float quantize_block(const float *x, int n, int8_t *q) {
-    float amax = 0.0f;
-    for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int i = 0; i < n; i++) q[i] = (int8_t)lrintf(x[i] * inv);
-    return amax / 127.0f;
-}
 
-/* token m's K inputs x -> row m of a (K inputs a row): q (int8, round to nearest), d (a scale per 32: max|x| / 127),
- * s16 and s32 (sums of q * d per 16 and 32: the offsets see the same quantized x as the codes); with a->qk, the Q8_K
- * form too (a scale per 256, ggml's block_q8_K: qk, dk, and bk the sums of qk per 16) */
-static void quantize_token(const float *x, int64_t K, const qact *a, int64_t m) {
+/* token m's K inputs x -> row m of a (K inputs a row), the forms a holds: with a->q, q (int8, round to nearest), d (a
+ * scale per 32: max|x| / 127), s16 and s32 (sums of q * d per 16 and 32: the offsets see the same quantized x as the
+ * codes); with a->qk, the Q8_K form (a scale per 256, ggml's block_q8_K: qk, dk, and bk the sums of qk per 16) */
+static void quantize_token(const float *x, int64_t K, const qact *a, int64_t m, int isa) {
+    const quant_fn quantize_block = QUANT[isa];
     if (a->qk) {
         int8_t *qk = a->qk + m * K;
         for (int64_t b = 0; b < K / 256; b++) {
@@ -262,6 +268,7 @@ static void quantize_token(const float *x, int64_t K, const qact *a, int64_t m) 
             }
         }
     }
+    if (!a->q) return;
     int8_t *q = a->q + m * K;
     float *d = a->d + m * (K / 32), *s16 = a->s16 + m * (K / 16), *s32 = a->s32 + m * (K / 32);
     for (int64_t c = 0; c < K / 32; c++) {
@@ -283,31 +290,44 @@ typedef struct {  /* the call's activation buffers */
     void *mem;
 } actmem;
 
-/* one activation's Q8_K buffers (M tokens of K inputs) at f, or NULLs where K % 256 != 0; returns the bytes after */
-static char *q8k_init(qact *a, char *f, int64_t M, int64_t K) {
-    a->qk = NULL, a->dk = NULL, a->bk = NULL;
-    if (K == 0 || K % 256) return f;
-    a->dk = (float *)f; f += 4 * M * (K / 256);
-    a->bk = (int16_t *)f; f += 2 * M * (K / 16);
-    a->qk = (int8_t *)f; f += M * K;
+#define FORM_32 1  /* the activation per 32 inputs (int4, int8, fp4, Q8_0) */
+#define FORM_K 2   /* ggml's Q8_K (the K-quants) */
+
+/* the activation forms the integer kinds of q[0..n) read (0 for float kinds) */
+static int act_forms(const qproj *q, int n) {
+    int f = 0;
+    for (int i = 0; i < n; i++)
+        if (kind_family(q[i].kind) == FAM_INT) f |= q[i].kind >= 6 ? FORM_K : FORM_32;
     return f;
 }
 
-static int actmem_init(actmem *m, int64_t M, int64_t H, int64_t I) {
-    const int64_t nf = M * (2 * (H / 32) + H / 16 + 2 * (I / 32) + I / 16);
-    const int64_t nk = M * (H / 256 * 4 + H / 16 * 2 + H + I / 256 * 4 + I / 16 * 2 + I);
-    m->mem = malloc((size_t)nf * 4 + (size_t)M * (H + I) + (size_t)nk + 64);
+static int64_t act_bytes(int64_t M, int64_t K, int forms) {
+    return (forms & FORM_32 ? M * (4 * (2 * (K / 32) + K / 16) + K) : 0) +
+           (forms & FORM_K ? M * (4 * (K / 256) + 2 * (K / 16) + K) : 0);
+}
+
+/* one activation's buffers (M tokens of K inputs, the forms asked; NULL the others) at f; returns the bytes after */
+static char *act_init(qact *a, char *f, int64_t M, int64_t K, int forms) {
+    memset(a, 0, sizeof *a);
+    if (forms & FORM_32) {
+        a->d = (float *)f; f += 4 * M * (K / 32);
+        a->s16 = (float *)f; f += 4 * M * (K / 16);
+        a->s32 = (float *)f; f += 4 * M * (K / 32);
+        a->q = (int8_t *)f; f += M * K;
+    }
+    if (forms & FORM_K) {
+        a->dk = (float *)f; f += 4 * M * (K / 256);
+        a->bk = (int16_t *)f; f += 2 * M * (K / 16);
+        a->qk = (int8_t *)f; f += M * K;
+    }
+    return f;
+}
+
+/* the call's activation buffers: x (H inputs, forms fx) and a (I inputs, forms fa) of M tokens */
+static int actmem_init(actmem *m, int64_t M, int64_t H, int fx, int64_t I, int fa) {
+    m->mem = malloc((size_t)(act_bytes(M, H, fx) + act_bytes(M, I, fa)) + 64);
     if (!m->mem) return -1;
-    float *f = (float *)m->mem;
-    m->x.d = f; f += M * (H / 32);
-    m->x.s16 = f; f += M * (H / 16);
-    m->x.s32 = f; f += M * (H / 32);
-    m->a.d = f; f += M * (I / 32);
-    m->a.s16 = f; f += M * (I / 16);
-    m->a.s32 = f; f += M * (I / 32);
-    m->x.q = (int8_t *)f;
-    m->a.q = m->x.q + M * H;
-    q8k_init(&m->a, q8k_init(&m->x, (char *)(m->a.q + M * I), M, H), M, I);
+    act_init(&m->a, act_init(&m->x, (char *)m->mem, M, H, fx), M, I, fa);
     return 0;
 }
 
@@ -358,10 +378,10 @@ int ferry_experts(const qproj *qp, int isa, int nthreads, int k, const void *con
     init_tables();
     const rows_fn rows_isa = ROWS[isa];
     const int64_t M = span_end(k, starts, counts), kmax = H > I ? H : I;
-    const int qx = kind_family(qp[0].kind) == FAM_INT, qa = kind_family(qp[1].kind) == FAM_INT;
+    const int qx = act_forms(&qp[0], 1), qa = act_forms(&qp[1], 1);
     actmem am;
     float *rbs = rowbufs_alloc(nthreads, kmax);
-    if (!rbs || actmem_init(&am, M, qx ? H : 0, qa ? I : 0)) {
+    if (!rbs || actmem_init(&am, M, H, qx, I, qa)) {
         free(rbs);
         return -3;
     }
@@ -371,13 +391,13 @@ int ferry_experts(const qproj *qp, int isa, int nthreads, int k, const void *con
         float *rb = rbs + omp_get_thread_num() * kmax;
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
-            if (qx) quantize_token(x + m * H, H, &am.x, m);
+            if (qx) quantize_token(x + m * H, H, &am.x, m, isa);
         experts_proj(rows_isa, &qp[0], k, bases, 0, 1, I, starts, counts, 2 * I, H, &ax, scratch, 2 * I, NULL, rb);
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) {  /* a = silu(g) * u in place over g, then its Q8 form */
             float *g = scratch + m * 2 * I;
             for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * g[I + i];
-            if (qa) quantize_token(g, I, &am.a, m);
+            if (qa) quantize_token(g, I, &am.a, m, isa);
         }
         experts_proj(rows_isa, &qp[1], k, bases, 2, 2, H, starts, counts, H, I, &aa, out, H, w, rb);
     }
@@ -393,18 +413,17 @@ int ferry_matvec(const qproj *q, int isa, int nthreads, int nseg, const void *co
                  int64_t K, const float *x, int64_t M, float *y) {
     if (nseg <= 0 || K <= 0 || M <= 0 || nthreads < 1) return -1;
     int64_t N = 0, ntask = 0;
-    int qx = 0;
     for (int s = 0; s < nseg; s++) {
         if (seg_rows[s] <= 0 || !q_ok(&q[s], K)) return -1;
         N += seg_rows[s];
         ntask += (seg_rows[s] + BLOCK_ROWS - 1) / BLOCK_ROWS;
-        qx |= kind_family(q[s].kind) == FAM_INT;
     }
+    const int qx = act_forms(q, nseg);
     if (!isa_ok(isa)) return -2;
     init_tables();
     actmem am;
     float *rbs = rowbufs_alloc(nthreads, K);
-    if (!rbs || actmem_init(&am, M, qx ? K : 0, 0)) {
+    if (!rbs || actmem_init(&am, M, K, qx, 0, 0)) {
         free(rbs);
         return -3;
     }
@@ -415,7 +434,7 @@ int ferry_matvec(const qproj *q, int isa, int nthreads, int nseg, const void *co
         float *rb = rbs + omp_get_thread_num() * K;
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
-            if (qx) quantize_token(x + m * K, K, &am.x, m);
+            if (qx) quantize_token(x + m * K, K, &am.x, m, isa);
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < ntask; task++) {  /* a task: BLOCK_ROWS rows of one segment */
             int s = 0;
@@ -440,7 +459,7 @@ int ferry_quantize_act(const float *x, int64_t M, int64_t K, int64_t block, int8
     if (M <= 0 || K <= 0 || (block != 32 && block != 256) || K % block) return -1;
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < K / block; b++)
-            d[m * (K / block) + b] = quantize_block(x + m * K + block * b, (int)block, q + m * K + block * b);
+            d[m * (K / block) + b] = QUANT[ferry_isa_best()](x + m * K + block * b, (int)block, q + m * K + block * b);
     return 0;
 }
 

@@ -80,6 +80,30 @@ DEF_FDOT(SFX(fdot_bf16), uint16_t, bf16_to_f32, VLOAD_BF16)
 DEF_FDOT(SFX(fdot_f32), float, F32_ID, VLOAD)
 #undef DEF_FDOT
 
+/* x [n] (n % 32 == 0) -> q (int8, round to nearest even, as lrintf) with one scale max|x| / 127 (returned); every
+ * level gives the same bits */
+static float SFX(quantize_block)(const float *x, int n, int8_t *q) {
+#if ISA_LEVEL >= 1
+    __m256 mx = _mm256_setzero_ps();
+    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int i = 0; i < n; i += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(abs, _mm256_loadu_ps(x + i)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    for (int i = 0; i < n; i += 32) {
+        __m256i v[4];
+        for (int k = 0; k < 4; k++) v[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * k), inv));
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        _mm256_storeu_si256((__m256i *)(q + i), _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3,
+                                                                                                   7)));
+    }
+    return amax / 127.0f;
+#else
+    return quantize_block_plain(x, n, q);
+#endif
+}
+
 /* ---- integer kinds: a weight row read 32 inputs (one chunk) at a time, its codes decoded in registers ------ */
 /* Per level: cod (a chunk's 32 int8 codes), sv (its two 16-input halves' scales), acc (a float accumulator). */
 #if ISA_LEVEL >= 1
