@@ -15,7 +15,7 @@ from tests.models.hf_checkpoints import token_ids
 from tests.models.test_quant_gguf import VOCAB, _hf_model, _to_gguf
 
 from ferrylm.checkpoints.loader import load_model
-from ferrylm.models.attention import SequenceCacheAttention
+from ferrylm.models.reference_attention import SequenceCacheAttention
 from ferrylm.models.quant_linear import QuantEmbedding, QuantLinear
 from ferrylm.models.sizes import non_expert_step_bytes
 
