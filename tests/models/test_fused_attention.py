@@ -35,16 +35,18 @@ def test_fused_equals_separate(qk_norm, qkv_bias, clip, dtype):
         assert a._fused_valid()
         got = a(pos, x, DenseCausalAttention())
     assert torch.equal(got, ref)
-    w = a._qkv[0]
-    assert a.q_proj.weight.data_ptr() == w.data_ptr()  # views of the fused weight: no second copy
-    assert a.v_proj.weight.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+    # views of the fused weight: no second copy
+    assert a.q_proj.weight.untyped_storage().data_ptr() == a.v_proj.weight.untyped_storage().data_ptr()
+    assert a.q_proj.weight.untyped_storage().nbytes() == sum(p.weight.numel() * p.weight.element_size()
+                                                             for p in (a.q_proj, a.k_proj, a.v_proj))
 
 
 def test_fusion_survives_dtype_move_and_falls_back_when_replaced():
     a = _attention("head", True)
     a.fuse_projections()
     a = a.to(torch.float64)
-    assert a._fused_valid() and a._qkv[0].dtype == torch.float64
+    assert a._fused_valid() and a.q_proj.weight.dtype == torch.float64
+    assert a.q_proj.weight.untyped_storage().data_ptr() == a.k_proj.weight.untyped_storage().data_ptr()
     x, pos = torch.randn(5, 64, dtype=torch.float64), torch.arange(5)
     with torch.inference_mode():
         fused = a(pos, x, DenseCausalAttention())

@@ -273,10 +273,12 @@ def ple_assembler(model_cls: type, config: ModelConfig, backend: str, device: to
 
 
 def finish_model(model_cls: type, config: ModelConfig, device: torch.device, moe_backend, stacks, tensors: dict,
-            origin: dict, ple_tables: dict | None = None) -> LoadedModel:
+            origin: dict, ple_tables: dict | None = None, adapt=None) -> LoadedModel:
     """Build the executor over the expert ``stacks`` (None: dense) and the model on ``meta``, assign ``tensors``
     (and hand a PLE model its tables). A family whose experts clamp without biases (DeepSeek-V4) gets its
-    :class:`ExpertMath` here."""
+    :class:`ExpertMath` here. ``adapt(model) -> (tensors, origin)``: a reader's own modules put in place on the meta
+    model before the assignment (a GGUF's compact layers, ``checkpoints/quant/gguf_file.py``), with the tensors of
+    the weights it left to assign."""
     swiglu = model_cls.expert_swiglu(config)
     for layer in (stacks or {}).values():
         if swiglu is not None and layer.math is None:
@@ -285,6 +287,9 @@ def finish_model(model_cls: type, config: ModelConfig, device: torch.device, moe
     executor = build_executor(moe_backend, stacks, device) if stacks is not None else None
     with torch.device("meta"):
         model = model_cls(config, executor=executor, device=device)
+    if adapt is not None:
+        more, more_origin = adapt(model)
+        tensors, origin = {**tensors, **more}, {**origin, **more_origin}
     _assign(model, tensors, origin)
     if ple_tables is not None:
         model.use_ple_tables(ple_tables)

@@ -63,12 +63,14 @@ class GGUFArch:
 @dataclass(frozen=True)
 class HFTensor:
     """A non-expert HF tensor of the file: its name, shape and GGUF sources; ``produce(data)`` dequantizes them
-    (float32, PyTorch order) and undoes the converter's changes. ``data`` is the whole file as uint8."""
+    (float32, PyTorch order) and undoes the converter's changes. ``data`` is the whole file as uint8. ``verbatim``:
+    one source whose values are the tensor's unchanged (no fix, no join), so its stored bytes may serve as is."""
 
     name: str
     shape: tuple[int, ...]
     sources: tuple[GGUFTensor, ...]
     produce: Callable[[np.ndarray], np.ndarray] = field(repr=False)
+    verbatim: bool = False
 
 
 @dataclass(frozen=True)
@@ -271,7 +273,7 @@ def _single(arch: GGUFArch, layer: int | None, rule: Rule, leaf: str, t: GGUFTen
         w = dequantize_tensor(data, t)
         return w if rule.fix is None else rule.fix(w, config)
 
-    return HFTensor(_hf_name(arch, layer, rule, leaf), tuple(shape), (t,), produce)
+    return HFTensor(_hf_name(arch, layer, rule, leaf), tuple(shape), (t,), produce, verbatim=rule.fix is None)
 
 
 def _joined(g: GGUFFile, arch: GGUFArch, pending: dict[tuple[int, str], GGUFTensor], have: set[str],

@@ -142,9 +142,9 @@ class NativeExpertKernel:
         i64, ptr, vp, ci = ctypes.c_int64, ctypes.POINTER(ctypes.c_int64), ctypes.c_void_p, ctypes.c_int
         for name, args in (("ferry_experts", [ptr, ci, ci, ci, ctypes.POINTER(vp), ptr, ptr, i64, i64, vp, vp, vp,
                                               vp]),
-                           ("ferry_matvec", [ptr, ci, ci, vp, i64, i64, vp, i64, vp]),
-                           ("ferry_quantize_act", [vp, i64, i64, vp, vp]),
-                           ("ferry_dequant", [ptr, ci, vp, i64, i64, vp]),
+                           ("ferry_matvec", [ptr, ci, ci, ci, ctypes.POINTER(vp), ptr, i64, vp, i64, vp]),
+                           ("ferry_quantize_act", [vp, i64, i64, i64, vp, vp]),
+                           ("ferry_dequant", [ptr, ci, vp, i64, vp, i64, i64, vp]),
                            ("ferry_isa_best", [])):
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = ctypes.c_int, args
@@ -272,9 +272,39 @@ class NativeExpertKernel:
         y = torch.empty(xf.shape[0], n, dtype=torch.float32)
         qp = _qproj(layout)
         self._check(self._lib.ferry_matvec((ctypes.c_int64 * 9).from_buffer(qp, 72 * which),
-                                           ISAS.index(self.isa), int(threads), row.data_ptr(), n, kk,
-                                           xf.data_ptr(), xf.shape[0], y.data_ptr()))
+                                           ISAS.index(self.isa), int(threads), 1, (ctypes.c_void_p * 1)(
+                                               row.data_ptr()), (ctypes.c_int64 * 1)(n), kk, xf.data_ptr(),
+                                           xf.shape[0], y.data_ptr()))
         return y
+
+    def matmul(self, x: torch.Tensor, m: "BlockMatrix", threads: int) -> torch.Tensor:
+        """``x [M, K] @ W.T`` for the GGML-block matrix ``m`` (``[N, K]``, read where it lies): ``[M, N]`` float32,
+        with ``x`` quantized to 8 bits per 32 inputs as the expert kernels do (any float dtype; widened first).
+
+        Raises:
+            ValueError: ``x`` not ``[M, K]`` on the CPU, ``M == 0``, ``threads < 1``.
+        """
+        if x.dim() != 2 or x.shape[1] != m.k or x.shape[0] == 0 or x.device.type != "cpu":
+            raise ValueError(f"x must be a host [M >= 1, {m.k}] tensor, got {list(x.shape)} on {x.device}")
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        xf = x.to(torch.float32).contiguous()
+        y = torch.empty(xf.shape[0], m.n, dtype=torch.float32)
+        self._check(self._lib.ferry_matvec(m.qp, ISAS.index(self.isa), int(threads), len(m.segments), m.bases,
+                                           m.seg_rows, m.k, xf.data_ptr(), xf.shape[0], y.data_ptr()))
+        return y
+
+    def gather(self, m: "BlockMatrix", idx: torch.Tensor) -> torch.Tensor:
+        """Rows ``idx`` (int64 ``[n]``, each in ``[0, N)``) of a one-segment block matrix, dequantized as gguf-py
+        does (bit for bit): ``[n, K]`` float32. Raises ValueError: several segments, an index out of range."""
+        if len(m.segments) != 1:
+            raise ValueError("rows are gathered from a one-segment block matrix")
+        ids = idx.to(device="cpu", dtype=torch.int64).contiguous().view(-1)
+        out = torch.empty(ids.numel(), m.k, dtype=torch.float32)
+        if ids.numel():
+            self._check(self._lib.ferry_dequant(m.qp, ISAS.index(self.isa), m.segments[0].data_ptr(), m.n,
+                                                ids.data_ptr(), ids.numel(), m.k, out.data_ptr()))
+        return out
 
     def dequantize(self, row: torch.Tensor, layout, part: str) -> torch.Tensor:
         """One projection of a quantized expert ``row`` (an integer kind) as the kernels decode it: ``[N, K]``
@@ -285,16 +315,19 @@ class NativeExpertKernel:
         out = torch.empty(n, kk, dtype=torch.float32)
         qp = _qproj(layout)
         self._check(self._lib.ferry_dequant((ctypes.c_int64 * 9).from_buffer(qp, 72 * which),
-                                            ISAS.index(self.isa), row.data_ptr(), n, kk, out.data_ptr()))
+                                            ISAS.index(self.isa), row.data_ptr(), n, None, n, kk, out.data_ptr()))
         return out
 
-    def quantize_activation(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [M, K]`` (``K % 32 == 0``) as the integer kernels read it: int8 codes ``[M, K]`` and float32 scales
-        ``[M, K / 32]`` (``x ~ q * d`` per block of 32)."""
+    def quantize_activation(self, x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [M, K]`` as the integer kernels read it: int8 codes ``[M, K]`` and float32 scales ``[M, K / block]``
+        (``x ~ q * d`` per block); ``block`` 32 for most kinds, 256 for the K-quants (ggml's Q8_K). Raises
+        ValueError: ``K`` not a multiple of ``block``, a block other than 32 or 256."""
         xf = x.to(torch.float32).contiguous()
         m, kk = xf.shape
-        q, d = torch.empty(m, kk, dtype=torch.int8), torch.empty(m, kk // 32, dtype=torch.float32)
-        self._check(self._lib.ferry_quantize_act(xf.data_ptr(), m, kk, q.data_ptr(), d.data_ptr()))
+        if block not in (32, 256) or kk % block:
+            raise ValueError(f"activations are quantized per 32 or 256 inputs (a multiple of K {kk}), not {block}")
+        q, d = torch.empty(m, kk, dtype=torch.int8), torch.empty(m, kk // block, dtype=torch.float32)
+        self._check(self._lib.ferry_quantize_act(xf.data_ptr(), m, kk, block, q.data_ptr(), d.data_ptr()))
         return q, d
 
     @staticmethod
@@ -304,6 +337,59 @@ class NativeExpertKernel:
 
 
 _BLOCK_KINDS = ("q8_0", "q4_k", "q5_k", "q6_k")
+
+
+class BlockMatrix:
+    """A dense ``[N, K]`` weight of GGML blocks, read where it lies (e.g. a GGUF file's mapped bytes): the rows of
+    ``segments`` in order, each uint8 ``[n_s, K / QK * BB]`` with contiguous rows in block kind ``kinds[s]`` (a fused
+    q|k|v is the three mapped tensors, possibly of three kinds). The kernels' call arguments are built once here.
+
+    Raises:
+        ValueError: a kind the kernels do not read, ``K`` not a whole number of blocks, a segment of another shape.
+    """
+
+    def __init__(self, kind: str, k: int, data: torch.Tensor):
+        self._init(k, [(kind, data)])
+
+    def _init(self, k: int, parts: list[tuple[str, torch.Tensor]]) -> None:
+        from ferrylm.experts.gguf_blocks import BLOCK_TYPES
+
+        vals = []
+        for kind, t in parts:
+            if kind not in _BLOCK_KINDS:
+                raise ValueError(f"block matrices are one of {', '.join(_BLOCK_KINDS)}, not {kind!r}")
+            bt = BLOCK_TYPES[kind]
+            if k <= 0 or k % bt.elems:
+                raise ValueError(f"{bt.name} rows of {k} inputs: K must be a positive multiple of {bt.elems}")
+            rb = k // bt.elems * bt.nbytes
+            if t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != rb or t.stride(1) != 1 or (
+                    t.shape[0] > 1 and t.stride(0) != rb) or t.device.type != "cpu":
+                raise ValueError(f"{bt.name} rows of {k} inputs must be host uint8 [rows, {rb}] with contiguous rows, "
+                                 f"got {t.dtype} {list(t.shape)} on {t.device}")
+            vals += [_QKIND[kind], bt.elems, 0, 0, 0, 0, 0, 0, 0]
+        self.k = k
+        self.kinds = tuple(kind for kind, _ in parts)
+        self.segments = tuple(t for _, t in parts)
+        self.n = sum(int(t.shape[0]) for t in self.segments)
+        self.qp = (ctypes.c_int64 * len(vals))(*vals)
+        self.bases = (ctypes.c_void_p * len(parts))(*[t.data_ptr() for t in self.segments])
+        self.seg_rows = (ctypes.c_int64 * len(parts))(*[int(t.shape[0]) for t in self.segments])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in self.segments)
+
+    @classmethod
+    def stacked(cls, parts: list["BlockMatrix"]) -> "BlockMatrix":
+        """One matrix of ``parts``' rows in order (their segments, nothing copied). Raises ValueError: parts of
+        another ``K``."""
+        if len({p.k for p in parts}) != 1:
+            raise ValueError(f"stacked block matrices share K, got {[p.k for p in parts]}")
+        m = cls.__new__(cls)
+        m._init(parts[0].k, [(kind, t) for p in parts for kind, t in zip(p.kinds, p.segments)])
+        return m
+
+
 _QKIND = {"int4": 1, "int8": 2, "fp4": 3, "fp8": 4, "q8_0": 5, "q4_k": 6, "q5_k": 7, "q6_k": 8}
 _SDTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}
 

@@ -109,10 +109,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     if group > 1:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D]
+    # [1, H, T, D]: with a batch dim, SDPA on a CPU takes its flash kernel (3-D inputs: the math one, ~3x slower)
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if q_offset == 0 and tq == tk and window is None and sinks is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
     qpos = torch.arange(q_offset, q_offset + tq, device=q.device)
     kpos = torch.arange(k_lo, k_lo + tk, device=q.device)
     mask = kpos[None, :] <= qpos[:, None]  # [Tq, Tk] True = attend
@@ -121,6 +122,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     if sinks is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
     else:
-        out = torch.cat([sink_attention(qh[:, i:i + SINK_QUERY_BLOCK], kh, vh, mask[i:i + SINK_QUERY_BLOCK], scale,
-                                        sinks[:, None]) for i in range(0, tq, SINK_QUERY_BLOCK)], dim=1)
-    return out.transpose(0, 1)
+        out = torch.cat([sink_attention(qh[:, :, i:i + SINK_QUERY_BLOCK], kh, vh, mask[i:i + SINK_QUERY_BLOCK],
+                                        scale, sinks[:, None]) for i in range(0, tq, SINK_QUERY_BLOCK)], dim=2)
+    return out[0].transpose(0, 1)

@@ -225,6 +225,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     arch_name = "DeepseekV3ForCausalLM"
     # the reference keeps the router (weight and selection bias) in float32 whatever the load dtype
     float32_tensors = ("gate.e_score_correction_bias", "mlp.gate.weight")
+    tensor_weights = ("kv_b_proj",)  # the latent attention's absorbed projection (models/latent_attention.py)
 
     def __init__(self, config: ModelConfig, *, executor: ExpertExecutor | None = None,
                  device: torch.device | str | None = None):

@@ -8,8 +8,9 @@ loader can place tensors by name.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 
 from ferrylm.errors import ModelLoadError
 from ferrylm.models.attention import AttentionBackend
+from ferrylm.models.quant_linear import QuantLinear
 from ferrylm.triton_util import use_triton
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -378,33 +380,39 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
         self.window = window
-        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused (weight, bias), see below
+        self._qkv: Callable[[torch.Tensor], torch.Tensor] | None = None    # the fused projection, see below
         self._qk_norm_weight: torch.Tensor | None = None                   # [Hq + Hkv, D] for "head" norm
         self._fused_from: tuple = ()
 
     def fuse_projections(self) -> None:
         """Serve q, k and v from ONE matrix multiply (vLLM's QKVParallelLinear idea): concatenate the three
         weights ``[(Hq + 2 Hkv) * D, H]`` (and biases), then re-point ``q_proj`` / ``k_proj`` / ``v_proj`` at views
-        of it, so no memory is added and the state dict keeps its names. With a per-head q/k norm, its two ``[D]``
-        weights are laid out per head ``[Hq + Hkv, D]`` so queries and keys are normalised (and rotated) together.
-        Call once after loading (the loader does); idempotent. Results equal the separate projections (each
-        output element is the same dot product)."""
+        of it, so no memory is added and the state dict keeps its names (:class:`QuantLinear` ones: one call over
+        the three blocks where they lie). With a per-head q/k norm, its two ``[D]`` weights are laid out per head
+        ``[Hq + Hkv, D]`` so queries and keys are normalised (and rotated) together. Call once after loading (the
+        loader does); idempotent. Results equal the separate projections (each output element is the same dot
+        product)."""
         if self._qkv is not None:
             return
+        projs = [self.q_proj, self.k_proj, self.v_proj]
         with torch.no_grad():
-            w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-            b = (torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
-                 if self.q_proj.bias is not None else None)
-            nq, nk = self.q_proj.weight.shape[0], self.k_proj.weight.shape[0]
-            for i, (proj, lo, hi) in enumerate(((self.q_proj, 0, nq), (self.k_proj, nq, nq + nk),
-                                                 (self.v_proj, nq + nk, nq + 2 * nk))):
-                proj.weight = nn.Parameter(w[lo:hi], requires_grad=False)
-                if b is not None:
-                    proj.bias = nn.Parameter(b[lo:hi], requires_grad=False)
+            if all(isinstance(p, QuantLinear) for p in projs):
+                self._qkv = QuantLinear.stacked(projs).forward  # a callable, not a submodule
+            elif any(isinstance(p, QuantLinear) for p in projs):  # blocks and floats: side by side
+                self._qkv = functools.partial(_side_by_side, tuple(projs))
+            else:
+                w = torch.cat([p.weight for p in projs])
+                b = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
+                nq, nk = self.q_proj.weight.shape[0], self.k_proj.weight.shape[0]
+                for proj, lo, hi in ((self.q_proj, 0, nq), (self.k_proj, nq, nq + nk), (self.v_proj, nq + nk,
+                                                                                         nq + 2 * nk)):
+                    proj.weight = nn.Parameter(w[lo:hi], requires_grad=False)
+                    if b is not None:
+                        proj.bias = nn.Parameter(b[lo:hi], requires_grad=False)
+                self._qkv = functools.partial(F.linear, weight=w, bias=b)
             if self.qk_norm == "head":
                 self._qk_norm_weight = torch.cat([self.q_norm.weight.expand(self.num_heads, -1),
                                                   self.k_norm.weight.expand(self.num_kv_heads, -1)])
-        self._qkv = (w, b)
         self._fused_from = self._fusion_inputs()
 
     def _fusion_inputs(self) -> tuple:
@@ -436,7 +444,7 @@ class Attention(nn.Module):
             return self._forward_fused(positions, hidden, attn)
         if fused:
             nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = F.linear(hidden, *self._qkv).split([nq, nk, nk], dim=-1)
+            q, k, v = self._qkv(hidden).split([nq, nk, nk], dim=-1)
         else:
             q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
         if self.qk_norm == "proj":
@@ -463,7 +471,7 @@ class Attention(nn.Module):
         """:meth:`forward` after :meth:`fuse_projections` (no ``"proj"`` norm, no clamp): one projection, then
         queries and keys normalised per head and rotated side by side ``[T, Hq + Hkv, D]``."""
         t, hq, hk, d = hidden.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(hidden, *self._qkv).view(t, hq + 2 * hk, d)
+        qkv = self._qkv(hidden).view(t, hq + 2 * hk, d)
         qk, v = qkv[:, :hq + hk], qkv[:, hq + hk:]
         # per-head norm + RoPE in one kernel (models/kernels/norm_rope.py; it rotates every dim: not partial rotary)
         if use_triton(qkv) and d & (d - 1) == 0 and self.rotary.rotary_dim == d:
@@ -478,6 +486,10 @@ class Attention(nn.Module):
         qk = self.rotary.rotate(positions, qk)
         out = attn.attend(self.layer_idx, qk[:, :hq], qk[:, hq:], v, self.scale, **self._extras())
         return self.o_proj(out.reshape(t, hq * d))
+
+
+def _side_by_side(projs: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([p(x) for p in projs], dim=-1)
 
 
 class SwiGLUMLP(nn.Module):

@@ -150,12 +150,15 @@ class LlamaForCausalLM(nn.Module):
         partial_rotary: the family's reference supports partial rotary embedding (else such configs are refused).
         fused_experts: how fused expert tensors are laid out: ``"halves"`` (transformers' ``[E, 2I, H]``, gate rows
             then up) or ``"gpt_oss"`` (see ``checkpoints/assemble.py``).
+        tensor_weights: module-name suffixes whose weight the family reads as a tensor (not through the module's
+            forward): a GGUF's blocks for them are dequantized, never kept compact (``models/quant_linear.py``).
     """
 
     hf_renames: tuple[tuple[str, str], ...] = ()
     float32_tensors: tuple[str, ...] = ()
     partial_rotary: bool = False
     fused_experts: str = "halves"
+    tensor_weights: tuple[str, ...] = ()
 
     def __init__(self, config: ModelConfig, *, executor: ExpertExecutor | None = None,
                  device: torch.device | str | None = None):
@@ -218,5 +221,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, H]`` -> ``[N, V]`` float32 logits (tied to the embedding when ``tie_word_embeddings``)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()

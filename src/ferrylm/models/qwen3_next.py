@@ -202,6 +202,7 @@ class Qwen3NextForCausalLM(nn.Module):
     linear_cls: type[GatedDeltaNet] = Qwen3NextGatedDeltaNet
     hf_renames: tuple[tuple[str, str], ...] = ()
     float32_tensors: tuple[str, ...] = ()
+    tensor_weights: tuple[str, ...] = ()
     partial_rotary = True
     fused_experts = "halves"
 
@@ -322,8 +323,9 @@ class Qwen3NextForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, H]`` -> ``[N, V]`` float32."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
 
 class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):

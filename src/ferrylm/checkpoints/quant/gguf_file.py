@@ -18,6 +18,12 @@ changes). Then:
   checkpoints (:func:`~ferrylm.checkpoints.quant.gguf_moe.repack_mxfp4`: nibbles paired per byte, the scales as
   bfloat16; the same values). Float experts (F32 / F16 / BF16) become plain stacks in the model dtype; expert
   biases (gpt-oss) are the layer's :class:`~ferrylm.experts.executor.ExpertMath`.
+* On a CPU with the native kernels (``--moe-cpu-kernel``), the big non-expert matrices stay the file's blocks too:
+  a ``Q8_0`` / ``Q4_K`` / ``Q5_K`` / ``Q6_K`` weight of an ``nn.Linear`` or ``nn.Embedding`` (lm_head, token
+  embeddings, attention, dense and shared-expert MLPs) that the file holds as the model reads it (no converter
+  change undone) becomes a :class:`~ferrylm.models.quant_linear.QuantLinear` / ``QuantEmbedding`` over its mapped
+  bytes (:func:`~ferrylm.models.quant_linear.compact_modules`). Not: a tied embedding, what the class keeps in
+  float32 or reads as a tensor (``tensor_weights``).
 * Every other tensor is dequantized (gguf-py's ``dequantize``, exact), put back as the HF checkpoint has it
   (:mod:`ferrylm.checkpoints.gguf_archs`: names, and what llama.cpp's converter changed) and cast to the model dtype
   (bfloat16 on a GPU by default; float32 for what the model class keeps so) on its way to the device.
@@ -37,11 +43,13 @@ import torch
 
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts import ExpertOptions
+from ferrylm.experts.cpu_kernel import BlockMatrix
 from ferrylm.experts.executor import ExpertMath, LayerExperts
 from ferrylm.experts.gguf_blocks import BLOCK_CODE, BLOCK_TYPES, KIND_OF_GGUF
 from ferrylm.experts.quantized import ExpertQuant, QuantFormat, QuantTensor, block_format, empty_quant, mix_format
 from ferrylm.checkpoints.assemble import finish_model, module_name, placement, tensor_dtype
 from ferrylm.checkpoints.gguf_archs import ExpertTensor, HFTensor, iter_expert_layers, split_tensors
+from ferrylm.models.quant_linear import DenseKernel, compact_modules
 from ferrylm.checkpoints.gguf_config import EXPERT_TENSORS, expert_types, served_config
 from ferrylm.checkpoints.gguf_reader import GGUFTensor, dequantize_tensor, read_gguf
 
@@ -176,6 +184,57 @@ def _plain_tensors(hf_tensors: list[HFTensor], data: np.ndarray, model_cls: type
     return tensors, origin
 
 
+def _dense_kernel(device: torch.device, moe_backend: str | ExpertOptions) -> DenseKernel | None:
+    """What a CPU model's compact layers compute with (``--moe-cpu-kernel``, ``--moe-cpu-threads``): None off the
+    CPU or without a native kernel (``torch``, or ``auto`` without a compiler: the weights are then dequantized)."""
+    from ferrylm.experts.cpu_kernel import load_kernel
+
+    if device.type != "cpu":
+        return None
+    options = moe_backend if isinstance(moe_backend, ExpertOptions) else ExpertOptions(backend=moe_backend)
+    native = load_kernel(options.cpu_kernel)
+    return None if native is None else DenseKernel(native, options.cpu_threads or torch.get_num_threads())
+
+
+def _block_weights(hf_tensors: list[HFTensor], data: np.ndarray, model_cls: type,
+                   config) -> dict[str, tuple[BlockMatrix, HFTensor]]:
+    """The non-expert weights that may stay the file's blocks, by state-dict name, as block matrices over the
+    mapped bytes: a verbatim 2-D tensor of a block type, not kept in float32 or read as a tensor by the class."""
+    from ferrylm.checkpoints.gguf_config import type_name
+
+    out = {}
+    for h in hf_tensors:
+        key = module_name(h.name, model_cls, config)
+        kind = KIND_OF_GGUF.get(type_name(h.sources[0].qtype))
+        if (key is None or kind is None or not h.verbatim or len(h.shape) != 2 or not key.endswith(".weight")
+                or key.endswith(tuple(model_cls.float32_tensors))
+                or key.removesuffix(".weight").endswith(tuple(model_cls.tensor_weights))):
+            continue
+        t, bt = h.sources[0], BLOCK_TYPES[kind]
+        n, k = t.shape
+        out[key] = (BlockMatrix(kind, k, _torch_view(data, t).view(n, k // bt.elems * bt.nbytes)), h)
+    return out
+
+
+def _compact_layers(blocks: dict[str, tuple[BlockMatrix, HFTensor]], data: np.ndarray, model_cls: type, config,
+                    kernel: DenseKernel, dtype: torch.dtype):
+    """The loader's ``adapt`` hook: the compact layers put in place on the meta model, and the tensors of the
+    block weights no layer took (dequantized as the others)."""
+
+    def adapt(model) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        placed = compact_modules(model, {key: m for key, (m, _) in blocks.items()}, kernel, dtype,
+                                 embeddings=not config.tie_word_embeddings)
+        if placed:
+            kinds = sorted({kind.upper() for key in placed for kind in blocks[key][0].kinds})
+            log.info("non-expert weights: %d matrices kept as the file's %s blocks (%.2f GiB), on the native-%s "
+                     "kernel", len(placed), "/".join(kinds), sum(blocks[key][0].nbytes for key in placed) / 2 ** 30,
+                     kernel.native.isa)
+        rest = [h for key, (_, h) in blocks.items() if key not in placed]
+        return _plain_tensors(rest, data, model_cls, config, torch.device("cpu"), dtype)
+
+    return adapt
+
+
 def _expert_layers(path: Path, experts: list[ExpertTensor], data: np.ndarray, model_cls: type, config,
                    fmts: dict, dtype: torch.dtype, exp_dev: torch.device, pin: bool) -> dict[int, LayerExperts]:
     """Every MoE layer's :class:`LayerExperts` from its GGUF stacks (and gpt-oss's biases as its ``math``).
@@ -235,9 +294,14 @@ def load_gguf_model(path: str | Path, *, device: torch.device | str = "cpu", dty
             "down": quant.down if quant else None}
     data = np.asarray(np.memmap(g.path, dtype=np.uint8, mode="c"))  # copy-on-write: writable views, file untouched
     hf_tensors, expert_tensors = split_tensors(g, served)
-    tensors, origin = _plain_tensors(hf_tensors, data, model_cls, config, device, dtype)
+    kernel = _dense_kernel(device, moe_backend)
+    blocks = _block_weights(hf_tensors, data, model_cls, config) if kernel is not None else {}
+    taken = {h.name for _, h in blocks.values()}
+    tensors, origin = _plain_tensors([h for h in hf_tensors if h.name not in taken], data, model_cls, config, device,
+                                     dtype)
     experts = _expert_layers(g.path, expert_tensors, data, model_cls, config, fmts, dtype, exp_dev, pin)
-    loaded = finish_model(model_cls, config, device, moe_backend, experts or None, tensors, origin)
+    adapt = _compact_layers(blocks, data, model_cls, config, kernel, dtype) if blocks else None
+    loaded = finish_model(model_cls, config, device, moe_backend, experts or None, tensors, origin, adapt=adapt)
     if experts:
         h, i = config.hidden_size, config.moe_intermediate_size
         weights = len(experts) * config.num_experts * 3 * h * i

@@ -13,8 +13,11 @@
  * An integer kind's dot product is integer, as ggml's CPU backend does it: the activation is quantized once per call
  * to int8 with a float32 scale per 32 inputs (round to nearest, |q| <= 127), each weight row is read 32 inputs at a
  * time and its codes decoded in a register into int8 values with a float32 scale and offset per 16 inputs
- * (w = v * s + o), and sum(v * q) runs in int32 (AVX2 maddubs, AVX-512 VNNI dpbusd). Relative to float32 activations
- * that rounds each input by at most 1/254 of its block's largest magnitude.
+ * (w = v * s + o), and sum(v * q) runs in int32 (AVX2 maddubs, AVX-512 VNNI dpbusd). The K-quants (6..9) read the
+ * activation as ggml's Q8_K (one scale per 256 inputs) and apply their integer sub-block scales in int32, one float
+ * multiply per block of 256 (ggml's vec_dot_q*_K_q8_K). Relative to float32 activations that rounds each input by at
+ * most 1/254 of its block's largest magnitude.
+ * The dense entry ferry_matvec computes a GGUF's other matrices (lm_head, attention ...) from the same row kernels.
  *
  * Instruction sets: isa_kernels.h is compiled for AVX-512 (F/BW/VL/VNNI), AVX2 (+FMA, F16C) and plain C in this one
  * file; the caller picks one per call (ferry_isa_best: the best this CPU runs), so one build serves any x86-64 CPU.
@@ -33,6 +36,7 @@
 #endif
 
 #define TB 4   /* tokens per pass over a decoded weight row */
+#define TT 64  /* tokens per tile (rows in isa_kernels.h) */
 #define KIND_BF16 10
 #define KIND_F32 11
 #define FAM_INT 1
@@ -43,9 +47,13 @@ typedef struct {  /* one projection of an expert row; offsets are bytes from the
 } qproj;
 
 typedef struct {  /* Q8 activation of M tokens: q [M, K] int8, d [M, K/32] scales, s16 [M, K/16] and s32 [M, K/32]
-                   * sums of q * d */
+                   * sums of q * d; and, where K % 256 == 0, its Q8_K form for the K-quants: qk [M, K] int8, dk
+                   * [M, K/256] scales, bk [M, K/16] sums of qk (NULL otherwise) */
     int8_t *q;
     float *d, *s16, *s32;
+    int8_t *qk;
+    float *dk;
+    int16_t *bk;
 } qact;
 
 typedef struct {  /* a projection's input: float32 x (row stride ldx) and, for integer kinds, its Q8 form */
@@ -125,6 +133,17 @@ static inline qrow qrow_of(const qproj *q, const uint8_t *base, int64_t r, int64
     return w;
 }
 
+/* a Q4_K / Q5_K block's 6-bit sub-block scales and mins as bytes: sc[0..7] then mn[0..7] (ggml's get_scale_min_k4);
+ * sub-blocks 0-3 from the low 6 bits of bytes 0-7, 4-7 from bytes 8-11 and the top bits */
+static inline void kq_scale_bytes(const uint8_t *b, uint32_t *p) {
+    uint32_t u[3];
+    memcpy(u, b + 4, 12);
+    p[0] = u[0] & 0x3f3f3f3fu;
+    p[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    p[2] = u[1] & 0x3f3f3f3fu;
+    p[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+}
+
 /* a group kind's row w (1 int4, 2 int8, 3 fp4): the scale s16[h] and offset o16[h] of its inputs 16h..16h+15 */
 static void group_scales(const qproj *q, const qrow *w, int64_t K, float *s16, float *o16) {
     const int64_t g = q->group;
@@ -137,6 +156,16 @@ static void group_scales(const qproj *q, const qrow *w, int64_t K, float *s16, f
             o16[j * (g / 16) + h] = o;
         }
     }
+}
+
+/* x [n] -> q (int8, round to nearest) with one scale max|x| / 127 (returned); isa_kernels.h's SFX(quantize_block)
+ * are this, vectorized */
+static float quantize_block_plain(const float *x, int n, int8_t *q) {
+    float amax = 0.0f;
+    for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int i = 0; i < n; i++) q[i] = (int8_t)lrintf(x[i] * inv);
+    return amax / 127.0f;
 }
 
 /* ---- the row kernels, once per instruction set ---------------------------------------------------------- */
@@ -182,10 +211,13 @@ typedef void (*rows_fn)(const qproj *, const uint8_t *, int64_t, int64_t, int64_
                         float *, int64_t, const float *, float *);
 typedef void (*dequant_fn)(const qproj *, const uint8_t *, int64_t, int64_t, float *, float *);
 
+typedef float (*quant_fn)(const float *, int, int8_t *);
 #ifdef FERRY_X86
+static const quant_fn QUANT[3] = {quantize_block_c, quantize_block_avx2, quantize_block_avx512};
 static const rows_fn ROWS[3] = {rows_c, rows_avx2, rows_avx512};
 static const dequant_fn DEQUANT[3] = {dequant_row_c, dequant_row_avx2, dequant_row_avx512};
 #else
+static const quant_fn QUANT[3] = {quantize_block_c, NULL, NULL};
 static const rows_fn ROWS[3] = {rows_c, NULL, NULL};
 static const dequant_fn DEQUANT[3] = {dequant_row_c, NULL, NULL};
 #endif
@@ -219,18 +251,29 @@ static int q_ok(const qproj *q, int64_t K) {
 
 static int isa_ok(int isa) { return isa >= 0 && isa <= ferry_isa_best(); }
 
-/* token m's K inputs x -> row m of a (K inputs a row): q (int8, round to nearest), d (a scale per 32: max|x| / 127),
- * s16 and s32 (sums of q * d per 16 and 32: the offsets see the same quantized x as the codes) */
-static void quantize_token(const float *x, int64_t K, const qact *a, int64_t m) {
+
+/* token m's K inputs x -> row m of a (K inputs a row), the forms a holds: with a->q, q (int8, round to nearest), d (a
+ * scale per 32: max|x| / 127), s16 and s32 (sums of q * d per 16 and 32: the offsets see the same quantized x as the
+ * codes); with a->qk, the Q8_K form (a scale per 256, ggml's block_q8_K: qk, dk, and bk the sums of qk per 16) */
+static void quantize_token(const float *x, int64_t K, const qact *a, int64_t m, int isa) {
+    const quant_fn quantize_block = QUANT[isa];
+    if (a->qk) {
+        int8_t *qk = a->qk + m * K;
+        for (int64_t b = 0; b < K / 256; b++) {
+            a->dk[m * (K / 256) + b] = quantize_block(x + 256 * b, 256, qk + 256 * b);
+            for (int h = 0; h < 16; h++) {
+                int16_t sum = 0;
+                for (int i = 0; i < 16; i++) sum = (int16_t)(sum + qk[256 * b + 16 * h + i]);
+                a->bk[m * (K / 16) + 16 * b + h] = sum;
+            }
+        }
+    }
+    if (!a->q) return;
     int8_t *q = a->q + m * K;
     float *d = a->d + m * (K / 32), *s16 = a->s16 + m * (K / 16), *s32 = a->s32 + m * (K / 32);
     for (int64_t c = 0; c < K / 32; c++) {
-        const float *xc = x + 32 * c;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xc[i]));
-        const float dc = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const float dc = quantize_block(x + 32 * c, 32, q + 32 * c);
         d[c] = dc;
-        for (int i = 0; i < 32; i++) q[32 * c + i] = (int8_t)lrintf(xc[i] * inv);
         int32_t sh[2] = {0, 0};
         for (int i = 0; i < 32; i++) sh[i / 16] += q[32 * c + i];
         s16[2 * c] = (float)sh[0] * dc;
@@ -247,19 +290,44 @@ typedef struct {  /* the call's activation buffers */
     void *mem;
 } actmem;
 
-static int actmem_init(actmem *m, int64_t M, int64_t H, int64_t I) {
-    const int64_t nf = M * (2 * (H / 32) + H / 16 + 2 * (I / 32) + I / 16);
-    m->mem = malloc((size_t)nf * 4 + (size_t)M * (H + I) + 64);
+#define FORM_32 1  /* the activation per 32 inputs (int4, int8, fp4, Q8_0) */
+#define FORM_K 2   /* ggml's Q8_K (the K-quants) */
+
+/* the activation forms the integer kinds of q[0..n) read (0 for float kinds) */
+static int act_forms(const qproj *q, int n) {
+    int f = 0;
+    for (int i = 0; i < n; i++)
+        if (kind_family(q[i].kind) == FAM_INT) f |= q[i].kind >= 6 ? FORM_K : FORM_32;
+    return f;
+}
+
+static int64_t act_bytes(int64_t M, int64_t K, int forms) {
+    return (forms & FORM_32 ? M * (4 * (2 * (K / 32) + K / 16) + K) : 0) +
+           (forms & FORM_K ? M * (4 * (K / 256) + 2 * (K / 16) + K) : 0);
+}
+
+/* one activation's buffers (M tokens of K inputs, the forms asked; NULL the others) at f; returns the bytes after */
+static char *act_init(qact *a, char *f, int64_t M, int64_t K, int forms) {
+    memset(a, 0, sizeof *a);
+    if (forms & FORM_32) {
+        a->d = (float *)f; f += 4 * M * (K / 32);
+        a->s16 = (float *)f; f += 4 * M * (K / 16);
+        a->s32 = (float *)f; f += 4 * M * (K / 32);
+        a->q = (int8_t *)f; f += M * K;
+    }
+    if (forms & FORM_K) {
+        a->dk = (float *)f; f += 4 * M * (K / 256);
+        a->bk = (int16_t *)f; f += 2 * M * (K / 16);
+        a->qk = (int8_t *)f; f += M * K;
+    }
+    return f;
+}
+
+/* the call's activation buffers: x (H inputs, forms fx) and a (I inputs, forms fa) of M tokens */
+static int actmem_init(actmem *m, int64_t M, int64_t H, int fx, int64_t I, int fa) {
+    m->mem = malloc((size_t)(act_bytes(M, H, fx) + act_bytes(M, I, fa)) + 64);
     if (!m->mem) return -1;
-    float *f = (float *)m->mem;
-    m->x.d = f; f += M * (H / 32);
-    m->x.s16 = f; f += M * (H / 16);
-    m->x.s32 = f; f += M * (H / 32);
-    m->a.d = f; f += M * (I / 32);
-    m->a.s16 = f; f += M * (I / 16);
-    m->a.s32 = f; f += M * (I / 32);
-    m->x.q = (int8_t *)f;
-    m->a.q = m->x.q + M * H;
+    act_init(&m->a, act_init(&m->x, (char *)m->mem, M, H, fx), M, I, fa);
     return 0;
 }
 
@@ -310,10 +378,10 @@ int ferry_experts(const qproj *qp, int isa, int nthreads, int k, const void *con
     init_tables();
     const rows_fn rows_isa = ROWS[isa];
     const int64_t M = span_end(k, starts, counts), kmax = H > I ? H : I;
-    const int qx = kind_family(qp[0].kind) == FAM_INT, qa = kind_family(qp[1].kind) == FAM_INT;
+    const int qx = act_forms(&qp[0], 1), qa = act_forms(&qp[1], 1);
     actmem am;
     float *rbs = rowbufs_alloc(nthreads, kmax);
-    if (!rbs || actmem_init(&am, M, qx ? H : 0, qa ? I : 0)) {
+    if (!rbs || actmem_init(&am, M, H, qx, I, qa)) {
         free(rbs);
         return -3;
     }
@@ -323,13 +391,13 @@ int ferry_experts(const qproj *qp, int isa, int nthreads, int k, const void *con
         float *rb = rbs + omp_get_thread_num() * kmax;
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
-            if (qx) quantize_token(x + m * H, H, &am.x, m);
+            if (qx) quantize_token(x + m * H, H, &am.x, m, isa);
         experts_proj(rows_isa, &qp[0], k, bases, 0, 1, I, starts, counts, 2 * I, H, &ax, scratch, 2 * I, NULL, rb);
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) {  /* a = silu(g) * u in place over g, then its Q8 form */
             float *g = scratch + m * 2 * I;
             for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * g[I + i];
-            if (qa) quantize_token(g, I, &am.a, m);
+            if (qa) quantize_token(g, I, &am.a, m, isa);
         }
         experts_proj(rows_isa, &qp[1], k, bases, 2, 2, H, starts, counts, H, I, &aa, out, H, w, rb);
     }
@@ -338,57 +406,77 @@ int ferry_experts(const qproj *qp, int isa, int nthreads, int k, const void *con
     return 0;
 }
 
-/* y [M, N] = x [M, K] @ W^T for one projection q of the row at `base` (N rows of K inputs): the matrices outside
- * the experts (and the tests' view of one projection). */
-int ferry_matvec(const qproj *q, int isa, int nthreads, const void *base, int64_t N, int64_t K, const float *x,
-                 int64_t M, float *y) {
-    if (N <= 0 || K <= 0 || M <= 0 || nthreads < 1 || !q_ok(q, K)) return -1;
+/* y [M, N] = x [M, K] @ W^T, W's N rows in nseg segments (segment s: seg_rows[s] rows of layout q[s] at bases[s],
+ * its outputs after the earlier segments'): the matrices outside the experts (a fused q|k|v is three segments read
+ * where they lie, each of its own kind), and the tests' view of one projection. */
+int ferry_matvec(const qproj *q, int isa, int nthreads, int nseg, const void *const *bases, const int64_t *seg_rows,
+                 int64_t K, const float *x, int64_t M, float *y) {
+    if (nseg <= 0 || K <= 0 || M <= 0 || nthreads < 1) return -1;
+    int64_t N = 0, ntask = 0;
+    for (int s = 0; s < nseg; s++) {
+        if (seg_rows[s] <= 0 || !q_ok(&q[s], K)) return -1;
+        N += seg_rows[s];
+        ntask += (seg_rows[s] + BLOCK_ROWS - 1) / BLOCK_ROWS;
+    }
+    const int qx = act_forms(q, nseg);
     if (!isa_ok(isa)) return -2;
     init_tables();
-    const int qx = kind_family(q->kind) == FAM_INT;
     actmem am;
     float *rbs = rowbufs_alloc(nthreads, K);
-    if (!rbs || actmem_init(&am, M, qx ? K : 0, 0)) {
+    if (!rbs || actmem_init(&am, M, K, qx, 0, 0)) {
         free(rbs);
         return -3;
     }
     act ax = {x, K, am.x};
-    const int64_t starts[1] = {0}, counts[1] = {M};
-    const void *const bases[3] = {base, base, base};
+    const rows_fn rows = ROWS[isa];
 #pragma omp parallel num_threads(nthreads)
     {
+        float *rb = rbs + omp_get_thread_num() * K;
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
-            if (qx) quantize_token(x + m * K, K, &am.x, m);
-        experts_proj(ROWS[isa], q, 1, bases, 0, 0, N, starts, counts, N, K, &ax, y, N, NULL,
-                     rbs + omp_get_thread_num() * K);
+            if (qx) quantize_token(x + m * K, K, &am.x, m, isa);
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < ntask; task++) {  /* a task: BLOCK_ROWS rows of one segment */
+            int s = 0;
+            int64_t t = task, col = 0;
+            while (t >= (seg_rows[s] + BLOCK_ROWS - 1) / BLOCK_ROWS) {
+                t -= (seg_rows[s] + BLOCK_ROWS - 1) / BLOCK_ROWS;
+                col += seg_rows[s++];
+            }
+            const int64_t r0 = t * BLOCK_ROWS, r1 = r0 + BLOCK_ROWS < seg_rows[s] ? r0 + BLOCK_ROWS : seg_rows[s];
+            rows(&q[s], (const uint8_t *)bases[s], r0, r1, K, &ax, 0, M, y + col, N, NULL, rb);
+        }
     }
     free(rbs);
     free(am.mem);
     return 0;
 }
 
-/* The Q8 activation of x [M, K] (K % 32 == 0): codes q [M, K] and scales d [M, K / 32] (tests: x as the integer
- * kinds see it is q * d). */
-int ferry_quantize_act(const float *x, int64_t M, int64_t K, int8_t *q, float *d) {
-    if (M <= 0 || K <= 0 || K % 32) return -1;
-    float *sums = (float *)malloc(sizeof(float) * (size_t)(M * (K / 16 + K / 32)));
-    if (!sums) return -3;
-    const qact a = {q, d, sums, sums + M * (K / 16)};
-    for (int64_t m = 0; m < M; m++) quantize_token(x + m * K, K, &a, m);
-    free(sums);
+/* The Q8 activation of x [M, K] as the integer kinds read it: per 32 inputs (block 32; K % 32 == 0), or the K-quants'
+ * Q8_K form (block 256; K % 256 == 0): codes q [M, K] and scales d [M, K / block] (tests: x as the kernels see it is
+ * q * d). */
+int ferry_quantize_act(const float *x, int64_t M, int64_t K, int64_t block, int8_t *q, float *d) {
+    if (M <= 0 || K <= 0 || (block != 32 && block != 256) || K % block) return -1;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < K / block; b++)
+            d[m * (K / block) + b] = QUANT[ferry_isa_best()](x + m * K + block * b, (int)block, q + m * K + block * b);
     return 0;
 }
 
-/* Rows [0, N) of an integer-kind projection as the kernel decodes them, w = v * s + o in float32 (two roundings,
- * no fused multiply-add), into out [N, K]. */
-int ferry_dequant(const qproj *q, int isa, const void *base, int64_t N, int64_t K, float *out) {
-    if (N <= 0 || !q_ok(q, K) || kind_family(q->kind) != FAM_INT) return -1;
+/* Rows of an integer-kind projection as the kernel decodes them, w = v * s + o in float32 (two roundings, no fused
+ * multiply-add), into out [n, K]: rows idx[0..n) (n rows from 0 when idx is NULL; each < N, the projection's rows),
+ * e.g. the embedding rows of a step's tokens. */
+int ferry_dequant(const qproj *q, int isa, const void *base, int64_t N, const int64_t *idx, int64_t n, int64_t K,
+                  float *out) {
+    if (N <= 0 || n < 0 || !q_ok(q, K) || kind_family(q->kind) != FAM_INT) return -1;
+    for (int64_t i = 0; idx && i < n; i++)
+        if (idx[i] < 0 || idx[i] >= N) return -1;
+    if (!idx && n > N) return -1;
     if (!isa_ok(isa)) return -2;
     init_tables();
     float *tab = (float *)malloc(sizeof(float) * (size_t)(K / 8));
     if (!tab) return -3;
-    for (int64_t r = 0; r < N; r++) DEQUANT[isa](q, (const uint8_t *)base, r, K, tab, out + r * K);
+    for (int64_t i = 0; i < n; i++) DEQUANT[isa](q, (const uint8_t *)base, idx ? idx[i] : i, K, tab, out + i * K);
     free(tab);
     return 0;
 }

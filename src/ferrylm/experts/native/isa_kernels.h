@@ -3,12 +3,12 @@
  *   ISA_LEVEL  2: AVX-512 F/BW/VL/VNNI, 1: AVX2 + FMA + F16C, 0: plain C
  * and compiles the include under that target (so -O3 auto-vectorizes the plain loops for it too).
  *
- * Integer kinds (int4, int8, fp4, Q8_0, Q4_K, Q5_K, Q6_K): a weight row is read 32 inputs (a chunk) at a time, its
- * codes decoded into a register (int8 v, w = v * s + o with a float32 scale and offset per 16 inputs) and dotted
- * there with each of up to TB tokens' Q8 activations (int8 codes, a float32 scale per 32 inputs, float32 sums per 16
- * and 32): sum_32 (v * xq) in int32, times s * dx, plus o * sum(x). A K-quant block's scales are decoded once per
- * block, a group kind's once per row. Float kinds (bf16, f32, fp8): float32 activations; fp8 rows decoded to float32
- * first. */
+ * Integer kinds (int4, int8, fp4, Q8_0): a weight row is read 32 inputs (a chunk) at a time, its codes decoded into a
+ * register (int8 v, w = v * s + o with a float32 scale and offset per 16 inputs) and dotted there with each of up to
+ * TB tokens' Q8 activations (int8 codes, a float32 scale per 32 inputs, float32 sums per 16 and 32): sum_32 (v * xq)
+ * in int32, times s * dx, plus o * sum(x); a group kind's scales decoded once per row. K-quants (Q4_K, Q5_K, Q6_K):
+ * against the Q8_K activation (kdot_nt). Float kinds (bf16, f32, fp8): float32 activations; fp8 rows decoded to
+ * float32 first. */
 
 /* ---- primitives ---------------------------------------------------------------------------------------- */
 #if ISA_LEVEL >= 1
@@ -79,6 +79,30 @@ static void NAME(const WT *w, const float *x, int64_t ldx, int nt, int64_t n, fl
 DEF_FDOT(SFX(fdot_bf16), uint16_t, bf16_to_f32, VLOAD_BF16)
 DEF_FDOT(SFX(fdot_f32), float, F32_ID, VLOAD)
 #undef DEF_FDOT
+
+/* x [n] (n % 32 == 0) -> q (int8, round to nearest even, as lrintf) with one scale max|x| / 127 (returned); every
+ * level gives the same bits */
+static float SFX(quantize_block)(const float *x, int n, int8_t *q) {
+#if ISA_LEVEL >= 1
+    __m256 mx = _mm256_setzero_ps();
+    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int i = 0; i < n; i += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(abs, _mm256_loadu_ps(x + i)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    for (int i = 0; i < n; i += 32) {
+        __m256i v[4];
+        for (int k = 0; k < 4; k++) v[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * k), inv));
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        _mm256_storeu_si256((__m256i *)(q + i), _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3,
+                                                                                                   7)));
+    }
+    return amax / 127.0f;
+#else
+    return quantize_block_plain(x, n, q);
+#endif
+}
 
 /* ---- integer kinds: a weight row read 32 inputs (one chunk) at a time, its codes decoded in registers ------ */
 /* Per level: cod (a chunk's 32 int8 codes), sv (its two 16-input halves' scales), acc (a float accumulator). */
@@ -167,12 +191,8 @@ static inline __attribute__((always_inline)) void SFX(kq_scales)(const uint8_t *
 #endif
         return;
     }
-    uint32_t u[3], p[4];  /* sub-blocks 0-3 from the low 6 bits of bytes 0-7; 4-7 from bytes 8-11 and the top bits */
-    memcpy(u, b + 4, 12);
-    p[0] = u[0] & 0x3f3f3f3fu;
-    p[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-    p[2] = u[1] & 0x3f3f3f3fu;
-    p[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    uint32_t p[4];
+    kq_scale_bytes(b, p);
     const float dd = F16(b), dmin = F16(b + 2);
 #if ISA_LEVEL >= 1
     const __m128i sm = _mm_loadu_si128((const __m128i *)p);  /* sc[0..7], mn[0..7] */
@@ -253,6 +273,89 @@ static inline __attribute__((always_inline)) SFX(cod) SFX(group_codes)(const qpr
     return v;
 }
 
+/* res[t] = K-quant row w (KIND 6 Q4_K, 7 Q5_K, 8 Q6_K) . token (m0 + t)'s Q8_K activation, t < NT, as ggml's
+ * vec_dot_q*_K_q8_K: per block of 256, the codes times the activation's in int16 pairs, times the integer sub-block
+ * scales in int32, summed in int32 over the block; then d * dk times that, less dmin * dk times the mins times the
+ * activation's sums per 32 (Q4_K, Q5_K). Q6_K's codes are read unsigned (q + 32) and 32 times its scales times the
+ * activation's sums per 16 are taken off. Each chunk's codes are decoded once for the NT tokens. */
+static inline __attribute__((always_inline)) void SFX(kdot_nt)(const qrow *w, const int KIND, int64_t K,
+                                                                 const qact *a, int64_t m0, const int NT, float *res) {
+    const int64_t nb = K / 256;
+#if ISA_LEVEL >= 1
+    __m256 acc[TB];
+    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t ib = 0; ib < nb; ib++) {
+        const uint8_t *b = w->d + BLOCK_BYTES[KIND] * ib;
+        __m256i sumi[TB];
+        for (int t = 0; t < NT; t++) sumi[t] = _mm256_setzero_si256();
+        uint32_t sm[4];
+        if (KIND != 8) kq_scale_bytes(b, sm);
+        const uint8_t *sc8 = KIND == 8 ? b + 192 : (const uint8_t *)sm;
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            __m256i v = SFX(kq_codes)(b, KIND, j);
+            __m256i scj;
+            if (KIND == 8) {
+                v = _mm256_add_epi8(v, _mm256_set1_epi8(32));
+                scj = _mm256_set_m128i(_mm_set1_epi16((int8_t)sc8[2 * j + 1]), _mm_set1_epi16((int8_t)sc8[2 * j]));
+            } else {
+                scj = _mm256_set1_epi16(sc8[j]);
+            }
+            for (int t = 0; t < NT; t++) {
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)(a->qk + (m0 + t) * K + 256 * ib + 32 * j));
+                sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(_mm256_maddubs_epi16(v, xq), scj));
+            }
+        }
+        const float dd = F16(KIND == 8 ? b + 208 : b), dmin = KIND == 8 ? 0.0f : F16(b + 2);
+        /* the sums per 16 of the activation against the scales (Q6_K) or the mins, each of a 32-chunk's twice */
+        const __m256i w16 = KIND == 8 ? _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)))
+                                      : _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)(sc8 + 8)),
+                                                                              _mm_set_epi8(7, 7, 6, 6, 5, 5, 4, 4, 3, 3,
+                                                                                           2, 2, 1, 1, 0, 0)));
+        for (int t = 0; t < NT; t++) {
+            const int64_t m = m0 + t;
+            const float dk = a->dk[m * nb + ib];
+            const __m256i bs = _mm256_madd_epi16(w16, _mm256_loadu_si256((const __m256i *)(a->bk + m * (K / 16) +
+                                                                                           16 * ib)));
+            if (KIND == 8) {
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[t], _mm256_slli_epi32(bs, 5))),
+                                         _mm256_set1_ps(dd * dk), acc[t]);
+            } else {
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[t]), _mm256_set1_ps(dd * dk), acc[t]);
+                acc[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(bs), _mm256_set1_ps(dmin * dk), acc[t]);
+            }
+        }
+    }
+    for (int t = 0; t < NT; t++) res[t] = SFX(hsum8)(acc[t]);
+#else
+    for (int t = 0; t < NT; t++) {
+        const int64_t m = m0 + t;
+        const int8_t *xq = a->qk + m * K;
+        float r = 0.0f;
+        for (int64_t ib = 0; ib < nb; ib++) {
+            const uint8_t *b = w->d + BLOCK_BYTES[KIND] * ib;
+            uint32_t sm[4];
+            if (KIND != 8) kq_scale_bytes(b, sm);
+            const uint8_t *sc8 = KIND == 8 ? b + 192 : (const uint8_t *)sm;
+            int32_t isum = 0, ioff = 0;
+            for (int j = 0; j < 8; j++) {
+                const SFX(cod) v = SFX(kq_codes)(b, KIND, j);
+                for (int i = 0; i < 32; i++) {
+                    const int32_t sc = KIND == 8 ? (int8_t)sc8[2 * j + i / 16] : sc8[j];
+                    isum += sc * (KIND == 8 ? v.v[i] + 32 : v.v[i]) * xq[256 * ib + 32 * j + i];
+                }
+            }
+            for (int h = 0; h < 16; h++)
+                ioff += (KIND == 8 ? (int8_t)sc8[h] : sc8[8 + h / 2]) * a->bk[m * (K / 16) + 16 * ib + h];
+            const float dk = a->dk[m * nb + ib];
+            if (KIND == 8) r += (float)(isum - 32 * ioff) * (F16(b + 208) * dk);
+            else r += (float)isum * (F16(b) * dk) - (float)ioff * (F16(b + 2) * dk);
+        }
+        res[t] = r;
+    }
+#endif
+}
+
 /* res[t] = integer-kind row w . token (m0 + t)'s Q8 activation, t < NT; KIND a constant (1..3 group kinds, 5 Q8_0,
  * 6..8 K-quants) so each caller is specialised. Each chunk's codes are decoded once for the NT tokens and dotted in
  * int32 (sum v * xq per 4 inputs), times s * dx in float32; the offsets o add o * (sum of x) per 16 or 32 inputs.
@@ -261,21 +364,14 @@ static inline __attribute__((always_inline)) void SFX(qdot_nt)(const qproj *q, c
                                                                  int64_t K, const qact *a, int64_t m0, const int NT,
                                                                  float *tab, float *res) {
     const int64_t nc = K / 32;
-    float ss[16] __attribute__((aligned(32))), so[8] __attribute__((aligned(32))), off[TB] = {0, 0, 0, 0};
+    float off[TB] = {0, 0, 0, 0};
     SFX(acc) acc[2 * TB];
     for (int t = 0; t < 2 * NT; t++) acc[t] = ACC_ZERO();
     if (KIND >= 6) {
-        for (int64_t c0 = 0; c0 < nc; c0 += 8) {
-            const uint8_t *b = w->d + BLOCK_BYTES[KIND] * (c0 >> 3);
-            SFX(kq_scales)(b, KIND, ss, so);
-#pragma GCC unroll 8
-            for (int j = 0; j < 8; j++)
-                SFX(qstep)(SFX(kq_codes)(b, KIND, j), KIND == 8 ? SV_TWO(ss + 2 * j) : SV_ONE(ss + j), a, K, m0,
-                           c0 + j, NT, KIND != 8, j & 1, acc);
-            for (int t = 0; KIND != 8 && t < NT; t++)  /* the block's offsets times its sums of x per 32 */
-                OFF8(acc[2 * t], so, a->s32 + (m0 + t) * nc + c0);
-        }
-    } else if (KIND == 5) {
+        SFX(kdot_nt)(w, KIND, K, a, m0, NT, res);
+        return;
+    }
+    if (KIND == 5) {
         for (int64_t c = 0; c < nc; c++) {  /* even and odd chunks in the two accumulators */
             const uint8_t *b = w->d + 34 * c;
             const float s = F16(b);
@@ -393,22 +489,27 @@ static void SFX(decode_fp8)(const qproj *q, const uint8_t *base, int64_t r, int6
 
 /* ---- rows [r0, r1) of one projection, dotted with nx tokens ------------------------------------------ */
 /* y[t * ldy + r] = (row r . token t) * scale[t] (scale may be NULL); a: the tokens (float and, for integer kinds,
- * Q8), from token m0 of the activation on; f: K floats of scratch (an fp8 row decoded). */
+ * Q8), from token m0 of the activation on; f: K floats of scratch (an fp8 row decoded). Tokens go in tiles of TT, each
+ * passed over by every row of the range, so a long step's activations are read from cache, not memory, per row. */
 static void SFX(rows)(const qproj *q, const uint8_t *base, int64_t r0, int64_t r1, int64_t K, const act *a,
                       int64_t m0, int64_t nx, float *y, int64_t ldy, const float *scale, float *f) {
     float res[TB];
     const int fam = kind_family(q->kind);
     const float *x = a->x + m0 * a->ldx;
-    for (int64_t r = r0; r < r1; r++) {
-        if (q->kind == 4) SFX(decode_fp8)(q, base, r, K, f);
-        for (int64_t t0 = 0; t0 < nx; t0 += TB) {
-            const int nt = (int)(nx - t0 < TB ? nx - t0 : TB);
-            if (fam == FAM_INT) SFX(qdot)(q, base, r, K, &a->q, m0 + t0, nt, f, res);
-            else if (q->kind == 4) SFX(fdot_f32)(f, x + t0 * a->ldx, a->ldx, nt, K, res);
-            else if (q->kind == KIND_BF16)
-                SFX(fdot_bf16)((const uint16_t *)(base + q->off_data) + r * K, x + t0 * a->ldx, a->ldx, nt, K, res);
-            else SFX(fdot_f32)((const float *)(base + q->off_data) + r * K, x + t0 * a->ldx, a->ldx, nt, K, res);
-            for (int t = 0; t < nt; t++) y[(t0 + t) * ldy + r] = scale ? res[t] * scale[t0 + t] : res[t];
+    for (int64_t tt = 0; tt < nx; tt += TT) {
+        const int64_t te = tt + TT < nx ? tt + TT : nx;
+        for (int64_t r = r0; r < r1; r++) {
+            if (q->kind == 4) SFX(decode_fp8)(q, base, r, K, f);
+            for (int64_t t0 = tt; t0 < te; t0 += TB) {
+                const int nt = (int)(te - t0 < TB ? te - t0 : TB);
+                if (fam == FAM_INT) SFX(qdot)(q, base, r, K, &a->q, m0 + t0, nt, f, res);
+                else if (q->kind == 4) SFX(fdot_f32)(f, x + t0 * a->ldx, a->ldx, nt, K, res);
+                else if (q->kind == KIND_BF16)
+                    SFX(fdot_bf16)((const uint16_t *)(base + q->off_data) + r * K, x + t0 * a->ldx, a->ldx, nt, K,
+                                   res);
+                else SFX(fdot_f32)((const float *)(base + q->off_data) + r * K, x + t0 * a->ldx, a->ldx, nt, K, res);
+                for (int t = 0; t < nt; t++) y[(t0 + t) * ldy + r] = scale ? res[t] * scale[t0 + t] : res[t];
+            }
         }
     }
 }

@@ -1,0 +1,111 @@
+"""Linear layers and embeddings whose weight stays a GGUF file's quantized blocks on the CPU.
+
+A GGUF served on a CPU keeps its big matrices (lm_head, token embeddings, attention q/k/v/o, dense and shared-expert
+MLPs) as the file's mapped GGML blocks (Q8_0, Q4_K, Q5_K, Q6_K): no float copy is made. :class:`QuantLinear` computes
+``x @ W.T`` with the native CPU kernels that also compute the experts (``experts/cpu_kernel.py``: the activation is
+quantized to 8 bits per 32 inputs, the dot products are integer, as ggml's CPU backend does);
+:class:`QuantEmbedding` dequantizes only the looked-up rows, bit for bit as gguf-py does. The loader
+(``checkpoints/quant/gguf_file.py``) puts them in place of ``nn.Linear`` / ``nn.Embedding`` modules with
+:func:`compact_modules` before the other weights are assigned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ferrylm.experts.cpu_kernel import BlockMatrix, NativeExpertKernel
+
+
+@dataclass(frozen=True)
+class DenseKernel:
+    """The kernel build and the threads compact modules compute with (``--moe-cpu-kernel``, ``--moe-cpu-threads``)."""
+
+    native: NativeExpertKernel
+    threads: int
+
+
+class QuantLinear(nn.Module):
+    """``y = x @ W.T (+ bias)`` with ``W [N, K]`` a :class:`BlockMatrix`; ``x [..., K]`` in any float dtype ->
+    ``[..., N]`` in ``x``'s dtype.
+
+    Attributes:
+        weight: the block matrix (not a tensor: the state dict holds only ``bias``, a parameter when present).
+    """
+
+    def __init__(self, weight: BlockMatrix, kernel: DenseKernel, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = weight
+        self.kernel = kernel
+        self.in_features, self.out_features = weight.k, weight.n
+        self.register_parameter("bias", None if bias is None else nn.Parameter(bias, requires_grad=False))
+
+    @classmethod
+    def stacked(cls, parts: list["QuantLinear"]) -> "QuantLinear":
+        """One layer computing ``parts`` side by side (outputs concatenated, e.g. q|k|v in one kernel call), over
+        their blocks where they lie; biases concatenated (all or none)."""
+        biases = [p.bias for p in parts]
+        if any(b is None for b in biases) and any(b is not None for b in biases):
+            raise ValueError("stacked layers have biases on all parts or on none")
+        bias = None if biases[0] is None else torch.cat(biases)
+        return cls(BlockMatrix.stacked([p.weight for p in parts]), parts[0].kernel, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] == 0:
+            return x.new_zeros(*lead, self.out_features)
+        y = self.kernel.native.matmul(flat, self.weight, self.kernel.threads)
+        if self.bias is not None:
+            y += self.bias
+        return y.to(x.dtype).view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {'|'.join(self.weight.kinds)}"
+
+
+class QuantEmbedding(nn.Module):
+    """``ids [...]`` int64 -> rows ``[..., H]`` of a one-segment :class:`BlockMatrix` ``[V, H]``, dequantized as
+    gguf-py does and cast to ``dtype``."""
+
+    def __init__(self, weight: BlockMatrix, kernel: DenseKernel, dtype: torch.dtype):
+        super().__init__()
+        self.weight = weight
+        self.kernel = kernel
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = weight.n, weight.k
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.kernel.native.gather(self.weight, ids)
+        return rows.to(self.dtype).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.weight.kinds[0]}"
+
+
+def compact_modules(model: nn.Module, weights: dict[str, BlockMatrix], kernel: DenseKernel, dtype: torch.dtype, *,
+                    embeddings: bool = True) -> set[str]:
+    """Put :class:`QuantLinear` / :class:`QuantEmbedding` in place of the modules of ``model`` whose weight
+    (state-dict name ``<module>.weight``) is in ``weights``, where that module is a plain ``nn.Linear`` /
+    ``nn.Embedding`` (only with ``embeddings``: a tied output layer reads the table as a tensor) of the same shape.
+    Returns the weight names placed; a Linear's bias stays a parameter to assign. ``dtype``: what embeddings
+    return."""
+    placed = set()
+    for key, w in weights.items():
+        name = key.removesuffix(".weight")
+        try:
+            old = model.get_submodule(name)
+        except AttributeError:
+            continue
+        if type(old) is nn.Linear and (old.out_features, old.in_features) == (w.n, w.k):
+            new = QuantLinear(w, kernel, old.bias)
+        elif embeddings and type(old) is nn.Embedding and (old.num_embeddings, old.embedding_dim) == (w.n, w.k):
+            new = QuantEmbedding(w, kernel, dtype)
+        else:
+            continue
+        parent, _, leaf = name.rpartition(".")
+        (model.get_submodule(parent) if parent else model).register_module(leaf, new)
+        placed.add(key)
+    return placed
