@@ -120,11 +120,7 @@ class ExpertAssembler:
 
     def finish(self) -> dict[int, LayerExperts]:
         """The completed stacks. Raises ModelLoadError naming the first missing expert tensor."""
-        for (layer, part), done in sorted(self.filled.items()):
-            missing = sorted(set(range(self.num_experts)) - done)
-            if missing:
-                raise ModelLoadError(f"checkpoint lacks routed expert weights: model.layers.{layer} expert "
-                                     f"{missing[0]} {part} projection ({_PART_NAMES[part]})")
+        check_experts_complete(self.filled, self.num_experts)
         return self.stacks
 
 
@@ -175,6 +171,15 @@ class ExpertBiasAssembler:
             stacks[layer].math = ExpertMath(gu[:, 0::2].contiguous(), gu[:, 1::2].contiguous(),
                                             self.tensors[(layer, "down_proj")].contiguous(), *self.swiglu)
         return stacks
+
+
+def check_experts_complete(filled: dict[tuple[int, str], set[int]], num_experts: int) -> None:
+    """``filled``: (layer, part) -> the expert ids loaded. Raises ModelLoadError naming the first missing expert."""
+    for (layer, part), done in sorted(filled.items()):
+        missing = sorted(set(range(num_experts)) - done)
+        if missing:
+            raise ModelLoadError(f"checkpoint lacks routed expert weights: model.layers.{layer} expert "
+                                 f"{missing[0]} {part} projection ({_PART_NAMES[part]})")
 
 
 def expert_assemblers(model_cls: type, config: ModelConfig, moe_layers: tuple[int, ...], device: torch.device,

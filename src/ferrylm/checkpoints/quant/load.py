@@ -23,7 +23,7 @@ from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.executor import LayerExperts
 from ferrylm.experts.quantized import QuantFormat, QuantTensor, empty_quant
-from ferrylm.checkpoints.assemble import expert_assemblers, module_name, renamed, tensor_dtype
+from ferrylm.checkpoints.assemble import check_experts_complete, expert_assemblers, module_name, renamed, tensor_dtype
 from ferrylm.checkpoints.quant.base import QuantReader
 
 _PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
@@ -90,11 +90,7 @@ class QuantAssembler:
 
     def finish(self) -> dict[int, LayerExperts]:
         """The stacks as :class:`LayerExperts`. Raises ModelLoadError naming the first missing expert."""
-        for (layer, part), done in sorted(self.filled.items()):
-            missing = sorted(set(range(self.num_experts)) - done)
-            if missing:
-                raise ModelLoadError(f"checkpoint lacks routed expert weights: model.layers.{layer} expert "
-                                     f"{missing[0]} {part} projection")
+        check_experts_complete(self.filled, self.num_experts)
         return {n: LayerExperts(gate=s["gate"], up=s["up"], down=s["down"]) for n, s in self.stacks.items()}
 
 
