@@ -345,6 +345,37 @@ class SlotCache:
         self.policy.insert(key)
         return slot, evicted
 
+    def place(self, key: Key, slot: int) -> Key | None:
+        """Put ``key`` in ``slot`` (an install the device decided): the slot's expert, if any, is evicted.
+
+        Returns:
+            the evicted key or None (the slot was free).
+
+        Raises:
+            KeyError: no such slot. ValueError: ``key`` is cached already, or the slot's expert is pinned.
+        """
+        if slot not in self._slots:
+            raise KeyError(f"no such slot: {slot}")
+        if key in self._slot_of:
+            raise ValueError(f"{key} is already cached in slot {self._slot_of[key]}")
+        old = self._key_of.get(slot)
+        if old is None:
+            self._free.remove(slot)
+        else:
+            if old in self._pinned:
+                raise ValueError(f"cannot replace {old}: pinned for this step")
+            del self._slot_of[old]
+            self.policy.remove(old)
+            self.evictions += 1
+        self._slot_of[key] = slot
+        self._key_of[slot] = key
+        self.policy.insert(key)
+        return old
+
+    def free_slots(self) -> list[int]:
+        """The free slot ids, in the order :meth:`admit` hands them out."""
+        return self._free[::-1]
+
     def evict(self, key: Key) -> int:
         """Drop the unpinned ``key``; return its freed slot. Raises KeyError (not cached) / ValueError (pinned)."""
         if key in self._pinned:

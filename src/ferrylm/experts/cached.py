@@ -133,6 +133,9 @@ class CachedExecutor(ElasticSlots, StreamedPrefill, ExpertExecutor):
     def _cache_changed(self) -> None:
         """The slot cache changed outside a device table's own planning (nothing to mark here)."""
 
+    def settle_device(self) -> None:
+        """Bring the host cache in step with installs the device made inside steps (none here)."""
+
     def _table_serves(self, num_tokens: int) -> bool:
         """A step of ``num_tokens`` tokens runs from the device table (never here)."""
         return False

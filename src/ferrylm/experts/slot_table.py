@@ -3,25 +3,18 @@ host decision inside a decode step (so the whole step is one CUDA graph).
 
 Protocol (docs/ARCHITECTURE.md, "Offload decode"):
 
-* Every routed expert ``(layer, e)`` has an address in ``table [L, E]`` (int64, device): the BYTE offset of its row
-  from ``ref`` (a one-row device tensor whose views the kernel is launched with). An expert in a cache slot points
-  at the slot's row; any other expert points at its host bank row, page-locked and mapped into the device's address
-  space, which the fused kernel then reads over PCIe itself (zero-copy). ``fused_moe(..., row_offset=table[l])``
-  serves both in one launch.
+* Every routed expert ``(layer, e)`` has an address in ``table [L, E + 1]`` (int64, device; column ``E`` is
+  scratch): the BYTE offset of its row from ``ref`` (a one-row device tensor whose views the kernel is launched
+  with). An expert in a cache slot points at the slot's row; any other expert points at its host bank row,
+  page-locked and mapped into the device's address space.
+* Inside the step, before each MoE layer's launch, :class:`~ferrylm.experts.device_pools.DevicePools` installs the
+  layer's missed experts into its slot pool (the GPU copies the rows from the mapped banks) and updates the table;
+  ``fused_moe(..., row_offset=table[l, :E])`` then reads them from device memory.
 * The graph records each MoE layer's routed ids into ``routed [B, L, k]`` and copies them to a pinned host mirror at
-  the end of the step (the engine reads the sampled tokens after every step, so the mirror is complete by then).
-* Between steps (:meth:`SlotTable.plan`, called by the executor before a decode step is launched) the host reads
-  the previous step's routing, counts hits and misses, updates the eviction policy, and decides which missed experts
-  to install in slots (admission: an expert must have been used more, recently, than the slot's victim: TinyLFU's
-  rule over the layer-LRU victim, Einziger et al. 2017, so uniform routing does not pay PCIe twice for experts it
-  never reuses). Then ONE host->device copy of the whole table on the compute stream (ahead of the step), and on
-  the copy stream each layer's install copies followed by that layer's event. The step's layer ``l`` waits on event
-  ``l`` (an external event: a wait node inside the captured graph) before its MoE launch, so installs overlap the
-  earlier layers; a layer with no installs waits on its last, long completed, record.
-* Safety: a slot is overwritten only after the step that last read it finished (the host plans after reading that
-  step's tokens), and an evicted expert's entry points back at its bank row in the table the step reads (copied
-  before the step on its own stream), so no launch of the next step reads a slot in the middle of its refill; a
-  newly installed expert's entry is read only after its layer's event.
+  the end of the step (the engine reads the sampled tokens after every step, so the mirror is complete by then): the
+  host counts hits and misses from it between steps.
+* Between steps the host brings its :class:`~ferrylm.experts.cache.SlotCache` in step with the device's installs;
+  when a host path changed the cache, the table and the pools are rebuilt from it (:meth:`SlotTable.reset`).
 """
 
 from __future__ import annotations
@@ -34,10 +27,6 @@ import numpy as np
 import torch
 
 log = logging.getLogger("ferrylm.experts")
-
-#: decayed use count: each planned step multiplies every count by this, then adds the step's uses (half-life ~7 steps)
-FREQ_DECAY = 0.9
-
 
 @functools.cache
 def _libcuda():
@@ -71,6 +60,10 @@ class SlotTable:
         device: the compute device.
         max_tokens: the largest step the table serves (tokens); larger steps take the host-planned or streamed paths.
 
+    Attributes:
+        host_np: the table as last built on the host (:meth:`reset`); the device's installs change only the device
+            copy.
+
     Raises:
         RuntimeError: a bank is not mapped into the device's address space (the caller then keeps the host-planned
             path).
@@ -96,7 +89,9 @@ class SlotTable:
                 raise RuntimeError(f"the expert bank of layer {layer} is not mapped for device reads")
             home[i] = base + np.arange(num_e, dtype=np.int64) * rows.stride(0) * rows.element_size() - ref
         self.home = home  # each expert's bank row (the table entry of an expert that is not in a slot)
-        self.host = torch.from_numpy(home.copy())
+        host = np.zeros((len(self.layers), num_e + 1), dtype=np.int64)
+        host[:, :num_e] = home
+        self.host = torch.from_numpy(host)
         if cuda:
             self.host = self.host.pin_memory()
         self.host_np = self.host.numpy()
@@ -104,8 +99,6 @@ class SlotTable:
         self.routed: torch.Tensor | None = None       # [max_tokens, L, k] int64 device (made on the first step)
         self.routed_host: torch.Tensor | None = None  # its pinned host mirror
         self.routed_np: np.ndarray | None = None
-        self.events = [torch.cuda.Event(external=True) for _ in self.layers] if cuda else []
-        self.freq = np.zeros((len(self.layers), num_e), dtype=np.float32)
         self.recorded = 0  # tokens of the last step whose routing the mirror holds (0: none)
         self.dirty = False  # host table differs from the device's
 
@@ -116,12 +109,9 @@ class SlotTable:
 
     # --- what the step does (inside the graph) ---------------------------------------------------------------
     def layer_inputs(self, layer: int) -> tuple[int, torch.Tensor]:
-        """``(table row index, [E] int64 offsets of the layer)``; waits (on the current stream) for the layer's
-        installs of this step."""
+        """``(table row index, [E] int64 offsets of the layer)``: a view the layer's installs update in place."""
         i = self.index[layer]
-        if self.events:
-            torch.cuda.current_stream(self.device).wait_event(self.events[i])
-        return i, self.table[i]
+        return i, self.table[i, :self.num_experts]
 
     def record(self, i: int, topk_ids: torch.Tensor) -> None:
         """Keep layer row ``i``'s ``[T, k]`` routed ids; after the last MoE layer copy the step's ids to the host
@@ -137,21 +127,10 @@ class SlotTable:
             self.routed_host[:t].copy_(self.routed[:t], non_blocking=self.device.type == "cuda")
 
     # --- between steps (host) --------------------------------------------------------------------------------
-    def set_slot(self, layer: int, expert: int, offset: int) -> None:
-        """Expert ``(layer, expert)`` now lives at byte ``offset`` from ``ref`` (a slot row)."""
-        self.host_np[self.index[layer], expert] = offset
-        self.dirty = True
-
-    def set_home(self, layer: int, expert: int) -> None:
-        """Expert ``(layer, expert)`` is read from its bank row again (evicted)."""
-        i = self.index[layer]
-        self.host_np[i, expert] = self.home[i, expert]
-        self.dirty = True
-
     def reset(self, slot_offsets: dict[tuple[int, int], int]) -> None:
         """Rebuild the whole table from ``(layer, expert) -> slot byte offset`` (after the cache was changed by a
         path that does not keep the table: a reserve, a shrink, a host-planned step)."""
-        self.host_np[:] = self.home
+        self.host_np[:, :self.num_experts] = self.home
         for (layer, e), off in slot_offsets.items():
             self.host_np[self.index[layer], e] = off
         self.dirty = True
@@ -161,29 +140,8 @@ class SlotTable:
         t, self.recorded = self.recorded, 0
         return None if t == 0 or self.routed_np is None else self.routed_np[:t].copy()
 
-    def decay(self, ids: np.ndarray) -> None:
-        """Age the use counts and add one step's uses (``ids [T, L, k]``), per layer and expert."""
-        self.freq *= FREQ_DECAY
-        lay = np.broadcast_to(np.arange(ids.shape[1])[None, :, None], ids.shape)
-        used = np.zeros_like(self.freq, dtype=bool)
-        used[lay.reshape(-1), ids.reshape(-1)] = True
-        self.freq += used
-
-    def publish(self, copier, installs: dict[int, list[tuple[int, torch.Tensor, torch.Tensor, object]]]) -> None:
-        """Send the table (when changed) on the current stream, ahead of the step that reads it, and each layer's
-        install copies ``(slot, dst slot row, src bank row, after)`` on the copy engine, recording the layer's event
-        after them (CUDA; a layer without installs keeps its last, completed, record). On the CPU the copies are
-        waited for here."""
+    def publish(self) -> None:
+        """Send the table (when rebuilt) on the current stream, ahead of the step that reads it."""
         if self.dirty:
             self.table.copy_(self.host, non_blocking=self.device.type == "cuda")
             self.dirty = False
-        if not installs:
-            return
-        with copier.batch():
-            for layer, items in installs.items():
-                for _, dst, src, after in items:
-                    copier.copy(dst, src, after=after)
-                if self.events:
-                    self.events[self.index[layer]].record(copier.stream)
-        if not self.events:
-            copier.synchronize()

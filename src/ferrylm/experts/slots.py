@@ -198,6 +198,7 @@ class ElasticSlots:
                 log.warning("expert cache shrink refused: %d experts pinned (called inside a step)",
                             len(cache.pinned))
                 return 0
+            self.settle_device()
             drop, count = self.slots.choose_drop(cache, n, self.min_slots)
             if not drop:
                 return 0
@@ -232,6 +233,7 @@ class ElasticSlots:
         if cache is None or n <= 0:
             return 0
         n = min(n, len(self.banks.layers) * self.num_experts - cache.num_slots)
+        self.settle_device()
         added = 0
         while added < n:
             size = min(self.slots.block_size, n - added)
@@ -245,6 +247,7 @@ class ElasticSlots:
             added += size
         if added:
             self._set_quota()
+            self._cache_changed()
             log.info("%s experts: cache grew by %d slots, %d slots now", self.name, added, cache.num_slots)
         return added
 

@@ -1,6 +1,7 @@
 """The offload backend's device expert table path (``experts/slot_table.py`` has the protocol): decode steps of up
-to ``TABLE_MAX_TOKENS`` tokens run one fused MoE launch per layer from the table, hits and misses alike, with every
-host decision made between steps (:meth:`TableDecode.begin_step`), so the whole step is one CUDA graph.
+to ``TABLE_MAX_TOKENS`` tokens run one fused MoE launch per layer from the table, hits and misses alike; the misses
+are installed in the layer's slot pool by the GPU inside the step (``experts/device_pools.py``), so the whole step is
+one CUDA graph and the host only keeps its books between steps (:meth:`TableDecode.begin_step`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import numpy as np
 import torch
 
 from ferrylm.experts.cache import Key
-from ferrylm.experts.slot_table import FREQ_DECAY, SlotTable
+from ferrylm.experts.device_pools import DevicePools, PoolPlan
+from ferrylm.experts.slot_table import SlotTable
 from ferrylm.triton_util import triton_available
 
 log = logging.getLogger("ferrylm.experts")
@@ -22,8 +24,6 @@ log = logging.getLogger("ferrylm.experts")
 # would, with no host decision inside the step
 TABLE_MAX_TOKENS = 256
 TABLE_MIN_TOKENS_PLAIN = 2  # bf16/fp16 experts: one-token steps keep the host-planned path (see graph_min_tokens)
-ADMIT_MIN_USES = 1.0  # a missed expert is installed only if its decayed use count before this step was at least this
-INSTALL_FRACTION = 8  # at most max(1, used // this) installs per layer and step (bounds churn under uniform routing)
 
 
 class TableDecode:
@@ -37,6 +37,8 @@ class TableDecode:
     #: run the table path on the CPU too (tests, through Triton's interpreter)
     table_on_cpu = False
     table: SlotTable | None = None
+    pools: DevicePools | None = None
+    _device_moved = False  # a table step ran since the host last read the device's installs
     _table_stale = False  # the cache changed outside the table's bookkeeping: rebuild before the next table step
 
     @property
@@ -68,12 +70,12 @@ class TableDecode:
 
     def table_bytes(self) -> int:
         """Device bytes the table path holds besides the slots (bytes): its reference row (one expert row), the
-        ``[L, E]`` int64 table and the ``[256, L, k <= 32]`` int64 routing buffer (an upper bound); 0 when the table
-        cannot run here."""
+        ``[L, E + 1]`` int64 table and the pools' five rows like it, the ``[256, L, k <= 32]`` int64 routing buffer
+        (an upper bound); 0 when the table cannot run here."""
         if self._table_possible() is not None:
             return 0
         layers = len(self.banks.layers)
-        return self.layout.nbytes + layers * self.num_experts * 8 + TABLE_MAX_TOKENS * layers * 32 * 8
+        return self.layout.nbytes + 6 * layers * (self.num_experts + 1) * 8 + TABLE_MAX_TOKENS * layers * 32 * 8
 
     def table_step(self, num_tokens: int) -> bool:
         """A step of ``num_tokens`` tokens runs from the device table (one fused launch per layer, no host decision
@@ -95,7 +97,8 @@ class TableDecode:
 
     def _drop_device_memory(self) -> None:
         super()._drop_device_memory()
-        self.table = None
+        self.table = self.pools = None
+        self._device_moved = False
 
     def _init_table(self) -> None:
         why = self._table_possible()
@@ -107,9 +110,39 @@ class TableDecode:
         except RuntimeError as e:
             log.warning("%s experts: decode steps planned on the host (%s)", self.name, e)
             return
-        self.table.reset(self.slot_offsets())
+        t = self.table
+        self.pools = DevicePools(t.table, t.home, t.ref, self.layout.nbytes)
+        self._reset_table()
+
+    def _reset_table(self) -> None:
+        """Rebuild the table and the device pools from the host cache; the copies host paths queued finish before
+        the next step reads the slots."""
+        table, ref = self.table, self.table.ref.data_ptr()
+        table.reset(self.slot_offsets())
+        self.pools.reset(self._pool_plan(), lambda slot: self.slots.row(slot).data_ptr() - ref)
+        self.copier.wait(self.copier.fence())
+        table.publish()
         self._table_stale = False
-        self.table.publish(self.copier, {})
+
+    def _pool_plan(self) -> PoolPlan:
+        """Each MoE layer's pool: the slots holding its experts, then free slots, fewest first, up to its fair share
+        (``N // L``, at most ``E``), then the rest round-robin up to ``E``."""
+        cache, table = self.cache, self.table
+        members: list[list] = [[] for _ in table.layers]
+        for (layer, e), slot in sorted(cache._slot_of.items()):
+            members[table.index[layer]].append((slot, e))
+        free = cache.free_slots()[::-1]
+        e_max = self.num_experts
+        quota = min(e_max, cache.num_slots // max(1, len(members)))
+        for target in (quota, e_max):
+            progress = True
+            while free and progress:
+                progress = False
+                for row in sorted(members, key=len):
+                    if free and len(row) < target:
+                        row.append((free.pop(), None))
+                        progress = True
+        return PoolPlan(members)
 
     def _run_table(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                    topk_weights: torch.Tensor) -> torch.Tensor:
@@ -119,6 +152,8 @@ class TableDecode:
 
         table = self.table
         i, offsets = table.layer_inputs(layer_idx)
+        self._device_moved = True  # eager runs (warmups) install too; graph replays are marked by begin_step
+        self.pools.install(i, topk_ids)
         table.record(i, topk_ids)
         v = table.views
         return fused_moe(hidden, v.gate, v.up, v.down, topk_ids, topk_weights, row_offset=offsets,
@@ -126,69 +161,57 @@ class TableDecode:
 
     def begin_step(self, num_tokens: int) -> None:
         """Between steps, before a step of ``num_tokens`` tokens is launched (the model runner calls it for every
-        step): read the previous table step's routing, count its hits and misses, install the experts worth a slot,
-        publish the table; open the new step's counters when it runs from the table. Host work only."""
+        step): count the previous table step's hits and misses from its routing, bring the host cache in step with
+        the device's installs, rebuild the table when a host path changed the cache, open the new step's counters
+        when it runs from the table. Host work and one small device->host read."""
         table = self.table
         if table is None or self.cache is None:
             return
-        if self._table_stale:
-            table.reset(self.slot_offsets())
-            self._table_stale = False
-        installs: dict[int, list] = {}
         ids = table.take_routing()
+        changes = self.pools.changes() if self._device_moved else []
         if ids is not None:
-            self._observe(np.clip(ids, 0, self.num_experts - 1), installs)
+            self._count(np.clip(ids, 0, self.num_experts - 1), changes)
+        self._apply(changes)
+        self._device_moved = False
+        if self._table_stale:
+            self._reset_table()
         if self.table_step(num_tokens):
             self._fold_copy_times()
             self.counters.open_step(num_tokens)
             table.recorded = num_tokens
-        table.publish(self.copier, installs)
-        if installs:
-            fence = self.copier.fence()
-            for items in installs.values():
-                for slot, *_ in items:
-                    self._ready[slot] = fence  # the host-planned and streamed paths wait for it
+            self._device_moved = True
 
-    def _observe(self, ids: np.ndarray, installs: dict[int, list]) -> None:
-        """Count a finished table step (``ids [T, L, k]``) and choose its installs: per layer, the missed experts
-        with the highest recent use count, at most ``max(1, used // INSTALL_FRACTION)``, each only if it was used
-        at least ``ADMIT_MIN_USES`` times recently (decayed) and more than the layer-LRU victim it would replace
-        (TinyLFU's admission, Einziger et al. 2017); free slots take any miss."""
-        table, cache = self.table, self.cache
-        prior = table.freq * np.float32(FREQ_DECAY)  # aged, this step's uses not yet counted
-        table.decay(ids)
-        freq = table.freq
-        step = self.counters.step
-        per = self.layout.nbytes
-        ref = table.ref.data_ptr()
-        for i, layer in enumerate(table.layers):
+    def settle_device(self) -> None:
+        """Bring the host cache in step with the device's installs now (before a host path changes the cache
+        between steps: a shrink after a failed step, say)."""
+        if self._device_moved and self.pools is not None:
+            self._apply(self.pools.changes())
+            self._device_moved = False
+
+    def _count(self, ids: np.ndarray, changes: list[tuple[int, int, int, int]]) -> None:
+        """Count a finished table step (``ids [T, L, k]``) against the cache as it was before the step; each
+        install is a fetched expert, each other miss was read by the kernel from its mapped bank row."""
+        cache, step, per = self.cache, self.counters.step, self.layout.nbytes
+        installed = np.zeros(len(self.table.layers), dtype=np.int64)
+        for i, *_ in changes:
+            installed[i] += 1
+        for i, layer in enumerate(self.table.layers):
             used = np.unique(ids[:, i, :]).tolist()
-            misses = [e for e in used if cache.lookup((layer, e)) is None]
+            misses = sum(1 for e in used if cache.slot_of((layer, e)) is None)
+            mapped = max(0, misses - int(installed[i]))
             step.needed += len(used)
-            step.hits += len(used) - len(misses)
-            step.misses += len(misses)
-            step.mapped += len(misses)
-            step.bytes_mapped += len(misses) * per
-            budget = max(1, len(used) // INSTALL_FRACTION)
-            for e in sorted(misses, key=lambda e: -prior[i, e]):
-                if budget == 0:
-                    break
-                key = (layer, e)
-                if cache.num_slots - len(cache) <= 0:  # no free slot: admission against the victim
-                    if prior[i, e] < ADMIT_MIN_USES:
-                        break
-                    victim = cache.policy.victim(cache.pinned, key)
-                    if victim is None or freq[table.index[victim[0]], victim[1]] >= freq[i, e]:
-                        continue
-                slot, evicted = cache.admit(key)
-                if evicted is not None:
-                    table.set_home(*evicted)
-                    if evicted in self._prefetched:
-                        self._prefetched.discard(evicted)
-                row = self.slots.row(slot)
-                table.set_slot(layer, e, row.data_ptr() - ref)
-                installs.setdefault(layer, []).append((slot, row, self.banks.row(layer, e),
-                                                       self._last_use.pop(slot, None)))
-                step.fetched += 1
-                step.bytes_copied += per
-                budget -= 1
+            step.hits += len(used) - misses
+            step.misses += misses
+            step.mapped += mapped
+            step.bytes_mapped += mapped * per
+            step.fetched += int(installed[i])
+            step.bytes_copied += int(installed[i]) * per
+
+    def _apply(self, changes: list[tuple[int, int, int, int]]) -> None:
+        """Record the device's installs ``(layer row, slot, old, new)`` in the host cache."""
+        for i, slot, _, new in changes:
+            evicted = self.cache.place((self.table.layers[i], new), slot)
+            if evicted is not None:
+                self._prefetched.discard(evicted)
+            self._ready.pop(slot, None)
+            self._last_use.pop(slot, None)
