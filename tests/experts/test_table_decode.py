@@ -86,7 +86,8 @@ def test_table_decode_equals_resident(expert_checkpoints, table_on_cpu, case, sl
     ex.begin_step(1)  # folds the last step's routing in
     s = ex.stats().as_dict()
     assert s["hits"] + s["misses"] == s["needed"] > 0
-    assert s["mapped"] + s["fetched"] == s["misses"] and s["bytes_mapped"] == s["mapped"] * s["expert_bytes"]
+    assert s["mapped"] <= s["misses"] <= s["mapped"] + s["fetched"]
+    assert s["bytes_mapped"] == s["mapped"] * s["expert_bytes"]
     if slots == "all":
         assert s["misses"] == 0 and s["fetched"] == 0
     else:
@@ -126,7 +127,7 @@ def test_device_installs_are_layer_lru(expert_checkpoints, table_on_cpu):
         step([fresh[1], fresh[3]])  # the hit's slot stays, the miss evicts the other
         assert sorted(e for (lay, e) in ex.cache._slot_of if lay == layer) == sorted([fresh[1], fresh[3]])
     s = ex.stats().as_dict()
-    assert s["fetched"] >= 4 and s["mapped"] + s["fetched"] == s["misses"]
+    assert s["fetched"] >= 4 and s["mapped"] <= s["misses"] <= s["mapped"] + s["fetched"]
     ex.cache.check()
     _table_consistent(ex)
 

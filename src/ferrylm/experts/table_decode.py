@@ -146,15 +146,20 @@ class TableDecode:
 
     def _run_table(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                    topk_weights: torch.Tensor) -> torch.Tensor:
-        """One layer of a table step: the fused kernel over the layer's row offsets (hits from slots, misses read
-        from the host banks by the kernel). No host decision, no sync: capturable."""
+        """One layer of a table step: the layer's installs (after the ones predicted for it one layer earlier),
+        the next layer's predicted installs on a side stream, then the fused kernel over the layer's row offsets.
+        No host decision, no sync: capturable."""
         from ferrylm.experts.kernels.fused_moe import fused_moe
 
-        table = self.table
+        table, pools = self.table, self.pools
         i, offsets = table.layer_inputs(layer_idx)
         self._device_moved = True  # eager runs (warmups) install too; graph replays are marked by begin_step
-        self.pools.install(i, topk_ids)
+        pools.join_prefetch(i)
+        pools.install(i, topk_ids)
         table.record(i, topk_ids)
+        route = self.next_layer_predictor(layer_idx, hidden.shape[0])
+        if route is not None:
+            pools.prefetch(i + 1, route(hidden))
         v = table.views
         return fused_moe(hidden, v.gate, v.up, v.down, topk_ids, topk_weights, row_offset=offsets,
                          math=self.math.get(layer_idx))
@@ -189,23 +194,24 @@ class TableDecode:
             self._device_moved = False
 
     def _count(self, ids: np.ndarray, changes: list[tuple[int, int, int, int]]) -> None:
-        """Count a finished table step (``ids [T, L, k]``) against the cache as it was before the step; each
-        install is a fetched expert, each other miss was read by the kernel from its mapped bank row."""
+        """Count a finished table step (``ids [T, L, k]``) against the cache as it was before the step: a needed
+        expert not resident then is a miss, read from its slot when the step installed it (demanded or predicted
+        one layer early) and from its mapped bank row otherwise; every install is a fetched expert."""
         cache, step, per = self.cache, self.counters.step, self.layout.nbytes
-        installed = np.zeros(len(self.table.layers), dtype=np.int64)
-        for i, *_ in changes:
-            installed[i] += 1
+        installed: list[set[int]] = [set() for _ in self.table.layers]
+        for i, _, _, new in changes:
+            installed[i].add(new)
         for i, layer in enumerate(self.table.layers):
             used = np.unique(ids[:, i, :]).tolist()
-            misses = sum(1 for e in used if cache.slot_of((layer, e)) is None)
-            mapped = max(0, misses - int(installed[i]))
+            misses = [e for e in used if cache.slot_of((layer, e)) is None]
+            mapped = sum(1 for e in misses if e not in installed[i])
             step.needed += len(used)
-            step.hits += len(used) - misses
-            step.misses += misses
+            step.hits += len(used) - len(misses)
+            step.misses += len(misses)
             step.mapped += mapped
             step.bytes_mapped += mapped * per
-            step.fetched += int(installed[i])
-            step.bytes_copied += int(installed[i]) * per
+            step.fetched += len(installed[i])
+            step.bytes_copied += len(installed[i]) * per
 
     def _apply(self, changes: list[tuple[int, int, int, int]]) -> None:
         """Record the device's installs ``(layer row, slot, old, new)`` in the host cache."""
