@@ -4,8 +4,10 @@
 :func:`fallback_footer`: the fallback tools section of ``server/text/tools.py``).
 
 - ``base.py``: the parser interface and what every format shares.
+- ``calls.py``: call assembly (the request's tools, typed arguments, ``ToolCall`` objects and their ids).
+- ``block.py``: the loop every format shares (a block held to its closing tag), and the skeletons of the formats
+  that list a turn's calls in one block.
 - ``hermes.py``: Hermes / Qwen ``<tool_call>`` JSON blocks.
-- ``block.py``: the loop every tag-delimited format shares (a block held to its closing tag), value typing.
 - ``glm45.py``, ``minimax_m2.py``, ``deepseek_v3.py``, ``kimi_k2.py``, ``qwen3_coder.py``, ``deepseek_v4.py``: one
   module per format.
 - ``grammars.py``: the forced-call grammars of the tag-delimited formats (Hermes': ``tools.tool_call_grammar``).
