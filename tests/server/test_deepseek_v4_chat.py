@@ -1,7 +1,7 @@
 """DeepSeek-V4's chat format: the checkpoint ships no chat template (its format is Python beside the weights,
 ``encoding/encoding_dsv4.py``), so a tokenizer folder of ``model_type`` ``deepseek_v4`` gets the built-in
 template; the prompt is checked character for character against that format's rules (tools in the first system
-message, tool results folded into user turns as ``<tool_result>``, ``<think>`` / ``</think>`` after
+message, tool results folded into user turns as ``<tool_result>`` in call order, ``<think>`` / ``</think>`` after
 ``<｜Assistant｜>``, earlier reasoning dropped unless tools are offered, the maximum-effort preamble). Its DSML tool
 calls and ``<think>`` reasoning come back through the ASGI app with a scripted engine and the ``openai`` SDK,
 stream equal to non-stream; a forced call is enforced by the DSML grammar; the synthetic preset's folder serves
@@ -82,6 +82,49 @@ def test_prompt_with_tools_thinking_and_tool_results(v4_codec) -> None:
     assert tail == (f"{SCHEMA_LINE}\n\nYou MUST strictly follow the above defined tool name and parameter schemas to "
                     f"invoke tool calls.\n{USER}Weather in Paris?{ASSISTANT}<think>Need the tool.</think>\n\n{CALL}"
                     f"{EOS}{USER}<tool_result>18C</tool_result>\n\n<tool_result>sunny</tool_result>{ASSISTANT}<think>")
+
+
+def weather_calls(*cities: str) -> str:
+    """The DSML block of ``get_weather`` calls, one per city, as encoding_dsv4 writes a turn's calls."""
+    invokes = [f'<{DSML}invoke name="get_weather">\n<{DSML}parameter name="city" string="true">{c}</{DSML}parameter>'
+               f'\n</{DSML}invoke>' for c in cities]
+    return f"<{DSML}tool_calls>\n" + "\n".join(invokes) + f"\n</{DSML}tool_calls>"
+
+
+def calls(*pairs: tuple[str, str]) -> list[dict]:
+    return [{"id": cid, "type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}}
+            for cid, city in pairs]
+
+
+def test_tool_results_follow_the_call_order_across_turns(v4_codec) -> None:
+    """encoding_dsv4 sorts the tool results of a user turn by the place of their call in the latest assistant tool
+    calls (stable; a result whose id names no call counts as the first call), and a user message after tool results
+    joins their turn."""
+    msgs = [{"role": "user", "content": "Paris and Rome?"},
+            {"role": "assistant", "content": "", "reasoning_content": "Two cities.",
+             "tool_calls": calls(("c1", "Paris"), ("c2", "Rome"))},
+            {"role": "tool", "tool_call_id": "c2", "content": "sunny"},
+            {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+            {"role": "user", "content": "Now Oslo and Bern."},
+            {"role": "assistant", "content": "Checking.", "tool_calls": calls(("s1", "Oslo"), ("s2", "Bern"))},
+            {"role": "tool", "tool_call_id": "s2", "content": "rain"},
+            {"role": "tool", "tool_call_id": "x9", "content": "orphan"},
+            {"role": "tool", "tool_call_id": "s1", "content": "snow"}]
+    text = v4_codec.render_chat(msgs, True, [WEATHER], thinking=True)
+    assert text.split("invoke tool calls.\n", 1)[1] == (
+        f"{USER}Paris and Rome?{ASSISTANT}<think>Two cities.</think>\n\n{weather_calls('Paris', 'Rome')}{EOS}"
+        f"{USER}<tool_result>18C</tool_result>\n\n<tool_result>sunny</tool_result>\n\nNow Oslo and Bern."
+        f"{ASSISTANT}<think></think>Checking.\n\n{weather_calls('Oslo', 'Bern')}{EOS}"
+        f"{USER}<tool_result>orphan</tool_result>\n\n<tool_result>snow</tool_result>\n\n<tool_result>rain</tool_result>"
+        f"{ASSISTANT}<think>")
+    # user text between the results keeps its place; the results around it are put in call order
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "",
+                                               "tool_calls": calls(("c1", "Paris"), ("c2", "Rome"))},
+            {"role": "tool", "tool_call_id": "c2", "content": "B"}, {"role": "user", "content": "note"},
+            {"role": "tool", "tool_call_id": "c1", "content": "A"}]
+    assert v4_codec.render_chat(msgs) == (
+        f"{BOS}{USER}q{ASSISTANT}</think>\n\n{weather_calls('Paris', 'Rome')}{EOS}"
+        f"{USER}<tool_result>A</tool_result>\n\nnote\n\n<tool_result>B</tool_result>{ASSISTANT}</think>")
 
 
 def test_prompt_history_chat_mode_and_max_effort(v4_codec) -> None:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from ferrylm.server.api.assistant import TurnConfig, whole_turn
 from ferrylm.server.text.tool_parsers import choose_tool_parser, make_tool_parser
-from ferrylm.server.text.tool_parsers.block import coerce_value
+from ferrylm.server.text.tool_parsers.calls import coerce_value
 from ferrylm.server.text.tool_parsers.glm45 import Glm45ToolParser
 from ferrylm.server.text.tool_parsers.minimax_m2 import MiniMaxM2ToolParser
 

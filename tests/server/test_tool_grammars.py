@@ -77,8 +77,9 @@ def _qc(*invokes: tuple[str, list[tuple[str, str]]]) -> str:
                      for n, ps in invokes)
 
 
-def _dsml(*invokes: tuple[str, list[tuple[str, str]]]) -> str:
-    """DeepSeek-V4: a string property's value with ``string="true"``, any other as JSON with ``"false"``."""
+def _dsml(*invokes: tuple[str, list[tuple[str, str]]], block: str = "tool_calls") -> str:
+    """DeepSeek-V4 (V3.2: ``block`` ``function_calls``): a string property's value with ``string="true"``, any other
+    as JSON with ``"false"``."""
     from ferrylm.server.text.tool_parsers import deepseek_v4 as d
 
     def param(n: str, k: str, v: str) -> str:
@@ -87,11 +88,13 @@ def _dsml(*invokes: tuple[str, list[tuple[str, str]]]) -> str:
 
     body = "\n".join(f'{d.INVOKE} name="{n}">\n' + "".join(param(n, k, v) + "\n" for k, v in ps)
                      + ("" if ps or n != "ping" else "\n") + d.INVOKE_END for n, ps in invokes)
-    return f"{d.CALLS_BEGIN}\n{body}\n{d.CALLS_END}"
+    begin, end = d.block_tags(block)
+    return f"{begin}\n{body}\n{end}"
 
 
 FORMAT = {"glm45": lambda *inv: "\n".join(_glm(n, ps) for n, ps in inv), "minimax_m2": _mm,
-          "deepseek_v3": _ds, "kimi_k2": _kimi, "qwen3_coder": _qc, "deepseek_v4": _dsml}
+          "deepseek_v3": _ds, "kimi_k2": _kimi, "qwen3_coder": _qc, "deepseek_v4": _dsml,
+          "deepseek_v32": lambda *inv: _dsml(*inv, block="function_calls")}
 ALL = sorted(FORMAT)
 
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V3, Kimi-K2, Qwen3-Coder and DeepSeek-V4 (DSML) tool-call parsers (server/text/tool_parsers/): calls and text separated, both
+"""DeepSeek-V3, Kimi-K2, Qwen3-Coder and DeepSeek-V4 / V3.2 (DSML) tool-call parsers (server/text/tool_parsers/): calls and text separated, both
 DeepSeek forms (V3 / R1 fenced, V3.1 plain), Kimi's ids kept, Qwen3-Coder values typed by the schema, text that
 is not a call never swallowed, any chunking of the stream giving the same calls and text (hypothesis), earlier
 calls rendered back into markup the parser reads, DSML values typed by their ``string`` attribute, and the choice of
@@ -16,6 +16,7 @@ from ferrylm.server.api.assistant import TurnConfig, whole_turn
 from ferrylm.server.text.tool_parsers import TOOL_PARSERS, choose_tool_parser, format_calls_as, make_tool_parser
 from ferrylm.server.text.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
 from ferrylm.server.text.tool_parsers.deepseek_v4 import DSML, DeepSeekV4ToolParser
+from ferrylm.server.text.tool_parsers.deepseek_v32 import DeepSeekV32ToolParser
 from ferrylm.server.text.tool_parsers.kimi_k2 import KimiK2ToolParser
 from ferrylm.server.text.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 from ferrylm.server.text.tool_parsers import deepseek_v3 as ds
@@ -26,7 +27,7 @@ SCHEMAS = {"get_weather": {"type": "object", "properties": {"city": {"type": "st
            "search": {"type": "object", "properties": {"q": {"type": "string"}, "filters": {"type": "object"},
                                                         "exact": {"type": "boolean"}}}}
 PARSERS = {"deepseek_v3": DeepSeekV3ToolParser, "kimi_k2": KimiK2ToolParser, "qwen3_coder": Qwen3CoderToolParser,
-           "deepseek_v4": DeepSeekV4ToolParser}
+           "deepseek_v4": DeepSeekV4ToolParser, "deepseek_v32": DeepSeekV32ToolParser}
 
 B, E, CB, CE, SEP = ds.CALLS_BEGIN, ds.CALLS_END, ds.CALL_BEGIN, ds.CALL_END, ds.SEP
 DS_V3 = (f'{B}{CB}function{SEP}get_weather\n```json\n{{"city": "Paris", "days": 3}}\n```{CE}\n'
@@ -113,6 +114,21 @@ def test_deepseek_v4_values_follow_the_string_attribute() -> None:
     assert run(DeepSeekV4ToolParser(NAMES, SCHEMAS), [literal])[1][0] == ("get_weather", {"city": "Paris", "days": "3"})
 
 
+#: DeepSeek-V3.2: V4's invokes in a function_calls block
+D32 = D4.replace(f"{DSML}tool_calls>", f"{DSML}function_calls>")
+
+
+def test_deepseek_v32_reads_v4_invokes_in_a_function_calls_block() -> None:
+    """The same calls as V4's from a ``function_calls`` block, whole or in any split; each parser leaves the other
+    version's block as text."""
+    want = run(DeepSeekV4ToolParser(NAMES, SCHEMAS), ["Checking.\n\n" + D4])
+    assert want[1] and run(DeepSeekV32ToolParser(NAMES, SCHEMAS), ["Checking.\n\n" + D32]) == want
+    assert run(DeepSeekV32ToolParser(NAMES, SCHEMAS), list("Checking.\n\n" + D32)) == want   # one character a delta
+    assert run(DeepSeekV32ToolParser(NAMES, SCHEMAS), [D4]) == (D4, [])
+    assert run(DeepSeekV4ToolParser(NAMES, SCHEMAS), [D32]) == (D32, [])
+    assert format_calls_as("deepseek_v32", CALLS).startswith(f"<{DSML}function_calls>\n<{DSML}invoke name=")
+
+
 BARE = "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>"
 
 
@@ -165,6 +181,9 @@ def test_a_reply_of_calls_only_has_no_text() -> None:
     ("deepseek_v4", D4.replace(f"</{DSML}tool_calls>", "")),                             # block never closed
     ("deepseek_v4", f"<{DSML}tool_calls>\n</{DSML}tool_calls>"),                          # empty block
     ("deepseek_v4", D4.replace('name="city"', 'name="days"')),                          # a key twice
+    ("deepseek_v32", f"V3.2 writes <{DSML}function_calls> blocks."),                   # a mention
+    ("deepseek_v32", D32.replace('"search"', '"rm_rf"')),                               # one unknown: all text
+    ("deepseek_v32", D32.replace(f"</{DSML}function_calls>", "")),                       # block never closed
 ])
 def test_text_that_is_not_a_call_is_never_swallowed(fmt: str, raw: str) -> None:
     assert run(PARSERS[fmt](NAMES, SCHEMAS), [raw]) == (raw, [])
@@ -178,6 +197,9 @@ _PIECES = {
     "deepseek_v4": [D4, f"<{DSML}tool_calls>", f"</{DSML}tool_calls>", f'<{DSML}invoke name="search">',
                     f"</{DSML}invoke>", f'<{DSML}parameter name="q" string="true">', f"</{DSML}parameter>", "<\uff5c",
                     "\n", " ", "x", "<", "é🙂", "search"],
+    "deepseek_v32": [D32, D4, f"<{DSML}function_calls>", f"</{DSML}function_calls>", f'<{DSML}invoke name="search">',
+                     f"</{DSML}invoke>", f'<{DSML}parameter name="q" string="true">', f"</{DSML}parameter>",
+                     "<\uff5c", "\n", " ", "x", "<", "é🙂", "search"],
     "qwen3_coder": [QC, QC2, BARE, "<tool_call>", "</tool_call>", "<function=search>", "</function>", "<parameter=q>",
                     "</parameter>", "<function=", "\n", " ", "x", "<", "é🙂", "<tool_", "call>"],
 }
@@ -221,7 +243,13 @@ def test_deepseek_v4_any_chunking_gives_the_same_calls_and_text(pieces: list[str
     _chunkings("deepseek_v4", pieces, cuts)
 
 
-@pytest.mark.parametrize("fmt,call", [("deepseek_v3", DS_V31), ("qwen3_coder", QC)])
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(st.sampled_from(_PIECES["deepseek_v32"]), max_size=12), cuts=_CUTS)
+def test_deepseek_v32_any_chunking_gives_the_same_calls_and_text(pieces: list[str], cuts: list[int]) -> None:
+    _chunkings("deepseek_v32", pieces, cuts)
+
+
+@pytest.mark.parametrize("fmt,call", [("deepseek_v3", DS_V31), ("qwen3_coder", QC), ("deepseek_v32", D32)])
 def test_reasoning_then_calls(fmt: str, call: str) -> None:
     """DeepSeek-R1 / V3.1 and Qwen3.5 think first (the prompt opened <think>), then call."""
     cfg = TurnConfig(reasoning=True, starts_in_reasoning=True, tool_names=NAMES, tool_parser=fmt,
@@ -277,6 +305,12 @@ def test_choice_of_parser() -> None:
     assert choose_tool_parser(None, "Qwen3NextForCausalLM") == "qwen3_coder"
     assert choose_tool_parser(None, "Qwen3_5MoeForCausalLM") == "qwen3_coder"
     assert choose_tool_parser(None, "DeepseekV4ForCausalLM") == "deepseek_v4"
+    assert choose_tool_parser(None, "DeepseekV32ForCausalLM") == "deepseek_v32"
+    assert choose_tool_parser("auto", "DeepseekV3ForCausalLM", None, "deepseek_v32") == "deepseek_v32"
+    # a template writing DSML function_calls is V3.2's, DSML tool_calls (the built-in V4 template) V4's
+    assert choose_tool_parser("auto", None, "{{ '<' ~ '\uff5cDSML\uff5c' ~ 'function_calls>' }}") == "deepseek_v32"
+    from ferrylm.server.text.builtin_templates import template_for
+    assert choose_tool_parser("auto", None, template_for("deepseek_v4")) == "deepseek_v4"
     assert choose_tool_parser(None, "Qwen4ExpForCausalLM") == "qwen3_coder"
     # the template's markup first: a Kimi template on a DeepSeek architecture, DeepSeek's own tokens
     kimi_tpl = "{% for c in m.tool_calls %}<|tool_call_begin|>{{ c.id }}{% endfor %}"

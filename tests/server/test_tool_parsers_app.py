@@ -1,4 +1,4 @@
-"""DeepSeek-V3, Kimi-K2 and Qwen3-Coder tool calls through the ASGI app with a scripted engine and the real
+"""DeepSeek-V3, Kimi-K2, Qwen3-Coder and DeepSeek-V3.2 (DSML) tool calls through the ASGI app with a scripted engine and the real
 ``openai`` SDK: the format chosen by ``--tool-call-parser``, the architecture or the config's ``model_type``,
 stream equal to non-stream, ``tool_choice: "required"`` and a named tool enforced by the format's own grammar,
 and vocabularies whose tags are special tokens (DeepSeek-like with an R1-style template that opens ``<think>`` in
@@ -13,7 +13,9 @@ import pytest
 
 from ferrylm.server.api.app import create_app
 from ferrylm.server.text.tool_parsers import deepseek_v3 as ds
+from ferrylm.server.text.tool_parsers import deepseek_v32 as ds32
 from ferrylm.server.text.tool_parsers import kimi_k2 as kimi
+from ferrylm.server.text.tool_parsers.deepseek_v4 import DSML
 
 from .conftest import SERVED, FakeEngine
 
@@ -36,6 +38,9 @@ CALL = {
                f'{{"city": "Paris", "days": 2}}{kimi.CALL_END}{kimi.SECTION_END}',
     "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n"
                    "</parameter>\n</function>\n</tool_call>",
+    "deepseek_v32": f'{ds32.CALLS_BEGIN}\n<{DSML}invoke name="get_weather">\n'
+                    f'<{DSML}parameter name="city" string="true">Paris</{DSML}parameter>\n'
+                    f'<{DSML}parameter name="days" string="false">2</{DSML}parameter>\n</{DSML}invoke>\n{ds32.CALLS_END}',
 }
 SEARCH_CALL = {
     "deepseek_v3": f'{ds.CALLS_BEGIN}{ds.CALL_BEGIN}function{ds.SEP}search\n```json\n{{"q": "Paris"}}\n```'
@@ -43,10 +48,13 @@ SEARCH_CALL = {
     "kimi_k2": f'{kimi.SECTION_BEGIN}{kimi.CALL_BEGIN}functions.search:1{kimi.ARGS_BEGIN}{{"q": "Paris"}}'
                f'{kimi.CALL_END}{kimi.SECTION_END}',
     "qwen3_coder": "<tool_call>\n<function=search>\n<parameter=q>\nParis\n</parameter>\n</function>\n</tool_call>",
+    "deepseek_v32": f'{ds32.CALLS_BEGIN}\n<{DSML}invoke name="search">\n<{DSML}parameter name="q" string="true">Paris'
+                    f'</{DSML}parameter>\n</{DSML}invoke>\n{ds32.CALLS_END}',
 }
-TAUGHT = {"deepseek_v3": ds.CALLS_BEGIN, "kimi_k2": kimi.SECTION_BEGIN, "qwen3_coder": "<function="}
+TAUGHT = {"deepseek_v3": ds.CALLS_BEGIN, "kimi_k2": kimi.SECTION_BEGIN, "qwen3_coder": "<function=",
+          "deepseek_v32": ds32.CALLS_BEGIN}
 MARK = {"deepseek_v3": json.dumps(ds.SEP)[1:-1], "kimi_k2": "functions.get_weather:",
-        "qwen3_coder": "<function=get_weather>"}   # how each grammar writes the call (non-ASCII escaped)
+        "qwen3_coder": "<function=get_weather>", "deepseek_v32": "function_calls>"}   # how each grammar writes the call (non-ASCII escaped)
 
 
 def scripted(codec, text: str) -> FakeEngine:
@@ -83,6 +91,8 @@ async def _stream(client, **kw) -> tuple[str, list[tuple[str | None, str | None,
     ("qwen3_coder", {"architecture": "Qwen3NextForCausalLM"}),
     ("qwen3_coder", {"architecture": "Qwen3_5MoeForCausalLM"}),
     ("qwen3_coder", {"architecture": "Qwen4ExpForCausalLM", "model_type": "qwen4_exp_text"}),
+    ("deepseek_v32", {"tool_call_parser": "deepseek_v32"}),
+    ("deepseek_v32", {"architecture": "DeepseekV32ForCausalLM", "model_type": "deepseek_v32"}),
 ])
 async def test_calls_stream_equals_non_stream(codec, fmt: str, how: dict) -> None:
     eng = scripted(codec, "Let me look.\n" + CALL[fmt])
@@ -224,7 +234,7 @@ async def test_anthropic_messages_tool_use_in_each_format(codec, fmt: str) -> No
     eng = scripted(codec, "Let me look.\n" + CALL[fmt])
     tool = {"name": "get_weather", "description": "Current weather", "input_schema": WEATHER["function"]["parameters"]}
     async with make_client(create_app(eng, codec, SERVED, tool_call_parser=fmt)) as c:
-        r = await c.post("/v1/messages", json={"model": SERVED, "max_tokens": 256, "tools": [tool],
+        r = await c.post("/v1/messages", json={"model": SERVED, "max_tokens": 1024, "tools": [tool],
                                                "messages": [{"role": "user", "content": "Weather in Paris?"}]})
     body = r.json()
     assert r.status_code == 200 and body["stop_reason"] == "tool_use"

@@ -29,18 +29,10 @@ import triton.language as tl
 
 from ferrylm.engine.attention.metadata import AttentionMetadata
 from ferrylm.engine.attention.triton_latent import store_rows
-from ferrylm.engine.attention.triton_paged import MAX_SEQS_LOG2, find_seq
+from ferrylm.engine.attention.triton_paged import MAX_SEQS_LOG2, block_row, find_seq
 from ferrylm.engine.cache.kv_pool import KVPool
 
 PROGRAMS_PER_SEQ = 3   # touched entries of a sequence beyond n // m (the module docstring)
-
-
-@triton.jit
-def block_row(bt_row, block, page_size, RATE: tl.constexpr):
-    """Row of block ``block`` (int tensor, ``>= 0``) of a sequence whose block-table row starts at ``bt_row``."""
-    per_page = page_size // RATE
-    page = tl.load(bt_row + (block * RATE) // page_size).to(tl.int64)
-    return page * per_page + block % per_page
 
 
 @triton.jit

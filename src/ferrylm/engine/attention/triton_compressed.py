@@ -28,9 +28,10 @@ import triton
 import triton.language as tl
 
 from ferrylm.engine.attention.metadata import AttentionMetadata
-from ferrylm.engine.attention.triton_compress import block_row, pool_entries
+from ferrylm.engine.attention.triton_compress import pool_entries
 from ferrylm.engine.attention.triton_latent import store_rows
-from ferrylm.engine.attention.triton_paged import MAX_SEQS_LOG2, e4m3_to_float, find_seq
+from ferrylm.engine.attention.triton_paged import (MAX_SEQS_LOG2, block_row, e4m3_to_float, online_softmax,
+                                                   query_tile)
 from ferrylm.engine.cache.kv_pool import KVPool
 from ferrylm.triton_util import dot_precision
 
@@ -114,12 +115,7 @@ def _attend_tile(q, acc, m_i, l_i, base_ptr, row, stride, n_ok, visible, d, d_ok
     if SCALED:
         rs = tl.load(scale_ptr + row * stride_scale, mask=n_ok, other=0.0)
         qk = qk * rs[None, :]
-    qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(qk - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = online_softmax(tl.where(visible, qk, float("-inf")), m_i, l_i)
     v = tl.load(base_ptr + row[:, None] * stride + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0)
     if SCALED:
         v = e4m3_to_float(v)
@@ -138,10 +134,7 @@ def _compressed_attention_kernel(
         PRECISION: tl.constexpr, SCALED: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
     pid = tl.program_id(0)
-    s = find_seq(pid, qsl_ptr, num_seqs, BLOCK_Q, 1, LOG2_SEQS)
-    q_start = tl.load(qsl_ptr + s)
-    q_len = tl.load(qsl_ptr + s + 1) - q_start
-    qb = pid - (q_start // BLOCK_Q + s)            # this program's query tile within the sequence
+    s, q_start, q_len, qb = query_tile(pid, qsl_ptr, num_seqs, BLOCK_Q, LOG2_SEQS)
     if qb * BLOCK_Q >= q_len:
         return
     ctx = tl.load(lens_ptr + s) - q_len            # -1 for a padding sequence: it sees nothing
@@ -166,10 +159,10 @@ def _compressed_attention_kernel(
     for n0 in range(tl.maximum(p_first - window + 1, 0), p_last + 1, BLOCK_N):       # the window rows
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n <= p_last
-        page = tl.load(bt_row + n // page_size, mask=n_ok, other=0).to(tl.int64)
+        slot = block_row(bt_row, tl.where(n_ok, n, 0), page_size, 1)
         visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - window)
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, win_ptr, page * page_size + n % page_size, stride_win, n_ok,
-                                     visible, d, d_ok, qk_scale, win_scale_ptr, stride_ws, SCALED, PRECISION)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, win_ptr, slot, stride_win, n_ok, visible, d, d_ok, qk_scale,
+                                     win_scale_ptr, stride_ws, SCALED, PRECISION)
     if ENTRIES == 1:                               # every visible entry (HCA)
         for c0 in range(0, (p_last + 1) // RATE, BLOCK_N):
             c = c0 + tl.arange(0, BLOCK_N)

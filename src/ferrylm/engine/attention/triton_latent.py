@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrylm.engine.attention.triton_paged import e4m3_to_float, store_quantized
+from ferrylm.engine.attention.triton_paged import block_row, e4m3_to_float, store_quantized
 from ferrylm.triton_util import dot_precision
 
 
@@ -94,8 +94,7 @@ def _latent_decode_kernel(qa_ptr, qp_ptr, cache_ptr, bt_ptr, lens_ptr, out_ptr, 
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         nm = n < hi
-        page = tl.load(bt_ptr + b * stride_bt + n // page_size, mask=nm, other=0).to(tl.int64)
-        slot = page * page_size + n % page_size
+        slot = block_row(bt_ptr + b * stride_bt, tl.where(nm, n, 0), page_size, 1)
         row = slot * stride_cache
         c = tl.load(cache_ptr + row[:, None] + r[None, :], mask=nm[:, None] & rm[None, :], other=0)
         kp = tl.load(cache_ptr + row[:, None] + R + p[None, :], mask=nm[:, None] & pm[None, :], other=0)

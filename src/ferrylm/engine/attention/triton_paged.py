@@ -162,6 +162,40 @@ def find_seq(pid, qsl_ptr, num_seqs, BLOCK_Q: tl.constexpr, PER_SEQ: tl.constexp
 
 
 @triton.jit
+def query_tile(pid, qsl_ptr, num_seqs, BLOCK_Q: tl.constexpr, LOG2_SEQS: tl.constexpr):
+    """The query tile program ``pid`` of an attention grid computes (module docstring): its sequence ``s``, the
+    sequence's first query row ``q_start`` and count of new tokens ``q_len``, and the tile ``qb`` among them
+    (``qb * BLOCK_Q >= q_len``: a spare program, nothing to compute)."""
+    s = find_seq(pid, qsl_ptr, num_seqs, BLOCK_Q, 1, LOG2_SEQS)
+    q_start = tl.load(qsl_ptr + s)
+    q_len = tl.load(qsl_ptr + s + 1) - q_start
+    return s, q_start, q_len, pid - (q_start // BLOCK_Q + s)
+
+
+@triton.jit
+def block_row(bt_row, block, page_size, RATE: tl.constexpr):
+    """The pool row of block ``block`` (an int tensor, each value ``>= 0`` and inside the sequence's pages) of
+    ``RATE`` tokens of the sequence whose block-table row starts at ``bt_row``: for ``RATE`` 1 a token's KV slot
+    ``page * page_size + offset``, else a per-block cache's row (``page_size // RATE`` rows a page,
+    ``compressed_pages.py``)."""
+    per_page = page_size // RATE
+    page = tl.load(bt_row + (block * RATE) // page_size).to(tl.int64)
+    return page * per_page + block % per_page
+
+
+@triton.jit
+def online_softmax(qk, m_i, l_i):
+    """One tile of scores ``qk [M, N]`` (base 2, ``-inf`` where hidden) into each row's running max ``m_i`` and sum
+    ``l_i``: the tile's probabilities ``p`` (relative to the new max), the factor ``alpha`` that rescales what came
+    before, the new max and the new sum. A row that has seen nothing keeps max ``-inf`` and sum 0."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(qk - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr,
         part_o_ptr, part_ml_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
@@ -175,10 +209,7 @@ def _paged_attention_kernel(
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    s = find_seq(pid, qsl_ptr, num_seqs, BLOCK_Q, 1, LOG2_SEQS)
-    q_start = tl.load(qsl_ptr + s)
-    q_len = tl.load(qsl_ptr + s + 1) - q_start
-    qb = pid - (q_start // BLOCK_Q + s)            # this program's query tile within the sequence
+    s, q_start, q_len, qb = query_tile(pid, qsl_ptr, num_seqs, BLOCK_Q, LOG2_SEQS)
     if qb * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + s)
@@ -218,8 +249,7 @@ def _paged_attention_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < hi
-        page = tl.load(bt_row + n // page_size, mask=n_ok, other=0).to(tl.int64)
-        slot = page * page_size + n % page_size
+        slot = block_row(bt_row, tl.where(n_ok, n, 0), page_size, 1)
         k = tl.load(k_cache_ptr + slot[None, :] * stride_kc_slot + kvh * stride_kc_h + d[:, None],
                     mask=n_ok[None, :] & d_ok[:, None], other=0)              # [D, N]
         if SCALED:
@@ -231,12 +261,7 @@ def _paged_attention_kernel(
         visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
         if WINDOW:
             visible = visible & (n[None, :] > q_pos[:, None] - window)
-        qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(qk - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = online_softmax(tl.where(visible, qk, float("-inf")), m_i, l_i)
         v = tl.load(v_cache_ptr + slot[:, None] * stride_vc_slot + kvh * stride_vc_h + d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0)              # [N, D]
         if SCALED:

@@ -4,10 +4,12 @@
 :func:`fallback_footer`: the fallback tools section of ``server/text/tools.py``).
 
 - ``base.py``: the parser interface and what every format shares.
+- ``calls.py``: call assembly (the request's tools, typed arguments, ``ToolCall`` objects and their ids).
+- ``block.py``: the loop every format shares (a block held to its closing tag), and the skeletons of the formats
+  that list a turn's calls in one block.
 - ``hermes.py``: Hermes / Qwen ``<tool_call>`` JSON blocks.
-- ``block.py``: the loop every tag-delimited format shares (a block held to its closing tag), value typing.
-- ``glm45.py``, ``minimax_m2.py``, ``deepseek_v3.py``, ``kimi_k2.py``, ``qwen3_coder.py``, ``deepseek_v4.py``: one
-  module per format.
+- ``glm45.py``, ``minimax_m2.py``, ``deepseek_v3.py``, ``kimi_k2.py``, ``qwen3_coder.py``, ``deepseek_v4.py``,
+  ``deepseek_v32.py``: one module per format.
 - ``grammars.py``: the forced-call grammars of the tag-delimited formats (Hermes': ``tools.tool_call_grammar``).
 
 Nothing here imports torch.
@@ -30,6 +32,7 @@ TOOL_PARSERS: Registry[type[ToolParser]] = Registry("--tool-call-parser", {
     "kimi_k2": f"{_P}.kimi_k2:KimiK2ToolParser",
     "qwen3_coder": f"{_P}.qwen3_coder:Qwen3CoderToolParser",
     "deepseek_v4": f"{_P}.deepseek_v4:DeepSeekV4ToolParser",
+    "deepseek_v32": f"{_P}.deepseek_v32:DeepSeekV32ToolParser",
 })
 #: vLLM's other names for the same formats (its V3.1 parser; its XML variant of Qwen3-Coder's): accepted by
 #: ``--tool-call-parser``, served by the parser they name here
@@ -38,13 +41,14 @@ TOOL_PARSER_CHOICES = ("auto", *TOOL_PARSERS.names, *TOOL_PARSER_ALIASES)
 _ARCH_PARSERS = {"Glm4MoeForCausalLM": "glm45", "MiniMaxM2ForCausalLM": "minimax_m2",
                  "DeepseekV3ForCausalLM": "deepseek_v3", "Qwen3NextForCausalLM": "qwen3_coder",
                  "Qwen3_5MoeForCausalLM": "qwen3_coder", "Qwen4ExpForCausalLM": "qwen3_coder",
-                 "DeepseekV4ForCausalLM": "deepseek_v4"}
-#: ``config.json`` ``model_type`` values whose format differs from their architecture's (Kimi-K2 is a
+                 "DeepseekV4ForCausalLM": "deepseek_v4", "DeepseekV32ForCausalLM": "deepseek_v32"}
+#: ``config.json`` ``model_type`` values whose format may differ from their architecture's (Kimi-K2 is a
 #: ``DeepseekV3ForCausalLM``)
-_MODEL_TYPE_PARSERS = {"kimi_k2": "kimi_k2"}
+_MODEL_TYPE_PARSERS = {"kimi_k2": "kimi_k2", "deepseek_v32": "deepseek_v32"}
 #: the order chat templates are checked in (Qwen3-Coder's and GLM's templates also write ``<tool_call>``, so
-#: Hermes' JSON instructions come last)
-_TEMPLATE_ORDER = ("minimax_m2", "glm45", "qwen3_coder", "kimi_k2", "deepseek_v3", "deepseek_v4", "hermes")
+#: Hermes' JSON instructions come last; a V3.2 template's DSML ``function_calls`` before V4's DSML)
+_TEMPLATE_ORDER = ("minimax_m2", "glm45", "qwen3_coder", "kimi_k2", "deepseek_v3", "deepseek_v32", "deepseek_v4",
+                   "hermes")
 
 
 def make_tool_parser(name: str, tool_names: Iterable[str] | None,
@@ -101,9 +105,9 @@ def choose_tool_parser(flag: str | None, architecture: str | None = None, chat_t
     :data:`TOOL_PARSER_ALIASES` gives the format it names) unless it is ``auto`` / None;
     then the chat template's own markup (:func:`template_format`: ``<minimax:tool_call>`` → ``minimax_m2``,
     ``<arg_key>`` → ``glm45``, ``<parameter=`` → ``qwen3_coder``, ``<|tool_calls_section_begin|>`` → ``kimi_k2``,
-    ``<｜tool▁calls▁begin｜>`` → ``deepseek_v3``, ``｜DSML｜`` → ``deepseek_v4``, Hermes' ``<tool_call>{"name": ...`` →
-    ``hermes``), then the
-    config's ``model_type`` (``kimi_k2``), then the architecture (:data:`_ARCH_PARSERS`), else ``hermes``.
+    ``<｜tool▁calls▁begin｜>`` → ``deepseek_v3``, ``｜DSML｜`` with ``function_calls`` → ``deepseek_v32``, other
+    ``｜DSML｜`` → ``deepseek_v4``, Hermes' ``<tool_call>{"name": ...`` → ``hermes``), then the config's
+    ``model_type`` (``kimi_k2``, ``deepseek_v32``), then the architecture (:data:`_ARCH_PARSERS`), else ``hermes``.
 
     Raises:
         ValueError: ``flag`` is not one of :data:`TOOL_PARSER_CHOICES`.

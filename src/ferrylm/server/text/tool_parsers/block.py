@@ -1,10 +1,11 @@
-"""The shared machinery of the tag-delimited tool-call formats (GLM-4.5, MiniMax-M2, DeepSeek-V3, Kimi-K2,
-Qwen3-Coder): :class:`BlockToolParser` holds the text from a format's opening tag to its closing tag and then turns
-the block into calls or, failing that, releases it as text, so text that only mentions a tag is never swallowed and
-the result never depends on how the text was split into deltas.
+"""The shared machinery of the tag-delimited tool-call formats (Hermes, GLM-4.5, MiniMax-M2, DeepSeek-V3 / V3.2 / V4,
+Kimi-K2, Qwen3-Coder): :class:`BlockToolParser` holds the text from a format's opening tag to its closing tag and
+then turns the block into calls or, failing that, releases it as text, so text that only mentions a tag is never
+swallowed and the result never depends on how the text was split into deltas. :class:`CallListParser` is the block
+of the formats that list a turn's calls in one block (DeepSeek, Kimi), :class:`InvokeListParser` those whose calls
+are invokes of named parameters (MiniMax-M2, DSML): a format gives its patterns and reads one call's parts.
 
-Argument values written as text (the XML-style formats) are typed by the tool's JSON schema (:func:`coerce_value`);
-the JSON formats (DeepSeek, Kimi) go through :func:`~ferrylm.server.text.tool_parsers.base.decode_arguments`.
+The calls themselves are assembled by :class:`~ferrylm.server.text.tool_parsers.calls.RequestTools` (``self.tools``).
 
 This module must not import torch.
 """
@@ -15,23 +16,8 @@ import json
 import re
 from typing import Any, Iterable, Mapping
 
-from ferrylm.server.text.tool_parsers.base import (Piece, ToolCall, ToolParser, cut_arguments, decode_arguments,
-                                                   partial_suffix)
-
-
-def coerce_value(text: str, schema: Any) -> Any:
-    """One argument's text as a JSON value, by its property ``schema`` (None: not in the schema).
-
-    ``type`` ``string`` (or a list of types holding ``string``): the text itself. Otherwise ``json.loads`` of the
-    stripped text; when that fails, the text as a string (what the reference parsers do).
-    """
-    types = schema.get("type") if isinstance(schema, dict) else None
-    if types == "string" or (isinstance(types, list) and "string" in types):
-        return text
-    try:
-        return json.loads(text.strip())
-    except (ValueError, RecursionError):
-        return text
+from ferrylm.server.text.tool_parsers.base import Piece, ToolCall, ToolParser, partial_suffix
+from ferrylm.server.text.tool_parsers.calls import RequestTools
 
 
 def value_text(v: Any) -> str:
@@ -96,7 +82,7 @@ def object_args(calls: list[tuple[Any, Any, Any]]) -> list[tuple[Any, dict, Any]
 class BlockToolParser(ToolParser):
     """Shared loop of the tag-delimited formats: text outside ``OPEN`` … ``CLOSE`` is content; a block is held
     until its ``CLOSE`` and then becomes calls (:meth:`parse_block`) or, failing that, text. Whitespace next to a
-    call is not content (the blank runs before, between and after calls are dropped), as in Hermes.
+    call is not content (the blank runs before, between and after calls are dropped).
 
     ``LEAD``: when set, the tag a block body must start with (after blanks); a body that cannot start with it ends
     the block at once (the ``OPEN`` was a mention), see :meth:`viable`. ``EXTRA_BLOCKS``: other ``(open, close)``
@@ -106,7 +92,7 @@ class BlockToolParser(ToolParser):
 
     Args:
         tool_names: the request's tools; a call naming another function leaves its block as text. None: any name.
-        schemas: ``name -> parameters`` JSON schema, for :func:`coerce_value` (absent tools: values read as JSON).
+        schemas: ``name -> parameters`` JSON schema, for typing values (``self.tools``, :class:`RequestTools`).
     """
 
     OPEN = ""
@@ -115,8 +101,7 @@ class BlockToolParser(ToolParser):
     EXTRA_BLOCKS: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, tool_names: Iterable[str] | None = None, schemas: Mapping[str, dict] | None = None):
-        self.names = None if tool_names is None else frozenset(tool_names)
-        self.schemas = dict(schemas or {})
+        self.tools = RequestTools(tool_names, schemas)
         self.calls = 0
         self._buf = ""
         self._in_block = False
@@ -162,7 +147,7 @@ class BlockToolParser(ToolParser):
         hold for ``buf`` (a left-to-right scan), so that chunking does not change it."""
         return buf.find(self._close)
 
-    # -- the loop (HermesToolParser's rules) -------------------------------------------------------------
+    # -- the loop ----------------------------------------------------------------------------------------
     def feed(self, text: str) -> list[Piece]:
         self._buf += text
         out: list[Piece] = []
@@ -226,53 +211,68 @@ class BlockToolParser(ToolParser):
             self._ws = ""
         self._ws += text[len(body):]
 
-    # -- helpers for parse_block -----------------------------------------------------------------------------
-    def known(self, name: str) -> bool:
-        """Whether ``name`` is one of the request's tools (any name when the parser was given None)."""
-        return bool(name) and (self.names is None or name in self.names)
 
-    def _call(self, name: str, pairs: list[tuple[str, str]]) -> ToolCall | None:
-        """A call of ``name`` with the raw ``(key, value text)`` pairs, or None for an unknown tool or a key given
-        twice."""
-        if not self.known(name):
-            return None
-        props = (self.schemas.get(name) or {}).get("properties") or {}
-        args: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in args:
-                return None
-            args[key] = coerce_value(value, props.get(key))
-        return ToolCall(name, json.dumps(args, ensure_ascii=False))
+class CallListParser(BlockToolParser):
+    """A block listing a turn's calls: whole calls back to back (``CALL`` matches one, its leading blanks
+    included), nothing else. The format reads one call (:meth:`whole_call`) and the call an output ended in, from
+    ``CUT``'s match after the whole ones (:meth:`open_call`)."""
 
-    def _cut_call(self, name: str, pairs: list[tuple[str, str]]) -> ToolCall | None:
-        """The unfinished call of ``name`` with the whole ``(key, value text)`` pairs so far (None for an unknown
-        tool): its arguments the JSON text of those values (:func:`cut_arguments`)."""
-        if not self.known(name):
-            return None
-        props = (self.schemas.get(name) or {}).get("properties") or {}
-        return ToolCall(name, cut_arguments({k: coerce_value(v, props.get(k)) for k, v in pairs}), complete=False)
+    CALL: re.Pattern
+    CUT: re.Pattern
 
-    def _json_cut(self, name: str, arguments: str, call_id: str | None = None) -> ToolCall | None:
-        """The call of ``name`` the output ended in, its arguments the JSON text so far: whole when that text is
-        a whole object already (:meth:`_json_call`), else unfinished; None for an unknown tool."""
-        whole = self._json_call(name, arguments, call_id)
-        if whole is not None or not self.known(name):
-            return whole
-        text = arguments.lstrip()
-        if call_id is None:
-            return ToolCall(name, text, complete=False)
-        return ToolCall(name, text, call_id, complete=False)
+    def whole_call(self, m: re.Match) -> ToolCall | None:
+        """The call ``CALL`` matched, or None when it is not one of the request's tools or malformed."""
+        raise NotImplementedError
 
-    def _json_call(self, name: str, arguments: str, call_id: str | None = None) -> ToolCall | None:
-        """A call of ``name`` whose arguments are JSON text of an object (or a JSON string holding one), or None
-        for an unknown tool or other arguments. ``call_id``: the id the model gave the call (else a fresh one)."""
-        if not self.known(name):
+    def open_call(self, m: re.Match) -> ToolCall | None:
+        """The unfinished call whose start ``CUT`` matched (its text runs to the end of ``m.string``), None until
+        its name is whole and one of the request's tools."""
+        raise NotImplementedError
+
+    def parse_block(self, body: str) -> list[ToolCall] | None:
+        found = match_all(self.CALL, body)
+        if not found or not found[0]:
             return None
-        try:
-            args = decode_arguments(json.loads(arguments))
-        except (ValueError, RecursionError):
-            return None
-        if args is None:
-            return None
-        text = json.dumps(args, ensure_ascii=False)
-        return ToolCall(name, text) if call_id is None else ToolCall(name, text, call_id)
+        calls = [self.whole_call(m) for m in found[0]]
+        return None if None in calls else calls   # type: ignore[return-value]
+
+    def cut_calls(self, body: str) -> list[ToolCall]:
+        """The whole calls, then the one the output ended in (:meth:`open_call`)."""
+        found, pos = leading(self.CALL, body)
+        calls = [c for m in found if (c := self.whole_call(m)) is not None]
+        m = self.CUT.match(body, pos)
+        cut = self.open_call(m) if m is not None else None
+        return calls + ([cut] if cut is not None else [])
+
+
+class InvokeListParser(CallListParser):
+    """A block of invokes, each a function name and its parameters (``PARAM`` matches one, leading blanks
+    included); ``CALL`` holds an invoke's name in group 1 and its body in group 2, ``CUT`` an invoke's head (its
+    name in group 1). The format reads a name (:meth:`invoke_name`) and a parameter's key and typed value
+    (:meth:`param_key`, :meth:`param_value`)."""
+
+    PARAM: re.Pattern
+
+    def invoke_name(self, written: str) -> str:
+        """The function name as written in the invoke's head."""
+        return written
+
+    def param_key(self, p: re.Match) -> str:
+        raise NotImplementedError
+
+    def param_value(self, p: re.Match, schema: Any) -> Any:
+        """The value of parameter ``p``, typed by its property ``schema`` (None: not in the schema)."""
+        raise NotImplementedError
+
+    def _arguments(self, name: str, params: list[re.Match]) -> dict | None:
+        return self.tools.arguments(name, [(self.param_key(p), p) for p in params], self.param_value)
+
+    def whole_call(self, m: re.Match) -> ToolCall | None:
+        name = self.invoke_name(m[1])
+        params = match_all(self.PARAM, m[2])
+        return self.tools.call(name, self._arguments(name, params[0])) if params is not None else None
+
+    def open_call(self, m: re.Match) -> ToolCall | None:
+        """The invoke the output ended in once its head is whole, with its whole parameters."""
+        name = self.invoke_name(m[1])
+        return self.tools.cut_call(name, self._arguments(name, leading(self.PARAM, m.string, m.end())[0]))

@@ -33,7 +33,7 @@ import re
 from typing import Any
 
 from ferrylm.server.text.tool_parsers.base import ToolCall
-from ferrylm.server.text.tool_parsers.block import BlockToolParser, leading, match_all, object_args, strip_tail, unfence
+from ferrylm.server.text.tool_parsers.block import CallListParser, object_args, strip_tail, unfence
 
 _BAR, _SP = "\uff5c", "\u2581"
 
@@ -82,7 +82,7 @@ def split_cut_call(head: str, rest: str) -> tuple[str, str] | None:
     return m[1], "" if _FENCE_OPEN.startswith(args) else args
 
 
-class DeepSeekV3ToolParser(BlockToolParser):
+class DeepSeekV3ToolParser(CallListParser):
     """``<｜tool▁calls▁begin｜>`` sections of V3 / R1 or V3.1 calls (module docstring)."""
 
     OPEN = CALLS_BEGIN
@@ -91,27 +91,16 @@ class DeepSeekV3ToolParser(BlockToolParser):
     MARKUP = MARKUP
     TEMPLATE_MARK = "<\uff5ctool[\u2581 ]calls?[\u2581 ]begin\uff5c>"
     ONE_SECTION = True
+    CALL = _CALL
+    CUT = _CUT_CALL
 
-    def parse_block(self, body: str) -> list[ToolCall] | None:
-        found = match_all(_CALL, body)
-        if not found or not found[0]:
-            return None
-        calls = []
-        for m in found[0]:
-            call = self._json_call(*split_call(m[1], m[2]))
-            if call is None:
-                return None
-            calls.append(call)
-        return calls
+    def whole_call(self, m: re.Match) -> ToolCall | None:
+        return self.tools.json_call(*split_call(m[1], m[2]))
 
-    def cut_calls(self, body: str) -> list[ToolCall]:
-        """The whole calls, then the one the output ended in once its name is whole (:func:`split_cut_call`)."""
-        found, pos = leading(_CALL, body)
-        calls = [c for m in found if (c := self._json_call(*split_call(m[1], m[2]))) is not None]
-        m = _CUT_CALL.match(body, pos)
-        parts = split_cut_call(m[1], m[2]) if m is not None else None
-        cut = self._json_cut(*parts) if parts is not None else None
-        return calls + ([cut] if cut is not None else [])
+    def open_call(self, m: re.Match) -> ToolCall | None:
+        """The call once its name is whole (:func:`split_cut_call`)."""
+        parts = split_cut_call(m[1], m[2])
+        return self.tools.json_cut(*parts) if parts is not None else None
 
     @classmethod
     def render_calls(cls, calls: list[tuple[Any, Any, Any]]) -> str:

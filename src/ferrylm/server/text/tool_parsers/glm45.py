@@ -7,7 +7,7 @@
     <arg_value>3</arg_value>
     </tool_call>
 
-Values are typed by the tool's parameter schema (:func:`~ferrylm.server.text.tool_parsers.block.coerce_value`).
+Values are typed by the tool's parameter schema (:func:`~ferrylm.server.text.tool_parsers.calls.coerce_value`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class Glm45ToolParser(BlockToolParser):
             pos = m.end()
         if rest[pos:].strip():
             return None
-        call = self._call(name, pairs)
+        call = self.tools.call(name, self.tools.arguments(name, pairs))
         return None if call is None else [call]
 
     def cut_calls(self, body: str) -> list[ToolCall]:
@@ -57,7 +57,8 @@ class Glm45ToolParser(BlockToolParser):
         end = _GLM_NAME.match(body).end()
         if end == len(body):
             return []
-        call = self._cut_call(body[:end], [(m[1].strip(), m[2]) for m in leading(_GLM_PAIR, body, end)[0]])
+        name, pairs = body[:end], [(m[1].strip(), m[2]) for m in leading(_GLM_PAIR, body, end)[0]]
+        call = self.tools.cut_call(name, self.tools.arguments(name, pairs))
         return [call] if call is not None else []
 
     @classmethod

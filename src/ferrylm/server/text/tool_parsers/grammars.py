@@ -1,8 +1,9 @@
 """Forced tool calls (``tool_choice: "required"`` or a named function) in the formats of
-:mod:`ferrylm.server.text.tool_parsers` (GLM-4.5, MiniMax-M2, DeepSeek-V3, Kimi-K2, Qwen3-Coder) and harmony's: Lark
-grammars (llguidance) that emit exactly the markup :mod:`ferrylm.server.text.tool_parsers` parses, with OpenAI's strict
-semantics for the arguments: every ``required`` key present, only keys the schema's ``properties`` name (as if
-``additionalProperties`` were false), each value of its property's type. So a forced call always closes and parses.
+:mod:`ferrylm.server.text.tool_parsers` (GLM-4.5, MiniMax-M2, DeepSeek-V3, Kimi-K2, Qwen3-Coder, the DSML of
+DeepSeek-V4 and V3.2) and harmony's: Lark grammars (llguidance) that emit exactly the markup
+:mod:`ferrylm.server.text.tool_parsers` parses, with OpenAI's strict semantics for the arguments: every ``required``
+key present, only keys the schema's ``properties`` name (as if ``additionalProperties`` were false), each value of
+its property's type. So a forced call always closes and parses.
 
 The JSON formats (DeepSeek, Kimi) take the arguments as one JSON object valid against the tool's schema, made
 strict the same way (a schema without ``properties`` admits no keys unless it allows ``additionalProperties``). In the
@@ -196,10 +197,10 @@ def qwen3_coder_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = 
     return forcing_grammar(lark, _chosen(tools, choice))
 
 
-def deepseek_v4_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _literal) -> str:
-    """One ``<｜DSML｜tool_calls>`` block of ``invoke`` calls, one ``parameter`` a line, ``string="true"`` for a
-    string value (free text without ``<``, or its ``enum``), ``"false"`` for JSON; ``required`` with parallel
-    calls allows several invokes."""
+def _dsml_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term, block: tuple[str, str]) -> str:
+    """One DSML block (``block``: its opening and closing tags) of ``invoke`` calls, one ``parameter`` a line,
+    ``string="true"`` for a string value (free text without ``<``, or its ``enum``), ``"false"`` for JSON;
+    ``required`` with parallel calls allows several invokes."""
     from ferrylm.server.text.tool_parsers import deepseek_v4 as ds4
 
     rules: list[str] = []
@@ -214,9 +215,23 @@ def deepseek_v4_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = 
         rules.append(f'i{i}: {_literal(f"{ds4.INVOKE} name={json.dumps(tool.name)}>")} "\\n" {args}{empty} '
                      f"{_literal(ds4.INVOKE_END)}")
         alts.append(f"i{i}")
-    start = f'start: {term(ds4.CALLS_BEGIN)} "\\n" invoke{_repeat(choice, what="invoke")} "\\n" {term(ds4.CALLS_END)}'
+    start = f'start: {term(block[0])} "\\n" invoke{_repeat(choice, what="invoke")} "\\n" {term(block[1])}'
     lark = "\n".join([start, f"invoke: {' | '.join(alts)}", *rules]) + "\n"
     return forcing_grammar(lark, _chosen(tools, choice))
+
+
+def deepseek_v4_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _literal) -> str:
+    """DeepSeek-V4's ``<｜DSML｜tool_calls>`` block (:func:`_dsml_grammar`)."""
+    from ferrylm.server.text.tool_parsers import deepseek_v4 as ds4
+
+    return _dsml_grammar(tools, choice, term, (ds4.CALLS_BEGIN, ds4.CALLS_END))
+
+
+def deepseek_v32_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _literal) -> str:
+    """DeepSeek-V3.2's ``<｜DSML｜function_calls>`` block (:func:`_dsml_grammar`)."""
+    from ferrylm.server.text.tool_parsers import deepseek_v32 as ds32
+
+    return _dsml_grammar(tools, choice, term, (ds32.CALLS_BEGIN, ds32.CALLS_END))
 
 
 def harmony_call_rules(tools: list[ToolSpec], term: Term = _literal) -> list[str]:
@@ -241,7 +256,8 @@ def harmony_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _lit
 
 
 GRAMMARS = {"harmony": harmony_grammar, "glm45": glm45_grammar, "minimax_m2": minimax_m2_grammar, "deepseek_v3": deepseek_v3_grammar,
-            "kimi_k2": kimi_k2_grammar, "qwen3_coder": qwen3_coder_grammar, "deepseek_v4": deepseek_v4_grammar}
+            "kimi_k2": kimi_k2_grammar, "qwen3_coder": qwen3_coder_grammar, "deepseek_v4": deepseek_v4_grammar,
+            "deepseek_v32": deepseek_v32_grammar}
 
 
 def forced_call_grammar(fmt: str, tools: list[ToolSpec], choice: ToolChoice, term: Term = _literal) -> str | None:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Iterable, Mapping
+from typing import Any
 
-from ferrylm.server.text.tool_parsers.base import Piece, ToolCall, ToolParser, decode_arguments, partial_suffix
+from ferrylm.server.text.tool_parsers.base import ToolCall, decode_arguments, partial_suffix
+from ferrylm.server.text.tool_parsers.block import BlockToolParser
 
 
 #: the head of a call body cut short: its whole name, then (once begun) the arguments' key
@@ -42,8 +43,8 @@ def _close_outside_json_string(buf: str, tag: str) -> int:
     return -1
 
 
-class HermesToolParser(ToolParser):
-    """``<tool_call>{json}</tool_call>`` blocks (see the module docstring for the rules).
+class HermesToolParser(BlockToolParser):
+    """``<tool_call>{json}</tool_call>`` blocks (see the module docstring for the rules), one call a block.
 
     Whitespace next to a call is not content: the blank run before a call, between calls and after the last one
     is dropped (so a reply made only of calls has no text).
@@ -58,66 +59,19 @@ class HermesToolParser(ToolParser):
     MARKUP = (OPEN, CLOSE)
     TEMPLATE_MARK = r'<tool_call>(?:\\n|\s)*\{\\?"name\\?"'
 
-    def __init__(self, tool_names: Iterable[str] | None = None, schemas: Mapping[str, dict] | None = None):
-        self.names = None if tool_names is None else frozenset(tool_names)
-        self.calls = 0
-        self._buf = ""
-        self._in_block = False
-        self._ws = ""            # trailing whitespace of released text, held until we know what follows it
-        self._after_call = False  # drop the whitespace that follows a call
-        self._raw_close = False   # finish(): a body whose strings never close ends at the first closing tag
+    def viable(self, body: str) -> bool:
+        """A body starts with ``{`` (after blanks); anything else means the tag was just mentioned."""
+        stripped = body.lstrip()
+        return not stripped or stripped.startswith("{")
 
-    def feed(self, text: str) -> list[Piece]:
-        self._buf += text
-        out: list[Piece] = []
-        while True:
-            if self._in_block:
-                # NOTE: the closing tag that ends the call is the first one outside a JSON string: a string
-                # argument may hold "</tool_call>" itself (a forced call's grammar allows any string)
-                j = self._buf.find(self.CLOSE) if self._raw_close else _close_outside_json_string(self._buf,
-                                                                                                   self.CLOSE)
-                body = self._buf if j < 0 else self._buf[:j]
-                stripped = body.lstrip()
-                if stripped and not stripped.startswith("{"):   # not a call: the tag was just mentioned
-                    self._in_block = False
-                    self._text(self.OPEN, out)
-                    continue
-                if j < 0:
-                    return out
-                self._buf = self._buf[j + len(self.CLOSE):]
-                self._in_block = False
-                call = self._parse(body)
-                if call is None:
-                    self._text(self.OPEN + body + self.CLOSE, out)
-                else:
-                    self._ws = ""
-                    self._after_call = True
-                    self.calls += 1
-                    out.append(Piece(call=call))
-                continue
-            i = self._buf.find(self.OPEN)
-            if i >= 0:
-                self._text(self._buf[:i], out)
-                self._buf = self._buf[i + len(self.OPEN):]
-                self._in_block = True
-                continue
-            keep = partial_suffix(self._buf, self.OPEN)
-            self._text(self._buf[:len(self._buf) - keep], out)
-            self._buf = self._buf[len(self._buf) - keep:]
-            return out
+    def close_at(self, buf: str) -> int:
+        # NOTE: the closing tag that ends the call is the first one outside a JSON string: a string argument may
+        # hold "</tool_call>" itself (a forced call's grammar allows any string)
+        return _close_outside_json_string(buf, self._close)
 
-    def finish(self) -> list[Piece]:
-        out = self.feed("")
-        if self._in_block and self.CLOSE in self._buf:   # a malformed body (an unclosed string): the first tag
-            self._raw_close = True
-            out += self.feed("")
-        rest = (self.OPEN if self._in_block else "") + self._buf
-        self._buf, self._in_block = "", False
-        self._text(rest, out)
-        if self._ws and not self.calls:
-            out.append(Piece(self._ws))
-        self._ws = ""
-        return out
+    def parse_block(self, body: str) -> list[ToolCall] | None:
+        call = self._parse(body)
+        return None if call is None else [call]
 
     def cut_block(self, body: str) -> list[ToolCall]:
         """A body that is a whole call already (the closing tag missing or cut short) is that call; else the
@@ -128,40 +82,17 @@ class HermesToolParser(ToolParser):
         m = _CUT_HEAD.match(body)
         if m is None:
             return []
-        name = json.loads(m[1])
-        if not isinstance(name, str) or (self.names is not None and name not in self.names):
-            return []
-        return [ToolCall(name, body[m.end():] if m[2] else "", complete=False)]
-
-    def _text(self, text: str, out: list[Piece]) -> None:
-        """Release ``text`` as content, holding its trailing whitespace (and dropping leading whitespace right
-        after a call)."""
-        if not text:
-            return
-        if self._after_call:
-            text = text.lstrip()
-            if not text:
-                return
-            self._after_call = False
-        body = text.rstrip()
-        if body:
-            out.append(Piece(self._ws + body))
-            self._ws = ""
-        self._ws += text[len(body):]
+        call = self.tools.json_cut(json.loads(m[1]), body[m.end():] if m[2] else "")
+        return [call] if call is not None else []
 
     def _parse(self, body: str) -> ToolCall | None:
         try:
             obj = json.loads(body)
         except (ValueError, RecursionError):   # a model may nest past the recursion limit
             return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        if not isinstance(obj, dict):
             return None
-        args = decode_arguments(obj.get("arguments", obj.get("parameters", {})))
-        if args is None:
-            return None
-        if self.names is not None and obj["name"] not in self.names:
-            return None
-        return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+        return self.tools.call(obj.get("name"), decode_arguments(obj.get("arguments", obj.get("parameters", {}))))
 
     @classmethod
     def render_calls(cls, calls: list[tuple[Any, Any, Any]]) -> str:

@@ -23,7 +23,7 @@ import re
 from typing import Any
 
 from ferrylm.server.text.tool_parsers.base import ToolCall
-from ferrylm.server.text.tool_parsers.block import BlockToolParser, leading, match_all, object_args, strip_tail
+from ferrylm.server.text.tool_parsers.block import CallListParser, object_args, strip_tail
 
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CALL_BEGIN, ARGS_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
@@ -44,7 +44,7 @@ def _kimi_id(written: str) -> str:
     return written if written.startswith(PREFIX) else f"{PREFIX}{written}"
 
 
-class KimiK2ToolParser(BlockToolParser):
+class KimiK2ToolParser(CallListParser):
     """``<|tool_calls_section_begin|>`` sections of ``functions.NAME:IDX`` calls (module docstring)."""
 
     OPEN = SECTION_BEGIN
@@ -53,26 +53,15 @@ class KimiK2ToolParser(BlockToolParser):
     MARKUP = MARKUP
     TEMPLATE_MARK = re.escape(SECTION_BEGIN) + "|" + re.escape(CALL_BEGIN)
     ONE_SECTION = True
+    CALL = _CALL
+    CUT = _CUT_CALL
 
-    def parse_block(self, body: str) -> list[ToolCall] | None:
-        found = match_all(_CALL, body)
-        if not found or not found[0]:
-            return None
-        calls = []
-        for m in found[0]:
-            call = self._json_call(m[2], m[4], _kimi_id(m[1]))
-            if call is None:
-                return None
-            calls.append(call)
-        return calls
+    def whole_call(self, m: re.Match) -> ToolCall | None:
+        return self.tools.json_call(m[2], m[4], _kimi_id(m[1]))
 
-    def cut_calls(self, body: str) -> list[ToolCall]:
-        """The whole calls, then the one the output ended in once its arguments began."""
-        found, pos = leading(_CALL, body)
-        calls = [c for m in found if (c := self._json_call(m[2], m[4], _kimi_id(m[1]))) is not None]
-        m = _CUT_CALL.match(body, pos)
-        cut = self._json_cut(m[2], strip_tail(m[4], CALL_END), _kimi_id(m[1])) if m is not None else None
-        return calls + ([cut] if cut is not None else [])
+    def open_call(self, m: re.Match) -> ToolCall | None:
+        """The call once its arguments began."""
+        return self.tools.json_cut(m[2], strip_tail(m[4], CALL_END), _kimi_id(m[1]))
 
     @classmethod
     def render_calls(cls, calls: list[tuple[Any, Any, Any]]) -> str:

@@ -7,7 +7,7 @@
     </invoke>
     </minimax:tool_call>
 
-Values are typed by the tool's parameter schema (:func:`~ferrylm.server.text.tool_parsers.block.coerce_value`).
+Values are typed by the tool's parameter schema (:func:`~ferrylm.server.text.tool_parsers.calls.coerce_value`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ferrylm.server.text.tool_parsers.base import ToolCall
-from ferrylm.server.text.tool_parsers.block import (BlockToolParser, leading, match_all, object_args, strip_newline,
-                                                    value_text)
+from ferrylm.server.text.tool_parsers.block import InvokeListParser, object_args, strip_newline, value_text
+from ferrylm.server.text.tool_parsers.calls import coerce_value
 
 _MM_INVOKE = re.compile(r"\s*<invoke name=(\"[^\"<>]*\"|'[^'<>]*'|[^\s<>]+)>(.*?)</invoke>", re.S)
 _MM_HEAD = re.compile(r"\s*<invoke name=(\"[^\"<>]*\"|'[^'<>]*'|[^\s<>]+)>")
@@ -28,7 +27,7 @@ def _unquote(s: str) -> str:
     return s[1:-1] if len(s) >= 2 and s[0] == s[-1] and s[0] in "\"'" else s
 
 
-class MiniMaxM2ToolParser(BlockToolParser):
+class MiniMaxM2ToolParser(InvokeListParser):
     """MiniMax-M2 ``<minimax:tool_call>`` blocks of ``<invoke name=...>`` calls with ``<parameter name=...>``
     values (module docstring)."""
 
@@ -37,32 +36,16 @@ class MiniMaxM2ToolParser(BlockToolParser):
     LEAD = "<invoke"
     MARKUP = (OPEN, CLOSE)
     TEMPLATE_MARK = re.escape(OPEN)
+    CALL, CUT, PARAM = _MM_INVOKE, _MM_HEAD, _MM_PARAM
 
-    def parse_block(self, body: str) -> list[ToolCall] | None:
-        invokes = match_all(_MM_INVOKE, body)
-        if not invokes or not invokes[0]:
-            return None
-        calls = []
-        for m in invokes[0]:
-            params = match_all(_MM_PARAM, m[2])
-            if params is None:
-                return None
-            call = self._call(_unquote(m[1]), [(_unquote(p[1]), strip_newline(p[2])) for p in params[0]])
-            if call is None:
-                return None
-            calls.append(call)
-        return calls
+    def invoke_name(self, written: str) -> str:
+        return _unquote(written)
 
-    def cut_calls(self, body: str) -> list[ToolCall]:
-        """The whole invokes, then the unfinished one once its ``<invoke name=...>`` is whole."""
-        invokes, pos = leading(_MM_INVOKE, body)
-        calls = (self.parse_block(body[:pos]) or []) if invokes else []
-        head = _MM_HEAD.match(body, pos)
-        if head is not None:
-            params = leading(_MM_PARAM, body, head.end())[0]
-            call = self._cut_call(_unquote(head[1]), [(_unquote(p[1]), strip_newline(p[2])) for p in params])
-            calls += [call] if call is not None else []
-        return calls
+    def param_key(self, p: re.Match) -> str:
+        return _unquote(p[1])
+
+    def param_value(self, p: re.Match, schema: Any) -> Any:
+        return coerce_value(strip_newline(p[2]), schema)
 
     @classmethod
     def render_calls(cls, calls: list[tuple[Any, Any, Any]]) -> str:

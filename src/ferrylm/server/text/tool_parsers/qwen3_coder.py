@@ -12,7 +12,7 @@
     </function>
     </tool_call>
 
-Values are text typed by the tool's parameter schema (:func:`~ferrylm.server.text.tool_parsers.block.coerce_value`:
+Values are text typed by the tool's parameter schema (:func:`~ferrylm.server.text.tool_parsers.calls.coerce_value`:
 a ``string`` property keeps the text, others are read as JSON as the template writes them with ``tojson``); one
 newline after the opening tag and one before the closing tag are layout. A value ends at the first
 ``</parameter>``, so a string may hold ``<`` and other tags (code), ``</tool_call>`` included: the block ends at
@@ -83,7 +83,8 @@ class Qwen3CoderToolParser(BlockToolParser):
             params = match_all(_PARAM, body, head.end(), end=FUNCTION_END)
             if params is None:
                 return None
-            call = self._call(head[1].strip(), [(p[1].strip(), strip_newline(p[2])) for p in params[0]])
+            name, pairs = head[1].strip(), [(p[1].strip(), strip_newline(p[2])) for p in params[0]]
+            call = self.tools.call(name, self.tools.arguments(name, pairs))
             if call is None:
                 return None
             calls.append(call)
@@ -103,7 +104,8 @@ class Qwen3CoderToolParser(BlockToolParser):
         params, pos = leading(_PARAM, body, head.end())
         pairs = [(p[1].strip(), strip_newline(p[2])) for p in params]
         whole = body[pos:].lstrip().startswith(FUNCTION_END)
-        call = (self._call if whole else self._cut_call)(head[1].strip(), pairs)
+        name = head[1].strip()
+        call = (self.tools.call if whole else self.tools.cut_call)(name, self.tools.arguments(name, pairs))
         return [call] if call is not None else []
 
     @classmethod
