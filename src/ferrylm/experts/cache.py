@@ -269,6 +269,10 @@ class SlotCache:
         """The slot holding ``key`` or None (no counting, no recency update)."""
         return self._slot_of.get(key)
 
+    def placements(self) -> list[tuple[Key, int]]:
+        """Every cached ``(key, slot)``, in key order."""
+        return sorted(self._slot_of.items())
+
     def key_of(self, slot: int) -> Key | None:
         """The key in ``slot``, or None (free, or no such slot)."""
         return self._key_of.get(slot)

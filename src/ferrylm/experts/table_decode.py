@@ -93,7 +93,7 @@ class TableDecode:
     def slot_offsets(self) -> dict[Key, int]:
         """``(layer, expert) -> byte offset`` of every cached expert's slot row from the table's reference row."""
         ref = self.table.ref.data_ptr()
-        return {key: self.slots.row(slot).data_ptr() - ref for key, slot in self.cache._slot_of.items()}
+        return {key: self.slots.row(slot).data_ptr() - ref for key, slot in self.cache.placements()}
 
     def _drop_device_memory(self) -> None:
         super()._drop_device_memory()
@@ -129,7 +129,7 @@ class TableDecode:
         (``N // L``, at most ``E``), then the rest round-robin up to ``E``."""
         cache, table = self.cache, self.table
         members: list[list] = [[] for _ in table.layers]
-        for (layer, e), slot in sorted(cache._slot_of.items()):
+        for (layer, e), slot in cache.placements():
             members[table.index[layer]].append((slot, e))
         free = cache.free_slots()[::-1]
         e_max = self.num_experts
