@@ -43,7 +43,6 @@ def test_table_graphs_equal_resident(tmp_path, case, cache):
     assert g["kind"] == "step" and g["replays"] >= 12, g
     ex = st["experts"]
     assert ex["hits"] + ex["misses"] == ex["needed"] > 0
-    assert ex["mapped"] <= ex["misses"] <= ex["mapped"] + ex["fetched"], ex
     if cache == 4096:
         assert ex["misses"] == 0, ex
     else:

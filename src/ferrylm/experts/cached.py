@@ -66,6 +66,7 @@ class CachedExecutor(ElasticSlots, StreamedPrefill, ExpertExecutor):
         self.layout = banks.layout
         self.num_experts = banks.num_experts
         self.math = {i: m.to(self.device) for i, m in banks.math.items()}  # layer -> ExpertMath (gpt-oss)
+        self._host_math = {i: m.to("cpu") for i, m in banks.math.items()}  # the same for the CPU's jobs
         layers = banks.layers
         self._next = dict(zip(layers, layers[1:]))
         self._routers: dict[int, Router] = {}
@@ -398,7 +399,7 @@ class CachedExecutor(ElasticSlots, StreamedPrefill, ExpertExecutor):
         step.cpu_experts += len(experts)
         if self.device.type != "cpu":
             step.bytes_activations += 2 * x.numel() * x.element_size()
-        math = self.banks.math.get(work.layer)  # host copies: the CPU computes these experts
+        math = self._host_math.get(work.layer)  # host copies: the CPU computes these experts
         return experts, self.cpu_pool.submit(CpuJob(x=x, weights=w, items=items, out_dtype=work.hidden.dtype,
                                                     math=math))
 

@@ -23,7 +23,7 @@ log = logging.getLogger("ferrylm.experts")
 # about once per launch up to here (one 16- or 64-row block per expert), so the kernel moves the bytes streaming
 # would, with no host decision inside the step
 TABLE_MAX_TOKENS = 256
-TABLE_MIN_TOKENS_PLAIN = 2  # bf16/fp16 experts: one-token steps keep the host-planned path (see graph_min_tokens)
+TABLE_MIN_TOKENS_PLAIN = 1  # bf16/fp16 experts: the smallest step run from the table (see graph_min_tokens)
 
 
 class TableDecode:
@@ -214,10 +214,15 @@ class TableDecode:
             step.bytes_copied += len(installed[i]) * per
 
     def _apply(self, changes: list[tuple[int, int, int, int]]) -> None:
-        """Record the device's installs ``(layer row, slot, old, new)`` in the host cache."""
-        for i, slot, _, new in changes:
-            evicted = self.cache.place((self.table.layers[i], new), slot)
-            if evicted is not None:
-                self._prefetched.discard(evicted)
+        """Record the device's installs ``(layer row, slot, old, new)`` in the host cache: every changed slot is
+        emptied first, then filled (an expert may have moved between slots over several device steps)."""
+        cache = self.cache
+        for _, slot, _, _ in changes:
+            key = cache.key_of(slot)
+            if key is not None:
+                cache.evict(key)
+                self._prefetched.discard(key)
             self._ready.pop(slot, None)
             self._last_use.pop(slot, None)
+        for i, slot, _, new in changes:
+            cache.place((self.table.layers[i], new), slot)
