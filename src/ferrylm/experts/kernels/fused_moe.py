@@ -104,10 +104,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 
 # NOTE: steps of at most this many assignments (T * k) are grouped by one single-program kernel (decode: a few
-# dozen kernels of torch ops per layer would cost more than the layer's GEMMs); larger ones by torch ops. A power of
-# two: the kernel's lane count, fixed so that every step size runs one compiled variant (no JIT compile at request
-# time); its cost grows with the real count only.
+# dozen kernels of torch ops per layer would cost more than the layer's GEMMs); larger ones by torch ops. Powers of
+# two: the kernel's lane counts. Two compiled variants (no JIT compile at request time beyond them): steps of up to
+# ALIGN_DECODE assignments (decode of a few sequences) run on that many lanes, the kernel's [CHUNK, lanes] tiles stay
+# in registers; larger ones on ALIGN_SMALL_MAX lanes.
 ALIGN_SMALL_MAX = 1024
+ALIGN_DECODE = 64
 
 
 @triton.jit
@@ -176,7 +178,7 @@ def align_small(topk_ids: torch.Tensor, num_experts: int, block_m: int, used_exp
     _align_small_kernel[(1,)](ids, sorted_ids, block_expert, num_padded, dest,
                               used_experts if used_experts is not None else num_padded,
                               n, k, num_experts, rows, rows // block_m,
-                              BLOCK_M=block_m, N_PAD=ALIGN_SMALL_MAX,  # one compiled variant per tile
+                              BLOCK_M=block_m, N_PAD=ALIGN_DECODE if n <= ALIGN_DECODE else ALIGN_SMALL_MAX,
                               E_PAD=triton.next_power_of_2(num_experts + 1), K_PAD=triton.next_power_of_2(k),
                               CHUNK=32, FILL=256, HAS_USED=used_experts is not None, num_warps=4)
     return sorted_ids, block_expert, num_padded, dest

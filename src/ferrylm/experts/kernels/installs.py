@@ -20,8 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-CHUNK_BYTES = 32768  # one program's share of a row: many programs per row keep many PCIe reads in flight
-BLOCK_ITEMS = 1024   # items per load in the copy program's loop
+CHUNK_BYTES = 32768  # one program's share of a row, read in one load: many PCIe reads in flight per row
 STAMP_CAP = 1 << 40  # stamps at or above this sort last and are never victims (NEVER is clamped to it)
 
 
@@ -70,7 +69,7 @@ def _plan_kernel(ids_ptr, n_ids, need_ptr, key_ptr, pos_ptr, stamp_ptr, owner_pt
 
 @triton.jit
 def _copy_rows_kernel(base_ptr, sel_ptr, src_ptr, dst_ptr, num_experts, n_items, ITEM: tl.constexpr,
-                      CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr):
     j = tl.program_id(0)
     c = tl.program_id(1)
     e = tl.load(sel_ptr + j)
@@ -78,12 +77,9 @@ def _copy_rows_kernel(base_ptr, sel_ptr, src_ptr, dst_ptr, num_experts, n_items,
         return
     s = tl.load(src_ptr + e).to(tl.int64) // ITEM
     d = tl.load(dst_ptr + e).to(tl.int64) // ITEM
-    start = c.to(tl.int64) * CHUNK
-    for o in range(0, CHUNK, BLOCK):
-        idx = start + o + tl.arange(0, BLOCK)
-        m = idx < n_items
-        v = tl.load(base_ptr + s + idx, mask=m)
-        tl.store(base_ptr + d + idx, v, mask=m)
+    idx = c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = idx < n_items
+    tl.store(base_ptr + d + idx, tl.load(base_ptr + s + idx, mask=m), mask=m)
 
 
 def item_dtype(row_bytes: int, base: int, offsets: np.ndarray) -> torch.dtype:
@@ -125,7 +121,6 @@ def copy_rows(base: torch.Tensor, sel: torch.Tensor, src: torch.Tensor, dst: tor
     ``[len(sel), row_bytes / CHUNK_BYTES]``."""
     item = base.element_size()
     n_items = row_bytes // item
-    chunk = max(BLOCK_ITEMS, CHUNK_BYTES // item)
-    grid = (sel.shape[0], triton.cdiv(n_items, chunk))
-    _copy_rows_kernel[grid](base, sel, src, dst, num_experts, n_items, ITEM=item, CHUNK=chunk, BLOCK=BLOCK_ITEMS,
-                            num_warps=4)
+    block = CHUNK_BYTES // item
+    grid = (sel.shape[0], triton.cdiv(n_items, block))
+    _copy_rows_kernel[grid](base, sel, src, dst, num_experts, n_items, ITEM=item, BLOCK=block, num_warps=8)
