@@ -132,6 +132,33 @@ def test_device_installs_are_layer_lru(expert_checkpoints, table_on_cpu):
     _table_consistent(ex)
 
 
+def test_an_expert_that_moved_between_slots_is_followed(expert_checkpoints, table_on_cpu):
+    """Several device steps between two host reads (warmups, captures) can move an expert from one slot to another;
+    the host cache follows whatever the order of the changed slots."""
+    ckpt = expert_checkpoints("mixtral")
+    loaded = load_model(ckpt.path, moe_backend=options("offload", 4, stream_prefill=False))
+    ex = loaded.executor
+    ex.reserve(None)
+    layer = ex.table.layers[0]
+    hidden = torch.randn(1, loaded.model.config.hidden_size)
+    r0, r1 = sorted(e for (lay, e) in ex.cache._slot_of if lay == layer)
+    x, y = [e for e in range(ex.num_experts) if e not in (r0, r1)][:2]
+
+    def run(ids):
+        ex.run(layer, hidden, torch.tensor([ids]), torch.full((1, 2), 0.5))
+
+    with torch.inference_mode():
+        run([r0, x])  # x takes r1's slot
+        ex.settle_device()
+        assert ex.cache.slot_of((layer, x)) is not None and ex.cache.slot_of((layer, r1)) is None
+        run([r0, y])  # y takes x's slot
+        run([y, x])   # x comes back in r0's slot
+        ex.settle_device()
+    assert sorted(e for (lay, e) in ex.cache._slot_of if lay == layer) == sorted([x, y])
+    ex.cache.check()
+    _table_consistent(ex)
+
+
 def test_shrink_rebuilds_the_table(expert_checkpoints, table_on_cpu):
     ckpt = expert_checkpoints("mixtral")
     loaded = load_model(ckpt.path, moe_backend=options("offload", None, stream_prefill=False))
