@@ -13,6 +13,7 @@ import zmq.asyncio
 
 from ferrylm.engine import ipc
 from ferrylm.engine.outputs import EngineOutput
+from ferrylm.server.process.channel import EngineChannel
 from ferrylm.server.process.engine_client import ModelInfo
 from ferrylm.server.process.supervisor import Supervisor
 
@@ -20,7 +21,7 @@ from ferrylm.server.process.supervisor import Supervisor
 @dataclass
 class FakeProc:
     """Stands in for the engine's multiprocessing.Process: a pid nobody owns is never signalled (tests replace
-    ``_stall``/``_kill`` where they would signal)."""
+    ``_stall`` where they would signal)."""
 
     pid: int = 999_999
     exitcode: int | None = None
@@ -80,24 +81,19 @@ async def ready_supervisor(tmp_path, **kw) -> tuple[Supervisor, ScriptedEngine]:
     kw.setdefault("janitor", False)
     sup = Supervisor(str(tmp_path), {}, ModelInfo("m", str(tmp_path), 128), **kw)
     sup._gen = 1
-    sup._push = sup._ctx.socket(zmq.PUSH)
-    sup._push.setsockopt(zmq.LINGER, 0)
-    sup._push.bind(f"ipc://{sup._dir}/in-1")
-    sup._pull = sup._ctx.socket(zmq.PULL)
-    sup._pull.setsockopt(zmq.LINGER, 0)
-    sup._pull.bind(f"ipc://{sup._dir}/out-1")
+    sup._channel = EngineChannel(sup._ctx, sup._dir, 1)
     sup._proc = FakeProc()
     sup.engine_pid = sup._proc.pid
     sup.state = "ready"
-    sup.last_heartbeat = sup._last_progress = time.monotonic()
-    sup._reader = asyncio.get_running_loop().create_task(sup._read_loop(sup._pull, 1))
+    sup._watch.reset(time.monotonic())
+    sup._channel.start_reader(lambda data: sup._on_message(data, 1))
     eng = ScriptedEngine(sup)
     # NOTE: zmq connects in the background; a PUSH without a connected peer refuses a NOBLOCK send. Wait until both
     # pipes carry a message (as the real engine's Ready proves before the frontend sends anything).
     deadline = time.monotonic() + 5
     while True:
         try:
-            await sup._push.send(ipc.encode(ipc.AbortRequest([])), zmq.NOBLOCK)
+            await sup._channel.push.send(ipc.encode(ipc.AbortRequest([])), zmq.NOBLOCK)
             break
         except zmq.Again:
             if time.monotonic() > deadline:
@@ -106,7 +102,7 @@ async def ready_supervisor(tmp_path, **kw) -> tuple[Supervisor, ScriptedEngine]:
     assert isinstance(await eng.recv(), ipc.AbortRequest)
     t = time.monotonic()
     await eng.send(ipc.Heartbeat(stats={"num_running": 0}))
-    await wait_for(lambda: sup.last_heartbeat >= t, what="the first heartbeat")
+    await wait_for(lambda: sup._watch.last_heartbeat >= t, what="the first heartbeat")
     return sup, eng
 
 

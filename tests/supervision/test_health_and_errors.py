@@ -17,7 +17,9 @@ from ferrylm.errors import EngineStalled, EngineUnavailable
 from ferrylm.server.api.app import create_app
 from ferrylm.server.process.engine_client import HealthState, ModelInfo
 from ferrylm.server.api.errors import status_for
-from ferrylm.server.process.supervisor import Supervisor, describe_exit, sweep_stale_ipc_dirs
+from ferrylm.server.process.ipc_dir import sweep_stale_ipc_dirs
+from ferrylm.server.process.processes import describe_exit
+from ferrylm.server.process.supervisor import Supervisor
 from tests.server.conftest import SERVED, FakeEngine, assert_error, endless, make_client, parse_sse
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
@@ -82,12 +84,12 @@ async def test_supervisor_health_states(tmp_path) -> None:
     try:
         assert sup.health().status == "loading"
         sup.state = "ready"
-        sup.last_heartbeat = time.monotonic()
+        sup._watch.last_heartbeat = time.monotonic()
         assert sup.health().ready
-        sup.last_heartbeat -= 6  # no heartbeat for 6 s (> 5 s)
+        sup._watch.last_heartbeat -= 6  # no heartbeat for 6 s (> 5 s)
         h = sup.health()
         assert h.status == "stalled" and "heartbeat" in h.detail and "engine_pid" in h.extra
-        sup.last_heartbeat += 6
+        sup._watch.last_heartbeat += 6
         sup.last_stats = {"num_running": 2}
         assert sup.health().extra["engine"] == {"num_running": 2}
         sup.state = "restarting"   # the engine died: its last figures are not the new engine's

@@ -47,15 +47,15 @@ async def test_a_long_step_that_ticks_is_not_a_stall_and_a_hang_inside_it_is(tmp
     sup, eng = await ready_supervisor(tmp_path, watchdog_timeout=5)
     stalls: list[str] = []
     sup._stall = stalls.append
-    sup._streams["r"] = asyncio.Queue()
+    sup._inflight.add("r", "fp-r", isolate=False)
     try:
         t0 = 1000.0
-        sup._last_progress = sup.last_heartbeat = t0
+        sup._watch.last_progress = sup._watch.last_heartbeat = t0
         # a 20 s prefill step of a 30-layer model (a layer every 0.67 s), heartbeats every 0.5 s: 4x the watchdog
         t = t0
         while t < t0 + 20:
             _beat(sup, t, ticks=1 + int((t - t0) / 0.67), expected=20.0, per_step=31)
-            sup.last_heartbeat = t
+            sup._watch.last_heartbeat = t
             sup._check_progress(t)
             t += 0.5
         assert stalls == []
@@ -63,7 +63,7 @@ async def test_a_long_step_that_ticks_is_not_a_stall_and_a_hang_inside_it_is(tmp
         frozen = 1 + int((t - t0) / 0.67)
         while not stalls and t < t0 + 40:
             _beat(sup, t, ticks=frozen, expected=20.0, per_step=31)
-            sup.last_heartbeat = t
+            sup._watch.last_heartbeat = t
             sup._check_progress(t)
             t += 0.5
         assert stalls and "inside a step" in stalls[0]
@@ -76,16 +76,16 @@ async def test_the_deadline_follows_the_expected_time_between_ticks(tmp_path):
     sup, eng = await ready_supervisor(tmp_path, watchdog_timeout=5)
     stalls: list[str] = []
     sup._stall = stalls.append
-    sup._streams["r"] = asyncio.Queue()
+    sup._inflight.add("r", "fp-r", isolate=False)
     try:
         t0 = 1000.0
-        sup._last_progress = sup.last_heartbeat = t0
+        sup._watch.last_progress = sup._watch.last_heartbeat = t0
         _beat(sup, t0, ticks=7, expected=100.0, per_step=1)   # a model without layer hooks: one tick per step
         assert sup.stall_deadline() == 400.0
-        sup.last_heartbeat = t0 + 60
+        sup._watch.last_heartbeat = t0 + 60
         sup._check_progress(t0 + 60)
         assert stalls == []
-        sup.last_heartbeat = t0 + 401
+        sup._watch.last_heartbeat = t0 + 401
         sup._check_progress(t0 + 401)
         assert stalls
     finally:
@@ -103,7 +103,7 @@ async def test_the_reader_survives_any_message(tmp_path):
         await eng.send_raw(msgpack.packb(["Fatal", {"message": "x", "request_ids": "not a list"}]))
         await eng.send(ipc.Heartbeat(stats={"num_running": 0, "marker": 1}))
         await wait_for(lambda: sup.last_stats.get("marker") == 1, what="the heartbeat after the bad messages")
-        assert sup._reader is not None and not sup._reader.done()
+        assert sup._channel.reader is not None and not sup._channel.reader.done()
     finally:
         await shutdown(sup, eng)
 
@@ -120,7 +120,7 @@ class _SlowPush:
         t = time.monotonic()
         await self.real.send(data, flags)
         if isinstance(ipc.decode(data), ipc.AddRequest):
-            await wait_for(lambda: self.sup.last_heartbeat > t, what="the engine's answer to be read")
+            await wait_for(lambda: self.sup._watch.last_heartbeat > t, what="the engine's answer to be read")
 
     def close(self, linger=0):
         self.real.close(linger=linger)
@@ -128,7 +128,7 @@ class _SlowPush:
 
 async def test_an_immediate_answer_is_not_lost(tmp_path):
     sup, eng = await ready_supervisor(tmp_path, watchdog_timeout=5)
-    sup._push = _SlowPush(sup, sup._push)
+    sup._channel.push = _SlowPush(sup, sup._channel.push)
 
     async def engine_side():
         msg = await eng.recv()
@@ -231,7 +231,7 @@ async def test_an_operator_kill_is_not_held_against_the_request(tmp_path):
         task = asyncio.create_task(collect(sup, "r1"))
         await eng.recv()
         await eng.heartbeat(ticks=3, in_step=True, ids=["r1"])
-        await wait_for(lambda: sup._progress.get("in_step"), what="the heartbeat")
+        await wait_for(lambda: sup._watch.progress.get("in_step"), what="the heartbeat")
         sup._proc.exitcode = -9
         sup._closing = False
         sup._on_engine_exit(sup._proc, sup._gen)
@@ -270,14 +270,14 @@ async def test_an_engine_that_hangs_before_scheduling_its_waiting_requests_is_st
     sup, eng = await ready_supervisor(tmp_path, watchdog_timeout=5)
     stalls: list[str] = []
     sup._stall = stalls.append
-    sup._streams["r"] = asyncio.Queue()
+    sup._inflight.add("r", "fp-r", isolate=False)
     try:
         t0 = 1000.0
-        sup._last_progress = sup.last_heartbeat = t0
+        sup._watch.last_progress = sup._watch.last_heartbeat = t0
         for t in (t0 + 1, t0 + 4, t0 + 6.5):   # the first beat is progress (new ticks), then none
             sup._on_heartbeat(ipc.Heartbeat(stats={"num_running": 0, "num_waiting": 2}, progress={
                 "ticks": 40, "in_step": False, "num_running": 0, "num_waiting": 2}), t)
-            sup.last_heartbeat = t
+            sup._watch.last_heartbeat = t
             sup._check_progress(t)
         assert stalls and "between steps" in stalls[0]
     finally:
@@ -291,16 +291,16 @@ async def test_the_deadline_follows_the_observed_tick_pace(tmp_path):
     sup, eng = await ready_supervisor(tmp_path, watchdog_timeout=5)
     stalls: list[str] = []
     sup._stall = stalls.append
-    sup._streams["r"] = asyncio.Queue()
+    sup._inflight.add("r", "fp-r", isolate=False)
     try:
         t = t0 = 1000.0
-        sup._last_progress = sup.last_heartbeat = t0
+        sup._watch.last_progress = sup._watch.last_heartbeat = t0
         ticks = 1
         for gap in (4.0, 4.0, 4.0, 8.0, 12.0, 12.0, 12.0):   # the host gets busier and busier
             end = t + gap
             while t < end:
                 t += 0.5
-                sup.last_heartbeat = t
+                sup._watch.last_heartbeat = t
                 _beat(sup, t, ticks=ticks if t < end else ticks + 1, expected=11.3, per_step=31)
                 sup._check_progress(t)
             ticks += 1
@@ -309,7 +309,7 @@ async def test_the_deadline_follows_the_observed_tick_pace(tmp_path):
         hang = t
         while not stalls and t < hang + 100:                   # then it hangs
             t += 0.5
-            sup.last_heartbeat = t
+            sup._watch.last_heartbeat = t
             _beat(sup, t, ticks=ticks, expected=11.3, per_step=31)
             sup._check_progress(t)
         assert stalls and "inside a step" in stalls[0]

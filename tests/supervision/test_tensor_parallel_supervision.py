@@ -27,7 +27,7 @@ async def test_follower_death_answers_in_flight_and_kills_rank0(tmp_path):
     try:
         task = asyncio.create_task(collect(sup, "r1"))
         await eng.recv()
-        await wait_for(lambda: "r1" in sup._streams, what="the request in flight")
+        await wait_for(lambda: "r1" in sup._inflight, what="the request in flight")
         follower.exitcode = -9
         sup._on_follower_exit(follower, sup._gen, 1)
         outs, err = await asyncio.wait_for(task, 2)
@@ -45,7 +45,7 @@ async def test_follower_crash_strikes_the_running_step(tmp_path):
         task = asyncio.create_task(collect(sup, "r1"))
         await eng.recv()
         await eng.heartbeat(ticks=1, in_step=True, ids=("r1",))
-        await wait_for(lambda: sup._progress.get("in_step"), what="the step's heartbeat")
+        await wait_for(lambda: sup._watch.progress.get("in_step"), what="the step's heartbeat")
         follower.exitcode = 1
         sup._on_follower_exit(follower, sup._gen, 1)
         _, err = await asyncio.wait_for(task, 2)
