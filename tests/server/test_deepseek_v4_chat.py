@@ -172,7 +172,7 @@ async def test_reasoning_and_tool_call_stream_equals_non_stream(v4_codec) -> Non
     out = "The user wants the weather.</think>\n\n" + CALL
     eng = scripted(v4_codec, out)
     app = create_app(eng, v4_codec, SERVED, **ARCH)
-    assert app.state.server.tool_parser == "deepseek_v4"
+    assert app.state.server.chat_format.tool_parser == "deepseek_v4"
     client = oai(app)
     kw = dict(model=SERVED, messages=USER_MSG, tools=[WEATHER], extra_body={"chat_template_kwargs": {"thinking": True}})
     resp = await client.chat.completions.create(**kw)

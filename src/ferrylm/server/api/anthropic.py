@@ -430,6 +430,6 @@ async def count_tokens(ctx: RouteContext, request: Request, rid: str) -> Respons
     if req.max_tokens is None:
         req = req.model_copy(update={"max_tokens": 1})
     job = await off_loop(job_from_messages, req)
-    _, ids = await off_loop(render_prompt, ctx.codec, job, native_tools=ctx.native_tools,
-                            tool_format=ctx.tool_parser)
+    _, ids = await off_loop(render_prompt, ctx.codec, job, native_tools=ctx.chat_format.native_tools,
+                            tool_format=ctx.chat_format.tool_parser)
     return JSONResponse({"input_tokens": len(ids)})

@@ -31,34 +31,29 @@ from typing import Any, Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from ferrylm.engine.admission import admit
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.errors import EngineUnavailable, FerryError, InvalidRequest, ModelNotFound
 from ferrylm.server.process.engine_client import EngineClient
 from ferrylm.server.api.errors import (Unauthorized, error_payload, error_response, install_exception_handlers,
                                    request_id_of)
-from ferrylm.server.api import anthropic, chat, render, responses
-from ferrylm.server.api.assistant import TurnConfig
+from ferrylm.server.api import anthropic, chat, prepare, render, responses
 from ferrylm.server.api.chat import check_continue, render_prompt, template_messages
 from ferrylm.server.api.chat import off_loop as _off_loop
 from ferrylm.server.api.completions import CompletionRoutes
 from ferrylm.server.api.context import DEFAULT_SSE_PING_INTERVAL, ChatJob, ChatRun, PreparedChat
 from ferrylm.server.api.protocol import (DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, UsageInfo,
                                      parse_request, to_sampling_params)
-from ferrylm.server.text.harmony import HarmonyCodec, open_message
-from ferrylm.server.text.harmony_grammar import harmony_output_grammar, prompt_position
-from ferrylm.server.text.harmony_reader import HarmonyTextStream
-from ferrylm.server.text.reasoning import THINKING_SWITCHES, prompt_opens_thinking, template_has_reasoning
-from ferrylm.server.text.tool_parsers import choose_tool_parser, format_markup
-from ferrylm.server.text.tools import ToolChoice, lark_term, parse_openai_tools, tag_terms
-from ferrylm.server.api.generation import ClientGone, Choice, Generation, race_disconnect, sse_event
+from ferrylm.server.api.prepare import ChatFormat, check_token_ids
+from ferrylm.server.text.harmony import open_message
+from ferrylm.server.text.tools import ToolChoice, parse_openai_tools
+from ferrylm.server.api.generation import ClientGone, Generation, race_disconnect, sse_event
 from ferrylm.server.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ferrylm.server.api.metrics import Metrics
 from ferrylm.server.api.health import install_health
 from ferrylm.server.api.openapi import ANTHROPIC_ERROR_RESPONSES, ERROR_RESPONSES, install_openapi, route_doc
 from ferrylm.server.api.request_io import (ARRIVAL_KEY, DEFAULT_MAX_REQUEST_BYTES, CountOpenRequests,
                                       HeadAsGetMiddleware, OpenRequests, RequestIdMiddleware, read_json)
-from ferrylm.server.text.tokenizer import TextCodec, TextStream, client_template_kwargs
+from ferrylm.server.text.tokenizer import TextCodec, client_template_kwargs
 from ferrylm.server.webui import LiveView, install_webui
 
 logger = logging.getLogger("ferrylm.server")
@@ -196,23 +191,6 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str | 
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _message_text(message: Any) -> str:
-    """A template message's text content ("" for none): a string, or the text parts of a list."""
-    c = message.get("content") if isinstance(message, dict) else None
-    if isinstance(c, str):
-        return c
-    if isinstance(c, list):
-        return "".join(p.get("text", "") for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return ""
-
-
-def _choice_seed(seed: int, i: int) -> int:
-    """Choice ``i``'s seed: ``seed + i``, wrapped into the valid int64 range [-2**63, 2**63) (a client's seed near
-    the top of the range must not make choice 1 out of range)."""
-    s = seed + i
-    return s - 2**64 if s >= 2**63 else s
-
-
 class _Server(CompletionRoutes):
     """Route handlers and the state they share."""
 
@@ -232,28 +210,7 @@ class _Server(CompletionRoutes):
         self.metrics = Metrics(engine, self.served_model_name)
         self.ping_interval: float | None = DEFAULT_SSE_PING_INTERVAL
         self.responses = responses.ResponseStore(1024)   # previous_response_id (server/api/responses.py)
-        template = getattr(codec, "chat_template", None)
-        # gpt-oss: harmony renders the prompt and the output is read by channel (server/text/harmony*.py)
-        self.harmony = codec if isinstance(codec, HarmonyCodec) else None
-        self.native_tools = codec.renders_tools                  # else tools go in the system turn (fallback)
-        self.reasoning = template_has_reasoning(template) and self.harmony is None  # split <think> … </think>
-        self.tool_tags = tag_terms(codec)                       # <tool_call> as the vocabulary has it
-        self.tool_term = lark_term(codec)                       # any tag as the vocabulary has it
-        self.tool_parser = choose_tool_parser(tool_call_parser, architecture, template, model_type)  # call format
-        # markup the vocabulary holds as special tokens (GLM-4.5's <tool_call>, <arg_key>, <think>): a chat turn that
-        # may contain it is detokenized with skip_special_tokens off, else the parsers would never see it
-        special = frozenset(getattr(codec, "special_strings", ()) or ())
-        self.special_tool_markup = any(m in special for m in format_markup(self.tool_parser))
-        self.special_think_markup = self.reasoning and any(m in special for m in ("<think>", "</think>"))
-        if self.harmony is not None:
-            if tool_call_parser not in (None, "auto"):
-                logger.warning("--tool-call-parser %s is not used: this model speaks harmony", tool_call_parser)
-            self.tool_parser, self.special_tool_markup = "harmony", False
-            logger.info("chat format: harmony (openai-harmony renders the prompt; the output is read by channel)")
-        else:
-            logger.info("tool-call format: %s", self.tool_parser)
-            if architecture == "GptOssForCausalLM":
-                logger.warning("gpt-oss with a tokenizer that is not harmony's: chat goes through its chat template")
+        self.chat_format = ChatFormat.choose(codec, tool_call_parser, architecture, model_type)
 
     # ---- helpers -----------------------------------------------------------------------------------------
     @property
@@ -291,26 +248,6 @@ class _Server(CompletionRoutes):
         if not h.ready:
             raise EngineUnavailable(f"engine is {h.status}" + (f": {h.detail}" if h.detail else ""))
 
-    def _check_param_ids(self, params: SamplingParams) -> None:
-        """Raise InvalidRequest when ``stop_token_ids`` or ``logit_bias`` names a token outside the vocabulary."""
-        self._check_token_ids(params.stop_token_ids, "stop_token_ids")
-        self._check_token_ids([int(t) for t, _ in params.logit_bias], "logit_bias")
-
-    def _check_token_ids(self, ids: Sequence[int], param: str) -> None:
-        vocab = self.codec.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequest(f"token id {bad} is out of range [0, {vocab})", param=param)
-
-    def _fit_context(self, prompt_ids: list[int], params: SamplingParams, *, default_max: int | None,
-                     what: str, prompt_param: str, max_param: str) -> int:
-        """The request's max_tokens (:func:`ferrylm.engine.admission.admit` over the engine's limits), or
-        ContextLengthExceeded / InvalidRequest."""
-        info = self.engine.model_info
-        return admit(len(prompt_ids), params.max_tokens, max_model_len=int(info.max_model_len),
-                     pool_tokens=int(info.kv_pool_tokens or 0), default_max=default_max, what=what,
-                     prompt_param=prompt_param, max_param=max_param)
-
     def _timeout(self, request: Request) -> float | None:
         """The request's server-side deadline in seconds from arrival: the ``x-request-timeout`` header, else
         ``--request-timeout`` (None: none). Raises InvalidRequest naming the header for a value that is not a
@@ -326,32 +263,6 @@ class _Server(CompletionRoutes):
             raise InvalidRequest(f"x-request-timeout must be a positive number of seconds, got {raw!r}",
                                  param="x-request-timeout")
         return v
-
-    def _make_choices(self, base_id: str, prompts: list[list[int]], max_tokens: list[int],
-                      params: SamplingParams, harmony_prime: tuple[int, ...] | None = None) -> list[Choice]:
-        """One :class:`Choice` per prompt and ``n``. ``harmony_prime``: a harmony chat turn's open message (its
-        text is the messages' text, stop strings inside one message: ``HarmonyTextStream``), None for text."""
-        n = params.n
-        total = len(prompts) * n
-        skip_ids = frozenset(self.engine.model_info.eos_token_ids) | frozenset(self.codec.eos_token_ids) | \
-            frozenset(params.stop_token_ids)
-        choices = []
-        for pi, ids in enumerate(prompts):
-            for i in range(n):
-                idx = pi * n + i
-                p = dataclasses.replace(params, n=1, max_tokens=max_tokens[pi],
-                                        seed=None if params.seed is None else _choice_seed(params.seed, i),
-                                        stop=list(params.stop), stop_token_ids=list(params.stop_token_ids))
-                p.validate()
-                if harmony_prime is not None and self.harmony is not None:
-                    text: TextStream = HarmonyTextStream(self.harmony, harmony_prime, stop=p.stop,
-                                                         include_stop_str_in_output=p.include_stop_str_in_output)
-                else:
-                    text = TextStream(self.codec, ids, stop=p.stop, skip_special_tokens=p.skip_special_tokens,
-                                      include_stop_str_in_output=p.include_stop_str_in_output)
-                choices.append(Choice(idx, base_id if total == 1 else f"{base_id}-{idx}", ids, p, text,
-                                       skip_ids))
-        return choices
 
     async def _start(self, request: Request, rid: str, gen: Generation, stream: bool) -> None:
         """Start the engine requests; for a non-stream request wait for all of them (client disconnect →
@@ -455,8 +366,9 @@ class _Server(CompletionRoutes):
                 tools = parse_openai_tools(req.tools)
                 job = ChatJob(messages, SamplingParams(), tools, ToolChoice("auto" if tools else "none"),
                               client_template_kwargs(req.chat_template_kwargs), add_gen, cont)
-                _, ids = await _off_loop(render_prompt, self.codec, job, native_tools=self.native_tools,
-                                         tool_format=self.tool_parser)
+                fmt = self.chat_format
+                _, ids = await _off_loop(render_prompt, self.codec, job, native_tools=fmt.native_tools,
+                                         tool_format=fmt.tool_parser)
             elif req.prompt is not None:
                 ids = await _off_loop(self.codec.encode, req.prompt,
                                       add_special_tokens=req.add_special_tokens is not False)
@@ -472,7 +384,7 @@ class _Server(CompletionRoutes):
         async def work(request: Request, rid: str) -> Response:
             req = parse_request(DetokenizeRequest, await read_json(request))
             self.check_model(req.model)
-            self._check_token_ids(req.tokens, "tokens")
+            check_token_ids(self.codec, req.tokens, "tokens")
             return JSONResponse({"prompt": self.codec.decode(req.tokens, skip_special_tokens=False)})
         return await self._handle(request, work)
 
@@ -516,36 +428,8 @@ class _Server(CompletionRoutes):
 
     # ---- chat-like requests (chat completions, Anthropic Messages, Responses) ----------------------------
     async def prepare_chat(self, job: ChatJob) -> PreparedChat:
-        """Everything a chat-like request goes through before the engine: the forced-call grammar, the template
-        (tools native or the fallback), the token ids checked, the context check. ``job.params`` is updated in
-        place (grammar, ``skip_special_tokens``). Used by :meth:`run_chat` and the render routes
-        (server/api/render.py), so both see the same prompt.
-
-        Raises:
-            InvalidRequest / ContextLengthExceeded: bad messages, template errors, too long (400).
-        """
-        answer = job.params.grammar   # the request's own constraint (a forced call's grammar is set below)
-        await _off_loop(job.apply_tool_choice, self.tool_tags, self.tool_parser, self.tool_term)
-        if job.params.grammar is not None and self.reasoning:
-            # a constrained output starts at its first token: a template that thinks first is told not to (Qwen3's
-            # switch, DeepSeek-V3.1's), unless the client said otherwise
-            job.template_kwargs = {**{k: False for k in THINKING_SWITCHES}, **job.template_kwargs}
-        text, prompt_ids = await _off_loop(render_prompt, self.codec, job, native_tools=self.native_tools,
-                                           tool_format=self.tool_parser)
-        params = job.params
-        if self.harmony is not None and answer is not None:   # it holds for the final message (harmony_grammar.py)
-            calls = job.tools if job.tool_choice.mode == "auto" else None
-            params.grammar = await _off_loop(harmony_output_grammar, answer,
-                                             prompt_position(self.harmony, open_message(prompt_ids)),
-                                             job.grammar_param or "response_format", tools=calls, term=self.tool_term)
-        params.stop_token_ids += [t for t in self.codec.stop_token_ids if t not in params.stop_token_ids]
-        tools_on = bool(job.tools) and job.tool_choice.mode != "none"
-        if (self.special_tool_markup and tools_on) or self.special_think_markup:
-            params.skip_special_tokens = False  # as vLLM's glm45 / minimax_m2 parsers do (EOS ids stay out anyway)
-        self._check_param_ids(params)
-        max_tokens = self._fit_context(prompt_ids, params, default_max=None, what=job.prompt_param,
-                                       prompt_param=job.prompt_param, max_param=job.max_param)
-        return PreparedChat(text, prompt_ids, max_tokens)
+        """Render and check ``job`` without starting it (:func:`ferrylm.server.api.prepare.prepare_chat`)."""
+        return await prepare.prepare_chat(self.chat_format, self.codec, self.engine.model_info, job)
 
     async def run_chat(self, request: Request, rid: str, job: ChatJob, kind: str, base_id: str) -> ChatRun:
         """Render, admit and start ``job`` (engine request ids ``base_id`` or ``{base_id}-{i}``): see
@@ -557,22 +441,16 @@ class _Server(CompletionRoutes):
             EngineUnavailable etc.: the engine cannot take it now (503).
         """
         prep = await self.prepare_chat(job)
-        text, prompt_ids, max_tokens, params = prep.text, prep.prompt_ids, prep.max_tokens, job.params
+        prompt_ids, max_tokens, params = prep.prompt_ids, prep.max_tokens, job.params
         self._log_request(rid, kind, job, [prompt_ids], [max_tokens], params)
         self._check_ready()
-        prime = tuple(open_message(prompt_ids)) if self.harmony is not None else None
-        gen = Generation(self.engine, rid, self._make_choices(base_id, [prompt_ids], [max_tokens], params, prime),
-                         metrics=self.metrics, arrival=request.scope.get(ARRIVAL_KEY),
+        harmony = self.chat_format.harmony
+        prime = tuple(open_message(prompt_ids)) if harmony is not None else None
+        choices = prepare.make_choices(self.codec, self.engine.model_info, harmony, base_id, [prompt_ids],
+                                       [max_tokens], params, prime)
+        gen = Generation(self.engine, rid, choices, metrics=self.metrics, arrival=request.scope.get(ARRIVAL_KEY),
                          timeout_s=self._timeout(request))
-        tools = tuple(t.name for t in job.tools) if job.tools and job.tool_choice.mode != "none" else None
-        prefill = _message_text(job.messages[-1]) if job.continue_final_message and job.messages else None
-        # a grammar constrains the output from its first token, so it is never reasoning, even after a prompt
-        # that opened <think> (an R1 template always does; a client may turn thinking on for a forced call)
-        turn = TurnConfig(reasoning=self.reasoning, starts_in_reasoning=self.reasoning and params.grammar is None
-                          and prompt_opens_thinking(text, prefill), tool_names=tools, tool_parser=self.tool_parser,
-                          tool_schemas={t.name: t.parameters for t in job.tools} if tools else None,
-                          forced=bool(tools) and job.tool_choice.forced, harmony=self.harmony,
-                          max_calls=None if job.tool_choice.parallel else 1, harmony_prime=prime or ())
+        turn = prepare.turn_config(self.chat_format, job, prep.text, prime)
         await self._start(request, rid, gen, job.stream)
         return ChatRun(gen, prompt_ids, turn)
 

@@ -23,6 +23,7 @@ from ferrylm.server.api.chat import DONE as _DONE, SSE_HEADERS as _SSE_HEADERS
 from ferrylm.server.api.chat import off_loop as _off_loop
 from ferrylm.server.api.completions_logprobs import echo_logprobs, join_logprobs, vllm_prompt_logprobs
 from ferrylm.server.api.generation import PING, SSE_PING, Choice, Generation, SSEResponse, sse_event
+from ferrylm.server.api.prepare import check_param_ids, check_token_ids, fit_context, make_choices
 from ferrylm.server.api.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo, chunk_json,
                                      completion_logprobs, parse_request, to_sampling_params)
 from ferrylm.server.api.request_io import ARRIVAL_KEY, read_json
@@ -73,7 +74,7 @@ class CompletionRoutes:
                 texts.append(item)
             else:
                 ids = [int(t) for t in item]
-                self._check_token_ids(ids, "prompt")
+                check_token_ids(self.codec, ids, "prompt")
                 ids_list.append(ids)
                 texts.append(self.codec.decode(ids, skip_special_tokens=False) if req.echo else "")
         return ids_list, texts
@@ -96,30 +97,30 @@ class CompletionRoutes:
             req = req.model_copy(update={"max_tokens": 1, "max_completion_tokens": None})
         params = to_sampling_params(req)
         params.grammar, grammar_param = await _off_loop(request_grammar, req)
-        self._check_param_ids(params)
+        check_param_ids(self.codec, params)
         if req.suffix:
             raise InvalidRequest("'suffix' is not supported", param="suffix")
         echo_lp = bool(req.echo) and params.logprobs is not None
         if echo_lp:   # the echoed prompt carries its logprobs: ask the engine for them
             params.prompt_logprobs = max(params.logprobs or 0, params.prompt_logprobs or 0)
         prompts, echo_texts = await _off_loop(self._completion_prompts, req)
-        if self.harmony is not None and params.grammar is not None:
+        if self.chat_format.harmony is not None and params.grammar is not None:
             params.grammar = await _off_loop(self._harmony_grammar, params.grammar, grammar_param, prompts)
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = [self._fit_context(ids, params, default_max=16, what="prompt", prompt_param="prompt",
-                                        max_param=max_param) for ids in prompts]
+        max_tokens = [fit_context(self.engine.model_info, ids, params, default_max=16, what="prompt",
+                                  prompt_param="prompt", max_param=max_param) for ids in prompts]
         return PreparedCompletion(req, params, prompts, echo_texts, max_tokens, prompt_only, echo_lp)
 
     def _harmony_grammar(self, answer: str, param: str, prompts: list[list[int]]) -> str:
         """A gpt-oss model's output constraint for token prompts that end in an open harmony message: it holds
         for the final message (``server/text/harmony_grammar.py``); the same for every prompt, so they must
         leave the turn at the same place. Raises InvalidRequest (``prompt``) when they do not."""
-        positions = {prompt_position(self.harmony, open_message(ids)) for ids in prompts}
+        positions = {prompt_position(self.chat_format.harmony, open_message(ids)) for ids in prompts}
         if len(positions) > 1:
             raise InvalidRequest(f"'{param}' holds for the final message of a harmony turn, and these prompts leave "
                                  f"the turn at different places ({', '.join(sorted(positions))}); send them "
                                  f"separately", param="prompt")
-        return harmony_output_grammar(answer, positions.pop(), param, term=self.tool_term)
+        return harmony_output_grammar(answer, positions.pop(), param, term=self.chat_format.tool_term)
 
     async def _completion(self, request: Request, rid: str) -> Response:
         req: CompletionRequest = parse_request(CompletionRequest, await read_json(request))
@@ -131,9 +132,10 @@ class CompletionRoutes:
         self._log_request(rid, "completion", req, prompts, max_tokens, params)
         self._check_ready()
         base_id = f"cmpl-{uuid.uuid4().hex}"
-        gen = Generation(self.engine, rid, self._make_choices(base_id, prompts, max_tokens, params),
-                          metrics=self.metrics, arrival=request.scope.get(ARRIVAL_KEY),
-                          timeout_s=self._timeout(request))
+        choices = make_choices(self.codec, self.engine.model_info, self.chat_format.harmony, base_id, prompts,
+                               max_tokens, params)
+        gen = Generation(self.engine, rid, choices, metrics=self.metrics, arrival=request.scope.get(ARRIVAL_KEY),
+                         timeout_s=self._timeout(request))
         shape = CompletionShape(self, req, echo=[echo_texts[ch.index // params.n] if req.echo else ""
                                                   for ch in gen.choices],
                                  echo_logprobs=echo_lp, prompt_only=prompt_only)

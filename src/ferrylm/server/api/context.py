@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from ferrylm.server.api.assistant import TurnConfig
     from ferrylm.server.api.generation import Generation
+    from ferrylm.server.api.prepare import ChatFormat
     from ferrylm.server.api.protocol import UsageInfo
     from ferrylm.server.text.tokenizer import TextCodec
 
@@ -102,14 +103,12 @@ class RouteContext(Protocol):
         codec: the served tokenizer and chat template.
         ping_interval: seconds of silence after which a stream gets a keep-alive; None: never, not even the
             opening one a route without an opening event of its own sends with its headers.
-        native_tools: the chat template renders ``tools`` itself (else the fallback system turn).
-        tool_parser: the served call format (a name of ``server/text/tool_parsers.TOOL_PARSERS``, or ``harmony``).
+        chat_format: how the served model speaks a chat turn (the template's tools, the call format, ...).
     """
 
     codec: TextCodec
     ping_interval: float | None
-    native_tools: bool
-    tool_parser: str
+    chat_format: ChatFormat
 
     def check_model(self, name: str | None) -> str:
         """The served model's name for a request's ``model`` field. Raises ModelNotFound."""
