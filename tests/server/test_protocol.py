@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from ferrylm.errors import InvalidRequest
-from ferrylm.server.api.protocol import (ChatCompletionChunk, ChatCompletionStreamChoice, ChatCompletionRequest,
-                                     CompletionRequest, DeltaMessage, chunk_json, parse_request,
-                                     to_sampling_params)
+from ferrylm.server.api.chat_protocol import (ChatCompletionChunk, ChatCompletionStreamChoice, ChatCompletionRequest,
+                                              CompletionRequest, DeltaMessage, to_sampling_params)
+from ferrylm.server.api.protocol import chunk_json, parse_request
 
 MSGS = [{"role": "user", "content": "hi"}]
 

@@ -3,7 +3,7 @@
 Lifecycle of a completion request (chat or legacy):
 
 1. request id (``x-request-id`` echoed, else generated) → API key → JSON (NaN/Infinity rejected) → pydantic model
-   → model name → :func:`to_sampling_params` (validated).
+   → model name → :func:`chat_protocol.to_sampling_params` (validated).
 2. tokenize (chat template or prompt) → context check (``ContextLengthExceeded``, 400) → default ``max_tokens``.
 3. engine health pre-check (503) → the engine client's admission check per choice (503 / 500 quarantined) →
    one engine request per choice (``{id}-{i}`` when there are several). Every refusal so far is an HTTP status.
@@ -41,8 +41,8 @@ from ferrylm.server.api.chat import check_continue, render_prompt, template_mess
 from ferrylm.server.api.chat import off_loop as _off_loop
 from ferrylm.server.api.completions import CompletionRoutes
 from ferrylm.server.api.context import DEFAULT_SSE_PING_INTERVAL, ChatJob, ChatRun, PreparedChat
-from ferrylm.server.api.protocol import (DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, UsageInfo,
-                                     parse_request, to_sampling_params)
+from ferrylm.server.api.chat_protocol import DetokenizeRequest, TokenizeRequest
+from ferrylm.server.api.protocol import ModelCard, ModelList, UsageInfo, parse_request
 from ferrylm.server.api.prepare import ChatFormat, check_token_ids
 from ferrylm.server.text.harmony import open_message
 from ferrylm.server.text.tools import ToolChoice, parse_openai_tools
@@ -145,6 +145,7 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str | 
     app.state.open_requests = OpenRequests()   # what an exiting server waits for (server/process/launch.py)
     app.add_middleware(CountOpenRequests, open_requests=app.state.open_requests)
 
+    from ferrylm.server.api import chat_protocol as cp
     from ferrylm.server.api import protocol as pr
 
     doc = route_doc
@@ -154,13 +155,13 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str | 
     app.add_api_route("/v1/models/{model_id:path}", server.get_model, methods=["GET"],
                       openapi_extra=doc(None, pr.ModelCard), **v1)
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"],
-                      openapi_extra=doc(pr.ChatCompletionRequest, pr.ChatCompletionResponse, stream=True), **v1)
+                      openapi_extra=doc(cp.ChatCompletionRequest, cp.ChatCompletionResponse, stream=True), **v1)
     app.add_api_route("/v1/completions", server.completions, methods=["POST"],
-                      openapi_extra=doc(pr.CompletionRequest, pr.CompletionResponse, stream=True), **v1)
+                      openapi_extra=doc(cp.CompletionRequest, cp.CompletionResponse, stream=True), **v1)
     app.add_api_route("/v1/chat/completions/render", server.render_chat, methods=["POST"],
-                      openapi_extra=doc(pr.ChatCompletionRequest, render.RenderedPrompt), **v1)
+                      openapi_extra=doc(cp.ChatCompletionRequest, render.RenderedPrompt), **v1)
     app.add_api_route("/v1/completions/render", server.render_completions, methods=["POST"],
-                      openapi_extra=doc(pr.CompletionRequest, render.RenderedPrompt, many=True), **v1)
+                      openapi_extra=doc(cp.CompletionRequest, render.RenderedPrompt, many=True), **v1)
     av1 = {"responses": ANTHROPIC_ERROR_RESPONSES}
     app.add_api_route("/v1/messages", server.messages, methods=["POST"],
                       openapi_extra=doc(anthropic.MessagesRequest, None, stream=True), **av1)
@@ -175,10 +176,10 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str | 
     install_health(app, engine, codec)
     app.add_api_route("/metrics", server.metrics_route, methods=["GET"], response_class=PlainTextResponse)
     app.add_api_route("/version", server.version, methods=["GET"])
-    app.add_api_route("/tokenize", server.tokenize, methods=["POST"], openapi_extra=doc(pr.TokenizeRequest, None),
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"], openapi_extra=doc(cp.TokenizeRequest, None),
                       **v1)
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"],
-                      openapi_extra=doc(pr.DetokenizeRequest, None), **v1)
+                      openapi_extra=doc(cp.DetokenizeRequest, None), **v1)
     if live is not None:
         install_webui(app, server, live)
 

@@ -22,10 +22,12 @@ from fastapi.responses import Response
 from ferrylm.errors import InvalidRequest
 from ferrylm.server.api.assistant import TurnDelta, turn_deltas, whole_turn
 from ferrylm.server.api.generation import PING, SSE_PING
-from ferrylm.server.api.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk,
-                                     ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamChoice,
-                                     ChatMessage, ChatResponseMessage, DeltaMessage, FunctionCall, ToolCallOut,
-                                     UsageInfo, chat_logprobs, chunk_json, parse_request, to_sampling_params)
+from ferrylm.server.api.chat_protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk,
+                                              ChatCompletionRequest, ChatCompletionResponse,
+                                              ChatCompletionStreamChoice, ChatMessage, ChatResponseMessage,
+                                              DeltaMessage, FunctionCall, ToolCallOut, chat_logprobs,
+                                              to_sampling_params)
+from ferrylm.server.api.protocol import UsageInfo, chunk_json, parse_request
 from ferrylm.server.api.context import ChatJob, ChatRun, RouteContext
 from ferrylm.server.api.request_io import read_json
 from ferrylm.server.text.reasoning import check_reasoning_effort

@@ -24,8 +24,9 @@ from ferrylm.server.api.chat import off_loop as _off_loop
 from ferrylm.server.api.completions_logprobs import echo_logprobs, join_logprobs, vllm_prompt_logprobs
 from ferrylm.server.api.generation import PING, SSE_PING, Choice, Generation, SSEResponse, sse_event
 from ferrylm.server.api.prepare import check_param_ids, check_token_ids, fit_context, make_choices
-from ferrylm.server.api.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo, chunk_json,
-                                     completion_logprobs, parse_request, to_sampling_params)
+from ferrylm.server.api.chat_protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
+                                              completion_logprobs, to_sampling_params)
+from ferrylm.server.api.protocol import UsageInfo, chunk_json, parse_request
 from ferrylm.server.api.request_io import ARRIVAL_KEY, read_json
 from ferrylm.server.text.harmony import open_message
 from ferrylm.server.text.harmony_grammar import harmony_output_grammar, prompt_position

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ferrylm.engine.outputs import TokenLogprob
-from ferrylm.server.api.protocol import CompletionLogprobs, _finite
+from ferrylm.server.api.chat_protocol import CompletionLogprobs
+from ferrylm.server.api.protocol import _finite
 
 
 def prompt_offsets(codec: Any, prompt_ids: Sequence[int]) -> list[int]:

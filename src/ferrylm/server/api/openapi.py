@@ -64,6 +64,7 @@ def route_doc(req: type | None, resp: type | None, *, stream: bool = False, many
 def install_openapi(app: FastAPI) -> None:
     """Make ``app.openapi()`` add the protocol models as components and drop FastAPI's 422 responses (this server
     answers validation errors with 400 in the OpenAI shape, ``server/api/errors.py``)."""
+    from ferrylm.server.api import chat_protocol as cp
     from ferrylm.server.api import protocol as pr
 
     def openapi() -> dict:
@@ -76,10 +77,10 @@ def install_openapi(app: FastAPI) -> None:
             from ferrylm.server.api.render import RenderedPrompt
             from ferrylm.server.api.responses import ResponsesRequest
 
-            models = [(m, "validation") for m in (pr.ChatCompletionRequest, pr.CompletionRequest,
-                                                  pr.TokenizeRequest, pr.DetokenizeRequest, MessagesRequest,
+            models = [(m, "validation") for m in (cp.ChatCompletionRequest, cp.CompletionRequest,
+                                                  cp.TokenizeRequest, cp.DetokenizeRequest, MessagesRequest,
                                                   CountTokensRequest, ResponsesRequest)]
-            models += [(m, "serialization") for m in (pr.ChatCompletionResponse, pr.CompletionResponse,
+            models += [(m, "serialization") for m in (cp.ChatCompletionResponse, cp.CompletionResponse,
                                                       pr.ModelCard, pr.ModelList, pr.ErrorResponse,
                                                       RenderedPrompt)]
             _, top = models_json_schema(models, ref_template="#/components/schemas/{model}")

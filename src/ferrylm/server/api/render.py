@@ -36,7 +36,8 @@ from pydantic import BaseModel
 
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.server.api.chat import job_from_chat, off_loop
-from ferrylm.server.api.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions, parse_request
+from ferrylm.server.api.chat_protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
+from ferrylm.server.api.protocol import parse_request
 from ferrylm.server.api.request_io import read_json
 from ferrylm.server.api.responses import ResponsesContext, ResponsesRequest, job_from_request
 
