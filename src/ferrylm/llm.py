@@ -121,7 +121,7 @@ class LLM:
 
         from ferrylm.engine.outputs import EngineOutput
         from ferrylm.errors import ContextLengthExceeded, InvalidRequest
-        from ferrylm.server.text.tokenizer import TextStream
+        from ferrylm.server.text.text_stream import TextStream
 
         params.validate()
         if self.codec is None and params.stop:

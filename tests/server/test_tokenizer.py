@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from ferrylm.errors import InvalidRequest
-from ferrylm.server.text.tokenizer import IncrementalDetokenizer, StopChecker, TextCodec, TextStream
+from ferrylm.server.text.text_stream import IncrementalDetokenizer, StopChecker, TextStream
+from ferrylm.server.text.tokenizer import TextCodec
 
 from .conftest import build_tiny_tokenizer
 

@@ -30,7 +30,7 @@ from ferrylm.errors import EngineUnavailable, FerryError, InsufficientMemory, Re
 from ferrylm.server.process.engine_client import EngineClient
 from ferrylm.server.api.errors import REQUEST_ID_KEY
 from ferrylm.server.api.metrics import Metrics
-from ferrylm.server.text.tokenizer import TextStream
+from ferrylm.server.text.text_stream import TextStream
 
 logger = logging.getLogger("ferrylm.server")
 

@@ -30,7 +30,8 @@ from ferrylm.server.text.harmony_reader import HarmonyTextStream
 from ferrylm.server.text.reasoning import THINKING_SWITCHES, prompt_opens_thinking, template_has_reasoning
 from ferrylm.server.text.tool_parsers import choose_tool_parser, format_markup
 from ferrylm.server.text.tools import lark_term, tag_terms
-from ferrylm.server.text.tokenizer import TextCodec, TextStream
+from ferrylm.server.text.text_stream import TextStream
+from ferrylm.server.text.tokenizer import TextCodec
 
 logger = logging.getLogger("ferrylm.server")
 

@@ -3,7 +3,7 @@
 Two stages share one token reading (:class:`HarmonyTokens`: tokens → :class:`Segment` s, the text of each message
 with its channel and recipient, and where messages open and close):
 
-- :class:`HarmonyTextStream`, a choice's text pipeline (it replaces :class:`~ferrylm.server.text.tokenizer.TextStream`
+- :class:`HarmonyTextStream`, a choice's text pipeline (it replaces :class:`~ferrylm.server.text.text_stream.TextStream`
   for harmony chat turns): its text is the messages' text without their headers, and stop strings are looked for
   inside one message at a time (never in a header, never across two messages). A stop string ends the output as
   for any model: the text is cut before it (after it with ``include_stop_str_in_output``).
@@ -40,7 +40,7 @@ from typing import Literal, Sequence
 import openai_harmony as oh
 
 from ferrylm.server.text.harmony import CHANNEL, TOOL_NAMESPACE, HarmonyCodec
-from ferrylm.server.text.tokenizer import StopChecker, TextStream
+from ferrylm.server.text.text_stream import StopChecker, TextStream
 from ferrylm.server.text.tool_parsers.base import Piece, ToolCall, decode_arguments
 
 ANALYSIS = "analysis"
