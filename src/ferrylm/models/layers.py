@@ -8,7 +8,6 @@ loader can place tensors by name.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -19,7 +18,7 @@ from torch import nn
 
 from ferrylm.errors import ModelLoadError
 from ferrylm.models.attention import AttentionBackend
-from ferrylm.models.quant_linear import QuantLinear
+from ferrylm.models.quant_linear import fuse_linears
 from ferrylm.triton_util import use_triton
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -385,31 +384,16 @@ class Attention(nn.Module):
         self._fused_from: tuple = ()
 
     def fuse_projections(self) -> None:
-        """Serve q, k and v from ONE matrix multiply (vLLM's QKVParallelLinear idea): concatenate the three
-        weights ``[(Hq + 2 Hkv) * D, H]`` (and biases), then re-point ``q_proj`` / ``k_proj`` / ``v_proj`` at views
-        of it, so no memory is added and the state dict keeps its names (:class:`QuantLinear` ones: one call over
-        the three blocks where they lie). With a per-head q/k norm, its two ``[D]`` weights are laid out per head
+        """Serve q, k and v from ONE matrix multiply (vLLM's QKVParallelLinear idea; :func:`fuse_linears`: the
+        three weights ``[(Hq + 2 Hkv) * D, H]`` concatenated, the projections re-pointed at views of it, so no
+        memory is added and the state dict keeps its names). With a per-head q/k norm, its two ``[D]`` weights are laid out per head
         ``[Hq + Hkv, D]`` so queries and keys are normalised (and rotated) together. Call once after loading (the
         loader does); idempotent. Results equal the separate projections (each output element is the same dot
         product)."""
         if self._qkv is not None:
             return
-        projs = [self.q_proj, self.k_proj, self.v_proj]
         with torch.no_grad():
-            if all(isinstance(p, QuantLinear) for p in projs):
-                self._qkv = QuantLinear.stacked(projs).forward  # a callable, not a submodule
-            elif any(isinstance(p, QuantLinear) for p in projs):  # blocks and floats: side by side
-                self._qkv = functools.partial(_side_by_side, tuple(projs))
-            else:
-                w = torch.cat([p.weight for p in projs])
-                b = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
-                nq, nk = self.q_proj.weight.shape[0], self.k_proj.weight.shape[0]
-                for proj, lo, hi in ((self.q_proj, 0, nq), (self.k_proj, nq, nq + nk), (self.v_proj, nq + nk,
-                                                                                         nq + 2 * nk)):
-                    proj.weight = nn.Parameter(w[lo:hi], requires_grad=False)
-                    if b is not None:
-                        proj.bias = nn.Parameter(b[lo:hi], requires_grad=False)
-                self._qkv = functools.partial(F.linear, weight=w, bias=b)
+            self._qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])   # a callable, not a submodule
             if self.qk_norm == "head":
                 self._qk_norm_weight = torch.cat([self.q_norm.weight.expand(self.num_heads, -1),
                                                   self.k_norm.weight.expand(self.num_kv_heads, -1)])
@@ -486,10 +470,6 @@ class Attention(nn.Module):
         qk = self.rotary.rotate(positions, qk)
         out = attn.attend(self.layer_idx, qk[:, :hq], qk[:, hq:], v, self.scale, **self._extras())
         return self.o_proj(out.reshape(t, hq * d))
-
-
-def _side_by_side(projs: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tensor:
-    return torch.cat([p(x) for p in projs], dim=-1)
 
 
 class SwiGLUMLP(nn.Module):

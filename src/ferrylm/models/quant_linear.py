@@ -6,14 +6,18 @@ MLPs) as the file's mapped GGML blocks (Q8_0, Q4_K, Q5_K, Q6_K): no float copy i
 quantized to 8 bits per 32 inputs, the dot products are integer, as ggml's CPU backend does);
 :class:`QuantEmbedding` dequantizes only the looked-up rows, bit for bit as gguf-py does. The loader
 (``checkpoints/quant/gguf_file.py``) puts them in place of ``nn.Linear`` / ``nn.Embedding`` modules with
-:func:`compact_modules` before the other weights are assigned.
+:func:`compact_modules` before the other weights are assigned. :func:`fuse_linears` makes several projections of one
+input (attention's q/k/v) one matrix multiply, over float weights or blocks.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ferrylm.experts.cpu_kernel import BlockMatrix, NativeExpertKernel
@@ -109,3 +113,30 @@ def compact_modules(model: nn.Module, weights: dict[str, BlockMatrix], kernel: D
         (model.get_submodule(parent) if parent else model).register_module(leaf, new)
         placed.add(key)
     return placed
+
+
+def _side_by_side(projs: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([p(x) for p in projs], dim=-1)
+
+
+def fuse_linears(projs: Sequence[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One callable computing the linear layers ``projs`` of one input ``x [..., K]`` side by side, outputs
+    concatenated ``[..., sum N]``: float ``nn.Linear`` weights (and biases: all or none) are concatenated into one
+    matrix and each layer's weight re-pointed at its view of it (no memory added; the state dict keeps its names);
+    :class:`QuantLinear` ones become one kernel call over their blocks where they lie; a mix computes each layer in
+    turn. Results equal the separate layers (each output element is the same dot product). Call under
+    ``torch.no_grad()``."""
+    if all(isinstance(p, QuantLinear) for p in projs):
+        return QuantLinear.stacked(list(projs)).forward
+    if any(isinstance(p, QuantLinear) for p in projs):   # blocks and floats: side by side
+        return functools.partial(_side_by_side, tuple(projs))
+    w = torch.cat([p.weight for p in projs])
+    b = torch.cat([p.bias for p in projs]) if projs[0].bias is not None else None
+    lo = 0
+    for p in projs:
+        hi = lo + p.weight.shape[0]
+        p.weight = nn.Parameter(w[lo:hi], requires_grad=False)
+        if b is not None:
+            p.bias = nn.Parameter(b[lo:hi], requires_grad=False)
+        lo = hi
+    return functools.partial(F.linear, weight=w, bias=b)
