@@ -30,7 +30,7 @@ from ferrylm.errors import EngineUnavailable, FerryError, InsufficientMemory, Re
 from ferrylm.server.process.engine_client import EngineClient
 from ferrylm.server.api.errors import REQUEST_ID_KEY
 from ferrylm.server.api.metrics import Metrics
-from ferrylm.server.text.text_stream import TextStream
+from ferrylm.server.text.text_stream import TextPipeline
 
 logger = logging.getLogger("ferrylm.server")
 
@@ -53,7 +53,7 @@ class Choice:
     engine_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    text: TextStream
+    text: TextPipeline
     text_skip_ids: frozenset[int]   # EOS / stop token ids whose text is not emitted when they end the output
     num_tokens: int = 0
     finish_reason: str | None = None

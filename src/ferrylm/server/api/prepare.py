@@ -30,7 +30,7 @@ from ferrylm.server.text.harmony_reader import HarmonyTextStream
 from ferrylm.server.text.reasoning import THINKING_SWITCHES, prompt_opens_thinking, template_has_reasoning
 from ferrylm.server.text.tool_parsers import choose_tool_parser, format_markup
 from ferrylm.server.text.tools import lark_term, tag_terms
-from ferrylm.server.text.text_stream import TextStream
+from ferrylm.server.text.text_stream import TextPipeline, TextStream
 from ferrylm.server.text.tokenizer import TextCodec
 
 logger = logging.getLogger("ferrylm.server")
@@ -192,7 +192,7 @@ def make_choices(codec: TextCodec, info: ModelInfo, harmony: HarmonyCodec | None
                                     stop=list(params.stop), stop_token_ids=list(params.stop_token_ids))
             p.validate()
             if harmony_prime is not None and harmony is not None:
-                text: TextStream = HarmonyTextStream(harmony, harmony_prime, stop=p.stop,
+                text: TextPipeline = HarmonyTextStream(harmony, harmony_prime, stop=p.stop,
                                                      include_stop_str_in_output=p.include_stop_str_in_output)
             else:
                 text = TextStream(codec, ids, stop=p.stop, skip_special_tokens=p.skip_special_tokens,

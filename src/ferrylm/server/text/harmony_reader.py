@@ -3,10 +3,10 @@
 Two stages share one token reading (:class:`HarmonyTokens`: tokens → :class:`Segment` s, the text of each message
 with its channel and recipient, and where messages open and close):
 
-- :class:`HarmonyTextStream`, a choice's text pipeline (it replaces :class:`~ferrylm.server.text.text_stream.TextStream`
-  for harmony chat turns): its text is the messages' text without their headers, and stop strings are looked for
-  inside one message at a time (never in a header, never across two messages). A stop string ends the output as
-  for any model: the text is cut before it (after it with ``include_stop_str_in_output``).
+- :class:`HarmonyTextStream`, a choice's text pipeline (a :class:`~ferrylm.server.text.text_stream.TextPipeline`
+  like the plain ``TextStream``, for harmony chat turns): its text is the messages' text without their headers, and
+  stop strings are looked for inside one message at a time (never in a header, never across two messages). A stop
+  string ends the output as for any model: the text is cut before it (after it with ``include_stop_str_in_output``).
 - :class:`HarmonyReader`, the turn's output reader: the pieces of the segments, released only as far as the text
   stream released text (its ``text`` argument), so a stop string cuts the pieces at the same character and text
   that may still turn out to be a stop string is held in both.
@@ -40,7 +40,7 @@ from typing import Literal, Sequence
 import openai_harmony as oh
 
 from ferrylm.server.text.harmony import CHANNEL, TOOL_NAMESPACE, HarmonyCodec
-from ferrylm.server.text.text_stream import StopChecker, TextStream
+from ferrylm.server.text.text_stream import TextPipeline
 from ferrylm.server.text.tool_parsers.base import Piece, ToolCall, decode_arguments
 
 ANALYSIS = "analysis"
@@ -142,35 +142,20 @@ class HarmonyTokens:
         self._add(self._raw.decode(data), None, None, out)
 
 
-class HarmonyTextStream(TextStream):
+class HarmonyTextStream(TextPipeline):
     """A harmony chat turn's text pipeline: the messages' text (no headers), stop strings looked for inside one
-    message at a time (module docstring). Same interface as :class:`TextStream` (``text``, ``stopped``, ``add``,
-    ``finish``); ``detok.text`` is the messages' text before the stop strings' cut."""
+    message at a time (module docstring). ``detok.text`` is the messages' text before the stop strings' cut."""
 
     def __init__(self, codec: HarmonyCodec, prime: Sequence[int], *, stop: Sequence[str] = (),
                  include_stop_str_in_output: bool = False):
-        self.detok = HarmonyTokens(codec, prime)   # type: ignore[assignment]  # its ``text`` is all TextStream reads
-        self.stops = StopChecker(stop, include_stop_str_in_output)
-        self.text = ""
+        super().__init__(stop, include_stop_str_in_output)
+        self.detok = HarmonyTokens(codec, prime)
 
-    def add(self, token_ids: Sequence[int]) -> tuple[str, list[int]]:
-        out: list[str] = []
-        offsets: list[int] = []
-        for t in token_ids:
-            offsets.append(len(self.detok.text))
-            if not self.stops.stopped:
-                out += [self._segment(s) for s in self.detok.feed((t,))]
-        delta = "".join(out)
-        self.text += delta
-        return delta, offsets
+    def _step(self, token_id: int) -> str:
+        return "".join(self._segment(s) for s in self.detok.feed((token_id,)))
 
-    def finish(self) -> str:
-        if self.stops.stopped:
-            return ""
-        delta = "".join(self._segment(s) for s in self.detok.finish())
-        delta += self.stops.flush()
-        self.text += delta
-        return delta
+    def _drain(self) -> str:
+        return "".join(self._segment(s) for s in self.detok.finish())
 
     def _segment(self, s: Segment) -> str:
         """The text ``s`` releases: its text through the stop strings; a message's end releases what was held

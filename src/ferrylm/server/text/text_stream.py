@@ -1,6 +1,6 @@
 """Text out of token ids, per choice: incremental detokenization and stop strings.
 
-Text-out pipeline per choice (see :class:`TextStream`)::
+Text-out pipeline per choice (see :class:`TextStream`; :class:`TextPipeline` is what every pipeline shares)::
 
     token ids ─▶ IncrementalDetokenizer ─▶ StopChecker ─▶ text safe to send
 
@@ -12,7 +12,8 @@ The tokenizer itself (encoding, chat templates) is ``tokenizer.py``. This module
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
 
 from ferrylm.faults import NO_FAULTS, FaultInjector
 
@@ -155,17 +156,27 @@ class StopChecker:
         return best
 
 
-class TextStream:
-    """One choice's text pipeline: detokenize incrementally, then apply stop strings.
+class TokenText(Protocol):
+    """The token → text stage of a pipeline; ``text``: all its text so far, before the stop strings' cut."""
+
+    text: str
+
+
+class TextPipeline(ABC):
+    """One choice's text pipeline: a token → text stage (``detok``, set by the subclass), then the stop strings.
+
+    :meth:`add` and :meth:`finish` are the same for every pipeline; a subclass says what a token releases through
+    the stop strings (:meth:`_step`) and what its stage holds at the end (:meth:`_drain`): :class:`TextStream`
+    detokenizes incrementally, ``harmony_reader.HarmonyTextStream`` reads harmony messages.
 
     Attributes:
         text: all text released so far (what the client has been, or will be, sent).
         stopped: a stop string ended the output; the caller must abort the engine request.
     """
 
-    def __init__(self, codec: TextCodec, prompt_ids: Sequence[int], *, stop: Sequence[str] = (),
-                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
-        self.detok = codec.detokenizer(prompt_ids, skip_special_tokens=skip_special_tokens)
+    detok: TokenText
+
+    def __init__(self, stop: Sequence[str] = (), include_stop_str_in_output: bool = False):
         self.stops = StopChecker(stop, include_stop_str_in_output)
         self.text = ""
 
@@ -173,19 +184,27 @@ class TextStream:
     def stopped(self) -> bool:
         return self.stops.stopped
 
+    @abstractmethod
+    def _step(self, token_id: int) -> str:
+        """Feed one generated token to the stage; return the text it releases through the stop strings."""
+
+    @abstractmethod
+    def _drain(self) -> str:
+        """At the end: the text the stage still holds, through the stop strings (the held tail of the stop
+        strings is released after it)."""
+
     def add(self, token_ids: Sequence[int]) -> tuple[str, list[int]]:
         """Feed generated tokens one by one; return ``(released text, text offsets)``.
 
-        ``offsets[i]`` is the character offset, in the detokenized output, at which token ``i``'s text starts
-        (the legacy completions ``text_offset``).
+        ``offsets[i]`` is the character offset, in the stage's text (``detok.text``), at which token ``i``'s text
+        starts (the legacy completions ``text_offset``).
         """
         out: list[str] = []
         offsets: list[int] = []
         for t in token_ids:
             offsets.append(len(self.detok.text))
-            if self.stops.stopped:
-                continue
-            out.append(self.stops.feed(self.detok.step((t,))))
+            if not self.stops.stopped:
+                out.append(self._step(t))
         delta = "".join(out)
         self.text += delta
         return delta, offsets
@@ -194,8 +213,23 @@ class TextStream:
         """Release everything held (incomplete bytes, a possible stop prefix) at the end of the request."""
         if self.stops.stopped:
             return ""
-        delta = self.stops.feed(self.detok.flush())
-        if not self.stops.stopped:
-            delta += self.stops.flush()
+        delta = self._drain()
+        delta += self.stops.flush()   # "" once a stop string was found
         self.text += delta
         return delta
+
+
+class TextStream(TextPipeline):
+    """The text pipeline of a plain choice: incremental detokenization (:class:`IncrementalDetokenizer`), then the
+    stop strings."""
+
+    def __init__(self, codec: TextCodec, prompt_ids: Sequence[int], *, stop: Sequence[str] = (),
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
+        super().__init__(stop, include_stop_str_in_output)
+        self.detok = codec.detokenizer(prompt_ids, skip_special_tokens=skip_special_tokens)
+
+    def _step(self, token_id: int) -> str:
+        return self.stops.feed(self.detok.step((token_id,)))
+
+    def _drain(self) -> str:
+        return self.stops.feed(self.detok.flush())
