@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import logging
 import math
@@ -33,6 +34,7 @@ import signal
 import socket
 import sys
 import time
+from typing import Any
 
 from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.errors import ModelLoadError
@@ -160,65 +162,95 @@ def say(line: str) -> None:
 
 
 def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSignals) -> int:
+    """``ferry serve`` after the CLI checked its flags: bind the port, load the model's facts and tokenizer, then
+    serve (:func:`_run`). Returns the exit code (2, with one line on stderr, for a port, a model or a flag that
+    does not work)."""
     def fail(msg: str) -> int:
+        sock.close()
         print(f"ferry serve: {msg}", file=sys.stderr)
         return 2
 
-    watchdog_timeout = float(getattr(args, "watchdog_timeout", 120.0))
-    shutdown_timeout = float(getattr(args, "shutdown_timeout", 30.0))
-    ping = float(args.sse_ping_interval)
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
-        return fail(listen_error(args.host, args.port, e))
+        print(f"ferry serve: {listen_error(args.host, args.port, e)}", file=sys.stderr)
+        return 2
     say(f"loading {args.model} ...")
+    try:
+        model = load_model(args, engine_config)
+    except _FlagError as e:
+        return fail(str(e))
+    except ModelLoadError as e:
+        return fail(e.message)
+    try:
+        faults = frontend_faults(engine_config, model.codec)
+    except ValueError as e:
+        return fail(str(e))
+    try:
+        return _run(args, engine_config, boot, sock, model, faults)
+    finally:
+        sock.close()
 
-    from ferrylm.errors import UnsupportedArchitecture
-    from ferrylm.checkpoints.verify import verify_checkpoint
-    from ferrylm.models.registry import supported_architectures
+
+class _FlagError(ValueError):
+    """A flag that does not fit the model (``--max-model-len`` past its context, ``--tensor-parallel-size``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """What the frontend knows of the served model before the engine starts: what ``--model`` named
+    (``resolved``: a ``ResolvedModel``), its config and its codec."""
+
+    resolved: Any
+    config: ModelConfig
+    codec: Any
+
+
+def load_model(args: argparse.Namespace, engine_config: EngineConfig) -> LoadedModel:
+    """Resolve ``--model``, read its config, check the engine flags against it, verify its files, load its
+    tokenizer (and ``--chat-template``). Raises ModelLoadError (UnsupportedArchitecture for an architecture no
+    model family serves), _FlagError for a flag the model does not allow."""
     from ferrylm.checkpoints.resolve import resolve_model
+    from ferrylm.checkpoints.verify import verify_checkpoint
+    from ferrylm.errors import UnsupportedArchitecture
+    from ferrylm.models.registry import supported_architectures
     from ferrylm.server.text.tokenizer import TextCodec, load_chat_template
 
+    resolved = resolve_model(args.model)
+    mcfg = ModelConfig.from_folder(resolved.path)
+    if mcfg.architecture not in supported_architectures():
+        raise UnsupportedArchitecture(f"{resolved.path}: architecture {mcfg.architecture!r} is not supported; "
+                                      f"supported: {', '.join(supported_architectures())}")
     try:
-        resolved = resolve_model(args.model)
-        mcfg = ModelConfig.from_folder(resolved.path)
-        if mcfg.architecture not in supported_architectures():
-            raise UnsupportedArchitecture(f"{resolved.path}: architecture {mcfg.architecture!r} is not supported; "
-                                          f"supported: {', '.join(supported_architectures())}")
-        try:
-            engine_config.check_model(mcfg)   # --max-model-len against the context, --tensor-parallel-size
-        except ValueError as e:
-            sock.close()
-            return fail(str(e))
-        if resolved.source != "synthetic":
-            verify_checkpoint(resolved.path)   # a truncated file: one line naming it, exit 2 (not an engine crash)
-        codec = TextCodec.from_pretrained(resolved.path)
-        if getattr(args, "chat_template", None):
-            codec.set_chat_template(load_chat_template(args.chat_template))
-    except ModelLoadError as e:
-        sock.close()
-        return fail(e.message)
+        engine_config.check_model(mcfg)   # --max-model-len against the context, --tensor-parallel-size
+    except ValueError as e:
+        raise _FlagError(str(e)) from None
+    if resolved.source != "synthetic":
+        verify_checkpoint(resolved.path)   # a truncated file: one line naming it, exit 2 (not an engine crash)
+    codec = TextCodec.from_pretrained(resolved.path)
+    if getattr(args, "chat_template", None):
+        codec.set_chat_template(load_chat_template(args.chat_template))
+    return LoadedModel(resolved, mcfg, codec)
+
+
+def frontend_faults(engine_config: EngineConfig, codec: Any) -> Any:
+    """The frontend's fault injector from ``--faults`` (its own points are armed on ``codec``; the engine builds its
+    own injector from the same spec). Raises ValueError for a spec that does not parse."""
     from ferrylm.faults import FRONTEND_POINTS, FaultInjector
 
-    try:
-        faults = FaultInjector.from_config(engine_config.faults)
-    except ValueError as e:
-        sock.close()
-        return fail(str(e))
+    faults = FaultInjector.from_config(engine_config.faults)
     if any(p in FRONTEND_POINTS for p in faults.rules):
-        codec.faults = faults  # the frontend's own points (the engine builds its own injector from the same spec)
+        codec.faults = faults
         log.warning("fault injection is ON in the frontend: %s", faults)
+    return faults
 
+
+def _uvicorn_server(app: Any, log_level: str) -> Any:
+    """A uvicorn server for ``app`` without uvicorn's signal handling (ours drains first, then sets
+    ``should_exit``)."""
     import uvicorn
 
-    from ferrylm.errors import EngineUnavailable
-    from ferrylm.server.api.app import CorsPolicy, create_app
-    from ferrylm.server.process.engine_client import ModelInfo
-    from ferrylm.server.process.supervisor import Supervisor
-
     class Server(uvicorn.Server):
-        """uvicorn without its signal handling (ours drains first, then sets ``should_exit``)."""
-
         @contextlib.contextmanager
         def capture_signals(self):  # uvicorn >= 0.29
             yield
@@ -226,122 +258,164 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
         def install_signal_handlers(self) -> None:  # older uvicorn
             pass
 
-    names = args.served_model_name or [resolved.name]   # each accepted in `model`; responses report the first
+    # uvicorn's own graceful wait only covers the HTTP tail after our drain (the last bytes of answered streams)
+    return Server(uvicorn.Config(app, log_level=log_level.lower(), access_log=False, timeout_graceful_shutdown=5))
+
+
+def _make_app(args: argparse.Namespace, sup: Any, model: LoadedModel, names: list[str]) -> Any:
+    """The FastAPI app over ``sup`` with ``ferry serve``'s HTTP flags."""
+    from ferrylm.server.api.app import CorsPolicy, create_app
+
+    api_key = args.api_key or os.environ.get("FERRYLM_API_KEY") or None
+    cors = CorsPolicy(args.allowed_origins, args.allowed_methods or ["*"], args.allowed_headers or ["*"],
+                      args.allow_credentials) if args.allowed_origins else None
+    return create_app(sup, model.codec, names, api_key=api_key,
+                      max_request_bytes=int(getattr(args, "max_request_bytes", 8 << 20)), cors=cors,
+                      request_timeout=getattr(args, "request_timeout", None) or None,
+                      sse_ping_interval=float(args.sse_ping_interval),
+                      responses_store_size=int(getattr(args, "responses_store_size", 1024)),
+                      tool_call_parser=getattr(args, "tool_call_parser", None) or "auto",
+                      architecture=model.config.architecture, model_type=(model.config.raw or {}).get("model_type"),
+                      webui=args.webui)
+
+
+def _run(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSignals, sock: socket.socket,
+         model: LoadedModel, faults: Any) -> int:
+    """Start the supervisor and uvicorn on ``sock`` and serve until the shutdown (module docstring). Returns the
+    exit code: 0, or the supervisor's when the engine is dead for good."""
+    from ferrylm.server.process.engine_client import ModelInfo
+    from ferrylm.server.process.supervisor import Supervisor
+
+    names = args.served_model_name or [model.resolved.name]   # each accepted in `model`; responses report the first
     name = names[0]
-    max_len = engine_config.max_model_len or mcfg.max_position_embeddings
-    info = ModelInfo(name=name, path=str(resolved.path), max_model_len=max_len,
-                     eos_token_ids=tuple(mcfg.eos_token_ids))
+    max_len = engine_config.max_model_len or model.config.max_position_embeddings
+    info = ModelInfo(name=name, path=str(model.resolved.path), max_model_len=max_len,
+                     eos_token_ids=tuple(model.config.eos_token_ids))
     exit_code = 0
-    server_box: dict = {}
 
     def on_fatal() -> None:
         nonlocal exit_code
         exit_code = sup.fatal_exit_code   # 1; 2 when the engine's first start failed on the model itself
-        srv = server_box.get("server")
-        if srv is not None:
-            srv.should_exit = True
+        if stop.server is not None:
+            stop.server.should_exit = True
 
     def on_ready(engine_info: dict) -> None:
         say(f"ready: http://{args.host}:{args.port} ({name}, {int(engine_info['max_model_len'])}-token context)")
 
-    sup = Supervisor(str(resolved.path), engine_config.to_dict(), info, max_restarts=args.max_engine_restarts,
-                     on_fatal=on_fatal, log_level=args.log_level, watchdog_timeout=watchdog_timeout,
+    sup = Supervisor(str(model.resolved.path), engine_config.to_dict(), info, max_restarts=args.max_engine_restarts,
+                     on_fatal=on_fatal, log_level=args.log_level,
+                     watchdog_timeout=float(getattr(args, "watchdog_timeout", 120.0)),
                      faults=faults, on_phase=lambda phase: say(f"  {phase} ..."), on_ready=on_ready)
-    api_key = args.api_key or os.environ.get("FERRYLM_API_KEY") or None
-    cors = CorsPolicy(args.allowed_origins, args.allowed_methods or ["*"], args.allowed_headers or ["*"],
-                      args.allow_credentials) if args.allowed_origins else None
-    app = create_app(sup, codec, names, api_key=api_key,
-                     max_request_bytes=int(getattr(args, "max_request_bytes", 8 << 20)), cors=cors,
-                     request_timeout=getattr(args, "request_timeout", None) or None,
-                     sse_ping_interval=ping, responses_store_size=int(getattr(args, "responses_store_size", 1024)),
-                     tool_call_parser=getattr(args, "tool_call_parser", None) or "auto",
-                     architecture=mcfg.architecture, model_type=(mcfg.raw or {}).get("model_type"),
-                     webui=args.webui)
-    # uvicorn's own graceful wait only covers the HTTP tail after our drain (the last bytes of answered streams)
-    config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False, timeout_graceful_shutdown=5)
-    server = Server(config)
-    server_box["server"] = server
-    signals_seen: list[tuple[int, float]] = []   # (signal, monotonic time)
+    stop = _Shutdown(sup, float(getattr(args, "shutdown_timeout", 30.0)))
+    app = _make_app(args, sup, model, names)
+    stop.attach(app, _uvicorn_server(app, args.log_level))
+    asyncio.run(_main(boot, sup, stop, sock, f"serving {name} ({model.resolved.path}) on "
+                                              f"http://{args.host}:{args.port}"))
+    return exit_code
 
-    async def drain_and_stop() -> None:
-        t0 = time.monotonic()
-        n = sup.num_in_flight
-        log.info("shutting down: refusing new requests; waiting up to %g s for %d running requests",
-                 shutdown_timeout, n)
-        left = await sup.drain(shutdown_timeout)
-        if left:
-            log.warning("shutting down: %d requests still running after --shutdown-timeout %g s; answering them "
-                        "with an error", left, shutdown_timeout)
-            sup.fail_in_flight(EngineUnavailable(
-                f"the server is shutting down; the request did not finish within --shutdown-timeout "
-                f"{shutdown_timeout:g} s"))
-            # the engine is mid-step on what was just answered: it reads the stop message only after that step,
-            # which can take seconds (a long prefill chunk); nothing is left to wait for, so it gets a short grace
-            server_box["engine_stop_s"] = ENGINE_STOP_AFTER_TIMEOUT_S
-            await sup.drain(2.0)  # the error events go out
-        log.info("shutting down: drained in %.2f s; stopping", time.monotonic() - t0)
-        server.should_exit = True
 
-    def exit_at_once(sig: int) -> None:
-        sup.kill_now()
-        logging.shutdown()
-        os._exit(128 + sig)
+async def _main(boot: BootSignals, sup: Any, stop: "_Shutdown", sock: socket.socket, serving: str) -> None:
+    """The event loop's part: take the signals over from ``boot``, start the engine, serve on ``sock`` until the
+    shutdown, stop the engine; hand the signals back (record-only) once it served."""
+    loop = asyncio.get_running_loop()
+    boot.armed = False            # from here a signal is recorded, then replayed through on_signal
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.on_signal, sig)
+    for sig in boot.received:     # arrived between disarming and the loop's handlers
+        stop.on_signal(sig)
+    if stop.signals_seen:         # shutting down before the engine was ever spawned
+        await sup.close()
+        return
+    try:
+        await sup.start()
+        log.debug("%s", serving)
+        try:
+            await stop.server.serve(sockets=[sock])
+        finally:
+            await sup.close(stop.engine_stop_s)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)   # resets to SIG_DFL: record-only until the process exits
+        boot.received.clear()
+        boot.install(armed=False)
 
-    async def exit_answered(sig: int) -> None:
-        """The second signal: every request in flight is answered with an error (a stream's error event and
-        end), the engine is killed, and the process exits 128+N once the answers went out (at most
-        ``FINAL_ANSWERS_S``)."""
-        sup.fail_in_flight(EngineUnavailable("the server is exiting now (a second signal); the request was cut"))
-        sup.kill_now()
-        if not await app.state.open_requests.wait_idle(FINAL_ANSWERS_S):
-            log.warning("%d requests still open after %g s; exiting", app.state.open_requests.count,
-                        FINAL_ANSWERS_S)
-        await asyncio.sleep(FLUSH_S)   # the sockets take the last bytes
-        exit_at_once(sig)
 
-    def on_signal(sig: int) -> None:
+class _Shutdown:
+    """The signals of a running server (module docstring, "Shutdown"): the first drains, the second answers what
+    is left and exits 128+N, a third exits at once; a relayed repeat of the first is ignored.
+
+    Attributes:
+        signals_seen: (signal, monotonic time) of each signal taken.
+        engine_stop_s: what the engine gets to obey the stop message at the end (shorter when the drain ran out).
+    """
+
+    def __init__(self, sup: Any, shutdown_timeout: float):
+        self.sup = sup
+        self.shutdown_timeout = shutdown_timeout
+        self.app: Any = None
+        self.server: Any = None
+        self.signals_seen: list[tuple[int, float]] = []
+        self.engine_stop_s = ENGINE_STOP_S
+        self._tasks: list[asyncio.Task] = []   # keep references
+
+    def attach(self, app: Any, server: Any) -> None:
+        """The app (its open requests) and the uvicorn server this shutdown stops."""
+        self.app, self.server = app, server
+
+    def on_signal(self, sig: int) -> None:
         name_ = signal.Signals(sig).name
-        if signals_seen and is_relay(signals_seen[0][1]):
+        if self.signals_seen and is_relay(self.signals_seen[0][1]):
             log.info("%s again within %g s of the first: taken as the same signal (a parent relaying its process "
                      "group's signal)", name_, SIGNAL_REPEAT_WINDOW_S)
             return
-        signals_seen.append((sig, time.monotonic()))
-        if len(signals_seen) > 2:
-            exit_at_once(sig)
-        if len(signals_seen) > 1:
+        self.signals_seen.append((sig, time.monotonic()))
+        if len(self.signals_seen) > 2:
+            self.exit_at_once(sig)
+        if len(self.signals_seen) > 1:
             log.warning("second signal (%s): answering the %d open requests with an error, then exiting", name_,
-                        app.state.open_requests.count)
-            server_box["exit"] = asyncio.get_running_loop().create_task(exit_answered(sig))  # keep a reference
+                        self.app.state.open_requests.count)
+            self._tasks.append(asyncio.get_running_loop().create_task(self.exit_answered(sig)))
             return
         log.info("received %s: graceful shutdown (send it again to cut the running requests and exit)", name_)
-        sup.begin_drain()
-        server_box["drain"] = asyncio.get_running_loop().create_task(drain_and_stop())  # keep a reference
+        self.sup.begin_drain()
+        self._tasks.append(asyncio.get_running_loop().create_task(self.drain_and_stop()))
 
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        boot.armed = False            # from here a signal is recorded, then replayed through on_signal
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, on_signal, sig)
-        for sig in boot.received:     # arrived between disarming and the loop's handlers
-            on_signal(sig)
-        if signals_seen:              # shutting down before the engine was ever spawned
-            await sup.close()
-            return
-        try:
-            await sup.start()
-            log.debug("serving %s (%s) on http://%s:%d", name, resolved.path, args.host, args.port)
-            try:
-                await server.serve(sockets=[sock])
-            finally:
-                await sup.close(server_box.get("engine_stop_s", ENGINE_STOP_S))
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)   # resets to SIG_DFL: record-only until the process exits
-            boot.received.clear()
-            boot.install(armed=False)
+    async def drain_and_stop(self) -> None:
+        """The first signal: wait for the running requests (``--shutdown-timeout``), answer what is left with an
+        error, then stop uvicorn."""
+        from ferrylm.errors import EngineUnavailable
 
-    try:
-        asyncio.run(main())
-    finally:
-        sock.close()
-    return exit_code
+        t0, sup, timeout = time.monotonic(), self.sup, self.shutdown_timeout
+        log.info("shutting down: refusing new requests; waiting up to %g s for %d running requests", timeout,
+                 sup.num_in_flight)
+        left = await sup.drain(timeout)
+        if left:
+            log.warning("shutting down: %d requests still running after --shutdown-timeout %g s; answering them "
+                        "with an error", left, timeout)
+            sup.fail_in_flight(EngineUnavailable(
+                f"the server is shutting down; the request did not finish within --shutdown-timeout {timeout:g} s"))
+            # the engine is mid-step on what was just answered: it reads the stop message only after that step,
+            # which can take seconds (a long prefill chunk); nothing is left to wait for, so it gets a short grace
+            self.engine_stop_s = ENGINE_STOP_AFTER_TIMEOUT_S
+            await sup.drain(2.0)  # the error events go out
+        log.info("shutting down: drained in %.2f s; stopping", time.monotonic() - t0)
+        self.server.should_exit = True
+
+    def exit_at_once(self, sig: int) -> None:
+        self.sup.kill_now()
+        logging.shutdown()
+        os._exit(128 + sig)
+
+    async def exit_answered(self, sig: int) -> None:
+        """The second signal: every request in flight is answered with an error (a stream's error event and
+        end), the engine is killed, and the process exits 128+N once the answers went out (at most
+        ``FINAL_ANSWERS_S``)."""
+        from ferrylm.errors import EngineUnavailable
+
+        self.sup.fail_in_flight(EngineUnavailable("the server is exiting now (a second signal); the request was cut"))
+        self.sup.kill_now()
+        open_requests = self.app.state.open_requests
+        if not await open_requests.wait_idle(FINAL_ANSWERS_S):
+            log.warning("%d requests still open after %g s; exiting", open_requests.count, FINAL_ANSWERS_S)
+        await asyncio.sleep(FLUSH_S)   # the sockets take the last bytes
+        self.exit_at_once(sig)
