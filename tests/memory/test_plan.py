@@ -3,26 +3,32 @@ at boot with the numbers, the processes holding the memory and the right flag.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ferrylm.memory.budget import MemoryPlanError, default_reserve
+from ferrylm.memory.budget import MemoryBudget, MemoryPlanError, default_reserve
 from ferrylm.memory.plan import ExpertNeeds, PlanInputs, plan_memory
 from ferrylm.memory.probe import GiB, MiB, ProcessUsage
 
 PER_TOK = 128 * 1024   # K+V bytes per token (a mid-size model)
 
 
+BUDGET_FIELDS = frozenset(f.name for f in dataclasses.fields(MemoryBudget))
+
+
 def inputs(**kw) -> PlanInputs:
+    """Plan inputs for a mid-size model on an 80 GiB card; ``kw`` overrides any field, of the budget too."""
     base = dict(kind="cuda", total_bytes=80 * GiB, free_at_boot_bytes=79 * GiB, memory_ratio=0.9,
                 gpu_memory_limit_bytes=None, memory_reserve_bytes=None, weights_bytes=10 * GiB,
                 workspace_bytes=2 * GiB, workspace_source="measured", kv_bytes_per_token=PER_TOK, page_size=16,
                 max_model_len=32768, max_running_requests=16, max_prefill_length=8192)
     base.update(kw)
-    return PlanInputs(**base)
+    budget = MemoryBudget(**{k: base.pop(k) for k in BUDGET_FIELDS if k in base})
+    return PlanInputs(budget, **base)
 
 
 EXPERTS = ExpertNeeds(slot_bytes=64 * MiB, fixed_bytes=2 * GiB, total_experts=48 * 128, min_slots=1)

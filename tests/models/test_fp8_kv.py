@@ -96,6 +96,7 @@ class _Qwen3MoeShape:
 
 
 def test_the_plan_holds_about_twice_the_tokens_with_fp8():
+    from ferrylm.memory.budget import MemoryBudget
     from ferrylm.memory.plan import ExpertNeeds, PlanInputs, plan_memory
     from ferrylm.memory.probe import GiB, MiB
 
@@ -108,8 +109,9 @@ def test_the_plan_holds_about_twice_the_tokens_with_fp8():
 
     def plan(per_tok: int):
         return plan_memory(PlanInputs(
-            kind="cuda", total_bytes=24 * GiB, free_at_boot_bytes=23 * GiB, memory_ratio=0.95,
-            gpu_memory_limit_bytes=None, memory_reserve_bytes=None, weights_bytes=2 * GiB, workspace_bytes=GiB,
+            MemoryBudget(kind="cuda", total_bytes=24 * GiB, free_at_boot_bytes=23 * GiB, memory_ratio=0.95,
+                         gpu_memory_limit_bytes=None, memory_reserve_bytes=None), weights_bytes=2 * GiB,
+            workspace_bytes=GiB,
             workspace_source="measured", kv_bytes_per_token=per_tok, page_size=16, max_model_len=131072,
             max_running_requests=4, max_prefill_length=8192, moe_cache_size=100,
             experts=ExpertNeeds(slot_bytes=9 * MiB, fixed_bytes=GiB, total_experts=48 * 128, min_slots=1)))

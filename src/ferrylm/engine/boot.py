@@ -255,7 +255,7 @@ def plan_inputs(budget: MemoryBudget, target: BootTarget, mcfg: ModelConfig, lim
         # once, the floor of an automatically sized cache (an explicit --moe-cache-size below it runs in waves)
         needs = replace(needs, step_slots=min(limits.max_running_requests * mcfg.num_experts_per_tok,
                                               mcfg.num_experts))
-    return PlanInputs.of(
+    return PlanInputs(
         budget, weights_bytes=weights, workspace_bytes=workspace.bytes if workspace else 0,
         workspace_source=workspace.source if workspace else "none (preflight)",
         graph_bytes=workspace.graph_bytes if workspace else 0,

@@ -47,10 +47,8 @@ class PlanInputs:
     """Everything :func:`plan_memory` needs (bytes, tokens, requests).
 
     Attributes:
-        kind: ``"cuda"`` or ``"host"``. total_bytes, free_at_boot_bytes: the reading before loading.
-        memory_ratio: share of free memory the plan may use (``--memory-ratio``, 0 < r <= 1).
-        gpu_memory_limit_bytes: hard cap on what the plan hands out (``--gpu-memory-limit``), or None.
-        memory_reserve_bytes: ``--memory-reserve`` or None (default :func:`default_reserve`).
+        budget: what the plan may hand out (``memory/budget.py``: the reading before loading, ``--memory-ratio``,
+            ``--gpu-memory-limit``, ``--memory-reserve``, the other processes holding device memory).
         weights_bytes: model weights on the device (experts included for the resident backend).
         workspace_bytes: peak extra memory of a forward at the max chunk / max batch; ``workspace_source``
             ``"measured"`` or ``"estimated"``.
@@ -62,7 +60,6 @@ class PlanInputs:
         experts: the slot cache's needs, or None (no slot cache).
         host_kv_fraction: on the host, the automatic KV pool takes at most this share of free memory (host RAM
             is shared with everything else); None on CUDA.
-        other_processes: other processes holding device memory (for messages).
         graph_bytes: the decode CUDA graphs' private memory pool, measured by capturing them during the boot
             warmup (they stay allocated while the engine runs).
         state_slot_bytes: one request's recurrent state over the linear-attention layers (hybrid models,
@@ -73,12 +70,7 @@ class PlanInputs:
             not allocated: fragments between live tensors), measured; the cap counts it, the rows above do not.
     """
 
-    kind: str
-    total_bytes: int
-    free_at_boot_bytes: int
-    memory_ratio: float
-    gpu_memory_limit_bytes: int | None
-    memory_reserve_bytes: int | None
+    budget: MemoryBudget
     weights_bytes: int
     workspace_bytes: int
     workspace_source: str
@@ -94,21 +86,10 @@ class PlanInputs:
     kv_reserve_tokens: int | None = None
     experts: ExpertNeeds | None = None
     host_kv_fraction: float | None = None
-    other_processes: tuple[ProcessUsage, ...] = ()
     graph_bytes: int = 0
     state_slot_bytes: int = 0
     state_snapshots: int = 0
     allocator_slack_bytes: int = 0
-
-    @classmethod
-    def of(cls, budget: MemoryBudget, **figures) -> "PlanInputs":
-        """The budget and the model's figures (every other field, by name) as one input."""
-        return cls(**asdict(budget) | {"other_processes": budget.other_processes}, **figures)
-
-    @property
-    def budget(self) -> MemoryBudget:
-        return MemoryBudget(self.kind, self.total_bytes, self.free_at_boot_bytes, self.memory_ratio,
-                            self.gpu_memory_limit_bytes, self.memory_reserve_bytes, self.other_processes)
 
     @property
     def state_slots(self) -> int:
@@ -253,15 +234,16 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
     if kv_tokens < p.max_model_len:
         warnings.append(f"the KV pool holds {kv_tokens} tokens, fewer than the model context of {p.max_model_len} "
                         f"tokens: longer requests are rejected (raise --num-tokens or lower --max-model-len)")
+    b = p.budget
     return MemoryPlan(
-        kind=p.kind, total_bytes=p.total_bytes, free_at_boot_bytes=p.free_at_boot_bytes,
-        memory_ratio=p.memory_ratio, gpu_memory_limit_bytes=p.gpu_memory_limit_bytes, reserve_bytes=reserve,
+        kind=b.kind, total_bytes=b.total_bytes, free_at_boot_bytes=b.free_at_boot_bytes,
+        memory_ratio=b.memory_ratio, gpu_memory_limit_bytes=b.gpu_memory_limit_bytes, reserve_bytes=reserve,
         budget_bytes=budget, weights_bytes=p.weights_bytes, workspace_bytes=p.workspace_bytes,
         workspace_source=p.workspace_source, kv_pages=kv_tokens // p.page_size, page_size=p.page_size,
         kv_tokens=kv_tokens, kv_bytes=kv_bytes, kv_bytes_per_token=p.kv_bytes_per_token, expert_slots=slots,
         expert_slot_bytes=ex.slot_bytes if ex else 0, expert_bytes=expert_bytes,
         expert_total=ex.total_experts if ex else 0, headroom_bytes=max(0, sz.rest - kv_bytes - expert_bytes),
-        max_model_len=p.max_model_len, binding=binding, other_processes=tuple(p.other_processes),
+        max_model_len=p.max_model_len, binding=binding, other_processes=tuple(b.other_processes),
         warnings=tuple(warnings), graph_bytes=p.graph_bytes, max_prefill_length=p.max_prefill_length,
         reserve_note=reserve_note, minimum_bytes=minimum, state_slots=p.state_slots,
         state_slot_bytes=p.state_slot_bytes, state_bytes=p.state_bytes,
@@ -323,7 +305,7 @@ class _Sizer:
         expert_floor = ex.bytes_for(self.slots_explicit) if self.slots_explicit is not None else self.min_expert_bytes
         kv_room = self.rest - expert_floor
         if p.host_kv_fraction is not None:
-            kv_room = min(kv_room, int(p.free_at_boot_bytes * p.host_kv_fraction))
+            kv_room = min(kv_room, int(p.budget.free_at_boot_bytes * p.host_kv_fraction))
         room_tokens = max(0, kv_room // per_tok)
         if ex is not None and self.slots_explicit is None:
             kv_tokens = min(room_tokens, kv_floor_tokens(p, self.rest, self.min_kv))
@@ -364,7 +346,7 @@ class _Sizer:
             # every expert fits: what they leave goes back to the KV pool (up to what it can use)
             room_tokens = (rest - ex.bytes_for(slots)) // per_tok
             if p.host_kv_fraction is not None:
-                room_tokens = min(room_tokens, int(p.free_at_boot_bytes * p.host_kv_fraction) // per_tok)
+                room_tokens = min(room_tokens, int(p.budget.free_at_boot_bytes * p.host_kv_fraction) // per_tok)
             kv_tokens = max(kv_tokens, _pages(min(room_tokens, p.max_running_requests * p.max_model_len), ps) * ps)
         return kv_tokens, slots
 
