@@ -31,9 +31,8 @@ def test_malformed_entry_refused():
 
 
 def test_every_registered_part_resolves():
-    from ferrylm.engine.attention import ATTENTION_BACKENDS
+    from ferrylm.backends import ATTENTION_BACKENDS, CACHED_BACKENDS
     from ferrylm.experts.executor import ExpertExecutor
-    from ferrylm.experts.options import CACHED_BACKENDS
     from ferrylm.server.text.tool_parsers import TOOL_PARSERS
     from ferrylm.server.text.tool_parsers.base import ToolParser
 

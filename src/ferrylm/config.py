@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ferrylm.backends import ATTENTION_CHOICES, MOE_BACKENDS
 from ferrylm.errors import ModelLoadError
 from ferrylm.flags import flag
 
@@ -239,18 +240,6 @@ class _FieldReader:
         return float(v)
 
 
-def _moe_backends() -> tuple[str, ...]:
-    from ferrylm.experts.options import MOE_BACKENDS  # NOTE: here, not at the top: the package imports torch
-
-    return MOE_BACKENDS
-
-
-def _attention_backends() -> tuple[str, ...]:
-    from ferrylm.engine.attention import ATTENTION_CHOICES
-
-    return ATTENTION_CHOICES
-
-
 #: ``--kv-cache-dtype`` values (``engine/cache/kv_pool.py``); vLLM's ``fp8_e4m3`` is read as ``fp8``
 KV_CACHE_DTYPES = ("auto", "fp8")
 _KV_CACHE_SPELLINGS = {"fp8_e4m3": "fp8"}
@@ -299,7 +288,7 @@ class EngineConfig:
         "auto", "where routed experts live and run: resident (= fused) all on the device; offload: a device expert "
                 "cache fed over PCIe; cpu: cache misses computed on the CPU; hybrid: misses split between both; "
                 "auto: resident if it fits, else the fastest predicted",
-        choices=_moe_backends, convert=_resident_for_fused)
+        choices=MOE_BACKENDS, convert=_resident_for_fused)
     moe_cache_size: int | None = flag(None, "device expert slots for offload/cpu/hybrid", metavar="N",
                                       default_text="as many as the memory allows")
     moe_cpu_threads: int | None = flag(None, "threads computing experts on the CPU", metavar="N",
@@ -358,7 +347,7 @@ class EngineConfig:
               "eagerly", metavar="TOKENS")
     attention_backend: str = flag(
         "auto", "attention kernels: triton (reads the paged KV pool in place; CUDA), torch (gathers, SDPA; the CPU "
-                "path), auto: triton on CUDA", choices=_attention_backends)
+                "path), auto: triton on CUDA", choices=ATTENTION_CHOICES)
     kv_cache_dtype: str = flag(
         "auto", "KV cache element type: auto (the model dtype), fp8 (float8 e4m3 with one scale per token and KV "
                 "head: about half the bytes, so twice the tokens; fp8_e4m3 is the same)",

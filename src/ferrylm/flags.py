@@ -3,8 +3,7 @@
 A field carries its flag once, next to its default: ``page_size: int = flag(16, "tokens per KV page")``.
 :func:`add_flags` adds every flagged field of a config class to an argparse parser (type from the annotation,
 choices, aliases, help ending in the default) and :func:`config_from_args` builds the config from the parsed
-namespace. No torch import: choices that live behind torch-importing packages are given as functions, called
-when a parser is built.
+namespace. No torch import: the backends' names come from ``ferrylm/backends.py``, not from their packages.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-Choices = Sequence[str] | Callable[[], Sequence[str]]
 
 
 @dataclass(frozen=True)
@@ -29,7 +27,7 @@ class Flag:
             the option without dashes.
         aliases: other spellings of the same option (vLLM's, SGLang's).
         metavar: argparse metavar.
-        choices: the allowed values, or a function returning them (a registry imported late).
+        choices: the allowed values.
         default_text: how the help states the default; required when the default is None (None = "auto":
             say what is chosen).
         switch: a ``store_true`` flag that sets a non-bool field to this value (``--enforce-eager`` sets
@@ -41,7 +39,7 @@ class Flag:
     name: str | None = None
     aliases: tuple[str, ...] = ()
     metavar: str | None = None
-    choices: Choices | None = None
+    choices: Sequence[str] | None = None
     default_text: str | None = None
     switch: Any = None
     convert: Callable[[Any], Any] | None = None
@@ -91,7 +89,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, defaults: Mapping[s
         else:
             kw.update(default=default, type=None if kind is str else kind, metavar=fl.metavar)
             if fl.choices is not None:
-                kw["choices"] = [*(fl.choices() if callable(fl.choices) else fl.choices), *extra]
+                kw["choices"] = [*fl.choices, *extra]
             shown = _shown(f, fl, default)
         kw["help"] += f" (default: {shown})"
         parser.add_argument(_name(f, fl), *fl.aliases, **kw)

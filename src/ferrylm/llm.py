@@ -51,7 +51,7 @@ class LLM:
     def __init__(self, model: str = "smollm2-moe", *, engine_config: EngineConfig | None = None, **overrides):
         from ferrylm.engine.boot import build_engine
         from ferrylm.checkpoints.resolve import resolve_model
-        from ferrylm.server.text.tokenizer import TextCodec
+        from ferrylm.server.text.harmony import load_codec
 
         cfg = engine_config or EngineConfig()
         if overrides:
@@ -59,7 +59,7 @@ class LLM:
 
             cfg = replace(cfg, **overrides)
         self.resolved = resolve_model(model)
-        self.codec = TextCodec.from_pretrained(self.resolved.path) if self.resolved.has_tokenizer else None
+        self.codec = load_codec(self.resolved.path) if self.resolved.has_tokenizer else None
         self.engine = build_engine(self.resolved.path, cfg)
         self._counter = 0
 

@@ -9,7 +9,7 @@ import torch
 from ferrylm.bench.bw import best_threads, verdict
 from ferrylm.cli import main
 from ferrylm.experts import machine_profile as mp
-from ferrylm.experts.banks import ExpertLayout
+from ferrylm.experts.executor import ExpertLayout
 from ferrylm.synthetic.quant import SYNTHETIC_FORMATS
 
 SMALL = ["--hidden", "256", "--inter", "256", "--bank-mib", "2", "--copy-mib", "2", "--host-mib", "4", "--jobs", "2",

@@ -15,7 +15,7 @@ from tests.experts.helpers import options
 import ferrylm
 from ferrylm.checkpoints.loader import load_model
 from ferrylm.experts import build_executor
-from ferrylm.experts.banks import ExpertLayout
+from ferrylm.experts.executor import ExpertLayout
 from ferrylm.experts.executor import ExpertExecutor, LayerExperts
 from ferrylm.experts.stats import ExpertReport
 from ferrylm.faults import NO_FAULTS

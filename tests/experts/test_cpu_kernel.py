@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ferrylm.experts.banks import ExpertLayout
+from ferrylm.experts.executor import ExpertLayout
 from ferrylm.experts.cpu_kernel import KernelBuildError, NativeExpertKernel, load_kernel
 from ferrylm.experts.cpu_pool import CpuExpertPool, CpuJob
 

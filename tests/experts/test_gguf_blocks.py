@@ -10,7 +10,8 @@ import torch
 from tests.experts.helpers import assert_backend_close, options
 
 from ferrylm.experts import build_executor
-from ferrylm.experts.banks import ExpertLayout, HostBanks
+from ferrylm.experts.banks import HostBanks
+from ferrylm.experts.executor import ExpertLayout
 from ferrylm.experts.executor import LayerExperts
 from ferrylm.experts.gguf_blocks import BLOCK_TYPES, dequantize_blocks
 from ferrylm.experts.quantized import ExpertQuant, QuantFormat, QuantTensor, block_format, random_quant

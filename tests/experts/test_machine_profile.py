@@ -14,7 +14,7 @@ import ferrylm.experts.bandwidth as bandwidth
 from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.engine.boot import build_engine
 from ferrylm.experts import machine_profile as mp
-from ferrylm.experts.banks import ExpertLayout
+from ferrylm.experts.executor import ExpertLayout
 from ferrylm.experts.hybrid import cpu_effective_rate, split_misses
 from ferrylm.experts.options import Bandwidths
 

@@ -8,7 +8,8 @@ import torch
 
 from ferrylm.experts import ExpertOptions, build_executor, check_backend, expert_home
 from ferrylm.experts.auto import choose_backend, expected_misses, predict_step_times
-from ferrylm.experts.banks import ExpertLayout, HostBanks
+from ferrylm.experts.banks import HostBanks
+from ferrylm.experts.executor import ExpertLayout
 from ferrylm.experts.executor import LayerExperts
 from ferrylm.experts.hybrid import cpu_effective_rate, split_misses
 from ferrylm.experts.options import Bandwidths

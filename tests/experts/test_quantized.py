@@ -11,7 +11,8 @@ from tests.models.test_synthetic import tiny
 
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts import build_executor
-from ferrylm.experts.banks import ExpertLayout, HostBanks
+from ferrylm.experts.banks import HostBanks
+from ferrylm.experts.executor import ExpertLayout
 from ferrylm.experts.executor import LayerExperts
 from ferrylm.experts.quantized import E2M1_VALUES, ExpertQuant, QuantFormat, QuantTensor, random_quant
 from ferrylm.experts.resident import run_grouped

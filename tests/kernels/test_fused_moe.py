@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferrylm.experts.banks import ExpertLayout
+from ferrylm.experts.executor import ExpertLayout
 from ferrylm.experts.executor import ExpertMath, LayerExperts
 from ferrylm.experts.resident import run_grouped
 from tests.kernels.interp import kernel_device, load_kernels

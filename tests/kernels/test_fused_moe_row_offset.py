@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferrylm.experts.banks import ExpertLayout
+from ferrylm.experts.executor import ExpertLayout
 from ferrylm.experts.executor import LayerExperts
 from ferrylm.experts.quantized import ExpertQuant, QuantFormat, random_quant
 from ferrylm.experts.resident import run_grouped

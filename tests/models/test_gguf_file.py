@@ -20,7 +20,7 @@ from tests.models.test_parity import full_logits
 from tests.models.test_quant_gguf import VOCAB, _gguf_reference, _hf_model, _to_gguf
 
 from ferrylm.config import ModelConfig
-from ferrylm.experts.banks import ExpertLayout
+from ferrylm.experts.executor import ExpertLayout
 from ferrylm.experts.quantized import QuantTensor
 from ferrylm.checkpoints.loader import load_model
 from ferrylm.checkpoints.quant import planned_expert_quant

@@ -97,7 +97,9 @@ def harmony_codec(tmp_path_factory: pytest.TempPathFactory) -> TextCodec:
 
     if o200k_file() is None:
         pytest.skip("o200k_base.tiktoken not found in the litellm package (the dev extras install it)")
-    return TextCodec.from_pretrained(build_harmony_tokenizer(tmp_path_factory.mktemp("gpt-oss-tokenizer")))
+    from ferrylm.server.text.harmony import load_codec
+
+    return load_codec(build_harmony_tokenizer(tmp_path_factory.mktemp("gpt-oss-tokenizer")))
 
 
 @pytest.fixture(scope="session")

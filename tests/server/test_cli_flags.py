@@ -18,7 +18,7 @@ from ferrylm.flags import add_flags, config_from_args, flag, flagged_fields, opt
 class Toy:
     size: int = flag(4, "how many", aliases=("--count",), metavar="N")
     ratio: float | None = flag(None, "a share", default_text="chosen at start", convert=lambda v: v or None)
-    mode: str = flag("a", "which mode", choices=lambda: ("a", "b"))
+    mode: str = flag("a", "which mode", choices=("a", "b"))
     fast: bool = flag(True, "go fast")
     trace: bool = flag(False, "log more", name="--debug-trace")
     graphs: str = flag("auto", "no graphs", name="--eager", switch="off")

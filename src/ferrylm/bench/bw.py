@@ -26,7 +26,7 @@ import torch
 
 from ferrylm.experts.bandwidth import (BackgroundCopies, copy_rate, cpu_expert_rate, cpu_job_latency, device_sync,
                                        host_read_rate, probe_rows)
-from ferrylm.experts.banks import ExpertLayout
+from ferrylm.experts.executor import ExpertLayout
 from ferrylm.experts.cpu_pool import CpuExpertPool, physical_cores
 from ferrylm.experts.machine_profile import (FormatProfile, MachineProfile, ThreadRates, current_machine,
                                              format_key, save_profile)

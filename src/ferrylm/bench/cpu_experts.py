@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ferrylm.experts.banks import ExpertLayout
+from ferrylm.experts.executor import ExpertLayout
 from ferrylm.experts.cpu_pool import CpuExpertPool, CpuJob
 
 

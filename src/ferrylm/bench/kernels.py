@@ -213,7 +213,7 @@ def mapped_rows(dev) -> list[dict]:
 
 
 def _mapped_case(dev, e: int, k: int, h: int, i: int, quants: dict) -> list[dict]:
-    from ferrylm.experts.banks import ExpertLayout
+    from ferrylm.experts.executor import ExpertLayout
     from ferrylm.experts.kernels.fused_moe import MoeTiles, fused_moe
     from ferrylm.experts.slot_table import device_address
 

@@ -15,7 +15,7 @@ from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.experts import ExpertOptions, backend_name
 from ferrylm.experts.auto import choose_backend, estimate_non_expert_bytes
 from ferrylm.experts import bandwidth, banks
-from ferrylm.experts.banks import ExpertLayout
+from ferrylm.experts.executor import ExpertLayout
 from ferrylm.memory.budget import check_host_fits
 from ferrylm.models.registry import get_model_class
 from ferrylm.models.tensor_parallel import TPShard, shard_config

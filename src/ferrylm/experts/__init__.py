@@ -15,7 +15,8 @@ import logging
 import torch
 
 from ferrylm.experts.executor import ExpertExecutor, LayerExperts
-from ferrylm.experts.options import CACHED_BACKENDS, MOE_BACKENDS, Bandwidths, ExpertOptions
+from ferrylm.backends import CACHED_BACKENDS, MOE_BACKENDS
+from ferrylm.experts.options import Bandwidths, ExpertOptions
 
 log = logging.getLogger("ferrylm.experts")
 

@@ -23,7 +23,8 @@ from collections.abc import Callable
 import torch
 
 from ferrylm.experts import machine_profile
-from ferrylm.experts.banks import ExpertLayout, register_host_memory
+from ferrylm.experts.banks import register_host_memory
+from ferrylm.experts.executor import ExpertLayout
 from ferrylm.experts.cpu_pool import CpuExpertPool, CpuJob
 from ferrylm.experts.options import Bandwidths
 

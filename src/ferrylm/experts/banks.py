@@ -2,7 +2,7 @@
 
 Layout: per MoE layer one ``[E, S]`` tensor, ``S = 3 * I * H`` elements; row ``e`` holds expert ``e`` as
 ``gate [I, H] | up [I, H] | down [H, I]`` (row-major each); quantized experts are byte rows of their stored
-fields (:class:`ExpertLayout`), so banks, slots and copies hold and move quantized bytes. One copy of one row moves one whole expert, and
+fields (:class:`~ferrylm.experts.executor.ExpertLayout`), so banks, slots and copies hold and move quantized bytes. One copy of one row moves one whole expert, and
 ``gate | up`` is a single ``[2I, H]`` block. A device slot is a row of the same shape.
 
 Pinning: host→device copies from page-locked memory run at full PCIe speed, from pageable memory at about a third,
@@ -14,108 +14,19 @@ registration fails (no CUDA, locked-memory limits) the banks stay pageable and a
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 import weakref
-from dataclasses import dataclass
 
 import torch
 
-from ferrylm.experts.executor import LayerExperts
-from ferrylm.experts.quantized import ALIGN, ExpertQuant, QuantTensor, RowFields
+from ferrylm.experts.executor import ExpertLayout, LayerExperts
 
 log = logging.getLogger("ferrylm.experts")
 
 PAGEABLE_WARNING = ("expert banks are in pageable host memory (not page-locked: %s); host->device expert "
                     "copies run at roughly a third of pinned speed (about 19 vs 55 GB/s measured on an H200 "
                     "host), so offloading backends will be slower")
-
-
-@dataclass(frozen=True)
-class ExpertLayout:
-    """Shape of one expert row.
-
-    Attributes:
-        hidden: ``H``; inter: ``I`` (expert intermediate size).
-        dtype: element type of a plain row; for quantized experts the compute dtype they dequantize to.
-        quant: the quantized formats (:class:`~ferrylm.experts.quantized.ExpertQuant`), or None.
-
-    A plain row is ``gate [I, H] | up [I, H] | down [H, I]`` elements of ``dtype``. A quantized row is uint8 bytes:
-    the fused gate|up projection's fields (``[2I, H]``: data, scales, mins, row scale; gate rows then up rows in
-    each) then down's fields (``[H, I]``), each field aligned to 64 bytes (``quantized.RowFields``), the row
-    length rounded up to 64 bytes. Either way one row is one expert, so copies move exactly its stored bytes.
-    """
-
-    hidden: int
-    inter: int
-    dtype: torch.dtype
-    quant: ExpertQuant | None = None
-
-    @functools.cached_property
-    def _rows(self) -> tuple[RowFields, RowFields]:
-        q = self.quant
-        gu = RowFields.build(q.gate_up, 2 * self.inter, self.hidden, 0)
-        return gu, RowFields.build(q.down, self.hidden, self.inter, gu.end)
-
-    @property
-    def row_dtype(self) -> torch.dtype:
-        """Element type of a row (``uint8`` for quantized experts)."""
-        return torch.uint8 if self.quant is not None else self.dtype
-
-    @property
-    def numel(self) -> int:
-        """Elements of one row: ``3 * I * H`` (plain), or its bytes (quantized)."""
-        if self.quant is not None:
-            return -(-self._rows[1].end // ALIGN) * ALIGN
-        return 3 * self.inter * self.hidden
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of one expert."""
-        return self.numel * torch.empty((), dtype=self.row_dtype).element_size()
-
-    def gate_up(self, rows: torch.Tensor) -> torch.Tensor | QuantTensor:
-        """``rows [..., S]`` -> the fused ``[..., 2I, H]`` gate|up block (views, gate rows first)."""
-        i, h = self.inter, self.hidden
-        if self.quant is not None:
-            return self._rows[0].view(self.quant.gate_up, rows, self.dtype)
-        return rows[..., :2 * i * h].view(*rows.shape[:-1], 2 * i, h)
-
-    def down(self, rows: torch.Tensor) -> torch.Tensor | QuantTensor:
-        """``rows [..., S]`` -> the ``[..., H, I]`` down projection (a view)."""
-        i, h = self.inter, self.hidden
-        if self.quant is not None:
-            return self._rows[1].view(self.quant.down, rows, self.dtype)
-        return rows[..., 2 * i * h:].view(*rows.shape[:-1], h, i)
-
-    def views(self, row: torch.Tensor) -> tuple:
-        """``row [S]`` -> ``(gate [I, H], up [I, H], down [H, I])`` views (no copy)."""
-        le = self.layer_views(row)
-        return le.gate, le.up, le.down
-
-    def layer_views(self, packed: torch.Tensor) -> LayerExperts:
-        """``packed [E, S]`` (or one row ``[S]``) -> :class:`LayerExperts` whose ``gate/up/down`` are
-        ``[E, I, H]``/``[E, H, I]`` views (each expert contiguous; the stacks are strided across experts)."""
-        i = self.inter
-        gu = self.gate_up(packed)
-        if isinstance(gu, QuantTensor):
-            return LayerExperts(gate=gu.rows(0, i), up=gu.rows(i, 2 * i), down=self.down(packed))
-        return LayerExperts(gate=gu[..., :i, :], up=gu[..., i:, :], down=self.down(packed))
-
-    def pack(self, rows: torch.Tensor, experts: LayerExperts) -> None:
-        """Copy ``experts`` (stacks of ``E`` experts, any device) into ``rows [E, S]`` (``row_dtype``)."""
-        dst = self.layer_views(rows)
-        for part in ("gate", "up", "down"):
-            getattr(dst, part).copy_(getattr(experts, part))
-
-    @classmethod
-    def of(cls, experts: LayerExperts) -> "ExpertLayout":
-        _, i, h = experts.gate.shape
-        quant = experts.quant
-        if quant is not None and experts.up.fmt != quant.gate_up:
-            raise ValueError("gate and up projections must share one quantized format")
-        return cls(hidden=h, inter=i, dtype=experts.dtype, quant=quant)
 
 
 def _cudart():

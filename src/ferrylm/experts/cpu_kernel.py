@@ -162,7 +162,7 @@ class NativeExpertKernel:
 
     @staticmethod
     def supports(layout) -> bool:
-        """Whether the kernels read experts of ``layout`` (an :class:`~ferrylm.experts.banks.ExpertLayout`): plain
+        """Whether the kernels read experts of ``layout`` (an :class:`~ferrylm.experts.executor.ExpertLayout`): plain
         bfloat16 and float32 rows; quantized rows whose shapes the integer kernels take (see :data:`SUPPORTED`)."""
         if layout.quant is None:
             return layout.dtype in _PLAIN_KIND
@@ -180,7 +180,7 @@ class NativeExpertKernel:
                 bfloat16 or all float32; or quantized uint8 ``[layout.numel]``.
             starts, counts: expert ``e`` owns rows ``starts[e] : starts[e] + counts[e]`` of ``x`` (within ``M``).
             hidden, inter: ``H`` and ``I``. threads: OpenMP threads for the call (>= 1).
-            layout: the rows' :class:`~ferrylm.experts.banks.ExpertLayout` when they are quantized; None for plain.
+            layout: the rows' :class:`~ferrylm.experts.executor.ExpertLayout` when they are quantized; None for plain.
 
         Returns:
             ``[M, H]`` float32: ``w_m * down_e @ (silu(g) * u)`` for every row an expert owns (integer kinds: with

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ferrylm.experts.banks import ExpertLayout
+from ferrylm.experts.executor import ExpertLayout
 from ferrylm.experts.executor import ExpertMath
 from ferrylm.experts.quantized import dense
 from ferrylm.experts.cpu_kernel import NATIVE_MAX_TOKENS, NativeExpertKernel, load_kernel

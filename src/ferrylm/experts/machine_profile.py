@@ -136,7 +136,7 @@ def current_machine(device: torch.device) -> MachineKey:
 
 
 def format_key(layout) -> str:
-    """The profile's name for an :class:`~ferrylm.experts.banks.ExpertLayout`'s stored format: its quantized
+    """The profile's name for an :class:`~ferrylm.experts.executor.ExpertLayout`'s stored format: its quantized
     formats' description, or the plain dtype (``bfloat16``)."""
     if layout.quant is not None:
         return layout.quant.describe()

@@ -4,18 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ferrylm.backends import MOE_BACKENDS
 from ferrylm.config import CACHE_POLICIES, CPU_KERNELS
-from ferrylm.registry import Registry
-
-#: the backends that keep experts in host banks behind a device slot cache: name -> executor class, built as
-#: ``cls(banks, device, options)``
-CACHED_BACKENDS = Registry("--moe-backend", {
-    "cpu": "ferrylm.experts.cpu:CpuExecutor",
-    "hybrid": "ferrylm.experts.hybrid:HybridExecutor",
-    "offload": "ferrylm.experts.offload:OffloadExecutor",
-})
-# NOTE: names accepted by build_executor; "fused" is the vLLM/SGLang spelling of "resident".
-MOE_BACKENDS: tuple[str, ...] = tuple(sorted(("auto", "fused", "resident", *CACHED_BACKENDS.names)))
 
 
 @dataclass(frozen=True)

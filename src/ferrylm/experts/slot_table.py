@@ -56,7 +56,7 @@ class SlotTable:
 
     Args:
         bank_rows: MoE layer index -> its bank ``[E, S]`` host tensor (page-locked on CUDA).
-        layout: the :class:`~ferrylm.experts.banks.ExpertLayout` of a row.
+        layout: the :class:`~ferrylm.experts.executor.ExpertLayout` of a row.
         device: the compute device.
         max_tokens: the largest step the table serves (tokens); larger steps take the host-planned or streamed paths.
 

@@ -27,7 +27,7 @@ class SlotBlocks:
     """The device rows of the slots.
 
     Args:
-        layout: the :class:`~ferrylm.experts.banks.ExpertLayout` of one row.
+        layout: the :class:`~ferrylm.experts.executor.ExpertLayout` of one row.
         device: where the rows live (on the CPU: host memory).
 
     Attributes:

@@ -105,7 +105,7 @@ class ExpertStage:
     the host.
 
     Attributes:
-        rows: ``[M, S]`` expert rows (``M`` experts at most, :class:`~ferrylm.experts.banks.ExpertLayout` rows).
+        rows: ``[M, S]`` expert rows (``M`` experts at most, :class:`~ferrylm.experts.executor.ExpertLayout` rows).
         index: ``[2 * M * n + T * k]`` int64: per staged row ``i`` and token slot ``c < n``, the token row
             (``[M * n]``), then the flat assignment position of its routing weight (``[M * n]``; ``T * k`` = the
             zero weight of a padding slot), then for each token ``t`` and rank ``r`` (ascending expert id) the row
@@ -114,7 +114,7 @@ class ExpertStage:
             zeros otherwise; ``extra_dirty`` says which).
         pad_index: an ``index`` under which the staged sum is exactly zero (every weight the zero one, every
             contribution read from row 0; see :meth:`set_eager`).
-        layout: the rows' :class:`~ferrylm.experts.banks.ExpertLayout`.
+        layout: the rows' :class:`~ferrylm.experts.executor.ExpertLayout`.
         tokens: ``T``; top_k: ``k``; n: token slots per staged expert (``T``).
     """
 

@@ -22,22 +22,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ferrylm.backends import ATTENTION_BACKENDS
 from ferrylm.faults import NO_FAULTS, FaultInjector
-from ferrylm.registry import Registry
 
 if TYPE_CHECKING:
     import torch
 
     from ferrylm.engine.attention.metadata import AttentionMetadata
     from ferrylm.engine.cache.kv_pool import KVPool
-
-#: resolved backend name -> ``(pool, meta, device, faults) -> backend object`` of a step (``auto`` is a choice,
-#: :func:`resolve_backend`)
-ATTENTION_BACKENDS = Registry("--attention-backend", {
-    "triton": "ferrylm.engine.attention.triton_backend:triton_attention",
-    "torch": "ferrylm.engine.attention.torch_backend:torch_attention",
-})
-ATTENTION_CHOICES = ("auto", *ATTENTION_BACKENDS.names)
 
 
 def resolve_backend(name: str, device: torch.device) -> str:

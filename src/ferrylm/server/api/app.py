@@ -43,7 +43,8 @@ from ferrylm.server.api.completions import CompletionRoutes
 from ferrylm.server.api.context import DEFAULT_SSE_PING_INTERVAL, ChatJob, ChatRun, PreparedChat
 from ferrylm.server.api.chat_protocol import DetokenizeRequest, TokenizeRequest
 from ferrylm.server.api.protocol import ModelCard, ModelList, UsageInfo, parse_request
-from ferrylm.server.api.prepare import ChatFormat, check_token_ids
+from ferrylm.server.api.chat_format import ChatFormat
+from ferrylm.server.api.prepare import check_token_ids
 from ferrylm.server.text.harmony import open_message
 from ferrylm.server.text.tools import ToolChoice, parse_openai_tools
 from ferrylm.server.api.generation import ClientGone, Generation, race_disconnect, sse_event
@@ -181,7 +182,7 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str | 
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"],
                       openapi_extra=doc(cp.DetokenizeRequest, None), **v1)
     if live is not None:
-        install_webui(app, server, live)
+        install_webui(app, server._handle, live)
 
     install_openapi(app)
     return app

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from ferrylm.server.api.assistant import TurnConfig
     from ferrylm.server.api.generation import Generation
-    from ferrylm.server.api.prepare import ChatFormat
+    from ferrylm.server.api.chat_format import ChatFormat
     from ferrylm.server.api.protocol import UsageInfo
     from ferrylm.server.text.tokenizer import TextCodec
 

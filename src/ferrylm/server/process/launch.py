@@ -214,7 +214,8 @@ def load_model(args: argparse.Namespace, engine_config: EngineConfig) -> LoadedM
     from ferrylm.checkpoints.verify import verify_checkpoint
     from ferrylm.errors import UnsupportedArchitecture
     from ferrylm.models.registry import supported_architectures
-    from ferrylm.server.text.tokenizer import TextCodec, load_chat_template
+    from ferrylm.server.text.harmony import load_codec
+    from ferrylm.server.text.tokenizer import load_chat_template
 
     resolved = resolve_model(args.model)
     mcfg = ModelConfig.from_folder(resolved.path)
@@ -227,7 +228,7 @@ def load_model(args: argparse.Namespace, engine_config: EngineConfig) -> LoadedM
         raise _FlagError(str(e)) from None
     if resolved.source != "synthetic":
         verify_checkpoint(resolved.path)   # a truncated file: one line naming it, exit 2 (not an engine crash)
-    codec = TextCodec.from_pretrained(resolved.path)
+    codec = load_codec(resolved.path)   # harmony's for gpt-oss
     if getattr(args, "chat_template", None):
         codec.set_chat_template(load_chat_template(args.chat_template))
     return LoadedModel(resolved, mcfg, codec)

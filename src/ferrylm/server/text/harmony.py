@@ -36,7 +36,7 @@ import openai_harmony as oh
 
 from ferrylm.errors import InvalidRequest, ModelLoadError
 from ferrylm.server.text.reasoning import check_reasoning_effort
-from ferrylm.server.text.tokenizer import _BYTE_DECODER, TextCodec
+from ferrylm.server.text.tokenizer import _BYTE_DECODER, TextCodec, load_tokenizer
 
 #: harmony's control tokens and their ids in the gpt-oss vocabulary (o200k_harmony)
 CONTROL_TOKENS = {"<|return|>": 200002, "<|constrain|>": 200003, "<|channel|>": 200005, "<|start|>": 200006,
@@ -56,6 +56,15 @@ def is_harmony_vocab(tokenizer: Any) -> bool:
         return all(tokenizer.convert_tokens_to_ids(t) == i for t, i in CONTROL_TOKENS.items())
     except Exception:  # noqa: BLE001 - a tokenizer that cannot answer is not harmony's
         return False
+
+
+def load_codec(path: str | os.PathLike) -> TextCodec:
+    """The codec serving the tokenizer in ``path`` (a folder or a GGUF file): a :class:`HarmonyCodec` for a harmony
+    vocabulary (gpt-oss), else a :class:`TextCodec` (:meth:`TextCodec.from_tokenizer`). Raises ModelLoadError."""
+    tok = load_tokenizer(path)
+    if is_harmony_vocab(tok):   # gpt-oss: the chat format is harmony's
+        return HarmonyCodec(tok, name_or_path=os.fspath(path))
+    return TextCodec.from_tokenizer(tok, path)
 
 
 def vocab_file_bytes(tokenizer: Any) -> bytes:

@@ -13,12 +13,9 @@ The tokenizer itself (encoding, chat templates) is ``tokenizer.py``. This module
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 from ferrylm.faults import NO_FAULTS, FaultInjector
-
-if TYPE_CHECKING:
-    from ferrylm.server.text.tokenizer import TextCodec
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -219,11 +216,18 @@ class TextPipeline(ABC):
         return delta
 
 
-class TextStream(TextPipeline):
-    """The text pipeline of a plain choice: incremental detokenization (:class:`IncrementalDetokenizer`), then the
-    stop strings."""
+class Detokenizes(Protocol):
+    """What :class:`TextStream` needs of a codec (``tokenizer.TextCodec``): a fresh incremental detokenizer."""
 
-    def __init__(self, codec: TextCodec, prompt_ids: Sequence[int], *, stop: Sequence[str] = (),
+    def detokenizer(self, prompt_ids: Sequence[int] = (),
+                    skip_special_tokens: bool = True) -> IncrementalDetokenizer: ...
+
+
+class TextStream(TextPipeline):
+    """The text pipeline of a plain choice: incremental detokenization (:class:`IncrementalDetokenizer`, made by
+    ``codec``), then the stop strings."""
+
+    def __init__(self, codec: Detokenizes, prompt_ids: Sequence[int], *, stop: Sequence[str] = (),
                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
         super().__init__(stop, include_stop_str_in_output)
         self.detok = codec.detokenizer(prompt_ids, skip_special_tokens=skip_special_tokens)

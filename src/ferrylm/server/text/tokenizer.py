@@ -131,31 +131,19 @@ class TextCodec:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "TextCodec":
-        """Load the tokenizer in a Hugging Face folder (``trust_remote_code=False``); a harmony vocabulary
-        (gpt-oss) gives a :class:`~ferrylm.server.text.harmony.HarmonyCodec`; a tokenizer without a chat template
-        gets its model type's built-in one, if any (:mod:`ferrylm.server.text.builtin_templates`).
+        """A TextCodec over the tokenizer in ``path`` (:func:`load_tokenizer`; :meth:`from_tokenizer`). The served
+        model's codec, harmony's for gpt-oss, is :func:`ferrylm.server.text.harmony.load_codec`'s choice.
 
         Raises:
-            ModelLoadError: the folder has no loadable tokenizer.
+            ModelLoadError: ``path`` has no loadable tokenizer.
         """
+        return cls.from_tokenizer(load_tokenizer(path), path)
+
+    @classmethod
+    def from_tokenizer(cls, tok: Any, path: str | os.PathLike) -> "TextCodec":
+        """A TextCodec over ``tok``, loaded from ``path``; a tokenizer without a chat template gets its model type's
+        built-in one, if any (:mod:`ferrylm.server.text.builtin_templates`)."""
         path = os.fspath(path)
-        try:
-            if path.lower().endswith(".gguf") and os.path.isfile(path):  # built from the file's metadata
-                from ferrylm.checkpoints.gguf_tokenizer import gguf_tokenizer
-
-                tok = gguf_tokenizer(path)
-            elif os.path.isfile(os.path.join(path, "tokenizer.json")):
-                tok = _load_fast_tokenizer(path)
-            else:  # slow / sentencepiece-only folders; this path may import torch inside transformers
-                from transformers import AutoTokenizer
-
-                tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-        except Exception as e:  # noqa: BLE001 - any loader failure is a model-load problem
-            raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {e}") from e
-        from ferrylm.server.text.harmony import HarmonyCodec, is_harmony_vocab
-
-        if is_harmony_vocab(tok):   # gpt-oss: the chat format is harmony's (server/text/harmony.py)
-            return HarmonyCodec(tok, name_or_path=path)
         if not getattr(tok, "chat_template", None) and os.path.isdir(path):
             from ferrylm.server.text.builtin_templates import folder_template
 
@@ -313,6 +301,25 @@ class TextCodec:
         """A fresh :class:`IncrementalDetokenizer` whose context is the tail of ``prompt_ids``."""
         return IncrementalDetokenizer(self.decode, prompt_ids, skip_special_tokens=skip_special_tokens,
                                       faults=self.faults)
+
+
+def load_tokenizer(path: str | os.PathLike) -> Any:
+    """The transformers tokenizer in a Hugging Face folder (``trust_remote_code=False``) or built from a GGUF file's
+    metadata. Raises ModelLoadError when there is none that loads."""
+    path = os.fspath(path)
+    try:
+        if path.lower().endswith(".gguf") and os.path.isfile(path):  # built from the file's metadata
+            from ferrylm.checkpoints.gguf_tokenizer import gguf_tokenizer
+
+            return gguf_tokenizer(path)
+        if os.path.isfile(os.path.join(path, "tokenizer.json")):
+            return _load_fast_tokenizer(path)
+        # slow / sentencepiece-only folders; this path may import torch inside transformers
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - any loader failure is a model-load problem
+        raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {e}") from e
 
 
 def _special_strings(tokenizer: Any) -> frozenset[str]:

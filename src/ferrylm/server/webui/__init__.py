@@ -11,7 +11,7 @@ This package must not import torch.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
@@ -20,18 +20,19 @@ from fastapi.staticfiles import StaticFiles
 from ferrylm.server.api.openapi import ERROR_RESPONSES
 from ferrylm.server.webui.live import LiveView, parse_since
 
-if TYPE_CHECKING:
-    from ferrylm.server.api.app import _Server
+#: ``handle(request, work)``: run ``work(request, request_id)`` as the app runs a route (the API key, the error
+#: shape; ``server/api/app.py``)
+RouteHandler = Callable[[Request, Callable[[Request, str], Awaitable[Response]]], Awaitable[Response]]
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 
 __all__ = ["LiveView", "STATIC_DIR", "install_webui"]
 
 
-def install_webui(app: FastAPI, server: "_Server", view: LiveView) -> None:
+def install_webui(app: FastAPI, handle: RouteHandler, view: LiveView) -> None:
     """Add ``GET /`` (the page), ``/webui/*`` (its files) and ``GET /v1/live`` (its data, behind the API key like
-    ``/v1/memory``) to ``app``. ``view`` samples while the app runs when its :meth:`LiveView.lifespan` is the
-    app's."""
+    ``/v1/memory``: ``handle`` runs it as the app runs its routes) to ``app``. ``view`` samples while the app runs
+    when its :meth:`LiveView.lifespan` is the app's."""
 
     async def index(request: Request) -> Response:
         return FileResponse(STATIC_DIR / "index.html", media_type="text/html",
@@ -43,7 +44,7 @@ def install_webui(app: FastAPI, server: "_Server", view: LiveView) -> None:
         async def work(request: Request, rid: str) -> Response:
             since = parse_since(request.query_params.get("since"))
             return JSONResponse(view.snapshot(since))
-        return await server._handle(request, work)
+        return await handle(request, work)
 
     app.add_api_route("/", index, methods=["GET"], include_in_schema=False)
     app.add_api_route("/v1/live", live, methods=["GET"], responses=ERROR_RESPONSES, openapi_extra={"parameters": [

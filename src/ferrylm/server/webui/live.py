@@ -2,7 +2,7 @@
 
 Sources, never a second copy of their figures:
 
-- the memory plan and its live figures: :meth:`_Server.memory_info`, the body of ``GET /v1/memory``;
+- the memory plan and its live figures: :meth:`LiveSource.memory_info`, the body of ``GET /v1/memory``;
 - the engine's state and its last heartbeat stats (per-layer expert hits / misses): the engine client's
   ``health()``, what ``GET /health`` answers;
 - counters and histograms: the app's metrics registry, read as ``GET /metrics`` scrapes it (engine counters are
@@ -24,14 +24,15 @@ import logging
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 
 from prometheus_client import CollectorRegistry
 
 from ferrylm.errors import InvalidRequest
+from ferrylm.server.process.engine_client import EngineClient
 
 if TYPE_CHECKING:
-    from ferrylm.server.api.app import _Server
+    from ferrylm.server.api.metrics import Metrics
 
 log = logging.getLogger("ferrylm.server.webui")
 
@@ -153,11 +154,25 @@ def _experts(stats: dict) -> dict | None:
     return {k: e.get(k) for k in keys}
 
 
+class LiveSource(Protocol):
+    """What the live view reads of the app's server (``server/api/app.py``): the engine client (its health), the
+    metrics (their registry), the served name and context, and ``GET /v1/memory``'s body."""
+
+    engine: EngineClient
+    metrics: Metrics
+    served_model_name: str
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    def memory_info(self) -> dict | None: ...
+
+
 class LiveView:
     """Samples ``server``'s figures every ``interval_s`` (:meth:`lifespan` runs the task) and answers
     :meth:`snapshot`."""
 
-    def __init__(self, server: "_Server", *, interval_s: float = SAMPLE_INTERVAL_S, window: int = WINDOW,
+    def __init__(self, server: LiveSource, *, interval_s: float = SAMPLE_INTERVAL_S, window: int = WINDOW,
                  clock=time.monotonic, wall=time.time):
         self.server = server
         self.interval_s = interval_s
