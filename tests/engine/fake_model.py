@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ferrylm.config import ModelConfig
+from ferrylm.models.capabilities import ModelCapabilities
 
 
 def fake_config(vocab: int = 32, layers: int = 2, max_len: int = 512, eos: int = 0) -> ModelConfig:
@@ -16,6 +17,8 @@ def fake_config(vocab: int = 32, layers: int = 2, max_len: int = 512, eos: int =
 
 class FakeModel(torch.nn.Module):
     """Embedding → per-layer attention through the backend → linear head. Seeded random weights."""
+
+    capabilities = ModelCapabilities()
 
     def __init__(self, cfg: ModelConfig, seed: int = 0):
         super().__init__()

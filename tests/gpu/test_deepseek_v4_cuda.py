@@ -9,7 +9,7 @@ which on a GPU also runs them in bfloat16).
   prompts prefilled in 24-token chunks across 16-token pages and compression blocks, decodes beside prefills;
 * the whole-step decode CUDA graphs capture those kernels (no host sync inside) and replay the eager tokens;
 * the offloading expert backends boot with default flags and decode to the same tokens: offload's batches in
-  whole-step graphs, the steps those do not take eager (DeepSeek-V4 has no piecewise graphs: ``piecewise_graphs``).
+  whole-step graphs, the steps those do not take eager (DeepSeek-V4 has no piecewise graphs: ``capabilities.piecewise_graphs``).
 """
 
 from __future__ import annotations

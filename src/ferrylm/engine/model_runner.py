@@ -33,6 +33,7 @@ from ferrylm.engine.sampler import SampleResult, sample
 from ferrylm.engine.step_inputs import HostStep, Staging, bind_routing_keys, pack_step, routing_key
 from ferrylm.faults import NO_FAULTS, FaultInjector
 from ferrylm.memory.guard import is_oom
+from ferrylm.models.capabilities import ModelCapabilities
 from ferrylm.models.moe import SparseMoeBlock
 
 log = logging.getLogger("ferrylm.engine")
@@ -88,11 +89,9 @@ class ModelRunner:
         self._tp_runner = tp.runner_id() if tp is not None else 0   # names this runner's KV pool to the followers
         self._graph_mode = "off" if tp is not None else DecodeGraphConfig(mode=config.decode_graphs).resolved(device)
         stack = getattr(model, "model", None)
-        # a model class with ``graph_capture = False`` (Qwen4-Exp's multi-stream stack) runs every step eager; one
-        # with ``piecewise_graphs = False`` (DeepSeek-V4's hyper-connection layers, which the pieces cannot cut)
-        # runs in whole-step graphs only, the steps they do not take eager
-        self._is_stack = hasattr(stack, "layers") and getattr(type(model), "graph_capture", True)
-        self._piecewise = getattr(type(model), "piecewise_graphs", True)
+        caps: ModelCapabilities = model.capabilities   # what the family allows (models/capabilities.py)
+        self._is_stack = hasattr(stack, "layers") and caps.graph_capture
+        self._piecewise = caps.piecewise_graphs
         self._moe0 = next((layer.mlp for layer in getattr(stack, "layers", [])
                            if isinstance(layer.mlp, SparseMoeBlock)), None)  # the first MoE block: its executor
         self._configure(self._model_executor())
@@ -103,7 +102,7 @@ class ModelRunner:
 
     def _configure(self, executor) -> None:
         """Choose the graph path for ``executor``: whole-step graphs when it is ``graph_safe`` (or the model is
-        dense), else the piecewise runner (none for a model class with ``piecewise_graphs = False``); drop the graphs of the previous executor. Both carry the engine's
+        dense), else the piecewise runner (none for a model without ``capabilities.piecewise_graphs``); drop the graphs of the previous executor. Both carry the engine's
         recurrent-state pool for models with linear-attention layers (static slot buffers per graph row)."""
         self.close()
         self.executor = executor

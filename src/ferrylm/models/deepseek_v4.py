@@ -20,6 +20,7 @@ Checkpoint names: the published ones (``layers.N.attn.wq_a``, ``layers.N.ffn.exp
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,7 @@ from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.executor import ClampedSwiGLU, ExpertExecutor
 from ferrylm.models.attention import AttentionBackend
+from ferrylm.models.capabilities import ModelCapabilities
 from ferrylm.models.deepseek_v4_layers import (AttentionShape, HyperShape, Rope, V4Attention, hyper_head,
                                                hyper_merge, hyper_weights)
 from ferrylm.models.layers import RMSNorm, rope_frequencies
@@ -240,7 +242,8 @@ class DeepseekV4ForCausalLM(nn.Module):
     float32_tensors = ("gate.e_score_correction_bias", "attn_sink", ".ape", "_fn", "_base", "_scale")
     partial_rotary = True
     fused_experts = "halves"
-    piecewise_graphs = False   # decode graphs capture the whole step (the pieces cut single-stream layers only)
+    # decode graphs capture the whole step (the pieces cut single-stream layers only)
+    capabilities: ClassVar[ModelCapabilities] = ModelCapabilities(piecewise_graphs=False)
 
     def __init__(self, config: ModelConfig, *, executor: ExpertExecutor | None = None,
                  device: torch.device | str | None = None):

@@ -8,7 +8,7 @@ which only swap the per-layer MLP. Module names mirror the HF checkpoint names (
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,7 @@ from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.executor import ClampedSwiGLU, ExpertExecutor
 from ferrylm.models.attention import AttentionBackend
+from ferrylm.models.capabilities import ModelCapabilities
 from ferrylm.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLUMLP, config_rope_frequencies
 from ferrylm.models.moe import hand_routers
 
@@ -152,8 +153,11 @@ class LlamaForCausalLM(nn.Module):
             then up) or ``"gpt_oss"`` (see ``checkpoints/assemble.py``).
         tensor_weights: module-name suffixes whose weight the family reads as a tensor (not through the module's
             forward): a GGUF's blocks for them are dequantized, never kept compact (``models/quant_linear.py``).
+
+    Class attribute used by the engine: ``capabilities`` (:class:`~ferrylm.models.capabilities.ModelCapabilities`).
     """
 
+    capabilities: ClassVar[ModelCapabilities] = ModelCapabilities()
     hf_renames: tuple[tuple[str, str], ...] = ()
     float32_tensors: tuple[str, ...] = ()
     partial_rotary: bool = False

@@ -31,6 +31,7 @@ backends (``engine/decode_graph.py``) capture these models, the linear layers re
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,7 @@ from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.executor import ExpertExecutor
 from ferrylm.models.attention import AttentionBackend
+from ferrylm.models.capabilities import ModelCapabilities
 from ferrylm.models.gated_deltanet import (GatedDeltaNet, LinearShape, Qwen3NextGatedDeltaNet, Qwen35GatedDeltaNet,
                                            ZeroCentredRMSNorm, positive_int)
 from ferrylm.models.kernels import gated_delta as gd
@@ -199,6 +201,7 @@ class Qwen3NextForCausalLM(nn.Module):
     """
 
     arch_name = "Qwen3NextForCausalLM"
+    capabilities: ClassVar[ModelCapabilities] = ModelCapabilities()
     linear_cls: type[GatedDeltaNet] = Qwen3NextGatedDeltaNet
     hf_renames: tuple[tuple[str, str], ...] = ()
     float32_tensors: tuple[str, ...] = ()

@@ -25,6 +25,7 @@ the eager forward (no decode graphs yet).
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,7 @@ from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.executor import ExpertExecutor
 from ferrylm.models.attention import AttentionBackend
+from ferrylm.models.capabilities import ModelCapabilities
 from ferrylm.models.indexed_attention import IndexQuery, block_scores, select_blocks, token_mask
 from ferrylm.models.layers import RotaryEmbedding, apply_rotary_full, config_rotary_dim
 from ferrylm.models.moe import hand_routers
@@ -286,7 +288,8 @@ class Qwen4ExpForCausalLM(Qwen3_5MoeForCausalLM):
     :class:`~ferrylm.models.qwen3_next.Qwen3NextForCausalLM`."""
 
     arch_name = "Qwen4ExpForCausalLM"
-    graph_capture = False   # decode steps run eager (the decode graphs know the single-stream stacks)
+    # decode steps run eager (the decode graphs know the single-stream stacks)
+    capabilities: ClassVar[ModelCapabilities] = ModelCapabilities(graph_capture=False)
 
     def __init__(self, config: ModelConfig, *, executor: ExpertExecutor | None = None,
                  device: torch.device | str | None = None):
