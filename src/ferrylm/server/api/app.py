@@ -37,6 +37,8 @@ from ferrylm.server.process.engine_client import EngineClient
 from ferrylm.server.api.errors import (Unauthorized, error_payload, error_response, install_exception_handlers,
                                    request_id_of)
 from ferrylm.server.api import anthropic, chat, prepare, render, responses
+from ferrylm.server.api import chat_protocol as cp
+from ferrylm.server.api import protocol as pr
 from ferrylm.server.api.chat import check_continue, render_prompt, template_messages
 from ferrylm.server.api.chat import off_loop as _off_loop
 from ferrylm.server.api.completions import CompletionRoutes
@@ -145,9 +147,6 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str | 
     app.add_middleware(HeadAsGetMiddleware)
     app.state.open_requests = OpenRequests()   # what an exiting server waits for (server/process/launch.py)
     app.add_middleware(CountOpenRequests, open_requests=app.state.open_requests)
-
-    from ferrylm.server.api import chat_protocol as cp
-    from ferrylm.server.api import protocol as pr
 
     doc = route_doc
     v1 = {"responses": ERROR_RESPONSES}
