@@ -14,10 +14,13 @@ exit, which turns exit 0 into "killed by SIGTERM"):
    within ``SIGNAL_REPEAT_WINDOW_S`` of the first is the same one relayed (``make``, ``timeout`` and service
    managers signal the whole process group, then the parent passes it on): it is ignored.
 
-Before the event loop runs (resolving and converting the model, loading the tokenizer, importing uvicorn), the
-signals are :class:`BootSignals`' (installed by ``cli.main`` before anything slow): the first SIGTERM/SIGINT
-unwinds the start-up (:class:`BootInterrupted`), nothing has been spawned yet, and the server exits 0; a second one
-exits 128+N at once. The event loop takes the signals over before it spawns the engine.
+Before the event loop runs (resolving and checking the model, importing uvicorn), the signals are
+:class:`BootSignals`' (installed by ``cli.main`` before anything slow): the first SIGTERM/SIGINT unwinds the start-up
+(:class:`BootInterrupted`), nothing has been spawned yet, and the server exits 0; a second one exits 128+N at once.
+The event loop takes the signals over before it spawns the engine. The engine loads while a thread of this process
+builds the tokenizer and the app (the tokenizer of a large vocabulary takes seconds); a signal meanwhile stops the
+engine once that thread returns and exits 0 (a second one exits 128+N at once); a tokenizer that does not load
+stops the engine and exits 2.
 """
 
 from __future__ import annotations
@@ -154,6 +157,20 @@ def check_serve_args(args: argparse.Namespace, engine_config: EngineConfig) -> s
     return check_device(engine_config.device) or check_tp_devices(engine_config)
 
 
+def load_codec(path, chat_template: str | None):
+    """The served model's :class:`~ferrylm.server.text.tokenizer.TextCodec`, with ``--chat-template`` applied.
+
+    Raises:
+        ModelLoadError: no loadable tokenizer, or the template cannot be read.
+    """
+    from ferrylm.server.text.tokenizer import TextCodec, load_chat_template
+
+    codec = TextCodec.from_pretrained(path)
+    if chat_template:
+        codec.set_chat_template(load_chat_template(chat_template))
+    return codec
+
+
 def say(line: str) -> None:
     """One line of ``ferry serve``'s own progress (loading, its phases, ready) on stderr, beside the log."""
     print(line, file=sys.stderr, flush=True)
@@ -177,7 +194,6 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
     from ferrylm.checkpoints.verify import verify_checkpoint
     from ferrylm.models.registry import supported_architectures
     from ferrylm.checkpoints.resolve import resolve_model
-    from ferrylm.server.text.tokenizer import TextCodec, load_chat_template
 
     try:
         resolved = resolve_model(args.model)
@@ -192,9 +208,6 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
             return fail(str(e))
         if resolved.source != "synthetic":
             verify_checkpoint(resolved.path)   # a truncated file: one line naming it, exit 2 (not an engine crash)
-        codec = TextCodec.from_pretrained(resolved.path)
-        if getattr(args, "chat_template", None):
-            codec.set_chat_template(load_chat_template(args.chat_template))
     except ModelLoadError as e:
         sock.close()
         return fail(e.message)
@@ -206,13 +219,11 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
         sock.close()
         return fail(str(e))
     if any(p in FRONTEND_POINTS for p in faults.rules):
-        codec.faults = faults  # the frontend's own points (the engine builds its own injector from the same spec)
         log.warning("fault injection is ON in the frontend: %s", faults)
 
     import uvicorn
 
     from ferrylm.errors import EngineUnavailable
-    from ferrylm.server.api.app import CorsPolicy, create_app
     from ferrylm.server.process.engine_client import ModelInfo
     from ferrylm.server.process.supervisor import Supervisor
 
@@ -247,20 +258,31 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
     sup = Supervisor(str(resolved.path), engine_config.to_dict(), info, max_restarts=args.max_engine_restarts,
                      on_fatal=on_fatal, log_level=args.log_level, watchdog_timeout=watchdog_timeout,
                      faults=faults, on_phase=lambda phase: say(f"  {phase} ..."), on_ready=on_ready)
-    api_key = args.api_key or os.environ.get("FERRYLM_API_KEY") or None
-    cors = CorsPolicy(args.allowed_origins, args.allowed_methods or ["*"], args.allowed_headers or ["*"],
-                      args.allow_credentials) if args.allowed_origins else None
-    app = create_app(sup, codec, names, api_key=api_key,
-                     max_request_bytes=int(getattr(args, "max_request_bytes", 8 << 20)), cors=cors,
-                     request_timeout=getattr(args, "request_timeout", None) or None,
-                     sse_ping_interval=ping, responses_store_size=int(getattr(args, "responses_store_size", 1024)),
-                     tool_call_parser=getattr(args, "tool_call_parser", None) or "auto",
-                     architecture=mcfg.architecture, model_type=(mcfg.raw or {}).get("model_type"),
-                     webui=args.webui)
-    # uvicorn's own graceful wait only covers the HTTP tail after our drain (the last bytes of answered streams)
-    config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False, timeout_graceful_shutdown=5)
-    server = Server(config)
-    server_box["server"] = server
+
+    def start_http() -> tuple[object, Server]:
+        """The tokenizer (``--chat-template``, the frontend's fault points), the app and its uvicorn server.
+        Runs in a thread while the engine loads. Raises ModelLoadError: no loadable tokenizer."""
+        from ferrylm.server.api.app import CorsPolicy, create_app
+
+        codec = load_codec(resolved.path, getattr(args, "chat_template", None))
+        if any(p in FRONTEND_POINTS for p in faults.rules):
+            codec.faults = faults  # the frontend's own points (the engine builds its own injector from the spec)
+        api_key = args.api_key or os.environ.get("FERRYLM_API_KEY") or None
+        cors = CorsPolicy(args.allowed_origins, args.allowed_methods or ["*"], args.allowed_headers or ["*"],
+                          args.allow_credentials) if args.allowed_origins else None
+        app = create_app(sup, codec, names, api_key=api_key,
+                         max_request_bytes=int(getattr(args, "max_request_bytes", 8 << 20)), cors=cors,
+                         request_timeout=getattr(args, "request_timeout", None) or None,
+                         sse_ping_interval=ping,
+                         responses_store_size=int(getattr(args, "responses_store_size", 1024)),
+                         tool_call_parser=getattr(args, "tool_call_parser", None) or "auto",
+                         architecture=mcfg.architecture, model_type=(mcfg.raw or {}).get("model_type"),
+                         webui=args.webui)
+        # uvicorn's graceful wait only covers the HTTP tail after our drain (the last bytes of answered streams)
+        config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False,
+                                timeout_graceful_shutdown=5)
+        return app, Server(config)
+
     signals_seen: list[tuple[int, float]] = []   # (signal, monotonic time)
 
     async def drain_and_stop() -> None:
@@ -280,7 +302,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
             server_box["engine_stop_s"] = ENGINE_STOP_AFTER_TIMEOUT_S
             await sup.drain(2.0)  # the error events go out
         log.info("shutting down: drained in %.2f s; stopping", time.monotonic() - t0)
-        server.should_exit = True
+        server_box["server"].should_exit = True
 
     def exit_at_once(sig: int) -> None:
         sup.kill_now()
@@ -293,9 +315,9 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
         ``FINAL_ANSWERS_S``)."""
         sup.fail_in_flight(EngineUnavailable("the server is exiting now (a second signal); the request was cut"))
         sup.kill_now()
-        if not await app.state.open_requests.wait_idle(FINAL_ANSWERS_S):
-            log.warning("%d requests still open after %g s; exiting", app.state.open_requests.count,
-                        FINAL_ANSWERS_S)
+        open_requests = server_box["app"].state.open_requests
+        if not await open_requests.wait_idle(FINAL_ANSWERS_S):
+            log.warning("%d requests still open after %g s; exiting", open_requests.count, FINAL_ANSWERS_S)
         await asyncio.sleep(FLUSH_S)   # the sockets take the last bytes
         exit_at_once(sig)
 
@@ -306,11 +328,14 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
                      "group's signal)", name_, SIGNAL_REPEAT_WINDOW_S)
             return
         signals_seen.append((sig, time.monotonic()))
-        if len(signals_seen) > 2:
+        if len(signals_seen) > 2 or (len(signals_seen) > 1 and "server" not in server_box):
             exit_at_once(sig)
+        if "server" not in server_box:   # the tokenizer is loading: main() stops the engine once it returns
+            log.info("received %s while starting: exiting", name_)
+            return
         if len(signals_seen) > 1:
             log.warning("second signal (%s): answering the %d open requests with an error, then exiting", name_,
-                        app.state.open_requests.count)
+                        server_box["app"].state.open_requests.count)
             server_box["exit"] = asyncio.get_running_loop().create_task(exit_answered(sig))  # keep a reference
             return
         log.info("received %s: graceful shutdown (send it again to cut the running requests and exit)", name_)
@@ -318,6 +343,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
         server_box["drain"] = asyncio.get_running_loop().create_task(drain_and_stop())  # keep a reference
 
     async def main() -> None:
+        nonlocal exit_code
         loop = asyncio.get_running_loop()
         boot.armed = False            # from here a signal is recorded, then replayed through on_signal
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -328,7 +354,18 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
             await sup.close()
             return
         try:
-            await sup.start()
+            await sup.start()   # the engine loads while this process builds the tokenizer and the app
+            try:
+                server_box["app"], server = await asyncio.to_thread(start_http)
+            except ModelLoadError as e:
+                print(f"ferry serve: {e.message}", file=sys.stderr)
+                exit_code = 2
+                await sup.close()
+                return
+            if signals_seen or sup.state == "dead":   # a signal, or the engine failed for good, meanwhile
+                await sup.close()
+                return
+            server_box["server"] = server
             log.debug("serving %s (%s) on http://%s:%d", name, resolved.path, args.host, args.port)
             try:
                 await server.serve(sockets=[sock])
