@@ -121,3 +121,18 @@ def test_logit_bias_is_added_before_sampling():
     expected = torch.log_softmax(LOGITS - torch.tensor([1.0, 0, 0, 0]), -1)
     assert res.token_ids == [1] and math.isclose(res.logprobs[0].logprob, float(expected[1]), abs_tol=1e-6)
 
+
+
+def test_greedy_ids_take_the_first_largest_logit_like_torch():
+    """The CPU's greedy pick (numpy's argmax) is torch.argmax's: the first of equal maxima, NaN as the largest."""
+    from ferrylm.engine.sampler import greedy_ids
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 151_936, generator=g)
+    logits[1, [7, 99, 150_000]] = 50.0                    # ties: the first
+    logits[2, 1234] = float("nan")                        # NaN wins
+    logits[3] = float("-inf")                             # all banned: index 0
+    logits[4, -1] = float("inf")
+    got = greedy_ids(logits)
+    assert got.dtype == torch.int64 and got.tolist() == torch.argmax(logits, dim=-1).tolist()
+    assert got.tolist()[1:] == [7, 1234, 0, 151_935]

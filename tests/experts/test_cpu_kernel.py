@@ -434,7 +434,7 @@ def test_stacks_are_read_where_they_lie(kernel, isa, name):
     experts, counts = [2, 0], [3, 1]
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(4, h, generator=g), torch.rand(4, generator=g)
-    got = k.run_stacks(x, w, le, experts, [0, 3], counts, threads=2)
+    got = k.run_stacks(x, w, k.stack_rows(le), experts, [0, 3], counts, threads=2)
     ref, s = [], 0
     for e, n in zip(experts, counts):
         xe = x[s:s + n].double()

@@ -81,3 +81,26 @@ def test_serve_refuses_a_truncated_checkpoint_in_one_line_exit_2(checkpoints, tm
     lines = lines[1:]
     assert len(lines) == 1 and str(weights) in lines[0] and "truncated" in lines[0], res.stderr
     assert time.monotonic() - t0 < 30   # nothing was loaded
+
+
+@pytest.mark.timeout(120)
+def test_serve_exits_2_when_the_tokenizer_fails_while_the_engine_loads(checkpoints, tmp_path):
+    """The engine starts loading while the frontend builds the tokenizer; a tokenizer that does not load is one
+    line naming the folder, exit 2, and the engine it started is gone."""
+    import uuid
+
+    from tests.supervision.test_boot_signals import tagged
+
+    folder = tmp_path / "m"
+    shutil.copytree(checkpoints("llama").path, folder)
+    build_tiny_tokenizer(folder)
+    (folder / "tokenizer.json").write_text('{"not": "a tokenizer"}')
+    tag = uuid.uuid4().hex
+    res = subprocess.run([sys.executable, "-m", "ferrylm.cli", "serve", "--model", str(folder), "--port",
+                          str(free_port())], capture_output=True, text=True, timeout=100,
+                         env={**os.environ, "FERRYLM_TEST_TAG": tag})
+    assert res.returncode == 2, res.stderr
+    assert "engine process" in res.stderr, res.stderr   # started before the tokenizer failed
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("ferry serve: ")]
+    assert len(errors) == 1 and "cannot load a tokenizer" in errors[0] and str(folder) in errors[0], res.stderr
+    assert not tagged(tag), [p.cmdline() for p in tagged(tag)]

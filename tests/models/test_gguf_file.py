@@ -203,3 +203,24 @@ def test_truncated_file_and_unread_types_are_named(tmp_path):
         planned_expert_quant(ModelConfig.from_folder(bad).raw)
     with pytest.raises(ModelLoadError, match=r"GGUF types \['Q4_0'\]"):
         load_model(bad)
+
+
+def test_model_is_built_on_meta_without_the_compiler_stack():
+    """The model is built on ``meta`` with no random initialisation run: torch's meta ``normal_`` (an embedding's
+    init) imports its decomposition and compiler stack (``torch._dynamo``, sympy), over a second of every start."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from ferrylm.config import ModelConfig\n"
+            "from ferrylm.checkpoints.assemble import build_on_meta\n"
+            "from ferrylm.models.registry import get_model_class\n"
+            "cfg = ModelConfig.from_dict({'architectures': ['LlamaForCausalLM'], 'hidden_size': 64, "
+            "'intermediate_size': 128, 'num_hidden_layers': 2, 'num_attention_heads': 4, 'num_key_value_heads': 2, "
+            "'vocab_size': 100})\n"
+            "m = build_on_meta(get_model_class(cfg.architecture), cfg, None, torch.device('cpu'))\n"
+            "assert {p.device.type for p in m.parameters()} == {'meta'}\n"
+            "assert m.model.embed_tokens.weight.shape == (100, 64)\n"
+            "assert 'torch._dynamo' not in sys.modules, 'the compiler stack was imported'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -81,3 +81,18 @@ def test_tokenizer_and_template_from_the_file(qwen3, tmp_path, arch):
     assert codec.chat_template == ref.chat_template
     assert codec.render_chat(CHAT) == want and "<|im_start|>assistant\n" in want
     assert codec.apply_chat_template(CHAT)[:1] == [ref.convert_tokens_to_ids("<|im_start|>")]
+
+
+def test_gguf_tokenizer_loads_without_torch(qwen3, tmp_path):
+    """The frontend builds a GGUF's tokenizer from the header it already parsed, without importing torch (which
+    transformers' own GGUF reader imports: seconds of every ``ferry serve FILE.gguf`` start)."""
+    import subprocess
+    import sys
+
+    path = write_tokenizer_gguf(qwen3, tmp_path / "qwen3.gguf", "qwen3moe")
+    code = ("import sys\nfrom ferrylm.server.text.tokenizer import TextCodec\n"
+            f"c = TextCodec.from_pretrained({str(path)!r})\n"
+            "assert c.encode('Hello world') and c.has_chat_template\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -64,3 +64,14 @@ def test_cli_module_imports_without_torch():
     code = "import sys\nimport ferrylm.cli\nassert 'torch' not in sys.modules, 'torch was imported'\n"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_serve_command_line_parses_without_torch():
+    """Parsing ``ferry serve MODEL`` (every flag's choices: MoE backends, attention backends, tool parsers) imports
+    no torch: the frontend process never needs it for a GGUF, and it costs seconds before the engine starts."""
+    code = ("import sys\nimport ferrylm.cli as c\n"
+            "a = c.parse_args(c.build_parser(), ['serve', 'm.gguf', '--moe-backend', 'cpu'])\n"
+            "c.engine_config_from_args(a)\n"
+            "assert a.model == 'm.gguf' and 'torch' not in sys.modules, 'torch was imported'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]

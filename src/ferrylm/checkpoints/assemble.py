@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ferrylm.checkpoints.ple_tables import PleAssembler
 from ferrylm.config import ModelConfig
@@ -277,6 +278,29 @@ def ple_assembler(model_cls: type, config: ModelConfig, backend: str, device: to
     return PleAssembler(shape.layers, backend, device, dtype, pin=torch.cuda.is_available())
 
 
+class _MetaNoInit(TorchFunctionMode):
+    """``torch.nn.init``'s random fills skipped for meta tensors, which hold no values to fill (torch's meta
+    ``normal_`` imports its decomposition and compiler stack on first use: about 1.5 s of a start)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _RANDOM_INITS:
+            t = kwargs.get("tensor", args[0] if args else None)
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                return t
+        return func(*args, **kwargs)
+
+
+_RANDOM_INITS = frozenset({nn.init.normal_, nn.init.trunc_normal_})
+
+
+def build_on_meta(model_cls: type, config: ModelConfig, executor: ExpertExecutor | None, device: torch.device):
+    """``model_cls(config, executor=, device=)`` with its parameters on ``meta`` (the checkpoint's tensors are
+    assigned next), no random initialisation run."""
+    with _MetaNoInit(), torch.device("meta"):
+        return model_cls(config, executor=executor, device=device)
+
+
 def finish_model(model_cls: type, config: ModelConfig, device: torch.device, moe_backend, stacks, tensors: dict,
             origin: dict, ple_tables: dict | None = None, adapt=None) -> LoadedModel:
     """Build the executor over the expert ``stacks`` (None: dense) and the model on ``meta``, assign ``tensors``
@@ -290,8 +314,7 @@ def finish_model(model_cls: type, config: ModelConfig, device: torch.device, moe
             layer.math = ExpertMath.unbiased(layer.num_experts, config.hidden_size, config.moe_intermediate_size,
                                              swiglu, layer.dtype, device)
     executor = build_executor(moe_backend, stacks, device) if stacks is not None else None
-    with torch.device("meta"):
-        model = model_cls(config, executor=executor, device=device)
+    model = build_on_meta(model_cls, config, executor, device)
     if adapt is not None:
         more, more_origin = adapt(model)
         tensors, origin = {**tensors, **more}, {**origin, **more_origin}

@@ -1,10 +1,12 @@
 """The tokenizer and chat template of a GGUF file, built in memory from its ``tokenizer.*`` metadata.
 
-One mechanism for every architecture: transformers' tokenizer-only GGUF reader
-(``transformers.integrations.gguf``: ``get_gguf_tokenizer`` reads the vocabulary, merges, token types, special
-token ids, ``add_bos_token`` and ``tokenizer.chat_template``; ``convert_gguf_tokenizer`` builds the fast tokenizer
-from ``tokenizer.ggml.model`` and sets the split regex of ``tokenizer.ggml.pre``), whatever
-``general.architecture`` says. Pre-tokenizer types the library does not know:
+One mechanism for every architecture: the file's ``tokenizer.*`` metadata as our own header reader parsed it
+(``checkpoints/gguf_reader.read_gguf``, parsed once per process: resolving the model read it already), renamed by
+transformers' ``GGUF_TOKENIZER_MAPPING`` into the fields its ``convert_gguf_tokenizer`` takes (the vocabulary,
+merges, token types, special token ids, ``add_bos_token``, ``tokenizer.chat_template``), which builds the fast
+tokenizer from ``tokenizer.ggml.model`` and sets the split regex of ``tokenizer.ggml.pre``, whatever
+``general.architecture`` says. (transformers' own ``get_gguf_tokenizer`` parses the header again in Python and
+imports torch: seconds of a server's start.) Pre-tokenizer types the library does not know:
 
 - ``smollm`` / ``starcoder`` / ``refact`` / ``codeshell`` (llama.cpp's ``llama-vocab.cpp``: every ``\\p{N}``
   isolated, then the GPT-2 split): the digit split is put in front of the library's byte-level pre-tokenizer here;
@@ -13,7 +15,7 @@ from ``tokenizer.ggml.model`` and sets the split regex of ``tokenizer.ggml.pre``
 The library's byte-level builder adds GPT-2's ``<|endoftext|>`` to a vocabulary that lacks it (an id past the
 model's embedding rows): added tokens outside the file's ``tokenizer.ggml.tokens`` are dropped.
 
-A transformers without that reader (older releases) falls back to
+A transformers without that converter (older releases) falls back to
 ``AutoTokenizer.from_pretrained(gguf_file=)``, which only knows the architectures it can load.
 """
 
@@ -32,13 +34,45 @@ DIGITS_THEN_GPT2 = frozenset({"smollm", "starcoder", "refact", "codeshell"})
 _DEFAULT_MAX_LEN = 2048
 
 
-def _library_reader() -> tuple[Any, Any] | None:
-    """transformers' ``(get_gguf_tokenizer, convert_gguf_tokenizer)``, or None when it lacks them."""
+def _library_converter() -> tuple[Any, dict] | None:
+    """transformers' ``(convert_gguf_tokenizer, GGUF_TOKENIZER_MAPPING)``, or None when it lacks them."""
     try:
-        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (GGUF_TOKENIZER_MAPPING,
+                                                                            convert_gguf_tokenizer)
     except ImportError:
         return None
-    return get_gguf_tokenizer, convert_gguf_tokenizer
+    return convert_gguf_tokenizer, GGUF_TOKENIZER_MAPPING
+
+
+#: tokenizer_config names of the special tokens -> their ``tokenizer.ggml.*`` id keys
+_SPECIAL_TOKEN_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+                      "pad_token": "padding_token_id"}
+
+
+def tokenizer_fields(meta: dict[str, Any], mapping: dict) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(tokenizer fields, tokenizer_config kwargs)`` of a GGUF's metadata ``meta``: ``mapping`` (the library's
+    ``GGUF_TOKENIZER_MAPPING``: group -> ``tokenizer.`` key suffix -> field) renames the keys; numeric arrays
+    become lists; the special tokens are named by their ids; ``add_bos_token`` follows llama.cpp (on for a
+    sentencepiece ``llama`` vocabulary that does not say, off for ``gemma4``, whose chat template writes it)."""
+    groups = {group: {name: _plain(meta[f"tokenizer.{key}"]) for key, name in renames.items()
+                      if f"tokenizer.{key}" in meta} for group, renames in mapping.items()}
+    fields, config = groups["tokenizer"], groups["tokenizer_config"]
+    if fields.get("tokenizer_type") == "llama":
+        config.setdefault("add_bos_token", True)
+    elif fields.get("tokenizer_type") == "gemma4":
+        config["add_bos_token"] = False
+    tokens = fields.get("tokens") or []
+    for name, key in _SPECIAL_TOKEN_IDS.items():
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        config[name] = tokens[int(token_id)] if token_id is not None else None
+    return fields, config
+
+
+def _plain(value: Any) -> Any:
+    """A metadata value as the library's fields hold it (a numpy array as a list)."""
+    import numpy as np
+
+    return value.tolist() if isinstance(value, np.ndarray) else value
 
 
 def _split_digits(backend: Any) -> None:
@@ -65,15 +99,18 @@ def _within_vocab(backend: Any, n_tokens: int) -> Any:
     return Tokenizer.from_str(json.dumps(spec))
 
 
-def _from_metadata(path: Path, reader: tuple[Any, Any]) -> tuple[Any, dict[str, Any]]:
-    """``(tokenizers.Tokenizer, tokenizer_config kwargs)`` of the GGUF ``path`` by the library's reader."""
+def _from_metadata(path: Path, library: tuple[Any, dict]) -> tuple[Any, dict[str, Any]]:
+    """``(tokenizers.Tokenizer, tokenizer_config kwargs)`` of the GGUF ``path``, built by the library's converter."""
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
 
-    get_tokenizer, convert = reader
-    arch, tok_dict, config = get_tokenizer(str(path))
+    from ferrylm.checkpoints.gguf_reader import read_gguf
+
+    convert, mapping = library
+    g = read_gguf(path)
+    tok_dict, config = tokenizer_fields(g.metadata, mapping)
     if not tok_dict.get("tokens"):
         raise ModelLoadError(f"{path}: the GGUF has no tokenizer (tokenizer.ggml.tokens missing)")
-    backend, extra = convert(arch, tok_dict)
+    backend, extra = convert(g.get("general.architecture"), tok_dict)
     backend = _within_vocab(backend, len(tok_dict["tokens"]))
     pre = tok_dict.get("pre_tokenizer_type")
     if tok_dict.get("tokenizer_type") == "gpt2" and pre in DIGITS_THEN_GPT2:
@@ -92,15 +129,17 @@ def gguf_tokenizer(path: str | Path) -> Any:
     Raises:
         ModelLoadError: the file has no tokenizer, or the library cannot build it (the message says why).
     """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     path = Path(path)
-    reader = _library_reader()
+    library = _library_converter()
     try:
-        if reader is None:
+        if library is None:
+            from transformers import AutoTokenizer   # NOTE: here only: transformers' auto classes import torch
+
             hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         else:
-            backend, config = _from_metadata(path, reader)
+            backend, config = _from_metadata(path, library)
             hf = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False,
                                          model_max_length=_max_len(path), **config)
     except ModelLoadError:

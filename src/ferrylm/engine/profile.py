@@ -3,8 +3,10 @@ scheduler or an Engine, so that the workspace (the peak memory of a step above t
 measured before the memory plan sizes the KV pool and the expert slots (``engine/boot.py``).
 
 Steps: prefill chunks of ``prefill_tokens`` new tokens in all (requests no longer than the context, at most
-``max_running_requests`` of them) through every layer, prefills of 24 and 100 tokens (kernels whose tiles depend on
-the step size compile now), then ``decode_seqs`` two-token prompts and one decode step of all of them.
+``max_running_requests`` of them) through every layer, prefills of ``short_prompts`` tokens (on CUDA, 24 and 100:
+kernels whose tiles depend on the step size compile now), then ``decode_seqs`` two-token prompts and one decode
+step of all of them. On the CPU nothing is measured or compiled: one prefill just long enough to time a token
+(``PREFILL_SIZED_TOKENS``, the watchdog's first estimates) and a decode step of two requests.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.engine.cache.kv_pool import KVLayout, KVPool, pages_needed
 from ferrylm.engine.cache.state_pool import StateLayout, StatePool
 from ferrylm.engine.model_runner import ModelRunner
-from ferrylm.engine.progress import StepProgress
+from ferrylm.engine.progress import PREFILL_SIZED_TOKENS, StepProgress
 from ferrylm.engine.request import Request, Status
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.engine.scheduler import ScheduledSeq
@@ -28,20 +30,22 @@ from ferrylm.memory.probe import estimate_workspace, free_bytes, measure_peak, r
 from ferrylm.models.registry import get_model_class
 
 # on the CPU no peak can be measured: a short warmup still runs every path, the workspace is estimated
-CPU_WARMUP_PREFILL = 64
-CPU_WARMUP_DECODE = 4
+CPU_WARMUP_PREFILL = PREFILL_SIZED_TOKENS
+CPU_WARMUP_DECODE = 2
 SHORT_PROMPTS = (24, 100)
 
 
 @dataclass(frozen=True)
 class WarmupShape:
     """The largest step of each kind the warmup runs: ``prefill_tokens`` (tokens), ``decode_seqs`` (requests),
-    bounded by ``max_model_len`` and ``max_running_requests``."""
+    bounded by ``max_model_len`` and ``max_running_requests``; ``short_prompts``: the lengths of the single
+    prefills run besides (tokens)."""
 
     prefill_tokens: int
     decode_seqs: int
     max_model_len: int
     max_running_requests: int
+    short_prompts: tuple[int, ...] = SHORT_PROMPTS
 
     @property
     def prompt_len(self) -> int:
@@ -88,7 +92,7 @@ def warm_up(runner: ModelRunner, pool: KVPool, state_pool: StatePool | None, sha
         per, n = shape.prompt_len, shape.num_prefills
         lens = [min(per, shape.prefill_tokens - i * per) for i in range(n)]
         _step(runner, pool, state_pool, progress, [[(i + j) % vocab for j in range(m)] for i, m in enumerate(lens)])
-        for m in sorted({min(m, per) for m in SHORT_PROMPTS}):
+        for m in sorted({min(m, per) for m in shape.short_prompts}):
             _step(runner, pool, state_pool, progress, [[(7 + j) % vocab for j in range(m)]])
         prompts = [[(i + 1) % vocab, (i + 2) % vocab] for i in range(max(1, shape.decode_seqs))]
         _step(runner, pool, state_pool, progress, prompts, decode=True)
@@ -162,7 +166,7 @@ def profile_workspace(model, executor, mcfg: ModelConfig, config: EngineConfig, 
     run_shape = shape
     if device.type != "cuda":
         run_shape = WarmupShape(min(shape.prefill_tokens, CPU_WARMUP_PREFILL), min(shape.decode_seqs,
-                                CPU_WARMUP_DECODE), shape.max_model_len, shape.max_running_requests)
+                                CPU_WARMUP_DECODE), shape.max_model_len, shape.max_running_requests, ())
     pool = KVPool(layout=KVLayout.of(mcfg), num_pages=run_shape.pages(config.page_size), page_size=config.page_size,
                   dtype=dtype, device=device, kv_cache_dtype=config.kv_cache_dtype)
     layout = StateLayout.of(mcfg)

@@ -86,7 +86,7 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_ids: tuple[int, ...] =
 
     # NOTE: what varies per row is decided from the host-side parameters; the step's one device->host read is the
     # sampled ids (and the log-probabilities asked for), never a per-row check of device values.
-    chosen = torch.argmax(logits, dim=-1)
+    chosen = greedy_ids(logits)
     if any(r.params.temperature != 0 for r in reqs):
         temps = _to_dev([r.params.temperature or 1.0 for r in reqs], logits.dtype, dev)
         greedy = _to_dev([r.params.temperature == 0 for r in reqs], torch.bool, dev)
@@ -111,6 +111,14 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_ids: tuple[int, ...] =
                 k = r.params.logprobs or 0
                 lps[i] = TokenLogprob(token_ids[i], tok_lp[i], list(zip(top_i[i][:k], top_v[i][:k])))
     return SampleResult(token_ids, lps)
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """``[B]`` int64: each row's first largest logit (NaN counts as largest), ``logits [B, V]`` float32. On the CPU
+    by numpy's vectorised argmax: torch's takes ~130 us per row of a 150k vocabulary there, numpy's ~10 us."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return torch.argmax(logits, dim=-1)
 
 
 def _top_k_top_p_min_p(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:

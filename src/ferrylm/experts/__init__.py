@@ -11,12 +11,17 @@ experts on the device), ``banks.py`` (host expert rows, pinned), ``cache.py`` (s
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-import torch
-
-from ferrylm.experts.executor import ExpertExecutor, LayerExperts
 from ferrylm.backends import CACHED_BACKENDS, MOE_BACKENDS
 from ferrylm.experts.options import Bandwidths, ExpertOptions
+
+if TYPE_CHECKING:
+    import torch
+
+    from ferrylm.experts.executor import ExpertExecutor, LayerExperts
+
+# NOTE: no torch at import: the CLI's parser reads MOE_BACKENDS through this package (flag choices)
 
 log = logging.getLogger("ferrylm.experts")
 
@@ -41,6 +46,8 @@ def check_backend(backend: str | ExpertOptions) -> str:
 def expert_home(backend: str | ExpertOptions, device: torch.device | str) -> torch.device:
     """Where a loader should assemble the routed experts: on ``device`` for the resident backend, in host memory
     for every other (the offloading backends bank them there; ``auto`` moves them if it picks resident)."""
+    import torch
+
     return torch.device(device) if backend_name(backend) == "resident" else torch.device("cpu")
 
 
@@ -58,6 +65,8 @@ def build_executor(backend: str | ExpertOptions, layers: dict[int, LayerExperts]
         ValueError: unknown backend name (the message lists the valid ones), ``auto`` (the boot resolves it before
             loading: ``engine/expert_choice.resolve_expert_backend``) or an out-of-range option.
     """
+    import torch
+
     options = backend if isinstance(backend, ExpertOptions) else ExpertOptions(backend=check_backend(backend))
     options.validate()
     dev = torch.device(device)
@@ -97,6 +106,8 @@ def build_from_banks(name: str, banks, device: torch.device | str, options: Expe
     Raises:
         ValueError: ``name`` is not a concrete backend (``auto`` is resolved by the caller).
     """
+    import torch
+
     dev = torch.device(device)
     options = options or ExpertOptions(backend=name)
     name = backend_name(name)
@@ -114,5 +125,5 @@ def build_from_banks(name: str, banks, device: torch.device | str, options: Expe
     return cls(banks, dev, options)
 
 
-__all__ = ["MOE_BACKENDS", "Bandwidths", "ExpertExecutor", "ExpertOptions", "LayerExperts", "backend_name",
+__all__ = ["MOE_BACKENDS", "Bandwidths", "ExpertOptions", "backend_name",
            "build_executor", "build_from_banks", "check_backend", "expert_home"]

@@ -199,24 +199,35 @@ class NativeExpertKernel:
         return self._call(x, weights, qp, [r.data_ptr() for r in rows for _ in range(3)], starts, counts, hidden,
                           inter, threads)
 
-    def run_stacks(self, x: torch.Tensor, weights: torch.Tensor, le, experts: list[int], starts: list[int],
-                   counts: list[int], threads: int) -> torch.Tensor:
-        """As :meth:`run` for experts ``experts`` of a layer's stacks ``le`` (a
-        :class:`~ferrylm.experts.executor.LayerExperts` that :meth:`reads_stacks`), read where they lie (e.g. a
-        GGUF file's mapped bytes): gate, up and down of an expert need not be adjacent.
+    def run_stacks(self, x: torch.Tensor, weights: torch.Tensor, stacks: "StackRows", experts: list[int],
+                   starts: list[int], counts: list[int], threads: int) -> torch.Tensor:
+        """As :meth:`run` for experts ``experts`` of a layer's stacks (:meth:`stack_rows`), read where they lie
+        (e.g. a GGUF file's mapped bytes): gate, up and down of an expert need not be adjacent.
 
         Raises:
-            ValueError: stacks the kernels do not read, or as :meth:`run`.
+            ValueError: as :meth:`run`; an expert outside the stacks.
+        """
+        return self._call(x, weights, stacks.qproj, stacks.bases(experts), starts, counts, stacks.hidden,
+                          stacks.inter, threads)
+
+    def stack_rows(self, le) -> "StackRows":
+        """Where the expert stacks ``le`` (a :class:`~ferrylm.experts.executor.LayerExperts` that
+        :meth:`reads_stacks`) lie, for :meth:`run_stacks`: found once per layer.
+
+        Raises:
+            ValueError: stacks the kernels do not read.
         """
         if not self.reads_stacks(le):
             raise ValueError("the native kernels read plain bfloat16 / float32 or GGML-block expert stacks on the CPU")
         g, u, d = (_stack_bytes(t) for t in (le.gate, le.up, le.down))
         inter, hidden = g.shape[1], d.shape[1]
         row = g.stride(1) * g.element_size()  # bytes per gate|up row
-        bases = []
-        for e in experts:
-            bases += [g[e].data_ptr(), u[e].data_ptr() - inter * row, d[e].data_ptr()]
-        return self._call(x, weights, _stack_qproj(le), bases, starts, counts, hidden, inter, threads)
+
+        def lie(t: torch.Tensor, shift: int = 0) -> tuple[int, int]:
+            return t.data_ptr() + shift, t.stride(0) * t.element_size()
+
+        return StackRows(_stack_qproj(le), hidden, inter, g.shape[0], (lie(g), lie(u, -inter * row), lie(d)),
+                         (g, u, d))
 
     @staticmethod
     def reads_stacks(le) -> bool:
@@ -388,6 +399,30 @@ class BlockMatrix:
         m = cls.__new__(cls)
         m._init(parts[0].k, [(kind, t) for p in parts for kind, t in zip(p.kinds, p.segments)])
         return m
+
+
+@dataclass(frozen=True, eq=False)
+class StackRows:
+    """A layer's expert stacks as :meth:`NativeExpertKernel.run_stacks` reads them: the C ``qproj[2]``, ``H``,
+    ``I``, the number of experts, and per projection (gate, up, down) the address of expert 0's rows and the bytes
+    from one expert to the next (up's address is shifted back ``I`` rows: the kernel reads an expert's gate|up rows
+    from two bases, split at ``I``); ``keep`` holds the tensors, so the addresses stay valid."""
+
+    qproj: object
+    hidden: int
+    inter: int
+    num_experts: int
+    lies: tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
+    keep: tuple
+
+    def bases(self, experts: list[int]):
+        """The C array of three addresses per expert of ``experts`` (gate, up shifted, down). Raises ValueError:
+        an expert outside the stacks."""
+        if experts and (min(experts) < 0 or max(experts) >= self.num_experts):
+            raise ValueError(f"experts {experts} outside the layer's {self.num_experts}")
+        (g, gs), (u, us), (d, ds) = self.lies
+        return (ctypes.c_void_p * (3 * len(experts)))(*[a for e in experts for a in (g + e * gs, u + e * us,
+                                                                                      d + e * ds)])
 
 
 _QKIND = {"int4": 1, "int8": 2, "fp4": 3, "fp8": 4, "q8_0": 5, "q4_k": 6, "q5_k": 7, "q6_k": 8}

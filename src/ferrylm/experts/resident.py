@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from ferrylm.experts.cpu_kernel import NativeExpertKernel
+from ferrylm.experts.cpu_kernel import NativeExpertKernel, StackRows
 from ferrylm.experts.executor import ExpertExecutor, LayerExperts
 from ferrylm.experts.stats import ExpertReport, ExpertStats
 from ferrylm.experts.work import ExpertGroups, LayerWork, group_by_expert, is_small_step, swiglu_expert
@@ -82,6 +82,9 @@ class ResidentExecutor(ExpertExecutor):
         self.layers = dict(layers)
         self.native = native
         self.threads = threads or torch.get_num_threads()
+        # the layers the native kernel computes, with where their stacks lie (found once)
+        self._native_rows = {i: native.stack_rows(le) for i, le in self.layers.items()
+                             if native is not None and le.quant is not None and native.reads_stacks(le)}
         self.counters = ExpertStats(tuple(sorted(self.layers)))
         self._used: torch.Tensor | None = None  # fused path: distinct experts used, counted on the device
 
@@ -120,25 +123,25 @@ class ResidentExecutor(ExpertExecutor):
                 self._used = torch.zeros((), dtype=torch.int64, device=hidden.device)
             return fused_moe(hidden, experts.gate, experts.up, experts.down, topk_ids, topk_weights,
                              used_experts=self._used, math=experts.math)
-        if self.native is not None and experts.quant is not None and self.native.reads_stacks(experts):
-            work = self._native_work(layer_idx, experts, hidden, topk_ids, topk_weights)
+        rows = self._native_rows.get(layer_idx)
+        if rows is not None:
+            work = self._native_work(layer_idx, rows, experts.num_experts, hidden, topk_ids, topk_weights)
         else:
             work = _work(experts, hidden, topk_ids, topk_weights, layer=layer_idx)
         self.counters.step.needed += len(work.needed)
         self.counters.step.hits += len(work.needed)
         return work.combine()
 
-    def _native_work(self, layer: int, experts: LayerExperts, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                     topk_weights: torch.Tensor) -> LayerWork:
+    def _native_work(self, layer: int, rows: StackRows, num_experts: int, hidden: torch.Tensor,
+                     topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> LayerWork:
         """The layer's active experts through the native kernel, in one call."""
         if is_small_step(hidden.shape[0]):
-            work = LayerWork.from_host_ids(layer, hidden, topk_ids, topk_weights, topk_ids.tolist(),
-                                           experts.num_experts)
+            work = LayerWork.from_host_ids(layer, hidden, topk_ids, topk_weights, topk_ids.tolist(), num_experts)
         else:
-            work = LayerWork(layer, hidden, topk_ids, group_by_expert(topk_ids, topk_weights, experts.num_experts))
+            work = LayerWork(layer, hidden, topk_ids, group_by_expert(topk_ids, topk_weights, num_experts))
         x, w = work.gather_inputs(work.needed)
         starts = [work.spans[e][0] - work.spans[work.needed[0]][0] for e in work.needed]
-        y = self.native.run_stacks(x, w, experts, work.needed, starts, [work.spans[e][1] for e in work.needed],
+        y = self.native.run_stacks(x, w, rows, work.needed, starts, [work.spans[e][1] for e in work.needed],
                                    self.threads)
         work.put(work.needed, y.to(hidden.dtype))
         return work
@@ -146,6 +149,7 @@ class ResidentExecutor(ExpertExecutor):
     def close(self) -> None:
         """Drop the device copies of the experts."""
         self.layers = {}
+        self._native_rows = {}
 
     def stats(self) -> ExpertReport:
         """Steps, tokens and experts used (every one a hit: all are resident)."""

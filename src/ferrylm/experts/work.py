@@ -277,11 +277,12 @@ class LayerWork:
             return self.hidden[:0], torch.zeros(0, device=self.hidden.device)
         if not self.small:
             idx = torch.cat([self.rows(e) for e in experts])
-            return self.hidden[idx], torch.cat([self.weights(e) for e in experts]).float()
+            return self.hidden.index_select(0, idx), torch.cat([self.weights(e) for e in experts]).float()
         flat = [a for e in experts for a in self._pos[e]]
         idx = self._to_device([a // self.k for a in flat] + flat)
         n = len(flat)
-        return self.hidden[idx[:n]], self.topk_weights.reshape(-1)[idx[n:]].float()
+        return (self.hidden.index_select(0, idx[:n]),
+                self.topk_weights.reshape(-1).index_select(0, idx[n:]).float())
 
     # --- both modes -----------------------------------------------------------------------------------------
     def rows(self, e: int) -> torch.Tensor:

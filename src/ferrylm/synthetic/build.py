@@ -47,7 +47,8 @@ from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts import ExpertOptions, build_executor
 from ferrylm.experts.executor import ExpertMath, LayerExperts
-from ferrylm.checkpoints.assemble import LoadedModel, placement, prepare_for_inference, tensor_dtype
+from ferrylm.checkpoints.assemble import (LoadedModel, build_on_meta, placement, prepare_for_inference,
+                                          tensor_dtype)
 from ferrylm.models.registry import get_model_class
 from ferrylm.synthetic.routing_profiles import ROUTER
 from ferrylm.synthetic.spec import SyntheticSpec, parse_synthetic_spec, synthetic_config
@@ -301,8 +302,7 @@ def build_synthetic(spec: SyntheticSpec | str, *, device: torch.device | str = "
     stacks = {layer: mk.layer_experts(layer) for layer in model_cls.moe_layer_indices(config)}
     executor = build_executor(moe_backend, stacks, device) if stacks else None
 
-    with torch.device("meta"):
-        model = model_cls(config, executor=executor, device=device)
+    model = build_on_meta(model_cls, config, executor, device)
     model.load_state_dict(mk.tensors(model.state_dict()), strict=True, assign=True)
     model.requires_grad_(False)
     model.eval()

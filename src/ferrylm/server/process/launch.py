@@ -183,7 +183,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSign
     except ModelLoadError as e:
         return fail(e.message)
     try:
-        faults = frontend_faults(engine_config, model.codec)
+        faults = frontend_faults(engine_config)
     except ValueError as e:
         return fail(str(e))
     try:
@@ -199,23 +199,21 @@ class _FlagError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
     """What the frontend knows of the served model before the engine starts: what ``--model`` named
-    (``resolved``: a ``ResolvedModel``), its config and its codec."""
+    (``resolved``: a ``ResolvedModel``) and its config."""
 
     resolved: Any
     config: ModelConfig
-    codec: Any
 
 
 def load_model(args: argparse.Namespace, engine_config: EngineConfig) -> LoadedModel:
-    """Resolve ``--model``, read its config, check the engine flags against it, verify its files, load its
-    tokenizer (and ``--chat-template``). Raises ModelLoadError (UnsupportedArchitecture for an architecture no
-    model family serves), _FlagError for a flag the model does not allow."""
+    """Resolve ``--model``, read its config, check the engine flags against it, verify its files (the tokenizer
+    loads later, while the engine boots: :func:`load_frontend_codec`). Raises ModelLoadError
+    (UnsupportedArchitecture for an architecture no model family serves), _FlagError for a flag the model does not
+    allow."""
     from ferrylm.checkpoints.resolve import resolve_model
     from ferrylm.checkpoints.verify import verify_checkpoint
     from ferrylm.errors import UnsupportedArchitecture
     from ferrylm.models.registry import supported_architectures
-    from ferrylm.server.text.harmony import load_codec
-    from ferrylm.server.text.tokenizer import load_chat_template
 
     resolved = resolve_model(args.model)
     mcfg = ModelConfig.from_folder(resolved.path)
@@ -228,20 +226,30 @@ def load_model(args: argparse.Namespace, engine_config: EngineConfig) -> LoadedM
         raise _FlagError(str(e)) from None
     if resolved.source != "synthetic":
         verify_checkpoint(resolved.path)   # a truncated file: one line naming it, exit 2 (not an engine crash)
-    codec = load_codec(resolved.path)   # harmony's for gpt-oss
+    return LoadedModel(resolved, mcfg)
+
+
+def load_frontend_codec(args: argparse.Namespace, model: LoadedModel, faults: Any) -> Any:
+    """The served model's codec (harmony's for gpt-oss) with ``--chat-template`` and the frontend's fault points.
+    Raises ModelLoadError: no loadable tokenizer, or the template cannot be read."""
+    from ferrylm.faults import FRONTEND_POINTS
+    from ferrylm.server.text.harmony import load_codec
+    from ferrylm.server.text.tokenizer import load_chat_template
+
+    codec = load_codec(model.resolved.path)
     if getattr(args, "chat_template", None):
         codec.set_chat_template(load_chat_template(args.chat_template))
-    return LoadedModel(resolved, mcfg, codec)
+    if any(p in FRONTEND_POINTS for p in faults.rules):
+        codec.faults = faults   # the engine builds its own injector from the same spec
+    return codec
 
 
-def frontend_faults(engine_config: EngineConfig, codec: Any) -> Any:
-    """The frontend's fault injector from ``--faults`` (its own points are armed on ``codec``; the engine builds its
-    own injector from the same spec). Raises ValueError for a spec that does not parse."""
+def frontend_faults(engine_config: EngineConfig) -> Any:
+    """The frontend's fault injector from ``--faults``. Raises ValueError for a spec that does not parse."""
     from ferrylm.faults import FRONTEND_POINTS, FaultInjector
 
     faults = FaultInjector.from_config(engine_config.faults)
     if any(p in FRONTEND_POINTS for p in faults.rules):
-        codec.faults = faults
         log.warning("fault injection is ON in the frontend: %s", faults)
     return faults
 
@@ -263,14 +271,14 @@ def _uvicorn_server(app: Any, log_level: str) -> Any:
     return Server(uvicorn.Config(app, log_level=log_level.lower(), access_log=False, timeout_graceful_shutdown=5))
 
 
-def _make_app(args: argparse.Namespace, sup: Any, model: LoadedModel, names: list[str]) -> Any:
+def _make_app(args: argparse.Namespace, sup: Any, model: LoadedModel, codec: Any, names: list[str]) -> Any:
     """The FastAPI app over ``sup`` with ``ferry serve``'s HTTP flags."""
     from ferrylm.server.api.app import CorsPolicy, create_app
 
     api_key = args.api_key or os.environ.get("FERRYLM_API_KEY") or None
     cors = CorsPolicy(args.allowed_origins, args.allowed_methods or ["*"], args.allowed_headers or ["*"],
                       args.allow_credentials) if args.allowed_origins else None
-    return create_app(sup, model.codec, names, api_key=api_key,
+    return create_app(sup, codec, names, api_key=api_key,
                       max_request_bytes=int(getattr(args, "max_request_bytes", 8 << 20)), cors=cors,
                       request_timeout=getattr(args, "request_timeout", None) or None,
                       sse_ping_interval=float(args.sse_ping_interval),
@@ -308,16 +316,22 @@ def _run(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSignal
                      watchdog_timeout=float(getattr(args, "watchdog_timeout", 120.0)),
                      faults=faults, on_phase=lambda phase: say(f"  {phase} ..."), on_ready=on_ready)
     stop = _Shutdown(sup, float(getattr(args, "shutdown_timeout", 30.0)))
-    app = _make_app(args, sup, model, names)
-    stop.attach(app, _uvicorn_server(app, args.log_level))
-    asyncio.run(_main(boot, sup, stop, sock, f"serving {name} ({model.resolved.path}) on "
-                                              f"http://{args.host}:{args.port}"))
-    return exit_code
+
+    def start_http() -> tuple[Any, Any]:
+        """The tokenizer, the app and its uvicorn server: built in a thread while the engine loads. Raises
+        ModelLoadError: no loadable tokenizer."""
+        app = _make_app(args, sup, model, load_frontend_codec(args, model, faults), names)
+        return app, _uvicorn_server(app, args.log_level)
+
+    code = asyncio.run(_main(boot, sup, stop, sock, start_http,
+                             f"serving {name} ({model.resolved.path}) on http://{args.host}:{args.port}"))
+    return code or exit_code
 
 
-async def _main(boot: BootSignals, sup: Any, stop: "_Shutdown", sock: socket.socket, serving: str) -> None:
-    """The event loop's part: take the signals over from ``boot``, start the engine, serve on ``sock`` until the
-    shutdown, stop the engine; hand the signals back (record-only) once it served."""
+async def _main(boot: BootSignals, sup: Any, stop: "_Shutdown", sock: socket.socket, start_http, serving: str) -> int:
+    """The event loop's part: take the signals over from ``boot``, start the engine, build the tokenizer and the
+    app meanwhile (``start_http``, in a thread), serve on ``sock`` until the shutdown, stop the engine; hand the
+    signals back (record-only) once it served. Returns 2 when the tokenizer failed to load, else 0."""
     loop = asyncio.get_running_loop()
     boot.armed = False            # from here a signal is recorded, then replayed through on_signal
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -326,14 +340,25 @@ async def _main(boot: BootSignals, sup: Any, stop: "_Shutdown", sock: socket.soc
         stop.on_signal(sig)
     if stop.signals_seen:         # shutting down before the engine was ever spawned
         await sup.close()
-        return
+        return 0
     try:
-        await sup.start()
+        await sup.start()   # the engine loads while this process builds the tokenizer and the app
+        try:
+            app, server = await asyncio.to_thread(start_http)
+        except ModelLoadError as e:
+            print(f"ferry serve: {e.message}", file=sys.stderr)
+            await sup.close()
+            return 2
+        if stop.signals_seen or sup.state == "dead":   # a signal, or the engine failed for good, meanwhile
+            await sup.close()
+            return 0
+        stop.attach(app, server)
         log.debug("%s", serving)
         try:
             await stop.server.serve(sockets=[sock])
         finally:
             await sup.close(stop.engine_stop_s)
+        return 0
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)   # resets to SIG_DFL: record-only until the process exits
@@ -370,8 +395,11 @@ class _Shutdown:
                      "group's signal)", name_, SIGNAL_REPEAT_WINDOW_S)
             return
         self.signals_seen.append((sig, time.monotonic()))
-        if len(self.signals_seen) > 2:
+        if len(self.signals_seen) > 2 or (len(self.signals_seen) > 1 and self.server is None):
             self.exit_at_once(sig)
+        if self.server is None:   # the tokenizer is loading: _main stops the engine once it is built
+            log.info("received %s while starting: exiting", name_)
+            return
         if len(self.signals_seen) > 1:
             log.warning("second signal (%s): answering the %d open requests with an error, then exiting", name_,
                         self.app.state.open_requests.count)
