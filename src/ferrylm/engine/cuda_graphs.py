@@ -71,17 +71,14 @@ class StepGraphs:
         max_batch: the largest captured batch (``--cuda-graph-max-batch``, default ``--max-running-requests``).
         max_model_len: longest sequence (tokens): the block table's width.
         on_replay: called with the padded size after each replay (the expert executor counts the step).
-        min_batch: decode steps of fewer sequences are not graphed here (an executor whose small steps take
-            another path: the model runner sends them to the piecewise runner).
     """
 
     def __init__(self, model, pool: KVPool, device: torch.device, max_batch: int, max_model_len: int,
-                 on_replay=None, min_batch: int = 1):
+                 on_replay=None):
         self.model = model
         self.pool = pool
         self.device = device
-        self.min_batch = max(1, int(min_batch))  # smaller decode steps are not graphed here (size_for: None)
-        self.sizes = [s for s in graph_sizes(max_batch) if s >= self.min_batch] or [max(max_batch, self.min_batch)]
+        self.sizes = graph_sizes(max_batch) or [max(1, max_batch)]
         self.pages = -(-max_model_len // pool.page_size)
         self.on_replay = on_replay
         self.mode = "cuda"
@@ -104,7 +101,7 @@ class StepGraphs:
     def size_for(self, batch: int) -> int | None:
         """The captured size a decode step of ``batch`` sequences replays, capturing it first when it was not captured
         yet (or was disabled and its retry time has come); None when it runs eagerly."""
-        if not self.enabled or batch > self.sizes[-1] or batch < self.min_batch:
+        if not self.enabled or batch > self.sizes[-1]:
             return None
         size = next(s for s in self.sizes if s >= batch)
         if size not in self._graphs:

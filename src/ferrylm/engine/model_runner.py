@@ -111,14 +111,12 @@ class ModelRunner:
             return
         max_batch = self.graph_max_batch
         safe = executor is None or executor.graph_safe
-        min_batch = executor.graph_min_tokens if safe and executor is not None else 1
         if self._graph_mode == "cuda" and self.attention == "triton" and safe:
             self.step_graphs = StepGraphs(self.model, self.pool, self.device, max_batch, self.max_model_len,
-                                          on_replay=None if executor is None else executor.count_replayed_step,
-                                          min_batch=min_batch)
-        if self._piecewise and (self.step_graphs is None or min_batch > 1):  # steps the whole-step graphs leave
+                                          on_replay=None if executor is None else executor.count_replayed_step)
+        if self._piecewise and self.step_graphs is None:  # executors that decide on the host inside a step
             self.piecewise = DecodeGraphRunner(self.model, self.pool, self.device, DecodeGraphConfig(
-                mode=self.config.decode_graphs, max_batch=max_batch if self.step_graphs is None else min_batch - 1,
+                mode=self.config.decode_graphs, max_batch=max_batch,
                 max_kv_len=self.config.cuda_graph_max_len), self.dtype, self.pool.page_size)
         self.attach_state_pool(self.state_pool)
 
@@ -181,8 +179,7 @@ class ModelRunner:
                 self.last_recurrent = self.step_graphs.recurrent_of(size)
                 logits, host = self.step_graphs.replay(seqs, self.staging, size)
                 return _rows(logits, host.sample_rows, b)
-            if b >= self.step_graphs.min_batch:
-                return None
+            return None
         g = self.piecewise
         longest = max(s.start + 1 for s in seqs)
         if g is None or not g.accepts(b, longest):

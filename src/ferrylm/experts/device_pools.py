@@ -10,8 +10,6 @@ on the host). Before a layer's fused MoE launch, :meth:`DevicePools.install`:
 3. copies the missed rows from the mapped host banks into their slots (the GPU reads host memory over PCIe) and
    points their table entries at the slots.
 
-:meth:`DevicePools.prefetch` does the same one layer early for the experts the next layer's router predicts from
-the current hidden state, on a side stream that the next layer joins: the copies overlap the work in between.
 The fused kernel then reads every needed expert from device memory (a miss with no free victim, when a step needs
 more experts than the pool holds, is read from its bank row over PCIe by the kernel itself). Each miss crosses PCIe
 once, as with the host-planned path's copies, and becomes a hit for the next step: per-layer LRU, like the host
@@ -73,8 +71,6 @@ class DevicePools:
         self.now = torch.zeros(1, dtype=torch.int64, device=dev)
         self.sel = torch.empty(self.num_layers, self.num_experts, dtype=torch.int64, device=dev)
         self.scratch = torch.zeros(self.num_layers, 2, triton.next_power_of_2(e1), dtype=torch.int64, device=dev)
-        self._side = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
-        self._pending: dict[int, tuple] = {}  # layer row -> (event, ids) of its predicted installs (this forward)
         self._rows = [dict(pos=self.pos_of[i], stamp=self.stamp[i], owner=self.owner[i], off=self.slot_off[i],
                            table=table[i], home=self.home[i]) for i in range(self.num_layers)]
         self.slot_ids = np.full((self.num_layers, self.num_experts), -1, dtype=np.int64)
@@ -112,27 +108,6 @@ class DevicePools:
         sel = self.sel[i, :min(t * k, self.num_experts)]
         plan_installs(topk_ids, self._rows[i], self.now, self.scratch[i], sel, bump=i == 0)
         copy_rows(self._items, sel, self.home[i], self.table[i], self.num_experts, self.row_bytes)
-
-    def prefetch(self, i: int, predicted: torch.Tensor) -> None:
-        """Install layer row ``i``'s predicted experts ``[T, k]`` on the side stream, overlapping the current
-        stream's work until :meth:`join_prefetch` (inline on a CPU). They carry the step's stamp, so the layer's
-        own installs do not evict them."""
-        if self._side is None:
-            self.install(i, predicted)
-            return
-        cur = torch.cuda.current_stream(self.device)
-        self._side.wait_stream(cur)
-        with torch.cuda.stream(self._side):
-            self.install(i, predicted)
-        done = torch.cuda.Event()
-        done.record(self._side)
-        self._pending[i] = (done, predicted)  # the ids live until the join orders their reads before any reuse
-
-    def join_prefetch(self, i: int) -> None:
-        """The current stream waits for layer row ``i``'s predicted installs of this step (when there are any)."""
-        pending = self._pending.pop(i, None)
-        if pending is not None:
-            torch.cuda.current_stream(self.device).wait_event(pending[0])
 
     def changes(self) -> list[tuple[int, int, int, int]]:
         """Read the device's owners back (a small device->host copy: call between steps) and return what the

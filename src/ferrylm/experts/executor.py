@@ -271,14 +271,9 @@ class ExpertExecutor(ABC):
     # --- the step ----------------------------------------------------------------------------------------------
     @property
     def graph_safe(self) -> bool:
-        """True when decode steps of at least :attr:`graph_min_tokens` sequences make no host decision inside the
-        step, so a whole step can be one CUDA graph. Default: False."""
+        """True when decode steps make no host decision inside the step, so a whole step can be one CUDA graph.
+        Default: False."""
         return False
-
-    @property
-    def graph_min_tokens(self) -> int:
-        """The smallest decode step (tokens) a whole-step graph serves when :attr:`graph_safe`. Default: 1."""
-        return 1
 
     def begin_step(self, num_tokens: int) -> None:
         """Prepare a step of ``num_tokens`` tokens before it is launched (eager or a graph replay): host decisions

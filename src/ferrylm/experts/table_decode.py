@@ -23,7 +23,6 @@ log = logging.getLogger("ferrylm.experts")
 # about once per launch up to here (one 16- or 64-row block per expert), so the kernel moves the bytes streaming
 # would, with no host decision inside the step
 TABLE_MAX_TOKENS = 256
-TABLE_MIN_TOKENS_PLAIN = 1  # bf16/fp16 experts: the smallest step run from the table (see graph_min_tokens)
 
 
 class TableDecode:
@@ -43,18 +42,8 @@ class TableDecode:
 
     @property
     def graph_safe(self) -> bool:
-        """Decode steps of at least :attr:`graph_min_tokens` sequences make no host decision inside the step (the
-        table path): each is one CUDA graph. Smaller ones take the host-planned path (piecewise graphs)."""
+        """Decode steps make no host decision inside the step (the table path): each is one CUDA graph."""
         return self.table is not None and self.device.type == "cuda"
-
-    @property
-    def graph_min_tokens(self) -> int:
-        """The smallest step run from the table: 1 for quantized experts; 2 for plain ones, whose one-token steps
-        keep the host-planned path with next-layer prefetch by DMA (faster there; docs/BENCHMARKS.md). ``table_on_cpu``
-        (tests) runs every size from the table."""
-        if self.table_on_cpu or self.layout.quant is not None:
-            return 1
-        return TABLE_MIN_TOKENS_PLAIN
 
     def _table_possible(self) -> str | None:
         """None when the table path can run here, else why not."""
@@ -82,7 +71,7 @@ class TableDecode:
         inside the step); otherwise the host-planned or streamed paths. (A graph replay of such a step counts
         nothing: :meth:`begin_step` opened its counters.)"""
         table = self.table
-        return table is not None and self.graph_min_tokens <= num_tokens <= table.max_tokens
+        return table is not None and 1 <= num_tokens <= table.max_tokens
 
     def _table_serves(self, num_tokens: int) -> bool:
         return self.table_step(num_tokens)
@@ -146,20 +135,15 @@ class TableDecode:
 
     def _run_table(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                    topk_weights: torch.Tensor) -> torch.Tensor:
-        """One layer of a table step: the layer's installs (after the ones predicted for it one layer earlier),
-        the next layer's predicted installs on a side stream, then the fused kernel over the layer's row offsets.
-        No host decision, no sync: capturable."""
+        """One layer of a table step: the layer's installs, then the fused kernel over the layer's row offsets. No
+        host decision, no sync: capturable."""
         from ferrylm.experts.kernels.fused_moe import fused_moe
 
         table, pools = self.table, self.pools
         i, offsets = table.layer_inputs(layer_idx)
         self._device_moved = True  # eager runs (warmups) install too; graph replays are marked by begin_step
-        pools.join_prefetch(i)
         pools.install(i, topk_ids)
         table.record(i, topk_ids)
-        route = self.next_layer_predictor(layer_idx, hidden.shape[0])
-        if route is not None:
-            pools.prefetch(i + 1, route(hidden))
         v = table.views
         return fused_moe(hidden, v.gate, v.up, v.down, topk_ids, topk_weights, row_offset=offsets,
                          math=self.math.get(layer_idx))
