@@ -26,65 +26,24 @@ import logging
 import os
 import platform
 import shlex
-import subprocess
 import tempfile
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import torch
 
 from ferrylm.cachedir import cache_root
 from ferrylm.config import CPU_KERNELS
-from ferrylm.errors import FerryError
+from ferrylm.experts.native_build import CFLAGS, KernelBuildError, compile_library, compiler_version, read_sources
 
 log = logging.getLogger("ferrylm.experts")
 
 # NOTE: the kernel reads each weight row once per 4 tokens; from ~8 tokens per expert oneDNN's blocked GEMM
 # (one read of the weights for all tokens) is the better kernel, so the pool uses torch above this.
 NATIVE_MAX_TOKENS = 8
-CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off"]
-SOURCES = ("expert_gemv.c", "isa_kernels.h")
 ISAS = ("scalar", "avx2", "avx512")  # the C file's instruction-set levels 0, 1, 2
 _PLAIN_KIND = {torch.bfloat16: 10, torch.float32: 11}
 _RC = {-1: "bad arguments", -2: "an instruction set this CPU lacks", -3: "out of memory"}
-
-
-class KernelBuildError(FerryError):
-    """The native kernel could not be compiled or loaded (message: the command and the compiler's output)."""
-
-    code = "cpu_kernel_unavailable"
-    param = "--moe-cpu-kernel"
-
-
-def _sources() -> dict[str, str]:
-    native = resources.files("ferrylm.experts").joinpath("native")
-    return {name: native.joinpath(name).read_text() for name in SOURCES}
-
-
-def _compiler_version(cc: list[str]) -> str:
-    try:
-        return subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelBuildError(f"no C compiler {' '.join(cc)!r} ({e}); set $CC or use --moe-cpu-kernel torch") from e
-
-
-def _compile(cc: list[str], srcs: dict[str, str], folder: Path) -> Path:
-    """Compile ``srcs`` (file name -> text; the first is the C file) in ``folder``; returns the library's path.
-    Raises KernelBuildError (the compiler failed) or OSError (``folder`` not writable)."""
-    for name, text in srcs.items():
-        (folder / name).write_text(text)
-    c_file, out = folder / SOURCES[0], folder / "expert_gemv.so"
-    cmd = [*cc, *CFLAGS, str(c_file), "-o", str(out), "-lm"]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelBuildError(f"{' '.join(cmd)}: {e}") from e
-    if r.returncode != 0:
-        raise KernelBuildError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()[-2000:]}")
-    if not out.is_file():
-        raise KernelBuildError(f"{' '.join(cmd)} exited 0 but wrote no library")
-    return out
 
 
 @dataclass
@@ -110,8 +69,8 @@ class NativeExpertKernel:
             KernelBuildError: no compiler, the compile failed, or the library does not load.
         """
         cc_cmd = shlex.split(cc or os.environ.get("CC") or "cc")
-        srcs = _sources()
-        key = hashlib.sha256("\0".join([*srcs.values(), " ".join(cc_cmd + CFLAGS), _compiler_version(cc_cmd),
+        srcs = read_sources()
+        key = hashlib.sha256("\0".join([*srcs.values(), " ".join(cc_cmd + CFLAGS), compiler_version(cc_cmd),
                                          platform.machine()]).encode()).hexdigest()[:16]
         folder = (root or cache_root()) / "kernels"
         lib_path = folder / f"expert_gemv-{key}.so"
@@ -124,12 +83,12 @@ class NativeExpertKernel:
         try:
             folder.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=folder) as tmp:
-                os.replace(_compile(cc_cmd, srcs, Path(tmp)), lib_path)
+                os.replace(compile_library(cc_cmd, srcs, Path(tmp)), lib_path)
         except OSError as e:
             log.warning("CPU experts: cannot write the kernel cache %s (%s); building the native kernel in a "
                         "temporary folder (set $FERRYLM_CACHE_DIR to a writable folder to keep it)", folder, e)
             with tempfile.TemporaryDirectory(prefix="ferrylm-kernel-") as tmp:
-                return cls._load(_compile(cc_cmd, srcs, Path(tmp)))  # Linux: the loaded library outlives its file
+                return cls._load(compile_library(cc_cmd, srcs, Path(tmp)))  # Linux: the loaded library outlives its file
         log.info("CPU experts: built the native kernel %s", lib_path)
         return cls._load(lib_path)
 
