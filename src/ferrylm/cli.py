@@ -321,49 +321,72 @@ def _apply_tokenizer_flag(args: argparse.Namespace) -> str | None:
 
 
 def _generate(args: argparse.Namespace, engine_config: EngineConfig, params: "SamplingParams") -> int:
-    from ferrylm.errors import ModelLoadError
-    from ferrylm.experts.cpu_kernel import KernelBuildError
-    from ferrylm.llm import LLM
+    """``ferry generate``: print one completion. Returns the exit status (2 with one ``ferry generate: ...`` line
+    for a request the model cannot serve)."""
+    from ferrylm.errors import InvalidRequest
     from ferrylm.synthetic.spec import is_synthetic_spec
 
     ids_only = is_synthetic_spec(args.model) and ":tokenizer=" not in args.model  # token ids in and out
     if ids_only:
         if args.chat:
-            print("ferry generate: --chat needs a tokenizer (--tokenizer FOLDER)", file=sys.stderr)
-            return 2
+            return _generate_error("--chat needs a tokenizer (--tokenizer FOLDER)")
         try:
             prompt = [int(t) for t in (args.prompt or "").replace(",", " ").split()]
         except ValueError:
-            print(f"ferry generate: {args.model} has no tokenizer: the prompt must be token ids such as '1 2 3'",
-                  file=sys.stderr)
-            return 2
+            return _generate_error(f"{args.model} has no tokenizer: the prompt must be token ids such as '1 2 3'")
     else:
         prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    llm = _load_for_generate(args, engine_config, params)
+    if isinstance(llm, str):
+        return _generate_error(llm)
     try:
-        llm = LLM(args.model, engine_config=engine_config)
-    except (ModelLoadError, KernelBuildError) as e:
-        print(f"ferry generate: {e.message}", file=sys.stderr)
-        return 2
-    except ValueError as e:  # a flag out of range or a device that is not there (the message names the flag)
-        print(f"ferry generate: {e}", file=sys.stderr)
-        return 2
-    if ids_only:
-        from ferrylm.synthetic.spec import default_prompt_ids
+        if ids_only:
+            from ferrylm.synthetic.spec import default_prompt_ids
 
-        vocab = llm.engine.mcfg.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            print(f"ferry generate: token ids must lie in [0, {vocab})", file=sys.stderr)
-            return 2
-        ids = prompt or default_prompt_ids(vocab)
-        out = llm.generate([ids], params)[0]
-        print(" ".join(str(t) for t in out.outputs[0].token_ids))
-        return 0
-    if args.chat:
-        out = llm.chat([[{"role": "user", "content": prompt}]], params)[0]
-    else:
-        out = llm.generate([prompt], params)[0]
+            vocab = llm.engine.mcfg.vocab_size
+            if any(not 0 <= t < vocab for t in prompt):
+                return _generate_error(f"token ids must lie in [0, {vocab})")
+            out = llm.generate([prompt or default_prompt_ids(vocab)], params)[0]
+            print(" ".join(str(t) for t in out.outputs[0].token_ids))
+            return 0
+        if args.chat:
+            out = llm.chat([[{"role": "user", "content": prompt}]], params)[0]
+        else:
+            out = llm.generate([prompt], params)[0]
+    except InvalidRequest as e:   # the prompt or --max-tokens does not fit the context, an empty prompt ...
+        flag = f"--max-tokens {params.max_tokens}: " if e.param == "max_tokens" else ""
+        return _generate_error(flag + e.message)
     print(out.outputs[0].text)
     return 0
+
+
+def _load_for_generate(args: argparse.Namespace, engine_config: EngineConfig, params: "SamplingParams"):
+    """The offline engine for ``ferry generate``, or the error line when the model cannot be loaded or
+    ``--max-tokens`` cannot fit its context (checked once its config is read, before the weights load)."""
+    from ferrylm.checkpoints.resolve import resolve_model
+    from ferrylm.config import ModelConfig
+    from ferrylm.errors import ModelLoadError
+    from ferrylm.experts.cpu_kernel import KernelBuildError
+    from ferrylm.llm import LLM
+
+    try:
+        resolved = resolve_model(args.model)
+        context = ModelConfig.from_folder(resolved.path).max_position_embeddings
+        limit = engine_config.max_model_len or context
+        if params.max_tokens >= limit:   # the prompt takes at least one token of the context
+            where = "--max-model-len" if engine_config.max_model_len else "the model's context"
+            return (f"--max-tokens {params.max_tokens} does not fit the context of {limit} tokens ({where}) with "
+                    f"a prompt: give at most {limit - 1}, less the prompt's tokens")
+        return LLM(resolved, engine_config=engine_config)
+    except (ModelLoadError, KernelBuildError) as e:
+        return e.message
+    except ValueError as e:  # a flag out of range or a device that is not there (the message names the flag)
+        return str(e)
+
+
+def _generate_error(message: str) -> int:
+    print(f"ferry generate: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -7,10 +7,13 @@ Text is produced with the frontend's incremental detokenizer and stop-string log
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ferrylm.config import EngineConfig
 from ferrylm.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ferrylm.checkpoints.resolve import ResolvedModel
 
 
 @dataclass
@@ -38,7 +41,8 @@ class LLM:
     """An in-process engine.
 
     Args:
-        model: built-in name, HF folder, .gguf file or ``synthetic:`` spec (as ``--model``).
+        model: built-in name, HF folder, .gguf file or ``synthetic:`` spec (as ``--model``), or a ResolvedModel
+            (``checkpoints/resolve.py``) when the caller has resolved it already.
         engine_config: an EngineConfig (default: EngineConfig()).
 
     A synthetic model without a tokenizer has ``codec`` None: prompts must be token-id lists, outputs have token
@@ -48,9 +52,10 @@ class LLM:
         ModelLoadError: the model cannot be resolved or loaded.
     """
 
-    def __init__(self, model: str = "smollm2-moe", *, engine_config: EngineConfig | None = None, **overrides):
+    def __init__(self, model: "str | ResolvedModel" = "smollm2-moe", *, engine_config: EngineConfig | None = None,
+                 **overrides):
         from ferrylm.engine.boot import build_engine
-        from ferrylm.checkpoints.resolve import resolve_model
+        from ferrylm.checkpoints.resolve import ResolvedModel, resolve_model
         from ferrylm.server.text.harmony import load_codec
 
         cfg = engine_config or EngineConfig()
@@ -58,7 +63,7 @@ class LLM:
             from dataclasses import replace
 
             cfg = replace(cfg, **overrides)
-        self.resolved = resolve_model(model)
+        self.resolved = model if isinstance(model, ResolvedModel) else resolve_model(model)
         self.codec = load_codec(self.resolved.path) if self.resolved.has_tokenizer else None
         self.engine = build_engine(self.resolved.path, cfg)
         self._counter = 0
@@ -119,6 +124,7 @@ class LLM:
     def _run(self, encoded: list[tuple[str | None, list[int]]], params: SamplingParams) -> list[RequestOutput]:
         from copy import deepcopy
 
+        from ferrylm.engine.admission import admit
         from ferrylm.engine.outputs import EngineOutput
         from ferrylm.errors import ContextLengthExceeded, InvalidRequest
         from ferrylm.server.text.text_stream import TextStream
@@ -127,6 +133,9 @@ class LLM:
         if self.codec is None and params.stop:
             raise InvalidRequest("stop strings need a tokenizer; this model has none (use stop_token_ids)",
                                  param="stop")
+        limits = self.engine.limits
+        for _, ids in encoded:   # the typed error, naming its field, before any request starts (as the server)
+            admit(len(ids), params.max_tokens, max_model_len=limits.max_model_len, pool_tokens=limits.pool_tokens)
         results: list[RequestOutput] = []
         streams: dict[str, tuple[CompletionOutput, TextStream | None]] = {}
         for text, ids in encoded:

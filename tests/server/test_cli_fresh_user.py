@@ -116,3 +116,40 @@ def test_listen_error_names_host_or_port() -> None:
         "(choose another --port)")
     assert listen_error("192.0.2.1", 8000, OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address")).endswith(
         "(choose another --host)")
+
+
+# ---- trial 43, item 1: --max-tokens against the context -------------------------------------------------
+
+
+@pytest.fixture
+def tiny_model(monkeypatch) -> str:
+    """A tiny synthetic MoE (context 128 tokens, token ids in and out) as ``--model``."""
+    from ferrylm.synthetic.presets import PRESETS, SyntheticPreset
+    from tests.models.test_synthetic import tiny
+
+    monkeypatch.setitem(PRESETS, "tiny-cli", SyntheticPreset("tiny-cli", "test", tiny("qwen3-30b-a3b").config))
+    return "synthetic:tiny-cli"
+
+
+def generate_error(argv: list[str], capsys) -> str:
+    """``ferry generate argv`` must return 2 with one ``ferry generate: ...`` line; returns that line."""
+    assert cli._main(["generate", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ferry generate: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def test_max_tokens_past_the_context_is_refused_before_the_weights_load(tiny_model, capsys, nothing_loads) -> None:
+    err = generate_error(["--model", tiny_model, "--max-tokens", "99999", "1 2 3"], capsys)
+    assert "--max-tokens 99999" in err and "128" in err
+    err = generate_error(["--model", tiny_model, "--max-model-len", "32", "--max-tokens", "40", "1 2 3"], capsys)
+    assert "--max-tokens 40" in err and "32" in err and "--max-model-len" in err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--max-model-len", "16", "--max-tokens", "10", " ".join(["5"] * 10)], "--max-tokens 10"),   # prompt + completion
+    (["--max-model-len", "16", "--max-tokens", "2", " ".join(["5"] * 20)], "the prompt"),         # prompt alone
+])
+def test_a_request_the_context_cannot_hold_is_one_line_not_a_traceback(tiny_model, argv, needle, capsys) -> None:
+    err = generate_error(["--model", tiny_model, "--device", "cpu", "--num-pages", "16", *argv], capsys)
+    assert needle in err and "maximum context length is 16 tokens" in err, err
