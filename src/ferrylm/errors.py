@@ -39,8 +39,8 @@ class InvalidRequest(FerryError):
 
 class GrammarFailed(InvalidRequest):
     """A request's output grammar (structured output, a forced tool call) could not go on mid-request: no token
-    it allows is left (another rule such as ``min_tokens`` or ``logit_bias`` banned them), or it matches no
-    document at all. The request ends with this error instead of going on unconstrained. HTTP 400 (an error
+    it allows is left (another rule banned them: ``min_tokens`` bans ``stop_token_ids`` the grammar needs; a
+    complete grammar ends the request instead), or it matches no document at all. The request ends with this error instead of going on unconstrained. HTTP 400 (an error
     event once the stream started)."""
 
     code = "grammar_failed"

@@ -105,6 +105,13 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    @property
+    def min_tokens_met(self) -> bool:
+        """EOS and stop ids may end it: ``params.min_tokens`` outputs are there, or its output grammar is complete
+        (allows nothing but EOS). The grammar's end wins over ``min_tokens``: no other token could follow."""
+        return self.num_output_tokens >= self.params.min_tokens or \
+            (self.grammar is not None and self.grammar.is_stopped())
+
     def token_at(self, i: int) -> int:
         """Token id at absolute position ``i``."""
         n = len(self.prompt_token_ids)

@@ -49,7 +49,7 @@ def _apply_penalties(logits: torch.Tensor, reqs: list[Request], eos_ids: tuple[i
             if toks:
                 logits[i].index_add_(0, _to_dev(toks, torch.long, dev),
                                      _to_dev([b for t, b in p.logit_bias if 0 <= int(t) < V], logits.dtype, dev))
-        if p.min_tokens and r.num_output_tokens < p.min_tokens:
+        if not r.min_tokens_met:
             ban = [t for t in (*eos_ids, *p.stop_token_ids) if 0 <= t < V]
             if ban:
                 logits[i].index_fill_(0, _to_dev(ban, torch.long, dev), float("-inf"))

@@ -115,7 +115,7 @@ class TokenUpdate:
 def stop_reason(r: Request, tok: int, eos_ids: tuple[int, ...], max_model_len: int) -> str | None:
     """``"stop"`` (EOS, a stop token), ``"length"`` (max_tokens, the context) or None after ``tok`` was appended."""
     p = r.params
-    if r.num_output_tokens >= p.min_tokens and ((not p.ignore_eos and tok in eos_ids) or tok in p.stop_token_ids):
+    if r.min_tokens_met and ((not p.ignore_eos and tok in eos_ids) or tok in p.stop_token_ids):
         return "stop"
     if r.num_output_tokens >= p.max_tokens or r.num_tokens >= max_model_len:
         return "length"

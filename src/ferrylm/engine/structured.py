@@ -142,7 +142,7 @@ class StructuredDecoder:
     def advance(self, req: Any, token_id: int) -> str | None:
         """Let ``req``'s matcher consume ``token_id`` (the token just appended). Returns None, or the reason the
         grammar cannot go on: a token it rejects (only possible when another rule banned every allowed token,
-        e.g. ``min_tokens`` against a finished grammar, or ``logit_bias``), or a mask that allowed nothing
+        e.g. ``min_tokens`` against ``stop_token_ids`` the grammar needs), or a mask that allowed nothing
         (``mask_logits``). The engine then ends the request with ``grammar_failed``: it never goes on
         unconstrained. The step itself never fails."""
         m = getattr(req, "grammar", None)
