@@ -147,6 +147,25 @@ BAD = [
 ]
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("so,needle", [
+    ({"choices": ["red", "blue"]}, "unknown key 'choices'"), ({}, "no constraint"), ({"json": None}, "no constraint"),
+    ({"json_object": False}, "no constraint"), ({"regex": "a+", "whitespace_patern": " "}, "'whitespace_patern'"),
+])
+async def test_structured_outputs_without_a_known_constraint_is_400(client: httpx.AsyncClient, path, so,
+                                                                    needle) -> None:
+    """A typo or an empty object used to be served unconstrained (200)."""
+    body = {"model": SERVED, "messages": MSGS, "prompt": "x", "max_tokens": 2, "structured_outputs": so}
+    err = assert_error(await client.post(path, json=body), 400, param="structured_outputs")
+    assert needle in err["message"] and "choice" in err["message"], err
+
+
+async def test_structured_outputs_options_of_vllm_are_accepted(client: httpx.AsyncClient) -> None:
+    body = {"model": SERVED, "messages": MSGS, "max_tokens": 2,
+            "structured_outputs": {"choice": ["a", "b"], "disable_any_whitespace": True, "disable_fallback": True}}
+    assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+
+
 @pytest.mark.parametrize("path,extra,param", BAD, ids=[p for _, _, p in BAD])
 async def test_bad_new_fields_are_400_naming_the_field(client: httpx.AsyncClient, path, extra, param) -> None:
     body = {"model": SERVED, "messages": MSGS, "max_tokens": 2, **extra}

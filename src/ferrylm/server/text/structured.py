@@ -189,19 +189,31 @@ def response_format_prompt(rf: Any, nested: bool = True) -> dict | None:
 
 
 _VLLM_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+# vLLM's options beside the constraint: accepted, no effect here (llguidance has no fallback backend; JSON has no
+# free whitespace already)
+_VLLM_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 
 
 def structured_outputs_grammar(so: Any, param: str = "structured_outputs") -> str | None:
-    """vLLM's ``structured_outputs`` object → grammar (exactly one constraint key). Raises InvalidRequest."""
+    """vLLM's ``structured_outputs`` object → grammar (exactly one constraint key; ``_VLLM_OPTIONS`` beside it).
+
+    Raises InvalidRequest naming ``param``: not an object, an unknown key (a typo such as ``choices``), no
+    constraint (``{}``, ``{"json": null}``) or more than one.
+    """
     if so is None:
         return None
     if not isinstance(so, dict):
         raise InvalidRequest(f"'{param}' must be an object", param=param)
+    unknown = [k for k in so if k not in _VLLM_KEYS and k not in _VLLM_OPTIONS]
+    if unknown:
+        raise InvalidRequest(f"'{param}' has unknown key {unknown[0]!r}; it takes one of {', '.join(_VLLM_KEYS)} "
+                             f"(and the options {', '.join(_VLLM_OPTIONS)})", param=param)
     given = [k for k in _VLLM_KEYS if so.get(k) not in (None, False)]
     if len(given) > 1:
         raise InvalidRequest(f"'{param}' takes one of {', '.join(_VLLM_KEYS)}; got {', '.join(given)}", param=param)
     if not given:
-        return None
+        raise InvalidRequest(f"'{param}' gives no constraint: set one of {', '.join(_VLLM_KEYS)} (or leave "
+                             f"'{param}' out)", param=param)
     k = given[0]
     if k == "json_object":
         return json_schema_grammar({"type": "object"}, f"{param}.{k}")
