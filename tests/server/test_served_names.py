@@ -58,3 +58,16 @@ async def test_models_lists_every_name_and_each_is_served_as_the_first(client) -
     err = assert_error(await client.post("/v1/chat/completions", json={"model": "b", "messages": USER}), 404,
                        param="model")
     assert "'team-model'" in err["message"] and "'gpt-4o-mini'" in err["message"], err
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": USER}), ("/v1/completions", {"prompt": "hi"}),
+    ("/v1/messages", {"messages": USER, "max_tokens": 2}), ("/v1/responses", {"input": "hi"}),
+])
+async def test_an_empty_model_is_a_404_and_an_absent_one_is_served(client, path, body) -> None:
+    """docs/API.md: a served name or absent; ``""`` is neither (it used to be served as absent)."""
+    r = await client.post(path, json={"model": "", **body, "max_tokens": 2})
+    assert r.status_code == 404 and "The model '' does not exist" in r.json()["error"]["message"], r.text
+    if path != "/v1/messages":   # Anthropic's error shape has no param
+        assert r.json()["error"]["param"] == "model"
+    assert (await client.post(path, json={**body, "max_tokens": 2})).status_code == 200

@@ -232,7 +232,7 @@ class _Server(CompletionRoutes):
             raise Unauthorized("invalid or missing API key; send 'Authorization: Bearer <key>' or 'x-api-key'")
 
     def check_model(self, name: str | None) -> str:
-        if not name or name in self.served_model_names:
+        if name is None or name in self.served_model_names:
             return self.served_model_name
         info_name = getattr(self.engine.model_info, "name", "")
         if info_name and name == info_name:

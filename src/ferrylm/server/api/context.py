@@ -111,7 +111,8 @@ class RouteContext(Protocol):
     chat_format: ChatFormat
 
     def check_model(self, name: str | None) -> str:
-        """The served model's name for a request's ``model`` field. Raises ModelNotFound."""
+        """The served model's name for a request's ``model`` field (None: absent). Raises ModelNotFound for a name
+        not served, ``""`` included."""
 
     async def prepare_chat(self, job: ChatJob) -> PreparedChat:
         """Render and check a chat-like request without starting it. Raises InvalidRequest /
