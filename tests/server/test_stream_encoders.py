@@ -65,7 +65,9 @@ def test_anthropic_events_are_well_formed(raw, finish) -> None:
         else:
             assert k == "content_block_stop" and d["index"] == open_index
             open_index = None
-    assert open_index is None and blocks   # every block closed, at least one
+    assert open_index is None   # every block closed; none for an empty reply, never an empty text block
+    assert bool(blocks) == any(d.content or d.reasoning or d.calls for d in deltas)
+    assert all(b.get("text") for b in blocks if b["type"] == "text")
     assert "".join(b.get("text", "") for b in blocks) == "".join(d.content for d in deltas)
     assert "".join(b.get("thinking", "") for b in blocks) == "".join(d.reasoning for d in deltas)
     assert [(b["name"], json.loads(b["partial"])) for b in blocks if b["type"] == "tool_use"] == \

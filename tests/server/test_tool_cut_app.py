@@ -97,3 +97,31 @@ async def test_responses_forced_call_cut_is_an_incomplete_function_call(codec, t
                                        tools=[RESP_WEATHER], max_output_tokens=4)
     prompt = codec.decode(eng.requests[-1][1], skip_special_tokens=False)
     assert r2.status == "incomplete" and '"city": "Oslo"' in prompt
+
+
+def before_the_name(codec) -> list[int]:
+    """Every ``max_tokens`` that ends a forced call before its name is complete."""
+    ids = codec.encode(CALL, add_special_tokens=False)
+    return [n for n in range(1, len(ids)) if '"get_weather"' not in codec.decode(ids[:n])]
+
+
+async def test_a_forced_call_cut_before_its_name_is_no_content(codec) -> None:
+    """Nothing was generated for the client: chat's content is null (not ""), Anthropic's content an empty list
+    (never an empty text block), stream and non-stream alike."""
+    cuts = before_the_name(codec)
+    assert len(cuts) >= 3
+    for n in cuts:
+        eng = scripted(codec, CALL)
+        oa, an = oai(create_app(eng, codec, SERVED)), anth(create_app(eng, codec, SERVED))
+        resp = await oa.chat.completions.create(model=SERVED, messages=MSGS, tools=[WEATHER], tool_choice="required",
+                                                max_tokens=n)
+        (choice,) = resp.choices
+        assert (choice.finish_reason, choice.message.content, choice.message.tool_calls) == ("length", None, None), n
+        kw = dict(model=SERVED, max_tokens=n, messages=MSGS, tools=[ANTH_WEATHER], tool_choice={"type": "any"})
+        msg = await an.messages.create(**kw)
+        assert (msg.stop_reason, msg.content) == ("max_tokens", []), (n, msg.content)
+        async with an.messages.stream(**kw) as s:
+            events = [ev.type async for ev in s]
+            final = await s.get_final_message()
+        assert (final.stop_reason, final.content) == ("max_tokens", []), (n, final.content)
+        assert "content_block_start" not in events, (n, events)

@@ -11,7 +11,8 @@ message is continued (Anthropic's prefill). ``tools`` (``name``, ``description``
 machinery (``any`` and ``tool`` are enforced by a grammar). ``thinking: {"type": "enabled"|"disabled"}`` sets the
 template's ``enable_thinking``, and its ``budget_tokens`` the ``reasoning_effort`` (:func:`thinking_kwargs`).
 
-Reply: content blocks ``thinking`` / ``text`` / ``tool_use``, ``stop_reason`` ``end_turn`` | ``max_tokens`` |
+Reply: content blocks ``thinking`` / ``text`` / ``tool_use`` (no empty ``text`` block: nothing generated is
+``content: []``), ``stop_reason`` ``end_turn`` | ``max_tokens`` |
 ``stop_sequence`` (with ``stop_sequence``) | ``tool_use``, ``usage`` in tokens. Stream: the Anthropic event
 sequence ``message_start``, per block ``content_block_start`` / ``content_block_delta`` (``text_delta``,
 ``thinking_delta``, ``input_json_delta``) / ``content_block_stop``, ``message_delta`` (stop reason, output
@@ -336,9 +337,7 @@ class StreamEncoder:
                usage: dict | None = None) -> list[str]:
         """The closing events; ``usage``: the whole usage (input and cache figures known by now) for the
         ``message_delta``, else only ``output_tokens``."""
-        if self.index < 0:   # an empty reply still has one (empty) text block
-            self._block("text", {"type": "text", "text": ""})
-        self._close()
+        self._close()   # an empty reply has no block: an empty text block is refused when sent back
         self.events.append(_event("message_delta", {"type": "message_delta", "delta": {
             "stop_reason": reason, "stop_sequence": sequence},
             "usage": usage if usage is not None else {"output_tokens": output_tokens}}))
@@ -374,8 +373,6 @@ async def messages(ctx: RouteContext, request: Request, rid: str) -> Response:
             content.append({"type": "text", "text": x})
         else:
             content.append({"type": "tool_use", "id": _tool_id(x), "name": x.name, "input": x.arguments_object()})
-    if not any(b["type"] in ("text", "tool_use") for b in content):
-        content.append({"type": "text", "text": ""})
     reason, seq = stop_reason(res.finish_reason, ch.text.stops.matched)
     ctx.log_done(rid, run.gen, _openai_usage(run))
     return JSONResponse({**base, "content": content, "stop_reason": reason, "stop_sequence": seq,

@@ -187,7 +187,8 @@ async def chat_completions(ctx: RouteContext, request: Request, rid: str) -> Res
         lp = None
         if ch.params.logprobs is not None:
             lp = ChatChoiceLogprobs(content=chat_logprobs(ch.logprobs, ctx.codec))
-        msg = ChatResponseMessage(content=res.content if res.content or not res.calls else None,
+        # null when a tool call holds the reply, or was forced and cut before its name (nothing for the client)
+        msg = ChatResponseMessage(content=res.content or (None if res.calls or run.turn.forced else ""),
                                   reasoning_content=res.reasoning or None, tool_calls=out_calls(res.calls))
         choices.append(ChatCompletionChoice(index=ch.index, message=msg, logprobs=lp, finish_reason=res.finish_reason,
                                             token_ids=list(ch.token_ids) if req.return_token_ids else None))
