@@ -156,7 +156,18 @@ def test_kv_floor_and_context_warning():
     with pytest.raises(MemoryPlanError, match="--kv-reserve-tokens"):
         plan_memory(inputs(kv_reserve_tokens=10_000_000))
     p = plan_memory(inputs(num_tokens=4096))
-    assert any("fewer than the model context of 32768" in w for w in p.warnings)
+    (w,) = [w for w in p.warnings if "fewer than the model context of 32768" in w]
+    # what admission does (engine/admission.py): only a prompt the pool cannot hold is rejected; a longer request
+    # is cut when it outgrows the pool
+    assert "a prompt of 4096 tokens or more is rejected" in w and "finish_reason length" in w, w
+    assert "longer requests are rejected" not in w
+
+
+def test_the_short_pool_warning_is_one_rule():   # the plan and engine_for_model both say it
+    from ferrylm.memory.plan import short_pool_warning
+
+    assert short_pool_warning(4096, 4096) is None and short_pool_warning(8192, 4096) is None
+    assert short_pool_warning(4096, 32768) == plan_memory(inputs(num_tokens=4096)).warnings[0]
 
 
 def test_host_plan_caps_the_automatic_kv_pool():

@@ -36,7 +36,7 @@ from ferrylm.faults import FaultInjector
 from ferrylm.memory.concurrency import RunningChoice, choose_running_requests, requests_in_pool
 from ferrylm.memory.guard import is_oom
 from ferrylm.memory.budget import MemoryBudget, MemoryPlanError, check_budget, gib
-from ferrylm.memory.plan import MemoryPlan, PlanInputs, boot_failure, plan_memory
+from ferrylm.memory.plan import MemoryPlan, PlanInputs, boot_failure, plan_memory, short_pool_warning
 from ferrylm.memory.probe import allocator_slack, bytes_in_use, other_processes, read_memory
 from ferrylm.models.tensor_parallel import TPShard, attach_reduce
 from ferrylm.synthetic.spec import is_synthetic_folder
@@ -393,10 +393,9 @@ def engine_for_model(model, mcfg: ModelConfig, config: EngineConfig, *, device: 
         running = running or choose_running_requests(inputs_at).n
         plan = plan_memory(inputs_at(running))
         limits = replace(base, num_pages=plan.kv_pages, max_running_requests=running)
-        if limits.pool_tokens < limits.max_model_len:
-            log.warning("the KV pool holds %d tokens, fewer than the model context of %d tokens: long requests "
-                        "will be rejected; raise --num-tokens/--num-pages or lower --max-model-len",
-                        limits.pool_tokens, limits.max_model_len)
+        warning = short_pool_warning(limits.pool_tokens, limits.max_model_len)
+        if warning:
+            log.warning("%s", warning)
     return Engine(model, mcfg, config, device=device, dtype=dtype, limits=limits, **parts)
 
 

@@ -215,6 +215,16 @@ def _explicit_kv(p: PlanInputs) -> int | None:
     return _round_up(p.num_tokens, p.page_size) if p.num_tokens is not None else None
 
 
+def short_pool_warning(pool_tokens: int, max_model_len: int) -> str | None:
+    """What a KV pool shorter than the context does to requests (``engine/admission.py``), or None when it holds
+    the context."""
+    if pool_tokens >= max_model_len:
+        return None
+    return (f"the KV pool holds {pool_tokens} tokens, fewer than the model context of {max_model_len} tokens: a "
+            f"prompt of {pool_tokens} tokens or more is rejected, and a request that outgrows the pool ends there "
+            f"with finish_reason length (raise --num-tokens / --num-pages or lower --max-model-len)")
+
+
 def plan_memory(p: PlanInputs) -> MemoryPlan:
     """Size the KV pool and the expert slots (see the module docstring).
 
@@ -230,10 +240,7 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
     ex = p.experts
     expert_bytes = ex.bytes_for(slots) if ex is not None else 0
     kv_bytes = kv_tokens * p.kv_bytes_per_token
-    warnings: list[str] = []
-    if kv_tokens < p.max_model_len:
-        warnings.append(f"the KV pool holds {kv_tokens} tokens, fewer than the model context of {p.max_model_len} "
-                        f"tokens: longer requests are rejected (raise --num-tokens or lower --max-model-len)")
+    warnings = [w for w in (short_pool_warning(kv_tokens, p.max_model_len),) if w]
     b = p.budget
     return MemoryPlan(
         kind=b.kind, total_bytes=b.total_bytes, free_at_boot_bytes=b.free_at_boot_bytes,
