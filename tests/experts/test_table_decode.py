@@ -117,15 +117,15 @@ def test_device_installs_are_layer_lru(expert_checkpoints, table_on_cpu):
             ex.run(lay, hidden, topk, torch.full((1, 2), 0.5))
         ex.begin_step(1)  # the host reads the device's installs
 
-    cached = sorted(e for (lay, e) in ex.cache._slot_of if lay == layer)
+    cached = sorted(e for (lay, e), _ in ex.cache.placements() if lay == layer)
     fresh = [e for e in range(ex.num_experts) if e not in cached]
     with torch.inference_mode():
         step([cached[0], fresh[0]])  # hit + miss: the miss takes the other slot (its expert was not used)
-        assert sorted(e for (lay, e) in ex.cache._slot_of if lay == layer) == sorted([cached[0], fresh[0]])
+        assert sorted(e for (lay, e), _ in ex.cache.placements() if lay == layer) == sorted([cached[0], fresh[0]])
         step([fresh[1], fresh[2]])  # two misses: both slots turn over
-        assert sorted(e for (lay, e) in ex.cache._slot_of if lay == layer) == sorted([fresh[1], fresh[2]])
+        assert sorted(e for (lay, e), _ in ex.cache.placements() if lay == layer) == sorted([fresh[1], fresh[2]])
         step([fresh[1], fresh[3]])  # the hit's slot stays, the miss evicts the other
-        assert sorted(e for (lay, e) in ex.cache._slot_of if lay == layer) == sorted([fresh[1], fresh[3]])
+        assert sorted(e for (lay, e), _ in ex.cache.placements() if lay == layer) == sorted([fresh[1], fresh[3]])
     s = ex.stats().as_dict()
     assert s["fetched"] >= 4 and s["mapped"] <= s["misses"] <= s["mapped"] + s["fetched"]
     ex.cache.check()
@@ -141,7 +141,7 @@ def test_an_expert_that_moved_between_slots_is_followed(expert_checkpoints, tabl
     ex.reserve(None)
     layer = ex.table.layers[0]
     hidden = torch.randn(1, loaded.model.config.hidden_size)
-    r0, r1 = sorted(e for (lay, e) in ex.cache._slot_of if lay == layer)
+    r0, r1 = sorted(e for (lay, e), _ in ex.cache.placements() if lay == layer)
     x, y = [e for e in range(ex.num_experts) if e not in (r0, r1)][:2]
 
     def run(ids):
@@ -154,7 +154,7 @@ def test_an_expert_that_moved_between_slots_is_followed(expert_checkpoints, tabl
         run([r0, y])  # y takes x's slot
         run([y, x])   # x comes back in r0's slot
         ex.settle_device()
-    assert sorted(e for (lay, e) in ex.cache._slot_of if lay == layer) == sorted([x, y])
+    assert sorted(e for (lay, e), _ in ex.cache.placements() if lay == layer) == sorted([x, y])
     ex.cache.check()
     _table_consistent(ex)
 

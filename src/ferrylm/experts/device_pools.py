@@ -22,6 +22,7 @@ CUDA graph. The host keeps :class:`~ferrylm.experts.cache.SlotCache` in step wit
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,7 +62,6 @@ class DevicePools:
         home_ext = np.zeros((self.num_layers, e1), dtype=np.int64)
         home_ext[:, :-1] = home
         self.home = torch.from_numpy(home_ext).to(dev)
-        self._home_np = home
         self.row_bytes = int(row_bytes)
         self.base = base
         self.slot_off = torch.zeros(self.num_layers, e1, dtype=torch.int64, device=dev)
@@ -75,11 +75,17 @@ class DevicePools:
                            table=table[i], home=self.home[i]) for i in range(self.num_layers)]
         self.slot_ids = np.full((self.num_layers, self.num_experts), -1, dtype=np.int64)
         self.owners = np.full((self.num_layers, self.num_experts), -1, dtype=np.int64)  # host view, last settled
-        self._items = base.view(-1).view(torch.uint8)  # the base row seen as the copy's items (set by reset)
+        # the base row seen as the copy's items, fixed for the table's life (captured graphs keep the launch):
+        # slot rows are whole rows into allocator blocks, so the bank rows' alignment holds for them too
+        self._items = base.view(-1).view(item_dtype(self.row_bytes, base.data_ptr(), home.ravel()))
 
-    def reset(self, plan: PoolPlan, slot_offset) -> None:
+    def reset(self, plan: PoolPlan, slot_offset: Callable[[int], int]) -> None:
         """Load the pools (``slot_offset(slot)``: byte offset of a slot row from ``base``). Stamps restart: occupied
-        slots 0, empty ones first victims. The table itself is the caller's (it already points at the slots)."""
+        slots 0, empty ones first victims. The table itself is the caller's (it already points at the slots).
+
+        Raises:
+            ValueError: a slot row is not aligned to the copy's item size (fixed at construction).
+        """
         e1 = self.num_experts + 1
         slot_off = np.zeros((self.num_layers, e1), dtype=np.int64)
         owner = np.full((self.num_layers, e1), -1, dtype=np.int64)
@@ -98,8 +104,9 @@ class DevicePools:
             dst.copy_(torch.from_numpy(src))
         self.now.zero_()
         self.owners[:] = owner[:, :-1]
-        offsets = np.concatenate([self._home_np.ravel(), slot_off[:, :-1][self.slot_ids >= 0]])
-        self._items = self.base.view(-1).view(item_dtype(self.row_bytes, self.base.data_ptr(), offsets))
+        item = self._items.element_size()
+        if np.any(slot_off[:, :-1][self.slot_ids >= 0] % item):
+            raise ValueError(f"a slot row is not aligned to {item} bytes (the install copy's item)")
 
     def install(self, i: int, topk_ids: torch.Tensor) -> None:
         """Layer row ``i``'s installs for the routed ids ``topk_ids [T, k]`` (module docstring): two kernels on the
