@@ -34,6 +34,24 @@ def test_rms_norm_matches_reference(rows, d, wrows):
     _close(k.rms_norm(x, w if wrows > 1 else w[0], 1e-5), ref, dt)
 
 
+@pytest.mark.parametrize("rows,d", [(3, 200), (1, 2048)])
+def test_zero_centred_rms_norm_matches_the_module(rows, d):
+    """Qwen3-Next's norm: ``(1 + w) * RMSNorm(x)`` in float32, one rounding (``models/gated_deltanet.py``'s torch
+    form, which CPU tensors take)."""
+    from ferrylm.models.gated_deltanet import ZeroCentredRMSNorm
+
+    k = load_kernels("ferrylm.models.kernels.norm_rope")
+    dev = kernel_device()
+    dt = _dtype(dev)
+    g = torch.Generator().manual_seed(d)
+    norm = ZeroCentredRMSNorm(d, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(d, generator=g) * 0.5)
+    x = torch.randn(rows, d, generator=g) * 3
+    ref = norm.to(dt)(x.to(dt))  # CPU: the torch form
+    _close(k.rms_norm(x.to(dev, dt), norm.weight.to(dev), 1e-6, zero_centred=True).cpu(), ref, dt)
+
+
 @pytest.mark.parametrize("norm", [True, False])
 def test_norm_rope_matches_reference(norm):
     k = load_kernels("ferrylm.models.kernels.norm_rope")

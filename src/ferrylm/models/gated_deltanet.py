@@ -27,6 +27,7 @@ from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.models.attention import AttentionBackend
 from ferrylm.models.kernels import gated_delta as gd
+from ferrylm.triton_util import use_triton
 
 
 def positive_int(raw: dict, key: str, default: int | None = None) -> int:
@@ -80,6 +81,10 @@ class ZeroCentredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x):  # one kernel (models/kernels/norm_rope.py)
+            from ferrylm.models.kernels.norm_rope import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, zero_centred=True)
         return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
 
@@ -111,6 +116,7 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.activation = activation
         self.act = GATE_ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -161,6 +167,13 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.project(hidden)
         li = self.layer_idx
         conv_state, rec_state = rs.pool.conv[li], rs.pool.rec[li]
+        if rs.decode_only and use_triton(qkv):  # one kernel for the whole mixer (models/kernels/gated_delta_decode.py)
+            from ferrylm.models.kernels.gated_delta_decode import fused_decode
+
+            o = fused_decode(qkv, z, b, a, self.decode_weights(), conv_state, rec_state, rs.slots, rs.fresh,
+                             s.key_heads)
+            rs.written = True
+            return self.out_proj(o)
         fresh = rs.fresh
         prev = torch.where(fresh[:, None, None], 0.0, conv_state[rs.slots]).to(qkv.dtype)
         if rs.conv_index is None:
@@ -185,6 +198,14 @@ class GatedDeltaNet(nn.Module):
         o = self._delta_rule(rs, rec_state, q, k, v, g, beta)
         o = self.norm(o.to(hidden.dtype), z)
         return self.out_proj(o.reshape(t, s.value_heads * s.value_dim))
+
+    def decode_weights(self):
+        """The small weights :func:`~ferrylm.models.kernels.gated_delta_decode.fused_decode` reads."""
+        from ferrylm.models.kernels.gated_delta_decode import DeltaNetDecodeWeights
+
+        k = self.shape.conv_kernel
+        return DeltaNetDecodeWeights(self.conv1d.weight.view(-1, k), self.A_log, self.dt_bias, self.norm.weight,
+                                     self.norm.eps, self.norm.activation == "sigmoid")
 
     def _delta_rule(self, rs, rec_state: torch.Tensor, q, k, v, g, beta) -> torch.Tensor:
         """The gated delta rule over the step's sequences: one batched step for a decode-only step, else per

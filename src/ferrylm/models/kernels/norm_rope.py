@@ -23,20 +23,25 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, w_rows, stride_x, stride_out, eps,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, ZERO_CENTRED: tl.constexpr):
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK)
     ok = c < n_cols
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + c, mask=ok, other=0.0).to(tl.float32)
     r = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
     out_ty = out_ptr.dtype.element_ty
-    n = (x * r).to(out_ty).to(tl.float32)
     w = tl.load(w_ptr + (row % w_rows) * n_cols + c, mask=ok, other=0.0).to(tl.float32)
+    if ZERO_CENTRED:  # float32 throughout, weight 1 + w
+        n = x * r
+        w = 1.0 + w
+    else:
+        n = (x * r).to(out_ty).to(tl.float32)
     tl.store(out_ptr + row.to(tl.int64) * stride_out + c, (w * n).to(out_ty), mask=ok)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * RMSNorm(x)`` over the last dim (module docstring), one kernel.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centred: bool = False) -> torch.Tensor:
+    """``weight * RMSNorm(x)`` over the last dim (module docstring), one kernel; with ``zero_centred``
+    ``(1 + weight) * RMSNorm(x)`` all in float32, rounded once at the end (Qwen3-Next's norm).
 
     Args:
         x: ``[..., D]`` (rows may be strided; the last dim contiguous).
@@ -55,7 +60,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     w = weight.reshape(-1, d)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, w, out, d, w.shape[0], rows.stride(0), out.stride(0), eps,
-                                           BLOCK=triton.next_power_of_2(d), num_warps=4 if d >= 1024 else 1)
+                                           BLOCK=triton.next_power_of_2(d), ZERO_CENTRED=zero_centred,
+                                           num_warps=4 if d >= 1024 else 1)
     return out.view(x.shape)
 
 
