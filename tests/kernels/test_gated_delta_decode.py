@@ -65,8 +65,11 @@ def test_fused_decode_matches_the_torch_layer(hk, dk, hv, dv, kw, activation, dt
         w = kern.DeltaNetDecodeWeights(*(t.to(dev) for t in (w.conv, w.a_log, w.dt_bias, w.norm)), w.eps,
                                        w.sigmoid_gate)
         conv, rec = pool.conv[3].clone().to(dev), pool.rec[3].clone().to(dev)
-        o = kern.fused_decode(qkv.to(dev), z.to(dev), b.to(dev), a.to(dev), w, conv, rec, slots.to(dev),
-                              fresh.to(dev), hk)
+        inputs = [t.to(dev) for t in (qkv, z, b, a)]
+        again = [conv.clone(), rec.clone()]
+        o = kern.fused_decode(*inputs, w, conv, rec, slots.to(dev), fresh.to(dev), hk)
+        o2 = kern.fused_decode(*inputs, w, *again, slots.to(dev), fresh.to(dev), hk)
+        assert torch.equal(o, o2) and torch.equal(rec, again[1]) and torch.equal(conv, again[0])  # deterministic
         got = layer.to(dev).out_proj(o).cpu()
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(got, ref, **tol)

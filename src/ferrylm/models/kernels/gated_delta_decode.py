@@ -33,18 +33,20 @@ class DeltaNetDecodeWeights:
 
 
 @triton.jit
-def _conv_silu(qkv_ptr, w_ptr, conv_ptr, row, slot, keep, ch, m, C, KW: tl.constexpr):
+def _conv_silu(qkv_ptr, w_ptr, conv_ptr, row, slot, keep, ch, m, C, KW: tl.constexpr, KP: tl.constexpr):
     """The convolution + SiLU of channels ``ch`` for one sequence (``float32`` of the model-dtype result); shifts
-    the sequence's window and appends the current input."""
+    the sequence's window and appends the current input. The window is read whole before any of it is written
+    (threads holding the same channel must not overwrite a row another has yet to read)."""
     x = tl.load(qkv_ptr + row * C + ch, mask=m, other=0.0)
     base = conv_ptr + slot * (KW - 1) * C
-    acc = tl.zeros(ch.shape, dtype=tl.float32)
-    for j in tl.static_range(KW - 1):
-        p = tl.load(base + j * C + ch, mask=m & keep, other=0.0).to(x.dtype)
-        acc += p.to(tl.float32) * tl.load(w_ptr + ch * KW + j, mask=m, other=0.0).to(tl.float32)
-        if j > 0:
-            tl.store(base + (j - 1) * C + ch, p.to(conv_ptr.dtype.element_ty), mask=m)
+    j = tl.arange(0, KP)[:, None]
+    mj = (j < KW - 1) & m[None, :]
+    prev = tl.load(base + j * C + ch[None, :], mask=mj & keep, other=0.0).to(x.dtype)
+    taps = tl.load(w_ptr + ch[None, :] * KW + j, mask=mj, other=0.0).to(tl.float32)
+    acc = tl.sum(prev.to(tl.float32) * taps, 0)
     acc += x.to(tl.float32) * tl.load(w_ptr + ch * KW + (KW - 1), mask=m, other=0.0).to(tl.float32)
+    tl.debug_barrier()
+    tl.store(base + (j - 1) * C + ch[None, :], prev.to(conv_ptr.dtype.element_ty), mask=mj & (j >= 1))
     tl.store(base + (KW - 2) * C + ch, x.to(conv_ptr.dtype.element_ty), mask=m)
     y = acc / (1.0 + tl.exp(-acc))
     return y.to(x.dtype).to(tl.float32)
@@ -54,7 +56,7 @@ def _conv_silu(qkv_ptr, w_ptr, conv_ptr, row, slot, keep, ch, m, C, KW: tl.const
 def _decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, w_ptr, alog_ptr, dtb_ptr, nw_ptr, conv_ptr, rec_ptr, slot_ptr,
                    fresh_ptr, out_ptr, C, eps, scale, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
                    DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KW: tl.constexpr,
-                   SIGMOID_GATE: tl.constexpr):
+                   KP: tl.constexpr, SIGMOID_GATE: tl.constexpr):
     row = tl.program_id(0)
     kh = tl.program_id(1)
     REP: tl.constexpr = HV // HK
@@ -64,14 +66,14 @@ def _decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, w_ptr, alog_ptr, dtb_ptr, nw_pt
     mk = rk < DK
     rv = tl.arange(0, BV)
     mv = rv < DV
-    q = _conv_silu(qkv_ptr, w_ptr, conv_ptr, row, slot, keep, kh * DK + rk, mk, C, KW)
-    k = _conv_silu(qkv_ptr, w_ptr, conv_ptr, row, slot, keep, HK * DK + kh * DK + rk, mk, C, KW)
+    q = _conv_silu(qkv_ptr, w_ptr, conv_ptr, row, slot, keep, kh * DK + rk, mk, C, KW, KP)
+    k = _conv_silu(qkv_ptr, w_ptr, conv_ptr, row, slot, keep, HK * DK + kh * DK + rk, mk, C, KW, KP)
     q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
     k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
     dt = qkv_ptr.dtype.element_ty
     for r in tl.static_range(REP):
         h = kh * REP + r
-        v = _conv_silu(qkv_ptr, w_ptr, conv_ptr, row, slot, keep, 2 * HK * DK + h * DV + rv, mv, C, KW)
+        v = _conv_silu(qkv_ptr, w_ptr, conv_ptr, row, slot, keep, 2 * HK * DK + h * DV + rv, mv, C, KW, KP)
         beta = tl.sigmoid(tl.load(b_ptr + row * HV + h).to(tl.float32))
         x = tl.load(a_ptr + row * HV + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
         softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
@@ -81,6 +83,7 @@ def _decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, w_ptr, alog_ptr, dtb_ptr, nw_pt
         s = tl.load(rec_ptr + s_off, mask=s_mask & keep, other=0.0) * tl.exp(g)
         delta = (v - tl.sum(s * k[:, None], 0)) * beta
         s = s + k[:, None] * delta[None, :]
+        tl.debug_barrier()  # every thread has read its part of the state before any is overwritten
         tl.store(rec_ptr + s_off, s, mask=s_mask)
         o = tl.sum(s * q[:, None], 0).to(dt).to(tl.float32)
         o = (o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps)).to(dt).to(tl.float32)
@@ -116,6 +119,7 @@ def fused_decode(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.T
     _decode_kernel[(bsz, key_heads)](
         qkv.contiguous(), z.contiguous(), b.contiguous(), a.contiguous(), w.conv, w.a_log, w.dt_bias, w.norm,
         conv_state, rec_state, slots, fresh.view(torch.uint8), out, c, w.eps, dk ** -0.5, HK=key_heads, HV=hv,
-        DK=dk, DV=dv, BK=bk, BV=bv, KW=conv_state.shape[1] + 1, SIGMOID_GATE=w.sigmoid_gate,
+        DK=dk, DV=dv, BK=bk, BV=bv, KW=conv_state.shape[1] + 1,
+        KP=triton.next_power_of_2(conv_state.shape[1]), SIGMOID_GATE=w.sigmoid_gate,
         num_warps=8 if bk * bv >= 128 * 128 else 4)
     return out
