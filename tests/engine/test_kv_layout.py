@@ -54,3 +54,23 @@ def test_host_pool_is_zero_without_writing_its_pages_at_boot():
     assert not pool.keys(1, slots, torch.float32).any()
     pool.store(1, slots, torch.ones(3, 4, 128), torch.full((3, 4, 128), 2.0))
     assert (pool.keys(1, slots, torch.float32) == 1).all() and (pool.values(1, slots, torch.float32) == 2).all()
+
+
+def test_a_model_that_stores_no_kv_boots_and_generates(tmp_path):
+    """Every layer a Gated DeltaNet (a hybrid preset cut to its first layers, say): nothing per token in the KV pool,
+    the memory plan still sizes it (it once divided by zero) and the engine decodes."""
+    from ferrylm.config import EngineConfig
+    from ferrylm.engine.boot import build_engine
+    from ferrylm.engine.sampling_params import SamplingParams
+    from tests.models.hf_checkpoints import build_checkpoint
+
+    ckpt = build_checkpoint("qwen3_5_moe_linear_only", tmp_path / "m", seed=3)
+    assert KVLayout.of(ModelConfig.from_folder(ckpt.path)).bytes_per_token(torch.float32) == 0
+    eng = build_engine(ckpt.path, EngineConfig(device="cpu", dtype="float32", page_size=16, max_prefill_length=64))
+    eng.add_request("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    out = []
+    while eng.has_work():
+        for o in eng.step():
+            assert o.error_code is None, o.error_message
+            out += o.new_token_ids
+    assert len(out) == 4

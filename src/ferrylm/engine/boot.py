@@ -259,7 +259,7 @@ def plan_inputs(budget: MemoryBudget, target: BootTarget, mcfg: ModelConfig, lim
         budget, weights_bytes=weights, workspace_bytes=workspace.bytes if workspace else 0,
         workspace_source=workspace.source if workspace else "none (preflight)",
         graph_bytes=workspace.graph_bytes if workspace else 0,
-        kv_bytes_per_token=KVLayout.of(mcfg).bytes_per_token(dtype, config.kv_cache_dtype), page_size=config.page_size,
+        kv_bytes_per_token=max(1, KVLayout.of(mcfg).bytes_per_token(dtype, config.kv_cache_dtype)), page_size=config.page_size,
         max_model_len=limits.max_model_len, max_running_requests=limits.max_running_requests,
         max_prefill_length=limits.max_prefill_length, num_pages=config.num_pages, num_tokens=config.num_tokens,
         moe_cache_size=config.moe_cache_size, moe_cache_auto=config.moe_cache_auto,

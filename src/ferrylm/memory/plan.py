@@ -52,7 +52,8 @@ class PlanInputs:
         weights_bytes: model weights on the device (experts included for the resident backend).
         workspace_bytes: peak extra memory of a forward at the max chunk / max batch; ``workspace_source``
             ``"measured"`` or ``"estimated"``.
-        kv_bytes_per_token: K+V bytes of one token over all layers. page_size: tokens per page.
+        kv_bytes_per_token: K+V bytes of one token over all layers, at least 1 (a model whose layers are all linear
+            attention stores none). page_size: tokens per page.
         max_model_len, max_running_requests, max_prefill_length: the engine's limits (tokens, requests, tokens).
         num_pages, num_tokens: explicit KV pool size (pages win) or None.
         moe_cache_size: explicit expert slots or None. moe_cache_auto: the rest goes to expert slots.
