@@ -112,13 +112,6 @@ CASES: dict[str, tuple[str, dict]] = {
                                         partial_rotary_factor=0.5,
                                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
                                                          "partial_rotary_factor": 0.5})),
-    # one Gated DeltaNet layer and nothing else: a model that stores no K/V at all
-    "qwen3_5_moe_linear_only": ("qwen3_5_moe", dict(
-        vocab_size=144, moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=6,
-        num_experts_per_tok=3, head_dim=16, num_hidden_layers=1, full_attention_interval=2, linear_num_key_heads=2,
-        linear_key_head_dim=16, linear_num_value_heads=2, linear_value_head_dim=16, linear_conv_kernel_dim=3,
-        partial_rotary_factor=0.5,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5})),
     # Qwen4-Exp text model (Qwen3.8-Flash-Next): layers linear, indexed, linear, indexed; 3 residual streams; an
     # indexer of 4 heads keeping 2 blocks of 4 tokens (sparse from the 12th token on); GVA; sigmoid output gate
     "qwen4_exp": ("qwen4_exp", dict(vocab_size=144, moe_intermediate_size=24, shared_expert_intermediate_size=40,
@@ -244,10 +237,12 @@ def _randomize_(model: torch.nn.Module, seed: int) -> None:
                 b.copy_(torch.stack([torch.randperm(experts, generator=g)[:b.shape[1]] for _ in range(b.shape[0])]))
 
 
-def build_checkpoint(case: str, path: Path, seed: int = 0) -> Checkpoint:
+def build_checkpoint(case: str, path: Path, seed: int = 0, **config: object) -> Checkpoint:
+    """``case`` of :data:`CASES` with random weights, saved under ``path``; ``config`` overrides its fields (the
+    model is built with them, unlike :func:`copy_config`)."""
     family, overrides = CASES[case]
     config_cls = getattr(transformers, CONFIG_CLASSES[family])
-    cfg = config_cls(**{**_COMMON, **overrides})
+    cfg = config_cls(**{**_COMMON, **overrides, **config})
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     _randomize_(model, seed)
     model.eval()
