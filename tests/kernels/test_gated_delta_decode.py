@@ -60,7 +60,9 @@ def test_fused_decode_matches_the_torch_layer(hk, dk, hv, dv, kw, activation, dt
                        q_lens=[1, 1, 1])
     with torch.no_grad():
         ref = layer(hidden, SimpleNamespace(recurrent=rs))
+        layer.fuse_projections()  # strided views of one product, as the engine serves them
         qkv, z, b, a = layer.project(hidden)
+        assert not qkv.is_contiguous()
         w = layer.decode_weights()
         w = kern.DeltaNetDecodeWeights(*(t.to(dev) for t in (w.conv, w.a_log, w.dt_bias, w.norm)), w.eps,
                                        w.sigmoid_gate)

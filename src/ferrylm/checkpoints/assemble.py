@@ -258,12 +258,15 @@ def placement(config: ModelConfig, device: torch.device | str, moe_backend: str 
 
 
 def prepare_for_inference(model: torch.nn.Module) -> torch.nn.Module:
-    """Inference-only layout changes after the weights are in place: every attention layer's q/k/v projections
-    become one matrix multiply (:meth:`~ferrylm.models.layers.Attention.fuse_projections`). Returns ``model``."""
+    """Inference-only layout changes after the weights are in place: the projections a module computes from one
+    input become one matrix multiply (every attention layer's q/k/v,
+    :meth:`~ferrylm.models.layers.Attention.fuse_projections`; the :class:`~ferrylm.models.quant_linear.FusedLinears`
+    modules: a gated MLP's gate/up, a Gated DeltaNet's input projections). Returns ``model``."""
     from ferrylm.models.layers import Attention
+    from ferrylm.models.quant_linear import FusedLinears
 
     for m in model.modules():
-        if isinstance(m, Attention):
+        if isinstance(m, (Attention, FusedLinears)):
             m.fuse_projections()
     return model
 

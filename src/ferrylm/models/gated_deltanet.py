@@ -27,6 +27,7 @@ from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.models.attention import AttentionBackend
 from ferrylm.models.kernels import gated_delta as gd
+from ferrylm.models.quant_linear import FusedLinears
 from ferrylm.triton_util import use_triton
 
 
@@ -127,7 +128,7 @@ class GatedRMSNorm(nn.Module):
 # --- the linear-attention layer --------------------------------------------------------------------------------
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(FusedLinears):
     """One Gated DeltaNet token mixer (module docstring). Subclasses define :meth:`project`.
 
     Args:
@@ -248,12 +249,16 @@ class Qwen3NextGatedDeltaNet(GatedDeltaNet):
                                       bias=False)
         self.in_proj_ba = nn.Linear(hidden_size, 2 * s.value_heads, bias=False)
 
+    def fused_children(self) -> list[nn.Module]:
+        return [self.in_proj_qkvz, self.in_proj_ba]
+
     def project(self, hidden):
         s = self.shape
         t, rep = hidden.shape[0], s.value_heads // s.key_heads
-        grouped = self.in_proj_qkvz(hidden).view(t, s.key_heads, 2 * s.key_dim + 2 * rep * s.value_dim)
+        qkvz, ba = self.projections(hidden)
+        grouped = qkvz.reshape(t, s.key_heads, 2 * s.key_dim + 2 * rep * s.value_dim)
         q, k, v, z = grouped.split([s.key_dim, s.key_dim, rep * s.value_dim, rep * s.value_dim], dim=-1)
-        b, a = self.in_proj_ba(hidden).view(t, s.key_heads, 2 * rep).split([rep, rep], dim=-1)
+        b, a = ba.reshape(t, s.key_heads, 2 * rep).split([rep, rep], dim=-1)
         qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         return (qkv, z.reshape(t, s.value_heads, s.value_dim), b.reshape(t, s.value_heads),
                 a.reshape(t, s.value_heads))
@@ -271,11 +276,13 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
         self.in_proj_b = nn.Linear(hidden_size, s.value_heads, bias=False)
         self.in_proj_a = nn.Linear(hidden_size, s.value_heads, bias=False)
 
+    def fused_children(self) -> list[nn.Module]:
+        return [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+
     def project(self, hidden):
         s = self.shape
-        t = hidden.shape[0]
-        return (self.in_proj_qkv(hidden), self.in_proj_z(hidden).view(t, s.value_heads, s.value_dim),
-                self.in_proj_b(hidden), self.in_proj_a(hidden))
+        qkv, z, b, a = self.projections(hidden)
+        return qkv, z.unflatten(-1, (s.value_heads, s.value_dim)), b, a
 
 
 def _own_state(attn, layer: GatedDeltaNet, hidden: torch.Tensor):

@@ -18,7 +18,7 @@ from torch import nn
 
 from ferrylm.errors import ModelLoadError
 from ferrylm.models.attention import AttentionBackend
-from ferrylm.models.quant_linear import fuse_linears
+from ferrylm.models.quant_linear import FusedLinears, fuse_linears
 from ferrylm.triton_util import use_triton
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -472,7 +472,7 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(t, hq * d))
 
 
-class SwiGLUMLP(nn.Module):
+class SwiGLUMLP(FusedLinears):
     """Dense gated MLP ``down(silu(gate(x)) * up(x))`` (Shazeer 2020, "GLU Variants Improve Transformer").
 
     Args:
@@ -485,6 +485,10 @@ class SwiGLUMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
+    def fused_children(self) -> list[nn.Module]:
+        return [self.gate_proj, self.up_proj]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.projections(x)
+        return self.down_proj(F.silu(gate) * up)

@@ -140,3 +140,38 @@ def fuse_linears(projs: Sequence[nn.Module]) -> Callable[[torch.Tensor], torch.T
             p.bias = nn.Parameter(b[lo:hi], requires_grad=False)
         lo = hi
     return functools.partial(F.linear, weight=w, bias=b)
+
+
+class FusedLinears(nn.Module):
+    """A module that serves several of its linear children, all fed the same input, from one matrix multiply
+    (:func:`fuse_linears`) once :meth:`fuse_projections` ran (the loader calls it after the weights are in place;
+    ``checkpoints/assemble.prepare_for_inference``). Subclasses name the children in :meth:`fused_children` and
+    call :meth:`projections`, which falls back to the separate layers before fusion."""
+
+    _fused: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def fused_children(self) -> list[nn.Module]:
+        """The linear children, in the order their outputs are concatenated."""
+        raise NotImplementedError
+
+    def fuse_projections(self) -> None:
+        """Concatenate the children's weights (no memory added; the state dict keeps its names). Idempotent."""
+        if self._fused is None:
+            with torch.no_grad():
+                self._fused = fuse_linears(self.fused_children())
+
+    def projections(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """``x [T, K]`` -> each child's output ``[T, N_i]`` (views of one product once fused)."""
+        children = self.fused_children()
+        if self._fused is None:
+            return [p(x) for p in children]
+        return list(self._fused(x).split([p.out_features for p in children], dim=-1))
+
+    def _apply(self, fn, recurse=True):
+        """``.to()`` / ``.cuda()`` convert each parameter on its own: fuse again afterwards."""
+        fused = self._fused is not None
+        self._fused = None
+        out = super()._apply(fn, recurse)
+        if fused:
+            self.fuse_projections()
+        return out

@@ -33,11 +33,11 @@ class DeltaNetDecodeWeights:
 
 
 @triton.jit
-def _conv_silu(qkv_ptr, w_ptr, conv_ptr, row, slot, keep, ch, m, C, KW: tl.constexpr, KP: tl.constexpr):
+def _conv_silu(qkv_ptr, w_ptr, conv_ptr, row, slot, keep, ch, m, C, sq, KW: tl.constexpr, KP: tl.constexpr):
     """The convolution + SiLU of channels ``ch`` for one sequence (``float32`` of the model-dtype result); shifts
     the sequence's window and appends the current input. The window is read whole before any of it is written
     (threads holding the same channel must not overwrite a row another has yet to read)."""
-    x = tl.load(qkv_ptr + row * C + ch, mask=m, other=0.0)
+    x = tl.load(qkv_ptr + row * sq + ch, mask=m, other=0.0)
     base = conv_ptr + slot * (KW - 1) * C
     j = tl.arange(0, KP)[:, None]
     mj = (j < KW - 1) & m[None, :]
@@ -54,7 +54,7 @@ def _conv_silu(qkv_ptr, w_ptr, conv_ptr, row, slot, keep, ch, m, C, KW: tl.const
 
 @triton.jit
 def _decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, w_ptr, alog_ptr, dtb_ptr, nw_ptr, conv_ptr, rec_ptr, slot_ptr,
-                   fresh_ptr, out_ptr, C, eps, scale, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
+                   fresh_ptr, out_ptr, C, sq, sz, sb, sa, eps, scale, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
                    DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KW: tl.constexpr,
                    KP: tl.constexpr, SIGMOID_GATE: tl.constexpr):
     row = tl.program_id(0)
@@ -66,16 +66,16 @@ def _decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, w_ptr, alog_ptr, dtb_ptr, nw_pt
     mk = rk < DK
     rv = tl.arange(0, BV)
     mv = rv < DV
-    q = _conv_silu(qkv_ptr, w_ptr, conv_ptr, row, slot, keep, kh * DK + rk, mk, C, KW, KP)
-    k = _conv_silu(qkv_ptr, w_ptr, conv_ptr, row, slot, keep, HK * DK + kh * DK + rk, mk, C, KW, KP)
+    q = _conv_silu(qkv_ptr, w_ptr, conv_ptr, row, slot, keep, kh * DK + rk, mk, C, sq, KW, KP)
+    k = _conv_silu(qkv_ptr, w_ptr, conv_ptr, row, slot, keep, HK * DK + kh * DK + rk, mk, C, sq, KW, KP)
     q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
     k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
     dt = qkv_ptr.dtype.element_ty
     for r in tl.static_range(REP):
         h = kh * REP + r
-        v = _conv_silu(qkv_ptr, w_ptr, conv_ptr, row, slot, keep, 2 * HK * DK + h * DV + rv, mv, C, KW, KP)
-        beta = tl.sigmoid(tl.load(b_ptr + row * HV + h).to(tl.float32))
-        x = tl.load(a_ptr + row * HV + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
+        v = _conv_silu(qkv_ptr, w_ptr, conv_ptr, row, slot, keep, 2 * HK * DK + h * DV + rv, mv, C, sq, KW, KP)
+        beta = tl.sigmoid(tl.load(b_ptr + row * sb + h).to(tl.float32))
+        x = tl.load(a_ptr + row * sa + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
         softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
         g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus
         s_off = ((slot * HV + h) * DK + rk[:, None]) * DV + rv[None, :]
@@ -89,7 +89,7 @@ def _decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, w_ptr, alog_ptr, dtb_ptr, nw_pt
         o = (o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps)).to(dt).to(tl.float32)
         nw = tl.load(nw_ptr + rv, mask=mv, other=0.0).to(dt).to(tl.float32)
         normed = (nw * o).to(dt).to(tl.float32)  # products in float32, rounded where the model dtype rounds
-        z = tl.load(z_ptr + (row * HV + h) * DV + rv, mask=mv, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + row * sz + h * DV + rv, mask=mv, other=0.0).to(tl.float32)
         gate = tl.sigmoid(z) if SIGMOID_GATE else z * tl.sigmoid(z)
         tl.store(out_ptr + (row * HV + h) * DV + rv, (normed * gate).to(dt), mask=mv)
 
@@ -101,7 +101,8 @@ def fused_decode(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.T
 
     Args:
         qkv: ``[B, C]`` the projection ``[q | k | v]`` (``C = 2 Hk Dk + Hv Dv``), model dtype.
-        z: ``[B, Hv, Dv]`` output gate; b, a: ``[B, Hv]`` write-strength and decay projections.
+        z: ``[B, Hv, Dv]`` output gate; b, a: ``[B, Hv]`` write-strength and decay projections. Rows may be
+            strided (views of one fused projection); the rest contiguous.
         weights: the layer's :class:`DeltaNetDecodeWeights`.
         conv_state: ``[S, K - 1, C]`` every slot's last inputs (model dtype), updated in place.
         rec_state: ``[S, Hv, Dk, Dv]`` float32 delta-rule states, updated in place.
@@ -116,9 +117,12 @@ def fused_decode(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.T
     out = torch.empty(bsz, hv * dv, dtype=qkv.dtype, device=qkv.device)
     w = weights
     bk, bv = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
+    qkv, b, a = (t if t.stride(-1) == 1 else t.contiguous() for t in (qkv, b, a))
+    if z.stride(-1) != 1 or z.stride(-2) != dv:
+        z = z.contiguous()
     _decode_kernel[(bsz, key_heads)](
-        qkv.contiguous(), z.contiguous(), b.contiguous(), a.contiguous(), w.conv, w.a_log, w.dt_bias, w.norm,
-        conv_state, rec_state, slots, fresh.view(torch.uint8), out, c, w.eps, dk ** -0.5, HK=key_heads, HV=hv,
+        qkv, z, b, a, w.conv, w.a_log, w.dt_bias, w.norm, conv_state, rec_state, slots, fresh.view(torch.uint8),
+        out, c, qkv.stride(0), z.stride(0), b.stride(0), a.stride(0), w.eps, dk ** -0.5, HK=key_heads, HV=hv,
         DK=dk, DV=dv, BK=bk, BV=bv, KW=conv_state.shape[1] + 1,
         KP=triton.next_power_of_2(conv_state.shape[1]), SIGMOID_GATE=w.sigmoid_gate,
         num_warps=8 if bk * bv >= 128 * 128 else 4)

@@ -1,0 +1,40 @@
+"""Modules serving several projections of one input from one matrix multiply (``models/quant_linear.FusedLinears``):
+a gated MLP's gate/up and a Gated DeltaNet's input projections give what the separate layers give, the weights stay
+views of the fused matrix (no memory added, names kept), and a dtype change fuses again."""
+
+from __future__ import annotations
+
+import torch
+
+from ferrylm.models.gated_deltanet import LinearShape, Qwen35GatedDeltaNet
+from ferrylm.models.layers import SwiGLUMLP
+
+
+def test_gated_mlp_fused_equals_separate_and_survives_a_dtype_change():
+    torch.manual_seed(0)
+    mlp = SwiGLUMLP(32, 48)
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        ref = mlp(x)
+        mlp.fuse_projections()
+        assert mlp._fused is not None
+        base = mlp.gate_proj.weight.data_ptr()
+        assert mlp.up_proj.weight.data_ptr() == base + 48 * 32 * 4  # one matrix, up after gate
+        torch.testing.assert_close(mlp(x), ref, rtol=1e-6, atol=1e-6)
+        mlp.to(torch.float64)
+        assert mlp._fused is not None and mlp.up_proj.weight.dtype == torch.float64
+        torch.testing.assert_close(mlp(x.double()), ref.double(), rtol=1e-5, atol=1e-5)
+    assert set(mlp.state_dict()) == {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}
+
+
+def test_deltanet_projections_fused_equal_separate():
+    torch.manual_seed(1)
+    layer = Qwen35GatedDeltaNet(0, 24, LinearShape(2, 8, 4, 8, 3), 1e-6)
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        ref = layer.project(x)
+        layer.fuse_projections()
+        got = layer.project(x)
+    for a, b in zip(got, ref):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
