@@ -21,7 +21,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import torch
 from torch import nn
 
 from ferrylm.config import ModelConfig
@@ -76,12 +75,6 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
     arch_name = "Glm4MoeForCausalLM"
     partial_rotary = True
     float32_tensors = ("gate.e_score_correction_bias",)
-
-    def __init__(self, config: ModelConfig, *, executor: ExpertExecutor | None = None,
-                 device: torch.device | str | None = None):
-        if executor is None and self.moe_layer_indices(config):
-            raise ValueError(f"{self.arch_name} needs an ExpertExecutor")
-        super().__init__(config, executor=executor, device=device)
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:

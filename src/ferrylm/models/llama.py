@@ -20,7 +20,7 @@ from ferrylm.experts.executor import ClampedSwiGLU, ExpertExecutor
 from ferrylm.models.attention import AttentionBackend
 from ferrylm.models.capabilities import ModelCapabilities
 from ferrylm.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLUMLP, config_rope_frequencies
-from ferrylm.models.moe import hand_routers
+from ferrylm.models.moe import SparseMoeBlock, check_moe_config, hand_routers, router_has_bias
 
 log = logging.getLogger("ferrylm.models")
 
@@ -154,19 +154,31 @@ class LlamaForCausalLM(nn.Module):
         tensor_weights: module-name suffixes whose weight the family reads as a tensor (not through the module's
             forward): a GGUF's blocks for them are dequantized, never kept compact (``models/quant_linear.py``).
 
-    Class attribute used by the engine: ``capabilities`` (:class:`~ferrylm.models.capabilities.ModelCapabilities`).
+        ignores_sliding_window: the family's configs may ask for a sliding window, which this decoder does not
+            compute: a window in use is logged as ignored (:func:`warn_sliding_window`).
+
+    Class attributes used by the engine: ``capabilities`` (:class:`~ferrylm.models.capabilities.ModelCapabilities`);
+    ``arch_name`` names the class in errors.
+
+    Raises (constructor): ValueError: a MoE layer exists (:meth:`moe_layer_indices`) and no executor was given.
     """
 
+    arch_name: ClassVar[str] = "LlamaForCausalLM"
     capabilities: ClassVar[ModelCapabilities] = ModelCapabilities()
     hf_renames: tuple[tuple[str, str], ...] = ()
     float32_tensors: tuple[str, ...] = ()
     partial_rotary: bool = False
     fused_experts: str = "halves"
     tensor_weights: tuple[str, ...] = ()
+    ignores_sliding_window: ClassVar[bool] = False
 
     def __init__(self, config: ModelConfig, *, executor: ExpertExecutor | None = None,
                  device: torch.device | str | None = None):
         super().__init__()
+        if executor is None and self.moe_layer_indices(config):
+            raise ValueError(f"{self.arch_name} needs an ExpertExecutor")
+        if self.ignores_sliding_window:
+            warn_sliding_window(config)
         self.check_config(config)
         self.config = config
         mlps = [self._build_mlp(config, i, executor) for i in range(config.num_layers)]
@@ -228,3 +240,32 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             return F.linear(hidden, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
+
+
+class SparseLlamaForCausalLM(LlamaForCausalLM):
+    """The Llama decoder with every layer's MLP a softmax-routed :class:`~ferrylm.models.moe.SparseMoeBlock`
+    (Mixtral, OLMoE, gpt-oss); same API as :class:`LlamaForCausalLM`.
+
+    Raises:
+        ModelLoadError: no experts, ``num_experts_per_tok`` out of range, or any decoder check;
+        ValueError: no executor given.
+    """
+
+    @classmethod
+    def check_config(cls, config: ModelConfig) -> None:
+        check_moe_config(config, cls.arch_name)
+        super().check_config(config)
+
+    @classmethod
+    def moe_layer_indices(cls, config: ModelConfig) -> tuple[int, ...]:
+        """Every decoder layer is MoE."""
+        return tuple(range(config.num_layers))
+
+    @classmethod
+    def renormalize(cls, config: ModelConfig) -> bool:
+        """Whether the router divides the kept top-k probabilities by their sum (Mixtral: always)."""
+        return True
+
+    def _build_mlp(self, config: ModelConfig, layer_idx: int, executor: ExpertExecutor | None) -> nn.Module:
+        return SparseMoeBlock(layer_idx, config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                              executor, renormalize=self.renormalize(config), router_bias=router_has_bias(config))
