@@ -42,7 +42,6 @@ from ferrylm.models.glm4_moe import DensePrefixMoeForCausalLM, grouped_routing
 from ferrylm.models.latent_attention import LatentProjection
 from ferrylm.models.layers import RMSNorm, RotaryEmbedding, rope_frequencies
 from ferrylm.models.llama import DecoderLayer, DecoderStack
-from ferrylm.models.moe import hand_routers
 from ferrylm.models.sigmoid_moe import SigmoidRouting, check_sigmoid_config
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: the reference builds them with its RMSNorm default
@@ -190,11 +189,8 @@ class LatentDecoderStack(DecoderStack):
         inv_freq, factor = rope_frequencies(shape.rope_dim, config.rope_theta, config.rope_scaling,
                                             max_positions=config.max_position_embeddings,
                                             original_max_positions=config.raw.get("original_max_position_embeddings"))
-        self.rotary = RotaryEmbedding(shape.rope_dim, config.max_position_embeddings, inv_freq, factor, device=device)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LatentDecoderLayer(config, i, self.rotary, mlp, shape) for i, mlp in enumerate(mlps))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        hand_routers(mlps)
+        rotary = RotaryEmbedding(shape.rope_dim, config.max_position_embeddings, inv_freq, factor, device=device)
+        self._assemble(config, mlps, rotary, lambda i, mlp: LatentDecoderLayer(config, i, rotary, mlp, shape), RMSNorm)
 
 
 def deepseek_routing(config: ModelConfig) -> SigmoidRouting:
@@ -230,8 +226,7 @@ class DeepseekV3ForCausalLM(DensePrefixMoeForCausalLM):
         shape = MLAShape.of(config)
         mlps = [self._build_mlp(config, i, executor) for i in range(config.num_layers)]
         self.model = LatentDecoderStack(config, mlps, shape, device=device)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
-                                                                         bias=False)
+        self.set_lm_head(config)
 
     @classmethod
     def kv_layout(cls, config: ModelConfig):
