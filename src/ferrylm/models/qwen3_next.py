@@ -44,8 +44,8 @@ from ferrylm.models.capabilities import ModelCapabilities
 from ferrylm.models.gated_deltanet import (GatedDeltaNet, LinearShape, Qwen3NextGatedDeltaNet, Qwen35GatedDeltaNet,
                                            ZeroCentredRMSNorm, positive_int)
 from ferrylm.models.kernels import gated_delta as gd
-from ferrylm.models.layers import RotaryEmbedding, SwiGLUMLP, config_rotary_dim
-from ferrylm.models.llama import DecoderStack, StackCausalLM
+from ferrylm.models.layers import RotaryEmbedding, SwiGLUMLP
+from ferrylm.models.llama import DecoderStack, StackCausalLM, check_decoder_config
 from ferrylm.models.moe import SparseMoeBlock, check_moe_config, router_has_bias, sparse_layer_indices
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -220,12 +220,7 @@ class Qwen3NextForCausalLM(StackCausalLM):
     # --- what the engine and the loader ask the class ---------------------------------------------------------
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:
-        act = config.raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelLoadError(f"hidden_act {act!r} is not supported (only 'silu')")
-        if config.num_heads % config.num_kv_heads:
-            raise ModelLoadError(f"num_attention_heads {config.num_heads} is not a multiple of num_key_value_heads "
-                                 f"{config.num_kv_heads}")
+        check_decoder_config(_with_default_rotary(config), allow_partial_rotary=True)
         kinds = cls.layer_kinds(config)
         if LINEAR in kinds:
             LinearShape.of(config)
@@ -234,7 +229,6 @@ class Qwen3NextForCausalLM(StackCausalLM):
         if len(cls.moe_layer_indices(config)) < config.num_layers and config.intermediate_size < 1:
             raise ModelLoadError(f"{cls.arch_name}: dense layers need intermediate_size, got "
                                  f"{config.intermediate_size}")
-        config_rotary_dim(_with_default_rotary(config), allow_partial=True)
 
     @classmethod
     def layer_kinds(cls, config: ModelConfig) -> tuple[str, ...]:
