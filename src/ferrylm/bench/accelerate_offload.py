@@ -28,6 +28,7 @@ from typing import Any
 from ferrylm.bench.accelerate_model import (GiB, build_empty, describe_placement, dispatch, granularity_line,
                                             hf_config, materialize_, plan_device_map)
 from ferrylm.bench.common import bench_prompts, sync, token_checksum
+from ferrylm.bench.report import report
 
 INSTALL_HINT = "pip install 'ferrylm[bench]'"
 
@@ -310,8 +311,5 @@ def main(args) -> int:
         return 1
     print(format_table(res))
     out = result_json(res)
-    print(json.dumps(out))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump({**out, "token_ids": res.token_ids}, f, indent=2)
+    report(json.dumps(out), {**out, "token_ids": res.token_ids}, args.output_json)
     return 0

@@ -326,8 +326,8 @@ def _run_client(args: argparse.Namespace, base_url: str, run, fmt) -> int:
     """Run a ``bench serve`` client coroutine ``run``, print ``fmt(summary)``, write ``--output-json``; 1 when the
     server cannot be reached or a request failed (one line, not a traceback), else 0."""
     import asyncio
-    import json
 
+    from ferrylm.bench.report import report
     from ferrylm.bench.serve import BenchError
 
     try:
@@ -338,8 +338,5 @@ def _run_client(args: argparse.Namespace, base_url: str, run, fmt) -> int:
     except Exception as e:  # connection refused and the like: one line, not a traceback
         print(f"ferry bench serve: cannot benchmark {base_url}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    print(fmt(summary))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(summary, f, indent=2)
+    report(fmt(summary), summary, args.output_json)
     return 0 if summary["failed"] == 0 else 1

@@ -31,7 +31,6 @@ SDPA kernel is left out, as everywhere (``engine/attention/torch_backend.py``).
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import sys
 import time
@@ -41,6 +40,7 @@ from typing import Callable
 import torch
 
 from ferrylm.bench.common import bench_prompts, sync, token_checksum
+from ferrylm.bench.report import report
 from ferrylm.errors import FerryError
 from ferrylm.experts import ExpertOptions, backend_name, build_from_banks
 from ferrylm.experts.options import Bandwidths
@@ -440,8 +440,5 @@ def main(args) -> int:
     except (FerryError, ValueError) as e:  # a bad --model spec or folder, a device that is not there
         print(f"ferry bench decode: {e}", file=sys.stderr)
         return 2
-    print(format_table(summary))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(summary, f, indent=2)
+    report(format_table(summary), summary, args.output_json)
     return 0 if all(r["error"] is None for r in summary["results"]) else 1

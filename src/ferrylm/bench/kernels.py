@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from ferrylm.bench.report import report
+
 
 def _bench(fn, reps: int = 50) -> float:
     """Median ms of eager calls (host launch time included)."""
@@ -283,8 +285,5 @@ def main(args) -> int:
         print(json.dumps(r))
     out = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "hbm_copy_gbs": hbm,
            "seconds": time.time() - t0, "rows": rows}
-    print(f"HBM copy {hbm:.0f} GB/s")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(out, f, indent=2)
+    report(f"HBM copy {hbm:.0f} GB/s", out, args.output_json)
     return 0

@@ -16,6 +16,7 @@ Expert layouts accepted (per MoE layer N, block named ``block_sparse_moe`` or ``
 from __future__ import annotations
 
 import re
+from collections.abc import Container
 from dataclasses import dataclass
 
 import torch
@@ -103,19 +104,13 @@ class ExpertAssembler:
         return True
 
     def _put(self, name: str, layer: int, part: str, experts: list[int], tensor: torch.Tensor) -> None:
-        stack = self.stacks.get(layer)
-        if stack is None:
-            raise ModelLoadError(f"checkpoint tensor {name!r}: layer {layer} has no routed experts")
-        if experts[-1] >= self.num_experts:
-            raise ModelLoadError(f"checkpoint tensor {name!r}: expert {experts[-1]} out of range "
-                                 f"(num_local_experts={self.num_experts})")
+        check_expert_ids(name, layer, experts, self.stacks, self.num_experts)
+        stack = self.stacks[layer]
         want = (len(experts), *self.shapes[part])
         if tuple(tensor.shape) != want:
             raise ModelLoadError(f"checkpoint tensor {name!r}: expected shape {list(want)}, got "
                                  f"{list(tensor.shape)}")
-        done = self.filled[(layer, part)]
-        if done.intersection(experts):
-            raise ModelLoadError(f"checkpoint tensor {name!r} duplicates expert weights already loaded")
+        done = unfilled(self.filled, name, layer, part, experts)
         getattr(stack, part)[experts[0]:experts[-1] + 1].copy_(tensor)
         done.update(experts)
 
@@ -172,6 +167,26 @@ class ExpertBiasAssembler:
             stacks[layer].math = ExpertMath(gu[:, 0::2].contiguous(), gu[:, 1::2].contiguous(),
                                             self.tensors[(layer, "down_proj")].contiguous(), *self.swiglu)
         return stacks
+
+
+def check_expert_ids(name: str, layer: int, experts: list[int], layers: Container[int], num_experts: int) -> None:
+    """Raise ModelLoadError (naming checkpoint tensor ``name``) unless ``layer`` is one of ``layers`` (those with
+    routed experts) and the ascending ids ``experts`` stay below ``num_experts``."""
+    if layer not in layers:
+        raise ModelLoadError(f"checkpoint tensor {name!r}: layer {layer} has no routed experts")
+    if experts[-1] >= num_experts:
+        raise ModelLoadError(f"checkpoint tensor {name!r}: expert {experts[-1]} out of range "
+                             f"(num_experts={num_experts})")
+
+
+def unfilled(filled: dict[tuple[int, str], set[int]], name: str, layer: int, part: str,
+             experts: list[int]) -> set[int]:
+    """The set of expert ids loaded for ``(layer, part)``, which the caller updates with ``experts`` once copied.
+    Raises ModelLoadError when tensor ``name`` loads any of them again."""
+    done = filled[(layer, part)]
+    if done.intersection(experts):
+        raise ModelLoadError(f"checkpoint tensor {name!r} duplicates expert weights already loaded")
+    return done
 
 
 def check_experts_complete(filled: dict[tuple[int, str], set[int]], num_experts: int) -> None:

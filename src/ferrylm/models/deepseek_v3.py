@@ -38,12 +38,11 @@ from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.executor import ExpertExecutor
 from ferrylm.models.attention import AttentionBackend
-from ferrylm.models.glm4_moe import _int_field, skips_mtp_layer
+from ferrylm.models.glm4_moe import DensePrefixMoeForCausalLM, grouped_routing
 from ferrylm.models.latent_attention import LatentProjection
-from ferrylm.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, rope_frequencies
-from ferrylm.models.llama import DecoderLayer, DecoderStack, LlamaForCausalLM
-from ferrylm.models.moe import hand_routers, router_has_bias
-from ferrylm.models.sigmoid_moe import SigmoidMoeBlock, SigmoidRouting, check_sigmoid_config
+from ferrylm.models.layers import RMSNorm, RotaryEmbedding, rope_frequencies
+from ferrylm.models.llama import DecoderLayer, DecoderStack
+from ferrylm.models.sigmoid_moe import SigmoidRouting, check_sigmoid_config
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: the reference builds them with its RMSNorm default
 
@@ -190,28 +189,17 @@ class LatentDecoderStack(DecoderStack):
         inv_freq, factor = rope_frequencies(shape.rope_dim, config.rope_theta, config.rope_scaling,
                                             max_positions=config.max_position_embeddings,
                                             original_max_positions=config.raw.get("original_max_position_embeddings"))
-        self.rotary = RotaryEmbedding(shape.rope_dim, config.max_position_embeddings, inv_freq, factor, device=device)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LatentDecoderLayer(config, i, self.rotary, mlp, shape) for i, mlp in enumerate(mlps))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        hand_routers(mlps)
+        rotary = RotaryEmbedding(shape.rope_dim, config.max_position_embeddings, inv_freq, factor, device=device)
+        self._assemble(config, mlps, rotary, lambda i, mlp: LatentDecoderLayer(config, i, rotary, mlp, shape), RMSNorm)
 
 
 def deepseek_routing(config: ModelConfig) -> SigmoidRouting:
     """The ``noaux_tc`` rule from the config (transformers' DeepseekV3 defaults for absent fields: 8 groups, best 4,
     renormalised, scale 2.5). Raises ModelLoadError for a non-numeric ``routed_scaling_factor``."""
-    raw = config.raw
-    value = raw.get("routed_scaling_factor", 2.5)
-    try:
-        scale = float(2.5 if value is None else value)
-    except (TypeError, ValueError):
-        raise ModelLoadError(f"config field 'routed_scaling_factor' must be a number, got {value!r}") from None
-    return SigmoidRouting(top_k=config.num_experts_per_tok, n_group=_int_field(raw, "n_group", 8),
-                          topk_group=_int_field(raw, "topk_group", 4),
-                          renormalize=bool(raw.get("norm_topk_prob", True)), scale=scale, eps=1e-20)
+    return grouped_routing(config, n_group=8, topk_group=4, scale=2.5)
 
 
-class DeepseekV3ForCausalLM(LlamaForCausalLM):
+class DeepseekV3ForCausalLM(DensePrefixMoeForCausalLM):
     """DeepSeek-V3 causal LM (module docstring); same API as :class:`~ferrylm.models.llama.LlamaForCausalLM`.
 
     Raises:
@@ -226,6 +214,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     # the reference keeps the router (weight and selection bias) in float32 whatever the load dtype
     float32_tensors = ("gate.e_score_correction_bias", "mlp.gate.weight")
     tensor_weights = ("kv_b_proj",)  # the latent attention's absorbed projection (models/latent_attention.py)
+    first_dense_default = 3
 
     def __init__(self, config: ModelConfig, *, executor: ExpertExecutor | None = None,
                  device: torch.device | str | None = None):
@@ -237,8 +226,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         shape = MLAShape.of(config)
         mlps = [self._build_mlp(config, i, executor) for i in range(config.num_layers)]
         self.model = LatentDecoderStack(config, mlps, shape, device=device)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
-                                                                         bias=False)
+        self.set_lm_head(config)
 
     @classmethod
     def kv_layout(cls, config: ModelConfig):
@@ -261,31 +249,10 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         shape = MLAShape.of(config)
         rope_frequencies(shape.rope_dim, config.rope_theta, config.rope_scaling,
                          max_positions=config.max_position_embeddings)
-        first = _int_field(raw, "first_k_dense_replace", 3)
-        if first < 0:
-            raise ModelLoadError(f"{cls.arch_name}: first_k_dense_replace must be >= 0, got {first}")
-        if min(first, config.num_layers) > 0 and config.intermediate_size < 1:
-            raise ModelLoadError(f"{cls.arch_name}: the first {first} layers are dense (first_k_dense_replace) "
-                                 f"but intermediate_size is {config.intermediate_size}")
-        if _int_field(raw, "n_shared_experts", 1) < 0:
-            raise ModelLoadError(f"{cls.arch_name}: n_shared_experts must be >= 0")
+        cls.check_layer_plan(config)
         if cls.moe_layer_indices(config):
             check_sigmoid_config(config, deepseek_routing(config), cls.arch_name)
 
     @classmethod
-    def moe_layer_indices(cls, config: ModelConfig) -> tuple[int, ...]:
-        """Layers ``first_k_dense_replace .. num_hidden_layers - 1`` (transformers' ``DeepseekV3DecoderLayer``)."""
-        first = max(_int_field(config.raw, "first_k_dense_replace", 3), 0)
-        return tuple(range(first, config.num_layers)) if config.is_moe else ()
-
-    @classmethod
-    def skips_tensor(cls, name: str, config: ModelConfig) -> bool:
-        return skips_mtp_layer(name, config)
-
-    def _build_mlp(self, config: ModelConfig, layer_idx: int, executor: ExpertExecutor | None) -> nn.Module:
-        if layer_idx not in self.moe_layer_indices(config):
-            return SwiGLUMLP(config.hidden_size, config.intermediate_size)
-        width = _int_field(config.raw, "n_shared_experts", 1) * config.moe_intermediate_size
-        shared = SwiGLUMLP(config.hidden_size, width) if width > 0 else None
-        return SigmoidMoeBlock(layer_idx, config.hidden_size, config.num_experts, executor, deepseek_routing(config),
-                               shared_experts=shared, router_bias=router_has_bias(config))
+    def routing(cls, config: ModelConfig) -> SigmoidRouting:
+        return deepseek_routing(config)

@@ -24,8 +24,8 @@ from torch import nn
 from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.executor import ClampedSwiGLU, ExpertExecutor
-from ferrylm.models.llama import LlamaForCausalLM
-from ferrylm.models.moe import SparseMoeBlock, check_moe_config
+from ferrylm.models.llama import SparseLlamaForCausalLM
+from ferrylm.models.moe import SparseMoeBlock
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -72,7 +72,7 @@ def swiglu_params(config: ModelConfig) -> ClampedSwiGLU:
     return ClampedSwiGLU(alpha, limit)
 
 
-class GptOssForCausalLM(LlamaForCausalLM):
+class GptOssForCausalLM(SparseLlamaForCausalLM):
     """gpt-oss causal LM; same API as :class:`~ferrylm.models.llama.LlamaForCausalLM`.
 
     Raises:
@@ -89,8 +89,6 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig, *, executor: ExpertExecutor | None = None,
                  device: torch.device | str | None = None):
-        if executor is None:
-            raise ValueError(f"{self.arch_name} needs an ExpertExecutor")
         super().__init__(config, executor=executor, device=device)
         window = sliding_window(config)
         for layer, kind in zip(self.model.layers, layer_types(config)):
@@ -98,16 +96,10 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:
-        check_moe_config(config, cls.arch_name)
+        super().check_config(config)
         layer_types(config)
         sliding_window(config)
         swiglu_params(config)
-        super().check_config(config)
-
-    @classmethod
-    def moe_layer_indices(cls, config: ModelConfig) -> tuple[int, ...]:
-        """Every decoder layer is MoE."""
-        return tuple(range(config.num_layers))
 
     @classmethod
     def attention_kwargs(cls, config: ModelConfig) -> dict[str, Any]:

@@ -8,7 +8,7 @@ which only swap the per-layer MLP. Module names mirror the HF checkpoint names (
 from __future__ import annotations
 
 import logging
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +20,7 @@ from ferrylm.experts.executor import ClampedSwiGLU, ExpertExecutor
 from ferrylm.models.attention import AttentionBackend
 from ferrylm.models.capabilities import ModelCapabilities
 from ferrylm.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLUMLP, config_rope_frequencies
-from ferrylm.models.moe import hand_routers
+from ferrylm.models.moe import SparseMoeBlock, check_moe_config, hand_routers, router_has_bias
 
 log = logging.getLogger("ferrylm.models")
 
@@ -117,11 +117,20 @@ class DecoderStack(nn.Module):
     def __init__(self, config: ModelConfig, mlps: list[nn.Module], device: torch.device | str | None = None,
                  attention_kwargs: dict[str, Any] | None = None, partial_rotary: bool = False):
         super().__init__()
-        self.rotary = RotaryEmbedding.from_config(config, device=device, allow_partial=partial_rotary)
+        rotary = RotaryEmbedding.from_config(config, device=device, allow_partial=partial_rotary)
+        self._assemble(config, mlps, rotary, lambda i, mlp: DecoderLayer(config, i, rotary, mlp, attention_kwargs),
+                       RMSNorm)
+
+    def _assemble(self, config: ModelConfig, mlps: list[nn.Module], rotary: RotaryEmbedding,
+                  make_layer: Callable[[int, nn.Module], nn.Module],
+                  norm_cls: Callable[[int, float], nn.Module]) -> None:
+        """Set the modules every stack has, in checkpoint order: ``rotary`` (shared by the layers), the embedding,
+        ``make_layer(i, mlps[i])`` per layer, ``norm_cls(H, rms_norm_eps)``; then hand the MoE blocks' routers to
+        their executor (``hand_routers``). Subclasses with their own layers call it from their ``__init__``."""
+        self.rotary = rotary
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary, mlp, attention_kwargs)
-                                    for i, mlp in enumerate(mlps))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(make_layer(i, mlp) for i, mlp in enumerate(mlps))
+        self.norm = norm_cls(config.hidden_size, config.rms_norm_eps)
         hand_routers(mlps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
@@ -132,7 +141,43 @@ class DecoderStack(nn.Module):
         return self.norm(x)
 
 
-class LlamaForCausalLM(nn.Module):
+class StackCausalLM(nn.Module):
+    """What a causal LM over a :class:`DecoderStack`-like ``model`` (``embed_tokens``, ``model(input_ids,
+    positions, attn)``) shares: ``num_layers``, ``forward``, ``compute_logits`` through ``lm_head`` or the tied
+    embedding. Subclasses set ``config``, ``model`` and ``lm_head`` (:meth:`set_lm_head`)."""
+
+    config: ModelConfig
+
+    def set_lm_head(self, config: ModelConfig) -> None:
+        """``lm_head``: a ``[V, H]`` linear, or None when ``tie_word_embeddings`` (logits read the embedding)."""
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+                                                                         bias=False)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """Run the decoder over a flattened batch.
+
+        Args:
+            input_ids: ``[T]`` int64 token ids of all sequences' new tokens, concatenated.
+            positions: ``[T]`` int64 absolute position of each token in its sequence.
+            attn: stores K/V and computes causal attention per layer.
+
+        Returns:
+            ``[T, H]`` final-normed hidden states.
+        """
+        return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, H]`` -> ``[N, V]`` float32 logits (tied to the embedding when ``tie_word_embeddings``)."""
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+
+class LlamaForCausalLM(StackCausalLM):
     """Dense Llama causal LM.
 
     Args:
@@ -154,26 +199,37 @@ class LlamaForCausalLM(nn.Module):
         tensor_weights: module-name suffixes whose weight the family reads as a tensor (not through the module's
             forward): a GGUF's blocks for them are dequantized, never kept compact (``models/quant_linear.py``).
 
-    Class attribute used by the engine: ``capabilities`` (:class:`~ferrylm.models.capabilities.ModelCapabilities`).
+        ignores_sliding_window: the family's configs may ask for a sliding window, which this decoder does not
+            compute: a window in use is logged as ignored (:func:`warn_sliding_window`).
+
+    Class attributes used by the engine: ``capabilities`` (:class:`~ferrylm.models.capabilities.ModelCapabilities`);
+    ``arch_name`` names the class in errors.
+
+    Raises (constructor): ValueError: a MoE layer exists (:meth:`moe_layer_indices`) and no executor was given.
     """
 
+    arch_name: ClassVar[str] = "LlamaForCausalLM"
     capabilities: ClassVar[ModelCapabilities] = ModelCapabilities()
     hf_renames: tuple[tuple[str, str], ...] = ()
     float32_tensors: tuple[str, ...] = ()
     partial_rotary: bool = False
     fused_experts: str = "halves"
     tensor_weights: tuple[str, ...] = ()
+    ignores_sliding_window: ClassVar[bool] = False
 
     def __init__(self, config: ModelConfig, *, executor: ExpertExecutor | None = None,
                  device: torch.device | str | None = None):
         super().__init__()
+        if executor is None and self.moe_layer_indices(config):
+            raise ValueError(f"{self.arch_name} needs an ExpertExecutor")
+        if self.ignores_sliding_window:
+            warn_sliding_window(config)
         self.check_config(config)
         self.config = config
         mlps = [self._build_mlp(config, i, executor) for i in range(config.num_layers)]
         self.model = DecoderStack(config, mlps, device=device, attention_kwargs=self.attention_kwargs(config),
                                   partial_rotary=self.partial_rotary)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
-                                                                         bias=False)
+        self.set_lm_head(config)
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:
@@ -206,25 +262,31 @@ class LlamaForCausalLM(nn.Module):
     def _build_mlp(self, config: ModelConfig, layer_idx: int, executor: ExpertExecutor | None) -> nn.Module:
         return SwiGLUMLP(config.hidden_size, config.intermediate_size, bias=bool(config.raw.get("mlp_bias", False)))
 
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_layers
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        """Run the decoder over a flattened batch.
+class SparseLlamaForCausalLM(LlamaForCausalLM):
+    """The Llama decoder with every layer's MLP a softmax-routed :class:`~ferrylm.models.moe.SparseMoeBlock`
+    (Mixtral, OLMoE, gpt-oss); same API as :class:`LlamaForCausalLM`.
 
-        Args:
-            input_ids: ``[T]`` int64 token ids of all sequences' new tokens, concatenated.
-            positions: ``[T]`` int64 absolute position of each token in its sequence.
-            attn: stores K/V and computes causal attention per layer.
+    Raises:
+        ModelLoadError: no experts, ``num_experts_per_tok`` out of range, or any decoder check;
+        ValueError: no executor given.
+    """
 
-        Returns:
-            ``[T, H]`` final-normed hidden states.
-        """
-        return self.model(input_ids, positions, attn)
+    @classmethod
+    def check_config(cls, config: ModelConfig) -> None:
+        check_moe_config(config, cls.arch_name)
+        super().check_config(config)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [N, H]`` -> ``[N, V]`` float32 logits (tied to the embedding when ``tie_word_embeddings``)."""
-        if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+    @classmethod
+    def moe_layer_indices(cls, config: ModelConfig) -> tuple[int, ...]:
+        """Every decoder layer is MoE."""
+        return tuple(range(config.num_layers))
+
+    @classmethod
+    def renormalize(cls, config: ModelConfig) -> bool:
+        """Whether the router divides the kept top-k probabilities by their sum (Mixtral: always)."""
+        return True
+
+    def _build_mlp(self, config: ModelConfig, layer_idx: int, executor: ExpertExecutor | None) -> nn.Module:
+        return SparseMoeBlock(layer_idx, config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                              executor, renormalize=self.renormalize(config), router_bias=router_has_bias(config))

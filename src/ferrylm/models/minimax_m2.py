@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from ferrylm.config import ModelConfig
@@ -48,12 +47,6 @@ class MiniMaxM2ForCausalLM(LlamaForCausalLM):
     hf_renames = ((".block_sparse_moe.", ".mlp."),
                   (".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"))
     float32_tensors = ("gate.e_score_correction_bias",)
-
-    def __init__(self, config: ModelConfig, *, executor: ExpertExecutor | None = None,
-                 device: torch.device | str | None = None):
-        if executor is None:
-            raise ValueError(f"{self.arch_name} needs an ExpertExecutor")
-        super().__init__(config, executor=executor, device=device)
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:

@@ -10,37 +10,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from torch import nn
-
 from ferrylm.config import ModelConfig
-from ferrylm.experts.executor import ExpertExecutor
-from ferrylm.models.llama import LlamaForCausalLM
-from ferrylm.models.moe import SparseMoeBlock, check_moe_config, router_has_bias
+from ferrylm.models.llama import SparseLlamaForCausalLM
 
 
-class OlmoeForCausalLM(LlamaForCausalLM):
+class OlmoeForCausalLM(SparseLlamaForCausalLM):
     """OLMoE causal LM; same API as :class:`~ferrylm.models.llama.LlamaForCausalLM`.
 
     Raises:
         ModelLoadError: no experts or ``top_k`` out of range; ValueError: no executor given.
     """
 
-    def __init__(self, config: ModelConfig, *, executor: ExpertExecutor | None = None,
-                 device: torch.device | str | None = None):
-        if executor is None:
-            raise ValueError("OlmoeForCausalLM needs an ExpertExecutor")
-        super().__init__(config, executor=executor, device=device)
-
-    @classmethod
-    def check_config(cls, config: ModelConfig) -> None:
-        check_moe_config(config, "OlmoeForCausalLM")
-        super().check_config(config)
-
-    @classmethod
-    def moe_layer_indices(cls, config: ModelConfig) -> tuple[int, ...]:
-        """Every decoder layer is MoE."""
-        return tuple(range(config.num_layers))
+    arch_name = "OlmoeForCausalLM"
 
     @classmethod
     def attention_kwargs(cls, config: ModelConfig) -> dict[str, Any]:
@@ -50,7 +31,7 @@ class OlmoeForCausalLM(LlamaForCausalLM):
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": "proj", "norm_eps": config.rms_norm_eps,
                 "clip_qkv": None if clip is None else float(clip)}
 
-    def _build_mlp(self, config: ModelConfig, layer_idx: int, executor: ExpertExecutor | None) -> nn.Module:
-        return SparseMoeBlock(layer_idx, config.hidden_size, config.num_experts, config.num_experts_per_tok,
-                              executor, renormalize=bool(config.raw.get("norm_topk_prob", False)),
-                              router_bias=router_has_bias(config))
+    @classmethod
+    def renormalize(cls, config: ModelConfig) -> bool:
+        """Per ``norm_topk_prob`` (OLMoE-1B-7B: off)."""
+        return bool(config.raw.get("norm_topk_prob", False))

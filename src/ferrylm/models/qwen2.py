@@ -10,11 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from ferrylm.config import ModelConfig
-from ferrylm.experts.executor import ExpertExecutor
-from ferrylm.models.llama import LlamaForCausalLM, warn_sliding_window
+from ferrylm.models.llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -24,10 +21,8 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
         ModelLoadError: unsupported config (activation, head layout, RoPE type).
     """
 
-    def __init__(self, config: ModelConfig, *, executor: ExpertExecutor | None = None,
-                 device: torch.device | str | None = None):
-        warn_sliding_window(config)
-        super().__init__(config, executor=executor, device=device)
+    arch_name = "Qwen2ForCausalLM"
+    ignores_sliding_window = True
 
     @classmethod
     def attention_kwargs(cls, config: ModelConfig) -> dict[str, Any]:

@@ -12,20 +12,19 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.executor import ExpertExecutor
 from ferrylm.models.layers import SwiGLUMLP
-from ferrylm.models.llama import LlamaForCausalLM, warn_sliding_window
+from ferrylm.models.llama import LlamaForCausalLM
 from ferrylm.models.moe import SparseMoeBlock, check_moe_config, router_has_bias, sparse_layer_indices
 from ferrylm.models.qwen3 import qwen3_attention_kwargs
 
 
 class QwenMoeBase(LlamaForCausalLM):
-    """What Qwen2-MoE and Qwen3-MoE share: the sparse/dense layer rule, ``norm_topk_prob``, the executor check.
+    """What Qwen2-MoE and Qwen3-MoE share: the sparse/dense layer rule, ``norm_topk_prob``.
 
     Subclasses set :meth:`attention_kwargs` and, for a shared expert, override :meth:`_shared_expert`.
 
@@ -35,13 +34,7 @@ class QwenMoeBase(LlamaForCausalLM):
     """
 
     arch_name = "QwenMoe"
-
-    def __init__(self, config: ModelConfig, *, executor: ExpertExecutor | None = None,
-                 device: torch.device | str | None = None):
-        if executor is None and self.moe_layer_indices(config):
-            raise ValueError(f"{self.arch_name} needs an ExpertExecutor")
-        warn_sliding_window(config)
-        super().__init__(config, executor=executor, device=device)
+    ignores_sliding_window = True
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:

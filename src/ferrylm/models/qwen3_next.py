@@ -34,7 +34,6 @@ import dataclasses
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ferrylm.config import ModelConfig
@@ -45,8 +44,9 @@ from ferrylm.models.capabilities import ModelCapabilities
 from ferrylm.models.gated_deltanet import (GatedDeltaNet, LinearShape, Qwen3NextGatedDeltaNet, Qwen35GatedDeltaNet,
                                            ZeroCentredRMSNorm, positive_int)
 from ferrylm.models.kernels import gated_delta as gd
-from ferrylm.models.layers import RotaryEmbedding, SwiGLUMLP, config_rotary_dim
-from ferrylm.models.moe import SparseMoeBlock, check_moe_config, hand_routers, router_has_bias, sparse_layer_indices
+from ferrylm.models.layers import RotaryEmbedding, SwiGLUMLP
+from ferrylm.models.llama import DecoderStack, StackCausalLM, check_decoder_config
+from ferrylm.models.moe import SparseMoeBlock, check_moe_config, router_has_bias, sparse_layer_indices
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -169,29 +169,21 @@ class HybridDecoderLayer(nn.Module):
         return x + self.self_attn(positions, y, attn)
 
 
-class HybridStack(nn.Module):
-    """Embedding, hybrid decoder layers, final zero-centred norm (HF ``model.*``); the MoE blocks' executor gets
-    their routers here (``hand_routers``)."""
+class HybridStack(DecoderStack):
+    """:class:`~ferrylm.models.llama.DecoderStack` of hybrid decoder layers with the final zero-centred norm (HF
+    ``model.*``)."""
 
     def __init__(self, config: ModelConfig, mlps: list[nn.Module], linear_cls: type[GatedDeltaNet],
                  device: torch.device | str | None = None):
-        super().__init__()
-        self.rotary = RotaryEmbedding.from_config(_with_default_rotary(config), device=device, allow_partial=True)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        nn.Module.__init__(self)
+        rotary = RotaryEmbedding.from_config(_with_default_rotary(config), device=device, allow_partial=True)
         kinds = layer_types(config)
-        self.layers = nn.ModuleList(HybridDecoderLayer(config, i, kinds[i], self.rotary, mlp, linear_cls)
-                                    for i, mlp in enumerate(mlps))
-        self.norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
-        hand_routers(mlps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x, attn)
-        return self.norm(x)
+        self._assemble(config, mlps, rotary,
+                       lambda i, mlp: HybridDecoderLayer(config, i, kinds[i], rotary, mlp, linear_cls),
+                       ZeroCentredRMSNorm)
 
 
-class Qwen3NextForCausalLM(nn.Module):
+class Qwen3NextForCausalLM(StackCausalLM):
     """Qwen3-Next causal LM; the API of :class:`~ferrylm.models.llama.LlamaForCausalLM` (``forward(input_ids [T],
     positions [T], attn) -> [T, H]``, ``compute_logits``), plus :meth:`kv_layout` / :meth:`state_layout`.
 
@@ -223,18 +215,12 @@ class Qwen3NextForCausalLM(nn.Module):
         self.config = config
         mlps = [self._build_mlp(config, i, executor) for i in range(config.num_layers)]
         self.model = HybridStack(config, mlps, self.linear_cls, device=device)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
-                                                                         bias=False)
+        self.set_lm_head(config)
 
     # --- what the engine and the loader ask the class ---------------------------------------------------------
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:
-        act = config.raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelLoadError(f"hidden_act {act!r} is not supported (only 'silu')")
-        if config.num_heads % config.num_kv_heads:
-            raise ModelLoadError(f"num_attention_heads {config.num_heads} is not a multiple of num_key_value_heads "
-                                 f"{config.num_kv_heads}")
+        check_decoder_config(_with_default_rotary(config), allow_partial_rotary=True)
         kinds = cls.layer_kinds(config)
         if LINEAR in kinds:
             LinearShape.of(config)
@@ -243,7 +229,6 @@ class Qwen3NextForCausalLM(nn.Module):
         if len(cls.moe_layer_indices(config)) < config.num_layers and config.intermediate_size < 1:
             raise ModelLoadError(f"{cls.arch_name}: dense layers need intermediate_size, got "
                                  f"{config.intermediate_size}")
-        config_rotary_dim(_with_default_rotary(config), allow_partial=True)
 
     @classmethod
     def layer_kinds(cls, config: ModelConfig) -> tuple[str, ...]:
@@ -315,20 +300,6 @@ class Qwen3NextForCausalLM(nn.Module):
         return SparseMoeBlock(layer_idx, config.hidden_size, config.num_experts, config.num_experts_per_tok,
                               executor, renormalize=self.renormalize(config), router_bias=router_has_bias(config),
                               shared_expert=shared)
-
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_layers
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        """``input_ids [T]``, ``positions [T]`` -> final-normed hidden ``[T, H]``."""
-        return self.model(input_ids, positions, attn)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [N, H]`` -> ``[N, V]`` float32."""
-        if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
 
 
 class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):

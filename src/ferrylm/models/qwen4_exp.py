@@ -300,8 +300,7 @@ class Qwen4ExpForCausalLM(Qwen3_5MoeForCausalLM):
         self.config = config
         mlps = [self._build_mlp(config, i, executor) for i in range(config.num_layers)]
         self.model = Qwen4Stack(config, mlps, device=device)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
-                                                                         bias=False)
+        self.set_lm_head(config)
 
     @classmethod
     def layer_kinds(cls, config: ModelConfig) -> tuple[str, ...]:

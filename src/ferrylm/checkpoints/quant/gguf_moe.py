@@ -88,40 +88,39 @@ def decode_q6_k(data: np.ndarray, t: GGUFTensor) -> Decoded:
     return Decoded(q.reshape(*lead, n, k), scales, None, 32, 16)
 
 
-def decode_q4_k(data: np.ndarray, t: GGUFTensor) -> Decoded:
+def _k_decoded(b: torch.Tensor, q: torch.Tensor, t: GGUFTensor) -> Decoded:
+    """A Q4_K / Q5_K tensor from its codes ``q [nb, 256]`` and the header its blocks share (bytes ``0:16`` of each
+    row of ``b [nb, block bytes]``: the f16 super-block scale and min, then 8 six-bit sub-block scales and mins):
+    value ``code * d * sc - dmin * m`` per sub-block of 32."""
     from gguf.quants import Q4_K
 
-    b = _blocks(data, t, 144)
     nb = b.shape[0]
     d, dmin = _f16(b[:, 0:2]).float(), _f16(b[:, 2:4]).float()
     sc, m = Q4_K.get_scale_min(b[:, 4:16].numpy())
     sc, m = torch.from_numpy(np.asarray(sc)).reshape(nb, 8), torch.from_numpy(np.asarray(m)).reshape(nb, 8)
-    qs = b[:, 16:].reshape(nb, 4, 32)
-    q = torch.stack((qs & 15, qs >> 4), 2).reshape(nb, 256)  # chunk c: 32 low nibbles, then 32 high nibbles
     *lead, n, k = t.shape
     scales = (d[:, None] * sc.float()).reshape(*lead, n, k // 32)
     mins = (dmin[:, None] * m.float()).reshape(*lead, n, k // 32)
     return Decoded(q.reshape(*lead, n, k), scales, mins, None, 32)
 
 
+def decode_q4_k(data: np.ndarray, t: GGUFTensor) -> Decoded:
+    b = _blocks(data, t, 144)
+    qs = b[:, 16:].reshape(b.shape[0], 4, 32)
+    q = torch.stack((qs & 15, qs >> 4), 2).reshape(b.shape[0], 256)  # chunk c: 32 low nibbles, then 32 high nibbles
+    return _k_decoded(b, q, t)
+
+
 def decode_q5_k(data: np.ndarray, t: GGUFTensor) -> Decoded:
     """Q5_K (``experts/gguf_blocks.py``): Q4_K's scales and mins, a fifth code bit from ``qh[32]``."""
-    from gguf.quants import Q4_K
-
     b = _blocks(data, t, 176)
     nb = b.shape[0]
-    d, dmin = _f16(b[:, 0:2]).float(), _f16(b[:, 2:4]).float()
-    sc, m = Q4_K.get_scale_min(b[:, 4:16].numpy())
-    sc, m = torch.from_numpy(np.asarray(sc)).reshape(nb, 8), torch.from_numpy(np.asarray(m)).reshape(nb, 8)
     qh = b[:, 16:48].reshape(nb, 1, 32)
     qs = b[:, 48:].reshape(nb, 4, 32)
     low = torch.stack((qs & 15, qs >> 4), 2).reshape(nb, 8, 32)
     high = (qh >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1
     q = (low | (high << 4)).reshape(nb, 256)  # 0..31
-    *lead, n, k = t.shape
-    scales = (d[:, None] * sc.float()).reshape(*lead, n, k // 32)
-    mins = (dmin[:, None] * m.float()).reshape(*lead, n, k // 32)
-    return Decoded(q.reshape(*lead, n, k), scales, mins, None, 32)
+    return _k_decoded(b, q, t)
 
 
 MXFP4_FORMAT = QuantFormat("fp4", 32, torch.bfloat16)

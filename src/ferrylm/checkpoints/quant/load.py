@@ -23,7 +23,8 @@ from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.executor import LayerExperts
 from ferrylm.experts.quantized import QuantFormat, QuantTensor, empty_quant
-from ferrylm.checkpoints.assemble import check_experts_complete, expert_assemblers, module_name, renamed, tensor_dtype
+from ferrylm.checkpoints.assemble import (check_expert_ids, check_experts_complete, expert_assemblers, module_name,
+                                         renamed, tensor_dtype, unfilled)
 from ferrylm.checkpoints.quant.base import QuantReader
 
 _PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
@@ -59,12 +60,8 @@ class QuantAssembler:
             ModelLoadError: a layer without experts, an expert out of range, a wrong shape, a duplicate, or a
                 format other than the one the projection already has (names the checkpoint tensor).
         """
-        stacks = self.stacks.get(layer)
-        if stacks is None:
-            raise ModelLoadError(f"checkpoint tensor {name!r}: layer {layer} has no routed experts")
-        if experts[-1] >= self.num_experts:
-            raise ModelLoadError(f"checkpoint tensor {name!r}: expert {experts[-1]} out of range "
-                                 f"(num_experts={self.num_experts})")
+        check_expert_ids(name, layer, experts, self.stacks, self.num_experts)
+        stacks = self.stacks[layer]
         one = qt.data.dim() == 2
         want = self.shapes[part] if one else (len(experts), *self.shapes[part])
         if tuple(qt.shape) != tuple(want):
@@ -81,9 +78,7 @@ class QuantAssembler:
                                            dtype=self.dtype, pin_memory=self.pin)
             except ValueError as e:
                 raise ModelLoadError(f"checkpoint tensor {name!r}: {e}") from None
-        done = self.filled[(layer, part)]
-        if done.intersection(experts):
-            raise ModelLoadError(f"checkpoint tensor {name!r} duplicates expert weights already loaded")
+        done = unfilled(self.filled, name, layer, part, experts)
         dst = stacks[part][experts[0]] if one else stacks[part][experts[0]:experts[-1] + 1]
         dst.copy_(qt)
         done.update(experts)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrylm.engine.attention.triton_paged import block_row, e4m3_to_float, store_quantized
+from ferrylm.engine.attention.triton_paged import block_row, copy_row, e4m3_to_float, store_quantized
 from ferrylm.triton_util import dot_precision
 
 
@@ -36,13 +36,8 @@ def _store_rows_kernel(src_ptr, dst_ptr, slot_ptr, n_cols, stride_src, stride_ds
     nothing."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
-    for c0 in range(0, n_cols, BLOCK):
-        c = c0 + tl.arange(0, BLOCK)
-        m = c < n_cols
-        x = tl.load(src_ptr + t * stride_src + c, mask=m)
-        tl.store(dst_ptr + slot * stride_dst + c, x.to(dst_ptr.dtype.element_ty), mask=m)
+    if slot >= 0:
+        copy_row(src_ptr, dst_ptr, t, slot, n_cols, stride_src, stride_dst, BLOCK)
 
 
 def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,

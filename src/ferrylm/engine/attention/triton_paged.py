@@ -46,21 +46,26 @@ MAX_SEQS_LOG2 = 16  # binary-search rounds: batches of up to 65536 sequences (on
 
 
 @triton.jit
+def copy_row(src_ptr, dst_ptr, t, slot, n_cols, stride_src, stride_dst, BLOCK: tl.constexpr):
+    """Row ``t`` of ``src`` (``n_cols`` contiguous values) to row ``slot`` of ``dst``, cast to ``dst``'s dtype, in
+    tiles of ``BLOCK`` values."""
+    for c0 in range(0, n_cols, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        m = c < n_cols
+        x = tl.load(src_ptr + t * stride_src + c, mask=m)
+        tl.store(dst_ptr + slot * stride_dst + c, x.to(dst_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, n_cols,
                      stride_k, stride_v, stride_kc, stride_vc, BLOCK: tl.constexpr):
     """Row ``t`` of ``k``/``v`` (``n_cols = Hkv * D`` contiguous values) to cache slot ``slot[t]``; a negative slot
     (a padding row of a captured batch) writes nothing."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
-    for c0 in range(0, n_cols, BLOCK):
-        c = c0 + tl.arange(0, BLOCK)
-        m = c < n_cols
-        kv = tl.load(k_ptr + t * stride_k + c, mask=m)
-        tl.store(kc_ptr + slot * stride_kc + c, kv.to(kc_ptr.dtype.element_ty), mask=m)
-        vv = tl.load(v_ptr + t * stride_v + c, mask=m)
-        tl.store(vc_ptr + slot * stride_vc + c, vv.to(vc_ptr.dtype.element_ty), mask=m)
+    if slot >= 0:
+        copy_row(k_ptr, kc_ptr, t, slot, n_cols, stride_k, stride_kc, BLOCK)
+        copy_row(v_ptr, vc_ptr, t, slot, n_cols, stride_v, stride_vc, BLOCK)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -200,6 +200,17 @@ def _block_expert(bexp_ptr, slot_ptr, off_ptr, pid_m, HAS_SLOTS: tl.constexpr, H
 
 
 @triton.jit
+def _tile(sorted_ptr, pid_m, pid_n, num_assign, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr):
+    """The rows and columns of tile ``(pid_m, pid_n)``: the assignment ids ``a_id [BLOCK_M]`` of its sorted rows and
+    ``m_ok`` (a real assignment, not padding), the output columns ``n [BLOCK_N]`` and ``n_ok`` (``n < N``), and the
+    reduction offsets ``k [BLOCK_K]`` of the first K tile."""
+    a_id = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return a_id, a_id < num_assign, n, n < N, tl.arange(0, BLOCK_K)
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr, off_ptr, gb_ptr, ub_ptr, alpha, limit,
                     up_shift, num_assign, N, K, top_k, stride_xt, stride_ht,
                     wg_ptr, sg_ptr, mg_ptr, rg_ptr, stride_ge, stride_gn, stride_gk, sgse, sgsn, sgsg, sgre, sgrn,
@@ -220,13 +231,8 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr, off_
         suse = d // ITEM_S
         sgre = d // ITEM_R
         sure = d // ITEM_R
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    a_id = tl.load(sorted_ptr + rows)
-    m_ok = a_id < num_assign
+    a_id, m_ok, n, n_ok, k = _tile(sorted_ptr, pid_m, pid_n, num_assign, N, BLOCK_M, BLOCK_N, BLOCK_K)
     tok = (a_id // top_k).to(tl.int64)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tok[:, None] * stride_xt + k[None, :]
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -276,13 +282,8 @@ def _down_kernel(h_ptr, out_ptr, w_ptr, dest_ptr, sorted_ptr, bexp_ptr, npad_ptr
         stride_de = d // ITEM_W
         sdse = d // ITEM_S
         sdre = d // ITEM_R
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    a_id = tl.load(sorted_ptr + rows)
-    m_ok = a_id < num_assign
+    a_id, m_ok, n, n_ok, k = _tile(sorted_ptr, pid_m, pid_n, num_assign, N, BLOCK_M, BLOCK_N, BLOCK_K)
     a64 = a_id.to(tl.int64)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + a64[:, None] * stride_ht + k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):

@@ -87,40 +87,51 @@ def _chosen(tools: list[ToolSpec], choice: ToolChoice) -> list[ToolSpec]:
     return [t for t in tools if choice.mode == "required" or t.name == choice.name]
 
 
+def _forced_calls(tools: list[ToolSpec], choice: ToolChoice, start: str, alt: str,
+                  expand: Callable[[int, ToolSpec, list[str]], str], rules: list[str] | None = None) -> str:
+    """The forcing grammar of a reply ``start`` whose rule ``alt`` (``call`` / ``invoke``) is one alternative per
+    chosen tool: ``expand(i, tool, rules)`` is tool ``i``'s expansion, and appends the rules it names to ``rules``
+    (which starts with the given ``rules``)."""
+    chosen = _chosen(tools, choice)
+    rules = list(rules or [])
+    alts = []
+    for i, tool in enumerate(chosen):
+        body = expand(i, tool, rules)
+        rules.append(f"{alt[0]}{i}: {body}")
+        alts.append(f"{alt[0]}{i}")
+    lark = "\n".join([start, f"{alt}: {' | '.join(alts)}", *rules]) + "\n"
+    return forcing_grammar(lark, chosen)
+
+
 def glm45_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _literal) -> str:
     """``<tool_call>name\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n...</tool_call>``; ``required`` with
     parallel calls allows several blocks, one per line."""
     t_open, t_close = term("<tool_call>"), term("</tool_call>")
     k_open, k_close, v_open, v_close = (term(x) for x in ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"))
-    rules: list[str] = []
-    alts = []
-    for i, tool in enumerate(_chosen(tools, choice)):
-        def pair(key: str, value: str) -> str:
-            return f'{k_open} {_literal(key)} {k_close} "\\n" {v_open} ({value}) {v_close} "\\n"'
-        args = _arguments(tool, f"t{i}", pair, rules)
-        rules.append(f'c{i}: {t_open} {_literal(tool.name)} "\\n" {args} {t_close}')
-        alts.append(f"c{i}")
-    repeat = f' ("\\n" call){{0,{MAX_FORCED_CALLS - 1}}}' if choice.mode == "required" and choice.parallel else ""
-    lark = "\n".join([f"start: call{repeat}", f"call: {' | '.join(alts)}", *rules]) + "\n"
-    return forcing_grammar(lark, _chosen(tools, choice))
+
+    def pair(key: str, value: str) -> str:
+        return f'{k_open} {_literal(key)} {k_close} "\\n" {v_open} ({value}) {v_close} "\\n"'
+
+    def expand(i: int, tool: ToolSpec, rules: list[str]) -> str:
+        return f'{t_open} {_literal(tool.name)} "\\n" {_arguments(tool, f"t{i}", pair, rules)} {t_close}'
+
+    return _forced_calls(tools, choice, f"start: call{_repeat(choice)}", "call", expand)
 
 
 def minimax_m2_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _literal) -> str:
     """``<minimax:tool_call>\\n<invoke name="f">\\n<parameter name="k">v</parameter>\\n...</invoke>\\n
     </minimax:tool_call>``; ``required`` with parallel calls allows several invokes in the block."""
     b_open, b_close = term("<minimax:tool_call>"), term("</minimax:tool_call>")
-    rules: list[str] = []
-    alts = []
-    for i, tool in enumerate(_chosen(tools, choice)):
-        def pair(key: str, value: str) -> str:
-            return f'{_literal(f"<parameter name={json.dumps(key)}>")} ({value}) "</parameter>" "\\n"'
+
+    def pair(key: str, value: str) -> str:
+        return f'{_literal(f"<parameter name={json.dumps(key)}>")} ({value}) "</parameter>" "\\n"'
+
+    def expand(i: int, tool: ToolSpec, rules: list[str]) -> str:
         args = _arguments(tool, f"t{i}", pair, rules)
-        rules.append(f'i{i}: {_literal(f"<invoke name={json.dumps(tool.name)}>")} "\\n" {args} "</invoke>"')
-        alts.append(f"i{i}")
-    repeat = f' ("\\n" invoke){{0,{MAX_FORCED_CALLS - 1}}}' if choice.mode == "required" and choice.parallel else ""
-    lark = "\n".join([f'start: {b_open} "\\n" invoke{repeat} "\\n" {b_close}', f"invoke: {' | '.join(alts)}",
-                      *rules]) + "\n"
-    return forcing_grammar(lark, _chosen(tools, choice))
+        return f'{_literal(f"<invoke name={json.dumps(tool.name)}>")} "\\n" {args} "</invoke>"'
+
+    start = f'start: {b_open} "\\n" invoke{_repeat(choice, what="invoke")} "\\n" {b_close}'
+    return _forced_calls(tools, choice, start, "invoke", expand)
 
 
 def _repeat(choice: ToolChoice, sep: str = '"\\n"', what: str = "call") -> str:
@@ -141,16 +152,15 @@ def deepseek_v3_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = 
 
     b_open, b_close, c_open, c_close, sep = (term(x) for x in (ds.CALLS_BEGIN, ds.CALLS_END, ds.CALL_BEGIN,
                                                                ds.CALL_END, ds.SEP))
-    rules, alts = [], []
-    for i, tool in enumerate(_chosen(tools, choice)):
+
+    def expand(i: int, tool: ToolSpec, rules: list[str]) -> str:
         name = _literal(tool.name)
         rules.append(f"a{i}: {_arguments_json(tool)}")
-        rules.append(f'c{i}: {c_open} ({_literal(ds.CALL_TYPE)} {sep} {name} "\\n```json\\n" a{i} "\\n```" '
-                     f"| {name} {sep} a{i}) {c_close}")
-        alts.append(f"c{i}")
-    lark = "\n".join([f"start: {b_open} call{_repeat(choice, _OPTIONAL_NEWLINE)} {b_close}",
-                      f"call: {' | '.join(alts)}", *rules]) + "\n"
-    return forcing_grammar(lark, _chosen(tools, choice))
+        return (f'{c_open} ({_literal(ds.CALL_TYPE)} {sep} {name} "\\n```json\\n" a{i} "\\n```" '
+                f"| {name} {sep} a{i}) {c_close}")
+
+    return _forced_calls(tools, choice, f"start: {b_open} call{_repeat(choice, _OPTIONAL_NEWLINE)} {b_close}",
+                         "call", expand)
 
 
 def kimi_k2_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _literal) -> str:
@@ -160,14 +170,12 @@ def kimi_k2_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _lit
 
     s_open, s_close, c_open, a_open, c_close = (term(x) for x in (kimi.SECTION_BEGIN, kimi.SECTION_END,
                                                                   kimi.CALL_BEGIN, kimi.ARGS_BEGIN, kimi.CALL_END))
-    rules, alts = [], []
-    for i, tool in enumerate(_chosen(tools, choice)):
-        rules.append(f"c{i}: {c_open} {_literal(kimi.PREFIX + tool.name + ':')} /[0-9]{{1,4}}/ {a_open} "
-                     f"{_arguments_json(tool)} {c_close}")
-        alts.append(f"c{i}")
-    lark = "\n".join([f"start: {s_open} call{_repeat(choice, '')} {s_close}", f"call: {' | '.join(alts)}",
-                      *rules]) + "\n"
-    return forcing_grammar(lark, _chosen(tools, choice))
+
+    def expand(i: int, tool: ToolSpec, rules: list[str]) -> str:
+        return (f"{c_open} {_literal(kimi.PREFIX + tool.name + ':')} /[0-9]{{1,4}}/ {a_open} "
+                f"{_arguments_json(tool)} {c_close}")
+
+    return _forced_calls(tools, choice, f"start: {s_open} call{_repeat(choice, '')} {s_close}", "call", expand)
 
 
 #: a Qwen3-Coder string value and its closing tag: any text up to the first ``</parameter>`` (the parser ends the
@@ -182,19 +190,19 @@ def qwen3_coder_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = 
     from ferrylm.server.text.tool_parsers import qwen3_coder as qc
 
     t_open, t_close = term(qc.OPEN), term(qc.CLOSE)
-    rules, alts = ["QC_TEXT: " + _QC_TEXT], []
-    for i, tool in enumerate(_chosen(tools, choice)):
-        def pair(key: str, value: str) -> str:
-            head = _literal(f"{qc.PARAMETER}{key}>")
-            if value == "QC_TEXT":
-                return f'{head} QC_TEXT "\\n"'
-            return f'{head} "\\n" ({value}) {_literal(chr(10) + qc.PARAMETER_END + chr(10))}'
+
+    def pair(key: str, value: str) -> str:
+        head = _literal(f"{qc.PARAMETER}{key}>")
+        if value == "QC_TEXT":
+            return f'{head} QC_TEXT "\\n"'
+        return f'{head} "\\n" ({value}) {_literal(chr(10) + qc.PARAMETER_END + chr(10))}'
+
+    def expand(i: int, tool: ToolSpec, rules: list[str]) -> str:
         args = _arguments(tool, f"t{i}", pair, rules, free_text="QC_TEXT")
-        rules.append(f'c{i}: {t_open} {_literal(chr(10) + qc.FUNCTION + tool.name + ">" + chr(10))} {args} '
-                     f'{_literal(qc.FUNCTION_END + chr(10))} {t_close}')
-        alts.append(f"c{i}")
-    lark = "\n".join([f"start: call{_repeat(choice)}", f"call: {' | '.join(alts)}", *rules]) + "\n"
-    return forcing_grammar(lark, _chosen(tools, choice))
+        return (f'{t_open} {_literal(chr(10) + qc.FUNCTION + tool.name + ">" + chr(10))} {args} '
+                f'{_literal(qc.FUNCTION_END + chr(10))} {t_close}')
+
+    return _forced_calls(tools, choice, f"start: call{_repeat(choice)}", "call", expand, ["QC_TEXT: " + _QC_TEXT])
 
 
 def _dsml_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term, block: tuple[str, str]) -> str:
@@ -203,21 +211,20 @@ def _dsml_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term, block: 
     ``required`` with parallel calls allows several invokes."""
     from ferrylm.server.text.tool_parsers import deepseek_v4 as ds4
 
-    rules: list[str] = []
-    alts = []
-    for i, tool in enumerate(_chosen(tools, choice)):
-        def pair(key: str, value: str) -> str:
-            literal = "false" if value.startswith("%json") else "true"
-            head = _literal(f'{ds4.PARAMETER} name={json.dumps(key)} string="{literal}">')
-            return f'{head} ({value}) {_literal(ds4.PARAMETER_END)} "\\n"'
+
+    def pair(key: str, value: str) -> str:
+        literal = "false" if value.startswith("%json") else "true"
+        head = _literal(f'{ds4.PARAMETER} name={json.dumps(key)} string="{literal}">')
+        return f'{head} ({value}) {_literal(ds4.PARAMETER_END)} "\\n"'
+
+    def expand(i: int, tool: ToolSpec, rules: list[str]) -> str:
         args = _arguments(tool, f"t{i}", pair, rules)
         empty = "" if tool.parameters.get("properties") else ' "\\n"'
-        rules.append(f'i{i}: {_literal(f"{ds4.INVOKE} name={json.dumps(tool.name)}>")} "\\n" {args}{empty} '
-                     f"{_literal(ds4.INVOKE_END)}")
-        alts.append(f"i{i}")
+        return (f'{_literal(f"{ds4.INVOKE} name={json.dumps(tool.name)}>")} "\\n" {args}{empty} '
+                f"{_literal(ds4.INVOKE_END)}")
+
     start = f'start: {term(block[0])} "\\n" invoke{_repeat(choice, what="invoke")} "\\n" {term(block[1])}'
-    lark = "\n".join([start, f"invoke: {' | '.join(alts)}", *rules]) + "\n"
-    return forcing_grammar(lark, _chosen(tools, choice))
+    return _forced_calls(tools, choice, start, "invoke", expand)
 
 
 def deepseek_v4_grammar(tools: list[ToolSpec], choice: ToolChoice, term: Term = _literal) -> str:
