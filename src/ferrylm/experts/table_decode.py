@@ -7,14 +7,17 @@ one CUDA graph and the host only keeps its books between steps (:meth:`TableDeco
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ferrylm.experts.cache import Key
-from ferrylm.experts.device_pools import DevicePools, PoolPlan
 from ferrylm.experts.slot_table import SlotTable
 from ferrylm.triton_util import triton_available
+
+if TYPE_CHECKING:  # device_pools imports Triton, which a CPU-only install lacks: loaded once the table can run
+    from ferrylm.experts.device_pools import DevicePools, PoolPlan
 
 log = logging.getLogger("ferrylm.experts")
 
@@ -36,7 +39,7 @@ class TableDecode:
     #: run the table path on the CPU too (tests, through Triton's interpreter)
     table_on_cpu = False
     table: SlotTable | None = None
-    pools: DevicePools | None = None
+    pools: "DevicePools | None" = None
     _device_moved = False  # a table step ran since the host last read the device's installs
     _table_stale = False  # the cache changed outside the table's bookkeeping: rebuild before the next table step
 
@@ -99,6 +102,8 @@ class TableDecode:
         except RuntimeError as e:
             log.warning("%s experts: decode steps planned on the host (%s)", self.name, e)
             return
+        from ferrylm.experts.device_pools import DevicePools
+
         t = self.table
         self.pools = DevicePools(t.table, t.home, t.ref, self.layout.nbytes)
         self._reset_table()
@@ -113,7 +118,7 @@ class TableDecode:
         table.publish()
         self._table_stale = False
 
-    def _pool_plan(self) -> PoolPlan:
+    def _pool_plan(self) -> "PoolPlan":
         """Each MoE layer's pool: the slots holding its experts, then free slots, fewest first, up to its fair share
         (``N // L``, at most ``E``), then the rest round-robin up to ``E``."""
         cache, table = self.cache, self.table
@@ -131,6 +136,8 @@ class TableDecode:
                     if free and len(row) < target:
                         row.append((free.pop(), None))
                         progress = True
+        from ferrylm.experts.device_pools import PoolPlan
+
         return PoolPlan(members)
 
     def _run_table(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
