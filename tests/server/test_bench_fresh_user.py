@@ -56,3 +56,14 @@ def test_decode_table_on_a_cpu_host_has_no_device_columns_and_aligned_rows() -> 
     col = header.index("backend")
     assert all(r[col:].startswith(("cpu", "resident")) for r in rows)
     assert rows[1][header.index("tok/s"):].lstrip().startswith("-")
+
+
+def test_decode_refuses_a_model_the_host_cannot_hold_before_loading(capsys) -> None:
+    """A model larger than the host's memory: one line naming both sizes, exit 2, nothing loaded (it once grew until
+    the kernel's OOM killer stopped it)."""
+    from ferrylm.cli import main
+
+    rc = main(["bench", "decode", "--model", "synthetic:deepseek-v3", "--moe-backend", "cpu", "--tokens", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "does not fit in host memory" in err and "GiB available" in err and "Traceback" not in err

@@ -204,10 +204,12 @@ class _Setup:
 
 def _setup(model: str, ec, progress) -> _Setup:
     """Load ``model`` with its experts in host banks and measure the bandwidths. Raises ValueError for a dense
-    model."""
+    model, MemoryPlanError (before loading) for one the host's available memory cannot hold."""
     from ferrylm.checkpoints.loader import load_model
     from ferrylm.checkpoints.resolve import resolve_model
+    from ferrylm.config import ModelConfig
     from ferrylm.engine.engine import resolve_device, resolve_dtype
+    from ferrylm.engine.expert_choice import check_host_memory
     from ferrylm.experts.bandwidth import measure_bandwidths
     from ferrylm.experts.cpu_pool import CpuExpertPool
     from ferrylm.synthetic.spec import is_synthetic_folder
@@ -217,6 +219,7 @@ def _setup(model: str, ec, progress) -> _Setup:
     path = resolve_model(model).path
     if ec.dtype == "auto" and is_synthetic_folder(path):
         dtype = torch.bfloat16
+    check_host_memory(ModelConfig.from_folder(path), device, dtype, "offload")  # the banks hold every expert
     t = time.perf_counter()
     loaded = load_model(path, device=device, dtype=dtype, moe_backend=ExpertOptions("offload"), expert_device="cpu")
     if loaded.executor is None:
