@@ -47,6 +47,7 @@ from ferrylm.models.kernels import gated_delta as gd
 from ferrylm.models.layers import RotaryEmbedding, SwiGLUMLP
 from ferrylm.models.llama import DecoderStack, StackCausalLM, check_decoder_config
 from ferrylm.models.moe import SparseMoeBlock, check_moe_config, router_has_bias, sparse_layer_indices
+from ferrylm.models.quant_linear import FusedLinears
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -88,8 +89,9 @@ def _with_default_rotary(config: ModelConfig) -> ModelConfig:
 # --- the gated full-attention layer ----------------------------------------------------------------------------
 
 
-class GatedAttention(nn.Module):
-    """GQA attention with an output gate and zero-centred per-head q/k norms (module docstring).
+class GatedAttention(FusedLinears):
+    """GQA attention with an output gate and zero-centred per-head q/k norms (module docstring); q (with its gate),
+    k and v from one matrix multiply once fused.
 
     Args:
         layer_idx: passed to ``attn.attend``; config: the model config (heads, ``head_dim``, ``attention_bias``,
@@ -120,12 +122,16 @@ class GatedAttention(nn.Module):
         """``hidden [T, H]`` -> ``(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], gate [T, Hq, D])``, q/k normed and
         rotated."""
         t, hq, hk, d = hidden.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        q, gate = self.q_proj(hidden).view(t, hq, 2 * d).split([d, d], dim=-1)
+        qg, k, v = self.projections(hidden)
+        q, gate = qg.unflatten(-1, (hq, 2 * d)).split([d, d], dim=-1)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(hidden).view(t, hk, d))
-        v = self.v_proj(hidden).view(t, hk, d)
+        k = self.k_norm(k.unflatten(-1, (hk, d)))
+        v = v.unflatten(-1, (hk, d))
         q, k = self.rotary(positions, q, k)
         return q, k, v, gate
+
+    def fused_children(self) -> list[nn.Module]:
+        return [self.q_proj, self.k_proj, self.v_proj]
 
     def output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """Attention output ``[T, Hq, D]`` gated by ``sigmoid(gate)``, through ``o_proj`` -> ``[T, H]``."""
