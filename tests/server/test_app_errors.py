@@ -127,6 +127,31 @@ async def test_prompt_alone_too_long_is_400(client: httpx.AsyncClient) -> None:
     assert err["message"].startswith("This model's maximum context length is 256 tokens.")
 
 
+@pytest.mark.parametrize("path,field", [(CHAT, "messages"), ("/v1/completions", "prompt")])
+async def test_a_prompt_no_tokenization_could_fit_is_refused_before_tokenizing(client, codec, monkeypatch, path,
+                                                                                 field) -> None:
+    """Megabytes past the context are refused from their length (the longest vocabulary entry bounds what one
+    token covers), not after seconds of tokenizing; a prompt that might fit is still tokenized."""
+    from ferrylm.server.text.tokenizer import TextCodec
+
+    def no_encoding(*a, **k):
+        raise AssertionError("the prompt was tokenized")
+
+    text = "x" * (2 * codec.longest_token * 256 + 10)   # at least 256 tokens, whatever the tokenizer: the context
+    body = {"model": SERVED, "messages": [{"role": "user", "content": text}]} if field == "messages" else \
+        {"model": SERVED, "prompt": text}
+    with monkeypatch.context() as m:
+        m.setattr(TextCodec, "encode", no_encoding)
+        m.setattr(TextCodec, "apply_chat_template", no_encoding)
+        err = assert_error(await post(client, body, path), 400, param=field, code="context_length_exceeded")
+    assert err["message"].startswith("This model's maximum context length is 256 tokens.")
+    assert f"{len(text)} characters" in err["message"]
+    short = "x" * (codec.longest_token * 256 // 4)   # could be 256 tokens or fewer: tokenized, then judged
+    body[field] = [{"role": "user", "content": short}] if field == "messages" else short
+    r = await post(client, body, path)
+    assert r.status_code in (200, 400) and "characters" not in r.text
+
+
 async def test_completions_context_too_long_is_400(client: httpx.AsyncClient) -> None:
     err = assert_error(await post(client, {"model": SERVED, "prompt": list(range(250)), "max_tokens": 10},
                                   "/v1/completions"), 400, param="max_tokens", code="context_length_exceeded")

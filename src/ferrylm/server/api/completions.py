@@ -23,7 +23,8 @@ from ferrylm.server.api.chat import DONE as _DONE, SSE_HEADERS as _SSE_HEADERS
 from ferrylm.server.api.chat import off_loop as _off_loop
 from ferrylm.server.api.completions_logprobs import echo_logprobs, join_logprobs, vllm_prompt_logprobs
 from ferrylm.server.api.generation import PING, SSE_PING, Choice, Generation, SSEResponse, sse_event
-from ferrylm.server.api.prepare import check_param_ids, check_token_ids, fit_context, make_choices
+from ferrylm.server.api.prepare import (check_param_ids, check_prompt_chars, check_token_ids, fit_context,
+                                         make_choices)
 from ferrylm.server.api.chat_protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
                                               completion_logprobs, to_sampling_params)
 from ferrylm.server.api.protocol import UsageInfo, chunk_json, parse_request
@@ -71,6 +72,7 @@ class CompletionRoutes:
         ids_list, texts = [], []
         for item in items:
             if isinstance(item, str):
+                check_prompt_chars(self.codec, len(item), self.engine.model_info, what="prompt", param="prompt")
                 ids_list.append(self.codec.encode(item))
                 texts.append(item)
             else:

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from ferrylm.engine.admission import admit
 from ferrylm.engine.sampling_params import SamplingParams
-from ferrylm.errors import InvalidRequest
+from ferrylm.errors import ContextLengthExceeded, InvalidRequest
 from ferrylm.server.api.assistant import TurnConfig
 from ferrylm.server.api.chat import off_loop, render_prompt
 from ferrylm.server.api.chat_format import ChatFormat
@@ -46,6 +46,23 @@ def check_param_ids(codec: TextCodec, params: SamplingParams) -> None:
     check_token_ids(codec, [int(t) for t, _ in params.logit_bias], "logit_bias")
 
 
+def check_prompt_chars(codec: TextCodec, chars: int, info: ModelInfo, *, what: str, param: str) -> None:
+    """Refuse, before tokenizing it, a prompt of ``chars`` characters that cannot fit the context whatever its
+    tokens: even at the longest vocabulary entry per token (halved, for a normalizer that composes characters) it
+    exceeds ``max_model_len``. Tokenizing megabytes only to refuse them costs seconds of CPU.
+
+    Raises:
+        ContextLengthExceeded: naming ``param``.
+    """
+    limit = int(info.max_model_len)
+    fewest = chars // (2 * codec.longest_token)
+    if fewest >= limit:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {limit} tokens. However, your {what} of {chars} characters "
+            f"is at least {fewest} tokens, which leaves no room for the completion. Please reduce the length of the "
+            f"{what} (the limit is the server's --max-model-len, at most the model's own context).", param=param)
+
+
 def fit_context(info: ModelInfo, prompt_ids: list[int], params: SamplingParams, *, default_max: int | None,
                 what: str, prompt_param: str, max_param: str) -> int:
     """The request's max_tokens (:func:`ferrylm.engine.admission.admit` over the engine's limits ``info``), or
@@ -70,6 +87,8 @@ async def prepare_chat(fmt: ChatFormat, codec: TextCodec, info: ModelInfo, job: 
         # a constrained output starts at its first token: a template that thinks first is told not to (Qwen3's
         # switch, DeepSeek-V3.1's), unless the client said otherwise
         job.template_kwargs = {**{k: False for k in THINKING_SWITCHES}, **job.template_kwargs}
+    check_prompt_chars(codec, sum(len(m["content"]) for m in job.messages if isinstance(m.get("content"), str)),
+                       info, what="messages", param=job.prompt_param)
     text, prompt_ids = await off_loop(render_prompt, codec, job, native_tools=fmt.native_tools,
                                       tool_format=fmt.tool_parser)
     params = job.params

@@ -22,7 +22,7 @@ import logging
 import os
 import re
 import secrets
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any, Sequence
 
 from ferrylm.errors import InvalidRequest, ModelLoadError
@@ -151,6 +151,13 @@ class TextCodec:
         return cls(tok, name_or_path=path)
 
     # ---- facts -------------------------------------------------------------------------------------------
+    @cached_property
+    def longest_token(self) -> int:
+        """Characters of the longest vocabulary entry (special and added tokens included). No token covers more
+        characters of a text, so ``n`` characters encode to at least about ``n / longest_token`` tokens (a
+        normalizer composing characters, NFC, can at most halve them first)."""
+        return max((len(t) for t in self.tokenizer.get_vocab()), default=1) or 1
+
     @property
     def vocab_size(self) -> int:
         """Number of token ids the tokenizer knows (base vocabulary + added tokens)."""
