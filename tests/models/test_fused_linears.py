@@ -38,3 +38,25 @@ def test_deltanet_projections_fused_equal_separate():
     for a, b in zip(got, ref):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_a_moe_block_fuses_router_shared_gate_and_shared_gate_up_once(tmp_path):
+    """Qwen2-MoE's block: router, shared-expert gate and the shared expert's gate/up read one input: one product,
+    the shared expert's own fusion skipped (each linear joins one matrix), logits equal to the reference's."""
+    from ferrylm.checkpoints.loader import load_model
+    from ferrylm.models.moe import SparseMoeBlock
+    from tests.models.hf_checkpoints import build_checkpoint, reference_logits, token_ids
+
+    ckpt = build_checkpoint("qwen2_moe", tmp_path / "m", seed=4)
+    model = load_model(ckpt.path, device="cpu", dtype=torch.float32).model
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks and all(b._fused is not None and b.shared_expert._fused is None for b in blocks)
+    b = blocks[0]
+    base = b.gate.weight.data_ptr()
+    assert b.shared_expert.up_proj.weight.data_ptr() > base   # views of the block's one matrix
+    ids = token_ids(12, ckpt.vocab_size, seed=1)
+    from ferrylm.models.reference_attention import DenseCausalAttention
+
+    with torch.no_grad():
+        got = model.compute_logits(model(ids, torch.arange(12), DenseCausalAttention()))
+    torch.testing.assert_close(got, reference_logits(ckpt, ids), rtol=1e-4, atol=1e-4)

@@ -280,9 +280,15 @@ def prepare_for_inference(model: torch.nn.Module) -> torch.nn.Module:
     from ferrylm.models.layers import Attention
     from ferrylm.models.quant_linear import FusedLinears
 
+    fused: set[int] = set()   # each linear layer joins one product: the outermost module's (modules() is preorder)
     for m in model.modules():
-        if isinstance(m, (Attention, FusedLinears)):
+        if isinstance(m, Attention):
             m.fuse_projections()
+        elif isinstance(m, FusedLinears):
+            children = {id(c) for c in m.fused_children()}
+            if not children & fused:
+                m.fuse_projections()
+                fused |= children
     return model
 
 

@@ -18,11 +18,14 @@ the model (the executor only ever sees routed experts).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ferrylm.config import ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.executor import ExpertExecutor
+from ferrylm.models.layers import SwiGLUMLP
+from ferrylm.models.quant_linear import FusedLinears
 from ferrylm.synthetic.spec import ROUTER_BIAS_KEY
 from ferrylm.triton_util import use_triton
 
@@ -96,7 +99,7 @@ def routed_weights(router_logits: torch.Tensor, ids: torch.Tensor, *, renormaliz
     return torch.softmax(logits, dim=-1).gather(1, ids)
 
 
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(FusedLinears):
     """Router + routed experts (+ optional gated shared expert) of one decoder layer (HF ``mlp`` /
     ``block_sparse_moe``).
 
@@ -139,9 +142,19 @@ class SparseMoeBlock(nn.Module):
         reading positions and keys from ``context``."""
         self.routing, self.routing_context = routing, context
 
+    def fused_children(self) -> list[nn.Module]:
+        """The router and, with a gated MLP as the shared expert, its gate and gate/up projections: one matrix
+        multiply of the block's input (nothing to fuse when the router has a bias and the others none)."""
+        shared = self.shared_expert
+        if not isinstance(shared, SwiGLUMLP) or self.gate.bias is not None or shared.gate_proj.bias is not None:
+            return []
+        return [self.gate, self.shared_expert_gate, *shared.fused_children()]
+
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden [T, H]`` -> ``(topk_ids [T, k] int64, topk_weights [T, k] float32)``."""
-        logits = self.gate(hidden)
+        return self._route_logits(self.gate(hidden))
+
+    def _route_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.routing is not None:
             ids = self.routing_context.choose(self.routing, self.layer_idx)
             return ids, routed_weights(logits, ids, renormalize=self.renormalize)
@@ -162,11 +175,17 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [T, H]`` -> ``[T, H]``: the routing-weighted sum of the chosen experts' outputs, plus the
-        sigmoid-gated shared expert when there is one."""
-        ids, weights = self.route(hidden)
+        sigmoid-gated shared expert when there is one (router, shared gate and gate/up in one product once
+        fused)."""
+        if not self.fused_children():
+            ids, weights = self.route(hidden)
+            out = self.executor.run(self.layer_idx, hidden, ids, weights)
+            shared = self.shared_output(hidden)
+            return out if shared is None else out + shared
+        logits, shared_gate, gate, up = self.projections(hidden)
+        ids, weights = self._route_logits(logits)
         out = self.executor.run(self.layer_idx, hidden, ids, weights)
-        shared = self.shared_output(hidden)
-        return out if shared is None else out + shared
+        return out + torch.sigmoid(shared_gate) * self.shared_expert.down_proj(F.silu(gate) * up)
 
     def shared_output(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """``hidden [T, H]`` -> the gated shared expert's ``[T, H]`` term ``sigmoid(w_s . x) * shared(x)``, or None

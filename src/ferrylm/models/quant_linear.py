@@ -155,10 +155,12 @@ class FusedLinears(nn.Module):
         raise NotImplementedError
 
     def fuse_projections(self) -> None:
-        """Concatenate the children's weights (no memory added; the state dict keeps its names). Idempotent."""
-        if self._fused is None:
+        """Concatenate the children's weights (no memory added; the state dict keeps its names). Idempotent; a
+        module with fewer than two children has nothing to fuse."""
+        children = self.fused_children()
+        if self._fused is None and len(children) > 1:
             with torch.no_grad():
-                self._fused = fuse_linears(self.fused_children())
+                self._fused = fuse_linears(children)
 
     def projections(self, x: torch.Tensor) -> list[torch.Tensor]:
         """``x [T, K]`` -> each child's output ``[T, N_i]`` (views of one product once fused)."""
