@@ -226,7 +226,7 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     _add_model_args(g)
     g.set_defaults(usage_parser=g)
     g.add_argument("prompt", nargs="?", default=None,
-                   help="prompt text (default: stdin); for a synthetic model without --tokenizer, token ids such "
+                   help="prompt text (default: stdin, when it is not a terminal); for a synthetic model without --tokenizer, token ids such "
                         "as '1 2 3' (default: a fixed 16-token prompt)")
     g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)")
@@ -335,7 +335,10 @@ def _generate(args: argparse.Namespace, engine_config: EngineConfig, params: "Sa
         except ValueError:
             return _generate_error(f"{args.model} has no tokenizer: the prompt must be token ids such as '1 2 3'")
     else:
-        prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+        # no PROMPT with a terminal on stdin would wait, unprompted, for text: refused as an empty one is
+        prompt = args.prompt if args.prompt is not None else "" if sys.stdin.isatty() else sys.stdin.read()
+        if not prompt:
+            return _generate_error('a PROMPT is required: `ferry generate "text"`, or the text piped on stdin')
     llm = _load_for_generate(args, engine_config, params)
     if isinstance(llm, str):
         return _generate_error(llm)
