@@ -178,3 +178,28 @@ def test_generate_without_a_prompt_is_refused_before_loading(argv, stdin, monkey
     err = generate_error(argv, capsys)
     assert err.startswith("ferry generate: a PROMPT is required"), err
     assert not stdin.tell(), "a terminal on stdin was read"
+
+
+# ---- trial 43b, item 4: an unknown option, generate's help ----------------------------------------------
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--bogus"], "ferry: error: unrecognized arguments: --bogus"),
+    (["--bogus", "models"], "ferry: error: unrecognized arguments: --bogus"),
+    (["bench", "--bogus"], "unrecognized arguments: --bogus"),
+    ([], "ferry: error: a command is required: serve, bench, models, generate"),
+    (["bench"], "ferry bench: error: a bench command is required: serve, suite, tables"),
+])
+def test_an_unknown_option_is_named_before_a_missing_command(argv, needle, capsys, nothing_loads) -> None:
+    err = run_error(argv, capsys)
+    assert needle in err and "the following arguments are required" not in err, err
+
+
+def test_generate_does_not_list_the_flag_it_refuses(capsys, nothing_loads) -> None:
+    with pytest.raises(SystemExit):
+        cli._main(["generate", "--help"])
+    text = capsys.readouterr().out
+    assert "--max-tokens" in text and "--moe-backend" in text
+    assert "--tensor-parallel-size" not in text and "--tp-size" not in text
+    err = run_error(["generate", "--tensor-parallel-size", "2", "hi"], capsys)
+    assert "--tensor-parallel-size 2 runs one engine process per rank: use `ferry serve`" in err, err

@@ -36,7 +36,8 @@ def add_bench_parser(sub: argparse._SubParsersAction, *, model_args: Callable[..
         default_model: ``--model``'s default for ``ferry bench hf``.
     """
     b = sub.add_parser("bench", help="benchmarks")
-    bsub = b.add_subparsers(dest="bench_command", required=True)
+    b.set_defaults(usage_parser=b)
+    bsub = b.add_subparsers(dest="bench_command", metavar="COMMAND")   # required: ferrylm.cli.parse_args says so
     _add_serve(bsub, port)
     _add_suite(bsub, port)
     _add_decode(bsub, model_args)
