@@ -229,8 +229,8 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     _add_model_args(g, unlisted=("tensor_parallel_size",))   # one engine in this process: refused, with why
     g.set_defaults(usage_parser=g)
     g.add_argument("prompt", nargs="?", default=None,
-                   help="prompt text (default: stdin, when it is not a terminal); for a synthetic model without --tokenizer, token ids such "
-                        "as '1 2 3' (default: a fixed 16-token prompt)")
+                   help="prompt text (default: stdin, when it is not a terminal); for a synthetic model without "
+                        "--tokenizer, token ids such as '1 2 3' (default: a fixed 16-token prompt)")
     g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
