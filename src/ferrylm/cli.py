@@ -12,7 +12,7 @@ from ferrylm.server.process.boot_signals import BootInterrupted, BootSignals
 # recorded (disarmed), not fatal; main() arms the handler and exits 0 if one came
 _BOOT_SIGNALS = BootSignals().install(armed=False) if sys.argv[1:2] == ["serve"] else None
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Collection, Mapping
 
 from ferrylm.config import EngineConfig
 from ferrylm.flags import add_flags, config_from_args
@@ -96,7 +96,8 @@ def _add_vllm_noop_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_model_args(p: argparse.ArgumentParser, *, defaults: Mapping[str, Any] | None = None,
-                    extra_choices: Mapping[str, Mapping[str, str]] | None = None) -> None:
+                    extra_choices: Mapping[str, Mapping[str, str]] | None = None,
+                    unlisted: Collection[str] = ()) -> None:
     """``--model``, ``--tokenizer``, every EngineConfig flag (keywords: :func:`ferrylm.flags.add_flags`'s), and
     ``--log-level``."""
     p.add_argument("--model", default=DEFAULT_MODEL,
@@ -106,7 +107,7 @@ def _add_model_args(p: argparse.ArgumentParser, *, defaults: Mapping[str, Any] |
     p.add_argument("--tokenizer", default=None, metavar="FOLDER",
                    help="tokenizer folder for a synthetic: model (without it a synthetic model takes and prints "
                         "token ids; serving needs one)")
-    add_flags(p, EngineConfig, defaults=defaults, extra_choices=extra_choices)
+    add_flags(p, EngineConfig, defaults=defaults, extra_choices=extra_choices, unlisted=unlisted)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="logging level (default: INFO)")
 
@@ -145,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.set_defaults(usage_parser=parser)   # a command's own parser replaces it: its usage line on errors
     parser.add_argument("--version", action="version", version=f"ferry (ferrylm) {_version()}",
                         help="print the version and exit")
-    sub = parser.add_subparsers(dest="command", required=True)
+    # NOTE: not required=True: argparse would then name the missing command before an unknown option
+    # (`ferry --bogus`); parse_args() asks for the command once the options are known
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve_parser(sub)
     add_bench_parser(sub, model_args=_add_model_args, port=port_number, default_model=DEFAULT_MODEL)
     sub.add_parser("models", help="list built-in models, synthetic presets and supported architectures")
@@ -223,11 +226,11 @@ def _add_serve_guard_args(s: argparse.ArgumentParser) -> None:
 
 def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="print a completion without a server")
-    _add_model_args(g)
+    _add_model_args(g, unlisted=("tensor_parallel_size",))   # one engine in this process: refused, with why
     g.set_defaults(usage_parser=g)
     g.add_argument("prompt", nargs="?", default=None,
-                   help="prompt text (default: stdin); for a synthetic model without --tokenizer, token ids such "
-                        "as '1 2 3' (default: a fixed 16-token prompt)")
+                   help="prompt text (default: stdin, when it is not a terminal); for a synthetic model without "
+                        "--tokenizer, token ids such as '1 2 3' (default: a fixed 16-token prompt)")
     g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
@@ -236,8 +239,13 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """Parse ``argv``; ``ferry serve MODEL`` (vLLM's positional form) sets ``--model``."""
+    """Parse ``argv``; ``ferry serve MODEL`` (vLLM's positional form) sets ``--model``. An unknown option is named
+    before a missing command."""
     args = parser.parse_args(argv)
+    if args.command is None:
+        parser.error(f"a command is required: {', '.join(_commands(parser))}")
+    if args.command == "bench" and args.bench_command is None:
+        args.usage_parser.error(f"a bench command is required: {', '.join(_commands(args.usage_parser))}")
     if args.command == "serve":
         if args.model_pos is not None and args.model is not None:
             args.usage_parser.error(f"the model is given twice: as MODEL ({args.model_pos!r}) and as --model "
@@ -247,6 +255,11 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
                                        f"first, or in --model: --served-model-name takes every word after it)"]
         args.model = args.model_pos or args.model or DEFAULT_MODEL
     return args
+
+
+def _commands(parser: argparse.ArgumentParser) -> list[str]:
+    """The names of ``parser``'s commands (its subparsers)."""
+    return [name for a in parser._actions if isinstance(a, argparse._SubParsersAction) for name in a.choices]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,7 +348,10 @@ def _generate(args: argparse.Namespace, engine_config: EngineConfig, params: "Sa
         except ValueError:
             return _generate_error(f"{args.model} has no tokenizer: the prompt must be token ids such as '1 2 3'")
     else:
-        prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+        # no PROMPT with a terminal on stdin would wait, unprompted, for text: refused as an empty one is
+        prompt = args.prompt if args.prompt is not None else "" if sys.stdin.isatty() else sys.stdin.read()
+        if not prompt:
+            return _generate_error('a PROMPT is required: `ferry generate "text"`, or the text piped on stdin')
     llm = _load_for_generate(args, engine_config, params)
     if isinstance(llm, str):
         return _generate_error(llm)

@@ -13,7 +13,7 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 
 
@@ -64,13 +64,14 @@ def option(cls: type, field_name: str) -> str:
 
 
 def add_flags(parser: argparse.ArgumentParser, cls: type, *, defaults: Mapping[str, Any] | None = None,
-              extra_choices: Mapping[str, Mapping[str, str]] | None = None) -> None:
+              extra_choices: Mapping[str, Mapping[str, str]] | None = None, unlisted: Collection[str] = ()) -> None:
     """Add an argument for every flagged field of the dataclass ``cls``.
 
     Args:
         defaults: field -> this parser's own default (``ferry serve``'s queue timeout); the help states it.
         extra_choices: field -> {value: what it means}, values this parser accepts besides the field's choices
             (``ferry bench decode --moe-backend all``); their meanings are added to the help.
+        unlisted: fields whose flag this parser accepts (to refuse it with a reason) but leaves out of its help.
     Raises:
         TypeError: a field whose type has no flag form, or a None default without ``default_text``.
     """
@@ -91,7 +92,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, defaults: Mapping[s
             if fl.choices is not None:
                 kw["choices"] = [*fl.choices, *extra]
             shown = _shown(f, fl, default)
-        kw["help"] += f" (default: {shown})"
+        kw["help"] = argparse.SUPPRESS if f.name in unlisted else kw["help"] + f" (default: {shown})"
         parser.add_argument(_name(f, fl), *fl.aliases, **kw)
 
 

@@ -55,6 +55,7 @@ def tiny_gguf(tmp_path):
 def test_peer_serves_both_engines_on_one_gguf_and_writes_the_ratio(tmp_path, tiny_gguf, monkeypatch, capsys):
     monkeypatch.setenv("FAKE_LLAMA_LOG", str(tmp_path / "llama-argv.jsonl"))
     out, port = tmp_path / "out" / "peer.json", _two_free_ports()
+    out.parent.mkdir()   # --output-json names a file in a folder that exists
     rc = main(["bench", "peer", "--llama-server", str(_fake_binary(tmp_path)), "--gguf", str(tiny_gguf),
                "--rounds", "1", "--port", str(port), "--threads", "2", "--ctx", "256", "--prefill-len", "24",
                "--prefill-prompts", "1", "--concurrency", "1,2", "--num-prompts", "2", "--input-len", "8",

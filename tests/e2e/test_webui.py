@@ -180,16 +180,92 @@ def test_stop_ends_the_reply(page, server, shots) -> None:
     assert page.inner_text(".msg.assistant .body") == text
 
 
-def test_refused_request_names_the_field(page, shots) -> None:
-    page.click("#settings-open")
-    page.fill('[data-testid="max-tokens"]', "100000")
-    page.click('[data-testid="settings-save"]')
+def _max_tokens(pg, value: str) -> None:
+    pg.click("#settings-open")
+    pg.fill('[data-testid="max-tokens"]', value)
+    pg.click('[data-testid="settings-save"]')
+
+
+def _sent_messages(pg) -> list[list[dict]]:
+    """The ``messages`` of every chat request the page sends from now on (filled as they go)."""
+    sent: list[list[dict]] = []
+    pg.on("request", lambda r: sent.append(r.post_data_json["messages"])
+          if r.method == "POST" and r.url.endswith("/v1/chat/completions") else None)
+    return sent
+
+
+def _stored_last_message(pg) -> dict:
+    return pg.evaluate("""() => { const cs = JSON.parse(localStorage.getItem('ferrylm.conversations'));
+        const c = cs.find((x) => x.id === localStorage.getItem('ferrylm.current'));
+        return c.messages[c.messages.length - 1] || null; }""")
+
+
+def test_refused_request_names_the_field_and_is_not_sent_again(page, shots) -> None:
+    _max_tokens(page, "99999999")
+    sent = _sent_messages(page)
     _send(page, "Hello")
     page.wait_for_selector('[data-testid="error-box"]', state="visible", timeout=10_000)
     text = page.inner_text("#error-text")
     assert "(400, context_length_exceeded)" in text and "max_tokens" in text, text
     assert page.locator(".msg.assistant").count() == 0
+    assert "not answered" in page.inner_text('.msg.user [data-testid="unanswered"]')
     page.screenshot(path=str(shots / "4-refused-400.png"))
+    # the next message goes alone: the refused one stays on the page, marked, not as a second user turn
+    _max_tokens(page, "12")
+    _send(page, "Hello again")
+    _wait_reply_done(page)
+    assert page.locator(".msg.assistant .body").inner_text().strip()
+    assert sent == [[{"role": "user", "content": "Hello"}], [{"role": "user", "content": "Hello again"}]], sent
+    assert page.locator('[data-testid="unanswered"]').count() == 1
+    page.reload()
+    page.wait_for_selector('.msg.user [data-testid="unanswered"]', timeout=10_000)
+    assert page.locator('[data-testid="error-box"]').is_hidden()   # the conversation ends with a reply
+
+
+def test_a_reload_during_a_reply_keeps_it_marked_interrupted_with_retry(page, server, shots) -> None:
+    _max_tokens(page, "400")
+    _send(page, "Write a long story about a ferry crossing a river.")
+    page.wait_for_function("(document.querySelector('.msg.assistant .body') || {}).textContent?.length > 0",
+                           timeout=60_000)
+    # saved while it streams (not only at its end)
+    page.wait_for_function("""() => { const cs = JSON.parse(localStorage.getItem('ferrylm.conversations'));
+        const m = cs.find((x) => x.id === localStorage.getItem('ferrylm.current')).messages.at(-1);
+        return m.role === 'assistant' && m.streaming && m.content.length > 0; }""", timeout=10_000)
+    assert page.is_visible("#stop")
+    page.reload()
+    page.wait_for_selector('.msg.assistant [data-testid="interrupted"]', timeout=10_000)
+    assert page.inner_text(".msg.assistant .body").strip() and _stored_last_message(page)["content"]
+    assert "interrupted" in page.inner_text("#error-text") and page.is_visible('[data-testid="retry"]')
+    page.screenshot(path=str(shots / "8-interrupted.png"))
+    deadline = time.monotonic() + 10
+    while _health(server)["in_flight"] and time.monotonic() < deadline:   # the cut request ends on the server too
+        time.sleep(0.2)
+    _max_tokens(page, "12")
+    sent = _sent_messages(page)
+    page.click('[data-testid="retry"]')
+    _wait_reply_done(page)
+    assert sent == [[{"role": "user", "content": "Write a long story about a ferry crossing a river."}]], sent
+    assert page.locator(".msg.assistant").count() == 1 and page.locator('[data-testid="interrupted"]').count() == 0
+    assert page.locator('[data-testid="error-box"]').is_hidden()
+    assert not _stored_last_message(page).get("streaming")
+
+
+def test_a_reload_before_the_first_token_leaves_the_question_unanswered_with_retry(page) -> None:
+    page.route("**/v1/chat/completions", lambda route: None)   # never answered: the reply is still to come
+    _send(page, "Are you there?")
+    page.wait_for_function("() => JSON.parse(localStorage.getItem('ferrylm.conversations'))"
+                           ".some((c) => (c.messages.at(-1) || {}).streaming)", timeout=10_000)
+    page.unroute("**/v1/chat/completions")
+    page.reload()
+    page.wait_for_selector('.msg.user [data-testid="unanswered"]', timeout=10_000)
+    assert page.locator(".msg.assistant").count() == 0
+    assert "not answered" in page.inner_text("#error-text") and page.is_visible('[data-testid="retry"]')
+    sent = _sent_messages(page)
+    page.click('[data-testid="retry"]')
+    _wait_reply_done(page)
+    page.wait_for_selector(".msg.assistant .meta:has-text('finish:')", timeout=60_000)
+    assert sent == [[{"role": "user", "content": "Are you there?"}]] and \
+        page.locator('[data-testid="unanswered"]').count() == 0
 
 
 def test_engine_restart_shows_restarting_then_ready(page, server, shots) -> None:

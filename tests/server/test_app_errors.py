@@ -178,7 +178,8 @@ async def test_out_of_vocab_prompt_ids_are_400(client: httpx.AsyncClient) -> Non
 
 
 async def test_empty_prompt_is_400(client: httpx.AsyncClient) -> None:
-    assert_error(await post(client, {"model": SERVED, "prompt": ""}, "/v1/completions"), 400, param="prompt")
+    err = assert_error(await post(client, {"model": SERVED, "prompt": ""}, "/v1/completions"), 400, param="prompt")
+    assert err["message"] == "'prompt' must not be empty (the prompt has no tokens)", err
     assert_error(await post(client, {"model": SERVED, "prompt": []}, "/v1/completions"), 400, param="prompt")
 
 

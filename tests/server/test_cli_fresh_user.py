@@ -4,6 +4,7 @@ checked before anything loads, each error one line naming the flag under the com
 from __future__ import annotations
 
 import argparse
+import io
 
 import pytest
 
@@ -153,3 +154,52 @@ def test_max_tokens_past_the_context_is_refused_before_the_weights_load(tiny_mod
 def test_a_request_the_context_cannot_hold_is_one_line_not_a_traceback(tiny_model, argv, needle, capsys) -> None:
     err = generate_error(["--model", tiny_model, "--device", "cpu", "--num-pages", "16", *argv], capsys)
     assert needle in err and "maximum context length is 16 tokens" in err, err
+
+
+# ---- trial 43b, item 3: no prompt -----------------------------------------------------------------------
+
+
+class _Stdin(io.StringIO):
+    def __init__(self, text: str, tty: bool) -> None:
+        super().__init__(text)
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize("argv,stdin", [
+    ([], _Stdin("", tty=False)),          # nothing piped
+    ([], _Stdin("", tty=True)),           # a terminal: would wait for text unprompted
+    ([""], _Stdin("ignored", tty=False)),  # an empty PROMPT
+])
+def test_generate_without_a_prompt_is_refused_before_loading(argv, stdin, monkeypatch, capsys, nothing_loads) -> None:
+    monkeypatch.setattr("sys.stdin", stdin)
+    err = generate_error(argv, capsys)
+    assert err.startswith("ferry generate: a PROMPT is required"), err
+    assert not stdin.tell(), "a terminal on stdin was read"
+
+
+# ---- trial 43b, item 4: an unknown option, generate's help ----------------------------------------------
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--bogus"], "ferry: error: unrecognized arguments: --bogus"),
+    (["--bogus", "models"], "ferry: error: unrecognized arguments: --bogus"),
+    (["bench", "--bogus"], "unrecognized arguments: --bogus"),
+    ([], "ferry: error: a command is required: serve, bench, models, generate"),
+    (["bench"], "ferry bench: error: a bench command is required: serve, suite, tables"),
+])
+def test_an_unknown_option_is_named_before_a_missing_command(argv, needle, capsys, nothing_loads) -> None:
+    err = run_error(argv, capsys)
+    assert needle in err and "the following arguments are required" not in err, err
+
+
+def test_generate_does_not_list_the_flag_it_refuses(capsys, nothing_loads) -> None:
+    with pytest.raises(SystemExit):
+        cli._main(["generate", "--help"])
+    text = capsys.readouterr().out
+    assert "--max-tokens" in text and "--moe-backend" in text
+    assert "--tensor-parallel-size" not in text and "--tp-size" not in text
+    err = run_error(["generate", "--tensor-parallel-size", "2", "hi"], capsys)
+    assert "--tensor-parallel-size 2 runs one engine process per rank: use `ferry serve`" in err, err

@@ -133,3 +133,32 @@ async def test_cors_preflight_and_simple_requests_follow_the_flags(codec) -> Non
                          json={"model": SERVED, "messages": MSGS, "max_tokens": 2})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ui
         assert "x-request-id" in r.headers["access-control-expose-headers"]
+
+
+# ---- trial 43b, item 4: a schema that is not an object ---------------------------------------------------
+
+SCHEMA_PARAM = "response_format.json_schema.schema"
+
+
+@pytest.mark.parametrize("schema,needle", [
+    ("hello", f"'{SCHEMA_PARAM}' must be a JSON schema object; got the string 'hello'"),
+    (5, f"'{SCHEMA_PARAM}' must be a JSON schema object; got a JSON number"),
+    ([{"type": "object"}], f"'{SCHEMA_PARAM}' must be a JSON schema object; got a JSON array"),
+    (False, f"'{SCHEMA_PARAM}' is false, a schema that accepts no document"),
+    ('{"type": ', f"'{SCHEMA_PARAM}' is not valid JSON"),   # a JSON text of an object, broken: the parser's words
+])
+async def test_a_schema_that_is_not_an_object_is_named_plainly(client: httpx.AsyncClient, schema, needle) -> None:
+    body = {"model": SERVED, "messages": MSGS, "max_tokens": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    r = await client.post("/v1/chat/completions", json=body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == SCHEMA_PARAM and err["message"].startswith(needle), r.text
+    assert "Unimplemented" not in err["message"] and '"not"' not in err["message"]
+
+
+async def test_a_true_schema_or_a_json_text_of_one_is_served(client: httpx.AsyncClient) -> None:
+    for schema in (True, '{"type": "object"}'):
+        body = {"model": SERVED, "messages": MSGS, "max_tokens": 2,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text

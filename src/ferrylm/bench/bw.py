@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ferrylm.bench.report import write_json
 from ferrylm.experts.bandwidth import (BackgroundCopies, copy_rate, cpu_expert_rate, cpu_job_latency, device_sync,
                                        host_read_rate, probe_rows)
 from ferrylm.experts.executor import ExpertLayout
@@ -238,8 +239,7 @@ def main(args) -> int:
         return 2
     print(format_table(profile, cfg))
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            f.write(profile.model_dump_json(indent=1) + "\n")
+        write_json(args.output_json, profile.model_dump(mode="json"))
     if not args.no_save:
         print(f"profile saved: {save_profile(profile)} (`ferry serve` on this machine starts from it)")
     return 0

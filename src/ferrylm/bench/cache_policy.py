@@ -26,7 +26,6 @@ Output: a table per profile and batch, and ``--json PATH`` with every curve and 
 from __future__ import annotations
 
 import bisect
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from ferrylm.bench.report import write_json
 from ferrylm.experts.cache import (CacheFull, LayerLRFUPolicy, LayerLRUPolicy, LRUPolicy, ScoredLayerPolicy,
                                    SlotCache)
 from ferrylm.synthetic.routing_model import RoutingModel, sequence_key
@@ -307,7 +307,5 @@ def main(args) -> int:
                  progress=(lambda s: print(s, file=sys.stderr, flush=True)) if args.verbose else None)
     print(format_tables(result))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1, sort_keys=True)
-            f.write("\n")
+        write_json(args.json, result, sort_keys=True)
     return 0

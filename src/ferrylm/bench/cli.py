@@ -7,6 +7,7 @@ import argparse
 import sys
 from typing import Callable
 
+from ferrylm.bench.report import add_output_flag, check_outputs
 from ferrylm.config import CPU_KERNELS
 from ferrylm.registry import Registry
 
@@ -35,7 +36,8 @@ def add_bench_parser(sub: argparse._SubParsersAction, *, model_args: Callable[..
         default_model: ``--model``'s default for ``ferry bench hf``.
     """
     b = sub.add_parser("bench", help="benchmarks")
-    bsub = b.add_subparsers(dest="bench_command", required=True)
+    b.set_defaults(usage_parser=b)
+    bsub = b.add_subparsers(dest="bench_command", metavar="COMMAND")   # required: ferrylm.cli.parse_args says so
     _add_serve(bsub, port)
     _add_suite(bsub, port)
     _add_decode(bsub, model_args)
@@ -60,7 +62,7 @@ def _add_serve(bsub: argparse._SubParsersAction, port_number: Callable[[str], in
     bs.add_argument("--vocab-upper", type=int, default=1000, help="prompt token ids are drawn from [1, N)")
     bs.add_argument("--seed", type=int, default=0, help="seed of the prompts and lengths")
     bs.add_argument("--api-key", default=None, help="bearer key of the server (the server's --api-key)")
-    bs.add_argument("--output-json", default=None, help="write the summary here")
+    add_output_flag(bs, "--output-json", help="write the summary here")
     bs.add_argument("--multi-turn", action="store_true",
                     help="agent-like conversations: each turn re-sends the history, the previous answer and "
                          "--input-len new tokens after a system prefix shared by every conversation; reports TTFT "
@@ -79,8 +81,9 @@ def _add_suite(bsub: argparse._SubParsersAction, port_number: Callable[[str], in
     bu.add_argument("--list", action="store_true", help="print the scenarios and exit")
     bu.add_argument("--scenarios", default=None, help="scenario file (default: the package's bench/scenarios.toml)")
     bu.add_argument("--tokenizer", default=None, help="tokenizer folder for the synthetic models' scenarios")
-    bu.add_argument("--out-dir", default="docs/bench", help="where the JSON goes (default: docs/bench)")
-    bu.add_argument("--log-dir", default=None, help="where the servers' logs go (default: --out-dir)")
+    add_output_flag(bu, "--out-dir", default="docs/bench", folder=True,
+                    help="where the JSON goes (default: docs/bench)")
+    add_output_flag(bu, "--log-dir", folder=True, help="where the servers' logs go (default: --out-dir)")
     bu.add_argument("--date", default=None, help="date prefix of the JSON names (default: today)")
     bu.add_argument("--port", type=port_number, default=8391, help="port of the servers (default: 8391)")
     bu.add_argument("--ready-timeout", type=float, default=600.0,
@@ -108,7 +111,7 @@ def _add_decode(bsub: argparse._SubParsersAction, model_args: Callable[..., None
     bd.add_argument("--no-prefetch", action="store_true", help="offload: no next-layer prefetch")
     bd.add_argument("--temperature", type=float, default=0.0,
                     help="0 = greedy (default); > 0 samples, seeded per request (varied routing on synthetic models)")
-    bd.add_argument("--output-json", default=None, help="write the results here")
+    add_output_flag(bd, "--output-json", help="write the results here")
     bd.add_argument("--profile-steps", type=int, default=0,
                     help="after each backend's run, decode N more tokens under torch.profiler and print the "
                          "top ops by host and device time (default: 0 = off)")
@@ -136,7 +139,7 @@ def _add_cpu_experts(bsub: argparse._SubParsersAction) -> None:
                          "with CUDA)")
     bc.add_argument("--bank-experts", type=int, default=64,
                     help="distinct experts the jobs cycle through, beyond the CPU caches (default: 64)")
-    bc.add_argument("--output-json", default=None, help="write the rows here")
+    add_output_flag(bc, "--output-json", help="write the rows here")
     bc.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
 
 
@@ -158,7 +161,7 @@ def _add_bw(bsub: argparse._SubParsersAction) -> None:
     bw.add_argument("--copy-mib", type=float, default=256, help="copy probe size (default: 256)")
     bw.add_argument("--host-mib", type=float, default=1024, help="host read probe size (default: 1024)")
     bw.add_argument("--kernel", default="auto", choices=CPU_KERNELS, help="--moe-cpu-kernel (default: auto)")
-    bw.add_argument("--output-json", default=None, help="write the profile here too")
+    add_output_flag(bw, "--output-json", help="write the profile here too")
     bw.add_argument("--no-save", action="store_true", help="do not write the machine profile into the cache")
     bw.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
 
@@ -193,15 +196,15 @@ def _add_peer(bsub: argparse._SubParsersAction, port_number: Callable[[str], int
                                                                   "vocabulary, at most 1000)")
     pe.add_argument("--ready-timeout", type=float, default=900.0, help="seconds a server may take to become ready "
                                                                       "(default: 900)")
-    pe.add_argument("--output-json", default=None, help="the JSON (default: peer-<date>.json)")
-    pe.add_argument("--log-dir", default=None, help="the servers' logs (default: beside the JSON)")
+    add_output_flag(pe, "--output-json", help="the JSON (default: peer-<date>.json)")
+    add_output_flag(pe, "--log-dir", folder=True, help="the servers' logs (default: beside the JSON)")
     pe.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
 
 
 def _add_kernels_and_cache_policy(bsub: argparse._SubParsersAction) -> None:
     bk = bsub.add_parser("kernels", help="GPU kernel candidates side by side: paged attention (Triton vs torch), "
                                          "fused MoE (Triton vs torch._grouped_mm vs the torch path)")
-    bk.add_argument("--output-json", default=None, help="write the rows here")
+    add_output_flag(bk, "--output-json", help="write the rows here")
     bk.add_argument("--only", default=None, help="comma list of groups: attention, moe, mapped (the offload table "
                                                  "launch reading experts from slots or mapped host memory); "
                                                  "default all")
@@ -218,7 +221,7 @@ def _add_kernels_and_cache_policy(bsub: argparse._SubParsersAction) -> None:
     bp.add_argument("--layers", type=int, default=8, help="MoE layers simulated (default: 8)")
     bp.add_argument("--steps", type=int, default=384, help="decode steps, the first 64 warm-up (default: 384)")
     bp.add_argument("--seed", type=int, default=0, help="seed of the routing traces (default: 0)")
-    bp.add_argument("--json", default=None, metavar="PATH", help="write every curve and the prefetch figures here")
+    add_output_flag(bp, "--json", help="write every curve and the prefetch figures here")
     bp.add_argument("--verbose", action="store_true", help="one line per simulation on stderr")
     bp.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
 
@@ -257,12 +260,17 @@ def _add_baselines(bsub: argparse._SubParsersAction, default_model: str) -> None
                     help="model dtype (default: bfloat16)")
     ba.add_argument("--device", default="auto", help="auto | cuda[:N] | cpu (default: auto)")
     ba.add_argument("--seed", type=int, default=0, help="prompt seed, as ferry bench decode --seed (default: 0)")
-    ba.add_argument("--output-json", default=None, help="write the result (with the token ids) here")
+    add_output_flag(ba, "--output-json", help="write the result (with the token ids) here")
     ba.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the ``ferry bench`` command ``args`` names; its exit status."""
+    """Run the ``ferry bench`` command ``args`` names; its exit status (2, before any work, when one of its output
+    paths cannot be written)."""
+    problem = check_outputs(args)
+    if problem:
+        print(f"ferry bench {args.bench_command}: {problem}", file=sys.stderr)
+        return 2
     if args.bench_command in BENCH_MAINS:
         return BENCH_MAINS.get(args.bench_command)(args)
     if args.bench_command == "hf":

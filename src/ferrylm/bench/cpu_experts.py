@@ -14,13 +14,13 @@ median (``k * expert bytes / median``). ``--quant`` times quantized rows too (th
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
+from ferrylm.bench.report import write_json
 from ferrylm.experts.executor import ExpertLayout
 from ferrylm.experts.cpu_pool import CpuExpertPool, CpuJob
 
@@ -187,7 +187,6 @@ def main(args) -> int:
         print(f"ferry bench cpu-experts: {e}", file=sys.stderr)
         return 2
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump({"hidden": args.hidden, "inter": args.inter, "dtype": args.dtype, "gap_ms": args.gap_ms,
-                       "rows": [asdict(r) for r in rows]}, f, indent=1)
+        write_json(args.output_json, {"hidden": args.hidden, "inter": args.inter, "dtype": args.dtype,
+                                      "gap_ms": args.gap_ms, "rows": [asdict(r) for r in rows]})
     return 0

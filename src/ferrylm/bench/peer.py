@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import datetime as _dt
 import hashlib
-import json
 import shlex
 import shutil
 import socket
@@ -34,6 +33,7 @@ from pathlib import Path
 
 import httpx
 
+from ferrylm.bench.report import write_json
 from ferrylm.bench.serve import BenchConfig, BenchError, run_bench
 from ferrylm.bench.suite import RunShape, ServerProcess, git_commit
 
@@ -250,15 +250,8 @@ def run_peer(cfg: PeerConfig, binary: Path, out_path: Path, log_dir: Path, llama
         log(f"round {r + 1}/{cfg.rounds}: {engine}: {' '.join(cmd)}")
         rec["rounds"].append({"round": r} | run_engine(engine, cmd, port, cfg, log_dir / f"{engine}-{r}.log", log))
         rec["summary"] = summarize(rec["rounds"], cfg.shapes)
-        _write(out_path, rec)
+        write_json(out_path, rec)
     return rec
-
-
-def _write(path: Path, rec: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(rec, indent=1) + "\n")
-    tmp.replace(path)
 
 
 # --- the command -------------------------------------------------------------------------------------------------

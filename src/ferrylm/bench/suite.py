@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as _dt
-import json
 import os
 import string
 import subprocess
@@ -26,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from ferrylm.bench.multi_turn import MultiTurnConfig, run_multi_turn
+from ferrylm.bench.report import write_json
 from ferrylm.bench.roofline import Bandwidths, decode_roofline, prefill_floor, probe_bandwidths
 from ferrylm.bench.serve import BenchConfig, run_bench
 
@@ -252,13 +252,13 @@ def run_scenario(sc: Scenario, *, out_dir: Path, log_dir: Path, date: str, port:
             rec["runs"][shape.name] = with_roofline(summary, shape, model_bytes, plan, bw)
             rec["gpu_used_mib_peak"] = max(rec.get("gpu_used_mib_peak") or 0, gpu_used_mib() or 0) or None
             rec["memory_after"] = _memory(srv.base_url)
-            _write(path, rec)
+            write_json(path, rec, sort_keys=True)
     finally:
         rec["exit_code"] = srv.stop()
         if holder is not None:
             holder.kill()
             holder.wait()
-        _write(path, rec)
+        write_json(path, rec, sort_keys=True)
     return rec
 
 
@@ -272,11 +272,6 @@ def _start_holder(leave_gib: float, rec: dict) -> subprocess.Popen:
     rec["gpu_used_mib_held"] = gpu_used_mib()
     return proc
 
-
-def _write(path: Path, rec: dict) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(rec, indent=1, sort_keys=True) + "\n")
-    tmp.replace(path)
 
 
 def format_record(rec: dict) -> str:

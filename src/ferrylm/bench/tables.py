@@ -9,6 +9,7 @@ document differs from what the JSON generates.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -194,9 +195,27 @@ def splice(doc: str, block: str) -> str:
     return f"{title}\n\n{block}\n{body}"
 
 
+def inputs_problem(doc_path: Path, bench_dir: Path, *, write: bool) -> str | None:
+    """Why ``--doc`` / ``--bench-dir`` cannot be used (``write``: the document is rewritten), or None. Their
+    defaults are relative to a ferrylm checkout, so the message says which flag points elsewhere."""
+    where = "(the default is relative to a ferrylm checkout: run there, or give {flag} {what})"
+    if not doc_path.is_file():
+        return f"--doc {doc_path}: no such file {where.format(flag='--doc', what='PATH')}"
+    if not bench_dir.is_dir():
+        return f"--bench-dir {bench_dir}: no such folder {where.format(flag='--bench-dir', what='DIR')}"
+    if write and not os.access(doc_path, os.W_OK):
+        return f"--doc {doc_path}: not writable (--check compares without writing)"
+    return None
+
+
 def main(args) -> int:
-    """Write the block into ``--doc`` (0), or with ``--check`` compare (0 equal, 1 differs)."""
+    """Write the block into ``--doc`` (0), or with ``--check`` compare (0 equal, 1 differs); 2 with one line when
+    ``--doc`` or ``--bench-dir`` is missing."""
     doc_path, bench_dir = Path(args.doc), Path(args.bench_dir)
+    problem = inputs_problem(doc_path, bench_dir, write=not args.check)
+    if problem:
+        print(f"ferry bench tables: {problem}", file=sys.stderr)
+        return 2
     doc = doc_path.read_text()
     new = splice(doc, generate(bench_dir))
     if args.check:

@@ -23,7 +23,7 @@ def admit(prompt_tokens: int, max_tokens: int | None, *, max_model_len: int, poo
     """
     p, limit, pool = prompt_tokens, max_model_len, pool_tokens
     if p == 0:
-        raise InvalidRequest(f"the {what} resulted in an empty prompt", param=prompt_param)
+        raise InvalidRequest(f"'{prompt_param}' must not be empty (the prompt has no tokens)", param=prompt_param)
     # the context first: a prompt past it is told the context (--max-model-len), never to grow the KV pool
     if p >= limit:
         raise ContextLengthExceeded(

@@ -49,20 +49,30 @@ def json_schema_grammar(schema: Any, param: str, *, strict: bool = True) -> str:
     """Grammar for JSON documents valid against ``schema`` (a dict, or a JSON string of one).
 
     ``strict`` False: keywords llguidance does not enforce are ignored (lenient) instead of refused.
-    Raises InvalidRequest (``param``) for a schema that is not an object or cannot be enforced.
+    Raises InvalidRequest (``param``) for a schema that is not an object (``true`` is ``{}``; ``false`` accepts no
+    document, so nothing could be generated) or cannot be enforced.
     """
-    if isinstance(schema, str):
+    if isinstance(schema, str) and schema.lstrip().startswith("{"):
         schema = loads_json(schema, param)
-    if isinstance(schema, bool):
-        schema = {} if schema else {"not": {}}
+    if schema is True:
+        schema = {}
+    if schema is False:
+        raise InvalidRequest(f"'{param}' is false, a schema that accepts no document: nothing could be generated; "
+                             f"give a JSON schema object", param=param)
     if not isinstance(schema, dict):
-        raise InvalidRequest(f"'{param}' must be a JSON schema object", param=param)
+        got = f"the string {schema[:40]!r}" if isinstance(schema, str) else f"a JSON {_json_type(schema)}"
+        raise InvalidRequest(f"'{param}' must be a JSON schema object; got {got}", param=param)
     check_ref_cycles(schema, param)
     ll = _ll().LLMatcher
     grammar = ll.grammar_from_json_schema(schema, defaults=dict(JSON_OPTIONS))
     if not strict and ll.validate_grammar(grammar):
         grammar = ll.grammar_from_json_schema(schema, defaults={**JSON_OPTIONS, "lenient": True})
     return validate(grammar, param)
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a decoded value's type (``number``, ``array``, ``null`` ...)."""
+    return {list: "array", type(None): "null", int: "number", float: "number"}.get(type(value), type(value).__name__)
 
 
 # keywords that do not constrain a document: a node made of "$ref" and these is only its target

@@ -6,6 +6,7 @@ import { escapeHtml, renderMarkdown } from "./markdown.js";
 const $ = (id) => document.getElementById(id);
 const TEMPORARY = new Set(["engine_unavailable", "insufficient_memory", "queue_timeout", "engine_stalled",
                            "server_overloaded"]);
+const SAVE_MS = 500;   // a streaming reply is saved this often, so a reload finds it (marked interrupted)
 
 /** What to tell a person about `e` (an ApiError): one line of HTML, and whether a retry may help. */
 export function describeError(e) {
@@ -45,12 +46,17 @@ function metaHtml(m) {
   if (s.tok_s) parts.push(`${s.tok_s.toFixed(1)} tok/s`);
   if (s.finish_reason) parts.push(`finish: ${escapeHtml(s.finish_reason)}`);
   if (m.stopped) parts.push('<span class="stopped">stopped</span>');
+  if (m.interrupted) parts.push('<span class="stopped" data-testid="interrupted">interrupted</span>');
   if (m.error) parts.push(`<span class="stopped">error: ${escapeHtml(m.error)}</span>`);
   return parts.join(" · ");
 }
 
 function messageHtml(m, streaming) {
-  if (m.role === "user") return escapeHtml(m.content);
+  if (m.role === "user") {
+    if (!m.unanswered) return escapeHtml(m.content);
+    return `${escapeHtml(m.content)}<div class="meta" data-testid="unanswered"><span class="stopped">not ` +
+           `answered</span> · ${escapeHtml(m.unanswered)} (not sent again unless you retry)</div>`;
+  }
   let html = "";
   if (m.reasoning) {
     html += `<details class="reasoning" data-testid="reasoning"><summary>Reasoning ` +
@@ -106,19 +112,39 @@ export class Chat {
 
   stop() { if (this.abort) this.abort.abort(); }
 
-  /** Send the conversation again after an error (its failed reply is dropped). */
+  /** Send the conversation again after an error or an interrupted reply: a failed or cut reply is dropped, an
+   * unanswered last message is sent again. */
   async retry() {
     const c = this.store.current;
     const last = c.messages[c.messages.length - 1];
-    if (last && last.role === "assistant" && (last.error || !last.content)) c.messages.pop();
-    if (c.messages.length && c.messages[c.messages.length - 1].role === "user") await this.generate();
+    if (last && last.role === "assistant" && (last.error || last.interrupted || !last.content)) c.messages.pop();
+    const user = c.messages[c.messages.length - 1];
+    if (!user || user.role !== "user") return;
+    delete user.unanswered;
+    await this.generate();
+  }
+
+  /** The error box for the conversation just shown: Retry when its last turn was left without a whole reply
+   * (a reply cut by closing or reloading the page, a message the server did not answer). */
+  showLeftover() {
+    const c = this.store.current;
+    const last = c.messages[c.messages.length - 1];
+    $("error-box").hidden = true;
+    if (!last || this.streaming) return;
+    if (last.interrupted) {
+      this.showNotice("<b>The reply was interrupted</b> (the page was closed or reloaded while it came). " +
+                      "Retry asks for it again.");
+    } else if (last.role === "user" && last.unanswered) {
+      this.showNotice(`<b>This message was not answered:</b> ${escapeHtml(last.unanswered)}. Retry sends it again.`);
+    }
   }
 
   request(c) {
     const s = this.settings();
     const messages = s.system ? [{ role: "system", content: s.system }] : [];
-    // earlier tool calls stay on the page only: the page runs no tools, so it has no results to send back
-    for (const m of c.messages) messages.push({ role: m.role, content: m.content || "" });
+    // earlier tool calls stay on the page only: the page runs no tools, so it has no results to send back; a
+    // message the server did not answer stays on the page only too (it would be a second user turn in a row)
+    for (const m of c.messages) if (!m.unanswered) messages.push({ role: m.role, content: m.content || "" });
     const body = { messages, stream_options: { include_usage: true } };
     if (this.model()) body.model = this.model();
     for (const k of ["temperature", "top_p", "max_tokens"]) {   // an empty field: the server's default
@@ -131,8 +157,11 @@ export class Chat {
   async generate() {
     const c = this.store.current;
     const body = this.request(c);
-    const m = { role: "assistant", content: "", reasoning: "", tool_calls: [] };
+    // `streaming` is saved with it: a page loaded while it is set finds the reply cut (store.js settles it)
+    const m = { role: "assistant", content: "", reasoning: "", tool_calls: [], streaming: true };
     c.messages.push(m);
+    this.store.save();
+    let saved = performance.now();
     this.abort = new AbortController();
     this.setBusy(true);
     this.render();
@@ -166,6 +195,7 @@ export class Chat {
                       cached_tokens: (u.prompt_tokens_details || {}).cached_tokens || 0 };
         }
         if (this.pending === null) this.pending = requestAnimationFrame(paint);
+        if (performance.now() - saved >= SAVE_MS) { this.store.save(); saved = performance.now(); }
       });
     } catch (e) {
       if (e.name === "AbortError") m.stopped = true;
@@ -174,6 +204,7 @@ export class Chat {
       if (this.pending !== null) cancelAnimationFrame(this.pending);
       this.pending = null;
       this.abort = null;
+      delete m.streaming;
       this.setBusy(false);
     }
     const stats = (m.stats ||= {});
@@ -188,14 +219,21 @@ export class Chat {
 
   fail(c, m, e) {
     if (!(e instanceof ApiError)) e = new ApiError(null, String(e && e.message ? e.message : e));
-    if (!m.content && !(m.tool_calls || []).length) c.messages.pop();   // nothing came: no reply to keep
-    else m.error = e.message;
+    if (!m.content && !(m.tool_calls || []).length) {   // nothing came: no reply to keep, the question unanswered
+      c.messages.pop();
+      const user = c.messages[c.messages.length - 1];
+      if (user && user.role === "user") user.unanswered = e.message;
+    } else {
+      m.error = e.message;
+    }
     this.showError(e);
     if (e.unauthorized) this.onUnauthorized();
   }
 
-  showError(e) {
-    $("error-text").innerHTML = describeError(e);
+  showError(e) { this.showNotice(describeError(e)); }
+
+  showNotice(html) {
+    $("error-text").innerHTML = html;
     $("error-box").hidden = false;
   }
 

@@ -93,7 +93,7 @@ function renderList() {
 function show() {
   renderList();
   chat.render();
-  $("error-box").hidden = true;
+  chat.showLeftover();
 }
 
 $("conv-new").addEventListener("click", () => { chat.stop(); store.create(); show(); });

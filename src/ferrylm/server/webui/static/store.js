@@ -2,7 +2,9 @@
 //
 // A conversation: {id, title, titled (renamed by hand), created (ms), messages}. A message: {role: "user" |
 // "assistant", content, reasoning?, tool_calls?: [{id, name, arguments}], usage?: {prompt_tokens,
-// completion_tokens, cached_tokens}, stats?: {ttft_s, tok_s, finish_reason}, stopped?, error?}.
+// completion_tokens, cached_tokens}, stats?: {ttft_s, tok_s, finish_reason}, stopped?, error?, streaming? (saved
+// while it comes), interrupted? (it was streaming when the page went away)}; a user message the server did not
+// answer has unanswered: why (it stays on the page, and is not sent again unless retried).
 
 const CONVERSATIONS = "ferrylm.conversations";
 const CURRENT = "ferrylm.current";
@@ -19,12 +21,30 @@ function readJson(key, fallback) {
   }
 }
 
+/** A reply that was still streaming when the page went away (closed, reloaded): what came is kept, marked
+ * interrupted; when nothing came, the reply goes and its question is marked unanswered. */
+function settle(c) {
+  const last = c.messages[c.messages.length - 1];
+  if (!last || !last.streaming) return;
+  delete last.streaming;
+  if (!last.reasoning) delete last.reasoning;
+  if (!(last.tool_calls || []).length) delete last.tool_calls;
+  if (last.content || last.reasoning || last.tool_calls) {
+    last.interrupted = true;
+    return;
+  }
+  c.messages.pop();
+  const user = c.messages[c.messages.length - 1];
+  if (user && user.role === "user") user.unanswered = "the page was closed or reloaded before the reply came";
+}
+
 function newId() { return `c${Date.now().toString(36)}${Math.random().toString(36).slice(2, 8)}`; }
 
 export class Store {
   constructor() {
     this.conversations = readJson(CONVERSATIONS, []);
     if (!Array.isArray(this.conversations)) this.conversations = [];
+    this.conversations.forEach(settle);
     this.currentId = localStorage.getItem(CURRENT);
     if (!this.current) this.currentId = this.conversations.length ? this.conversations[0].id : this.create().id;
   }
