@@ -70,8 +70,9 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict", "
 
 def _is_union_tag(x: Any) -> bool:
     """True for the parts of a pydantic error location that name a union member (``str``, ``list[str]``,
-    ``dict[str,any]``, ``TextPart``, ``function-after[...]``), not a request field (fields are snake_case)."""
-    return isinstance(x, str) and (x in _TYPE_TAGS or "[" in x or x[:1].isupper())
+    ``dict[str,any]``, ``TextPart``, ``function-after[...]``, ``constrained-str``), not a request field (fields
+    are snake_case: never a hyphen)."""
+    return isinstance(x, str) and (x in _TYPE_TAGS or "[" in x or "-" in x or x[:1].isupper())
 
 
 def invalid_from_errors(errors: list[dict]) -> InvalidRequest:
