@@ -20,6 +20,8 @@ capture failure turns graphs off for the process, with the reason logged.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -46,6 +48,21 @@ def graph_sizes(max_batch: int) -> list[int]:
     sizes.append(max_batch)
     return sizes
 
+
+
+@contextlib.contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph, pool):
+    """``torch.cuda.graph(graph, pool)`` with errors of this thread only, and Python's garbage collector held off
+    for the capture: a collection inside it can free a page-locked tensor, whose free records a CUDA event (an
+    operation a capturing stream refuses, which invalidates the whole capture)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
 
 @dataclass
 class _Captured:
@@ -201,7 +218,7 @@ class StepGraphs:
             if self._pool_handle is None:
                 self._pool_handle = torch.cuda.graph_pool_handle()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool_handle, capture_error_mode="thread_local"):
+            with graph_capture(g, self._pool_handle):
                 cap.logits = self._run(cap)
             cap.graph = g
         except Exception as e:  # noqa: BLE001 - graphs are an optimisation: the step runs eagerly instead

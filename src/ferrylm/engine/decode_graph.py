@@ -47,6 +47,7 @@ import torch
 from ferrylm.config import DECODE_GRAPH_MODES
 from ferrylm.engine.attention.torch_backend import StaticDecodeAttention
 from ferrylm.engine.cache.kv_pool import KVPool
+from ferrylm.engine.cuda_graphs import graph_capture
 from ferrylm.engine.step_inputs import bind_routing_keys
 from ferrylm.experts.work import SMALL_STEP_TOKENS, ExpertStage, is_small_step, staged_moe_output
 from ferrylm.memory.guard import is_oom
@@ -414,7 +415,7 @@ class DecodeGraphRunner:
         try:
             for j in range(len(self.pieces)):
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self._pool_handle, capture_error_mode="thread_local"):
+                with graph_capture(g, self._pool_handle):
                     key.outputs.append(self._piece(key, j))
                 graphs.append(g)
         except Exception as e:  # noqa: BLE001 - graphs are an optimisation: fall back to the plain forward
