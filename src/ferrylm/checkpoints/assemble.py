@@ -288,7 +288,8 @@ def prepare_for_inference(model: torch.nn.Module) -> torch.nn.Module:
             children = {id(c) for c in m.fused_children()}
             if not children & fused:
                 m.fuse_projections()
-                fused |= children
+                if m.is_fused:
+                    fused |= children
     return model
 
 

@@ -155,12 +155,23 @@ class FusedLinears(nn.Module):
         raise NotImplementedError
 
     def fuse_projections(self) -> None:
-        """Concatenate the children's weights (no memory added; the state dict keeps its names). Idempotent; a
-        module with fewer than two children has nothing to fuse."""
+        """Concatenate the children's weights (no memory added; the state dict keeps its names). Idempotent. Left
+        unfused (each child computed in turn, as before) when there is nothing to gain or keep exact: fewer than
+        two children, or not all of one kind: float weights of one dtype and device, or all GGML blocks."""
         children = self.fused_children()
-        if self._fused is None and len(children) > 1:
-            with torch.no_grad():
-                self._fused = fuse_linears(children)
+        if self._fused is not None or len(children) < 2:
+            return
+        blocks = [isinstance(p, QuantLinear) for p in children]
+        if not all(blocks) and (any(blocks) or len({(p.weight.dtype, p.weight.device) for p in children}) > 1
+                                or len({p.bias is None for p in children}) > 1):
+            return
+        with torch.no_grad():
+            self._fused = fuse_linears(children)
+
+    @property
+    def is_fused(self) -> bool:
+        """The children are served by one product."""
+        return self._fused is not None
 
     def projections(self, x: torch.Tensor) -> list[torch.Tensor]:
         """``x [T, K]`` -> each child's output ``[T, N_i]`` (views of one product once fused)."""
