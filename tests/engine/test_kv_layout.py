@@ -62,15 +62,12 @@ def test_a_model_that_stores_no_kv_boots_and_generates(tmp_path):
     from ferrylm.config import EngineConfig
     from ferrylm.engine.boot import build_engine
     from ferrylm.engine.sampling_params import SamplingParams
+    from tests.engine.test_prefix_cache import drain, tokens
     from tests.models.hf_checkpoints import build_checkpoint
 
     ckpt = build_checkpoint("qwen3_5_moe", tmp_path / "m", seed=3, num_hidden_layers=1)  # layer 0: linear
     assert KVLayout.of(ModelConfig.from_folder(ckpt.path)).bytes_per_token(torch.float32) == 0
     eng = build_engine(ckpt.path, EngineConfig(device="cpu", dtype="float32", page_size=16, max_prefill_length=64))
     eng.add_request("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    out = []
-    while eng.has_work():
-        for o in eng.step():
-            assert o.error_code is None, o.error_message
-            out += o.new_token_ids
-    assert len(out) == 4
+    outs = drain(eng)["a"]
+    assert all(o.error_code is None for o in outs) and len(tokens(outs)) == 4

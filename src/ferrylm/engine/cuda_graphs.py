@@ -49,12 +49,12 @@ def graph_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
-
 @contextlib.contextmanager
 def graph_capture(graph: torch.cuda.CUDAGraph, pool):
-    """``torch.cuda.graph(graph, pool)`` with errors of this thread only, and Python's garbage collector held off
-    for the capture: a collection inside it can free a page-locked tensor, whose free records a CUDA event (an
-    operation a capturing stream refuses, which invalidates the whole capture)."""
+    """Capture into ``graph`` (memory from ``pool``, a ``torch.cuda.graph_pool_handle()``): ``torch.cuda.graph``
+    with errors of this thread only, and Python's garbage collector held off for the capture: a collection inside
+    it can free a page-locked tensor, whose free records a CUDA event (an operation a capturing stream refuses,
+    which invalidates the whole capture). Raises what the capture raises; the collector is restored either way."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -63,6 +63,7 @@ def graph_capture(graph: torch.cuda.CUDAGraph, pool):
     finally:
         if enabled:
             gc.enable()
+
 
 @dataclass
 class _Captured:

@@ -117,12 +117,11 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-        self.activation = activation
-        self.act = GATE_ACTIVATIONS[activation]
+        self.activation = activation   # a key of GATE_ACTIVATIONS
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         normed = self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return (normed * self.act(z.float())).to(x.dtype)
+        return (normed * GATE_ACTIVATIONS[self.activation](z.float())).to(x.dtype)
 
 
 # --- the linear-attention layer --------------------------------------------------------------------------------

@@ -490,5 +490,8 @@ class SwiGLUMLP(FusedLinears):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``."""
-        gate, up = self.projections(x)
+        return self.down(*self.projections(x))
+
+    def down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The MLP after its gate/up projections: ``gate, up [T, I]`` -> ``down(silu(gate) * up) [T, H]``."""
         return self.down_proj(F.silu(gate) * up)

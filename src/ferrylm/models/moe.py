@@ -18,7 +18,6 @@ the model (the executor only ever sees routed experts).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ferrylm.config import ModelConfig
@@ -177,15 +176,15 @@ class SparseMoeBlock(FusedLinears):
         """``hidden [T, H]`` -> ``[T, H]``: the routing-weighted sum of the chosen experts' outputs, plus the
         sigmoid-gated shared expert when there is one (router, shared gate and gate/up in one product once
         fused)."""
-        if not self.fused_children():
+        if self.is_fused:
+            logits, shared_gate, gate, up = self.projections(hidden)
+            ids, weights = self._route_logits(logits)
+            shared = torch.sigmoid(shared_gate) * self.shared_expert.down(gate, up)
+        else:
             ids, weights = self.route(hidden)
-            out = self.executor.run(self.layer_idx, hidden, ids, weights)
             shared = self.shared_output(hidden)
-            return out if shared is None else out + shared
-        logits, shared_gate, gate, up = self.projections(hidden)
-        ids, weights = self._route_logits(logits)
         out = self.executor.run(self.layer_idx, hidden, ids, weights)
-        return out + torch.sigmoid(shared_gate) * self.shared_expert.down_proj(F.silu(gate) * up)
+        return out if shared is None else out + shared
 
     def shared_output(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """``hidden [T, H]`` -> the gated shared expert's ``[T, H]`` term ``sigmoid(w_s . x) * shared(x)``, or None

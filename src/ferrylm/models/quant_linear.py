@@ -149,6 +149,7 @@ class FusedLinears(nn.Module):
     call :meth:`projections`, which falls back to the separate layers before fusion."""
 
     _fused: Callable[[torch.Tensor], torch.Tensor] | None = None
+    _split: list[int] = []   # the children's output widths, set with ``_fused``
 
     def fused_children(self) -> list[nn.Module]:
         """The linear children, in the order their outputs are concatenated."""
@@ -167,6 +168,7 @@ class FusedLinears(nn.Module):
             return
         with torch.no_grad():
             self._fused = fuse_linears(children)
+        self._split = [p.out_features for p in children]
 
     @property
     def is_fused(self) -> bool:
@@ -175,10 +177,9 @@ class FusedLinears(nn.Module):
 
     def projections(self, x: torch.Tensor) -> list[torch.Tensor]:
         """``x [T, K]`` -> each child's output ``[T, N_i]`` (views of one product once fused)."""
-        children = self.fused_children()
         if self._fused is None:
-            return [p(x) for p in children]
-        return list(self._fused(x).split([p.out_features for p in children], dim=-1))
+            return [p(x) for p in self.fused_children()]
+        return list(self._fused(x).split(self._split, dim=-1))
 
     def _apply(self, fn, recurse=True):
         """``.to()`` / ``.cuda()`` convert each parameter on its own: fuse again afterwards."""
