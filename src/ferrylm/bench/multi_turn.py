@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
-from ferrylm.bench.serve import RequestResult, _one, percentiles, served_model, server_snapshot
+from ferrylm.bench.serve import RequestResult, _one, outcome, percentiles, served_model, server_snapshot, table
 
 
 @dataclass
@@ -101,11 +101,8 @@ def summarize(cfg: MultiTurnConfig, model: str, turns: list[TurnResult], duratio
     (:func:`_later_turns`), ``requests`` (every turn of every conversation), totals."""
     ok_at = {t: [x.result for x in turns if x.turn == t and x.result.ok] for t in range(1, cfg.num_turns + 1)}
     first_p50 = percentiles([r.ttft for r in ok_at[1]])["p50"] if ok_at[1] else None
-    failed = [x.result for x in turns if not x.result.ok]
     return {
-        "mode": "multi-turn", "model": model, "duration_s": duration,
-        "completed": sum(1 for x in turns if x.result.ok), "failed": len(failed),
-        "errors": sorted({r.error for r in failed})[:5],
+        "mode": "multi-turn", "model": model, "duration_s": duration, **outcome([x.result for x in turns]),
         "turns": [_turn_row(t, ok, first_p50) for t, ok in ok_at.items() if ok],
         "later_turns": _later_turns([r for t, ok in ok_at.items() if t > 1 for r in ok], first_p50),
         "requests": [{"conversation": x.conversation, "turn": x.turn, "ok": x.result.ok,
@@ -156,6 +153,4 @@ def format_multi_turn(s: dict) -> str:
         lines.append(f"turns 2..{c['num_turns']}: TTFT p50 {later['ttft_ms_p50']:.1f} ms = "
                      f"{_num(later['ttft_p50_vs_turn_1'], '.3f')} x turn 1, cached "
                      f"{100 * later['cached_fraction']:.1f}% of their prompt tokens")
-    if s["failed"]:
-        lines.append(f"FAILED {s['failed']}: {s['errors']}")
-    return "\n".join(lines)
+    return table(lines, s)

@@ -89,6 +89,20 @@ def percentiles(values: list[float], ps=(50, 90, 99)) -> dict[str, float]:
     return out
 
 
+def outcome(results: list[RequestResult]) -> dict:
+    """``completed`` and ``failed`` counts of a run's requests and the first five distinct ``errors`` (sorted)."""
+    bad = [r for r in results if not r.ok]
+    return {"completed": len(results) - len(bad), "failed": len(bad), "errors": sorted({r.error for r in bad})[:5]}
+
+
+def table(lines: list[str], summary: dict) -> str:
+    """``lines`` as one text, with a ``FAILED`` line last when ``summary`` (:func:`outcome`'s keys) counts
+    failures."""
+    if summary["failed"]:
+        lines = [*lines, f"FAILED {summary['failed']}: {summary['errors']}"]
+    return "\n".join(lines)
+
+
 def make_prompts(cfg: BenchConfig) -> list[tuple[list[int], int]]:
     """``(prompt token ids, max_tokens)`` per request; lengths uniform in [0.5x, 1.5x] with --random-lengths."""
     rng = random.Random(cfg.seed)
@@ -206,9 +220,7 @@ async def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     return {
         "model": model, "concurrency": cfg.concurrency, "num_prompts": cfg.num_prompts,
         "input_len": cfg.input_len, "output_len": cfg.output_len, "random_lengths": cfg.random_lengths,
-        "completed": len(ok), "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "duration_s": duration,
+        **outcome(results), "duration_s": duration,
         "request_throughput": len(ok) / duration if duration else 0.0,
         "output_throughput": out_tokens / duration if duration else 0.0,
         "total_input_tokens": sum(r.prompt_tokens for r in ok), "total_output_tokens": out_tokens,
@@ -257,6 +269,4 @@ def format_summary(s: dict) -> str:
         lines.append(f"experts: hit rate {100 * ex['hit_rate']:.1f} %, "
                      f"{ex['bytes_copied_per_output_token'] / 1e6:.1f} MB copied, "
                      f"{ex.get('pcie_bytes_per_output_token', 0) / 1e6:.1f} MB over PCIe per output token")
-    if s["failed"]:
-        lines.append(f"FAILED {s['failed']}: {s['errors']}")
-    return "\n".join(lines)
+    return table(lines, s)

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -14,36 +16,39 @@ from ferrylm.engine.model_runner import step_metadata
 from ferrylm.engine.parallel.group import TPGroup
 from ferrylm.engine.parallel.step_sync import StepHeader, StepReceiver, host_step
 from ferrylm.engine.step_inputs import bind_routing_keys
+from ferrylm.experts.executor import ExpertExecutor
 
 log = logging.getLogger("ferrylm.engine")
 
 
+@dataclass(eq=False)
 class FollowerRunner:
     """Runs rank 0's steps on this rank's shard.
 
-    Args:
+    Attributes:
         model: this rank's shard of the model, its layers attached to the group's all-reduce.
         executor: its routed-expert executor (None: dense).
         group: the rank group.
         dtype: the model's activations (the KV pool's unless ``kv_cache_dtype`` is ``fp8``).
         attention: the resolved attention backend name (``triton`` / ``torch``), as rank 0's.
         kv_cache_dtype: ``--kv-cache-dtype``, as rank 0's.
+        steps: forwards run so far.
     """
 
-    def __init__(self, model, executor, group: TPGroup, dtype: torch.dtype, attention: str,
-                 kv_cache_dtype: str = "auto"):
-        self.model = model
-        self.executor = executor
-        self.group = group
-        self.dtype = dtype
-        self.attention = attention
-        self.kv_cache_dtype = kv_cache_dtype
-        self.receiver = StepReceiver(group)
-        self.pool = None
-        self._runner = None
-        self._budget = -1
-        self._copied = None   # CUDA event: the last step's inputs left the receive buffer
-        self.steps = 0
+    model: Any
+    executor: ExpertExecutor | None
+    group: TPGroup
+    dtype: torch.dtype
+    attention: str
+    kv_cache_dtype: str = "auto"
+    steps: int = field(default=0, init=False)
+    pool: KVPool | None = field(default=None, init=False)   # the current runner's KV pool
+    _runner: int | None = field(default=None, init=False)   # which of rank 0's runners ``pool`` serves
+    _budget: int = field(default=-1, init=False)            # the expert budget last reserved
+    _copied: torch.cuda.Event | None = field(default=None, init=False)   # the last step's inputs left the buffer
+
+    def __post_init__(self):
+        self.receiver = StepReceiver(self.group)
 
     def serve(self) -> int:
         """Run steps until a final header; returns its kind (``SHUTDOWN`` or ``ABANDON``). Raises
