@@ -24,7 +24,7 @@ import torch
 
 from ferrylm.config import EngineConfig
 from ferrylm.engine import prompt_logprobs
-from ferrylm.engine.attention import make_backend, resolve_backend
+from ferrylm.engine.attention import backend_factory, resolve_backend
 from ferrylm.engine.attention.metadata import AttentionMetadata
 from ferrylm.engine.cuda_graphs import StepGraphs
 from ferrylm.engine.decode_graph import DecodeGraphConfig, DecodeGraphRunner
@@ -80,6 +80,7 @@ class ModelRunner:
         self.last_recurrent = None  # the RecurrentStep of the last eager step (the engine's OOM recovery reads it)
         self.structured = None  # the engine's StructuredDecoder (engine/structured.py): grammar masks on the logits
         self.attention = resolve_backend(config.attention_backend, device)
+        self._attention_backend = backend_factory(self.attention)   # a step's backend from (pool, meta, device, faults)
         self.max_model_len = max_model_len
         self.graph_max_batch = config.cuda_graph_max_batch or max_running_requests   # largest graph batch
         self.staging = Staging(device)
@@ -221,7 +222,7 @@ class ModelRunner:
             if prefill:
                 faults.check("prefill_workspace", nbytes=8 * host.num_tokens * self.model.config.hidden_size
                              * torch.empty((), dtype=self.dtype).element_size())
-        attn = make_backend(self.attention, self.pool, self._metadata(host, v), self.device, faults)
+        attn = self._attention_backend(self.pool, self._metadata(host, v), self.device, faults)
         if self.state_pool is not None:  # linear layers reach their sequences' states through the backend
             from ferrylm.engine.cache.state_pool import WithRecurrentState, recurrent_step
 

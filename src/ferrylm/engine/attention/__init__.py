@@ -20,16 +20,17 @@ Backends (``--attention-backend``):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ferrylm.backends import ATTENTION_BACKENDS
-from ferrylm.faults import NO_FAULTS, FaultInjector
 
 if TYPE_CHECKING:
     import torch
 
     from ferrylm.engine.attention.metadata import AttentionMetadata
     from ferrylm.engine.cache.kv_pool import KVPool
+    from ferrylm.faults import FaultInjector
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
@@ -57,7 +58,7 @@ def _triton_available() -> bool:
     return True
 
 
-def make_backend(name: str, pool: KVPool, meta: AttentionMetadata, device: torch.device,
-                 faults: FaultInjector = NO_FAULTS):
-    """The attention backend object of a step: ``name`` is a resolved backend (``triton`` or ``torch``)."""
-    return ATTENTION_BACKENDS.get(name)(pool, meta, device, faults)
+def backend_factory(name: str) -> Callable[[KVPool, AttentionMetadata, torch.device, FaultInjector], Any]:
+    """The constructor of resolved backend ``name`` (``triton`` or ``torch``), looked up once by a runner:
+    ``factory(pool, meta, device, faults)`` is a step's backend object. Raises ValueError for an unknown name."""
+    return ATTENTION_BACKENDS.get(name)

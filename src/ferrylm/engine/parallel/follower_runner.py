@@ -10,13 +10,14 @@ from typing import Any
 import torch
 
 from ferrylm.config import EngineConfig
-from ferrylm.engine.attention import make_backend
+from ferrylm.engine.attention import backend_factory
 from ferrylm.engine.cache.kv_pool import KVLayout, KVPool
 from ferrylm.engine.model_runner import step_metadata
 from ferrylm.engine.parallel.group import TPGroup
 from ferrylm.engine.parallel.step_sync import StepHeader, StepReceiver, host_step
 from ferrylm.engine.step_inputs import bind_routing_keys
 from ferrylm.experts.executor import ExpertExecutor
+from ferrylm.faults import NO_FAULTS
 
 log = logging.getLogger("ferrylm.engine")
 
@@ -49,6 +50,7 @@ class FollowerRunner:
 
     def __post_init__(self):
         self.receiver = StepReceiver(self.group)
+        self._attention_backend = backend_factory(self.attention)
 
     def serve(self) -> int:
         """Run steps until a final header; returns its kind (``SHUTDOWN`` or ``ABANDON``). Raises
@@ -90,7 +92,7 @@ class FollowerRunner:
         else:
             dev = packed
         v = header.layout.views(dev)
-        attn = make_backend(self.attention, pool, step_metadata(host, v, device, self.attention, pool), device)
+        attn = self._attention_backend(pool, step_metadata(host, v, device, self.attention, pool), device, NO_FAULTS)
         bind_routing_keys(self.model, v["routing_keys"])
         self.model(v["input_ids"], v["positions"], attn)
         self.steps += 1

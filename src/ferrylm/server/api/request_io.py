@@ -130,6 +130,10 @@ class RequestIdMiddleware:
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # --max-request-bytes: larger bodies get 413 in the OpenAI error shape
 
 
+def _too_large(limit: int) -> RequestTooLarge:
+    return RequestTooLarge(f"the request body exceeds the server's limit of {limit} bytes (--max-request-bytes)")
+
+
 async def read_body(request: Request, limit: int | None) -> bytes:
     """The body, refused (RequestTooLarge, 413) as soon as it is known to exceed ``limit`` bytes: by its
     Content-Length before reading, or while reading a chunked body."""
@@ -138,17 +142,15 @@ async def read_body(request: Request, limit: int | None) -> bytes:
             return await request.body()
         except ClientDisconnect:
             raise ClientGone() from None
-    too_large = RequestTooLarge(f"the request body exceeds the server's limit of {limit} bytes "
-                                f"(--max-request-bytes)")
     cl = request.headers.get("content-length")
     if cl is not None and cl.strip().isdigit() and int(cl) > limit:
-        raise too_large
+        raise _too_large(limit)
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise too_large
+                raise _too_large(limit)
             chunks.append(chunk)
     except ClientDisconnect:
         raise ClientGone() from None  # the client left while sending its body: an abort, not a server error
