@@ -12,15 +12,15 @@ from ferrylm.server.process.boot_signals import BootInterrupted, BootSignals
 # recorded (disarmed), not fatal; main() arms the handler and exits 0 if one came
 _BOOT_SIGNALS = BootSignals().install(armed=False) if sys.argv[1:2] == ["serve"] else None
 
-from typing import TYPE_CHECKING, Any, Collection, Mapping
+from typing import Any, Collection, Mapping
 
-from ferrylm.config import EngineConfig
+import ferrylm
+from ferrylm.config import EngineConfig, ModelConfig
+from ferrylm.engine.sampling_params import SamplingParams
+from ferrylm.errors import InvalidRequest, ModelLoadError
 from ferrylm.flags import add_flags, config_from_args
 from ferrylm.server.api.context import DEFAULT_SSE_PING_INTERVAL
 from ferrylm.server.text.tool_parsers import TOOL_PARSER_CHOICES
-
-if TYPE_CHECKING:
-    from ferrylm.engine.sampling_params import SamplingParams
 
 DEFAULT_MODEL = "smollm2-moe"
 #: ``ferry serve``'s default ``--queue-timeout``, seconds
@@ -33,8 +33,6 @@ def _version() -> str:
 
         return version("ferrylm")
     except Exception:  # noqa: BLE001 - running from a source tree
-        import ferrylm
-
         return ferrylm.__version__
 
 
@@ -117,11 +115,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     return config_from_args(EngineConfig, a).validate()
 
 
-def sampling_params_from_args(a: argparse.Namespace) -> "SamplingParams":
+def sampling_params_from_args(a: argparse.Namespace) -> SamplingParams:
     """``ferry generate``'s sampling flags, checked before anything loads. Raises ValueError naming the flag."""
-    from ferrylm.engine.sampling_params import SamplingParams
-    from ferrylm.errors import InvalidRequest
-
     try:
         return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
                               top_k=a.top_k).validate()
@@ -319,7 +314,6 @@ def _main(argv: list[str] | None, boot=None) -> int:
 def _apply_tokenizer_flag(args: argparse.Namespace) -> str | None:
     """Fold ``--tokenizer`` into a synthetic ``--model`` spec (``:tokenizer=<abs path>``, so every reader of the
     spec sees it); return an error message, or None."""
-    from ferrylm.errors import ModelLoadError
     from ferrylm.synthetic.spec import is_synthetic_spec, parse_synthetic_spec, with_tokenizer
 
     try:
@@ -333,10 +327,9 @@ def _apply_tokenizer_flag(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _generate(args: argparse.Namespace, engine_config: EngineConfig, params: "SamplingParams") -> int:
+def _generate(args: argparse.Namespace, engine_config: EngineConfig, params: SamplingParams) -> int:
     """``ferry generate``: print one completion. Returns the exit status (2 with one ``ferry generate: ...`` line
     for a request the model cannot serve)."""
-    from ferrylm.errors import InvalidRequest
     from ferrylm.synthetic.spec import is_synthetic_spec
 
     ids_only = is_synthetic_spec(args.model) and ":tokenizer=" not in args.model  # token ids in and out
@@ -376,12 +369,10 @@ def _generate(args: argparse.Namespace, engine_config: EngineConfig, params: "Sa
     return 0
 
 
-def _load_for_generate(args: argparse.Namespace, engine_config: EngineConfig, params: "SamplingParams"):
+def _load_for_generate(args: argparse.Namespace, engine_config: EngineConfig, params: SamplingParams):
     """The offline engine for ``ferry generate``, or the error line when the model cannot be loaded or
     ``--max-tokens`` cannot fit its context (checked once its config is read, before the weights load)."""
     from ferrylm.checkpoints.resolve import resolve_model
-    from ferrylm.config import ModelConfig
-    from ferrylm.errors import ModelLoadError
     from ferrylm.experts.cpu_kernel import KernelBuildError
     from ferrylm.llm import LLM
 

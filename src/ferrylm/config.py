@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ferrylm.backends import ATTENTION_CHOICES, MOE_BACKENDS
-from ferrylm.errors import ModelLoadError
+from ferrylm.errors import ModelLoadError, UnsupportedArchitecture
 from ferrylm.flags import flag
 
 
@@ -73,7 +73,6 @@ class ModelConfig:
             ModelLoadError: a required field is missing, or a field has the wrong type (the message names it,
                 its value and the type expected).
         """
-        from ferrylm.errors import UnsupportedArchitecture
         from ferrylm.models.registry import MODEL_REGISTRY, supported_architectures
 
         if not isinstance(d, dict):

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from ferrylm.config import EngineConfig
 from ferrylm.engine.sampling_params import SamplingParams
+from ferrylm.errors import ContextLengthExceeded, InvalidRequest
 
 if TYPE_CHECKING:
     from ferrylm.checkpoints.resolve import ResolvedModel
@@ -97,8 +98,6 @@ class LLM:
         Raises:
             InvalidRequest: ``messages`` is neither form (``param: messages``).
         """
-        from ferrylm.errors import InvalidRequest
-
         codec = self._require_codec()
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
             raise InvalidRequest("'messages' must be a conversation (a list of message dicts) or a list of them",
@@ -114,8 +113,6 @@ class LLM:
         return self._run(encoded, params or SamplingParams())
 
     def _require_codec(self):
-        from ferrylm.errors import InvalidRequest
-
         if self.codec is None:
             raise InvalidRequest(f"model {self.resolved.name} has no tokenizer: pass token ids, or name a "
                                  f"tokenizer folder (--tokenizer / :tokenizer=FOLDER)", param="prompt")
@@ -126,7 +123,6 @@ class LLM:
 
         from ferrylm.engine.admission import admit
         from ferrylm.engine.outputs import EngineOutput
-        from ferrylm.errors import ContextLengthExceeded, InvalidRequest
         from ferrylm.server.text.text_stream import TextStream
 
         params.validate()

@@ -27,6 +27,7 @@ import torch
 from ferrylm.bench.report import write_json
 from ferrylm.experts.bandwidth import (BackgroundCopies, copy_rate, cpu_expert_rate, cpu_job_latency, device_sync,
                                        host_read_rate, probe_rows)
+from ferrylm.experts.cpu_kernel import KernelBuildError
 from ferrylm.experts.executor import ExpertLayout
 from ferrylm.experts.cpu_pool import CpuExpertPool, physical_cores
 from ferrylm.experts.machine_profile import (FormatProfile, MachineProfile, ThreadRates, current_machine,
@@ -229,8 +230,6 @@ def config_from_args(args) -> BwConfig:
 
 def main(args) -> int:
     """``ferry bench bw``: 0 when measured (and saved unless ``--no-save``), 2 for a bad flag."""
-    from ferrylm.experts.cpu_kernel import KernelBuildError
-
     try:
         cfg = config_from_args(args)
         profile = run_bw(cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))

@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Callable
 
-from ferrylm.bench.report import add_output_flag, check_outputs
+from ferrylm.bench.report import add_output_flag, check_outputs, report
 from ferrylm.config import CPU_KERNELS
 from ferrylm.registry import Registry
 
@@ -335,7 +335,6 @@ def _run_client(args: argparse.Namespace, base_url: str, run, fmt) -> int:
     server cannot be reached or a request failed (one line, not a traceback), else 0."""
     import asyncio
 
-    from ferrylm.bench.report import report
     from ferrylm.bench.serve import BenchError
 
     try:

@@ -21,8 +21,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ferrylm.bench.report import write_json
-from ferrylm.experts.executor import ExpertLayout
-from ferrylm.experts.cpu_pool import CpuExpertPool, CpuJob
+from ferrylm.config import CPU_KERNELS
+from ferrylm.experts.cpu_kernel import KernelBuildError
+from ferrylm.experts.executor import ExpertLayout, LayerExperts
+from ferrylm.experts.cpu_pool import CpuExpertPool, CpuJob, physical_cores
 
 
 @dataclass
@@ -97,7 +99,6 @@ def _bank(layout: ExpertLayout, quant: str, bank_experts: int, pin: bool) -> tor
     le = {p: random_stack(pool, fmt, bank_experts, n, k, k ** -0.5, f"bench.{p}", device="cpu", dtype=layout.dtype)
           for p, fmt, n, k in (("gate", layout.quant.gate_up, i, h), ("up", layout.quant.gate_up, i, h),
                                ("down", layout.quant.down, h, i))}
-    from ferrylm.experts.executor import LayerExperts
 
     layout.pack(bank, LayerExperts(**le))
     return bank
@@ -151,10 +152,6 @@ def _int_list(flag: str, text: str, low: int) -> list[int]:
 
 def main(args) -> int:
     """CLI entry (``ferry bench cpu-experts``). Returns the exit code; bad flags print a message naming the flag."""
-    from ferrylm.config import CPU_KERNELS
-    from ferrylm.experts.cpu_kernel import KernelBuildError
-    from ferrylm.experts.cpu_pool import physical_cores
-
     try:
         experts = _int_list("--experts", args.experts, 1)
         threads = _int_list("--threads", args.threads, 1) if args.threads else [physical_cores()]

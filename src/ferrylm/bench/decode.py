@@ -41,11 +41,13 @@ import torch
 
 from ferrylm.bench.common import bench_prompts, sync, token_checksum
 from ferrylm.bench.report import report
+from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.errors import FerryError
 from ferrylm.experts import ExpertOptions, backend_name, build_from_banks
 from ferrylm.experts.options import Bandwidths
 from ferrylm.models.moe import SparseMoeBlock, hand_routers
 from ferrylm.models.sizes import non_expert_step_bytes
+from ferrylm.synthetic.spec import is_synthetic_folder
 
 log = logging.getLogger("ferrylm.bench")
 
@@ -207,12 +209,10 @@ def _setup(model: str, ec, progress) -> _Setup:
     model, MemoryPlanError (before loading) for one the host's available memory cannot hold."""
     from ferrylm.checkpoints.loader import load_model
     from ferrylm.checkpoints.resolve import resolve_model
-    from ferrylm.config import ModelConfig
     from ferrylm.engine.engine import resolve_device, resolve_dtype
     from ferrylm.engine.expert_choice import check_host_memory
     from ferrylm.experts.bandwidth import measure_bandwidths
     from ferrylm.experts.cpu_pool import CpuExpertPool
-    from ferrylm.synthetic.spec import is_synthetic_folder
 
     device = resolve_device(ec.device)
     dtype = resolve_dtype(ec.dtype, device)
@@ -240,7 +240,6 @@ def _setup(model: str, ec, progress) -> _Setup:
 
 def _engine_for_batch(s: _Setup, ec, batch: int, prompt_len: int, tokens: int):
     """A fresh engine over the loaded model whose KV pool holds ``batch`` requests of the run's length."""
-    from ferrylm.config import EngineConfig
     from ferrylm.engine.boot import engine_for_model
 
     page = ec.page_size

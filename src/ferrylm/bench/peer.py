@@ -33,9 +33,13 @@ from pathlib import Path
 
 import httpx
 
+from ferrylm import __version__
 from ferrylm.bench.report import write_json
 from ferrylm.bench.serve import BenchConfig, BenchError, run_bench
 from ferrylm.bench.suite import RunShape, ServerProcess, git_commit
+from ferrylm.cachedir import cache_root
+from ferrylm.experts.cpu_pool import physical_cores
+from ferrylm.experts.machine_profile import cpu_model_name
 
 KIND = "ferry-bench-peer"
 ENGINES = ("llama", "ferry")
@@ -233,10 +237,6 @@ def format_summary(summary: dict, shapes: tuple[RunShape, ...]) -> str:
 def run_peer(cfg: PeerConfig, binary: Path, out_path: Path, log_dir: Path, llama_info: dict, log=print) -> dict:
     """Every round of :func:`round_order`; the JSON record (rewritten after each round, so a cut run keeps what
     finished)."""
-    from ferrylm import __version__
-    from ferrylm.experts.cpu_pool import physical_cores
-    from ferrylm.experts.machine_profile import cpu_model_name
-
     rec: dict = {"kind": KIND, "version": 1, "date": _dt.date.today().isoformat(), "gguf": str(cfg.gguf),
                  "gguf_bytes": cfg.gguf.stat().st_size,
                  "machine": {"cpu": cpu_model_name(), "cores": physical_cores(), "llama_threads": cfg.threads},
@@ -294,8 +294,6 @@ def llama_server(args, log) -> tuple[Path, dict]:
             raise PeerError(f"--llama-server {binary}: no such file")
         info = {"source": None, "build_s": None}
     else:
-        from ferrylm.cachedir import cache_root
-
         work = Path(args.work_dir) if args.work_dir else cache_root() / "peer"
         work.mkdir(parents=True, exist_ok=True)
         src = source_folder(Path(args.llama_src), work)
@@ -312,8 +310,6 @@ def llama_server(args, log) -> tuple[Path, dict]:
 def main(args) -> int:
     """``ferry bench peer``: 0 when both engines answered every request, 1 when one failed, 2 for a bad flag or a
     failed build."""
-    from ferrylm.experts.cpu_pool import physical_cores
-
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     try:
         if bool(args.llama_src) == bool(args.llama_server):

@@ -25,7 +25,7 @@ import torch
 from ferrylm.config import EngineConfig
 from ferrylm.engine import prompt_logprobs
 from ferrylm.engine.attention import backend_factory, resolve_backend
-from ferrylm.engine.attention.metadata import AttentionMetadata
+from ferrylm.engine.attention.metadata import AttentionMetadata, decode_splits
 from ferrylm.engine.cuda_graphs import StepGraphs
 from ferrylm.engine.decode_graph import DecodeGraphConfig, DecodeGraphRunner
 from ferrylm.engine.cache.kv_pool import KVPool
@@ -307,7 +307,6 @@ def step_metadata(host: HostStep, v: dict[str, torch.Tensor], device: torch.devi
     ``host``; split-KV decode for the Triton backend on CUDA. Shared by rank 0 and the tensor-parallel followers."""
     splits = 1
     if host.max_query_len == 1 and device.type == "cuda" and attention == "triton":
-        from ferrylm.engine.attention.metadata import decode_splits
         splits = decode_splits(host.num_seqs, max(1, pool.layout.k_heads),
                                torch.cuda.get_device_properties(device).multi_processor_count)
     return AttentionMetadata(slot_mapping=v["slot_mapping"], block_table=v["block_table"],

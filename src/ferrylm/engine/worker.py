@@ -30,6 +30,13 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from ferrylm.config import EngineConfig
+from ferrylm.engine import ipc
+from ferrylm.engine.outputs import EngineOutput
+from ferrylm.engine.sampling_params import SamplingParams
+from ferrylm.errors import FerryError
+from ferrylm.faults import FaultInjector
+
 HEARTBEAT_INTERVAL_S = 0.5
 # Fault injection (tests): the ``engine_stall`` point of ferrylm/faults.py. With ``engine_stall:file=PATH`` (or the
 # older env variable below naming PATH), when PATH exists the engine loop removes it and hangs before its next step
@@ -100,8 +107,6 @@ def heartbeat_message(state: dict) -> bytes:
     """One encoded heartbeat of the engine in ``state["engine"]`` (none yet: empty stats). Never raises: a part
     that cannot be read (``engine.stats()``, the progress report) or encoded is left out and the error is logged
     once per kind (``state["heartbeat_errors"]`` counts them and is sent along)."""
-    from ferrylm.engine import ipc
-
     engine = state.get("engine")
     now = time.monotonic()
     parts: dict = {"stats": {}, "progress": {}, "last_step_age": 0.0}
@@ -169,10 +174,6 @@ def handle_message(engine, data: bytes) -> tuple[bool, list]:
     Never raises: a message that does not decode or has wrong fields is logged and dropped (nothing is known to
     answer); an AddRequest whose request id is readable but whose fields cannot be applied is answered with
     ``invalid_request``. The engine's state is unchanged by a message that failed."""
-    from ferrylm.engine import ipc
-    from ferrylm.engine.outputs import EngineOutput
-    from ferrylm.engine.sampling_params import SamplingParams
-
     try:
         msg = ipc.decode(data)
     except Exception as e:  # noqa: BLE001 - msgpack errors, unknown type, wrong fields: all the sender's
@@ -204,8 +205,6 @@ def make_layer_poll(engine, sock, deferred: list[bytes]):
     back at this layer boundary, not after the chunk), anything else waits in ``deferred`` for the main loop,
     in order. Never raises (one bad message must not fail the step)."""
     import zmq
-
-    from ferrylm.engine import ipc
 
     def poll() -> None:
         try:
@@ -307,8 +306,6 @@ class _Channel:
 
     def send(self, msg) -> None:
         """Encode and push one IPC message."""
-        from ferrylm.engine import ipc
-
         self.push.send(ipc.encode(msg))
 
     def close(self) -> None:
@@ -337,14 +334,9 @@ def _exit(chan: _Channel, tp, *, ok: bool) -> None:
 def _boot(spec: EngineSpec, chan: _Channel):
     """Build the engine (``engine/boot.py``), reporting each phase as ``Loading``; returns ``(engine, tp)``. A
     failure is sent as ``Fatal`` and the process exits 1."""
-    from ferrylm.config import EngineConfig
-    from ferrylm.engine import ipc
-    from ferrylm.errors import FerryError
-
     tp = None   # rank 0's step broadcaster under tensor parallel (engine/parallel/step_sync.py)
     try:
         from ferrylm.engine.boot import build_engine
-        from ferrylm.faults import FaultInjector
 
         config = EngineConfig(**spec.engine_config)
         FaultInjector.from_config(config.faults).boot_hook()   # point boot_delay (tests: a slow restart)
@@ -361,8 +353,6 @@ def _boot(spec: EngineSpec, chan: _Channel):
 
 def ready_message(engine):
     """The ``Ready`` message: the engine's limits, backends and memory plan for the frontend."""
-    from ferrylm.engine import ipc
-
     lim = engine.limits
     plan = engine.memory_plan
     return ipc.Ready({"max_model_len": lim.max_model_len, "kv_pool_tokens": lim.pool_tokens,
@@ -380,8 +370,6 @@ def ready_message(engine):
 def _drain_messages(engine, chan: _Channel, tp, deferred: list[bytes]) -> None:
     """Apply every message waiting (those the layer poll deferred first); a Shutdown ends the process."""
     import zmq
-
-    from ferrylm.engine import ipc
 
     while True:
         if deferred:
@@ -402,7 +390,6 @@ def _drain_messages(engine, chan: _Channel, tp, deferred: list[bytes]) -> None:
 def step_failure(engine, e: BaseException):
     """The ``Fatal`` message for an unexpected error inside a step (``device_error`` for a sticky CUDA error, else
     ``step_failed``), naming the step's requests; the error is logged with its traceback."""
-    from ferrylm.engine import ipc
     from ferrylm.memory.guard import is_device_error
 
     ids = list(engine.progress.step_request_ids)
@@ -418,8 +405,6 @@ def step_failure(engine, e: BaseException):
 def _serve(engine, chan: _Channel, tp) -> None:
     """The loop: drain messages (waiting up to a heartbeat interval when idle) -> step -> send outputs."""
     import zmq
-
-    from ferrylm.engine import ipc
 
     poller = zmq.Poller()
     poller.register(chan.pull, zmq.POLLIN)

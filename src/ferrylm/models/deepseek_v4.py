@@ -35,7 +35,7 @@ from ferrylm.models.deepseek_v4_layers import (AttentionShape, HyperShape, Rope,
                                                hyper_merge, hyper_weights)
 from ferrylm.models.layers import RMSNorm, rope_frequencies
 from ferrylm.models.moe import hand_routers, router_has_bias
-from ferrylm.models.sigmoid_moe import SigmoidMoeBlock, SigmoidRouting
+from ferrylm.models.sigmoid_moe import SigmoidMoeBlock, SigmoidRouting, sigmoid_weights
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
@@ -183,8 +183,6 @@ class HashMoeBlock(SigmoidMoeBlock):
         self.token_ids = token_ids
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from ferrylm.models.sigmoid_moe import sigmoid_weights
-
         ids = self.gate.tid2eid[self.token_ids]
         return ids, sigmoid_weights(self.gate(hidden), ids, self.rule)
 

@@ -49,8 +49,9 @@ from ferrylm.experts import ExpertOptions, build_executor
 from ferrylm.experts.executor import ExpertMath, LayerExperts
 from ferrylm.checkpoints.assemble import (LoadedModel, build_on_meta, placement, prepare_for_inference,
                                           tensor_dtype)
+from ferrylm.checkpoints.ple_tables import PoolTable
 from ferrylm.models.registry import get_model_class
-from ferrylm.synthetic.routing_profiles import ROUTER
+from ferrylm.synthetic.routing_profiles import ROUTER, get_profile
 from ferrylm.synthetic.spec import SyntheticSpec, parse_synthetic_spec, synthetic_config
 from ferrylm.models.tensor_parallel import (TPShard, check_shardable, full_shape, shard_config, split_of,
                                             split_part)
@@ -227,7 +228,6 @@ def attach_routing_model(model, config: ModelConfig, spec: SyntheticSpec, device
     :class:`~ferrylm.synthetic.routing_model.RoutingContext` shared by all blocks, bound by every decoder layer.
     Returns the routing context (the step's owner sets sequence keys on it)."""
     from ferrylm.synthetic.routing_model import RoutingContext, RoutingModel
-    from ferrylm.synthetic.routing_profiles import get_profile
 
     moe_layers = tuple(model.moe_layer_indices(config))
     routing = RoutingModel(get_profile(spec.routing), config.num_experts, config.num_experts_per_tok, spec.seed,
@@ -249,7 +249,6 @@ def _pool_ple_tables(model, model_cls: type, config: ModelConfig, pool: SeededPo
     shape = shape_of(config) if shape_of is not None else None
     if shape is None:
         return
-    from ferrylm.checkpoints.ple_tables import PoolTable
 
     values = pool._values(torch.device(device), dtype)
     model.use_ple_tables({layer: PoolTable(values, shape.head_dim, 1.0) for layer in shape.layers})

@@ -43,15 +43,16 @@ import torch
 
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts import ExpertOptions
-from ferrylm.experts.cpu_kernel import BlockMatrix
+from ferrylm.experts.cpu_kernel import BlockMatrix, load_kernel
 from ferrylm.experts.executor import ExpertMath, LayerExperts
 from ferrylm.experts.gguf_blocks import BLOCK_CODE, BLOCK_TYPES, KIND_OF_GGUF
 from ferrylm.experts.quantized import ExpertQuant, QuantFormat, QuantTensor, block_format, empty_quant, mix_format
 from ferrylm.checkpoints.assemble import finish_model, module_name, placement, tensor_dtype
 from ferrylm.checkpoints.gguf_archs import ExpertTensor, HFTensor, iter_expert_layers, split_tensors
 from ferrylm.models.quant_linear import DenseKernel, compact_modules
-from ferrylm.checkpoints.gguf_config import EXPERT_TENSORS, expert_types, served_config
+from ferrylm.checkpoints.gguf_config import EXPERT_TENSORS, expert_types, served_config, type_name
 from ferrylm.checkpoints.gguf_reader import GGUFTensor, dequantize_tensor, read_gguf
+from ferrylm.config import ModelConfig
 
 log = logging.getLogger("ferrylm.models")
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -127,7 +128,6 @@ def _expert_stack(data: np.ndarray, t: GGUFTensor, fmt: QuantFormat | None, dtyp
                   device: torch.device, pin: bool) -> torch.Tensor | QuantTensor:
     """One ``[E, N, K]`` expert stack in ``fmt`` (None: plain ``dtype``) on ``device``: a view of the file's bytes
     for a block format on the CPU without pinning, else a copy."""
-    from ferrylm.checkpoints.gguf_config import type_name
     from ferrylm.checkpoints.quant.gguf_moe import _DECODERS, repack
 
     e, n, k = t.shape
@@ -187,8 +187,6 @@ def _plain_tensors(hf_tensors: list[HFTensor], data: np.ndarray, model_cls: type
 def _dense_kernel(device: torch.device, moe_backend: str | ExpertOptions) -> DenseKernel | None:
     """What a CPU model's compact layers compute with (``--moe-cpu-kernel``, ``--moe-cpu-threads``): None off the
     CPU or without a native kernel (``torch``, or ``auto`` without a compiler: the weights are then dequantized)."""
-    from ferrylm.experts.cpu_kernel import load_kernel
-
     if device.type != "cpu":
         return None
     options = moe_backend if isinstance(moe_backend, ExpertOptions) else ExpertOptions(backend=moe_backend)
@@ -200,8 +198,6 @@ def _block_weights(hf_tensors: list[HFTensor], data: np.ndarray, model_cls: type
                    config) -> dict[str, tuple[BlockMatrix, HFTensor]]:
     """The non-expert weights that may stay the file's blocks, by state-dict name, as block matrices over the
     mapped bytes: a verbatim 2-D tensor of a block type, not kept in float32 or read as a tensor by the class."""
-    from ferrylm.checkpoints.gguf_config import type_name
-
     out = {}
     for h in hf_tensors:
         key = module_name(h.name, model_cls, config)
@@ -282,8 +278,6 @@ def load_gguf_model(path: str | Path, *, device: torch.device | str = "cpu", dty
         ModelLoadError: an architecture not served, an unmapped tensor, an expert type not read, missing tensors or metadata.
         UnsupportedArchitecture / ValueError: as ``load_model``.
     """
-    from ferrylm.config import ModelConfig
-
     start = time.perf_counter()
     g = read_gguf(path)
     served = served_config(g)

@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ferrylm.engine.attention.metadata import AttentionMetadata
 from ferrylm.engine.cache.kv_pool import KVPool
 from ferrylm.faults import NO_FAULTS, FaultInjector
-from ferrylm.models.attention import causal_attention
+from ferrylm.models.attention import causal_attention, sink_attention
 
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -274,8 +274,6 @@ def windowed_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, held: tor
     if sinks is None:
         o = torch.nn.functional.scaled_dot_product_attention(qg, kd, vd, attn_mask=m, scale=scale)
     else:
-        from ferrylm.models.attention import sink_attention
-
         o = sink_attention(qg, kd, vd, m, scale, sinks.view(hkv, hq // hkv))
     return o.reshape(b, hq, d)
 

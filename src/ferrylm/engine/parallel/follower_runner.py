@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from ferrylm.config import EngineConfig
-from ferrylm.engine.attention import backend_factory
+from ferrylm.config import EngineConfig, ModelConfig
+from ferrylm.engine.attention import backend_factory, resolve_backend
 from ferrylm.engine.cache.kv_pool import KVLayout, KVPool
 from ferrylm.engine.model_runner import step_metadata
 from ferrylm.engine.parallel.group import TPGroup
@@ -18,6 +18,7 @@ from ferrylm.engine.parallel.step_sync import StepHeader, StepReceiver, host_ste
 from ferrylm.engine.step_inputs import bind_routing_keys
 from ferrylm.experts.executor import ExpertExecutor
 from ferrylm.faults import NO_FAULTS
+from ferrylm.models.tensor_parallel import attach_reduce
 
 log = logging.getLogger("ferrylm.engine")
 
@@ -101,11 +102,8 @@ class FollowerRunner:
 def build_follower(model_path: str, config: EngineConfig, group: TPGroup) -> FollowerRunner:
     """Load this rank's shard by the boot's own steps up to loading (``engine/boot.py``: same dtype, backend,
     seed)."""
-    from ferrylm.config import ModelConfig
-    from ferrylm.engine.attention import resolve_backend
     from ferrylm.engine.boot import load_weights, resolve_target
     from ferrylm.engine.expert_choice import resolve_expert_backend
-    from ferrylm.models.tensor_parallel import attach_reduce
 
     config.validate()
     target = resolve_target(model_path, config, group.device)   # --gpu-memory-limit caps every rank

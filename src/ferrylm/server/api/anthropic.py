@@ -38,10 +38,10 @@ from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.errors import InvalidRequest
 from ferrylm.server.api.assistant import TurnDelta, turn_deltas, whole_turn
 from ferrylm.server.api.chat import SSE_HEADERS, off_loop, render_prompt
-from ferrylm.server.api.generation import PING, SSE_PING
-from ferrylm.server.api.errors import error_payload, status_for
+from ferrylm.server.api.generation import PING, SSE_PING, SSEResponse
+from ferrylm.server.api.errors import error_payload, error_response as openai_error_response, status_for
 from ferrylm.server.text.prompt_hygiene import strip_billing_header
-from ferrylm.server.api.protocol import _Request, parse_request
+from ferrylm.server.api.protocol import UsageInfo, _Request, parse_request
 from ferrylm.server.api.context import ChatJob, ChatRun, RouteContext
 from ferrylm.server.api.request_io import read_json
 from ferrylm.server.text.tool_parsers.base import ToolCall
@@ -254,8 +254,6 @@ def error_body(exc: BaseException, status: int | None = None) -> dict:
 def error_response(exc: BaseException, rid: str | None = None) -> Response:
     """An Anthropic-shaped error response (status, Retry-After and x-request-id as for OpenAI routes; a body over
     the size limit is ``request_too_large``, 413)."""
-    from ferrylm.server.api.errors import error_response as openai_error_response
-
     base = openai_error_response(exc, rid)   # logs, status, headers
     status = base.status_code
     headers = {k: v for k, v in base.headers.items() if k.lower() in ("retry-after", "x-request-id",
@@ -353,8 +351,6 @@ class StreamEncoder:
 
 async def messages(ctx: RouteContext, request: Request, rid: str) -> Response:
     """POST /v1/messages (stream and non-stream). ``ctx``: the app's :class:`RouteContext`."""
-    from ferrylm.server.api.generation import SSEResponse
-
     req: MessagesRequest = parse_request(MessagesRequest, await read_json(request))
     model = ctx.check_model(req.model)
     job = await off_loop(job_from_messages, req)   # grammars compile off the event loop
@@ -380,8 +376,6 @@ async def messages(ctx: RouteContext, request: Request, rid: str) -> Response:
 
 
 def _openai_usage(run: ChatRun) -> Any:
-    from ferrylm.server.api.protocol import UsageInfo
-
     return UsageInfo.of(len(run.prompt_ids), run.gen.completion_tokens, run.gen.cached_tokens)
 
 

@@ -31,6 +31,7 @@ from typing import Any, Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+import ferrylm
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.errors import EngineUnavailable, FerryError, InvalidRequest, ModelNotFound
 from ferrylm.server.process.engine_client import EngineClient
@@ -62,8 +63,6 @@ from ferrylm.server.webui import LiveView, install_webui
 logger = logging.getLogger("ferrylm.server")
 
 def _version() -> str:
-    import ferrylm
-
     if getattr(ferrylm, "__version__", None):
         return str(ferrylm.__version__)
     try:

@@ -21,7 +21,7 @@ from fastapi.responses import Response
 
 from ferrylm.errors import InvalidRequest
 from ferrylm.server.api.assistant import TurnDelta, turn_deltas, whole_turn
-from ferrylm.server.api.generation import PING, SSE_PING
+from ferrylm.server.api.generation import PING, SSE_PING, SSEResponse
 from ferrylm.server.api.chat_protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk,
                                               ChatCompletionRequest, ChatCompletionResponse,
                                               ChatCompletionStreamChoice, ChatMessage, ChatResponseMessage,
@@ -169,8 +169,6 @@ def out_calls(calls: list[ToolCall]) -> list[ToolCallOut] | None:
 
 async def chat_completions(ctx: RouteContext, request: Request, rid: str) -> Response:
     """POST /v1/chat/completions (stream and non-stream). ``ctx``: the app's :class:`RouteContext`."""
-    from ferrylm.server.api.generation import SSEResponse
-
     req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await read_json(request))
     model = ctx.check_model(req.model)
     job = await off_loop(job_from_chat, req)   # schemas and grammars compile off the event loop

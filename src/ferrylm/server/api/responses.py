@@ -37,9 +37,9 @@ from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.errors import InvalidRequest, NotFound
 from ferrylm.server.api.assistant import TurnDelta, turn_deltas, whole_turn
 from ferrylm.server.api.chat import SSE_HEADERS, off_loop
-from ferrylm.server.api.generation import PING, SSE_PING
+from ferrylm.server.api.generation import PING, SSE_PING, SSEResponse
 from ferrylm.server.api.errors import error_payload
-from ferrylm.server.api.protocol import _Request, parse_request
+from ferrylm.server.api.protocol import UsageInfo, _Request, parse_request
 from ferrylm.server.api.context import ChatJob, ChatRun, RouteContext
 from ferrylm.server.api.request_io import read_json
 from ferrylm.server.api.response_store import ResponseStore, StoredResponse
@@ -390,8 +390,6 @@ class StreamEncoder:
 async def create(ctx: ResponsesContext, request: Request, rid: str) -> Response:
     """POST /v1/responses (stream and non-stream). ``ctx``: the app's :class:`ResponsesContext` (``ctx.responses``
     is its :class:`ResponseStore`)."""
-    from ferrylm.server.api.generation import SSEResponse
-
     req: ResponsesRequest = parse_request(ResponsesRequest, await read_json(request))
     model = ctx.check_model(req.model)
     job, conversation = await off_loop(job_from_request, req, ctx.responses)
@@ -412,8 +410,6 @@ async def create(ctx: ResponsesContext, request: Request, rid: str) -> Response:
 
 
 def _usage(run: ChatRun) -> Any:
-    from ferrylm.server.api.protocol import UsageInfo
-
     return UsageInfo.of(len(run.prompt_ids), run.gen.completion_tokens)
 
 

@@ -37,7 +37,7 @@ import time
 from typing import Any
 
 from ferrylm.config import EngineConfig, ModelConfig
-from ferrylm.errors import ModelLoadError
+from ferrylm.errors import EngineUnavailable, ModelLoadError, UnsupportedArchitecture
 
 from ferrylm.server.process.boot_signals import SIGNAL_REPEAT_WINDOW_S, BootInterrupted, BootSignals, is_relay
 
@@ -212,7 +212,6 @@ def load_model(args: argparse.Namespace, engine_config: EngineConfig) -> LoadedM
     allow."""
     from ferrylm.checkpoints.resolve import resolve_model
     from ferrylm.checkpoints.verify import verify_checkpoint
-    from ferrylm.errors import UnsupportedArchitecture
     from ferrylm.models.registry import supported_architectures
 
     resolved = resolve_model(args.model)
@@ -412,8 +411,6 @@ class _Shutdown:
     async def drain_and_stop(self) -> None:
         """The first signal: wait for the running requests (``--shutdown-timeout``), answer what is left with an
         error, then stop uvicorn."""
-        from ferrylm.errors import EngineUnavailable
-
         t0, sup, timeout = time.monotonic(), self.sup, self.shutdown_timeout
         log.info("shutting down: refusing new requests; waiting up to %g s for %d running requests", timeout,
                  sup.num_in_flight)
@@ -439,8 +436,6 @@ class _Shutdown:
         """The second signal: every request in flight is answered with an error (a stream's error event and
         end), the engine is killed, and the process exits 128+N once the answers went out (at most
         ``FINAL_ANSWERS_S``)."""
-        from ferrylm.errors import EngineUnavailable
-
         self.sup.fail_in_flight(EngineUnavailable("the server is exiting now (a second signal); the request was cut"))
         self.sup.kill_now()
         open_requests = self.app.state.open_requests
