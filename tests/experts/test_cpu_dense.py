@@ -75,6 +75,20 @@ def test_matmul_over_segments_is_exact_on_the_quantized_activation(kernel, isa, 
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("k_in", [96, 160])
+def test_q8_0_rows_of_an_odd_block_count(kernel, isa, k_in):
+    """Q8_0 rows of an odd number of 32-input blocks (the 512-bit path reads two blocks a step; these rows end on a
+    single one): exact on the quantized activation, for 1 to 5 tokens."""
+    data = _blocks("q8_0", 41, k_in, 4)
+    k = _isa(kernel, isa)
+    for m in (1, 5):
+        x = torch.randn(m, k_in, generator=torch.Generator().manual_seed(m))
+        got = k.matmul(x, BlockMatrix("q8_0", k_in, data), threads=2)
+        ref = _as_quantized(k, x, "q8_0") @ _oracle("q8_0", data).double().T
+        assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_gathered_rows_equal_gguf_dequantize(kernel, isa, kind):
     """Embedding rows: any order, repeats, an odd count; bit for bit gguf-py's rows."""

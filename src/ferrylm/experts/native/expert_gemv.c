@@ -37,6 +37,7 @@
 
 #define TB 4   /* tokens per pass over a decoded weight row */
 #define TT 64  /* tokens per tile (rows in isa_kernels.h) */
+#define PF_BYTES 4096  /* the integer row loops prefetch this far ahead of the block they read (rows lie in turn) */
 #define KIND_BF16 10
 #define KIND_F32 11
 #define FAM_INT 1

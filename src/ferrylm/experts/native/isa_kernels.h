@@ -8,7 +8,8 @@
  * TB tokens' Q8 activations (int8 codes, a float32 scale per 32 inputs, float32 sums per 16 and 32): sum_32 (v * xq)
  * in int32, times s * dx, plus o * sum(x); a group kind's scales decoded once per row. K-quants (Q4_K, Q5_K, Q6_K):
  * against the Q8_K activation (kdot_nt). Float kinds (bf16, f32, fp8): float32 activations; fp8 rows decoded to
- * float32 first. */
+ * float32 first. At level 2, Q4_K and Q8_0 (the bulk of a GGUF's bytes) read 64 inputs a step on 512-bit registers
+ * (q4k_dot512, q8_0_dot512); every integer row loop prefetches PF_BYTES ahead. */
 
 /* ---- primitives ---------------------------------------------------------------------------------------- */
 #if ISA_LEVEL >= 1
@@ -273,6 +274,93 @@ static inline __attribute__((always_inline)) SFX(cod) SFX(group_codes)(const qpr
     return v;
 }
 
+#if ISA_LEVEL == 2
+/* res[t] = Q4_K row w . token (m0 + t)'s Q8_K activation on 512-bit registers, the integers of kdot_nt: a 32-byte
+ * group of codes holds two chunks (low nibbles: inputs 64g..64g+31, high: the next 32), decoded into one register
+ * and dotted with the activation's 64 bytes there (maddubs), times the chunks' 6-bit scales as 16-bit lanes
+ * (vpermw), summed in int32 (vpdpwssd); the mins as kdot_nt takes them. */
+static inline __attribute__((always_inline)) void SFX(q4k_dot512)(const qrow *w, int64_t K, const qact *a,
+                                                                    int64_t m0, const int NT, float *res) {
+    const int64_t nb = K / 256;
+    const __m512i m4 = _mm512_set1_epi8(15);
+    __m512i perm[4];
+    for (int g = 0; g < 4; g++)
+        perm[g] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)(2 * g))),
+                                     _mm256_set1_epi16((short)(2 * g + 1)), 1);
+    __m512 acc[TB];
+    __m256 accm[TB];
+    for (int t = 0; t < NT; t++) {
+        acc[t] = _mm512_setzero_ps();
+        accm[t] = _mm256_setzero_ps();
+    }
+    for (int64_t ib = 0; ib < nb; ib++) {
+        const uint8_t *b = w->d + 144 * ib;
+        _mm_prefetch((const char *)b + PF_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)b + PF_BYTES + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)b + PF_BYTES + 128, _MM_HINT_T0);
+        uint32_t sm[4];
+        kq_scale_bytes(b, sm);
+        const __m128i smv = _mm_loadu_si128((const __m128i *)sm);  /* sc[0..7], mn[0..7] */
+        const __m512i sc16 = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(smv));
+        __m512i sumi[TB];
+        for (int t = 0; t < NT; t++) sumi[t] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; g++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * g));
+            const __m512i v = _mm512_and_si512(
+                _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1), m4);
+            const __m512i scg = _mm512_permutexvar_epi16(perm[g], sc16);
+            for (int t = 0; t < NT; t++) {
+                const __m512i xq = _mm512_loadu_si512((const void *)(a->qk + (m0 + t) * K + 256 * ib + 64 * g));
+                sumi[t] = _mm512_dpwssd_epi32(sumi[t], _mm512_maddubs_epi16(v, xq), scg);
+            }
+        }
+        const float dd = F16(b), dmin = F16(b + 2);
+        const __m256i w16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_srli_si128(smv, 8), _mm_set_epi8(
+            7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0)));
+        for (int t = 0; t < NT; t++) {
+            const int64_t m = m0 + t;
+            const float dk = a->dk[m * nb + ib];
+            const __m256i bs = _mm256_madd_epi16(w16, _mm256_loadu_si256((const __m256i *)(a->bk + m * (K / 16) +
+                                                                                           16 * ib)));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[t]), _mm512_set1_ps(dd * dk), acc[t]);
+            accm[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(bs), _mm256_set1_ps(dmin * dk), accm[t]);
+        }
+    }
+    for (int t = 0; t < NT; t++) res[t] = _mm512_reduce_add_ps(acc[t]) + SFX(hsum8)(accm[t]);
+}
+
+/* res[t] = Q8_0 row w . token (m0 + t)'s Q8 activation on 512-bit registers, two blocks (64 inputs) a step: |codes|
+ * against the activation with the codes' signs (dpbusd), times each block's scale * dx in float32; K % 64 == 0. */
+static inline __attribute__((always_inline)) void SFX(q8_0_dot512)(const qrow *w, int64_t K, const qact *a,
+                                                                     int64_t m0, const int NT, float *res) {
+    const int64_t nc = K / 32;
+    __m512 acc[TB];
+    for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nc; c += 2) {
+        const uint8_t *b = w->d + 34 * c;
+        _mm_prefetch((const char *)b + PF_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)b + PF_BYTES + 64, _MM_HINT_T0);
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 2))),
+                                             _mm256_loadu_si256((const __m256i *)(b + 36)), 1);
+        const __m512i av = _mm512_abs_epi8(v);
+        const __mmask64 neg = _mm512_movepi8_mask(v);
+        const float s0 = F16(b), s1 = F16(b + 34);
+        for (int t = 0; t < NT; t++) {
+            const int64_t m = m0 + t;
+            const __m512i xq = _mm512_loadu_si512((const void *)(a->q + m * K + 32 * c));
+            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), av,
+                                                  _mm512_mask_sub_epi8(xq, neg, _mm512_setzero_si512(), xq));
+            const float *dx = a->d + m * nc + c;
+            const __m512 sc = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(s0 * dx[0])),
+                                                                   _mm256_castps_pd(_mm256_set1_ps(s1 * dx[1])), 1));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[t]);
+        }
+    }
+    for (int t = 0; t < NT; t++) res[t] = _mm512_reduce_add_ps(acc[t]);
+}
+#endif
+
 /* res[t] = K-quant row w (KIND 6 Q4_K, 7 Q5_K, 8 Q6_K) . token (m0 + t)'s Q8_K activation, t < NT, as ggml's
  * vec_dot_q*_K_q8_K: per block of 256, the codes times the activation's in int16 pairs, times the integer sub-block
  * scales in int32, summed in int32 over the block; then d * dk times that, less dmin * dk times the mins times the
@@ -281,11 +369,20 @@ static inline __attribute__((always_inline)) SFX(cod) SFX(group_codes)(const qpr
 static inline __attribute__((always_inline)) void SFX(kdot_nt)(const qrow *w, const int KIND, int64_t K,
                                                                  const qact *a, int64_t m0, const int NT, float *res) {
     const int64_t nb = K / 256;
+#if ISA_LEVEL == 2
+    if (KIND == 6) {
+        SFX(q4k_dot512)(w, K, a, m0, NT, res);
+        return;
+    }
+#endif
 #if ISA_LEVEL >= 1
     __m256 acc[TB];
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t ib = 0; ib < nb; ib++) {
         const uint8_t *b = w->d + BLOCK_BYTES[KIND] * ib;
+        _mm_prefetch((const char *)b + PF_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)b + PF_BYTES + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)b + PF_BYTES + 128, _MM_HINT_T0);
         __m256i sumi[TB];
         for (int t = 0; t < NT; t++) sumi[t] = _mm256_setzero_si256();
         uint32_t sm[4];
@@ -371,6 +468,12 @@ static inline __attribute__((always_inline)) void SFX(qdot_nt)(const qproj *q, c
         SFX(kdot_nt)(w, KIND, K, a, m0, NT, res);
         return;
     }
+#if ISA_LEVEL == 2
+    if (KIND == 5 && nc % 2 == 0) {
+        SFX(q8_0_dot512)(w, K, a, m0, NT, res);
+        return;
+    }
+#endif
     if (KIND == 5) {
         for (int64_t c = 0; c < nc; c++) {  /* even and odd chunks in the two accumulators */
             const uint8_t *b = w->d + 34 * c;
