@@ -78,10 +78,10 @@ def test_matmul_over_segments_is_exact_on_the_quantized_activation(kernel, isa, 
 @pytest.mark.parametrize("k_in", [96, 160])
 def test_q8_0_rows_of_an_odd_block_count(kernel, isa, k_in):
     """Q8_0 rows of an odd number of 32-input blocks (the 512-bit path reads two blocks a step; these rows end on a
-    single one): exact on the quantized activation, for 1 to 5 tokens."""
+    single one): exact on the quantized activation, for 1 to 20 tokens (the 16-token lanes from 8 on)."""
     data = _blocks("q8_0", 41, k_in, 4)
     k = _isa(kernel, isa)
-    for m in (1, 5):
+    for m in (1, 5, 9, 20):
         x = torch.randn(m, k_in, generator=torch.Generator().manual_seed(m))
         got = k.matmul(x, BlockMatrix("q8_0", k_in, data), threads=2)
         ref = _as_quantized(k, x, "q8_0") @ _oracle("q8_0", data).double().T

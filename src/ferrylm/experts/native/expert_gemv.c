@@ -37,6 +37,8 @@
 
 #define TB 4   /* tokens per pass over a decoded weight row */
 #define TT 64  /* tokens per tile (rows in isa_kernels.h) */
+#define LANES 16    /* tokens a pass of the level-2 Q4_K / Q8_0 row loops, one per 32-bit lane */
+#define LANE_MIN 8  /* a tile of at least this many tokens takes the lanes */
 #define PF_BYTES 4096  /* the integer row loops prefetch this far ahead of the block they read (rows lie in turn) */
 #define KIND_BF16 10
 #define KIND_F32 11
@@ -284,7 +286,11 @@ static void quantize_token(const float *x, int64_t K, const qact *a, int64_t m, 
 }
 
 /* float scratch rows of n threads, kmax floats each (thread i's at i * kmax) */
-static float *rowbufs_alloc(int n, int64_t kmax) { return (float *)malloc(sizeof(float) * (size_t)(kmax * n)); }
+#define ROWBUF_FLOATS(k) (6 * (k))  /* a thread's scratch: K floats (an fp8 row, scale tables), then the 16-token tile */
+static float *rowbufs_alloc(int n, int64_t kmax) {
+    const size_t bytes = sizeof(float) * (size_t)(ROWBUF_FLOATS(kmax) * n);
+    return (float *)aligned_alloc(64, (bytes + 63) / 64 * 64);
+}
 
 typedef struct {  /* the call's activation buffers */
     qact x, a;
@@ -335,7 +341,8 @@ static int actmem_init(actmem *m, int64_t M, int64_t H, int fx, int64_t I, int f
 /* ---- entry points (called through ctypes, which releases the GIL); each returns 0, or -1 on bad arguments, -2
  * for an instruction set this CPU lacks, -3 when out of memory ------------------------------------------------ */
 
-#define BLOCK_ROWS 32  /* rows per task */
+/* rows per task: 32, or 128 where a tile takes the lanes (its interleaved activation is built once per task) */
+static int64_t block_rows(int64_t tokens) { return tokens >= LANE_MIN ? 128 : 32; }
 
 static int64_t span_end(int k, const int64_t *starts, const int64_t *counts) {
     int64_t M = 0;
@@ -348,12 +355,12 @@ static int64_t span_end(int k, const int64_t *starts, const int64_t *counts) {
  * per expert, gate|up below I, gate|up from I, down). Runs inside the caller's parallel region. */
 static void experts_proj(rows_fn rows, const qproj *q, int k, const void *const *bases, int lo, int hi, int64_t split,
                          const int64_t *starts, const int64_t *counts, int64_t N, int64_t K, const act *a, float *y,
-                         int64_t ldy, const float *w, float *rb) {
-    const int64_t nb = (N + BLOCK_ROWS - 1) / BLOCK_ROWS;
+                         int64_t ldy, const float *w, float *rb, int64_t br) {
+    const int64_t nb = (N + br - 1) / br;
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < (int64_t)k * nb; task++) {
         const int e = (int)(task / nb);
-        const int64_t r0 = (task % nb) * BLOCK_ROWS, r1 = r0 + BLOCK_ROWS < N ? r0 + BLOCK_ROWS : N;
+        const int64_t r0 = (task % nb) * br, r1 = r0 + br < N ? r0 + br : N;
         if (counts[e] <= 0) continue;
         float *ye = y + starts[e] * ldy;
         const float *we = w ? w + starts[e] : NULL;
@@ -380,6 +387,9 @@ int ferry_experts(const qproj *qp, int isa, int nthreads, int k, const void *con
     const rows_fn rows_isa = ROWS[isa];
     const int64_t M = span_end(k, starts, counts), kmax = H > I ? H : I;
     const int qx = act_forms(&qp[0], 1), qa = act_forms(&qp[1], 1);
+    int64_t most = 0;
+    for (int e = 0; e < k; e++) most = counts[e] > most ? counts[e] : most;
+    const int64_t br = block_rows(most);
     actmem am;
     float *rbs = rowbufs_alloc(nthreads, kmax);
     if (!rbs || actmem_init(&am, M, H, qx, I, qa)) {
@@ -389,18 +399,18 @@ int ferry_experts(const qproj *qp, int isa, int nthreads, int k, const void *con
     act ax = {x, H, am.x}, aa = {scratch, 2 * I, am.a};
 #pragma omp parallel num_threads(nthreads)
     {
-        float *rb = rbs + omp_get_thread_num() * kmax;
+        float *rb = rbs + omp_get_thread_num() * ROWBUF_FLOATS(kmax);
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
             if (qx) quantize_token(x + m * H, H, &am.x, m, isa);
-        experts_proj(rows_isa, &qp[0], k, bases, 0, 1, I, starts, counts, 2 * I, H, &ax, scratch, 2 * I, NULL, rb);
+        experts_proj(rows_isa, &qp[0], k, bases, 0, 1, I, starts, counts, 2 * I, H, &ax, scratch, 2 * I, NULL, rb, br);
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) {  /* a = silu(g) * u in place over g, then its Q8 form */
             float *g = scratch + m * 2 * I;
             for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * g[I + i];
             if (qa) quantize_token(g, I, &am.a, m, isa);
         }
-        experts_proj(rows_isa, &qp[1], k, bases, 2, 2, H, starts, counts, H, I, &aa, out, H, w, rb);
+        experts_proj(rows_isa, &qp[1], k, bases, 2, 2, H, starts, counts, H, I, &aa, out, H, w, rb, br);
     }
     free(rbs);
     free(am.mem);
@@ -413,11 +423,12 @@ int ferry_experts(const qproj *qp, int isa, int nthreads, int k, const void *con
 int ferry_matvec(const qproj *q, int isa, int nthreads, int nseg, const void *const *bases, const int64_t *seg_rows,
                  int64_t K, const float *x, int64_t M, float *y) {
     if (nseg <= 0 || K <= 0 || M <= 0 || nthreads < 1) return -1;
+    const int64_t br = block_rows(M);
     int64_t N = 0, ntask = 0;
     for (int s = 0; s < nseg; s++) {
         if (seg_rows[s] <= 0 || !q_ok(&q[s], K)) return -1;
         N += seg_rows[s];
-        ntask += (seg_rows[s] + BLOCK_ROWS - 1) / BLOCK_ROWS;
+        ntask += (seg_rows[s] + br - 1) / br;
     }
     const int qx = act_forms(q, nseg);
     if (!isa_ok(isa)) return -2;
@@ -432,19 +443,19 @@ int ferry_matvec(const qproj *q, int isa, int nthreads, int nseg, const void *co
     const rows_fn rows = ROWS[isa];
 #pragma omp parallel num_threads(nthreads)
     {
-        float *rb = rbs + omp_get_thread_num() * K;
+        float *rb = rbs + omp_get_thread_num() * ROWBUF_FLOATS(K);
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
             if (qx) quantize_token(x + m * K, K, &am.x, m, isa);
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < ntask; task++) {  /* a task: BLOCK_ROWS rows of one segment */
+        for (int64_t task = 0; task < ntask; task++) {  /* a task: br rows of one segment */
             int s = 0;
             int64_t t = task, col = 0;
-            while (t >= (seg_rows[s] + BLOCK_ROWS - 1) / BLOCK_ROWS) {
-                t -= (seg_rows[s] + BLOCK_ROWS - 1) / BLOCK_ROWS;
+            while (t >= (seg_rows[s] + br - 1) / br) {
+                t -= (seg_rows[s] + br - 1) / br;
                 col += seg_rows[s++];
             }
-            const int64_t r0 = t * BLOCK_ROWS, r1 = r0 + BLOCK_ROWS < seg_rows[s] ? r0 + BLOCK_ROWS : seg_rows[s];
+            const int64_t r0 = t * br, r1 = r0 + br < seg_rows[s] ? r0 + br : seg_rows[s];
             rows(&q[s], (const uint8_t *)bases[s], r0, r1, K, &ax, 0, M, y + col, N, NULL, rb);
         }
     }

@@ -9,7 +9,9 @@
  * in int32, times s * dx, plus o * sum(x); a group kind's scales decoded once per row. K-quants (Q4_K, Q5_K, Q6_K):
  * against the Q8_K activation (kdot_nt). Float kinds (bf16, f32, fp8): float32 activations; fp8 rows decoded to
  * float32 first. At level 2, Q4_K and Q8_0 (the bulk of a GGUF's bytes) read 64 inputs a step on 512-bit registers
- * (q4k_dot512, q8_0_dot512); every integer row loop prefetches PF_BYTES ahead. */
+ * (q4k_dot512, q8_0_dot512); a tile of >= LANE_MIN tokens puts 16 tokens in the lanes (q4k_dot16, q8_0_dot16: one
+ * vpdpbusd per 4 weight bytes for 16 tokens, each block's scales once for all); every integer row loop prefetches
+ * PF_BYTES ahead. */
 
 /* ---- primitives ---------------------------------------------------------------------------------------- */
 #if ISA_LEVEL >= 1
@@ -330,6 +332,116 @@ static inline __attribute__((always_inline)) void SFX(q4k_dot512)(const qrow *w,
     for (int t = 0; t < NT; t++) res[t] = _mm512_reduce_add_ps(acc[t]) + SFX(hsum8)(accm[t]);
 }
 
+/* ---- 16 tokens in the lanes (level 2, a step of >= LANE_MIN tokens): the activation of a tile of 16 tokens is
+ * interleaved once per tile ([K/4][16] groups of 4 bytes, token i in lane i), then each weight row is decoded once per
+ * block and each 4-byte group of its codes broadcast against the tile: one vpdpbusd makes 64 products for 16 tokens,
+ * and each block's scales are applied once for all of them. */
+/* the Q8_K activation of tokens m0 .. m0 + n - 1 (n <= 16; lanes from n on are zero) as the lanes read it, in t:
+ * xr [K/4][16] int32 (4 codes), bs [K/32][16] float (sum of the 32 codes), dk [K/256][16] float */
+static void SFX(tile_q8k)(const qact *a, int64_t K, int64_t m0, int n, float *t) {
+    int32_t *xr = (int32_t *)t;
+    float *bs = t + K * LANES / 4, *dk = bs + K / 32 * LANES;
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __mmask16 live = (__mmask16)((1u << n) - 1);
+    const __m512i stride = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)K));
+    for (int64_t k4 = 0; k4 < K / 4; k4++)
+        _mm512_store_si512((void *)(xr + k4 * LANES), _mm512_mask_i32gather_epi32(
+            _mm512_setzero_si512(), live, stride, (const void *)(a->qk + m0 * K + 4 * k4), 1));
+    for (int64_t c = 0; c < K / 32; c++)
+        for (int i = 0; i < LANES; i++)
+            bs[c * LANES + i] = i < n ? (float)(a->bk[(m0 + i) * (K / 16) + 2 * c] + a->bk[(m0 + i) * (K / 16) + 2 * c + 1])
+                                      : 0.0f;
+    for (int64_t ib = 0; ib < K / 256; ib++)
+        for (int i = 0; i < LANES; i++) dk[ib * LANES + i] = i < n ? a->dk[(m0 + i) * (K / 256) + ib] : 0.0f;
+}
+
+/* the Q8 activation (per 32 inputs) of tokens m0 .. m0 + n - 1 as the lanes read it, in t: xu [K/4][16] int32
+ * (4 codes + 128 as unsigned bytes; lanes from n on hold 128s, a zero input), dx [K/32][16] float (0 past n) */
+static void SFX(tile_q8)(const qact *a, int64_t K, int64_t m0, int n, float *t) {
+    int32_t *xu = (int32_t *)t;
+    float *dx = t + K * LANES / 4;
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __mmask16 live = (__mmask16)((1u << n) - 1);
+    const __m512i stride = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)K)), flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t k4 = 0; k4 < K / 4; k4++)
+        _mm512_store_si512((void *)(xu + k4 * LANES), _mm512_xor_si512(flip, _mm512_mask_i32gather_epi32(
+            _mm512_setzero_si512(), live, stride, (const void *)(a->q + m0 * K + 4 * k4), 1)));
+    for (int64_t c = 0; c < K / 32; c++)
+        for (int i = 0; i < LANES; i++) dx[c * LANES + i] = i < n ? a->d[(m0 + i) * (K / 32) + c] : 0.0f;
+}
+
+/* out[0:16] = Q8_0 row w . the tile's 16 tokens (tile_q8): per block, sum (x + 128) w by vpdpbusd less 128 sum(w),
+ * times the block's scale and each token's dx in float32 */
+static void SFX(q8_0_dot16)(const qrow *w, int64_t K, const float *t, float *out) {
+    const int32_t *xu = (const int32_t *)t;
+    const float *dx = t + K * LANES / 4;
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < K / 32; c++) {
+        const uint8_t *b = w->d + 34 * c;
+        if ((c & 1) == 0) _mm_prefetch((const char *)b + PF_BYTES, _MM_HINT_T0);
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 2));
+        const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(v, flip), _mm256_setzero_si256());
+        const __m128i s2 = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
+        const int32_t wsum = (int32_t)(_mm_cvtsi128_si64(s2) + _mm_extract_epi64(s2, 1)) - 32 * 128;
+        int32_t cw[8];
+        _mm256_storeu_si256((__m256i *)cw, v);
+        const int32_t *x = xu + 8 * c * LANES;
+        __m512i s0 = _mm512_set1_epi32(-128 * wsum), s1 = _mm512_setzero_si512();
+        for (int u = 0; u < 8; u += 2) {
+            s0 = _mm512_dpbusd_epi32(s0, _mm512_load_si512((const void *)(x + u * LANES)), _mm512_set1_epi32(cw[u]));
+            s1 = _mm512_dpbusd_epi32(s1, _mm512_load_si512((const void *)(x + (u + 1) * LANES)),
+                                     _mm512_set1_epi32(cw[u + 1]));
+        }
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
+                              _mm512_mul_ps(_mm512_load_ps(dx + c * LANES), _mm512_set1_ps(F16(b))), acc);
+    }
+    _mm512_storeu_ps(out, acc);
+}
+
+/* out[0:16] = Q4_K row w . the tile's 16 tokens (tile_q8k), the same sums as kdot_nt (the sub-block scales applied
+ * in float32) */
+static void SFX(q4k_dot16)(const qrow *w, int64_t K, const float *t, float *out) {
+    const int32_t *xr = (const int32_t *)t;
+    const float *bs = t + K * LANES / 4, *dk = bs + K / 32 * LANES;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t ib = 0; ib < K / 256; ib++) {
+        const uint8_t *b = w->d + 144 * ib;
+        _mm_prefetch((const char *)b + PF_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)b + PF_BYTES + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)b + PF_BYTES + 128, _MM_HINT_T0);
+        uint32_t sm[4];
+        kq_scale_bytes(b, sm);
+        const uint8_t *sc = (const uint8_t *)sm, *mn = sc + 8;
+        int32_t codes[64];
+        for (int g = 0; g < 4; g++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * g));
+            _mm256_storeu_si256((__m256i *)(codes + 16 * g), _mm256_and_si256(q, m4));
+            _mm256_storeu_si256((__m256i *)(codes + 16 * g + 8), _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+        }
+        __m512 accb = _mm512_setzero_ps(), accm = _mm512_setzero_ps();
+        const int32_t *x = xr + ib * 64 * LANES;
+        for (int j = 0; j < 8; j++) {
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int u = 0; u < 8; u += 2) {
+                s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(codes[8 * j + u]),
+                                         _mm512_load_si512((const void *)(x + (8 * j + u) * LANES)));
+                s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(codes[8 * j + u + 1]),
+                                         _mm512_load_si512((const void *)(x + (8 * j + u + 1) * LANES)));
+            }
+            accb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_set1_ps((float)sc[j]), accb);
+            accm = _mm512_fmadd_ps(_mm512_load_ps(bs + (8 * ib + j) * LANES), _mm512_set1_ps((float)mn[j]), accm);
+        }
+        const __m512 d = _mm512_load_ps(dk + ib * LANES);
+        acc = _mm512_fmadd_ps(accb, _mm512_mul_ps(d, _mm512_set1_ps(F16(b))), acc);
+        acc = _mm512_fnmadd_ps(accm, _mm512_mul_ps(d, _mm512_set1_ps(F16(b + 2))), acc);
+    }
+    _mm512_storeu_ps(out, acc);
+}
+#endif
+
+#if ISA_LEVEL == 2
 /* res[t] = Q8_0 row w . token (m0 + t)'s Q8 activation on 512-bit registers, two blocks (64 inputs) a step: |codes|
  * against the activation with the codes' signs (dpbusd), times each block's scale * dx in float32; K % 64 == 0. */
 static inline __attribute__((always_inline)) void SFX(q8_0_dot512)(const qrow *w, int64_t K, const qact *a,
@@ -601,6 +713,23 @@ static void SFX(rows)(const qproj *q, const uint8_t *base, int64_t r0, int64_t r
     const float *x = a->x + m0 * a->ldx;
     for (int64_t tt = 0; tt < nx; tt += TT) {
         const int64_t te = tt + TT < nx ? tt + TT : nx;
+#if ISA_LEVEL == 2
+        if ((q->kind == 6 || q->kind == 5) && te - tt >= LANE_MIN) {  /* Q4_K, Q8_0: 16 tokens a pass, in lanes */
+            float *tile = f + K, out[LANES];
+            for (int64_t t0 = tt; t0 < te; t0 += LANES) {
+                const int n = (int)(te - t0 < LANES ? te - t0 : LANES);
+                if (q->kind == 6) SFX(tile_q8k)(&a->q, K, m0 + t0, n, tile);
+                else SFX(tile_q8)(&a->q, K, m0 + t0, n, tile);
+                for (int64_t r = r0; r < r1; r++) {
+                    const qrow w = qrow_of(q, base, r, K);
+                    if (q->kind == 6) SFX(q4k_dot16)(&w, K, tile, out);
+                    else SFX(q8_0_dot16)(&w, K, tile, out);
+                    for (int t = 0; t < n; t++) y[(t0 + t) * ldy + r] = scale ? out[t] * scale[t0 + t] : out[t];
+                }
+            }
+            continue;
+        }
+#endif
         for (int64_t r = r0; r < r1; r++) {
             if (q->kind == 4) SFX(decode_fp8)(q, base, r, K, f);
             for (int64_t t0 = tt; t0 < te; t0 += TB) {
