@@ -297,9 +297,7 @@ static inline __attribute__((always_inline)) void SFX(q4k_dot512)(const qrow *w,
     }
     for (int64_t ib = 0; ib < nb; ib++) {
         const uint8_t *b = w->d + 144 * ib;
-        _mm_prefetch((const char *)b + PF_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char *)b + PF_BYTES + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)b + PF_BYTES + 128, _MM_HINT_T0);
+        prefetch_ahead(b, 3);
         uint32_t sm[4];
         kq_scale_bytes(b, sm);
         const __m128i smv = _mm_loadu_si128((const __m128i *)sm);  /* sc[0..7], mn[0..7] */
@@ -379,7 +377,7 @@ static void SFX(q8_0_dot16)(const qrow *w, int64_t K, const float *t, float *out
     __m512 acc = _mm512_setzero_ps();
     for (int64_t c = 0; c < K / 32; c++) {
         const uint8_t *b = w->d + 34 * c;
-        if ((c & 1) == 0) _mm_prefetch((const char *)b + PF_BYTES, _MM_HINT_T0);
+        if ((c & 1) == 0) prefetch_ahead(b, 1);
         const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 2));
         const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(v, flip), _mm256_setzero_si256());
         const __m128i s2 = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
@@ -408,9 +406,7 @@ static void SFX(q4k_dot16)(const qrow *w, int64_t K, const float *t, float *out)
     __m512 acc = _mm512_setzero_ps();
     for (int64_t ib = 0; ib < K / 256; ib++) {
         const uint8_t *b = w->d + 144 * ib;
-        _mm_prefetch((const char *)b + PF_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char *)b + PF_BYTES + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)b + PF_BYTES + 128, _MM_HINT_T0);
+        prefetch_ahead(b, 3);
         uint32_t sm[4];
         kq_scale_bytes(b, sm);
         const uint8_t *sc = (const uint8_t *)sm, *mn = sc + 8;
@@ -451,8 +447,7 @@ static inline __attribute__((always_inline)) void SFX(q8_0_dot512)(const qrow *w
     for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t c = 0; c < nc; c += 2) {
         const uint8_t *b = w->d + 34 * c;
-        _mm_prefetch((const char *)b + PF_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char *)b + PF_BYTES + 64, _MM_HINT_T0);
+        prefetch_ahead(b, 2);
         const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 2))),
                                              _mm256_loadu_si256((const __m256i *)(b + 36)), 1);
         const __m512i av = _mm512_abs_epi8(v);
@@ -492,9 +487,7 @@ static inline __attribute__((always_inline)) void SFX(kdot_nt)(const qrow *w, co
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t ib = 0; ib < nb; ib++) {
         const uint8_t *b = w->d + BLOCK_BYTES[KIND] * ib;
-        _mm_prefetch((const char *)b + PF_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char *)b + PF_BYTES + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)b + PF_BYTES + 128, _MM_HINT_T0);
+        prefetch_ahead(b, 3);
         __m256i sumi[TB];
         for (int t = 0; t < NT; t++) sumi[t] = _mm256_setzero_si256();
         uint32_t sm[4];
