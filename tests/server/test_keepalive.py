@@ -9,6 +9,7 @@ Non-stream replies are unchanged.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -21,6 +22,8 @@ import pytest
 
 from ferrylm.errors import InsufficientMemory
 from ferrylm.server.api.app import create_app
+from ferrylm.server.api.assistant import TurnConfig, turn_deltas
+from ferrylm.server.api.generation import PING, Event
 
 from .conftest import SERVED, FakeEngine
 
@@ -197,3 +200,43 @@ def test_failure_after_admission_is_the_routes_error_event_through_its_sdk(codec
     assert whole.status_code == 503 and whole.headers["retry-after"] == "2"
     if err is not None:
         assert "out of memory in the prefill" in str(err.value)
+
+
+class _SlowToolCall:
+    """A stand-in :class:`~ferrylm.server.api.generation.Generation`: one choice whose output is a hermes tool call
+    arriving a few characters per event, ``gap`` seconds apart (a slow host generating the call)."""
+
+    def __init__(self, gap: float) -> None:
+        text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+        self.choices = [0]
+        self.gap = gap
+        self.events = [Event(0, text=text[i:i + 6]) for i in range(0, len(text), 6)]
+        self.events[-1].finish_reason = "stop"
+
+    async def next_or_ping(self, ping_interval: float | None):
+        if not self.events:
+            return None
+        await asyncio.sleep(self.gap)
+        return self.events.pop(0)
+
+
+def test_a_tool_call_being_generated_gets_keepalives() -> None:
+    """Tokens arrive but the turn holds them back (a tool call is not released until whole): the stream still gets
+    a keep-alive at least every interval (plus one event), then the whole call."""
+    gen = _SlowToolCall(gap=0.03)
+    n = len(gen.events)
+
+    async def run() -> list:
+        out = []
+        async for d in turn_deltas(gen, TurnConfig(tool_names=("get_weather",)), ping_interval=0.1):
+            out.append((time.monotonic(), d))
+        return out
+
+    t0 = time.monotonic()
+    out = asyncio.run(run())
+    pings = [t for t, d in out if d is PING]
+    deltas = [d for _, d in out if d is not PING]
+    assert len(deltas) == 1 and [c.name for _, c in deltas[0].calls] == ["get_weather"]
+    assert deltas[0].finish_reason == "tool_calls"
+    gaps = [b - a for a, b in zip([t0] + pings, pings + [out[-1][0]])]
+    assert len(pings) >= (n * 0.03) // 0.1 - 1 and max(gaps) < 0.1 + 0.03 + SLACK_S

@@ -16,6 +16,7 @@ This module must not import torch.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol, Sequence
 
@@ -223,15 +224,19 @@ async def turn_deltas(gen: Generation, cfg: TurnConfig, ping_interval: float | N
                       first: Event | None = None) -> AsyncIterator[TurnDelta | Ping]:
     """The stream loop shared by every chat-like route: yields a :class:`TurnDelta` per engine event that adds
     something (its ``finish_reason`` set on the choice's last), and :data:`PING` after each ``ping_interval``
-    seconds without one (None or 0: never). ``first``: an event the caller already read from ``gen``. Raises
-    what :meth:`Generation.next_event` raises."""
+    seconds without output (None or 0: never): no event, or events whose text the turn holds back (a tool call
+    being generated). ``first``: an event the caller already read from ``gen``. Raises what
+    :meth:`Generation.next_event` raises."""
     turns = [cfg.new_turn() for _ in gen.choices]
     pending: dict[int, list[TokenLogprob]] = {}
     pending_ids: dict[int, list[int]] = {}
     ev = first if first is not None else await gen.next_or_ping(ping_interval)
+    last_out = time.monotonic()
     while ev is not None:
-        if ev is PING:
+        if ev is PING or (ping_interval and time.monotonic() - last_out >= ping_interval):
             yield PING
+            last_out = time.monotonic()
+        if ev is PING:
             ev = await gen.next_or_ping(ping_interval)
             continue
         assert isinstance(ev, Event)
@@ -252,4 +257,5 @@ async def turn_deltas(gen: Generation, cfg: TurnConfig, ping_interval: float | N
             d.logprobs, pending[ev.index] = lps, []
             d.token_ids, pending_ids[ev.index] = ids, []
             yield d
+            last_out = time.monotonic()
         ev = await gen.next_or_ping(ping_interval)
