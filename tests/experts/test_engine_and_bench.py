@@ -176,6 +176,26 @@ def test_auto_backend_drops_cpu_share_with_a_warning(expert_checkpoints, caplog)
     assert "--moe-cpu-share 1 ignored: --moe-backend auto chose resident" in caplog.text
 
 
+@pytest.mark.parametrize("backend", ["cpu", "offload", "hybrid"])
+def test_an_offloading_backend_without_a_gpu_is_served_with_a_warning(caplog, expert_checkpoints, backend):
+    """A user without a GPU who names an offloading backend gets it (the CPU stands in for the GPU, as the tests use
+    it) and a warning naming the flag and the default; auto says nothing of the kind."""
+    import logging
+
+    from ferrylm.config import ModelConfig
+    from ferrylm.engine.expert_choice import resolve_expert_backend
+
+    mcfg = ModelConfig.from_folder(expert_checkpoints("qwen3_moe").path)
+    with caplog.at_level(logging.WARNING, logger="ferrylm.engine"):
+        opts = resolve_expert_backend(mcfg, _config(moe_backend=backend), torch.device("cpu"), torch.float32)
+    assert opts.backend == backend
+    assert f"--moe-backend {backend} on a machine without a GPU" in caplog.text and "auto serves resident" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ferrylm.engine"):
+        resolve_expert_backend(mcfg, _config(moe_backend="auto"), torch.device("cpu"), torch.float32)
+    assert "without a GPU" not in caplog.text
+
+
 def test_prefill_stream_turned_off_where_its_buffer_would_crowd_out_the_slots(tmp_path, monkeypatch):
     """DeepSeek-V3 fp8 (two whole layers of buffers: 21.7 GiB): a 24 GiB cap turns prefill streaming off (auto then
     offloads with the slots it frees instead of falling to cpu), 64 GiB keeps it; a named backend is fitted alike;

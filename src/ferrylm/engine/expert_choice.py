@@ -25,6 +25,11 @@ log = logging.getLogger("ferrylm.engine")
 # device memory kept free for activations until the memory plan measures the workspace
 WORKSPACE_RESERVE = 1 << 30
 STREAM_BUDGET_SHARE = 0.5  # the prefill double buffer may take at most this share of the experts' device budget
+NO_GPU_OFFLOAD_WARNING = (
+    "--moe-backend %s on a machine without a GPU: host memory stands in for the GPU here, so the experts are kept a "
+    "second time as a slot cache in host memory and its hits run through torch: more memory, a smaller KV pool and "
+    "a slower decode than the default (--moe-backend auto serves resident: the experts computed where they lie by "
+    "the native CPU kernels)")
 
 
 def expert_options(config: EngineConfig) -> ExpertOptions:
@@ -59,6 +64,8 @@ def resolve_expert_backend(mcfg: ModelConfig, config: EngineConfig, device: torc
         return options
     if device.type != "cuda" or not mcfg.is_moe:
         if name != "auto":
+            if mcfg.is_moe:
+                log.warning(NO_GPU_OFFLOAD_WARNING, name)
             return options
         if options.cpu_share is not None:
             log.warning("--moe-cpu-share %d ignored: --moe-backend auto chose resident", options.cpu_share)
