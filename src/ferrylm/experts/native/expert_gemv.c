@@ -296,7 +296,8 @@ static void quantize_token(const float *x, int64_t K, const qact *a, int64_t m, 
 }
 
 /* float scratch rows of n threads, kmax floats each (thread i's at i * kmax) */
-#define ROWBUF_FLOATS(k) (6 * (k))  /* a thread's scratch: K floats (an fp8 row, scale tables), then the 16-token tile */
+/* a thread's scratch: K floats (an fp8 row, scale tables), then the 16-token tile */
+#define ROWBUF_FLOATS(k) (6 * (k))
 static float *rowbufs_alloc(int n, int64_t kmax) {
     const size_t bytes = sizeof(float) * (size_t)(ROWBUF_FLOATS(kmax) * n);
     return (float *)aligned_alloc(64, (bytes + 63) / 64 * 64);

@@ -346,9 +346,11 @@ static void SFX(tile_q8k)(const qact *a, int64_t K, int64_t m0, int n, float *t)
         _mm512_store_si512((void *)(xr + k4 * LANES), _mm512_mask_i32gather_epi32(
             _mm512_setzero_si512(), live, stride, (const void *)(a->qk + m0 * K + 4 * k4), 1));
     for (int64_t c = 0; c < K / 32; c++)
-        for (int i = 0; i < LANES; i++)
-            bs[c * LANES + i] = i < n ? (float)(a->bk[(m0 + i) * (K / 16) + 2 * c] + a->bk[(m0 + i) * (K / 16) + 2 * c + 1])
-                                      : 0.0f;
+        for (int i = 0; i < LANES; i++) {
+            bs[c * LANES + i] = 0.0f;
+            if (i < n)
+                bs[c * LANES + i] = (float)(a->bk[(m0 + i) * (K / 16) + 2 * c] + a->bk[(m0 + i) * (K / 16) + 2 * c + 1]);
+        }
     for (int64_t ib = 0; ib < K / 256; ib++)
         for (int i = 0; i < LANES; i++) dk[ib * LANES + i] = i < n ? a->dk[(m0 + i) * (K / 256) + ib] : 0.0f;
 }
