@@ -171,8 +171,9 @@ static float quantize_block_plain(const float *x, int n, int8_t *q) {
     return amax / 127.0f;
 }
 
-/* prefetch `lines` cache lines from PF_BYTES past b (the bytes an integer row loop reads next) */
-static inline void prefetch_ahead(const uint8_t *b, int lines) {
+/* prefetch `lines` cache lines from PF_BYTES past b (the bytes an integer row loop reads next); inlined, as a call
+ * from a row loop would spill its vector registers */
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *b, int lines) {
 #ifdef FERRY_X86
     for (int i = 0; i < lines; i++) _mm_prefetch((const char *)b + PF_BYTES + 64 * i, _MM_HINT_T0);
 #else
