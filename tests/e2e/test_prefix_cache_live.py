@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import pytest
@@ -55,8 +56,14 @@ def test_openai_and_anthropic_cached_tokens_grow_turn_by_turn(default_server) ->
     # the system prompt (shared with the chat turns above, billing line dropped) is cached from the first turn
     assert reads[0] > 0 and reads[2] > reads[1] > reads[0], reads
 
-    after = httpx.get(f"{base}/metrics").text
-    hits = _metric(after, "ferrylm:prefix_cache_hits_total") - _metric(before, "ferrylm:prefix_cache_hits_total")
+    # the engine's counters reach /metrics with its heartbeat (every 0.5 s): read until the last turn is in
+    deadline = time.monotonic() + 10
+    while True:
+        after = httpx.get(f"{base}/metrics").text
+        hits = _metric(after, "ferrylm:prefix_cache_hits_total") - _metric(before, "ferrylm:prefix_cache_hits_total")
+        if hits >= sum(cached) + sum(reads) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert hits >= sum(cached) + sum(reads)   # other tests on the same server only add to it
     assert 0 < _metric(after, "ferrylm:prefix_cache_hit_rate") <= 1
 
