@@ -210,3 +210,35 @@ def test_table_decode_step_reads_nothing_back(expert_checkpoints, table_on_cpu, 
         reads.clear()
         loaded.model(torch.tensor([5]), torch.tensor([len(prompt) + 3]), cache)
         assert any(r.startswith("tolist") for r in reads), reads
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_prefetch_installs_the_next_layers_predicted_misses(expert_checkpoints, table_on_cpu, prefetch):
+    """With a predictor that names the next layer's experts exactly, the prefetch installs that layer's misses
+    during the previous layer (counted as prefetched and as prefetch hits, not misses) and the layer reads them from
+    its slots; with prefetch off they are the layer's misses. Nothing is mapped either way (the pool has room)."""
+    ckpt = expert_checkpoints("mixtral")
+    loaded = load_model(ckpt.path, moe_backend=options("offload", 4, stream_prefill=False, prefetch=prefetch))
+    ex = loaded.executor
+    ex.reserve(None)
+    t = ex.table
+    first, second = t.layers[0], t.layers[1]
+    cached = {lay: sorted(e for (la, e), _ in ex.cache.placements() if la == lay) for lay in t.layers}
+    fresh = [e for e in range(ex.num_experts) if e not in cached[second]][:2]
+    route = {first: cached[first], second: fresh}
+    ex.use_routers({lay: (lambda h, ids=ids: torch.tensor([ids] * h.shape[0])) for lay, ids in route.items()})
+    hidden = torch.randn(1, loaded.model.config.hidden_size)
+    with torch.inference_mode():
+        ex.begin_step(1)
+        for lay in t.layers:
+            ex.run(lay, hidden, torch.tensor([route[lay]]), torch.full((1, 2), 0.5))
+        ex.begin_step(1)
+    s = ex.stats().as_dict()
+    assert sorted(e for (la, e), _ in ex.cache.placements() if la == second) == sorted(fresh)
+    assert s["needed"] == 4 and s["mapped"] == 0 and s["fetched"] == 2
+    if prefetch:
+        assert (s["prefetched"], s["prefetch_hits"], s["prefetch_wasted"], s["misses"]) == (2, 2, 0, 0)
+    else:
+        assert (s["prefetched"], s["prefetch_hits"], s["misses"]) == (0, 0, 2)
+    ex.cache.check()
+    _table_consistent(ex)

@@ -14,7 +14,7 @@ def test_install_copy_moves_the_chosen_rows_whole():
     from ferrylm.bench.kernels import _install_copy
 
     dev = kernel_device()
-    e, n = 6, 5000  # bf16 elements per row: 10000 bytes, not a multiple of the copy's 32 KiB chunk
+    e, n = 6, 20000  # bf16 elements per row: 40000 bytes, one whole 32 KiB chunk and a part
     host = torch.randn(e, n).to(torch.bfloat16)
     host = host.pin_memory() if dev.type == "cuda" else host
     ref = torch.zeros(1, n, dtype=torch.bfloat16, device=dev)
@@ -27,7 +27,9 @@ def test_install_copy_moves_the_chosen_rows_whole():
     rb = n * 2
     off_host = torch.arange(e, device=dev, dtype=torch.int64) * rb + (haddr - ref.data_ptr())
     dst = torch.full((e, n), -1.0, dtype=torch.bfloat16, device=dev)
-    _install_copy(ref, [4, 1, 3], off_host, dst, rb, e)()
-    got = dst.cpu()
-    assert torch.equal(got[0], host[4]) and torch.equal(got[1], host[1]) and torch.equal(got[2], host[3])
-    assert torch.all(got[3:] == -1.0)
+    for programs in (1, 3, 64):  # one program walks every chunk; more programs than chunks idle
+        dst.fill_(-1.0)
+        _install_copy(ref, [4, 1, 3], off_host, dst, rb, e, programs)()
+        got = dst.cpu()
+        assert torch.equal(got[0], host[4]) and torch.equal(got[1], host[1]) and torch.equal(got[2], host[3])
+        assert torch.all(got[3:] == -1.0)

@@ -218,6 +218,7 @@ def _mapped_case(dev, e: int, k: int, h: int, i: int, quants: dict) -> list[dict
     from ferrylm.experts.executor import ExpertLayout
     from ferrylm.experts.kernels.fused_moe import MoeTiles, fused_moe
     from ferrylm.experts.slot_table import device_address
+    from ferrylm.experts.kernels.installs import SIDE_PROGRAMS, demand_programs
 
     rows = []
     for qname, q in quants.items():
@@ -252,10 +253,11 @@ def _mapped_case(dev, e: int, k: int, h: int, i: int, quants: dict) -> list[dict
                 _bench(lambda: dst[:len(used)].copy_(src_rows, non_blocking=True))
             rows.append({"op": "moe mapped", "quant": qname, "tokens": t, "impl": "pinned DMA copy of the experts",
                          "graph_ms": dma, "gbs": wbytes / dma / 1e6, "experts_used": len(used)})
-            cms = _bench_graph(_install_copy(ref, used, off_host, dst, rb, e))
-            rows.append({"op": "moe mapped", "quant": qname, "tokens": t, "impl": "install copy kernel (mapped rows "
-                         "-> slots, the table path's installs)", "graph_ms": cms,
-                         "gbs": wbytes / cms / 1e6 if cms else None, "experts_used": len(used)})
+            for grid, programs in (("demand", demand_programs(dev)), ("side", SIDE_PROGRAMS)):
+                cms = _bench_graph(_install_copy(ref, used, off_host, dst, rb, e, programs))
+                rows.append({"op": "moe mapped", "quant": qname, "tokens": t, "impl": f"install copy kernel, {grid} "
+                             f"grid of {programs} (mapped rows -> slots, the table path's installs)", "graph_ms": cms,
+                             "gbs": wbytes / cms / 1e6 if cms else None, "experts_used": len(used)})
             for where, offs in (("slots (HBM)", off_dev), ("host (mapped, PCIe)", off_host), ("half each", off_half)):
                 gms = _bench_graph(lambda: fused_moe(x, views.gate, views.up, views.down, ids, w, row_offset=offs))
                 rows.append({"op": "moe mapped", "quant": qname, "tokens": t, "impl": f"fused, {where}",
@@ -276,9 +278,10 @@ def _mapped_case(dev, e: int, k: int, h: int, i: int, quants: dict) -> list[dict
 
 
 def _install_copy(ref: torch.Tensor, used: list[int], off_host: torch.Tensor, dst: torch.Tensor, row_bytes: int,
-                  num_experts: int):
+                  num_experts: int, programs: int):
     """A call copying the ``used`` experts' rows from their mapped host rows (byte offsets ``off_host`` from ``ref``)
-    to the first rows of ``dst`` with the table path's install kernel (``experts/kernels/installs.copy_rows``)."""
+    to the first rows of ``dst`` with the table path's install kernel (``experts/kernels/installs.copy_rows``) on a
+    grid of ``programs``."""
     import numpy as np
 
     from ferrylm.experts.kernels.installs import copy_rows, item_dtype
@@ -289,7 +292,8 @@ def _install_copy(ref: torch.Tensor, used: list[int], off_host: torch.Tensor, ds
     dst_off[sel] = torch.arange(len(used), device=dev) * row_bytes + (dst.data_ptr() - ref.data_ptr())
     offsets = np.concatenate([off_host.cpu().numpy(), dst_off.cpu().numpy()])
     items = ref.view(-1).view(item_dtype(row_bytes, ref.data_ptr(), offsets))
-    return lambda: copy_rows(items, sel, off_host, dst_off, num_experts, row_bytes)
+    count = torch.tensor([len(used)], device=dev, dtype=torch.int64)
+    return lambda: copy_rows(items, sel, count, off_host, dst_off, row_bytes, programs)
 
 
 def main(args) -> int:

@@ -70,6 +70,7 @@ class DevicePools:
         self.pos_of = torch.full((self.num_layers, e1), -1, dtype=torch.int64, device=dev)
         self.now = torch.zeros(1, dtype=torch.int64, device=dev)
         self.sel = torch.empty(self.num_layers, self.num_experts, dtype=torch.int64, device=dev)
+        self.count = torch.zeros(self.num_layers, 1, dtype=torch.int64, device=dev)
         self.scratch = torch.zeros(self.num_layers, 2, triton.next_power_of_2(e1), dtype=torch.int64, device=dev)
         self._rows = [dict(pos=self.pos_of[i], stamp=self.stamp[i], owner=self.owner[i], off=self.slot_off[i],
                            table=table[i], home=self.home[i]) for i in range(self.num_layers)]
@@ -108,13 +109,14 @@ class DevicePools:
         if np.any(slot_off[:, :-1][self.slot_ids >= 0] % item):
             raise ValueError(f"a slot row is not aligned to {item} bytes (the install copy's item)")
 
-    def install(self, i: int, topk_ids: torch.Tensor) -> None:
-        """Layer row ``i``'s installs for the routed ids ``topk_ids [T, k]`` (module docstring): two kernels on the
-        current stream, no host sync."""
+    def install(self, i: int, topk_ids: torch.Tensor, programs: int) -> None:
+        """Layer row ``i``'s installs for the routed (or predicted) ids ``topk_ids [T, k]`` (module docstring): two
+        kernels on the current stream, no host sync; the copy on a persistent grid of ``programs``. The first row
+        opens the step's stamp."""
         t, k = topk_ids.shape
         sel = self.sel[i, :min(t * k, self.num_experts)]
-        plan_installs(topk_ids, self._rows[i], self.now, self.scratch[i], sel, bump=i == 0)
-        copy_rows(self._items, sel, self.home[i], self.table[i], self.num_experts, self.row_bytes)
+        plan_installs(topk_ids, self._rows[i], self.now, self.scratch[i], sel, self.count[i], bump=i == 0)
+        copy_rows(self._items, sel, self.count[i], self.home[i], self.table[i], self.row_bytes, programs)
 
     def changes(self) -> list[tuple[int, int, int, int]]:
         """Read the device's owners back (a small device->host copy: call between steps) and return what the

@@ -7,7 +7,8 @@
    this step; evict its expert (table entry back to its host bank row) and point the table at the new slot.
    ``sel[r]`` names the expert installed at rank ``r`` (``E``: none).
 2. ``_copy_rows_kernel``: copy each installed expert's row from its bank row (page-locked host memory mapped into
-   the device's address space: the loads cross PCIe) to its slot, many programs per row.
+   the device's address space: the loads cross PCIe) to its slot; a persistent grid walks the installs' 32 KiB
+   chunks (the plan's ``count`` bounds the walk), so a small grid can copy beside other kernels.
 
 Offsets are BYTES from one reference tensor, as in the table the fused MoE kernel reads. Shapes are fixed and nothing
 is read back, so both launches are capturable in a CUDA graph.
@@ -21,12 +22,13 @@ import triton
 import triton.language as tl
 
 CHUNK_BYTES = 32768  # one program's share of a row, read in one load: many PCIe reads in flight per row
+SIDE_PROGRAMS = 16  # a copy beside the step's kernels (prefetch): few SMs, still 512 KiB of PCIe reads in flight
 STAMP_CAP = 1 << 40  # stamps at or above this sort last and are never victims (NEVER is clamped to it)
 
 
 @triton.jit
 def _plan_kernel(ids_ptr, n_ids, need_ptr, key_ptr, pos_ptr, stamp_ptr, owner_ptr, table_ptr, home_ptr, off_ptr,
-                 now_ptr, sel_ptr, num_experts, max_installs, BUMP: tl.constexpr, E_PAD: tl.constexpr,
+                 now_ptr, sel_ptr, count_ptr, num_experts, max_installs, BUMP: tl.constexpr, E_PAD: tl.constexpr,
                  N_PAD: tl.constexpr, CAP: tl.constexpr):
     now = tl.load(now_ptr)
     if BUMP:  # the step's first MoE layer opens a new stamp
@@ -65,21 +67,27 @@ def _plan_kernel(ids_ptr, n_ids, need_ptr, key_ptr, pos_ptr, stamp_ptr, owner_pt
     tl.store(pos_ptr + e, vp, mask=ok)
     tl.store(table_ptr + e, tl.load(off_ptr + vp, mask=ok, other=0), mask=ok)
     tl.store(sel_ptr + rank, e.to(tl.int64), mask=ok)
+    tl.store(count_ptr, tl.sum(ok.to(tl.int64), 0))  # victims are ordered by stamp: the installs are ranks [0, count)
 
 
 @triton.jit
-def _copy_rows_kernel(base_ptr, sel_ptr, src_ptr, dst_ptr, num_experts, n_items, ITEM: tl.constexpr,
+def _copy_rows_kernel(base_ptr, sel_ptr, count_ptr, src_ptr, dst_ptr, n_items, chunks, ITEM: tl.constexpr,
                       BLOCK: tl.constexpr):
-    j = tl.program_id(0)
-    c = tl.program_id(1)
-    e = tl.load(sel_ptr + j)
-    if e >= num_experts:  # no row at this rank
-        return
-    s = tl.load(src_ptr + e).to(tl.int64) // ITEM
-    d = tl.load(dst_ptr + e).to(tl.int64) // ITEM
-    idx = c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = idx < n_items
-    tl.store(base_ptr + d + idx, tl.load(base_ptr + s + idx, mask=m), mask=m)
+    total = tl.load(count_ptr) * chunks
+    for w in range(tl.program_id(0), total, tl.num_programs(0)):
+        e = tl.load(sel_ptr + w // chunks)
+        s = tl.load(src_ptr + e).to(tl.int64) // ITEM
+        d = tl.load(dst_ptr + e).to(tl.int64) // ITEM
+        idx = (w % chunks).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = idx < n_items
+        tl.store(base_ptr + d + idx, tl.load(base_ptr + s + idx, mask=m), mask=m)
+
+
+def demand_programs(device: torch.device) -> int:
+    """The copy's grid when nothing runs beside it: four programs per SM (two on a CPU, Triton's interpreter)."""
+    if device.type != "cuda":
+        return 2
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def item_dtype(row_bytes: int, base: int, offsets: np.ndarray) -> torch.dtype:
@@ -92,7 +100,7 @@ def item_dtype(row_bytes: int, base: int, offsets: np.ndarray) -> torch.dtype:
 
 
 def plan_installs(ids: torch.Tensor, rows: dict[str, torch.Tensor], now: torch.Tensor, scratch: torch.Tensor,
-                  sel: torch.Tensor, *, bump: bool) -> None:
+                  sel: torch.Tensor, count: torch.Tensor, *, bump: bool) -> None:
     """One layer's installs decided on the device (module docstring, step 1).
 
     Args:
@@ -103,24 +111,25 @@ def plan_installs(ids: torch.Tensor, rows: dict[str, torch.Tensor], now: torch.T
         now: ``[1]`` int64 step stamp (incremented first when ``bump``).
         scratch: ``[2, E_PAD]`` int64 work space.
         sel: ``[M]`` int64 out: the expert installed at each rank (``E``: none); ``M`` installs at most.
+        count: ``[1]`` int64 out: the installs made (ranks ``[0, count)``).
     """
     num_e = rows["pos"].shape[0] - 1
     e_pad = scratch.shape[1]
     n = ids.numel()
     _plan_kernel[(1,)](ids.reshape(-1), n, scratch[0].view(torch.int32), scratch[1], rows["pos"], rows["stamp"],
-                       rows["owner"], rows["table"], rows["home"], rows["off"], now, sel, num_e, sel.shape[0],
+                       rows["owner"], rows["table"], rows["home"], rows["off"], now, sel, count, num_e, sel.shape[0],
                        BUMP=bump, E_PAD=e_pad, N_PAD=triton.next_power_of_2(max(n, 2)), CAP=STAMP_CAP,
                        num_warps=4)
 
 
-def copy_rows(base: torch.Tensor, sel: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, num_experts: int,
-              row_bytes: int) -> None:
-    """For each rank ``j``, when ``e = sel[j] < num_experts``: copy ``row_bytes`` bytes from ``base + src[e]`` to
+def copy_rows(base: torch.Tensor, sel: torch.Tensor, count: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+              row_bytes: int, programs: int) -> None:
+    """For each rank ``j < count[0]``, with ``e = sel[j]``: copy ``row_bytes`` bytes from ``base + src[e]`` to
     ``base + dst[e]`` (byte offsets, int64). ``base`` is a one-row tensor viewed as the copy's item dtype
-    (:func:`item_dtype`); offsets and ``row_bytes`` are multiples of its item size. No host sync; fixed grid
-    ``[len(sel), row_bytes / CHUNK_BYTES]``."""
+    (:func:`item_dtype`); offsets and ``row_bytes`` are multiples of its item size. ``programs``: the persistent
+    grid (each program walks every ``programs``-th 32 KiB chunk). No host sync; capturable."""
     item = base.element_size()
     n_items = row_bytes // item
     block = CHUNK_BYTES // item
-    grid = (sel.shape[0], triton.cdiv(n_items, block))
-    _copy_rows_kernel[grid](base, sel, src, dst, num_experts, n_items, ITEM=item, BLOCK=block, num_warps=8)
+    _copy_rows_kernel[(programs,)](base, sel, count, src, dst, n_items, triton.cdiv(n_items, block), ITEM=item,
+                                   BLOCK=block, num_warps=8)
