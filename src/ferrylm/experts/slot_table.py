@@ -100,7 +100,8 @@ class SlotTable:
         self.routed_host: torch.Tensor | None = None  # its pinned host mirror
         self.routed_np: np.ndarray | None = None
         self.predicted: torch.Tensor | None = None   # [L, max_tokens, k] int64 device: each row's early prediction
-        self.predicted_host: torch.Tensor | None = None
+        self.predicted_flat: torch.Tensor | None = None  # [L * max_tokens * k]: a step's [L, T, k] packed to copy
+        self.predicted_host: torch.Tensor | None = None  # its pinned host mirror
         self.recorded = 0  # tokens of the last step whose routing the mirror holds (0: none)
         self.dirty = False  # host table differs from the device's
 
@@ -108,7 +109,7 @@ class SlotTable:
     def nbytes(self) -> int:
         """Device bytes: the reference row, the table and the routing buffer."""
         return self.ref.nbytes + self.table.nbytes + sum(0 if b is None else b.nbytes
-                                                         for b in (self.routed, self.predicted))
+                                                         for b in (self.routed, self.predicted, self.predicted_flat))
 
     # --- what the step does (inside the graph) ---------------------------------------------------------------
     def layer_inputs(self, layer: int) -> tuple[int, torch.Tensor]:
@@ -124,12 +125,14 @@ class SlotTable:
             shape = (self.max_tokens, len(self.layers), k)
             self.routed, self.routed_host = self._buffer(shape)
             self.routed_np = self.routed_host.numpy()
-            self.predicted, self.predicted_host = self._buffer((len(self.layers), self.max_tokens, k))
+            self.predicted = torch.zeros(len(self.layers), self.max_tokens, k, dtype=torch.int64, device=self.device)
+            self.predicted_flat, self.predicted_host = self._buffer((self.predicted.numel(),))
         self.routed[:t, i].copy_(topk_ids)
-        if i == len(self.layers) - 1:
-            cuda = self.device.type == "cuda"
+        if i == len(self.layers) - 1:  # device->host copies between contiguous buffers (pinned: capturable)
+            cuda, n = self.device.type == "cuda", len(self.layers) * t * k
             self.routed_host[:t].copy_(self.routed[:t], non_blocking=cuda)
-            self.predicted_host[:, :t].copy_(self.predicted[:, :t], non_blocking=cuda)
+            self.predicted_flat[:n].view(len(self.layers), t, k).copy_(self.predicted[:, :t])
+            self.predicted_host[:n].copy_(self.predicted_flat[:n], non_blocking=cuda)
 
     def record_prediction(self, i: int, ids: torch.Tensor) -> torch.Tensor:
         """Keep layer row ``i``'s ``[T, k]`` predicted ids (made one MoE layer early); returns the kept copy (a
@@ -159,7 +162,8 @@ class SlotTable:
         t, self.recorded = self.recorded, 0
         if t == 0 or self.routed_np is None:
             return None
-        return self.routed_np[:t].copy(), self.predicted_host[:, :t].numpy().copy()
+        n, k = len(self.layers) * t, self.routed_np.shape[2]
+        return self.routed_np[:t].copy(), self.predicted_host[:n * k].numpy().reshape(len(self.layers), t, k).copy()
 
     def publish(self) -> None:
         """Send the table (when rebuilt) on the current stream, ahead of the step that reads it."""
