@@ -9,8 +9,8 @@ import torch
 
 from ferrylm.config import EngineConfig
 from ferrylm.engine.boot import build_engine, engine_for_model
-from ferrylm.memory.concurrency import (MAX_RUNNING_REQUESTS, TYPICAL_REQUEST_TOKENS, carries,
-                                        choose_running_requests)
+from ferrylm.memory.concurrency import (MAX_RUNNING_REQUESTS, STATE_SHARE_OF_CACHE, TYPICAL_REQUEST_TOKENS,
+                                        carries, choose_running_requests)
 from ferrylm.memory.budget import MemoryPlanError
 from ferrylm.memory.plan import ExpertNeeds, plan_memory
 from ferrylm.memory.probe import GiB, MiB
@@ -74,6 +74,25 @@ def test_recurrent_state_takes_no_more_than_the_kv_pool():
     plan = plan_memory(inputs(max_running_requests=n, **kw))
     assert plan.state_bytes <= plan.kv_bytes and _is_largest(n, **kw)
     assert n < _choose(free_at_boot_bytes=40 * GiB)   # the state of each request counts
+
+
+def test_recurrent_state_beside_a_missing_expert_cache_takes_a_tenth_of_its_room():
+    """A hybrid model whose experts do not all fit: the state of the running requests takes at most
+    ``STATE_SHARE_OF_CACHE`` of the bytes it shares with the slots, fewer requests than the KV pool alone allows;
+    with every expert resident the KV rule alone decides."""
+    experts = ExpertNeeds(slot_bytes=64 * MiB, fixed_bytes=2 * GiB, total_experts=48 * 128, min_slots=1)
+    # Qwen3.5-like: KV of 10 attention layers (20 KiB a token) with a floor of one full 256k context
+    kw = dict(experts=experts, state_slot_bytes=64 * MiB, state_snapshots=0, free_at_boot_bytes=40 * GiB,
+              kv_bytes_per_token=20 * 1024, max_model_len=262144, kv_reserve_tokens=262144)
+    n = _choose(**kw)
+    plan = plan_memory(inputs(max_running_requests=n, **kw))
+    share = plan.state_bytes / (plan.state_bytes + plan.expert_slots * plan.expert_slot_bytes)
+    assert share <= STATE_SHARE_OF_CACHE and _is_largest(n, **kw)
+    over = plan_memory(inputs(max_running_requests=n + 1, **kw))
+    assert over.state_bytes > STATE_SHARE_OF_CACHE * (over.state_bytes + over.expert_slots * over.expert_slot_bytes)
+    assert over.kv_tokens >= (n + 1) * TYPICAL_REQUEST_TOKENS and over.state_bytes <= over.kv_bytes  # KV alone: more
+    resident = dict(kw, experts=None)
+    assert _choose(**resident) > n
 
 
 # --- through the boot, on the CPU ---------------------------------------------------------------------------

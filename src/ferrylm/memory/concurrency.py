@@ -7,7 +7,9 @@ and the expert slots of one decode step all follow ``N``) fits and
 - holds ``N`` requests of ``TYPICAL_REQUEST_TOKENS`` (1024 tokens: a prompt of about a thousand tokens and its
   answer; the context when that is shorter) in its KV pool, and
 - gives the recurrent state of hybrid models (``N`` slots, their prefix-cache snapshots and the scratch slot) no
-  more bytes than the KV pool, so the state does not take the expert cache's room.
+  more bytes than the KV pool, and, beside an expert cache that cannot hold every expert, no more than
+  ``STATE_SHARE_OF_CACHE`` of the bytes the state and the slots share: every running request pays for a slot
+  taken by the state in hit rate, so the state does not take the expert cache's room.
 
 ``N = 1`` when no ``N`` meets it (a pool shorter than one typical request). An explicit ``--max-running-requests``
 wins. Pure: the caller hands in a function giving the plan's inputs at each ``N``.
@@ -23,6 +25,7 @@ from ferrylm.memory.plan import MemoryPlan, PlanInputs, plan_memory
 
 TYPICAL_REQUEST_TOKENS = 1024
 MAX_RUNNING_REQUESTS = 256
+STATE_SHARE_OF_CACHE = 0.10
 
 
 def typical_tokens(max_model_len: int) -> int:
@@ -37,8 +40,13 @@ def requests_in_pool(pool_tokens: int, max_model_len: int, upper: int = MAX_RUNN
 
 def carries(plan: MemoryPlan, n: int) -> bool:
     """``plan`` (made for ``n`` running requests) holds ``n`` typical requests in its KV pool and gives the
-    recurrent state no more bytes than the KV pool (module docstring)."""
-    return plan.kv_tokens >= n * typical_tokens(plan.max_model_len) and plan.state_bytes <= plan.kv_bytes
+    recurrent state no more bytes than the KV pool, nor more than its share beside a missing expert cache (module
+    docstring)."""
+    if plan.kv_tokens < n * typical_tokens(plan.max_model_len) or plan.state_bytes > plan.kv_bytes:
+        return False
+    if 0 < plan.expert_slots < plan.expert_total:  # a cache that misses: the state shares its room
+        return plan.state_bytes <= STATE_SHARE_OF_CACHE * (plan.state_bytes + plan.expert_slots * plan.expert_slot_bytes)
+    return True
 
 
 @dataclass(frozen=True)
