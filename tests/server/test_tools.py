@@ -118,21 +118,23 @@ def test_turn_with_reasoning_and_calls() -> None:
     res = whole_turn(cfg, "<think>need weather</think>\n\n" + CALL, "stop")
     assert (res.reasoning, res.content, res.finish_reason) == ("need weather", "", "tool_calls")
     assert [c.name for c in res.calls] == ["get_weather"]
-    assert whole_turn(cfg, CALL, "length").finish_reason == "length"
+    assert whole_turn(cfg, CALL, "length").finish_reason == "tool_calls"   # cut right after a whole call
+    assert whole_turn(cfg, "<think>need weather", "length").finish_reason == "length"
     assert whole_turn(TurnConfig(), CALL, "stop").content == CALL   # no tools offered: nothing is parsed
 
 
 
-def test_a_reply_cut_inside_a_call_keeps_the_unfinished_call_as_content() -> None:
-    """A reply cut inside its second call (``max_tokens``): the first call is parsed and the unfinished one stays
-    content, streamed or not (the client sees every generated token)."""
+def test_a_reply_cut_inside_its_second_call_drops_it() -> None:
+    """A reply cut inside its second call (``max_tokens``): the first call is parsed, the cut one dropped (no
+    markup as content) and the turn ends ``tool_calls``, as vLLM answers; streamed or not."""
     cut = CALL + '\n<tool_call>\n{"name":'
     whole = whole_turn(TurnConfig(tool_names=NAMES), cut, "length")
-    assert [c.name for c in whole.calls] == ["get_weather"] and whole.content == '<tool_call>\n{"name":'
-    assert whole.finish_reason == "length"
+    assert [c.name for c in whole.calls] == ["get_weather"] and whole.content == ""
+    assert whole.finish_reason == "tool_calls"
     streamed = TurnConfig(tool_names=NAMES).new_turn()
-    deltas = [streamed.feed(cut[i:i + 7]) for i in range(0, len(cut), 7)] + [streamed.finish()]
-    assert "".join(d.content for d in deltas) == whole.content and sum(len(d.calls) for d in deltas) == 1
+    deltas = [streamed.feed(cut[i:i + 7]) for i in range(0, len(cut), 7)] + [streamed.finish(cut=True)]
+    assert "".join(d.content for d in deltas) == "" and sum(len(d.calls) for d in deltas) == 1
+    assert streamed.finish_reason("length") == "tool_calls"
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",

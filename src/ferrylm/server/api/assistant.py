@@ -53,13 +53,14 @@ class TurnDelta:
 class OutputReader(Protocol):
     """A choice's output → pieces (reasoning text, content text, calls) in generation order, released as they
     become certain; a call the output ended in may come last, unfinished (``ToolCall.complete`` False). ``feed``
-    gets each output's text and token ids. ``reasoning_tokens``: the tokens read so far that were reasoning."""
+    gets each output's text and token ids; ``finish(cut)`` the end (``cut``: ``max_tokens`` ended the output).
+    ``reasoning_tokens``: the tokens read so far that were reasoning."""
 
     reasoning_tokens: int
 
     def feed(self, text: str, token_ids: Sequence[int]) -> list[Piece]: ...
 
-    def finish(self) -> list[Piece]: ...
+    def finish(self, cut: bool = False) -> list[Piece]: ...
 
 
 @dataclass
@@ -116,11 +117,11 @@ class TextReader:
             return []
         return self._pieces(r, self.tools.feed(c) if self.tools is not None else [Piece(c)])
 
-    def finish(self) -> list[Piece]:
+    def finish(self, cut: bool = False) -> list[Piece]:
         r, c = self.reasoning.finish() if self.reasoning is not None else ("", "")
         if self.tools is None:
             return self._pieces(r, [Piece(c)])
-        end = self.tools.finish_forced if self.forced else self.tools.finish
+        end = self.tools.finish_forced if self.forced else self.tools.finish_cut if cut else self.tools.finish
         return self._pieces(r, self.tools.feed(c) + end())
 
     @staticmethod
@@ -130,19 +131,23 @@ class TextReader:
 
 class AssistantTurn:
     """One choice's output → reasoning / content / calls, through its :class:`OutputReader`; calls past
-    ``max_calls`` (None: no bound) are dropped."""
+    ``max_calls`` (None: no bound) are dropped, and so is an unfinished call after a whole one (the output was cut
+    in a further call: the turn made its calls, as vLLM answers)."""
 
     def __init__(self, reader: OutputReader, max_calls: int | None = None):
         self.reader = reader
         self.max_calls = max_calls
         self.num_calls = 0
-        self.cut_call = False   # the output ended inside a call (an unfinished call was released)
+        self.whole_calls = 0
+        self.cut_call = False       # the turn's only calls end in an unfinished one (it was cut in its first call)
+        self.ends_in_calls = False  # nothing but calls since the last whole call
 
     def feed(self, text: str, token_ids: Sequence[int] = (), index: int = 0) -> TurnDelta:
         return self._delta(index, self.reader.feed(text, token_ids))
 
-    def finish(self, index: int = 0) -> TurnDelta:
-        return self._delta(index, self.reader.finish())
+    def finish(self, index: int = 0, cut: bool = False) -> TurnDelta:
+        """The end of the choice; ``cut``: ``max_tokens`` ended it."""
+        return self._delta(index, self.reader.finish(cut))
 
     def _delta(self, index: int, pieces: list[Piece]) -> TurnDelta:
         d = TurnDelta(index)
@@ -151,25 +156,38 @@ class AssistantTurn:
                 k = self.count(p.call)
                 if k is not None:
                     d.calls.append((k, p.call))
-            elif p.reasoning:
-                d.reasoning += p.text
-            else:
-                d.content += p.text
+            elif p.text:
+                self.ends_in_calls = False
+                if p.reasoning:
+                    d.reasoning += p.text
+                else:
+                    d.content += p.text
         return d
 
     def count(self, call: ToolCall) -> int | None:
-        """Note a released call; its position among the turn's calls (from 0), None for one past ``max_calls``
-        (dropped)."""
+        """Note a released call; its position among the turn's calls (from 0), None for a dropped one (past
+        ``max_calls``, or unfinished after a whole call)."""
+        if not call.complete and self.whole_calls:
+            return None
         if self.max_calls is not None and self.num_calls >= self.max_calls:
             return None
         self.num_calls += 1
-        self.cut_call |= not call.complete
+        if call.complete:
+            self.whole_calls += 1
+            self.ends_in_calls = True
+        else:
+            self.cut_call = True
         return self.num_calls - 1
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
-        """``tool_calls`` for a turn that stopped by itself after making calls (none of them cut), else the
-        engine's reason."""
-        return "tool_calls" if engine_reason == "stop" and self.num_calls and not self.cut_call else engine_reason
+        """``tool_calls`` for a turn that made whole calls (none cut) and stopped by itself, or was cut by
+        ``max_tokens`` with nothing but calls after its last whole call (a further call cut short is dropped);
+        else the engine's reason."""
+        if not self.whole_calls or self.cut_call:
+            return engine_reason
+        if engine_reason == "stop" or (engine_reason == "length" and self.ends_in_calls):
+            return "tool_calls"
+        return engine_reason
 
 
 @dataclass
@@ -207,11 +225,12 @@ def whole_turn(cfg: TurnConfig, text: str, engine_reason: str | None, token_ids:
                   for p in turn.reader.feed(text[min(offsets[i], len(text)):min(ends[i], len(text))], (t,))]
     else:
         pieces = turn.reader.feed(text, token_ids)
-    for p in pieces + turn.reader.finish():
+    for p in pieces + turn.reader.finish(engine_reason == "length"):
         if p.call is not None:
             if turn.count(p.call) is not None:
                 add("call", p.call)
         elif p.text:
+            turn.ends_in_calls = False
             add("reasoning" if p.reasoning else "text", p.text)
     if any(k == "call" for k, _ in blocks):   # blank text between or around calls is no block of its own
         blocks = [(k, x) for k, x in blocks if k != "text" or x.strip()]
@@ -247,7 +266,7 @@ async def turn_deltas(gen: Generation, cfg: TurnConfig, ping_interval: float | N
         ids.extend(ev.token_ids)
         d = turn.feed(ev.text, ev.token_ids, ev.index) if ev.text or ev.token_ids else TurnDelta(ev.index)
         if ev.finish_reason is not None:
-            end = turn.finish(ev.index)
+            end = turn.finish(ev.index, cut=ev.finish_reason == "length")
             d.reasoning += end.reasoning
             d.content += end.content
             d.calls += end.calls
