@@ -5,7 +5,9 @@ its own wire format. :func:`turn_deltas` is the one stream loop: it drains a
 :class:`~ferrylm.server.api.generation.Generation`, runs each choice's output through its :class:`AssistantTurn`
 and yields a delta per event, or :data:`PING` when nothing came for ``ping_interval`` seconds (the SSE layers write
 a keep-alive then). A non-stream response runs the finished output through a fresh :class:`AssistantTurn` in one
-piece: the readers decide on the output only, so it equals the stream.
+piece: the readers decide on the output only, so it equals the stream (but for a call whose streamed start went
+out before ``max_tokens`` cut it after a whole call: the stream ends it, the whole turn drops it). A call is released
+whole, or streamed: its head, then its arguments as they are written (:class:`CallDelta`).
 
 The turn's :class:`OutputReader` is the served chat format's: :class:`TextReader` (the text: ``<think>`` split, then
 the tool-call parser) for chat templates, :class:`~ferrylm.server.text.harmony_reader.HarmonyReader` (the tokens, by
@@ -31,15 +33,30 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class CallDelta:
+    """What a delta adds to one call: ``index``, its position among the choice's calls (from 0); ``call``: its id
+    and name (when ``done``, the call as released: whole, or unfinished where the output ended in it);
+    ``arguments``: the next text of its arguments; ``first``: the call's first part (a client opens it there);
+    ``done``: its last. A call released whole is one part, first and done, with all its arguments; a streamed
+    call's parts' ``arguments`` join to the released call's."""
+
+    index: int
+    call: ToolCall
+    arguments: str = ""
+    first: bool = False
+    done: bool = False
+
+
+@dataclass
 class TurnDelta:
-    """What one event adds to choice ``index``: ``reasoning`` text, ``content`` text, complete ``calls`` (with
-    their position among the choice's calls, from 0), the token ``logprobs``, and at the end ``finish_reason``
-    (``tool_calls`` when the turn ended on its own after making calls) with the turn's ``reasoning_tokens``."""
+    """What one event adds to choice ``index``: ``reasoning`` text, ``content`` text, parts of ``calls`` in order,
+    the token ``logprobs``, and at the end ``finish_reason`` (``tool_calls`` when the turn made its calls) with the
+    turn's ``reasoning_tokens``."""
 
     index: int
     reasoning: str = ""
     content: str = ""
-    calls: list[tuple[int, ToolCall]] = field(default_factory=list)
+    calls: list[CallDelta] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     token_ids: list[int] = field(default_factory=list)
@@ -132,7 +149,8 @@ class TextReader:
 class AssistantTurn:
     """One choice's output → reasoning / content / calls, through its :class:`OutputReader`; calls past
     ``max_calls`` (None: no bound) are dropped, and so is an unfinished call after a whole one (the output was cut
-    in a further call: the turn made its calls, as vLLM answers)."""
+    in a further call: the turn made its calls, as vLLM answers). A streamed call has its position from its head
+    on; once its head went out it is never dropped."""
 
     def __init__(self, reader: OutputReader, max_calls: int | None = None):
         self.reader = reader
@@ -141,6 +159,7 @@ class AssistantTurn:
         self.whole_calls = 0
         self.cut_call = False       # the turn's only calls end in an unfinished one (it was cut in its first call)
         self.ends_in_calls = False  # nothing but calls since the last whole call
+        self._streamed: tuple[ToolCall, int | None] | None = None   # the call being streamed: head, position
 
     def feed(self, text: str, token_ids: Sequence[int] = (), index: int = 0) -> TurnDelta:
         return self._delta(index, self.reader.feed(text, token_ids))
@@ -152,10 +171,17 @@ class AssistantTurn:
     def _delta(self, index: int, pieces: list[Piece]) -> TurnDelta:
         d = TurnDelta(index)
         for p in pieces:
-            if p.call is not None:
-                k = self.count(p.call)
+            if p.head is not None:
+                k = self._position()
+                self._streamed = (p.head, k)
                 if k is not None:
-                    d.calls.append((k, p.call))
+                    d.calls.append(CallDelta(k, p.head, first=True))
+            elif p.args:
+                head, k = self._streamed or (None, None)
+                if head is not None and k is not None:
+                    _add(d, CallDelta(k, head, p.args))
+            elif p.call is not None:
+                self._call(d, p.call)
             elif p.text:
                 self.ends_in_calls = False
                 if p.reasoning:
@@ -164,20 +190,42 @@ class AssistantTurn:
                     d.content += p.text
         return d
 
+    def _call(self, d: TurnDelta, call: ToolCall) -> None:
+        """A released call into ``d``: the last part of the call being streamed, else the whole call."""
+        if self._streamed is not None and self._streamed[0].id == call.id:
+            k = self._streamed[1]
+            self._streamed = None
+            if k is not None:
+                self._note(call)
+                _add(d, CallDelta(k, call, done=True))
+            return
+        k = self.count(call)
+        if k is not None:
+            d.calls.append(CallDelta(k, call, call.arguments, first=True, done=True))
+
     def count(self, call: ToolCall) -> int | None:
         """Note a released call; its position among the turn's calls (from 0), None for a dropped one (past
         ``max_calls``, or unfinished after a whole call)."""
         if not call.complete and self.whole_calls:
             return None
+        k = self._position()
+        if k is not None:
+            self._note(call)
+        return k
+
+    def _position(self) -> int | None:
+        """The next call's position, None past ``max_calls``."""
         if self.max_calls is not None and self.num_calls >= self.max_calls:
             return None
         self.num_calls += 1
+        return self.num_calls - 1
+
+    def _note(self, call: ToolCall) -> None:
         if call.complete:
             self.whole_calls += 1
             self.ends_in_calls = True
-        else:
+        elif not self.whole_calls:
             self.cut_call = True
-        return self.num_calls - 1
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
         """``tool_calls`` for a turn that made whole calls (none cut) and stopped by itself, or was cut by
@@ -188,6 +236,17 @@ class AssistantTurn:
         if engine_reason == "stop" or (engine_reason == "length" and self.ends_in_calls):
             return "tool_calls"
         return engine_reason
+
+
+def _add(d: TurnDelta, part: CallDelta) -> None:
+    """``part`` into ``d``, merged with the part before it when that is the same call's, still open."""
+    last = d.calls[-1] if d.calls else None
+    if last is None or last.index != part.index or last.done:
+        d.calls.append(part)
+        return
+    last.arguments += part.arguments
+    if part.done:
+        last.call, last.done = part.call, True
 
 
 @dataclass

@@ -43,11 +43,15 @@ class ToolCall:
 
 @dataclass
 class Piece:
-    """What a parser releases: ``text`` (ordinary content; reasoning when ``reasoning``) or a complete ``call``."""
+    """What a parser releases: ``text`` (ordinary content; reasoning when ``reasoning``) or a ``call``. A call whose
+    arguments are streamed comes as its ``head`` (id and name, ``arguments`` ""), then pieces of ``args`` (the next
+    text of its arguments), then the call itself (the head's id; its ``arguments`` the ``args`` joined)."""
 
     text: str = ""
     call: ToolCall | None = None
     reasoning: bool = False
+    head: ToolCall | None = None
+    args: str = ""
 
 
 class ToolParser:
