@@ -202,12 +202,16 @@ def test_failure_after_admission_is_the_routes_error_event_through_its_sdk(codec
         assert "out of memory in the prefill" in str(err.value)
 
 
-class _SlowToolCall:
-    """A stand-in :class:`~ferrylm.server.api.generation.Generation`: one choice whose output is a hermes tool call
-    arriving a few characters per event, ``gap`` seconds apart (a slow host generating the call)."""
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+QWEN3_CODER_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\n"
+                    "celsius\n</parameter>\n</function>\n</tool_call>")
 
-    def __init__(self, gap: float) -> None:
-        text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+
+class _SlowToolCall:
+    """A stand-in :class:`~ferrylm.server.api.generation.Generation`: one choice whose output is a tool call
+    (``text``) arriving a few characters per event, ``gap`` seconds apart (a slow host generating the call)."""
+
+    def __init__(self, gap: float, text: str) -> None:
         self.choices = [0]
         self.gap = gap
         self.events = [Event(0, text=text[i:i + 6]) for i in range(0, len(text), 6)]
@@ -220,23 +224,37 @@ class _SlowToolCall:
         return self.events.pop(0)
 
 
-def test_a_tool_call_being_generated_gets_keepalives() -> None:
-    """Tokens arrive but the turn holds them back (a tool call is not released until whole): the stream still gets
-    a keep-alive at least every interval (plus one event), then the whole call."""
-    gen = _SlowToolCall(gap=0.03)
-    n = len(gen.events)
-
+def _run(gen: _SlowToolCall, cfg: TurnConfig) -> list:
     async def run() -> list:
-        out = []
-        async for d in turn_deltas(gen, TurnConfig(tool_names=("get_weather",)), ping_interval=0.1):
-            out.append((time.monotonic(), d))
-        return out
+        return [(time.monotonic(), d) async for d in turn_deltas(gen, cfg, ping_interval=0.1)]
 
+    return asyncio.run(run())
+
+
+def test_a_tool_call_being_generated_gets_keepalives() -> None:
+    """Tokens arrive but the turn holds them back (a qwen3_coder call is not released until whole): the stream still
+    gets a keep-alive at least every interval (plus one event), then the whole call."""
+    gen = _SlowToolCall(0.03, QWEN3_CODER_CALL)
+    n = len(gen.events)
     t0 = time.monotonic()
-    out = asyncio.run(run())
+    out = _run(gen, TurnConfig(tool_names=("get_weather",), tool_parser="qwen3_coder"))
     pings = [t for t, d in out if d is PING]
     deltas = [d for _, d in out if d is not PING]
-    assert len(deltas) == 1 and [c.name for _, c in deltas[0].calls] == ["get_weather"]
+    assert len(deltas) == 1 and [(p.call.name, p.first, p.done) for p in deltas[0].calls] == [
+        ("get_weather", True, True)]
     assert deltas[0].finish_reason == "tool_calls"
     gaps = [b - a for a, b in zip([t0] + pings, pings + [out[-1][0]])]
     assert len(pings) >= (n * 0.03) // 0.1 - 1 and max(gaps) < 0.1 + 0.03 + SLACK_S
+
+
+def test_a_hermes_call_streams_its_arguments_as_they_come() -> None:
+    """A hermes call's head goes out once its name and ``"arguments": {`` are written, then its arguments piece by
+    piece: several deltas, which join to the released call's arguments."""
+    gen = _SlowToolCall(0.01, HERMES_CALL)
+    n = len(gen.events)
+    deltas = [d for _, d in _run(gen, TurnConfig(tool_names=("get_weather",))) if d is not PING]
+    parts = [p for d in deltas for p in d.calls]
+    assert len(deltas) >= n // 2 and parts[0].first and parts[0].call.name == "get_weather"
+    assert sum(1 for p in parts if p.arguments) >= 5 and parts[-1].done and parts[-1].call.complete
+    assert "".join(p.arguments for p in parts) == parts[-1].call.arguments == '{"city": "Paris", "unit": "celsius"}'
+    assert deltas[-1].finish_reason == "tool_calls"

@@ -10,23 +10,43 @@ from hypothesis import strategies as st
 
 from ferrylm.server.api import anthropic as an
 from ferrylm.server.api import responses as rs
-from ferrylm.server.api.assistant import TurnDelta
+from ferrylm.server.api.assistant import CallDelta, TurnDelta
 from ferrylm.server.text.tool_parsers.base import ToolCall
 
 _CALLS = st.builds(lambda n, a: ToolCall(n, json.dumps({"x": a})), st.sampled_from(["f", "g"]), st.integers(0, 9))
-_DELTA = st.tuples(st.sampled_from(["", "think "]), st.sampled_from(["", "text ", "é🙂"]),
-                   st.lists(_CALLS, max_size=2))
+#: a turn's parts: reasoning, text, or a call with the cuts of its arguments (none: released whole)
+_SEGMENT = st.one_of(st.tuples(st.just("reasoning"), st.sampled_from(["think "])),
+                     st.tuples(st.just("content"), st.sampled_from(["text ", "é🙂"])),
+                     st.tuples(st.just("call"), _CALLS, st.lists(st.integers(0, 12), max_size=3)))
 
 
 def _deltas(raw) -> list[TurnDelta]:
-    out, k = [], 0
-    for reasoning, content, calls in raw:
-        d = TurnDelta(0, reasoning=reasoning, content=content)
-        for c in calls:
-            d.calls.append((k, c))
-            k += 1
-        out.append(d)
-    return out
+    """Deltas as a turn yields them: text first in a delta, a streamed call's parts over several deltas."""
+    out, k, d = [], 0, TurnDelta(0)
+    for kind, *rest in raw:
+        if kind != "call":
+            if d.calls:
+                out.append(d)
+                d = TurnDelta(0)
+            setattr(d, kind, getattr(d, kind) + rest[0])
+            continue
+        call, cuts = rest
+        n = len(call.arguments)
+        bounds = sorted({min(c, n) for c in cuts})
+        pieces = [call.arguments[a:b] for a, b in zip([0, *bounds], [*bounds, n])]
+        head = ToolCall(call.name, "", call.id, complete=False)
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            d.calls.append(CallDelta(k, call if last else head, piece, first=i == 0, done=last))
+            if not last:
+                out.append(d)
+                d = TurnDelta(0)
+        k += 1
+    return out + [d]
+
+
+def _released(deltas: list[TurnDelta]) -> list[tuple[str, dict]]:
+    return [(p.call.name, json.loads(p.call.arguments)) for d in deltas for p in d.calls if p.done]
 
 
 def _parse(events: list[str]) -> list[tuple[str, dict]]:
@@ -38,7 +58,7 @@ def _parse(events: list[str]) -> list[tuple[str, dict]]:
 
 
 @settings(max_examples=200, deadline=None)
-@given(raw=st.lists(_DELTA, max_size=6), finish=st.sampled_from(["end_turn", "max_tokens", "tool_use"]))
+@given(raw=st.lists(_SEGMENT, max_size=8), finish=st.sampled_from(["end_turn", "max_tokens", "tool_use"]))
 def test_anthropic_events_are_well_formed(raw, finish) -> None:
     deltas = _deltas(raw)
     enc = an.StreamEncoder({"id": "msg_1"})
@@ -70,13 +90,12 @@ def test_anthropic_events_are_well_formed(raw, finish) -> None:
     assert all(b.get("text") for b in blocks if b["type"] == "text")
     assert "".join(b.get("text", "") for b in blocks) == "".join(d.content for d in deltas)
     assert "".join(b.get("thinking", "") for b in blocks) == "".join(d.reasoning for d in deltas)
-    assert [(b["name"], json.loads(b["partial"])) for b in blocks if b["type"] == "tool_use"] == \
-        [(c.name, json.loads(c.arguments)) for d in deltas for _, c in d.calls]
+    assert [(b["name"], json.loads(b["partial"])) for b in blocks if b["type"] == "tool_use"] == _released(deltas)
     assert parsed[-2][1]["delta"]["stop_reason"] == finish and parsed[-2][1]["usage"] == {"output_tokens": 7}
 
 
 @settings(max_examples=200, deadline=None)
-@given(raw=st.lists(_DELTA, max_size=6), incomplete=st.booleans())
+@given(raw=st.lists(_SEGMENT, max_size=8), incomplete=st.booleans())
 def test_responses_events_are_well_formed(raw, incomplete) -> None:
     deltas = _deltas(raw)
     req = rs.ResponsesRequest(input="x")
@@ -98,7 +117,12 @@ def test_responses_events_are_well_formed(raw, incomplete) -> None:
     assert text == "".join(d.content for d in deltas)
     assert text == "".join(p["text"] for it in final["output"] if it["type"] == "message" for p in it["content"])
     calls = [(it["name"], json.loads(it["arguments"])) for it in final["output"] if it["type"] == "function_call"]
-    assert calls == [(c.name, json.loads(c.arguments)) for d in deltas for _, c in d.calls]
+    assert calls == _released(deltas)
+    streamed: dict[int, str] = {}
+    for k, d in parsed:
+        if k == "response.function_call_arguments.delta":
+            streamed[d["output_index"]] = streamed.get(d["output_index"], "") + d["delta"]
+    assert [json.loads(a) for _, a in sorted(streamed.items())] == [a for _, a in calls]
     assert final["usage"]["output_tokens"] == 5 and final["usage"]["input_tokens"] == 3
 
 

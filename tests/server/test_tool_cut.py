@@ -65,42 +65,58 @@ def test_every_cut_of_a_forced_call_is_a_call_or_nothing(fmt: str) -> None:
 def test_a_cut_forced_call_does_not_depend_on_chunking(fmt: str, k: int, chunk: int) -> None:
     text = forced_output(fmt)[:k]
 
-    def key(pieces: list) -> list:
-        return [(p.text, p.call and (p.call.name, p.call.arguments, p.call.complete)) for p in pieces]
+    def key(pieces: list) -> list:   # a streamed call's head and argument pieces follow the chunks; their sum not
+        streamed = ([p.head.name for p in pieces if p.head], "".join(p.args for p in pieces))
+        return [(p.text, p.call and (p.call.name, p.call.arguments, p.call.complete)) for p in pieces
+                if p.head is None and not p.args] + [streamed]
 
     assert key(cut(fmt, text, chunk)) == key(cut(fmt, text))
 
 
 def test_hermes_cut_inside_the_arguments_and_before_the_closing_tag() -> None:
     head = '<tool_call>\n{"name": "get_weather", "arguments": '
-    (call,) = [p.call for p in cut("hermes", head + '{"city": "Oslo", "da')]
+    (call,) = [p.call for p in cut("hermes", head + '{"city": "Oslo", "da') if p.call]
     assert (call.name, call.arguments, call.complete) == ("get_weather", '{"city": "Oslo", "da', False)
     assert call.arguments_object() == {"city": "Oslo"}   # what the SDKs' partial JSON readers see
-    (call,) = [p.call for p in cut("hermes", head + WHOLE + "}\n</tool_")]   # only the closing tag is short
+    (call,) = [p.call for p in cut("hermes", head + WHOLE + "}\n</tool_") if p.call]   # only the closing tag is short
     assert call.complete and json.loads(call.arguments) == ARGS
     assert cut("hermes", '<tool_call>\n{"name": "get_wea') == []   # the name unfinished: nothing to name
+    assert [p.call.arguments for p in cut("hermes", head) if p.call] == [""]   # the arguments not begun
     assert cut("hermes", '<tool_call>\n{"name": "unknown", "arguments": {') == []
 
 
 def test_a_forced_turn_cut_inside_its_second_call() -> None:
-    """The turn (stream and whole): the first call whole, the second unfinished, no content, ``length``; a stop
-    string that cuts a call is not ``tool_calls``. Without ``forced`` the same text stays content."""
+    """The turn (stream and whole): the first call whole, the second cut short is dropped, no content,
+    ``tool_calls`` (as vLLM answers: the turn made a call); the same without ``forced``; cut inside its only call it
+    is that call unfinished and ``length``."""
     first = forced_output("hermes")
     text = first + '\n<tool_call>\n{"name": "search", "arguments": {"q": "fjo'
+    for forced in (True, False):
+        cfg = TurnConfig(tool_names=NAMES, forced=forced)
+        res = whole_turn(cfg, text, "length")
+        assert (res.content, res.finish_reason) == ("", "tool_calls"), forced
+        assert [(c.name, c.arguments, c.complete) for c in res.calls] == [("get_weather", WHOLE, True)]
+        turn = cfg.new_turn()
+        deltas = [turn.feed(text[i:i + 5]) for i in range(0, len(text), 5)] + [turn.finish(cut=True)]
+        assert "".join(d.content for d in deltas) == ""
+        # the stream sent the cut call's head and arguments as they came: it ends there, unfinished
+        assert [(p.call.name, p.call.arguments, p.call.complete) for d in deltas for p in d.calls if p.done] == \
+            [(c.name, c.arguments, c.complete) for c in res.calls] + [("search", '{"q": "fjo', False)]
+        assert turn.finish_reason("length") == "tool_calls"
     cfg = TurnConfig(tool_names=NAMES, forced=True)
-    res = whole_turn(cfg, text, "length")
-    assert res.content == "" and res.finish_reason == "length"
-    assert [(c.name, c.arguments, c.complete) for c in res.calls] == [
-        ("get_weather", WHOLE, True), ("search", '{"q": "fjo', False)]
-    turn = cfg.new_turn()
-    deltas = [turn.feed(text[i:i + 5]) for i in range(0, len(text), 5)] + [turn.finish()]
-    assert "".join(d.content for d in deltas) == ""
-    assert [(c.name, c.arguments, c.complete) for d in deltas for _, c in d.calls] == \
-        [(c.name, c.arguments, c.complete) for c in res.calls]
-    assert whole_turn(cfg, text, "stop").finish_reason == "stop"
+    assert whole_turn(cfg, text, "stop").finish_reason == "tool_calls"   # a stop string cut the second call
     assert whole_turn(cfg, first, "stop").finish_reason == "tool_calls"
-    free = whole_turn(TurnConfig(tool_names=NAMES), text, "length")
-    assert [c.name for c in free.calls] == ["get_weather"] and free.content.startswith("<tool_call>")
+    only = whole_turn(cfg, text[len(first) + 1:], "length")
+    assert [(c.name, c.complete) for c in only.calls] == [("search", False)] and only.finish_reason == "length"
+
+
+def test_prose_cut_after_a_call_is_length() -> None:
+    """``max_tokens`` cut the text after a whole call (not a further call): the reply was cut, ``length``."""
+    text = forced_output("hermes") + "\nNow I will also"
+    res = whole_turn(TurnConfig(tool_names=NAMES), text, "length")
+    assert (len(res.calls), res.content, res.finish_reason) == (1, "Now I will also", "length")
+    assert whole_turn(TurnConfig(tool_names=NAMES), forced_output("hermes") + "\n<tool_", "length").finish_reason \
+        == "tool_calls"
 
 
 def test_partial_arguments_as_an_object() -> None:

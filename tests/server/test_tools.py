@@ -45,11 +45,21 @@ def test_a_reply_of_calls_only_has_no_text() -> None:
     "<tool_call>\n{not json}\n</tool_call> and more",                  # malformed body
     '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',    # not one of the tools
     '<tool_call>\n{"name": "search", "arguments": [1]}\n</tool_call>',  # arguments not an object
-    '<tool_call>\n{"name": "search", "arguments": {"q": 1}}',           # never closed
     "<tool_cal",                                                        # a tag prefix at the very end
 ])
 def test_text_that_is_not_a_call_is_never_swallowed(raw: str) -> None:
     assert run(HermesToolParser(NAMES), [raw]) == (raw, [])
+
+
+def test_a_call_begun_with_its_name_and_an_object_is_a_call_even_unclosed() -> None:
+    """Its arguments went out as they came (a stream cannot take them back): the model stopping before the closing
+    tag still made the call; arguments never closed make it unfinished."""
+    assert run(HermesToolParser(NAMES), ['<tool_call>\n{"name": "search", "arguments": {"q": 1}}']) == \
+        ("", [("search", {"q": 1})])
+    parser = HermesToolParser(NAMES)
+    (call,) = [p.call for p in parser.feed('<tool_call>{"name": "search", "arguments": {"q": "a') + parser.finish()
+               if p.call]
+    assert (call.arguments, call.complete) == ('{"q": "a', False)
 
 
 def test_arguments_as_json_text_and_parameters_alias() -> None:
@@ -118,21 +128,24 @@ def test_turn_with_reasoning_and_calls() -> None:
     res = whole_turn(cfg, "<think>need weather</think>\n\n" + CALL, "stop")
     assert (res.reasoning, res.content, res.finish_reason) == ("need weather", "", "tool_calls")
     assert [c.name for c in res.calls] == ["get_weather"]
-    assert whole_turn(cfg, CALL, "length").finish_reason == "length"
+    assert whole_turn(cfg, CALL, "length").finish_reason == "tool_calls"   # cut right after a whole call
+    assert whole_turn(cfg, "<think>need weather", "length").finish_reason == "length"
     assert whole_turn(TurnConfig(), CALL, "stop").content == CALL   # no tools offered: nothing is parsed
 
 
 
-def test_a_reply_cut_inside_a_call_keeps_the_unfinished_call_as_content() -> None:
-    """A reply cut inside its second call (``max_tokens``): the first call is parsed and the unfinished one stays
-    content, streamed or not (the client sees every generated token)."""
+def test_a_reply_cut_inside_its_second_call_drops_it() -> None:
+    """A reply cut inside its second call (``max_tokens``): the first call is parsed, the cut one dropped (no
+    markup as content) and the turn ends ``tool_calls``, as vLLM answers; streamed or not."""
     cut = CALL + '\n<tool_call>\n{"name":'
     whole = whole_turn(TurnConfig(tool_names=NAMES), cut, "length")
-    assert [c.name for c in whole.calls] == ["get_weather"] and whole.content == '<tool_call>\n{"name":'
-    assert whole.finish_reason == "length"
+    assert [c.name for c in whole.calls] == ["get_weather"] and whole.content == ""
+    assert whole.finish_reason == "tool_calls"
     streamed = TurnConfig(tool_names=NAMES).new_turn()
-    deltas = [streamed.feed(cut[i:i + 7]) for i in range(0, len(cut), 7)] + [streamed.finish()]
-    assert "".join(d.content for d in deltas) == whole.content and sum(len(d.calls) for d in deltas) == 1
+    deltas = [streamed.feed(cut[i:i + 7]) for i in range(0, len(cut), 7)] + [streamed.finish(cut=True)]
+    assert "".join(d.content for d in deltas) == ""
+    assert [p.call.name for d in deltas for p in d.calls if p.done] == ["get_weather"]
+    assert streamed.finish_reason("length") == "tool_calls"
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",

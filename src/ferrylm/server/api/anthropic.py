@@ -324,10 +324,14 @@ class StreamEncoder:
         if d.content:
             self._block("text", {"type": "text", "text": ""})
             self._delta({"type": "text_delta", "text": d.content})
-        for _, call in d.calls:
-            self._block("tool_use", {"type": "tool_use", "id": _tool_id(call), "name": call.name, "input": {}})
-            self._delta({"type": "input_json_delta", "partial_json": call.arguments})
-            self._close()
+        for part in d.calls:   # a call is one tool_use block: opened by its first part, closed by its last
+            if part.first:
+                call = part.call
+                self._block("tool_use", {"type": "tool_use", "id": _tool_id(call), "name": call.name, "input": {}})
+            if part.arguments:
+                self._delta({"type": "input_json_delta", "partial_json": part.arguments})
+            if part.done:
+                self._close()
         out, self.events = self.events, []
         return out
 

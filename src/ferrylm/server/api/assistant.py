@@ -5,7 +5,9 @@ its own wire format. :func:`turn_deltas` is the one stream loop: it drains a
 :class:`~ferrylm.server.api.generation.Generation`, runs each choice's output through its :class:`AssistantTurn`
 and yields a delta per event, or :data:`PING` when nothing came for ``ping_interval`` seconds (the SSE layers write
 a keep-alive then). A non-stream response runs the finished output through a fresh :class:`AssistantTurn` in one
-piece: the readers decide on the output only, so it equals the stream.
+piece: the readers decide on the output only, so it equals the stream (but for a call whose streamed start went
+out before ``max_tokens`` cut it after a whole call: the stream ends it, the whole turn drops it). A call is released
+whole, or streamed: its head, then its arguments as they are written (:class:`CallDelta`).
 
 The turn's :class:`OutputReader` is the served chat format's: :class:`TextReader` (the text: ``<think>`` split, then
 the tool-call parser) for chat templates, :class:`~ferrylm.server.text.harmony_reader.HarmonyReader` (the tokens, by
@@ -31,15 +33,30 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class CallDelta:
+    """What a delta adds to one call: ``index``, its position among the choice's calls (from 0); ``call``: its id
+    and name (when ``done``, the call as released: whole, or unfinished where the output ended in it);
+    ``arguments``: the next text of its arguments; ``first``: the call's first part (a client opens it there);
+    ``done``: its last. A call released whole is one part, first and done, with all its arguments; a streamed
+    call's parts' ``arguments`` join to the released call's."""
+
+    index: int
+    call: ToolCall
+    arguments: str = ""
+    first: bool = False
+    done: bool = False
+
+
+@dataclass
 class TurnDelta:
-    """What one event adds to choice ``index``: ``reasoning`` text, ``content`` text, complete ``calls`` (with
-    their position among the choice's calls, from 0), the token ``logprobs``, and at the end ``finish_reason``
-    (``tool_calls`` when the turn ended on its own after making calls) with the turn's ``reasoning_tokens``."""
+    """What one event adds to choice ``index``: ``reasoning`` text, ``content`` text, parts of ``calls`` in order,
+    the token ``logprobs``, and at the end ``finish_reason`` (``tool_calls`` when the turn made its calls) with the
+    turn's ``reasoning_tokens``."""
 
     index: int
     reasoning: str = ""
     content: str = ""
-    calls: list[tuple[int, ToolCall]] = field(default_factory=list)
+    calls: list[CallDelta] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     token_ids: list[int] = field(default_factory=list)
@@ -53,13 +70,14 @@ class TurnDelta:
 class OutputReader(Protocol):
     """A choice's output → pieces (reasoning text, content text, calls) in generation order, released as they
     become certain; a call the output ended in may come last, unfinished (``ToolCall.complete`` False). ``feed``
-    gets each output's text and token ids. ``reasoning_tokens``: the tokens read so far that were reasoning."""
+    gets each output's text and token ids; ``finish(cut)`` the end (``cut``: ``max_tokens`` ended the output).
+    ``reasoning_tokens``: the tokens read so far that were reasoning."""
 
     reasoning_tokens: int
 
     def feed(self, text: str, token_ids: Sequence[int]) -> list[Piece]: ...
 
-    def finish(self) -> list[Piece]: ...
+    def finish(self, cut: bool = False) -> list[Piece]: ...
 
 
 @dataclass
@@ -116,11 +134,11 @@ class TextReader:
             return []
         return self._pieces(r, self.tools.feed(c) if self.tools is not None else [Piece(c)])
 
-    def finish(self) -> list[Piece]:
+    def finish(self, cut: bool = False) -> list[Piece]:
         r, c = self.reasoning.finish() if self.reasoning is not None else ("", "")
         if self.tools is None:
             return self._pieces(r, [Piece(c)])
-        end = self.tools.finish_forced if self.forced else self.tools.finish
+        end = self.tools.finish_forced if self.forced else self.tools.finish_cut if cut else self.tools.finish
         return self._pieces(r, self.tools.feed(c) + end())
 
     @staticmethod
@@ -130,46 +148,105 @@ class TextReader:
 
 class AssistantTurn:
     """One choice's output → reasoning / content / calls, through its :class:`OutputReader`; calls past
-    ``max_calls`` (None: no bound) are dropped."""
+    ``max_calls`` (None: no bound) are dropped, and so is an unfinished call after a whole one (the output was cut
+    in a further call: the turn made its calls, as vLLM answers). A streamed call has its position from its head
+    on; once its head went out it is never dropped."""
 
     def __init__(self, reader: OutputReader, max_calls: int | None = None):
         self.reader = reader
         self.max_calls = max_calls
         self.num_calls = 0
-        self.cut_call = False   # the output ended inside a call (an unfinished call was released)
+        self.whole_calls = 0
+        self.cut_call = False       # the turn's only calls end in an unfinished one (it was cut in its first call)
+        self.ends_in_calls = False  # nothing but calls since the last whole call
+        self._streamed: tuple[ToolCall, int | None] | None = None   # the call being streamed: head, position
 
     def feed(self, text: str, token_ids: Sequence[int] = (), index: int = 0) -> TurnDelta:
         return self._delta(index, self.reader.feed(text, token_ids))
 
-    def finish(self, index: int = 0) -> TurnDelta:
-        return self._delta(index, self.reader.finish())
+    def finish(self, index: int = 0, cut: bool = False) -> TurnDelta:
+        """The end of the choice; ``cut``: ``max_tokens`` ended it."""
+        return self._delta(index, self.reader.finish(cut))
 
     def _delta(self, index: int, pieces: list[Piece]) -> TurnDelta:
         d = TurnDelta(index)
         for p in pieces:
-            if p.call is not None:
-                k = self.count(p.call)
+            if p.head is not None:
+                k = self._position()
+                self._streamed = (p.head, k)
                 if k is not None:
-                    d.calls.append((k, p.call))
-            elif p.reasoning:
-                d.reasoning += p.text
-            else:
-                d.content += p.text
+                    d.calls.append(CallDelta(k, p.head, first=True))
+            elif p.args:
+                head, k = self._streamed or (None, None)
+                if head is not None and k is not None:
+                    _add(d, CallDelta(k, head, p.args))
+            elif p.call is not None:
+                self._call(d, p.call)
+            elif p.text:
+                self.ends_in_calls = False
+                if p.reasoning:
+                    d.reasoning += p.text
+                else:
+                    d.content += p.text
         return d
 
+    def _call(self, d: TurnDelta, call: ToolCall) -> None:
+        """A released call into ``d``: the last part of the call being streamed, else the whole call."""
+        if self._streamed is not None and self._streamed[0].id == call.id:
+            k = self._streamed[1]
+            self._streamed = None
+            if k is not None:
+                self._note(call)
+                _add(d, CallDelta(k, call, done=True))
+            return
+        k = self.count(call)
+        if k is not None:
+            d.calls.append(CallDelta(k, call, call.arguments, first=True, done=True))
+
     def count(self, call: ToolCall) -> int | None:
-        """Note a released call; its position among the turn's calls (from 0), None for one past ``max_calls``
-        (dropped)."""
+        """Note a released call; its position among the turn's calls (from 0), None for a dropped one (past
+        ``max_calls``, or unfinished after a whole call)."""
+        if not call.complete and self.whole_calls:
+            return None
+        k = self._position()
+        if k is not None:
+            self._note(call)
+        return k
+
+    def _position(self) -> int | None:
+        """The next call's position, None past ``max_calls``."""
         if self.max_calls is not None and self.num_calls >= self.max_calls:
             return None
         self.num_calls += 1
-        self.cut_call |= not call.complete
         return self.num_calls - 1
 
+    def _note(self, call: ToolCall) -> None:
+        if call.complete:
+            self.whole_calls += 1
+            self.ends_in_calls = True
+        elif not self.whole_calls:
+            self.cut_call = True
+
     def finish_reason(self, engine_reason: str | None) -> str | None:
-        """``tool_calls`` for a turn that stopped by itself after making calls (none of them cut), else the
-        engine's reason."""
-        return "tool_calls" if engine_reason == "stop" and self.num_calls and not self.cut_call else engine_reason
+        """``tool_calls`` for a turn that made whole calls (none cut) and stopped by itself, or was cut by
+        ``max_tokens`` with nothing but calls after its last whole call (a further call cut short is dropped);
+        else the engine's reason."""
+        if not self.whole_calls or self.cut_call:
+            return engine_reason
+        if engine_reason == "stop" or (engine_reason == "length" and self.ends_in_calls):
+            return "tool_calls"
+        return engine_reason
+
+
+def _add(d: TurnDelta, part: CallDelta) -> None:
+    """``part`` into ``d``, merged with the part before it when that is the same call's, still open."""
+    last = d.calls[-1] if d.calls else None
+    if last is None or last.index != part.index or last.done:
+        d.calls.append(part)
+        return
+    last.arguments += part.arguments
+    if part.done:
+        last.call, last.done = part.call, True
 
 
 @dataclass
@@ -207,11 +284,12 @@ def whole_turn(cfg: TurnConfig, text: str, engine_reason: str | None, token_ids:
                   for p in turn.reader.feed(text[min(offsets[i], len(text)):min(ends[i], len(text))], (t,))]
     else:
         pieces = turn.reader.feed(text, token_ids)
-    for p in pieces + turn.reader.finish():
+    for p in pieces + turn.reader.finish(engine_reason == "length"):
         if p.call is not None:
             if turn.count(p.call) is not None:
                 add("call", p.call)
         elif p.text:
+            turn.ends_in_calls = False
             add("reasoning" if p.reasoning else "text", p.text)
     if any(k == "call" for k, _ in blocks):   # blank text between or around calls is no block of its own
         blocks = [(k, x) for k, x in blocks if k != "text" or x.strip()]
@@ -247,7 +325,7 @@ async def turn_deltas(gen: Generation, cfg: TurnConfig, ping_interval: float | N
         ids.extend(ev.token_ids)
         d = turn.feed(ev.text, ev.token_ids, ev.index) if ev.text or ev.token_ids else TurnDelta(ev.index)
         if ev.finish_reason is not None:
-            end = turn.finish(ev.index)
+            end = turn.finish(ev.index, cut=ev.finish_reason == "length")
             d.reasoning += end.reasoning
             d.content += end.content
             d.calls += end.calls

@@ -237,25 +237,30 @@ async def _stream(ctx: RouteContext, rid: str, run: ChatRun, base_id: str, creat
 
 
 def _delta_chunks(ctx: RouteContext, gen: Any, d: TurnDelta, want_ids: bool) -> list[ChatCompletionStreamChoice]:
-    """A delta as stream choices: text / reasoning first, then per call a header (id, type, name, empty
-    arguments) and its arguments, keyed by the call's ``index``; ``finish_reason`` on a last chunk of its own with an
-    empty delta (unless the delta brings nothing else)."""
+    """A delta as stream choices: text / reasoning first, then per call part a header where the call begins (id,
+    type, name, empty arguments) and its new arguments text, keyed by the call's ``index``; ``finish_reason`` on a
+    last chunk of its own with an empty delta (unless the delta brings nothing else)."""
     logprobs = None
     if gen.choices[d.index].params.logprobs is not None:
         logprobs = ChatChoiceLogprobs(content=chat_logprobs(d.logprobs, ctx.codec))
     ids = list(d.token_ids) if want_ids else None
     out = []
-    if d.content or d.reasoning or logprobs is not None and d.logprobs or not d.calls:
+    carried = any(p.first or p.arguments for p in d.calls)   # a call chunk carries the logprobs and ids
+    if d.content or d.reasoning or logprobs is not None and d.logprobs or not d.calls or (ids and not carried):
         out.append(ChatCompletionStreamChoice(index=d.index, delta=DeltaMessage(
             content=d.content or None, reasoning_content=d.reasoning or None), logprobs=logprobs, token_ids=ids))
         logprobs, ids = None, None
-    for k, call in d.calls:
-        out.append(ChatCompletionStreamChoice(index=d.index, delta=DeltaMessage(tool_calls=[
-            {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]),
-            logprobs=logprobs, token_ids=ids))
-        logprobs, ids = None, None
-        out.append(ChatCompletionStreamChoice(index=d.index, delta=DeltaMessage(tool_calls=[
-            {"index": k, "function": {"arguments": call.arguments}}])))
+    for part in d.calls:
+        k, call = part.index, part.call
+        if part.first:
+            out.append(ChatCompletionStreamChoice(index=d.index, delta=DeltaMessage(tool_calls=[
+                {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]),
+                logprobs=logprobs, token_ids=ids))
+            logprobs, ids = None, None
+        if part.arguments:
+            out.append(ChatCompletionStreamChoice(index=d.index, delta=DeltaMessage(tool_calls=[
+                {"index": k, "function": {"arguments": part.arguments}}]), logprobs=logprobs, token_ids=ids))
+            logprobs, ids = None, None
     if d.finish_reason is not None:   # the finishing chunk carries no text (as OpenAI's and llama.cpp's)
         last = out[-1] if out else None
         if (last is not None and last.delta == DeltaMessage() and last.logprobs is None

@@ -326,6 +326,8 @@ class StreamEncoder:
     def _close(self, status: str = "completed") -> list[str]:
         if self.open is None:
             return []
+        if self.open["type"] == "function_call":   # a call still open ends as far as it came
+            return self._close_call(ToolCall(self.open["name"], self.text, self.open["call_id"], complete=False))
         idx = len(self.output)
         item_id = self.open["id"]
         if self.open["type"] == "message":
@@ -356,18 +358,29 @@ class StreamEncoder:
             self.text += d.content
             out.append(self.event("response.output_text.delta", item_id=self.open["id"],
                                   output_index=len(self.output), content_index=0, delta=d.content, logprobs=[]))
-        for _, call in d.calls:
-            out += self._close()
-            idx = len(self.output)
-            added = _call_item(call, "in_progress", arguments="")
-            out.append(self.event("response.output_item.added", output_index=idx, item=added))
-            out.append(self.event("response.function_call_arguments.delta", item_id=added["id"], output_index=idx,
-                                  delta=call.arguments))
-            out.append(self.event("response.function_call_arguments.done", item_id=added["id"], output_index=idx,
-                                  arguments=call.arguments, name=call.name))
-            item = _call_item(call)
-            out.append(self.event("response.output_item.done", output_index=idx, item=item))
-            self.output.append(item)
+        for part in d.calls:   # a call is one function_call item: added at its first part, done at its last
+            if part.first:
+                out += self._close()
+                self.open = _call_item(part.call, "in_progress", arguments="")
+                self.text = ""
+                out.append(self.event("response.output_item.added", output_index=len(self.output), item=self.open))
+            if part.arguments and self.open is not None:
+                self.text += part.arguments
+                out.append(self.event("response.function_call_arguments.delta", item_id=self.open["id"],
+                                      output_index=len(self.output), delta=part.arguments))
+            if part.done:
+                out += self._close_call(part.call)
+        return out
+
+    def _close_call(self, call: ToolCall) -> list[str]:
+        """The open ``function_call`` item's last events; ``call``: the call as released."""
+        idx, item_id = len(self.output), self.open["id"] if self.open is not None else ""
+        item = _call_item(call)
+        out = [self.event("response.function_call_arguments.done", item_id=item_id, output_index=idx,
+                          arguments=call.arguments, name=call.name),
+               self.event("response.output_item.done", output_index=idx, item=item)]
+        self.output.append(item)
+        self.open = None
         return out
 
     def finish(self, output_tokens: int, incomplete: bool, cached_tokens: int = 0,

@@ -195,10 +195,10 @@ class HarmonyReader:
         self._queue += self.tokens.feed(token_ids)
         return self._release()
 
-    def finish(self) -> list[Piece]:
+    def finish(self, cut: bool = False) -> list[Piece]:
         """What is left at the end: the call the output ended in (unfinished; its text when it is no call of a
         request tool), output outside the format, undecoded bytes. Segments past the released text (after a stop
-        string) are dropped."""
+        string) are dropped. ``cut`` (``max_tokens`` ended the output) changes nothing: a call ends the turn."""
         self._queue += self.tokens.finish()
         out = self._release()
         self._queue = []

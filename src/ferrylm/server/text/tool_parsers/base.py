@@ -43,16 +43,21 @@ class ToolCall:
 
 @dataclass
 class Piece:
-    """What a parser releases: ``text`` (ordinary content; reasoning when ``reasoning``) or a complete ``call``."""
+    """What a parser releases: ``text`` (ordinary content; reasoning when ``reasoning``) or a ``call``. A call whose
+    arguments are streamed comes as its ``head`` (id and name, ``arguments`` ""), then pieces of ``args`` (the next
+    text of its arguments), then the call itself (the head's id; its ``arguments`` the ``args`` joined)."""
 
     text: str = ""
     call: ToolCall | None = None
     reasoning: bool = False
+    head: ToolCall | None = None
+    args: str = ""
 
 
 class ToolParser:
     """Interface: ``feed(text)`` → pieces now certain; ``finish()`` → the rest at the end of the output (a block
-    never closed is text); ``finish_forced()`` → the rest at the end of an output a grammar forced to be calls.
+    never closed is text); ``finish_forced()`` → the rest at the end of an output a grammar forced to be calls;
+    ``finish_cut()`` → the rest at the end of an output ``max_tokens`` cut.
     ``calls`` counts the calls released so far. A parser holds the text of an open block (after its opening tag)
     in ``_buf`` while ``_in_block``.
 
@@ -95,6 +100,15 @@ class ToolParser:
         calls = self.cut_block(body) if body else []
         self.calls += len(calls)
         return out + [Piece(call=c) for c in calls]
+
+    def finish_cut(self) -> list[Piece]:
+        """The end of an output ``max_tokens`` cut that no grammar forced: after a whole call (released already, or
+        whole in the block still open) the block it ended in is read as :meth:`finish_forced` reads it (calls,
+        never text: the turn drops its unfinished call); before any, as :meth:`finish`."""
+        out = self.feed("")
+        body = self._buf if self._in_block else ""
+        whole = bool(body) and any(c.complete for c in self.cut_block(body))
+        return out + (self.finish_forced() if self.calls or whole else self.finish())
 
     def cut_block(self, body: str) -> list[ToolCall]:
         """The calls of a block the output ended in (``body``: the text after its opening tag): the whole calls it

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping
 
 from ferrylm.server.text.tool_parsers.base import Piece, ToolCall, ToolParser, partial_suffix
 from ferrylm.server.text.tool_parsers.calls import RequestTools
+from ferrylm.server.text.tool_parsers.json_prefix import StreamedCall
 
 
 def value_text(v: Any) -> str:
@@ -81,8 +82,10 @@ def object_args(calls: list[tuple[Any, Any, Any]]) -> list[tuple[Any, dict, Any]
 
 class BlockToolParser(ToolParser):
     """Shared loop of the tag-delimited formats: text outside ``OPEN`` … ``CLOSE`` is content; a block is held
-    until its ``CLOSE`` and then becomes calls (:meth:`parse_block`) or, failing that, text. Whitespace next to a
-    call is not content (the blank runs before, between and after calls are dropped).
+    until its ``CLOSE`` and then becomes calls (:meth:`parse_block`) or, failing that, text; unless the format
+    streams it (:meth:`stream_head`): then the block is that call from its head on, its arguments released as they
+    are written, and it ends at ``CLOSE`` or at the end of the output. Whitespace next to a call is not content (the
+    blank runs before, between and after calls are dropped).
 
     ``LEAD``: when set, the tag a block body must start with (after blanks); a body that cannot start with it ends
     the block at once (the ``OPEN`` was a mention), see :meth:`viable`. ``EXTRA_BLOCKS``: other ``(open, close)``
@@ -103,12 +106,14 @@ class BlockToolParser(ToolParser):
     def __init__(self, tool_names: Iterable[str] | None = None, schemas: Mapping[str, dict] | None = None):
         self.tools = RequestTools(tool_names, schemas)
         self.calls = 0
+        self.blocks = 0   # blocks opened so far (the one at hand is number ``blocks``)
         self._buf = ""
         self._in_block = False
         self._ws = ""
         self._after_call = False
         self._raw_close = False   # finish(): a body close_at never ends (a value never closed) ends at the first CLOSE
         self._open, self._close = self.OPEN, self.CLOSE   # the tags of the block at hand
+        self._streamed: StreamedCall | None = None   # the block at hand is this call, its arguments streamed
         self._pairs = ((self.OPEN, self.CLOSE), *self.EXTRA_BLOCKS)
 
     # -- format hooks -------------------------------------------------------------------------------------
@@ -125,6 +130,12 @@ class BlockToolParser(ToolParser):
     def parse_block(self, body: str) -> list[ToolCall] | None:
         """The calls of a whole block body, or None when it is not a well-formed block of known tools."""
         raise NotImplementedError
+
+    def stream_head(self, body: str) -> StreamedCall | None:
+        """The call whose arguments are streamed, once ``body`` (the open block's text so far) shows its head; None
+        while it does not (default: never, the block is held to its closing tag). Must hold for every longer body
+        once it holds for one (chunking invariance)."""
+        return None
 
     def cut_calls(self, body: str) -> list[ToolCall]:
         """The calls of an open block the output ended in (see :meth:`ToolParser.cut_block`)."""
@@ -155,15 +166,17 @@ class BlockToolParser(ToolParser):
             if self._in_block:
                 j = self._buf.find(self._close) if self._raw_close else self.close_at(self._buf)
                 body = self._buf if j < 0 else self._buf[:j]
-                if not self.viable(body):
+                if self._streamed is None and not self.viable(body):
                     self._in_block = False
                     self._text(self._open, out)
                     continue
+                out += self._stream(body)
                 if j < 0:
                     return out
                 self._buf = self._buf[j + len(self._close):]
                 self._in_block = False
-                calls = self.parse_block(body)
+                calls = self.parse_block(body) if self._streamed is None else [self._streamed.call(body)]
+                self._streamed = None
                 if not calls:
                     self._text(self._open + body + self._close, out)
                 else:
@@ -178,17 +191,45 @@ class BlockToolParser(ToolParser):
                 self._text(self._buf[:i], out)
                 self._buf = self._buf[i + len(self._open):]
                 self._in_block = True
+                self.blocks += 1
                 continue
             keep = max(partial_suffix(self._buf, o) for o, _ in self._pairs)
             self._text(self._buf[:len(self._buf) - keep], out)
             self._buf = self._buf[len(self._buf) - keep:]
             return out
 
+    def _stream(self, body: str) -> list[Piece]:
+        """The head and the new arguments text of the block's streamed call (none for a block held whole)."""
+        out = []
+        if self._streamed is None:
+            self._streamed = self.stream_head(body)
+            if self._streamed is None:
+                return []
+            out.append(Piece(head=self._streamed.head))
+        args = self._streamed.more(body)
+        return (out + [Piece(args=args)]) if args else out
+
+    def _end_stream(self) -> list[Piece]:
+        """At the end of the output: the streamed calls of the blocks it ended in, each as far as it was released;
+        a closing tag after that (held in a string never closed) ends its block, and what follows is read on."""
+        out: list[Piece] = []
+        while self._streamed is not None:
+            sc, self._streamed, self._in_block = self._streamed, None, False
+            out.append(Piece(call=sc.call(self._buf)))
+            self.calls += 1
+            self._ws, self._after_call = "", True
+            j = self._buf.find(self._close, sc.start + sc.sent)
+            self._buf = self._buf[j + len(self._close):] if j >= 0 else ""
+            out += self.feed("")
+        return out
+
     def finish(self) -> list[Piece]:
         out = self.feed("")
+        out += self._end_stream()
         if self._in_block and self._close in self._buf:   # a malformed body (a value never closed): the first tag
             self._raw_close = True
             out += self.feed("")
+            out += self._end_stream()
         rest = (self._open if self._in_block else "") + self._buf
         self._buf, self._in_block = "", False
         self._text(rest, out)
@@ -196,6 +237,11 @@ class BlockToolParser(ToolParser):
             out.append(Piece(self._ws))
         self._ws = ""
         return out
+
+    def finish_forced(self) -> list[Piece]:
+        out = self.feed("")
+        out += self._end_stream()
+        return out + super().finish_forced()
 
     def _text(self, text: str, out: list[Piece]) -> None:
         if not text:
