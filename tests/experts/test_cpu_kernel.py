@@ -330,9 +330,10 @@ def _swiglu_reference(le, x, w, counts):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("name", list(QUANT))
-@pytest.mark.parametrize("counts", [[1, 3, 5], [3, 1, 8, 2, 1]])
+@pytest.mark.parametrize("counts", [[1, 3, 5], [3, 1, 8, 2, 1], [2, 37, 9]])  # 37: three 16-token lane tiles
 def test_quantized_rows_match_the_dequantized_reference(kernel, isa, name, counts):
-    """Every format on every instruction set, odd token and expert counts: the whole expert against float64 SwiGLU
+    """Every format on every instruction set, odd token and expert counts (from 8 tokens an expert's Q4_K / Q8_0 rows
+    take the AVX-512 lanes, a tile per 16 tokens): the whole expert against float64 SwiGLU
     on the torch reference's dequantized weights (fp8: float32 activations, float32 rounding only; the integer kinds:
     within ACT_TOL, their 8-bit activations), and the pool routes decode jobs of quantized rows to the kernel."""
     k = _isa(kernel, isa)
@@ -352,8 +353,8 @@ def test_quantized_rows_match_the_dequantized_reference(kernel, isa, name, count
         job = CpuJob(x=x, weights=w, items=[(j, bank[j], starts[j], n) for j, n in enumerate(counts)],
                      out_dtype=torch.float32)
         outs, _ = pool.submit(job).result()
-        assert pool.kernel_name.startswith("native") and len(outs) == 1
-        assert ((outs[0].double() - ref).norm() / ref.norm()).item() < tol
+        assert pool.kernel_name.startswith("native") and len(outs) >= 1  # a long job may run as several calls
+        assert ((torch.cat(outs).double() - ref).norm() / ref.norm()).item() < tol
     finally:
         pool.close()
 
