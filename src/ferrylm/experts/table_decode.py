@@ -111,7 +111,6 @@ class TableDecode:
             log.warning("%s experts: decode steps planned on the host (%s)", self.name, e)
             return
         from ferrylm.experts.device_pools import DevicePools
-
         from ferrylm.experts.kernels.installs import demand_programs
 
         t = self.table
