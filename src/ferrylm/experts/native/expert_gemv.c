@@ -364,12 +364,13 @@ static int64_t span_end(int k, const int64_t *starts, const int64_t *counts) {
 
 /* One projection of every expert: rows [0, N) of q (K inputs) for expert e's tokens of `a`, into y (stride ldy),
  * times w (per token) when w != NULL; rows below `split` from base lo, the others from base hi (the bases: three
- * per expert, gate|up below I, gate|up from I, down). Runs inside the caller's parallel region. */
+ * per expert, gate|up below I, gate|up from I, down). Runs inside the caller's parallel region; tasks are handed out
+ * one at a time (dynamic): a task's cost follows its expert's token count, which routing makes uneven. */
 static void experts_proj(rows_fn rows, const qproj *q, int k, const void *const *bases, int lo, int hi, int64_t split,
                          const int64_t *starts, const int64_t *counts, int64_t N, int64_t K, const act *a, float *y,
                          int64_t ldy, const float *w, float *rb, int64_t br) {
     const int64_t nb = (N + br - 1) / br;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < (int64_t)k * nb; task++) {
         const int e = (int)(task / nb);
         const int64_t r0 = (task % nb) * br, r1 = r0 + br < N ? r0 + br : N;
