@@ -37,7 +37,8 @@ class PagedAttention:
     """AttentionBackend over a :class:`KVPool` for one step's batch.
 
     Built by the engine per step. ``attend`` writes the step's new K/V into their slots, then computes causal
-    attention per sequence over the gathered cached + new K/V. Decode sequences (``q_len == 1``) are batched in
+    attention per sequence over the gathered cached + new K/V (a sequence with nothing cached reads its new K/V as
+    given, when the pool stores them exactly). Decode sequences (``q_len == 1``) are batched in
     one padded SDPA call; prefill chunks run one SDPA call each. ``faults``: point ``attention_scratch``, checked
     before each gather (after the K/V write, as a real failure there would leave it).
     """
@@ -91,11 +92,15 @@ class PagedAttention:
                              * elem)
             return self._decode(layer_idx, q, scale, window, sinks)
         out = torch.empty_like(q)
+        exact = not pool.scaled and k.dtype == v.dtype == q.dtype == pool.storage_dtype
         for s in self.prefill:
             if faults.enabled:
                 faults.check("attention_scratch", nbytes=2 * s.slots.numel() * k.shape[1] * k.shape[2]
                              * elem + 4 * q.shape[1] * s.q_len * s.slots.numel())
-            ks, vs = pool.keys(layer_idx, s.slots, q.dtype), pool.values(layer_idx, s.slots, q.dtype)
+            if s.ctx_len == 0 and exact:  # nothing cached before: the pool would give back these very K/V
+                ks, vs = k[s.q_start: s.q_start + s.q_len], v[s.q_start: s.q_start + s.q_len]
+            else:
+                ks, vs = pool.keys(layer_idx, s.slots, q.dtype), pool.values(layer_idx, s.slots, q.dtype)
             qs = q[s.q_start: s.q_start + s.q_len]
             out[s.q_start: s.q_start + s.q_len] = causal_attention(qs, ks, vs, scale,
                                                                    q_offset=s.ctx_len, window=window, sinks=sinks)
