@@ -99,8 +99,7 @@ class SlotTable:
         self.routed: torch.Tensor | None = None       # [max_tokens, L, k] int64 device (made on the first step)
         self.routed_host: torch.Tensor | None = None  # its pinned host mirror
         self.routed_np: np.ndarray | None = None
-        self.predicted: torch.Tensor | None = None   # [L, max_tokens, k] int64 device: each row's early prediction
-        self.predicted_flat: torch.Tensor | None = None  # [L * max_tokens * k]: a step's [L, T, k] packed to copy
+        self.predicted: torch.Tensor | None = None       # [max_tokens, L, k]: each row's early prediction
         self.predicted_host: torch.Tensor | None = None  # its pinned host mirror
         self.recorded = 0  # tokens of the last step whose routing the mirror holds (0: none)
         self.dirty = False  # host table differs from the device's
@@ -109,7 +108,7 @@ class SlotTable:
     def nbytes(self) -> int:
         """Device bytes: the reference row, the table and the routing buffer."""
         return self.ref.nbytes + self.table.nbytes + sum(0 if b is None else b.nbytes
-                                                         for b in (self.routed, self.predicted, self.predicted_flat))
+                                                         for b in (self.routed, self.predicted))
 
     # --- what the step does (inside the graph) ---------------------------------------------------------------
     def layer_inputs(self, layer: int) -> tuple[int, torch.Tensor]:
@@ -125,21 +124,20 @@ class SlotTable:
             shape = (self.max_tokens, len(self.layers), k)
             self.routed, self.routed_host = self._buffer(shape)
             self.routed_np = self.routed_host.numpy()
-            self.predicted = torch.zeros(len(self.layers), self.max_tokens, k, dtype=torch.int64, device=self.device)
-            self.predicted_flat, self.predicted_host = self._buffer((self.predicted.numel(),))
+            self.predicted, self.predicted_host = self._buffer(shape)
         self.routed[:t, i].copy_(topk_ids)
-        if i == len(self.layers) - 1:  # device->host copies between contiguous buffers (pinned: capturable)
-            cuda, n = self.device.type == "cuda", len(self.layers) * t * k
+        if i == len(self.layers) - 1:  # contiguous device->host copies into pinned memory: capturable
+            cuda = self.device.type == "cuda"
             self.routed_host[:t].copy_(self.routed[:t], non_blocking=cuda)
-            self.predicted_flat[:n].view(len(self.layers), t, k).copy_(self.predicted[:, :t])
-            self.predicted_host[:n].copy_(self.predicted_flat[:n], non_blocking=cuda)
+            self.predicted_host[:t].copy_(self.predicted[:t], non_blocking=cuda)
 
     def record_prediction(self, i: int, ids: torch.Tensor) -> torch.Tensor:
         """Keep layer row ``i``'s ``[T, k]`` predicted ids (made one MoE layer early); returns the kept copy (a
-        contiguous view that stays valid for the step, for work on another stream). After :meth:`record`."""
+        ``[T, k]`` view, unit stride along ``k``, valid for the step: for work on another stream). After
+        :meth:`record`."""
         t = ids.shape[0]
-        self.predicted[i, :t].copy_(ids)
-        return self.predicted[i, :t]
+        self.predicted[:t, i].copy_(ids)
+        return self.predicted[:t, i]
 
     def _buffer(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """A zeroed int64 device buffer and its host mirror (pinned on CUDA)."""
@@ -157,13 +155,12 @@ class SlotTable:
         self.dirty = True
 
     def take_routing(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """The last recorded step's routed ids ``[T, L, k]`` and the rows' predictions ``[L, T, k]`` (copies; a row
-        the step did not predict holds stale ids), or None; clears it."""
+        """The last recorded step's routed ids and the rows' predictions, both ``[T, L, k]`` (copies; a row the step
+        did not predict holds stale ids), or None; clears it."""
         t, self.recorded = self.recorded, 0
         if t == 0 or self.routed_np is None:
             return None
-        n, k = len(self.layers) * t, self.routed_np.shape[2]
-        return self.routed_np[:t].copy(), self.predicted_host[:n * k].numpy().reshape(len(self.layers), t, k).copy()
+        return self.routed_np[:t].copy(), self.predicted_host[:t].numpy().copy()
 
     def publish(self) -> None:
         """Send the table (when rebuilt) on the current stream, ahead of the step that reads it."""

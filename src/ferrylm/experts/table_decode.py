@@ -49,7 +49,6 @@ class TableDecode:
     _device_moved = False  # a table step ran since the host last read the device's installs
     _table_stale = False  # the cache changed outside the table's bookkeeping: rebuild before the next table step
     _side: "torch.cuda.Stream | None" = None  # the prefetch installs' stream (CUDA; on a CPU they run in order)
-    _recorded_predicts = False  # the step whose routing the table recorded made predictions
 
     @property
     def graph_safe(self) -> bool:
@@ -210,8 +209,8 @@ class TableDecode:
         routing = table.take_routing()
         changes = self.pools.changes() if self._device_moved else []
         if routing is not None:
-            ids, predicted = routing
-            self._count(np.clip(ids, 0, self.num_experts - 1), predicted if self._recorded_predicts else None,
+            ids, predicted = routing  # the recorded step predicted when a step of its size does
+            self._count(np.clip(ids, 0, self.num_experts - 1), predicted if self.prefetches(len(ids)) else None,
                         changes)
         self._apply(changes)
         self._device_moved = False
@@ -221,7 +220,6 @@ class TableDecode:
             self._fold_copy_times()
             self.counters.open_step(num_tokens)
             table.recorded = num_tokens
-            self._recorded_predicts = self.prefetches(num_tokens)
             self._device_moved = True
 
     def settle_device(self) -> None:
@@ -233,7 +231,7 @@ class TableDecode:
             self._device_moved = False
 
     def _count(self, ids: np.ndarray, predicted: np.ndarray | None, changes: list[tuple[int, int, int, int]]) -> None:
-        """Count a finished table step (``ids [T, L, k]``; ``predicted [L, T, k]``: each row's prediction, None when
+        """Count a finished table step (``ids [T, L, k]``; ``predicted [T, L, k]``: each row's prediction, None when
         the step made none) against the cache as it was before the step. A needed expert not resident then is a
         miss, read from its slot when the step installed it and from its mapped bank row otherwise; a predicted
         one the prefetch installed is a prefetch hit, counted as a hit (as the host-planned path counts them);
@@ -247,7 +245,7 @@ class TableDecode:
             missed = {e for e in used if cache.slot_of((layer, e)) is None}
             early: set[int] = set()
             if predicted is not None and i > 0:
-                early = {e for e in np.unique(predicted[i]).tolist() if cache.slot_of((layer, e)) is None}
+                early = {e for e in np.unique(predicted[:, i]).tolist() if cache.slot_of((layer, e)) is None}
                 early &= installed[i]
             misses = missed - early
             mapped = len(misses - installed[i])

@@ -45,7 +45,8 @@ def carries(plan: MemoryPlan, n: int) -> bool:
     if plan.kv_tokens < n * typical_tokens(plan.max_model_len) or plan.state_bytes > plan.kv_bytes:
         return False
     if 0 < plan.expert_slots < plan.expert_total:  # a cache that misses: the state shares its room
-        return plan.state_bytes <= STATE_SHARE_OF_CACHE * (plan.state_bytes + plan.expert_slots * plan.expert_slot_bytes)
+        shared = plan.state_bytes + plan.expert_slots * plan.expert_slot_bytes
+        return plan.state_bytes <= STATE_SHARE_OF_CACHE * shared
     return True
 
 
