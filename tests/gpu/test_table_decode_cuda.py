@@ -47,8 +47,7 @@ def test_table_graphs_equal_resident(tmp_path, case, cache):
         assert ex["misses"] == 0, ex
     else:
         assert ex["fetched"] > 0 and ex["bytes_mapped"] == ex["mapped"] * ex["expert_bytes"], ex
-        # prefetch (on by default): the side stream's installs ran inside the graphs and were counted
-        assert ex["prefetched"] > 0 and ex["prefetch_hits"] + ex["prefetch_wasted"] == ex["prefetched"], ex
+        assert ex["prefetched"] == 0, ex  # table steps install on demand only
 
 
 @pytest.mark.parametrize("length", [8190, 30000])

@@ -218,7 +218,7 @@ def _mapped_case(dev, e: int, k: int, h: int, i: int, quants: dict) -> list[dict
     from ferrylm.experts.executor import ExpertLayout
     from ferrylm.experts.kernels.fused_moe import MoeTiles, fused_moe
     from ferrylm.experts.slot_table import device_address
-    from ferrylm.experts.kernels.installs import SIDE_PROGRAMS, demand_programs
+    from ferrylm.experts.kernels.installs import demand_programs
 
     rows = []
     for qname, q in quants.items():
@@ -253,11 +253,11 @@ def _mapped_case(dev, e: int, k: int, h: int, i: int, quants: dict) -> list[dict
                 _bench(lambda: dst[:len(used)].copy_(src_rows, non_blocking=True))
             rows.append({"op": "moe mapped", "quant": qname, "tokens": t, "impl": "pinned DMA copy of the experts",
                          "graph_ms": dma, "gbs": wbytes / dma / 1e6, "experts_used": len(used)})
-            for grid, programs in (("demand", demand_programs(dev)), ("side", SIDE_PROGRAMS)):
-                cms = _bench_graph(_install_copy(ref, used, off_host, dst, rb, e, programs))
-                rows.append({"op": "moe mapped", "quant": qname, "tokens": t, "impl": f"install copy kernel, {grid} "
-                             f"grid of {programs} (mapped rows -> slots, the table path's installs)", "graph_ms": cms,
-                             "gbs": wbytes / cms / 1e6 if cms else None, "experts_used": len(used)})
+            programs = demand_programs(dev)
+            cms = _bench_graph(_install_copy(ref, used, off_host, dst, rb, e, programs))
+            rows.append({"op": "moe mapped", "quant": qname, "tokens": t, "impl": f"install copy kernel, grid of "
+                         f"{programs} (mapped rows -> slots, the table path's installs)", "graph_ms": cms,
+                         "gbs": wbytes / cms / 1e6 if cms else None, "experts_used": len(used)})
             for where, offs in (("slots (HBM)", off_dev), ("host (mapped, PCIe)", off_host), ("half each", off_half)):
                 gms = _bench_graph(lambda: fused_moe(x, views.gate, views.up, views.down, ids, w, row_offset=offs))
                 rows.append({"op": "moe mapped", "quant": qname, "tokens": t, "impl": f"fused, {where}",

@@ -5,10 +5,11 @@ result equals the resident backend's bit for bit; under decode CUDA graphs the b
 whose GEMM shapes are padded to ``min(B * k, E)`` experts and ``B`` tokens: equal to rounding). When one layer
 needs more experts than there are unpinned slots, the layer runs in waves (fetch what fits, compute, unpin,
 repeat), so any cache of at least one slot is correct.
-With prefetch on (the default), layer L+1's likely experts start copying while layer L computes: layer L+1's router
-applied to layer L's hidden state (Eliseev & Mazur 2023, "Fast Inference of Mixture-of-Experts Language Models with
-Offloading", §3.2). A wrong guess costs copy bandwidth and a slot, never correctness. Decode steps run from the
-device expert table where it can run (:mod:`ferrylm.experts.table_decode`).
+Decode steps run from the device expert table where it can run (:mod:`ferrylm.experts.table_decode`: misses
+installed on demand, no prefetch). Steps planned on the host prefetch when it is on (the default): layer L+1's likely
+experts start copying while layer L computes, layer L+1's router applied to layer L's hidden state (Eliseev & Mazur
+2023, "Fast Inference of Mixture-of-Experts Language Models with Offloading", §3.2). A wrong guess costs copy
+bandwidth and a slot, never correctness.
 """
 
 from __future__ import annotations

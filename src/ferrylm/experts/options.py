@@ -49,8 +49,8 @@ class ExpertOptions:
         cpu_kernel: the CPU expert kernel (``--moe-cpu-kernel``, one of ``CPU_KERNELS``).
         cpu_share: hybrid: predicted misses per layer planned for the CPU (``--moe-cpu-share``); None = chosen by
             timing decode steps (:mod:`ferrylm.experts.share_tuner`).
-        prefetch: copy layer L+1's predicted experts while layer L runs; None = backend default (on for
-            ``offload`` and ``hybrid``, n/a for ``cpu``).
+        prefetch: steps planned on the host copy layer L+1's predicted experts while layer L runs (the device
+            table's steps never do); None = backend default (on for ``offload`` and ``hybrid``, n/a for ``cpu``).
         stream_prefill: stream whole expert layers through a two-layer double buffer for large chunks.
         stream_min_tokens: stream when a step has at least this many tokens; None = when
             ``tokens * top_k >= num_experts`` (a chunk that is expected to touch most experts).

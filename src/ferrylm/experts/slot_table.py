@@ -99,16 +99,13 @@ class SlotTable:
         self.routed: torch.Tensor | None = None       # [max_tokens, L, k] int64 device (made on the first step)
         self.routed_host: torch.Tensor | None = None  # its pinned host mirror
         self.routed_np: np.ndarray | None = None
-        self.predicted: torch.Tensor | None = None       # [max_tokens, L, k]: each row's early prediction
-        self.predicted_host: torch.Tensor | None = None  # its pinned host mirror
         self.recorded = 0  # tokens of the last step whose routing the mirror holds (0: none)
         self.dirty = False  # host table differs from the device's
 
     @property
     def nbytes(self) -> int:
         """Device bytes: the reference row, the table and the routing buffer."""
-        return self.ref.nbytes + self.table.nbytes + sum(0 if b is None else b.nbytes
-                                                         for b in (self.routed, self.predicted))
+        return self.ref.nbytes + self.table.nbytes + (0 if self.routed is None else self.routed.nbytes)
 
     # --- what the step does (inside the graph) ---------------------------------------------------------------
     def layer_inputs(self, layer: int) -> tuple[int, torch.Tensor]:
@@ -117,27 +114,16 @@ class SlotTable:
         return i, self.table[i, :self.num_experts]
 
     def record(self, i: int, topk_ids: torch.Tensor) -> None:
-        """Keep layer row ``i``'s ``[T, k]`` routed ids; after the last MoE layer copy the step's ids and predictions
-        to the host mirrors (non-blocking: complete once the step's sampled tokens have been read)."""
+        """Keep layer row ``i``'s ``[T, k]`` routed ids; after the last MoE layer copy the step's ids to the host
+        mirror (non-blocking: complete once the step's sampled tokens have been read)."""
         t, k = topk_ids.shape
         if self.routed is None or self.routed.shape[2] != k:  # the first (eager) step: before any graph capture
             shape = (self.max_tokens, len(self.layers), k)
             self.routed, self.routed_host = self._buffer(shape)
             self.routed_np = self.routed_host.numpy()
-            self.predicted, self.predicted_host = self._buffer(shape)
         self.routed[:t, i].copy_(topk_ids)
-        if i == len(self.layers) - 1:  # contiguous device->host copies into pinned memory: capturable
-            cuda = self.device.type == "cuda"
-            self.routed_host[:t].copy_(self.routed[:t], non_blocking=cuda)
-            self.predicted_host[:t].copy_(self.predicted[:t], non_blocking=cuda)
-
-    def record_prediction(self, i: int, ids: torch.Tensor) -> torch.Tensor:
-        """Keep layer row ``i``'s ``[T, k]`` predicted ids (made one MoE layer early); returns the kept copy (a
-        ``[T, k]`` view, unit stride along ``k``, valid for the step: for work on another stream). After
-        :meth:`record`."""
-        t = ids.shape[0]
-        self.predicted[:t, i].copy_(ids)
-        return self.predicted[:t, i]
+        if i == len(self.layers) - 1:  # a contiguous device->host copy into pinned memory: capturable
+            self.routed_host[:t].copy_(self.routed[:t], non_blocking=self.device.type == "cuda")
 
     def _buffer(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """A zeroed int64 device buffer and its host mirror (pinned on CUDA)."""
@@ -154,13 +140,12 @@ class SlotTable:
             self.host_np[self.index[layer], e] = off
         self.dirty = True
 
-    def take_routing(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """The last recorded step's routed ids and the rows' predictions, both ``[T, L, k]`` (copies; a row the step
-        did not predict holds stale ids), or None; clears it."""
+    def take_routing(self) -> np.ndarray | None:
+        """The last recorded step's routed ids ``[T, L, k]`` (a copy), or None; clears it."""
         t, self.recorded = self.recorded, 0
         if t == 0 or self.routed_np is None:
             return None
-        return self.routed_np[:t].copy(), self.predicted_host[:t].numpy().copy()
+        return self.routed_np[:t].copy()
 
     def publish(self) -> None:
         """Send the table (when rebuilt) on the current stream, ahead of the step that reads it."""

@@ -1,13 +1,9 @@
 """The offload backend's device expert table path (``experts/slot_table.py`` has the protocol): decode steps of up
 to ``TABLE_MAX_TOKENS`` tokens run one fused MoE launch per layer from the table, hits and misses alike; the misses
 are installed in the layer's slot pool by the GPU inside the step (``experts/device_pools.py``), so the whole step is
-one CUDA graph and the host only keeps its books between steps (:meth:`TableDecode.begin_step`).
-
-With prefetch on (the backend's default, steps of up to ``prefetch_max_tokens`` tokens), each layer also predicts the
-next MoE layer's experts (its router applied to this layer's input: Eliseev & Mazur 2023, §3.2) and installs the
-predicted misses on a side stream, on a small persistent copy grid, while this layer's experts and the next layer's
-attention compute; the next layer's own installs wait for them. A wrong guess costs PCIe time and a slot for the
-step, never correctness.
+one CUDA graph and the host only keeps its books between steps (:meth:`TableDecode.begin_step`). Table steps do
+not prefetch the next layer's experts: measured against installing each layer's misses on demand, it lost
+(docs/BENCHMARKS.md, session 21).
 """
 
 from __future__ import annotations
@@ -48,7 +44,6 @@ class TableDecode:
     pools: "DevicePools | None" = None
     _device_moved = False  # a table step ran since the host last read the device's installs
     _table_stale = False  # the cache changed outside the table's bookkeeping: rebuild before the next table step
-    _side: "torch.cuda.Stream | None" = None  # the prefetch installs' stream (CUDA; on a CPU they run in order)
 
     @property
     def graph_safe(self) -> bool:
@@ -69,12 +64,12 @@ class TableDecode:
 
     def table_bytes(self) -> int:
         """Device bytes the table path holds besides the slots (bytes): its reference row (one expert row), the
-        ``[L, E + 1]`` int64 table and the pools' five rows like it, the ``[256, L, k <= 32]`` int64 routing and
-        prediction buffers (an upper bound); 0 when the table cannot run here."""
+        ``[L, E + 1]`` int64 table and the pools' five rows like it, the ``[256, L, k <= 32]`` int64 routing buffer
+        (an upper bound); 0 when the table cannot run here."""
         if self._table_possible() is not None:
             return 0
         layers = len(self.banks.layers)
-        return self.layout.nbytes + 6 * layers * (self.num_experts + 1) * 8 + 2 * TABLE_MAX_TOKENS * layers * 32 * 8
+        return self.layout.nbytes + 6 * layers * (self.num_experts + 1) * 8 + TABLE_MAX_TOKENS * layers * 32 * 8
 
     def table_step(self, num_tokens: int) -> bool:
         """A step of ``num_tokens`` tokens runs from the device table (one fused launch per layer, no host decision
@@ -115,10 +110,6 @@ class TableDecode:
         t = self.table
         self.pools = DevicePools(t.table, t.home, t.ref, self.layout.nbytes)
         self._programs = demand_programs(self.device)
-        self._pending: set[int] = set()  # rows whose prefetch installs the main stream has not waited for
-        if self.device.type == "cuda":
-            self._side = torch.cuda.Stream(self.device)
-            self._landed = [torch.cuda.Event() for _ in t.layers]
         self._reset_table()
 
     def _reset_table(self) -> None:
@@ -155,47 +146,18 @@ class TableDecode:
 
     def _run_table(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                    topk_weights: torch.Tensor) -> torch.Tensor:
-        """One layer of a table step: the layer's installs (after its prefetch installs), the next layer's
-        prefetch, then the fused kernel over the layer's row offsets. No host decision, no sync: capturable."""
+        """One layer of a table step: the layer's installs, then the fused kernel over the layer's row offsets. No
+        host decision, no sync: capturable."""
         from ferrylm.experts.kernels.fused_moe import fused_moe
 
         table, pools = self.table, self.pools
         i, offsets = table.layer_inputs(layer_idx)
         self._device_moved = True  # eager runs (warmups) install too; graph replays are marked by begin_step
-        self._join(i)
         pools.install(i, topk_ids, self._programs)
         table.record(i, topk_ids)
-        self._prefetch_next(layer_idx, hidden)
         v = table.views
         return fused_moe(hidden, v.gate, v.up, v.down, topk_ids, topk_weights, row_offset=offsets,
                          math=self.math.get(layer_idx))
-
-    def _prefetch_next(self, layer_idx: int, hidden: torch.Tensor) -> None:
-        """Predict the next MoE layer's experts from ``hidden`` and install the predicted misses on the side stream
-        (module docstring); nothing when prefetch is off for this step or the layer is the last."""
-        from ferrylm.experts.kernels.installs import SIDE_PROGRAMS
-
-        nxt = self._next.get(layer_idx)
-        route = self._routers.get(nxt) if nxt is not None else None
-        if route is None or not self.prefetches(hidden.shape[0]):
-            return
-        j = self.table.index[nxt]
-        ids = self.table.record_prediction(j, route(hidden))
-        if self._side is None:
-            self.pools.install(j, ids, SIDE_PROGRAMS)
-            return
-        self._side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._side):
-            self.pools.install(j, ids, SIDE_PROGRAMS)
-            self._landed[j].record(self._side)
-        self._pending.add(j)
-
-    def _join(self, i: int | None = None) -> None:
-        """The current stream waits for row ``i``'s prefetch installs (None: every row's)."""
-        rows = set(self._pending) if i is None else self._pending & {i}
-        for j in rows:
-            torch.cuda.current_stream(self.device).wait_event(self._landed[j])
-        self._pending -= rows
 
     def begin_step(self, num_tokens: int) -> None:
         """Between steps, before a step of ``num_tokens`` tokens is launched (the model runner calls it for every
@@ -205,13 +167,10 @@ class TableDecode:
         table = self.table
         if table is None or self.cache is None:
             return
-        self._join()
         routing = table.take_routing()
         changes = self.pools.changes() if self._device_moved else []
         if routing is not None:
-            ids, predicted = routing  # the recorded step predicted when a step of its size does
-            self._count(np.clip(ids, 0, self.num_experts - 1), predicted if self.prefetches(len(ids)) else None,
-                        changes)
+            self._count(np.clip(routing, 0, self.num_experts - 1), changes)
         self._apply(changes)
         self._device_moved = False
         if self._table_stale:
@@ -226,35 +185,24 @@ class TableDecode:
         """Bring the host cache in step with the device's installs now (before a host path changes the cache
         between steps: a shrink after a failed step, say)."""
         if self._device_moved and self.pools is not None:
-            self._join()
             self._apply(self.pools.changes())
             self._device_moved = False
 
-    def _count(self, ids: np.ndarray, predicted: np.ndarray | None, changes: list[tuple[int, int, int, int]]) -> None:
-        """Count a finished table step (``ids [T, L, k]``; ``predicted [T, L, k]``: each row's prediction, None when
-        the step made none) against the cache as it was before the step. A needed expert not resident then is a
-        miss, read from its slot when the step installed it and from its mapped bank row otherwise; a predicted
-        one the prefetch installed is a prefetch hit, counted as a hit (as the host-planned path counts them);
-        every install is a fetched expert."""
+    def _count(self, ids: np.ndarray, changes: list[tuple[int, int, int, int]]) -> None:
+        """Count a finished table step (``ids [T, L, k]``) against the cache as it was before the step. A needed
+        expert not resident then is a miss, read from its slot when the step installed it and from its mapped bank
+        row otherwise; every install is a fetched expert."""
         cache, step, per = self.cache, self.counters.step, self.layout.nbytes
         installed: list[set[int]] = [set() for _ in self.table.layers]
         for i, _, _, new in changes:
             installed[i].add(new)
         for i, layer in enumerate(self.table.layers):
             used = set(np.unique(ids[:, i, :]).tolist())
-            missed = {e for e in used if cache.slot_of((layer, e)) is None}
-            early: set[int] = set()
-            if predicted is not None and i > 0:
-                early = {e for e in np.unique(predicted[:, i]).tolist() if cache.slot_of((layer, e)) is None}
-                early &= installed[i]
-            misses = missed - early
+            misses = {e for e in used if cache.slot_of((layer, e)) is None}
             mapped = len(misses - installed[i])
             step.needed += len(used)
             step.hits += len(used) - len(misses)
             step.misses += len(misses)
-            step.prefetched += len(early)
-            step.prefetch_hits += len(early & used)
-            step.prefetch_wasted += len(early - used)
             step.mapped += mapped
             step.bytes_mapped += mapped * per
             step.fetched += len(installed[i])

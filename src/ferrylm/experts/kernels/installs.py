@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 CHUNK_BYTES = 32768  # one program's share of a row, read in one load: many PCIe reads in flight per row
-SIDE_PROGRAMS = 16  # a copy beside the step's kernels (prefetch): few SMs, still 512 KiB of PCIe reads in flight
 STAMP_CAP = 1 << 40  # stamps at or above this sort last and are never victims (NEVER is clamped to it)
 
 
