@@ -18,6 +18,7 @@ host decisions for the step: the offload backend's slot installs and table
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -28,6 +29,7 @@ from ferrylm.engine.attention import backend_factory, resolve_backend
 from ferrylm.engine.attention.metadata import AttentionMetadata, decode_splits
 from ferrylm.engine.cuda_graphs import StepGraphs
 from ferrylm.engine.decode_graph import DecodeGraphConfig, DecodeGraphRunner
+from ferrylm.engine.expert_choice import expert_options
 from ferrylm.engine.cache.kv_pool import KVPool
 from ferrylm.engine.sampler import SampleResult, sample
 from ferrylm.engine.step_inputs import HostStep, Staging, bind_routing_keys, pack_step, routing_key
@@ -35,6 +37,7 @@ from ferrylm.faults import NO_FAULTS, FaultInjector
 from ferrylm.memory.guard import is_oom
 from ferrylm.models.capabilities import ModelCapabilities
 from ferrylm.models.moe import SparseMoeBlock
+from ferrylm.models.quant_linear import dense_kernel
 
 log = logging.getLogger("ferrylm.engine")
 
@@ -81,6 +84,10 @@ class ModelRunner:
         self.structured = None  # the engine's StructuredDecoder (engine/structured.py): grammar masks on the logits
         self.attention = resolve_backend(config.attention_backend, device)
         self._attention_backend = backend_factory(self.attention)   # a step's backend from (pool, meta, device, faults)
+        if self.attention == "torch":  # on a CPU with the native kernels: decode attends over the pool in place
+            kernel = dense_kernel(device, expert_options(config))
+            if kernel is not None:
+                self._attention_backend = functools.partial(self._attention_backend, native=kernel)
         self.max_model_len = max_model_len
         self.graph_max_batch = config.cuda_graph_max_batch or max_running_requests   # largest graph batch
         self.staging = Staging(device)

@@ -104,6 +104,8 @@ class NativeExpertKernel:
                            ("ferry_matvec", [ptr, ci, ci, ci, ctypes.POINTER(vp), ptr, i64, vp, i64, vp]),
                            ("ferry_quantize_act", [vp, i64, i64, i64, vp, vp]),
                            ("ferry_dequant", [ptr, ci, vp, i64, vp, i64, i64, vp]),
+                           ("ferry_decode_attention", [ci, ci, vp, vp, vp, ci, vp, i64, vp, i64, i64, i64, i64,
+                                                       ctypes.c_float, vp]),
                            ("ferry_isa_best", [])):
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = ctypes.c_int, args
@@ -263,6 +265,25 @@ class NativeExpertKernel:
         self._check(self._lib.ferry_matvec(m.qp, ISAS.index(self.isa), int(threads), len(m.segments), m.bases,
                                            m.seg_rows, m.k, xf.data_ptr(), xf.shape[0], y.data_ptr()))
         return y
+
+    def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                         lens: torch.Tensor, scale: float, threads: int) -> torch.Tensor:
+        """One decode token per sequence attending over its positions in a paged pool, read in place:
+        ``q [B, Hq, D]`` float32; pools ``k, v [S, Hkv, D]`` float32 or bfloat16 (contiguous); ``slots [B, L]``
+        int64 (row b's first ``lens[b]`` are its positions' pool rows); ``lens [B]`` int64, each in ``[1, L]``.
+        Returns ``[B, Hq, D]`` float32. Raises ValueError: shapes, dtypes or lengths off."""
+        b, hq, d = q.shape
+        if (q.dtype != torch.float32 or k.dtype != v.dtype or k.dtype not in (torch.float32, torch.bfloat16)
+                or k.shape != v.shape or k.dim() != 3 or k.shape[2] != d or not (k.is_contiguous() and v.is_contiguous())
+                or slots.dtype != torch.int64 or lens.dtype != torch.int64 or slots.shape[0] != b or lens.shape != (b,)):
+            raise ValueError("decode attention takes q [B, Hq, D] float32, contiguous pools [S, Hkv, D] of float32 or "
+                             "bfloat16, slots [B, L] and lens [B] int64")
+        qc, sc, lc = q.contiguous(), slots.contiguous(), lens.contiguous()
+        out = torch.empty(b, hq, d, dtype=torch.float32)
+        self._check(self._lib.ferry_decode_attention(
+            ISAS.index(self.isa), int(threads), qc.data_ptr(), k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16),
+            sc.data_ptr(), sc.shape[1], lc.data_ptr(), b, hq, k.shape[1], d, float(scale), out.data_ptr()))
+        return out
 
     def gather(self, m: "BlockMatrix", idx: torch.Tensor) -> torch.Tensor:
         """Rows ``idx`` (int64 ``[n]``, each in ``[0, N)``) of a one-segment block matrix, dequantized as gguf-py

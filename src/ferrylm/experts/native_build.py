@@ -10,7 +10,7 @@ from pathlib import Path
 from ferrylm.errors import FerryError
 
 CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off"]
-SOURCES = ("expert_gemv.c", "isa_kernels.h")
+SOURCES = ("expert_gemv.c", "isa_kernels.h", "decode_attention.h")
 
 
 class KernelBuildError(FerryError):

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferrylm.experts.cpu_kernel import BlockMatrix, NativeExpertKernel
+from ferrylm.experts.cpu_kernel import BlockMatrix, NativeExpertKernel, load_kernel
+from ferrylm.experts.options import ExpertOptions
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,15 @@ class DenseKernel:
 
     native: NativeExpertKernel
     threads: int
+
+
+def dense_kernel(device: torch.device, options: ExpertOptions) -> DenseKernel | None:
+    """What a CPU model's compact layers and decode attention compute with (``--moe-cpu-kernel``,
+    ``--moe-cpu-threads``): None off the CPU or without a native kernel (``torch``, or ``auto`` without a compiler)."""
+    if device.type != "cpu":
+        return None
+    native = load_kernel(options.cpu_kernel)
+    return None if native is None else DenseKernel(native, options.cpu_threads or torch.get_num_threads())
 
 
 class QuantLinear(nn.Module):

@@ -43,13 +43,13 @@ import torch
 
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts import ExpertOptions
-from ferrylm.experts.cpu_kernel import BlockMatrix, load_kernel
+from ferrylm.experts.cpu_kernel import BlockMatrix
 from ferrylm.experts.executor import ExpertMath, LayerExperts
 from ferrylm.experts.gguf_blocks import BLOCK_CODE, BLOCK_TYPES, KIND_OF_GGUF
 from ferrylm.experts.quantized import ExpertQuant, QuantFormat, QuantTensor, block_format, empty_quant, mix_format
 from ferrylm.checkpoints.assemble import finish_model, module_name, placement, tensor_dtype
 from ferrylm.checkpoints.gguf_archs import ExpertTensor, HFTensor, iter_expert_layers, split_tensors
-from ferrylm.models.quant_linear import DenseKernel, compact_modules
+from ferrylm.models.quant_linear import DenseKernel, compact_modules, dense_kernel
 from ferrylm.checkpoints.gguf_config import EXPERT_TENSORS, expert_types, served_config, type_name
 from ferrylm.checkpoints.gguf_reader import GGUFTensor, dequantize_tensor, read_gguf
 from ferrylm.config import ModelConfig
@@ -184,16 +184,6 @@ def _plain_tensors(hf_tensors: list[HFTensor], data: np.ndarray, model_cls: type
     return tensors, origin
 
 
-def _dense_kernel(device: torch.device, moe_backend: str | ExpertOptions) -> DenseKernel | None:
-    """What a CPU model's compact layers compute with (``--moe-cpu-kernel``, ``--moe-cpu-threads``): None off the
-    CPU or without a native kernel (``torch``, or ``auto`` without a compiler: the weights are then dequantized)."""
-    if device.type != "cpu":
-        return None
-    options = moe_backend if isinstance(moe_backend, ExpertOptions) else ExpertOptions(backend=moe_backend)
-    native = load_kernel(options.cpu_kernel)
-    return None if native is None else DenseKernel(native, options.cpu_threads or torch.get_num_threads())
-
-
 def _block_weights(hf_tensors: list[HFTensor], data: np.ndarray, model_cls: type,
                    config) -> dict[str, tuple[BlockMatrix, HFTensor]]:
     """The non-expert weights that may stay the file's blocks, by state-dict name, as block matrices over the
@@ -288,7 +278,8 @@ def load_gguf_model(path: str | Path, *, device: torch.device | str = "cpu", dty
             "down": quant.down if quant else None}
     data = np.asarray(np.memmap(g.path, dtype=np.uint8, mode="c"))  # copy-on-write: writable views, file untouched
     hf_tensors, expert_tensors = split_tensors(g, served)
-    kernel = _dense_kernel(device, moe_backend)
+    options = moe_backend if isinstance(moe_backend, ExpertOptions) else ExpertOptions(backend=moe_backend)
+    kernel = dense_kernel(device, options)
     blocks = _block_weights(hf_tensors, data, model_cls, config) if kernel is not None else {}
     taken = {h.name for _, h in blocks.values()}
     tensors, origin = _plain_tensors([h for h in hf_tensors if h.name not in taken], data, model_cls, config, device,

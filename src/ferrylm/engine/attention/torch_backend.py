@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -15,6 +16,9 @@ from ferrylm.engine.attention.metadata import AttentionMetadata
 from ferrylm.engine.cache.kv_pool import KVPool
 from ferrylm.faults import NO_FAULTS, FaultInjector
 from ferrylm.models.attention import causal_attention, sink_attention
+
+if TYPE_CHECKING:
+    from ferrylm.models.quant_linear import DenseKernel
 
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -39,15 +43,18 @@ class PagedAttention:
     Built by the engine per step. ``attend`` writes the step's new K/V into their slots, then computes causal
     attention per sequence over the gathered cached + new K/V (a sequence with nothing cached reads its new K/V as
     given, when the pool stores them exactly). Decode sequences (``q_len == 1``) are batched in
-    one padded SDPA call; prefill chunks run one SDPA call each. ``faults``: point ``attention_scratch``, checked
-    before each gather (after the K/V write, as a real failure there would leave it).
+    one padded SDPA call, or, with ``native`` (a CPU's kernel build and threads), attend over the pool in place
+    (``NativeExpertKernel.decode_attention``: no gather) where the pool is not fp8 and the layer has no window or
+    sinks; prefill chunks run one SDPA call each. ``faults``: point ``attention_scratch``, checked before each
+    gather (after the K/V write, as a real failure there would leave it).
     """
 
     def __init__(self, pool: KVPool, seqs: list[SeqSlice], device: torch.device | str,
-                 faults: FaultInjector = NO_FAULTS):
+                 faults: FaultInjector = NO_FAULTS, native: "DenseKernel | None" = None):
         self.pool = pool
         self.seqs = seqs
         self.faults = faults
+        self.native = native
         self.new_slots = torch.cat([s.slots[s.ctx_len:] for s in seqs]) if seqs else torch.empty(0, dtype=torch.long)
         self.new_slots = self.new_slots.to(device)
         self.decode = [s for s in seqs if s.q_len == 1 and s.ctx_len > 0]
@@ -56,6 +63,7 @@ class PagedAttention:
             host_lens = [s.ctx_len + 1 for s in self.decode]
             max_len = max(host_lens)  # from the host list: no device->host sync
             lens = torch.tensor(host_lens).to(device, non_blocking=True)
+            self.decode_lens = lens                                               # [B] int64
             pad = torch.zeros(len(self.decode), max_len, dtype=torch.long, device=device)
             for i, s in enumerate(self.decode):
                 pad[i, : s.ctx_len + 1] = s.slots
@@ -114,6 +122,11 @@ class PagedAttention:
     def _decode(self, layer_idx: int, q: torch.Tensor, scale: float, window: int | None,
                 sinks: torch.Tensor | None) -> torch.Tensor:
         qd = q if self.decode_only else q[self.decode_q_idx]       # [B, Hq, D]
+        pool = self.pool
+        if self.native is not None and window is None and sinks is None and not pool.scaled:
+            o = self.native.native.decode_attention(qd.float(), pool.k[layer_idx], pool.v[layer_idx],
+                                                    self.decode_slots, self.decode_lens, scale, self.native.threads)
+            return o.to(q.dtype)
         kd = self.pool.keys(layer_idx, self.decode_slots, q.dtype)      # [B, L, Hkv, D]
         vd = self.pool.values(layer_idx, self.decode_slots, q.dtype)
         if window is not None or sinks is not None:
@@ -284,9 +297,9 @@ def windowed_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, held: tor
 
 
 def torch_attention(pool: KVPool, meta: AttentionMetadata, device: torch.device,
-                    faults: FaultInjector = NO_FAULTS) -> PagedAttention:
+                    faults: FaultInjector = NO_FAULTS, native: "DenseKernel | None" = None) -> PagedAttention:
     """The torch reference backend for ``meta`` (needs ``meta.host_seqs``): per sequence, its slots from its page
-    table, then :class:`PagedAttention`."""
+    table, then :class:`PagedAttention` (``native``: its decode kernel on a CPU)."""
     ps = pool.page_size
     seqs, q_start = [], 0
     for q_len, ctx_len, pages in meta.host_seqs:
@@ -295,4 +308,4 @@ def torch_attention(pool: KVPool, meta: AttentionMetadata, device: torch.device,
         slots = (pt[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)[:end]
         seqs.append(SeqSlice(q_start=q_start, q_len=q_len, ctx_len=ctx_len, slots=slots.to(device)))
         q_start += q_len
-    return PagedAttention(pool, seqs, device, faults=faults)
+    return PagedAttention(pool, seqs, device, faults=faults, native=native)

@@ -741,9 +741,3 @@ static void SFX(rows)(const qproj *q, const uint8_t *base, int64_t r0, int64_t r
     }
 }
 
-#undef VW
-#undef VZERO
-#undef VLOAD
-#undef VFMA
-#undef VSUM
-#undef VLOAD_BF16
