@@ -1,7 +1,8 @@
 /* Decode attention over a paged KV pool, read in place, for one instruction set: included by expert_gemv.c after
  * isa_kernels.h (its SFX, ISA_LEVEL and vector macros). One task is (sequence b, KV head h): its G = Hq / Hkv query
  * heads against the sequence's positions, CHUNK at a time, with the running max / sum of the online softmax
- * (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"). */
+ * (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"). The entry point, ferry_decode_attention,
+ * is compiled once, with the plain level. */
 
 #define ATT_CHUNK 32
 #define ATT_AHEAD 16  /* positions the key and value rows are prefetched ahead */
@@ -199,3 +200,80 @@ static void SFX(attend_range)(const float *q, const void *k, const void *v, int 
         }
     }
 }
+
+#if ISA_LEVEL == 0  /* the entry point, once: the plain level is included last, after the vector ones */
+typedef void (*attend_fn)(const float *, const void *, const void *, int, const int64_t *, int64_t, int64_t, int64_t,
+                          int64_t, int64_t, float, float *, float *, float *, float *);
+#ifdef FERRY_X86
+static const attend_fn ATTEND[3] = {attend_range_c, attend_range_avx2, attend_range_avx512};
+#else
+static const attend_fn ATTEND[3] = {attend_range_c, NULL, NULL};
+#endif
+static int isa_ok(int isa);
+
+/* Decode attention over a paged KV pool (decode_attention.h), read in place: out [B, Hq, D] float32 = per sequence b
+ * softmax(scale * q_b k^T) v over its lens[b] positions, whose pool rows are slots[b * lds : b * lds + lens[b]];
+ * q [B, Hq, D] float32; pools k, v [S, Hkv, D] float32 (kv_bf16 0) or bf16 (1); Hq a multiple of Hkv (GQA: query
+ * head i reads KV head i / (Hq / Hkv)). A sequence's positions are split into parts of at least ATT_PART (enough
+ * parts for the threads when the batch is small), each part a task; the parts' softmax states are merged
+ * (flash-decoding). */
+#define ATT_PART 64
+int ferry_decode_attention(int isa, int nthreads, const float *q, const void *k, const void *v, int kv_bf16,
+                           const int64_t *slots, int64_t lds, const int64_t *lens, int64_t B, int64_t Hq, int64_t Hkv,
+                           int64_t D, float scale, float *out) {
+    if (B <= 0 || Hkv <= 0 || Hq <= 0 || Hq % Hkv || D <= 0 || nthreads < 1 || (kv_bf16 != 0 && kv_bf16 != 1))
+        return -1;
+    for (int64_t b = 0; b < B; b++)
+        if (lens[b] < 1 || lens[b] > lds) return -1;
+    if (!isa_ok(isa)) return -2;
+    const int64_t G = Hq / Hkv, want = (2 * nthreads + B - 1) / B;  /* parts per sequence wanted */
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));  /* each sequence's first task */
+    if (!first) return -3;
+    first[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t most = (lens[b] + ATT_PART - 1) / ATT_PART;
+        first[b + 1] = first[b] + (want < most ? want : most);
+    }
+    const int64_t ntask = first[B], state = Hq * (D + 2);
+    float *part = (float *)malloc(sizeof(float) * (size_t)(ntask * state));
+    float *work = (float *)malloc(sizeof(float) * (size_t)(G * ATT_CHUNK * nthreads));
+    if (!part || !work) {
+        free(first);
+        free(part);
+        free(work);
+        return -3;
+    }
+    const attend_fn attend = ATTEND[isa];
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *s = work + G * ATT_CHUNK * omp_get_thread_num();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < ntask; t++) {
+            int64_t b = 0;
+            while (first[b + 1] <= t) b++;
+            const int64_t np = first[b + 1] - first[b], p = t - first[b];
+            const int64_t j0 = lens[b] * p / np, j1 = lens[b] * (p + 1) / np;
+            float *st = part + t * state;
+            attend(q + b * Hq * D, k, v, kv_bf16, slots + b * lds, j0, j1, Hkv, G, D, scale, st, st + Hq,
+                   st + 2 * Hq, s);
+        }
+#pragma omp for schedule(static)
+        for (int64_t bi = 0; bi < B * Hq; bi++) {  /* merge the parts of (sequence b, query head i) */
+            const int64_t b = bi / Hq, i = bi % Hq;
+            float mx = -INFINITY, l = 0.0f, *o = out + bi * D;
+            for (int64_t t = first[b]; t < first[b + 1]; t++) mx = part[t * state + i] > mx ? part[t * state + i] : mx;
+            memset(o, 0, sizeof(float) * (size_t)D);
+            for (int64_t t = first[b]; t < first[b + 1]; t++) {
+                const float *st = part + t * state, w = expf(st[i] - mx);
+                l += st[Hq + i] * w;
+                for (int64_t d = 0; d < D; d++) o[d] += st[2 * Hq + i * D + d] * w;
+            }
+            for (int64_t d = 0; d < D; d++) o[d] = l > 0.0f ? o[d] / l : 0.0f;
+        }
+    }
+    free(first);
+    free(part);
+    free(work);
+    return 0;
+}
+#endif
