@@ -1,11 +1,10 @@
 /* Decode attention over a paged KV pool, read in place, for one instruction set: included by expert_gemv.c after
- * isa_kernels.h (its SFX, ISA_LEVEL and vector macros). One task is (sequence b, KV head h): its G = Hq / Hkv query
- * heads against the sequence's positions, CHUNK at a time, with the running max / sum of the online softmax
- * (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"). The entry point, ferry_decode_attention,
+ * isa_kernels.h (its SFX, ISA_LEVEL and vector macros). One task is a range of one sequence's positions, every
+ * query head, ATT_CHUNK positions at a time (the next chunk's rows prefetched), with the running max / sum of the
+ * online softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"). The entry point, ferry_decode_attention,
  * is compiled once, with the plain level. */
 
 #define ATT_CHUNK 32
-#define ATT_AHEAD 16  /* positions the key and value rows are prefetched ahead */
 
 #if ISA_LEVEL >= 1
 /* e^x lane-wise for x <= 0 (x < -87 gives 0): x = n ln2 + r, e^r by its degree-6 Taylor polynomial (|r| <= ln2 / 2:
