@@ -34,7 +34,10 @@ class DenseKernel:
 
 def dense_kernel(device: torch.device, options: ExpertOptions) -> DenseKernel | None:
     """What a CPU model's compact layers and decode attention compute with (``--moe-cpu-kernel``,
-    ``--moe-cpu-threads``): None off the CPU or without a native kernel (``torch``, or ``auto`` without a compiler)."""
+    ``--moe-cpu-threads``): None off the CPU or without a native kernel (``torch``, or ``auto`` without a compiler).
+
+    Raises:
+        KernelBuildError: ``--moe-cpu-kernel native`` and the kernel does not build."""
     if device.type != "cpu":
         return None
     native = load_kernel(options.cpu_kernel)

@@ -8,7 +8,7 @@
    ``sel[r]`` names the expert installed at rank ``r < count``.
 2. ``_copy_rows_kernel``: copy each installed expert's row from its bank row (page-locked host memory mapped into
    the device's address space: the loads cross PCIe) to its slot; a persistent grid walks the installs' 32 KiB
-   chunks (the plan's ``count`` bounds the walk), so a small grid can copy beside other kernels.
+   chunks (the plan's ``count``, read on the device, bounds the walk: no host sync sizes the grid).
 
 Offsets are BYTES from one reference tensor, as in the table the fused MoE kernel reads. Shapes are fixed and nothing
 is read back, so both launches are capturable in a CUDA graph.
@@ -26,9 +26,9 @@ STAMP_CAP = 1 << 40  # stamps at or above this sort last and are never victims (
 
 
 @triton.jit
-def _plan_kernel(ids_ptr, n_ids, ids_k, ids_stride, need_ptr, key_ptr, pos_ptr, stamp_ptr, owner_ptr, table_ptr,
-                 home_ptr, off_ptr, now_ptr, sel_ptr, count_ptr, num_experts, max_installs, BUMP: tl.constexpr,
-                 E_PAD: tl.constexpr, N_PAD: tl.constexpr, CAP: tl.constexpr):
+def _plan_kernel(ids_ptr, n_ids, need_ptr, key_ptr, pos_ptr, stamp_ptr, owner_ptr, table_ptr, home_ptr, off_ptr,
+                 now_ptr, sel_ptr, count_ptr, num_experts, max_installs, BUMP: tl.constexpr, E_PAD: tl.constexpr,
+                 N_PAD: tl.constexpr, CAP: tl.constexpr):
     now = tl.load(now_ptr)
     if BUMP:  # the step's first MoE layer opens a new stamp
         now += 1
@@ -38,7 +38,7 @@ def _plan_kernel(ids_ptr, n_ids, ids_k, ids_stride, need_ptr, key_ptr, pos_ptr, 
     tl.store(need_ptr + e, tl.zeros([E_PAD], dtype=tl.int32))
     tl.debug_barrier()
     n = tl.arange(0, N_PAD)
-    ids = tl.load(ids_ptr + (n // ids_k) * ids_stride + n % ids_k, mask=n < n_ids, other=0)
+    ids = tl.load(ids_ptr + n, mask=n < n_ids, other=0)
     tl.store(need_ptr + ids, tl.full([N_PAD], 1, dtype=tl.int32), mask=n < n_ids)
     tl.debug_barrier()
     need = (tl.load(need_ptr + e, mask=in_e, other=0) != 0) & in_e
@@ -102,7 +102,7 @@ def plan_installs(ids: torch.Tensor, rows: dict[str, torch.Tensor], now: torch.T
     """One layer's installs decided on the device (module docstring, step 1).
 
     Args:
-        ids: ``[T, k]`` routed expert ids (unit stride along ``k``; any row stride).
+        ids: ``[T, k]`` routed expert ids.
         rows: the layer's ``[E + 1]`` int64 rows ``pos`` (pool position of each expert, -1: not resident),
             ``stamp`` / ``owner`` / ``off`` (per pool position: last use, expert held or -1, slot byte offset),
             ``table`` and ``home`` (per expert: byte offset read by the fused kernel, bank row offset).
@@ -110,18 +110,12 @@ def plan_installs(ids: torch.Tensor, rows: dict[str, torch.Tensor], now: torch.T
         scratch: ``[2, E_PAD]`` int64 work space.
         sel: ``[M]`` int64 out: the expert installed at each rank ``< count``; ``M`` installs at most.
         count: ``[1]`` int64 out: the installs made (ranks ``[0, count)``).
-
-    Raises:
-        ValueError: ``ids`` not of unit stride along ``k``.
     """
-    if ids.stride(1) != 1:
-        raise ValueError(f"plan_installs: ids must have unit stride along k, got strides {ids.stride()}")
     num_e = rows["pos"].shape[0] - 1
     e_pad = scratch.shape[1]
     n = ids.numel()
-    _plan_kernel[(1,)](ids, n, ids.shape[1], ids.stride(0), scratch[0].view(torch.int32), scratch[1], rows["pos"],
-                       rows["stamp"], rows["owner"], rows["table"], rows["home"], rows["off"], now, sel, count, num_e,
-                       sel.shape[0],
+    _plan_kernel[(1,)](ids.reshape(-1), n, scratch[0].view(torch.int32), scratch[1], rows["pos"], rows["stamp"],
+                       rows["owner"], rows["table"], rows["home"], rows["off"], now, sel, count, num_e, sel.shape[0],
                        BUMP=bump, E_PAD=e_pad, N_PAD=triton.next_power_of_2(max(n, 2)), CAP=STAMP_CAP,
                        num_warps=4)
 

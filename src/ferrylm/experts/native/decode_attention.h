@@ -1,8 +1,9 @@
 /* Decode attention over a paged KV pool, read in place, for one instruction set: included by expert_gemv.c after
  * isa_kernels.h (its SFX, ISA_LEVEL and vector macros). One task is a range of one sequence's positions, every
  * query head, ATT_CHUNK positions at a time (the next chunk's rows prefetched), with the running max / sum of the
- * online softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"). The entry point, ferry_decode_attention,
- * is compiled once, with the plain level. */
+ * online softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"). The entry point,
+ * ferry_decode_attention, is compiled once, with the plain level. This is the vector macros' last user: it undefines
+ * them at its end. */
 
 #define ATT_CHUNK 32
 
@@ -11,33 +12,22 @@
  * relative error < 2e-7), times 2^n through the exponent bits */
 static inline SFX(vf) SFX(vexp)(SFX(vf) x) {
 #if ISA_LEVEL == 2
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), x));
-#define ATT_F(c) _mm512_set1_ps(c)
-#define ATT_FMA _mm512_fmadd_ps
+    x = _mm512_max_ps(x, VSET1(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(VMUL(x, VSET1(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
 #else
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), x));
-#define ATT_F(c) _mm256_set1_ps(c)
-#define ATT_FMA _mm256_fmadd_ps
+    x = _mm256_max_ps(x, VSET1(-87.0f));
+    const __m256 n = _mm256_round_ps(VMUL(x, VSET1(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #endif
-    SFX(vf) p = ATT_F(1.0f / 720);
-    p = ATT_FMA(p, r, ATT_F(1.0f / 120));
-    p = ATT_FMA(p, r, ATT_F(1.0f / 24));
-    p = ATT_FMA(p, r, ATT_F(1.0f / 6));
-    p = ATT_FMA(p, r, ATT_F(0.5f));
-    p = ATT_FMA(p, r, ATT_F(1.0f));
-    p = ATT_FMA(p, r, ATT_F(1.0f));
-#undef ATT_F
-#undef ATT_FMA
+    const SFX(vf) r = VFMA(n, VSET1(-0.693145752f), VFMA(n, VSET1(-1.42860677e-6f), x));
+    SFX(vf) p = VSET1(1.0f / 720);
+    const float c[6] = {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    for (int i = 0; i < 6; i++) p = VFMA(p, r, VSET1(c[i]));
 #if ISA_LEVEL == 2
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    return VMUL(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n),
+                                                                           _mm512_set1_epi32(127)), 23)));
 #else
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return VMUL(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                                           _mm256_set1_epi32(127)), 23)));
 #endif
 }
 #endif
@@ -49,15 +39,9 @@ static float SFX(exp_sum)(float *s, int n, float m) {
 #if ISA_LEVEL >= 1
     SFX(vf) acc = VZERO();
     for (; j + VW <= n; j += VW) {
-#if ISA_LEVEL == 2
-        const __m512 p = SFX(vexp)(_mm512_sub_ps(VLOAD(s + j), _mm512_set1_ps(m)));
-        _mm512_storeu_ps(s + j, p);
-        acc = _mm512_add_ps(acc, p);
-#else
-        const __m256 p = SFX(vexp)(_mm256_sub_ps(VLOAD(s + j), _mm256_set1_ps(m)));
-        _mm256_storeu_ps(s + j, p);
-        acc = _mm256_add_ps(acc, p);
-#endif
+        const SFX(vf) p = SFX(vexp)(VADD(VLOAD(s + j), VSET1(-m)));
+        VSTORE(s + j, p);
+        acc = VADD(acc, p);
     }
     sum = VSUM(acc);
 #endif
@@ -75,19 +59,11 @@ static void SFX(pv_rows)(float *acc, float c, const float *p, const char *const 
     int64_t i = 0;
 #if ISA_LEVEL >= 1
     for (; i + VW <= d; i += VW) {
-#if ISA_LEVEL == 2
-        SFX(vf) a = _mm512_mul_ps(_mm512_set1_ps(c), VLOAD(acc + i));
+        SFX(vf) a = VMUL(VSET1(c), VLOAD(acc + i));
         for (int j = 0; j < n; j++)
-            a = VFMA(_mm512_set1_ps(p[j]), kv_bf16 ? VLOAD_BF16((const uint16_t *)rows[j] + i)
-                                                   : VLOAD((const float *)rows[j] + i), a);
-        _mm512_storeu_ps(acc + i, a);
-#else
-        SFX(vf) a = _mm256_mul_ps(_mm256_set1_ps(c), VLOAD(acc + i));
-        for (int j = 0; j < n; j++)
-            a = VFMA(_mm256_set1_ps(p[j]), kv_bf16 ? VLOAD_BF16((const uint16_t *)rows[j] + i)
-                                                   : VLOAD((const float *)rows[j] + i), a);
-        _mm256_storeu_ps(acc + i, a);
-#endif
+            a = VFMA(VSET1(p[j]), kv_bf16 ? VLOAD_BF16((const uint16_t *)rows[j] + i)
+                                          : VLOAD((const float *)rows[j] + i), a);
+        VSTORE(acc + i, a);
     }
 #endif
     for (; i < d; i++) {
@@ -276,3 +252,14 @@ int ferry_decode_attention(int isa, int nthreads, const float *q, const void *k,
     return 0;
 }
 #endif
+
+#undef VW
+#undef VZERO
+#undef VLOAD
+#undef VFMA
+#undef VSUM
+#undef VSTORE
+#undef VSET1
+#undef VADD
+#undef VMUL
+#undef VLOAD_BF16

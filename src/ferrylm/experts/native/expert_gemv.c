@@ -197,12 +197,6 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *
 #include "decode_attention.h"
 #undef SFX
 #undef ISA_LEVEL
-#undef VW
-#undef VZERO
-#undef VLOAD
-#undef VFMA
-#undef VSUM
-#undef VLOAD_BF16
 #if defined(__clang__)
 #pragma clang attribute pop
 #pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
@@ -217,12 +211,6 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *
 #include "decode_attention.h"
 #undef SFX
 #undef ISA_LEVEL
-#undef VW
-#undef VZERO
-#undef VLOAD
-#undef VFMA
-#undef VSUM
-#undef VLOAD_BF16
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -235,12 +223,6 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *
 #include "decode_attention.h"
 #undef SFX
 #undef ISA_LEVEL
-#undef VW
-#undef VZERO
-#undef VLOAD
-#undef VFMA
-#undef VSUM
-#undef VLOAD_BF16
 
 typedef void (*rows_fn)(const qproj *, const uint8_t *, int64_t, int64_t, int64_t, const act *, int64_t, int64_t,
                         float *, int64_t, const float *, float *);
