@@ -1,10 +1,13 @@
-"""Fixtures for tests/experts: tiny random checkpoints (built once per session) and their resident references."""
+"""Fixtures for tests/experts: tiny random checkpoints (built once per session) and their resident references; the
+native CPU kernel build."""
 
 from __future__ import annotations
 
 import pytest
 from tests.models.conftest import case_seed
 from tests.models.hf_checkpoints import Checkpoint, build_checkpoint
+
+from ferrylm.experts.cpu_kernel import KernelBuildError, NativeExpertKernel
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +21,13 @@ def expert_checkpoints(tmp_path_factory):
         return cache[case]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def kernel(tmp_path_factory):
+    """The native CPU kernels, built once for the session; the test skips on a machine without a C compiler (the
+    torch path is covered elsewhere)."""
+    try:
+        return NativeExpertKernel.build(tmp_path_factory.mktemp("kernels"))
+    except KernelBuildError as e:
+        pytest.skip(f"no native kernel here: {e}")

@@ -3,6 +3,7 @@ given expert backend."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ferrylm.experts import Bandwidths, ExpertOptions
@@ -65,3 +66,11 @@ def assert_backend_close(backend: str, got: torch.Tensor, want: torch.Tensor, la
         assert err < CPU_QUANT_REL_TOL, (backend, label, err)
     else:
         assert (got - want).abs().max().item() <= 1e-5, (backend, label)
+
+
+def kernel_isa(kernel, isa: str):
+    """``kernel`` calling its ``isa`` kernels; skips the test on a CPU without that instruction set."""
+    try:
+        return kernel.with_isa(isa)
+    except ValueError as e:
+        pytest.skip(str(e))

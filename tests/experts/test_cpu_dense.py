@@ -8,27 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferrylm.experts.cpu_kernel import BlockMatrix, KernelBuildError, NativeExpertKernel
+from ferrylm.experts.cpu_kernel import ISAS, BlockMatrix
+from tests.experts.helpers import kernel_isa
 from ferrylm.experts.gguf_blocks import BLOCK_TYPES, fill_random_blocks
 
 gguf = pytest.importorskip("gguf")
-ISAS = ("scalar", "avx2", "avx512")
+
 KINDS = ("q8_0", "q4_k", "q5_k", "q6_k")
-
-
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    try:
-        return NativeExpertKernel.build(tmp_path_factory.mktemp("kernels"))
-    except KernelBuildError as e:
-        pytest.skip(f"no native kernel here: {e}")
-
-
-def _isa(kernel, isa):
-    try:
-        return kernel.with_isa(isa)
-    except ValueError as e:
-        pytest.skip(str(e))
 
 
 def _blocks(kind: str, n: int, k: int, seed: int) -> torch.Tensor:
@@ -62,7 +48,7 @@ def test_matmul_over_segments_is_exact_on_the_quantized_activation(kernel, isa, 
     k_in = 512
     kinds = (kind, "q6_k", "q8_0")
     segs = [_blocks(kd, n, k_in, seed) for seed, (kd, n) in enumerate(zip(kinds, (33, 5, 70)))]
-    k = _isa(kernel, isa)
+    k = kernel_isa(kernel, isa)
     m_ = BlockMatrix.stacked([BlockMatrix(kd, k_in, s) for kd, s in zip(kinds, segs)])
     assert (m_.n, m_.k, m_.kinds) == (108, k_in, kinds) and m_.nbytes == sum(s.numel() for s in segs)
     x = torch.randn(m, k_in, generator=torch.Generator().manual_seed(m))
@@ -80,7 +66,7 @@ def test_q8_0_rows_of_an_odd_block_count(kernel, isa, k_in):
     """Q8_0 rows of an odd number of 32-input blocks (the 512-bit path reads two blocks a step; these rows end on a
     single one): exact on the quantized activation, for 1 to 20 tokens (the 16-token lanes from 8 on)."""
     data = _blocks("q8_0", 41, k_in, 4)
-    k = _isa(kernel, isa)
+    k = kernel_isa(kernel, isa)
     for m in (1, 5, 9, 20):
         x = torch.randn(m, k_in, generator=torch.Generator().manual_seed(m))
         got = k.matmul(x, BlockMatrix("q8_0", k_in, data), threads=2)
@@ -93,7 +79,7 @@ def test_q8_0_rows_of_an_odd_block_count(kernel, isa, k_in):
 def test_gathered_rows_equal_gguf_dequantize(kernel, isa, kind):
     """Embedding rows: any order, repeats, an odd count; bit for bit gguf-py's rows."""
     data = _blocks(kind, 37, 256, 3)
-    k = _isa(kernel, isa)
+    k = kernel_isa(kernel, isa)
     m = BlockMatrix(kind, 256, data)
     ids = torch.tensor([5, 0, 36, 5, 17])
     assert torch.equal(k.gather(m, ids), _oracle(kind, data)[ids])

@@ -10,18 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from ferrylm.experts.executor import ExpertLayout
-from ferrylm.experts.cpu_kernel import KernelBuildError, NativeExpertKernel, load_kernel
+from ferrylm.experts.cpu_kernel import ISAS, KernelBuildError, NativeExpertKernel, load_kernel
 from ferrylm.experts.cpu_pool import CpuExpertPool, CpuJob
+from tests.experts.helpers import kernel_isa
 
 H, I = 83, 37  # not multiples of 8 or 16: the vector loops' scalar tails run in both passes
-
-
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    try:
-        return NativeExpertKernel.build(tmp_path_factory.mktemp("kernels"))
-    except KernelBuildError as e:  # a machine without a C compiler: the torch path is covered elsewhere
-        pytest.skip(f"no native kernel here: {e}")
 
 
 def reference(x, w, rows, counts):
@@ -288,15 +281,7 @@ QUANT = {
 }
 
 
-ISAS = ("scalar", "avx2", "avx512")  # the paths on a CPU without one are skipped (AVX-512 here: F/BW/VL/VNNI)
 ACT_TOL = 5e-2  # integer kinds: 8-bit activations (two roundings of up to 1/254 of a 32-block's largest input)
-
-
-def _isa(kernel, isa):
-    try:
-        return kernel.with_isa(isa)
-    except ValueError as e:
-        pytest.skip(str(e))
 
 
 def _quant_layout(name, e, seed):
@@ -336,7 +321,7 @@ def test_quantized_rows_match_the_dequantized_reference(kernel, isa, name, count
     take the AVX-512 lanes, a tile per 16 tokens): the whole expert against float64 SwiGLU
     on the torch reference's dequantized weights (fp8: float32 activations, float32 rounding only; the integer kinds:
     within ACT_TOL, their 8-bit activations), and the pool routes decode jobs of quantized rows to the kernel."""
-    k = _isa(kernel, isa)
+    k = kernel_isa(kernel, isa)
     le, layout, bank, g = _quant_layout(name, len(counts), len(name) + sum(counts))
     assert NativeExpertKernel.supports(layout)
     h, m = layout.hidden, sum(counts)
@@ -365,7 +350,7 @@ def test_decoded_rows_equal_the_reference_dequantization(kernel, isa, name):
     """The integer kinds' row decoding (``v * s + o``) against the torch reference, bit for bit: GGML blocks against
     gguf-py too (its dequantize is ggml's); int8 with mins within two float32 roundings of the row's largest value
     (``(u - 128) * s + (128 s - m)`` instead of ``u * s - m``)."""
-    k = _isa(kernel, isa)
+    k = kernel_isa(kernel, isa)
     le, layout, bank, _ = _quant_layout(name, 3, 11)
     for e in range(3):
         for part, want in (("gate_up", torch.cat([le.gate[e].dequantize(torch.float32),
@@ -391,7 +376,7 @@ def test_decoded_rows_equal_the_reference_dequantization(kernel, isa, name):
 def test_projection_is_exact_on_the_quantized_activation(kernel, isa, name, m):
     """One projection (gate|up) against float64 on the dequantized weights and the activation as the kernel
     quantizes it (``q * d``): float32 accumulation only, relative error < 1e-5."""
-    k = _isa(kernel, isa)
+    k = kernel_isa(kernel, isa)
     le, layout, bank, g = _quant_layout(name, 2, 5 + m)
     x = torch.randn(m, layout.hidden, generator=g)
     w = torch.cat([le.gate[1].dequantize(torch.float64), le.up[1].dequantize(torch.float64)])
@@ -428,7 +413,7 @@ def _dense(t, e):
 def test_stacks_are_read_where_they_lie(kernel, isa, name):
     """Experts whose gate, up and down are separate stacks (a GGUF file's blocks, read in place), a subset out of
     order with odd token counts: the SwiGLU of each against float64 on the reference dequantization."""
-    k = _isa(kernel, isa)
+    k = kernel_isa(kernel, isa)
     le = _stacks(name, 3)
     assert k.reads_stacks(le)
     h = le.down.shape[-2] if isinstance(le.down, torch.Tensor) else le.down.data.shape[-2]

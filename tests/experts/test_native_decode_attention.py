@@ -13,25 +13,9 @@ import torch
 
 from ferrylm.engine.attention.torch_backend import PagedAttention, SeqSlice
 from ferrylm.engine.cache.kv_pool import KVLayout, KVPool
-from ferrylm.experts.cpu_kernel import KernelBuildError, NativeExpertKernel
+from ferrylm.experts.cpu_kernel import ISAS
 from ferrylm.models.quant_linear import DenseKernel
-
-ISAS = ("scalar", "avx2", "avx512")
-
-
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    try:
-        return NativeExpertKernel.build(tmp_path_factory.mktemp("kernels"))
-    except KernelBuildError as e:
-        pytest.skip(f"no native kernel here: {e}")
-
-
-def _isa(kernel, isa):
-    try:
-        return kernel.with_isa(isa)
-    except ValueError as e:
-        pytest.skip(str(e))
+from tests.experts.helpers import kernel_isa
 
 
 def _reference(q, kp, vp, slots, lens, scale):
@@ -51,7 +35,7 @@ def _reference(q, kp, vp, slots, lens, scale):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq, hkv, d", [(8, 2, 128), (4, 4, 64), (6, 3, 80)])
 def test_matches_sdpa_over_the_gathered_pool(kernel, isa, dtype, hq, hkv, d):
-    k = _isa(kernel, isa)
+    k = kernel_isa(kernel, isa)
     g = torch.Generator().manual_seed(hq * d)
     slots_total = 1200
     kp = torch.randn(slots_total, hkv, d, generator=g).to(dtype)
