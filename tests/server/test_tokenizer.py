@@ -247,3 +247,25 @@ def test_client_text_encodes_without_holding_the_gil(codec: TextCodec) -> None:
     worker.join()
     assert took[0] > 0.1, "the prompt is too short to tell"
     assert ticks >= 0.25 * took[0] / 0.005, (ticks, took)
+
+
+def test_long_prompt_encodes_without_the_tokenizer_length_warning(qwen_codec: TextCodec) -> None:
+    """The context limit is the engine's (a 400 naming it); transformers' own limit must not log on a long prompt."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    lib = logging.getLogger("transformers")
+    handler = Keep(logging.WARNING)
+    lib.addHandler(handler)
+    try:
+        ids = qwen_codec.apply_chat_template([{"role": "user", "content": "word " * 140_000}],
+                                             add_generation_prompt=True)
+    finally:
+        lib.removeHandler(handler)
+    assert len(ids) > 131_072  # past Qwen3's model_max_length in its tokenizer_config.json
+    assert not [r for r in records if "sequence length is longer" in r.getMessage()], records

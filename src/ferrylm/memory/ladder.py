@@ -86,7 +86,7 @@ class OomLadder:
                 self.host.run_step(seqs)
                 break
             except self.abandoned:   # every request aborted at a layer boundary: nothing to commit
-                log.info("step of %d token(s) abandoned at a layer boundary: its requests were all aborted",
+                log.debug("step of %d token(s) abandoned at a layer boundary: its requests were all aborted",
                          sum(s.num_tokens for s in seqs))
                 return False
             except Exception as e:

@@ -93,6 +93,9 @@ def _load_fast_tokenizer(path: str) -> Any:
     return transformers.PreTrainedTokenizerFast.from_pretrained(path)
 
 
+_NO_LIMIT = int(1e30)  # transformers' own value for a tokenizer without a length limit
+
+
 class TextCodec:
     """A Hugging Face tokenizer plus the operations the server needs.
 
@@ -109,6 +112,9 @@ class TextCodec:
 
     def __init__(self, tokenizer: Any, name_or_path: str = ""):
         self.tokenizer = tokenizer
+        # the engine enforces the context limit (``max_model_len``) and answers an over-long prompt with a 400; the
+        # tokenizer's own limit would only log transformers' "sequence length is longer" warning on such a prompt
+        tokenizer.model_max_length = _NO_LIMIT
         self.name_or_path = name_or_path
         self.faults = NO_FAULTS
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
