@@ -281,7 +281,7 @@ class EngineConfig:
         None, "token budget per step (prefill chunk + decodes); --max-num-batched-tokens is vLLM's name, "
               "--max-extend-length / --chunked-prefill-size SGLang's",
         aliases=("--max-extend-length", "--chunked-prefill-size", "--max-num-batched-tokens"),
-        default_text="2048 on CPU, 8192 on GPU")
+        default_text="512 on CPU (a prefill chunk stalls the running streams for its length), 8192 on GPU")
     max_model_len: int | None = flag(None, "context limit in tokens", default_text="the model's")
     moe_backend: str = flag(
         "auto", "where routed experts live and run: resident (= fused) all on the device; offload: a device expert "

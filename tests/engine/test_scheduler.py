@@ -210,3 +210,23 @@ def test_engine_ends_requests_past_their_deadline_and_frees_their_pages():
                                                                          "queued": "request_timeout"}
     assert any(o.request_id == "free" and o.finish_reason == "length" for o in outs)
     assert eng.pool.allocator.num_used == 0 and not eng.requests
+
+
+def test_cpu_default_chunk_lets_a_running_stream_step_during_a_long_prefill():
+    """On a CPU a prefill chunk takes seconds: the default chunk is small enough that a running stream gets a token
+    at least every 512 prompt tokens of another request (fresh-user report: 2048-token chunks stalled streams ~20 s)."""
+    cfg = fake_config(max_len=4096)
+    ec = EngineConfig(device="cpu", page_size=16, num_pages=512, max_running_requests=4)
+    eng = engine_for_model(FakeModel(cfg), cfg, ec, device=torch.device("cpu"), dtype=torch.float32)
+    eng.add_request("stream", [1, 2, 3], greedy(64))
+    eng.step()
+    eng.add_request("long", [random.Random(7).randrange(1, 32) for _ in range(3000)], greedy(1))
+    long = eng.requests["long"]
+    steps = 0
+    while long.num_computed_tokens < 3000:
+        before = long.num_computed_tokens
+        outs = eng.step()
+        steps += 1
+        assert [o for o in outs if o.request_id == "stream"], "the running stream got no token in this step"
+        assert long.num_computed_tokens - before <= 512
+    assert steps >= 3000 // 512

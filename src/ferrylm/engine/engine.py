@@ -79,8 +79,9 @@ class EngineLimits:
 
 
 def default_prefill_length(cfg: EngineConfig, device: torch.device) -> int:
-    """``--max-prefill-length`` or its default: 2048 tokens on the CPU, 8192 on a GPU."""
-    return cfg.max_prefill_length or (2048 if device.type == "cpu" else 8192)
+    """``--max-prefill-length`` or its default: 512 tokens on the CPU (llama.cpp's micro-batch: a chunk there takes
+    seconds, and every running stream waits for it), 8192 on a GPU."""
+    return cfg.max_prefill_length or (512 if device.type == "cpu" else 8192)
 
 
 def limits_with_pages(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, num_pages: int,
