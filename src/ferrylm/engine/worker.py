@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from ferrylm.config import EngineConfig
 from ferrylm.engine import ipc
+from ferrylm.engine.host_malloc import keep_freed_blocks
 from ferrylm.engine.outputs import EngineOutput
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.errors import FerryError
@@ -262,7 +263,7 @@ def _fault_stall() -> None:
 
 def _prepare_process(spec: EngineSpec) -> None:
     """Process-wide setup: die with the parent, ignore the terminal's signals, name the process, stack dumps on
-    fatal signals and ``SIGUSR1``, logging."""
+    fatal signals and ``SIGUSR1``, logging, malloc keeping a step's freed blocks."""
     _die_with_parent(spec.parent_pid)
     # NOTE: the frontend owns the engine's life (Shutdown message, SIGKILL, PDEATHSIG = SIGKILL). A terminal's
     # Ctrl-C, or a service manager's SIGTERM to the whole group, must not kill the engine under a draining frontend
@@ -283,6 +284,7 @@ def _prepare_process(spec: EngineSpec) -> None:
     if hasattr(faulthandler, "register"):  # not on Windows
         faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s")
+    keep_freed_blocks()
 
 
 class _Channel:

@@ -67,6 +67,7 @@ def _watch_leader(leader_pid: int, parent_pid: int) -> None:
 
 def follower_main(spec_dict: dict) -> None:
     """Entry point of a follower process (``spawn`` target). Exit codes: 0 after SHUTDOWN, 1 otherwise."""
+    from ferrylm.engine.host_malloc import keep_freed_blocks
     from ferrylm.engine.worker import STACK_DUMP_SIGNAL, _die_with_parent
 
     spec = FollowerSpec(**spec_dict)
@@ -88,6 +89,7 @@ def follower_main(spec_dict: dict) -> None:
         faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
     logging.basicConfig(level=spec.log_level,
                         format=f"%(asctime)s %(levelname)s [engine tp{spec.rank}] %(name)s: %(message)s")
+    keep_freed_blocks()
     from ferrylm.engine.engine import resolve_device
     from ferrylm.engine.parallel.follower_runner import build_follower
     from ferrylm.engine.parallel.group import init_group
