@@ -21,6 +21,7 @@ The attention backends that read the pool live in ``engine/attention/``.
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -150,14 +151,14 @@ class KVLayout:
 
 
 def pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A zeroed pool tensor. In host memory its pages come zeroed from the OS when first written (``calloc`` of a
-    large block maps zero pages), instead of being written once at boot (about 0.3 s per GiB)."""
+    """A zeroed pool tensor. In host memory, an anonymous mapping of its own: its pages come zeroed from the OS when
+    first written, instead of being written once at boot (about 0.3 s per GiB and all of it resident), whatever the
+    engine's malloc settings (``engine/host_malloc.py`` keeps blocks up to 1 GiB in the heap, where calloc writes
+    its zeros)."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if torch.device(device).type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    import numpy as np
-
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
 
 
 class KVPool:
