@@ -18,7 +18,7 @@ import ferrylm
 from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.engine.sampling_params import SamplingParams
 from ferrylm.errors import InvalidRequest, ModelLoadError
-from ferrylm.flags import add_flags, config_from_args
+from ferrylm.flags import add_flags, add_log_level, config_from_args
 from ferrylm.server.api.context import DEFAULT_SSE_PING_INTERVAL
 from ferrylm.server.text.tool_parsers import TOOL_PARSER_CHOICES
 
@@ -106,8 +106,7 @@ def _add_model_args(p: argparse.ArgumentParser, *, defaults: Mapping[str, Any] |
                    help="tokenizer folder for a synthetic: model (without it a synthetic model takes and prints "
                         "token ids; serving needs one)")
     add_flags(p, EngineConfig, defaults=defaults, extra_choices=extra_choices, unlisted=unlisted)
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                   help="logging level (default: INFO)")
+    add_log_level(p, "INFO")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:

@@ -132,3 +132,12 @@ def _shown(f: dataclasses.Field, fl: Flag, default: Any) -> str:
     if default is None:
         raise TypeError(f"field {f.name!r}: a flag with a None default needs default_text (what None means)")
     return format(default, "g") if isinstance(default, float) else str(default)
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
+    """``--log-level``: one of :data:`LOG_LEVELS`, in any case (``debug`` as uvicorn and vLLM take it)."""
+    parser.add_argument("--log-level", default=default, type=str.upper, choices=LOG_LEVELS,
+                        help=f"logging level (default: {default})")

@@ -116,3 +116,16 @@ def test_each_command_default_config() -> None:
     assert engine_config_from_args(parse_args(p, ["serve"])) == EngineConfig(queue_timeout=600.0)
     assert engine_config_from_args(parse_args(p, ["bench", "decode"])) == EngineConfig(moe_backend="all")
     assert engine_config_from_args(parse_args(p, ["serve", "--moe-backend", "fused"])).moe_backend == "resident"
+
+
+def test_log_level_in_any_case_and_a_clear_error_otherwise(capsys) -> None:
+    import pytest
+
+    assert build_parser().parse_args(["serve", "--model", "m", "--log-level", "debug"]).log_level == "DEBUG"
+    assert build_parser().parse_args(["bench", "bw", "--log-level", "Warning"]).log_level == "WARNING"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model", "m", "--log-level", "verbose"])
+    assert "--log-level: invalid choice: 'VERBOSE'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "bw", "--log-level", "loud"])
+    assert "--log-level: invalid choice" in capsys.readouterr().err

@@ -9,6 +9,7 @@ from typing import Callable
 
 from ferrylm.bench.report import add_output_flag, check_outputs, report
 from ferrylm.config import CPU_KERNELS
+from ferrylm.flags import add_log_level
 from ferrylm.registry import Registry
 
 #: ``ferry bench`` commands that hand their namespace to a module's ``main(args) -> int``
@@ -71,7 +72,7 @@ def _add_serve(bsub: argparse._SubParsersAction, port_number: Callable[[str], in
     bs.add_argument("--num-turns", type=int, default=8, help="--multi-turn: turns per conversation")
     bs.add_argument("--shared-prefix-len", type=int, default=2048,
                     help="--multi-turn: tokens of the system prefix every conversation starts with")
-    bs.add_argument("--log-level", default="WARNING", help="logging level")
+    add_log_level(bs, "WARNING")
 
 
 def _add_suite(bsub: argparse._SubParsersAction, port_number: Callable[[str], int]) -> None:
@@ -89,13 +90,13 @@ def _add_suite(bsub: argparse._SubParsersAction, port_number: Callable[[str], in
     bu.add_argument("--ready-timeout", type=float, default=600.0,
                     help="seconds a server may take to become ready (default: 600)")
     bu.add_argument("--vocab-upper", type=int, default=1000, help="prompt token ids from [1, N) (default: 1000)")
-    bu.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    add_log_level(bu, "WARNING")
 
     bt = bsub.add_parser("tables", help="write the headline tables of BENCHMARKS.md from the suite's JSON")
     bt.add_argument("--bench-dir", default="docs/bench", help="the JSON folder (default: docs/bench)")
     bt.add_argument("--doc", default="docs/BENCHMARKS.md", help="the document (default: docs/BENCHMARKS.md)")
     bt.add_argument("--check", action="store_true", help="exit 1 when the document differs from the JSON's tables")
-    bt.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    add_log_level(bt, "WARNING")
 
 
 def _add_decode(bsub: argparse._SubParsersAction, model_args: Callable[..., None]) -> None:
@@ -140,7 +141,7 @@ def _add_cpu_experts(bsub: argparse._SubParsersAction) -> None:
     bc.add_argument("--bank-experts", type=int, default=64,
                     help="distinct experts the jobs cycle through, beyond the CPU caches (default: 64)")
     add_output_flag(bc, "--output-json", help="write the rows here")
-    bc.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    add_log_level(bc, "WARNING")
 
 
 def _add_bw(bsub: argparse._SubParsersAction) -> None:
@@ -163,7 +164,7 @@ def _add_bw(bsub: argparse._SubParsersAction) -> None:
     bw.add_argument("--kernel", default="auto", choices=CPU_KERNELS, help="--moe-cpu-kernel (default: auto)")
     add_output_flag(bw, "--output-json", help="write the profile here too")
     bw.add_argument("--no-save", action="store_true", help="do not write the machine profile into the cache")
-    bw.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    add_log_level(bw, "WARNING")
 
 
 def _add_peer(bsub: argparse._SubParsersAction, port_number: Callable[[str], int]) -> None:
@@ -198,7 +199,7 @@ def _add_peer(bsub: argparse._SubParsersAction, port_number: Callable[[str], int
                                                                       "(default: 900)")
     add_output_flag(pe, "--output-json", help="the JSON (default: peer-<date>.json)")
     add_output_flag(pe, "--log-dir", folder=True, help="the servers' logs (default: beside the JSON)")
-    pe.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    add_log_level(pe, "WARNING")
 
 
 def _add_kernels_and_cache_policy(bsub: argparse._SubParsersAction) -> None:
@@ -208,7 +209,7 @@ def _add_kernels_and_cache_policy(bsub: argparse._SubParsersAction) -> None:
     bk.add_argument("--only", default=None, help="comma list of groups: attention, moe, mapped (the offload table "
                                                  "launch reading experts from slots or mapped host memory); "
                                                  "default all")
-    bk.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    add_log_level(bk, "WARNING")
 
     bp = bsub.add_parser("cache-policy", help="expert-cache hit rate vs slots per layer by policy, and next-layer "
                                               "prefetch, simulated on synthetic routing traces (CPU, no model)")
@@ -223,7 +224,7 @@ def _add_kernels_and_cache_policy(bsub: argparse._SubParsersAction) -> None:
     bp.add_argument("--seed", type=int, default=0, help="seed of the routing traces (default: 0)")
     add_output_flag(bp, "--json", help="write every curve and the prefetch figures here")
     bp.add_argument("--verbose", action="store_true", help="one line per simulation on stderr")
-    bp.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    add_log_level(bp, "WARNING")
 
 
 
@@ -238,7 +239,7 @@ def _add_baselines(bsub: argparse._SubParsersAction, default_model: str) -> None
                                                                   "(default: 1000)")
     bh.add_argument("--seed", type=int, default=0, help="prompt seed (default: 0)")
     bh.add_argument("--dtype", default="float32", help="model dtype (default: float32)")
-    bh.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    add_log_level(bh, "WARNING")
 
     ba = bsub.add_parser("accelerate", help="baseline: the same synthetic model and GPU cap through transformers + "
                                             "accelerate offload (device_map with max_memory), greedy decode tok/s "
@@ -261,7 +262,7 @@ def _add_baselines(bsub: argparse._SubParsersAction, default_model: str) -> None
     ba.add_argument("--device", default="auto", help="auto | cuda[:N] | cpu (default: auto)")
     ba.add_argument("--seed", type=int, default=0, help="prompt seed, as ferry bench decode --seed (default: 0)")
     add_output_flag(ba, "--output-json", help="write the result (with the token ids) here")
-    ba.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    add_log_level(ba, "WARNING")
 
 
 def run(args: argparse.Namespace) -> int:
