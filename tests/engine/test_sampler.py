@@ -7,7 +7,7 @@ import math
 import torch
 
 from ferrylm.engine.request import Request
-from ferrylm.engine.sampler import sample
+from ferrylm.engine.sampler import _draw, sample
 from ferrylm.engine.sampling_params import SamplingParams
 
 
@@ -136,3 +136,21 @@ def test_greedy_ids_take_the_first_largest_logit_like_torch():
     got = greedy_ids(logits)
     assert got.dtype == torch.int64 and got.tolist() == torch.argmax(logits, dim=-1).tolist()
     assert got.tolist()[1:] == [7, 1234, 0, 151_935]
+
+
+def test_draws_follow_the_distribution_and_skip_zero_mass():
+    torch.manual_seed(0)
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.2, 0.0])
+    n = 20000
+    ids, ok = _draw(probs.repeat(n, 1), [req() for _ in range(n)])
+    counts = torch.bincount(ids, minlength=5).double() / n
+    assert bool(ok.all())
+    assert counts[1] == 0 and counts[4] == 0
+    sigma = (probs * (1 - probs) / n).sqrt()
+    assert bool(((counts - probs).abs() <= 4 * sigma + 1e-12).all()), counts
+
+
+def test_a_row_without_mass_is_flagged():
+    probs = torch.tensor([[0.0, 0.0], [float("nan"), 1.0], [0.4, 0.6]])
+    _, ok = _draw(probs, [req(), req(), req()])
+    assert ok.tolist() == [False, False, True]
