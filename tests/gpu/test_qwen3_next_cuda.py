@@ -26,8 +26,8 @@ NEW = 12
 
 
 @pytest.mark.parametrize("t", [1, 100, 1000])
-def test_triton_chunk_kernel_at_published_head_shapes(t):
-    from ferrylm.models.kernels.gated_delta_triton import chunked_triton
+def test_triton_chunk_form_at_published_head_shapes(t):
+    from ferrylm.models.kernels.gated_delta_triton import scan_chunks_triton
 
     g = torch.Generator().manual_seed(t)
     h, dk, dv = 4, 128, 128
@@ -37,7 +37,7 @@ def test_triton_chunk_kernel_at_published_head_shapes(t):
     decay = (-torch.rand(t, h, generator=g) * 0.1).cuda()
     beta = torch.rand(t, h, generator=g).cuda()
     s0 = torch.randn(h, dk, dv, generator=g).cuda()
-    out, state = chunked_triton(q, k, v, decay, beta, s0)
+    out, state = gated_delta_chunked(q, k, v, decay, beta, s0, scan=scan_chunks_triton)
     ref, ref_state = gated_delta_chunked(q.cpu(), k.cpu(), v.cpu(), decay.cpu(), beta.cpu(), s0.cpu())
     torch.testing.assert_close(out.cpu(), ref, atol=5e-4, rtol=5e-4)
     torch.testing.assert_close(state.cpu(), ref_state, atol=5e-4, rtol=5e-4)

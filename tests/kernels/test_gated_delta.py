@@ -34,6 +34,24 @@ def test_chunked_equals_recurrent(t, chunk, with_state):
     torch.testing.assert_close(s_c, s_r, atol=2e-5, rtol=1e-4)
 
 
+def test_chunk_form_leaves_its_inputs_alone_and_any_head_grouping_agrees(monkeypatch):
+    """One head and a whole number of chunks make every reshape inside a view of the caller's tensors: nothing may
+    be written through them. Solving one head at a time (a tiny scratch budget) gives the same result."""
+    import ferrylm.models.kernels.gated_delta as gd
+
+    q, k, v, g, beta, s0 = _inputs(32, 1, 16, 8, seed=3)
+    before = [x.clone() for x in (q, k, v, g, beta, s0)]
+    o, s = gated_delta_chunked(q, k, v, g, beta, s0, chunk=16)
+    assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v, g, beta, s0)))
+    rec, rec_s = gated_delta_recurrent(q, k, v, g, beta, s0)
+    torch.testing.assert_close(o, rec, atol=1e-5, rtol=1e-5)
+    q, k, v, g, beta, s0 = _inputs(40, 4, 16, 8, seed=4)
+    whole = gated_delta_chunked(q, k, v, g, beta, s0, chunk=16)
+    monkeypatch.setattr(gd, "SOLVE_SCRATCH_BYTES", 1)
+    per_head = gated_delta_chunked(q, k, v, g, beta, s0, chunk=16)
+    torch.testing.assert_close(per_head, whole, atol=1e-6, rtol=1e-6)
+
+
 def test_chunks_continue_from_the_state_they_hand_over():
     """Splitting a sequence anywhere and passing the state on gives the unsplit result (what chunked prefill over
     several engine steps relies on)."""
@@ -94,7 +112,7 @@ def test_varlen_conv_matches_conv1d_per_sequence():
 
 
 def test_chunked_falls_back_to_torch_when_the_triton_kernel_cannot_build(monkeypatch):
-    """A kernel Triton cannot compile here (resources) is reported once and the torch form takes over."""
+    """A scan kernel Triton cannot compile here (resources) is reported once and the torch scan takes over."""
     pytest.importorskip("triton")
     import ferrylm.models.kernels.gated_delta as gd
     import ferrylm.models.kernels.gated_delta_triton as gdt
@@ -107,7 +125,7 @@ def test_chunked_falls_back_to_torch_when_the_triton_kernel_cannot_build(monkeyp
         raise gdt.KernelUnavailable("OutOfResources: shared memory")
 
     monkeypatch.setattr(tu, "use_triton", lambda x: True)
-    monkeypatch.setattr(gdt, "chunked_triton", broken)
+    monkeypatch.setattr(gdt, "scan_chunks_triton", broken)
     monkeypatch.setattr(gd, "_TRITON_BROKEN", [])
     q, k, v, g, beta, s0 = _inputs(20, 2, 8, 8, seed=1)
     for _ in range(2):

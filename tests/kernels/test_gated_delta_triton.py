@@ -1,5 +1,5 @@
-"""The Triton chunk kernel of the gated delta rule (``models/kernels/gated_delta_triton.py``) against the torch chunk
-form and the token recurrence: ragged lengths (not multiples of the 64-token chunk), head dims below 16 and not
+"""The Triton scan of the gated delta rule's chunk form (``models/kernels/gated_delta_triton.py``) against the torch
+scan and the token recurrence: ragged lengths (not multiples of the 64-token chunk), head dims below 16 and not
 powers of two (padded and masked), value blocks (Dv > 32), with and without an initial state. Interpreter on CPU."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferrylm.models.kernels.gated_delta import gated_delta_chunked, gated_delta_recurrent, l2_normalize
+from ferrylm.models.kernels.gated_delta import gated_delta_chunked, gated_delta_recurrent, l2_normalize, scan_chunks
 from tests.kernels.interp import kernel_device, load_kernels
 
 
@@ -26,13 +26,13 @@ def _inputs(t, h, dk, dv, seed, dev):
     (1, 2, 16, 16, True), (37, 2, 16, 8, True), (64, 1, 16, 16, False), (70, 3, 12, 20, True),
     (130, 2, 32, 48, True), (70, 1, 128, 64, True),
 ])
-def test_triton_chunk_matches_torch(t, h, dk, dv, with_state):
+def test_triton_scan_matches_torch(t, h, dk, dv, with_state):
     kern = load_kernels("ferrylm.models.kernels.gated_delta_triton")
     dev = kernel_device()
     q, k, v, g, beta, s0 = _inputs(t, h, dk, dv, seed=t + dk, dev=dev)
     s0 = s0 if with_state else None
-    out, state = kern.chunked_triton(q, k, v, g, beta, s0)
-    ref, ref_state = gated_delta_chunked(q, k, v, g, beta, s0)
+    out, state = gated_delta_chunked(q, k, v, g, beta, s0, scan=kern.scan_chunks_triton)
+    ref, ref_state = gated_delta_chunked(q, k, v, g, beta, s0, scan=scan_chunks)
     tol = dict(atol=2e-4, rtol=2e-4)  # GPU float32 reductions order differently; the interpreter is numpy float32
     torch.testing.assert_close(out, ref, **tol)
     torch.testing.assert_close(state, ref_state, **tol)

@@ -86,26 +86,21 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     return (torch.stack(out) if out else v.new_zeros((0, h, v.shape[-1]), dtype=torch.float32)), s
 
 
-def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                        state: torch.Tensor | None = None, chunk: int = DEFAULT_CHUNK
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunk form (module docstring) for one sequence of any length (the last chunk is zero-padded: a padded
-    token has ``beta = 0`` and ``g = 0``, so it writes nothing and decays nothing).
+def chunk_solve(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk: int = DEFAULT_CHUNK
+                ) -> torch.Tensor:
+    """The chunk-local solve of the chunk form (module docstring): ``W = (I + A)^-1 [diag(beta) V | diag(beta G) K]``
+    for every chunk at once, so that ``U = W_v - W_k S_0``.
 
     Args:
-        q, k: ``[T, H, Dk]``; v: ``[T, H, Dv]``; g, beta: ``[T, H]``; state: ``[H, Dk, Dv]`` or None (zeros).
-        chunk: tokens per chunk ``C``.
+        k: ``[T, H, Dk]``; v: ``[T, H, Dv]``; g, beta: ``[T, H]``. chunk: tokens per chunk ``C``.
 
     Returns:
-        ``(o [T, H, Dv], final state [H, Dk, Dv])`` float32.
+        ``[H, n, C, Dv + Dk]`` float32, ``n = ceil(T / C)`` (rows past ``T`` are zero: a padded token has
+        ``beta = 0``).
 
-    Memory: ``O(T * H * (Dk + Dv + C))`` float32 scratch (the per-chunk ``C x C`` matrices of every chunk at once).
+    Memory: ``~4 * H * n * C * (3 * (Dk + Dv) + 5 * C)`` bytes of scratch.
     """
     t, h, dk = k.shape
-    dv = v.shape[-1]
-    s = torch.zeros(h, dk, dv, dtype=torch.float32, device=v.device) if state is None else state.float()
-    if t == 0:
-        return v.new_zeros((0, h, dv), dtype=torch.float32), s
     n = -(-t // chunk)
     pad = n * chunk - t
 
@@ -115,52 +110,101 @@ def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         x = x.reshape(n, chunk, *x.shape[1:])
         return x.permute(2, 0, 1, *range(3, x.dim())).contiguous()
 
-    qb, kb, vb = blocks(q), blocks(k), blocks(v)          # [H, n, C, D]
-    gb, bb = blocks(g), blocks(beta)                      # [H, n, C]
+    kb, gb, bb = blocks(k), blocks(g), blocks(beta)
     gamma = gb.cumsum(-1)                                 # log G_t within each chunk
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril()
-    strict = lower.clone().fill_diagonal_(False)
-    diff = gamma[..., :, None] - gamma[..., None, :]      # log(G_t / G_s)
-    decay = torch.where(lower, diff, torch.full_like(diff, float("-inf"))).exp()   # D, inclusive lower triangle
-    kk = kb @ kb.transpose(-1, -2)                        # k_t . k_s
-    a = torch.where(strict, kk * decay * bb[..., :, None], torch.zeros_like(kk))
-    eye = torch.eye(chunk, dtype=torch.float32, device=v.device)
-    g_exp = gamma.exp()
-    rhs = torch.cat([vb * bb[..., None], kb * (bb * g_exp)[..., None]], dim=-1)    # [beta V | beta G K]
-    solved = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
-    w_v, w_k = solved[..., :dv], solved[..., dv:]         # U = w_v - w_k S_0
-    attn = (qb @ kb.transpose(-1, -2)) * decay            # (Q K^T) * D
-    q_dec = qb * g_exp[..., None]                         # diag(G) Q
-    k_end = kb * (gamma[..., -1:] - gamma).exp()[..., None]   # K * (G_C / G)
-    g_end = g_exp[..., -1]                                # G_C, [H, n]
-    out = torch.empty(h, n, chunk, dv, dtype=torch.float32, device=v.device)
-    for c in range(n):  # the scan over chunks (a loop over chunks, not tokens)
-        u = w_v[:, c] - w_k[:, c] @ s
-        out[:, c] = q_dec[:, c] @ s + attn[:, c] @ u
-        s = s * g_end[:, c, None, None] + k_end[:, c].transpose(-1, -2) @ u
-    out = out.reshape(h, n * chunk, dv)[:, :t].transpose(0, 1).contiguous()
+    a = kb @ kb.transpose(-1, -2)                         # k_t . k_s
+    a *= torch.where(lower.logical_not().T, gamma[..., :, None] - gamma[..., None, :], float("-inf")).exp_()
+    a *= bb[..., :, None]                                 # A: strictly lower (the -inf above zeroes the rest)
+    a.diagonal(dim1=-2, dim2=-1).fill_(1.0)               # I + A
+    rhs = torch.cat([blocks(v) * bb[..., None], kb * (bb * gamma.exp())[..., None]], dim=-1)
+    return torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
+
+
+def scan_chunks(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, w: torch.Tensor, state: torch.Tensor,
+                chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequential part of the chunk form: chunk by chunk ``U = W_v - W_k S``, ``O = diag(G) Q S + ((Q K^T) * D)
+    U``, ``S <- G_C S + (K * (G_C / G))^T U``. A loop over chunks in torch: the CPU path and the reference of the
+    Triton scan (``gated_delta_triton.scan_chunks_triton``, same arguments and results).
+
+    Args:
+        q, k: ``[T, H, Dk]`` float32; g: ``[T, H]``; w: :func:`chunk_solve`'s ``[H, n, C, Dv + Dk]``;
+        state: ``[H, Dk, Dv]`` float32 (not modified).
+
+    Returns:
+        ``(o [T, H, Dv], final state [H, Dk, Dv])`` float32.
+    """
+    t, h, dk = k.shape
+    n, dv = w.shape[1], w.shape[-1] - dk
+    s = state.float()
+    out = torch.empty(t, h, dv, dtype=torch.float32, device=w.device)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=w.device).tril()
+    for c in range(n):
+        lo, hi = c * chunk, min(t, (c + 1) * chunk)
+        qc, kc = q[lo:hi].float().transpose(0, 1), k[lo:hi].float().transpose(0, 1)   # [H, c, Dk]
+        gamma = g[lo:hi].float().T.cumsum(-1)                                         # [H, c]
+        m = hi - lo
+        decay = torch.where(lower[:m, :m], gamma[:, :, None] - gamma[:, None, :], float("-inf")).exp()
+        u = w[:, c, :m, :dv] - w[:, c, :m, dv:] @ s
+        out[lo:hi] = ((qc * gamma.exp()[..., None]) @ s + ((qc @ kc.transpose(-1, -2)) * decay) @ u).transpose(0, 1)
+        g_end = gamma[:, -1:]
+        s = s * g_end.exp()[..., None] + (kc * (g_end - gamma).exp()[..., None]).transpose(-1, -2) @ u
     return out, s
+
+
+SOLVE_SCRATCH_BYTES = 256 << 20   # the chunk solve runs on groups of heads whose scratch fits this
+
+
+def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        state: torch.Tensor | None = None, chunk: int = DEFAULT_CHUNK, scan=scan_chunks
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk form (module docstring) for one sequence of any length: :func:`chunk_solve` on groups of heads
+    (the last chunk zero-padded: a padded token has ``beta = 0`` and ``g = 0``, so it writes nothing and decays
+    nothing), then ``scan`` over the chunks (:func:`scan_chunks`, or the Triton scan on CUDA).
+
+    Args:
+        q, k: ``[T, H, Dk]``; v: ``[T, H, Dv]``; g, beta: ``[T, H]``; state: ``[H, Dk, Dv]`` or None (zeros).
+        chunk: tokens per chunk ``C``.
+
+    Returns:
+        ``(o [T, H, Dv], final state [H, Dk, Dv])`` float32.
+
+    Memory: ``4 * H * n * C * (Dk + Dv)`` bytes for the solved chunks plus at most :data:`SOLVE_SCRATCH_BYTES`.
+    """
+    t, h, dk = k.shape
+    dv = v.shape[-1]
+    s = torch.zeros(h, dk, dv, dtype=torch.float32, device=v.device) if state is None else state.float()
+    if t == 0:
+        return v.new_zeros((0, h, dv), dtype=torch.float32), s
+    n = -(-t // chunk)
+    w = torch.empty(h, n, chunk, dv + dk, dtype=torch.float32, device=v.device)
+    per_head = 4 * n * chunk * (3 * (dk + dv) + 5 * chunk)
+    group = max(1, SOLVE_SCRATCH_BYTES // per_head)
+    for lo in range(0, h, group):
+        hi = min(h, lo + group)
+        w[lo:hi] = chunk_solve(k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], chunk)
+    return scan(q.float(), k.float(), g.float(), w, s, chunk)
 
 
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`gated_delta_chunked` through the Triton kernel on CUDA (``models/kernels/gated_delta_triton.py``),
-    the torch chunk form elsewhere. Same arguments and results."""
+    """:func:`gated_delta_chunked` with the Triton scan on CUDA (``models/kernels/gated_delta_triton.py``), the
+    torch scan elsewhere. Same arguments and results."""
     from ferrylm.triton_util import use_triton
 
     if use_triton(v) and not _TRITON_BROKEN:
-        from ferrylm.models.kernels.gated_delta_triton import KernelUnavailable, chunked_triton
+        from ferrylm.models.kernels.gated_delta_triton import KernelUnavailable, scan_chunks_triton
 
         try:
-            return chunked_triton(q, k, v, g, beta, state)
-        except KernelUnavailable as e:   # it does not compile for these shapes here: the torch form from now on
+            return gated_delta_chunked(q, k, v, g, beta, state, scan=scan_chunks_triton)
+        except KernelUnavailable as e:   # it does not compile for these shapes here: the torch scan from now on
             _TRITON_BROKEN.append(str(e))
-            log.warning("the Triton gated-delta chunk kernel is unavailable (%s); prefill chunks of linear-attention "
-                        "layers use the torch chunk form", str(e).split("\n")[0][:200])
+            log.warning("the Triton gated-delta scan kernel is unavailable (%s); prefill chunks of linear-attention "
+                        "layers use the torch scan", str(e).split("\n")[0][:200])
     return gated_delta_chunked(q, k, v, g, beta, state)
 
 
-_TRITON_BROKEN: list[str] = []   # why the Triton chunk kernel failed to build (empty: not failed)
+_TRITON_BROKEN: list[str] = []   # why the Triton scan kernel failed to build (empty: not failed)
 
 
 # --- the short causal convolution ------------------------------------------------------------------------------
