@@ -306,3 +306,19 @@ def test_expert_needs_fixed_bytes_hold_the_device_table():
     needs = ElasticSlots.slot_needs(ex)
     assert needs.fixed_bytes == 8000 + 333
     assert ElasticSlots.plan_slots(ex, needs.bytes_for(needs.min_slots)) == 2
+
+
+def test_mapped_file_bytes_sums_the_mappings_of_one_checkpoint(tmp_path):
+    from ferrylm.memory.probe import mapped_file_bytes
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x")
+    maps = tmp_path / "maps"
+    maps.write_text(
+        f"7f0000000000-7f0000100000 r--s 00000000 08:01 12 {model}\n"
+        f"7f0000200000-7f0000204000 r--s 00100000 08:01 12 {model}\n"
+        f"7f0000300000-7f0000400000 r--s 00000000 08:01 13 {tmp_path}/m.gguf.other\n"
+        "7f0000500000-7f0000600000 rw-p 00000000 00:00 0 \n")
+    assert mapped_file_bytes(model, maps=str(maps)) == 0x100000 + 0x4000
+    assert mapped_file_bytes(tmp_path / "absent", maps=str(maps)) == 0
+    assert mapped_file_bytes(model, maps=str(tmp_path / "no-such-maps")) == 0

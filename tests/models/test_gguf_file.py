@@ -224,3 +224,19 @@ def test_model_is_built_on_meta_without_the_compiler_stack():
             "assert 'torch._dynamo' not in sys.modules, 'the compiler stack was imported'\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_the_memory_plan_names_the_weights_read_in_place(tmp_path, monkeypatch):
+    """A GGUF served from its file on the CPU: the experts are the file's mapped bytes, which the RSS-measured
+    weights row misses; the plan states them beside it."""
+    from ferrylm.config import EngineConfig
+    from ferrylm.engine.boot import build_engine
+
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path / "cache"))
+    _, path, _ = _qwen3moe(tmp_path, {1: "Q6_K", 2: "Q6_K"})
+    eng = build_engine(path, EngineConfig(device="cpu", max_prefill_length=64, max_running_requests=2))
+    expert_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors if "_exps." in t.name)
+    plan = eng.memory_plan
+    assert expert_bytes <= plan.mapped_bytes <= path.stat().st_size + 4096
+    assert "read in place from the file" in plan.format_table()
+    eng.runner.close()

@@ -37,7 +37,7 @@ from ferrylm.memory.concurrency import RunningChoice, choose_running_requests, r
 from ferrylm.memory.guard import is_oom
 from ferrylm.memory.budget import MemoryBudget, MemoryPlanError, check_budget, gib
 from ferrylm.memory.plan import MemoryPlan, PlanInputs, boot_failure, plan_memory, short_pool_warning
-from ferrylm.memory.probe import allocator_slack, bytes_in_use, other_processes, read_memory
+from ferrylm.memory.probe import allocator_slack, bytes_in_use, mapped_file_bytes, other_processes, read_memory
 from ferrylm.models.tensor_parallel import TPShard, attach_reduce
 from ferrylm.synthetic.spec import is_synthetic_folder
 
@@ -103,6 +103,8 @@ def build_engine(model_path: str | Path, config: EngineConfig, tp=None,
         attach_reduce(loaded.model, group.all_reduce)
     phase(PHASES[1])
     sized = plan_engine(loaded, target, budget, weights, tp)
+    if target.device.type == "cpu":
+        sized = replace(sized, plan=replace(sized.plan, mapped_bytes=mapped_file_bytes(model_path)))
     faults = FaultInjector.from_config(target.config.faults)
     if target.device.type == "cuda":
         phase(PHASES[2])

@@ -147,6 +147,7 @@ class MemoryPlan:
     graph_max_batch: int = 0        # the largest decode batch whose CUDA graph the plan's graph memory was measured at
     allocator_slack_bytes: int = 0  # reserved by the CUDA allocator, not allocated (PlanInputs.allocator_slack_bytes)
     slack_note: str = ""            # how the slack was measured (the plan table's right column)
+    mapped_bytes: int = 0           # weights read in place from the checkpoint's files (page cache, not counted)
 
     def to_dict(self) -> dict:
         """JSON-ready (``GET /v1/memory``)."""
@@ -171,7 +172,9 @@ class MemoryPlan:
             ("reserve (never handed out)", gib(self.reserve_bytes), self.reserve_note),
             ("budget", gib(self.budget_bytes),
              "--gpu-memory-limit - reserve" if self.binding == "limit" else "free at boot - reserve"),
-            ("weights", gib(self.weights_bytes), "measured after loading"),
+            ("weights", gib(self.weights_bytes), "measured after loading" + (
+                f"; {gib(self.mapped_bytes)} more read in place from the file (page cache, not counted)"
+                if self.mapped_bytes else "")),
             ("workspace", gib(self.workspace_bytes), f"{self.workspace_source} at the prefill chunk"),
             ("CUDA graphs", gib(self.graph_bytes),
              f"measured at capture, decode batches up to {self.graph_max_batch}" if self.graph_bytes else "none"),

@@ -128,6 +128,27 @@ def _process_name(pid: int) -> str:
         return "?"
 
 
+def mapped_file_bytes(path: str | os.PathLike, maps: str = "/proc/self/maps") -> int:
+    """Bytes of this process's address space mapped from ``path`` (a file, or every file under a folder): weights
+    read in place from a checkpoint (page cache, reclaimable by the OS, so not in :func:`bytes_in_use`). 0 where
+    ``maps`` cannot be read (not Linux)."""
+    root = os.path.realpath(path)
+    total = 0
+    try:
+        with open(maps) as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) < 6:
+                    continue
+                name = parts[5].rstrip("\n")
+                if name == root or name.startswith(root + os.sep):
+                    lo, hi = parts[0].split("-")
+                    total += int(hi, 16) - int(lo, 16)
+    except OSError:
+        return 0
+    return total
+
+
 def bytes_in_use(device: torch.device) -> int:
     """Bytes this process holds: CUDA tensors on ``device`` (allocated, not cached), or the host RSS."""
     if device.type == "cuda":
