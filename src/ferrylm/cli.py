@@ -234,8 +234,10 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """Parse ``argv``; ``ferry serve MODEL`` (vLLM's positional form) sets ``--model``. An unknown option is named
-    before a missing command."""
-    args = parser.parse_args(argv)
+    before a missing command, under the usage line of the command it was given to."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:   # named by the command that was given (argparse names the top-level program)
+        args.usage_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.error(f"a command is required: {', '.join(_commands(parser))}")
     if args.command == "bench" and args.bench_command is None:

@@ -467,3 +467,16 @@ async def test_other_unknown_fields_are_still_ignored(client: httpx.AsyncClient)
     r = await post(client, {"model": SERVED, "messages": MSGS, "max_tokens": 2, "user": "u1", "metadata": {"a": "b"},
                             "store": False, "parallel_tool_calls": True})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"])
+async def test_unknown_fields_are_logged_at_debug_on_every_route(client: httpx.AsyncClient, path: str,
+                                                                 caplog) -> None:
+    body = {"/v1/chat/completions": {"messages": MSGS, "max_tokens": 2},
+            "/v1/completions": {"prompt": "hi", "max_tokens": 2},
+            "/v1/messages": {"messages": MSGS, "max_tokens": 2},
+            "/v1/responses": {"input": "hi", "max_output_tokens": 2}}[path]
+    with caplog.at_level("DEBUG", logger="ferrylm.server"):
+        r = await post(client, {"model": SERVED, **body, "zzz_future": 1}, path)
+    assert r.status_code == 200, r.text
+    assert "ignoring unknown fields: ['zzz_future']" in caplog.text

@@ -187,6 +187,8 @@ def test_generate_without_a_prompt_is_refused_before_loading(argv, stdin, monkey
     (["--bogus"], "ferry: error: unrecognized arguments: --bogus"),
     (["--bogus", "models"], "ferry: error: unrecognized arguments: --bogus"),
     (["bench", "--bogus"], "unrecognized arguments: --bogus"),
+    (["serve", "--bogus-flag"], "ferry serve: error: unrecognized arguments: --bogus-flag"),
+    (["bench", "serve", "--zz"], "ferry bench serve: error: unrecognized arguments: --zz"),
     ([], "ferry: error: a command is required: serve, bench, models, generate"),
     (["bench"], "ferry bench: error: a bench command is required: serve, suite, tables"),
 ])

@@ -47,6 +47,8 @@ def add_bench_parser(sub: argparse._SubParsersAction, *, model_args: Callable[..
     _add_peer(bsub, port)
     _add_kernels_and_cache_policy(bsub)
     _add_baselines(bsub, default_model)
+    for p in bsub.choices.values():   # errors (an unknown option) print the bench command's own usage line
+        p.set_defaults(usage_parser=p)
 
 
 def _add_serve(bsub: argparse._SubParsersAction, port_number: Callable[[str], int]) -> None:

@@ -231,7 +231,7 @@ def job_from_messages(req: MessagesRequest) -> ChatJob:
     params.validate()
     prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
     job = ChatJob(messages, params, tools, choice, kwargs, add_generation_prompt=not prefill,
-                  continue_final_message=prefill, stream=bool(req.stream))
+                  continue_final_message=prefill, stream=bool(req.stream), unknown_fields=req.unknown_fields())
     return job
 
 

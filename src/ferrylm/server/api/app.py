@@ -310,13 +310,12 @@ class _Server(CompletionRoutes):
         """GET /metrics: Prometheus text format (open, like /health)."""
         return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
-    def _log_request(self, rid: str, kind: str, req: Any, prompts: list[list[int]], max_tokens: list[int],
-                     params: SamplingParams) -> None:
-        unknown = req.unknown_fields() if hasattr(req, "unknown_fields") else []
+    def _log_request(self, rid: str, kind: str, prompts: list[list[int]], max_tokens: list[int],
+                     params: SamplingParams, stream: bool, unknown: list[str]) -> None:
         if unknown:
             logger.debug("[%s] ignoring unknown fields: %s", rid, unknown)
         logger.info("[%s] %s prompt_tokens=%s max_tokens=%s n=%d stream=%s%s", rid, kind,
-                    [len(p) for p in prompts], max_tokens, params.n, bool(req.stream),
+                    [len(p) for p in prompts], max_tokens, params.n, stream,
                     " constrained" if params.grammar else "")
 
     # ---- routes ------------------------------------------------------------------------------------------
@@ -442,7 +441,7 @@ class _Server(CompletionRoutes):
         """
         prep = await self.prepare_chat(job)
         prompt_ids, max_tokens, params = prep.prompt_ids, prep.max_tokens, job.params
-        self._log_request(rid, kind, job, [prompt_ids], [max_tokens], params)
+        self._log_request(rid, kind, [prompt_ids], [max_tokens], params, job.stream, job.unknown_fields)
         self._check_ready()
         harmony = self.chat_format.harmony
         prime = tuple(open_message(prompt_ids)) if harmony is not None else None

@@ -159,7 +159,7 @@ def job_from_chat(req: ChatCompletionRequest) -> ChatJob:
         kwargs = {"response_format": reply, **kwargs}
     job = ChatJob(messages, params, tools, choice, kwargs, add_gen, bool(req.continue_final_message), gparam,
                   "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
-                  stream=bool(req.stream))
+                  stream=bool(req.stream), unknown_fields=req.unknown_fields())
     return job
 
 

@@ -90,10 +90,6 @@ class _SamplingRequest(_Request):
         """``max_completion_tokens`` wins over ``max_tokens``; None when neither is given."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def unknown_fields(self) -> list[str]:
-        """Names of fields this server does not know (accepted and ignored)."""
-        return sorted((self.model_extra or {}).keys())
-
 
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""

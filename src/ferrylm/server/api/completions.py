@@ -132,7 +132,7 @@ class CompletionRoutes:
         req, params, prompts, echo_texts, max_tokens = prep.req, prep.params, prep.prompts, prep.echo_texts, \
             prep.max_tokens
         prompt_only, echo_lp = prep.prompt_only, prep.echo_logprobs
-        self._log_request(rid, "completion", req, prompts, max_tokens, params)
+        self._log_request(rid, "completion", prompts, max_tokens, params, bool(req.stream), req.unknown_fields())
         self._check_ready()
         base_id = f"cmpl-{uuid.uuid4().hex}"
         choices = make_choices(self.codec, self.engine.model_info, self.chat_format.harmony, base_id, prompts,

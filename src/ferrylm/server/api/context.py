@@ -55,6 +55,7 @@ class ChatJob:
     prompt_param: str = "messages"
     tool_choice_param: str = "tool_choice"
     stream: bool = False
+    unknown_fields: list[str] = field(default_factory=list)   # request fields this server ignores (logged)
 
     def apply_tool_choice(self, tags: tuple[str, str] | None = None, fmt: str = "hermes", term=None) -> None:
         """Set ``params.grammar`` for a forced tool call in the served model's call format ``fmt`` (``tags``: the

@@ -29,6 +29,10 @@ class _Request(BaseModel):
     # no 0 / "true" for a bool, no false as a token id); an int is still a valid float.
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
+    def unknown_fields(self) -> list[str]:
+        """Names of fields this server does not know (accepted and ignored)."""
+        return sorted((self.model_extra or {}).keys())
+
 
 # Names of the engine's and the supervisor's own request state: the engine request id (the server makes it;
 # clients name a request with the x-request-id header), the isolation flag of a suspect request, scheduling

@@ -184,7 +184,8 @@ def job_from_request(req: ResponsesRequest, store: ResponseStore) -> tuple[ChatJ
     reply = response_format_prompt(fmt, nested=False)
     kwargs = {**({"response_format": reply} if reply else {}), **({"reasoning_effort": effort} if effort else {})}
     job = ChatJob(messages, params, tools, choice, kwargs, grammar_param=
-                  "text.format", max_param="max_output_tokens", prompt_param="input", stream=bool(req.stream))
+                  "text.format", max_param="max_output_tokens", prompt_param="input", stream=bool(req.stream),
+                  unknown_fields=req.unknown_fields())
     return job, conversation
 
 
