@@ -193,6 +193,9 @@ def test_truncated_file_and_unread_types_are_named(tmp_path):
     cut.write_bytes(path.read_bytes()[:-1000])
     with pytest.raises(ModelLoadError, match="is truncated: tensor .* ends past the end of the file"):
         resolve_model(str(cut))
+    cut.write_bytes(path.read_bytes()[:400])   # cut inside the header (metadata / tensor table)
+    with pytest.raises(ModelLoadError, match="is truncated: its header runs past the end of the file"):
+        resolve_model(str(cut))
     files.TYPES["Q4_0"] = QT.Q4_0
     try:
         _, bad, _ = _qwen3moe(tmp_path / "b", {1: "Q4_0", 2: "Q4_0"})

@@ -177,7 +177,10 @@ def _read_gguf_cached(key: tuple, path: Path) -> GGUFFile:
             size = len(buf)
     except ModelLoadError:
         raise
-    except (OSError, ValueError, struct.error, UnicodeDecodeError, IndexError) as e:
+    except (struct.error, IndexError):
+        raise ModelLoadError(f"{path} is truncated: its header runs past the end of the file "
+                             f"({path.stat().st_size} bytes); download it again") from None
+    except (OSError, ValueError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from None
 
     tensors = []
