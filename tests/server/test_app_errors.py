@@ -99,9 +99,11 @@ async def test_unknown_route_is_404(client: httpx.AsyncClient) -> None:
     assert_error(await client.post("/v2/chat/completions", json={}), 404)
 
 
-async def test_wrong_method_is_405_in_openai_shape(client: httpx.AsyncClient) -> None:
-    r = await client.get(CHAT)
-    assert_error(r, 405)
+async def test_wrong_method_is_405_in_openai_shape(client: httpx.AsyncClient, caplog) -> None:
+    with caplog.at_level("INFO", logger="ferrylm.server"):
+        r = await client.get(CHAT)
+    assert assert_error(r, 405)["code"] == "method_not_allowed"
+    assert "405 MethodNotAllowed" in caplog.text and "RouteNotFound" not in caplog.text
     assert r.headers["allow"] == "POST"   # RFC 9110 (found by the fuzzer: the handler dropped it)
     r = await client.request("TRACE", "/v1/models")
     assert_error(r, 405)

@@ -63,13 +63,15 @@ class UnsupportedMediaType(InvalidRequest):
 
 
 class RouteNotFound(FerryError):
-    """No such route (HTTP 404) or method not allowed on it (``status=405``)."""
+    """No such route (HTTP 404)."""
 
     code = "not_found"
 
-    def __init__(self, message: str, *, status: int = 404, code: str | None = None):
-        super().__init__(message, code=code)
-        self.status = status
+
+class MethodNotAllowed(FerryError):
+    """The route exists, not for this method (HTTP 405)."""
+
+    code = "method_not_allowed"
 
 
 _STATUS: list[tuple[type, int]] = [   # first match wins: subclasses before their bases
@@ -80,6 +82,7 @@ _STATUS: list[tuple[type, int]] = [   # first match wins: subclasses before thei
     (ModelNotFound, 404),
     (NotFound, 404),
     (RouteNotFound, 404),
+    (MethodNotAllowed, 405),
     (EngineStalled, 503),
     (EngineUnavailable, 503),
     (QueueTimeout, 503),
@@ -95,8 +98,6 @@ _TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "invali
 
 def status_for(exc: BaseException) -> int:
     """HTTP status for an exception (500 for anything that is not a known FerryError)."""
-    if isinstance(exc, RouteNotFound):
-        return exc.status
     for cls, status in _STATUS:
         if isinstance(exc, cls):
             return status
@@ -177,8 +178,7 @@ def install_exception_handlers(app: FastAPI) -> None:
         if exc.status_code == 404:
             err: FerryError = RouteNotFound(f"no route for {request.method} {request.url.path}")
         elif exc.status_code == 405:
-            err = RouteNotFound(f"method {request.method} is not allowed on {request.url.path}",
-                                status=405, code="method_not_allowed")
+            err = MethodNotAllowed(f"method {request.method} is not allowed on {request.url.path}")
         elif exc.status_code < 500:
             err = InvalidRequest(str(exc.detail))
         else:
