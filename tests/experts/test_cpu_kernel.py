@@ -445,9 +445,26 @@ def test_resident_on_the_cpu_runs_the_native_kernel(kernel, name, tokens, monkey
     ids = torch.stack([torch.randperm(3, generator=g)[:2] for _ in range(tokens)])
     weights = torch.rand(tokens, 2, generator=g)
     calls = []
-    run_stacks = kernel.run_stacks
-    monkeypatch.setattr(kernel, "run_stacks", lambda *a, **kw: calls.append(1) or run_stacks(*a, **kw))
+    run_layer = kernel.run_layer
+    monkeypatch.setattr(kernel, "run_layer", lambda *a, **kw: calls.append(1) or run_layer(*a, **kw))
     got = ResidentExecutor({0: le}, native=kernel, threads=2).run(0, hidden, ids, weights)
     want = ResidentExecutor({0: le}).run(0, hidden, ids, weights)
     assert len(calls) == (0 if name == "bf16" else 1)
     assert ((got.double() - want.double()).norm() / want.double().norm()).item() < ACT_TOL
+
+
+def test_a_whole_layer_call_checks_its_indices(kernel):
+    """run_layer's index arrays reach C as raw pointers: a source row outside x, or assignment positions that are
+    no permutation (a repeat, a hole, past the end), are refused before any work, the same sums otherwise."""
+    le = _stacks("Q4_K", 2)
+    rows = kernel.stack_rows(le)
+    h = le.down.data.shape[-2]
+    x = torch.randn(2, h, generator=torch.Generator().manual_seed(0))
+    src, pos, w = torch.tensor([0, 1, 0, 1]), torch.tensor([0, 2, 1, 3]), torch.tensor([0.5, 0.25, 0.5, 0.75])
+    ok = kernel.run_layer(x, rows, [0, 2], [0, 2], [2, 2], src, w, pos, 2, 2)
+    ref = kernel.run_stacks(x[src], w, rows, [0, 2], [0, 2], [2, 2], 2)
+    torch.testing.assert_close(ok, torch.stack([ref[0] + ref[2], ref[1] + ref[3]]))
+    for s, p in ((torch.tensor([0, 2, 0, 1]), pos), (src, torch.tensor([0, 2, 2, 3])),
+                 (src, torch.tensor([0, 2, 1, 4])), (torch.tensor([-1, 1, 0, 1]), pos)):
+        with pytest.raises(ValueError, match="native expert kernel"):
+            kernel.run_layer(x, rows, [0, 2], [0, 2], [2, 2], s, w, p, 2, 2)

@@ -99,8 +99,8 @@ class NativeExpertKernel:
         except OSError as e:
             raise KernelBuildError(f"cannot load {lib_path}: {e}") from e
         i64, ptr, vp, ci = ctypes.c_int64, ctypes.POINTER(ctypes.c_int64), ctypes.c_void_p, ctypes.c_int
-        for name, args in (("ferry_experts", [ptr, ci, ci, ci, ctypes.POINTER(vp), ptr, ptr, i64, i64, vp, vp, vp,
-                                              vp]),
+        for name, args in (("ferry_experts", [ptr, ci, ci, ci, ctypes.POINTER(vp), ptr, ptr, i64, i64, vp, i64, vp,
+                                              vp, vp, vp, i64, vp, vp]),
                            ("ferry_matvec", [ptr, ci, ci, ci, ctypes.POINTER(vp), ptr, i64, vp, i64, vp]),
                            ("ferry_quantize_act", [vp, i64, i64, i64, vp, vp]),
                            ("ferry_dequant", [ptr, ci, vp, i64, vp, i64, i64, vp]),
@@ -171,6 +171,27 @@ class NativeExpertKernel:
         return self._call(x, weights, stacks.qproj, stacks.bases(experts), starts, counts, stacks.hidden,
                           stacks.inter, threads)
 
+    def run_layer(self, x: torch.Tensor, stacks: "StackRows", experts: list[int], starts: list[int],
+                  counts: list[int], src: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor, top_k: int,
+                  threads: int) -> torch.Tensor:
+        """A whole layer's routed experts for ``T`` tokens of ``x [T', H]`` in one call, no gathered copies: the
+        ``M = T * top_k`` assignments, grouped by expert (expert ``experts[i]`` owns assignments ``starts[i] :
+        starts[i] + counts[i]``), read their token's row ``src[m]`` of ``x`` and are summed per token in the order
+        ``pos[m] % top_k`` (``pos[m] // top_k`` is the token). ``src``, ``pos``: int64 ``[M]``; ``weights``
+        ``[M]``. Returns ``[T, H]`` float32.
+
+        Raises:
+            ValueError: as :meth:`run`; ``src`` / ``pos`` / ``weights`` not ``[M]``, ``M`` not a multiple of
+                ``top_k``.
+        """
+        m = int(src.shape[0])
+        if (src.shape != (m,) or pos.shape != (m,) or weights.shape != (m,) or top_k < 1 or m % top_k
+                or src.dtype != torch.int64 or pos.dtype != torch.int64):
+            raise ValueError(f"src, pos (int64) and weights must be [M] with M a multiple of top_k={top_k}; got "
+                             f"{list(src.shape)}, {list(pos.shape)}, {list(weights.shape)}")
+        return self._call(x, weights, stacks.qproj, stacks.bases(experts), starts, counts, stacks.hidden,
+                          stacks.inter, threads, src=src, pos=pos, top_k=top_k)
+
     def stack_rows(self, le) -> "StackRows":
         """Where the expert stacks ``le`` (a :class:`~ferrylm.experts.executor.LayerExperts` that
         :meth:`reads_stacks`) lie, for :meth:`run_stacks`: found once per layer.
@@ -204,15 +225,17 @@ class NativeExpertKernel:
             t.data[0].is_contiguous() for t in (le.gate, le.up, le.down))
 
     def _call(self, x: torch.Tensor, weights: torch.Tensor, qp, bases: list[int], starts: list[int],
-              counts: list[int], hidden: int, inter: int, threads: int) -> torch.Tensor:
-        """``ferry_experts`` on ``bases`` (three addresses per expert, see the C file) with checked spans."""
+              counts: list[int], hidden: int, inter: int, threads: int, src: torch.Tensor | None = None,
+              pos: torch.Tensor | None = None, top_k: int = 1) -> torch.Tensor:
+        """``ferry_experts`` on ``bases`` (three addresses per expert, see the C file) with checked spans; with
+        ``src`` / ``pos`` (:meth:`run_layer`) the assignments read rows of ``x`` and come back summed per token."""
         k = len(bases) // 3
         if not bases or len(starts) != k or len(counts) != k:
             raise ValueError(f"{k} rows, {len(starts)} starts and {len(counts)} counts: one of each per expert")
-        if x.dim() != 2 or x.shape[1] != hidden or weights.dim() != 1 or weights.shape[0] != x.shape[0]:
+        m = int(weights.shape[0]) if src is not None else int(x.shape[0])
+        if x.dim() != 2 or x.shape[1] != hidden or weights.dim() != 1 or weights.shape[0] != m:
             raise ValueError(f"x must be [M, {hidden}] and weights [M], got {list(x.shape)} and "
                              f"{list(weights.shape)}")
-        m = int(x.shape[0])
         spans = sorted(zip(starts, counts))
         if any(c < 0 or s < 0 or s + c > m for s, c in spans) or any(
                 s0 + c0 > s1 for (s0, c0), (s1, _) in zip(spans, spans[1:])):
@@ -225,11 +248,19 @@ class NativeExpertKernel:
         xf = x.to(torch.float32).contiguous()
         wf = weights.to(torch.float32).contiguous()
         scratch = torch.empty(m, 2 * inter, dtype=torch.float32)
-        out = torch.zeros(m, hidden, dtype=torch.float32)
+        if pos is None:
+            y, out = None, torch.zeros(m, hidden, dtype=torch.float32)
+        else:   # every assignment is owned: y needs no clearing
+            if src.device.type != "cpu" or pos.device.type != "cpu":
+                raise ValueError("src and pos must be host tensors")
+            src, pos = src.contiguous(), pos.contiguous()   # their values are checked by the kernel (-1)
+            y, out = torch.empty(m, hidden, dtype=torch.float32), torch.empty(m // top_k, hidden, dtype=torch.float32)
         ptrs = (ctypes.c_void_p * len(bases))(*bases)
         self._check(self._lib.ferry_experts(qp, ISAS.index(self.isa), int(threads), k, ptrs,
                                             (ctypes.c_int64 * k)(*starts), (ctypes.c_int64 * k)(*counts), hidden,
-                                            inter, xf.data_ptr(), wf.data_ptr(), scratch.data_ptr(), out.data_ptr()))
+                                            inter, xf.data_ptr(), xf.shape[0], None if src is None else src.data_ptr(),
+                                            wf.data_ptr(), scratch.data_ptr(), None if pos is None else pos.data_ptr(),
+                                            top_k, None if y is None else y.data_ptr(), out.data_ptr()))
         return out
 
     def project(self, x: torch.Tensor, row: torch.Tensor, layout, part: str, threads: int = 1) -> torch.Tensor:

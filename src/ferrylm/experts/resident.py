@@ -125,26 +125,38 @@ class ResidentExecutor(ExpertExecutor):
                              used_experts=self._used, math=experts.math)
         rows = self._native_rows.get(layer_idx)
         if rows is not None:
-            work = self._native_work(layer_idx, rows, experts.num_experts, hidden, topk_ids, topk_weights)
+            used, out = self._native_layer(rows, experts.num_experts, hidden, topk_ids, topk_weights)
         else:
             work = _work(experts, hidden, topk_ids, topk_weights, layer=layer_idx)
-        self.counters.step.needed += len(work.needed)
-        self.counters.step.hits += len(work.needed)
-        return work.combine()
+            used, out = len(work.needed), work.combine()
+        self.counters.step.needed += used
+        self.counters.step.hits += used
+        return out
 
-    def _native_work(self, layer: int, rows: StackRows, num_experts: int, hidden: torch.Tensor,
-                     topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> LayerWork:
-        """The layer's active experts through the native kernel, in one call."""
-        if is_small_step(hidden.shape[0]):
-            work = LayerWork.from_host_ids(layer, hidden, topk_ids, topk_weights, topk_ids.tolist(), num_experts)
-        else:
-            work = LayerWork(layer, hidden, topk_ids, group_by_expert(topk_ids, topk_weights, num_experts))
-        x, w = work.gather_inputs(work.needed)
-        starts = [work.spans[e][0] - work.spans[work.needed[0]][0] for e in work.needed]
-        y = self.native.run_stacks(x, w, rows, work.needed, starts, [work.spans[e][1] for e in work.needed],
-                                   self.threads)
-        work.put(work.needed, y.to(hidden.dtype))
-        return work
+    def _native_layer(self, rows: StackRows, num_experts: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                      topk_weights: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """The layer's routed experts through the native kernel in one call, which reads each assignment's token
+        row and sums each token's outputs in ascending expert id (as :meth:`LayerWork.combine`). Returns
+        ``(experts used, [T, H])``.
+
+        Raises:
+            ValueError: an expert id outside ``[0, num_experts)``.
+        """
+        t, k = topk_ids.shape
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        experts, counts = experts.tolist(), counts.tolist()
+        if experts[0] < 0 or experts[-1] >= num_experts:
+            raise ValueError(f"expert ids {experts[0]}..{experts[-1]} out of range: the layer has {num_experts}")
+        rank = torch.argsort(torch.argsort(topk_ids, dim=1, stable=True), dim=1, stable=True).reshape(-1)[order]
+        src = order // k
+        starts = [0] * len(counts)
+        for i in range(1, len(counts)):
+            starts[i] = starts[i - 1] + counts[i - 1]
+        out = self.native.run_layer(hidden, rows, experts, starts, counts, src, topk_weights.reshape(-1)[order],
+                                    src * k + rank, k, self.threads)
+        return len(experts), out.to(hidden.dtype)
 
     def close(self) -> None:
         """Drop the device copies of the experts."""

@@ -392,11 +392,16 @@ static void experts_proj(rows_fn rows, const qproj *q, int k, const void *const 
 /* A layer's experts (see the header).
  *   qp[0]: gate|up ([2I, H] rows), qp[1]: down ([H, I]); isa: 0..2 (ferry_isa_best or lower)
  *   k experts; bases[3e .. 3e + 2]: expert e's gate|up rows below I, from I, and down (the qproj offsets are
- *   from these; a bank row is all three); starts/counts: its tokens (rows of x within M = max(start + count))
- *   x [M, H], w [M], scratch [M, 2I], out [M, H]: float32, contiguous; rows no expert owns are left as they are */
+ *   from these; a bank row is all three); starts/counts: its assignments (rows m < M = max(start + count))
+ *   src [M] (or NULL: m): the row of x (x_rows of them) assignment m reads; w [M] its routing weight; scratch [M, 2I]
+ *   pos [M] (or NULL): assignment m is the (pos % top_k)-th of token pos / top_k; then out [M / top_k, H] gets each
+ *   token's weighted outputs summed in that order, and y [M, H] is scratch; without pos, out = y [M, H] gets
+ *   assignment m's weighted output in row m (rows no expert owns are left as they are). Float32, contiguous.
+ *   -1 also for a src out of range or a pos that is no permutation of 0 .. M - 1 (checked before any work). */
 int ferry_experts(const qproj *qp, int isa, int nthreads, int k, const void *const *bases, const int64_t *starts,
-                  const int64_t *counts, int64_t H, int64_t I, const float *x, const float *w, float *scratch,
-                  float *out) {
+                  const int64_t *counts, int64_t H, int64_t I, const float *x, int64_t x_rows, const int64_t *src,
+                  const float *w,
+                  float *scratch, const int64_t *pos, int64_t top_k, float *y, float *out) {
     if (k <= 0 || H <= 0 || I <= 0 || nthreads < 1 || !q_ok(&qp[0], H) || !q_ok(&qp[1], I)) return -1;
     if (!isa_ok(isa)) return -2;
     init_tables();
@@ -412,13 +417,42 @@ int ferry_experts(const qproj *qp, int isa, int nthreads, int k, const void *con
         free(rbs);
         return -3;
     }
-    act ax = {x, H, am.x}, aa = {scratch, 2 * I, am.a};
+    int64_t *inv = pos ? (int64_t *)malloc(sizeof(int64_t) * (size_t)M) : NULL;
+    float *xg = src && !qx ? (float *)malloc(sizeof(float) * (size_t)(M * H)) : NULL;  /* float kinds read x rows */
+    if ((pos && !inv) || (src && !qx && !xg)) {
+        free(inv);
+        free(xg);
+        free(rbs);
+        free(am.mem);
+        return -3;
+    }
+    int bad = pos && (top_k < 1 || M % top_k);
+    if (pos) {
+        for (int64_t m = 0; m < M; m++) inv[m] = -1;
+        for (int64_t m = 0; m < M && !bad; m++) {
+            bad = pos[m] < 0 || pos[m] >= M || inv[pos[m]] >= 0;
+            if (!bad) inv[pos[m]] = m;
+        }
+    }
+    for (int64_t m = 0; src && m < M && !bad; m++) bad = src[m] < 0 || src[m] >= x_rows;
+    if (bad) {
+        free(inv);
+        free(xg);
+        free(rbs);
+        free(am.mem);
+        return -1;
+    }
+    float *yd = pos ? y : out;
+    act ax = {xg ? xg : x, H, am.x}, aa = {scratch, 2 * I, am.a};
 #pragma omp parallel num_threads(nthreads)
     {
         float *rb = rbs + omp_get_thread_num() * ROWBUF_FLOATS(kmax);
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++)
-            if (qx) quantize_token(x + m * H, H, &am.x, m, isa);
+        for (int64_t m = 0; m < M; m++) {
+            const float *xm = x + (src ? src[m] : m) * H;
+            if (qx) quantize_token(xm, H, &am.x, m, isa);
+            else if (xg) memcpy(xg + m * H, xm, sizeof(float) * (size_t)H);
+        }
         experts_proj(rows_isa, &qp[0], k, bases, 0, 1, I, starts, counts, 2 * I, H, &ax, scratch, 2 * I, NULL, rb, br);
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) {  /* a = silu(g) * u in place over g, then its Q8 form */
@@ -426,8 +460,21 @@ int ferry_experts(const qproj *qp, int isa, int nthreads, int k, const void *con
             for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * g[I + i];
             if (qa) quantize_token(g, I, &am.a, m, isa);
         }
-        experts_proj(rows_isa, &qp[1], k, bases, 2, 2, H, starts, counts, H, I, &aa, out, H, w, rb, br);
+        experts_proj(rows_isa, &qp[1], k, bases, 2, 2, H, starts, counts, H, I, &aa, yd, H, w, rb, br);
+        if (pos) {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < M / top_k; t++) {  /* a token's k outputs summed in rank order */
+                float *o = out + t * H;
+                memcpy(o, y + inv[t * top_k] * H, sizeof(float) * (size_t)H);
+                for (int64_t j = 1; j < top_k; j++) {
+                    const float *r = y + inv[t * top_k + j] * H;
+                    for (int64_t h = 0; h < H; h++) o[h] += r[h];
+                }
+            }
+        }
     }
+    free(inv);
+    free(xg);
     free(rbs);
     free(am.mem);
     return 0;
