@@ -372,6 +372,7 @@ static int64_t span_end(int k, const int64_t *starts, const int64_t *counts) {
 static void experts_proj(rows_fn rows, const qproj *q, int k, const void *const *bases, int lo, int hi, int64_t split,
                          const int64_t *starts, const int64_t *counts, int64_t N, int64_t K, const act *a, float *y,
                          int64_t ldy, const float *w, float *rb, int64_t br) {
+    if (br <= 0) br = (N + omp_get_num_threads() - 1) / omp_get_num_threads();
     const int64_t nb = (N + br - 1) / br;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < (int64_t)k * nb; task++) {
@@ -410,7 +411,10 @@ int ferry_experts(const qproj *qp, int isa, int nthreads, int k, const void *con
     const int qx = act_forms(&qp[0], 1), qa = act_forms(&qp[1], 1);
     int64_t most = 0;
     for (int e = 0; e < k; e++) most = counts[e] > most ? counts[e] : most;
-    const int64_t br = block_rows(most);
+    /* an expert's rows: 128-row tasks where tiles take the lanes, else one contiguous run per thread (a few
+     * tokens' rows are read once: long runs keep the hardware prefetcher streaming, where 32-row tasks handed out
+     * in turn broke the stream every 37 KB) */
+    const int64_t br = most >= LANE_MIN ? 128 : 0;
     actmem am;
     float *rbs = rowbufs_alloc(nthreads, kmax);
     if (!rbs || actmem_init(&am, M, H, qx, I, qa)) {
