@@ -243,3 +243,28 @@ def test_the_memory_plan_names_the_weights_read_in_place(tmp_path, monkeypatch):
     assert expert_bytes <= plan.mapped_bytes <= path.stat().st_size + 4096
     assert "read in place from the file" in plan.format_table()
     eng.runner.close()
+
+
+def test_long_string_arrays_are_read_on_demand(tmp_path, monkeypatch):
+    """A vocabulary past LAZY_STRINGS_MIN strings stays bytes until read (its length known without decoding);
+    read, it equals gguf-py's strings, and the tokenizer built from it encodes as the eager one does."""
+    import ferrylm.checkpoints.gguf_reader as gr
+
+    _, path, _ = _qwen3moe(tmp_path, {1: "Q6_K", 2: "Q6_K"})
+    eager = gr._read_gguf_cached(("eager",), path).metadata
+    monkeypatch.setattr(gr, "LAZY_STRINGS_MIN", 2)
+    lazy = gr._read_gguf_cached(("lazy",), path).metadata
+    field = gguf.GGUFReader(str(path)).fields["tokenizer.ggml.tokens"]
+    want = [bytes(field.parts[i]).decode() for i in field.data]
+    tokens = lazy["tokenizer.ggml.tokens"]
+    assert isinstance(tokens, gr.LazyStrings) and tokens._items is None and len(tokens) == len(want)
+    assert tokens == want and eager["tokenizer.ggml.tokens"] == want and tokens[3] == want[3]
+    from ferrylm.checkpoints.gguf_tokenizer import gguf_tokenizer
+
+    text = "<|im_start|>user\nthe theme, 12 <|im_end|>"
+    encoded = []
+    for meta in (lazy, eager):
+        monkeypatch.setattr(gr, "read_gguf", lambda p, meta=meta: gr.GGUFFile(path, 3, meta))
+        encoded.append(gguf_tokenizer(path).convert_ids_to_tokens(gguf_tokenizer(path).encode(text)))
+    assert encoded[0] == encoded[1] == [
+        "<|im_start|>", "u", "s", "e", "r", "Ċ", "t", "he", "Ġt", "he", "m", "e", ",", "Ġ", "1", "2", "Ġ", "<|im_end|>"]

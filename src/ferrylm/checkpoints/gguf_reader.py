@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import mmap
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,38 @@ class GGUFFile:
         return self.metadata.get(key, default)
 
 
+class LazyStrings(Sequence):
+    """A long GGUF string array (a vocabulary, its merges) kept as its bytes until an item is read: decoding 150k
+    strings takes ~60 ms, and the config and the engine only ask for its length. Decoded once, on first use."""
+
+    def __init__(self, blob: bytes, count: int):
+        self._blob, self._count, self._items = blob, count, None
+
+    def __len__(self) -> int:
+        return self._count
+
+    def _decoded(self) -> list[str]:
+        if self._items is None:
+            self._items = _Cursor(self._blob).strings(self._count, lazy=False)
+            self._blob = b""
+        return self._items
+
+    def __getitem__(self, i):
+        return self._decoded()[i]
+
+    def __iter__(self):
+        return iter(self._decoded())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, (list, LazyStrings)) and list(self) == list(other)
+
+    def tolist(self) -> list[str]:
+        return list(self._decoded())
+
+
+LAZY_STRINGS_MIN = 4096   # string arrays at least this long are kept as bytes until read
+
+
 class _Cursor:
     """Little-endian reader over a buffer (the header part of the mmapped file)."""
 
@@ -96,10 +129,18 @@ class _Cursor:
         self.pos += n
         return s.decode("utf-8")
 
-    def strings(self, count: int) -> list[str]:
-        """``count`` strings in a row (a vocabulary: 150k of them), in one tight loop."""
+    def strings(self, count: int, lazy: bool = True) -> "list[str] | LazyStrings":
+        """``count`` strings in a row (a vocabulary: 150k of them), in one tight loop; from
+        :data:`LAZY_STRINGS_MIN` on (with ``lazy``), only their lengths are walked here."""
         buf, pos, out = self.buf, self.pos, []
         length, append = _U64.unpack_from, out.append
+        if lazy and count >= LAZY_STRINGS_MIN:
+            for _ in range(count):
+                pos += 8 + length(buf, pos)[0]
+            if pos > len(buf):
+                raise struct.error("a string array runs past the end of the buffer")
+            out, self.pos = LazyStrings(bytes(buf[self.pos:pos]), count), pos
+            return out
         for _ in range(count):
             (n,) = length(buf, pos)
             pos += 8

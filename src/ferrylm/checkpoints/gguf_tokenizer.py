@@ -69,10 +69,12 @@ def tokenizer_fields(meta: dict[str, Any], mapping: dict) -> tuple[dict[str, Any
 
 
 def _plain(value: Any) -> Any:
-    """A metadata value as the library's fields hold it (a numpy array as a list)."""
+    """A metadata value as the library's fields hold it (a numpy array or a long string array as a list)."""
     import numpy as np
 
-    return value.tolist() if isinstance(value, np.ndarray) else value
+    from ferrylm.checkpoints.gguf_reader import LazyStrings
+
+    return value.tolist() if isinstance(value, (np.ndarray, LazyStrings)) else value
 
 
 def _split_digits(backend: Any) -> None:
