@@ -316,8 +316,8 @@ class EngineConfig:
              "name) sets the same ratio, of the memory free at boot rather than of the card's total",
         aliases=("--gpu-memory-utilization",), metavar="R")
     memory_reserve: float | None = flag(
-        None, "GiB of device memory the plan never hands out; the larger of it and the default is the one cut "
-              "(memory/plan.py)", metavar="GiB",
+        None, "GiB of device memory the plan never hands out; the larger of it and the default is the one cut",
+        metavar="GiB",
         default_text="max(512 MiB, (1 - --memory-ratio) x the memory free at boot), or max(512 MiB, 5%% of "
                      "--gpu-memory-limit) under a limit")
     kv_reserve_tokens: int | None = flag(
@@ -329,8 +329,9 @@ class EngineConfig:
                "does so anyway: accepted for compatibility)")
     faults: str | None = flag(
         None, "fault injection for tests, e.g. prefill_workspace:times=1 (see ferrylm/faults.py; env FERRYLM_FAULTS "
-              "adds rules)", metavar="SPEC", default_text="none")
-    check_invariants: bool = flag(False, "check KV/scheduler invariants every step", name="--debug-invariants")
+              "adds rules)", metavar="SPEC", default_text="none", hidden=True)
+    check_invariants: bool = flag(False, "check KV/scheduler invariants every step", name="--debug-invariants",
+                                  hidden=True)
     kv_memory_fraction: float = 0.05
     seed: int = flag(0, "seed for unseeded sampling")
     queue_timeout: float | None = flag(

@@ -33,6 +33,7 @@ class Flag:
         switch: a ``store_true`` flag that sets a non-bool field to this value (``--enforce-eager`` sets
             ``decode_graphs`` to ``"off"``); unset, the field keeps its default.
         convert: the parsed value -> the field's value (``0`` meaning off, a spelling folded to its name).
+        hidden: a developer's flag (tests, debugging): accepted, left out of ``--help``.
     """
 
     help: str
@@ -43,6 +44,7 @@ class Flag:
     default_text: str | None = None
     switch: Any = None
     convert: Callable[[Any], Any] | None = None
+    hidden: bool = False
 
 
 def flag(default: Any, help: str, **kw: Any) -> Any:
@@ -92,7 +94,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, defaults: Mapping[s
             if fl.choices is not None:
                 kw["choices"] = [*fl.choices, *extra]
             shown = _shown(f, fl, default)
-        kw["help"] = argparse.SUPPRESS if f.name in unlisted else kw["help"] + f" (default: {shown})"
+        kw["help"] = argparse.SUPPRESS if f.name in unlisted or fl.hidden else kw["help"] + f" (default: {shown})"
         parser.add_argument(_name(f, fl), *fl.aliases, **kw)
 
 

@@ -129,3 +129,16 @@ def test_log_level_in_any_case_and_a_clear_error_otherwise(capsys) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "bw", "--log-level", "loud"])
     assert "--log-level: invalid choice" in capsys.readouterr().err
+
+
+def test_developer_flags_are_accepted_and_left_out_of_help(capsys) -> None:
+    """--faults and --debug-invariants (tests, debugging) parse on `ferry serve` and stay out of its --help,
+    which names no source files."""
+    args = parse_args(build_parser(), ["serve", "--faults", "prefill_workspace:times=1", "--debug-invariants"])
+    cfg = engine_config_from_args(args)
+    assert cfg.faults == "prefill_workspace:times=1" and cfg.check_invariants
+    with pytest.raises(SystemExit):
+        parse_args(build_parser(), ["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "--max-model-len" in out
+    assert "--faults" not in out and "--debug-invariants" not in out and ".py)" not in out
