@@ -140,22 +140,18 @@ class ResidentExecutor(ExpertExecutor):
         ``(experts used, [T, H])``.
 
         Raises:
-            ValueError: an expert id outside ``[0, num_experts)``.
+            ValueError / RuntimeError: an expert id outside ``[0, num_experts)`` (:func:`group_by_expert`).
         """
-        t, k = topk_ids.shape
-        flat = topk_ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
-        experts, counts = experts.tolist(), counts.tolist()
-        if experts[0] < 0 or experts[-1] >= num_experts:
-            raise ValueError(f"expert ids {experts[0]}..{experts[-1]} out of range: the layer has {num_experts}")
-        rank = torch.argsort(torch.argsort(topk_ids, dim=1, stable=True), dim=1, stable=True).reshape(-1)[order]
-        src = order // k
-        starts = [0] * len(counts)
-        for i in range(1, len(counts)):
-            starts[i] = starts[i - 1] + counts[i - 1]
-        out = self.native.run_layer(hidden, rows, experts, starts, counts, src, topk_weights.reshape(-1)[order],
-                                    src * k + rank, k, self.threads)
+        groups = group_by_expert(topk_ids, topk_weights, num_experts)
+        experts, starts, counts, start = [], [], [], 0
+        for e, n in enumerate(groups.counts):
+            if n:
+                experts.append(e)
+                starts.append(start)
+                counts.append(n)
+            start += n
+        out = self.native.run_layer(hidden, rows, experts, starts, counts, groups.token_idx, groups.weights,
+                                    groups.positions(topk_ids), topk_ids.shape[1], self.threads)
         return len(experts), out.to(hidden.dtype)
 
     def close(self) -> None:

@@ -58,6 +58,14 @@ class ExpertGroups:
     counts: list[int]
     order: torch.Tensor | None = None
 
+    def positions(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """``[T * k]`` int64: where each assignment (this order) goes in the token-major ``[T, k]`` sum,
+        ``token * k + rank``, ``rank`` its expert's place among the token's experts in ascending id (the summation
+        order of :meth:`LayerWork.combine`). Needs ``order`` (:func:`group_by_expert` sets it)."""
+        k = topk_ids.shape[1]
+        rank = torch.argsort(torch.argsort(topk_ids, dim=1, stable=True), dim=1, stable=True)
+        return self.token_idx * k + rank.reshape(-1)[self.order]
+
 
 def group_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> ExpertGroups:
     """Sort a step's ``[T, k]`` assignments by expert id (one device→host sync for the counts).
@@ -428,8 +436,7 @@ class LayerWork:
         missing = [e for e in self.needed if e not in self.parts]
         if missing:
             raise RuntimeError(f"layer {self.layer}: experts {missing} were never computed")
-        rank = torch.argsort(torch.argsort(self.topk_ids, dim=1, stable=True), dim=1, stable=True)
-        pos = self.groups.token_idx * k + rank.reshape(-1)[self.groups.order]
+        pos = self.groups.positions(self.topk_ids)
         parts = torch.cat([self.parts[e] for e in self.needed]) if len(self.needed) > 1 else self.parts[self.needed[0]]
         dense = torch.empty(t * k, self.hidden.shape[1], dtype=parts.dtype, device=parts.device)
         dense.index_copy_(0, pos, parts)

@@ -401,8 +401,7 @@ static void experts_proj(rows_fn rows, const qproj *q, int k, const void *const 
  *   -1 also for a src out of range or a pos that is no permutation of 0 .. M - 1 (checked before any work). */
 int ferry_experts(const qproj *qp, int isa, int nthreads, int k, const void *const *bases, const int64_t *starts,
                   const int64_t *counts, int64_t H, int64_t I, const float *x, int64_t x_rows, const int64_t *src,
-                  const float *w,
-                  float *scratch, const int64_t *pos, int64_t top_k, float *y, float *out) {
+                  const float *w, float *scratch, const int64_t *pos, int64_t top_k, float *y, float *out) {
     if (k <= 0 || H <= 0 || I <= 0 || nthreads < 1 || !q_ok(&qp[0], H) || !q_ok(&qp[1], I)) return -1;
     if (!isa_ok(isa)) return -2;
     init_tables();
@@ -415,20 +414,14 @@ int ferry_experts(const qproj *qp, int isa, int nthreads, int k, const void *con
      * tokens' rows are read once: long runs keep the hardware prefetcher streaming, where 32-row tasks handed out
      * in turn broke the stream every 37 KB) */
     const int64_t br = most >= LANE_MIN ? 128 : 0;
-    actmem am;
+    actmem am = {.mem = NULL};
     float *rbs = rowbufs_alloc(nthreads, kmax);
-    if (!rbs || actmem_init(&am, M, H, qx, I, qa)) {
-        free(rbs);
-        return -3;
-    }
     int64_t *inv = pos ? (int64_t *)malloc(sizeof(int64_t) * (size_t)M) : NULL;
     float *xg = src && !qx ? (float *)malloc(sizeof(float) * (size_t)(M * H)) : NULL;  /* float kinds read x rows */
-    if ((pos && !inv) || (src && !qx && !xg)) {
-        free(inv);
-        free(xg);
-        free(rbs);
-        free(am.mem);
-        return -3;
+    int rc = 0;
+    if (!rbs || actmem_init(&am, M, H, qx, I, qa) || (pos && !inv) || (src && !qx && !xg)) {
+        rc = -3;
+        goto done;
     }
     int bad = pos && (top_k < 1 || M % top_k);
     if (pos) {
@@ -440,11 +433,8 @@ int ferry_experts(const qproj *qp, int isa, int nthreads, int k, const void *con
     }
     for (int64_t m = 0; src && m < M && !bad; m++) bad = src[m] < 0 || src[m] >= x_rows;
     if (bad) {
-        free(inv);
-        free(xg);
-        free(rbs);
-        free(am.mem);
-        return -1;
+        rc = -1;
+        goto done;
     }
     float *yd = pos ? y : out;
     act ax = {xg ? xg : x, H, am.x}, aa = {scratch, 2 * I, am.a};
@@ -477,11 +467,12 @@ int ferry_experts(const qproj *qp, int isa, int nthreads, int k, const void *con
             }
         }
     }
+done:
     free(inv);
     free(xg);
     free(rbs);
     free(am.mem);
-    return 0;
+    return rc;
 }
 
 /* y [M, N] = x [M, K] @ W^T, W's N rows in nseg segments (segment s: seg_rows[s] rows of layout q[s] at bases[s],
