@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferrylm.experts.cpu_kernel import ISAS, BlockMatrix
+from ferrylm.experts.cpu_kernel import ISAS
+from ferrylm.experts.native_layouts import BlockMatrix
 from tests.experts.helpers import kernel_isa
 from ferrylm.experts.gguf_blocks import BLOCK_TYPES, fill_random_blocks
 

@@ -20,7 +20,6 @@ not build), ``torch``.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
 import os
@@ -35,6 +34,8 @@ import torch
 from ferrylm.cachedir import cache_root
 from ferrylm.config import CPU_KERNELS
 from ferrylm.experts.native_build import CFLAGS, KernelBuildError, compile_library, compiler_version, read_sources
+from ferrylm.experts.native_layouts import (BLOCK_KINDS, PLAIN_KIND, BlockMatrix, StackRows, fits, plain_qproj, qproj,
+                                            stack_bytes, stack_qproj)
 
 log = logging.getLogger("ferrylm.experts")
 
@@ -42,7 +43,6 @@ log = logging.getLogger("ferrylm.experts")
 # (one read of the weights for all tokens) is the better kernel, so the pool uses torch above this.
 NATIVE_MAX_TOKENS = 8
 ISAS = ("scalar", "avx2", "avx512")  # the C file's instruction-set levels 0, 1, 2
-_PLAIN_KIND = {torch.bfloat16: 10, torch.float32: 11}
 _RC = {-1: "bad arguments", -2: "an instruction set this CPU lacks", -3: "out of memory"}
 
 
@@ -126,8 +126,8 @@ class NativeExpertKernel:
         """Whether the kernels read experts of ``layout`` (an :class:`~ferrylm.experts.executor.ExpertLayout`): plain
         bfloat16 and float32 rows; quantized rows whose shapes the integer kernels take (see :data:`SUPPORTED`)."""
         if layout.quant is None:
-            return layout.dtype in _PLAIN_KIND
-        return all(_fits(fmt, k) for fmt, k in ((layout.quant.gate_up, layout.hidden),
+            return layout.dtype in PLAIN_KIND
+        return all(fits(fmt, k) for fmt, k in ((layout.quant.gate_up, layout.hidden),
                                                 (layout.quant.down, layout.inter)))
 
     def run(self, x: torch.Tensor, weights: torch.Tensor, rows: list[torch.Tensor], starts: list[int],
@@ -156,7 +156,7 @@ class NativeExpertKernel:
         _check_rows(rows, layout, hidden, inter)
         if any(t.device.type != "cpu" for t in rows):
             raise ValueError("the native kernel reads host tensors; got a tensor on another device")
-        qp = _qproj(layout) if layout is not None else _plain_qproj(rows[0].dtype, hidden, inter)
+        qp = qproj(layout) if layout is not None else plain_qproj(rows[0].dtype, hidden, inter)
         return self._call(x, weights, qp, [r.data_ptr() for r in rows for _ in range(3)], starts, counts, hidden,
                           inter, threads)
 
@@ -201,27 +201,27 @@ class NativeExpertKernel:
         """
         if not self.reads_stacks(le):
             raise ValueError("the native kernels read plain bfloat16 / float32 or GGML-block expert stacks on the CPU")
-        g, u, d = (_stack_bytes(t) for t in (le.gate, le.up, le.down))
+        g, u, d = (stack_bytes(t) for t in (le.gate, le.up, le.down))
         inter, hidden = g.shape[1], d.shape[1]
         row = g.stride(1) * g.element_size()  # bytes per gate|up row
 
         def lie(t: torch.Tensor, shift: int = 0) -> tuple[int, int]:
             return t.data_ptr() + shift, t.stride(0) * t.element_size()
 
-        return StackRows(_stack_qproj(le), hidden, inter, g.shape[0], (lie(g), lie(u, -inter * row), lie(d)),
+        return StackRows(stack_qproj(le), hidden, inter, g.shape[0], (lie(g), lie(u, -inter * row), lie(d)),
                          (g, u, d))
 
     @staticmethod
     def reads_stacks(le) -> bool:
         """Whether :meth:`run_stacks` reads ``le``: host stacks of one plain dtype (bfloat16 / float32), or of one
         GGML block format per projection (Q8_0, Q4_K, Q5_K, Q6_K), each expert contiguous, no expert math."""
-        if le.math is not None or any(_stack_bytes(t).device.type != "cpu" for t in (le.gate, le.up, le.down)):
+        if le.math is not None or any(stack_bytes(t).device.type != "cpu" for t in (le.gate, le.up, le.down)):
             return False
         if all(isinstance(t, torch.Tensor) for t in (le.gate, le.up, le.down)):
-            return le.gate.dtype in _PLAIN_KIND and le.up.dtype == le.down.dtype == le.gate.dtype and all(
+            return le.gate.dtype in PLAIN_KIND and le.up.dtype == le.down.dtype == le.gate.dtype and all(
                 t[0].is_contiguous() for t in (le.gate, le.up, le.down))
         quant = le.quant
-        return quant is not None and all(f.kind in _BLOCK_KINDS for f in (quant.gate_up, quant.down)) and all(
+        return quant is not None and all(f.kind in BLOCK_KINDS for f in (quant.gate_up, quant.down)) and all(
             t.data[0].is_contiguous() for t in (le.gate, le.up, le.down))
 
     def _call(self, x: torch.Tensor, weights: torch.Tensor, qp, bases: list[int], starts: list[int],
@@ -273,7 +273,7 @@ class NativeExpertKernel:
         if xf.dim() != 2 or xf.shape[1] != kk:
             raise ValueError(f"x must be [M, {kk}], got {list(x.shape)}")
         y = torch.empty(xf.shape[0], n, dtype=torch.float32)
-        qp = _qproj(layout)
+        qp = qproj(layout)
         self._check(self._lib.ferry_matvec((ctypes.c_int64 * 9).from_buffer(qp, 72 * which),
                                            ISAS.index(self.isa), int(threads), 1, (ctypes.c_void_p * 1)(
                                                row.data_ptr()), (ctypes.c_int64 * 1)(n), kk, xf.data_ptr(),
@@ -335,7 +335,7 @@ class NativeExpertKernel:
         n, kk = (2 * layout.inter, layout.hidden) if which == 0 else (layout.hidden, layout.inter)
         _check_rows([row], layout, layout.hidden, layout.inter)
         out = torch.empty(n, kk, dtype=torch.float32)
-        qp = _qproj(layout)
+        qp = qproj(layout)
         self._check(self._lib.ferry_dequant((ctypes.c_int64 * 9).from_buffer(qp, 72 * which),
                                             ISAS.index(self.isa), row.data_ptr(), n, None, n, kk, out.data_ptr()))
         return out
@@ -358,95 +358,6 @@ class NativeExpertKernel:
             raise ValueError(f"native expert kernel: {_RC.get(rc, 'error')} (rc {rc})")
 
 
-_BLOCK_KINDS = ("q8_0", "q4_k", "q5_k", "q6_k")
-
-
-class BlockMatrix:
-    """A dense ``[N, K]`` weight of GGML blocks, read where it lies (e.g. a GGUF file's mapped bytes): the rows of
-    ``segments`` in order, each uint8 ``[n_s, K / QK * BB]`` with contiguous rows in block kind ``kinds[s]`` (a fused
-    q|k|v is the three mapped tensors, possibly of three kinds). The kernels' call arguments are built once here.
-
-    Raises:
-        ValueError: a kind the kernels do not read, ``K`` not a whole number of blocks, a segment of another shape.
-    """
-
-    def __init__(self, kind: str, k: int, data: torch.Tensor):
-        self._init(k, [(kind, data)])
-
-    def _init(self, k: int, parts: list[tuple[str, torch.Tensor]]) -> None:
-        from ferrylm.experts.gguf_blocks import BLOCK_TYPES
-
-        vals = []
-        for kind, t in parts:
-            if kind not in _BLOCK_KINDS:
-                raise ValueError(f"block matrices are one of {', '.join(_BLOCK_KINDS)}, not {kind!r}")
-            bt = BLOCK_TYPES[kind]
-            if k <= 0 or k % bt.elems:
-                raise ValueError(f"{bt.name} rows of {k} inputs: K must be a positive multiple of {bt.elems}")
-            rb = k // bt.elems * bt.nbytes
-            if t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != rb or t.stride(1) != 1 or (
-                    t.shape[0] > 1 and t.stride(0) != rb) or t.device.type != "cpu":
-                raise ValueError(f"{bt.name} rows of {k} inputs must be host uint8 [rows, {rb}] with contiguous rows, "
-                                 f"got {t.dtype} {list(t.shape)} on {t.device}")
-            vals += [_QKIND[kind], bt.elems, 0, 0, 0, 0, 0, 0, 0]
-        self.k = k
-        self.kinds = tuple(kind for kind, _ in parts)
-        self.segments = tuple(t for _, t in parts)
-        self.n = sum(int(t.shape[0]) for t in self.segments)
-        self.qp = (ctypes.c_int64 * len(vals))(*vals)
-        self.bases = (ctypes.c_void_p * len(parts))(*[t.data_ptr() for t in self.segments])
-        self.seg_rows = (ctypes.c_int64 * len(parts))(*[int(t.shape[0]) for t in self.segments])
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() for t in self.segments)
-
-    @classmethod
-    def stacked(cls, parts: list["BlockMatrix"]) -> "BlockMatrix":
-        """One matrix of ``parts``' rows in order (their segments, nothing copied). Raises ValueError: parts of
-        another ``K``."""
-        if len({p.k for p in parts}) != 1:
-            raise ValueError(f"stacked block matrices share K, got {[p.k for p in parts]}")
-        m = cls.__new__(cls)
-        m._init(parts[0].k, [(kind, t) for p in parts for kind, t in zip(p.kinds, p.segments)])
-        return m
-
-
-@dataclass(frozen=True, eq=False)
-class StackRows:
-    """A layer's expert stacks as :meth:`NativeExpertKernel.run_stacks` reads them: the C ``qproj[2]``, ``H``,
-    ``I``, the number of experts, and per projection (gate, up, down) the address of expert 0's rows and the bytes
-    from one expert to the next (up's address is shifted back ``I`` rows: the kernel reads an expert's gate|up rows
-    from two bases, split at ``I``); ``keep`` holds the tensors, so the addresses stay valid."""
-
-    qproj: object
-    hidden: int
-    inter: int
-    num_experts: int
-    lies: tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
-    keep: tuple
-
-    def bases(self, experts: list[int]):
-        """The C array of three addresses per expert of ``experts`` (gate, up shifted, down). Raises ValueError:
-        an expert outside the stacks."""
-        if experts and (min(experts) < 0 or max(experts) >= self.num_experts):
-            raise ValueError(f"experts {experts} outside the layer's {self.num_experts}")
-        (g, gs), (u, us), (d, ds) = self.lies
-        return (ctypes.c_void_p * (3 * len(experts)))(*[a for e in experts for a in (g + e * gs, u + e * us,
-                                                                                      d + e * ds)])
-
-
-_QKIND = {"int4": 1, "int8": 2, "fp4": 3, "fp8": 4, "q8_0": 5, "q4_k": 6, "q5_k": 7, "q6_k": 8}
-_SDTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}
-
-
-def _fits(fmt, k: int) -> bool:
-    """Whether the kernels read a projection of ``fmt`` with ``k`` inputs (the C file's ``q_ok``)."""
-    if fmt.kind == "fp8":
-        return fmt.group % 8 == 0
-    return k % 32 == 0 and fmt.group % 16 == 0
-
-
 def _check_rows(rows: list[torch.Tensor], layout, hidden: int, inter: int) -> None:
     """Raise ValueError unless ``rows`` are contiguous rows of ``layout`` (quantized) or plain rows."""
     if layout is not None:
@@ -458,53 +369,9 @@ def _check_rows(rows: list[torch.Tensor], layout, hidden: int, inter: int) -> No
                              f"{layout.quant.describe()} at H {hidden}, I {inter}")
         return
     dt = rows[0].dtype
-    if dt not in _PLAIN_KIND or any(r.dtype != dt or not r.is_contiguous() or r.numel() != 3 * hidden * inter
+    if dt not in PLAIN_KIND or any(r.dtype != dt or not r.is_contiguous() or r.numel() != 3 * hidden * inter
                                     for r in rows):
         raise ValueError("expert rows must be contiguous [3*I*H] tensors, all bfloat16 or all float32")
-
-
-def _stack_bytes(t) -> torch.Tensor:
-    """The tensor holding a stack's weights (a QuantTensor's block bytes, or the plain tensor)."""
-    return t if isinstance(t, torch.Tensor) else t.data
-
-
-def _stack_qproj(le):
-    """The C ``qproj[2]`` of stacks read by :meth:`NativeExpertKernel.run_stacks`: every offset 0 (each projection
-    has its own base address)."""
-    if isinstance(le.gate, torch.Tensor):
-        kind = _PLAIN_KIND[le.gate.dtype]
-        return _qproj_vals((kind, 1, 0, 0, 0, 0, 0, 0, 0, kind, 1, 0, 0, 0, 0, 0, 0, 0))
-    q = le.quant
-    return _qproj_vals((_QKIND[q.gate_up.kind], q.gate_up.group, 0, 0, 0, 0, 0, 0, 0,
-                        _QKIND[q.down.kind], q.down.group, 0, 0, 0, 0, 0, 0, 0))
-
-
-@functools.lru_cache(maxsize=64)
-def _qproj_vals(vals: tuple[int, ...]):
-    return (ctypes.c_int64 * len(vals))(*vals)
-
-
-@functools.lru_cache(maxsize=64)
-def _plain_qproj(dtype: torch.dtype, hidden: int, inter: int):
-    """The C ``qproj[2]`` of a plain row: gate|up at byte 0, down after its ``2 I H`` elements."""
-    kind, size = _PLAIN_KIND[dtype], torch.empty((), dtype=dtype).element_size()
-    vals = [kind, 1, 0, 0, 0, 0, 0, 0, 0, kind, 1, 0, 0, 0, 2 * inter * hidden * size, 0, 0, 0]
-    return (ctypes.c_int64 * len(vals))(*vals)
-
-
-@functools.lru_cache(maxsize=64)
-def _qproj(layout):
-    """The C ``qproj[2]`` (gate|up, down) of a quantized ``layout``: kind, group, scale dtype, mins, row scale and
-    the fields' byte offsets in the expert row (``ExpertLayout._rows``), as 18 int64."""
-    vals = []
-    for fmt, fields in ((layout.quant.gate_up, layout._rows[0]), (layout.quant.down, layout._rows[1])):
-        off = {name: o for name, o, _, _ in fields.fields}
-        if fmt.kind == "kmix":  # the tag's offset in the scales slot, the widest kind (row padding) in sdtype
-            vals += [9, fmt.group, _QKIND[fmt.mix[-1]], 0, 0, off["data"], off["tag"], 0, 0]
-            continue
-        vals += [_QKIND[fmt.kind], fmt.group, _SDTYPE[fmt.scale_dtype], int(fmt.mins), int(fmt.row_scale),
-                 off["data"], off.get("scales", 0), off.get("mins", 0), off.get("row_scale", 0)]
-    return (ctypes.c_int64 * len(vals))(*vals)
 
 
 def load_kernel(mode: str, root: Path | None = None) -> NativeExpertKernel | None:

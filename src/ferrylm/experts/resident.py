@@ -16,7 +16,8 @@ import functools
 
 import torch
 
-from ferrylm.experts.cpu_kernel import NativeExpertKernel, StackRows
+from ferrylm.experts.cpu_kernel import NativeExpertKernel
+from ferrylm.experts.native_layouts import StackRows
 from ferrylm.experts.executor import ExpertExecutor, LayerExperts
 from ferrylm.experts.stats import ExpertReport, ExpertStats
 from ferrylm.experts.work import ExpertGroups, LayerWork, group_by_expert, is_small_step, swiglu_expert

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferrylm.experts.cpu_kernel import BlockMatrix, NativeExpertKernel, load_kernel
+from ferrylm.experts.cpu_kernel import NativeExpertKernel, load_kernel
+from ferrylm.experts.native_layouts import BlockMatrix
 from ferrylm.experts.options import ExpertOptions
 
 

@@ -43,7 +43,7 @@ import torch
 
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts import ExpertOptions
-from ferrylm.experts.cpu_kernel import BlockMatrix
+from ferrylm.experts.native_layouts import BlockMatrix
 from ferrylm.experts.executor import ExpertMath, LayerExperts
 from ferrylm.experts.gguf_blocks import BLOCK_CODE, BLOCK_TYPES, KIND_OF_GGUF
 from ferrylm.experts.quantized import ExpertQuant, QuantFormat, QuantTensor, block_format, empty_quant, mix_format
