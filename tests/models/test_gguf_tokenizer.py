@@ -6,6 +6,7 @@ text exactly as the original tokenizer does, and the server renders chats with `
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -96,3 +97,29 @@ def test_gguf_tokenizer_loads_without_torch(qwen3, tmp_path):
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_second_start_reads_the_tokenizer_cache(qwen3, tmp_path, monkeypatch):
+    """The built tokenizer is kept in the cache: a second load of the same file does not run the converter and
+    encodes alike; a cut cache file is rebuilt; a file changed in place gets a new entry."""
+    from ferrylm.checkpoints import gguf_tokenizer as gt
+
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_tokenizer_gguf(qwen3, tmp_path / "q.gguf", "qwen3moe")
+    first = gguf_tokenizer(path)
+    entries = list((tmp_path / "cache" / "gguf-tokenizers").glob("*.json"))
+    assert len(entries) == 1
+    built = gt._library_converter
+    monkeypatch.setattr(gt, "_library_converter", lambda: pytest.fail("the converter ran on a cached file"))
+    second = gguf_tokenizer(path)
+    for text in TEXTS:
+        assert second.encode(text) == first.encode(text), text
+    assert (second.eos_token, second.chat_template, second.model_max_length) == \
+        (first.eos_token, first.chat_template, first.model_max_length)
+    entries[0].write_text(entries[0].read_text()[:1000])            # cut: rebuilt, not an error
+    monkeypatch.setattr(gt, "_library_converter", built)
+    assert gguf_tokenizer(path).encode(TEXTS[0]) == first.encode(TEXTS[0])
+    assert json.loads(entries[0].read_text())["tokenizer"]
+    os.utime(path, ns=(1, 1))
+    gguf_tokenizer(path)
+    assert len(list(entries[0].parent.glob("*.json"))) == 2

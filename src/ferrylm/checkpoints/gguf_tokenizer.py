@@ -1,4 +1,4 @@
-"""The tokenizer and chat template of a GGUF file, built in memory from its ``tokenizer.*`` metadata.
+"""The tokenizer and chat template of a GGUF file, built from its ``tokenizer.*`` metadata.
 
 One mechanism for every architecture: the file's ``tokenizer.*`` metadata as our own header reader parsed it
 (``checkpoints/gguf_reader.read_gguf``, parsed once per process: resolving the model read it already), renamed by
@@ -17,11 +17,17 @@ model's embedding rows): added tokens outside the file's ``tokenizer.ggml.tokens
 
 A transformers without that converter (older releases) falls back to
 ``AutoTokenizer.from_pretrained(gguf_file=)``, which only knows the architectures it can load.
+
+The built tokenizer is kept as ``<cache root>/gguf-tokenizers/<key>.json`` (the key hashes the file's path, size and
+mtime and the library versions): a later start reads it instead of importing and running the converter.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +38,7 @@ log = logging.getLogger(__name__)
 #: ``tokenizer.ggml.pre`` values whose llama.cpp pre-tokenizer isolates every digit before the GPT-2 split
 DIGITS_THEN_GPT2 = frozenset({"smollm", "starcoder", "refact", "codeshell"})
 _DEFAULT_MAX_LEN = 2048
+CACHE_FORMAT = 1   # bump when what the cache holds changes
 
 
 def _library_converter() -> tuple[Any, dict] | None:
@@ -101,8 +108,9 @@ def _within_vocab(backend: Any, n_tokens: int) -> Any:
     return Tokenizer.from_str(json.dumps(spec))
 
 
-def _from_metadata(path: Path, library: tuple[Any, dict]) -> tuple[Any, dict[str, Any]]:
-    """``(tokenizers.Tokenizer, tokenizer_config kwargs)`` of the GGUF ``path``, built by the library's converter."""
+def _from_metadata(path: Path, library: tuple[Any, dict]) -> tuple[Any, dict[str, Any], str | None]:
+    """``(tokenizers.Tokenizer, tokenizer_config kwargs, warning or None)`` of the GGUF ``path``, built by the
+    library's converter."""
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
 
     from ferrylm.checkpoints.gguf_reader import read_gguf
@@ -114,18 +122,72 @@ def _from_metadata(path: Path, library: tuple[Any, dict]) -> tuple[Any, dict[str
         raise ModelLoadError(f"{path}: the GGUF has no tokenizer (tokenizer.ggml.tokens missing)")
     backend, extra = convert(g.get("general.architecture"), tok_dict)
     backend = _within_vocab(backend, len(tok_dict["tokens"]))
-    pre = tok_dict.get("pre_tokenizer_type")
+    pre, warning = tok_dict.get("pre_tokenizer_type"), None
     if tok_dict.get("tokenizer_type") == "gpt2" and pre in DIGITS_THEN_GPT2:
         _split_digits(backend)
     elif pre not in (None, "default", "gpt-2", "gpt2") and pre not in GGUF_PRE_TOKENIZER_SPLITS:
-        log.warning("%s: tokenizer.ggml.pre %r is not known to transformers' GGUF reader; text is split with the "
-                    "default rule of tokenizer %r", path.name, pre, tok_dict.get("tokenizer_type"))
-    return backend, {**config, **extra}
+        warning = (f"{path.name}: tokenizer.ggml.pre {pre!r} is not known to transformers' GGUF reader; text is "
+                   f"split with the default rule of tokenizer {tok_dict.get('tokenizer_type')!r}")
+    return backend, {**config, **extra}, warning
+
+
+def _cache_file(path: Path) -> Path:
+    """Where the tokenizer built from ``path`` is kept: the key hashes its real path, size, mtime and the versions
+    of the libraries that build it."""
+    from importlib.metadata import version
+
+    from ferrylm.cachedir import cache_root
+
+    st = path.stat()
+    key = json.dumps([CACHE_FORMAT, str(path.resolve()), st.st_size, st.st_mtime_ns, version("transformers"),
+                      version("tokenizers")])
+    return cache_root() / "gguf-tokenizers" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
+def _cached(cache: Path) -> tuple[Any, dict[str, Any], str | None] | None:
+    """What :func:`_from_metadata` returned for the same file, read back from ``cache``; None when absent or
+    unreadable."""
+    from tokenizers import Tokenizer
+
+    try:
+        data = json.loads(cache.read_text())
+        return Tokenizer.from_str(data["tokenizer"]), data["config"], data["warning"]
+    except Exception:  # noqa: BLE001 - a missing, cut or foreign cache file is rebuilt
+        return None
+
+
+def _keep(cache: Path, backend: Any, config: dict[str, Any], warning: str | None) -> None:
+    """Write ``cache`` atomically; a cache that cannot be written (read-only home, full disk) is skipped."""
+    try:
+        data = json.dumps({"tokenizer": backend.to_str(), "config": config, "warning": warning})
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
+        tmp.write_text(data)
+        os.replace(tmp, cache)
+    except (OSError, TypeError, ValueError) as e:
+        log.debug("tokenizer cache %s not written: %s", cache, e)
+
+
+def _backend(path: Path) -> tuple[Any, dict[str, Any]] | None:
+    """``(tokenizers.Tokenizer, tokenizer_config kwargs)`` of ``path`` from the cache or built (then cached); None
+    when the library has no converter."""
+    cache = _cache_file(path)
+    got = _cached(cache)
+    if got is None:
+        library = _library_converter()
+        if library is None:
+            return None
+        got = _from_metadata(path, library)
+        _keep(cache, *got)
+    backend, config, warning = got
+    if warning:
+        log.warning("%s", warning)
+    return backend, config
 
 
 def gguf_tokenizer(path: str | Path) -> Any:
-    """A ``transformers.PreTrainedTokenizerFast`` built from the GGUF file ``path``'s metadata (nothing written):
-    its special tokens, ``add_bos_token``, chat template (``tokenizer.chat_template``) and ``model_max_length``
+    """A ``transformers.PreTrainedTokenizerFast`` built from the GGUF file ``path``'s metadata (or read from the
+    tokenizer cache, module docstring): its special tokens, ``add_bos_token``, chat template (``tokenizer.chat_template``) and ``model_max_length``
     (``<arch>.context_length``, else 2048).
 
     Raises:
@@ -134,14 +196,14 @@ def gguf_tokenizer(path: str | Path) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     path = Path(path)
-    library = _library_converter()
     try:
-        if library is None:
+        built = _backend(path)
+        if built is None:
             from transformers import AutoTokenizer   # NOTE: here only: transformers' auto classes import torch
 
             hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         else:
-            backend, config = _from_metadata(path, library)
+            backend, config = built
             hf = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False,
                                          model_max_length=_max_len(path), **config)
     except ModelLoadError:
