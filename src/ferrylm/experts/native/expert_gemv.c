@@ -36,9 +36,20 @@
 #endif
 
 #define TB 4   /* tokens per pass over a decoded weight row */
+/* the lane kernels' blocking (isa_kernels.h): weight rows a pass share each activation load, lane tiles a pass share
+ * each decoded weight block; the best of 1-4 on Zen 4 */
+#define Q4K_RB 4
+#define Q4K_NS 1
+#define Q8_RB 2
+#define Q8_NS 2
+#define RB_MAX 4
+#define NS_MAX 2
 #define TT 64  /* tokens per tile (rows in isa_kernels.h) */
 #define LANES 16    /* tokens a pass of the level-2 Q4_K / Q8_0 row loops, one per 32-bit lane */
 #define LANE_MIN 8  /* a tile of at least this many tokens takes the lanes */
+#define TILE_FLOATS(k) ((k) * LANES / 4 + (k) / 32 * LANES + (k) / 256 * LANES)  /* one lane tile (isa_kernels.h) */
+#define ROWBUF_FLOATS(k) ((k) + TT / LANES * TILE_FLOATS(k))  /* a thread's scratch: K floats (an fp8 row, scale
+                                                                 * tables), then the lane tiles of a token tile */
 #define PF_BYTES 4096  /* the integer row loops prefetch this far ahead of the block they read (rows lie in turn) */
 #define KIND_BF16 10
 #define KIND_F32 11
@@ -299,9 +310,7 @@ static void quantize_token(const float *x, int64_t K, const qact *a, int64_t m, 
     }
 }
 
-/* float scratch rows of n threads, kmax floats each (thread i's at i * kmax) */
-/* a thread's scratch: K floats (an fp8 row, scale tables), then the 16-token tile */
-#define ROWBUF_FLOATS(k) (6 * (k))
+/* the scratch of n threads, ROWBUF_FLOATS(kmax) floats each */
 static float *rowbufs_alloc(int n, int64_t kmax) {
     const size_t bytes = sizeof(float) * (size_t)(ROWBUF_FLOATS(kmax) * n);
     return (float *)aligned_alloc(64, (bytes + 63) / 64 * 64);

@@ -378,73 +378,151 @@ static void SFX(tile_q8)(const qact *a, int64_t K, int64_t m0, int n, float *t) 
         for (int i = 0; i < LANES; i++) dx[c * LANES + i] = i < n ? a->d[(m0 + i) * (K / 32) + c] : 0.0f;
 }
 
-/* out[0:16] = Q8_0 row w . the tile's 16 tokens (tile_q8): per block, sum (x + 128) w by vpdpbusd less 128 sum(w),
- * times the block's scale and each token's dx in float32 */
-static void SFX(q8_0_dot16)(const qrow *w, int64_t K, const float *t, float *out) {
-    const int32_t *xu = (const int32_t *)t;
-    const float *dx = t + K * LANES / 4;
+/* out[(s * NR + r) * 16 + i] = Q8_0 row w[r] . token i of tile s (tile_q8; tiles TILE_FLOATS(K) floats apart),
+ * r < NR, s < NS: per block, sum (x + 128) w by vpdpbusd less 128 sum(w), times the block's scale and each token's
+ * dx in float32. A block's codes are read once for the NS tiles, an activation load serves the NR rows. */
+static inline __attribute__((always_inline)) void SFX(q8_0_dot16)(const qrow *w, const int NR, const float *tiles,
+                                                                    const int NS, int64_t K, float *out) {
     const __m256i flip = _mm256_set1_epi8((char)0x80);
-    __m512 acc = _mm512_setzero_ps();
+    const int64_t tf = TILE_FLOATS(K);
+    __m512 acc[NS_MAX][RB_MAX];
+    for (int s = 0; s < NS; s++)
+        for (int r = 0; r < NR; r++) acc[s][r] = _mm512_setzero_ps();
     for (int64_t c = 0; c < K / 32; c++) {
-        const uint8_t *b = w->d + 34 * c;
-        if ((c & 1) == 0) prefetch_ahead(b, 1);
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 2));
-        const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(v, flip), _mm256_setzero_si256());
-        const __m128i s2 = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
-        const int32_t wsum = (int32_t)(_mm_cvtsi128_si64(s2) + _mm_extract_epi64(s2, 1)) - 32 * 128;
-        int32_t cw[8];
-        _mm256_storeu_si256((__m256i *)cw, v);
-        const int32_t *x = xu + 8 * c * LANES;
-        __m512i s0 = _mm512_set1_epi32(-128 * wsum), s1 = _mm512_setzero_si512();
-        for (int u = 0; u < 8; u += 2) {
-            s0 = _mm512_dpbusd_epi32(s0, _mm512_load_si512((const void *)(x + u * LANES)), _mm512_set1_epi32(cw[u]));
-            s1 = _mm512_dpbusd_epi32(s1, _mm512_load_si512((const void *)(x + (u + 1) * LANES)),
-                                     _mm512_set1_epi32(cw[u + 1]));
+        int32_t cw[RB_MAX][8], wsum[RB_MAX];
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *b = w[r].d + 34 * c;
+            if ((c & 1) == 0) prefetch_ahead(b, 1);
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 2));
+            const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(v, flip), _mm256_setzero_si256());
+            const __m128i s2 = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
+            wsum[r] = (int32_t)(_mm_cvtsi128_si64(s2) + _mm_extract_epi64(s2, 1)) - 32 * 128;
+            _mm256_storeu_si256((__m256i *)cw[r], v);
         }
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
-                              _mm512_mul_ps(_mm512_load_ps(dx + c * LANES), _mm512_set1_ps(F16(b))), acc);
+        for (int s = 0; s < NS; s++) {
+            const int32_t *x = (const int32_t *)(tiles + s * tf) + 8 * c * LANES;
+            const float *dx = tiles + s * tf + K * LANES / 4;
+            __m512i s0[RB_MAX], s1[RB_MAX];
+            for (int r = 0; r < NR; r++) {
+                s0[r] = _mm512_set1_epi32(-128 * wsum[r]);
+                s1[r] = _mm512_setzero_si512();
+            }
+            for (int u = 0; u < 8; u += 2) {
+                const __m512i x0 = _mm512_load_si512((const void *)(x + u * LANES));
+                const __m512i x1 = _mm512_load_si512((const void *)(x + (u + 1) * LANES));
+                for (int r = 0; r < NR; r++) {
+                    s0[r] = _mm512_dpbusd_epi32(s0[r], x0, _mm512_set1_epi32(cw[r][u]));
+                    s1[r] = _mm512_dpbusd_epi32(s1[r], x1, _mm512_set1_epi32(cw[r][u + 1]));
+                }
+            }
+            const __m512 d = _mm512_load_ps(dx + c * LANES);
+            for (int r = 0; r < NR; r++)
+                acc[s][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0[r], s1[r])),
+                                            _mm512_mul_ps(d, _mm512_set1_ps(F16(w[r].d + 34 * c))), acc[s][r]);
+        }
     }
-    _mm512_storeu_ps(out, acc);
+    for (int s = 0; s < NS; s++)
+        for (int r = 0; r < NR; r++) _mm512_storeu_ps(out + (s * NR + r) * LANES, acc[s][r]);
 }
 
-/* out[0:16] = Q4_K row w . the tile's 16 tokens (tile_q8k), the same sums as kdot_nt (the sub-block scales applied
- * in float32) */
-static void SFX(q4k_dot16)(const qrow *w, int64_t K, const float *t, float *out) {
-    const int32_t *xr = (const int32_t *)t;
-    const float *bs = t + K * LANES / 4, *dk = bs + K / 32 * LANES;
+/* out[(s * NR + r) * 16 + i] = Q4_K row w[r] . token i of tile s (tile_q8k), r < NR, s < NS, the same sums as
+ * kdot_nt (the sub-block scales applied in float32). A block's codes are decoded once for the NS tiles, an
+ * activation load serves the NR rows. */
+static inline __attribute__((always_inline)) void SFX(q4k_dot16)(const qrow *w, const int NR, const float *tiles,
+                                                                   const int NS, int64_t K, float *out) {
     const __m256i m4 = _mm256_set1_epi8(15);
-    __m512 acc = _mm512_setzero_ps();
+    const int64_t tf = TILE_FLOATS(K);
+    __m512 acc[NS_MAX][RB_MAX];
+    for (int s = 0; s < NS; s++)
+        for (int r = 0; r < NR; r++) acc[s][r] = _mm512_setzero_ps();
     for (int64_t ib = 0; ib < K / 256; ib++) {
-        const uint8_t *b = w->d + 144 * ib;
-        prefetch_ahead(b, 3);
-        uint32_t sm[4];
-        kq_scale_bytes(b, sm);
-        const uint8_t *sc = (const uint8_t *)sm, *mn = sc + 8;
-        int32_t codes[64];
-        for (int g = 0; g < 4; g++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * g));
-            _mm256_storeu_si256((__m256i *)(codes + 16 * g), _mm256_and_si256(q, m4));
-            _mm256_storeu_si256((__m256i *)(codes + 16 * g + 8), _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
-        }
-        __m512 accb = _mm512_setzero_ps(), accm = _mm512_setzero_ps();
-        const int32_t *x = xr + ib * 64 * LANES;
-        for (int j = 0; j < 8; j++) {
-            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-            for (int u = 0; u < 8; u += 2) {
-                s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(codes[8 * j + u]),
-                                         _mm512_load_si512((const void *)(x + (8 * j + u) * LANES)));
-                s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(codes[8 * j + u + 1]),
-                                         _mm512_load_si512((const void *)(x + (8 * j + u + 1) * LANES)));
+        uint32_t sm[RB_MAX][4];
+        int32_t codes[RB_MAX][64];
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *b = w[r].d + 144 * ib;
+            prefetch_ahead(b, 3);
+            kq_scale_bytes(b, sm[r]);
+            for (int g = 0; g < 4; g++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * g));
+                _mm256_storeu_si256((__m256i *)(codes[r] + 16 * g), _mm256_and_si256(q, m4));
+                _mm256_storeu_si256((__m256i *)(codes[r] + 16 * g + 8), _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
             }
-            accb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_set1_ps((float)sc[j]), accb);
-            accm = _mm512_fmadd_ps(_mm512_load_ps(bs + (8 * ib + j) * LANES), _mm512_set1_ps((float)mn[j]), accm);
         }
-        const __m512 d = _mm512_load_ps(dk + ib * LANES);
-        acc = _mm512_fmadd_ps(accb, _mm512_mul_ps(d, _mm512_set1_ps(F16(b))), acc);
-        acc = _mm512_fnmadd_ps(accm, _mm512_mul_ps(d, _mm512_set1_ps(F16(b + 2))), acc);
+        for (int s = 0; s < NS; s++) {
+            const int32_t *x = (const int32_t *)(tiles + s * tf) + ib * 64 * LANES;
+            const float *bs = tiles + s * tf + K * LANES / 4, *dk = bs + K / 32 * LANES;
+            __m512 accb[RB_MAX], accm[RB_MAX];
+            for (int r = 0; r < NR; r++) accb[r] = accm[r] = _mm512_setzero_ps();
+            for (int j = 0; j < 8; j++) {
+                __m512i s0[RB_MAX], s1[RB_MAX];
+                for (int r = 0; r < NR; r++) s0[r] = s1[r] = _mm512_setzero_si512();
+                for (int u = 0; u < 8; u += 2) {
+                    const __m512i x0 = _mm512_load_si512((const void *)(x + (8 * j + u) * LANES));
+                    const __m512i x1 = _mm512_load_si512((const void *)(x + (8 * j + u + 1) * LANES));
+                    for (int r = 0; r < NR; r++) {
+                        s0[r] = _mm512_dpbusd_epi32(s0[r], _mm512_set1_epi32(codes[r][8 * j + u]), x0);
+                        s1[r] = _mm512_dpbusd_epi32(s1[r], _mm512_set1_epi32(codes[r][8 * j + u + 1]), x1);
+                    }
+                }
+                const __m512 bsj = _mm512_load_ps(bs + (8 * ib + j) * LANES);
+                for (int r = 0; r < NR; r++) {
+                    const uint8_t *sc = (const uint8_t *)sm[r];
+                    accb[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0[r], s1[r])),
+                                              _mm512_set1_ps((float)sc[j]), accb[r]);
+                    accm[r] = _mm512_fmadd_ps(bsj, _mm512_set1_ps((float)sc[8 + j]), accm[r]);
+                }
+            }
+            const __m512 d = _mm512_load_ps(dk + ib * LANES);
+            for (int r = 0; r < NR; r++) {
+                const uint8_t *b = w[r].d + 144 * ib;
+                acc[s][r] = _mm512_fmadd_ps(accb[r], _mm512_mul_ps(d, _mm512_set1_ps(F16(b))), acc[s][r]);
+                acc[s][r] = _mm512_fnmadd_ps(accm[r], _mm512_mul_ps(d, _mm512_set1_ps(F16(b + 2))), acc[s][r]);
+            }
+        }
     }
-    _mm512_storeu_ps(out, acc);
+    for (int s = 0; s < NS; s++)
+        for (int r = 0; r < NR; r++) _mm512_storeu_ps(out + (s * NR + r) * LANES, acc[s][r]);
 }
+
+/* rows (nr of them) against tiles (ns of them) with a kernel's blocking: full blocks take the compile-time sizes */
+#define LANE_DOT(FN, RBK, NSK, w, nr, ts, ns, K, out)                                                          \
+    do {                                                                                                       \
+        if ((nr) == (RBK) && (ns) == (NSK)) FN(w, RBK, ts, NSK, K, out);                                       \
+        else if ((nr) == (RBK)) FN(w, RBK, ts, 1, K, out);                                                     \
+        else if ((ns) == (NSK)) FN(w, 1, ts, NSK, K, out);                                                     \
+        else FN(w, 1, ts, 1, K, out);                                                                          \
+    } while (0)
+
+/* rows [r0, r1) of a Q4_K (6) or Q8_0 (5) projection against the lane tiles at tiles (TILE_FLOATS(K) apart;
+ * tile s holds tokens t0 + 16 s .., nx in all): the kind's block of rows and tiles a pass while they last, then one */
+static void SFX(tile_rows)(const qproj *q, const uint8_t *base, int64_t r0, int64_t r1, int64_t K, const float *tiles,
+                           int64_t t0, int64_t nx, float *y, int64_t ldy, const float *scale) {
+    float out[NS_MAX * RB_MAX * LANES];
+    const int q4k = q->kind == 6, rb = q4k ? Q4K_RB : Q8_RB, nsb = q4k ? Q4K_NS : Q8_NS;
+    const int64_t nsub = (nx + LANES - 1) / LANES;
+    for (int64_t r = r0; r < r1;) {
+        const int nr = r1 - r >= rb ? rb : 1;
+        qrow w[RB_MAX];
+        for (int i = 0; i < nr; i++) w[i] = qrow_of(q, base, r + i, K);
+        for (int64_t s = 0; s < nsub;) {
+            const int ns = nsub - s >= nsb ? nsb : 1;
+            const float *ts = tiles + s * TILE_FLOATS(K);
+            if (q4k) LANE_DOT(SFX(q4k_dot16), Q4K_RB, Q4K_NS, w, nr, ts, ns, K, out);
+            else LANE_DOT(SFX(q8_0_dot16), Q8_RB, Q8_NS, w, nr, ts, ns, K, out);
+            for (int si = 0; si < ns; si++) {
+                const int64_t m = t0 + (s + si) * LANES;
+                const int n = (int)(t0 + nx - m < LANES ? t0 + nx - m : LANES);
+                for (int i = 0; i < nr; i++) {
+                    const float *o = out + (si * nr + i) * LANES;
+                    for (int t = 0; t < n; t++) y[(m + t) * ldy + r + i] = scale ? o[t] * scale[m + t] : o[t];
+                }
+            }
+            s += ns;
+        }
+        r += nr;
+    }
+}
+#undef LANE_DOT
 #endif
 
 #if ISA_LEVEL == 2
@@ -718,18 +796,13 @@ static void SFX(rows)(const qproj *q, const uint8_t *base, int64_t r0, int64_t r
         const int64_t te = tt + TT < nx ? tt + TT : nx;
 #if ISA_LEVEL == 2
         if ((q->kind == 6 || q->kind == 5) && te - tt >= LANE_MIN) {  /* Q4_K, Q8_0: 16 tokens a pass, in lanes */
-            float *tile = f + K, out[LANES];
             for (int64_t t0 = tt; t0 < te; t0 += LANES) {
                 const int n = (int)(te - t0 < LANES ? te - t0 : LANES);
+                float *tile = f + K + (t0 - tt) / LANES * TILE_FLOATS(K);
                 if (q->kind == 6) SFX(tile_q8k)(&a->q, K, m0 + t0, n, tile);
                 else SFX(tile_q8)(&a->q, K, m0 + t0, n, tile);
-                for (int64_t r = r0; r < r1; r++) {
-                    const qrow w = qrow_of(q, base, r, K);
-                    if (q->kind == 6) SFX(q4k_dot16)(&w, K, tile, out);
-                    else SFX(q8_0_dot16)(&w, K, tile, out);
-                    for (int t = 0; t < n; t++) y[(t0 + t) * ldy + r] = scale ? out[t] * scale[t0 + t] : out[t];
-                }
             }
+            SFX(tile_rows)(q, base, r0, r1, K, f + K, tt, te - tt, y, ldy, scale);
             continue;
         }
 #endif
