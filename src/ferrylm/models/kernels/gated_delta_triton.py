@@ -62,6 +62,9 @@ def _scan_kernel(q_ptr, k_ptr, g_ptr, w_ptr, s0_ptr, o_ptr, s_ptr, T, H, N,
     tl.store(s_ptr + s_off, S, mask=s_mask)
 
 
+NUM_STAGES = 1   # the chunk loop's loads are not pipelined: at Dk = 128 three stages need 265 KiB of shared memory
+
+
 def _block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
@@ -84,7 +87,8 @@ def scan_chunks_triton(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, w: tor
     bk = _block(dk)
     try:
         _scan_kernel[(h, triton.cdiv(dv, bv))](q, k, g, w, s0, out, final, t, h, n, DK=dk, DV=dv, BK=bk, BV=bv,
-                                               C=chunk, num_warps=8 if bk >= 128 else 4)
+                                               C=chunk, num_warps=8 if bk >= 128 else 4,
+                                               num_stages=NUM_STAGES)
     except (triton.CompilationError, triton.runtime.errors.OutOfResources) as e:
         raise KernelUnavailable(f"{type(e).__name__}: {e}") from e
     return out, final
