@@ -109,27 +109,3 @@ def test_varlen_conv_matches_conv1d_per_sequence():
         want = F.silu(F.conv1d(full.T[None], w[:, None, :], groups=c)[0].T)
         torch.testing.assert_close(y[lo:hi], want)
         torch.testing.assert_close(new_prev[i], full[-(kernel - 1):])
-
-
-def test_chunked_falls_back_to_torch_when_the_triton_kernel_cannot_build(monkeypatch):
-    """A scan kernel Triton cannot compile here (resources) is reported once and the torch scan takes over."""
-    pytest.importorskip("triton")
-    import ferrylm.models.kernels.gated_delta as gd
-    import ferrylm.models.kernels.gated_delta_triton as gdt
-    import ferrylm.triton_util as tu
-
-    calls = []
-
-    def broken(*a, **kw):
-        calls.append(1)
-        raise gdt.KernelUnavailable("OutOfResources: shared memory")
-
-    monkeypatch.setattr(tu, "use_triton", lambda x: True)
-    monkeypatch.setattr(gdt, "scan_chunks_triton", broken)
-    monkeypatch.setattr(gd, "_TRITON_BROKEN", [])
-    q, k, v, g, beta, s0 = _inputs(20, 2, 8, 8, seed=1)
-    for _ in range(2):
-        out, state = gd.chunked(q, k, v, g, beta, s0)
-        ref, ref_state = gated_delta_chunked(q, k, v, g, beta, s0)
-        assert torch.equal(out, ref) and torch.equal(state, ref_state)
-    assert calls == [1] and gd._TRITON_BROKEN

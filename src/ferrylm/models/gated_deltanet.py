@@ -232,7 +232,7 @@ class GatedDeltaNet(FusedLinears):
             lo, hi = starts[i], starts[i] + n
             slot = rs.slots[i:i + 1]
             state = torch.where(fresh[i:i + 1], 0.0, rec_state[slot])[0]
-            o, state = gd.chunked(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], state)
+            o, state = gd.gated_delta_chunked(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], state)
             out[lo:hi] = o
             rec_state.index_copy_(0, slot, state[None])
         return out

@@ -1,6 +1,6 @@
 """The gated delta rule (Yang, Kautz & Hatamizadeh 2024, "Gated Delta Networks: Improving Mamba2 with Delta Rule",
-eq. 10) and the short causal convolution in front of it: torch implementations, the CPU path and the reference
-the Triton kernels (``models/kernels/gated_delta_triton.py``) are tested against.
+eq. 10) and the short causal convolution in front of it: torch implementations (the prefill path on every device;
+the decode step's Triton kernel is tested against them).
 
 Per head, with a state ``S`` of ``[Dk, Dv]`` (keys index the rows), a token ``t`` with unit-norm key ``k_t``,
 query ``q_t`` (scaled by ``Dk ** -0.5``), value ``v_t``, log decay ``g_t <= 0`` and write strength ``beta_t``::
@@ -124,8 +124,7 @@ def chunk_solve(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.T
 def scan_chunks(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, w: torch.Tensor, state: torch.Tensor,
                 chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """The sequential part of the chunk form: chunk by chunk ``U = W_v - W_k S``, ``O = diag(G) Q S + ((Q K^T) * D)
-    U``, ``S <- G_C S + (K * (G_C / G))^T U``. A loop over chunks in torch: the CPU path and the reference of the
-    Triton scan (``gated_delta_triton.scan_chunks_triton``, same arguments and results).
+    U``, ``S <- G_C S + (K * (G_C / G))^T U``. A loop over chunks in torch, all heads batched in each product.
 
     Args:
         q, k: ``[T, H, Dk]`` float32; g: ``[T, H]``; w: :func:`chunk_solve`'s ``[H, n, C, Dv + Dk]``;
@@ -156,11 +155,11 @@ SOLVE_SCRATCH_BYTES = 256 << 20   # the chunk solve runs on groups of heads whos
 
 
 def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                        state: torch.Tensor | None = None, chunk: int = DEFAULT_CHUNK, scan=scan_chunks
+                        state: torch.Tensor | None = None, chunk: int = DEFAULT_CHUNK
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunk form (module docstring) for one sequence of any length: :func:`chunk_solve` on groups of heads
     (the last chunk zero-padded: a padded token has ``beta = 0`` and ``g = 0``, so it writes nothing and decays
-    nothing), then ``scan`` over the chunks (:func:`scan_chunks`, or the Triton scan on CUDA).
+    nothing), then :func:`scan_chunks` over the chunks.
 
     Args:
         q, k: ``[T, H, Dk]``; v: ``[T, H, Dv]``; g, beta: ``[T, H]``; state: ``[H, Dk, Dv]`` or None (zeros).
@@ -183,28 +182,7 @@ def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     for lo in range(0, h, group):
         hi = min(h, lo + group)
         w[lo:hi] = chunk_solve(k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], chunk)
-    return scan(q.float(), k.float(), g.float(), w, s, chunk)
-
-
-def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`gated_delta_chunked` with the Triton scan on CUDA (``models/kernels/gated_delta_triton.py``), the
-    torch scan elsewhere. Same arguments and results."""
-    from ferrylm.triton_util import use_triton
-
-    if use_triton(v) and not _TRITON_BROKEN:
-        from ferrylm.models.kernels.gated_delta_triton import KernelUnavailable, scan_chunks_triton
-
-        try:
-            return gated_delta_chunked(q, k, v, g, beta, state, scan=scan_chunks_triton)
-        except KernelUnavailable as e:   # it does not compile for these shapes here: the torch scan from now on
-            _TRITON_BROKEN.append(str(e))
-            log.warning("the Triton gated-delta scan kernel is unavailable (%s); prefill chunks of linear-attention "
-                        "layers use the torch scan", str(e).split("\n")[0][:200])
-    return gated_delta_chunked(q, k, v, g, beta, state)
-
-
-_TRITON_BROKEN: list[str] = []   # why the Triton scan kernel failed to build (empty: not failed)
+    return scan_chunks(q.float(), k.float(), g.float(), w, s, chunk)
 
 
 # --- the short causal convolution ------------------------------------------------------------------------------
