@@ -116,9 +116,11 @@ def test_a_second_start_reads_the_tokenizer_cache(qwen3, tmp_path, monkeypatch):
         assert second.encode(text) == first.encode(text), text
     assert (second.eos_token, second.chat_template, second.model_max_length) == \
         (first.eos_token, first.chat_template, first.model_max_length)
-    entries[0].write_text(entries[0].read_text()[:1000])            # cut: rebuilt, not an error
     monkeypatch.setattr(gt, "_library_converter", built)
-    assert gguf_tokenizer(path).encode(TEXTS[0]) == first.encode(TEXTS[0])
+    kept = entries[0].read_text()
+    for bad in (kept[:1000], json.dumps({**json.loads(kept), "config": [1]}), json.dumps({"tokenizer": 5})):
+        entries[0].write_text(bad)                                  # cut or foreign: rebuilt, not an error
+        assert gguf_tokenizer(path).encode(TEXTS[0]) == first.encode(TEXTS[0])
     assert json.loads(entries[0].read_text())["tokenizer"]
     os.utime(path, ns=(1, 1))
     gguf_tokenizer(path)

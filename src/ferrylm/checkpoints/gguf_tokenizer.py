@@ -151,7 +151,10 @@ def _cached(cache: Path) -> tuple[Any, dict[str, Any], str | None] | None:
 
     try:
         data = json.loads(cache.read_text())
-        return Tokenizer.from_str(data["tokenizer"]), data["config"], data["warning"]
+        config, warning = data["config"], data["warning"]
+        if not isinstance(config, dict) or not isinstance(warning, (str, type(None))):
+            return None
+        return Tokenizer.from_str(data["tokenizer"]), config, warning
     except Exception:  # noqa: BLE001 - a missing, cut or foreign cache file is rebuilt
         return None
 
@@ -187,8 +190,8 @@ def _backend(path: Path) -> tuple[Any, dict[str, Any]] | None:
 
 def gguf_tokenizer(path: str | Path) -> Any:
     """A ``transformers.PreTrainedTokenizerFast`` built from the GGUF file ``path``'s metadata (or read from the
-    tokenizer cache, module docstring): its special tokens, ``add_bos_token``, chat template (``tokenizer.chat_template``) and ``model_max_length``
-    (``<arch>.context_length``, else 2048).
+    tokenizer cache, module docstring): its special tokens, ``add_bos_token``, chat template
+    (``tokenizer.chat_template``) and ``model_max_length`` (``<arch>.context_length``, else 2048).
 
     Raises:
         ModelLoadError: the file has no tokenizer, or the library cannot build it (the message says why).
