@@ -10,8 +10,8 @@
  * against the Q8_K activation (kdot_nt). Float kinds (bf16, f32, fp8): float32 activations; fp8 rows decoded to
  * float32 first. At level 2, Q4_K and Q8_0 (the bulk of a GGUF's bytes) read 64 inputs a step on 512-bit registers
  * (q4k_dot512, q8_0_dot512); a tile of >= LANE_MIN tokens puts 16 tokens in the lanes (q4k_dot16, q8_0_dot16: one
- * vpdpbusd per 4 weight bytes for 16 tokens, each block's scales once for all); every integer row loop prefetches
- * PF_BYTES ahead. */
+ * vpdpbusd per 4 weight bytes for 16 tokens, each block's scales once for all; a pass takes several rows and tiles:
+ * tile_rows); every integer row loop prefetches PF_BYTES ahead. */
 
 /* ---- primitives ---------------------------------------------------------------------------------------- */
 #if ISA_LEVEL >= 1
