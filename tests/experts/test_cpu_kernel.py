@@ -189,6 +189,9 @@ def test_unwritable_cache_builds_uncached_with_a_warning(tmp_path, kernel, caplo
         k = NativeExpertKernel.build(blocker)
     assert "cannot write the kernel cache" in caplog.text
     assert not str(k.path).startswith(str(blocker)) and k.isa == kernel.isa
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ferrylm.experts"):   # built once per process, not per caller
+        assert NativeExpertKernel.build(blocker) is k and not caplog.text
     rows = [torch.ones(3 * I * H) * 0.01]
     out = k.run(torch.ones(1, H), torch.ones(1), rows, [0], [1], H, I, 1)
     assert torch.allclose(out.double(), reference(torch.ones(1, H), torch.ones(1), rows, [1]), atol=1e-6)

@@ -5,6 +5,7 @@ text exactly as the original tokenizer does, and the server renders chats with `
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -101,7 +102,8 @@ def test_gguf_tokenizer_loads_without_torch(qwen3, tmp_path):
 
 def test_a_second_start_reads_the_tokenizer_cache(qwen3, tmp_path, monkeypatch):
     """The built tokenizer is kept in the cache: a second load of the same file does not run the converter and
-    encodes alike; a cut cache file is rebuilt; a file changed in place gets a new entry."""
+    encodes alike; an entry cut, altered (its digest differs) or of another shape is rebuilt from the file; a file
+    changed in place gets a new entry."""
     from ferrylm.checkpoints import gguf_tokenizer as gt
 
     monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path / "cache"))
@@ -117,11 +119,22 @@ def test_a_second_start_reads_the_tokenizer_cache(qwen3, tmp_path, monkeypatch):
     assert (second.eos_token, second.chat_template, second.model_max_length) == \
         (first.eos_token, first.chat_template, first.model_max_length)
     monkeypatch.setattr(gt, "_library_converter", built)
-    kept = entries[0].read_text()
-    for bad in (kept[:1000], json.dumps({**json.loads(kept), "config": [1]}), json.dumps({"tokenizer": 5})):
-        entries[0].write_text(bad)                                  # cut or foreign: rebuilt, not an error
-        assert gguf_tokenizer(path).encode(TEXTS[0]) == first.encode(TEXTS[0])
-    assert json.loads(entries[0].read_text())["tokenizer"]
+    digest, _, text = entries[0].read_text().partition("\n")
+    kept = json.loads(text)
+
+    def signed(data: dict) -> str:   # an entry altered with a matching digest: it must still assemble
+        body = json.dumps(data)
+        return f"{hashlib.sha256(body.encode()).hexdigest()}\n{body}"
+
+    bad_entries = (digest + "\n" + text[:1000],                               # cut
+                   digest + "\n" + text.replace("<|im_end|>", "<|im_end|>x"),  # altered: the digest differs
+                   signed({**kept, "config": [1]}), signed({"tokenizer": 5}),
+                   signed({**kept, "config": {**kept["config"], "eos_token": 7}}))
+    for bad in bad_entries:
+        entries[0].write_text(bad)                                  # rebuilt from the file, not an error
+        tok = gguf_tokenizer(path)
+        assert tok.encode(TEXTS[0]) == first.encode(TEXTS[0]) and tok.eos_token == first.eos_token
+        assert entries[0].read_text().partition("\n")[0] == digest
     os.utime(path, ns=(1, 1))
     gguf_tokenizer(path)
     assert len(list(entries[0].parent.glob("*.json"))) == 2

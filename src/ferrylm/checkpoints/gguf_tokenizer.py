@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 #: ``tokenizer.ggml.pre`` values whose llama.cpp pre-tokenizer isolates every digit before the GPT-2 split
 DIGITS_THEN_GPT2 = frozenset({"smollm", "starcoder", "refact", "codeshell"})
 _DEFAULT_MAX_LEN = 2048
-CACHE_FORMAT = 1   # bump when what the cache holds changes
+CACHE_FORMAT = 2   # bump when what the cache holds changes
 
 
 def _library_converter() -> tuple[Any, dict] | None:
@@ -145,47 +145,64 @@ def _cache_file(path: Path) -> Path:
 
 
 def _cached(cache: Path) -> tuple[Any, dict[str, Any], str | None] | None:
-    """What :func:`_from_metadata` returned for the same file, read back from ``cache``; None when absent or
-    unreadable."""
+    """What :func:`_from_metadata` returned for the same file, read back from ``cache`` (its first line is the
+    SHA-256 of the rest); None when absent, cut, altered or of another shape."""
     from tokenizers import Tokenizer
 
     try:
-        data = json.loads(cache.read_text())
+        digest, _, text = cache.read_text().partition("\n")
+        if hashlib.sha256(text.encode()).hexdigest() != digest:
+            return None
+        data = json.loads(text)
         config, warning = data["config"], data["warning"]
         if not isinstance(config, dict) or not isinstance(warning, (str, type(None))):
             return None
         return Tokenizer.from_str(data["tokenizer"]), config, warning
-    except Exception:  # noqa: BLE001 - a missing, cut or foreign cache file is rebuilt
+    except Exception:  # noqa: BLE001 - a missing or foreign cache file is rebuilt
         return None
 
 
 def _keep(cache: Path, backend: Any, config: dict[str, Any], warning: str | None) -> None:
     """Write ``cache`` atomically; a cache that cannot be written (read-only home, full disk) is skipped."""
     try:
-        data = json.dumps({"tokenizer": backend.to_str(), "config": config, "warning": warning})
+        text = json.dumps({"tokenizer": backend.to_str(), "config": config, "warning": warning})
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
-        tmp.write_text(data)
+        tmp.write_text(f"{hashlib.sha256(text.encode()).hexdigest()}\n{text}")
         os.replace(tmp, cache)
     except (OSError, TypeError, ValueError) as e:
         log.debug("tokenizer cache %s not written: %s", cache, e)
 
 
-def _backend(path: Path) -> tuple[Any, dict[str, Any]] | None:
-    """``(tokenizers.Tokenizer, tokenizer_config kwargs)`` of ``path`` from the cache or built (then cached); None
-    when the library has no converter."""
-    cache = _cache_file(path)
-    got = _cached(cache)
-    if got is None:
-        library = _library_converter()
-        if library is None:
-            return None
-        got = _from_metadata(path, library)
-        _keep(cache, *got)
-    backend, config, warning = got
+def _assemble(path: Path, backend: Any, config: dict[str, Any], warning: str | None) -> Any:
+    """The ``PreTrainedTokenizerFast`` over ``backend`` with ``config`` (tokenizer_config kwargs); logs ``warning``."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False,
+                                 model_max_length=_max_len(path), **config)
     if warning:
         log.warning("%s", warning)
-    return backend, config
+    return hf
+
+
+def _built(path: Path) -> Any:
+    """The tokenizer of ``path`` from the tokenizer cache, else built from the metadata (then cached)."""
+    cache = _cache_file(path)
+    got = _cached(cache)
+    if got is not None:
+        try:
+            return _assemble(path, *got)
+        except Exception as e:  # noqa: BLE001 - an entry that does not assemble is rebuilt from the file
+            log.warning("the cached tokenizer %s does not load (%s); building it again from the GGUF", cache, e)
+    library = _library_converter()
+    if library is None:
+        from transformers import AutoTokenizer   # NOTE: here only: transformers' auto classes import torch
+
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    got = _from_metadata(path, library)
+    hf = _assemble(path, *got)
+    _keep(cache, *got)
+    return hf
 
 
 def gguf_tokenizer(path: str | Path) -> Any:
@@ -196,19 +213,9 @@ def gguf_tokenizer(path: str | Path) -> Any:
     Raises:
         ModelLoadError: the file has no tokenizer, or the library cannot build it (the message says why).
     """
-    from transformers import PreTrainedTokenizerFast
-
     path = Path(path)
     try:
-        built = _backend(path)
-        if built is None:
-            from transformers import AutoTokenizer   # NOTE: here only: transformers' auto classes import torch
-
-            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        else:
-            backend, config = built
-            hf = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False,
-                                         model_max_length=_max_len(path), **config)
+        hf = _built(path)
     except ModelLoadError:
         raise
     except Exception as e:  # noqa: BLE001 - any failure means the same thing to the user

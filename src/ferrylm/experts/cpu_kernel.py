@@ -20,6 +20,7 @@ not build), ``torch``.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -69,28 +70,7 @@ class NativeExpertKernel:
             KernelBuildError: no compiler, the compile failed, or the library does not load.
         """
         cc_cmd = shlex.split(cc or os.environ.get("CC") or "cc")
-        srcs = read_sources()
-        key = hashlib.sha256("\0".join([*srcs.values(), " ".join(cc_cmd + CFLAGS), compiler_version(cc_cmd),
-                                         platform.machine()]).encode()).hexdigest()[:16]
-        folder = (root or cache_root()) / "kernels"
-        lib_path = folder / f"expert_gemv-{key}.so"
-        if lib_path.exists():
-            try:
-                return cls._load(lib_path)
-            except KernelBuildError as e:  # a broken cached build (truncated, overwritten): build it again
-                log.warning("CPU experts: the cached native kernel does not load (%s); rebuilding it", e)
-                lib_path.unlink(missing_ok=True)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=folder) as tmp:
-                os.replace(compile_library(cc_cmd, srcs, Path(tmp)), lib_path)
-        except OSError as e:
-            log.warning("CPU experts: cannot write the kernel cache %s (%s); building the native kernel in a "
-                        "temporary folder (set $FERRYLM_CACHE_DIR to a writable folder to keep it)", folder, e)
-            with tempfile.TemporaryDirectory(prefix="ferrylm-kernel-") as tmp:
-                return cls._load(compile_library(cc_cmd, srcs, Path(tmp)))  # Linux: the loaded library outlives its file
-        log.info("CPU experts: built the native kernel %s", lib_path)
-        return cls._load(lib_path)
+        return _build_once((root or cache_root()) / "kernels", tuple(cc_cmd))
 
     @classmethod
     def _load(cls, lib_path: Path) -> "NativeExpertKernel":
@@ -372,6 +352,33 @@ def _check_rows(rows: list[torch.Tensor], layout, hidden: int, inter: int) -> No
     if dt not in PLAIN_KIND or any(r.dtype != dt or not r.is_contiguous() or r.numel() != 3 * hidden * inter
                                     for r in rows):
         raise ValueError("expert rows must be contiguous [3*I*H] tensors, all bfloat16 or all float32")
+
+
+@functools.cache
+def _build_once(folder: Path, cc_cmd: tuple[str, ...]) -> NativeExpertKernel:
+    """:meth:`NativeExpertKernel.build` for one kernel folder and compiler, once per process (a folder that cannot
+    be written would otherwise compile again for every caller)."""
+    srcs = read_sources()
+    key = hashlib.sha256("\0".join([*srcs.values(), " ".join([*cc_cmd, *CFLAGS]), compiler_version(list(cc_cmd)),
+                                     platform.machine()]).encode()).hexdigest()[:16]
+    lib_path = folder / f"expert_gemv-{key}.so"
+    if lib_path.exists():
+        try:
+            return NativeExpertKernel._load(lib_path)
+        except KernelBuildError as e:  # a broken cached build (truncated, overwritten): build it again
+            log.warning("CPU experts: the cached native kernel does not load (%s); rebuilding it", e)
+            lib_path.unlink(missing_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            os.replace(compile_library(list(cc_cmd), srcs, Path(tmp)), lib_path)
+    except OSError as e:
+        log.warning("CPU experts: cannot write the kernel cache %s (%s); building the native kernel in a "
+                    "temporary folder (set $FERRYLM_CACHE_DIR to a writable folder to keep it)", folder, e)
+        with tempfile.TemporaryDirectory(prefix="ferrylm-kernel-") as tmp:
+            return NativeExpertKernel._load(compile_library(list(cc_cmd), srcs, Path(tmp)))  # the library outlives its file
+    log.info("CPU experts: built the native kernel %s", lib_path)
+    return NativeExpertKernel._load(lib_path)
 
 
 def load_kernel(mode: str, root: Path | None = None) -> NativeExpertKernel | None:
