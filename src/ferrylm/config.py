@@ -24,6 +24,9 @@ CACHE_POLICIES = ("layer-lru", "lru", "layer-lrfu")
 DECODE_GRAPH_MODES = ("auto", "off", "eager", "cuda")  # EngineConfig.decode_graphs, see engine/decode_graph.py
 #: ``--ple-backend``: where per-layer embedding tables live (checkpoints/ple_tables.py; auto: engine/ple_choice.py)
 PLE_BACKENDS = ("auto", "gpu", "host", "disk")
+#: a ferrylm-only config.json key (never in HF checkpoints): when true, every MoE router has a bias ``gate.bias [E]``
+#: added to its logits (models/moe.py); synthetic models with skew > 0 set it (synthetic/spec.py)
+ROUTER_BIAS_KEY = "ferrylm_router_bias"
 
 @dataclass(frozen=True)
 class ModelConfig:

@@ -110,7 +110,7 @@ def test_synthetic_block_quant_builds_and_backends_agree(quant):
     from tests.models.test_synthetic import tiny
 
     from ferrylm.synthetic.spec import SyntheticSpec
-    from ferrylm.synthetic.build import build_synthetic
+    from ferrylm.checkpoints.synthetic_build import build_synthetic
 
     preset = tiny("qwen3-30b-a3b", moe_intermediate_size=256, hidden_size=256, head_dim=32)
     spec = SyntheticSpec(preset, 2, quant=quant)

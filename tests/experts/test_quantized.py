@@ -18,7 +18,7 @@ from ferrylm.experts.quantized import E2M1_VALUES, ExpertQuant, QuantFormat, Qua
 from ferrylm.experts.resident import run_grouped
 from ferrylm.experts.work import ExpertStage, LayerWork, staged_moe_output
 from ferrylm.synthetic.spec import SyntheticSpec, parse_synthetic_spec
-from ferrylm.synthetic.build import build_synthetic
+from ferrylm.checkpoints.synthetic_build import build_synthetic
 
 FORMATS = {
     "int4": ExpertQuant(QuantFormat("int4", 16), QuantFormat("int4", 16)),

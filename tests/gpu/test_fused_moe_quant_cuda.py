@@ -62,7 +62,7 @@ def test_synthetic_quant_on_cuda_matches_cpu(quant):
 
     from ferrylm.models.reference_attention import DenseCausalAttention
     from ferrylm.synthetic.spec import SyntheticSpec
-    from ferrylm.synthetic.build import build_synthetic
+    from ferrylm.checkpoints.synthetic_build import build_synthetic
 
     spec = SyntheticSpec(tiny("qwen3-30b-a3b", moe_intermediate_size=128, hidden_size=256, head_dim=64), 3,
                          quant=quant)

@@ -321,7 +321,7 @@ def test_synthetic_presets_route_by_the_qwen3_profile_and_generate(monkeypatch, 
     from ferrylm.llm import LLM
     from ferrylm.synthetic.presets import PRESETS
     from ferrylm.synthetic.spec import default_prompt_ids, parse_synthetic_spec
-    from ferrylm.synthetic.build import build_synthetic
+    from ferrylm.checkpoints.synthetic_build import build_synthetic
 
     monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path / "cache"))
     tiny = _tiny_synthetic(preset)

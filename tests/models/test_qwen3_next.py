@@ -317,7 +317,7 @@ def test_synthetic_hybrid_model_serves_through_the_engine(name):
     zero-centred norms at 0, two requests through the engine with the routing model choosing experts."""
     from ferrylm.synthetic.presets import PRESETS, SyntheticPreset
     from ferrylm.synthetic.spec import SyntheticSpec
-    from ferrylm.synthetic.build import build_synthetic
+    from ferrylm.checkpoints.synthetic_build import build_synthetic
 
     small = SyntheticPreset(name, "test", {**PRESETS[name].config, "num_experts": 8, "num_experts_per_tok": 2,
                                            "vocab_size": 512})

@@ -16,7 +16,7 @@ from ferrylm.synthetic.routing_profiles import PROFILES, ROUTER, get_profile
 from ferrylm.synthetic.routing_stats import lru_hit_rate, repeat_next, reuse_within, trace_stats
 from ferrylm.synthetic.presets import PRESETS, SyntheticPreset
 from ferrylm.synthetic.spec import SyntheticSpec, parse_synthetic_spec
-from ferrylm.synthetic.build import build_synthetic
+from ferrylm.checkpoints.synthetic_build import build_synthetic
 from tests.models.test_synthetic import TINY_SHAPES, logits
 
 # |reproduced - published| allowed per statistic (absolute; reuse distance in tokens). The fits sit well inside

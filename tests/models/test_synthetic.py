@@ -22,7 +22,7 @@ from ferrylm.models.moe import SparseMoeBlock
 from ferrylm.checkpoints.resolve import resolve_model
 from ferrylm.synthetic.presets import PRESETS, SyntheticPreset
 from ferrylm.synthetic.spec import SyntheticSpec, parse_synthetic_spec
-from ferrylm.synthetic.build import build_synthetic, expert_ranks, top1_probs, zipf_probs
+from ferrylm.checkpoints.synthetic_build import build_synthetic, expert_ranks, top1_probs, zipf_probs
 
 TINY_SHAPES = dict(hidden_size=64, intermediate_size=48, moe_intermediate_size=16, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, vocab_size=96, max_position_embeddings=128)
@@ -202,7 +202,7 @@ def test_skew_gives_zipf_top1_popularity(skew, preset_name, layers):
 
 
 def test_calibrated_bias_solves_the_gaussian_top1_law():
-    from ferrylm.synthetic.build import calibrated_bias
+    from ferrylm.checkpoints.synthetic_build import calibrated_bias
 
     for e, skew in [(8, 1.0), (64, 2.0), (128, 0.5)]:
         bias = calibrated_bias(e, skew, seed=0, layer_idx=0)

@@ -117,7 +117,7 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
                                expert_device=expert_device, pin_experts=pin_experts)
     if is_synthetic_folder(model_dir):
         from ferrylm.synthetic.spec import spec_from_folder
-        from ferrylm.synthetic.build import build_synthetic
+        from ferrylm.checkpoints.synthetic_build import build_synthetic
 
         return build_synthetic(spec_from_folder(model_dir), device=device, dtype=dtype, moe_backend=moe_backend,
                                expert_device=expert_device, pin_experts=pin_experts, tp=tp if split else None)

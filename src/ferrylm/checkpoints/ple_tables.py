@@ -67,7 +67,7 @@ class MmapTable:
 
 
 class PoolTable:
-    """A synthetic model's table (``synthetic/build.py``): row ``r`` is a window of ``D`` values of a seeded pool
+    """A synthetic model's table (``checkpoints/synthetic_build.py``): row ``r`` is a window of ``D`` values of a seeded pool
     ``values [P]`` at a position hashed from ``r``, times ``scale``: any number of rows, no table in memory."""
 
     def __init__(self, values: torch.Tensor, dim: int, scale: float):

@@ -20,12 +20,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ferrylm.config import ModelConfig
+from ferrylm.config import ROUTER_BIAS_KEY, ModelConfig
 from ferrylm.errors import ModelLoadError
 from ferrylm.experts.executor import ExpertExecutor
 from ferrylm.models.layers import SwiGLUMLP
 from ferrylm.models.quant_linear import FusedLinears
-from ferrylm.synthetic.spec import ROUTER_BIAS_KEY
 from ferrylm.triton_util import use_triton
 
 

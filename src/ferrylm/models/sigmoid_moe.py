@@ -118,7 +118,7 @@ class SigmoidRouter(nn.Module):
     logits in float32 (``x`` and the weight cast up, as GLM-4.5's reference keeps its router in float32).
 
     ``bias`` (``[E]``, only with ``logit_bias``) is ferrylm's synthetic-skew bias on the *logits* (see
-    ``ROUTER_BIAS_KEY`` in :mod:`ferrylm.synthetic.spec`): the sigmoid is monotonic, so the top-1 law the synthetic
+    ``ROUTER_BIAS_KEY`` in :mod:`ferrylm.config`): the sigmoid is monotonic, so the top-1 law the synthetic
     builder calibrates on the logits holds for the choice too. Real checkpoints have none.
     """
 

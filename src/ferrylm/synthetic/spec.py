@@ -6,7 +6,7 @@
 - ``layers=N``: keep the first ``N`` decoder layers (``1 <= N <=`` the preset's); every layer keeps its shape, so
   per-layer cost is the real model's.
 - ``skew=A``: Zipf exponent ``A >= 0`` of expert popularity (0, the default, = uniform); see
-  :mod:`ferrylm.synthetic.build` for the method.
+  :mod:`ferrylm.checkpoints.synthetic_build` for the method.
 - ``routing=R``: who chooses each token's experts (:data:`~ferrylm.synthetic.routing_profiles.ROUTING_CHOICES`):
   ``router`` (the random router's own top-k, shaped by ``skew``) or a routing-model profile (``qwen3``, ``olmoe``,
   ``wide512`` calibrated to published locality figures, ``uniform`` the worst case; see
@@ -25,7 +25,7 @@ No checkpoint is written. :func:`materialize` writes a small folder into the mod
 ``config.json`` (an HF config of the preset plus a ``ferrylm_synthetic`` recipe key) and links to the tokenizer
 files, so that every part that passes a model *folder* around (the engine process, the server's config and
 tokenizer reading) works unchanged; the engine builds the weights from the recipe
-(:func:`ferrylm.synthetic.build.build_synthetic`, called by ``load_model``).
+(:func:`ferrylm.checkpoints.synthetic_build.build_synthetic`, called by ``load_model``).
 
 This module does not import torch (the CLI and the HTTP frontend use it).
 """
@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ferrylm.config import ROUTER_BIAS_KEY
 from ferrylm.errors import ModelLoadError
 from ferrylm.synthetic.presets import PRESETS, SyntheticPreset
 from ferrylm.synthetic.routing_profiles import ROUTER, ROUTING_CHOICES, default_routing
@@ -49,13 +50,10 @@ from ferrylm.synthetic.routing_profiles import ROUTER, ROUTING_CHOICES, default_
 SYNTHETIC_PREFIX = "synthetic:"
 RECIPE_KEY = "ferrylm_synthetic"  # config.json key holding the recipe; its presence marks a synthetic folder
 RECIPE_FORMAT = 1
-# NOTE: a ferrylm-only config.json key (never in HF checkpoints): when true, every router has a bias ``gate.bias
-# [E]`` added to its logits (models/moe.py). Synthetic models with skew > 0 set it.
-ROUTER_BIAS_KEY = "ferrylm_router_bias"
 # NOTE: a ferrylm-only config.json key: ``{"profile": name, "seed": S}`` when a routing model chooses the experts
 # (synthetic ``routing=`` other than ``router``; models/moe.py, synthetic/routing_model.py).
 ROUTING_KEY = "ferrylm_routing"
-#: ``quant=`` names -> what the routed experts become (:mod:`ferrylm.synthetic.build` has the formats)
+#: ``quant=`` names -> what the routed experts become (:mod:`ferrylm.checkpoints.synthetic_build` has the formats)
 SYNTHETIC_QUANT = {
     "fp8": "fp8 e4m3, float32 scale per 128 inputs (as DeepSeek-V3 / Qwen3-FP8 128x128 blocks)",
     "int4": "int4 symmetric, bfloat16 scale per 128 inputs (as compressed-tensors W4A16)",
