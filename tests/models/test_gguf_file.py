@@ -67,7 +67,10 @@ def test_qwen3moe_gguf_is_served_from_its_file(tmp_path, monkeypatch, caplog):
         loaded = load_model(resolved.path, moe_backend=exact_options())
     assert "down Q6_K (ggml blocks), 5.19 bits/weight in memory (5.19 in the file)" in caplog.text
     codec = TextCodec.from_pretrained(resolved.path)
-    assert _listing(tmp_path) == before and not cache.exists()  # nothing written, no folder in the cache
+    # no copy or conversion of the model: the cache holds only the tokenizer built from the header
+    kept = [p for p in _listing(tmp_path) if p.startswith("cache")]
+    assert [p for p in _listing(tmp_path) if not p.startswith("cache")] == before
+    assert kept[:2] == ["cache", "cache/gguf-tokenizers"] and len(kept) == 3 and kept[2].endswith(".json")
 
     # the memory plan's layout (planned from the header) is the loaded one, at the file's bits per weight
     le = loaded.executor.layers[1]
