@@ -1,9 +1,10 @@
 """A MoE GGUF served from its file (checkpoints/quant/gguf_file.py): a tiny random qwen3moe GGUF (experts Q4_K gate/up and
 Q6_K down as llama.cpp's Q4_K_M has them, attention Q8_0, norms and router F32) resolves to the file itself and
-loads with nothing written beside it and only its tokenizer under the cache dir; expert rows hold the file's bytes; expert values equal
-gguf-py's dequantize bit for bit; logits equal transformers on the gguf-py-dequantized weights; the planned layout
-counts the file's bits per weight; non-expert tensors take the model dtype; the tokenizer and chat template come
-from the file; every backend gives the same greedy tokens. A projection whose layers mix types is repacked (exact)."""
+loads with nothing written beside it and only its tokenizer under the cache dir; expert rows hold the file's bytes;
+expert values equal gguf-py's dequantize bit for bit; logits equal transformers on the gguf-py-dequantized weights;
+the planned layout counts the file's bits per weight; non-expert tensors take the model dtype; the tokenizer and chat
+template come from the file; every backend gives the same greedy tokens. A projection whose layers mix types is
+repacked (exact)."""
 
 from __future__ import annotations
 
