@@ -448,26 +448,32 @@ def test_resident_on_the_cpu_runs_the_native_kernel(kernel, name, tokens, monkey
     ids = torch.stack([torch.randperm(3, generator=g)[:2] for _ in range(tokens)])
     weights = torch.rand(tokens, 2, generator=g)
     calls = []
-    run_layer = kernel.run_layer
-    monkeypatch.setattr(kernel, "run_layer", lambda *a, **kw: calls.append(1) or run_layer(*a, **kw))
+    run_routed = kernel.run_routed
+    monkeypatch.setattr(kernel, "run_routed", lambda *a, **kw: calls.append(1) or run_routed(*a, **kw))
     got = ResidentExecutor({0: le}, native=kernel, threads=2).run(0, hidden, ids, weights)
     want = ResidentExecutor({0: le}).run(0, hidden, ids, weights)
     assert len(calls) == (0 if name == "bf16" else 1)
     assert ((got.double() - want.double()).norm() / want.double().norm()).item() < ACT_TOL
 
 
-def test_a_whole_layer_call_checks_its_indices(kernel):
-    """run_layer's index arrays reach C as raw pointers: a source row outside x, or assignment positions that are
-    no permutation (a repeat, a hole, past the end), are refused before any work, the same sums otherwise."""
-    le = _stacks("Q4_K", 2)
+def test_a_whole_layer_call_groups_its_assignments_in_c(kernel):
+    """run_routed groups a step's [T, k] assignments by expert in C (repeats of an expert across tokens, a token's
+    ids in any order) and sums each token's outputs as the per-expert calls would; an id outside the layer's
+    experts is refused before any work; the number of experts used comes back."""
+    le = _stacks("Q4_K", 3)
     rows = kernel.stack_rows(le)
     h = le.down.data.shape[-2]
-    x = torch.randn(2, h, generator=torch.Generator().manual_seed(0))
-    src, pos, w = torch.tensor([0, 1, 0, 1]), torch.tensor([0, 2, 1, 3]), torch.tensor([0.5, 0.25, 0.5, 0.75])
-    ok = kernel.run_layer(x, rows, [0, 2], [0, 2], [2, 2], src, w, pos, 2, 2)
-    ref = kernel.run_stacks(x[src], w, rows, [0, 2], [0, 2], [2, 2], 2)
-    torch.testing.assert_close(ok, torch.stack([ref[0] + ref[2], ref[1] + ref[3]]))
-    for s, p in ((torch.tensor([0, 2, 0, 1]), pos), (src, torch.tensor([0, 2, 2, 3])),
-                 (src, torch.tensor([0, 2, 1, 4])), (torch.tensor([-1, 1, 0, 1]), pos)):
+    x = torch.randn(3, h, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([[2, 0], [0, 1], [2, 1]])
+    w = torch.tensor([[0.5, 0.25], [0.5, 0.75], [0.125, 1.0]])
+    used, got = kernel.run_routed(x, rows, ids, w, 2)
+    assert used == 3
+    per = {e: kernel.run_stacks(x, torch.ones(3), rows, [e], [0], [3], 2) for e in range(3)}   # every token, e
+    want = torch.stack([sum(w[t, j] * per[int(ids[t, j])][t] for j in sorted(range(2), key=lambda j: int(ids[t, j])))
+                        for t in range(3)])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for bad in (torch.tensor([[2, 0], [0, 3], [2, 1]]), torch.tensor([[2, 0], [-1, 1], [2, 1]])):
         with pytest.raises(ValueError, match="native expert kernel"):
-            kernel.run_layer(x, rows, [0, 2], [0, 2], [2, 2], s, w, p, 2, 2)
+            kernel.run_routed(x, rows, bad, w, 2)
+    with pytest.raises(ValueError, match="topk ids and weights"):
+        kernel.run_routed(x, rows, ids, w[:2], 2)

@@ -81,6 +81,8 @@ class NativeExpertKernel:
         i64, ptr, vp, ci = ctypes.c_int64, ctypes.POINTER(ctypes.c_int64), ctypes.c_void_p, ctypes.c_int
         for name, args in (("ferry_experts", [ptr, ci, ci, ci, ctypes.POINTER(vp), ptr, ptr, i64, i64, vp, i64, vp,
                                               vp, vp, vp, i64, vp, vp]),
+                           ("ferry_experts_routed", [ptr, ci, ci, vp, i64, vp, i64, vp, i64, i64, i64, i64, vp, i64,
+                                                     vp, vp, i64, vp]),
                            ("ferry_matvec", [ptr, ci, ci, ci, ctypes.POINTER(vp), ptr, i64, vp, i64, vp]),
                            ("ferry_quantize_act", [vp, i64, i64, i64, vp, vp]),
                            ("ferry_dequant", [ptr, ci, vp, i64, vp, i64, i64, vp]),
@@ -151,26 +153,31 @@ class NativeExpertKernel:
         return self._call(x, weights, stacks.qproj, stacks.bases(experts), starts, counts, stacks.hidden,
                           stacks.inter, threads)
 
-    def run_layer(self, x: torch.Tensor, stacks: "StackRows", experts: list[int], starts: list[int],
-                  counts: list[int], src: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor, top_k: int,
-                  threads: int) -> torch.Tensor:
-        """A whole layer's routed experts for ``T`` tokens of ``x [T', H]`` in one call, no gathered copies: the
-        ``M = T * top_k`` assignments, grouped by expert (expert ``experts[i]`` owns assignments ``starts[i] :
-        starts[i] + counts[i]``), read their token's row ``src[m]`` of ``x`` and are summed per token in the order
-        ``pos[m] % top_k`` (``pos[m] // top_k`` is the token). ``src``, ``pos``: int64 ``[M]``; ``weights``
-        ``[M]``. Returns ``[T, H]`` float32.
+    def run_routed(self, x: torch.Tensor, stacks: "StackRows", topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   threads: int) -> tuple[int, torch.Tensor]:
+        """A whole layer's routed experts for the ``T`` tokens of ``x [T, H]`` in one call: ``topk_ids`` /
+        ``topk_weights [T, k]`` are grouped by expert in C, each assignment reads its token's row of ``x``, and each
+        token's ``k`` outputs are summed in ascending expert id (the order of ``LayerWork.combine``). Returns
+        ``(experts used, [T, H] float32)``.
 
         Raises:
-            ValueError: as :meth:`run`; ``src`` / ``pos`` / ``weights`` not ``[M]``, ``M`` not a multiple of
-                ``top_k``.
+            ValueError: shapes off, a tensor off the CPU, an expert id outside ``[0, num_experts)``.
         """
-        m = int(src.shape[0])
-        if (src.shape != (m,) or pos.shape != (m,) or weights.shape != (m,) or top_k < 1 or m % top_k
-                or src.dtype != torch.int64 or pos.dtype != torch.int64):
-            raise ValueError(f"src, pos (int64) and weights must be [M] with M a multiple of top_k={top_k}; got "
-                             f"{list(src.shape)}, {list(pos.shape)}, {list(weights.shape)}")
-        return self._call(x, weights, stacks.qproj, stacks.bases(experts), starts, counts, stacks.hidden,
-                          stacks.inter, threads, src=src, pos=pos, top_k=top_k)
+        t, k = topk_ids.shape
+        if (x.dim() != 2 or x.shape != (t, stacks.hidden) or topk_weights.shape != (t, k) or t == 0 or threads < 1
+                or any(v.device.type != "cpu" for v in (x, topk_ids, topk_weights))):
+            raise ValueError(f"x [T >= 1, {stacks.hidden}], topk ids and weights [T, k] on the CPU and threads >= 1; "
+                             f"got {list(x.shape)}, {list(topk_ids.shape)}, {list(topk_weights.shape)}, {threads}")
+        xf = x.to(torch.float32).contiguous()
+        ids = topk_ids.to(torch.int64).contiguous()
+        wf = topk_weights.to(torch.float32).contiguous()
+        out = torch.empty(t, stacks.hidden, dtype=torch.float32)
+        (g, gs), (u, us), (d, ds) = stacks.lies
+        used = self._lib.ferry_experts_routed(stacks.qproj, ISAS.index(self.isa), int(threads), g, gs, u, us, d, ds,
+                                              stacks.num_experts, stacks.hidden, stacks.inter, xf.data_ptr(), t,
+                                              ids.data_ptr(), wf.data_ptr(), k, out.data_ptr())
+        self._check(min(used, 0))
+        return used, out
 
     def stack_rows(self, le) -> "StackRows":
         """Where the expert stacks ``le`` (a :class:`~ferrylm.experts.executor.LayerExperts` that
@@ -208,7 +215,7 @@ class NativeExpertKernel:
               counts: list[int], hidden: int, inter: int, threads: int, src: torch.Tensor | None = None,
               pos: torch.Tensor | None = None, top_k: int = 1) -> torch.Tensor:
         """``ferry_experts`` on ``bases`` (three addresses per expert, see the C file) with checked spans; with
-        ``src`` / ``pos`` (:meth:`run_layer`) the assignments read rows of ``x`` and come back summed per token."""
+        ``src`` / ``pos`` the assignments read rows of ``x`` and come back summed per token."""
         k = len(bases) // 3
         if not bases or len(starts) != k or len(counts) != k:
             raise ValueError(f"{k} rows, {len(starts)} starts and {len(counts)} counts: one of each per expert")

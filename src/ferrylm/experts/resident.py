@@ -17,7 +17,6 @@ import functools
 import torch
 
 from ferrylm.experts.cpu_kernel import NativeExpertKernel
-from ferrylm.experts.native_layouts import StackRows
 from ferrylm.experts.executor import ExpertExecutor, LayerExperts
 from ferrylm.experts.stats import ExpertReport, ExpertStats
 from ferrylm.experts.work import ExpertGroups, LayerWork, group_by_expert, is_small_step, swiglu_expert
@@ -126,34 +125,14 @@ class ResidentExecutor(ExpertExecutor):
                              used_experts=self._used, math=experts.math)
         rows = self._native_rows.get(layer_idx)
         if rows is not None:
-            used, out = self._native_layer(rows, experts.num_experts, hidden, topk_ids, topk_weights)
+            used, out = self.native.run_routed(hidden, rows, topk_ids, topk_weights, self.threads)
+            out = out.to(hidden.dtype)   # grouped by expert in C, each token's outputs summed in ascending id
         else:
             work = _work(experts, hidden, topk_ids, topk_weights, layer=layer_idx)
             used, out = len(work.needed), work.combine()
         self.counters.step.needed += used
         self.counters.step.hits += used
         return out
-
-    def _native_layer(self, rows: StackRows, num_experts: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                      topk_weights: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """The layer's routed experts through the native kernel in one call, which reads each assignment's token
-        row and sums each token's outputs in ascending expert id (as :meth:`LayerWork.combine`). Returns
-        ``(experts used, [T, H])``.
-
-        Raises:
-            ValueError / RuntimeError: an expert id outside ``[0, num_experts)`` (:func:`group_by_expert`).
-        """
-        groups = group_by_expert(topk_ids, topk_weights, num_experts)
-        experts, starts, counts, start = [], [], [], 0
-        for e, n in enumerate(groups.counts):
-            if n:
-                experts.append(e)
-                starts.append(start)
-                counts.append(n)
-            start += n
-        out = self.native.run_layer(hidden, rows, experts, starts, counts, groups.token_idx, groups.weights,
-                                    groups.positions(topk_ids), topk_ids.shape[1], self.threads)
-        return len(experts), out.to(hidden.dtype)
 
     def close(self) -> None:
         """Drop the device copies of the experts."""

@@ -484,6 +484,65 @@ done:
     return rc;
 }
 
+/* out [T, H] = a layer's routed experts for T tokens of x [T, H] (float32): ids, w [T * top_k] (int64 expert ids,
+ * each in [0, E), and float32 weights, token-major) are grouped here by expert (an expert's assignments in token
+ * order) and each token's top_k outputs are summed in ascending expert id (ties in rank order), the order of
+ * experts/work.py's LayerWork.combine. Expert e's rows: gate at g + e * gs, up at u + e * us (shifted back I rows,
+ * see native_layouts.StackRows), down at d + e * ds (bytes). Returns the number of experts used, or ferry_experts'
+ * codes (-1 also for an id out of range, checked before any work). */
+int ferry_experts_routed(const qproj *qp, int isa, int nthreads, const uint8_t *g, int64_t gs, const uint8_t *u,
+                         int64_t us, const uint8_t *d, int64_t ds, int64_t E, int64_t H, int64_t I, const float *x,
+                         int64_t T, const int64_t *ids, const float *w, int64_t top_k, float *out) {
+    if (T <= 0 || top_k < 1 || E < 1) return -1;
+    const int64_t M = T * top_k;
+    for (int64_t m = 0; m < M; m++)
+        if (ids[m] < 0 || ids[m] >= E) return -1;
+    int64_t *at = (int64_t *)calloc((size_t)E, sizeof(int64_t));   /* per expert: count, then its next slot */
+    int64_t *meta = (int64_t *)malloc(sizeof(int64_t) * (size_t)(4 * M));   /* src, pos, starts, counts */
+    float *wsorted = (float *)malloc(sizeof(float) * (size_t)M);
+    float *scratch = (float *)malloc(sizeof(float) * (size_t)(M * 2 * I));
+    float *y = (float *)malloc(sizeof(float) * (size_t)(M * H));
+    const void **bases = (const void **)malloc(sizeof(void *) * (size_t)(3 * (M < E ? M : E)));
+    int rc = -3;
+    if (!at || !meta || !wsorted || !scratch || !y || !bases) goto done;
+    int64_t *src = meta, *pos = meta + M, *starts = meta + 2 * M, *counts = meta + 3 * M;
+    for (int64_t m = 0; m < M; m++) at[ids[m]]++;
+    int k = 0;
+    for (int64_t e = 0, s = 0; e < E; e++) {
+        const int64_t n = at[e];
+        if (n) {
+            starts[k] = s;
+            counts[k] = n;
+            bases[3 * k] = g + e * gs;
+            bases[3 * k + 1] = u + e * us;
+            bases[3 * k + 2] = d + e * ds;
+            k++;
+        }
+        at[e] = s;
+        s += n;
+    }
+    for (int64_t m = 0; m < M; m++) {
+        const int64_t t = m / top_k, slot = at[ids[m]]++;
+        int64_t rank = 0;   /* this expert's place among the token's, ascending id, ties in rank order */
+        for (int64_t j = t * top_k; j < (t + 1) * top_k; j++)
+            rank += ids[j] < ids[m] || (ids[j] == ids[m] && j < m);
+        src[slot] = t;
+        pos[slot] = t * top_k + rank;
+        wsorted[slot] = w[m];
+    }
+    rc = ferry_experts(qp, isa, nthreads, k, bases, starts, counts, H, I, x, T, src, wsorted, scratch, pos, top_k, y,
+                       out);
+    if (rc == 0) rc = k;
+done:
+    free(at);
+    free(meta);
+    free(wsorted);
+    free(scratch);
+    free(y);
+    free(bases);
+    return rc;
+}
+
 /* y [M, N] = x [M, K] @ W^T, W's N rows in nseg segments (segment s: seg_rows[s] rows of layout q[s] at bases[s],
  * its outputs after the earlier segments'): the matrices outside the experts (a fused q|k|v is three segments read
  * where they lie, each of its own kind), and the tests' view of one projection. */
