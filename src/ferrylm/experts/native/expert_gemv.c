@@ -36,6 +36,7 @@
 #endif
 
 #define TB 4   /* tokens per pass over a decoded weight row */
+#define SHORT_ROW 1024  /* a one-token step reads Q4_K rows of at most this many inputs two at a time (longer: slower) */
 /* the lane kernels' blocking (isa_kernels.h): weight rows a pass share each activation load, lane tiles a pass share
  * each decoded weight block; the best of 1-4 on Zen 4 */
 #define Q4K_RB 4

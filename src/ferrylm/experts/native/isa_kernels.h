@@ -338,6 +338,56 @@ static inline __attribute__((always_inline)) void SFX(q4k_dot512)(const qrow *w,
     for (int t = 0; t < NT; t++) res[t] = _mm512_reduce_add_ps(acc[t]) + SFX(hsum8)(accm[t]);
 }
 
+/* res[0..1] = Q4_K rows w[0], w[1] . token m0's Q8_K activation, as q4k_dot512 with NT = 1: the two rows share each
+ * activation load and the per-row set-up (a one-token step reads rows of 3 blocks for a down projection) */
+static void SFX(q4k_dot512_rows2)(const qrow *w, int64_t K, const qact *a, int64_t m0, float *res) {
+    const int64_t nb = K / 256;
+    const __m512i m4 = _mm512_set1_epi8(15);
+    __m512i perm[4];
+    for (int g = 0; g < 4; g++)
+        perm[g] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)(2 * g))),
+                                     _mm256_set1_epi16((short)(2 * g + 1)), 1);
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m256 accm[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t ib = 0; ib < nb; ib++) {
+        const uint8_t *b[2] = {w[0].d + 144 * ib, w[1].d + 144 * ib};
+        __m128i smv[2];
+        __m512i sc16[2], sumi[2];
+#pragma GCC unroll 2
+        for (int r = 0; r < 2; r++) {
+            prefetch_ahead(b[r], 3);
+            uint32_t sm[4];
+            kq_scale_bytes(b[r], sm);
+            smv[r] = _mm_loadu_si128((const __m128i *)sm);  /* sc[0..7], mn[0..7] */
+            sc16[r] = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(smv[r]));
+            sumi[r] = _mm512_setzero_si512();
+        }
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; g++) {
+            const __m512i xq = _mm512_loadu_si512((const void *)(a->qk + m0 * K + 256 * ib + 64 * g));
+    #pragma GCC unroll 2
+        for (int r = 0; r < 2; r++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(b[r] + 16 + 32 * g));
+                const __m512i v = _mm512_and_si512(
+                    _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1), m4);
+                sumi[r] = _mm512_dpwssd_epi32(sumi[r], _mm512_maddubs_epi16(v, xq),
+                                              _mm512_permutexvar_epi16(perm[g], sc16[r]));
+            }
+        }
+        const float dk = a->dk[m0 * nb + ib];
+        const __m256i bk = _mm256_loadu_si256((const __m256i *)(a->bk + m0 * (K / 16) + 16 * ib));
+#pragma GCC unroll 2
+        for (int r = 0; r < 2; r++) {
+            const __m256i w16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_srli_si128(smv[r], 8), _mm_set_epi8(
+                7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0)));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_set1_ps(F16(b[r]) * dk), acc[r]);
+            accm[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(w16, bk)),
+                                       _mm256_set1_ps(F16(b[r] + 2) * dk), accm[r]);
+        }
+    }
+    for (int r = 0; r < 2; r++) res[r] = _mm512_reduce_add_ps(acc[r]) + SFX(hsum8)(accm[r]);
+}
+
 /* ---- 16 tokens in the lanes (level 2, a step of >= LANE_MIN tokens): the activation of a tile of 16 tokens is
  * interleaved once per tile ([K/4][16] groups of 4 bytes, token i in lane i), then each weight row is decoded once per
  * block and each 4-byte group of its codes broadcast against the tile: one vpdpbusd makes 64 products for 16 tokens,
@@ -806,7 +856,16 @@ static void SFX(rows)(const qproj *q, const uint8_t *base, int64_t r0, int64_t r
             continue;
         }
 #endif
-        for (int64_t r = r0; r < r1; r++) {
+        int64_t r = r0;
+#if ISA_LEVEL == 2
+        if (q->kind == 6 && te - tt == 1 && K <= SHORT_ROW)   /* one token, short Q4_K rows: two at a time */
+            for (; r + 1 < r1; r += 2) {
+                const qrow w2[2] = {qrow_of(q, base, r, K), qrow_of(q, base, r + 1, K)};
+                SFX(q4k_dot512_rows2)(w2, K, &a->q, m0 + tt, res);
+                for (int i = 0; i < 2; i++) y[tt * ldy + r + i] = scale ? res[i] * scale[tt] : res[i];
+            }
+#endif
+        for (; r < r1; r++) {
             if (q->kind == 4) SFX(decode_fp8)(q, base, r, K, f);
             for (int64_t t0 = tt; t0 < te; t0 += TB) {
                 const int nt = (int)(te - t0 < TB ? te - t0 : TB);
