@@ -63,8 +63,9 @@ class NativeExpertKernel:
     @classmethod
     def build(cls, root: Path | None = None, cc: str | None = None) -> "NativeExpertKernel":
         """Compile (or reuse the cached build) and load. ``cc``: the compiler command (default ``$CC``, else
-        ``cc``; split like a shell word list, so ``"ccache gcc"`` works). When the cache folder cannot be written,
-        the kernel is built in a temporary folder (a warning says so) and not cached.
+        ``cc``; split like a shell word list, so ``"ccache gcc"`` works), once per process for a folder and compiler.
+        When the cache folder cannot be written, the kernel is built in a temporary folder (a warning says so) and
+        not cached.
 
         Raises:
             KernelBuildError: no compiler, the compile failed, or the library does not load.
@@ -212,14 +213,13 @@ class NativeExpertKernel:
             t.data[0].is_contiguous() for t in (le.gate, le.up, le.down))
 
     def _call(self, x: torch.Tensor, weights: torch.Tensor, qp, bases: list[int], starts: list[int],
-              counts: list[int], hidden: int, inter: int, threads: int, src: torch.Tensor | None = None,
-              pos: torch.Tensor | None = None, top_k: int = 1) -> torch.Tensor:
-        """``ferry_experts`` on ``bases`` (three addresses per expert, see the C file) with checked spans; with
-        ``src`` / ``pos`` the assignments read rows of ``x`` and come back summed per token."""
+              counts: list[int], hidden: int, inter: int, threads: int) -> torch.Tensor:
+        """``ferry_experts`` on ``bases`` (three addresses per expert, see the C file) with checked spans: row ``m``
+        of the result is its expert's output for row ``m`` of ``x`` times ``weights[m]``."""
         k = len(bases) // 3
         if not bases or len(starts) != k or len(counts) != k:
             raise ValueError(f"{k} rows, {len(starts)} starts and {len(counts)} counts: one of each per expert")
-        m = int(weights.shape[0]) if src is not None else int(x.shape[0])
+        m = int(x.shape[0])
         if x.dim() != 2 or x.shape[1] != hidden or weights.dim() != 1 or weights.shape[0] != m:
             raise ValueError(f"x must be [M, {hidden}] and weights [M], got {list(x.shape)} and "
                              f"{list(weights.shape)}")
@@ -235,19 +235,12 @@ class NativeExpertKernel:
         xf = x.to(torch.float32).contiguous()
         wf = weights.to(torch.float32).contiguous()
         scratch = torch.empty(m, 2 * inter, dtype=torch.float32)
-        if pos is None:
-            y, out = None, torch.zeros(m, hidden, dtype=torch.float32)
-        else:   # every assignment is owned: y needs no clearing
-            if src.device.type != "cpu" or pos.device.type != "cpu":
-                raise ValueError("src and pos must be host tensors")
-            src, pos = src.contiguous(), pos.contiguous()   # their values are checked by the kernel (-1)
-            y, out = torch.empty(m, hidden, dtype=torch.float32), torch.empty(m // top_k, hidden, dtype=torch.float32)
+        out = torch.zeros(m, hidden, dtype=torch.float32)
         ptrs = (ctypes.c_void_p * len(bases))(*bases)
         self._check(self._lib.ferry_experts(qp, ISAS.index(self.isa), int(threads), k, ptrs,
                                             (ctypes.c_int64 * k)(*starts), (ctypes.c_int64 * k)(*counts), hidden,
-                                            inter, xf.data_ptr(), xf.shape[0], None if src is None else src.data_ptr(),
-                                            wf.data_ptr(), scratch.data_ptr(), None if pos is None else pos.data_ptr(),
-                                            top_k, None if y is None else y.data_ptr(), out.data_ptr()))
+                                            inter, xf.data_ptr(), m, None, wf.data_ptr(), scratch.data_ptr(), None,
+                                            1, None, out.data_ptr()))
         return out
 
     def project(self, x: torch.Tensor, row: torch.Tensor, layout, part: str, threads: int = 1) -> torch.Tensor:
