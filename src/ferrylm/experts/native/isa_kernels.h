@@ -285,6 +285,20 @@ static inline __attribute__((always_inline)) SFX(cod) SFX(group_codes)(const qpr
 }
 
 #if ISA_LEVEL == 2
+/* perm[g]: the vpermw index that puts a Q4_K block's sub-block scales 2g and 2g + 1 in the 16-bit lanes of the
+ * low and high halves of a register (the two chunks of code group g) */
+static inline void SFX(q4k_perms)(__m512i *perm) {
+    for (int g = 0; g < 4; g++)
+        perm[g] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)(2 * g))),
+                                     _mm256_set1_epi16((short)(2 * g + 1)), 1);
+}
+
+/* a Q4_K block's 8 mins (bytes 8..15 of smv, kq_scale_bytes' order) each twice, as 16-bit lanes: one per 16 inputs */
+static inline __m256i SFX(q4k_mins16)(__m128i smv) {
+    return _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_srli_si128(smv, 8), _mm_set_epi8(
+        7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0)));
+}
+
 /* res[t] = Q4_K row w . token (m0 + t)'s Q8_K activation on 512-bit registers, the integers of kdot_nt: a 32-byte
  * group of codes holds two chunks (low nibbles: inputs 64g..64g+31, high: the next 32), decoded into one register
  * and dotted with the activation's 64 bytes there (maddubs), times the chunks' 6-bit scales as 16-bit lanes
@@ -294,9 +308,7 @@ static inline __attribute__((always_inline)) void SFX(q4k_dot512)(const qrow *w,
     const int64_t nb = K / 256;
     const __m512i m4 = _mm512_set1_epi8(15);
     __m512i perm[4];
-    for (int g = 0; g < 4; g++)
-        perm[g] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)(2 * g))),
-                                     _mm256_set1_epi16((short)(2 * g + 1)), 1);
+    SFX(q4k_perms)(perm);
     __m512 acc[TB];
     __m256 accm[TB];
     for (int t = 0; t < NT; t++) {
@@ -324,8 +336,7 @@ static inline __attribute__((always_inline)) void SFX(q4k_dot512)(const qrow *w,
             }
         }
         const float dd = F16(b), dmin = F16(b + 2);
-        const __m256i w16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_srli_si128(smv, 8), _mm_set_epi8(
-            7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0)));
+        const __m256i w16 = SFX(q4k_mins16)(smv);
         for (int t = 0; t < NT; t++) {
             const int64_t m = m0 + t;
             const float dk = a->dk[m * nb + ib];
@@ -344,9 +355,7 @@ static void SFX(q4k_dot512_rows2)(const qrow *w, int64_t K, const qact *a, int64
     const int64_t nb = K / 256;
     const __m512i m4 = _mm512_set1_epi8(15);
     __m512i perm[4];
-    for (int g = 0; g < 4; g++)
-        perm[g] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)(2 * g))),
-                                     _mm256_set1_epi16((short)(2 * g + 1)), 1);
+    SFX(q4k_perms)(perm);
     __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     __m256 accm[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t ib = 0; ib < nb; ib++) {
@@ -378,8 +387,7 @@ static void SFX(q4k_dot512_rows2)(const qrow *w, int64_t K, const qact *a, int64
         const __m256i bk = _mm256_loadu_si256((const __m256i *)(a->bk + m0 * (K / 16) + 16 * ib));
 #pragma GCC unroll 2
         for (int r = 0; r < 2; r++) {
-            const __m256i w16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_srli_si128(smv[r], 8), _mm_set_epi8(
-                7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0)));
+            const __m256i w16 = SFX(q4k_mins16)(smv[r]);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_set1_ps(F16(b[r]) * dk), acc[r]);
             accm[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(w16, bk)),
                                        _mm256_set1_ps(F16(b[r] + 2) * dk), accm[r]);
