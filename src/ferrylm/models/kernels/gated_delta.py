@@ -86,6 +86,24 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     return (torch.stack(out) if out else v.new_zeros((0, h, v.shape[-1]), dtype=torch.float32)), s
 
 
+def chunk_major(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``[T, H, ...]`` -> ``[n, H, C, ...]`` float32 (a new tensor), ``n = ceil(T / C)``, the last chunk zero-padded."""
+    t = x.shape[0]
+    n = -(-t // chunk)
+    x = x.float()
+    x = F.pad(x, (0, 0) * (x.dim() - 1) + (0, n * chunk - t))
+    x = x.reshape(n, chunk, *x.shape[1:])
+    return x.transpose(1, 2).clone(memory_format=torch.contiguous_format)
+
+
+def _decay_ratios(gamma: torch.Tensor, strict: bool) -> torch.Tensor:
+    """``exp(gamma_t - gamma_s)`` on the lower triangle of each chunk (``s < t`` when ``strict``, else ``s <= t``),
+    zero above: ``gamma [..., C]`` -> ``[..., C, C]``."""
+    c = gamma.shape[-1]
+    keep = torch.ones(c, c, dtype=torch.bool, device=gamma.device).tril(-1 if strict else 0)
+    return torch.where(keep, gamma[..., :, None] - gamma[..., None, :], float("-inf")).exp_()
+
+
 def chunk_solve(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk: int = DEFAULT_CHUNK
                 ) -> torch.Tensor:
     """The chunk-local solve of the chunk form (module docstring): ``W = (I + A)^-1 [diag(beta) V | diag(beta G) K]``
@@ -95,60 +113,53 @@ def chunk_solve(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.T
         k: ``[T, H, Dk]``; v: ``[T, H, Dv]``; g, beta: ``[T, H]``. chunk: tokens per chunk ``C``.
 
     Returns:
-        ``[H, n, C, Dv + Dk]`` float32, ``n = ceil(T / C)`` (rows past ``T`` are zero: a padded token has
+        ``[n, H, C, Dv + Dk]`` float32, ``n = ceil(T / C)`` (rows past ``T`` are zero: a padded token has
         ``beta = 0``).
 
     Memory: ``~4 * H * n * C * (3 * (Dk + Dv) + 5 * C)`` bytes of scratch.
     """
-    t, h, dk = k.shape
-    n = -(-t // chunk)
-    pad = n * chunk - t
-
-    def blocks(x: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [H, n, C, ...]
-        x = x.float()
-        x = F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)) if pad else x
-        x = x.reshape(n, chunk, *x.shape[1:])
-        return x.permute(2, 0, 1, *range(3, x.dim())).contiguous()
-
-    kb, gb, bb = blocks(k), blocks(g), blocks(beta)
-    gamma = gb.cumsum(-1)                                 # log G_t within each chunk
-    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril()
-    a = kb @ kb.transpose(-1, -2)                         # k_t . k_s
-    a *= torch.where(lower.logical_not().T, gamma[..., :, None] - gamma[..., None, :], float("-inf")).exp_()
-    a *= bb[..., :, None]                                 # A: strictly lower (the -inf above zeroes the rest)
+    kb, bb = chunk_major(k, chunk), chunk_major(beta, chunk)
+    gamma = chunk_major(g, chunk).cumsum(-1)              # log G_t within each chunk
+    a = (kb @ kb.transpose(-1, -2)).mul_(_decay_ratios(gamma, strict=True)).mul_(bb[..., :, None])   # A
     a.diagonal(dim1=-2, dim2=-1).fill_(1.0)               # I + A
-    rhs = torch.cat([blocks(v) * bb[..., None], kb * (bb * gamma.exp())[..., None]], dim=-1)
+    rhs = torch.cat([chunk_major(v, chunk) * bb[..., None], kb * (bb * gamma.exp())[..., None]], dim=-1)
     return torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
 
 
 def scan_chunks(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, w: torch.Tensor, state: torch.Tensor,
                 chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sequential part of the chunk form: chunk by chunk ``U = W_v - W_k S``, ``O = diag(G) Q S + ((Q K^T) * D)
-    U``, ``S <- G_C S + (K * (G_C / G))^T U``. A loop over chunks in torch, all heads batched in each product.
+    """The chunk form after the solve. Only the state recurrence is sequential: chunk by chunk ``U = W_v - W_k S``
+    and ``S <- G_C S + (K * (G_C / G))^T U`` (three batched kernels a chunk, every head at once); the outputs
+    ``O = diag(G) Q S + ((Q K^T) * D) U`` of all chunks are two batched products after the loop, from the state
+    at each chunk's start.
 
     Args:
-        q, k: ``[T, H, Dk]`` float32; g: ``[T, H]``; w: :func:`chunk_solve`'s ``[H, n, C, Dv + Dk]``;
-        state: ``[H, Dk, Dv]`` float32 (not modified).
+        q, k: ``[T, H, Dk]``; g: ``[T, H]``; w: :func:`chunk_solve`'s ``[n, H, C, Dv + Dk]``, overwritten (its
+        value columns become ``U``); state: ``[H, Dk, Dv]`` float32 (not modified).
 
     Returns:
         ``(o [T, H, Dv], final state [H, Dk, Dv])`` float32.
+
+    Memory: ``4 * H * (n + 1) * Dk * Dv`` bytes for the chunk-start states plus ``~4 * H * n * C * (2 * Dk + Dv
+    + 2 * C)`` of operands.
     """
     t, h, dk = k.shape
-    n, dv = w.shape[1], w.shape[-1] - dk
-    s = state.float()
-    out = torch.empty(t, h, dv, dtype=torch.float32, device=w.device)
-    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=w.device).tril()
+    n, dv = w.shape[0], w.shape[-1] - dk
+    qb, kb = chunk_major(q, chunk), chunk_major(k, chunk)                  # [n, H, C, Dk]
+    gamma = chunk_major(g, chunk).cumsum(-1)                                # [n, H, C]
+    g_end = gamma[..., -1:]
+    attn = (qb @ kb.transpose(-1, -2)).mul_(_decay_ratios(gamma, strict=False))
+    k_to_end = (kb * (g_end - gamma).exp()[..., None]).transpose(-1, -2)   # [n, H, Dk, C]
+    end_decay = g_end.exp()[..., None]                                      # [n, H, 1, 1]
+    states = torch.empty(n + 1, h, dk, dv, dtype=torch.float32, device=w.device)
+    states[0] = state
+    w_v, w_k = w[..., :dv], w[..., dv:]
     for c in range(n):
-        lo, hi = c * chunk, min(t, (c + 1) * chunk)
-        qc, kc = q[lo:hi].float().transpose(0, 1), k[lo:hi].float().transpose(0, 1)   # [H, c, Dk]
-        gamma = g[lo:hi].float().T.cumsum(-1)                                         # [H, c]
-        m = hi - lo
-        decay = torch.where(lower[:m, :m], gamma[:, :, None] - gamma[:, None, :], float("-inf")).exp()
-        u = w[:, c, :m, :dv] - w[:, c, :m, dv:] @ s
-        out[lo:hi] = ((qc * gamma.exp()[..., None]) @ s + ((qc @ kc.transpose(-1, -2)) * decay) @ u).transpose(0, 1)
-        g_end = gamma[:, -1:]
-        s = s * g_end.exp()[..., None] + (kc * (g_end - gamma).exp()[..., None]).transpose(-1, -2) @ u
-    return out, s
+        u = w_v[c].baddbmm_(w_k[c], states[c], alpha=-1.0)
+        torch.mul(states[c], end_decay[c], out=states[c + 1])
+        states[c + 1].baddbmm_(k_to_end[c], u)
+    o = (qb * gamma.exp()[..., None]) @ states[:n] + attn @ w_v            # [n, H, C, Dv]
+    return o.transpose(1, 2).reshape(n * chunk, h, dv)[:t], states[n].clone()
 
 
 SOLVE_SCRATCH_BYTES = 256 << 20   # the chunk solve runs on groups of heads whose scratch fits this
@@ -168,7 +179,8 @@ def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     Returns:
         ``(o [T, H, Dv], final state [H, Dk, Dv])`` float32.
 
-    Memory: ``4 * H * n * C * (Dk + Dv)`` bytes for the solved chunks plus at most :data:`SOLVE_SCRATCH_BYTES`.
+    Memory: ``4 * H * n * C * (Dk + Dv)`` bytes for the solved chunks, at most :data:`SOLVE_SCRATCH_BYTES` for the
+    solve, then :func:`scan_chunks`'s.
     """
     t, h, dk = k.shape
     dv = v.shape[-1]
@@ -176,13 +188,13 @@ def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     if t == 0:
         return v.new_zeros((0, h, dv), dtype=torch.float32), s
     n = -(-t // chunk)
-    w = torch.empty(h, n, chunk, dv + dk, dtype=torch.float32, device=v.device)
+    w = torch.empty(n, h, chunk, dv + dk, dtype=torch.float32, device=v.device)
     per_head = 4 * n * chunk * (3 * (dk + dv) + 5 * chunk)
     group = max(1, SOLVE_SCRATCH_BYTES // per_head)
     for lo in range(0, h, group):
         hi = min(h, lo + group)
-        w[lo:hi] = chunk_solve(k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], chunk)
-    return scan_chunks(q.float(), k.float(), g.float(), w, s, chunk)
+        w[:, lo:hi] = chunk_solve(k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], chunk)
+    return scan_chunks(q, k, g, w, s, chunk)
 
 
 # --- the short causal convolution ------------------------------------------------------------------------------
