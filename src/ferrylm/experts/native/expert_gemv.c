@@ -61,11 +61,12 @@ typedef struct {  /* one projection of an expert row; offsets are bytes from the
     int64_t kind, group, sdtype, has_mins, has_row, off_data, off_scales, off_mins, off_row;
 } qproj;
 
-typedef struct {  /* Q8 activation of M tokens: q [M, K] int8, d [M, K/32] scales, s16 [M, K/16] and s32 [M, K/32]
-                   * sums of q * d; and, where K % 256 == 0, its Q8_K form for the K-quants: qk [M, K] int8, dk
+typedef struct {  /* Q8 activation of M tokens: q [M, K] int8, d [M, K/32] scales, d8 [M, K/4] each scale eight
+                   * times (one per int32 lane of a 32-input dpbusd), s16 [M, K/16] and s32 [M, K/32] sums of q * d;
+                   * and, where K % 256 == 0, its Q8_K form for the K-quants: qk [M, K] int8, dk
                    * [M, K/256] scales, bk [M, K/16] sums of qk (NULL otherwise) */
     int8_t *q;
-    float *d, *s16, *s32;
+    float *d, *d8, *s16, *s32;
     int8_t *qk;
     float *dk;
     int16_t *bk;
@@ -299,10 +300,11 @@ static void quantize_token(const float *x, int64_t K, const qact *a, int64_t m, 
     }
     if (!a->q) return;
     int8_t *q = a->q + m * K;
-    float *d = a->d + m * (K / 32), *s16 = a->s16 + m * (K / 16), *s32 = a->s32 + m * (K / 32);
+    float *d = a->d + m * (K / 32), *d8 = a->d8 + m * (K / 4), *s16 = a->s16 + m * (K / 16), *s32 = a->s32 + m * (K / 32);
     for (int64_t c = 0; c < K / 32; c++) {
         const float dc = quantize_block(x + 32 * c, 32, q + 32 * c);
         d[c] = dc;
+        for (int i = 0; i < 8; i++) d8[8 * c + i] = dc;
         int32_t sh[2] = {0, 0};
         for (int i = 0; i < 32; i++) sh[i / 16] += q[32 * c + i];
         s16[2 * c] = (float)sh[0] * dc;
@@ -334,7 +336,7 @@ static int act_forms(const qproj *q, int n) {
 }
 
 static int64_t act_bytes(int64_t M, int64_t K, int forms) {
-    return (forms & FORM_32 ? M * (4 * (2 * (K / 32) + K / 16) + K) : 0) +
+    return (forms & FORM_32 ? M * (4 * (2 * (K / 32) + K / 16 + K / 4) + K) : 0) +
            (forms & FORM_K ? M * (4 * (K / 256) + 2 * (K / 16) + K) : 0);
 }
 
@@ -343,6 +345,7 @@ static char *act_init(qact *a, char *f, int64_t M, int64_t K, int forms) {
     memset(a, 0, sizeof *a);
     if (forms & FORM_32) {
         a->d = (float *)f; f += 4 * M * (K / 32);
+        a->d8 = (float *)f; f += 4 * M * (K / 4);
         a->s16 = (float *)f; f += 4 * M * (K / 16);
         a->s32 = (float *)f; f += 4 * M * (K / 32);
         a->q = (int8_t *)f; f += M * K;

@@ -584,11 +584,14 @@ static void SFX(tile_rows)(const qproj *q, const uint8_t *base, int64_t r0, int6
 #endif
 
 #if ISA_LEVEL == 2
-/* res[t] = Q8_0 row w . token (m0 + t)'s Q8 activation on 512-bit registers, two blocks (64 inputs) a step: |codes|
- * against the activation with the codes' signs (dpbusd), times each block's scale * dx in float32; K % 64 == 0. */
+/* res[t] = Q8_0 row w . token (m0 + t)'s Q8 activation on 512-bit registers, two blocks (64 inputs) a step: the
+ * activation made unsigned (x + 128) against the codes as stored (dpbusd), less 128 * the codes' sums (once per step
+ * for all tokens), times each block's scale * dx (d8) in float32; exact integers, so the same sums as a signed dot.
+ * K % 64 == 0. */
 static inline __attribute__((always_inline)) void SFX(q8_0_dot512)(const qrow *w, int64_t K, const qact *a,
                                                                      int64_t m0, const int NT, float *res) {
     const int64_t nc = K / 32;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[TB];
     for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t c = 0; c < nc; c += 2) {
@@ -596,18 +599,15 @@ static inline __attribute__((always_inline)) void SFX(q8_0_dot512)(const qrow *w
         prefetch_ahead(b, 2);
         const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 2))),
                                              _mm256_loadu_si256((const __m256i *)(b + 36)), 1);
-        const __m512i av = _mm512_abs_epi8(v);
-        const __mmask64 neg = _mm512_movepi8_mask(v);
-        const float s0 = F16(b), s1 = F16(b + 34);
+        /* (x + 128) . v - 128 * sum(v) per 4 inputs: the activation unsigned, the codes as stored */
+        const __m512i base = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, v));
+        const __m512 sw = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(F16(b))),
+                                                              _mm256_castps_pd(_mm256_set1_ps(F16(b + 34))), 1));
         for (int t = 0; t < NT; t++) {
             const int64_t m = m0 + t;
-            const __m512i xq = _mm512_loadu_si512((const void *)(a->q + m * K + 32 * c));
-            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), av,
-                                                  _mm512_mask_sub_epi8(xq, neg, _mm512_setzero_si512(), xq));
-            const float *dx = a->d + m * nc + c;
-            const __m512 sc = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(s0 * dx[0])),
-                                                                   _mm256_castps_pd(_mm256_set1_ps(s1 * dx[1])), 1));
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[t]);
+            const __m512i xu = _mm512_xor_si512(_mm512_loadu_si512((const void *)(a->q + m * K + 32 * c)), flip);
+            const __m512 sc = _mm512_mul_ps(sw, _mm512_loadu_ps(a->d8 + m * (K / 4) + 8 * c));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(base, xu, v)), sc, acc[t]);
         }
     }
     for (int t = 0; t < NT; t++) res[t] = _mm512_reduce_add_ps(acc[t]);
