@@ -1,6 +1,7 @@
 """The gated delta rule's chunk form against its token-by-token recurrence and against transformers' torch
-reference (``torch_chunk_gated_delta_rule``), for lengths that are and are not multiples of the chunk, with and
-without an initial state, grouped value heads; the varlen causal convolution against ``F.conv1d`` per sequence."""
+reference (``torch_chunk_gated_delta_rule``), for lengths that are and are not multiples of the chunk (and past one
+scan segment of chunks), with and without an initial state, grouped value heads; the varlen causal convolution
+against ``F.conv1d`` per sequence."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def _inputs(t: int, h: int, dk: int, dv: int, seed: int):
     return l2_normalize(q) * dk ** -0.5, l2_normalize(k), v, decay, beta, state
 
 
-@pytest.mark.parametrize("t,chunk", [(1, 16), (15, 16), (16, 16), (17, 16), (63, 64), (65, 64), (150, 64)])
+@pytest.mark.parametrize("t,chunk", [(1, 16), (15, 16), (16, 16), (17, 16), (63, 64), (65, 64), (150, 64), (300, 16)])
 @pytest.mark.parametrize("with_state", [False, True])
 def test_chunked_equals_recurrent(t, chunk, with_state):
     q, k, v, g, beta, s0 = _inputs(t, 3, 16, 8, seed=t)

@@ -126,12 +126,15 @@ def chunk_solve(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.T
     return torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
 
 
+SCAN_SEGMENT = 16   # chunks whose start states are kept at once (their outputs are taken together)
+
+
 def scan_chunks(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, w: torch.Tensor, state: torch.Tensor,
                 chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunk form after the solve. Only the state recurrence is sequential: chunk by chunk ``U = W_v - W_k S``
     and ``S <- G_C S + (K * (G_C / G))^T U`` (three batched kernels a chunk, every head at once); the outputs
-    ``O = diag(G) Q S + ((Q K^T) * D) U`` of all chunks are two batched products after the loop, from the state
-    at each chunk's start.
+    ``O = diag(G) Q S + ((Q K^T) * D) U`` are two batched products per :data:`SCAN_SEGMENT` chunks, from the states
+    at their starts.
 
     Args:
         q, k: ``[T, H, Dk]``; g: ``[T, H]``; w: :func:`chunk_solve`'s ``[n, H, C, Dv + Dk]``, overwritten (its
@@ -140,26 +143,34 @@ def scan_chunks(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, w: torch.Tens
     Returns:
         ``(o [T, H, Dv], final state [H, Dk, Dv])`` float32.
 
-    Memory: ``4 * H * (n + 1) * Dk * Dv`` bytes for the chunk-start states plus ``~4 * H * n * C * (2 * Dk + Dv
-    + 2 * C)`` of operands.
+    Memory: ``~4 * H * n * C * (2 * Dk + 2 * Dv + 2 * C)`` bytes of operands and outputs, plus
+    ``4 * H * (SCAN_SEGMENT + 1) * Dk * Dv`` for the states.
     """
     t, h, dk = k.shape
     n, dv = w.shape[0], w.shape[-1] - dk
-    qb, kb = chunk_major(q, chunk), chunk_major(k, chunk)                  # [n, H, C, Dk]
+    qb, kb = chunk_major(q, chunk), chunk_major(k, chunk)                  # [n, H, C, Dk], new tensors
     gamma = chunk_major(g, chunk).cumsum(-1)                                # [n, H, C]
     g_end = gamma[..., -1:]
-    attn = (qb @ kb.transpose(-1, -2)).mul_(_decay_ratios(gamma, strict=False))
-    k_to_end = (kb * (g_end - gamma).exp()[..., None]).transpose(-1, -2)   # [n, H, Dk, C]
+    attn = (qb @ kb.transpose(-1, -2)).mul_(_decay_ratios(gamma, strict=False)).flatten(0, 1)   # [n H, C, C]
+    k_to_end = kb.mul_((g_end - gamma).exp()[..., None]).transpose(-1, -2)  # [n, H, Dk, C]
+    q_decayed = qb.mul_(gamma.exp()[..., None]).flatten(0, 1)               # [n H, C, Dk]
     end_decay = g_end.exp()[..., None]                                      # [n, H, 1, 1]
-    states = torch.empty(n + 1, h, dk, dv, dtype=torch.float32, device=w.device)
-    states[0] = state
     w_v, w_k = w[..., :dv], w[..., dv:]
-    for c in range(n):
-        u = w_v[c].baddbmm_(w_k[c], states[c], alpha=-1.0)
-        torch.mul(states[c], end_decay[c], out=states[c + 1])
-        states[c + 1].baddbmm_(k_to_end[c], u)
-    o = (qb * gamma.exp()[..., None]) @ states[:n] + attn @ w_v            # [n, H, C, Dv]
-    return o.transpose(1, 2).reshape(n * chunk, h, dv)[:t], states[n].clone()
+    o = torch.empty(n, h, chunk, dv, dtype=torch.float32, device=w.device)
+    states = torch.empty(min(n, SCAN_SEGMENT) + 1, h, dk, dv, dtype=torch.float32, device=w.device)
+    states[0] = state
+    for c0 in range(0, n, SCAN_SEGMENT):
+        m = min(n - c0, SCAN_SEGMENT)
+        for i in range(m):
+            u = w_v[c0 + i].baddbmm_(w_k[c0 + i], states[i], alpha=-1.0)
+            torch.mul(states[i], end_decay[c0 + i], out=states[i + 1])
+            states[i + 1].baddbmm_(k_to_end[c0 + i], u)
+        rows = slice(c0 * h, (c0 + m) * h)
+        seg = o[c0:c0 + m].flatten(0, 1)
+        torch.bmm(q_decayed[rows], states[:m].flatten(0, 1), out=seg)
+        seg.baddbmm_(attn[rows], w_v[c0:c0 + m].flatten(0, 1))
+        states[0] = states[m]
+    return o.transpose(1, 2).reshape(n * chunk, h, dv)[:t], states[0].clone()
 
 
 SOLVE_SCRATCH_BYTES = 256 << 20   # the chunk solve runs on groups of heads whose scratch fits this
