@@ -299,101 +299,74 @@ static inline __m256i SFX(q4k_mins16)(__m128i smv) {
         7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0)));
 }
 
-/* res[t] = Q4_K row w . token (m0 + t)'s Q8_K activation on 512-bit registers, the integers of kdot_nt: a 32-byte
- * group of codes holds two chunks (low nibbles: inputs 64g..64g+31, high: the next 32), decoded into one register
- * and dotted with the activation's 64 bytes there (maddubs), times the chunks' 6-bit scales as 16-bit lanes
- * (vpermw), summed in int32 (vpdpwssd); the mins as kdot_nt takes them. */
-static inline __attribute__((always_inline)) void SFX(q4k_dot512)(const qrow *w, int64_t K, const qact *a,
-                                                                    int64_t m0, const int NT, float *res) {
+/* res[r * NT + t] = Q4_K row w[r] . token (m0 + t)'s Q8_K activation on 512-bit registers, r < NR (<= 2), t < NT
+ * (<= TB), the integers of kdot_nt: a 32-byte group of codes holds two chunks (low nibbles: inputs 64g..64g+31,
+ * high: the next 32), decoded into one register and dotted with the activation's 64 bytes there (maddubs), times
+ * the chunks' 6-bit scales as 16-bit lanes (vpermw), summed in int32 (vpdpwssd); the mins as kdot_nt takes them.
+ * A row's decoded group serves the NT tokens; the NR rows share each activation load (a one-token step reads rows
+ * of 3 blocks for a down projection: two at a time). */
+static inline __attribute__((always_inline)) void SFX(q4k_dot512)(const qrow *w, const int NR, int64_t K,
+                                                                    const qact *a, int64_t m0, const int NT,
+                                                                    float *res) {
     const int64_t nb = K / 256;
     const __m512i m4 = _mm512_set1_epi8(15);
     __m512i perm[4];
     SFX(q4k_perms)(perm);
-    __m512 acc[TB];
-    __m256 accm[TB];
-    for (int t = 0; t < NT; t++) {
-        acc[t] = _mm512_setzero_ps();
-        accm[t] = _mm256_setzero_ps();
+    __m512 acc[2 * TB];
+    __m256 accm[2 * TB];
+    #pragma GCC unroll 8
+    for (int i = 0; i < NR * NT; i++) {
+        acc[i] = _mm512_setzero_ps();
+        accm[i] = _mm256_setzero_ps();
     }
     for (int64_t ib = 0; ib < nb; ib++) {
-        const uint8_t *b = w->d + 144 * ib;
-        prefetch_ahead(b, 3);
-        uint32_t sm[4];
-        kq_scale_bytes(b, sm);
-        const __m128i smv = _mm_loadu_si128((const __m128i *)sm);  /* sc[0..7], mn[0..7] */
-        const __m512i sc16 = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(smv));
-        __m512i sumi[TB];
-        for (int t = 0; t < NT; t++) sumi[t] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-        for (int g = 0; g < 4; g++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * g));
-            const __m512i v = _mm512_and_si512(
-                _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1), m4);
-            const __m512i scg = _mm512_permutexvar_epi16(perm[g], sc16);
-            for (int t = 0; t < NT; t++) {
-                const __m512i xq = _mm512_loadu_si512((const void *)(a->qk + (m0 + t) * K + 256 * ib + 64 * g));
-                sumi[t] = _mm512_dpwssd_epi32(sumi[t], _mm512_maddubs_epi16(v, xq), scg);
-            }
-        }
-        const float dd = F16(b), dmin = F16(b + 2);
-        const __m256i w16 = SFX(q4k_mins16)(smv);
-        for (int t = 0; t < NT; t++) {
-            const int64_t m = m0 + t;
-            const float dk = a->dk[m * nb + ib];
-            const __m256i bs = _mm256_madd_epi16(w16, _mm256_loadu_si256((const __m256i *)(a->bk + m * (K / 16) +
-                                                                                           16 * ib)));
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[t]), _mm512_set1_ps(dd * dk), acc[t]);
-            accm[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(bs), _mm256_set1_ps(dmin * dk), accm[t]);
-        }
-    }
-    for (int t = 0; t < NT; t++) res[t] = _mm512_reduce_add_ps(acc[t]) + SFX(hsum8)(accm[t]);
-}
-
-/* res[0..1] = Q4_K rows w[0], w[1] . token m0's Q8_K activation, as q4k_dot512 with NT = 1: the two rows share each
- * activation load and the per-row set-up (a one-token step reads rows of 3 blocks for a down projection) */
-static void SFX(q4k_dot512_rows2)(const qrow *w, int64_t K, const qact *a, int64_t m0, float *res) {
-    const int64_t nb = K / 256;
-    const __m512i m4 = _mm512_set1_epi8(15);
-    __m512i perm[4];
-    SFX(q4k_perms)(perm);
-    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    __m256 accm[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t ib = 0; ib < nb; ib++) {
-        const uint8_t *b[2] = {w[0].d + 144 * ib, w[1].d + 144 * ib};
+        const uint8_t *b[2];
         __m128i smv[2];
-        __m512i sc16[2], sumi[2];
-#pragma GCC unroll 2
-        for (int r = 0; r < 2; r++) {
+        __m512i sc16[2], sumi[2 * TB];
+        #pragma GCC unroll 2
+        for (int r = 0; r < NR; r++) {
+            b[r] = w[r].d + 144 * ib;
             prefetch_ahead(b[r], 3);
             uint32_t sm[4];
             kq_scale_bytes(b[r], sm);
             smv[r] = _mm_loadu_si128((const __m128i *)sm);  /* sc[0..7], mn[0..7] */
             sc16[r] = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(smv[r]));
-            sumi[r] = _mm512_setzero_si512();
         }
+        #pragma GCC unroll 8
+        for (int i = 0; i < NR * NT; i++) sumi[i] = _mm512_setzero_si512();
 #pragma GCC unroll 4
-        for (int g = 0; g < 4; g++) {
-            const __m512i xq = _mm512_loadu_si512((const void *)(a->qk + m0 * K + 256 * ib + 64 * g));
-    #pragma GCC unroll 2
-        for (int r = 0; r < 2; r++) {
+        for (int g = 0; g < 4; g++)
+            #pragma GCC unroll 2
+            for (int r = 0; r < NR; r++) {
                 const __m256i q = _mm256_loadu_si256((const __m256i *)(b[r] + 16 + 32 * g));
                 const __m512i v = _mm512_and_si512(
                     _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1), m4);
-                sumi[r] = _mm512_dpwssd_epi32(sumi[r], _mm512_maddubs_epi16(v, xq),
-                                              _mm512_permutexvar_epi16(perm[g], sc16[r]));
+                const __m512i scg = _mm512_permutexvar_epi16(perm[g], sc16[r]);
+                #pragma GCC unroll 8
+                for (int t = 0; t < NT; t++) {
+                    const __m512i xq = _mm512_loadu_si512((const void *)(a->qk + (m0 + t) * K + 256 * ib + 64 * g));
+                    sumi[r * NT + t] = _mm512_dpwssd_epi32(sumi[r * NT + t], _mm512_maddubs_epi16(v, xq), scg);
+                }
+            }
+        #pragma GCC unroll 2
+        for (int r = 0; r < NR; r++) {
+            const float dd = F16(b[r]), dmin = F16(b[r] + 2);
+            const __m256i w16 = SFX(q4k_mins16)(smv[r]);
+            #pragma GCC unroll 8
+            for (int t = 0; t < NT; t++) {
+                const int64_t m = m0 + t;
+                const float dk = a->dk[m * nb + ib];
+                const __m256i bs = _mm256_madd_epi16(w16, _mm256_loadu_si256((const __m256i *)(a->bk + m * (K / 16) +
+                                                                                               16 * ib)));
+                acc[r * NT + t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r * NT + t]), _mm512_set1_ps(dd * dk),
+                                                  acc[r * NT + t]);
+                accm[r * NT + t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(bs), _mm256_set1_ps(dmin * dk),
+                                                    accm[r * NT + t]);
             }
         }
-        const float dk = a->dk[m0 * nb + ib];
-        const __m256i bk = _mm256_loadu_si256((const __m256i *)(a->bk + m0 * (K / 16) + 16 * ib));
-#pragma GCC unroll 2
-        for (int r = 0; r < 2; r++) {
-            const __m256i w16 = SFX(q4k_mins16)(smv[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_set1_ps(F16(b[r]) * dk), acc[r]);
-            accm[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(w16, bk)),
-                                       _mm256_set1_ps(F16(b[r] + 2) * dk), accm[r]);
-        }
     }
-    for (int r = 0; r < 2; r++) res[r] = _mm512_reduce_add_ps(acc[r]) + SFX(hsum8)(accm[r]);
+    #pragma GCC unroll 8
+    for (int i = 0; i < NR * NT; i++) res[i] = _mm512_reduce_add_ps(acc[i]) + SFX(hsum8)(accm[i]);
 }
 
 /* ---- 16 tokens in the lanes (level 2, a step of >= LANE_MIN tokens): the activation of a tile of 16 tokens is
@@ -624,7 +597,7 @@ static inline __attribute__((always_inline)) void SFX(kdot_nt)(const qrow *w, co
     const int64_t nb = K / 256;
 #if ISA_LEVEL == 2
     if (KIND == 6) {
-        SFX(q4k_dot512)(w, K, a, m0, NT, res);
+        SFX(q4k_dot512)(w, 1, K, a, m0, NT, res);
         return;
     }
 #endif
@@ -869,7 +842,7 @@ static void SFX(rows)(const qproj *q, const uint8_t *base, int64_t r0, int64_t r
         if (q->kind == 6 && te - tt == 1 && K <= SHORT_ROW)   /* one token, short Q4_K rows: two at a time */
             for (; r + 1 < r1; r += 2) {
                 const qrow w2[2] = {qrow_of(q, base, r, K), qrow_of(q, base, r + 1, K)};
-                SFX(q4k_dot512_rows2)(w2, K, &a->q, m0 + tt, res);
+                SFX(q4k_dot512)(w2, 2, K, &a->q, m0 + tt, 1, res);
                 for (int i = 0; i < 2; i++) y[tt * ldy + r + i] = scale ? res[i] * scale[tt] : res[i];
             }
 #endif
