@@ -159,12 +159,15 @@ def scan_chunks(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, w: torch.Tens
     o = torch.empty(n, h, chunk, dv, dtype=torch.float32, device=w.device)
     states = torch.empty(min(n, SCAN_SEGMENT) + 1, h, dk, dv, dtype=torch.float32, device=w.device)
     states[0] = state
+    # the per-chunk views made once (one call each) instead of indexed in the loop: the loop is launch-bound
+    s_at, u_at, wk_at = states.unbind(0), w_v.unbind(0), w_k.unbind(0)
+    kt_at, decay_at = k_to_end.unbind(0), end_decay.unbind(0)
     for c0 in range(0, n, SCAN_SEGMENT):
         m = min(n - c0, SCAN_SEGMENT)
         for i in range(m):
-            u = w_v[c0 + i].baddbmm_(w_k[c0 + i], states[i], alpha=-1.0)
-            torch.mul(states[i], end_decay[c0 + i], out=states[i + 1])
-            states[i + 1].baddbmm_(k_to_end[c0 + i], u)
+            u = u_at[c0 + i].baddbmm_(wk_at[c0 + i], s_at[i], alpha=-1.0)
+            torch.mul(s_at[i], decay_at[c0 + i], out=s_at[i + 1])
+            s_at[i + 1].baddbmm_(kt_at[c0 + i], u)
         rows = slice(c0 * h, (c0 + m) * h)
         seg = o[c0:c0 + m].flatten(0, 1)
         torch.bmm(q_decayed[rows], states[:m].flatten(0, 1), out=seg)
