@@ -86,9 +86,10 @@ def test_hermes_cut_inside_the_arguments_and_before_the_closing_tag() -> None:
 
 
 def test_a_forced_turn_cut_inside_its_second_call() -> None:
-    """The turn (stream and whole): the first call whole, the second cut short is dropped, no content,
-    ``tool_calls`` (as vLLM answers: the turn made a call); the same without ``forced``; cut inside its only call it
-    is that call unfinished and ``length``."""
+    """The whole turn: the first call whole, the second cut short is dropped, no content, ``tool_calls`` (as vLLM
+    answers: the turn made a call); the same without ``forced``. The stream sent the second call's head before the
+    cut: it ends unfinished and the reason is ``length`` (as OpenAI answers: the client holds a call it must not
+    run). Cut inside its only call it is that call unfinished and ``length``."""
     first = forced_output("hermes")
     text = first + '\n<tool_call>\n{"name": "search", "arguments": {"q": "fjo'
     for forced in (True, False):
@@ -102,7 +103,7 @@ def test_a_forced_turn_cut_inside_its_second_call() -> None:
         # the stream sent the cut call's head and arguments as they came: it ends there, unfinished
         assert [(p.call.name, p.call.arguments, p.call.complete) for d in deltas for p in d.calls if p.done] == \
             [(c.name, c.arguments, c.complete) for c in res.calls] + [("search", '{"q": "fjo', False)]
-        assert turn.finish_reason("length") == "tool_calls"
+        assert turn.finish_reason("length") == "length"
     cfg = TurnConfig(tool_names=NAMES, forced=True)
     assert whole_turn(cfg, text, "stop").finish_reason == "tool_calls"   # a stop string cut the second call
     assert whole_turn(cfg, first, "stop").finish_reason == "tool_calls"

@@ -150,7 +150,8 @@ class AssistantTurn:
     """One choice's output → reasoning / content / calls, through its :class:`OutputReader`; calls past
     ``max_calls`` (None: no bound) are dropped, and so is an unfinished call after a whole one (the output was cut
     in a further call: the turn made its calls, as vLLM answers). A streamed call has its position from its head
-    on; once its head went out it is never dropped."""
+    on; once its head went out it is never dropped, and when it ends unfinished the turn's finish reason is the
+    engine's (``length``: the client holds a call it must not run, as OpenAI answers)."""
 
     def __init__(self, reader: OutputReader, max_calls: int | None = None):
         self.reader = reader
@@ -159,6 +160,7 @@ class AssistantTurn:
         self.whole_calls = 0
         self.cut_call = False       # the turn's only calls end in an unfinished one (it was cut in its first call)
         self.ends_in_calls = False  # nothing but calls since the last whole call
+        self.sent_cut = False       # a streamed call (its head already sent) ended unfinished
         self._streamed: tuple[ToolCall, int | None] | None = None   # the call being streamed: head, position
 
     def feed(self, text: str, token_ids: Sequence[int] = (), index: int = 0) -> TurnDelta:
@@ -196,6 +198,7 @@ class AssistantTurn:
             k = self._streamed[1]
             self._streamed = None
             if k is not None:
+                self.sent_cut = self.sent_cut or not call.complete
                 self._note(call)
                 _add(d, CallDelta(k, call, done=True))
             return
@@ -229,9 +232,9 @@ class AssistantTurn:
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
         """``tool_calls`` for a turn that made whole calls (none cut) and stopped by itself, or was cut by
-        ``max_tokens`` with nothing but calls after its last whole call (a further call cut short is dropped);
-        else the engine's reason."""
-        if not self.whole_calls or self.cut_call:
+        ``max_tokens`` with nothing but calls after its last whole call (a further call cut short is dropped,
+        unless its head was streamed already); else the engine's reason."""
+        if not self.whole_calls or self.cut_call or self.sent_cut:
             return engine_reason
         if engine_reason == "stop" or (engine_reason == "length" and self.ends_in_calls):
             return "tool_calls"
