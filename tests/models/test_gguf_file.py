@@ -272,3 +272,18 @@ def test_long_string_arrays_are_read_on_demand(tmp_path, monkeypatch):
         encoded.append(gguf_tokenizer(path).convert_ids_to_tokens(gguf_tokenizer(path).encode(text)))
     assert encoded[0] == encoded[1] == [
         "<|im_start|>", "u", "s", "e", "r", "Ċ", "t", "he", "Ġt", "he", "m", "e", ",", "Ġ", "1", "2", "Ġ", "<|im_end|>"]
+
+
+def test_tensor_parallel_of_a_gguf_is_one_line_before_anything_starts(tmp_path, monkeypatch, capsys):
+    """``ferry serve FILE.gguf --tensor-parallel-size 2``: refused in the frontend (exit 2, one line naming the flag
+    and the file) before any engine or rank process is spawned."""
+    from ferrylm import cli
+    from ferrylm.server.process import supervisor
+
+    _, path, _ = _qwen3moe(tmp_path, {1: "Q6_K", 2: "Q6_K"})
+    capsys.readouterr()   # the fixture's own progress lines
+    monkeypatch.setattr(supervisor.Supervisor, "start", lambda self: pytest.fail("an engine was spawned"))
+    assert cli.main(["serve", str(path), "--port", "18477", "--device", "cpu", "--tensor-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("loading ") and err[1:] == [f"ferry serve: --tensor-parallel-size 2: {path.name} is a GGUF file; tensor parallel loads "
+                   f"safetensors folders and synthetic models only (for now)"], err

@@ -28,6 +28,14 @@ def is_gguf_file(path: str | Path) -> bool:
     return p.suffix.lower() == ".gguf" and p.is_file()
 
 
+def check_tensor_parallel(path: str | Path, tp_size: int) -> None:
+    """Raises ModelLoadError when ``--tensor-parallel-size`` > 1 asks a split of a GGUF file (not loaded that way
+    yet): checked by ``ferry serve`` before anything starts and by the loader."""
+    if tp_size > 1 and is_gguf_file(path):
+        raise ModelLoadError(f"--tensor-parallel-size {tp_size}: {Path(path).name} is a GGUF file; tensor parallel "
+                             f"loads safetensors folders and synthetic models only (for now)")
+
+
 def is_served_gguf(g: GGUFFile) -> bool:
     """True when ``g``'s architecture is one of :data:`~ferrylm.checkpoints.gguf_archs.ARCHS`."""
     return g.get("general.architecture") in ARCHS

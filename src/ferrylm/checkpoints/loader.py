@@ -102,14 +102,13 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
         UnsupportedArchitecture: ``architectures[0]`` is not registered (message lists the supported ones).
         ValueError: unknown ``moe_backend``.
     """
-    from ferrylm.checkpoints.gguf_config import is_gguf_file
+    from ferrylm.checkpoints.gguf_config import check_tensor_parallel, is_gguf_file
     from ferrylm.synthetic.spec import is_synthetic_folder
 
     model_dir = Path(model_dir)
     split = tp is not None and tp.is_split
-    if split and is_gguf_file(model_dir):
-        raise ModelLoadError(f"--tensor-parallel-size {tp.size}: {model_dir.name} is a GGUF file; tensor parallel "
-                             f"loads safetensors folders and synthetic models only (for now)")
+    if split:
+        check_tensor_parallel(model_dir, tp.size)
     if is_gguf_file(model_dir):  # a GGUF served from the file itself
         from ferrylm.checkpoints.quant.gguf_file import load_gguf_model
 

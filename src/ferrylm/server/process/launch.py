@@ -210,11 +210,13 @@ def load_model(args: argparse.Namespace, engine_config: EngineConfig) -> LoadedM
     loads later, while the engine boots: :func:`load_frontend_codec`). Raises ModelLoadError
     (UnsupportedArchitecture for an architecture no model family serves), _FlagError for a flag the model does not
     allow."""
+    from ferrylm.checkpoints.gguf_config import check_tensor_parallel
     from ferrylm.checkpoints.resolve import resolve_model
     from ferrylm.checkpoints.verify import verify_checkpoint
     from ferrylm.models.registry import supported_architectures
 
     resolved = resolve_model(args.model)
+    check_tensor_parallel(resolved.path, engine_config.tensor_parallel_size)
     mcfg = ModelConfig.from_folder(resolved.path)
     if mcfg.architecture not in supported_architectures():
         raise UnsupportedArchitecture(f"{resolved.path}: architecture {mcfg.architecture!r} is not supported; "
