@@ -142,4 +142,4 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 def add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
     """``--log-level``: one of :data:`LOG_LEVELS`, in any case (``debug`` as uvicorn and vLLM take it)."""
     parser.add_argument("--log-level", default=default, type=str.upper, choices=LOG_LEVELS,
-                        help=f"logging level (default: {default})")
+                        help="logging level (default: %(default)s)")

@@ -38,7 +38,9 @@ def test_bench_serve_help_shows_every_default() -> None:
     text = " ".join(serve.format_help().split())
     for a in serve._actions:
         if a.option_strings and a.default is not argparse.SUPPRESS and a.dest != "help":
-            assert f"{' '.join(a.help.split())} (default: {a.default})" in text, a.option_strings
+            shown = a.help % {"default": a.default} if "%(default)" in a.help else f"{a.help} (default: {a.default})"
+            shown = " ".join(shown.split())
+            assert shown in text and shown.count("(default:") == 1, a.option_strings
 
 
 def test_decode_table_on_a_cpu_host_has_no_device_columns_and_aligned_rows() -> None:

@@ -132,7 +132,7 @@ class SamplingParams:
                 raise InvalidRequest(f"'logit_bias' values must be in [-100, 100], got {bias!r} for token {tok}",
                                      param="logit_bias")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
-            raise InvalidRequest("'seed' is out of range", param="seed")
+            raise InvalidRequest(f"'seed' must be in [-2**63, 2**63) (a 64-bit integer), got {self.seed}", param="seed")
         return self
 
     def to_dict(self) -> dict:

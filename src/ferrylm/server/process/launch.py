@@ -426,7 +426,8 @@ class _Shutdown:
             # which can take seconds (a long prefill chunk); nothing is left to wait for, so it gets a short grace
             self.engine_stop_s = ENGINE_STOP_AFTER_TIMEOUT_S
             await sup.drain(2.0)  # the error events go out
-        log.info("shutting down: drained in %.2f s; stopping", time.monotonic() - t0)
+        log.info("shutting down: %s in %.2f s; stopping",
+                 f"{left} requests cut" if left else "drained", time.monotonic() - t0)
         self.server.should_exit = True
 
     def exit_at_once(self, sig: int) -> None:
