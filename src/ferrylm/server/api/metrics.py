@@ -77,6 +77,20 @@ def _get(d: Any, path: tuple[str, ...]) -> Any:
     return d
 
 
+_COUNTER_HELP = {
+    "num_preemptions": "Requests preempted by the scheduler (KV pages short)",
+    "expert_cache_hits": "Needed (layer, expert) pairs found in the device expert cache",
+    "expert_cache_misses": "Needed (layer, expert) pairs not in the device expert cache",
+    "expert_bytes_copied": "Expert bytes copied host to device (demand, prefetch, streaming)",
+    "expert_bytes_mapped": "Expert bytes the fused kernel read from mapped host memory over PCIe (offload decode "
+                           "table misses)",
+    "expert_cpu_computed": "Needed (layer, expert) pairs computed on the CPU (cpu / hybrid backends)",
+    "decode_graph_steps": "Decode steps run through the piecewise decode path (CUDA graphs)",
+    "decode_graph_replays": "Decode steps replayed from captured CUDA graphs",
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache (at each request's first scheduling)",
+    "prefix_cache_hits": "Prompt tokens found in the prefix cache (their prefill was skipped)"}
+
+
 class EngineCollector:
     """Reads the engine client's latest figures at scrape time.
 
@@ -109,7 +123,16 @@ class EngineCollector:
         new_engine = pid is not None and self._pid is not None and pid != self._pid
         if pid is not None:
             self._pid = pid
+        yield from self._engine_state(stats)
+        yield from self._counters(stats, new_engine)
+        yield from self._memory(stats)
+        plan = getattr(eng, "memory_plan", None)
+        if isinstance(plan, dict):
+            yield from self._plan(plan)
 
+    def _engine_state(self, stats: dict) -> Iterable[Metric]:
+        """Ready, restarts, running / waiting requests, KV cache usage."""
+        eng = self.engine
         ready = 0.0
         try:
             ready = 1.0 if eng.health().ready else 0.0
@@ -121,7 +144,6 @@ class EngineCollector:
         c = CounterMetricFamily(P + "engine_restarts", "Engine process restarts since the server started")
         c.add_metric([], float(getattr(eng, "num_restarts", 0) or 0))
         yield c
-
         for name, help_, key in (("num_requests_running", "Requests in the engine's running batch", "num_running"),
                                  ("num_requests_waiting", "Requests waiting in the engine's queue", "num_waiting")):
             g = GaugeMetricFamily(P + name, help_)
@@ -132,22 +154,12 @@ class EngineCollector:
         g.add_metric([], used / total if used is not None and total else 0.0)
         yield g
 
-        helps = {"num_preemptions": "Requests preempted by the scheduler (KV pages short)",
-                 "expert_cache_hits": "Needed (layer, expert) pairs found in the device expert cache",
-                 "expert_cache_misses": "Needed (layer, expert) pairs not in the device expert cache",
-                 "expert_bytes_copied": "Expert bytes copied host to device (demand, prefetch, streaming)",
-                 "expert_bytes_mapped": "Expert bytes the fused kernel read from mapped host memory over PCIe "
-                                        "(offload decode table misses)",
-                 "expert_cpu_computed": "Needed (layer, expert) pairs computed on the CPU (cpu / hybrid backends)",
-                 "decode_graph_steps": "Decode steps run through the piecewise decode path (CUDA graphs)",
-                 "decode_graph_replays": "Decode steps replayed from captured CUDA graphs",
-                 "prefix_cache_queries": "Prompt tokens looked up in the prefix cache (at each request's first "
-                                         "scheduling)",
-                 "prefix_cache_hits": "Prompt tokens found in the prefix cache (their prefill was skipped)"}
+    def _counters(self, stats: dict, new_engine: bool) -> Iterable[Metric]:
+        """The engine's counters, monotonic across restarts; the prefix cache hit rate; OOM recoveries."""
         totals: dict[str, float] = {}
         for name, path in _ENGINE_COUNTERS.items():
             v = _num(_get(stats, path))
-            c = CounterMetricFamily(P + name, helps[name])
+            c = CounterMetricFamily(P + name, _COUNTER_HELP[name])
             totals[name] = self._monotonic(name, v or 0.0, new_engine)
             c.add_metric([], totals[name])
             yield c
@@ -165,6 +177,9 @@ class EngineCollector:
             c.add_metric([str(action)], self._monotonic(f"oom:{action}", v, new_engine))
         yield c
 
+    @staticmethod
+    def _memory(stats: dict) -> Iterable[Metric]:
+        """Memory now, as the engine last measured it."""
         mem = stats.get("memory") or {}
         for name, help_, v in (
                 ("memory_free_bytes", "Free device (or host) memory now, as the engine last measured it",
@@ -180,25 +195,25 @@ class EngineCollector:
                 g.add_metric([], v)
                 yield g
 
-        plan = getattr(eng, "memory_plan", None)
-        if isinstance(plan, dict):
-            g = GaugeMetricFamily(P + "memory_plan_bytes", "The boot memory plan, bytes by part", labels=["part"])
-            for k in _PLAN_BYTES:
-                v = _num(plan.get(k))
-                if v is not None:
-                    g.add_metric([k[:-len("_bytes")]], v)
-            yield g
-            for name, help_, key in (("memory_plan_kv_pages", "KV pages in the boot plan", "kv_pages"),
-                                     ("memory_plan_kv_tokens", "KV tokens in the boot plan", "kv_tokens"),
-                                     ("memory_plan_expert_slots", "Device expert slots in the boot plan",
-                                      "expert_slots"),
-                                     ("memory_plan_expert_total", "Routed experts in the model (all layers)",
-                                      "expert_total")):
-                v = _num(plan.get(key))
-                if v is not None:
-                    g = GaugeMetricFamily(P + name, help_)
-                    g.add_metric([], v)
-                    yield g
+    @staticmethod
+    def _plan(plan: dict) -> Iterable[Metric]:
+        """The boot memory plan: bytes by part, KV pages / tokens, expert slots."""
+        g = GaugeMetricFamily(P + "memory_plan_bytes", "The boot memory plan, bytes by part", labels=["part"])
+        for k in _PLAN_BYTES:
+            v = _num(plan.get(k))
+            if v is not None:
+                g.add_metric([k[:-len("_bytes")]], v)
+        yield g
+        for name, help_, key in (("memory_plan_kv_pages", "KV pages in the boot plan", "kv_pages"),
+                                 ("memory_plan_kv_tokens", "KV tokens in the boot plan", "kv_tokens"),
+                                 ("memory_plan_expert_slots", "Device expert slots in the boot plan", "expert_slots"),
+                                 ("memory_plan_expert_total", "Routed experts in the model (all layers)",
+                                  "expert_total")):
+            v = _num(plan.get(key))
+            if v is not None:
+                g = GaugeMetricFamily(P + name, help_)
+                g.add_metric([], v)
+                yield g
 
 
 class _ConstLabels:
