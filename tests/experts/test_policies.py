@@ -14,7 +14,7 @@ from ferrylm.experts.executor import LayerExperts
 from ferrylm.experts.hybrid import cpu_effective_rate, split_misses
 from ferrylm.experts.options import Bandwidths
 from ferrylm.experts.resident import ResidentExecutor
-from ferrylm.experts.stream import LayerStreamer
+from ferrylm.experts.stream import LayerStreamer, expert_runs
 from ferrylm.experts.transfer import HostCopyEngine
 
 GB = 1e9
@@ -84,12 +84,16 @@ def test_host_banks_pack_rows_and_rewrite_views():
 def test_streamer_double_buffer_reuses_and_alternates():
     banks = HostBanks.from_layers(_layers(n_layers=3), pin=False)
     copier = HostCopyEngine()
+    copies = []
+    plain = copier.copy
+    copier.copy = lambda dst, src, after=None: (copies.append(dst.shape[0]), plain(dst, src, after))
     s = LayerStreamer(banks, torch.device("cpu"), copier)
-    idx0, n0 = s.acquire(0, [1, 3])
-    assert n0 == 2 and idx0 == 0
-    assert s.prefetch(2, [0, 1, 2, 3]) == 4  # the other buffer
+    idx0, n0 = s.acquire(0, [3, 1, 3])
+    assert n0 == 2 and idx0 == 0 and copies == [1, 1]
+    assert s.prefetch(2, [0, 1, 2, 3]) == 4 and copies[2:] == [4]  # the other buffer; one run, one copy
     copier.wait(s.ready[1])
-    assert torch.equal(s.buffers[1][2], banks.row(2, 2))
+    assert all(torch.equal(s.buffers[1][e], banks.row(2, e)) for e in range(4))
+    assert expert_runs([0, 1, 2, 5, 7, 8]) == [(0, 3), (5, 6), (7, 9)] and expert_runs([]) == []
     idx1, n1 = s.acquire(2, [0, 3])  # already there: nothing copied
     assert idx1 == 1 and n1 == 0
     assert s.prefetch(4, [0]) == 1 and s.layer[0] == 4  # overwrote layer 0's buffer, not the running one

@@ -194,6 +194,10 @@ class HostBanks:
             views = self._row_views[layer] = self.packed[layer].unbind(0)
         return views[expert]
 
+    def rows(self, layer: int, lo: int, hi: int) -> torch.Tensor:
+        """Experts ``lo .. hi - 1`` of ``layer`` as ``[hi - lo, S]`` (a view: one contiguous span of the bank)."""
+        return self.packed[layer][lo:hi]
+
     def layer_experts(self, layer: int) -> LayerExperts:
         """``layer``'s experts as stacked views (for the resident path), with the layer's :class:`ExpertMath`."""
         views = self.layout.layer_views(self.packed[layer])

@@ -4,7 +4,8 @@
 A prefill chunk of many tokens touches nearly every expert of every layer, so per-expert cache decisions buy
 nothing: the whole layer has to cross PCIe anyway. Each buffer is ``[E, S]`` (one layer's expert rows) and
 remembers which layer and which experts it holds. While layer L computes from one buffer, the other receives layer
-L+1's experts, except those already in the slot cache (cache hits are not re-copied). A buffer is only
+L+1's experts, except those already in the slot cache (cache hits are not re-copied), one copy per run of
+consecutive experts (a layer's bank rows and the buffer's rows are both in expert order). A buffer is only
 overwritten after the compute that read it (a compute fence), and is only read after its copies landed.
 """
 
@@ -17,6 +18,18 @@ import torch
 from ferrylm.experts.banks import HostBanks
 from ferrylm.experts.transfer import CopyEngine
 from ferrylm.triton_util import use_triton
+
+
+def expert_runs(experts: list[int]) -> list[tuple[int, int]]:
+    """Ascending distinct expert ids as ``[lo, hi)`` runs of consecutive ids: ``[1, 2, 3, 7]`` -> ``[(1, 4), (7,
+    8)]``."""
+    runs: list[tuple[int, int]] = []
+    for e in experts:
+        if runs and runs[-1][1] == e:
+            runs[-1] = (runs[-1][0], e + 1)
+        else:
+            runs.append((e, e + 1))
+    return runs
 
 
 class LayerStreamer:
@@ -53,10 +66,10 @@ class LayerStreamer:
         if self.layer[idx] != layer:
             self.layer[idx] = layer
             self.have[idx] = set()
-        todo = [e for e in experts if e not in self.have[idx]]
+        todo = sorted({e for e in experts if e not in self.have[idx]})
         after = self.last_use[idx]
-        for e in todo:
-            self.copier.copy(self.buffers[idx][e], self.banks.row(layer, e), after=after)
+        for lo, hi in expert_runs(todo):   # one copy per run of consecutive experts (bank and buffer rows follow)
+            self.copier.copy(self.buffers[idx][lo:hi], self.banks.rows(layer, lo, hi), after=after)
             after = None  # one wait is enough: the copy stream is FIFO
         if todo:
             self.ready[idx] = self.copier.fence()
