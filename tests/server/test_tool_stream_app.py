@@ -1,8 +1,9 @@
 """Tool calls through the real ``openai`` / ``anthropic`` SDKs against the ASGI app with a scripted engine: a reply
-cut by ``max_tokens`` inside its second call ends ``tool_calls`` / ``tool_use`` / ``completed`` (as vLLM answers),
-stream and non-stream alike, the non-stream reply with the whole call only (a stream sent the cut call's start
-already); a Hermes call's arguments stream in pieces that join to the non-stream reply's arguments, also through
-the SDKs' own stream accumulators."""
+cut by ``max_tokens`` inside its second call is, whole, the first call only and ``tool_calls`` / ``tool_use`` /
+``completed`` (as vLLM answers); streamed, the cut call's start went out already, so the stream ends with that call
+unfinished and ``length`` / ``max_tokens`` / ``incomplete`` (as OpenAI answers: never a "run your tools" reason over
+a call that cannot run). A Hermes call's arguments stream in pieces that join to the non-stream reply's arguments,
+also through the SDKs' own stream accumulators."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def cut_in_second(codec) -> int:
     return next(n for n in range(len(ids)) if '"Ber' in codec.decode(ids[:n]))
 
 
-async def test_chat_complete_then_cut_is_tool_calls(codec) -> None:
+async def test_chat_complete_then_cut_whole_and_streamed(codec) -> None:
     eng = scripted(codec, FIRST + SECOND)
     client = oai(create_app(eng, codec, SERVED))
     kw = dict(model=SERVED, messages=MSGS, tools=[WEATHER], max_tokens=cut_in_second(codec))
@@ -45,16 +46,18 @@ async def test_chat_complete_then_cut_is_tool_calls(codec) -> None:
         for ch in chunk.choices:
             finish = ch.finish_reason or finish
             content += ch.delta.content or ""
-    assert (finish, content) == ("tool_calls", "")
+    assert (finish, content) == ("length", "")
     async with client.chat.completions.stream(**kw) as s:
-        final = await s.get_final_completion()
-    assert final.choices[0].finish_reason == "tool_calls"
+        with pytest.raises(openai.LengthFinishReasonError) as cut_short:   # the SDK's own answer to `length`
+            await s.get_final_completion()
+    final = cut_short.value.completion
+    assert final.choices[0].finish_reason == "length"
     first, cut = final.choices[0].message.tool_calls   # the cut call's start went out before the cut
     assert first.function.arguments == FIRST_ARGS and cut.function.arguments.startswith('{"city": "Ber')
     assert '{"city": "Bergen", "days": 5}'.startswith(cut.function.arguments)
 
 
-async def test_anthropic_complete_then_cut_is_tool_use(codec) -> None:
+async def test_anthropic_complete_then_cut_whole_and_streamed(codec) -> None:
     eng = scripted(codec, FIRST + SECOND)
     client = anth(create_app(eng, codec, SERVED))
     kw = dict(model=SERVED, max_tokens=cut_in_second(codec), messages=MSGS, tools=[ANTH_WEATHER])
@@ -64,12 +67,12 @@ async def test_anthropic_complete_then_cut_is_tool_use(codec) -> None:
         ("tool_use", "get_weather", {"city": "Oslo", "days": 3})]
     async with client.messages.stream(**kw) as s:
         final = await s.get_final_message()
-    assert final.stop_reason == "tool_use"
+    assert final.stop_reason == "max_tokens"
     assert [(b.type, b.name) for b in final.content] == [("tool_use", "get_weather")] * 2
     assert [b.input for b in final.content] == [{"city": "Oslo", "days": 3}, {}]   # a cut string is left out
 
 
-async def test_responses_complete_then_cut_is_completed(codec) -> None:
+async def test_responses_complete_then_cut_whole_and_streamed(codec) -> None:
     eng = scripted(codec, FIRST + SECOND)
     client = oai(create_app(eng, codec, SERVED))
     kw = dict(model=SERVED, input="Weather in Oslo?", tools=[RESP_WEATHER], max_output_tokens=cut_in_second(codec))
@@ -78,7 +81,8 @@ async def test_responses_complete_then_cut_is_completed(codec) -> None:
     assert [(it.type, it.name, it.arguments, it.status) for it in r.output] == [
         ("function_call", "get_weather", FIRST_ARGS, "completed")]
     events = [ev async for ev in await client.responses.create(**kw, stream=True)]
-    assert events[-1].type == "response.completed"
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"
     assert [(it.type, it.status) for it in events[-1].response.output] == [("function_call", "completed"),
                                                                            ("function_call", "incomplete")]
     assert events[-1].response.output[0].arguments == FIRST_ARGS
