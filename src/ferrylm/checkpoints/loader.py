@@ -107,8 +107,7 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
 
     model_dir = Path(model_dir)
     split = tp is not None and tp.is_split
-    if split:
-        check_tensor_parallel(model_dir, tp.size)
+    check_tensor_parallel(model_dir, tp.size if split else 1)
     if is_gguf_file(model_dir):  # a GGUF served from the file itself
         from ferrylm.checkpoints.quant.gguf_file import load_gguf_model
 

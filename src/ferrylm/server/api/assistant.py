@@ -158,9 +158,8 @@ class AssistantTurn:
         self.max_calls = max_calls
         self.num_calls = 0
         self.whole_calls = 0
-        self.cut_call = False       # the turn's only calls end in an unfinished one (it was cut in its first call)
+        self.cut_call = False       # the client got an unfinished call: its only call, or a streamed one cut
         self.ends_in_calls = False  # nothing but calls since the last whole call
-        self.sent_cut = False       # a streamed call (its head already sent) ended unfinished
         self._streamed: tuple[ToolCall, int | None] | None = None   # the call being streamed: head, position
 
     def feed(self, text: str, token_ids: Sequence[int] = (), index: int = 0) -> TurnDelta:
@@ -198,7 +197,7 @@ class AssistantTurn:
             k = self._streamed[1]
             self._streamed = None
             if k is not None:
-                self.sent_cut = self.sent_cut or not call.complete
+                self.cut_call = self.cut_call or not call.complete   # its head went out already
                 self._note(call)
                 _add(d, CallDelta(k, call, done=True))
             return
@@ -234,7 +233,7 @@ class AssistantTurn:
         """``tool_calls`` for a turn that made whole calls (none cut) and stopped by itself, or was cut by
         ``max_tokens`` with nothing but calls after its last whole call (a further call cut short is dropped,
         unless its head was streamed already); else the engine's reason."""
-        if not self.whole_calls or self.cut_call or self.sent_cut:
+        if not self.whole_calls or self.cut_call:
             return engine_reason
         if engine_reason == "stop" or (engine_reason == "length" and self.ends_in_calls):
             return "tool_calls"
