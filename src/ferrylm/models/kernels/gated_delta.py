@@ -32,6 +32,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from ferrylm.triton_util import use_triton
+
 log = logging.getLogger("ferrylm.models")
 
 DEFAULT_CHUNK = 64
@@ -132,13 +134,13 @@ SCAN_SEGMENT = 16   # chunks whose start states are kept at once (their outputs 
 def scan_chunks(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, w: torch.Tensor, state: torch.Tensor,
                 chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunk form after the solve. Only the state recurrence is sequential: chunk by chunk ``U = W_v - W_k S``
-    and ``S <- G_C S + (K * (G_C / G))^T U`` (three batched kernels a chunk, every head at once); the outputs
-    ``O = diag(G) Q S + ((Q K^T) * D) U`` are two batched products per :data:`SCAN_SEGMENT` chunks, from the states
-    at their starts.
+    and ``S <- G_C S + (K * (G_C / G))^T U``, with the outputs ``O = diag(G) Q S + ((Q K^T) * D) U``. On CUDA the
+    whole scan is one Triton kernel (``gated_delta_scan.py``); elsewhere three batched kernels a chunk (every head at
+    once) and the outputs as two batched products per :data:`SCAN_SEGMENT` chunks, from the states at their starts.
 
     Args:
         q, k: ``[T, H, Dk]``; g: ``[T, H]``; w: :func:`chunk_solve`'s ``[n, H, C, Dv + Dk]``, overwritten (its
-        value columns become ``U``); state: ``[H, Dk, Dv]`` float32 (not modified).
+        value columns become ``U`` off CUDA); state: ``[H, Dk, Dv]`` float32 (not modified).
 
     Returns:
         ``(o [T, H, Dv], final state [H, Dk, Dv])`` float32.
@@ -151,10 +153,17 @@ def scan_chunks(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, w: torch.Tens
     qb, kb = chunk_major(q, chunk), chunk_major(k, chunk)                  # [n, H, C, Dk], new tensors
     gamma = chunk_major(g, chunk).cumsum(-1)                                # [n, H, C]
     g_end = gamma[..., -1:]
-    attn = (qb @ kb.transpose(-1, -2)).mul_(_decay_ratios(gamma, strict=False)).flatten(0, 1)   # [n H, C, C]
-    k_to_end = kb.mul_((g_end - gamma).exp()[..., None]).transpose(-1, -2)  # [n, H, Dk, C]
-    q_decayed = qb.mul_(gamma.exp()[..., None]).flatten(0, 1)               # [n H, C, Dk]
-    end_decay = g_end.exp()[..., None]                                      # [n, H, 1, 1]
+    attn = (qb @ kb.transpose(-1, -2)).mul_(_decay_ratios(gamma, strict=False))  # [n, H, C, C]
+    k_to_end = kb.mul_((g_end - gamma).exp()[..., None])                    # [n, H, C, Dk]
+    q_decayed = qb.mul_(gamma.exp()[..., None])                             # [n, H, C, Dk]
+    end_decay = g_end.exp()                                                 # [n, H, 1]
+    if use_triton(w):   # the whole scan as one kernel (models/kernels/gated_delta_scan.py)
+        from ferrylm.models.kernels.gated_delta_scan import scan_chunks_fused
+
+        o, final = scan_chunks_fused(w, k_to_end, q_decayed, attn, end_decay[..., 0].contiguous(), state)
+        return o.transpose(1, 2).reshape(n * chunk, h, dv)[:t], final
+    attn, q_decayed = attn.flatten(0, 1), q_decayed.flatten(0, 1)
+    k_to_end, end_decay = k_to_end.transpose(-1, -2), end_decay[..., None]
     w_v, w_k = w[..., :dv], w[..., dv:]
     o = torch.empty(n, h, chunk, dv, dtype=torch.float32, device=w.device)
     states = torch.empty(min(n, SCAN_SEGMENT) + 1, h, dk, dv, dtype=torch.float32, device=w.device)

@@ -1,0 +1,74 @@
+"""The sequential part of the gated delta rule's chunk form as one Triton kernel (CUDA; Triton's CPU interpreter in
+tests): the scan over chunks that :func:`ferrylm.models.kernels.gated_delta.scan_chunks` runs as three batched
+torch kernels a chunk. The formulas and their sources are in ``gated_delta.py``'s module docstring; its torch loop
+is the reference.
+
+One program per (value head, block of ``BV`` value columns) walks every chunk in order with its ``[Dk, BV]`` slice
+of the state on chip: ``U = W_v - W_k S``, ``O = Q_G S + (Q K^T * D) U``, ``S <- G_C S + K_G^T U``. The state's
+value columns are independent of each other in all three, so the blocks never exchange data. Products are exact
+float32 (``input_precision="ieee"``), as torch's float32 matmuls.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _scan_kernel(w_ptr, k_ptr, q_ptr, attn_ptr, decay_ptr, s_ptr, o_ptr, N, H, C: tl.constexpr, DK: tl.constexpr,
+                 DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    h = tl.program_id(0)
+    rk = tl.arange(0, BK)
+    rv = tl.program_id(1) * BV + tl.arange(0, BV)
+    rc = tl.arange(0, C)
+    mk = rk < DK
+    mv = rv < DV
+    ms = mk[:, None] & mv[None, :]
+    s_at = s_ptr + h * DK * DV + rk[:, None] * DV + rv[None, :]
+    s = tl.load(s_at, mask=ms, other=0.0)
+    width = DV + DK
+    for c in range(N):
+        chunk = (c * H + h).to(tl.int64)
+        w_row = w_ptr + chunk * C * width + rc[:, None] * width
+        w_k = tl.load(w_row + DV + rk[None, :], mask=mk[None, :], other=0.0)
+        u = tl.load(w_row + rv[None, :], mask=mv[None, :], other=0.0)
+        u -= tl.dot(w_k, s, input_precision="ieee")
+        q = tl.load(q_ptr + chunk * C * DK + rc[:, None] * DK + rk[None, :], mask=mk[None, :], other=0.0)
+        attn = tl.load(attn_ptr + chunk * C * C + rc[:, None] * C + rc[None, :])
+        o = tl.dot(q, s, input_precision="ieee") + tl.dot(attn, u, input_precision="ieee")
+        tl.store(o_ptr + chunk * C * DV + rc[:, None] * DV + rv[None, :], o, mask=mv[None, :])
+        k_t = tl.load(k_ptr + chunk * C * DK + rc[None, :] * DK + rk[:, None], mask=mk[:, None], other=0.0)
+        s = s * tl.load(decay_ptr + chunk) + tl.dot(k_t, u, input_precision="ieee")
+    tl.store(s_at, s, mask=ms)
+
+
+def scan_chunks_fused(w_v: torch.Tensor, k_to_end: torch.Tensor, q_decayed: torch.Tensor, attn: torch.Tensor,
+                      end_decay: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scan over ``n`` chunks of ``C`` tokens (module docstring), every operand float32 and contiguous in
+    chunk-major layout.
+
+    Args:
+        w_v: ``[n, H, C, Dv + Dk]`` :func:`~ferrylm.models.kernels.gated_delta.chunk_solve`'s output (read only).
+        k_to_end: ``[n, H, C, Dk]`` keys decayed to their chunk's end (``K * G_C / G``).
+        q_decayed: ``[n, H, C, Dk]`` queries decayed from their chunk's start (``Q * G``).
+        attn: ``[n, H, C, C]`` the masked, decayed ``Q K^T`` of each chunk.
+        end_decay: ``[n, H]`` each chunk's total decay ``G_C``.
+        state: ``[H, Dk, Dv]`` the state before the first chunk (not modified).
+
+    Returns:
+        ``(o [n, H, C, Dv], final state [H, Dk, Dv])`` float32.
+    """
+    n, h, c, width = w_v.shape
+    dk = k_to_end.shape[-1]
+    dv = width - dk
+    for t in (w_v, k_to_end, q_decayed, attn, end_decay):
+        assert t.is_contiguous() and t.dtype == torch.float32, "scan_chunks_fused takes contiguous float32 operands"
+    out = torch.empty(n, h, c, dv, dtype=torch.float32, device=w_v.device)
+    final = state.float().clone(memory_format=torch.contiguous_format)
+    bk = max(16, triton.next_power_of_2(dk))
+    bv = min(32, max(16, triton.next_power_of_2(dv)))
+    _scan_kernel[(h, triton.cdiv(dv, bv))](w_v, k_to_end, q_decayed, attn, end_decay, final, out, n, h, C=c,
+                                          DK=dk, DV=dv, BK=bk, BV=bv, num_warps=4)
+    return out, final
