@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tests.experts.helpers import greedy_trace, options
+from tests.kernels.interp import load_kernels
 from tests.models.hf_checkpoints import CASES, token_ids
 
 from ferrylm.bench.decode import swap_executor
@@ -181,4 +182,33 @@ def test_hybrid_times_each_prefetching_step_once(expert_checkpoints, monkeypatch
     s = loaded.executor.stats().as_dict()
     assert sorted(s["cpu_share"]) == [1, 5, 7]  # the two prefill chunks (7 + 5 tokens) and the decode steps
     assert sorted(len(v) for v in made.values()) == [1, 1, NEW_TOKENS]
+    loaded.executor.close()
+
+
+def test_streamed_fused_layer_reads_hits_from_their_slots(expert_checkpoints, monkeypatch):
+    """The CUDA form of a streamed layer (one fused MoE call reading cache hits from their slot rows and the rest
+    from the layer buffer through row offsets; Triton's interpreter here): a second prompt prefilled after a decode
+    filled the cache meets hits inside streamed layers and still gives resident's tokens and logits."""
+    load_kernels("ferrylm.experts.kernels.fused_moe")
+    import ferrylm.experts.stream as stream
+
+    hits_seen = []
+    run = stream.StreamedPrefill._run_streamed_fused
+
+    def spy(self, work, hits, idx, rest):
+        hits_seen.append(len(hits))
+        return run(self, work, hits, idx, rest)
+
+    monkeypatch.setattr(stream, "use_triton", lambda x: True)
+    monkeypatch.setattr(stream.StreamedPrefill, "_run_streamed_fused", spy)
+    ckpt = expert_checkpoints("qwen3_moe")
+    k = _top_k(ckpt)
+    loaded = load_model(ckpt.path, moe_backend=options("offload", 2 * k, stream_prefill=True, prefetch=False))
+    second = token_ids(12, ckpt.vocab_size, seed=9).tolist()
+    greedy_trace(loaded.model, _prompt(ckpt), 3)
+    before = len(hits_seen)
+    got = greedy_trace(loaded.model, second, 3)
+    ref = greedy_trace(load_model(ckpt.path).model, second, 3)
+    assert before > 0 and any(n > 0 for n in hits_seen[before:])
+    _assert_same(ref, got, "offload/stream/fused")
     loaded.executor.close()

@@ -5,7 +5,8 @@ A prefill chunk of many tokens touches nearly every expert of every layer, so pe
 nothing: the whole layer has to cross PCIe anyway. Each buffer is ``[E, S]`` (one layer's expert rows) and
 remembers which layer and which experts it holds. While layer L computes from one buffer, the other receives layer
 L+1's experts, except those already in the slot cache (cache hits are not re-copied), one copy per run of
-consecutive experts (a layer's bank rows and the buffer's rows are both in expert order). A buffer is only
+consecutive experts (a layer's bank rows and the buffer's rows are both in expert order); on CUDA the fused kernel
+reads the hits from their slots and the rest from the buffer through a table of row offsets. A buffer is only
 overwritten after the compute that read it (a compute fence), and is only read after its copies landed.
 """
 
@@ -137,20 +138,25 @@ class StreamedPrefill:
             self.streamer.done_reading(idx, self.copier.compute_fence())
 
     def _run_streamed_fused(self, work, hits: list[tuple[int, int]], idx: int, rest: list[int]) -> None:
-        """The streamed layer on CUDA: the cache hits join the layer buffer by device-to-device copies (a few
-        microseconds each, against a PCIe copy), then ONE fused MoE call computes the whole layer from the buffer
-        (``experts/kernels/fused_moe.py``) instead of a GEMM chain per expert."""
+        """The streamed layer on CUDA: ONE fused MoE call computes the whole layer (``experts/kernels/fused_moe.py``)
+        instead of a GEMM chain per expert, reading each expert where it is: the cache hits from their slot rows,
+        the rest from the layer buffer, through a table of row offsets (one small host-to-device copy a layer; no
+        device-to-device copy of a hit)."""
         from ferrylm.experts.kernels.fused_moe import fused_moe
 
         buf = self.streamer.buffers[idx]
         if rest:
             self.copier.wait(self.streamer.ready[idx])
-        items = sorted(hits)
-        self._wait_slots(items)
-        for e, slot in items:
-            buf[e].copy_(self.slots.row(slot))
-        self.streamer.have[idx].update(e for e, _ in items)
+        self._wait_slots(hits)
         v = self.layout.layer_views(buf)
+        offsets = None
+        if hits:
+            row_bytes = buf.stride(0) * buf.element_size()
+            table = torch.arange(self.num_experts, dtype=torch.int64) * row_bytes
+            base = buf.data_ptr()
+            for e, slot in hits:
+                table[e] = self.slots.row(slot).data_ptr() - base
+            offsets = table.to(buf.device, non_blocking=True)  # pageable source: staged at once, no device sync
         work.output = fused_moe(work.hidden, v.gate, v.up, v.down, work.topk_ids, work.topk_weights,
-                                math=work.math)
-        self.streamer.done_reading(idx, self._release_slots(work, items))
+                                row_offset=offsets, math=work.math)
+        self.streamer.done_reading(idx, self._release_slots(work, hits))
