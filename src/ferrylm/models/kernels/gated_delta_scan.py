@@ -6,7 +6,7 @@ is the reference.
 One program per (value head, block of ``BV`` value columns) walks every chunk in order with its ``[Dk, BV]`` slice
 of the state on chip: ``U = W_v - W_k S``, ``O = Q_G S + (Q K^T * D) U``, ``S <- G_C S + K_G^T U``. The state's
 value columns are independent of each other in all three, so the blocks never exchange data. Products are exact
-float32 (``input_precision="ieee"``), as torch's float32 matmuls.
+float32 (``input_precision=PREC``), as torch's float32 matmuls.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import triton.language as tl
 
 @triton.jit
 def _scan_kernel(w_ptr, k_ptr, q_ptr, attn_ptr, decay_ptr, s_ptr, o_ptr, N, H, C: tl.constexpr, DK: tl.constexpr,
-                 DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                 DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr = "ieee"):
     h = tl.program_id(0)
     rk = tl.arange(0, BK)
     rv = tl.program_id(1) * BV + tl.arange(0, BV)
@@ -34,13 +34,13 @@ def _scan_kernel(w_ptr, k_ptr, q_ptr, attn_ptr, decay_ptr, s_ptr, o_ptr, N, H, C
         w_row = w_ptr + chunk * C * width + rc[:, None] * width
         w_k = tl.load(w_row + DV + rk[None, :], mask=mk[None, :], other=0.0)
         u = tl.load(w_row + rv[None, :], mask=mv[None, :], other=0.0)
-        u -= tl.dot(w_k, s, input_precision="ieee")
+        u -= tl.dot(w_k, s, input_precision=PREC)
         q = tl.load(q_ptr + chunk * C * DK + rc[:, None] * DK + rk[None, :], mask=mk[None, :], other=0.0)
         attn = tl.load(attn_ptr + chunk * C * C + rc[:, None] * C + rc[None, :])
-        o = tl.dot(q, s, input_precision="ieee") + tl.dot(attn, u, input_precision="ieee")
+        o = tl.dot(q, s, input_precision=PREC) + tl.dot(attn, u, input_precision=PREC)
         tl.store(o_ptr + chunk * C * DV + rc[:, None] * DV + rv[None, :], o, mask=mv[None, :])
         k_t = tl.load(k_ptr + chunk * C * DK + rc[None, :] * DK + rk[:, None], mask=mk[:, None], other=0.0)
-        s = s * tl.load(decay_ptr + chunk) + tl.dot(k_t, u, input_precision="ieee")
+        s = s * tl.load(decay_ptr + chunk) + tl.dot(k_t, u, input_precision=PREC)
     tl.store(s_at, s, mask=ms)
 
 
