@@ -39,6 +39,7 @@ from typing import Any
 from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.errors import EngineUnavailable, ModelLoadError, UnsupportedArchitecture
 
+from ferrylm.server.process.boot_responder import BootResponder
 from ferrylm.server.process.boot_signals import SIGNAL_REPEAT_WINDOW_S, BootInterrupted, BootSignals, is_relay
 
 log = logging.getLogger("ferrylm.serve")
@@ -331,7 +332,7 @@ def _run(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSignal
 
 async def _main(boot: BootSignals, sup: Any, stop: "_Shutdown", sock: socket.socket, start_http, serving: str) -> int:
     """The event loop's part: take the signals over from ``boot``, start the engine, build the tokenizer and the
-    app meanwhile (``start_http``, in a thread), serve on ``sock`` until the shutdown, stop the engine; hand the
+    app meanwhile (``start_http``, in a thread; the port answers 503 meanwhile: ``boot_responder.py``), serve on ``sock`` until the shutdown, stop the engine; hand the
     signals back (record-only) once it served. Returns 2 when the tokenizer failed to load, else 0."""
     loop = asyncio.get_running_loop()
     boot.armed = False            # from here a signal is recorded, then replayed through on_signal
@@ -342,7 +343,13 @@ async def _main(boot: BootSignals, sup: Any, stop: "_Shutdown", sock: socket.soc
     if stop.signals_seen:         # shutting down before the engine was ever spawned
         await sup.close()
         return 0
+    def boot_health() -> tuple[str, str]:
+        h = sup.health()
+        return h.status, h.detail
+
+    responder = BootResponder(sock, boot_health)
     try:
+        await responder.start()   # 503 at once on the port until uvicorn takes it
         await sup.start()   # the engine loads while this process builds the tokenizer and the app
         try:
             app, server = await asyncio.to_thread(start_http)
@@ -350,6 +357,8 @@ async def _main(boot: BootSignals, sup: Any, stop: "_Shutdown", sock: socket.soc
             print(f"ferry serve: {e.message}", file=sys.stderr)
             await sup.close()
             return 2
+        finally:
+            await responder.stop()
         if stop.signals_seen or sup.state == "dead":   # a signal, or the engine failed for good, meanwhile
             await sup.close()
             return 0

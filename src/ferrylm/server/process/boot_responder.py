@@ -1,0 +1,81 @@
+"""The port's answer while ``ferry serve`` starts: from the moment the event loop runs until uvicorn takes the
+listening socket (the tokenizer and the app are still being built, the engine loads beside them), every request
+gets an immediate 503 with Retry-After instead of waiting unanswered in the listen backlog. A readiness probe or a
+client polling ``/health`` learns "not yet" at once, as llama-server answers 503 while it loads.
+
+``/health`` gets the supervisor's own state (``{"status": "starting", "detail": ...}``, as the app would answer);
+any other path the OpenAI error envelope with code ``engine_unavailable``. This module imports no web framework.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from collections.abc import Callable
+
+from ferrylm.errors import EngineUnavailable
+
+HEAD_TIMEOUT_S = 2.0      # how long a connection may take to send its request line and headers
+RETRY_AFTER_S = 1
+_REASON = b"HTTP/1.1 503 Service Unavailable\r\n"
+
+
+def starting_answer(path: str, health: Callable[[], tuple[str, str]]) -> bytes:
+    """The whole HTTP response for a request of ``path``; ``health()`` gives the supervisor's ``(status,
+    detail)``."""
+    if path.split("?", 1)[0] == "/health":
+        status, detail = health()
+        body = {"status": status, "detail": detail}
+    else:
+        body = {"error": {"message": "the server is starting: the model is loading", "type": "server_error",
+                          "param": None, "code": EngineUnavailable.code}}
+    data = json.dumps(body).encode()
+    head = (f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\nRetry-After: {RETRY_AFTER_S}\r\n"
+            "Connection: close\r\n\r\n").encode()
+    return _REASON + head + data
+
+
+class BootResponder:
+    """Answers on a duplicate of ``sock`` (closing it leaves ``sock`` listening for uvicorn).
+
+    Args:
+        sock: the bound, listening socket. health: ``() -> (status, detail)`` of the engine.
+    """
+
+    def __init__(self, sock: socket.socket, health: Callable[[], tuple[str, str]]):
+        self._sock = sock
+        self._health = health
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._answer, sock=self._sock.dup())
+
+    async def stop(self) -> None:
+        """Stop accepting (connections not yet accepted stay queued for uvicorn); the answers under way finish."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
+            parts = head.split(b" ", 2)
+            path = parts[1].decode("latin-1") if len(parts) > 2 else "/"
+            writer.write(starting_answer(path, self._health))
+            await writer.drain()
+            # read what the client still sends (a request body) until it closes: closing with unread bytes would
+            # reset the connection, and some clients then report the reset instead of the 503
+            await asyncio.wait_for(_discard(reader), HEAD_TIMEOUT_S)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+
+async def _discard(reader: asyncio.StreamReader) -> None:
+    while await reader.read(1 << 16):
+        pass

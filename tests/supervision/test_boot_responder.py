@@ -1,0 +1,58 @@
+"""The port's 503 while ``ferry serve`` starts (``server/process/boot_responder.py``): a real HTTP client gets an
+immediate 503 with Retry-After (``/health`` the supervisor's state, any other path the error envelope), a client
+that never sends its request is let go, and after the responder stops the same socket still accepts (uvicorn's)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from ferrylm.server.process import boot_responder
+from ferrylm.server.process.launch import bind_socket
+
+
+async def _answer_on(sock) -> None:
+    async def hello(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(hello, sock=sock)
+
+
+@pytest.mark.timeout(30)
+def test_boot_responder_answers_503_then_hands_the_socket_over(monkeypatch):
+    monkeypatch.setattr(boot_responder, "HEAD_TIMEOUT_S", 0.2)
+    sock = bind_socket("127.0.0.1", 0)
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    states = iter([("loading", "engine starting"), ("loading", "engine warming up")])
+
+    async def scenario():
+        responder = boot_responder.BootResponder(sock, lambda: next(states))
+        await responder.start()
+        async with httpx.AsyncClient(timeout=5) as client:
+            first = await client.get(base + "/health")
+            second = await client.get(base + "/health?x=1")
+            chat = await client.post(base + "/v1/chat/completions", json={"model": "m", "messages": []})
+            big = await client.post(base + "/v1/completions", content=b"x" * (8 << 20))   # a body it never reads
+        reader, writer = await asyncio.open_connection(*sock.getsockname())
+        silent = await asyncio.wait_for(reader.read(), 5)   # sends nothing: closed after HEAD_TIMEOUT_S, no answer
+        writer.close()
+        await responder.stop()
+        server = await _answer_on(sock)
+        async with httpx.AsyncClient(timeout=5) as client:
+            after = await client.get(base + "/health")
+        server.close()
+        return first, second, chat, big, silent, after
+
+    first, second, chat, big, silent, after = asyncio.run(scenario())
+    assert first.status_code == 503 and first.headers["retry-after"] == "1"
+    assert first.json() == {"status": "loading", "detail": "engine starting"}
+    assert second.json() == {"status": "loading", "detail": "engine warming up"}
+    assert chat.status_code == 503 and chat.json()["error"]["code"] == "engine_unavailable"
+    assert big.status_code == 503
+    assert silent == b""
+    assert after.status_code == 200 and after.text == "ok"
