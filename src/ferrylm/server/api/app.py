@@ -136,7 +136,19 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str | 
     app.state.metrics = server.metrics
     app.state.live_view = live
     install_exception_handlers(app)
-    if cors is not None:   # answers preflight OPTIONS itself, before auth and routing
+    _add_middleware(app, cors)
+    _add_routes(app, server)
+    install_health(app, engine, codec)
+    if live is not None:
+        install_webui(app, server._handle, live)
+    install_openapi(app)
+    return app
+
+
+def _add_middleware(app: FastAPI, cors: "CorsPolicy | None") -> None:
+    """CORS (when configured: it answers preflight OPTIONS itself, before auth and routing), request ids, HEAD as
+    GET, and the count of open requests an exiting server waits for (server/process/launch.py)."""
+    if cors is not None:
         from starlette.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=list(cors.origins), allow_methods=list(cors.methods),
@@ -144,11 +156,15 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str | 
                            expose_headers=["x-request-id"])
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(HeadAsGetMiddleware)
-    app.state.open_requests = OpenRequests()   # what an exiting server waits for (server/process/launch.py)
+    app.state.open_requests = OpenRequests()
     app.add_middleware(CountOpenRequests, open_requests=app.state.open_requests)
 
+
+def _add_routes(app: FastAPI, server: "_Server") -> None:
+    """The OpenAI, Anthropic and Responses routes, memory, metrics, version and the tokenizer's."""
     doc = route_doc
     v1 = {"responses": ERROR_RESPONSES}
+    av1 = {"responses": ANTHROPIC_ERROR_RESPONSES}
     app.add_api_route("/v1/models", server.list_models, methods=["GET"], openapi_extra=doc(None, pr.ModelList),
                       **v1)
     app.add_api_route("/v1/models/{model_id:path}", server.get_model, methods=["GET"],
@@ -161,7 +177,6 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str | 
                       openapi_extra=doc(cp.ChatCompletionRequest, render.RenderedPrompt), **v1)
     app.add_api_route("/v1/completions/render", server.render_completions, methods=["POST"],
                       openapi_extra=doc(cp.CompletionRequest, render.RenderedPrompt, many=True), **v1)
-    av1 = {"responses": ANTHROPIC_ERROR_RESPONSES}
     app.add_api_route("/v1/messages", server.messages, methods=["POST"],
                       openapi_extra=doc(anthropic.MessagesRequest, None, stream=True), **av1)
     app.add_api_route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"],
@@ -172,18 +187,12 @@ def create_app(engine: EngineClient, codec: TextCodec, served_model_name: str | 
                       openapi_extra=doc(responses.ResponsesRequest, render.RenderedPrompt), **v1)
     app.add_api_route("/v1/responses/{response_id}", server.get_response, methods=["GET"], **v1)
     app.add_api_route("/v1/memory", server.memory, methods=["GET"], **v1)
-    install_health(app, engine, codec)
     app.add_api_route("/metrics", server.metrics_route, methods=["GET"], response_class=PlainTextResponse)
     app.add_api_route("/version", server.version, methods=["GET"])
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"], openapi_extra=doc(cp.TokenizeRequest, None),
                       **v1)
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"],
                       openapi_extra=doc(cp.DetokenizeRequest, None), **v1)
-    if live is not None:
-        install_webui(app, server._handle, live)
-
-    install_openapi(app)
-    return app
 
 
 # ---------------------------------------------------------------------------------------------------------
