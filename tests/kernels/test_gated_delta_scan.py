@@ -45,5 +45,5 @@ def test_fused_scan_equals_the_torch_scan(fused, monkeypatch):
     fused_o, fused_s = fused.gated_delta_chunked(q, k, v, g, beta, s0)
     monkeypatch.setattr(fused, "use_triton", lambda x: False)
     loop_o, loop_s = fused.gated_delta_chunked(q, k, v, g, beta, s0)
-    torch.testing.assert_close(fused_o, loop_o, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(fused_s, loop_s, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_o, loop_o, atol=3e-5, rtol=1e-4)   # 3xTF32 products on a GPU
+    torch.testing.assert_close(fused_s, loop_s, atol=3e-5, rtol=1e-4)

@@ -18,30 +18,37 @@ import triton.language as tl
 
 @triton.jit
 def _scan_kernel(w_ptr, k_ptr, q_ptr, attn_ptr, decay_ptr, s_ptr, o_ptr, N, H, C: tl.constexpr, DK: tl.constexpr,
-                 DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr = "ieee"):
+                 DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr = "tf32x3"):
+    """The state's key rows in two halves of ``BK`` (``DK <= 2 BK``): smaller products keep it in registers."""
     h = tl.program_id(0)
-    rk = tl.arange(0, BK)
+    r1 = tl.arange(0, BK)
+    r2 = BK + r1
+    m1, m2 = r1 < DK, r2 < DK
     rv = tl.program_id(1) * BV + tl.arange(0, BV)
     rc = tl.arange(0, C)
-    mk = rk < DK
     mv = rv < DV
-    ms = mk[:, None] & mv[None, :]
-    s_at = s_ptr + h * DK * DV + rk[:, None] * DV + rv[None, :]
-    s = tl.load(s_at, mask=ms, other=0.0)
+    s1_at = s_ptr + h * DK * DV + r1[:, None] * DV + rv[None, :]
+    s2_at = s_ptr + h * DK * DV + r2[:, None] * DV + rv[None, :]
+    s1 = tl.load(s1_at, mask=m1[:, None] & mv[None, :], other=0.0)
+    s2 = tl.load(s2_at, mask=m2[:, None] & mv[None, :], other=0.0)
     width = DV + DK
     for c in range(N):
         chunk = (c * H + h).to(tl.int64)
-        w_row = w_ptr + chunk * C * width + rc[:, None] * width
-        w_k = tl.load(w_row + DV + rk[None, :], mask=mk[None, :], other=0.0)
-        u = tl.load(w_row + rv[None, :], mask=mv[None, :], other=0.0)
-        u -= tl.dot(w_k, s, input_precision=PREC)
-        q = tl.load(q_ptr + chunk * C * DK + rc[:, None] * DK + rk[None, :], mask=mk[None, :], other=0.0)
-        attn = tl.load(attn_ptr + chunk * C * C + rc[:, None] * C + rc[None, :])
-        o = tl.dot(q, s, input_precision=PREC) + tl.dot(attn, u, input_precision=PREC)
+        w_row = w_ptr + chunk * C * width + rc[:, None] * width + DV
+        u = tl.load(w_ptr + chunk * C * width + rc[:, None] * width + rv[None, :], mask=mv[None, :], other=0.0)
+        u -= tl.dot(tl.load(w_row + r1[None, :], mask=m1[None, :], other=0.0), s1, input_precision=PREC)
+        u -= tl.dot(tl.load(w_row + r2[None, :], mask=m2[None, :], other=0.0), s2, input_precision=PREC)
+        q_row = q_ptr + chunk * C * DK + rc[:, None] * DK
+        o = tl.dot(tl.load(attn_ptr + chunk * C * C + rc[:, None] * C + rc[None, :]), u, input_precision=PREC)
+        o += tl.dot(tl.load(q_row + r1[None, :], mask=m1[None, :], other=0.0), s1, input_precision=PREC)
+        o += tl.dot(tl.load(q_row + r2[None, :], mask=m2[None, :], other=0.0), s2, input_precision=PREC)
         tl.store(o_ptr + chunk * C * DV + rc[:, None] * DV + rv[None, :], o, mask=mv[None, :])
-        k_t = tl.load(k_ptr + chunk * C * DK + rc[None, :] * DK + rk[:, None], mask=mk[:, None], other=0.0)
-        s = s * tl.load(decay_ptr + chunk) + tl.dot(k_t, u, input_precision=PREC)
-    tl.store(s_at, s, mask=ms)
+        k_col = k_ptr + chunk * C * DK + rc[None, :] * DK
+        decay = tl.load(decay_ptr + chunk)
+        s1 = s1 * decay + tl.dot(tl.load(k_col + r1[:, None], mask=m1[:, None], other=0.0), u, input_precision=PREC)
+        s2 = s2 * decay + tl.dot(tl.load(k_col + r2[:, None], mask=m2[:, None], other=0.0), u, input_precision=PREC)
+    tl.store(s1_at, s1, mask=m1[:, None] & mv[None, :])
+    tl.store(s2_at, s2, mask=m2[:, None] & mv[None, :])
 
 
 def scan_chunks_fused(w_v: torch.Tensor, k_to_end: torch.Tensor, q_decayed: torch.Tensor, attn: torch.Tensor,
@@ -67,8 +74,8 @@ def scan_chunks_fused(w_v: torch.Tensor, k_to_end: torch.Tensor, q_decayed: torc
         assert t.is_contiguous() and t.dtype == torch.float32, "scan_chunks_fused takes contiguous float32 operands"
     out = torch.empty(n, h, c, dv, dtype=torch.float32, device=w_v.device)
     final = state.float().clone(memory_format=torch.contiguous_format)
-    bk = max(16, triton.next_power_of_2(dk))
+    bk = max(16, triton.next_power_of_2(dk) // 2)
     bv = min(32, max(16, triton.next_power_of_2(dv)))
     _scan_kernel[(h, triton.cdiv(dv, bv))](w_v, k_to_end, q_decayed, attn, end_decay, final, out, n, h, C=c,
-                                          DK=dk, DV=dv, BK=bk, BV=bv, num_warps=4)
+                                          DK=dk, DV=dv, BK=bk, BV=bv, num_warps=4, num_stages=1)
     return out, final
