@@ -27,7 +27,9 @@ sum_{d=1..D} F_{L-d}(p, e)``, ``ids = top-k(score)``.
   calibrated to the 70-85 % one-layer-ahead recall reported for hidden-state predictors.
 
 Everything is device-side integer hashing plus ``ndtri`` and ``topk`` over ``[T, E]``: no host read, no Python
-branch on tensor values, so it captures in CUDA graphs (tests/gpu/test_routing_model_cuda.py). A token's ids
+branch on tensor values, so it captures in CUDA graphs (tests/gpu/test_routing_model_cuda.py). On CUDA the scores
+are one Triton kernel per step (``routing_kernel.py``: the same hash bits, ``ndtri`` within a few float32 ulps);
+the torch form is the CPU path and its reference. A token's ids
 depend on its own ``(key, position)`` and the seed only, never on the other tokens of the batch, so prefill
 chunking, batching and preemption by recompute give the same routing. Figures and their sources:
 docs/ROUTING.md; the profiles (:mod:`ferrylm.synthetic.routing_profiles`) were fitted by search on the statistics
@@ -35,7 +37,7 @@ of :mod:`ferrylm.synthetic.routing_stats`.
 
 The sequence key ``s`` names a token's sequence (:func:`sequence_key` of a request's opening prompt ids); the
 step's owner sets keys on the :class:`RoutingContext` (without them every token has key 0 and sequences at the
-same positions route alike). This module imports torch only; it never reads model weights.
+same positions route alike). It never reads model weights.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import math
 import torch
 
 from ferrylm.synthetic.routing_profiles import RoutingProfile
+from ferrylm.triton_util import use_triton
 
 _M64 = (1 << 64) - 1
 
@@ -140,6 +143,11 @@ class RoutingModel:
             self._stack = (torch.tensor(self.layers, dtype=torch.int64, device=self.device)[:, None, None],
                            torch.stack([self._log_pop[layer] for layer in self.layers])[:, None, :],
                            torch.stack([self._labels[layer] for layer in self.layers])[:, None, :])
+        hot = profile.hot
+        self._hot = (torch.tensor([c.period for c in hot], dtype=torch.int64, device=self.device),
+                     torch.tensor([c.prob for c in hot], dtype=torch.float32, device=self.device),
+                     torch.tensor([c.bonus for c in hot], dtype=torch.float32, device=self.device),
+                     torch.tensor([int(c.continuous) for c in hot], dtype=torch.int32, device=self.device))
 
     def _tables(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(log_pop [E] float32, labels [E] int64)`` of ``layer`` (made once, on the host, at construction for
@@ -184,9 +192,29 @@ class RoutingModel:
         log_pop, labels = self._tables(layer)
         return self._known_score(layer, keys[:, None], positions[:, None], log_pop[None, :], labels[None, :])
 
+    def _fused(self, positions: torch.Tensor, layer: int | None = None) -> bool:
+        """Scores from the one-kernel form (``routing_kernel.py``): on CUDA, for the listed layers."""
+        return use_triton(positions) and self._stack is not None and (layer is None or layer in self._slot)
+
+    def _kernel_scores(self, rows: slice, keys: torch.Tensor, positions: torch.Tensor, with_score: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(known, score or None)`` ``[Ls, T, E]`` of the listed layers ``rows`` by the one-kernel form."""
+        from ferrylm.synthetic.routing_kernel import routing_scores
+
+        lt, log_pop, labels = self._stack
+        p = self.profile
+        fields = p.phi < 1.0
+        seed_hash = _signed(_mix_int((self.seed * 0x9E3779B97F4A7C15) & _M64))
+        return routing_scores(lt.view(-1)[rows], log_pop[:, 0][rows], labels[:, 0][rows], keys, positions,
+                              self._hot, seed_hash, p.zipf, math.sqrt((1.0 - p.phi) / p.depth) if fields else 0.0,
+                              p.depth if fields else 0, math.sqrt(p.phi), with_score)
+
     def scores(self, layer: int, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``[T, E]`` float32 routing scores of ``layer`` for tokens at ``positions [T]`` of sequences ``keys [T]``
         (int64, same device)."""
+        if self._fused(positions, layer):
+            i = self._slot[layer]
+            return self._kernel_scores(slice(i, i + 1), keys, positions, True)[1][0]
         _, labels = self._tables(layer)
         fresh = self._field(layer, keys[:, None], positions[:, None], labels[None, :])
         return self._known(layer, keys, positions) + math.sqrt(self.profile.phi) * fresh
@@ -198,6 +226,9 @@ class RoutingModel:
     def predict(self, layer: int, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``[T, k]`` int64: the early evaluation of ``layer`` (made while the layer before runs): the top-k of
         its score without its fresh field (what a predictor reading the previous layer's state can know)."""
+        if self._fused(positions, layer):
+            i = self._slot[layer]
+            return self._top_known(self._kernel_scores(slice(i, i + 1), keys, positions, False)[0][0])
         return self._top_known(self._known(layer, keys, positions))
 
     def _top_known(self, known: torch.Tensor) -> torch.Tensor:
@@ -219,6 +250,9 @@ class RoutingModel:
         bit-identical to :meth:`route` / :meth:`predict` per layer, in one pass of kernels over ``[L, T, E]``."""
         if self._stack is None:
             raise ValueError("route_all needs the routing model built with its layers listed")
+        if self._fused(positions):
+            known, score = self._kernel_scores(slice(None), keys, positions, True)
+            return (torch.topk(score, self.top_k, dim=-1).indices, self._top_known(known))
         lt, log_pop, labels = self._stack
         k3, p3 = keys[None, :, None], positions[None, :, None]
         known = self._known_score(lt, k3, p3, log_pop, labels)
