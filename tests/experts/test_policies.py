@@ -138,3 +138,27 @@ def test_measure_bandwidths_on_the_cpu_reports_rates_and_cpu_job_latency():
     assert all(v > 0 and v != float("inf") for v in bw.as_dict().values())
     assert set(bw.as_dict()) == {"pcie", "host", "cpu", "hbm"}
     assert isinstance(bw.cpu_latency, float) and bw.cpu_latency < 5.0  # seconds beyond the job's bytes
+
+
+def test_streamer_refills_a_buffer_behind_the_compute_that_read_it():
+    """Two MoE layers ahead: after layer 0's compute, layer 4 goes into layer 0's buffer (its copy ordered after
+    that compute's fence), while layer 2 is in the other; acquiring 2 and then 4 copies nothing more."""
+    banks = HostBanks.from_layers(_layers(n_layers=3), pin=False)   # MoE layers 0, 2, 4
+    copier = HostCopyEngine()
+    waits = []
+    plain = copier.copy
+    copier.copy = lambda dst, src, after=None: (waits.append(after), plain(dst, src, after))
+    s = LayerStreamer(banks, torch.device("cpu"), copier)
+    idx0, _ = s.acquire(0, [0, 1, 2, 3])
+    assert s.prefetch(2, [0, 1, 2, 3]) == 4
+    fence = copier.fence()   # stands for the fence of layer 0's compute
+    s.done_reading(idx0, fence)
+    waits.clear()
+    assert s.refill(idx0, 4, [0, 1, 2, 3]) == 4 and s.layer[idx0] == 4 and waits == [fence]
+    idx2, n2 = s.acquire(2, [0, 1])
+    assert idx2 != idx0 and n2 == 0
+    idx4, n4 = s.acquire(4, [2, 3])
+    assert idx4 == idx0 and n4 == 0
+    copier.wait(s.ready[idx4])
+    assert all(torch.equal(s.buffers[idx4][e], banks.row(4, e)) for e in range(4))
+    copier.close()

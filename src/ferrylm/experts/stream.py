@@ -94,6 +94,11 @@ class LayerStreamer:
             return 0
         return self._load(idx, layer, experts)
 
+    def refill(self, idx: int, layer: int, experts: Iterable[int]) -> int:
+        """Start copying ``experts`` of ``layer`` into buffer ``idx``, whose reads were just enqueued (the copies
+        wait on :meth:`done_reading`'s fence). Returns experts copied."""
+        return self._load(idx, layer, experts)
+
     def done_reading(self, idx: int, fence) -> None:
         """Record the compute fence after the reads of buffer ``idx``."""
         self.last_use[idx] = fence
@@ -116,26 +121,34 @@ class StreamedPrefill:
         return num_tokens * top_k >= self.num_experts
 
     def _run_streamed(self, work) -> None:
-        """Prefill: hits from their slots, everything else from the layer buffer; start copying the next MoE
-        layer (minus its cache hits) into the other buffer before computing."""
+        """Prefill: hits from their slots, everything else from the layer buffer. The next MoE layer (minus its
+        cache hits) is already copying into the other buffer (started here only at a step's first streamed layer);
+        once this layer's compute is enqueued, the layer after next starts copying into this buffer behind it, so
+        the copy stream has its next layer queued while the host is still launching this one's successor."""
         hits, rest = self._classify(work)
         if self.faults.enabled and rest:
             self.faults.check("expert_fetch", nbytes=len(rest) * self.layout.nbytes)
-        step = self.counters.step
         idx, copied = self.streamer.acquire(work.layer, rest)
         nxt = self._next.get(work.layer)
         if nxt is not None:
-            copied += self.streamer.prefetch(nxt, [e for e in range(self.num_experts) if (nxt, e) not in self.cache])
-        step.streamed += copied
-        step.bytes_copied += copied * self.layout.nbytes
+            copied += self.streamer.prefetch(nxt, self._uncached(nxt))
         if use_triton(work.hidden):
             self._run_streamed_fused(work, hits, idx, rest)
-            return
-        self._compute_slots(work, hits)
-        if rest:
-            self.copier.wait(self.streamer.ready[idx])
-            work.compute(rest, self.layout.layer_views(self.streamer.buffers[idx]), rest)
-            self.streamer.done_reading(idx, self.copier.compute_fence())
+        else:
+            self._compute_slots(work, hits)
+            if rest:
+                self.copier.wait(self.streamer.ready[idx])
+                work.compute(rest, self.layout.layer_views(self.streamer.buffers[idx]), rest)
+                self.streamer.done_reading(idx, self.copier.compute_fence())
+        after = self._next.get(nxt) if nxt is not None else None
+        if after is not None:
+            copied += self.streamer.refill(idx, after, self._uncached(after))
+        step = self.counters.step
+        step.streamed += copied
+        step.bytes_copied += copied * self.layout.nbytes
+
+    def _uncached(self, layer: int) -> list[int]:
+        return [e for e in range(self.num_experts) if (layer, e) not in self.cache]
 
     def _run_streamed_fused(self, work, hits: list[tuple[int, int]], idx: int, rest: list[int]) -> None:
         """The streamed layer on CUDA: ONE fused MoE call computes the whole layer (``experts/kernels/fused_moe.py``)
