@@ -76,52 +76,24 @@ class ModelConfig:
             ModelLoadError: a required field is missing, or a field has the wrong type (the message names it,
                 its value and the type expected).
         """
-        from ferrylm.models.registry import MODEL_REGISTRY, supported_architectures
-
         if not isinstance(d, dict):
             raise ModelLoadError(f"config.json must hold a JSON object, got {type(d).__name__}")
         d = text_model_config(d)
-        archs = d.get("architectures")
-        if not archs:
-            raise ModelLoadError("config.json has no 'architectures' field (e.g. [\"Qwen3MoeForCausalLM\"])")
-        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
-            raise ModelLoadError(f"config.json field 'architectures' must be a list of names, got {archs!r}")
-        if archs[0] not in MODEL_REGISTRY:
-            raise UnsupportedArchitecture(f"architecture {archs[0]!r} (config.json 'architectures') is not "
-                                          f"supported; supported: {', '.join(supported_architectures())}")
+        arch = _architecture(d)
         read = _FieldReader(d)
         hidden = read.int("hidden_size", required=True, positive=True)
         heads = read.int("num_attention_heads", required=True, positive=True)
         layers = read.int("num_hidden_layers", required=True, positive=True)
         vocab = read.int("vocab_size", required=True, positive=True)
-        eos = d.get("eos_token_id")
-        if eos is None:
-            eos_ids: tuple[int, ...] = ()
-        elif isinstance(eos, list) and all(_is_int(t) for t in eos):
-            eos_ids = tuple(int(t) for t in eos)
-        elif _is_int(eos):
-            eos_ids = (int(eos),)
-        else:
-            raise ModelLoadError(f"config.json field 'eos_token_id' must be a token id or a list of them, got "
-                                 f"{eos!r}")
+        eos_ids = _eos_ids(d.get("eos_token_id"))
         num_experts = read.int("num_local_experts") or read.int("num_experts") or read.int("n_routed_experts") or 0
-        rope_params = d.get("rope_parameters") or {}
-        if not isinstance(rope_params, dict):
-            raise ModelLoadError(f"config.json field 'rope_parameters' must be an object, got {rope_params!r}")
-        rope_theta = read.float("rope_theta")
-        if rope_theta is None:
-            rope_theta = _FieldReader(rope_params, "rope_parameters.").float("rope_theta") or 10000.0
-        rope_scaling = d.get("rope_scaling")
-        if rope_scaling is not None and not isinstance(rope_scaling, dict):
-            raise ModelLoadError(f"config.json field 'rope_scaling' must be an object or null, got {rope_scaling!r}")
-        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-            rope_scaling = dict(rope_params)
+        rope_theta, rope_scaling = _rope(d, read)
         tie = d.get("tie_word_embeddings", False)
         if not isinstance(tie, bool) and tie is not None:
             raise ModelLoadError(f"config.json field 'tie_word_embeddings' must be true or false, got {tie!r}")
         intermediate = read.int("intermediate_size") or 0
         return cls(
-            architecture=archs[0],
+            architecture=arch,
             hidden_size=hidden,
             intermediate_size=intermediate,
             num_layers=layers,
@@ -131,7 +103,7 @@ class ModelConfig:
             vocab_size=vocab,
             max_position_embeddings=read.int("max_position_embeddings") or 2048,
             rms_norm_eps=1e-6 if read.float("rms_norm_eps") is None else float(read.float("rms_norm_eps")),
-            rope_theta=float(rope_theta),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(tie),
             num_experts=num_experts,
@@ -158,6 +130,50 @@ class ModelConfig:
         except (OSError, json.JSONDecodeError) as e:
             raise ModelLoadError(f"cannot read {p}: {e}") from None
         return cls.from_dict(_with_hf_quant_config(d, Path(path)))
+
+def _architecture(d: dict[str, Any]) -> str:
+    """``architectures[0]`` of a config dict. Raises ModelLoadError (missing, wrong type) or
+    UnsupportedArchitecture (not one ferrylm implements)."""
+    from ferrylm.models.registry import MODEL_REGISTRY, supported_architectures
+
+    archs = d.get("architectures")
+    if not archs:
+        raise ModelLoadError("config.json has no 'architectures' field (e.g. [\"Qwen3MoeForCausalLM\"])")
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ModelLoadError(f"config.json field 'architectures' must be a list of names, got {archs!r}")
+    if archs[0] not in MODEL_REGISTRY:
+        raise UnsupportedArchitecture(f"architecture {archs[0]!r} (config.json 'architectures') is not "
+                                      f"supported; supported: {', '.join(supported_architectures())}")
+    return archs[0]
+
+
+def _eos_ids(eos: Any) -> tuple[int, ...]:
+    """``eos_token_id`` (absent, one id or a list) as a tuple. Raises ModelLoadError naming the field."""
+    if eos is None:
+        return ()
+    if isinstance(eos, list) and all(_is_int(t) for t in eos):
+        return tuple(int(t) for t in eos)
+    if _is_int(eos):
+        return (int(eos),)
+    raise ModelLoadError(f"config.json field 'eos_token_id' must be a token id or a list of them, got {eos!r}")
+
+
+def _rope(d: dict[str, Any], read: "_FieldReader") -> tuple[float, dict | None]:
+    """``(rope_theta, rope_scaling)``: the top-level fields, else transformers 5's ``rope_parameters``. Raises
+    ModelLoadError naming a field of the wrong type."""
+    rope_params = d.get("rope_parameters") or {}
+    if not isinstance(rope_params, dict):
+        raise ModelLoadError(f"config.json field 'rope_parameters' must be an object, got {rope_params!r}")
+    rope_theta = read.float("rope_theta")
+    if rope_theta is None:
+        rope_theta = _FieldReader(rope_params, "rope_parameters.").float("rope_theta") or 10000.0
+    rope_scaling = d.get("rope_scaling")
+    if rope_scaling is not None and not isinstance(rope_scaling, dict):
+        raise ModelLoadError(f"config.json field 'rope_scaling' must be an object or null, got {rope_scaling!r}")
+    if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+        rope_scaling = dict(rope_params)
+    return float(rope_theta), rope_scaling
+
 
 
 #: multimodal architectures whose text model ferrylm serves: wrapper -> the text model's architecture (its config is
