@@ -47,6 +47,27 @@ def register_host_memory(t: torch.Tensor) -> str | None:
         return f"cudaHostRegister error {code}"
     return None
 
+def _common_layout(layers: dict[int, LayerExperts]) -> tuple[ExpertLayout, int]:
+    """The row layout and expert count every layer shares. Raises ValueError: no layers, or two that differ."""
+    if not layers:
+        raise ValueError("no MoE layers to bank")
+    first = next(iter(layers.values()))
+    layout, e = ExpertLayout.of(first), first.num_experts
+    for idx, le in layers.items():
+        if ExpertLayout.of(le) != layout or le.num_experts != e:
+            raise ValueError(f"MoE layer {idx} has experts of another shape or dtype than layer {next(iter(layers))}")
+    return layout, e
+
+
+def _over_pin_budget(total: int, on_host: bool, budget_bytes: int | None) -> str | None:
+    """Why banks of ``total`` bytes must stay pageable (they exceed the pin budget), or None."""
+    budget, why = (budget_bytes, f"{budget_bytes / 2**30:.2f} GiB given") if budget_bytes is not None \
+        else pin_budget(total, on_host)
+    if total > budget:
+        return f"the banks' {total / 2**30:.2f} GiB exceed the host's pin budget of {why}; nothing was page-locked"
+    return None
+
+
 
 def _unregister(ptrs: list[int]) -> None:
     rt = _cudart()
@@ -126,15 +147,8 @@ class HostBanks:
         Raises:
             ValueError: no layers, or layers of different shapes / dtypes.
         """
-        if not layers:
-            raise ValueError("no MoE layers to bank")
+        layout, e = _common_layout(layers)
         first = next(iter(layers.values()))
-        layout = ExpertLayout.of(first)
-        e = first.num_experts
-        for idx, le in layers.items():
-            if ExpertLayout.of(le) != layout or le.num_experts != e:
-                raise ValueError(f"MoE layer {idx} has experts of another shape or dtype than layer "
-                                 f"{next(iter(layers))}")
         want_pin = torch.cuda.is_available() if pin is None else pin
         total = len(layers) * e * layout.nbytes
         if progress is None:
@@ -147,12 +161,7 @@ class HostBanks:
         registered: list[int] = []
         pin_error = None if want_pin else "not requested"
         if want_pin:   # probe the budget first: never fail half-way through the load, never starve the host
-            on_host = first.gate.device.type == "cpu"
-            budget, why = (pin_budget_bytes, f"{pin_budget_bytes / 2**30:.2f} GiB given") \
-                if pin_budget_bytes is not None else pin_budget(total, on_host)
-            if total > budget:
-                pin_error = (f"the banks' {total / 2**30:.2f} GiB exceed the host's pin budget of {why}; nothing "
-                             f"was page-locked")
+            pin_error = _over_pin_budget(total, first.gate.device.type == "cpu", pin_budget_bytes)
         for idx in sorted(layers):
             le = layers[idx]
             rows = torch.empty(e, layout.numel, dtype=layout.row_dtype)
