@@ -47,6 +47,7 @@ def register_host_memory(t: torch.Tensor) -> str | None:
         return f"cudaHostRegister error {code}"
     return None
 
+
 def _common_layout(layers: dict[int, LayerExperts]) -> tuple[ExpertLayout, int]:
     """The row layout and expert count every layer shares. Raises ValueError: no layers, or two that differ."""
     if not layers:
