@@ -116,7 +116,8 @@ def _scores_kernel(layer_ptr, log_pop_ptr, label_ptr, key_ptr, pos_ptr, period_p
         period = tl.load(period_ptr + j).to(tl.uint64)
         h = _fold(_fold(hkl, 0x407 + j)[:, None], experts[None, :])
         hs = h.to(tl.int64, bitcast=True)
-        phase = tl.where(hs >= 0, h % period, period - 1 - ((h ^ 0xFFFFFFFFFFFFFFFF) % period))   # Python's modulo of the signed hash
+        # Python's modulo of the signed hash
+        phase = tl.where(hs >= 0, h % period, period - 1 - ((h ^ 0xFFFFFFFFFFFFFFFF) % period))
         epoch = (pos.to(tl.uint64)[:, None] + phase) // period
         u = _uniform(_fold(_fold(_fold(hkl, 0x4070 + j)[:, None], experts[None, :]), epoch))
         cold_hot = (u < tl.load(prob_ptr + j)).to(tl.float32)

@@ -332,8 +332,9 @@ def _run(args: argparse.Namespace, engine_config: EngineConfig, boot: BootSignal
 
 async def _main(boot: BootSignals, sup: Any, stop: "_Shutdown", sock: socket.socket, start_http, serving: str) -> int:
     """The event loop's part: take the signals over from ``boot``, start the engine, build the tokenizer and the
-    app meanwhile (``start_http``, in a thread; the port answers 503 meanwhile: ``boot_responder.py``), serve on ``sock`` until the shutdown, stop the engine; hand the
-    signals back (record-only) once it served. Returns 2 when the tokenizer failed to load, else 0."""
+    app meanwhile (``start_http``, in a thread; the port answers 503 meanwhile: ``boot_responder.py``), serve on
+    ``sock`` until the shutdown, stop the engine; hand the signals back (record-only) once it served. Returns 2 when
+    the tokenizer failed to load, else 0."""
     loop = asyncio.get_running_loop()
     boot.armed = False            # from here a signal is recorded, then replayed through on_signal
     for sig in (signal.SIGINT, signal.SIGTERM):
