@@ -128,6 +128,10 @@ class InsufficientMemory(FerryError):
     code = "insufficient_memory"
 
 
+#: Retry-After seconds of the 503 answers, by error class (the first class an error is an instance of; others: 1)
+RETRY_AFTER_S: dict[type, int] = {EngineStalled: 5, EngineUnavailable: 5, QueueTimeout: 2, InsufficientMemory: 2}
+
+
 def error_from_code(code: str | None, message: str | None) -> FerryError:
     """The typed error for an engine output's ``error_code`` (``context_length_exceeded``, ``invalid_request``,
     ``insufficient_memory``, ``queue_timeout``, ``engine_unavailable``, ``engine_stalled``, ``device_error``,

@@ -28,7 +28,7 @@ def test_boot_responder_answers_503_then_hands_the_socket_over(monkeypatch):
     monkeypatch.setattr(boot_responder, "HEAD_TIMEOUT_S", 0.2)
     sock = bind_socket("127.0.0.1", 0)
     base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    states = iter([("loading", "engine starting"), ("loading", "engine warming up")])
+    states = iter([("loading", "engine starting"), ("loading", "engine warming up")] + [("loading", "")] * 8)
 
     async def scenario():
         responder = boot_responder.BootResponder(sock, lambda: next(states))
@@ -49,7 +49,7 @@ def test_boot_responder_answers_503_then_hands_the_socket_over(monkeypatch):
         return first, second, chat, big, silent, after
 
     first, second, chat, big, silent, after = asyncio.run(scenario())
-    assert first.status_code == 503 and first.headers["retry-after"] == "1"
+    assert first.status_code == 503 and first.headers["retry-after"] == "5"
     assert first.json() == {"status": "loading", "detail": "engine starting"}
     assert second.json() == {"status": "loading", "detail": "engine warming up"}
     assert chat.status_code == 503 and chat.json()["error"]["code"] == "engine_unavailable"

@@ -157,3 +157,30 @@ def test_a_clean_close_removes_the_dir_and_reaps_the_janitor(tmp_path) -> None:
     assert os.path.isdir(d.path) and pid is not None
     d.remove()
     assert not os.path.exists(d.path) and not psutil.pid_exists(pid)
+
+
+async def test_boot_responder_answers_as_the_app_does_while_the_engine_loads(codec) -> None:
+    """The port's 503 before uvicorn runs (server/process/boot_responder.py) has the app's own shape, status and
+    Retry-After on the OpenAI and Anthropic routes and /health, for an engine still loading."""
+    import json
+
+    from ferrylm.server.process.boot_responder import starting_answer
+
+    loading = EngineUnavailable("the engine is not ready (loading)")
+    app = create_app(FakeEngine(codec, refuse_exc=loading, health_status="loading"), codec, SERVED)
+    requests = [("GET", "/health", None), ("POST", CHAT, {"model": SERVED, "messages": MSGS}),
+                ("POST", "/v1/messages", {"model": SERVED, "max_tokens": 8, "messages": MSGS})]
+    async with make_client(app) as c:
+        for method, path, body in requests:
+            r = await c.request(method, path, json=body)
+            head, _, raw = starting_answer(path, lambda: ("loading", "fake says so")).partition(b"\r\n\r\n")
+            lines = head.decode().split("\r\n")
+            headers = dict(line.split(": ", 1) for line in lines[1:])
+            assert r.status_code == int(lines[0].split()[1]) == 503, path
+            assert r.headers["retry-after"] == headers["Retry-After"], path
+            want, got = r.json(), json.loads(raw)
+            if "error" in want:
+                assert got["error"]["type"] == want["error"]["type"], path
+                assert got.get("type") == want.get("type") and got["error"].get("code") == want["error"].get("code")
+            else:
+                assert got == {k: want[k] for k in ("status", "detail")}

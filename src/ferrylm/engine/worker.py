@@ -261,6 +261,19 @@ def _fault_stall() -> None:
         time.sleep(3600)
 
 
+#: the signals a terminal or a service manager sends the whole process group
+TERMINAL_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+
+
+def ignore_terminal_signals() -> None:
+    """Ignore :data:`TERMINAL_SIGNALS`, then unblock them: a rank process starts with them blocked (the frontend
+    spawns it under ``processes.terminal_signals_blocked``), so one that arrived during its imports was held
+    pending and is dropped here instead of killing a half-started process."""
+    for sig in TERMINAL_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, TERMINAL_SIGNALS)
+
+
 def _prepare_process(spec: EngineSpec) -> None:
     """Process-wide setup: die with the parent, ignore the terminal's signals, name the process, stack dumps on
     fatal signals and ``SIGUSR1``, logging, malloc keeping a step's freed blocks."""
@@ -268,8 +281,7 @@ def _prepare_process(spec: EngineSpec) -> None:
     # NOTE: the frontend owns the engine's life (Shutdown message, SIGKILL, PDEATHSIG = SIGKILL). A terminal's
     # Ctrl-C, or a service manager's SIGTERM to the whole group, must not kill the engine under a draining frontend
     # (its in-flight requests would get "engine exited" instead of finishing).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ignore_terminal_signals()
     threading.Thread(target=_watch_parent, args=(spec.parent_pid, _ipc_dir(spec.in_addr)), daemon=True,
                      name="parent-watch").start()
     try:

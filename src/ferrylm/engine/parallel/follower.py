@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -68,12 +67,11 @@ def _watch_leader(leader_pid: int, parent_pid: int) -> None:
 def follower_main(spec_dict: dict) -> None:
     """Entry point of a follower process (``spawn`` target). Exit codes: 0 after SHUTDOWN, 1 otherwise."""
     from ferrylm.engine.host_malloc import keep_freed_blocks
-    from ferrylm.engine.worker import STACK_DUMP_SIGNAL, _die_with_parent
+    from ferrylm.engine.worker import STACK_DUMP_SIGNAL, _die_with_parent, ignore_terminal_signals
 
     spec = FollowerSpec(**spec_dict)
     _die_with_parent(spec.parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)    # the frontend owns our life (see engine_main)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ignore_terminal_signals()    # the frontend owns our life (see engine_main)
     threading.Thread(target=_watch_leader, args=(spec.leader_pid, spec.parent_pid), daemon=True,
                      name="leader-watch").start()
     try:

@@ -30,16 +30,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ferrylm.errors import (EngineStalled, EngineUnavailable, FerryError, InsufficientMemory, InvalidRequest,
-                            ModelNotFound, NotFound, QueueTimeout, RequestQuarantined, RequestTimeout)
+from ferrylm.errors import (RETRY_AFTER_S, EngineStalled, EngineUnavailable, FerryError, InsufficientMemory,
+                            InvalidRequest, ModelNotFound, NotFound, QueueTimeout, RequestQuarantined, RequestTimeout)
 
 logger = logging.getLogger("ferrylm.server")
 
 REQUEST_ID_KEY = "ferrylm.request_id"  # where the request-id middleware puts the id in the ASGI scope
 
-# Seconds a client should wait before retrying; an exception may override with a ``retry_after`` attribute.
-RETRY_AFTER_S: dict[type, int] = {EngineStalled: 5, EngineUnavailable: 5, QueueTimeout: 2,
-                                  InsufficientMemory: 2}
 
 
 class Unauthorized(FerryError):

@@ -3,8 +3,10 @@ listening socket (the tokenizer and the app are still being built, the engine lo
 gets an immediate 503 with Retry-After instead of waiting unanswered in the listen backlog. A readiness probe or a
 client polling ``/health`` learns "not yet" at once, as llama-server answers 503 while it loads.
 
-``/health`` gets the supervisor's own state (``{"status": "starting", "detail": ...}``, as the app would answer);
-any other path the OpenAI error envelope with code ``engine_unavailable``. This module imports no web framework.
+``/health`` gets the supervisor's own state (``{"status": "loading", "detail": ...}``), the Anthropic routes
+``overloaded_error``, any other path the OpenAI error envelope with code ``engine_unavailable``, all with the app's
+Retry-After: what the app answers while the engine loads (tests/supervision/test_boot_responder.py compares them).
+This module imports no web framework.
 """
 
 from __future__ import annotations
@@ -15,24 +17,28 @@ import json
 import socket
 from collections.abc import Callable
 
-from ferrylm.errors import EngineUnavailable
+from ferrylm.errors import RETRY_AFTER_S, EngineUnavailable
 
 HEAD_TIMEOUT_S = 2.0      # how long a connection may take to send its request line and headers
-RETRY_AFTER_S = 1
+RETRY_AFTER = RETRY_AFTER_S[EngineUnavailable]
 _REASON = b"HTTP/1.1 503 Service Unavailable\r\n"
 
 
 def starting_answer(path: str, health: Callable[[], tuple[str, str]]) -> bytes:
-    """The whole HTTP response for a request of ``path``; ``health()`` gives the supervisor's ``(status,
-    detail)``."""
-    if path.split("?", 1)[0] == "/health":
-        status, detail = health()
-        body = {"status": status, "detail": detail}
-    else:
-        body = {"error": {"message": "the server is starting: the model is loading", "type": "server_error",
-                          "param": None, "code": EngineUnavailable.code}}
+    """The whole HTTP response for a request of ``path``, as the app answers while the engine loads;
+    ``health()`` gives the supervisor's ``(status, detail)``."""
+    route = path.split("?", 1)[0]
+    status, detail = health()
+    message = f"the engine is not ready ({status})"
+    if route == "/health":
+        body: dict = {"status": status, "detail": detail}
+    elif route.startswith("/v1/messages"):   # the Anthropic routes' envelope (server/api/anthropic.py)
+        body = {"type": "error", "error": {"type": "overloaded_error", "message": message}}
+    else:                                     # the OpenAI envelope (server/api/errors.py)
+        body = {"error": {"message": message, "type": "service_unavailable_error", "param": None,
+                          "code": EngineUnavailable.code}}
     data = json.dumps(body).encode()
-    head = (f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\nRetry-After: {RETRY_AFTER_S}\r\n"
+    head = (f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\nRetry-After: {RETRY_AFTER}\r\n"
             "Connection: close\r\n\r\n").encode()
     return _REASON + head + data
 

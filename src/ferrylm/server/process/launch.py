@@ -410,6 +410,7 @@ class _Shutdown:
             self.exit_at_once(sig)
         if self.server is None:   # the tokenizer is loading: _main stops the engine once it is built
             log.info("received %s while starting: exiting", name_)
+            self.sup.begin_drain()   # an engine that dies meanwhile is not restarted
             return
         if len(self.signals_seen) > 1:
             log.warning("second signal (%s): answering the %d open requests with an error, then exiting", name_,

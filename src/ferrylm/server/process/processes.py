@@ -11,6 +11,7 @@ This module must not import torch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -19,18 +20,37 @@ import time
 from dataclasses import asdict
 from typing import Callable, Sequence
 
-from ferrylm.engine.worker import STACK_DUMP_SIGNAL, EngineSpec, engine_main
+from ferrylm.engine.worker import STACK_DUMP_SIGNAL, TERMINAL_SIGNALS, EngineSpec, engine_main
 
 log = logging.getLogger("ferrylm.supervisor")
 
 FOLLOWER_EXIT_WAIT_S = 2.0    # tensor-parallel followers get this long to follow rank 0's shutdown
 
 
+@contextlib.contextmanager
+def terminal_signals_blocked():
+    """Block SIGINT / SIGTERM in this thread while a rank process starts. The child inherits the blocked mask
+    through fork and exec, so a Ctrl-C to the process group during its imports stays pending until it ignores
+    them (``engine.worker.ignore_terminal_signals``) instead of killing it half-started (and the supervisor
+    restarting it under a shutdown); here such a signal is delivered when the mask is restored."""
+    # NOTE: multiprocessing starts its resource tracker on the first spawn and unblocks these signals after it;
+    # started first, it is left alone
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, TERMINAL_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def spawn_engine(spec: EngineSpec) -> mp.process.BaseProcess:
     """Start rank 0, the engine process (``engine_main``), as a daemon; returns once it is started, not ready."""
     proc = mp.get_context("spawn").Process(target=engine_main, args=(asdict(spec),), name="ferrylm-engine",
                                            daemon=True)
-    proc.start()
+    with terminal_signals_blocked():
+        proc.start()
     return proc
 
 
@@ -43,7 +63,8 @@ def spawn_follower(spec: EngineSpec, rank: int, size: int, leader_pid: int) -> m
                          leader_pid, spec.log_level)
     f = mp.get_context("spawn").Process(target=follower_main, args=(asdict(fspec),),
                                         name=f"ferrylm-engine-tp{rank}", daemon=True)
-    f.start()
+    with terminal_signals_blocked():
+        f.start()
     return f
 
 
