@@ -101,3 +101,13 @@ async def test_the_openapi_document_lists_415(client) -> None:
     paths = (await client.get("/openapi.json")).json()["paths"]
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/tokenize"):
         assert "415" in paths[path]["post"]["responses"], path
+
+
+async def test_an_integer_too_long_to_read_is_a_400_that_says_so(client) -> None:
+    body = b'{"model": "%s", "max_tokens": 1%s, "messages": [{"role": "user", "content": "hi"}]}' % (
+        SERVED.encode(), b"0" * 5000)
+    r = await client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    err = assert_error(r, 400)
+    assert "5001 digits" in err["message"] and "sys." not in err["message"]
+    fine = await client.post("/v1/chat/completions", content=raw("/v1/chat/completions", seed=10 ** 30))
+    assert fine.status_code != 500 and "digits" not in fine.text

@@ -58,8 +58,8 @@ def check_prompt_chars(codec: TextCodec, chars: int, info: ModelInfo, *, what: s
     fewest = chars // (2 * codec.longest_token)
     if fewest >= limit:
         raise ContextLengthExceeded(
-            f"This model's maximum context length is {limit} tokens. However, your {what} of {chars} characters "
-            f"is at least {fewest} tokens, which leaves no room for the completion. Please reduce the length of the "
+            f"This model's maximum context length is {limit} tokens. However, the {chars} characters of your {what} "
+            f"make at least {fewest} tokens, which leaves no room for the completion. Please reduce the length of the "
             f"{what} (the limit is the server's --max-model-len, at most the model's own context).", param=param)
 
 
