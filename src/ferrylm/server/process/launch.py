@@ -437,6 +437,8 @@ class _Shutdown:
             # which can take seconds (a long prefill chunk); nothing is left to wait for, so it gets a short grace
             self.engine_stop_s = ENGINE_STOP_AFTER_TIMEOUT_S
             await sup.drain(2.0)  # the error events go out
+        if len(self.signals_seen) > 1:   # a second signal cut what was running (exit_answered); it exits
+            return
         log.info("shutting down: %s in %.2f s; stopping",
                  f"{left} requests cut" if left else "drained", time.monotonic() - t0)
         self.server.should_exit = True
