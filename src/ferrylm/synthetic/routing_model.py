@@ -29,9 +29,9 @@ sum_{d=1..D} F_{L-d}(p, e)``, ``ids = top-k(score)``.
 Everything is device-side integer hashing plus ``ndtri`` and ``topk`` over ``[T, E]``: no host read, no Python
 branch on tensor values, so it captures in CUDA graphs (tests/gpu/test_routing_model_cuda.py). On CUDA the scores
 are one Triton kernel per step (``routing_kernel.py``: the same hash bits, ``ndtri`` within a few float32 ulps);
-the torch form is the CPU path and its reference. A token's ids
-depend on its own ``(key, position)`` and the seed only, never on the other tokens of the batch, so prefill
-chunking, batching and preemption by recompute give the same routing. Figures and their sources:
+the torch form is the CPU path and its reference. A token's ids depend on its own ``(key, position)`` and the seed
+only, never on the other tokens of the batch, so prefill chunking, batching and preemption by recompute give the
+same routing. Figures and their sources:
 docs/ROUTING.md; the profiles (:mod:`ferrylm.synthetic.routing_profiles`) were fitted by search on the statistics
 of :mod:`ferrylm.synthetic.routing_stats`.
 

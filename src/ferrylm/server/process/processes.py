@@ -32,7 +32,8 @@ def terminal_signals_blocked():
     """Block SIGINT / SIGTERM in this thread while a rank process starts. The child inherits the blocked mask
     through fork and exec, so a Ctrl-C to the process group during its imports stays pending until it ignores
     them (``engine.worker.ignore_terminal_signals``) instead of killing it half-started (and the supervisor
-    restarting it under a shutdown); here such a signal is delivered when the mask is restored."""
+    restarting it under a shutdown); here such a signal still arrives (through another thread, or when the mask is
+    restored)."""
     # NOTE: multiprocessing starts its resource tracker on the first spawn and unblocks these signals after it;
     # started first, it is left alone
     from multiprocessing import resource_tracker
