@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 import time
 import uuid
 import zlib
@@ -157,9 +158,6 @@ async def read_body(request: Request, limit: int | None) -> bytes:
     return b"".join(chunks)
 
 
-MAX_INT_DIGITS = 4000   # longest JSON integer read (below Python's int-from-string limit of 4300 digits)
-
-
 async def read_json(request: Request) -> Any:
     """The request body as JSON. Raises InvalidRequest for an empty body, bad JSON, NaN or Infinity, nesting
     deeper than ``MAX_JSON_DEPTH`` (naming the field it is in); RequestTooLarge (413) past ``--max-request-bytes``
@@ -176,18 +174,15 @@ async def read_json(request: Request) -> Any:
     def reject(name: str) -> Any:
         raise InvalidRequest(f"invalid JSON: {name} is not a valid JSON number")
 
-    def integer(text: str) -> int:
-        if len(text) > MAX_INT_DIGITS:   # Python's own limit would answer with advice about its interpreter
-            raise InvalidRequest(f"invalid JSON: an integer of {len(text)} digits, more than the {MAX_INT_DIGITS} "
-                                 f"this server reads")
-        return int(text)
-
     try:
-        data = json.loads(body, parse_constant=reject, parse_int=integer)
+        data = json.loads(body, parse_constant=reject)
     except RecursionError:
         raise InvalidRequest(f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels (objects and "
                              f"arrays inside each other), the most this server reads") from None
     except ValueError as e:
+        if "integer string conversion" in str(e):   # Python's own message advises about its interpreter
+            raise InvalidRequest(f"invalid JSON: an integer of more than {sys.get_int_max_str_digits()} digits, "
+                                 f"more than this server reads") from None
         raise InvalidRequest(f"invalid JSON body: {e}") from None
     check_body_depth(data)
     reject_lone_surrogates(data)
