@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from ferrylm.server.process import boot_responder
+from ferrylm.server.process.engine_client import HealthState
 from ferrylm.server.process.launch import bind_socket
 
 
@@ -28,7 +29,8 @@ def test_boot_responder_answers_503_then_hands_the_socket_over(monkeypatch):
     monkeypatch.setattr(boot_responder, "HEAD_TIMEOUT_S", 0.2)
     sock = bind_socket("127.0.0.1", 0)
     base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    states = iter([("loading", "engine starting"), ("loading", "engine warming up")] + [("loading", "")] * 8)
+    states = iter([HealthState("loading", "engine starting"), HealthState("loading", "engine warming up")]
+                  + [HealthState("loading")] * 8)
 
     async def scenario():
         responder = boot_responder.BootResponder(sock, lambda: next(states))

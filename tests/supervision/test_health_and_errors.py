@@ -173,7 +173,7 @@ async def test_boot_responder_answers_as_the_app_does_while_the_engine_loads(cod
     async with make_client(app) as c:
         for method, path, body in requests:
             r = await c.request(method, path, json=body)
-            head, _, raw = starting_answer(path, lambda: ("loading", "fake says so")).partition(b"\r\n\r\n")
+            head, _, raw = starting_answer(path, lambda: HealthState("loading", "fake says so")).partition(b"\r\n\r\n")
             lines = head.decode().split("\r\n")
             headers = dict(line.split(": ", 1) for line in lines[1:])
             assert r.status_code == int(lines[0].split()[1]) == 503, path

@@ -38,7 +38,6 @@ logger = logging.getLogger("ferrylm.server")
 REQUEST_ID_KEY = "ferrylm.request_id"  # where the request-id middleware puts the id in the ASGI scope
 
 
-
 class Unauthorized(FerryError):
     """Missing or wrong API key. HTTP 401."""
 

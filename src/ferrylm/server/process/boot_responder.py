@@ -18,17 +18,19 @@ import socket
 from collections.abc import Callable
 
 from ferrylm.errors import RETRY_AFTER_S, EngineUnavailable
+from ferrylm.server.process.engine_client import HealthState
 
 HEAD_TIMEOUT_S = 2.0      # how long a connection may take to send its request line and headers
 RETRY_AFTER = RETRY_AFTER_S[EngineUnavailable]
 _REASON = b"HTTP/1.1 503 Service Unavailable\r\n"
 
 
-def starting_answer(path: str, health: Callable[[], tuple[str, str]]) -> bytes:
-    """The whole HTTP response for a request of ``path``, as the app answers while the engine loads;
-    ``health()`` gives the supervisor's ``(status, detail)``."""
+def starting_answer(path: str, health: Callable[[], HealthState]) -> bytes:
+    """The whole HTTP response (bytes) for a request of ``path``, as the app answers while the engine loads;
+    ``health()`` is the supervisor's."""
     route = path.split("?", 1)[0]
-    status, detail = health()
+    h = health()
+    status, detail = h.status, h.detail
     message = f"the engine is not ready ({status})"
     if route == "/health":
         body: dict = {"status": status, "detail": detail}
@@ -47,10 +49,10 @@ class BootResponder:
     """Answers on a duplicate of ``sock`` (closing it leaves ``sock`` listening for uvicorn).
 
     Args:
-        sock: the bound, listening socket. health: ``() -> (status, detail)`` of the engine.
+        sock: the bound, listening socket. health: the supervisor's ``health``.
     """
 
-    def __init__(self, sock: socket.socket, health: Callable[[], tuple[str, str]]):
+    def __init__(self, sock: socket.socket, health: Callable[[], HealthState]):
         self._sock = sock
         self._health = health
         self._server: asyncio.Server | None = None

@@ -344,11 +344,7 @@ async def _main(boot: BootSignals, sup: Any, stop: "_Shutdown", sock: socket.soc
     if stop.signals_seen:         # shutting down before the engine was ever spawned
         await sup.close()
         return 0
-    def boot_health() -> tuple[str, str]:
-        h = sup.health()
-        return h.status, h.detail
-
-    responder = BootResponder(sock, boot_health)
+    responder = BootResponder(sock, sup.health)
     try:
         await responder.start()   # 503 at once on the port until uvicorn takes it
         await sup.start()   # the engine loads while this process builds the tokenizer and the app
