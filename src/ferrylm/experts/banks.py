@@ -69,7 +69,6 @@ def _over_pin_budget(total: int, on_host: bool, budget_bytes: int | None) -> str
     return None
 
 
-
 def _unregister(ptrs: list[int]) -> None:
     rt = _cudart()
     if rt is None:

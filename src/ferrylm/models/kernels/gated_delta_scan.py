@@ -51,13 +51,13 @@ def _scan_kernel(w_ptr, k_ptr, q_ptr, attn_ptr, decay_ptr, s_ptr, o_ptr, N, H, C
     tl.store(s2_at, s2, mask=m2[:, None] & mv[None, :])
 
 
-def scan_chunks_fused(w_v: torch.Tensor, k_to_end: torch.Tensor, q_decayed: torch.Tensor, attn: torch.Tensor,
+def scan_chunks_fused(w: torch.Tensor, k_to_end: torch.Tensor, q_decayed: torch.Tensor, attn: torch.Tensor,
                       end_decay: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The scan over ``n`` chunks of ``C`` tokens (module docstring), every operand float32 and contiguous in
     chunk-major layout.
 
     Args:
-        w_v: ``[n, H, C, Dv + Dk]`` :func:`~ferrylm.models.kernels.gated_delta.chunk_solve`'s output (read only).
+        w: ``[n, H, C, Dv + Dk]`` :func:`~ferrylm.models.kernels.gated_delta.chunk_solve`'s output (read only).
         k_to_end: ``[n, H, C, Dk]`` keys decayed to their chunk's end (``K * G_C / G``).
         q_decayed: ``[n, H, C, Dk]`` queries decayed from their chunk's start (``Q * G``).
         attn: ``[n, H, C, C]`` the masked, decayed ``Q K^T`` of each chunk.
@@ -66,16 +66,21 @@ def scan_chunks_fused(w_v: torch.Tensor, k_to_end: torch.Tensor, q_decayed: torc
 
     Returns:
         ``(o [n, H, C, Dv], final state [H, Dk, Dv])`` float32.
+
+    Raises:
+        ValueError: an operand not contiguous float32, or ``C`` not a power of two >= 16 (a ``tl.dot`` side).
     """
-    n, h, c, width = w_v.shape
+    n, h, c, width = w.shape
     dk = k_to_end.shape[-1]
     dv = width - dk
-    for t in (w_v, k_to_end, q_decayed, attn, end_decay):
-        assert t.is_contiguous() and t.dtype == torch.float32, "scan_chunks_fused takes contiguous float32 operands"
-    out = torch.empty(n, h, c, dv, dtype=torch.float32, device=w_v.device)
+    if any(not t.is_contiguous() or t.dtype != torch.float32 for t in (w, k_to_end, q_decayed, attn, end_decay)):
+        raise ValueError("scan_chunks_fused takes contiguous float32 operands")
+    if c < 16 or c & (c - 1):
+        raise ValueError(f"scan_chunks_fused: the chunk must be a power of two >= 16, got {c}")
+    out = torch.empty(n, h, c, dv, dtype=torch.float32, device=w.device)
     final = state.float().clone(memory_format=torch.contiguous_format)
     bk = max(16, triton.next_power_of_2(dk) // 2)
     bv = min(32, max(16, triton.next_power_of_2(dv)))
-    _scan_kernel[(h, triton.cdiv(dv, bv))](w_v, k_to_end, q_decayed, attn, end_decay, final, out, n, h, C=c,
+    _scan_kernel[(h, triton.cdiv(dv, bv))](w, k_to_end, q_decayed, attn, end_decay, final, out, n, h, C=c,
                                           DK=dk, DV=dv, BK=bk, BV=bv, num_warps=4, num_stages=1)
     return out, final
