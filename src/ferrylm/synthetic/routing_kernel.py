@@ -98,7 +98,7 @@ def _field(hk, m, pos, labels):
 @triton.jit
 def _scores_kernel(layer_ptr, log_pop_ptr, label_ptr, key_ptr, pos_ptr, period_ptr, prob_ptr, bonus_ptr, cont_ptr,
                    known_ptr, score_ptr, T, E, seed_hash, zipf, w_field, w_fresh, J: tl.constexpr,
-                   DEPTH: tl.constexpr, FIELDS: tl.constexpr, SCORE: tl.constexpr, BT: tl.constexpr,
+                   DEPTH: tl.constexpr, SCORE: tl.constexpr, BT: tl.constexpr,
                    BE: tl.constexpr):
     i = tl.program_id(0)
     rt = tl.program_id(1) * BT + tl.arange(0, BT)
@@ -123,9 +123,8 @@ def _scores_kernel(layer_ptr, log_pop_ptr, label_ptr, key_ptr, pos_ptr, period_p
         cold_hot = (u < tl.load(prob_ptr + j)).to(tl.float32)
         hot = tl.where(tl.load(cont_ptr + j) != 0, _ndtri(u), cold_hot)
         score = score + tl.load(bonus_ptr + j) * hot
-    if FIELDS:
-        for d in tl.static_range(1, DEPTH + 1):
-            score = score + w_field * _field(hk, layer - d, pos, labels)
+    for d in tl.static_range(1, DEPTH + 1):   # the earlier layers' fields (none when DEPTH = 0)
+        score = score + w_field * _field(hk, layer - d, pos, labels)
     out = (i * T + rt).to(tl.int64)[:, None] * E + re[None, :]
     m = mt[:, None] & me[None, :]
     tl.store(known_ptr + out, score, mask=m)
@@ -143,7 +142,7 @@ def routing_scores(layers: torch.Tensor, log_pop: torch.Tensor, labels: torch.Te
         layers: ``[Ls]`` int64 layer indices. log_pop: ``[Ls, E]`` float32; labels: ``[Ls, E]`` int64 (each
             layer's tables). keys, positions: ``[T]`` int64.
         hot: the profile's hot components as ``(period int64, prob float32, bonus float32, continuous int32)``,
-            each ``[J]`` (J may be 0: then any one-element tensors).
+            each ``[J]`` (``J`` may be 0).
         seed_hash: ``hash_fold``'s value after the model seed (a signed 64-bit int). zipf, w_field, w_fresh: the
             profile's weights (``w_field`` = 0 and ``depth`` = 0 without earlier layers' fields).
 
@@ -157,9 +156,11 @@ def routing_scores(layers: torch.Tensor, log_pop: torch.Tensor, labels: torch.Te
     if t == 0:
         return known, (score if with_score else None)
     period, prob, bonus, cont = hot
+    num_hot = period.shape[0]
+    if num_hot == 0:   # never read then, but an empty tensor's null pointer is no valid kernel argument
+        period = prob = bonus = cont = log_pop
     bt, be = 8, min(64, triton.next_power_of_2(e))   # no spills at 4 warps (ptxas, sm_90a: 180 registers)
     _scores_kernel[(ls, triton.cdiv(t, bt), triton.cdiv(e, be))](
         layers, log_pop, labels, keys, positions, period, prob, bonus, cont, known, score, t, e, seed_hash, zipf,
-        w_field, w_fresh, J=0 if period.numel() == 0 else period.shape[0], DEPTH=depth, FIELDS=depth > 0,
-        SCORE=with_score, BT=bt, BE=be, num_warps=4, enable_fp_fusion=False)
+        w_field, w_fresh, J=num_hot, DEPTH=depth, SCORE=with_score, BT=bt, BE=be, num_warps=4, enable_fp_fusion=False)
     return known, (score if with_score else None)
