@@ -165,11 +165,12 @@ class StreamedPrefill:
         offsets = None
         if hits:
             row_bytes = buf.stride(0) * buf.element_size()
-            table = torch.arange(self.num_experts, dtype=torch.int64) * row_bytes
+            table = [e * row_bytes for e in range(self.num_experts)]
             base = buf.data_ptr()
             for e, slot in hits:
                 table[e] = self.slots.row(slot).data_ptr() - base
-            offsets = table.to(buf.device, non_blocking=True)  # pageable source: staged at once, no device sync
+            # a pageable source is staged at once: no device sync
+            offsets = torch.tensor(table, dtype=torch.int64).to(buf.device, non_blocking=True)
         work.output = fused_moe(work.hidden, v.gate, v.up, v.down, work.topk_ids, work.topk_weights,
                                 row_offset=offsets, math=work.math)
         self.streamer.done_reading(idx, self._release_slots(work, hits))
