@@ -23,6 +23,7 @@ def models(monkeypatch):
         fused = rm.RoutingModel(prof, e, k, seed=5, layers=layers, device=dev)
         ref = rm.RoutingModel(prof, e, k, seed=5, layers=layers, device=dev)
         monkeypatch.setattr(fused, "_fused", lambda positions, layer=None: layer is None or layer in fused._slot)
+        monkeypatch.setattr(ref, "_fused", lambda positions, layer=None: False)   # the torch form on a GPU too
         return fused, ref
 
     return make
