@@ -41,7 +41,7 @@ def test_fused_scan_equals_the_recurrence(fused, t, h, dk, dv, with_state):
 
 def test_fused_scan_equals_the_torch_scan(fused, monkeypatch):
     """Both CUDA and CPU paths of ``scan_chunks`` on the same solved chunks (the model's chunk of 64)."""
-    q, k, v, g, beta, s0 = _inputs(150, 2, 32, 32, seed=7)
+    q, k, v, g, beta, s0 = (x.to(kernel_device()) for x in _inputs(150, 2, 32, 32, seed=7))
     fused_o, fused_s = fused.gated_delta_chunked(q, k, v, g, beta, s0)
     monkeypatch.setattr(fused, "use_triton", lambda x: False)
     loop_o, loop_s = fused.gated_delta_chunked(q, k, v, g, beta, s0)

@@ -32,7 +32,7 @@ def models(monkeypatch):
 def _tokens(n: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     keys = torch.randint(-(1 << 62), 1 << 62, (n,), generator=g)   # negative keys: signed hashes, Python's modulo
-    return keys.to(torch.device("cpu")), torch.randint(0, 40000, (n,), generator=g)
+    return keys, torch.randint(0, 40000, (n,), generator=g)
 
 
 def test_hashed_terms_are_bit_identical(models):
