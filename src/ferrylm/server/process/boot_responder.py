@@ -58,6 +58,7 @@ class BootResponder:
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
+        """Start answering (on this event loop). Raises OSError when the socket cannot be duplicated."""
         self._server = await asyncio.start_server(self._answer, sock=self._sock.dup())
 
     async def stop(self) -> None:
