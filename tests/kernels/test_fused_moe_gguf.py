@@ -90,7 +90,7 @@ def test_weight_tile_decodes_blocks_bit_exact(gguf_type):
     kernel = _tile_kernel()
     dev = kernel_device()
     fmt = mix_format(gguf_type.split("|")) if "|" in gguf_type else block_format(gguf_type)
-    qt = random_quant(fmt, (3,), 24, 512, generator=torch.Generator().manual_seed(3), std=0.1,
+    qt = random_quant(fmt, (2,), 16, 512, generator=torch.Generator().manual_seed(3), std=0.1,
                       dtype=torch.float32).to(dev)
     raw = qt._map(lambda t: torch.randint(0, 256, t.shape, dtype=torch.uint8,
                                           generator=torch.Generator().manual_seed(4)).to(dev))
@@ -100,7 +100,7 @@ def test_weight_tile_decodes_blocks_bit_exact(gguf_type):
         args, kw = dq.weight_args(q)
         want = q.dequantize(torch.float32).cpu().nan_to_num()
         for block_k in (16, 32, 64, 128):  # per-element below 32; whole Q8_0 blocks, K-quant sub-block pairs above
-            out = torch.full((3, 24, 512), -1234.5, device=dev)
-            kernel[(512 // block_k, 24 // 8, 3)](q.data, args[1], out, 24, 512, *args[4:8], QKIND=kw["QKIND"],
+            out = torch.full((2, 16, 512), -1234.5, device=dev)
+            kernel[(512 // block_k, 16 // 8, 2)](q.data, args[1], out, 16, 512, *args[4:8], QKIND=kw["QKIND"],
                                                  GROUP=kw["GROUP"], BLOCK_K=block_k, BLOCK_N=8)
             assert torch.equal(out.cpu().nan_to_num(), want), block_k
