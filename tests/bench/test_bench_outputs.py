@@ -74,6 +74,14 @@ def test_bench_serve_fails_on_its_output_path_before_sending_a_request(capsys) -
                               "does not exist\n", err
 
 
+@pytest.mark.parametrize("url", ["localhost:8000", "ftp://h/v1", "http://", "http://[::1"])
+def test_bench_serve_names_a_bad_base_url(url, capsys) -> None:
+    rc = cli._main(["bench", "serve", "--base-url", url, "--num-prompts", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == f"ferry bench serve: --base-url must be an http:// or https:// URL with a host, got " \
+                              f"{url!r}\n", err
+
+
 def test_a_folder_flag_may_name_a_folder_still_to_create(tmp_path, capsys, no_work) -> None:
     from ferrylm.bench.report import check_outputs
 

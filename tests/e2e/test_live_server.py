@@ -133,7 +133,8 @@ def test_generate_cli_without_server():
 
 def test_bench_serve_against_live_server(default_server, tmp_path):
     out = tmp_path / "bench.json"
-    r = _run_cli("bench", "serve", "--port", str(default_server.port), "--concurrency", "2", "--num-prompts", "2",
+    base = f"http://127.0.0.1:{default_server.port}/v1/"   # as an OpenAI SDK's base_url: the /v1 is dropped
+    r = _run_cli("bench", "serve", "--base-url", base, "--concurrency", "2", "--num-prompts", "2",
                  "--input-len", "8", "--output-len", "4", "--output-json", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     import json

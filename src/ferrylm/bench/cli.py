@@ -56,6 +56,9 @@ def _add_serve(bsub: argparse._SubParsersAction, port_number: Callable[[str], in
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     bs.add_argument("--host", default="127.0.0.1", help="server address")
     bs.add_argument("--port", type=port_number, default=8000, help="server port")
+    bs.add_argument("--base-url", default=None,
+                    help="the server's URL (http[s]://HOST[:PORT][/PREFIX]), instead of --host and --port; a "
+                         "trailing /v1 is dropped (the client adds it)")
     bs.add_argument("--model", default=None, help="model id; None: the server's first model")
     bs.add_argument("--concurrency", type=int, default=1, help="requests in flight")
     bs.add_argument("--num-prompts", type=int, default=32, help="requests sent in all")
@@ -297,6 +300,26 @@ def _hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def server_url(args: argparse.Namespace) -> str | None:
+    """The server's base URL from ``--base-url`` (its trailing ``/`` and ``/v1`` dropped), else ``--host`` and
+    ``--port``; None (after a line naming the flag) when ``--base-url`` is not an http(s) URL with a host."""
+    import httpx
+
+    if args.base_url is None:
+        host = f"[{args.host}]" if ":" in args.host and not args.host.startswith("[") else args.host
+        return f"http://{host}:{args.port}"
+    try:
+        url = httpx.URL(args.base_url)
+    except (httpx.InvalidURL, TypeError, ValueError):
+        url = None
+    if url is None or url.scheme not in ("http", "https") or not url.host:
+        print(f"ferry bench serve: --base-url must be an http:// or https:// URL with a host, got {args.base_url!r}",
+              file=sys.stderr)
+        return None
+    base = str(url.copy_with(query=None, fragment=None)).rstrip("/")
+    return base[:-3] if base.endswith("/v1") else base
+
+
 def _bench_serve(args: argparse.Namespace) -> int:
     from ferrylm.bench.serve import BenchConfig, format_summary, run_bench
 
@@ -305,7 +328,10 @@ def _bench_serve(args: argparse.Namespace) -> int:
         if v < 1:
             print(f"ferry bench serve: {flag} must be >= 1", file=sys.stderr)
             return 2
-    cfg = BenchConfig(base_url=f"http://{args.host}:{args.port}", model=args.model, concurrency=args.concurrency,
+    base_url = server_url(args)
+    if base_url is None:
+        return 2
+    cfg = BenchConfig(base_url=base_url, model=args.model, concurrency=args.concurrency,
                       num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
                       random_lengths=args.random_lengths, vocab_upper=args.vocab_upper, seed=args.seed,
                       api_key=args.api_key)
@@ -325,7 +351,10 @@ def _bench_multi_turn(args: argparse.Namespace) -> int:
     if args.shared_prefix_len < 0:
         print("ferry bench serve: --shared-prefix-len must be >= 0", file=sys.stderr)
         return 2
-    cfg = MultiTurnConfig(base_url=f"http://{args.host}:{args.port}", model=args.model,
+    base_url = server_url(args)
+    if base_url is None:
+        return 2
+    cfg = MultiTurnConfig(base_url=base_url, model=args.model,
                           num_conversations=args.num_conversations, num_turns=args.num_turns,
                           shared_prefix_len=args.shared_prefix_len, input_len=args.input_len,
                           output_len=args.output_len, vocab_upper=args.vocab_upper, seed=args.seed,
