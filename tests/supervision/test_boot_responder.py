@@ -5,6 +5,7 @@ that never sends its request is let go, and after the responder stops the same s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import httpx
 import pytest
@@ -58,3 +59,40 @@ def test_boot_responder_answers_503_then_hands_the_socket_over(monkeypatch):
     assert big.status_code == 503
     assert silent == b""
     assert after.status_code == 200 and after.text == "ok"
+
+
+@pytest.mark.timeout(30)
+def test_a_stop_in_the_loop_turn_of_an_accept_still_answers_it():
+    """The responder stops in the same event-loop turn in which it accepted a connection (the turn in which the
+    socket became readable): that client still gets its answer, or the next server's."""
+    sock = bind_socket("127.0.0.1", 0)
+    addr = sock.getsockname()
+
+    async def scenario():
+        responder = boot_responder.BootResponder(sock, lambda: HealthState("loading"))
+        loop = asyncio.get_running_loop()
+        watch = sock.dup()   # readable in the same turn as the responder's socket (one listening socket)
+        stopped = asyncio.Event()
+
+        def stop_now() -> None:
+            loop.remove_reader(watch.fileno())
+            coro = responder.stop()   # it awaits nothing: run to its end here, inside this turn
+            with contextlib.suppress(StopIteration):
+                coro.send(None)
+            stopped.set()
+
+        # registered first, so woken after the responder's reader (Linux wakes the newest waiter of a socket first)
+        loop.add_reader(watch.fileno(), stop_now)
+        await responder.start()
+        reader, writer = await asyncio.open_connection(*addr)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        await stopped.wait()
+        server = await _answer_on(sock.dup())
+        try:
+            return (await asyncio.wait_for(reader.readline(), 5)).rstrip()
+        finally:
+            writer.close()
+            server.close()
+            watch.close()
+
+    assert asyncio.run(scenario()) in (b"HTTP/1.1 503 Service Unavailable", b"HTTP/1.1 200 OK")

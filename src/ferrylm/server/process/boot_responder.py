@@ -48,6 +48,11 @@ def starting_answer(path: str, health: Callable[[], HealthState]) -> bytes:
 class BootResponder:
     """Answers on a duplicate of ``sock`` (closing it leaves ``sock`` listening for uvicorn).
 
+    It accepts in its own reader callback rather than through ``asyncio.start_server``: a server closed between
+    accepting a connection and building its transport orphans that connection (asyncio's ``Server._attach``
+    asserts the server is open), and the client then waits, unanswered, until the socket is garbage-collected. Here
+    every connection accepted gets its answer, and :meth:`stop` leaves the rest in the backlog for uvicorn.
+
     Args:
         sock: the bound, listening socket. health: the supervisor's ``health``.
     """
@@ -55,19 +60,42 @@ class BootResponder:
     def __init__(self, sock: socket.socket, health: Callable[[], HealthState]):
         self._sock = sock
         self._health = health
-        self._server: asyncio.Server | None = None
+        self._listener: socket.socket | None = None
+        self._answers: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         """Start answering (on this event loop). Raises OSError when the socket cannot be duplicated."""
-        self._server = await asyncio.start_server(self._answer, sock=self._sock.dup())
+        self._listener = self._sock.dup()
+        self._listener.setblocking(False)
+        asyncio.get_running_loop().add_reader(self._listener.fileno(), self._accept_ready)
 
     async def stop(self) -> None:
         """Stop accepting (connections not yet accepted stay queued for uvicorn); the answers under way finish."""
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        if self._listener is not None:
+            asyncio.get_running_loop().remove_reader(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
 
-    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _accept_ready(self) -> None:
+        """The listening socket is readable: accept what is queued, an answer task for each."""
+        while self._listener is not None:
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:   # ECONNABORTED, EMFILE ...: that one connection is lost, the next may work
+                return
+            conn.setblocking(False)
+            task = asyncio.get_running_loop().create_task(self._answer(conn))
+            self._answers.add(task)
+            task.add_done_callback(self._answers.discard)
+
+    async def _answer(self, conn: socket.socket) -> None:
+        try:
+            reader, writer = await asyncio.open_connection(sock=conn)
+        except OSError:
+            conn.close()
+            return
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
             parts = head.split(b" ", 2)
