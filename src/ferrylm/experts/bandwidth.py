@@ -22,7 +22,6 @@ from collections.abc import Callable
 
 import torch
 
-from ferrylm.experts import machine_profile
 from ferrylm.experts.banks import register_host_memory
 from ferrylm.experts.executor import ExpertLayout
 from ferrylm.experts.cpu_pool import CpuExpertPool, CpuJob
@@ -187,6 +186,9 @@ def machine_bandwidths(device: torch.device | str, layout: ExpertLayout, *, pinn
     """The rates the boot's decisions start from: the machine profile's (``ferry bench bw``) when one covers this
     machine, ``layout``'s format and the banks' pinning (logged with its date), else :func:`measure_bandwidths`
     now (logged with the reason). ``threads``: the CPU pool's (default: ``pool``'s, else torch's)."""
+    # NOTE: imported here: the profile's pydantic schema costs ~0.15 s of every boot, and a CPU boot never reads it
+    from ferrylm.experts import machine_profile
+
     device = torch.device(device)
     threads = pool.threads if pool is not None else (threads or torch.get_num_threads())
     found = machine_profile.profile_bandwidths(device, layout, threads=threads, pinned=pinned)
