@@ -56,9 +56,10 @@ DEADLINE_S = 120.0       # a client's deadline for a terminal answer
 CLIENTS = 6
 POISON_TOKENS = 1300     # device_error fires for steps holding a prompt this long
 SLOW_TOKENS = 1000       # step_delay: 250 ms a layer (~7.5 s a step, > the watchdog) for prompts this long
+SLOW_LAYERS = 30         # smollm2-135m's layers: the delay fires for one step per engine (its chunks after run at speed)
 FAULTS = ",".join([
     f"device_error:min_prompt={POISON_TOKENS}",
-    f"step_delay:min_prompt={SLOW_TOKENS}:ms=250",
+    f"step_delay:min_prompt={SLOW_TOKENS}:ms=250:times={SLOW_LAYERS}",
     "prefill_workspace:min_prompt=400:max_prompt=900:times=6",      # OOM bands below the long / poison prompts
     "attention_scratch:min_prompt=500:max_prompt=900:times=6",
     "kv_page_alloc:min_prompt=600:max_prompt=900:times=4",
