@@ -31,8 +31,8 @@ point                  site                                                     
                                                                                            torch 2.9)
 ``heartbeat_error``    ``engine/worker.py`` heartbeat thread: the stats read fails         RuntimeError
 ``boot_delay``         ``engine/worker.py``: sleep ``ms`` before the engine is built        (slow boot)
-                       (every boot of the process, restarts included: a restart that
-                       takes a known time)
+                       (every boot, restarts included: a restart that takes a known
+                       time); ``file=PATH``: only while PATH exists (it is kept)
 ``ipc_garbage``        frontend ``Supervisor.generate``: before the request, send the      (malformed messages)
                        engine an undecodable message and an AddRequest with bad fields
 =====================  ================================================================  ======================
@@ -42,7 +42,7 @@ every matching hit); ``min_prompt=N`` match only when the request concerned has 
 (a step's sites use the largest prompt in the step, see :meth:`FaultInjector.set_step`); ``max_prompt=N`` only
 when it has at most N; ``phase=prefill|decode``
 match only steps of that kind; ``bytes=N`` the size the error reports (default: the site's own estimate, at least
-1 MiB); ``file=PATH`` (``engine_stall`` only; the last key of its rule, so PATH may contain ``:``); ``ms=N``
+1 MiB); ``file=PATH`` (``engine_stall`` and ``boot_delay``; the last key of its rule, so PATH may contain ``:``); ``ms=N``
 (``step_delay``: milliseconds per layer, default 100; ``boot_delay``: milliseconds before the build, default
 1000).
 
@@ -93,7 +93,7 @@ def parse_rules(spec: str | None) -> list[FaultRule]:
 
     Raises:
         ValueError: unknown point or key, a value that is not a non-negative integer, a bad phase, a point named
-            twice, or ``file=`` on a point other than ``engine_stall``. The message quotes the offending part.
+            twice, or ``file=`` on a point other than ``engine_stall`` and ``boot_delay``. The message quotes the offending part.
     """
     rules: list[FaultRule] = []
     for part in (spec or "").split(","):
@@ -111,8 +111,8 @@ def parse_rules(spec: str | None) -> list[FaultRule]:
             if not sep:
                 raise ValueError(f"fault option {opt!r} in {part!r} must be key=value")
             if key == "file":
-                if name != "engine_stall":
-                    raise ValueError(f"file= applies to engine_stall only, not {name!r}")
+                if name not in ("engine_stall", "boot_delay"):
+                    raise ValueError(f"file= applies to engine_stall and boot_delay only, not {name!r}")
                 kw["file"] = ":".join([value, *opts[i + 1:]])  # the rest of the rule: a path may contain ':'
                 break
             elif key == "phase":
@@ -256,9 +256,9 @@ class FaultInjector:
 
     def boot_hook(self) -> None:
         """The engine process's boot site (``engine/worker.py``, before the engine is built): sleep for
-        ``boot_delay``."""
+        ``boot_delay`` (with ``file=PATH``, only while PATH exists)."""
         rule = self.rules.get("boot_delay") if self.enabled else None
-        if rule is not None and self.fires("boot_delay"):
+        if rule is not None and (rule.file is None or os.path.exists(rule.file)) and self.fires("boot_delay"):
             import time
 
             time.sleep((1000 if rule.ms is None else rule.ms) / 1000)

@@ -36,11 +36,11 @@ pytest.importorskip("vllm_router")
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m"
-# every engine boot waits 10 s first (fault point boot_delay): the victim of (c) stays down for at least that long,
-# so the failover requests are served while it is (they take ~2 s; its restart alone took ~3 s on an idle host and
-# sometimes beat them)
-REPLICA_ARGS = ("--model", MODEL, "--num-tokens", "4096", "--max-model-len", "2048",
-                "--faults", "boot_delay:ms=10000")
+REPLICA_ARGS = ("--model", MODEL, "--num-tokens", "4096", "--max-model-len", "2048")
+# once SLOW_BOOTS exists, every engine boot waits 10 s first (fault point boot_delay): the victim of (c) stays down
+# for at least that long, so the failover requests are served while it is (they take ~2 s; its restart alone took
+# ~3 s on an idle host and sometimes beat them); the first boots run at speed
+SLOW_BOOTS = "slow-boots"
 BODY = "Read the repository carefully, answer in one short sentence, cite the file you used and never guess. "
 
 
@@ -151,12 +151,13 @@ class Router:
 def fleet(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("scale-out")
     with ThreadPoolExecutor(2) as pool:   # both replicas boot at once
-        futures = [pool.submit(start_server, tmp, *REPLICA_ARGS, timeout=120) for _ in range(2)]
+        faults = ("--faults", f"boot_delay:ms=10000:file={tmp / SLOW_BOOTS}")
+        futures = [pool.submit(start_server, tmp, *REPLICA_ARGS, *faults, timeout=120) for _ in range(2)]
         replicas = [f.result() for f in futures]
     router = None
     try:
         router = Router(tmp, replicas)
-        yield router, replicas
+        yield router, replicas, tmp / SLOW_BOOTS
     finally:
         if router is not None:
             router.stop()
@@ -171,7 +172,7 @@ def _ask(client, system: str, question: str, max_tokens: int = 2):
 
 @pytest.mark.timeout(240)   # ~25 s on 2 idle cores, boot included; a loaded host stretches the boot
 def test_router_spreads_keeps_prefixes_and_fails_over(fleet) -> None:
-    router, replicas = fleet
+    router, replicas, slow_boots = fleet
     client = openai.OpenAI(base_url=f"{router.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
     sent = 0
 
@@ -209,6 +210,7 @@ def test_router_spreads_keeps_prefixes_and_fails_over(fleet) -> None:
     # (c) the hot replica's engine dies: its supervisor answers 503 and restarts it; the router drops the replica
     victim, other = replicas[hot], replicas[cold]
     engine_pid = httpx.get(f"{victim.base_url}/health", timeout=5).json()["engine_pid"]
+    slow_boots.touch()
     os.kill(engine_pid, signal.SIGKILL)
     before_other = _counts(other)
     cached = []

@@ -24,7 +24,7 @@ def test_parse_rules():
 @pytest.mark.parametrize("spec, words", [
     ("nope", "unknown fault point 'nope'"), ("logits:times=-1", "integer >= 0"), ("logits:when=3", "unknown fault"),
     ("logits:phase=later", "phase must be"), ("logits,logits", "named twice"), ("logits:times", "key=value"),
-    ("logits:file=/x", "engine_stall only")])
+    ("logits:file=/x", "engine_stall and boot_delay only")])
 def test_parse_errors_name_the_part(spec, words):
     with pytest.raises(ValueError, match=words):
         parse_rules(spec)

@@ -85,5 +85,21 @@ def test_faults_parse_the_new_points():
     boot.boot_hook()
     assert time.monotonic() - t0 >= 0.03 and boot.rules["boot_delay"].ms == 30
     FaultInjector.parse(None).boot_hook()   # disabled: returns at once
+
+
+def test_boot_delay_with_a_file_delays_only_while_the_file_exists(tmp_path):
+    flag = tmp_path / "slow:boots"   # the path may hold ':' (file= ends the rule)
+    boot = FaultInjector.parse(f"boot_delay:ms=200:file={flag}")
+    t0 = time.monotonic()
+    boot.boot_hook()
+    assert time.monotonic() - t0 < 0.15 and boot.fired("boot_delay") == 0
+    flag.touch()
+    for _ in range(2):   # every boot while it exists: the file is kept
+        t0 = time.monotonic()
+        boot.boot_hook()
+        assert time.monotonic() - t0 >= 0.2
+    assert flag.exists() and boot.fired("boot_delay") == 2
+    with pytest.raises(ValueError, match="file= applies to engine_stall and boot_delay only"):
+        FaultInjector.parse(f"step_delay:file={flag}")
     band = FaultInjector.parse("logits:min_prompt=10:max_prompt=20")
     assert [band.fires("logits", prompt_tokens=n) for n in (9, 10, 20, 21)] == [False, True, True, False]
