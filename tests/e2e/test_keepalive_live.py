@@ -1,5 +1,5 @@
 """Keep-alive while a prompt prefills, end to end: ``ferry serve --model smollm2-135m --sse-ping-interval 0.2``
-with every prefill step slowed to ~1.5 s (``step_delay``, 50 ms per decoder layer). Each streaming route sends
+with every prefill step slowed to ~1 s (``step_delay``, 35 ms per decoder layer). Each streaming route sends
 its headers and first byte at once and a keep-alive at least every interval until the first token; the real SDKs'
 streams give the text of the non-stream reply (greedy)."""
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
 MAX_TOKENS = 4
 LAYERS = 30                 # smollm2-135m's decoder layers
-DELAY_MS = 50               # per layer of a prefill step: ~1.5 s to the first token
+DELAY_MS = 35               # per layer of a prefill step: ~1 s to the first token (5 keep-alive intervals)
 MSGS = [{"role": "user", "content": "What is the capital of France?"}]
 ROUTES = {
     "chat": ("/v1/chat/completions", {"messages": MSGS, "max_tokens": MAX_TOKENS}),
