@@ -42,9 +42,9 @@ every matching hit); ``min_prompt=N`` match only when the request concerned has 
 (a step's sites use the largest prompt in the step, see :meth:`FaultInjector.set_step`); ``max_prompt=N`` only
 when it has at most N; ``phase=prefill|decode``
 match only steps of that kind; ``bytes=N`` the size the error reports (default: the site's own estimate, at least
-1 MiB); ``file=PATH`` (``engine_stall`` and ``boot_delay``; the last key of its rule, so PATH may contain ``:``); ``ms=N``
-(``step_delay``: milliseconds per layer, default 100; ``boot_delay``: milliseconds before the build, default
-1000).
+1 MiB); ``file=PATH`` (``engine_stall`` and ``boot_delay``; the last key of its rule, so PATH may contain ``:``);
+``ms=N`` (``step_delay``: milliseconds per layer, default 100; ``boot_delay``: milliseconds before the build,
+default 1000).
 
 The error is the real type: ``torch.OutOfMemoryError`` with a CUDA-like message ("CUDA out of memory. Tried to
 allocate ..."), so the engine's OOM guard cannot tell it from a real one; the frontend site raises ``MemoryError``.
@@ -93,7 +93,8 @@ def parse_rules(spec: str | None) -> list[FaultRule]:
 
     Raises:
         ValueError: unknown point or key, a value that is not a non-negative integer, a bad phase, a point named
-            twice, or ``file=`` on a point other than ``engine_stall`` and ``boot_delay``. The message quotes the offending part.
+            twice, or ``file=`` on a point other than ``engine_stall`` and ``boot_delay``. The message quotes the
+            offending part.
     """
     rules: list[FaultRule] = []
     for part in (spec or "").split(","):

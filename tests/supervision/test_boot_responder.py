@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 
 import httpx
 import pytest
@@ -96,3 +97,44 @@ def test_a_stop_in_the_loop_turn_of_an_accept_still_answers_it():
             watch.close()
 
     assert asyncio.run(scenario()) in (b"HTTP/1.1 503 Service Unavailable", b"HTTP/1.1 200 OK")
+
+
+@pytest.mark.timeout(30)
+def test_out_of_descriptors_pauses_accepting_then_answers(monkeypatch):
+    """An accept that fails for want of descriptors (EMFILE) does not spin the loop on the readable socket: the
+    responder stops watching it for ``ACCEPT_RETRY_S``, then answers the waiting client."""
+    monkeypatch.setattr(boot_responder, "ACCEPT_RETRY_S", 0.3)
+    sock = bind_socket("127.0.0.1", 0)
+    addr = sock.getsockname()
+
+    class OutOfFds:
+        """The listener, whose first accept fails as a process out of descriptors does."""
+
+        def __init__(self, real):
+            self.real, self.accepts = real, 0
+
+        def accept(self):
+            self.accepts += 1
+            if self.accepts == 1:
+                raise OSError(errno.EMFILE, "Too many open files")
+            return self.real.accept()
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+    async def scenario():
+        responder = boot_responder.BootResponder(sock, lambda: HealthState("loading"))
+        await responder.start()
+        listener = responder._listener = OutOfFds(responder._listener)
+        t0 = asyncio.get_running_loop().time()
+        reader, writer = await asyncio.open_connection(*addr)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        line = await asyncio.wait_for(reader.readline(), 5)
+        waited = asyncio.get_running_loop().time() - t0
+        writer.close()
+        await responder.stop()
+        return line.rstrip(), waited, listener.accepts
+
+    line, waited, accepts = asyncio.run(scenario())
+    assert line == b"HTTP/1.1 503 Service Unavailable"
+    assert 0.25 <= waited < 3 and accepts == 3   # failed, (a pause), accepted, nothing more queued

@@ -21,6 +21,7 @@ from ferrylm.errors import RETRY_AFTER_S, EngineUnavailable
 from ferrylm.server.process.engine_client import HealthState
 
 HEAD_TIMEOUT_S = 2.0      # how long a connection may take to send its request line and headers
+ACCEPT_RETRY_S = 1.0      # the pause in accepting after the process ran out of descriptors
 RETRY_AFTER = RETRY_AFTER_S[EngineUnavailable]
 _REASON = b"HTTP/1.1 503 Service Unavailable\r\n"
 
@@ -78,17 +79,26 @@ class BootResponder:
 
     def _accept_ready(self) -> None:
         """The listening socket is readable: accept what is queued, an answer task for each."""
+        loop = asyncio.get_running_loop()
         while self._listener is not None:
             try:
                 conn, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:   # ECONNABORTED, EMFILE ...: that one connection is lost, the next may work
+            except ConnectionAbortedError:   # the client left before the accept: the next may be there
+                continue
+            except OSError:   # out of descriptors or memory: accepting pauses a second, as asyncio's servers do
+                loop.remove_reader(self._listener.fileno())
+                loop.call_later(ACCEPT_RETRY_S, self._resume)
                 return
             conn.setblocking(False)
-            task = asyncio.get_running_loop().create_task(self._answer(conn))
+            task = loop.create_task(self._answer(conn))
             self._answers.add(task)
             task.add_done_callback(self._answers.discard)
+
+    def _resume(self) -> None:
+        if self._listener is not None:
+            asyncio.get_running_loop().add_reader(self._listener.fileno(), self._accept_ready)
 
     async def _answer(self, conn: socket.socket) -> None:
         try:
