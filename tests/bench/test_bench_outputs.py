@@ -74,12 +74,31 @@ def test_bench_serve_fails_on_its_output_path_before_sending_a_request(capsys) -
                               "does not exist\n", err
 
 
-@pytest.mark.parametrize("url", ["localhost:8000", "ftp://h/v1", "http://", "http://[::1"])
+@pytest.mark.parametrize("url", ["localhost:8000", "ftp://h/v1", "http://", "http://[::1", "http://h:99999/v1"])
 def test_bench_serve_names_a_bad_base_url(url, capsys) -> None:
     rc = cli._main(["bench", "serve", "--base-url", url, "--num-prompts", "1"])
     err = capsys.readouterr().err
-    assert rc == 2 and err == f"ferry bench serve: --base-url must be an http:// or https:// URL with a host, got " \
-                              f"{url!r}\n", err
+    assert rc == 2 and err == f"ferry bench serve: --base-url must be an http:// or https:// URL with a host (and a " \
+                              f"port in 1-65535), got {url!r}\n", err
+
+
+def test_bench_serve_takes_base_url_or_host_and_port(capsys) -> None:
+    rc = cli._main(["bench", "serve", "--base-url", "http://127.0.0.1:8001", "--port", "1234", "--num-prompts", "1"])
+    assert rc == 2 and capsys.readouterr().err == "ferry bench serve: give --base-url or --host / --port, not both\n"
+
+
+def test_bench_serve_gives_up_on_a_server_that_never_answers(monkeypatch, capsys) -> None:
+    """A port that accepts and never answers: one line after the model list's time limit, not a hang."""
+    from ferrylm.bench import serve
+
+    monkeypatch.setattr(serve, "MODELS_TIMEOUT_S", 0.5)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)   # the kernel accepts the connection; nobody reads or answers
+        rc = cli._main(["bench", "serve", "--base-url", f"http://127.0.0.1:{s.getsockname()[1]}/v1",
+                        "--num-prompts", "1"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.endswith(": GET /v1/models: no answer within 0.5 s\n") and err.count("\n") == 1, err
 
 
 def test_a_folder_flag_may_name_a_folder_still_to_create(tmp_path, capsys, no_work) -> None:

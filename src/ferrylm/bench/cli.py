@@ -51,11 +51,14 @@ def add_bench_parser(sub: argparse._SubParsersAction, *, model_args: Callable[..
         p.set_defaults(usage_parser=p)
 
 
+BENCH_HOST, BENCH_PORT = "127.0.0.1", 8000   # ferry bench serve's server, unless --base-url names one
+
+
 def _add_serve(bsub: argparse._SubParsersAction, port_number: Callable[[str], int]) -> None:
     bs = bsub.add_parser("serve", help="load generator against a running server (TTFT, ITL, throughput)",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    bs.add_argument("--host", default="127.0.0.1", help="server address")
-    bs.add_argument("--port", type=port_number, default=8000, help="server port")
+    bs.add_argument("--host", default=BENCH_HOST, help="server address")
+    bs.add_argument("--port", type=port_number, default=BENCH_PORT, help="server port")
     bs.add_argument("--base-url", default=None,
                     help="the server's URL (http[s]://HOST[:PORT][/PREFIX]), instead of --host and --port; a "
                          "trailing /v1 is dropped (the client adds it)")
@@ -312,9 +315,13 @@ def server_url(args: argparse.Namespace) -> str | None:
         url = httpx.URL(args.base_url)
     except (httpx.InvalidURL, TypeError, ValueError):
         url = None
-    if url is None or url.scheme not in ("http", "https") or not url.host:
-        print(f"ferry bench serve: --base-url must be an http:// or https:// URL with a host, got {args.base_url!r}",
-              file=sys.stderr)
+    if url is None or url.scheme not in ("http", "https") or not url.host or \
+            (url.port is not None and not 1 <= url.port <= 65535):
+        print(f"ferry bench serve: --base-url must be an http:// or https:// URL with a host (and a port in "
+              f"1-65535), got {args.base_url!r}", file=sys.stderr)
+        return None
+    if (args.host, args.port) != (BENCH_HOST, BENCH_PORT):
+        print("ferry bench serve: give --base-url or --host / --port, not both", file=sys.stderr)
         return None
     base = str(url.copy_with(query=None, fragment=None)).rstrip("/")
     return base[:-3] if base.endswith("/v1") else base

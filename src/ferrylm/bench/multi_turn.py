@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
-from ferrylm.bench.serve import RequestResult, _one, outcome, percentiles, served_model, server_snapshot, table
+from ferrylm.bench.serve import (CLIENT_TIMEOUT, RequestResult, _one, outcome, percentiles, served_model, server_snapshot,
+                                 table)
 
 
 @dataclass
@@ -119,7 +120,7 @@ async def run_multi_turn(cfg: MultiTurnConfig, transport: httpx.AsyncBaseTranspo
     network (tests: the ASGI app in process)."""
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=cfg.num_conversations + 4)
-    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=None, limits=limits,
+    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=CLIENT_TIMEOUT, limits=limits,
                                  transport=transport) as client:
         model = await served_model(client, cfg.model)
         system = _ids(random.Random(cfg.seed), cfg.shared_prefix_len, cfg.vocab_upper)

@@ -65,12 +65,20 @@ def http_failure(status: int, body: bytes | str) -> str:
     return line + (" (pass --api-key KEY)" if status == 401 else "")
 
 
+#: a generation may take any time (a long prefill of a model larger than the GPU); a connection may not
+CLIENT_TIMEOUT = httpx.Timeout(None, connect=10.0)
+MODELS_TIMEOUT_S = 30.0   # the model list, asked first: a server that accepts and never answers fails here
+
+
 async def served_model(client: httpx.AsyncClient, model: str | None) -> str:
     """``model``, else the first id ``GET /v1/models`` lists. Raises BenchError when the server refuses the list
-    (401 without --api-key) or lists none."""
+    (401 without --api-key), lists none, or does not answer within :data:`MODELS_TIMEOUT_S`."""
     if model:
         return model
-    r = await client.get("/v1/models")
+    try:
+        r = await client.get("/v1/models", timeout=MODELS_TIMEOUT_S)
+    except httpx.TimeoutException:
+        raise BenchError(f"GET /v1/models: no answer within {MODELS_TIMEOUT_S:g} s") from None
     if r.status_code != 200:
         raise BenchError(f"GET /v1/models: {http_failure(r.status_code, r.content)}")
     try:
@@ -195,7 +203,8 @@ async def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
 
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=cfg.concurrency + 4)
-    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=None, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=CLIENT_TIMEOUT,
+                                 limits=limits) as client:
         model = await served_model(client, cfg.model)
         prompts = make_prompts(cfg)
         sem = asyncio.Semaphore(cfg.concurrency)
