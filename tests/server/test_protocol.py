@@ -37,6 +37,8 @@ def test_chat_logprobs_map_to_top_logprobs_count() -> None:
     assert to_sampling_params(chat(logprobs=False)).logprobs is None
     with pytest.raises(InvalidRequest, match="needs 'logprobs'"):  # vLLM's rule
         to_sampling_params(chat(logprobs=False, top_logprobs=3))
+    with pytest.raises(InvalidRequest, match=r"must be in \[0, 20\], got -1"):  # the range first, whatever logprobs
+        to_sampling_params(chat(top_logprobs=-1))
 
 
 def test_logit_bias_maps_to_sorted_pairs() -> None:

@@ -186,11 +186,11 @@ def to_sampling_params(req: _SamplingRequest) -> SamplingParams:
         return default if v is None else v
 
     if isinstance(req, ChatCompletionRequest):
-        if req.top_logprobs is not None and not req.logprobs:
-            raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= SamplingParams.MAX_LOGPROBS:
             raise InvalidRequest(f"'top_logprobs' must be in [0, {SamplingParams.MAX_LOGPROBS}], got "
                                  f"{req.top_logprobs}", param="top_logprobs")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
         logprobs = req.logprobs  # type: ignore[attr-defined]
