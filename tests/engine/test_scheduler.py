@@ -89,6 +89,24 @@ def test_chunked_prefill_and_preemption_match_solo_runs():
     assert e.scheduler.num_preemptions > 0
 
 
+def test_a_pool_smaller_than_the_running_set_does_not_ping_pong():
+    """Four requests of 50 tokens on a 64-token pool (one at a time fits, two do not): a preempted request comes
+    back only with room to go on, so the requests take turns instead of preempting each other at every page (32
+    preemptions, each a full recompute, before the rule; 5 after), and each still gets its solo tokens."""
+    prompts = {str(i): [random.Random(i).randrange(1, 32) for _ in range(20)] for i in range(4)}
+    solo = {}
+    for rid, p in prompts.items():
+        e = make_engine(num_pages=16, budget=16)
+        e.add_request(rid, p, greedy(30))
+        solo[rid] = [t for o in run_all(e)[rid] for t in o.new_token_ids]
+    e = make_engine(num_pages=16, budget=16, max_running=4)
+    for rid, p in prompts.items():
+        e.add_request(rid, p, greedy(30))
+    together = {k: [t for o in v for t in o.new_token_ids] for k, v in run_all(e).items()}
+    assert together == solo
+    assert 0 < e.scheduler.num_preemptions <= 2 * len(prompts)
+
+
 def test_waiting_request_does_not_block_smaller_ones():
     eng = make_engine(num_pages=10, page_size=4, budget=64, max_running=4)  # 40 tokens
     eng.add_request("a", list(range(1, 25)), greedy(8))   # 24 + 8 tokens: takes most of the pool

@@ -249,6 +249,8 @@ class Scheduler:
                     break  # it runs alone: admit nothing past it until the running requests are done
                 if self.state_pool is not None and req.state_slot is None and self.state_pool.num_free == 0:
                     n = None  # no state slot free: it waits, holding nothing (like a request short of pages)
+                elif req.num_preemptions and not self._room_to_resume(req):
+                    n = None  # back only with room to go on: else the running ones' next pages preempt it again
                 else:
                     n = self._admit_pages(req, budget)
                 # NOTE: popped only after _admit_pages returns: an allocation failure raised inside it leaves req
@@ -281,6 +283,14 @@ class Scheduler:
         return seqs
 
     # --- pages ------------------------------------------------------------------------------------------------
+    def _room_to_resume(self, req: Request) -> bool:
+        """Whether a preempted ``req`` may come back: the available pages hold its whole sequence so far (it
+        recomputes it) plus one page for each running request's growth. Admitted on its next chunk alone, it was
+        the newest again when a running request needed a page: preempted, recomputed, preempted (a livelock
+        on a pool far smaller than the running set)."""
+        need = pages_needed(req.num_tokens + 1, self.config.page_size) + len(self.running)
+        return need <= self.allocator.num_free
+
     def _admit_pages(self, req: Request, budget: int) -> int | None:
         """Map ``req``'s cached prefix (when it holds no pages) and give it pages for its next chunk of at most
         ``budget`` tokens; return the chunk's length, or None, ``req`` then holding no pages, when the pages it
