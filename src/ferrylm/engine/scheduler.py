@@ -19,6 +19,9 @@ Each step builds one batch under two limits: at most ``max_running_requests`` ru
    Aging: each round in which a skipped request is passed over (a request behind it is admitted) counts; once it
    was passed over ``aging_rounds`` times, nothing behind it is admitted any more, so the pages running requests
    free go to it. Its wait is then bounded by the running requests' remaining work, whatever keeps arriving.
+   A preempted request comes back only when the free pages hold its whole sequence plus a page per running
+   request (``_room_to_resume``); on its next chunk alone it would be the newest again at the next page a running
+   request needs, and the two would preempt each other at every page.
    Isolation: a request marked ``isolate`` (a suspect of an earlier engine failure) waits until nothing runs,
    then runs alone, and nothing is admitted while it runs.
    Prefix caching (``prefix_cache`` given): a request with no pages first maps the longest cached run of its full
