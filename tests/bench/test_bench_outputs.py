@@ -95,10 +95,12 @@ def test_bench_serve_gives_up_on_a_server_that_never_answers(monkeypatch, capsys
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen(8)   # the kernel accepts the connection; nobody reads or answers
-        rc = cli._main(["bench", "serve", "--base-url", f"http://127.0.0.1:{s.getsockname()[1]}/v1",
-                        "--num-prompts", "1"])
-    err = capsys.readouterr().err
-    assert rc == 1 and err.endswith(": GET /v1/models: no answer within 0.5 s\n") and err.count("\n") == 1, err
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+        for extra in ([], ["--model", "m"]):   # naming the model skips nothing: the first contact is bounded
+            rc = cli._main(["bench", "serve", "--base-url", url, "--num-prompts", "1", *extra])
+            err = capsys.readouterr().err
+            assert rc == 1 and err.endswith(": GET /v1/models: no answer within 0.5 s\n") and err.count("\n") == 1, \
+                (extra, err)
 
 
 def test_a_folder_flag_may_name_a_folder_still_to_create(tmp_path, capsys, no_work) -> None:

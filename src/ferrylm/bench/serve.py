@@ -71,16 +71,18 @@ MODELS_TIMEOUT_S = 30.0   # the model list, asked first: a server that accepts a
 
 
 async def served_model(client: httpx.AsyncClient, model: str | None) -> str:
-    """``model``, else the first id ``GET /v1/models`` lists. Raises BenchError when the server refuses the list
-    (401 without --api-key), lists none, or does not answer within :data:`MODELS_TIMEOUT_S`."""
-    if model:
-        return model
+    """``model``, else the first id ``GET /v1/models`` lists. The list is asked either way: it is the run's
+    bounded first contact (the requests after it wait as long as generation takes). Raises BenchError when the
+    server refuses the list (401 without --api-key), lists none, or does not answer within
+    :data:`MODELS_TIMEOUT_S`."""
     try:
         r = await client.get("/v1/models", timeout=MODELS_TIMEOUT_S)
     except httpx.TimeoutException:
         raise BenchError(f"GET /v1/models: no answer within {MODELS_TIMEOUT_S:g} s") from None
     if r.status_code != 200:
         raise BenchError(f"GET /v1/models: {http_failure(r.status_code, r.content)}")
+    if model:
+        return model
     try:
         return r.json()["data"][0]["id"]
     except (ValueError, KeyError, IndexError, TypeError):
